@@ -1,0 +1,11 @@
+"""CLI subcommands. Each module exposes ``register(app)``; add one line here per module."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register_all(app: typer.Typer) -> None:
+    from kvferry.commands import version
+
+    version.register(app)

@@ -1,0 +1,1 @@
+"""Deterministic simulation of whole deployments on the fake RDMA backend."""
