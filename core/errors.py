@@ -1,0 +1,27 @@
+"""Typed errors shared by every kvferry module.
+
+Each area subclasses KvferryError with its own precise types so callers can tell a bad geometry
+from a malformed wire message from a protocol violation without parsing message strings.
+"""
+
+from __future__ import annotations
+
+
+class KvferryError(Exception):
+    """Base class of every error kvferry raises on purpose."""
+
+
+class GeometryError(KvferryError, ValueError):
+    """A KV geometry, pool description or TP combination that cannot exist."""
+
+
+class PlanError(KvferryError, ValueError):
+    """A transfer that cannot be planned: page ids out of range, lengths that disagree, ..."""
+
+
+class WireError(KvferryError, ValueError):
+    """A control message or notification that failed decoding or validation."""
+
+
+class ProtocolError(KvferryError):
+    """An input the protocol state machines do not accept in their current state."""
