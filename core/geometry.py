@@ -1,0 +1,430 @@
+"""KV-cache geometry: what a model's KV cache looks like and how one TP rank's paged pool holds it.
+
+Pure and frozen. Three layers of description:
+
+- ``ModelGeometry``: layers, total KV heads, head_dim, dtype, MLA or not.
+- ``PoolGeometry``: one rank's pool: TP size and rank, page size, page count, memory layout. It
+  derives the rank's head range, its regions (one per layer and K|V, or per layer for MLA) and the
+  byte offset of every (page, token-in-page, local head, element) inside a region.
+- Topology (``links``, ``senders_for``, ``receivers_for``): which prefill rank sends which global
+  heads to which decode rank, and which prefill ranks are dummies.
+
+Head ownership: with ``H`` KV heads and TP size ``P``, rank ``p`` holds heads
+``[p*H/P, (p+1)*H/P)`` when ``P <= H`` (``H % P == 0``); when ``P > H`` (``P % H == 0``) the
+``P/H`` *consecutive* ranks ``[h*P/H, (h+1)*P/H)`` all hold head ``h`` (replication by division,
+never modulo). MLA is the ``H == 1`` case: every rank holds the whole latent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import lru_cache
+
+import numpy as np
+from kvferry.core.errors import GeometryError
+
+__all__ = [
+    "PRESETS",
+    "DType",
+    "KVKind",
+    "Layout",
+    "Link",
+    "ModelGeometry",
+    "PoolGeometry",
+    "RegionSpec",
+    "head_range",
+    "links",
+    "make_pools",
+    "receivers_for",
+    "senders_for",
+    "validate_tp",
+]
+
+
+class DType(StrEnum):
+    """KV-cache element types. The value is the CLI spelling."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+    FP32 = "fp32"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE = {
+    DType.BF16: 2,
+    DType.FP16: 2,
+    DType.FP8_E4M3: 1,
+    DType.FP8_E5M2: 1,
+    DType.FP32: 4,
+}
+
+
+class KVKind(StrEnum):
+    """What a region holds: keys, values, or an MLA latent (keys and values compressed together)."""
+
+    K = "K"
+    V = "V"
+    LATENT = "LATENT"
+
+
+class Layout(StrEnum):
+    """Memory layout of one region (one layer's K, V or latent buffer) of a rank's pool.
+
+    SGLANG_NHD: ``[slots, heads_per_rank, head_dim]`` with slot = page * page_size + token_in_page.
+    VLLM_NHD: ``[blocks, block_size, heads, head_dim]``; byte-identical to SGLANG_NHD.
+    VLLM_HND: ``[blocks, heads, block_size, head_dim]``: within a block, one head's tokens are
+    contiguous, so a token's heads are not.
+    """
+
+    SGLANG_NHD = "sglang_nhd"
+    VLLM_NHD = "vllm_nhd"
+    VLLM_HND = "vllm_hnd"
+
+    @property
+    def head_major_in_page(self) -> bool:
+        return self is Layout.VLLM_HND
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGeometry:
+    """A model's KV cache, independent of how it is sharded.
+
+    MLA: ``num_kv_heads == 1`` and ``head_dim`` is the latent width (576 for deepseek-v3); one
+    latent region per layer, no head split across TP ranks.
+    """
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: DType = DType.BF16
+    is_mla: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, DType):
+            try:
+                object.__setattr__(self, "dtype", DType(self.dtype))
+            except ValueError:
+                raise GeometryError(
+                    f"unknown dtype {self.dtype!r}; expected one of {[d.value for d in DType]}"
+                ) from None
+        for fname in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, fname)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise GeometryError(f"{fname} must be a positive integer, got {value!r}")
+        if self.is_mla and self.num_kv_heads != 1:
+            raise GeometryError(
+                f"MLA keeps one latent per token (num_kv_heads == 1), got {self.num_kv_heads}"
+            )
+
+    @classmethod
+    def preset(cls, name: str) -> ModelGeometry:
+        try:
+            return PRESETS[name]
+        except KeyError:
+            raise GeometryError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
+
+    @property
+    def kinds(self) -> tuple[KVKind, ...]:
+        """Region kinds per layer, in region order."""
+        return (KVKind.LATENT,) if self.is_mla else (KVKind.K, KVKind.V)
+
+    @property
+    def num_regions(self) -> int:
+        return self.num_layers * len(self.kinds)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one token in one region."""
+        return self.head_dim * self.dtype.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token over all heads, layers and kinds (the whole model, unsharded)."""
+        return self.num_regions * self.num_kv_heads * self.head_bytes
+
+    def same_kv_shape(self, other: ModelGeometry) -> str | None:
+        """None if ``other`` lays out identical KV bytes, else a sentence saying what differs."""
+        for fname in ("num_layers", "num_kv_heads", "head_dim", "dtype", "is_mla"):
+            a, b = getattr(self, fname), getattr(other, fname)
+            if a != b:
+                return f"{fname} differs: {a!r} vs {b!r}"
+        return None
+
+
+PRESETS: dict[str, ModelGeometry] = {
+    g.name: g
+    for g in (
+        ModelGeometry("qwen3-8b", num_layers=36, num_kv_heads=8, head_dim=128),
+        ModelGeometry("llama-3.1-70b", num_layers=80, num_kv_heads=8, head_dim=128),
+        ModelGeometry("deepseek-v3", num_layers=61, num_kv_heads=1, head_dim=576, is_mla=True),
+    )
+}
+
+
+def validate_tp(model: ModelGeometry, tp_size: int) -> None:
+    """Raise GeometryError unless ``tp_size`` either divides the heads or replicates them evenly."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise GeometryError(f"TP size must be a positive integer, got {tp_size!r}")
+    h = model.num_kv_heads
+    if tp_size <= h:
+        if h % tp_size:
+            raise GeometryError(f"TP {tp_size} does not divide {h} KV heads of {model.name}")
+    elif tp_size % h:
+        raise GeometryError(
+            f"TP {tp_size} > {h} KV heads of {model.name} but is not a multiple of them "
+            "(replication needs every head held by the same number of ranks)"
+        )
+
+
+def head_range(model: ModelGeometry, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """``(first global head, number of heads)`` that ``tp_rank`` holds."""
+    validate_tp(model, tp_size)
+    if not 0 <= tp_rank < tp_size:
+        raise GeometryError(f"TP rank {tp_rank} out of range for TP size {tp_size}")
+    h = model.num_kv_heads
+    if tp_size <= h:
+        per = h // tp_size
+        return tp_rank * per, per
+    # Replication: tp_size/h consecutive ranks share one head (division, not modulo).
+    return tp_rank // (tp_size // h), 1
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSpec:
+    """One registered memory region of a rank's pool: one layer's K, V or latent buffer."""
+
+    region_id: int
+    layer: int
+    kind: KVKind
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolGeometry:
+    """One TP rank's paged KV pool.
+
+    Descriptors address it as (region_id, byte offset inside the region); region ids are
+    ``layer * len(model.kinds) + kind_index``, so the same (layer, kind) has the same id on every
+    rank and both sides of a transfer.
+    """
+
+    model: ModelGeometry
+    tp_size: int
+    tp_rank: int
+    page_size: int
+    num_pages: int
+    layout: Layout = Layout.SGLANG_NHD
+    _heads: tuple[int, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, Layout):
+            try:
+                object.__setattr__(self, "layout", Layout(self.layout))
+            except ValueError:
+                raise GeometryError(
+                    f"unknown layout {self.layout!r}; expected one of {[x.value for x in Layout]}"
+                ) from None
+        for fname in ("page_size", "num_pages"):
+            value = getattr(self, fname)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise GeometryError(f"{fname} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "_heads", head_range(self.model, self.tp_size, self.tp_rank))
+
+    # --- heads ---------------------------------------------------------------------------------
+
+    @property
+    def head_start(self) -> int:
+        """First global KV head this rank holds."""
+        return self._heads[0]
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self._heads[1]
+
+    @property
+    def head_end(self) -> int:
+        return self._heads[0] + self._heads[1]
+
+    @property
+    def replication(self) -> int:
+        """How many ranks of this TP group hold each of this rank's heads (1: no replication)."""
+        return max(1, self.tp_size // self.model.num_kv_heads)
+
+    # --- sizes and strides (bytes) ---------------------------------------------------------------
+
+    @property
+    def head_bytes(self) -> int:
+        return self.model.head_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token of this rank in one region (all its heads)."""
+        return self.heads_per_rank * self.head_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in one region."""
+        return self.page_size * self.token_bytes
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def region_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def page_stride(self) -> int:
+        return self.page_bytes
+
+    @property
+    def token_stride(self) -> int:
+        """Bytes between token i and i+1 of the same page and head."""
+        return self.head_bytes if self.layout.head_major_in_page else self.token_bytes
+
+    @property
+    def head_stride(self) -> int:
+        """Bytes between local head j and j+1 of the same token."""
+        return self.page_size * self.head_bytes if self.layout.head_major_in_page else self.head_bytes
+
+    @property
+    def regions(self) -> tuple[RegionSpec, ...]:
+        kinds = self.model.kinds
+        nbytes = self.region_bytes
+        return tuple(
+            RegionSpec(layer * len(kinds) + k, layer, kind, nbytes)
+            for layer in range(self.model.num_layers)
+            for k, kind in enumerate(kinds)
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model.num_regions * self.region_bytes
+
+    def region_id(self, layer: int, kind: KVKind) -> int:
+        kinds = self.model.kinds
+        if not 0 <= layer < self.model.num_layers or kind not in kinds:
+            raise GeometryError(f"no region for layer {layer} kind {kind} in {self.model.name}")
+        return layer * len(kinds) + kinds.index(kind)
+
+    def byte_offset(
+        self,
+        page: np.ndarray | int,
+        token_in_page: np.ndarray | int,
+        local_head: np.ndarray | int = 0,
+        element: np.ndarray | int = 0,
+    ) -> np.ndarray:
+        """Byte offset inside any region of (page, token-in-page, local head, element); vectorised.
+
+        No range checks here (hot path); the planner validates page ids before calling it.
+        """
+        page = np.asarray(page, dtype=np.int64)
+        tip = np.asarray(token_in_page, dtype=np.int64)
+        head = np.asarray(local_head, dtype=np.int64)
+        elem = np.asarray(element, dtype=np.int64)
+        return (
+            page * self.page_stride
+            + tip * self.token_stride
+            + head * self.head_stride
+            + elem * self.model.dtype.itemsize
+        )
+
+
+def make_pools(
+    model: ModelGeometry,
+    tp_size: int,
+    page_size: int,
+    num_pages: int,
+    layout: Layout = Layout.SGLANG_NHD,
+) -> tuple[PoolGeometry, ...]:
+    """The pools of every rank of one server (all ranks share page ids, as in SGLang and vLLM)."""
+    validate_tp(model, tp_size)
+    return tuple(PoolGeometry(model, tp_size, r, page_size, num_pages, layout) for r in range(tp_size))
+
+
+# --- topology -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A prefill rank that a decode rank pairs with for every room.
+
+    ``is_dummy``: the prefill rank sends no bytes (its heads come from another replica, or it has
+    none this decode rank needs) but must still be told about the room and reach a terminal state.
+    ``head_start``/``num_heads``: the global heads it writes (``num_heads == 0`` for a dummy).
+    """
+
+    prefill_rank: int
+    decode_rank: int
+    head_start: int
+    num_heads: int
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.num_heads == 0
+
+
+@lru_cache(maxsize=256)
+def links(model: ModelGeometry, prefill_tp: int, decode_tp: int) -> tuple[Link, ...]:
+    """Every (prefill rank, decode rank) pairing of a deployment, sorted by (decode, prefill).
+
+    For each decode rank and each global head it holds, exactly one of the prefill ranks holding
+    that head sends it. Among the ``R`` replicas of head ``h`` and the ``Q`` decode ranks needing
+    it (the ``j``-th of them in order), replica ``j * R // Q`` sends: this spreads senders over
+    replicas and, for MLA with P > D, makes the first prefill rank of each decode rank's group the
+    one real sender. A prefill rank that sends to nobody is attached as a dummy to decode rank
+    ``p * D // P``, so every prefill rank hears of every room exactly as often as it must.
+    """
+    validate_tp(model, prefill_tp)
+    validate_tp(model, decode_tp)
+    h = model.num_kv_heads
+    sends: dict[tuple[int, int], list[int]] = {}
+    for head in range(h):
+        replicas = [p for p in range(prefill_tp) if _holds(model, prefill_tp, p, head)]
+        needers = [d for d in range(decode_tp) if _holds(model, decode_tp, d, head)]
+        for j, d in enumerate(needers):
+            p = replicas[j * len(replicas) // len(needers)]
+            sends.setdefault((p, d), []).append(head)
+    result: list[Link] = []
+    for (p, d), heads in sends.items():
+        # One rank's heads are contiguous and each head is sent by one replica per decode rank,
+        # so what p sends d is a contiguous range; checked, since offsets below rely on it.
+        if heads != list(range(heads[0], heads[0] + len(heads))):
+            raise GeometryError(f"non-contiguous heads {heads} from prefill {p} to decode {d}")
+        result.append(Link(p, d, heads[0], len(heads)))
+    senders = {p for p, _ in sends}
+    for p in range(prefill_tp):
+        if p not in senders:
+            result.append(Link(p, p * decode_tp // prefill_tp, 0, 0))
+    result.sort(key=lambda link: (link.decode_rank, link.prefill_rank))
+    return tuple(result)
+
+
+def _holds(model: ModelGeometry, tp_size: int, rank: int, head: int) -> bool:
+    start, n = head_range(model, tp_size, rank)
+    return start <= head < start + n
+
+
+def senders_for(model: ModelGeometry, prefill_tp: int, decode_tp: int, decode_rank: int) -> tuple[Link, ...]:
+    """The prefill ranks decode rank ``decode_rank`` pairs with (real senders and dummies)."""
+    if not 0 <= decode_rank < decode_tp:
+        raise GeometryError(f"decode rank {decode_rank} out of range for TP {decode_tp}")
+    return tuple(x for x in links(model, prefill_tp, decode_tp) if x.decode_rank == decode_rank)
+
+
+def receivers_for(
+    model: ModelGeometry, prefill_tp: int, decode_tp: int, prefill_rank: int
+) -> tuple[Link, ...]:
+    """The decode ranks prefill rank ``prefill_rank`` pairs with (one dummy link if it sends nothing)."""
+    if not 0 <= prefill_rank < prefill_tp:
+        raise GeometryError(f"prefill rank {prefill_rank} out of range for TP {prefill_tp}")
+    return tuple(x for x in links(model, prefill_tp, decode_tp) if x.prefill_rank == prefill_rank)
