@@ -1,0 +1,148 @@
+"""Outputs of the protocol machines: what the driver must do. The driver decides nothing.
+
+Execution contract for a driver (``backends/driver.py`` implements it):
+
+- SendControl: ``transport.send_control(peer, messages.encode(msg))``.
+- AddPeer / DropPeer: load or forget a peer's agent metadata and region table.
+- EnqueueChunk: append the chunk to worker queue ``shard``; a worker later calls
+  ``SenderEngine.run_chunk(chunk, now)``. All chunks of one room go to the same shard, in order.
+- PostWrite / PostAuxWrite / SendNotif: post a WRITE of the descriptors (or of aux row
+  ``src_aux_index`` into the peer's row ``dst_aux_index``) with ``notif`` as its notification, or
+  send the notification alone. Report DONE/ERR back as WriteDone/WriteFailed(write_id). A
+  SendNotif has no write id and no completion.
+- AwaitWrites: the worker that ran the chunk should not take its next chunk before these writes
+  finished (seed 000's per-queue ordering); purely a pacing hint, correctness does not need it.
+- CheckAux: read the room id stored in local aux row ``aux_index``; answer with AuxChecked.
+- FreePages: decode pages of the room may go back to the allocator (fenced, or fence expired).
+- StatusChanged: the room's KVPoll moved (for waiters and traces; pollers may also call poll()).
+- ChunkSkipped: informational, a chunk the worker did not run (failed room, duplicate, unknown).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from kvferry.core.kvpoll import KVPoll
+from kvferry.core.messages import Control, Endpoint, Register
+
+__all__ = [
+    "AddPeer",
+    "AwaitWrites",
+    "CheckAux",
+    "ChunkSkipped",
+    "Command",
+    "DropPeer",
+    "EnqueueChunk",
+    "FreePages",
+    "PostAuxWrite",
+    "PostWrite",
+    "SendControl",
+    "SendNotif",
+    "StatusChanged",
+]
+
+
+class _Cmd(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class SendControl(_Cmd):
+    peer: Endpoint
+    msg: Control
+
+
+class AddPeer(_Cmd):
+    """Prefill side: a decode rank registered; load its agent and remember its regions."""
+
+    peer: Endpoint
+    registration: Register
+
+
+class DropPeer(_Cmd):
+    """A peer was lost (heartbeat) or refused; forget its agent and prepared descriptors."""
+
+    peer: Endpoint
+    reason: str
+
+
+class EnqueueChunk(_Cmd):
+    shard: int
+    chunk: Any  # events.ChunkReady (Any: commands must not import events for a cycle's sake)
+
+
+class PostWrite(_Cmd):
+    """WRITE of planner descriptors (equal-length int64 arrays) into ``peer``'s registered regions."""
+
+    write_id: int
+    peer: Endpoint
+    room: int
+    src_region: Any
+    src_offset: Any
+    dst_region: Any
+    dst_offset: Any
+    length: Any
+    notif: bytes
+
+
+class PostAuxWrite(_Cmd):
+    write_id: int
+    peer: Endpoint
+    room: int
+    src_aux_index: int
+    dst_aux_index: int
+    notif: bytes
+
+
+class SendNotif(_Cmd):
+    """A notification with no bytes to move (a chunk whose plan for this peer is empty)."""
+
+    peer: Endpoint
+    room: int
+    notif: bytes
+
+
+class AwaitWrites(_Cmd):
+    room: int
+    write_ids: tuple[int, ...]
+
+
+class CheckAux(_Cmd):
+    room: int
+    transfer_id: str
+    aux_index: int
+
+
+class FreePages(_Cmd):
+    room: int
+    transfer_id: str
+    reason: str
+
+
+class StatusChanged(_Cmd):
+    room: int
+    transfer_id: str
+    status: KVPoll
+    reason: str = ""
+
+
+class ChunkSkipped(_Cmd):
+    room: int
+    chunk_index: int
+    reason: str
+
+
+Command = (
+    SendControl
+    | AddPeer
+    | DropPeer
+    | EnqueueChunk
+    | PostWrite
+    | PostAuxWrite
+    | SendNotif
+    | AwaitWrites
+    | CheckAux
+    | FreePages
+    | StatusChanged
+    | ChunkSkipped
+)

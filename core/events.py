@@ -1,0 +1,166 @@
+"""Inputs to the protocol machines: what a driver observed, or what the local scheduler asked for.
+
+Every event is a frozen struct. Engines take them through ``handle(event, now)`` (``now`` in
+integer ns, read by the driver, never by the core) and answer with a list of commands
+(``core/commands.py``). Control messages and notifications arrive as raw bytes: the core decodes
+and validates them itself so that a malformed frame is counted and rejected in one place.
+
+Sender side (prefill rank): SenderOpen, ChunkReady, WriteDone, WriteFailed, ControlIn, AbortRoom,
+ReleaseRoom, Tick. The worker step takes a ChunkReady directly (``SenderEngine.run_chunk``).
+Receiver side (decode rank): ReceiverOpen, ControlIn, NotificationIn, AuxChecked, AbortRoom,
+ReleaseRoom, Tick.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from kvferry.core.messages import Endpoint
+
+__all__ = [
+    "AbortRoom",
+    "AuxChecked",
+    "ChunkReady",
+    "ControlIn",
+    "Event",
+    "NotificationIn",
+    "ReceiverOpen",
+    "ReleaseRoom",
+    "SenderOpen",
+    "SenderSpec",
+    "Tick",
+    "WriteDone",
+    "WriteFailed",
+]
+
+
+class _Event(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+# --- both sides ----------------------------------------------------------------------------------
+
+
+class ControlIn(_Event):
+    """Raw bytes of one control message from a peer (the core decodes and validates)."""
+
+    data: bytes
+
+
+class AbortRoom(_Event):
+    """Local abort of a room (scheduler gave up, request cancelled)."""
+
+    room: int
+    transfer_id: str
+    reason: str = "aborted locally"
+
+
+class ReleaseRoom(_Event):
+    """The local owner is done with a room: drop its tables once it is terminal (and fenced).
+
+    Releasing a room that is not terminal first fails it ("released while <state>").
+    """
+
+    room: int
+    transfer_id: str
+
+
+class Tick(_Event):
+    """Time passed; fire every deadline at or before ``now`` (heartbeats included)."""
+
+
+# --- sender side (prefill rank) --------------------------------------------------------------------
+
+
+class SenderOpen(_Event):
+    """The prefill scheduler has a room: pair it by ``transfer_id``; ``aux_index`` is its aux row."""
+
+    room: int
+    transfer_id: str
+    aux_index: int
+
+
+class ChunkReady(_Event):
+    """A chunk of the room's KV is computed on this rank.
+
+    ``src_pages``: page ids (int64 numpy array or sequence) covering the room's tokens from token
+    0 up to at least ``token_end``. The token start is *not* given: the machine keeps the running
+    total, so a chunk can never be written at the previous chunk's offset.
+    """
+
+    room: int
+    transfer_id: str
+    chunk_index: int
+    token_end: int
+    src_pages: Any
+    is_last: bool
+
+
+class WriteDone(_Event):
+    """A posted write reached DONE (remote completion)."""
+
+    write_id: int
+
+
+class WriteFailed(_Event):
+    """A posted write reached ERR (or the backend gave up on it)."""
+
+    write_id: int
+    reason: str = "transfer error"
+
+
+# --- receiver side (decode rank) -------------------------------------------------------------------
+
+
+class SenderSpec(msgspec.Struct, frozen=True):
+    """One prefill rank a decode room pairs with (from ``core.geometry.senders_for``).
+
+    ``expected_infos``: ``len(receivers_for(...))`` of that prefill rank, told to it in TransferInfo.
+    ``send_aux``: exactly one non-dummy sender per decode rank writes the aux row.
+    """
+
+    endpoint: Endpoint
+    dummy: bool
+    expected_infos: int
+    send_aux: bool
+
+
+class ReceiverOpen(_Event):
+    """The decode scheduler allocated ``dst_pages`` for ``num_tokens`` tokens and an aux row."""
+
+    room: int
+    transfer_id: str
+    dst_pages: Any
+    num_tokens: int
+    aux_index: int
+    senders: tuple[SenderSpec, ...]
+
+
+class NotificationIn(_Event):
+    """Raw bytes of one notification (payload of a landed write, or a bare notification)."""
+
+    data: bytes
+
+
+class AuxChecked(_Event):
+    """Answer to CheckAux: the room id found in the aux row that just landed."""
+
+    room: int
+    transfer_id: str
+    found_room: int
+
+
+Event = (
+    ControlIn
+    | AbortRoom
+    | ReleaseRoom
+    | Tick
+    | SenderOpen
+    | ChunkReady
+    | WriteDone
+    | WriteFailed
+    | ReceiverOpen
+    | NotificationIn
+    | AuxChecked
+)

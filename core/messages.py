@@ -1,0 +1,265 @@
+"""Wire format: versioned msgspec structs, encoded with msgpack. No pickle, no positional frames.
+
+Two families travel between a prefill rank and a decode rank:
+
+- Control messages (``Control`` union, tagged by the ``t`` field) over the control plane (ZMQ
+  in the real backend): registration, per-room TransferInfo, failure, abort and its fence ack,
+  heartbeats.
+- Notification payloads (``ChunkNote``) attached to a WRITE (or sent alone for a chunk that
+  moves no bytes): which room, incarnation, sender, chunk and token range just landed.
+
+Decoding validates types, sizes and ranges (msgspec constraints plus ``__post_init__`` checks)
+and turns every failure into ``WireError``; callers count it and carry on.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from kvferry.core.errors import WireError
+
+__all__ = [
+    "MAX_PAGES",
+    "MAX_ROOM",
+    "PROTOCOL_VERSION",
+    "Abort",
+    "ChunkNote",
+    "Control",
+    "Endpoint",
+    "GeometryWire",
+    "Heartbeat",
+    "RegionAddr",
+    "Register",
+    "RegisterAck",
+    "RoomFailed",
+    "Stopped",
+    "TransferInfo",
+    "decode_control",
+    "decode_note",
+    "encode",
+]
+
+PROTOCOL_VERSION = 1
+MAX_ROOM = 2**63  # bootstrap_room is a 63-bit id
+MAX_PAGES = 1 << 22  # a room larger than 4M pages is garbage, not a request
+MAX_TOKENS = 1 << 31
+
+Room = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM - 1)]
+TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+PageId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Addr = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+Reason = Annotated[str, msgspec.Meta(max_length=2048)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Blob = Annotated[bytes, msgspec.Meta(max_length=1 << 20)]
+
+
+def _check_version(v: int) -> None:
+    if v != PROTOCOL_VERSION:
+        raise ValueError(f"protocol version {v} not supported (this side speaks {PROTOCOL_VERSION})")
+
+
+class Endpoint(msgspec.Struct, frozen=True, order=True):
+    """Identity of one rank of one server: the key for multi-sender accounting (never a PP rank)."""
+
+    server: Name
+    rank: Rank
+
+    def __str__(self) -> str:
+        return f"{self.server}#{self.rank}"
+
+
+class RegionAddr(msgspec.Struct, frozen=True):
+    """One registered region of the registering rank: the id descriptors use, and where it lives."""
+
+    region_id: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)]
+    addr: Addr
+    nbytes: Annotated[int, msgspec.Meta(ge=1, lt=1 << 48)]
+
+
+class GeometryWire(msgspec.Struct, frozen=True):
+    """A PoolGeometry as plain fields (core.geometry stays free of msgspec)."""
+
+    model_name: Name
+    num_layers: Annotated[int, msgspec.Meta(ge=1, lt=1 << 12)]
+    num_kv_heads: Annotated[int, msgspec.Meta(ge=1, lt=1 << 12)]
+    head_dim: Annotated[int, msgspec.Meta(ge=1, lt=1 << 16)]
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    is_mla: bool
+    tp_size: Annotated[int, msgspec.Meta(ge=1, lt=1 << 12)]
+    tp_rank: Rank
+    page_size: Annotated[int, msgspec.Meta(ge=1, lt=1 << 16)]
+    num_pages: Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)]
+    layout: Annotated[str, msgspec.Meta(max_length=32)]
+
+    def __post_init__(self) -> None:
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} >= tp_size {self.tp_size}")
+
+    @classmethod
+    def from_pool(cls, pool: Any) -> GeometryWire:
+        m = pool.model
+        return cls(
+            model_name=m.name,
+            num_layers=m.num_layers,
+            num_kv_heads=m.num_kv_heads,
+            head_dim=m.head_dim,
+            dtype=str(m.dtype.value),
+            is_mla=m.is_mla,
+            tp_size=pool.tp_size,
+            tp_rank=pool.tp_rank,
+            page_size=pool.page_size,
+            num_pages=pool.num_pages,
+            layout=str(pool.layout.value),
+        )
+
+    def to_pool(self) -> Any:
+        """The PoolGeometry it describes; GeometryError if the fields cannot exist together."""
+        from kvferry.core.geometry import ModelGeometry, PoolGeometry
+
+        model = ModelGeometry(
+            self.model_name, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.is_mla
+        )
+        return PoolGeometry(model, self.tp_size, self.tp_rank, self.page_size, self.num_pages, self.layout)
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="t", kw_only=True):
+    v: int = PROTOCOL_VERSION
+    src: Endpoint
+
+    def __post_init__(self) -> None:
+        _check_version(self.v)
+
+
+class Register(_Msg, tag="reg"):
+    """Decode rank -> prefill rank, once per peer: who I am, my agent, my regions and geometry."""
+
+    agent_name: Name
+    agent_meta: Blob
+    geometry: GeometryWire
+    regions: Annotated[list[RegionAddr], msgspec.Meta(max_length=1 << 14)]
+    aux_addr: Addr
+    aux_row_bytes: Annotated[int, msgspec.Meta(ge=8, lt=1 << 20)]
+    aux_rows: Count
+
+    def __post_init__(self) -> None:
+        _check_version(self.v)
+        if self.geometry.tp_rank != self.src.rank:
+            raise ValueError(f"geometry rank {self.geometry.tp_rank} != sender rank {self.src.rank}")
+        ids = [r.region_id for r in self.regions]
+        if len(set(ids)) != len(ids):
+            raise ValueError("duplicate region ids")
+
+
+class RegisterAck(_Msg, tag="reg_ack"):
+    """Prefill rank -> decode rank: registration accepted (ok) or refused with a reason."""
+
+    ok: bool
+    reason: Reason = ""
+
+
+class Heartbeat(_Msg, tag="hb"):
+    """Either direction, periodic: I am alive. Any message counts as liveness; this one is spare."""
+
+
+class TransferInfo(_Msg, tag="info"):
+    """Decode rank -> prefill rank, per room: where to write, what to expect, who else is coming.
+
+    ``expected_infos``: how many decode ranks will send this prefill rank a TransferInfo for the
+    room (from ``receivers_for``); the prefill room is WaitingForInput once it has that many.
+    ``dummy``: this prefill rank writes nothing to this decode rank but must still finish.
+    ``send_aux``: this prefill rank writes the aux row (exactly one sender per decode rank does).
+    """
+
+    room: Room
+    transfer_id: TransferId
+    dst_pages: Annotated[list[PageId], msgspec.Meta(max_length=MAX_PAGES)]
+    num_tokens: Tokens
+    aux_index: Count
+    send_aux: bool
+    dummy: bool
+    expected_infos: Annotated[int, msgspec.Meta(ge=1, lt=1 << 12)]
+
+    def __post_init__(self) -> None:
+        _check_version(self.v)
+        if self.dummy and self.send_aux:
+            raise ValueError("a dummy sender cannot carry the aux row")
+
+
+class RoomFailed(_Msg, tag="failed"):
+    """Either direction: this room failed on my side, and why (so no counter waits forever)."""
+
+    room: Room
+    transfer_id: TransferId
+    reason: Reason
+
+
+class Abort(_Msg, tag="abort"):
+    """Decode -> prefill: stop writing into this room's pages and confirm with Stopped."""
+
+    room: Room
+    transfer_id: TransferId
+    reason: Reason
+
+
+class Stopped(_Msg, tag="stopped"):
+    """Prefill -> decode: the fence. No write of mine for this room is or will be in flight."""
+
+    room: Room
+    transfer_id: TransferId
+
+
+Control = Register | RegisterAck | Heartbeat | TransferInfo | RoomFailed | Abort | Stopped
+
+
+class ChunkNote(msgspec.Struct, frozen=True, kw_only=True):
+    """Notification payload carried by a chunk's WRITE (``aux``: the aux-row write of the room)."""
+
+    v: int = PROTOCOL_VERSION
+    room: Room
+    transfer_id: TransferId
+    src: Endpoint
+    chunk_index: Count
+    token_start: Tokens
+    token_end: Tokens
+    is_last: bool
+    aux: bool = False
+
+    def __post_init__(self) -> None:
+        _check_version(self.v)
+        if self.token_end < self.token_start:
+            raise ValueError(f"token range [{self.token_start}, {self.token_end}) is reversed")
+
+
+_encoder = msgspec.msgpack.Encoder()
+_control_decoder = msgspec.msgpack.Decoder(Control)
+_note_decoder = msgspec.msgpack.Decoder(ChunkNote)
+
+
+def encode(msg: Control | ChunkNote) -> bytes:
+    return _encoder.encode(msg)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: object, what: str) -> Any:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise WireError(f"{what}: expected bytes, got {type(data).__name__}")
+    try:
+        return decoder.decode(data)
+    except msgspec.MsgspecError as exc:
+        raise WireError(f"{what}: {exc}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # Defensive: msgspec wraps validation errors, but nothing from bad bytes may escape untyped.
+        raise WireError(f"{what}: {type(exc).__name__}: {exc}") from None
+
+
+def decode_control(data: bytes) -> Control:
+    """Decode and validate one control message; WireError on anything malformed."""
+    return _decode(_control_decoder, data, "control message")
+
+
+def decode_note(data: bytes) -> ChunkNote:
+    """Decode and validate one notification payload; WireError on anything malformed."""
+    return _decode(_note_decoder, data, "notification")
