@@ -1,0 +1,188 @@
+"""Triton kernels that move head slices between a paged KV pool and a staging buffer.
+
+One launch covers every plane (layer K, layer V, or MLA latent) of the pool: plane base addresses
+come from a device int64 table, so the pool's per-layer tensors need not be adjacent. Each program
+moves a tile of ``BLOCK_T`` tokens x ``NH`` heads x one head row of one plane. Rows are moved as
+unsigned integer *words* chosen by the caller (4, 2 or 1 bytes), so any dtype is bit-exact; with
+4-byte words and 16-byte aligned rows the loads and stores become 16-byte vector accesses.
+
+Page ids are turned into slots in the kernel (``page * page_size + token % page_size``). A page id
+outside ``[0, num_pages)`` masks its token out: the kernel never reads or writes outside the pool,
+whatever the caller passed (the API also rejects such ids on the host when it can see them).
+
+Importing this module needs Triton; the API imports it lazily.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Counts launches so tests can prove the Triton path ran (not the torch fallback).
+LAUNCHES = {"gather": 0, "scatter": 0}
+
+
+@triton.jit
+def _tile_offsets(
+    pid_t,
+    plane,
+    pages_ptr,
+    n_tokens,
+    token_start,
+    page_size,
+    num_pages,
+    slot_stride,
+    pool_head0,
+    s_base,
+    s_head,
+    s_plane,
+    s_tok,
+    NH: tl.constexpr,
+    NH_P: tl.constexpr,
+    ROW: tl.constexpr,
+    ROW_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # Token index inside the chunk, its page and slot in the pool.
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < n_tokens
+    t_abs = (tok + token_start).to(tl.int64)
+    page = tl.load(pages_ptr + t_abs // page_size, mask=tok_ok, other=-1).to(tl.int64)
+    tok_ok = tok_ok & (page >= 0) & (page < num_pages)
+    slot = page * page_size + t_abs % page_size
+
+    h = tl.arange(0, NH_P)
+    w = tl.arange(0, ROW_P)
+    pool_off = (
+        slot[:, None, None] * slot_stride
+        + (pool_head0 + h)[None, :, None].to(tl.int64) * ROW
+        + w[None, None, :]
+    )
+    stg_off = (
+        s_base
+        + plane.to(tl.int64) * s_plane
+        + h[None, :, None].to(tl.int64) * s_head
+        + tok[:, None, None].to(tl.int64) * s_tok
+        + w[None, None, :]
+    )
+    mask = tok_ok[:, None, None] & (h < NH)[None, :, None] & (w < ROW)[None, None, :]
+    return pool_off, stg_off, mask
+
+
+@triton.jit
+def _gather_kernel(
+    table_ptr,
+    pages_ptr,
+    stg_ptr,
+    n_tokens,
+    token_start,
+    page_size,
+    num_pages,
+    slot_stride,
+    pool_head0,
+    s_base,
+    s_head,
+    s_plane,
+    s_tok,
+    NH: tl.constexpr,
+    NH_P: tl.constexpr,
+    ROW: tl.constexpr,
+    ROW_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    POOL_ALIGN: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    plane = tl.program_id(1)
+    # The table loses the planes' alignment; the host checked it, so hand it back to the compiler
+    # (without it the pool side falls back to one 4-byte access per word).
+    pool_ptr = tl.multiple_of(tl.load(table_ptr + plane).to(stg_ptr.dtype, bitcast=True), POOL_ALIGN)
+    pool_off, stg_off, mask = _tile_offsets(
+        pid_t, plane, pages_ptr, n_tokens, token_start, page_size, num_pages, slot_stride,
+        pool_head0, s_base, s_head, s_plane, s_tok, NH, NH_P, ROW, ROW_P, BLOCK_T,
+    )  # fmt: skip
+    vals = tl.load(pool_ptr + pool_off, mask=mask)
+    tl.store(stg_ptr + stg_off, vals, mask=mask)
+
+
+@triton.jit
+def _scatter_kernel(
+    table_ptr,
+    pages_ptr,
+    stg_ptr,
+    n_tokens,
+    token_start,
+    page_size,
+    num_pages,
+    slot_stride,
+    pool_head0,
+    s_base,
+    s_head,
+    s_plane,
+    s_tok,
+    NH: tl.constexpr,
+    NH_P: tl.constexpr,
+    ROW: tl.constexpr,
+    ROW_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    POOL_ALIGN: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    plane = tl.program_id(1)
+    # The table loses the planes' alignment; the host checked it, so hand it back to the compiler
+    # (without it the pool side falls back to one 4-byte access per word).
+    pool_ptr = tl.multiple_of(tl.load(table_ptr + plane).to(stg_ptr.dtype, bitcast=True), POOL_ALIGN)
+    pool_off, stg_off, mask = _tile_offsets(
+        pid_t, plane, pages_ptr, n_tokens, token_start, page_size, num_pages, slot_stride,
+        pool_head0, s_base, s_head, s_plane, s_tok, NH, NH_P, ROW, ROW_P, BLOCK_T,
+    )  # fmt: skip
+    vals = tl.load(stg_ptr + stg_off, mask=mask)
+    tl.store(pool_ptr + pool_off, vals, mask=mask)
+
+
+# Tile size in bytes per program and warps per program: tuned on an H100 (docs/benchmarks.md).
+TILE_BYTES = 16384
+NUM_WARPS = 4
+
+
+def launch(
+    kind: str,
+    table,
+    pages,
+    staging_words,
+    *,
+    num_planes: int,
+    n_tokens: int,
+    token_start: int,
+    page_size: int,
+    num_pages: int,
+    slot_stride: int,
+    pool_head0: int,
+    num_heads: int,
+    row_words: int,
+    s_base: int,
+    s_head: int,
+    s_plane: int,
+    s_tok: int,
+    pool_align: int,
+    tile_bytes: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Launch one gather or scatter on the current stream; every size and stride is in words."""
+    nh_p = triton.next_power_of_2(num_heads)
+    row_p = triton.next_power_of_2(row_words)
+    word_bytes = staging_words.element_size()
+    tile = tile_bytes or TILE_BYTES
+    block_t = max(1, tile // (nh_p * row_p * word_bytes))
+    block_t = min(triton.next_power_of_2(block_t), triton.next_power_of_2(n_tokens))
+    # Programs along x walk the tokens of one plane, so those running together write (gather) or
+    # read (scatter) neighbouring staging rows: long sequential streams for PCIe.
+    grid = (triton.cdiv(n_tokens, block_t), num_planes)
+    kernel = _gather_kernel if kind == "gather" else _scatter_kernel
+    kernel[grid](
+        table, pages, staging_words,
+        n_tokens, token_start, page_size, num_pages, slot_stride, pool_head0,
+        s_base, s_head, s_plane, s_tok,
+        NH=num_heads, NH_P=nh_p, ROW=row_words, ROW_P=row_p, BLOCK_T=block_t,
+        POOL_ALIGN=pool_align, num_warps=num_warps or NUM_WARPS,
+    )  # fmt: skip
+    LAUNCHES[kind] += 1
