@@ -1,0 +1,443 @@
+"""One NIXL agent per rank: registration, prepared descriptor lists, WRITE/READ, notifications.
+
+Descriptors. The planner addresses memory as (region_id, byte offset, length). NIXL's fast path
+wants *prepared* descriptor lists built once, and per transfer only index arrays into them
+(``make_prepped_xfer``, which merges dense index runs back into large descriptors). So every
+region is cut into fixed ``granule``-byte descriptors: the local list once per granule, the remote
+list once per (peer, granule) when the peer registers. A planner descriptor becomes the run of
+indices ``[offset/granule, (offset+length)/granule)`` of its region, checked against the region
+sizes on both sides before anything is posted: a bad descriptor raises DescriptorError and
+never reaches NIXL, so nothing is written outside a registered region.
+
+Thread-sync. The agent is created with an explicit NIXL sync mode: NONE when one thread touches it,
+RW when several do (the runtime posts from N workers and drains notifications from another).
+
+Ownership. ``_tables`` (an RWLock) guards every table here: peers, prepared lists, in-flight
+handles. Data-path calls (post, poll, notifications) take the shared side, table changes the
+exclusive side; ``_inflight`` is a dict whose single-key operations are atomic under the GIL and
+only ever touched by the thread that posted a transfer and by teardown (which holds the exclusive
+side). Teardown follows NIXL's order: transfer handles, prepared lists, remote agents, memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from kvferry.backends.nixl.errors import DescriptorError, NixlError, NixlPeerError, NixlXferError
+from kvferry.backends.nixl.memory import MemRegion, RegionError, check_disjoint
+from kvferry.backends.nixl.rwlock import RWLock
+from kvferry.backends.nixl.telemetry import Telemetry, XferRecord
+
+log = logging.getLogger(__name__)
+
+SYNC_MODES = ("none", "strict", "rw")
+# A prepared list is a C++ vector of descriptors; beyond this a pool would need a coarser granule.
+MAX_PREP_DESCS = 1 << 23
+OPS = ("WRITE", "READ")
+
+
+def _nixl_api() -> Any:
+    from nixl import _api
+
+    return _api
+
+
+def make_nixl_agent(name: str, sync: str, telemetry: bool, ucx_threads: int) -> Any:
+    api = _nixl_api()
+    modes = {
+        "none": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE,
+        "strict": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        "rw": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+    }
+    cfg = api.nixl_agent_config(
+        enable_prog_thread=True,
+        enable_listen_thread=False,  # metadata travels in our own registration message
+        capture_telemetry=telemetry,
+        num_threads=ucx_threads,
+        backends=["UCX"],
+        sync_mode=modes[sync],
+    )
+    return api.nixl_agent(name, cfg)
+
+
+@dataclass
+class _RegionTable:
+    """Regions of one side, with the first descriptor index of each region in a prepared list."""
+
+    regions: dict[int, MemRegion]
+    granule: int
+    first: np.ndarray = field(init=False)  # region_id -> first index, -1 if unknown
+    units: np.ndarray = field(init=False)  # region_id -> descriptors in that region
+    ndescs: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        size = max(self.regions) + 1 if self.regions else 0
+        self.first = np.full(size, -1, dtype=np.int64)
+        self.units = np.zeros(size, dtype=np.int64)
+        nxt = 0
+        for rid in sorted(self.regions):
+            n = self.regions[rid].nbytes // self.granule
+            self.first[rid], self.units[rid] = nxt, n
+            nxt += n
+        self.ndescs = nxt
+        if nxt > MAX_PREP_DESCS:
+            raise RegionError(f"granule {self.granule} B gives {nxt} descriptors; use a coarser granule")
+
+    def rows(self) -> np.ndarray:
+        """Nx3 (addr, len, dev) rows in index order, for prep_xfer_dlist."""
+        parts = []
+        for rid in sorted(self.regions):
+            r = self.regions[rid]
+            n = int(self.units[rid])
+            rows = np.empty((n, 3), dtype=np.uint64)
+            rows[:, 0] = r.addr + np.arange(n, dtype=np.uint64) * np.uint64(self.granule)
+            rows[:, 1] = self.granule
+            rows[:, 2] = r.dev
+            parts.append(rows)
+        return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.uint64)
+
+    def mem_type(self) -> str:
+        mems = {r.mem for r in self.regions.values()}
+        if len(mems) != 1:
+            raise RegionError(f"one prepared list cannot mix memory types {sorted(mems)}")
+        return mems.pop()
+
+    def indices(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray, side: str) -> np.ndarray:
+        """Index run of every descriptor, concatenated; raises DescriptorError on any bad one."""
+        g = self.granule
+        region = np.asarray(region, dtype=np.int64)
+        offset = np.asarray(offset, dtype=np.int64)
+        length = np.asarray(length, dtype=np.int64)
+        if region.size == 0:
+            return np.empty(0, dtype=np.int32)
+        known = (region >= 0) & (region < self.first.size)
+        if not known.all() or (self.first[region] < 0).any():
+            raise DescriptorError(f"{side}: unknown region id in {np.unique(region).tolist()}")
+        if (offset < 0).any() or (length <= 0).any():
+            raise DescriptorError(f"{side}: negative offset or empty length")
+        if (offset % g).any() or (length % g).any():
+            raise DescriptorError(f"{side}: offset/length not multiples of the {g} B granule")
+        start = offset // g
+        count = length // g
+        if ((start + count) > self.units[region]).any():
+            raise DescriptorError(f"{side}: descriptor runs past the end of its registered region")
+        base = self.first[region] + start
+        total = int(count.sum())
+        # idx[j] = base[i] + (j - first j of descriptor i), built without a Python loop.
+        run_start = np.repeat(np.cumsum(count) - count, count)
+        idx = np.repeat(base, count) + (np.arange(total, dtype=np.int64) - run_start)
+        return idx.astype(np.int32)
+
+
+@dataclass
+class _Peer:
+    name: str  # NIXL agent name of the remote
+    regions: dict[int, MemRegion]
+    tables: dict[int, _RegionTable] = field(default_factory=dict)  # granule -> table
+    prepped: dict[int, Any] = field(default_factory=dict)  # granule -> prepared list handle
+
+
+@dataclass
+class XferTicket:
+    """A posted transfer; the caller polls it until DONE or ERR."""
+
+    xid: int
+    peer: str
+    op: str
+    handle: Any
+    descs: int
+    nbytes: int
+    t0_ns: int
+    final: str | None = None  # DONE or ERR once released
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class NixlAgent:
+    """The data plane of one rank.
+
+    ``sync``: NIXL thread-sync mode; "rw" when several threads share the agent, "none" for one.
+    ``factory`` builds the underlying nixl_agent; tests of error paths pass a fake.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        sync: str = "rw",
+        telemetry: bool = True,
+        ucx_threads: int = 0,
+        factory: Callable[[str, str, bool, int], Any] = make_nixl_agent,
+    ) -> None:
+        if sync not in SYNC_MODES:
+            raise ValueError(f"sync must be one of {SYNC_MODES}")
+        # A fresh suffix per process: a restarted peer gets a new name, so stale state of the old
+        # incarnation can never be mistaken for the new one.
+        self.name = name or f"kvferry-{uuid.uuid4().hex[:12]}"
+        self._nixl = factory(self.name, sync, telemetry, ucx_threads)
+        self._capture = telemetry
+        self._tables = RWLock()
+        self._reg_descs: list[Any] = []
+        self._local: dict[int, MemRegion] = {}
+        self._local_tables: dict[int, _RegionTable] = {}
+        self._local_prepped: dict[int, Any] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._inflight: dict[int, XferTicket] = {}
+        self._ids = itertools.count(1)
+        self.telemetry = Telemetry()
+        self._closed = False
+
+    # ---- registration -------------------------------------------------------------------
+    def register(self, regions: Sequence[MemRegion]) -> None:
+        """Register memory with NIXL (one registration list per memory type)."""
+        with self._tables.write():
+            merged = {**self._local, **{r.region_id: r for r in regions}}
+            if len(merged) != len(self._local) + len(regions):
+                raise RegionError("region id registered twice")
+            check_disjoint(merged.values())
+            by_mem: dict[str, list[MemRegion]] = {}
+            for r in regions:
+                by_mem.setdefault(r.mem, []).append(r)
+            for mem, rs in by_mem.items():
+                rows = np.array([[r.addr, r.nbytes, r.dev] for r in rs], dtype=np.uint64)
+                self._reg_descs.append(self._call(self._nixl.register_memory, rows, mem))
+            self._local = merged
+
+    def regions(self) -> list[MemRegion]:
+        return list(self._local.values())
+
+    def metadata(self) -> bytes:
+        """NIXL agent metadata (connection info and registered memory keys) for peers."""
+        return bytes(self._call(self._nixl.get_agent_metadata))
+
+    def _local_prep(self, granule: int) -> tuple[_RegionTable, Any]:
+        # Caller holds the exclusive side.
+        if granule not in self._local_prepped:
+            table = _RegionTable(dict(self._local), granule)
+            handle = self._call(self._nixl.prep_xfer_dlist, "NIXL_INIT_AGENT", table.rows(), table.mem_type())
+            self._local_tables[granule], self._local_prepped[granule] = table, handle
+        return self._local_tables[granule], self._local_prepped[granule]
+
+    def add_peer(self, metadata: bytes, regions: Sequence[MemRegion], granules: Sequence[int]) -> str:
+        """Load a peer's metadata and build the prepared lists for every granule given."""
+        for g in granules:
+            if g <= 0:
+                raise RegionError(f"granule must be positive, got {g}")
+        check_disjoint(regions)
+        with self._tables.write():
+            name = self._call(self._nixl.add_remote_agent, metadata)
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if name in self._peers:
+                self._drop_peer_locked(name, invalidate=False)
+            peer = _Peer(name, {r.region_id: r for r in regions})
+            self._peers[name] = peer
+            try:
+                for g in granules:
+                    self._local_prep(g)
+                    table = _RegionTable(peer.regions, g)
+                    peer.tables[g] = table
+                    peer.prepped[g] = self._call(
+                        self._nixl.prep_xfer_dlist, name, table.rows(), table.mem_type()
+                    )
+            except Exception:
+                self._drop_peer_locked(name, invalidate=True)
+                raise
+            return name
+
+    def has_peer(self, name: str) -> bool:
+        return name in self._peers
+
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    def remove_peer(self, name: str, settle_s: float = 2.0) -> None:
+        """Forget a peer: settle its transfers, release its lists, disconnect."""
+        self._settle(lambda t: t.peer == name, settle_s)
+        with self._tables.write():
+            self._drop_peer_locked(name, invalidate=True)
+
+    def _drop_peer_locked(self, name: str, invalidate: bool) -> None:
+        peer = self._peers.pop(name, None)
+        if peer is None:
+            return
+        for t in [t for t in self._inflight.values() if t.peer == name]:
+            self._release(t, "ERR")
+        for h in peer.prepped.values():
+            self._quiet(h.release)
+        if invalidate:
+            self._quiet(self._nixl.remove_remote_agent, name)
+
+    # ---- data path ----------------------------------------------------------------------
+    def post(
+        self,
+        op: str,
+        peer: str,
+        granule: int,
+        local: tuple[np.ndarray, np.ndarray],
+        remote: tuple[np.ndarray, np.ndarray],
+        length: np.ndarray,
+        notif: bytes = b"",
+    ) -> XferTicket:
+        """Post a WRITE (local -> remote) or READ (remote -> local) of (region, offset) runs."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}")
+        with self._tables.read():
+            if self._closed:
+                raise NixlError("agent is closed")
+            p = self._peers.get(peer)
+            if p is None or granule not in p.prepped or granule not in self._local_prepped:
+                raise NixlPeerError(f"peer {peer!r} not registered for granule {granule}")
+            li = self._local_tables[granule].indices(local[0], local[1], length, "local")
+            ri = p.tables[granule].indices(remote[0], remote[1], length, "remote")
+            nbytes = int(np.asarray(length, dtype=np.int64).sum())
+            t0 = time.monotonic_ns()
+            handle = self._call(
+                self._nixl.make_prepped_xfer,
+                op,
+                self._local_prepped[granule],
+                li,
+                p.prepped[granule],
+                ri,
+                notif,
+            )
+            ticket = XferTicket(next(self._ids), peer, op, handle, int(li.size), nbytes, t0)
+            self._inflight[ticket.xid] = ticket
+            try:
+                state = self._call(self._nixl.transfer, handle)
+            except NixlError:
+                self._release(ticket, "ERR")
+                raise
+            if state == "ERR":
+                self._release(ticket, "ERR")
+                raise NixlXferError(f"{op} to {peer} failed at post")
+            return ticket
+
+    def poll(self, ticket: XferTicket) -> str:
+        """PROC, DONE or ERR. DONE and ERR release the handle and record telemetry."""
+        with self._tables.read(), ticket.lock:
+            if ticket.final is not None:
+                return ticket.final  # settled by teardown, peer removal or another poller
+            try:
+                state = self._nixl.check_xfer_state(ticket.handle)
+            except Exception as exc:  # NIXL raises e.g. nixlRemoteDisconnectError here
+                log.warning("transfer %d to %s: %r", ticket.xid, ticket.peer, exc)
+                state = "ERR"
+            if state != "PROC":
+                self._release(ticket, state)
+            return state
+
+    def wait(self, ticket: XferTicket, timeout_s: float, idle_s: float = 0.0) -> str:
+        """Poll until DONE/ERR or the timeout; yields the CPU between polls (no busy spin)."""
+        end = time.monotonic() + timeout_s
+        while True:
+            state = self.poll(ticket)
+            if state != "PROC" or time.monotonic() >= end:
+                return state
+            time.sleep(idle_s)
+
+    def notifs(self) -> list[tuple[str, bytes]]:
+        """New notifications as (sender agent name, payload)."""
+        with self._tables.read():
+            if self._closed:
+                return []
+            got = self._call(self._nixl.get_new_notifs)
+        out = []
+        for sender, msgs in got.items():
+            name = sender.decode() if isinstance(sender, bytes) else str(sender)
+            out.extend((name, bytes(m)) for m in msgs)
+        return out
+
+    def send_notif(self, peer: str, payload: bytes) -> None:
+        with self._tables.read():
+            if peer not in self._peers:
+                raise NixlPeerError(f"peer {peer!r} not registered")
+            self._call(self._nixl.send_notif, peer, payload)
+
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    # ---- teardown -----------------------------------------------------------------------
+    def close(self, settle_s: float = 2.0) -> None:
+        """Handles, then prepared lists, then remote agents, then memory (NIXL's order)."""
+        if self._closed:
+            return
+        self._settle(lambda t: True, settle_s)
+        with self._tables.write():
+            self._closed = True
+            for t in list(self._inflight.values()):
+                self._release(t, "ERR")
+            for name in list(self._peers):
+                peer = self._peers[name]
+                for h in peer.prepped.values():
+                    self._quiet(h.release)
+                peer.prepped.clear()
+            for h in self._local_prepped.values():
+                self._quiet(h.release)
+            self._local_prepped.clear()
+            for name in list(self._peers):
+                self._quiet(self._nixl.remove_remote_agent, name)
+            self._peers.clear()
+            for descs in self._reg_descs:
+                self._quiet(self._nixl.deregister_memory, descs)
+            self._reg_descs.clear()
+
+    def _settle(self, match: Callable[[XferTicket], bool], settle_s: float) -> None:
+        """Let in-flight transfers finish before their handles go: a posted RDMA op cannot be
+        cancelled, and releasing a busy handle makes NIXL try (and maybe fail) to abort it."""
+        end = time.monotonic() + settle_s
+        while time.monotonic() < end:
+            busy = [t for t in list(self._inflight.values()) if match(t)]
+            if not busy:
+                return
+            for t in busy:
+                self.poll(t)
+            time.sleep(0.001)
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _release(self, ticket: XferTicket, state: str) -> None:
+        # Whoever pops the ticket releases it, exactly once.
+        if self._inflight.pop(ticket.xid, None) is None:
+            return
+        ticket.final = state
+        wall = time.monotonic_ns() - ticket.t0_ns
+        start = post = xfer = 0
+        posted = -1
+        if self._capture:
+            try:
+                tel = self._nixl.get_xfer_telemetry(ticket.handle)
+                start, post, xfer = int(tel.startTime), int(tel.postDuration), int(tel.xferDuration)
+                posted = int(tel.descCount)
+            except Exception:  # no telemetry for failed requests
+                pass
+        self._quiet(self._nixl.release_xfer_handle, ticket.handle)
+        self.telemetry.record(
+            XferRecord(
+                ticket.peer, ticket.op, state, ticket.descs, posted, ticket.nbytes, start, post, xfer, wall
+            )
+        )
+
+    @staticmethod
+    def _call(fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            result = fn(*args)
+        except (DescriptorError, RegionError, NixlError):
+            raise
+        except Exception as exc:
+            raise NixlError(f"{getattr(fn, '__name__', fn)}: {type(exc).__name__}: {exc}") from exc
+        if result is None and getattr(fn, "__name__", "") in ("prep_xfer_dlist", "register_memory"):
+            raise NixlError(f"{fn.__name__} returned nothing")
+        return result
+
+    @staticmethod
+    def _quiet(fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # teardown goes on; the leak is logged, not fatal
+            log.warning("teardown step %s failed: %r", getattr(fn, "__name__", fn), exc)

@@ -1,0 +1,275 @@
+"""ZMQ control plane of one endpoint: a PULL socket for inbound, one PUSH socket per peer.
+
+Every frame on the wire is ``[sender_id, payload]``; the payload is a msgspec-encoded core message
+(no pickle anywhere); decoding and validation belong to the caller, this layer only checks the
+frame shape and counts what it drops.
+
+Threading. ZMQ sockets are not thread-safe, so exactly one IO thread owns every socket. Other
+threads talk to it through two bounded queues: ``send()`` puts into the outbox (and wakes the IO
+thread through a pipe), ``recv()`` takes from the inbox. Ownership rule: sockets and the
+``_peers`` address table belong to the IO thread alone; ``_pending`` (peer commands) is a
+queue.Queue; ``stats`` counters are only written by the IO thread.
+
+Bounds and timeouts. Nothing blocks without a limit: the outbox put and the inbox get take a
+timeout; the IO thread polls with a timeout; a message the peer does not accept within
+``send_timeout_s`` (its HWM is full, or it is not connected: IMMEDIATE is set so nothing queues
+towards a dead peer) is given up and reported as a SendFailure through the inbox, so the runtime
+can fail the rooms waiting on it instead of hanging. When the inbox is full the IO thread stops
+reading, so backpressure reaches the senders through ZMQ's own high-water marks.
+
+Reconnects. A PUSH socket reconnects by itself when a peer restarts at the same address; when it
+comes back at a new address, ``connect(peer, new_address)`` replaces the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+from kvferry.core.errors import KvferryError
+
+MAX_ID_BYTES = 256
+
+
+class ControlPlaneError(KvferryError):
+    """The control plane is closed, or a bounded queue stayed full past its timeout."""
+
+
+@dataclass(frozen=True)
+class Inbound:
+    """A message from a peer, or (failed=True) one of ours the peer never accepted."""
+
+    peer: str
+    payload: bytes
+    failed: bool = False
+
+
+@dataclass
+class Stats:
+    received: int = 0
+    sent: int = 0
+    malformed: int = 0
+    send_failed: int = 0
+    unknown_peer: int = 0
+
+
+@dataclass
+class _Out:
+    peer: str
+    payload: bytes
+    deadline: float = field(default=0.0)
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        identity: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        inbox_max: int = 8192,
+        outbox_max: int = 8192,
+        hwm: int = 4096,
+        send_timeout_s: float = 2.0,
+        poll_ms: int = 50,
+    ) -> None:
+        if not identity or len(identity.encode()) > MAX_ID_BYTES:
+            raise ValueError("identity must be 1..256 bytes")
+        self.identity = identity
+        self._id = identity.encode()
+        self._ctx = zmq.Context.instance()
+        self._hwm = hwm
+        self._send_timeout = send_timeout_s
+        self._poll_ms = poll_ms
+        self._inbox: queue.Queue[Inbound] = queue.Queue(maxsize=inbox_max)
+        self._outbox: queue.Queue[_Out] = queue.Queue(maxsize=outbox_max)
+        self._commands: queue.Queue[tuple[str, str, str | None]] = queue.Queue()
+        self.stats = Stats()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.RCVHWM, hwm)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, 64 << 20)  # a malformed giant frame cannot eat memory
+        if port:
+            self._pull.bind(f"tcp://{host}:{port}")
+            self.port = port
+        else:
+            self.port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{self.port}"
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"zmqctl-{identity}", daemon=True)
+        self._thread.start()
+
+    # ---- API for any thread -------------------------------------------------------------
+    def connect(self, peer: str, address: str) -> None:
+        """Route messages for ``peer`` to ``address`` (replacing an older address)."""
+        self._command("connect", peer, address)
+
+    def disconnect(self, peer: str) -> None:
+        self._command("disconnect", peer, None)
+
+    def send(self, peer: str, payload: bytes, timeout_s: float = 1.0) -> None:
+        """Queue a message; raises ControlPlaneError if the outbox stays full for timeout_s."""
+        self._check()
+        try:
+            self._outbox.put(_Out(peer, bytes(payload)), timeout=timeout_s)
+        except queue.Full:
+            raise ControlPlaneError(f"outbox full for {timeout_s}s (sending to {peer})") from None
+        self._wake()
+
+    def recv(self, timeout_s: float) -> Inbound | None:
+        """Next inbound message, or None after timeout_s."""
+        self._check()
+        try:
+            return self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake()
+        self._thread.join(timeout_s)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- internals ----------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._error is not None:
+            raise ControlPlaneError(f"control plane IO thread died: {self._error!r}") from self._error
+        if self._stop.is_set():
+            raise ControlPlaneError("control plane is closed")
+
+    def _command(self, what: str, peer: str, address: str | None) -> None:
+        self._check()
+        self._commands.put((what, peer, address))
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        socks: dict[str, zmq.Socket] = {}
+        # Messages that could not go yet, per peer, in order; bounded by the outbox size.
+        waiting: dict[str, deque[_Out]] = {}
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        reading = True
+        poller.register(self._pull, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                timeout = self._poll_ms if not any(waiting.values()) else 5
+                events = dict(poller.poll(timeout))
+                if self._wake_r in events:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        os.read(self._wake_r, 4096)
+                self._apply_commands(socks, waiting)
+                if reading and self._pull in events:
+                    self._drain_inbound()
+                # Stop reading while the inbox is full: ZMQ's HWM then pushes back on senders.
+                full = self._inbox.full()
+                if full and reading:
+                    poller.unregister(self._pull)
+                    reading = False
+                elif not full and not reading:
+                    poller.register(self._pull, zmq.POLLIN)
+                    reading = True
+                self._flush_outbound(socks, waiting)
+        except BaseException as exc:  # surfaced to callers by _check()
+            self._error = exc
+        finally:
+            for s in socks.values():
+                s.close(0)
+            self._pull.close(0)
+
+    def _apply_commands(self, socks: dict[str, zmq.Socket], waiting: dict[str, deque[_Out]]) -> None:
+        while True:
+            try:
+                what, peer, address = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            old = socks.pop(peer, None)
+            if old is not None:
+                old.close(0)
+            if what == "connect" and address is not None:
+                s = self._ctx.socket(zmq.PUSH)
+                s.setsockopt(zmq.LINGER, 0)
+                s.setsockopt(zmq.SNDHWM, self._hwm)
+                s.setsockopt(zmq.IMMEDIATE, 1)
+                s.setsockopt(zmq.RECONNECT_IVL, 50)
+                s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+                s.connect(address)
+                socks[peer] = s
+            else:
+                for out in waiting.pop(peer, deque()):
+                    self._fail(out)
+
+    def _drain_inbound(self) -> None:
+        for _ in range(1024):
+            if self._inbox.full():
+                return
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) != 2 or not frames[0] or len(frames[0]) > MAX_ID_BYTES:
+                self.stats.malformed += 1
+                continue
+            try:
+                sender = frames[0].decode()
+            except UnicodeDecodeError:
+                self.stats.malformed += 1
+                continue
+            self.stats.received += 1
+            self._inbox.put_nowait(Inbound(sender, frames[1]))
+
+    def _flush_outbound(self, socks: dict[str, zmq.Socket], waiting: dict[str, deque[_Out]]) -> None:
+        now = time.monotonic()
+        # Take from the outbox only while fewer than outbox_max messages wait here, so the bound
+        # on the outbox is a real bound and a dead peer pushes back on send().
+        held = sum(len(q) for q in waiting.values())
+        while held < self._outbox.maxsize:
+            try:
+                out = self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            out.deadline = now + self._send_timeout
+            waiting.setdefault(out.peer, deque()).append(out)
+            held += 1
+        for peer, pending in waiting.items():
+            sock = socks.get(peer)
+            while pending:
+                out = pending[0]
+                if sock is None:
+                    self.stats.unknown_peer += 1
+                    self._fail(pending.popleft())
+                    continue
+                try:
+                    sock.send_multipart([self._id, out.payload], zmq.NOBLOCK)
+                except zmq.Again:
+                    if now >= out.deadline:
+                        self._fail(pending.popleft())
+                        continue
+                    break  # keep order: retry this peer on the next round
+                pending.popleft()
+                self.stats.sent += 1
+
+    def _fail(self, out: _Out) -> None:
+        self.stats.send_failed += 1
+        # A failure report must not be lost to a full inbox: block briefly, the reader drains it.
+        with contextlib.suppress(queue.Full):
+            self._inbox.put(Inbound(out.peer, out.payload, failed=True), timeout=1.0)

@@ -1,0 +1,293 @@
+"""NIXL data-plane wrapper: real NIXL (UCX, DRAM) in one process, a fake only for error paths."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvferry.backends.nixl.agent import NixlAgent, _RegionTable
+from kvferry.backends.nixl.errors import DescriptorError, NixlError, NixlPeerError, NixlXferError
+from kvferry.backends.nixl.memory import MemRegion, RegionError, regions_from
+
+
+def _wait_notifs(agent: NixlAgent, n: int, timeout_s: float = 5.0) -> list[tuple[str, bytes]]:
+    got: list[tuple[str, bytes]] = []
+    end = time.monotonic() + timeout_s
+    while len(got) < n and time.monotonic() < end:
+        got += agent.notifs()
+        time.sleep(0.001)
+    return got
+
+
+@pytest.fixture(scope="module")
+def agents():
+    rng = np.random.default_rng(7)
+    src = {r: rng.integers(0, 256, 1 << 16, dtype=np.uint8) for r in range(3)}
+    dst = {r: np.zeros(1 << 16, dtype=np.uint8) for r in range(3)}
+    a, b = NixlAgent(sync="rw"), NixlAgent(sync="rw")
+    a.register(regions_from(src))
+    b.register(regions_from(dst))
+    name_b = a.add_peer(b.metadata(), b.regions(), [256, 1024])
+    yield a, b, name_b, src, dst
+    a.close()
+    b.close()
+
+
+def test_write_with_notification_lands_exact_bytes(agents):
+    a, b, name_b, src, dst = agents
+    length = np.array([1024, 4096, 256])
+    t = a.post(
+        "WRITE",
+        name_b,
+        256,
+        (np.array([0, 1, 2]), np.array([0, 2048, 512])),
+        (np.array([2, 0, 1]), np.array([1024, 8192, 256])),
+        length,
+        b"note-1",
+    )
+    assert a.wait(t, 10.0) == "DONE"
+    assert (dst[2][1024:2048] == src[0][:1024]).all()
+    assert (dst[0][8192 : 8192 + 4096] == src[1][2048 : 2048 + 4096]).all()
+    assert (dst[1][256:512] == src[2][512:768]).all()
+    assert _wait_notifs(b, 1) == [(a.name, b"note-1")]
+    rec = a.telemetry.records()[-1]
+    assert rec.status == "DONE" and rec.nbytes == 1024 + 4096 + 256
+    assert rec.descs_requested == (1024 + 4096 + 256) // 256
+    # NIXL merges each dense index run back into one descriptor.
+    assert 0 < rec.descs_posted <= 3
+    assert a.inflight() == 0
+
+
+def test_read_pulls_remote_bytes(agents):
+    a, _b, name_b, _, dst = agents
+    dst[1][:4096] = np.arange(4096) % 251
+    mine = a.regions()
+    # READ: local (region 0, offset 8192) <- remote (region 1, offset 0).
+    t = a.post(
+        "READ",
+        name_b,
+        1024,
+        (np.array([0]), np.array([8192])),
+        (np.array([1]), np.array([0])),
+        np.array([4096]),
+    )
+    assert a.wait(t, 10.0) == "DONE"
+    region0 = next(r for r in mine if r.region_id == 0)
+    local = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * region0.nbytes).from_address(region0.addr))
+    assert (local[8192 : 8192 + 4096] == dst[1][:4096]).all()
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "length"),
+    [
+        ((7, 0), (0, 0), 256),  # unknown local region
+        ((0, 0), (9, 0), 256),  # unknown remote region
+        ((0, 0), (0, (1 << 16) - 256), 512),  # runs past the remote region
+        ((0, (1 << 16) - 256), (0, 0), 512),  # runs past the local region
+        ((0, 100), (0, 0), 256),  # misaligned offset
+        ((0, 0), (0, 0), 300),  # misaligned length
+        ((0, -256), (0, 0), 256),  # negative offset
+    ],
+)
+def test_bad_descriptors_rejected_before_nixl(agents, local, remote, length):
+    a, _, name_b, _, dst = agents
+    before = [d.copy() for d in dst.values()]
+    with pytest.raises(DescriptorError):
+        a.post(
+            "WRITE",
+            name_b,
+            256,
+            (np.array([local[0]]), np.array([local[1]])),
+            (np.array([remote[0]]), np.array([remote[1]])),
+            np.array([length]),
+        )
+    assert all((x == y).all() for x, y in zip(before, dst.values(), strict=True))
+    assert a.inflight() == 0
+
+
+def test_unknown_peer_and_granule(agents):
+    a, _, name_b, _, _ = agents
+    one = (np.array([0]), np.array([0]))
+    with pytest.raises(NixlPeerError):
+        a.post("WRITE", "nobody", 256, one, one, np.array([256]))
+    with pytest.raises(NixlPeerError):
+        a.post("WRITE", name_b, 512, one, one, np.array([512]))
+
+
+def test_region_validation():
+    buf = np.zeros(4096, dtype=np.uint8)
+    with pytest.raises(RegionError):
+        regions_from({0: buf, 1: (buf.ctypes.data + 1024, 1024)})  # overlap
+    with pytest.raises(RegionError):
+        regions_from({0: buf[::2]})  # not contiguous
+    with pytest.raises(RegionError):
+        MemRegion(0, 4096, 0).validate()
+
+
+def test_torch_tensor_regions_register_and_move():
+    torch = pytest.importorskip("torch")
+    src = torch.arange(4096, dtype=torch.int32)
+    dst = torch.zeros(4096, dtype=torch.int32)
+    a, b = NixlAgent(sync="none"), NixlAgent(sync="none")
+    try:
+        a.register(regions_from({0: src}))
+        b.register(regions_from({0: dst}))
+        assert a.regions()[0].mem == "DRAM"
+        peer = a.add_peer(b.metadata(), b.regions(), [4096])
+        t = a.post("WRITE", peer, 4096, (np.array([0]),) * 2, (np.array([0]),) * 2, np.array([16384]))
+        assert a.wait(t, 10.0) == "DONE"
+        assert torch.equal(src, dst)
+    finally:
+        a.close()
+        b.close()
+
+
+@settings(max_examples=60)
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+    data=st.data(),
+)
+def test_index_expansion_matches_naive(sizes, data):
+    g = 64
+    regions = {i * 3: MemRegion(i * 3, 1 << 20 + i, n * g) for i, n in enumerate(sizes)}
+    table = _RegionTable(regions, g)
+    rids = sorted(regions)
+    descs = data.draw(
+        st.lists(
+            st.sampled_from(rids).flatmap(
+                lambda r: st.tuples(
+                    st.just(r),
+                    st.integers(0, regions[r].nbytes // g - 1).flatmap(
+                        lambda s, r=r: st.tuples(st.just(s), st.integers(1, regions[r].nbytes // g - s))
+                    ),
+                )
+            ),
+            min_size=1,
+            max_size=8,
+        )
+    )
+    region = np.array([d[0] for d in descs])
+    offset = np.array([d[1][0] * g for d in descs])
+    length = np.array([d[1][1] * g for d in descs])
+    got = table.indices(region, offset, length, "x")
+    first = {r: sum(regions[q].nbytes // g for q in rids if q < r) for r in rids}
+    want = [
+        first[r] + o // g + k for r, o, n in zip(region, offset, length, strict=True) for k in range(n // g)
+    ]
+    assert got.tolist() == want
+    rows = table.rows()
+    # Every index points at the descriptor that holds exactly that byte range.
+    for r, o, _n, start in zip(region, offset, length, np.cumsum([0, *(length // g)])[:-1], strict=True):
+        assert rows[got[start], 0] == regions[r].addr + o and rows[got[start], 1] == g
+
+
+# ---- error paths real NIXL cannot be made to produce on demand: a fake agent ----------------
+
+
+class _FakeNixl:
+    def __init__(self, fail: str) -> None:
+        self.fail = fail
+        self.released: list[str] = []
+        self.order: list[str] = []
+
+    def register_memory(self, rows, mem):
+        return ("reg", mem)
+
+    def deregister_memory(self, descs):
+        self.order.append("dereg")
+
+    def get_agent_metadata(self):
+        return b"md"
+
+    def add_remote_agent(self, md):
+        return b"peer"
+
+    def remove_remote_agent(self, name):
+        self.order.append("remove_remote")
+
+    def prep_xfer_dlist(self, agent, rows, mem):
+        outer = self
+
+        class H:
+            def release(self):
+                outer.order.append("release_dlist")
+
+        return H()
+
+    def make_prepped_xfer(self, *args):
+        if self.fail == "make":
+            raise RuntimeError("nixlInvalidParamError: bad")
+        return object()
+
+    def transfer(self, h):
+        if self.fail == "post":
+            return "ERR"
+        return "PROC"
+
+    def check_xfer_state(self, h):
+        if self.fail == "poll-raise":
+            raise RuntimeError("nixlRemoteDisconnectError")
+        if self.fail == "hang":
+            return "PROC"
+        return "ERR"
+
+    def get_xfer_telemetry(self, h):
+        raise RuntimeError("no telemetry")
+
+    def release_xfer_handle(self, h):
+        self.order.append("release_xfer")
+
+    def get_new_notifs(self):
+        return {}
+
+
+def _fake_agent(fail: str) -> tuple[NixlAgent, _FakeNixl, str]:
+    fake = _FakeNixl(fail)
+    agent = NixlAgent("fake", factory=lambda *a: fake)
+    agent.register([MemRegion(0, 1 << 20, 4096)])
+    peer = agent.add_peer(b"md", [MemRegion(0, 1 << 21, 4096)], [256])
+    return agent, fake, peer
+
+
+ONE = (np.array([0]), np.array([0]))
+
+
+def test_make_failure_is_typed_and_leaves_nothing_inflight():
+    agent, _, peer = _fake_agent("make")
+    with pytest.raises(NixlError) as err:
+        agent.post("WRITE", peer, 256, ONE, ONE, np.array([256]))
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert agent.inflight() == 0
+
+
+def test_post_err_releases_handle_and_records():
+    agent, fake, peer = _fake_agent("post")
+    with pytest.raises(NixlXferError):
+        agent.post("WRITE", peer, 256, ONE, ONE, np.array([256]))
+    assert agent.inflight() == 0 and "release_xfer" in fake.order
+    assert agent.telemetry.totals().errors == 1
+
+
+@pytest.mark.parametrize("fail", ["poll-raise", "poll-err"])
+def test_poll_errors_become_err_state(fail):
+    agent, fake, peer = _fake_agent(fail)
+    t = agent.post("WRITE", peer, 256, ONE, ONE, np.array([256]))
+    assert agent.poll(t) == "ERR"
+    assert agent.poll(t) == "ERR"  # idempotent: released exactly once
+    assert fake.order.count("release_xfer") == 1 and agent.inflight() == 0
+
+
+def test_teardown_order_with_hung_transfer():
+    agent, fake, peer = _fake_agent("hang")
+    t = agent.post("WRITE", peer, 256, ONE, ONE, np.array([256]))
+    agent.close(settle_s=0.05)
+    assert agent.poll(t) == "ERR"
+    first = {
+        step: fake.order.index(step) for step in ("release_xfer", "release_dlist", "remove_remote", "dereg")
+    }
+    assert first["release_xfer"] < first["release_dlist"] < first["remove_remote"] < first["dereg"]
+    with pytest.raises(NixlError):
+        agent.post("WRITE", peer, 256, ONE, ONE, np.array([256]))
