@@ -1,0 +1,625 @@
+"""The simulated fabric: nodes with NICs, links between them, RDMA transfers and a control channel.
+
+Time is SimPy's integer-ns clock. Every delay is computed in integers and every random choice
+comes from the RNG passed in, so a run is a pure function of its seed.
+
+Transfer model, per post:
+1. Posting costs ``post_cost + per_desc * descriptors`` on the initiator's NIC, serialised per NIC
+   (descriptors after NIXL-style dense-run merging when the fabric uses prepared lists).
+2. At most ``max_inflight`` transfers per initiating NIC are active; later ones queue in order.
+3. Active transfers share bandwidth: a transfer moves at
+   ``min(src_bw / active_out(src), dst_bw / active_in(dst)) * link_factor``, recomputed whenever a
+   transfer starts or ends.
+4. When its last byte has left, the data lands after ``latency + jitter``: bytes are copied then
+   (read from the source at that moment), then the notification is delivered, and the initiator
+   sees DONE one latency later.
+A transfer into a dead or restarted peer, or over a down link, ends in ERR after the NIC's error
+timeout and writes nothing; an injected ERR may leave a prefix of its descriptors written, as a
+real failed RDMA write may.
+
+Nothing here interrupts a SimPy process. Arrivals (control messages, notifications) are kept in
+per-node lists that the transport drains; the node's inbox Store only carries wake-up tokens.
+So a token consumed by a ``Store.get()`` whose process then stops loses no data (SimPy's lost-item
+pitfall), and a crashed node's processes notice the crash on their next wake-up and exit.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import simpy
+from kvferry.backends.simfabric.descriptors import DescList, gather_index, merge_dense_runs
+from kvferry.backends.simfabric.errors import NodeDownError, UnknownPeerError
+from kvferry.backends.simfabric.faultapi import NoFaults
+from kvferry.backends.simfabric.memory import FakeMemory
+from kvferry.backends.simfabric.spec import NS_PER_S, FabricSpec, NicSpec
+
+Recorder = Callable[..., None]
+
+
+def _no_record(kind: str, node: str, **attrs: Any) -> None:
+    return None
+
+
+class XferState(Enum):
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+
+
+@dataclass(slots=True)
+class Xfer:
+    xid: int
+    initiator: str
+    src: str  # node whose memory is read
+    dst: str  # node whose memory is written
+    descs: DescList
+    notif: bytes | None
+    tag: Any
+    src_inc: int
+    dst_inc: int
+    posted_ns: int
+    charged_descs: int
+    inject_err: bool
+    state: XferState = XferState.PROC
+    remaining: int = 0
+    started_ns: int = -1
+    finish_at: int = -1
+    landed_ns: int = -1
+    done_ns: int = -1
+    err_reason: str = ""
+    active: bool = False
+
+
+@dataclass(slots=True)
+class Node:
+    name: str
+    nic: NicSpec
+    skew_ns: int = 0
+    incarnation: int = 0
+    up: bool = True
+    memory: FakeMemory = field(init=False)
+    inbox: simpy.Store = field(init=False)
+    notifs: list[tuple[str, bytes]] = field(default_factory=list)
+    control: list[tuple[str, bytes]] = field(default_factory=list)
+    post_busy_until: int = 0
+    active_out: int = 0
+    active_in: int = 0
+    queued: deque[int] = field(default_factory=deque)
+    inflight: int = 0
+    handles: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Link:
+    up: bool = True
+    # Bandwidth multiplier as a fraction num/den so the arithmetic stays integer.
+    slow_num: int = 1
+    slow_den: int = 1
+
+
+@dataclass(slots=True)
+class FabricStats:
+    posts: int = 0
+    descriptors_posted: int = 0
+    descriptors_charged: int = 0
+    bytes_landed: int = 0
+    transfers_done: int = 0
+    transfers_err: int = 0
+    notifs_delivered: int = 0
+    notifs_dropped: int = 0
+    control_sent: int = 0
+    control_delivered: int = 0
+    control_dropped: int = 0
+    control_duplicated: int = 0
+
+
+class Fabric:
+    """All nodes, links and in-flight operations of one simulated world."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        spec: FabricSpec,
+        rng: random.Random,
+        faults: Any = None,
+        record: Recorder = _no_record,
+    ) -> None:
+        spec.validate()
+        self.env = env
+        self.spec = spec
+        self.rng = rng
+        self.faults = faults if faults is not None else NoFaults()
+        self.record = record
+        self.nodes: dict[str, Node] = {}
+        self.links: dict[tuple[str, str], Link] = {}
+        self.xfers: dict[int, Xfer] = {}
+        self.stats = FabricStats()
+        self._next_xid = 1
+        self._gen = 0
+        self._active: list[int] = []  # xids in start order, so recomputation order is fixed
+        self._last_progress = 0
+        # Called with (xfer) just before a transfer's bytes land; the world uses it to check that
+        # the writer owns the destination.
+        self.on_land: Callable[[Xfer], None] | None = None
+
+    # ------------------------------------------------------------------ nodes and links
+    def add_node(self, name: str, nic: NicSpec | None = None, skew_ns: int = 0) -> Node:
+        if name in self.nodes:
+            raise ValueError(f"node {name} exists")
+        node = Node(name=name, nic=nic or self.spec.nic, skew_ns=skew_ns)
+        node.memory = FakeMemory(name)
+        node.inbox = simpy.Store(self.env)
+        self.nodes[name] = node
+        return node
+
+    def node(self, name: str) -> Node:
+        try:
+            return self.nodes[name]
+        except KeyError:
+            raise UnknownPeerError(f"unknown node {name!r}") from None
+
+    def link(self, a: str, b: str) -> Link:
+        key = (a, b) if a <= b else (b, a)
+        link = self.links.get(key)
+        if link is None:
+            link = self.links[key] = Link()
+        return link
+
+    def clock(self, name: str) -> int:
+        """The node's local clock: virtual time plus its skew (never negative)."""
+        return max(0, int(self.env.now) + self.nodes[name].skew_ns)
+
+    def wake(self, name: str, item: Any) -> None:
+        node = self.nodes[name]
+        if node.up:
+            node.inbox.put(item)
+
+    def crash(self, name: str) -> None:
+        """Memory, registrations, notifications, handles and the inbox of the node are lost."""
+        node = self.node(name)
+        if not node.up:
+            return
+        self.record("crash", name, incarnation=node.incarnation)
+        node.up = False
+        node.memory.wipe()
+        node.notifs.clear()
+        node.control.clear()
+        # Transfers this node initiated die with it; their source memory is gone.
+        for xid in sorted(node.handles):
+            x = self.xfers.get(xid)
+            if x is not None and x.state is XferState.PROC:
+                self._retire(x, XferState.ERR, "initiator crashed", silent=True)
+            self.xfers.pop(xid, None)
+        node.handles.clear()
+        node.queued.clear()
+        node.inflight = 0
+        old_inbox = node.inbox
+        node.inbox = simpy.Store(self.env)
+        # Wake whatever waits on the old inbox so its process sees the crash and exits.
+        old_inbox.put(("crashed", node.incarnation))
+        self._reschedule()
+
+    def restart(self, name: str) -> None:
+        node = self.node(name)
+        if node.up:
+            return
+        node.incarnation += 1
+        node.up = True
+        node.post_busy_until = int(self.env.now)
+        self.record("restart", name, incarnation=node.incarnation)
+
+    def set_link(self, a: str, b: str, up: bool) -> None:
+        link = self.link(a, b)
+        if link.up == up:
+            return
+        link.up = up
+        self.record("link_up" if up else "link_down", a, peer=b)
+        if not up:
+            for xid in list(self._active) + [x for n in self.nodes.values() for x in n.queued]:
+                x = self.xfers.get(xid)
+                if x is not None and x.state is XferState.PROC and {x.src, x.dst} == {a, b}:
+                    self._fail_later(x, "link down")
+        self._reschedule()
+
+    def set_link_speed(self, a: str, b: str, num: int, den: int) -> None:
+        if num <= 0 or den <= 0:
+            raise ValueError("link speed fraction must be positive")
+        self._advance()
+        link = self.link(a, b)
+        link.slow_num, link.slow_den = num, den
+        self.record("link_speed", a, peer=b, num=num, den=den)
+        self._reschedule()
+
+    # ------------------------------------------------------------------ memory
+    def register(self, name: str, region_id: int, nbytes: int) -> np.ndarray:
+        node = self.node(name)
+        if not node.up:
+            raise NodeDownError(f"{name} is down")
+        return node.memory.register(region_id, nbytes)
+
+    def deregister(self, name: str, region_id: int) -> None:
+        self.node(name).memory.deregister(region_id)
+
+    # ------------------------------------------------------------------ transfers
+    def post(
+        self,
+        initiator: str,
+        src: str,
+        dst: str,
+        descs: DescList,
+        notif: bytes | None,
+        tag: Any = None,
+        dst_incarnation: int | None = None,
+    ) -> int:
+        """Post one transfer; returns its handle. Refuses descriptors outside registered memory.
+
+        ``dst_incarnation`` (or the source's, for a READ) is the peer incarnation whose metadata
+        the initiator loaded: a transfer aimed at an older incarnation fails with ERR.
+        """
+        now = int(self.env.now)
+        ini = self.node(initiator)
+        if not ini.up:
+            raise NodeDownError(f"{initiator} is down")
+        s, d = self.node(src), self.node(dst)
+        peer = d if initiator == src else s
+        peer_inc = peer.incarnation if dst_incarnation is None else dst_incarnation
+        # The local side is checked against live registrations; the remote side against the
+        # peer's registrations when it is the incarnation we hold metadata for (NIXL checks the
+        # loaded remote metadata, which matches the peer until it restarts).
+        local_mem, local_reg, local_off = (
+            (s.memory, descs.src_region, descs.src_offset)
+            if initiator == src
+            else (d.memory, descs.dst_region, descs.dst_offset)
+        )
+        local_mem.check(local_reg, local_off, descs.length)
+        if peer.up and peer.incarnation == peer_inc:
+            remote_reg, remote_off = (
+                (descs.dst_region, descs.dst_offset)
+                if initiator == src
+                else (descs.src_region, descs.src_offset)
+            )
+            peer.memory.check(remote_reg, remote_off, descs.length)
+        charged = merge_dense_runs(descs).count if self.spec.prepped else descs.count
+        xid = self._next_xid
+        self._next_xid += 1
+        x = Xfer(
+            xid=xid,
+            initiator=initiator,
+            src=src,
+            dst=dst,
+            descs=descs,
+            notif=notif,
+            tag=tag,
+            src_inc=s.incarnation if initiator == src else peer_inc,
+            dst_inc=d.incarnation if initiator == dst else peer_inc,
+            posted_ns=now,
+            charged_descs=charged,
+            inject_err=self.faults.transfer_err(src, dst, now),
+            remaining=descs.total_bytes,
+        )
+        self.xfers[xid] = x
+        ini.handles.add(xid)
+        self.stats.posts += 1
+        self.stats.descriptors_posted += descs.count
+        self.stats.descriptors_charged += charged
+        nic = ini.nic
+        ready = max(now, ini.post_busy_until) + nic.post_cost_ns + nic.per_desc_ns * charged
+        ini.post_busy_until = ready
+        self.record(
+            "post",
+            initiator,
+            xid=xid,
+            src=src,
+            dst=dst,
+            descs=descs.count,
+            charged=charged,
+            nbytes=x.remaining,
+            tag=tag,
+        )
+        self._at(ready - now, lambda: self._admit(x))
+        return xid
+
+    def state(self, initiator: str, xid: int) -> XferState:
+        node = self.node(initiator)
+        if xid not in node.handles:
+            raise UnknownPeerError(f"{initiator}: no transfer handle {xid}")
+        return self.xfers[xid].state
+
+    def release(self, initiator: str, xid: int) -> None:
+        """Forget a handle (NIXL release_xfer_handle). A PROC transfer keeps running to its end."""
+        node = self.node(initiator)
+        node.handles.discard(xid)
+        x = self.xfers.get(xid)
+        if x is not None and x.state is not XferState.PROC:
+            del self.xfers[xid]
+
+    def send_notif(self, src: str, dst: str, payload: bytes, tag: Any = None) -> None:
+        """A notification with no data (NIXL send_notif), over the data path."""
+        now = int(self.env.now)
+        s = self.node(src)
+        if not s.up:
+            raise NodeDownError(f"{src} is down")
+        d = self.node(dst)
+        delay = s.nic.latency_ns + self._jitter(s.nic.jitter_ns)
+        inc = d.incarnation
+        self._at(delay, lambda: self._deliver_notif(src, dst, inc, payload, tag))
+        self.record("notif_send", src, dst=dst, tag=tag, at=now)
+
+    def drain_notifs(self, name: str) -> list[tuple[str, bytes]]:
+        node = self.node(name)
+        out, node.notifs = node.notifs, []
+        return out
+
+    def drain_control(self, name: str) -> list[tuple[str, bytes]]:
+        node = self.node(name)
+        out, node.control = node.control, []
+        return out
+
+    # ------------------------------------------------------------------ control channel
+    def send_control(self, src: str, dst: str, payload: bytes, tag: Any = None) -> None:
+        s = self.node(src)
+        if not s.up:
+            raise NodeDownError(f"{src} is down")
+        self.node(dst)
+        now = int(self.env.now)
+        self.stats.control_sent += 1
+        if not self.link(src, dst).up:
+            self.stats.control_dropped += 1
+            self.record("ctrl_drop", src, dst=dst, why="link down", tag=tag)
+            return
+        fate = self.faults.control_fate(src, dst, now)
+        if fate.dropped:
+            self.stats.control_dropped += 1
+            self.record("ctrl_drop", src, dst=dst, why="fault", tag=tag)
+            return
+        if len(fate.extra_delays_ns) > 1:
+            self.stats.control_duplicated += len(fate.extra_delays_ns) - 1
+        spec = self.spec.control
+        for extra in fate.extra_delays_ns:
+            delay = spec.latency_ns + self._jitter(spec.jitter_ns) + extra
+            self._at(delay, lambda: self._deliver_control(src, dst, payload, tag))
+
+    def _deliver_control(self, src: str, dst: str, payload: bytes, tag: Any) -> None:
+        d = self.nodes[dst]
+        if not d.up or not self.link(src, dst).up:
+            self.stats.control_dropped += 1
+            self.record("ctrl_drop", dst, src=src, why="receiver down" if not d.up else "link down", tag=tag)
+            return
+        self.stats.control_delivered += 1
+        d.control.append((src, payload))
+        d.inbox.put(("ctrl", src))
+
+    # ------------------------------------------------------------------ internals
+    def _jitter(self, jitter_ns: int) -> int:
+        return self.rng.randrange(jitter_ns) if jitter_ns > 0 else 0
+
+    def _at(self, delay: int, fn: Callable[[], None]) -> None:
+        ev = self.env.timeout(max(0, int(delay)))
+        ev.callbacks.append(lambda _ev: fn())
+
+    def _admit(self, x: Xfer) -> None:
+        if x.state is not XferState.PROC:
+            return
+        ini = self.nodes[x.initiator]
+        if ini.inflight >= ini.nic.max_inflight:
+            ini.queued.append(x.xid)
+            return
+        self._start(x)
+
+    def _start(self, x: Xfer) -> None:
+        ini = self.nodes[x.initiator]
+        ini.inflight += 1
+        x.started_ns = int(self.env.now)
+        if not self.link(x.src, x.dst).up:
+            self._fail_later(x, "link down")
+            return
+        self._advance()
+        x.active = True
+        self.nodes[x.src].active_out += 1
+        self.nodes[x.dst].active_in += 1
+        self._active.append(x.xid)
+        self._reschedule()
+
+    def _rate(self, x: Xfer) -> int:
+        s, d = self.nodes[x.src], self.nodes[x.dst]
+        link = self.link(x.src, x.dst)
+        rate = min(s.nic.bandwidth_bps // max(1, s.active_out), d.nic.bandwidth_bps // max(1, d.active_in))
+        return max(1, rate * link.slow_num // link.slow_den)
+
+    def _advance(self) -> None:
+        """Move every active transfer's byte count to the current time."""
+        now = int(self.env.now)
+        dt = now - self._last_progress
+        self._last_progress = now
+        if dt <= 0:
+            return
+        for xid in self._active:
+            x = self.xfers[xid]
+            x.remaining = max(0, x.remaining - dt * self._rate(x) // NS_PER_S)
+
+    def _reschedule(self) -> None:
+        self._advance()
+        now = int(self.env.now)
+        self._gen += 1
+        gen = self._gen
+        soonest = -1
+        for xid in self._active:
+            x = self.xfers[xid]
+            rate = self._rate(x)
+            x.finish_at = now + -(-x.remaining * NS_PER_S // rate)
+            if soonest < 0 or x.finish_at < soonest:
+                soonest = x.finish_at
+        if soonest >= 0:
+            self._at(soonest - now, lambda: self._on_timer(gen))
+
+    def _on_timer(self, gen: int) -> None:
+        if gen != self._gen:
+            return  # superseded by a later recomputation
+        self._advance()
+        now = int(self.env.now)
+        finished = [xid for xid in self._active if self.xfers[xid].finish_at <= now]
+        for xid in finished:
+            x = self.xfers[xid]
+            x.remaining = 0
+            self._deactivate(x)
+            nic = self.nodes[x.initiator].nic
+            delay = nic.latency_ns + self._jitter(nic.jitter_ns)
+            self._at(delay, lambda x=x: self._land(x))
+        self._reschedule()
+
+    def _deactivate(self, x: Xfer) -> None:
+        if not x.active:
+            return
+        x.active = False
+        self._active.remove(x.xid)
+        self.nodes[x.src].active_out -= 1
+        self.nodes[x.dst].active_in -= 1
+
+    def _free_slot(self, x: Xfer) -> None:
+        ini = self.nodes[x.initiator]
+        if ini.incarnation != (x.src_inc if x.initiator == x.src else x.dst_inc) or not ini.up:
+            return
+        ini.inflight -= 1
+        while ini.queued and ini.inflight < ini.nic.max_inflight:
+            nxt = self.xfers.get(ini.queued.popleft())
+            if nxt is not None and nxt.state is XferState.PROC:
+                self._start(nxt)
+
+    def _peer_gone(self, x: Xfer) -> str:
+        s, d = self.nodes[x.src], self.nodes[x.dst]
+        if not s.up or s.incarnation != x.src_inc:
+            return f"{x.src} restarted or down"
+        if not d.up or d.incarnation != x.dst_inc:
+            return f"{x.dst} restarted or down"
+        if not self.link(x.src, x.dst).up:
+            return "link down"
+        return ""
+
+    def _land(self, x: Xfer) -> None:
+        if x.state is not XferState.PROC:
+            return
+        gone = self._peer_gone(x)
+        if gone:
+            self._fail_later(x, gone, already_waited=False)
+            return
+        descs = x.descs
+        if x.inject_err:
+            # A failed write may have placed any prefix of its descriptors.
+            keep = self.rng.randrange(descs.count + 1) if descs.count else 0
+            descs = DescList(
+                *(
+                    a[:keep]
+                    for a in (
+                        descs.src_region,
+                        descs.src_offset,
+                        descs.dst_region,
+                        descs.dst_offset,
+                        descs.length,
+                    )
+                )
+            )
+        if self.on_land is not None:
+            self.on_land(x)
+        self._copy(x, descs)
+        x.landed_ns = int(self.env.now)
+        if x.inject_err:
+            self.record("xfer_err_injected", x.initiator, xid=x.xid, written=descs.count, tag=x.tag)
+            self._retire(x, XferState.ERR, "injected transfer error")
+            return
+        self.stats.bytes_landed += descs.total_bytes
+        if x.notif is not None:
+            self._deliver_notif(x.initiator, x.dst if x.initiator == x.src else x.src, None, x.notif, x.tag)
+        nic = self.nodes[x.initiator].nic
+        self._at(nic.latency_ns, lambda: self._retire(x, XferState.DONE, ""))
+
+    def _copy(self, x: Xfer, descs: DescList) -> None:
+        if descs.count == 0:
+            return
+        smem, dmem = self.nodes[x.src].memory, self.nodes[x.dst].memory
+        for sr, dr in sorted(
+            {
+                (int(a), int(b))
+                for a, b in zip(descs.src_region.tolist(), descs.dst_region.tolist(), strict=True)
+            }
+        ):
+            sel = (descs.src_region == sr) & (descs.dst_region == dr)
+            length = descs.length[sel]
+            src_idx = gather_index(descs.src_offset[sel], length)
+            dst_idx = gather_index(descs.dst_offset[sel], length)
+            dmem.region(dr)[dst_idx] = smem.region(sr)[src_idx]
+
+    def _deliver_notif(self, src: str, dst: str, inc: int | None, payload: bytes, tag: Any) -> None:
+        now = int(self.env.now)
+        fate = self.faults.notif_fate(src, dst, now)
+        if fate.dropped:
+            self.stats.notifs_dropped += 1
+            self.record("notif_drop", dst, src=src, tag=tag)
+            return
+
+        def put() -> None:
+            d = self.nodes[dst]
+            if not d.up or (inc is not None and d.incarnation != inc):
+                self.stats.notifs_dropped += 1
+                return
+            d.notifs.append((src, payload))
+            self.stats.notifs_delivered += 1
+            d.inbox.put(("notif", src))
+
+        if fate.extra_delay_ns > 0:
+            self._at(fate.extra_delay_ns, put)
+        else:
+            put()
+
+    def _fail_later(self, x: Xfer, reason: str, already_waited: bool = False) -> None:
+        """ERR after the NIC's error timeout, the way a dead peer shows up on a real NIC."""
+        if x.active:
+            self._advance()
+            self._deactivate(x)
+        x.err_reason = reason
+        nic = self.nodes[x.initiator].nic
+        self._at(
+            0 if already_waited else nic.error_timeout_ns, lambda: self._retire(x, XferState.ERR, reason)
+        )
+
+    def _retire(self, x: Xfer, state: XferState, reason: str, silent: bool = False) -> None:
+        if x.state is not XferState.PROC:
+            return
+        if x.active:
+            self._deactivate(x)
+            self._reschedule()
+        x.state = state
+        x.err_reason = reason
+        x.done_ns = int(self.env.now)
+        if x.started_ns >= 0:
+            self._free_slot(x)
+        if state is XferState.DONE:
+            self.stats.transfers_done += 1
+        else:
+            self.stats.transfers_err += 1
+        self.record(
+            "xfer_" + state.value.lower(),
+            x.initiator,
+            xid=x.xid,
+            reason=reason,
+            tag=x.tag,
+            posted=x.posted_ns,
+        )
+        ini = self.nodes[x.initiator]
+        if x.xid not in ini.handles:
+            self.xfers.pop(x.xid, None)
+        if not silent:
+            self.wake(x.initiator, ("xfer", x.xid))
+
+    # ------------------------------------------------------------------ introspection
+    def open_handles(self) -> dict[str, int]:
+        return {name: len(n.handles) for name, n in self.nodes.items() if n.handles}
+
+    def in_flight(self) -> int:
+        return sum(1 for x in self.xfers.values() if x.state is XferState.PROC)

@@ -1,0 +1,68 @@
+"""Fake registered memory: one numpy byte array per region id.
+
+Registration mirrors NIXL: a transfer may only touch bytes inside a registered region, and a
+descriptor that does not is refused before anything moves.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from kvferry.backends.simfabric.errors import RegionAccessError
+
+
+class FakeMemory:
+    """The registered regions of one node. Region ids are the planner's region ids."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self._regions: dict[int, np.ndarray] = {}
+
+    def register(self, region_id: int, nbytes: int) -> np.ndarray:
+        if region_id in self._regions:
+            raise RegionAccessError(f"{self.node}: region {region_id} registered twice")
+        if nbytes <= 0:
+            raise RegionAccessError(f"{self.node}: region {region_id} has size {nbytes}")
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        self._regions[region_id] = buf
+        return buf
+
+    def deregister(self, region_id: int) -> None:
+        if self._regions.pop(region_id, None) is None:
+            raise RegionAccessError(f"{self.node}: region {region_id} is not registered")
+
+    def wipe(self) -> None:
+        """A crash: every registration and every byte is gone."""
+        self._regions.clear()
+
+    def region(self, region_id: int) -> np.ndarray:
+        try:
+            return self._regions[region_id]
+        except KeyError:
+            raise RegionAccessError(f"{self.node}: region {region_id} is not registered") from None
+
+    def sizes(self) -> dict[int, int]:
+        return {rid: int(buf.size) for rid, buf in sorted(self._regions.items())}
+
+    @property
+    def registered(self) -> int:
+        return len(self._regions)
+
+    def check(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> None:
+        """Refuse descriptors that are negative, empty or run past the end of their region."""
+        if region.size == 0:
+            return
+        if (length <= 0).any() or (offset < 0).any():
+            bad = int(np.flatnonzero((length <= 0) | (offset < 0))[0])
+            raise RegionAccessError(
+                f"{self.node}: descriptor {bad} has offset {int(offset[bad])} length {int(length[bad])}"
+            )
+        for rid in np.unique(region).tolist():
+            buf = self._regions.get(int(rid))
+            if buf is None:
+                raise RegionAccessError(f"{self.node}: descriptor targets unregistered region {rid}")
+            sel = region == rid
+            end = int((offset[sel] + length[sel]).max())
+            if end > buf.size:
+                raise RegionAccessError(
+                    f"{self.node}: descriptor ends at byte {end} of region {rid} which has {buf.size}"
+                )

@@ -1,0 +1,80 @@
+"""Fabric parameters and their defaults, with where each number comes from.
+
+Sources are ../shared/DESIGN.md section 8 (measured) and section 3 (upstream vLLM numbers); a
+number with no measurement behind it says so and is a plain assumption a scenario can override.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+NS_PER_S = 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class NicSpec:
+    """One node's RDMA NIC as the simulator charges it."""
+
+    # 50 GB/s: a 400 Gb/s NIC per GPU, the usual H100 deployment (assumption), and just under the
+    # pinned D2H copy rate measured on the H100 machine (55.0 GB/s, DESIGN.md s8), which bounds
+    # what a GPU can feed a NIC.
+    bandwidth_bps: int = 50_000_000_000
+    # One-way wire + NIC latency of an RDMA write; a few microseconds on InfiniBand (assumption).
+    latency_ns: int = 5_000
+    # Uniform extra delay in [0, jitter) per transfer (assumption).
+    jitter_ns: int = 2_000
+    # Fixed cost and per-descriptor cost of posting one transfer: fitted to vLLM's measurement in
+    # DESIGN.md s3 (118 descriptors -> 460 us, 18,880 -> 46 ms): 2.43 us/descriptor + 174 us.
+    post_cost_ns: int = 174_000
+    per_desc_ns: int = 2_430
+    # Transfers a NIC keeps in flight before new posts queue (assumption; UCX keeps a bounded
+    # number of outstanding requests per endpoint).
+    max_inflight: int = 64
+    # How long a transfer into a dead peer or over a down link takes to report ERR (assumption:
+    # a UCX/IB retry timeout, shortened so simulated runs stay small).
+    error_timeout_ns: int = 2_000_000
+
+    def validate(self) -> None:
+        for name in ("bandwidth_bps", "max_inflight"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"nic.{name} must be positive")
+        for name in ("latency_ns", "jitter_ns", "post_cost_ns", "per_desc_ns", "error_timeout_ns"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"nic.{name} must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ControlSpec:
+    """The control channel (ZMQ over TCP in the real backend)."""
+
+    # 50 us one way: a TCP round trip on a datacenter network through ZMQ is ~100 us (assumption).
+    latency_ns: int = 50_000
+    jitter_ns: int = 10_000
+
+    def validate(self) -> None:
+        if self.latency_ns < 0 or self.jitter_ns < 0:
+            raise ValueError("control latency and jitter must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class FabricSpec:
+    nic: NicSpec = field(default_factory=NicSpec)
+    control: ControlSpec = field(default_factory=ControlSpec)
+    # Prepared descriptor lists (make_prepped_xfer) merge dense runs; one-shot posts never do
+    # (DESIGN.md s3).
+    prepped: bool = True
+
+    def validate(self) -> None:
+        self.nic.validate()
+        self.control.validate()
+
+
+# The CPU machine of DESIGN.md s8: NIXL UCX DRAM->DRAM across two processes on loopback.
+CPU_LOOPBACK = FabricSpec(nic=replace(NicSpec(), bandwidth_bps=560_000_000, latency_ns=20_000))
+# The same in one process (3.7-3.9 GB/s measured).
+CPU_IN_PROCESS = FabricSpec(nic=replace(NicSpec(), bandwidth_bps=3_800_000_000, latency_ns=2_000))
+PROFILES: dict[str, FabricSpec] = {
+    "h100-rdma": FabricSpec(),
+    "cpu-loopback": CPU_LOOPBACK,
+    "cpu-in-process": CPU_IN_PROCESS,
+}

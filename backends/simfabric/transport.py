@@ -1,0 +1,230 @@
+"""``SimTransport``: one rank's view of the simulated fabric, implementing ``backends.transport.Transport``.
+
+Mirrors what a NIXL agent does: local regions are registered buffers; a peer's regions are known
+only from the ``Register`` it sent (``add_peer``), and a descriptor outside them is refused before
+anything moves. The agent metadata carries the node's incarnation, so writes aimed at a peer that
+restarted since its metadata was loaded end in ERR, as they would against a stale remote agent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from kvferry.backends.simfabric.descriptors import DescList
+from kvferry.backends.simfabric.errors import RegionAccessError, UnknownPeerError
+from kvferry.backends.simfabric.fabric import Fabric
+from kvferry.backends.transport import XferHandle, XferState, aux_room_of
+from kvferry.core.geometry import PoolGeometry
+from kvferry.core.messages import Endpoint, GeometryWire, RegionAddr, Register
+
+# The aux buffer lives in the fake memory under an id no planner region can have.
+AUX_REGION = (1 << 20) + 1
+_STATE = {"PROC": XferState.PROC, "DONE": XferState.DONE, "ERR": XferState.ERR}
+
+
+def node_name(ep: Endpoint) -> str:
+    return f"{ep.server}{ep.rank}"
+
+
+def _meta(node: str, incarnation: int) -> bytes:
+    return f"sim:{node}:{incarnation}".encode()
+
+
+def _parse_meta(blob: bytes) -> tuple[str, int]:
+    try:
+        kind, node, inc = blob.decode().split(":")
+        if kind != "sim":
+            raise ValueError(kind)
+        return node, int(inc)
+    except ValueError:
+        raise UnknownPeerError(f"agent metadata {blob[:40]!r} is not a simulated agent") from None
+
+
+class _Peer:
+    __slots__ = ("aux_row_bytes", "aux_rows", "incarnation", "node", "region_bytes", "registration")
+
+    def __init__(self, registration: Register) -> None:
+        self.registration = registration
+        self.node, self.incarnation = _parse_meta(registration.agent_meta)
+        self.region_bytes = {r.region_id: r.nbytes for r in registration.regions}
+        self.aux_rows = registration.aux_rows
+        self.aux_row_bytes = registration.aux_row_bytes
+
+
+class SimTransport:
+    """Not thread-safe and needs not be: SimPy processes never run concurrently."""
+
+    def __init__(self, fabric: Fabric, endpoint: Endpoint, pool: PoolGeometry) -> None:
+        self.fabric = fabric
+        self._endpoint = endpoint
+        self.node = node_name(endpoint)
+        self.pool = pool
+        self.incarnation = fabric.node(self.node).incarnation
+        self.peers: dict[Endpoint, _Peer] = {}
+        self.aux_rows = 0
+        self.aux_row_bytes = 0
+        self._regions: tuple[Any, ...] = ()
+        # Writes the driver has not released yet; the world checks this is empty at quiescence.
+        self.handles: set[int] = set()
+        self.refused = 0
+
+    # --- identity and local memory ---------------------------------------------------------------
+    @property
+    def endpoint(self) -> Endpoint:
+        return self._endpoint
+
+    @property
+    def agent_name(self) -> str:
+        return f"{self.node}@{self.incarnation}"
+
+    def agent_metadata(self) -> bytes:
+        return _meta(self.node, self.incarnation)
+
+    def register_regions(self, regions: Sequence[Any], aux_rows: int, aux_row_bytes: int) -> None:
+        for r in regions:
+            self.fabric.register(self.node, int(r.region_id), int(r.nbytes))
+        self.fabric.register(self.node, AUX_REGION, aux_rows * aux_row_bytes)
+        self._regions = tuple(regions)
+        self.aux_rows, self.aux_row_bytes = aux_rows, aux_row_bytes
+
+    def region(self, region_id: int) -> np.ndarray:
+        return self.fabric.node(self.node).memory.region(region_id)
+
+    def aux_row(self, index: int) -> np.ndarray:
+        if not 0 <= index < self.aux_rows:
+            raise RegionAccessError(f"{self.node}: aux row {index} out of range ({self.aux_rows} rows)")
+        start = index * self.aux_row_bytes
+        return self.region(AUX_REGION)[start : start + self.aux_row_bytes]
+
+    def registration(self) -> Register:
+        # Fake base addresses: distinct, stable, and never used to move bytes here.
+        base = (hash_node(self.node) << 36) & ((1 << 62) - 1)
+        regions = [
+            RegionAddr(
+                region_id=int(r.region_id), addr=base + int(r.region_id) * (1 << 30), nbytes=int(r.nbytes)
+            )
+            for r in self._regions
+        ]
+        return Register(
+            src=self._endpoint,
+            agent_name=self.agent_name,
+            agent_meta=self.agent_metadata(),
+            geometry=GeometryWire.from_pool(self.pool),
+            regions=regions,
+            aux_addr=base + AUX_REGION * (1 << 10),
+            aux_row_bytes=self.aux_row_bytes,
+            aux_rows=self.aux_rows,
+        )
+
+    # --- peers -------------------------------------------------------------------------------------
+    def add_peer(self, peer: Endpoint, registration: Register) -> None:
+        self.peers[peer] = _Peer(registration)
+
+    def drop_peer(self, peer: Endpoint) -> None:
+        self.peers.pop(peer, None)
+
+    def _peer(self, peer: Endpoint) -> _Peer:
+        p = self.peers.get(peer)
+        if p is None:
+            raise UnknownPeerError(f"{self.node}: no metadata loaded for peer {peer}")
+        return p
+
+    # --- data plane ----------------------------------------------------------------------------------
+    def post_write(
+        self,
+        peer: Endpoint,
+        src_region: npt.NDArray[np.int64],
+        src_offset: npt.NDArray[np.int64],
+        dst_region: npt.NDArray[np.int64],
+        dst_offset: npt.NDArray[np.int64],
+        length: npt.NDArray[np.int64],
+        notif: bytes,
+        tag: Any = None,
+    ) -> XferHandle:
+        p = self._peer(peer)
+        d = DescList.of(src_region, src_offset, dst_region, dst_offset, length)
+        self._check_remote(p, d)
+        return self._post(p, d, notif, tag)
+
+    def post_aux_write(
+        self, peer: Endpoint, src_aux_index: int, dst_aux_index: int, notif: bytes, tag: Any = None
+    ) -> XferHandle:
+        p = self._peer(peer)
+        if not 0 <= dst_aux_index < p.aux_rows:
+            self.refused += 1
+            raise RegionAccessError(
+                f"{self.node}: aux row {dst_aux_index} outside {peer}'s {p.aux_rows} rows"
+            )
+        if not 0 <= src_aux_index < self.aux_rows:
+            self.refused += 1
+            raise RegionAccessError(f"{self.node}: local aux row {src_aux_index} out of range")
+        n = min(self.aux_row_bytes, p.aux_row_bytes)
+        d = DescList.of(
+            [AUX_REGION],
+            [src_aux_index * self.aux_row_bytes],
+            [AUX_REGION],
+            [dst_aux_index * p.aux_row_bytes],
+            [n],
+        )
+        return self._post(p, d, notif, tag)
+
+    def _check_remote(self, p: _Peer, d: DescList) -> None:
+        if d.count == 0:
+            return
+        if (d.length <= 0).any() or (d.dst_offset < 0).any():
+            self.refused += 1
+            raise RegionAccessError(f"{self.node}: negative or empty descriptor for {p.node}")
+        for rid in np.unique(d.dst_region).tolist():
+            size = p.region_bytes.get(int(rid))
+            sel = d.dst_region == rid
+            if size is None or int((d.dst_offset[sel] + d.length[sel]).max()) > size:
+                self.refused += 1
+                raise RegionAccessError(f"{self.node}: descriptor outside {p.node}'s registered region {rid}")
+
+    def _post(self, p: _Peer, d: DescList, notif: bytes, tag: Any) -> int:
+        try:
+            xid = self.fabric.post(
+                self.node, self.node, p.node, d, notif, tag=tag, dst_incarnation=p.incarnation
+            )
+        except RegionAccessError:
+            self.refused += 1
+            raise
+        self.handles.add(xid)
+        return xid
+
+    def check_xfer(self, handle: XferHandle) -> XferState:
+        if handle not in self.handles:
+            raise UnknownPeerError(f"{self.node}: unknown transfer handle {handle!r}")
+        return _STATE[self.fabric.state(self.node, handle).value]
+
+    def release_xfer(self, handle: XferHandle) -> None:
+        self.handles.discard(handle)
+        self.fabric.release(self.node, handle)
+
+    def send_notif(self, peer: Endpoint, notif: bytes, tag: Any = None) -> None:
+        p = self._peer(peer)
+        self.fabric.send_notif(self.node, p.node, notif, tag=tag)
+
+    def drain_notifs(self) -> list[bytes]:
+        return [payload for _src, payload in self.fabric.drain_notifs(self.node)]
+
+    def read_aux_room(self, aux_index: int) -> int:
+        return aux_room_of(self.aux_row(aux_index))
+
+    # --- control plane ----------------------------------------------------------------------------------
+    def send_control(self, peer: Endpoint, data: bytes, tag: Any = None) -> None:
+        self.fabric.send_control(self.node, node_name(peer), data, tag=tag)
+
+    def recv_control(self) -> list[bytes]:
+        return [payload for _src, payload in self.fabric.drain_control(self.node)]
+
+
+def hash_node(name: str) -> int:
+    """A small stable number per node name (no Python hash(): it is salted per process)."""
+    h = 0
+    for ch in name.encode():
+        h = (h * 131 + ch) & 0xFFFF
+    return h + 1

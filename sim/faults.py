@@ -1,0 +1,150 @@
+"""Fault personalities (swarm testing) and the injector the fabric consults.
+
+Swarm style: rather than every fault at a low rate in every run, one seed draws a *personality*:
+each fault kind is on or off, and when on its rate is drawn too. Runs then differ in kind, not only
+in luck, which finds bugs that need one fault to be frequent and another absent.
+
+Faults only happen during the fault window; afterwards the network heals (no drops, no ERR, all
+links up, crashed nodes restarted) and the liveness deadline starts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+
+from kvferry.backends.simfabric.faultapi import DELIVER, NOTIF_OK, ControlFate, NotifFate
+from kvferry.sim.rng import Streams
+from kvferry.sim.scenario import US, FaultEvent, Faults, Scenario
+
+
+def draw_personality(s: Scenario, streams: Streams) -> Scenario:
+    """Resolve ``faults.swarm`` into explicit rates and events drawn from the seed.
+
+    The result has ``swarm = false`` and replays identically from the same seed, so it is what a
+    failing run saves.
+    """
+    f = s.faults
+    if not f.swarm:
+        return s
+    rng = streams["swarm"]
+    window = s.phases.fault_window_us
+
+    def rate(current: float, hi: float) -> float:
+        if current > 0:
+            return current
+        return round(rng.uniform(0.0, hi), 4) if rng.random() < 0.5 else 0.0
+
+    nodes = s.node_names()
+    prefill = [n for n in nodes if n.startswith("prefill")]
+    decode = [n for n in nodes if n.startswith("decode")]
+    events = list(f.events)
+    if rng.random() < 0.35 and window > 0:
+        for _ in range(rng.randint(1, 2)):
+            events.append(
+                FaultEvent(
+                    at_us=rng.randrange(window),
+                    kind="crash",
+                    node=rng.choice(nodes),
+                    duration_us=rng.randrange(200, max(201, window // 2)),
+                )
+            )
+    if rng.random() < 0.35 and window > 0:
+        a, b = rng.choice(prefill), rng.choice(decode)
+        events.append(
+            FaultEvent(
+                at_us=rng.randrange(window),
+                kind="link_down",
+                node=a,
+                peer=b,
+                duration_us=rng.randrange(100, max(101, window // 3)),
+            )
+        )
+    if rng.random() < 0.35 and window > 0:
+        a, b = rng.choice(prefill), rng.choice(decode)
+        events.append(
+            FaultEvent(
+                at_us=rng.randrange(window),
+                kind="slow_link",
+                node=a,
+                peer=b,
+                duration_us=rng.randrange(100, max(101, window // 2)),
+                factor=round(rng.uniform(0.01, 0.5), 3),
+            )
+        )
+    resolved = replace(
+        f,
+        swarm=False,
+        ctrl_drop=rate(f.ctrl_drop, 0.2),
+        ctrl_dup=rate(f.ctrl_dup, 0.2),
+        ctrl_reorder=rate(f.ctrl_reorder, 0.3),
+        ctrl_delay=rate(f.ctrl_delay, 0.3),
+        xfer_err=rate(f.xfer_err, 0.1),
+        notif_drop=rate(f.notif_drop, 0.1),
+        notif_delay=rate(f.notif_delay, 0.3),
+        clock_skew_max_us=f.clock_skew_max_us or (rng.choice((0, 50, 500, 5000))),
+        events=tuple(sorted(events, key=lambda e: (e.at_us, e.kind, e.node, e.peer))),
+    )
+    return replace(s, faults=resolved)
+
+
+class Injector:
+    """Implements the fabric's fault hooks from the resolved personality and named streams."""
+
+    def __init__(self, faults: Faults, fault_window_ns: int, streams: Streams) -> None:
+        self.f = faults
+        self.window_ns = fault_window_ns
+        self.ctrl_rng: random.Random = streams["faults.control"]
+        self.xfer_rng: random.Random = streams["faults.transfer"]
+        self.notif_rng: random.Random = streams["faults.notif"]
+        self.counts: Counter[str] = Counter()
+
+    def healed(self, now: int) -> bool:
+        return now >= self.window_ns
+
+    def control_fate(self, src: str, dst: str, now: int) -> ControlFate:
+        f = self.f
+        if self.healed(now):
+            return DELIVER
+        rng = self.ctrl_rng
+        if f.ctrl_drop and rng.random() < f.ctrl_drop:
+            self.counts["ctrl_drop"] += 1
+            return ControlFate(dropped=True)
+        copies = 1
+        if f.ctrl_dup and rng.random() < f.ctrl_dup:
+            self.counts["ctrl_dup"] += 1
+            copies = 2
+        delays = []
+        for _ in range(copies):
+            extra = 0
+            if f.ctrl_delay and rng.random() < f.ctrl_delay:
+                self.counts["ctrl_delay"] += 1
+                extra += rng.randrange(1, f.ctrl_delay_max_us * US + 2)
+            if f.ctrl_reorder and rng.random() < f.ctrl_reorder:
+                # A random extra delay of a few control latencies lets later messages overtake.
+                self.counts["ctrl_reorder"] += 1
+                extra += rng.randrange(1, 200 * US)
+            delays.append(extra)
+        return ControlFate(dropped=False, extra_delays_ns=tuple(delays))
+
+    def transfer_err(self, src: str, dst: str, now: int) -> bool:
+        if self.healed(now) or not self.f.xfer_err:
+            return False
+        if self.xfer_rng.random() < self.f.xfer_err:
+            self.counts["xfer_err"] += 1
+            return True
+        return False
+
+    def notif_fate(self, src: str, dst: str, now: int) -> NotifFate:
+        f = self.f
+        if self.healed(now):
+            return NOTIF_OK
+        rng = self.notif_rng
+        if f.notif_drop and rng.random() < f.notif_drop:
+            self.counts["notif_drop"] += 1
+            return NotifFate(dropped=True)
+        if f.notif_delay and rng.random() < f.notif_delay:
+            self.counts["notif_delay"] += 1
+            return NotifFate(extra_delay_ns=rng.randrange(1, f.notif_delay_max_us * US + 2))
+        return NOTIF_OK

@@ -1,0 +1,543 @@
+"""Scenario files: TOML describing topology, geometry, fabric, workload, faults, phases and checks.
+
+``load(path)`` parses and validates; every error names the file and the offending field
+(``[faults].ctrl_drop: expected a probability in [0, 1], got 1.5``). ``dump(scenario)`` writes a
+scenario back as TOML, which is how a failing fuzz seed becomes a regression file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from kvferry.backends.simfabric.spec import PROFILES, ControlSpec, FabricSpec, NicSpec
+from kvferry.core.errors import GeometryError, KvferryError
+from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry, validate_tp
+
+US = 1_000
+
+
+class ScenarioError(KvferryError, ValueError):
+    """A scenario file that cannot be run; the message names the field."""
+
+
+FAULT_EVENT_KINDS = ("crash", "link_down", "slow_link")
+NODE_EVENT_KINDS = ("crash",)
+HOOKS = ("free_pages_early", "chunk_offset_own_length", "keep_room_tables")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str = "sim-tiny"
+    num_layers: int = 2
+    num_kv_heads: int = 8
+    head_dim: int = 8
+    dtype: str = "bf16"
+    is_mla: bool = False
+
+    def geometry(self) -> ModelGeometry:
+        return ModelGeometry(
+            self.name, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.is_mla
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    prefill_tp: int = 2
+    decode_tp: int = 1
+    prefill_page_size: int = 16
+    decode_page_size: int = 16
+    prefill_pages: int = 1024
+    decode_pages: int = 1024
+    prefill_layout: str = "sglang_nhd"
+    decode_layout: str = "sglang_nhd"
+    workers: int = 2  # transfer queues (one worker each) per prefill rank, as in seed 000
+    aux_rows: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class RoomSpec:
+    tokens: int
+    arrival_us: int
+    chunks: tuple[int, ...] = ()  # explicit chunk lengths; empty: split by workload.chunk_tokens
+    prefill_delay_us: int = 0  # prefill compute starts this long after decode allocates
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    rooms: int = 32
+    tokens_min: int = 16
+    tokens_max: int = 256
+    chunk_tokens: int = 64
+    arrival_mean_us: int = 100
+    # Time to "compute" one chunk on prefill (forward pass), per token.
+    compute_ns_per_token: int = 200
+    explicit: tuple[RoomSpec, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FaultEvent:
+    at_us: int
+    kind: str
+    node: str
+    peer: str = ""
+    duration_us: int = 0  # crash: restart after; link_down: up after; slow_link: restore after
+    factor: float = 1.0  # slow_link bandwidth multiplier
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    swarm: bool = False  # draw a fault personality from the seed for everything unset below
+    ctrl_drop: float = 0.0
+    ctrl_dup: float = 0.0
+    ctrl_reorder: float = 0.0
+    ctrl_delay: float = 0.0
+    ctrl_delay_max_us: int = 500
+    xfer_err: float = 0.0
+    notif_drop: float = 0.0
+    notif_delay: float = 0.0
+    notif_delay_max_us: int = 500
+    clock_skew_max_us: int = 0
+    events: tuple[FaultEvent, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Phases:
+    fault_window_us: int = 20_000  # faults injected until then; afterwards the network heals
+    liveness_us: int = 2_000_000  # after the heal, every room must be terminal within this
+
+
+@dataclass(frozen=True, slots=True)
+class Checks:
+    bytes: bool = True
+    ownership: bool = True
+    monotone: bool = True
+    agreement: bool = True
+    liveness: bool = True
+    conservation: bool = True
+    tables_empty: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str = "unnamed"
+    description: str = ""
+    seed: int = 0
+    model: ModelSpec = field(default_factory=ModelSpec)
+    topology: Topology = field(default_factory=Topology)
+    fabric_profile: str = "h100-rdma"
+    fabric: FabricSpec = field(default_factory=FabricSpec)
+    workload: Workload = field(default_factory=Workload)
+    faults: Faults = field(default_factory=Faults)
+    phases: Phases = field(default_factory=Phases)
+    checks: Checks = field(default_factory=Checks)
+    hooks: tuple[str, ...] = ()  # planted bugs (tests only)
+    expect_violations: tuple[str, ...] = ()  # invariants a regression file is known to break
+
+    def node_names(self) -> tuple[str, ...]:
+        t = self.topology
+        return tuple(f"prefill{r}" for r in range(t.prefill_tp)) + tuple(
+            f"decode{r}" for r in range(t.decode_tp)
+        )
+
+
+# ---------------------------------------------------------------------------------------- parsing
+
+
+class _Reader:
+    """Pulls typed fields out of one TOML table, naming the field in every error."""
+
+    def __init__(self, where: str, table: Any, known: tuple[str, ...]) -> None:
+        if not isinstance(table, dict):
+            raise ScenarioError(f"{where}: expected a table, got {type(table).__name__}")
+        self.where = where
+        self.table = table
+        for key in table:
+            if key not in known:
+                hint = difflib.get_close_matches(key, known, n=1)
+                extra = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(known)})"
+                raise ScenarioError(f"{where}.{key}: unknown field{extra}")
+
+    def _err(self, key: str, msg: str) -> ScenarioError:
+        return ScenarioError(f"{self.where}.{key}: {msg}")
+
+    def int(self, key: str, default: int, lo: int | None = 0, hi: int | None = None) -> int:
+        v = self.table.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise self._err(key, f"expected an integer, got {v!r}")
+        if lo is not None and v < lo:
+            raise self._err(key, f"must be >= {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise self._err(key, f"must be <= {hi}, got {v}")
+        return v
+
+    def float(self, key: str, default: float, lo: float = 0.0, hi: float | None = None) -> float:
+        v = self.table.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise self._err(key, f"expected a number, got {v!r}")
+        if v < lo or (hi is not None and v > hi):
+            rng = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise self._err(key, f"expected a number in {rng}, got {v}")
+        return float(v)
+
+    def prob(self, key: str, default: float) -> float:
+        v = self.table.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= v <= 1.0:
+            raise self._err(key, f"expected a probability in [0, 1], got {v!r}")
+        return float(v)
+
+    def bool(self, key: str, default: bool) -> bool:
+        v = self.table.get(key, default)
+        if not isinstance(v, bool):
+            raise self._err(key, f"expected true or false, got {v!r}")
+        return v
+
+    def str(self, key: str, default: str, choices: tuple[str, ...] | None = None) -> str:
+        v = self.table.get(key, default)
+        if not isinstance(v, str):
+            raise self._err(key, f"expected a string, got {v!r}")
+        if choices is not None and v not in choices:
+            raise self._err(key, f"expected one of {', '.join(choices)}, got {v!r}")
+        return v
+
+    def list(self, key: str) -> list[Any]:
+        v = self.table.get(key, [])
+        if not isinstance(v, list):
+            raise self._err(key, f"expected an array, got {v!r}")
+        return v
+
+
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def _model(r: _Reader) -> ModelSpec:
+    if "preset" in r.table:
+        name = r.str("preset", "")
+        extra = [k for k in r.table if k != "preset"]
+        if extra:
+            raise ScenarioError(f"{r.where}.{extra[0]}: give either preset or explicit fields, not both")
+        try:
+            g = ModelGeometry.preset(name)
+        except GeometryError as e:
+            raise ScenarioError(f"{r.where}.preset: {e}") from None
+        return ModelSpec(g.name, g.num_layers, g.num_kv_heads, g.head_dim, g.dtype.value, g.is_mla)
+    d = ModelSpec()
+    spec = ModelSpec(
+        name=r.str("name", d.name),
+        num_layers=r.int("num_layers", d.num_layers, lo=1),
+        num_kv_heads=r.int("num_kv_heads", d.num_kv_heads, lo=1),
+        head_dim=r.int("head_dim", d.head_dim, lo=1),
+        dtype=r.str("dtype", d.dtype),
+        is_mla=r.bool("is_mla", d.is_mla),
+    )
+    try:
+        spec.geometry()
+    except GeometryError as e:
+        raise ScenarioError(f"{r.where}: {e}") from None
+    return spec
+
+
+def _topology(r: _Reader, model: ModelSpec) -> Topology:
+    d = Topology()
+    layouts = tuple(x.value for x in Layout)
+    t = Topology(
+        prefill_tp=r.int("prefill_tp", d.prefill_tp, lo=1, hi=64),
+        decode_tp=r.int("decode_tp", d.decode_tp, lo=1, hi=64),
+        prefill_page_size=r.int("prefill_page_size", d.prefill_page_size, lo=1, hi=1024),
+        decode_page_size=r.int("decode_page_size", d.decode_page_size, lo=1, hi=1024),
+        prefill_pages=r.int("prefill_pages", d.prefill_pages, lo=1, hi=1 << 20),
+        decode_pages=r.int("decode_pages", d.decode_pages, lo=1, hi=1 << 20),
+        prefill_layout=r.str("prefill_layout", d.prefill_layout, layouts),
+        decode_layout=r.str("decode_layout", d.decode_layout, layouts),
+        workers=r.int("workers", d.workers, lo=1, hi=64),
+        aux_rows=r.int("aux_rows", d.aux_rows, lo=1, hi=1 << 16),
+    )
+    g = model.geometry()
+    for key in ("prefill_tp", "decode_tp"):
+        try:
+            validate_tp(g, getattr(t, key))
+        except GeometryError as e:
+            raise ScenarioError(f"{r.where}.{key}: {e}") from None
+    return t
+
+
+def _fabric(r: _Reader) -> tuple[str, FabricSpec]:
+    profile = r.str("profile", "h100-rdma", tuple(PROFILES))
+    base = PROFILES[profile]
+    n, c = base.nic, base.control
+    nic = NicSpec(
+        bandwidth_bps=int(r.float("bandwidth_gbps", n.bandwidth_bps / 1e9, lo=0.001) * 1e9),
+        latency_ns=r.int("latency_ns", n.latency_ns),
+        jitter_ns=r.int("jitter_ns", n.jitter_ns),
+        post_cost_ns=r.int("post_cost_ns", n.post_cost_ns),
+        per_desc_ns=r.int("per_desc_ns", n.per_desc_ns),
+        max_inflight=r.int("max_inflight", n.max_inflight, lo=1),
+        error_timeout_ns=r.int("error_timeout_ns", n.error_timeout_ns),
+    )
+    control = ControlSpec(
+        latency_ns=r.int("control_latency_ns", c.latency_ns),
+        jitter_ns=r.int("control_jitter_ns", c.jitter_ns),
+    )
+    return profile, FabricSpec(nic=nic, control=control, prepped=r.bool("prepped", base.prepped))
+
+
+def _workload(r: _Reader, topo: Topology) -> Workload:
+    d = Workload()
+    rooms: list[RoomSpec] = []
+    for i, raw in enumerate(r.list("room")):
+        rr = _Reader(f"{r.where}.room[{i}]", raw, _names(RoomSpec))
+        tokens = rr.int("tokens", 0, lo=1)
+        chunks = rr.list("chunks")
+        if any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in chunks):
+            raise ScenarioError(f"{rr.where}.chunks: expected positive integers, got {chunks!r}")
+        if chunks and sum(chunks) != tokens:
+            raise ScenarioError(f"{rr.where}.chunks: lengths sum to {sum(chunks)}, room has {tokens} tokens")
+        rooms.append(RoomSpec(tokens, rr.int("arrival_us", 0), tuple(chunks), rr.int("prefill_delay_us", 0)))
+    w = Workload(
+        rooms=r.int("rooms", len(rooms) if rooms else d.rooms, lo=0, hi=1_000_000),
+        tokens_min=r.int("tokens_min", d.tokens_min, lo=1),
+        tokens_max=r.int("tokens_max", d.tokens_max, lo=1),
+        chunk_tokens=r.int("chunk_tokens", d.chunk_tokens, lo=0),
+        arrival_mean_us=r.int("arrival_mean_us", d.arrival_mean_us),
+        compute_ns_per_token=r.int("compute_ns_per_token", d.compute_ns_per_token),
+        explicit=tuple(rooms),
+    )
+    if rooms and w.rooms != len(rooms):
+        raise ScenarioError(f"{r.where}.rooms: {w.rooms} but {len(rooms)} [[workload.room]] entries")
+    if w.tokens_min > w.tokens_max:
+        raise ScenarioError(f"{r.where}.tokens_min: {w.tokens_min} > tokens_max {w.tokens_max}")
+    longest = max([x.tokens for x in rooms] or [w.tokens_max])
+    for side in ("prefill", "decode"):
+        cap = getattr(topo, f"{side}_pages") * getattr(topo, f"{side}_page_size")
+        if longest > cap:
+            raise ScenarioError(
+                f"{r.where}: a room of {longest} tokens does not fit the {side} pool ({cap} tokens)"
+            )
+    return w
+
+
+def _faults(r: _Reader, nodes: tuple[str, ...]) -> Faults:
+    d = Faults()
+    events: list[FaultEvent] = []
+    for i, raw in enumerate(r.list("event")):
+        er = _Reader(f"{r.where}.event[{i}]", raw, _names(FaultEvent))
+        kind = er.str("kind", "", FAULT_EVENT_KINDS)
+        node = er.str("node", "", nodes)
+        peer = er.str("peer", "", ("", *nodes))
+        if kind != "crash" and not peer:
+            raise ScenarioError(f"{er.where}.peer: a {kind} event needs the other end of the link")
+        if peer == node:
+            raise ScenarioError(f"{er.where}.peer: a link joins two different nodes")
+        events.append(
+            FaultEvent(
+                at_us=er.int("at_us", 0),
+                kind=kind,
+                node=node,
+                peer=peer,
+                duration_us=er.int("duration_us", 0),
+                factor=er.float("factor", 1.0, lo=1e-6, hi=1.0),
+            )
+        )
+    return Faults(
+        swarm=r.bool("swarm", d.swarm),
+        ctrl_drop=r.prob("ctrl_drop", d.ctrl_drop),
+        ctrl_dup=r.prob("ctrl_dup", d.ctrl_dup),
+        ctrl_reorder=r.prob("ctrl_reorder", d.ctrl_reorder),
+        ctrl_delay=r.prob("ctrl_delay", d.ctrl_delay),
+        ctrl_delay_max_us=r.int("ctrl_delay_max_us", d.ctrl_delay_max_us),
+        xfer_err=r.prob("xfer_err", d.xfer_err),
+        notif_drop=r.prob("notif_drop", d.notif_drop),
+        notif_delay=r.prob("notif_delay", d.notif_delay),
+        notif_delay_max_us=r.int("notif_delay_max_us", d.notif_delay_max_us),
+        clock_skew_max_us=r.int("clock_skew_max_us", d.clock_skew_max_us),
+        events=tuple(sorted(events, key=lambda e: (e.at_us, e.kind, e.node, e.peer))),
+    )
+
+
+def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
+    top = _Reader(
+        where,
+        data,
+        (
+            "name",
+            "description",
+            "seed",
+            "model",
+            "topology",
+            "fabric",
+            "workload",
+            "faults",
+            "phases",
+            "checks",
+            "hooks",
+            "expect",
+        ),
+    )
+    model = _model(_Reader(f"{where}: [model]", data.get("model", {}), (*_names(ModelSpec), "preset")))
+    topo = _topology(_Reader(f"{where}: [topology]", data.get("topology", {}), _names(Topology)), model)
+    profile, fabric = _fabric(
+        _Reader(
+            f"{where}: [fabric]",
+            data.get("fabric", {}),
+            (
+                "profile",
+                "bandwidth_gbps",
+                "latency_ns",
+                "jitter_ns",
+                "post_cost_ns",
+                "per_desc_ns",
+                "max_inflight",
+                "error_timeout_ns",
+                "control_latency_ns",
+                "control_jitter_ns",
+                "prepped",
+            ),
+        )
+    )
+    work = _workload(
+        _Reader(
+            f"{where}: [workload]",
+            data.get("workload", {}),
+            (*(n for n in _names(Workload) if n != "explicit"), "room"),
+        ),
+        topo,
+    )
+    base = Scenario(topology=topo)
+    faults = _faults(
+        _Reader(
+            f"{where}: [faults]",
+            data.get("faults", {}),
+            (*(n for n in _names(Faults) if n != "events"), "event"),
+        ),
+        base.node_names(),
+    )
+    pr = _Reader(f"{where}: [phases]", data.get("phases", {}), _names(Phases))
+    phases = Phases(
+        pr.int("fault_window_us", Phases.fault_window_us), pr.int("liveness_us", Phases.liveness_us, lo=1)
+    )
+    cr = _Reader(f"{where}: [checks]", data.get("checks", {}), _names(Checks))
+    checks = Checks(**{n: cr.bool(n, True) for n in _names(Checks)})
+    hooks = top.list("hooks")
+    for h in hooks:
+        if h not in HOOKS:
+            raise ScenarioError(f"{where}.hooks: unknown planted bug {h!r} (known: {', '.join(HOOKS)})")
+    er = _Reader(f"{where}: [expect]", data.get("expect", {}), ("violations",))
+    expect = er.list("violations")
+    return Scenario(
+        name=top.str("name", "unnamed"),
+        description=top.str("description", ""),
+        seed=top.int("seed", 0),
+        model=model,
+        topology=topo,
+        fabric_profile=profile,
+        fabric=fabric,
+        workload=work,
+        faults=faults,
+        phases=phases,
+        checks=checks,
+        hooks=tuple(hooks),
+        expect_violations=tuple(str(x) for x in expect),
+    )
+
+
+def load(path: str | Path) -> Scenario:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ScenarioError(f"{p}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{p}: not valid TOML: {e}") from None
+    return parse(data, where=str(p))
+
+
+def pools(s: Scenario) -> tuple[tuple[PoolGeometry, ...], tuple[PoolGeometry, ...]]:
+    g = s.model.geometry()
+    t = s.topology
+    pre = tuple(
+        PoolGeometry(g, t.prefill_tp, r, t.prefill_page_size, t.prefill_pages, Layout(t.prefill_layout))
+        for r in range(t.prefill_tp)
+    )
+    dec = tuple(
+        PoolGeometry(g, t.decode_tp, r, t.decode_page_size, t.decode_pages, Layout(t.decode_layout))
+        for r in range(t.decode_tp)
+    )
+    return pre, dec
+
+
+# ---------------------------------------------------------------------------------------- writing
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(v, tuple | list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _table(name: str, values: dict[str, Any]) -> list[str]:
+    lines = [f"[{name}]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    return [*lines, ""]
+
+
+def dump(s: Scenario) -> str:
+    """The scenario as TOML; ``parse(tomllib.loads(dump(s)))`` gives ``s`` back."""
+    out = [f"name = {_toml_value(s.name)}", f"description = {_toml_value(s.description)}", f"seed = {s.seed}"]
+    if s.hooks:
+        out.append(f"hooks = {_toml_value(s.hooks)}")
+    out.append("")
+    m = s.model
+    out += _table("model", {f.name: getattr(m, f.name) for f in fields(ModelSpec)})
+    out += _table("topology", {f.name: getattr(s.topology, f.name) for f in fields(Topology)})
+    n, c = s.fabric.nic, s.fabric.control
+    out += _table(
+        "fabric",
+        {
+            "profile": s.fabric_profile,
+            "bandwidth_gbps": n.bandwidth_bps / 1e9,
+            "latency_ns": n.latency_ns,
+            "jitter_ns": n.jitter_ns,
+            "post_cost_ns": n.post_cost_ns,
+            "per_desc_ns": n.per_desc_ns,
+            "max_inflight": n.max_inflight,
+            "error_timeout_ns": n.error_timeout_ns,
+            "control_latency_ns": c.latency_ns,
+            "control_jitter_ns": c.jitter_ns,
+            "prepped": s.fabric.prepped,
+        },
+    )
+    w = s.workload
+    out += _table("workload", {f.name: getattr(w, f.name) for f in fields(Workload) if f.name != "explicit"})
+    for room in w.explicit:
+        out += _table(
+            "[workload.room]",
+            {
+                "tokens": room.tokens,
+                "arrival_us": room.arrival_us,
+                "chunks": room.chunks,
+                "prefill_delay_us": room.prefill_delay_us,
+            },
+        )
+    f = s.faults
+    out += _table("faults", {x.name: getattr(f, x.name) for x in fields(Faults) if x.name != "events"})
+    for ev in f.events:
+        out += _table("[faults.event]", {x.name: getattr(ev, x.name) for x in fields(FaultEvent)})
+    out += _table("phases", {x.name: getattr(s.phases, x.name) for x in fields(Phases)})
+    out += _table("checks", {x.name: getattr(s.checks, x.name) for x in fields(Checks)})
+    if s.expect_violations:
+        out += _table("expect", {"violations": s.expect_violations})
+    return "\n".join(out)
+
+
+def with_overrides(s: Scenario, **kw: Any) -> Scenario:
+    return replace(s, **kw)

@@ -1,0 +1,66 @@
+"""The event trace of one run: a running hash for determinism checks, listeners for the invariant
+checker, and optional retention for the Chrome/Perfetto trace writer.
+
+Events are (time ns, node, kind, attrs). The hash covers a canonical text form of every event, so
+two runs with the same seed must produce the same digest, event for event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Listener = Callable[["Event"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    t: int
+    node: str
+    kind: str
+    attrs: tuple[tuple[str, Any], ...]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+
+def _canon(v: Any) -> str:
+    # repr of ints, strings, tuples and enums is stable; anything else would make the hash
+    # depend on object identity, so refuse it loudly.
+    if isinstance(v, bool | int | str | float | bytes) or v is None:
+        return repr(v)
+    if isinstance(v, tuple | list):
+        return "(" + ",".join(_canon(x) for x in v) + ")"
+    if hasattr(v, "name") and hasattr(v, "value"):  # enums
+        return f"{type(v).__name__}.{v.name}"
+    raise TypeError(f"trace attribute of type {type(v).__name__} has no canonical form")
+
+
+class Trace:
+    def __init__(self, clock: Callable[[], int], keep: bool = False) -> None:
+        self._clock = clock
+        self._hash = hashlib.blake2b(digest_size=16)
+        self.keep = keep
+        self.events: list[Event] = []
+        self.count = 0
+        self.listeners: list[Listener] = []
+
+    def record(self, kind: str, node: str, **attrs: Any) -> None:
+        t = int(self._clock())
+        items = tuple(sorted(attrs.items()))
+        self._hash.update(f"{t}|{node}|{kind}|{';'.join(f'{k}={_canon(v)}' for k, v in items)}\n".encode())
+        self.count += 1
+        if self.keep or self.listeners:
+            ev = Event(t, node, kind, items)
+            if self.keep:
+                self.events.append(ev)
+            for fn in self.listeners:
+                fn(ev)
+
+    def digest(self) -> str:
+        return self._hash.hexdigest()
