@@ -1,0 +1,326 @@
+"""The transfer planner: which bytes of a prefill rank's pool go where in a decode rank's pool.
+
+Pure and vectorised. The token is the unit that maps: token ``t`` of a room lives in slot
+``t % page_size`` of page ``pages[t // page_size]`` on each side, whatever the two page sizes are.
+A rank pair exchanges the global heads its ``Link`` names (see ``geometry.links``), for every
+region (layer x K|V, or layer for MLA).
+
+Descriptors are ``(src_region, src_offset, dst_region, dst_offset, length)`` in bytes, always
+prefill memory -> decode memory, whoever posts them (push WRITE or pull READ).
+
+Why one region is planned once: every region of a pool has the same layout, and region ``r`` of
+the source maps to region ``r`` of the destination, so the (src_offset, dst_offset, length)
+pattern of one region is the pattern of all of them. The per-token work is done once and tiled
+over the ``num_regions`` regions; the cost is ``O(T log T)`` in tokens, independent of layers.
+
+Coalescing: pieces (one token's head range, or one (token, head) where a side is head-major in a
+page) are sorted by source offset and adjacent pieces merge when both sides continue contiguously.
+Within a region each source byte is sent at most once, so a piece's contiguous successor, if any,
+is the next piece in source order: the merged count is the number of maximal contiguous runs,
+the minimum any descriptor list can have (descriptors never span regions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import lru_cache
+
+import numpy as np
+from kvferry.core.errors import PlanError
+from kvferry.core.geometry import Link, ModelGeometry, PoolGeometry, links
+
+__all__ = [
+    "Direction",
+    "RankPlan",
+    "RoomPlan",
+    "as_page_ids",
+    "check_room",
+    "find_link",
+    "plan_rank_pair",
+    "plan_room",
+]
+
+
+class Direction(StrEnum):
+    """Who posts the descriptors: prefill WRITEs into decode (push) or decode READs (pull)."""
+
+    WRITE = "write"
+    READ = "read"
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY.flags.writeable = False
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RankPlan:
+    """Descriptors one (prefill rank, decode rank) pair moves for tokens ``[token_start, token_end)``.
+
+    The five arrays are read-only int64 arrays of equal length ``count``. Regions ascend, and
+    within a region source offsets ascend. ``descriptors_unmerged`` is the count before coalescing.
+    """
+
+    src_rank: int
+    dst_rank: int
+    src_region: np.ndarray
+    src_offset: np.ndarray
+    dst_region: np.ndarray
+    dst_offset: np.ndarray
+    length: np.ndarray
+    descriptors_unmerged: int
+    count: int
+    total_bytes: int
+    head_start: int
+    num_heads: int
+    token_start: int
+    token_end: int
+    direction: Direction = Direction.WRITE
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.num_heads == 0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RoomPlan:
+    """Every rank pair of a room (or of one chunk of it).
+
+    ``links``: all pairings, dummies included (a decode rank waits for each of them to finish).
+    ``pairs``: the plans of the real senders, in ``links`` order.
+    """
+
+    links: tuple[Link, ...]
+    pairs: tuple[RankPlan, ...]
+    token_start: int
+    token_end: int
+
+    @property
+    def count(self) -> int:
+        return sum(p.count for p in self.pairs)
+
+    @property
+    def descriptors_unmerged(self) -> int:
+        return sum(p.descriptors_unmerged for p in self.pairs)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.total_bytes for p in self.pairs)
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+
+def as_page_ids(pages: object, pool: PoolGeometry, side: str) -> np.ndarray:
+    """Page ids as a 1-D int64 array, checked: integers, in range, no page listed twice."""
+    arr = np.asarray(pages)
+    if arr.ndim != 1:
+        raise PlanError(f"{side} page ids must be a 1-D array, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise PlanError(f"{side} page ids must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= pool.num_pages:
+            bad = lo if lo < 0 else hi
+            raise PlanError(f"{side} page id {bad} out of range [0, {pool.num_pages})")
+        if np.unique(arr).size != arr.size:
+            # Two tokens sharing a page slot would overwrite each other: never plan that.
+            raise PlanError(f"{side} page ids repeat a page")
+    return arr
+
+
+def check_room(
+    src: PoolGeometry,
+    dst: PoolGeometry,
+    src_pages: object,
+    dst_pages: object,
+    token_start: int,
+    token_end: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validate one rank pair's inputs; return the page id arrays. Raises PlanError."""
+    why = src.model.same_kv_shape(dst.model)
+    if why is not None:
+        raise PlanError(f"prefill and decode KV caches are incompatible: {why}")
+    for name, value in (("token_start", token_start), ("token_end", token_end)):
+        if not isinstance(value, int | np.integer) or isinstance(value, bool):
+            raise PlanError(f"{name} must be an integer, got {value!r}")
+    if not 0 <= token_start <= token_end:
+        raise PlanError(f"token range [{token_start}, {token_end}) is not a valid range")
+    sp = as_page_ids(src_pages, src, "prefill")
+    dp = as_page_ids(dst_pages, dst, "decode")
+    if sp.size * src.page_size < token_end:
+        raise PlanError(
+            f"tokens up to {token_end} exceed the prefill allocation of "
+            f"{sp.size} pages x {src.page_size} tokens"
+        )
+    if dp.size * dst.page_size < token_end:
+        raise PlanError(
+            f"tokens up to {token_end} exceed the decode allocation of "
+            f"{dp.size} pages x {dst.page_size} tokens"
+        )
+    return sp, dp
+
+
+@lru_cache(maxsize=256)
+def _link_map(model: ModelGeometry, prefill_tp: int, decode_tp: int) -> dict[tuple[int, int], Link]:
+    return {(x.prefill_rank, x.decode_rank): x for x in links(model, prefill_tp, decode_tp)}
+
+
+def find_link(src: PoolGeometry, dst: PoolGeometry) -> Link | None:
+    """The link between two ranks, or None when they never exchange anything."""
+    return _link_map(src.model, src.tp_size, dst.tp_size).get((src.tp_rank, dst.tp_rank))
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+
+def _slot_parts(pages: np.ndarray, page_size: int, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return pages[tokens // page_size], tokens % page_size
+
+
+def region_pattern(
+    src: PoolGeometry,
+    dst: PoolGeometry,
+    sp: np.ndarray,
+    dp: np.ndarray,
+    head_start: int,
+    num_heads: int,
+    token_start: int,
+    token_end: int,
+    coalesce: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(src_offset, dst_offset, length, unmerged count) of one region; identical for every region."""
+    tokens = np.arange(token_start, token_end, dtype=np.int64)
+    s_page, s_tip = _slot_parts(sp, src.page_size, tokens)
+    d_page, d_tip = _slot_parts(dp, dst.page_size, tokens)
+    s_head = head_start - src.head_start
+    d_head = head_start - dst.head_start
+    hb = src.head_bytes
+    s_base = s_page * src.page_stride + s_tip * src.token_stride + s_head * src.head_stride
+    d_base = d_page * dst.page_stride + d_tip * dst.token_stride + d_head * dst.head_stride
+    if src.layout.head_major_in_page or dst.layout.head_major_in_page:
+        # A token's heads are not contiguous on a head-major side: one piece per (token, head).
+        j = np.arange(num_heads, dtype=np.int64)
+        s_off = (s_base[:, None] + j * src.head_stride).ravel()
+        d_off = (d_base[:, None] + j * dst.head_stride).ravel()
+        piece = hb
+    else:
+        s_off, d_off, piece = s_base, d_base, num_heads * hb
+    unmerged = int(s_off.size)
+    if not coalesce or unmerged == 0:
+        return s_off, d_off, np.full(unmerged, piece, dtype=np.int64), unmerged
+    order = np.argsort(s_off, kind="stable")
+    s_off, d_off = s_off[order], d_off[order]
+    brk = np.empty(unmerged, dtype=bool)
+    brk[0] = True
+    np.not_equal(s_off[1:], s_off[:-1] + piece, out=brk[1:])
+    brk[1:] |= d_off[1:] != d_off[:-1] + piece
+    starts = np.flatnonzero(brk)
+    lengths = np.diff(np.append(starts, unmerged)) * piece
+    return s_off[starts], d_off[starts], lengths, unmerged
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+def plan_rank_pair(
+    src: PoolGeometry,
+    dst: PoolGeometry,
+    src_pages: object,
+    dst_pages: object,
+    token_start: int,
+    token_end: int,
+    *,
+    coalesce: bool = True,
+    direction: Direction = Direction.WRITE,
+) -> RankPlan:
+    """Descriptors prefill rank ``src.tp_rank`` moves into decode rank ``dst.tp_rank``.
+
+    ``src_pages``/``dst_pages`` are the room's page ids from token 0, in order; a chunk passes its
+    running ``token_start`` so chunk N lands after chunk N-1, never on top of it. Pairs that never
+    exchange bytes (dummies, unrelated ranks) get an empty plan. ``coalesce=False`` returns the
+    direct, one-piece-per-(token, region) plan in token order.
+    """
+    sp, dp = check_room(src, dst, src_pages, dst_pages, token_start, token_end)
+    token_start, token_end = int(token_start), int(token_end)
+    link = find_link(src, dst)
+    head_start, num_heads = (link.head_start, link.num_heads) if link else (0, 0)
+    if num_heads == 0 or token_end == token_start:
+        return RankPlan(
+            src.tp_rank, dst.tp_rank, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, 0, 0, 0,
+            head_start, num_heads, token_start, token_end, direction,
+        )  # fmt: skip
+    s_off, d_off, length, unmerged = region_pattern(
+        src, dst, sp, dp, head_start, num_heads, token_start, token_end, coalesce
+    )
+    n_regions = src.model.num_regions
+    per = s_off.size
+    region = _frozen(np.repeat(np.arange(n_regions, dtype=np.int64), per))
+    length_all = _frozen(np.tile(length, n_regions))
+    return RankPlan(
+        src_rank=src.tp_rank,
+        dst_rank=dst.tp_rank,
+        src_region=region,
+        src_offset=_frozen(np.tile(s_off, n_regions)),
+        dst_region=region,
+        dst_offset=_frozen(np.tile(d_off, n_regions)),
+        length=length_all,
+        descriptors_unmerged=unmerged * n_regions,
+        count=per * n_regions,
+        total_bytes=int(length.sum()) * n_regions,
+        head_start=head_start,
+        num_heads=num_heads,
+        token_start=token_start,
+        token_end=token_end,
+        direction=direction,
+    )
+
+
+def check_pools(pools: Sequence[PoolGeometry], side: str) -> None:
+    """One server's pools: ranks 0..tp-1 in order, one TP size, one model."""
+    if not pools:
+        raise PlanError(f"no {side} pools given")
+    tp = pools[0].tp_size
+    if len(pools) != tp:
+        raise PlanError(f"{side}: {len(pools)} pools given for TP size {tp}")
+    for i, pool in enumerate(pools):
+        if pool.tp_rank != i or pool.tp_size != tp or pool.model != pools[0].model:
+            raise PlanError(f"{side} pool {i} is not rank {i} of the same TP-{tp} server and model")
+
+
+def plan_room(
+    src_pools: Sequence[PoolGeometry],
+    dst_pools: Sequence[PoolGeometry],
+    src_pages: object,
+    dst_pages: object,
+    token_start: int,
+    token_end: int,
+    *,
+    coalesce: bool = True,
+    direction: Direction = Direction.WRITE,
+) -> RoomPlan:
+    """Plan every rank pair of a room (or chunk). All TP ranks of a server share the page ids."""
+    check_pools(src_pools, "prefill")
+    check_pools(dst_pools, "decode")
+    # Fails fast with the plan-level reason before the topology is asked about a foreign model.
+    check_room(src_pools[0], dst_pools[0], src_pages, dst_pages, token_start, token_end)
+    all_links = links(src_pools[0].model, len(src_pools), len(dst_pools))
+    pairs = tuple(
+        plan_rank_pair(
+            src_pools[x.prefill_rank],
+            dst_pools[x.decode_rank],
+            src_pages,
+            dst_pages,
+            token_start,
+            token_end,
+            coalesce=coalesce,
+            direction=direction,
+        )
+        for x in all_links
+        if not x.is_dummy
+    )
+    return RoomPlan(all_links, pairs, int(token_start), int(token_end))
