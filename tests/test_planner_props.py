@@ -20,56 +20,15 @@ from pathlib import Path
 
 import numpy as np
 from hypothesis import given, settings
-from hypothesis import strategies as st
-from kvferry.core.geometry import DType, Layout, ModelGeometry, make_pools
+from kvferry.core.geometry import make_pools
 from kvferry.core.planner import plan_room
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import refmodel
 
 
-def _tp_choices(heads: int) -> list[int]:
-    return [t for t in range(1, 17) if (t <= heads and heads % t == 0) or (t > heads and t % heads == 0)]
-
-
-@st.composite
-def rooms(draw: st.DrawFn) -> dict[str, object]:
-    mla = draw(st.booleans())
-    heads = 1 if mla else draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 32, 64]))
-    dtype = draw(st.sampled_from(list(DType)))
-    # Keep a token's bytes per region small so 16 ranks x 256-token pages stay cheap.
-    max_hd = max(1, 128 // (heads * dtype.itemsize))
-    head_dim = draw(st.integers(1, min(max_hd, 8)))
-    model = ModelGeometry("m", draw(st.integers(1, 2)), heads, head_dim, dtype, is_mla=mla)
-    tps = _tp_choices(heads)
-    page_sizes = st.one_of(st.integers(1, 8), st.sampled_from([16, 64, 256]))
-    tokens = draw(st.integers(1, 200))
-    ps_p, ps_d = draw(page_sizes), draw(page_sizes)
-    need_p, need_d = -(-tokens // ps_p), -(-tokens // ps_d)
-    # Decode sometimes allocates more pages than the room needs (a real allocator rounds up).
-    alloc_d = need_d + draw(st.integers(0, 2))
-    n_cuts = draw(st.integers(0, 3))
-    cuts = sorted({draw(st.integers(0, tokens)) for _ in range(n_cuts)} | {0, tokens})
-    return {
-        "model": model,
-        "ptp": draw(st.sampled_from(tps)),
-        "dtp": draw(st.sampled_from(tps)),
-        "ps_p": ps_p,
-        "ps_d": ps_d,
-        "pool_p": need_p + draw(st.integers(0, 3)),
-        "pool_d": alloc_d + draw(st.integers(0, 3)),
-        "need_p": need_p,
-        "alloc_d": alloc_d,
-        "layout_p": draw(st.sampled_from(list(Layout))),
-        "layout_d": draw(st.sampled_from(list(Layout))),
-        "tokens": tokens,
-        "cuts": cuts,
-        "seed": draw(st.integers(0, 2**32 - 1)),
-    }
-
-
 @settings(max_examples=60)
-@given(rooms())
+@given(refmodel.rooms())
 def test_room_plan_equals_logical_relayout(room: dict) -> None:
     model = room["model"]
     rng = np.random.default_rng(room["seed"])

@@ -1,0 +1,275 @@
+"""Head-major staging layouts for the bounce (seed 002) and staging-ring (seed 003) strategies.
+
+Instead of one descriptor per (token, layer, K|V), a gather kernel on the prefill side copies the
+heads a rank pair exchanges, for every layer and token of a chunk, into a staging buffer laid out
+so that those bytes are one contiguous block; one descriptor moves the block; a scatter kernel on
+the decode side copies it into the decode rank's pages.
+
+Formats (``T`` = tokens of the chunk, ``R`` = regions = layers x K|V, in region-id order, so
+``[R]`` is ``[layers, K|V]``; ``hb`` = head_dim x itemsize bytes):
+
+- ``HEAD_MAJOR`` (seed 002, pinned CPU bounce): one buffer per *rank*
+  ``[heads_per_rank, layers, K|V, T, head_dim]``. Every head range of the rank is contiguous, so a
+  prefill rank gathers once and each decode rank it serves gets one descriptor for its slice, and
+  each writer into a decode rank fills its own head slice of the decode rank's buffer.
+- ``LAYER_MAJOR`` (seed 003, GPU staging ring): one block per *writer* (rank pair)
+  ``[2L, T, heads_sent, head_dim]``, placed in the decode rank's ring at an offset the ring
+  allocator chooses (``dst_base``); in a room plan, writers of one decode rank are packed in link
+  order.
+
+Kernel contract (``StagingMap``): for ``r < len(region_ids)``, ``i < len(token_offsets)``,
+``j < num_heads`` and byte ``b < head_bytes``::
+
+    pool byte    = region region_ids[r], offset token_offsets[i] + j * pool_head_stride + b
+    staging byte = staging_base + r * stride_region + i * stride_token + j * stride_head + b
+
+A gather copies pool -> staging, a scatter staging -> pool. ``token_offsets`` already include the
+page lookup and the first local head, so a kernel needs no page table; ``slots`` (page x page_size
++ token_in_page) is there for kernels that index by slot, with ``local_head_start``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+from kvferry.core.geometry import Link, PoolGeometry, links
+from kvferry.core.planner import check_pools, check_room, find_link
+
+__all__ = [
+    "StagedPairPlan",
+    "StagedRoomPlan",
+    "StagingFormat",
+    "StagingMap",
+    "plan_staged_pair",
+    "plan_staged_room",
+]
+
+
+class StagingFormat(StrEnum):
+    HEAD_MAJOR = "head_major"  # seed 002: [heads, layers, K|V, tokens, head_dim] per rank
+    LAYER_MAJOR = "layer_major"  # seed 003: [2L, tokens, heads, head_dim] per writer
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StagingMap:
+    """One side's copy between its pool and its staging buffer (see the module docstring)."""
+
+    region_ids: np.ndarray
+    slots: np.ndarray
+    token_offsets: np.ndarray
+    pool_head_stride: int
+    local_head_start: int
+    num_heads: int
+    head_bytes: int
+    staging_base: int
+    stride_region: int
+    stride_token: int
+    stride_head: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.region_ids) * len(self.token_offsets) * self.num_heads * self.head_bytes
+
+    def pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(pool_region, pool_offset, staging_offset, length)``, one per (region, token, head).
+
+        The byte-copy reading of the map: for CPU fallbacks and tests, not for the hot path.
+        """
+        r = np.arange(len(self.region_ids), dtype=np.int64)[:, None, None]
+        i = np.arange(len(self.token_offsets), dtype=np.int64)[None, :, None]
+        j = np.arange(self.num_heads, dtype=np.int64)[None, None, :]
+        shape = (len(self.region_ids), len(self.token_offsets), self.num_heads)
+        pool_region = np.broadcast_to(self.region_ids[:, None, None], shape).ravel()
+        pool_offset = np.broadcast_to(
+            self.token_offsets[None, :, None] + j * self.pool_head_stride, shape
+        ).ravel()
+        staging = self.staging_base + r * self.stride_region + i * self.stride_token + j * self.stride_head
+        length = np.full(pool_region.size, self.head_bytes, dtype=np.int64)
+        return pool_region, pool_offset, np.broadcast_to(staging, shape).ravel(), length
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StagedPairPlan:
+    """A rank pair's staged transfer: gather, one descriptor, scatter.
+
+    The descriptor copies ``length`` bytes from ``src_staging_offset`` of the prefill rank's
+    staging buffer to ``dst_staging_offset`` of the decode rank's. ``src_buffer_bytes`` and
+    ``dst_buffer_bytes`` are the buffer sizes the format needs (HEAD_MAJOR: the whole rank's
+    buffer; LAYER_MAJOR: this writer's block). A dummy pair has ``count == 0`` and empty maps.
+    """
+
+    src_rank: int
+    dst_rank: int
+    format: StagingFormat
+    head_start: int
+    num_heads: int
+    token_start: int
+    token_end: int
+    gather: StagingMap
+    scatter: StagingMap
+    src_staging_offset: int
+    dst_staging_offset: int
+    length: int
+    src_buffer_bytes: int
+    dst_buffer_bytes: int
+
+    @property
+    def count(self) -> int:
+        return 1 if self.length else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.length
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class StagedRoomPlan:
+    links: tuple[Link, ...]
+    pairs: tuple[StagedPairPlan, ...]
+    format: StagingFormat
+    token_start: int
+    token_end: int
+
+    @property
+    def count(self) -> int:
+        return sum(p.count for p in self.pairs)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.length for p in self.pairs)
+
+
+def _side_map(
+    pool: PoolGeometry,
+    pages: np.ndarray,
+    head_start: int,
+    num_heads: int,
+    token_start: int,
+    token_end: int,
+    staging_base: int,
+    strides: tuple[int, int, int],
+) -> StagingMap:
+    tokens = np.arange(token_start, token_end, dtype=np.int64)
+    page = pages[tokens // pool.page_size]
+    tip = tokens % pool.page_size
+    local = head_start - pool.head_start
+    offsets = page * pool.page_stride + tip * pool.token_stride + local * pool.head_stride
+    return StagingMap(
+        region_ids=_frozen(np.arange(pool.model.num_regions, dtype=np.int64)),
+        slots=_frozen(page * pool.page_size + tip),
+        token_offsets=_frozen(offsets),
+        pool_head_stride=pool.head_stride,
+        local_head_start=local,
+        num_heads=num_heads,
+        head_bytes=pool.head_bytes,
+        staging_base=staging_base,
+        stride_region=strides[0],
+        stride_token=strides[1],
+        stride_head=strides[2],
+    )
+
+
+def plan_staged_pair(
+    src: PoolGeometry,
+    dst: PoolGeometry,
+    src_pages: object,
+    dst_pages: object,
+    token_start: int,
+    token_end: int,
+    fmt: StagingFormat = StagingFormat.HEAD_MAJOR,
+    *,
+    src_base: int = 0,
+    dst_base: int = 0,
+) -> StagedPairPlan:
+    """Gather map, single descriptor and scatter map for one rank pair and chunk.
+
+    ``src_base``/``dst_base``: where the format's buffer (HEAD_MAJOR) or this writer's block
+    (LAYER_MAJOR) starts inside the registered staging memory of each side.
+    """
+    sp, dp = check_room(src, dst, src_pages, dst_pages, token_start, token_end)
+    fmt = StagingFormat(fmt)
+    ts, te = int(token_start), int(token_end)
+    link = find_link(src, dst)
+    g0, n = (link.head_start, link.num_heads) if link else (0, 0)
+    if n == 0:
+        ts = te  # a dummy moves nothing; its maps are empty but well-formed
+    t = te - ts
+    r = src.model.num_regions
+    hb = src.head_bytes
+    if fmt is StagingFormat.HEAD_MAJOR:
+        strides = (t * hb, hb, r * t * hb)
+        src_off = src_base + (g0 - src.head_start) * strides[2]
+        dst_off = dst_base + (g0 - dst.head_start) * strides[2]
+        src_bytes, dst_bytes = src.heads_per_rank * r * t * hb, dst.heads_per_rank * r * t * hb
+    else:
+        strides = (t * n * hb, n * hb, hb)
+        src_off, dst_off = src_base, dst_base
+        src_bytes = dst_bytes = r * t * n * hb
+    if n == 0:
+        src_bytes = dst_bytes = 0
+    gather = _side_map(src, sp, g0, n, ts, te, src_off, strides)
+    scatter = _side_map(dst, dp, g0, n, ts, te, dst_off, strides)
+    return StagedPairPlan(
+        src_rank=src.tp_rank,
+        dst_rank=dst.tp_rank,
+        format=fmt,
+        head_start=g0,
+        num_heads=n,
+        token_start=int(token_start),
+        token_end=int(token_end),
+        gather=gather,
+        scatter=scatter,
+        src_staging_offset=src_off,
+        dst_staging_offset=dst_off,
+        length=r * t * n * hb,
+        src_buffer_bytes=src_bytes,
+        dst_buffer_bytes=dst_bytes,
+    )
+
+
+def plan_staged_room(
+    src_pools: Sequence[PoolGeometry],
+    dst_pools: Sequence[PoolGeometry],
+    src_pages: object,
+    dst_pages: object,
+    token_start: int,
+    token_end: int,
+    fmt: StagingFormat = StagingFormat.HEAD_MAJOR,
+) -> StagedRoomPlan:
+    """Staged plans of every real rank pair; buffers start at offset 0 of each rank's staging memory.
+
+    LAYER_MAJOR packs the writers of one decode rank back to back in link order, the way a ring
+    allocation for the chunk would hold them.
+    """
+    check_pools(src_pools, "prefill")
+    check_pools(dst_pools, "decode")
+    check_room(src_pools[0], dst_pools[0], src_pages, dst_pages, token_start, token_end)
+    fmt = StagingFormat(fmt)
+    all_links = links(src_pools[0].model, len(src_pools), len(dst_pools))
+    next_dst: dict[int, int] = {}
+    pairs: list[StagedPairPlan] = []
+    for x in all_links:
+        if x.is_dummy:
+            continue
+        base = next_dst.get(x.decode_rank, 0) if fmt is StagingFormat.LAYER_MAJOR else 0
+        pair = plan_staged_pair(
+            src_pools[x.prefill_rank],
+            dst_pools[x.decode_rank],
+            src_pages,
+            dst_pages,
+            token_start,
+            token_end,
+            fmt,
+            dst_base=base,
+        )
+        next_dst[x.decode_rank] = base + pair.length
+        pairs.append(pair)
+    return StagedRoomPlan(all_links, tuple(pairs), fmt, int(token_start), int(token_end))
