@@ -81,6 +81,7 @@ def draw_personality(s: Scenario, streams: Streams) -> Scenario:
         ctrl_reorder=rate(f.ctrl_reorder, 0.3),
         ctrl_delay=rate(f.ctrl_delay, 0.3),
         xfer_err=rate(f.xfer_err, 0.1),
+        abort=rate(f.abort, 0.1),
         notif_drop=rate(f.notif_drop, 0.1),
         notif_delay=rate(f.notif_delay, 0.3),
         clock_skew_max_us=f.clock_skew_max_us or (rng.choice((0, 50, 500, 5000))),

@@ -97,6 +97,7 @@ class Faults:
     ctrl_delay: float = 0.0
     ctrl_delay_max_us: int = 500
     xfer_err: float = 0.0
+    abort: float = 0.0  # probability that the scheduler aborts a room, on a random side
     notif_drop: float = 0.0
     notif_delay: float = 0.0
     notif_delay_max_us: int = 500
@@ -105,9 +106,23 @@ class Faults:
 
 
 @dataclass(frozen=True, slots=True)
+class TimeoutSpec:
+    """The core's deadlines, scaled to simulated runs (the real defaults are tens of seconds)."""
+
+    bootstrap_ns: int = 20_000_000
+    waiting_ns: int = 20_000_000
+    transfer_ns: int = 20_000_000
+    heartbeat_interval_ns: int = 1_000_000
+    heartbeat_timeout_ns: int = 5_000_000
+    fence_ns: int = 80_000_000
+    tombstone_ns: int = 100_000_000
+
+
+@dataclass(frozen=True, slots=True)
 class Phases:
     fault_window_us: int = 20_000  # faults injected until then; afterwards the network heals
-    liveness_us: int = 2_000_000  # after the heal, every room must be terminal within this
+    # After the heal (and the last arrival), every room must be terminal within this.
+    liveness_us: int = 200_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +147,7 @@ class Scenario:
     fabric: FabricSpec = field(default_factory=FabricSpec)
     workload: Workload = field(default_factory=Workload)
     faults: Faults = field(default_factory=Faults)
+    timeouts: TimeoutSpec = field(default_factory=TimeoutSpec)
     phases: Phases = field(default_factory=Phases)
     checks: Checks = field(default_factory=Checks)
     hooks: tuple[str, ...] = ()  # planted bugs (tests only)
@@ -350,6 +366,7 @@ def _faults(r: _Reader, nodes: tuple[str, ...]) -> Faults:
         ctrl_delay=r.prob("ctrl_delay", d.ctrl_delay),
         ctrl_delay_max_us=r.int("ctrl_delay_max_us", d.ctrl_delay_max_us),
         xfer_err=r.prob("xfer_err", d.xfer_err),
+        abort=r.prob("abort", d.abort),
         notif_drop=r.prob("notif_drop", d.notif_drop),
         notif_delay=r.prob("notif_delay", d.notif_delay),
         notif_delay_max_us=r.int("notif_delay_max_us", d.notif_delay_max_us),
@@ -371,6 +388,7 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
             "fabric",
             "workload",
             "faults",
+            "timeouts",
             "phases",
             "checks",
             "hooks",
@@ -415,9 +433,12 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
         ),
         base.node_names(),
     )
+    tr = _Reader(f"{where}: [timeouts]", data.get("timeouts", {}), _names(TimeoutSpec))
+    td = TimeoutSpec()
+    timeouts = TimeoutSpec(**{n: tr.int(n, getattr(td, n), lo=1) for n in _names(TimeoutSpec)})
     pr = _Reader(f"{where}: [phases]", data.get("phases", {}), _names(Phases))
     phases = Phases(
-        pr.int("fault_window_us", Phases.fault_window_us), pr.int("liveness_us", Phases.liveness_us, lo=1)
+        pr.int("fault_window_us", Phases().fault_window_us), pr.int("liveness_us", Phases().liveness_us, lo=1)
     )
     cr = _Reader(f"{where}: [checks]", data.get("checks", {}), _names(Checks))
     checks = Checks(**{n: cr.bool(n, True) for n in _names(Checks)})
@@ -437,6 +458,7 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
         fabric=fabric,
         workload=work,
         faults=faults,
+        timeouts=timeouts,
         phases=phases,
         checks=checks,
         hooks=tuple(hooks),
@@ -532,6 +554,7 @@ def dump(s: Scenario) -> str:
     out += _table("faults", {x.name: getattr(f, x.name) for x in fields(Faults) if x.name != "events"})
     for ev in f.events:
         out += _table("[faults.event]", {x.name: getattr(ev, x.name) for x in fields(FaultEvent)})
+    out += _table("timeouts", {x.name: getattr(s.timeouts, x.name) for x in fields(TimeoutSpec)})
     out += _table("phases", {x.name: getattr(s.phases, x.name) for x in fields(Phases)})
     out += _table("checks", {x.name: getattr(s.checks, x.name) for x in fields(Checks)})
     if s.expect_violations:

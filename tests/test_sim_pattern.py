@@ -1,0 +1,53 @@
+"""The byte patterns used to judge Success rooms agree with the planner and catch misplacement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvferry.backends.simfabric.descriptors import gather_index
+from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry
+from kvferry.core.planner import plan_rank_pair
+from kvferry.sim import pattern
+
+CASES = [
+    # heads, prefill tp, decode tp, prefill page size, decode page size, mla, decode layout
+    (8, 2, 1, 16, 16, False, "sglang_nhd"),
+    (8, 1, 4, 8, 16, False, "sglang_nhd"),
+    (2, 4, 1, 4, 4, False, "vllm_hnd"),
+    (1, 2, 1, 16, 8, True, "sglang_nhd"),
+    (2, 2, 8, 16, 16, False, "sglang_nhd"),
+]
+
+
+def _mem(pools):
+    return [{r.region_id: np.zeros(r.nbytes, np.uint8) for r in p.regions} for p in pools]
+
+
+@pytest.mark.parametrize(("heads", "ptp", "dtp", "pps", "dps", "mla", "dlayout"), CASES)
+def test_pattern_survives_planned_copy_and_detects_shift(heads, ptp, dtp, pps, dps, mla, dlayout) -> None:
+    model = ModelGeometry("t", 2, heads, 8 if not mla else 16, "bf16", mla)
+    pre = [PoolGeometry(model, ptp, r, pps, 64) for r in range(ptp)]
+    dec = [PoolGeometry(model, dtp, r, dps, 64, Layout(dlayout)) for r in range(dtp)]
+    pmem, dmem = _mem(pre), _mem(dec)
+    rng = np.random.default_rng(0)
+    tokens = 100
+    sp = rng.permutation(64)[: -(-tokens // pps)]
+    dp = rng.permutation(64)[: -(-tokens // dps)]
+    for p, m in zip(pre, pmem, strict=True):
+        pattern.fill(p, m.__getitem__, 77, sp, 0, tokens)
+    for start, end in ((0, 40), (40, 100)):
+        for p, pm in zip(pre, pmem, strict=True):
+            for d, dm in zip(dec, dmem, strict=True):
+                plan = plan_rank_pair(p, d, sp, dp, start, end)
+                for i in range(plan.count):
+                    s = gather_index(plan.src_offset[i : i + 1], plan.length[i : i + 1])
+                    t = gather_index(plan.dst_offset[i : i + 1], plan.length[i : i + 1])
+                    dm[int(plan.dst_region[i])][t] = pm[int(plan.src_region[i])][s]
+    for d, dm in zip(dec, dmem, strict=True):
+        assert pattern.mismatches(d, dm.__getitem__, 77, dp, tokens) == (0, "")
+        # Another room key, or bytes one token off, are detected.
+        assert pattern.mismatches(d, dm.__getitem__, 78, dp, tokens)[0] > 0
+        r0 = dm[0]
+        r0[:] = np.roll(r0, d.token_bytes)
+        bad, first = pattern.mismatches(d, dm.__getitem__, 77, dp, tokens)
+        assert bad > 0 and "region 0" in first
