@@ -158,6 +158,7 @@ class RegisterAck(_Msg, tag="reg_ack"):
     """Prefill rank -> decode rank: registration accepted (ok) or refused with a reason."""
 
     ok: bool
+    retry: bool = False  # refused because the sender does not know us (yet): register again
     reason: Reason = ""
 
 

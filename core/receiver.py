@@ -1,0 +1,660 @@
+"""Decode side: one ``ReceiverEngine`` per decode TP rank, holding its peers and its rooms.
+
+Room states and KVPoll:
+
+    BOOTSTRAPPING (Bootstrapping)   TransferInfo sent to every sender; waiting for every sender's
+                                    registration ack
+    WAITING       (WaitingForInput) every sender registered us; waiting for the first chunk
+    TRANSFERRING  (Transferring)    chunks landing
+    SUCCESS       (Success)         every non-dummy sender delivered every chunk (as a set: the
+                                    count comes from its last chunk), the token ranges tile
+                                    [0, num_tokens) exactly, and the aux row holds this room id
+    FAILED        (Failed)          absorbing; Abort sent to every sender; the pages are freed
+                                    (FreePages) once every sender confirmed Stopped, or the fence
+                                    deadline passed
+
+``RECEIVER_TABLE`` lists every legal (state, input); any other pair fails the room with a reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from enum import Enum
+from typing import Any
+
+import numpy as np
+from kvferry.core import messages as m
+from kvferry.core.commands import CheckAux, DropPeer, FreePages, SendControl, StatusChanged
+from kvferry.core.deadlines import DeadlineHeap, Timeouts
+from kvferry.core.errors import ProtocolError, WireError
+from kvferry.core.events import (
+    AbortRoom,
+    AuxChecked,
+    ControlIn,
+    NotificationIn,
+    ReceiverOpen,
+    ReleaseRoom,
+    SenderSpec,
+    Tick,
+)
+from kvferry.core.kvpoll import KVPoll
+from kvferry.core.proto_common import RoomFailure, Tombstones, Transition, UnknownRoomError
+
+__all__ = ["RECEIVER_TABLE", "RIn", "RState", "ReceiverEngine"]
+
+
+class RState(Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+class RIn(Enum):
+    OPEN = "open"  # a second ReceiverOpen for a live room
+    PEER_READY = "peer_ready"  # RegisterAck(ok) from a sender
+    PEER_REFUSED = "peer_refused"  # RegisterAck(not ok, final) from a sender
+    NOTIFY = "notify"  # a chunk (or aux) notification
+    AUX_CHECKED = "aux_checked"
+    PEER_FAILED = "peer_failed"  # RoomFailed from a sender
+    STOPPED = "stopped"  # fence ack from a sender
+    ABORT_LOCAL = "abort_local"
+    TIMEOUT = "timeout"
+    PEER_LOST = "peer_lost"
+    RELEASE = "release"
+
+
+STATUS = {
+    RState.BOOTSTRAPPING: KVPoll.Bootstrapping,
+    RState.WAITING: KVPoll.WaitingForInput,
+    RState.TRANSFERRING: KVPoll.Transferring,
+    RState.SUCCESS: KVPoll.Success,
+    RState.FAILED: KVPoll.Failed,
+}
+
+_B, _W, _T, _S, _F = RState.BOOTSTRAPPING, RState.WAITING, RState.TRANSFERRING, RState.SUCCESS, RState.FAILED
+
+
+def _t(handler: str, *targets: RState) -> Transition:
+    return Transition(handler, frozenset(targets))
+
+
+_FAIL = _t("on_fail", _F)
+_LIVE_FAILURES = {
+    RIn.PEER_REFUSED: _FAIL,
+    RIn.PEER_FAILED: _FAIL,
+    RIn.ABORT_LOCAL: _FAIL,
+    RIn.TIMEOUT: _FAIL,
+    RIn.PEER_LOST: _FAIL,
+}
+
+RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
+    _B: {
+        RIn.PEER_READY: _t("on_peer_ready", _B, _W),
+        # A notification proves the sender has our registration even if its ack is still in flight.
+        RIn.NOTIFY: _t("on_notify", _T, _S),
+        **_LIVE_FAILURES,
+    },
+    _W: {
+        RIn.PEER_READY: _t("on_peer_ready", _W),
+        RIn.NOTIFY: _t("on_notify", _T, _S),
+        **_LIVE_FAILURES,
+    },
+    _T: {
+        RIn.PEER_READY: _t("on_peer_ready", _T),
+        RIn.NOTIFY: _t("on_notify", _T, _S),
+        RIn.AUX_CHECKED: _t("on_aux_checked", _T, _S),
+        **_LIVE_FAILURES,
+    },
+    _S: {
+        RIn.PEER_READY: _t("ignore", _S),
+        RIn.NOTIFY: _t("on_notify_after_success", _S),
+        RIn.AUX_CHECKED: _t("on_aux_checked", _S),
+        RIn.PEER_LOST: _t("ignore", _S),
+        RIn.STOPPED: _t("ignore", _S),  # the sender failed after our Success; its RoomFailed follows
+        RIn.PEER_FAILED: _FAIL,  # both sides must agree on the outcome
+        RIn.ABORT_LOCAL: _FAIL,
+        RIn.RELEASE: _t("ignore", _S),
+    },
+    _F: {i: _t("on_failed_input", _F) for i in RIn},
+}
+
+
+class _SenderProgress:
+    __slots__ = ("chunks", "done", "last_index")
+
+    def __init__(self) -> None:
+        self.chunks: dict[int, tuple[int, int]] = {}
+        self.last_index = -1
+        self.done = False
+
+
+class _Room:
+    __slots__ = (
+        "aux_index",
+        "aux_ok",
+        "aux_pending",
+        "aux_sender",
+        "data_senders",
+        "dst_pages",
+        "failure",
+        "fence_expired",
+        "fenced",
+        "freed",
+        "key",
+        "num_tokens",
+        "progress",
+        "release_requested",
+        "room",
+        "senders",
+        "state",
+        "tid",
+    )
+
+    def __init__(self, ev: ReceiverOpen, pages: Any) -> None:
+        self.room = ev.room
+        self.tid = ev.transfer_id
+        self.key = (ev.room, ev.transfer_id)
+        self.state = RState.BOOTSTRAPPING
+        self.dst_pages = pages
+        self.num_tokens = ev.num_tokens
+        self.aux_index = ev.aux_index
+        self.senders: dict[m.Endpoint, SenderSpec] = {s.endpoint: s for s in ev.senders}
+        self.data_senders = {s.endpoint for s in ev.senders if not s.dummy}
+        aux = [s.endpoint for s in ev.senders if s.send_aux]
+        self.aux_sender = aux[0] if aux else None
+        self.progress: dict[m.Endpoint, _SenderProgress] = {p: _SenderProgress() for p in self.data_senders}
+        self.aux_pending = False
+        self.aux_ok = False
+        self.fenced: set[m.Endpoint] = set()
+        self.fence_expired = False
+        self.freed = False
+        self.failure: RoomFailure | None = None
+        self.release_requested = False
+
+
+class _Peer:
+    __slots__ = ("acked", "last_seen")
+
+    def __init__(self, now: int) -> None:
+        self.acked = False
+        self.last_seen = now
+
+
+class _RoomError(ProtocolError):
+    """A room-level protocol violation detected inside a handler (the room fails with it)."""
+
+
+class ReceiverEngine:
+    """All rooms of one decode rank. Feed it events, execute the commands it returns.
+
+    ``registration``: this rank's ``Register`` message (agent, regions, geometry, aux rows), sent
+    to every prefill rank it pairs with.
+    """
+
+    side = "decode"
+
+    def __init__(self, registration: m.Register, *, timeouts: Timeouts | None = None) -> None:
+        self.registration = registration
+        self.endpoint = registration.src
+        self.page_size = registration.geometry.page_size
+        self.num_pages = registration.geometry.num_pages
+        self.timeouts = timeouts or Timeouts()
+        self.rooms: dict[int, _Room] = {}
+        self.peers: dict[m.Endpoint, _Peer] = {}
+        self.rooms_by_peer: dict[m.Endpoint, set[int]] = {}
+        self.deadlines = DeadlineHeap()
+        self.tombstones = Tombstones(self.timeouts.tombstone_ns)
+        self.counters: Counter[str] = Counter()
+        self._out: list[Any] = []
+        self._now = 0
+
+    # --- public API ------------------------------------------------------------------------------
+
+    def handle(self, event: Any, now: int) -> list[Any]:
+        self._now = now
+        self._out = out = []
+        t = type(event)
+        if t is NotificationIn:
+            self._on_notification(event.data)
+        elif t is ControlIn:
+            self._on_control(event.data)
+        elif t is AuxChecked:
+            self._room_input(event.room, event.transfer_id, RIn.AUX_CHECKED, event)
+        elif t is ReceiverOpen:
+            self._open(event)
+        elif t is AbortRoom:
+            self._room_input(event.room, event.transfer_id, RIn.ABORT_LOCAL, event)
+        elif t is ReleaseRoom:
+            self._room_input(event.room, event.transfer_id, RIn.RELEASE, event)
+        elif t is Tick:
+            self._tick()
+        else:
+            self.counters["bad_event"] += 1
+            raise TypeError(f"ReceiverEngine cannot handle {t.__name__}")
+        self._out = []
+        return out
+
+    def poll(self, room: int) -> KVPoll:
+        r = self.rooms.get(room)
+        if r is not None:
+            return STATUS[r.state]
+        t = self.tombstones.latest(room)
+        if t is None:
+            raise UnknownRoomError(room)
+        return t[1]
+
+    def state(self, room: int) -> RState | None:
+        r = self.rooms.get(room)
+        return None if r is None else r.state
+
+    def failure(self, room: int) -> RoomFailure | None:
+        r = self.rooms.get(room)
+        return None if r is None else r.failure
+
+    def pages_in_use(self, room: int) -> bool:
+        """True while the room's pages must not go back to the allocator."""
+        r = self.rooms.get(room)
+        return r is not None and not r.freed
+
+    def next_deadline(self) -> int | None:
+        a, b = self.deadlines.next(), self.tombstones.next_deadline()
+        if a is None:
+            return b
+        return a if b is None else min(a, b)
+
+    def references(self, room: int) -> list[str]:
+        refs = []
+        if room in self.rooms:
+            refs.append("rooms")
+        if any(room in s for s in self.rooms_by_peer.values()):
+            refs.append("rooms_by_peer")
+        if ("room", room) in self.deadlines:
+            refs.append("deadlines")
+        return refs
+
+    # --- messages --------------------------------------------------------------------------------
+
+    def _send(self, peer: m.Endpoint, msg: Any) -> None:
+        self._out.append(SendControl(peer=peer, msg=msg))
+
+    def _on_notification(self, data: bytes) -> None:
+        try:
+            note = m.decode_note(data)
+        except WireError:
+            self.counters["wire_error"] += 1
+            return
+        peer = self.peers.get(note.src)
+        if peer is not None:
+            peer.last_seen = self._now
+        self._room_input(note.room, note.transfer_id, RIn.NOTIFY, note)
+
+    def _on_control(self, data: bytes) -> None:
+        try:
+            msg = m.decode_control(data)
+        except WireError:
+            self.counters["wire_error"] += 1
+            return
+        peer = self.peers.get(msg.src)
+        if peer is not None:
+            peer.last_seen = self._now
+        t = type(msg)
+        if t is m.Stopped:
+            self._room_input(msg.room, msg.transfer_id, RIn.STOPPED, msg, sender=msg.src)
+        elif t is m.RoomFailed:
+            self._room_input(msg.room, msg.transfer_id, RIn.PEER_FAILED, msg, sender=msg.src)
+        elif t is m.RegisterAck:
+            self._on_register_ack(msg)
+        elif t is m.Heartbeat:
+            self.counters["heartbeat_in"] += 1
+        else:
+            self.counters["wrong_side_message"] += 1
+
+    def _on_register_ack(self, msg: m.RegisterAck) -> None:
+        peer = self.peers.get(msg.src)
+        if peer is None:
+            self.counters["ack_from_unknown_peer"] += 1
+            return
+        if msg.ok:
+            if peer.acked:
+                self.counters["duplicate_ack"] += 1
+                return
+            peer.acked = True
+            for room in sorted(self.rooms_by_peer.get(msg.src, ())):
+                self._dispatch(self.rooms[room], RIn.PEER_READY, msg.src)
+        elif msg.retry:
+            # The sender forgot us (or our Register is still in flight): register again.
+            peer.acked = False
+            self._send(msg.src, self.registration)
+        else:
+            self.counters["register_refused"] += 1
+            for room in sorted(self.rooms_by_peer.get(msg.src, ())):
+                self._dispatch(self.rooms[room], RIn.PEER_REFUSED, msg)
+
+    # --- rooms -------------------------------------------------------------------------------------
+
+    def _open(self, ev: ReceiverOpen) -> None:
+        if self.tombstones.get(ev.room, ev.transfer_id) is not None:
+            self.counters["open_tombstoned"] += 1
+            self._out.append(
+                StatusChanged(
+                    room=ev.room, transfer_id=ev.transfer_id, status=KVPoll.Failed, reason="finished"
+                )
+            )
+            return
+        live = self.rooms.get(ev.room)
+        if live is not None:
+            if live.tid == ev.transfer_id:
+                self._dispatch(live, RIn.OPEN, ev)
+            else:
+                self.counters["stale_transfer_id"] += 1
+                self._out.append(
+                    StatusChanged(
+                        room=ev.room,
+                        transfer_id=ev.transfer_id,
+                        status=KVPoll.Failed,
+                        reason="room id in use",
+                    )
+                )
+            return
+        pages = np.asarray(ev.dst_pages, dtype=np.int64)
+        r = _Room(ev, pages)
+        self.rooms[r.room] = r
+        self.deadlines.set(("room", r.room), self._now + self.timeouts.bootstrap_ns)
+        self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Bootstrapping))
+        why = self._check_open(ev, pages)
+        if why is not None:
+            self.counters["bad_open"] += 1
+            r.fence_expired = True  # nothing was sent: nobody can be writing
+            self._fail(r, RoomFailure(why, at_ns=self._now), abort=False)
+            self._maybe_finish(r)
+            return
+        for p in sorted(r.senders):
+            self.rooms_by_peer.setdefault(p, set()).add(r.room)
+            peer = self.peers.get(p)
+            if peer is None:
+                peer = self.peers[p] = _Peer(self._now)
+                self._send(p, self.registration)
+                self.deadlines.set(("hb", p), self._now + self.timeouts.heartbeat_interval_ns)
+                self.deadlines.set(("loss", p), self._now + self.timeouts.heartbeat_timeout_ns)
+            spec = r.senders[p]
+            self._send(
+                p,
+                m.TransferInfo(
+                    src=self.endpoint,
+                    room=r.room,
+                    transfer_id=r.tid,
+                    dst_pages=pages.tolist(),
+                    num_tokens=r.num_tokens,
+                    aux_index=r.aux_index,
+                    send_aux=spec.send_aux,
+                    dummy=spec.dummy,
+                    expected_infos=spec.expected_infos,
+                ),
+            )
+        if self._all_acked(r):
+            self._dispatch(r, RIn.PEER_READY, None)
+
+    def _all_acked(self, r: _Room) -> bool:
+        for p in r.senders:
+            peer = self.peers.get(p)
+            if peer is None or not peer.acked:
+                return False
+        return True
+
+    def _check_open(self, ev: ReceiverOpen, pages: Any) -> str | None:
+        if not ev.senders:
+            return "no senders"
+        if len({s.endpoint for s in ev.senders}) != len(ev.senders):
+            return "a sender is listed twice"
+        data = [s for s in ev.senders if not s.dummy]
+        if not data:
+            return "every sender is a dummy"
+        if sum(s.send_aux for s in ev.senders) != 1 or any(s.send_aux and s.dummy for s in ev.senders):
+            return "exactly one non-dummy sender must carry the aux row"
+        if pages.ndim != 1 or (pages.size and (pages.min() < 0 or pages.max() >= self.num_pages)):
+            return f"page ids out of range [0, {self.num_pages})"
+        if np.unique(pages).size != pages.size:
+            return "a page is listed twice"
+        if not 0 <= ev.num_tokens <= pages.size * self.page_size:
+            return f"{ev.num_tokens} tokens do not fit {pages.size} pages of {self.page_size}"
+        if not 0 <= ev.aux_index < self.registration.aux_rows:
+            return f"aux row {ev.aux_index} out of range"
+        return None
+
+    def _room_input(
+        self, room: int, tid: str, inp: RIn, payload: Any, sender: m.Endpoint | None = None
+    ) -> None:
+        r = self.rooms.get(room)
+        if r is None or r.tid != tid:
+            if self.tombstones.get(room, tid) is not None:
+                self.counters["tombstoned"] += 1
+            elif r is not None:
+                self.counters["stale_transfer_id"] += 1
+            else:
+                self.counters["unknown_room"] += 1
+            return
+        if sender is not None and sender not in r.senders:
+            self.counters["message_from_stranger"] += 1
+            return
+        self._dispatch(r, inp, payload)
+
+    def _dispatch(self, r: _Room, inp: RIn, payload: Any) -> None:
+        if inp is RIn.RELEASE:
+            r.release_requested = True
+        elif inp is RIn.STOPPED:
+            r.fenced.add(payload.src)
+        before = r.state
+        tr = RECEIVER_TABLE[before].get(inp)
+        if tr is None:
+            self.counters["illegal_input"] += 1
+            self._fail(r, RoomFailure(f"{inp.value} not allowed while {before.value}", at_ns=self._now))
+        else:
+            try:
+                getattr(self, "_" + tr.handler)(r, inp, payload)
+            except Exception as exc:
+                self.counters["room_exception"] += 1
+                self._fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
+            if r.state not in tr.targets and r.state is not RState.FAILED:
+                self._fail(r, RoomFailure(f"internal: {inp.value} left {before.value} for {r.state.value}"))
+        if r.state is not before and r.state is not RState.FAILED:
+            self._entered(r)
+        self._maybe_finish(r)
+
+    def _entered(self, r: _Room) -> None:
+        st = r.state
+        self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=STATUS[st]))
+        key = ("room", r.room)
+        if st is RState.WAITING:
+            self.deadlines.set(key, self._now + self.timeouts.waiting_ns)
+        elif st is RState.TRANSFERRING:
+            self.deadlines.set(key, self._now + self.timeouts.transfer_ns)
+        elif st is RState.SUCCESS:
+            self.deadlines.cancel(key)
+
+    # --- handlers (names referenced by RECEIVER_TABLE) -----------------------------------------
+
+    def _ignore(self, r: _Room, inp: RIn, payload: Any) -> None:
+        self.counters[f"ignored_{inp.value}"] += 1
+
+    def _on_peer_ready(self, r: _Room, inp: RIn, payload: Any) -> None:
+        if r.state is RState.BOOTSTRAPPING and self._all_acked(r):
+            r.state = RState.WAITING
+
+    def _on_notify(self, r: _Room, inp: RIn, note: m.ChunkNote) -> None:
+        src = note.src
+        if src not in r.senders:
+            raise _RoomError(f"notification from {src}, which is not a sender of this room")
+        if src not in r.data_senders:
+            raise _RoomError(f"notification from dummy sender {src}")
+        if r.state is not RState.SUCCESS:
+            self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
+        if note.aux:
+            if src != r.aux_sender:
+                raise _RoomError(f"aux row written by {src}, expected {r.aux_sender}")
+            if r.aux_pending or r.aux_ok:
+                self.counters["duplicate_notification"] += 1
+            else:
+                r.aux_pending = True
+                self._out.append(CheckAux(room=r.room, transfer_id=r.tid, aux_index=r.aux_index))
+        else:
+            self._record_chunk(r, r.progress[src], note)
+        if r.state is not RState.SUCCESS:
+            r.state = RState.SUCCESS if self._complete(r) else RState.TRANSFERRING
+
+    def _record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> None:
+        idx, rng = note.chunk_index, (note.token_start, note.token_end)
+        seen = prog.chunks.get(idx)
+        if seen is not None:
+            if seen != rng:
+                raise _RoomError(f"chunk {idx} from {note.src} arrived twice with ranges {seen} and {rng}")
+            self.counters["duplicate_notification"] += 1
+            return
+        if note.token_end > r.num_tokens:
+            raise _RoomError(
+                f"chunk {idx} from {note.src} ends at token {note.token_end}, "
+                f"past the {r.num_tokens} allocated"
+            )
+        if prog.last_index >= 0 and idx > prog.last_index:
+            raise _RoomError(f"chunk {idx} from {note.src} after its last chunk {prog.last_index}")
+        if note.is_last:
+            if prog.last_index >= 0:
+                raise _RoomError(f"two last chunks from {note.src}")
+            if any(i > idx for i in prog.chunks):
+                raise _RoomError(f"last chunk {idx} from {note.src} but a later chunk already arrived")
+            prog.last_index = idx
+        prog.chunks[idx] = rng
+        if prog.last_index >= 0 and len(prog.chunks) == prog.last_index + 1:
+            # Every chunk is in (as a set, whatever the order): the ranges must tile [0, num_tokens).
+            pos = 0
+            for i in range(prog.last_index + 1):
+                start, end = prog.chunks[i]
+                if start != pos:
+                    raise _RoomError(f"chunk {i} from {note.src} starts at token {start}, expected {pos}")
+                pos = end
+            if pos != r.num_tokens:
+                raise _RoomError(f"{note.src} delivered {pos} tokens but decode allocated {r.num_tokens}")
+            prog.done = True
+
+    def _complete(self, r: _Room) -> bool:
+        return r.aux_ok and all(p.done for p in r.progress.values())
+
+    def _on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> None:
+        if r.aux_ok or not r.aux_pending:
+            self.counters["duplicate_aux_check"] += 1
+            return
+        if ev.found_room != r.room:
+            raise _RoomError(f"aux row {r.aux_index} holds room {ev.found_room}, expected {r.room}")
+        r.aux_pending = False
+        r.aux_ok = True
+        if self._complete(r):
+            r.state = RState.SUCCESS
+
+    def _on_notify_after_success(self, r: _Room, inp: RIn, note: m.ChunkNote) -> None:
+        prog = r.progress.get(note.src)
+        if note.aux and note.src == r.aux_sender:
+            self.counters["duplicate_notification"] += 1
+            return
+        if prog is not None and prog.chunks.get(note.chunk_index) == (note.token_start, note.token_end):
+            self.counters["duplicate_notification"] += 1
+            return
+        raise _RoomError(f"new chunk {note.chunk_index} from {note.src} after Success")
+
+    def _on_fail(self, r: _Room, inp: RIn, payload: Any) -> None:
+        if inp is RIn.PEER_FAILED:
+            reason = f"failed on {payload.src}: {payload.reason}"
+        elif inp is RIn.PEER_REFUSED:
+            reason = f"registration refused by {payload.src}: {payload.reason}"
+        elif inp is RIn.ABORT_LOCAL:
+            reason = f"aborted: {payload.reason}"
+        elif inp is RIn.TIMEOUT:
+            reason = f"timed out while {r.state.value}"
+        else:
+            reason = f"peer {payload} lost (no heartbeat)"
+        self._fail(r, RoomFailure(reason, at_ns=self._now))
+
+    def _on_failed_input(self, r: _Room, inp: RIn, payload: Any) -> None:
+        if inp is RIn.TIMEOUT:
+            # The fence deadline: stop waiting for Stopped from senders that never answered.
+            if not r.freed:
+                self.counters["fence_expired"] += 1
+                r.fence_expired = True
+        elif inp is RIn.NOTIFY:
+            self.counters["notification_after_failure"] += 1
+        elif inp is not RIn.STOPPED and inp is not RIn.RELEASE:
+            self.counters[f"ignored_failed_{inp.value}"] += 1
+
+    # --- failure, fence, release -------------------------------------------------------------------
+
+    def _fail(self, r: _Room, failure: RoomFailure, abort: bool = True) -> None:
+        if r.state is RState.FAILED:
+            return
+        r.state = RState.FAILED
+        r.failure = failure
+        self._out.append(
+            StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
+        )
+        self.deadlines.set(("room", r.room), self._now + self.timeouts.fence_ns)
+        if abort:
+            for p in sorted(r.senders):
+                self._send(
+                    p, m.Abort(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=failure.reason)
+                )
+
+    def _maybe_finish(self, r: _Room) -> None:
+        if r.state is RState.FAILED and not r.freed and (r.fence_expired or r.fenced >= r.senders.keys()):
+            r.freed = True
+            self.deadlines.cancel(("room", r.room))
+            reason = "fence expired" if r.fence_expired else "every sender stopped"
+            self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
+        if r.release_requested and (r.state is RState.SUCCESS or r.freed):
+            self._remove(r)
+
+    def _remove(self, r: _Room) -> None:
+        del self.rooms[r.room]
+        for p in r.senders:
+            s = self.rooms_by_peer.get(p)
+            if s is not None:
+                s.discard(r.room)
+                if not s:
+                    del self.rooms_by_peer[p]
+        self.deadlines.cancel(("room", r.room))
+        self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
+
+    # --- time ----------------------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        now = self._now
+        self.tombstones.expire(now)
+        for key in self.deadlines.pop_due(now):
+            kind, what = key
+            if kind == "room":
+                r = self.rooms.get(what)
+                if r is not None:
+                    self._dispatch(r, RIn.TIMEOUT, None)
+            elif kind == "hb":
+                peer = self.peers.get(what)
+                if peer is not None:
+                    # Until acked, the heartbeat is the Register again (it may have been lost).
+                    self._send(what, m.Heartbeat(src=self.endpoint) if peer.acked else self.registration)
+                    self.deadlines.set(key, now + self.timeouts.heartbeat_interval_ns)
+            elif kind == "loss":
+                peer = self.peers.get(what)
+                if peer is None:
+                    continue
+                silent_until = peer.last_seen + self.timeouts.heartbeat_timeout_ns
+                if silent_until > now:
+                    self.deadlines.set(key, silent_until)
+                    continue
+                self._lose_peer(what)
+
+    def _lose_peer(self, peer: m.Endpoint) -> None:
+        self.counters["peer_lost"] += 1
+        del self.peers[peer]
+        self.deadlines.cancel(("hb", peer))
+        self._out.append(DropPeer(peer=peer, reason="heartbeat lost"))
+        for room in sorted(self.rooms_by_peer.get(peer, ())):
+            r = self.rooms.get(room)
+            if r is not None:
+                self._dispatch(r, RIn.PEER_LOST, peer)

@@ -1,0 +1,783 @@
+"""Prefill side: one ``SenderEngine`` per prefill TP rank, holding its peers and its rooms.
+
+Room states and KVPoll:
+
+    BOOTSTRAPPING (Bootstrapping)  waiting for the local open, every expected TransferInfo, and the
+                                   registration of every decode rank those came from
+    WAITING       (WaitingForInput) ready; chunks from the scheduler are queued to the worker
+    TRANSFERRING  (Transferring)   chunks planned and posted, writes in flight
+    SUCCESS       (Success)        last chunk run and every write DONE
+    FAILED        (Failed)         absorbing; tells every known decode rank (RoomFailed), and once
+                                   no write is in flight sends the fence (Stopped)
+
+``SENDER_TABLE`` lists every legal (state, input); any other pair fails the room with a reason.
+The engine is not thread-safe: a threaded driver serialises calls (one lock per engine).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
+
+import numpy as np
+from kvferry.core import messages as m
+from kvferry.core.commands import (
+    AddPeer,
+    AwaitWrites,
+    ChunkSkipped,
+    DropPeer,
+    EnqueueChunk,
+    PostAuxWrite,
+    PostWrite,
+    SendControl,
+    SendNotif,
+    StatusChanged,
+)
+from kvferry.core.deadlines import DeadlineHeap, Timeouts
+from kvferry.core.errors import KvferryError, ProtocolError, WireError
+from kvferry.core.events import (
+    AbortRoom,
+    ChunkReady,
+    ControlIn,
+    ReleaseRoom,
+    SenderOpen,
+    Tick,
+    WriteDone,
+    WriteFailed,
+)
+from kvferry.core.kvpoll import KVPoll
+from kvferry.core.proto_common import RoomFailure, Tombstones, Transition, UnknownRoomError
+from kvferry.core.worker import Destination, plan_chunk, shard_of
+
+__all__ = ["SENDER_TABLE", "SIn", "SState", "SenderEngine"]
+
+
+class SState(Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING = "waiting"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+class SIn(Enum):
+    OPEN = "open"  # local SenderOpen on a room a TransferInfo created first
+    INFO = "info"  # TransferInfo from a decode rank
+    PEER_READY = "peer_ready"  # a decode rank this room needs registered
+    CHUNK = "chunk"  # local ChunkReady
+    RUN_CHUNK = "run_chunk"  # the worker step
+    WRITE_DONE = "write_done"
+    WRITE_FAILED = "write_failed"
+    ABORT_LOCAL = "abort_local"
+    ABORT_PEER = "abort_peer"  # Abort from decode
+    PEER_FAILED = "peer_failed"  # RoomFailed from decode
+    TIMEOUT = "timeout"
+    PEER_LOST = "peer_lost"  # heartbeat loss of a decode rank of the room
+    RELEASE = "release"
+
+
+STATUS = {
+    SState.BOOTSTRAPPING: KVPoll.Bootstrapping,
+    SState.WAITING: KVPoll.WaitingForInput,
+    SState.TRANSFERRING: KVPoll.Transferring,
+    SState.SUCCESS: KVPoll.Success,
+    SState.FAILED: KVPoll.Failed,
+}
+
+_B, _W, _T, _S, _F = SState.BOOTSTRAPPING, SState.WAITING, SState.TRANSFERRING, SState.SUCCESS, SState.FAILED
+
+
+def _t(handler: str, *targets: SState) -> Transition:
+    return Transition(handler, frozenset(targets))
+
+
+_FAIL = _t("on_fail", _F)
+_LIVE_FAILURES = {
+    SIn.ABORT_LOCAL: _FAIL,
+    SIn.ABORT_PEER: _FAIL,
+    SIn.PEER_FAILED: _FAIL,
+    SIn.TIMEOUT: _FAIL,
+    SIn.PEER_LOST: _FAIL,
+}
+
+SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
+    _B: {
+        SIn.OPEN: _t("on_open", _B, _W),
+        SIn.INFO: _t("on_info", _B, _W),
+        SIn.PEER_READY: _t("on_peer_ready", _B, _W),
+        SIn.CHUNK: _t("on_chunk", _B),  # parked until WAITING: the worker never sees it early
+        **_LIVE_FAILURES,
+    },
+    _W: {
+        SIn.INFO: _t("on_info", _W),
+        SIn.PEER_READY: _t("on_peer_ready", _W),
+        SIn.CHUNK: _t("on_chunk", _W),
+        SIn.RUN_CHUNK: _t("on_run_chunk", _T, _S),
+        **_LIVE_FAILURES,
+    },
+    _T: {
+        SIn.INFO: _t("on_info", _T),
+        SIn.PEER_READY: _t("on_peer_ready", _T),
+        SIn.CHUNK: _t("on_chunk", _T),
+        SIn.RUN_CHUNK: _t("on_run_chunk", _T, _S),
+        SIn.WRITE_DONE: _t("on_write_done", _T, _S),
+        SIn.WRITE_FAILED: _FAIL,
+        **_LIVE_FAILURES,
+    },
+    _S: {
+        SIn.INFO: _t("on_info", _S),
+        SIn.PEER_READY: _t("ignore", _S),
+        SIn.PEER_LOST: _t("ignore", _S),  # nothing left to send; the peer's fate is its own
+        SIn.ABORT_LOCAL: _FAIL,
+        SIn.ABORT_PEER: _FAIL,  # decode gave up (e.g. a lost notification): agree on Failed
+        SIn.PEER_FAILED: _FAIL,
+        SIn.RELEASE: _t("on_release", _S),
+    },
+    _F: {i: _t("on_failed_input", _F) for i in SIn},
+}
+
+
+class _Room:
+    __slots__ = (
+        "aux_index",
+        "created_by_info",
+        "dests",
+        "expected_infos",
+        "failure",
+        "inflight",
+        "infos",
+        "key",
+        "last_enqueued",
+        "last_run",
+        "next_enqueue",
+        "next_run",
+        "num_tokens",
+        "opened",
+        "parked",
+        "release_requested",
+        "room",
+        "state",
+        "stop_to",
+        "stopped_sent",
+        "tid",
+        "tokens_done",
+    )
+
+    def __init__(self, room: int, tid: str) -> None:
+        self.room = room
+        self.tid = tid
+        self.key = (room, tid)
+        self.state = SState.BOOTSTRAPPING
+        self.opened = False
+        self.created_by_info = False
+        self.aux_index = -1
+        self.infos: dict[m.Endpoint, m.TransferInfo] = {}
+        self.dests: dict[m.Endpoint, Any] = {}  # peer -> dst page array
+        self.expected_infos = 0
+        self.num_tokens = -1
+        self.parked: list[ChunkReady] = []
+        self.next_enqueue = 0
+        self.next_run = 0
+        self.tokens_done = 0
+        self.last_run = False
+        self.last_enqueued = False
+        self.inflight: set[int] = set()
+        self.failure: RoomFailure | None = None
+        self.stop_to: set[m.Endpoint] = set()
+        self.stopped_sent = False
+        self.release_requested = False
+
+
+class _Peer:
+    __slots__ = ("last_seen", "pool", "registration")
+
+    def __init__(self, registration: m.Register, pool: Any, now: int) -> None:
+        self.registration = registration
+        self.pool = pool
+        self.last_seen = now
+
+
+class SenderEngine:
+    """All rooms of one prefill rank. Feed it events, execute the commands it returns."""
+
+    side = "prefill"
+
+    def __init__(
+        self,
+        endpoint: m.Endpoint,
+        pool: Any,
+        *,
+        timeouts: Timeouts | None = None,
+        num_shards: int = 1,
+        planner: Callable[..., Any] | None = None,
+    ) -> None:
+        if planner is None:
+            from kvferry.core.planner import plan_rank_pair as planner
+        self.endpoint = endpoint
+        self.pool = pool
+        self.timeouts = timeouts or Timeouts()
+        self.num_shards = num_shards
+        self.planner = planner
+        self.rooms: dict[int, _Room] = {}
+        self.peers: dict[m.Endpoint, _Peer] = {}
+        self.rooms_by_peer: dict[m.Endpoint, set[int]] = {}
+        self.writes: dict[int, tuple[int, str]] = {}  # write id -> room key
+        self.deadlines = DeadlineHeap()
+        self.tombstones = Tombstones(self.timeouts.tombstone_ns)
+        self.counters: Counter[str] = Counter()
+        self._next_write_id = 1
+        self._out: list[Any] = []
+        self._now = 0
+
+    # --- public API ------------------------------------------------------------------------------
+
+    def handle(self, event: Any, now: int) -> list[Any]:
+        """Process one event at time ``now``; return the commands to execute, in order."""
+        self._now = now
+        self._out = out = []
+        t = type(event)
+        if t is ControlIn:
+            self._on_control(event.data)
+        elif t is ChunkReady:
+            self._room_input(event.room, event.transfer_id, SIn.CHUNK, event)
+        elif t is WriteDone or t is WriteFailed:
+            key = self.writes.pop(event.write_id, None)
+            if key is None:
+                self.counters["unknown_write"] += 1
+            else:
+                self._room_input(
+                    key[0], key[1], SIn.WRITE_DONE if t is WriteDone else SIn.WRITE_FAILED, event
+                )
+        elif t is SenderOpen:
+            self._open(event)
+        elif t is AbortRoom:
+            self._room_input(event.room, event.transfer_id, SIn.ABORT_LOCAL, event)
+        elif t is ReleaseRoom:
+            self._room_input(event.room, event.transfer_id, SIn.RELEASE, event)
+        elif t is Tick:
+            self._tick()
+        else:
+            self.counters["bad_event"] += 1
+            raise TypeError(f"SenderEngine cannot handle {t.__name__}")
+        self._out = []
+        return out
+
+    def run_chunk(self, chunk: ChunkReady, now: int) -> list[Any]:
+        """The worker step for one queued chunk: post its writes, or skip it, or fail the room."""
+        self._now = now
+        self._out = out = []
+        r = self.rooms.get(chunk.room)
+        if r is None or r.tid != chunk.transfer_id:
+            self.counters["chunk_for_unknown_room"] += 1
+            out.append(ChunkSkipped(room=chunk.room, chunk_index=chunk.chunk_index, reason="room not live"))
+        else:
+            self._dispatch(r, SIn.RUN_CHUNK, chunk)
+        self._out = []
+        return out
+
+    def poll(self, room: int) -> KVPoll:
+        r = self.rooms.get(room)
+        if r is not None:
+            return STATUS[r.state]
+        t = self.tombstones.latest(room)
+        if t is None:
+            raise UnknownRoomError(room)
+        return t[1]
+
+    def state(self, room: int) -> SState | None:
+        r = self.rooms.get(room)
+        return None if r is None else r.state
+
+    def failure(self, room: int) -> RoomFailure | None:
+        r = self.rooms.get(room)
+        return None if r is None else r.failure
+
+    def next_deadline(self) -> int | None:
+        a, b = self.deadlines.next(), self.tombstones.next_deadline()
+        if a is None:
+            return b
+        return a if b is None else min(a, b)
+
+    def references(self, room: int) -> list[str]:
+        """Names of the per-room tables that still mention ``room`` (empty once released)."""
+        refs = []
+        if room in self.rooms:
+            refs.append("rooms")
+        if any(room in s for s in self.rooms_by_peer.values()):
+            refs.append("rooms_by_peer")
+        if any(k[0] == room for k in self.writes.values()):
+            refs.append("writes")
+        if any(isinstance(k, tuple) and k[0] == "room" and k[1] == room for k in self.deadlines.live_keys()):
+            refs.append("deadlines")
+        return refs
+
+    # --- control messages --------------------------------------------------------------------------
+
+    def _send(self, peer: m.Endpoint, msg: Any) -> None:
+        self._out.append(SendControl(peer=peer, msg=msg))
+
+    def _on_control(self, data: bytes) -> None:
+        try:
+            msg = m.decode_control(data)
+        except WireError:
+            self.counters["wire_error"] += 1
+            return
+        peer = self.peers.get(msg.src)
+        if peer is not None:
+            peer.last_seen = self._now
+        t = type(msg)
+        if t is m.TransferInfo:
+            self._on_info(msg)
+        elif t is m.Abort:
+            self._on_abort(msg)
+        elif t is m.RoomFailed:
+            self._room_input(msg.room, msg.transfer_id, SIn.PEER_FAILED, msg)
+        elif t is m.Register:
+            self._on_register(msg)
+        elif t is m.Heartbeat:
+            self.counters["heartbeat_in"] += 1
+        else:
+            # RegisterAck / Stopped only travel prefill -> decode.
+            self.counters["wrong_side_message"] += 1
+
+    def _on_register(self, msg: m.Register) -> None:
+        try:
+            pool = msg.geometry.to_pool()
+        except (KvferryError, ValueError) as exc:
+            self.counters["register_refused"] += 1
+            self._send(msg.src, m.RegisterAck(src=self.endpoint, ok=False, reason=f"bad geometry: {exc}"))
+            return
+        why = self.pool.model.same_kv_shape(pool.model)
+        if why is not None:
+            self.counters["register_refused"] += 1
+            self._send(msg.src, m.RegisterAck(src=self.endpoint, ok=False, reason=f"incompatible KV: {why}"))
+            return
+        old = self.peers.get(msg.src)
+        if old is None or old.registration != msg:
+            self.peers[msg.src] = _Peer(msg, pool, self._now)
+            self._out.append(AddPeer(peer=msg.src, registration=msg))
+            if old is None:
+                self._arm_peer(msg.src)
+        else:
+            self.counters["register_duplicate"] += 1
+        self._send(msg.src, m.RegisterAck(src=self.endpoint, ok=True))
+        for room in sorted(self.rooms_by_peer.get(msg.src, ())):
+            r = self.rooms[room]
+            if r.state is SState.BOOTSTRAPPING:
+                self._dispatch(r, SIn.PEER_READY, msg.src)
+
+    def _on_info(self, msg: m.TransferInfo) -> None:
+        if self.tombstones.get(msg.room, msg.transfer_id) is not None:
+            self.counters["tombstoned"] += 1
+            return
+        r = self.rooms.get(msg.room)
+        if r is None:
+            r = self._create(msg.room, msg.transfer_id)
+            r.created_by_info = True
+        elif r.tid != msg.transfer_id:
+            self.counters["stale_transfer_id"] += 1
+            return
+        if msg.src not in self.peers:
+            # Maybe the Register is in flight, maybe we forgot the peer (heartbeat loss): ask again.
+            self._send(
+                msg.src, m.RegisterAck(src=self.endpoint, ok=False, retry=True, reason="not registered")
+            )
+        self._dispatch(r, SIn.INFO, msg)
+
+    def _on_abort(self, msg: m.Abort) -> None:
+        r = self.rooms.get(msg.room)
+        if r is None or r.tid != msg.transfer_id:
+            # Nothing of ours is live for this incarnation, so nothing can be writing: fence now.
+            self.counters["abort_for_unknown_room"] += 1
+            self._send(msg.src, m.Stopped(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id))
+            return
+        self._dispatch(r, SIn.ABORT_PEER, msg)
+
+    # --- rooms -------------------------------------------------------------------------------------
+
+    def _create(self, room: int, tid: str) -> _Room:
+        r = _Room(room, tid)
+        self.rooms[room] = r
+        self.deadlines.set(("room", room), self._now + self.timeouts.bootstrap_ns)
+        return r
+
+    def _open(self, ev: SenderOpen) -> None:
+        if self.tombstones.get(ev.room, ev.transfer_id) is not None:
+            self.counters["open_tombstoned"] += 1
+            self._out.append(
+                StatusChanged(
+                    room=ev.room,
+                    transfer_id=ev.transfer_id,
+                    status=KVPoll.Failed,
+                    reason="room already finished",
+                )
+            )
+            return
+        r = self.rooms.get(ev.room)
+        if r is None:
+            r = self._create(ev.room, ev.transfer_id)
+            r.opened = True
+            r.aux_index = ev.aux_index
+            self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Bootstrapping))
+            return
+        if r.tid != ev.transfer_id:
+            # Same room id, another request: the old one is stale, the new one cannot start.
+            self.counters["stale_transfer_id"] += 1
+            self._out.append(
+                StatusChanged(
+                    room=ev.room, transfer_id=ev.transfer_id, status=KVPoll.Failed, reason="room id in use"
+                )
+            )
+            return
+        self._dispatch(r, SIn.OPEN, ev)
+
+    def _room_input(self, room: int, tid: str, inp: SIn, payload: Any) -> None:
+        r = self.rooms.get(room)
+        if r is None or r.tid != tid:
+            if self.tombstones.get(room, tid) is not None:
+                self.counters["tombstoned"] += 1
+            elif r is not None:
+                self.counters["stale_transfer_id"] += 1
+            else:
+                self.counters["unknown_room"] += 1
+            return
+        self._dispatch(r, inp, payload)
+
+    def _dispatch(self, r: _Room, inp: SIn, payload: Any) -> None:
+        # Bookkeeping every state needs, whatever the table says about the input.
+        if inp is SIn.RELEASE:
+            r.release_requested = True
+        elif inp is SIn.WRITE_DONE or inp is SIn.WRITE_FAILED:
+            r.inflight.discard(payload.write_id)
+        before = r.state
+        tr = SENDER_TABLE[before].get(inp)
+        if tr is None:
+            self.counters["illegal_input"] += 1
+            self._fail(r, RoomFailure(f"{inp.value} not allowed while {before.value}", at_ns=self._now))
+        else:
+            try:
+                getattr(self, "_" + tr.handler)(r, inp, payload)
+            except Exception as exc:
+                # One room's exception fails that room only, type and message kept for the poller.
+                self.counters["room_exception"] += 1
+                self._fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
+            if r.state not in tr.targets and r.state is not SState.FAILED:
+                self._fail(r, RoomFailure(f"internal: {inp.value} left {before.value} for {r.state.value}"))
+        if r.state is not before and r.state is not SState.FAILED:
+            self._entered(r)
+        self._maybe_finish(r)
+
+    def _entered(self, r: _Room) -> None:
+        st = r.state
+        self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=STATUS[st]))
+        key = ("room", r.room)
+        if st is SState.WAITING:
+            self.deadlines.set(key, self._now + self.timeouts.waiting_ns)
+            parked, r.parked = r.parked, []
+            shard = shard_of(r.room, self.num_shards)
+            for c in parked:
+                self._out.append(EnqueueChunk(shard=shard, chunk=c))
+        elif st is SState.TRANSFERRING:
+            self.deadlines.set(key, self._now + self.timeouts.transfer_ns)
+        elif st is SState.SUCCESS:
+            self.deadlines.cancel(key)
+
+    def _ready(self, r: _Room) -> bool:
+        return (
+            r.opened
+            and r.expected_infos > 0
+            and len(r.infos) == r.expected_infos
+            and all(p in self.peers for p in r.infos)
+        )
+
+    # --- handlers (names referenced by SENDER_TABLE) -------------------------------------------
+
+    def _ignore(self, r: _Room, inp: SIn, payload: Any) -> None:
+        self.counters[f"ignored_{inp.value}"] += 1
+
+    def _on_open(self, r: _Room, inp: SIn, ev: SenderOpen) -> None:
+        if r.opened:
+            raise _RoomError("room opened twice")
+        r.opened = True
+        r.aux_index = ev.aux_index
+        if self._ready(r):
+            r.state = SState.WAITING
+
+    def _on_info(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> None:
+        known = r.infos.get(msg.src)
+        if known is not None:
+            if known != msg:
+                raise _RoomError(f"conflicting TransferInfo from {msg.src}")
+            self.counters["duplicate_info"] += 1
+            return
+        if r.state is not SState.BOOTSTRAPPING:
+            raise _RoomError(f"unexpected TransferInfo from {msg.src} after all {r.expected_infos} arrived")
+        if r.infos:
+            if msg.expected_infos != r.expected_infos:
+                raise _RoomError(f"decode ranks disagree on expected senders ({msg.expected_infos})")
+            if msg.num_tokens != r.num_tokens:
+                raise _RoomError(
+                    f"decode ranks disagree on the room's length ({msg.num_tokens} vs {r.num_tokens})"
+                )
+        else:
+            r.expected_infos = msg.expected_infos
+            r.num_tokens = msg.num_tokens
+        if len(r.infos) >= r.expected_infos:
+            raise _RoomError(f"more TransferInfos than the {r.expected_infos} expected")
+        r.infos[msg.src] = msg
+        r.dests[msg.src] = np.asarray(msg.dst_pages, dtype=np.int64)
+        r.stop_to.add(msg.src)
+        self.rooms_by_peer.setdefault(msg.src, set()).add(r.room)
+        if self._ready(r):
+            r.state = SState.WAITING
+
+    def _on_peer_ready(self, r: _Room, inp: SIn, peer: Any) -> None:
+        if r.state is SState.BOOTSTRAPPING and self._ready(r):
+            r.state = SState.WAITING
+
+    def _on_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
+        if c.chunk_index < r.next_enqueue:
+            self.counters["duplicate_chunk"] += 1
+            self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="duplicate chunk"))
+            return
+        if c.chunk_index != r.next_enqueue:
+            raise _RoomError(f"chunk {c.chunk_index} arrived before chunk {r.next_enqueue}")
+        if r.last_enqueued:
+            raise _RoomError("chunk after the last chunk")
+        r.next_enqueue += 1
+        r.last_enqueued = c.is_last
+        if r.state is SState.BOOTSTRAPPING:
+            r.parked.append(c)
+        else:
+            self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c))
+
+    def _on_run_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
+        if c.chunk_index < r.next_run:
+            self.counters["duplicate_chunk_run"] += 1
+            self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="already run"))
+            return
+        if c.chunk_index != r.next_run:
+            raise _RoomError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
+        if r.last_run:
+            raise _RoomError("chunk after the last chunk")
+        start, end = r.tokens_done, c.token_end
+        if end < start:
+            raise _RoomError(f"chunk {c.chunk_index} ends at token {end}, before its start {start}")
+        if end > r.num_tokens:
+            raise _RoomError(f"chunk {c.chunk_index} ends at token {end}, past decode's {r.num_tokens}")
+        if c.is_last and end != r.num_tokens:
+            raise _RoomError(f"prefill produced {end} tokens but decode allocated {r.num_tokens}")
+        dests = [
+            Destination(p, self.peers[p].pool, r.dests[p], info.dummy) for p, info in sorted(r.infos.items())
+        ]
+        writes = plan_chunk(self.planner, self.pool, c.src_pages, dests, start, end)
+        r.next_run += 1
+        r.tokens_done = end
+        r.last_run = c.is_last
+        posted: list[int] = []
+        for w in writes:
+            note = m.encode(
+                m.ChunkNote(
+                    room=r.room,
+                    transfer_id=r.tid,
+                    src=self.endpoint,
+                    chunk_index=c.chunk_index,
+                    token_start=start,
+                    token_end=end,
+                    is_last=c.is_last,
+                )
+            )
+            if w.count == 0:
+                self._out.append(SendNotif(peer=w.peer, room=r.room, notif=note))
+                continue
+            wid = self._new_write(r)
+            posted.append(wid)
+            self._out.append(
+                PostWrite(
+                    write_id=wid,
+                    peer=w.peer,
+                    room=r.room,
+                    src_region=w.src_region,
+                    src_offset=w.src_offset,
+                    dst_region=w.dst_region,
+                    dst_offset=w.dst_offset,
+                    length=w.length,
+                    notif=note,
+                )
+            )
+        if c.is_last:
+            for p, info in sorted(r.infos.items()):
+                if info.send_aux:
+                    note = m.encode(
+                        m.ChunkNote(
+                            room=r.room,
+                            transfer_id=r.tid,
+                            src=self.endpoint,
+                            chunk_index=c.chunk_index,
+                            token_start=start,
+                            token_end=end,
+                            is_last=True,
+                            aux=True,
+                        )
+                    )
+                    wid = self._new_write(r)
+                    posted.append(wid)
+                    self._out.append(
+                        PostAuxWrite(
+                            write_id=wid,
+                            peer=p,
+                            room=r.room,
+                            src_aux_index=r.aux_index,
+                            dst_aux_index=info.aux_index,
+                            notif=note,
+                        )
+                    )
+        if posted:
+            self._out.append(AwaitWrites(room=r.room, write_ids=tuple(posted)))
+        if r.state is SState.WAITING:
+            r.state = SState.TRANSFERRING
+        else:
+            self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
+        if r.last_run and not r.inflight:
+            r.state = SState.SUCCESS
+
+    def _new_write(self, r: _Room) -> int:
+        wid = self._next_write_id
+        self._next_write_id += 1
+        r.inflight.add(wid)
+        self.writes[wid] = r.key
+        return wid
+
+    def _on_write_done(self, r: _Room, inp: SIn, ev: WriteDone) -> None:
+        self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
+        if r.last_run and not r.inflight:
+            r.state = SState.SUCCESS
+
+    def _on_fail(self, r: _Room, inp: SIn, payload: Any) -> None:
+        if inp is SIn.WRITE_FAILED:
+            reason = f"write failed: {payload.reason}"
+        elif inp is SIn.ABORT_LOCAL:
+            reason = f"aborted: {payload.reason}"
+        elif inp is SIn.ABORT_PEER:
+            reason = f"aborted by {payload.src}: {payload.reason}"
+            r.stop_to.add(payload.src)
+        elif inp is SIn.PEER_FAILED:
+            reason = f"failed on {payload.src}: {payload.reason}"
+        elif inp is SIn.TIMEOUT:
+            reason = f"timed out while {r.state.value}"
+        else:
+            reason = f"peer {payload} lost (no heartbeat)"
+        tell = None if inp not in (SIn.ABORT_PEER, SIn.PEER_FAILED) else payload.src
+        self._fail(r, RoomFailure(reason, at_ns=self._now), skip=tell)
+
+    def _on_failed_input(self, r: _Room, inp: SIn, payload: Any) -> None:
+        """Failed absorbs everything; some inputs still matter for the fence and the peers."""
+        if inp is SIn.ABORT_PEER:
+            r.stop_to.add(payload.src)
+            if r.stopped_sent:
+                self._send(payload.src, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
+        elif inp is SIn.INFO:
+            # A decode rank that joins late must still hear the outcome (and get its fence).
+            if payload.src not in r.infos:
+                reason = r.failure.reason if r.failure else "failed"
+                self._send(
+                    payload.src,
+                    m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=reason),
+                )
+                r.stop_to.add(payload.src)
+                if r.stopped_sent:
+                    self._send(payload.src, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
+        elif inp is SIn.RUN_CHUNK or inp is SIn.CHUNK:
+            # seed 000: a worker that meets a Failed room skips its remaining chunks.
+            self.counters["chunk_skipped_failed"] += 1
+            self._out.append(ChunkSkipped(room=r.room, chunk_index=payload.chunk_index, reason="room failed"))
+        elif inp is not SIn.RELEASE and inp is not SIn.WRITE_DONE and inp is not SIn.WRITE_FAILED:
+            self.counters[f"ignored_failed_{inp.value}"] += 1
+
+    def _on_release(self, r: _Room, inp: SIn, payload: Any) -> None:
+        pass  # handled by _maybe_finish
+
+    # --- failure, fence, release -------------------------------------------------------------------
+
+    def _fail(self, r: _Room, failure: RoomFailure, skip: m.Endpoint | None = None) -> None:
+        if r.state is SState.FAILED:
+            return
+        r.state = SState.FAILED
+        r.failure = failure
+        r.parked = []
+        self.deadlines.cancel(("room", r.room))
+        self._out.append(
+            StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
+        )
+        for p in sorted(r.infos):
+            if p != skip:
+                self._send(
+                    p, m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=failure.reason)
+                )
+
+    def _maybe_finish(self, r: _Room) -> None:
+        if r.state is SState.FAILED and not r.inflight and not r.stopped_sent:
+            r.stopped_sent = True
+            for p in sorted(r.stop_to):
+                self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
+        terminal_quiet = r.state is SState.SUCCESS or (r.state is SState.FAILED and not r.inflight)
+        # A room only a TransferInfo ever created has no local owner to release it.
+        auto = r.created_by_info and not r.opened and r.state is SState.FAILED
+        if terminal_quiet and (r.release_requested or auto):
+            self._remove(r)
+
+    def _remove(self, r: _Room) -> None:
+        del self.rooms[r.room]
+        for p in r.infos:
+            s = self.rooms_by_peer.get(p)
+            if s is not None:
+                s.discard(r.room)
+                if not s:
+                    del self.rooms_by_peer[p]
+        self.deadlines.cancel(("room", r.room))
+        self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
+
+    # --- time ----------------------------------------------------------------------------------------
+
+    def _arm_peer(self, peer: m.Endpoint) -> None:
+        self.deadlines.set(("hb", peer), self._now + self.timeouts.heartbeat_interval_ns)
+        self.deadlines.set(("loss", peer), self._now + self.timeouts.heartbeat_timeout_ns)
+
+    def _tick(self) -> None:
+        now = self._now
+        self.tombstones.expire(now)
+        for key in self.deadlines.pop_due(now):
+            kind, what = key
+            if kind == "room":
+                r = self.rooms.get(what)
+                if r is not None:
+                    self._dispatch(r, SIn.TIMEOUT, None)
+            elif kind == "hb":
+                if what in self.peers:
+                    self._send(what, m.Heartbeat(src=self.endpoint))
+                    self.deadlines.set(key, now + self.timeouts.heartbeat_interval_ns)
+            elif kind == "loss":
+                peer = self.peers.get(what)
+                if peer is None:
+                    continue
+                silent_until = peer.last_seen + self.timeouts.heartbeat_timeout_ns
+                if silent_until > now:
+                    self.deadlines.set(key, silent_until)
+                    continue
+                self._lose_peer(what)
+
+    def _lose_peer(self, peer: m.Endpoint) -> None:
+        self.counters["peer_lost"] += 1
+        del self.peers[peer]
+        self.deadlines.cancel(("hb", peer))
+        self._out.append(DropPeer(peer=peer, reason="heartbeat lost"))
+        for room in sorted(self.rooms_by_peer.get(peer, ())):
+            r = self.rooms.get(room)
+            if r is not None:
+                self._dispatch(r, SIn.PEER_LOST, peer)
+
+
+class _RoomError(ProtocolError):
+    """A room-level protocol violation detected inside a handler (the room fails with it)."""
