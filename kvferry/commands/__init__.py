@@ -6,6 +6,7 @@ import typer
 
 
 def register_all(app: typer.Typer) -> None:
-    from kvferry.commands import version
+    from kvferry.commands import plan, version
 
     version.register(app)
+    plan.register(app)

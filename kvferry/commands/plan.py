@@ -1,0 +1,251 @@
+"""``kvferry plan``: plan one room's KV transfer between a prefill and a decode server, and count it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+
+from kvferry.core.errors import KvferryError
+from kvferry.core.geometry import PRESETS, DType, Layout, ModelGeometry, make_pools
+from kvferry.core.planner import plan_room
+from kvferry.core.staging_layout import StagingFormat, plan_staged_room
+
+EXIT_BAD_INPUT = 2
+
+
+def build_model(
+    model: str | None,
+    layers: int | None,
+    kv_heads: int | None,
+    head_dim: int | None,
+    dtype: DType | None,
+    mla: bool | None,
+) -> ModelGeometry:
+    """A preset, with any explicit flag overriding it; without a preset all of shape must be given."""
+    if model is not None:
+        base = ModelGeometry.preset(model)
+    else:
+        missing = [
+            n
+            for n, v in (("--layers", layers), ("--kv-heads", kv_heads), ("--head-dim", head_dim))
+            if v is None
+        ]
+        if missing:
+            raise typer.BadParameter(f"give --model or all of {', '.join(missing)}")
+        base = None
+    return ModelGeometry(
+        name=_model_name(model, layers, kv_heads, head_dim, mla),
+        num_layers=layers if layers is not None else base.num_layers,  # type: ignore[union-attr]
+        num_kv_heads=kv_heads if kv_heads is not None else base.num_kv_heads,  # type: ignore[union-attr]
+        head_dim=head_dim if head_dim is not None else base.head_dim,  # type: ignore[union-attr]
+        dtype=dtype if dtype is not None else (base.dtype if base else DType.BF16),
+        is_mla=mla if mla is not None else (base.is_mla if base else False),
+    )
+
+
+def _model_name(
+    model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None, mla: bool | None
+) -> str:
+    if model is None:
+        return "custom"
+    reshaped = any(v is not None for v in (layers, kv_heads, head_dim, mla))
+    return f"{model} (modified)" if reshaped else model
+
+
+def room_pages(
+    tokens: int, page_size: int, fragmented: bool, rng: np.random.Generator
+) -> tuple[np.ndarray, int]:
+    """(page ids, pool size): contiguous from 0, or a random subset of a pool twice as large."""
+    needed = max(1, -(-tokens // page_size))
+    if not fragmented:
+        return np.arange(needed, dtype=np.int64), needed
+    pool = 2 * needed
+    return rng.permutation(pool)[:needed].astype(np.int64), pool
+
+
+def make_report(
+    model: ModelGeometry,
+    prefill_tp: int,
+    decode_tp: int,
+    prefill_page_size: int,
+    decode_page_size: int,
+    tokens: int,
+    prefill_layout: Layout,
+    decode_layout: Layout,
+    fragmented: bool,
+    seed: int,
+) -> dict[str, Any]:
+    """Everything ``kvferry plan`` prints, as plain JSON-able data (deterministic for a seed)."""
+    if tokens < 1:
+        raise typer.BadParameter("--tokens must be at least 1")
+    for side, ps in (("prefill", prefill_page_size), ("decode", decode_page_size)):
+        if ps < 1:
+            raise typer.BadParameter(f"{side} page_size must be at least 1, got {ps}")
+    sp, sn = room_pages(tokens, prefill_page_size, fragmented, np.random.default_rng([seed, 0]))
+    dp, dn = room_pages(tokens, decode_page_size, fragmented, np.random.default_rng([seed, 1]))
+    src = make_pools(model, prefill_tp, prefill_page_size, sn, prefill_layout)
+    dst = make_pools(model, decode_tp, decode_page_size, dn, decode_layout)
+    room = plan_room(src, dst, sp, dp, 0, tokens)
+    staged = {fmt.value: plan_staged_room(src, dst, sp, dp, 0, tokens, fmt) for fmt in StagingFormat}
+    return {
+        "model": {
+            "name": model.name,
+            "layers": model.num_layers,
+            "kv_heads": model.num_kv_heads,
+            "head_dim": model.head_dim,
+            "dtype": model.dtype.value,
+            "mla": model.is_mla,
+        },
+        "prefill_tp": prefill_tp,
+        "decode_tp": decode_tp,
+        "prefill_page_size": prefill_page_size,
+        "decode_page_size": decode_page_size,
+        "prefill_layout": prefill_layout.value,
+        "decode_layout": decode_layout.value,
+        "tokens": tokens,
+        "fragmented": fragmented,
+        "seed": seed,
+        "total_bytes": room.total_bytes,
+        "descriptors": room.count,
+        "descriptors_unmerged": room.descriptors_unmerged,
+        "pairs": [
+            {
+                "prefill_rank": p.src_rank,
+                "decode_rank": p.dst_rank,
+                "head_start": p.head_start,
+                "num_heads": p.num_heads,
+                "descriptors": p.count,
+                "descriptors_unmerged": p.descriptors_unmerged,
+                "bytes": p.total_bytes,
+            }
+            for p in room.pairs
+        ],
+        "dummies": [
+            {"prefill_rank": x.prefill_rank, "decode_rank": x.decode_rank} for x in room.links if x.is_dummy
+        ],
+        "staged": {
+            name: {
+                "descriptors": s.count,
+                "bytes": s.total_bytes,
+                "max_prefill_buffer_bytes": max((p.src_buffer_bytes for p in s.pairs), default=0),
+                "max_decode_buffer_bytes": _max_decode_buffer(s),
+            }
+            for name, s in staged.items()
+        },
+    }
+
+
+def _max_decode_buffer(staged: Any) -> int:
+    per_rank: dict[int, int] = {}
+    for p in staged.pairs:
+        end = max(p.dst_buffer_bytes, p.dst_staging_offset + p.length)
+        per_rank[p.dst_rank] = max(per_rank.get(p.dst_rank, 0), end)
+    return max(per_rank.values(), default=0)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    raise AssertionError("unreachable")
+
+
+def print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = report["model"]
+    title = (
+        f"{m['name']} ({m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']} {m['dtype']}"
+        f"{', MLA' if m['mla'] else ''}): prefill TP {report['prefill_tp']} "
+        f"(page {report['prefill_page_size']}) -> decode TP {report['decode_tp']} "
+        f"(page {report['decode_page_size']}), {report['tokens']} tokens"
+        f"{', fragmented seed ' + str(report['seed']) if report['fragmented'] else ''}"
+    )
+    table = Table(title=title)
+    for col in ("prefill", "decode", "heads", "descriptors", "unmerged", "bytes"):
+        table.add_column(col, justify="right")
+    for p in report["pairs"]:
+        table.add_row(
+            str(p["prefill_rank"]),
+            str(p["decode_rank"]),
+            f"{p['head_start']}..{p['head_start'] + p['num_heads'] - 1}",
+            f"{p['descriptors']:,}",
+            f"{p['descriptors_unmerged']:,}",
+            _human(p["bytes"]),
+        )
+    for d in report["dummies"]:
+        table.add_row(str(d["prefill_rank"]), str(d["decode_rank"]), "dummy", "0", "0", "0 B")
+    table.add_section()
+    table.add_row(
+        "total",
+        "",
+        "",
+        f"{report['descriptors']:,}",
+        f"{report['descriptors_unmerged']:,}",
+        _human(report["total_bytes"]),
+    )
+    console = Console()
+    console.print(table)
+    for name, s in report["staged"].items():
+        console.print(
+            f"staged {name}: {s['descriptors']} descriptors, {_human(s['bytes'])}, "
+            f"buffers up to {_human(s['max_prefill_buffer_bytes'])} (prefill) / "
+            f"{_human(s['max_decode_buffer_bytes'])} (decode)"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("plan")
+    def plan(
+        model: Annotated[
+            str | None, typer.Option(help=f"Model preset: {', '.join(sorted(PRESETS))}.")
+        ] = None,
+        prefill_tp: Annotated[int, typer.Option(help="Prefill server TP size.")] = 1,
+        decode_tp: Annotated[int, typer.Option(help="Decode server TP size.")] = 1,
+        page_size: Annotated[int, typer.Option(help="Tokens per page on both sides.")] = 16,
+        prefill_page_size: Annotated[int | None, typer.Option(help="Override page size, prefill.")] = None,
+        decode_page_size: Annotated[int | None, typer.Option(help="Override page size, decode.")] = None,
+        tokens: Annotated[int, typer.Option(help="Tokens in the room.")] = 4096,
+        fragmented: Annotated[
+            bool, typer.Option(help="Scatter the room over random pages of a pool twice its size.")
+        ] = False,
+        seed: Annotated[int, typer.Option(help="Seed for --fragmented page ids.")] = 0,
+        layers: Annotated[int | None, typer.Option(help="Explicit model: layers.")] = None,
+        kv_heads: Annotated[int | None, typer.Option(help="Explicit model: total KV heads.")] = None,
+        head_dim: Annotated[int | None, typer.Option(help="Explicit model: head_dim (MLA: latent).")] = None,
+        dtype: Annotated[DType | None, typer.Option(help="KV dtype (overrides the preset's).")] = None,
+        mla: Annotated[bool | None, typer.Option("--mla/--no-mla", help="Explicit model: MLA.")] = None,
+        prefill_layout: Annotated[Layout, typer.Option(help="Prefill pool layout.")] = Layout.SGLANG_NHD,
+        decode_layout: Annotated[Layout, typer.Option(help="Decode pool layout.")] = Layout.SGLANG_NHD,
+        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    ) -> None:
+        """Plan one room's KV transfer: descriptors (merged and unmerged), bytes per rank pair,
+        and the descriptor counts of the two staged strategies."""
+        try:
+            geometry = build_model(model, layers, kv_heads, head_dim, dtype, mla)
+            report = make_report(
+                geometry,
+                prefill_tp,
+                decode_tp,
+                prefill_page_size if prefill_page_size is not None else page_size,
+                decode_page_size if decode_page_size is not None else page_size,
+                tokens,
+                prefill_layout,
+                decode_layout,
+                fragmented,
+                seed,
+            )
+        except (KvferryError, typer.BadParameter) as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
+        if as_json:
+            json.dump(report, sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            print_table(report)
