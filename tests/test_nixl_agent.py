@@ -30,7 +30,7 @@ def agents():
     a, b = NixlAgent(sync="rw"), NixlAgent(sync="rw")
     a.register(regions_from(src))
     b.register(regions_from(dst))
-    name_b = a.add_peer(b.metadata(), b.regions(), [256, 1024])
+    name_b = a.add_peer(b.metadata(), {"kv": (b.regions(), [256, 1024])})
     yield a, b, name_b, src, dst
     a.close()
     b.close()
@@ -42,7 +42,7 @@ def test_write_with_notification_lands_exact_bytes(agents):
     t = a.post(
         "WRITE",
         name_b,
-        256,
+        ("kv", 256),
         (np.array([0, 1, 2]), np.array([0, 2048, 512])),
         (np.array([2, 0, 1]), np.array([1024, 8192, 256])),
         length,
@@ -69,7 +69,7 @@ def test_read_pulls_remote_bytes(agents):
     t = a.post(
         "READ",
         name_b,
-        1024,
+        ("kv", 1024),
         (np.array([0]), np.array([8192])),
         (np.array([1]), np.array([0])),
         np.array([4096]),
@@ -99,7 +99,7 @@ def test_bad_descriptors_rejected_before_nixl(agents, local, remote, length):
         a.post(
             "WRITE",
             name_b,
-            256,
+            ("kv", 256),
             (np.array([local[0]]), np.array([local[1]])),
             (np.array([remote[0]]), np.array([remote[1]])),
             np.array([length]),
@@ -112,9 +112,9 @@ def test_unknown_peer_and_granule(agents):
     a, _, name_b, _, _ = agents
     one = (np.array([0]), np.array([0]))
     with pytest.raises(NixlPeerError):
-        a.post("WRITE", "nobody", 256, one, one, np.array([256]))
+        a.post("WRITE", "nobody", ("kv", 256), one, one, np.array([256]))
     with pytest.raises(NixlPeerError):
-        a.post("WRITE", name_b, 512, one, one, np.array([512]))
+        a.post("WRITE", name_b, ("kv", 512), one, one, np.array([512]))
 
 
 def test_region_validation():
@@ -136,8 +136,8 @@ def test_torch_tensor_regions_register_and_move():
         a.register(regions_from({0: src}))
         b.register(regions_from({0: dst}))
         assert a.regions()[0].mem == "DRAM"
-        peer = a.add_peer(b.metadata(), b.regions(), [4096])
-        t = a.post("WRITE", peer, 4096, (np.array([0]),) * 2, (np.array([0]),) * 2, np.array([16384]))
+        peer = a.add_peer(b.metadata(), {"kv": (b.regions(), [4096])})
+        t = a.post("WRITE", peer, ("kv", 4096), (np.array([0]),) * 2, (np.array([0]),) * 2, np.array([16384]))
         assert a.wait(t, 10.0) == "DONE"
         assert torch.equal(src, dst)
     finally:
@@ -248,7 +248,7 @@ def _fake_agent(fail: str) -> tuple[NixlAgent, _FakeNixl, str]:
     fake = _FakeNixl(fail)
     agent = NixlAgent("fake", factory=lambda *a: fake)
     agent.register([MemRegion(0, 1 << 20, 4096)])
-    peer = agent.add_peer(b"md", [MemRegion(0, 1 << 21, 4096)], [256])
+    peer = agent.add_peer(b"md", {"kv": ([MemRegion(0, 1 << 21, 4096)], [256])})
     return agent, fake, peer
 
 
@@ -258,7 +258,7 @@ ONE = (np.array([0]), np.array([0]))
 def test_make_failure_is_typed_and_leaves_nothing_inflight():
     agent, _, peer = _fake_agent("make")
     with pytest.raises(NixlError) as err:
-        agent.post("WRITE", peer, 256, ONE, ONE, np.array([256]))
+        agent.post("WRITE", peer, ("kv", 256), ONE, ONE, np.array([256]))
     assert isinstance(err.value.__cause__, RuntimeError)
     assert agent.inflight() == 0
 
@@ -266,7 +266,7 @@ def test_make_failure_is_typed_and_leaves_nothing_inflight():
 def test_post_err_releases_handle_and_records():
     agent, fake, peer = _fake_agent("post")
     with pytest.raises(NixlXferError):
-        agent.post("WRITE", peer, 256, ONE, ONE, np.array([256]))
+        agent.post("WRITE", peer, ("kv", 256), ONE, ONE, np.array([256]))
     assert agent.inflight() == 0 and "release_xfer" in fake.order
     assert agent.telemetry.totals().errors == 1
 
@@ -274,7 +274,7 @@ def test_post_err_releases_handle_and_records():
 @pytest.mark.parametrize("fail", ["poll-raise", "poll-err"])
 def test_poll_errors_become_err_state(fail):
     agent, fake, peer = _fake_agent(fail)
-    t = agent.post("WRITE", peer, 256, ONE, ONE, np.array([256]))
+    t = agent.post("WRITE", peer, ("kv", 256), ONE, ONE, np.array([256]))
     assert agent.poll(t) == "ERR"
     assert agent.poll(t) == "ERR"  # idempotent: released exactly once
     assert fake.order.count("release_xfer") == 1 and agent.inflight() == 0
@@ -282,7 +282,7 @@ def test_poll_errors_become_err_state(fail):
 
 def test_teardown_order_with_hung_transfer():
     agent, fake, peer = _fake_agent("hang")
-    t = agent.post("WRITE", peer, 256, ONE, ONE, np.array([256]))
+    t = agent.post("WRITE", peer, ("kv", 256), ONE, ONE, np.array([256]))
     agent.close(settle_s=0.05)
     assert agent.poll(t) == "ERR"
     first = {
@@ -290,4 +290,4 @@ def test_teardown_order_with_hung_transfer():
     }
     assert first["release_xfer"] < first["release_dlist"] < first["remove_remote"] < first["dereg"]
     with pytest.raises(NixlError):
-        agent.post("WRITE", peer, 256, ONE, ONE, np.array([256]))
+        agent.post("WRITE", peer, ("kv", 256), ONE, ONE, np.array([256]))

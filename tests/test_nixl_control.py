@@ -46,12 +46,14 @@ def test_malformed_frames_counted_not_delivered(pair):
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(b.address)
     raw.send_multipart([b"only-one-frame"])
-    raw.send_multipart([b"x", b"y", b"z"])
-    raw.send_multipart([b"\xff\xfe", b"bad utf8 sender"])
-    raw.send_multipart([b"ok", b"fine"])
+    raw.send_multipart([b"x", b"", b"y", b"z"])
+    raw.send_multipart([b"\xff\xfe", b"", b"bad utf8 sender"])
+    raw.send_multipart([b"x", b"http://evil", b"bad reply address"])
+    raw.send_multipart([b"", b"", b"empty sender"])
+    raw.send_multipart([b"ok", b"", b"fine"])
     msg = _recv(b)
     assert (msg.peer, msg.payload) == ("ok", b"fine")
-    assert b.stats.malformed == 3
+    assert b.stats.malformed == 5
     raw.close(0)
 
 
@@ -133,3 +135,22 @@ def test_closed_plane_raises():
         a.send("x", b"y")
     with pytest.raises(ControlPlaneError):
         a.recv(0.01)
+
+
+def test_reply_address_learned_and_followed_after_restart():
+    server = ControlPlane("prefill#0")
+    client = ControlPlane("decode#0", send_timeout_s=3.0)
+    client.connect("prefill#0", server.address)
+    client.send("prefill#0", b"register")
+    assert _recv(server).payload == b"register"
+    server.send("decode#0", b"ack")  # never configured: learned from the reply address
+    assert _recv(client).payload == b"ack"
+    client.close()
+    client2 = ControlPlane("decode#0")  # restarted on a new port
+    client2.connect("prefill#0", server.address)
+    client2.send("prefill#0", b"register again")
+    assert _recv(server).payload == b"register again"
+    server.send("decode#0", b"ack2")
+    assert _recv(client2).payload == b"ack2"
+    for cp in (server, client2):
+        cp.close()

@@ -3,8 +3,10 @@
 Descriptors. The planner addresses memory as (region_id, byte offset, length). NIXL's fast path
 wants *prepared* descriptor lists built once, and per transfer only index arrays into them
 (``make_prepped_xfer``, which merges dense index runs back into large descriptors). So every
-region is cut into fixed ``granule``-byte descriptors: the local list once per granule, the remote
-list once per (peer, granule) when the peer registers. A planner descriptor becomes the run of
+region is cut into fixed ``granule``-byte descriptors. Regions belong to named groups ("kv" for
+the pool, "aux" for the aux rows); a prepared list covers one group at one granule: the local one
+built once per (group, granule), the remote one once per (peer, group, granule) when the peer
+registers. A planner descriptor becomes the run of
 indices ``[offset/granule, (offset+length)/granule)`` of its region, checked against the region
 sizes on both sides before anything is posted: a bad descriptor raises DescriptorError and
 never reaches NIXL, so nothing is written outside a registered region.
@@ -39,6 +41,7 @@ from kvferry.backends.nixl.telemetry import Telemetry, XferRecord
 log = logging.getLogger(__name__)
 
 SYNC_MODES = ("none", "strict", "rw")
+ListKey = tuple[str, int]  # (region group, granule in bytes)
 # A prepared list is a C++ vector of descriptors; beyond this a pool would need a coarser granule.
 MAX_PREP_DESCS = 1 << 23
 OPS = ("WRITE", "READ")
@@ -141,8 +144,8 @@ class _RegionTable:
 class _Peer:
     name: str  # NIXL agent name of the remote
     regions: dict[int, MemRegion]
-    tables: dict[int, _RegionTable] = field(default_factory=dict)  # granule -> table
-    prepped: dict[int, Any] = field(default_factory=dict)  # granule -> prepared list handle
+    tables: dict[ListKey, _RegionTable] = field(default_factory=dict)
+    prepped: dict[ListKey, Any] = field(default_factory=dict)  # prepared list handles
 
 
 @dataclass
@@ -186,8 +189,9 @@ class NixlAgent:
         self._tables = RWLock()
         self._reg_descs: list[Any] = []
         self._local: dict[int, MemRegion] = {}
-        self._local_tables: dict[int, _RegionTable] = {}
-        self._local_prepped: dict[int, Any] = {}
+        self._groups: dict[str, set[int]] = {}
+        self._local_tables: dict[ListKey, _RegionTable] = {}
+        self._local_prepped: dict[ListKey, Any] = {}
         self._peers: dict[str, _Peer] = {}
         self._inflight: dict[int, XferTicket] = {}
         self._ids = itertools.count(1)
@@ -195,8 +199,8 @@ class NixlAgent:
         self._closed = False
 
     # ---- registration -------------------------------------------------------------------
-    def register(self, regions: Sequence[MemRegion]) -> None:
-        """Register memory with NIXL (one registration list per memory type)."""
+    def register(self, regions: Sequence[MemRegion], group: str = "kv") -> None:
+        """Register memory with NIXL (one registration list per memory type) under ``group``."""
         with self._tables.write():
             merged = {**self._local, **{r.region_id: r for r in regions}}
             if len(merged) != len(self._local) + len(regions):
@@ -209,6 +213,7 @@ class NixlAgent:
                 rows = np.array([[r.addr, r.nbytes, r.dev] for r in rs], dtype=np.uint64)
                 self._reg_descs.append(self._call(self._nixl.register_memory, rows, mem))
             self._local = merged
+            self._groups.setdefault(group, set()).update(r.region_id for r in regions)
 
     def regions(self) -> list[MemRegion]:
         return list(self._local.values())
@@ -217,35 +222,40 @@ class NixlAgent:
         """NIXL agent metadata (connection info and registered memory keys) for peers."""
         return bytes(self._call(self._nixl.get_agent_metadata))
 
-    def _local_prep(self, granule: int) -> tuple[_RegionTable, Any]:
+    def _local_prep(self, key: ListKey) -> None:
         # Caller holds the exclusive side.
-        if granule not in self._local_prepped:
-            table = _RegionTable(dict(self._local), granule)
+        if key not in self._local_prepped:
+            group, granule = key
+            if group not in self._groups:
+                raise RegionError(f"no local regions in group {group!r}")
+            table = _RegionTable({i: self._local[i] for i in self._groups[group]}, granule)
             handle = self._call(self._nixl.prep_xfer_dlist, "NIXL_INIT_AGENT", table.rows(), table.mem_type())
-            self._local_tables[granule], self._local_prepped[granule] = table, handle
-        return self._local_tables[granule], self._local_prepped[granule]
+            self._local_tables[key], self._local_prepped[key] = table, handle
 
-    def add_peer(self, metadata: bytes, regions: Sequence[MemRegion], granules: Sequence[int]) -> str:
-        """Load a peer's metadata and build the prepared lists for every granule given."""
-        for g in granules:
-            if g <= 0:
-                raise RegionError(f"granule must be positive, got {g}")
-        check_disjoint(regions)
+    def add_peer(self, metadata: bytes, groups: dict[str, tuple[Sequence[MemRegion], Sequence[int]]]) -> str:
+        """Load a peer's metadata; for every group, its regions and the granules to prepare."""
+        for regions, granules in groups.values():
+            check_disjoint(regions)
+            for g in granules:
+                if g <= 0:
+                    raise RegionError(f"granule must be positive, got {g}")
         with self._tables.write():
             name = self._call(self._nixl.add_remote_agent, metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
             if name in self._peers:
                 self._drop_peer_locked(name, invalidate=False)
-            peer = _Peer(name, {r.region_id: r for r in regions})
+            peer = _Peer(name, {r.region_id: r for regions, _ in groups.values() for r in regions})
             self._peers[name] = peer
             try:
-                for g in granules:
-                    self._local_prep(g)
-                    table = _RegionTable(peer.regions, g)
-                    peer.tables[g] = table
-                    peer.prepped[g] = self._call(
-                        self._nixl.prep_xfer_dlist, name, table.rows(), table.mem_type()
-                    )
+                for group, (regions, granules) in groups.items():
+                    for g in granules:
+                        key = (group, g)
+                        self._local_prep(key)
+                        table = _RegionTable({r.region_id: r for r in regions}, g)
+                        peer.tables[key] = table
+                        peer.prepped[key] = self._call(
+                            self._nixl.prep_xfer_dlist, name, table.rows(), table.mem_type()
+                        )
             except Exception:
                 self._drop_peer_locked(name, invalidate=True)
                 raise
@@ -279,33 +289,28 @@ class NixlAgent:
         self,
         op: str,
         peer: str,
-        granule: int,
+        key: ListKey,
         local: tuple[np.ndarray, np.ndarray],
         remote: tuple[np.ndarray, np.ndarray],
         length: np.ndarray,
         notif: bytes = b"",
     ) -> XferTicket:
-        """Post a WRITE (local -> remote) or READ (remote -> local) of (region, offset) runs."""
+        """Post a WRITE (local -> remote) or READ (remote -> local) of (region, offset) runs,
+        through the prepared lists ``key`` = (group, granule) of both sides."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}")
         with self._tables.read():
             if self._closed:
                 raise NixlError("agent is closed")
             p = self._peers.get(peer)
-            if p is None or granule not in p.prepped or granule not in self._local_prepped:
-                raise NixlPeerError(f"peer {peer!r} not registered for granule {granule}")
-            li = self._local_tables[granule].indices(local[0], local[1], length, "local")
-            ri = p.tables[granule].indices(remote[0], remote[1], length, "remote")
+            if p is None or key not in p.prepped or key not in self._local_prepped:
+                raise NixlPeerError(f"peer {peer!r} has no prepared list {key}")
+            li = self._local_tables[key].indices(local[0], local[1], length, "local")
+            ri = p.tables[key].indices(remote[0], remote[1], length, "remote")
             nbytes = int(np.asarray(length, dtype=np.int64).sum())
             t0 = time.monotonic_ns()
             handle = self._call(
-                self._nixl.make_prepped_xfer,
-                op,
-                self._local_prepped[granule],
-                li,
-                p.prepped[granule],
-                ri,
-                notif,
+                self._nixl.make_prepped_xfer, op, self._local_prepped[key], li, p.prepped[key], ri, notif
             )
             ticket = XferTicket(next(self._ids), peer, op, handle, int(li.size), nbytes, t0)
             self._inflight[ticket.xid] = ticket

@@ -1,13 +1,16 @@
 """ZMQ control plane of one endpoint: a PULL socket for inbound, one PUSH socket per peer.
 
-Every frame on the wire is ``[sender_id, payload]``; the payload is a msgspec-encoded core message
-(no pickle anywhere); decoding and validation belong to the caller, this layer only checks the
-frame shape and counts what it drops.
+Every message on the wire is three frames ``[sender_id, reply_address, payload]``; the payload is a
+msgspec-encoded core message (no pickle anywhere); decoding and validation belong to the caller,
+this layer only checks the frame shape and counts what it drops. The reply address lets a
+receiver answer a peer it was never configured with (a decode rank registering with prefill) and
+follow a peer that restarted on a new port: with ``learn=True`` an inbound message from an
+unknown peer, or from a known one at a new address, (re)connects to that address.
 
 Threading. ZMQ sockets are not thread-safe, so exactly one IO thread owns every socket. Other
 threads talk to it through two bounded queues: ``send()`` puts into the outbox (and wakes the IO
 thread through a pipe), ``recv()`` takes from the inbox. Ownership rule: sockets and the
-``_peers`` address table belong to the IO thread alone; ``_pending`` (peer commands) is a
+``_addrs`` peer address table belong to the IO thread alone; ``_pending`` (peer commands) is a
 queue.Queue; ``stats`` counters are only written by the IO thread.
 
 Bounds and timeouts. Nothing blocks without a limit: the outbox put and the inbox get take a
@@ -78,6 +81,7 @@ class ControlPlane:
         hwm: int = 4096,
         send_timeout_s: float = 2.0,
         poll_ms: int = 50,
+        learn: bool = True,
     ) -> None:
         if not identity or len(identity.encode()) > MAX_ID_BYTES:
             raise ValueError("identity must be 1..256 bytes")
@@ -87,9 +91,11 @@ class ControlPlane:
         self._hwm = hwm
         self._send_timeout = send_timeout_s
         self._poll_ms = poll_ms
+        self._learn = learn
         self._inbox: queue.Queue[Inbound] = queue.Queue(maxsize=inbox_max)
         self._outbox: queue.Queue[_Out] = queue.Queue(maxsize=outbox_max)
         self._commands: queue.Queue[tuple[str, str, str | None]] = queue.Queue()
+        self._addrs: dict[str, str] = {}  # IO thread only
         self.stats = Stats()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -101,6 +107,7 @@ class ControlPlane:
         else:
             self.port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{self.port}"
+        self._addr = self.address.encode()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
@@ -179,7 +186,7 @@ class ControlPlane:
                         os.read(self._wake_r, 4096)
                 self._apply_commands(socks, waiting)
                 if reading and self._pull in events:
-                    self._drain_inbound()
+                    self._drain_inbound(socks)
                 # Stop reading while the inbox is full: ZMQ's HWM then pushes back on senders.
                 full = self._inbox.full()
                 if full and reading:
@@ -202,23 +209,31 @@ class ControlPlane:
                 what, peer, address = self._commands.get_nowait()
             except queue.Empty:
                 return
-            old = socks.pop(peer, None)
-            if old is not None:
-                old.close(0)
             if what == "connect" and address is not None:
-                s = self._ctx.socket(zmq.PUSH)
-                s.setsockopt(zmq.LINGER, 0)
-                s.setsockopt(zmq.SNDHWM, self._hwm)
-                s.setsockopt(zmq.IMMEDIATE, 1)
-                s.setsockopt(zmq.RECONNECT_IVL, 50)
-                s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-                s.connect(address)
-                socks[peer] = s
+                self._open(socks, peer, address)
             else:
+                old = socks.pop(peer, None)
+                if old is not None:
+                    old.close(0)
+                self._addrs.pop(peer, None)
                 for out in waiting.pop(peer, deque()):
                     self._fail(out)
 
-    def _drain_inbound(self) -> None:
+    def _open(self, socks: dict[str, zmq.Socket], peer: str, address: str) -> None:
+        old = socks.pop(peer, None)
+        if old is not None:
+            old.close(0)
+        s = self._ctx.socket(zmq.PUSH)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, self._hwm)
+        s.setsockopt(zmq.IMMEDIATE, 1)
+        s.setsockopt(zmq.RECONNECT_IVL, 50)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        s.connect(address)
+        socks[peer] = s
+        self._addrs[peer] = address
+
+    def _drain_inbound(self, socks: dict[str, zmq.Socket]) -> None:
         for _ in range(1024):
             if self._inbox.full():
                 return
@@ -226,16 +241,21 @@ class ControlPlane:
                 frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            if len(frames) != 2 or not frames[0] or len(frames[0]) > MAX_ID_BYTES:
+            if len(frames) != 3 or not 0 < len(frames[0]) <= MAX_ID_BYTES or len(frames[1]) > MAX_ID_BYTES:
                 self.stats.malformed += 1
                 continue
             try:
-                sender = frames[0].decode()
+                sender, reply = frames[0].decode(), frames[1].decode()
             except UnicodeDecodeError:
                 self.stats.malformed += 1
                 continue
+            if reply and not reply.startswith("tcp://"):
+                self.stats.malformed += 1
+                continue
+            if self._learn and reply and self._addrs.get(sender) != reply:
+                self._open(socks, sender, reply)
             self.stats.received += 1
-            self._inbox.put_nowait(Inbound(sender, frames[1]))
+            self._inbox.put_nowait(Inbound(sender, frames[2]))
 
     def _flush_outbound(self, socks: dict[str, zmq.Socket], waiting: dict[str, deque[_Out]]) -> None:
         now = time.monotonic()
@@ -259,7 +279,7 @@ class ControlPlane:
                     self._fail(pending.popleft())
                     continue
                 try:
-                    sock.send_multipart([self._id, out.payload], zmq.NOBLOCK)
+                    sock.send_multipart([self._id, self._addr, out.payload], zmq.NOBLOCK)
                 except zmq.Again:
                     if now >= out.deadline:
                         self._fail(pending.popleft())
