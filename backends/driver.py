@@ -1,0 +1,210 @@
+"""The loop body shared by the SimPy and the threaded runtimes. It decides nothing.
+
+A ``Driver`` wraps one engine (``SenderEngine`` or ``ReceiverEngine``) and one ``Transport``:
+
+- ``pump(now)``: feed what the transport observed (control messages, notifications, finished
+  writes) and, if a deadline is due, a ``Tick``. Call it whenever the transport may have news or
+  ``next_deadline()`` is reached.
+- ``feed(event, now)``: hand a local event (open, chunk ready, abort, release) to the engine.
+- ``worker_step(shard, now)`` (prefill): run the next queued chunk of worker queue ``shard``;
+  returns the write ids the worker should wait for before its next chunk (seed 000's pacing).
+  ``writes_pending(ids)`` tells when they finished; ``poll_writes(now)`` makes progress on them.
+
+Every command is executed here, in order, and what it causes (a refused post becomes
+``WriteFailed``, ``CheckAux`` becomes ``AuxChecked``) is fed back before the call returns.
+A transport error never escapes: it is counted in ``errors`` and, where a write is concerned,
+turned into a failed write so that only that room fails.
+
+Threads: pass ``lock=threading.Lock()``; every call takes it, so the single-threaded engine is
+never entered twice. SimPy passes nothing (no lock). Waiting (``time.sleep(0)`` between polls, or
+``yield env.timeout(...)``) belongs to the runtime, not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+from kvferry.backends.transport import Transport, XferState
+from kvferry.core import messages as m
+from kvferry.core.commands import (
+    AddPeer,
+    AwaitWrites,
+    CheckAux,
+    ChunkSkipped,
+    DropPeer,
+    EnqueueChunk,
+    FreePages,
+    PostAuxWrite,
+    PostWrite,
+    SendControl,
+    SendNotif,
+    StatusChanged,
+)
+from kvferry.core.events import AuxChecked, ControlIn, NotificationIn, Tick, WriteDone, WriteFailed
+
+__all__ = ["Driver"]
+
+
+class Driver:
+    def __init__(
+        self,
+        engine: Any,
+        transport: Transport,
+        *,
+        num_shards: int = 1,
+        lock: contextlib.AbstractContextManager[Any] | None = None,
+        on_status: Callable[[StatusChanged], None] | None = None,
+        on_free_pages: Callable[[FreePages], None] | None = None,
+        on_enqueue: Callable[[int], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        self.queues: list[deque[Any]] = [deque() for _ in range(num_shards)]
+        self.handles: dict[int, Any] = {}  # write id -> transport handle, in post order
+        self.errors: Counter[str] = Counter()
+        self.on_status = on_status
+        self.on_free_pages = on_free_pages
+        self.on_enqueue = on_enqueue
+        self._followups: deque[Any] = deque()
+
+    # --- entry points ----------------------------------------------------------------------------
+
+    def feed(self, event: Any, now: int) -> tuple[int, ...]:
+        with self.lock:
+            return self._feed(event, now)
+
+    def pump(self, now: int) -> int:
+        """Feed every observation the transport has, then a Tick if a deadline is due.
+        Returns how many observations were fed (0: nothing happened)."""
+        with self.lock:
+            n = 0
+            t = self.transport
+            for data in t.recv_control():
+                self._feed(ControlIn(data=data), now)
+                n += 1
+            for data in t.drain_notifs():
+                self._feed(NotificationIn(data=data), now)
+                n += 1
+            n += self._poll_writes(now, None)
+            dl = self.engine.next_deadline()
+            if dl is not None and dl <= now:
+                self._feed(Tick(), now)
+                n += 1
+            return n
+
+    def poll_writes(self, now: int, ids: tuple[int, ...] | None = None) -> int:
+        """Check posted writes (all, or ``ids``); feed the finished ones. Returns how many finished."""
+        with self.lock:
+            return self._poll_writes(now, ids)
+
+    def writes_pending(self, ids: tuple[int, ...]) -> bool:
+        with self.lock:
+            return any(i in self.handles for i in ids)
+
+    def worker_step(self, shard: int, now: int) -> tuple[int, ...] | None:
+        """Run one queued chunk of ``shard``; None if the queue is empty, else the ids to await."""
+        with self.lock:
+            q = self.queues[shard]
+            if not q:
+                return None
+            chunk = q.popleft()
+            return self._execute(self.engine.run_chunk(chunk, now), now)
+
+    def next_deadline(self) -> int | None:
+        with self.lock:
+            return self.engine.next_deadline()
+
+    # --- internals (lock held) ---------------------------------------------------------------------
+
+    def _feed(self, event: Any, now: int) -> tuple[int, ...]:
+        return self._execute(self.engine.handle(event, now), now)
+
+    def _poll_writes(self, now: int, ids: tuple[int, ...] | None) -> int:
+        t = self.transport
+        finished = []
+        for wid in self.handles if ids is None else ids:
+            h = self.handles.get(wid)
+            if h is None:
+                continue
+            try:
+                st = t.check_xfer(h)
+            except Exception as exc:
+                self.errors[f"check_xfer: {type(exc).__name__}"] += 1
+                st = XferState.ERR
+            if st is not XferState.PROC:
+                finished.append((wid, h, st))
+        for wid, h, st in finished:
+            del self.handles[wid]
+            try:
+                t.release_xfer(h)
+            except Exception as exc:
+                self.errors[f"release_xfer: {type(exc).__name__}"] += 1
+            ev = WriteDone(write_id=wid) if st is XferState.DONE else WriteFailed(write_id=wid)
+            self._feed(ev, now)
+        return len(finished)
+
+    def _execute(self, cmds: list[Any], now: int) -> tuple[int, ...]:
+        wait: tuple[int, ...] = ()
+        t = self.transport
+        for cmd in cmds:
+            k = type(cmd)
+            try:
+                if k is SendControl:
+                    t.send_control(cmd.peer, m.encode(cmd.msg))
+                elif k is PostWrite:
+                    self.handles[cmd.write_id] = t.post_write(
+                        cmd.peer,
+                        cmd.src_region,
+                        cmd.src_offset,
+                        cmd.dst_region,
+                        cmd.dst_offset,
+                        cmd.length,
+                        cmd.notif,
+                    )
+                elif k is PostAuxWrite:
+                    self.handles[cmd.write_id] = t.post_aux_write(
+                        cmd.peer, cmd.src_aux_index, cmd.dst_aux_index, cmd.notif
+                    )
+                elif k is SendNotif:
+                    t.send_notif(cmd.peer, cmd.notif)
+                elif k is EnqueueChunk:
+                    self.queues[cmd.shard % len(self.queues)].append(cmd.chunk)
+                    if self.on_enqueue is not None:
+                        self.on_enqueue(cmd.shard % len(self.queues))
+                elif k is AwaitWrites:
+                    wait = cmd.write_ids
+                elif k is CheckAux:
+                    found = t.read_aux_room(cmd.aux_index)
+                    self._followups.append(
+                        AuxChecked(room=cmd.room, transfer_id=cmd.transfer_id, found_room=found)
+                    )
+                elif k is AddPeer:
+                    t.add_peer(cmd.peer, cmd.registration)
+                elif k is DropPeer:
+                    t.drop_peer(cmd.peer)
+                elif k is StatusChanged:
+                    if self.on_status is not None:
+                        self.on_status(cmd)
+                elif k is FreePages:
+                    if self.on_free_pages is not None:
+                        self.on_free_pages(cmd)
+                elif k is ChunkSkipped:
+                    self.errors["chunk_skipped"] += 1
+                else:
+                    self.errors[f"unknown command {k.__name__}"] += 1
+            except Exception as exc:
+                self.errors[f"{k.__name__}: {type(exc).__name__}"] += 1
+                if k is PostWrite or k is PostAuxWrite:
+                    # Refused before anything moved: only this room fails, as a failed write.
+                    self._followups.append(WriteFailed(write_id=cmd.write_id, reason=f"post refused: {exc}"))
+                elif k is CheckAux:
+                    self._followups.append(
+                        AuxChecked(room=cmd.room, transfer_id=cmd.transfer_id, found_room=-1)
+                    )
+        while self._followups:
+            self._execute(self.engine.handle(self._followups.popleft(), now), now)
+        return wait
