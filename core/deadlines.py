@@ -22,7 +22,9 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
 
     bootstrap_ns: room created until every TransferInfo/registration it needs is in.
     waiting_ns: WaitingForInput until the first chunk (prefill) or first notification (decode).
-    transfer_ns: longest silence while Transferring (renewed by every chunk, write and notification).
+    transfer_ns: Transferring until done. On prefill it is counted from entering Transferring and
+        never renewed, so a prefill room's life is bounded (the fence relies on it); on decode it
+        is renewed by every notification (decode's own liveness, no safety role).
     heartbeat_interval_ns / heartbeat_timeout_ns: peer liveness; the timeout fails its live rooms.
     fence_ns: decode frees a failed room's pages without the peer's Stopped after this long.
     tombstone_ns: how long a finished (room, transfer_id) keeps rejecting late messages.

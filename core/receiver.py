@@ -452,7 +452,7 @@ class ReceiverEngine:
             self._fail(r, RoomFailure(f"{inp.value} not allowed while {before.value}", at_ns=self._now))
         else:
             try:
-                getattr(self, "_" + tr.handler)(r, inp, payload)
+                getattr(self, "_h_" + tr.handler)(r, inp, payload)
             except Exception as exc:
                 self.counters["room_exception"] += 1
                 self._fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
@@ -475,14 +475,14 @@ class ReceiverEngine:
 
     # --- handlers (names referenced by RECEIVER_TABLE) -----------------------------------------
 
-    def _ignore(self, r: _Room, inp: RIn, payload: Any) -> None:
+    def _h_ignore(self, r: _Room, inp: RIn, payload: Any) -> None:
         self.counters[f"ignored_{inp.value}"] += 1
 
-    def _on_peer_ready(self, r: _Room, inp: RIn, payload: Any) -> None:
+    def _h_on_peer_ready(self, r: _Room, inp: RIn, payload: Any) -> None:
         if r.state is RState.BOOTSTRAPPING and self._all_acked(r):
             r.state = RState.WAITING
 
-    def _on_notify(self, r: _Room, inp: RIn, note: m.ChunkNote) -> None:
+    def _h_on_notify(self, r: _Room, inp: RIn, note: m.ChunkNote) -> None:
         src = note.src
         if src not in r.senders:
             raise _RoomError(f"notification from {src}, which is not a sender of this room")
@@ -540,7 +540,7 @@ class ReceiverEngine:
     def _complete(self, r: _Room) -> bool:
         return r.aux_ok and all(p.done for p in r.progress.values())
 
-    def _on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> None:
+    def _h_on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> None:
         if r.aux_ok or not r.aux_pending:
             self.counters["duplicate_aux_check"] += 1
             return
@@ -551,7 +551,7 @@ class ReceiverEngine:
         if self._complete(r):
             r.state = RState.SUCCESS
 
-    def _on_notify_after_success(self, r: _Room, inp: RIn, note: m.ChunkNote) -> None:
+    def _h_on_notify_after_success(self, r: _Room, inp: RIn, note: m.ChunkNote) -> None:
         prog = r.progress.get(note.src)
         if note.aux and note.src == r.aux_sender:
             self.counters["duplicate_notification"] += 1
@@ -561,7 +561,7 @@ class ReceiverEngine:
             return
         raise _RoomError(f"new chunk {note.chunk_index} from {note.src} after Success")
 
-    def _on_fail(self, r: _Room, inp: RIn, payload: Any) -> None:
+    def _h_on_fail(self, r: _Room, inp: RIn, payload: Any) -> None:
         if inp is RIn.PEER_FAILED:
             reason = f"failed on {payload.src}: {payload.reason}"
         elif inp is RIn.PEER_REFUSED:
@@ -574,7 +574,7 @@ class ReceiverEngine:
             reason = f"peer {payload} lost (no heartbeat)"
         self._fail(r, RoomFailure(reason, at_ns=self._now))
 
-    def _on_failed_input(self, r: _Room, inp: RIn, payload: Any) -> None:
+    def _h_on_failed_input(self, r: _Room, inp: RIn, payload: Any) -> None:
         if inp is RIn.TIMEOUT:
             # The fence deadline: stop waiting for Stopped from senders that never answered.
             if not r.freed:

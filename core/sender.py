@@ -458,7 +458,7 @@ class SenderEngine:
             self._fail(r, RoomFailure(f"{inp.value} not allowed while {before.value}", at_ns=self._now))
         else:
             try:
-                getattr(self, "_" + tr.handler)(r, inp, payload)
+                getattr(self, "_h_" + tr.handler)(r, inp, payload)
             except Exception as exc:
                 # One room's exception fails that room only, type and message kept for the poller.
                 self.counters["room_exception"] += 1
@@ -494,10 +494,10 @@ class SenderEngine:
 
     # --- handlers (names referenced by SENDER_TABLE) -------------------------------------------
 
-    def _ignore(self, r: _Room, inp: SIn, payload: Any) -> None:
+    def _h_ignore(self, r: _Room, inp: SIn, payload: Any) -> None:
         self.counters[f"ignored_{inp.value}"] += 1
 
-    def _on_open(self, r: _Room, inp: SIn, ev: SenderOpen) -> None:
+    def _h_on_open(self, r: _Room, inp: SIn, ev: SenderOpen) -> None:
         if r.opened:
             raise _RoomError("room opened twice")
         r.opened = True
@@ -505,7 +505,7 @@ class SenderEngine:
         if self._ready(r):
             r.state = SState.WAITING
 
-    def _on_info(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> None:
+    def _h_on_info(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> None:
         known = r.infos.get(msg.src)
         if known is not None:
             if known != msg:
@@ -533,11 +533,11 @@ class SenderEngine:
         if self._ready(r):
             r.state = SState.WAITING
 
-    def _on_peer_ready(self, r: _Room, inp: SIn, peer: Any) -> None:
+    def _h_on_peer_ready(self, r: _Room, inp: SIn, peer: Any) -> None:
         if r.state is SState.BOOTSTRAPPING and self._ready(r):
             r.state = SState.WAITING
 
-    def _on_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
+    def _h_on_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
         if c.chunk_index < r.next_enqueue:
             self.counters["duplicate_chunk"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="duplicate chunk"))
@@ -553,7 +553,7 @@ class SenderEngine:
         else:
             self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c))
 
-    def _on_run_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
+    def _h_on_run_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
         if c.chunk_index < r.next_run:
             self.counters["duplicate_chunk_run"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="already run"))
@@ -638,8 +638,6 @@ class SenderEngine:
             self._out.append(AwaitWrites(room=r.room, write_ids=tuple(posted)))
         if r.state is SState.WAITING:
             r.state = SState.TRANSFERRING
-        else:
-            self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
         if r.last_run and not r.inflight:
             r.state = SState.SUCCESS
 
@@ -650,12 +648,11 @@ class SenderEngine:
         self.writes[wid] = r.key
         return wid
 
-    def _on_write_done(self, r: _Room, inp: SIn, ev: WriteDone) -> None:
-        self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
+    def _h_on_write_done(self, r: _Room, inp: SIn, ev: WriteDone) -> None:
         if r.last_run and not r.inflight:
             r.state = SState.SUCCESS
 
-    def _on_fail(self, r: _Room, inp: SIn, payload: Any) -> None:
+    def _h_on_fail(self, r: _Room, inp: SIn, payload: Any) -> None:
         if inp is SIn.WRITE_FAILED:
             reason = f"write failed: {payload.reason}"
         elif inp is SIn.ABORT_LOCAL:
@@ -672,7 +669,7 @@ class SenderEngine:
         tell = None if inp not in (SIn.ABORT_PEER, SIn.PEER_FAILED) else payload.src
         self._fail(r, RoomFailure(reason, at_ns=self._now), skip=tell)
 
-    def _on_failed_input(self, r: _Room, inp: SIn, payload: Any) -> None:
+    def _h_on_failed_input(self, r: _Room, inp: SIn, payload: Any) -> None:
         """Failed absorbs everything; some inputs still matter for the fence and the peers."""
         if inp is SIn.ABORT_PEER:
             r.stop_to.add(payload.src)
@@ -696,7 +693,7 @@ class SenderEngine:
         elif inp is not SIn.RELEASE and inp is not SIn.WRITE_DONE and inp is not SIn.WRITE_FAILED:
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
-    def _on_release(self, r: _Room, inp: SIn, payload: Any) -> None:
+    def _h_on_release(self, r: _Room, inp: SIn, payload: Any) -> None:
         pass  # handled by _maybe_finish
 
     # --- failure, fence, release -------------------------------------------------------------------
