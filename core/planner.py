@@ -125,7 +125,12 @@ def as_page_ids(pages: object, pool: PoolGeometry, side: str) -> np.ndarray:
         if lo < 0 or hi >= pool.num_pages:
             bad = lo if lo < 0 else hi
             raise PlanError(f"{side} page id {bad} out of range [0, {pool.num_pages})")
-        if np.unique(arr).size != arr.size:
+        # A page table over the pool is O(n + pages); sorting is cheaper for a tiny room in a big pool.
+        if arr.size * 16 >= pool.num_pages:
+            repeated = bool(np.bincount(arr, minlength=pool.num_pages).max() > 1)
+        else:
+            repeated = np.unique(arr).size != arr.size
+        if repeated:
             # Two tokens sharing a page slot would overwrite each other: never plan that.
             raise PlanError(f"{side} page ids repeat a page")
     return arr

@@ -23,9 +23,12 @@ Kernel contract (``StagingMap``): for ``r < len(region_ids)``, ``i < len(token_o
     pool byte    = region region_ids[r], offset token_offsets[i] + j * pool_head_stride + b
     staging byte = staging_base + r * stride_region + i * stride_token + j * stride_head + b
 
-A gather copies pool -> staging, a scatter staging -> pool. ``token_offsets`` already include the
-page lookup and the first local head, so a kernel needs no page table; ``slots`` (page x page_size
-+ token_in_page) is there for kernels that index by slot, with ``local_head_start``.
+A gather copies pool -> staging, a scatter staging -> pool. All values are bytes;
+``element_strides()`` gives the staging strides in elements of the pool dtype (the form
+``backends/kernels/layout.StagingLayout`` takes; its "planes" are these regions).
+``token_offsets`` already include the page lookup and the first local head, so a kernel needs no
+page table; ``slots`` (page x page_size + token_in_page) is there for kernels that index by slot,
+together with ``local_head_start``.
 """
 
 from __future__ import annotations
@@ -73,10 +76,21 @@ class StagingMap:
     stride_region: int
     stride_token: int
     stride_head: int
+    itemsize: int
 
     @property
     def nbytes(self) -> int:
         return len(self.region_ids) * len(self.token_offsets) * self.num_heads * self.head_bytes
+
+    def element_strides(self) -> tuple[int, int, int, int]:
+        """``(stride_region, stride_token, stride_head, staging_base)`` in elements, not bytes.
+
+        For kernels that index a staging tensor of the pool's dtype (every value is a whole number
+        of elements by construction).
+        """
+        isz = self.itemsize
+        return (self.stride_region // isz, self.stride_token // isz, self.stride_head // isz,
+                self.staging_base // isz)  # fmt: skip
 
     def pieces(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(pool_region, pool_offset, staging_offset, length)``, one per (region, token, head).
@@ -174,6 +188,7 @@ def _side_map(
         stride_region=strides[0],
         stride_token=strides[1],
         stride_head=strides[2],
+        itemsize=pool.model.dtype.itemsize,
     )
 
 

@@ -169,6 +169,13 @@ def test_mismatched_models_are_rejected(other: ModelGeometry) -> None:
         plan_room([src], [dst], [0], [0], 0, 4)
 
 
+def test_repeated_page_in_a_big_pool_is_rejected() -> None:
+    # Few pages in a large pool take the sort path of the duplicate check, not the page table.
+    src, dst = _pools(SMALL, 1, 4, 4), _pools(SMALL, 1, 4, 10_000)
+    with pytest.raises(PlanError, match="repeat"):
+        plan_rank_pair(src[0], dst[0], [0, 1], [9_000, 9_000], 0, 8)
+
+
 def test_room_pools_must_be_one_server() -> None:
     src = _pools(SMALL, 2, 4, 4)
     with pytest.raises(PlanError, match="pools given"):

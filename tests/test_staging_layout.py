@@ -127,6 +127,8 @@ def test_head_major_qwen_4_to_2_maps() -> None:
     assert p.scatter.token_offsets[0] == 8 * 16 * 4 * hb + 2 * hb  # decode local head 2
     assert p.scatter.local_head_start == 2 and p.gather.local_head_start == 0
     np.testing.assert_array_equal(g.slots, np.arange(128, 256))
+    assert g.element_strides() == (t * 128, 128, r * t * 128, 0)
+    assert p.scatter.element_strides()[3] == 2 * r * t * 128
 
 
 def test_layer_major_packs_writers_in_the_decode_ring() -> None:
