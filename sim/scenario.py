@@ -109,20 +109,20 @@ class Faults:
 class TimeoutSpec:
     """The core's deadlines, scaled to simulated runs (the real defaults are tens of seconds)."""
 
-    bootstrap_ns: int = 20_000_000
-    waiting_ns: int = 20_000_000
-    transfer_ns: int = 20_000_000
-    heartbeat_interval_ns: int = 1_000_000
-    heartbeat_timeout_ns: int = 5_000_000
-    fence_ns: int = 80_000_000
-    tombstone_ns: int = 100_000_000
+    bootstrap_ns: int = 50_000_000
+    waiting_ns: int = 50_000_000
+    transfer_ns: int = 50_000_000
+    heartbeat_interval_ns: int = 2_000_000
+    heartbeat_timeout_ns: int = 10_000_000
+    fence_ns: int = 200_000_000
+    tombstone_ns: int = 250_000_000
 
 
 @dataclass(frozen=True, slots=True)
 class Phases:
     fault_window_us: int = 20_000  # faults injected until then; afterwards the network heals
     # After the heal (and the last arrival), every room must be terminal within this.
-    liveness_us: int = 200_000
+    liveness_us: int = 300_000
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,6 +141,7 @@ class Fabric:
         self.links: dict[tuple[str, str], Link] = {}
         self.xfers: dict[int, Xfer] = {}
         self.stats = FabricStats()
+        self.write_latencies: list[int] = []
         self._next_xid = 1
         self._gen = 0
         self._active: list[int] = []  # xids in start order, so recomputation order is fixed
@@ -601,6 +602,7 @@ class Fabric:
             self._free_slot(x)
         if state is XferState.DONE:
             self.stats.transfers_done += 1
+            self.write_latencies.append(x.done_ns - x.posted_ns)
         else:
             self.stats.transfers_err += 1
         self.record(

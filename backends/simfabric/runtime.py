@@ -1,0 +1,143 @@
+"""SimPy processes that run one rank: the driver loop, and on prefill N transfer workers over N queues.
+
+The loop body (feed an event to the engine, execute its commands through the transport) is the
+shared driver; here it is scheduled by SimPy: the main process sleeps on the node's inbox (wake-up
+tokens from the fabric) or the engine's next deadline, whichever is first; worker ``i`` takes
+chunks from queue ``i`` in order and, as in seed 000, does not take its next chunk before the
+writes of the current one finished (``AwaitWrites``).
+
+Crash: the rank is marked dead and every process exits at its next wake-up; nothing is
+interrupted, and the main loop keeps one pending ``Store.get()`` across iterations, so no token is
+ever lost to a cancelled get (SimPy's lost-item pitfall).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import simpy
+from kvferry.backends.driver import Driver
+from kvferry.backends.simfabric.fabric import Fabric
+from kvferry.backends.simfabric.transport import SimTransport
+from kvferry.core.commands import FreePages, StatusChanged
+
+
+class RankSink:
+    """What the runtime reports upward (the simulated scheduler implements it)."""
+
+    def status(self, rank: SimRank, cmd: StatusChanged) -> None: ...
+    def free_pages(self, rank: SimRank, cmd: FreePages) -> None: ...
+    def after_pump(self, rank: SimRank) -> None: ...
+
+
+class SimRank:
+    """One rank of one server running in the simulated world: the shared Driver on SimPy processes."""
+
+    def __init__(
+        self,
+        env: simpy.Environment,
+        fabric: Fabric,
+        transport: SimTransport,
+        engine: Any,
+        sink: RankSink,
+        workers: int = 0,
+        record: Callable[..., None] | None = None,
+    ) -> None:
+        self.env = env
+        self.fabric = fabric
+        self.transport = transport
+        self.engine = engine
+        self.sink = sink
+        self.node = transport.node
+        self.incarnation = transport.incarnation
+        self.record = record or (lambda *a, **k: None)
+        self.dead = False
+        self.workers = workers
+        self.driver = Driver(
+            engine,
+            transport,
+            num_shards=max(1, workers),
+            on_status=lambda cmd: sink.status(self, cmd),
+            on_free_pages=lambda cmd: sink.free_pages(self, cmd),
+            on_enqueue=self._wake_worker,
+        )
+        self._work = [env.event() for _ in range(workers)]
+        self._resolved = env.event()
+        env.process(self._main())
+        for i in range(workers):
+            env.process(self._worker(i))
+
+    # --- time and feeding ------------------------------------------------------------------------
+    def now(self) -> int:
+        return self.fabric.clock(self.node)
+
+    def feed(self, event: Any) -> None:
+        """Hand one local event (open, chunk ready, abort, release) to the engine."""
+        if not self.dead:
+            self.driver.feed(event, self.now())
+
+    @property
+    def pending(self) -> dict[int, Any]:
+        return self.driver.handles
+
+    @property
+    def queued(self) -> int:
+        return sum(len(q) for q in self.driver.queues)
+
+    def _wake_worker(self, shard: int) -> None:
+        if shard < len(self._work) and not self._work[shard].triggered:
+            self._work[shard].succeed()
+
+    def _writes_resolved(self) -> None:
+        ev, self._resolved = self._resolved, self.env.event()
+        ev.succeed()
+
+    # --- processes ----------------------------------------------------------------------------------
+    def _main(self):  # type: ignore[no-untyped-def]
+        inbox = self.fabric.node(self.node).inbox
+        get = inbox.get()
+        while True:
+            dl = self.driver.next_deadline()
+            if dl is None:
+                yield get
+            else:
+                yield get | self.env.timeout(max(0, dl - self.now()))
+            if self.dead:
+                return
+            if get.triggered:
+                inbox.items.clear()  # tokens only say "look": one look serves them all
+                get = inbox.get()
+            before = len(self.driver.handles)
+            self.driver.pump(self.now())
+            if len(self.driver.handles) < before:
+                self._writes_resolved()
+            self.sink.after_pump(self)
+
+    def _worker(self, i: int):  # type: ignore[no-untyped-def]
+        q = self.driver.queues[i]
+        while True:
+            while not q:
+                self._work[i] = self.env.event()
+                yield self._work[i]
+                if self.dead:
+                    return
+            chunk = q[0]
+            self.record("chunk_begin", self.node, worker=i, room=chunk.room, chunk=chunk.chunk_index)
+            wait = self.driver.worker_step(i, self.now()) or ()
+            while wait and not self.dead and self.driver.writes_pending(wait):
+                yield self._resolved
+            if self.dead:
+                return
+            self.record("chunk_end", self.node, worker=i, room=chunk.room, chunk=chunk.chunk_index)
+
+    def crash(self) -> None:
+        """Everything of this incarnation stops; the fabric loses its memory and handles."""
+        if self.dead:
+            return
+        self.dead = True
+        self.fabric.crash(self.node)
+        for ev in self._work:
+            if not ev.triggered:
+                ev.succeed()
+        self._writes_resolved()

@@ -1,0 +1,131 @@
+"""Invariant checks over a finished (or deadline-reached) world, per ../shared/DESIGN.md section 6.
+
+Checked while the run goes (in sim/world.py, as events happen):
+- ``status_monotone`` / ``failed_absorbing``: every status change of every (rank, room).
+- ``ownership``: every write that lands in decode memory lands in pages (or the aux row) the
+  writing room owns at that moment; a write into free or reused pages is corruption.
+- ``bytes``: when a room is Success on every decode rank, each rank's pages hold exactly the
+  source bytes and the aux row holds the room id.
+Checked here:
+- ``liveness``: at the deadline (heal + liveness window after the last arrival) every room is
+  terminal on every rank that opened it.
+- ``conservation``: rooms submitted = succeeded + failed (none left in flight); transfers posted =
+  DONE + ERR; every decode outcome agrees with the per-rank statuses.
+- ``quiescence`` / ``tables_empty``: after quiescence every room's memory is back in the allocators,
+  and every per-room table, pending write, transfer handle and queued chunk is gone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvferry.core.kvpoll import KVPoll
+
+if TYPE_CHECKING:
+    from kvferry.sim.world import World
+
+
+def check_liveness(w: World) -> None:
+    if not w.scenario.checks.liveness:
+        return
+    for req in w.requests:
+        if not req.opened:
+            w.violate("liveness", f"room {req.key} never got memory by the deadline", req)
+            continue
+        for node in sorted(req.inc):
+            st = req.status.get(node)
+            if st is not KVPoll.Failed and st is not KVPoll.Success:
+                rank = w.ranks[node]
+                state = rank.engine.state(req.room) if rank.incarnation == req.inc[node] else None
+                w.violate(
+                    "liveness",
+                    f"room {req.key} still {st.name if st else 'unopened'} on {node} at the deadline "
+                    f"(engine state {state.value if state else None})",
+                    req,
+                )
+
+
+def check_final(w: World) -> None:
+    c = w.scenario.checks
+    if c.conservation:
+        _conservation(w)
+    if c.tables_empty:
+        _tables(w)
+
+
+def _conservation(w: World) -> None:
+    ok = sum(1 for r in w.requests if r.outcome == "success")
+    failed = sum(1 for r in w.requests if r.outcome == "failed")
+    open_ = len(w.requests) - ok - failed
+    if open_:
+        w.violate(
+            "conservation",
+            f"{len(w.requests)} rooms submitted, {ok} succeeded, {failed} failed, "
+            f"{open_} never reached an outcome",
+        )
+    for r in w.requests:
+        if r.outcome == "success" and any(
+            r.status.get(f"decode{d}") is not KVPoll.Success for d in range(w.D)
+        ):
+            w.violate("conservation", f"room {r.key} counted as success but a decode rank is not Success", r)
+    st = w.fabric.stats
+    inflight = w.fabric.in_flight()
+    if st.posts != st.transfers_done + st.transfers_err + inflight or inflight:
+        w.violate(
+            "conservation",
+            f"transfers: {st.posts} posted, {st.transfers_done} done, "
+            f"{st.transfers_err} err, {inflight} still in flight after quiescence",
+        )
+
+
+def _tables(w: World) -> None:
+    for r in w.requests:
+        if not r.done:
+            missing = []
+            if not r.dec_pages_freed:
+                missing.append(f"decode pages (FreePages from {sorted(r.freed)})")
+            if not r.pre_pages_freed:
+                missing.append("prefill pages")
+            w.violate(
+                "quiescence",
+                f"room {r.key} ({r.outcome or 'no outcome'}) still holds "
+                f"{' and '.join(missing)} after quiescence",
+                r,
+            )
+    for name, alloc in (
+        ("prefill pages", w.pre_alloc),
+        ("decode pages", w.dec_alloc),
+        ("prefill aux rows", w.pre_aux),
+        ("decode aux rows", w.dec_aux),
+    ):
+        if alloc.used:
+            w.violate("tables_empty", f"{alloc.used} {name} still allocated after quiescence")
+    for node in sorted(w.ranks):
+        rank = w.ranks[node]
+        if rank.dead:
+            continue
+        eng = rank.engine
+        leftovers = []
+        if eng.rooms:
+            leftovers.append(f"{len(eng.rooms)} rooms")
+        if eng.rooms_by_peer:
+            leftovers.append(f"rooms_by_peer for {len(eng.rooms_by_peer)} peers")
+        if getattr(eng, "writes", None):
+            leftovers.append(f"{len(eng.writes)} writes")
+        refs = sorted(
+            {ref for r in w.requests if r.inc.get(node) == rank.incarnation for ref in eng.references(r.room)}
+        )
+        if refs:
+            leftovers.append(f"room entries in {', '.join(refs)}")
+        if rank.pending:
+            leftovers.append(f"{len(rank.pending)} pending writes in the driver")
+        if rank.transport.handles:
+            leftovers.append(f"{len(rank.transport.handles)} transfer handles")
+        queued = rank.queued
+        if queued:
+            leftovers.append(f"{queued} queued chunks")
+        if leftovers:
+            w.violate("tables_empty", f"{node}: {', '.join(leftovers)} after quiescence")
+    handles = w.fabric.open_handles()
+    if handles:
+        w.violate("tables_empty", f"fabric handles still open: {handles}")

@@ -1,0 +1,622 @@
+"""One simulated deployment: prefill and decode servers on the fake fabric, a scheduler that feeds
+them rooms, the fault schedule, and the bookkeeping the invariant checker reads.
+
+The scheduler plays both LLM servers: decode allocates pages and an aux row and opens the room on
+each decode rank; prefill allocates its own pages, "computes" each chunk (writes the room's
+recognisable bytes, sim/pattern.py) and hands it to each prefill rank. It reacts to status
+changes like a real scheduler: a room Failed on one rank of a server is aborted on the others;
+once terminal everywhere on a side it is released; decode pages go back to the allocator only on
+FreePages (the fence), prefill pages once the sender engine dropped the room (no write in flight).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import simpy
+from kvferry.backends.simfabric.fabric import Fabric, Xfer
+from kvferry.backends.simfabric.runtime import SimRank
+from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport
+from kvferry.backends.transport import encode_aux_room
+from kvferry.core.commands import FreePages, StatusChanged
+from kvferry.core.deadlines import Timeouts
+from kvferry.core.errors import WireError
+from kvferry.core.events import AbortRoom, ChunkReady, ReceiverOpen, ReleaseRoom, SenderOpen, SenderSpec
+from kvferry.core.geometry import receivers_for, senders_for
+from kvferry.core.kvpoll import KVPoll
+from kvferry.core.messages import Endpoint, decode_note
+from kvferry.core.receiver import ReceiverEngine
+from kvferry.core.sender import SenderEngine
+from kvferry.sim import pattern
+from kvferry.sim.faults import Injector, draw_personality
+from kvferry.sim.rng import Streams
+from kvferry.sim.scenario import US, RoomSpec, Scenario, pools
+from kvferry.sim.trace import Trace
+
+AUX_ROW_BYTES = 64
+FREE = -1
+
+
+class Allocator:
+    """Page (or aux row) allocator of one server; remembers the owner of every unit."""
+
+    def __init__(self, n: int) -> None:
+        self.owner = np.full(n, FREE, dtype=np.int64)
+        self._free: list[int] = list(range(n))  # a heap: lowest id first, deterministic
+        heapq.heapify(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.owner.size - len(self._free)
+
+    def alloc(self, count: int, key: int) -> np.ndarray | None:
+        if count > len(self._free):
+            return None
+        ids = np.array([heapq.heappop(self._free) for _ in range(count)], dtype=np.int64)
+        self.owner[ids] = key
+        return ids
+
+    def free(self, ids: np.ndarray, key: int) -> None:
+        if (self.owner[ids] != key).any():
+            raise AssertionError(f"freeing units not owned by {key}")
+        self.owner[ids] = FREE
+        for i in ids.tolist():
+            heapq.heappush(self._free, i)
+
+
+@dataclass(slots=True)
+class Request:
+    key: int
+    room: int
+    tid: str
+    spec: RoomSpec
+    chunks: tuple[int, ...]
+    arrival_ns: int
+    dec_pages: np.ndarray | None = None
+    pre_pages: np.ndarray | None = None
+    dec_aux: np.ndarray | None = None
+    pre_aux: np.ndarray | None = None
+    inc: dict[str, int] = field(default_factory=dict)  # incarnation of each node the room was opened on
+    status: dict[str, KVPoll] = field(default_factory=dict)
+    reason: dict[str, str] = field(default_factory=dict)
+    terminal_ns: dict[str, int] = field(default_factory=dict)
+    freed: set[str] = field(default_factory=set)  # decode nodes that said FreePages (or died)
+    removed: set[str] = field(default_factory=set)  # prefill nodes whose engine dropped the room
+    aborted: set[str] = field(default_factory=set)
+    dec_released: bool = False
+    pre_released: bool = False
+    dec_pages_freed: bool = False
+    pre_pages_freed: bool = False
+    outcome: str = ""  # "success" / "failed" once decode is terminal everywhere
+    verified_bad: int = -1
+    opened: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.dec_pages_freed and self.pre_pages_freed
+
+
+@dataclass(slots=True)
+class Violation:
+    invariant: str
+    detail: str
+    t_ns: int
+    room: int | None = None
+
+
+class World:
+    """Build with a scenario and a seed, then ``run()``; the result is in ``report()``."""
+
+    def __init__(self, scenario: Scenario, seed: int | None = None, keep_trace: bool = False) -> None:
+        self.seed = scenario.seed if seed is None else seed
+        self.streams = Streams(self.seed)
+        self.scenario = s = draw_personality(replace(scenario, seed=self.seed), self.streams)
+        self.hooks = frozenset(s.hooks)
+        self.env = simpy.Environment()
+        self.trace = Trace(lambda: self.env.now, keep=keep_trace)
+        self.injector = Injector(s.faults, s.phases.fault_window_us * US, self.streams)
+        self.fabric = Fabric(self.env, s.fabric, self.streams["fabric"], self.injector, self.trace.record)
+        self.fabric.on_land = self._on_land
+        self.timeouts = Timeouts(**{f: getattr(s.timeouts, f) for f in s.timeouts.__slots__})
+        self.pre_pools, self.dec_pools = pools(s)
+        self.model = s.model.geometry()
+        t = s.topology
+        self.P, self.D = t.prefill_tp, t.decode_tp
+        clock = self.streams["clock"]
+        skew_max = s.faults.clock_skew_max_us * US
+        for name in s.node_names():
+            self.fabric.add_node(name, skew_ns=clock.randrange(skew_max + 1) if skew_max else 0)
+        self.ranks: dict[str, SimRank] = {}
+        self.pre_alloc = Allocator(t.prefill_pages)
+        self.dec_alloc = Allocator(t.decode_pages)
+        self.pre_aux = Allocator(t.aux_rows)
+        self.dec_aux = Allocator(t.aux_rows)
+        self.requests: list[Request] = []
+        self.by_room: dict[int, Request] = {}
+        self.violations: list[Violation] = []
+        self.awaiting_prefill: set[int] = set()
+        self.status_log: dict[tuple[str, int, int, str], KVPoll] = {}
+        self.rooms_started = 0
+        self.phase = "faults"
+        self.deadline_ns = 0
+        self.quiesced_ns = -1
+        self._senders = {d: self._sender_specs(d) for d in range(self.D)}
+        for name in s.node_names():
+            self._start_rank(name)
+        self._build_workload()
+        self.env.process(self._fault_schedule())
+
+    # --------------------------------------------------------------------------- ranks
+    def _endpoint(self, node: str) -> Endpoint:
+        side = "prefill" if node.startswith("prefill") else "decode"
+        return Endpoint(side, int(node[len(side) :]))
+
+    def _start_rank(self, node: str) -> None:
+        ep = self._endpoint(node)
+        pool = self.pre_pools[ep.rank] if ep.server == "prefill" else self.dec_pools[ep.rank]
+        tr = SimTransport(self.fabric, ep, pool)
+        tr.register_regions(pool.regions, self.scenario.topology.aux_rows, AUX_ROW_BYTES)
+        if ep.server == "prefill":
+            planner = None
+            if "chunk_offset_own_length" in self.hooks:
+                planner = _offset_from_own_length_planner()
+            engine: Any = SenderEngine(
+                ep, pool, timeouts=self.timeouts, num_shards=self.scenario.topology.workers, planner=planner
+            )
+            workers = self.scenario.topology.workers
+        else:
+            engine = ReceiverEngine(tr.registration(), timeouts=self.timeouts)
+            workers = 0
+        self.ranks[node] = SimRank(self.env, self.fabric, tr, engine, self, workers, self.trace.record)
+
+    def _sender_specs(self, d: int) -> tuple[SenderSpec, ...]:
+        specs = []
+        aux_given = False
+        for link in senders_for(self.model, self.P, self.D, d):
+            aux = not link.is_dummy and not aux_given
+            aux_given = aux_given or aux
+            specs.append(
+                SenderSpec(
+                    endpoint=Endpoint("prefill", link.prefill_rank),
+                    dummy=link.is_dummy,
+                    expected_infos=len(receivers_for(self.model, self.P, self.D, link.prefill_rank)),
+                    send_aux=aux,
+                )
+            )
+        return tuple(specs)
+
+    def alive(self, node: str, req: Request) -> bool:
+        r = self.ranks[node]
+        return not r.dead and req.inc.get(node) == r.incarnation
+
+    # --------------------------------------------------------------------------- workload
+    def _build_workload(self) -> None:
+        s = self.scenario
+        w = s.workload
+        rng = self.streams["workload"]
+        rooms_rng = self.streams["rooms"]
+        specs: list[RoomSpec] = list(w.explicit)
+        t = 0
+        while len(specs) < w.rooms:
+            t += int(rng.expovariate(1.0 / max(1, w.arrival_mean_us))) if w.arrival_mean_us else 0
+            specs.append(
+                RoomSpec(
+                    tokens=rng.randint(w.tokens_min, w.tokens_max),
+                    arrival_us=t,
+                    prefill_delay_us=rng.randrange(0, 50),
+                )
+            )
+        used: set[int] = set()
+        abort_rng = self.streams["faults.abort"]
+        for key, spec in enumerate(specs):
+            room = rooms_rng.getrandbits(63)
+            while room in used:
+                room = rooms_rng.getrandbits(63)
+            used.add(room)
+            chunks = spec.chunks or _split(spec.tokens, w.chunk_tokens)
+            req = Request(
+                key=key,
+                room=room,
+                tid=f"t{self.seed}-{key}",
+                spec=spec,
+                chunks=chunks,
+                arrival_ns=spec.arrival_us * US,
+            )
+            self.requests.append(req)
+            self.by_room[room] = req
+            self.env.process(self._request(req))
+            f = s.faults
+            if f.abort and abort_rng.random() < f.abort:
+                at = req.arrival_ns + abort_rng.randrange(1, 3000 * US)
+                node = abort_rng.choice(s.node_names())
+                if at < s.phases.fault_window_us * US:
+                    self.env.process(self._abort_later(req, node, at))
+        last = max((r.arrival_ns for r in self.requests), default=0)
+        self.deadline_ns = max(s.phases.fault_window_us * US, last) + s.phases.liveness_us * US
+
+    def _abort_later(self, req: Request, node: str, at: int):  # type: ignore[no-untyped-def]
+        yield self.env.timeout(at - int(self.env.now))
+        if req.opened and self.alive(node, req) and not _terminal(req.status.get(node)):
+            self.injector.counts["abort"] += 1
+            self.trace.record("abort", node, room=req.room)
+            self.ranks[node].feed(
+                AbortRoom(room=req.room, transfer_id=req.tid, reason="scheduler abort (fault)")
+            )
+
+    def _request(self, req: Request):  # type: ignore[no-untyped-def]
+        env = self.env
+        yield env.timeout(req.arrival_ns)
+        s = self.scenario
+        t = s.topology
+        n_dec = -(-req.spec.tokens // t.decode_page_size)
+        n_pre = -(-req.spec.tokens // t.prefill_page_size)
+        # Wait for memory like a real scheduler would (the queue is not part of what we test).
+        while True:
+            if (
+                self.dec_alloc.used + n_dec <= t.decode_pages
+                and self.pre_alloc.used + n_pre <= t.prefill_pages
+                and self.dec_aux.used < t.aux_rows
+                and self.pre_aux.used < t.aux_rows
+            ):
+                break
+            yield env.timeout(100 * US)
+        req.dec_pages = self.dec_alloc.alloc(n_dec, req.key)
+        req.pre_pages = self.pre_alloc.alloc(n_pre, req.key)
+        req.dec_aux = self.dec_aux.alloc(1, req.key)
+        req.pre_aux = self.pre_aux.alloc(1, req.key)
+        self.rooms_started += 1
+        self.trace.record(
+            "room_arrive", "scheduler", room=req.room, key=req.key, tokens=req.spec.tokens, chunks=req.chunks
+        )
+        req.opened = True
+        for d in range(self.D):
+            node = f"decode{d}"
+            rank = self.ranks[node]
+            req.inc[node] = rank.incarnation
+            if rank.dead:
+                self._mark(req, node, KVPoll.Failed, "node down at open")
+                continue
+            rank.feed(
+                ReceiverOpen(
+                    room=req.room,
+                    transfer_id=req.tid,
+                    dst_pages=req.dec_pages,
+                    num_tokens=req.spec.tokens,
+                    aux_index=int(req.dec_aux[0]),
+                    senders=self._senders[d],
+                )
+            )
+        if req.spec.prefill_delay_us:
+            yield env.timeout(req.spec.prefill_delay_us * US)
+        aux_row = np.frombuffer(encode_aux_room(req.room), dtype=np.uint8)
+        for p in range(self.P):
+            node = f"prefill{p}"
+            rank = self.ranks[node]
+            req.inc[node] = rank.incarnation
+            if rank.dead:
+                self._mark(req, node, KVPoll.Failed, "node down at open")
+                continue
+            rank.transport.aux_row(int(req.pre_aux[0]))[: aux_row.size] = aux_row
+            rank.feed(SenderOpen(room=req.room, transfer_id=req.tid, aux_index=int(req.pre_aux[0])))
+        self._check_side(req, "decode")
+        self._check_side(req, "prefill")
+        start = 0
+        for i, n in enumerate(req.chunks):
+            yield env.timeout(max(1, n * s.workload.compute_ns_per_token))
+            end = start + n
+            for p in range(self.P):
+                node = f"prefill{p}"
+                if not self.alive(node, req) or _terminal(req.status.get(node)):
+                    continue
+                rank = self.ranks[node]
+                pattern.fill(rank.transport.pool, rank.transport.region, req.key, req.pre_pages, start, end)
+                rank.feed(
+                    ChunkReady(
+                        room=req.room,
+                        transfer_id=req.tid,
+                        chunk_index=i,
+                        token_end=end,
+                        src_pages=req.pre_pages,
+                        is_last=i == len(req.chunks) - 1,
+                    )
+                )
+            start = end
+
+    # --------------------------------------------------------------------------- sink (from ranks)
+    def status(self, rank: SimRank, cmd: StatusChanged) -> None:
+        req = self.by_room.get(cmd.room)
+        if req is None or req.tid != cmd.transfer_id:
+            return
+        # React after the driver finished executing this batch of commands (no re-entry into
+        # the engine from inside its own command list), at the same simulated instant.
+        self._later(lambda: self._mark(req, rank.node, cmd.status, cmd.reason, rank.incarnation))
+
+    def after_pump(self, rank: SimRank) -> None:
+        if self.awaiting_prefill and rank.node.startswith("prefill"):
+            for key in sorted(self.awaiting_prefill):
+                self._maybe_free_prefill(self.requests[key])
+
+    def _later(self, fn: Any) -> None:
+        ev = self.env.timeout(0)
+        ev.callbacks.append(lambda _e: fn())
+
+    def _mark(self, req: Request, node: str, status: KVPoll, reason: str, inc: int | None = None) -> None:
+        inc = self.ranks[node].incarnation if inc is None else inc
+        self.trace.record("status", node, room=req.room, key=req.key, status=status.name, reason=reason)
+        key = (node, inc, req.key, req.tid)
+        old = self.status_log.get(key)
+        if old is not None:
+            if old is KVPoll.Failed and status is not KVPoll.Failed:
+                self.violate("failed_absorbing", f"{node} room {req.key}: {old.name} -> {status.name}", req)
+            elif status < old and status is not KVPoll.Failed:
+                self.violate("status_monotone", f"{node} room {req.key}: {old.name} -> {status.name}", req)
+        self.status_log[key] = status
+        if req.inc.get(node, inc) != inc:
+            return  # an old incarnation's news
+        prev = req.status.get(node)
+        if prev is KVPoll.Failed:
+            return
+        req.status[node] = status
+        if status is KVPoll.Failed:
+            req.reason[node] = reason
+        if _terminal(status):
+            req.terminal_ns.setdefault(node, int(self.env.now))
+        side = "prefill" if node.startswith("prefill") else "decode"
+        if status is KVPoll.Failed and side == "decode" and "free_pages_early" in self.hooks:
+            self._free_dec_pages(req)  # planted bug: ignores the fence
+        self._check_side(req, side)
+
+    def free_pages(self, rank: SimRank, cmd: FreePages) -> None:
+        req = self.by_room.get(cmd.room)
+        if req is None or req.tid != cmd.transfer_id or req.inc.get(rank.node) != rank.incarnation:
+            return
+        req.freed.add(rank.node)
+        self.trace.record("free_pages", rank.node, room=req.room, reason=cmd.reason)
+        self._later(lambda: self._check_side(req, "decode"))
+
+    # --------------------------------------------------------------------------- scheduler reactions
+    def _side_nodes(self, side: str) -> list[str]:
+        return [f"{side}{r}" for r in range(self.P if side == "prefill" else self.D)]
+
+    def _check_side(self, req: Request, side: str) -> None:
+        if not req.opened:
+            return
+        nodes = self._side_nodes(side)
+        if len([n for n in nodes if n in req.inc]) < len(nodes):
+            return  # not opened on every rank yet
+        stats = [req.status.get(n) for n in nodes]
+        # One failed rank fails the room on this server: abort it on the others.
+        if any(st is KVPoll.Failed for st in stats):
+            for n in nodes:
+                if n not in req.aborted and self.alive(n, req) and not _terminal(req.status.get(n)):
+                    req.aborted.add(n)
+                    self.ranks[n].feed(
+                        AbortRoom(room=req.room, transfer_id=req.tid, reason="failed on another rank")
+                    )
+            stats = [req.status.get(n) for n in nodes]
+        if not all(_terminal(st) for st in stats):
+            return
+        if side == "decode":
+            if not req.outcome:
+                req.outcome = "success" if all(st is KVPoll.Success for st in stats) else "failed"
+                if req.outcome == "success":
+                    self._verify(req)
+            if not req.dec_released:
+                req.dec_released = True
+                if "keep_room_tables" not in self.hooks:
+                    for n in nodes:
+                        if self.alive(n, req):
+                            self.ranks[n].feed(ReleaseRoom(room=req.room, transfer_id=req.tid))
+            # Pages go back once no decode rank protects them: FreePages (the fence) for a failed
+            # room, or the engine dropping a released Success room (decode then owns the pages).
+            if not req.dec_pages_freed and all(
+                n in req.freed or not self.alive(n, req) or not self.ranks[n].engine.pages_in_use(req.room)
+                for n in nodes
+            ):
+                self._free_dec_pages(req)
+        else:
+            if not req.pre_released:
+                req.pre_released = True
+                for n in nodes:
+                    if self.alive(n, req):
+                        self.ranks[n].feed(ReleaseRoom(room=req.room, transfer_id=req.tid))
+            self._maybe_free_prefill(req)
+
+    def _maybe_free_prefill(self, req: Request) -> None:
+        if req.pre_pages_freed or not req.pre_released:
+            return
+        for n in self._side_nodes("prefill"):
+            if self.alive(n, req) and self.ranks[n].engine.state(req.room) is not None:
+                self.awaiting_prefill.add(req.key)
+                return
+        self.awaiting_prefill.discard(req.key)
+        req.pre_pages_freed = True
+        self.pre_alloc.free(req.pre_pages, req.key)
+        self.pre_aux.free(req.pre_aux, req.key)
+
+    def _free_dec_pages(self, req: Request) -> None:
+        if req.dec_pages_freed:
+            return
+        req.dec_pages_freed = True
+        self.dec_alloc.free(req.dec_pages, req.key)
+        self.dec_aux.free(req.dec_aux, req.key)
+
+    def _verify(self, req: Request) -> None:
+        bad_total = 0
+        for d in range(self.D):
+            rank = self.ranks[f"decode{d}"]
+            bad, first = pattern.mismatches(
+                rank.transport.pool, rank.transport.region, req.key, req.dec_pages, req.spec.tokens
+            )
+            aux = rank.transport.read_aux_room(int(req.dec_aux[0]))
+            if aux != req.room:
+                bad += 1
+                first = first or f"aux row holds room {aux}, expected {req.room}"
+            if bad:
+                bad_total += bad
+                self.violate(
+                    "bytes", f"decode{d} room {req.key} Success with {bad} wrong bytes: {first}", req
+                )
+        req.verified_bad = bad_total
+        self.trace.record("verify", "scheduler", room=req.room, bad=bad_total)
+
+    # --------------------------------------------------------------------------- fabric hook
+    def _on_land(self, x: Xfer) -> None:
+        if not x.dst.startswith("decode") or x.notif is None:
+            return
+        try:
+            room = decode_note(x.notif).room
+        except WireError:
+            room = -1
+        req = self.by_room.get(room)
+        key = req.key if req is not None else -2
+        d = x.descs
+        pool = self.dec_pools[int(x.dst[len("decode") :])]
+        aux = d.dst_region == AUX_REGION
+        owners = []
+        if (~aux).any():
+            first = d.dst_offset[~aux] // pool.page_bytes
+            last = (d.dst_offset[~aux] + d.length[~aux] - 1) // pool.page_bytes
+            owners.append(self.dec_alloc.owner[np.concatenate([first, last])])
+        if aux.any():
+            owners.append(self.dec_aux.owner[d.dst_offset[aux] // AUX_ROW_BYTES])
+        own = np.concatenate(owners)
+        if (own != key).any():
+            other = int(own[own != key][0])
+            who = "free pages" if other == FREE else f"pages of room {other}"
+            self.violate("ownership", f"write of room {key} from {x.src} landed in {who} on {x.dst}", req)
+
+    # --------------------------------------------------------------------------- faults and phases
+    def _fault_schedule(self):  # type: ignore[no-untyped-def]
+        s = self.scenario
+        actions: list[tuple[int, int, str, Any]] = []
+        for i, ev in enumerate(s.faults.events):
+            at = ev.at_us * US
+            if ev.kind == "crash":
+                actions.append((at, i, "crash", ev.node))
+                if ev.duration_us:
+                    actions.append((at + ev.duration_us * US, i, "restart", ev.node))
+            elif ev.kind == "link_down":
+                actions.append((at, i, "down", (ev.node, ev.peer)))
+                if ev.duration_us:
+                    actions.append((at + ev.duration_us * US, i, "up", (ev.node, ev.peer)))
+            elif ev.kind == "slow_link":
+                actions.append((at, i, "slow", (ev.node, ev.peer, ev.factor)))
+                if ev.duration_us:
+                    actions.append((at + ev.duration_us * US, i, "fast", (ev.node, ev.peer)))
+        heal = s.phases.fault_window_us * US
+        actions.append((heal, 1 << 30, "heal", None))
+        actions.sort(key=lambda a: (a[0], a[1], a[2]))
+        for at, _i, what, arg in actions:
+            if at > self.env.now:
+                yield self.env.timeout(at - int(self.env.now))
+            if what == "heal":
+                self._heal()
+            elif at >= heal:
+                continue  # the network is healed; later faults are not injected
+            elif what == "crash":
+                self._crash(arg)
+            elif what == "restart":
+                self._restart(arg)
+            elif what == "down":
+                self.injector.counts["link_down"] += 1
+                self.fabric.set_link(arg[0], arg[1], up=False)
+            elif what == "up":
+                self.fabric.set_link(arg[0], arg[1], up=True)
+            elif what == "slow":
+                self.injector.counts["slow_link"] += 1
+                num = max(1, int(arg[2] * 1000))
+                self.fabric.set_link_speed(arg[0], arg[1], num, 1000)
+            elif what == "fast":
+                self.fabric.set_link_speed(arg[0], arg[1], 1, 1)
+
+    def _crash(self, node: str) -> None:
+        rank = self.ranks[node]
+        if rank.dead:
+            return
+        self.injector.counts["crash"] += 1
+        rank.crash()
+        # Every room this incarnation held is gone with it: Failed on that rank.
+        for req in self.requests:
+            if req.inc.get(node) == rank.incarnation and not _terminal(req.status.get(node)):
+                self._mark(req, node, KVPoll.Failed, "node crashed", rank.incarnation)
+            elif req.inc.get(node) == rank.incarnation:
+                side = "prefill" if node.startswith("prefill") else "decode"
+                self._check_side(req, side)
+
+    def _restart(self, node: str) -> None:
+        if not self.ranks[node].dead:
+            return
+        self.fabric.restart(node)
+        self._start_rank(node)
+        for req in self.requests:
+            if node in req.inc:
+                self._check_side(req, "prefill" if node.startswith("prefill") else "decode")
+
+    def _heal(self) -> None:
+        self.phase = "heal"
+        self.trace.record("heal", "scheduler")
+        for (a, b), link in sorted(self.fabric.links.items()):
+            if not link.up:
+                self.fabric.set_link(a, b, up=True)
+            if (link.slow_num, link.slow_den) != (1, 1):
+                self.fabric.set_link_speed(a, b, 1, 1)
+        for node in sorted(self.ranks):
+            if self.ranks[node].dead:
+                self._restart(node)
+
+    # --------------------------------------------------------------------------- running
+    def violate(self, invariant: str, detail: str, req: Request | None = None) -> None:
+        self.violations.append(
+            Violation(invariant, detail, int(self.env.now), None if req is None else req.key)
+        )
+        self.trace.record("violation", "checker", invariant=invariant, detail=detail)
+
+    def run(self) -> None:
+        from kvferry.sim.checker import check_final, check_liveness
+
+        self.env.run(until=self.deadline_ns)
+        self.phase = "liveness"
+        check_liveness(self)
+        # Quiescence: every room released and its memory back, or give up after the fence.
+        limit = self.deadline_ns + self.timeouts.fence_ns + self.timeouts.heartbeat_timeout_ns * 4
+        step = max(self.timeouts.heartbeat_interval_ns, 1_000_000)
+        while self.env.now < limit and not all(r.done for r in self.requests):
+            self.env.run(until=int(self.env.now) + step)
+        self.quiesced_ns = int(self.env.now)
+        # Let in-flight transfers and messages drain (bounded: nothing new is started).
+        self.env.run(until=int(self.env.now) + self.fabric.spec.nic.error_timeout_ns + step)
+        check_final(self)
+
+
+def _terminal(st: KVPoll | None) -> bool:
+    return st is KVPoll.Failed or st is KVPoll.Success
+
+
+def _split(tokens: int, chunk: int) -> tuple[int, ...]:
+    if chunk <= 0 or chunk >= tokens:
+        return (tokens,)
+    out = [chunk] * (tokens // chunk)
+    if tokens % chunk:
+        out.append(tokens % chunk)
+    return tuple(out)
+
+
+def _offset_from_own_length_planner() -> Any:
+    """Planted bug: a chunk's destination offset computed from its own length, not the running total.
+
+    Chunk N then lands one chunk-length early, on top of chunk N-1 (the upstream bug). Realised by
+    rotating the destination page list, so the real planner places tokens ``n`` tokens too early.
+    """
+    from kvferry.core.planner import plan_rank_pair
+
+    def planner(src_pool: Any, dst_pool: Any, src_pages: Any, dst_pages: Any, start: int, end: int) -> Any:
+        dp = np.asarray(dst_pages, dtype=np.int64)
+        if start > 0 and end > start:
+            dp = np.roll(dp, max(1, (end - start) // dst_pool.page_size))
+        return plan_rank_pair(src_pool, dst_pool, src_pages, dp, start, end)
+
+    return planner
