@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import refmodel
 
 
-@settings(max_examples=60)
+@settings(max_examples=150)
 @given(refmodel.rooms())
 def test_room_plan_equals_logical_relayout(room: dict) -> None:
     model = room["model"]

@@ -42,7 +42,7 @@ def _copy_to_pool(m: StagingMap, buf: np.ndarray, pool_mem: refmodel.Memory) -> 
         pool_mem[int(r)][idx] = buf[refmodel.expand(stg_off[sel], length[sel])]
 
 
-@settings(max_examples=40)
+@settings(max_examples=100)
 @given(room=refmodel.rooms(), fmt=st.sampled_from(list(StagingFormat)))
 def test_staged_room_equals_logical_relayout(room: dict, fmt: StagingFormat) -> None:
     model = room["model"]
