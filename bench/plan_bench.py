@@ -44,7 +44,7 @@ def fix_allocator() -> str:
 
     By default glibc raises the threshold after each free, so repeated runs may reuse warm heap
     memory or page-fault fresh mmaps depending on history, which made rows of one grid differ by
-    up to 7x for the same work. Fixed at 128 KiB, every descriptor array pays its first touch.
+    up to 10x for the same work. Fixed at 128 KiB, every descriptor array pays its first touch.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
