@@ -539,9 +539,15 @@ class World:
             return
         self.injector.counts["crash"] += 1
         rank.crash()
-        # Every room this incarnation held is gone with it: Failed on that rank.
+        # Every room this incarnation held is gone with it: Failed on that rank. On decode that
+        # includes rooms already Success there whose server-wide outcome is still open: the
+        # bytes they landed are gone with the memory.
+        decode = node.startswith("decode")
         for req in self.requests:
-            if req.inc.get(node) == rank.incarnation and not _terminal(req.status.get(node)):
+            if req.inc.get(node) != rank.incarnation:
+                continue
+            st = req.status.get(node)
+            if not _terminal(st) or (decode and st is KVPoll.Success and not req.outcome):
                 self._mark(req, node, KVPoll.Failed, "node crashed", rank.incarnation)
             elif req.inc.get(node) == rank.incarnation:
                 side = "prefill" if node.startswith("prefill") else "decode"

@@ -6,7 +6,8 @@ import typer
 
 
 def register_all(app: typer.Typer) -> None:
-    from kvferry.commands import plan, version
+    from kvferry.commands import plan, sim, version
 
     version.register(app)
     plan.register(app)
+    sim.register(app)

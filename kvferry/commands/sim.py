@@ -1,0 +1,306 @@
+"""``kvferry fuzz``, ``kvferry replay`` and ``kvferry demo``: the simulator from the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+DEMO_TOML = """
+name = "demo"
+description = "2 prefill ranks (TP2) -> 1 decode rank (TP1), 36 chunked rooms, a handful of faults"
+seed = 0
+
+[model]
+name = "sim-tiny"
+num_layers = 2
+num_kv_heads = 8
+head_dim = 8
+
+[topology]
+prefill_tp = 2
+decode_tp = 1
+prefill_pages = 512
+decode_pages = 512
+workers = 2
+
+[workload]
+rooms = 36
+tokens_min = 16
+tokens_max = 256
+chunk_tokens = 64
+arrival_mean_us = 800
+
+[faults]
+ctrl_drop = 0.03
+ctrl_dup = 0.05
+ctrl_reorder = 0.05
+notif_delay = 0.1
+xfer_err = 0.01
+abort = 0.03
+
+[[faults.event]]
+at_us = 6000
+kind = "link_down"
+node = "prefill1"
+peer = "decode0"
+duration_us = 1500
+
+[[faults.event]]
+at_us = 12000
+kind = "slow_link"
+node = "prefill0"
+peer = "decode0"
+duration_us = 4000
+factor = 0.05
+
+[[faults.event]]
+at_us = 16000
+kind = "crash"
+node = "prefill1"
+duration_us = 1000
+
+[phases]
+fault_window_us = 25000
+"""
+
+
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:.3f} ms"
+
+
+def _lat(p: dict[str, int]) -> str:
+    if not p:
+        return "n/a"
+    return " / ".join(f"{k} {_ms(v)}" for k, v in p.items())
+
+
+def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[no-untyped-def]
+    from rich.table import Table
+
+    if res.rooms_detail:
+        table = Table(title=f"rooms ({res.rooms})", show_lines=False)
+        for col in ("room", "tokens", "chunks", "outcome", "latency", "why (first failing rank)"):
+            table.add_column(col)
+        for r in res.rooms_detail[:rooms_limit]:
+            why = next(iter(r.reasons.items()), ("", ""))
+            table.add_row(
+                str(r.key),
+                str(r.tokens),
+                str(r.chunks),
+                "[green]success[/]" if r.outcome == "success" else f"[red]{r.outcome}[/]",
+                _ms(r.latency_ns) if r.latency_ns >= 0 else "-",
+                f"{why[0]}: {why[1]}" if why[0] else "",
+            )
+        if res.rooms > rooms_limit:
+            table.caption = f"first {rooms_limit} of {res.rooms} rooms (--json for all)"
+        console.print(table)
+    console.print(
+        f"rooms: {res.rooms} submitted, [green]{res.succeeded} succeeded[/] (bytes verified), "
+        f"[red]{res.failed} failed[/]"
+    )
+    if res.failure_reasons:
+        top = ", ".join(f"{k} x{v}" for k, v in list(res.failure_reasons.items())[:5])
+        console.print(f"failure reasons (per rank): {top}")
+    console.print(f"room latency (arrival -> Success): {_lat(res.room_latency_ns)}")
+    console.print(f"write latency (post -> DONE): {_lat(res.write_latency_ns)}")
+    console.print(
+        f"transfers: {res.transfers} ({res.transfers_err} ERR), {res.bytes_moved:,} bytes, "
+        f"{res.descriptors:,} descriptors ({res.descriptors_charged:,} after NIXL merging); "
+        f"control messages: {res.control_sent} sent, {res.control_dropped} dropped"
+    )
+    faults = ", ".join(f"{k} {v}" for k, v in res.faults.items()) or "none"
+    console.print(f"faults injected: {faults}")
+    console.print(
+        f"simulated {_ms(res.sim_ns)} in {res.wall_s:.2f} s wall, {res.events:,} trace events, "
+        f"trace hash {res.digest}"
+    )
+    if res.violations:
+        for v in res.violations[:20]:
+            console.print(f"[bold red]VIOLATION[/] {v['invariant']}: {v['detail']}")
+        if len(res.violations) > 20:
+            console.print(f"... {len(res.violations) - 20} more")
+    else:
+        console.print(
+            "[bold green]invariants: all held[/] (status monotone, Failed absorbing, write ownership, "
+            "bytes of every Success room, liveness, conservation, empty tables)"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("fuzz")
+    def fuzz(
+        seeds: Annotated[str, typer.Option(help="Seeds to run: 0-999, or 1,5,10-20.")] = "0-99",
+        jobs: Annotated[int, typer.Option(help="Worker processes.")] = 1,
+        as_json: Annotated[
+            bool, typer.Option("--json", help="Print one JSON object instead of a report.")
+        ] = False,
+        scenario: Annotated[
+            Path | None,
+            typer.Option(help="Base scenario (faults drawn per seed); default: deployments drawn too."),
+        ] = None,
+        save_dir: Annotated[
+            Path, typer.Option(help="Where failing runs are written as scenario files.")
+        ] = Path("fuzz-failures"),
+        plant: Annotated[
+            list[str] | None, typer.Option(hidden=True, help="Plant a bug (checker self-test).")
+        ] = None,
+    ) -> None:
+        """Run a seeded fault campaign; exit 1 if any invariant is violated."""
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from kvferry.sim import campaign as cp
+        from kvferry.sim import scenario as sc
+
+        try:
+            seed_list = cp.parse_seeds(seeds)
+            base = sc.load(scenario) if scenario is not None else None
+            hooks = tuple(plant or ())
+            for h in hooks:
+                if h not in sc.HOOKS:
+                    raise sc.ScenarioError(f"--plant: unknown bug {h!r} (known: {', '.join(sc.HOOKS)})")
+        except (ValueError, sc.ScenarioError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        console = Console(stderr=as_json)
+        t0 = time.perf_counter()
+        rooms = ok = failed = 0
+        faults: Counter[str] = Counter()
+        violated: Counter[str] = Counter()
+        failures = []
+        with Progress(
+            TextColumn("fuzz"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=as_json,
+        ) as progress:
+            task = progress.add_task("seeds", total=len(seed_list), status="")
+            for res in cp.campaign(seed_list, base=base, jobs=jobs, hooks=hooks):
+                rooms += res.rooms
+                ok += res.succeeded
+                failed += res.failed
+                faults.update(res.faults)
+                if res.violations:
+                    violated.update(res.violated())
+                    path = cp.save_failure(res, save_dir)
+                    failures.append((res, path))
+                progress.update(task, advance=1, status=f"{len(failures)} failing seed(s)")
+        wall = time.perf_counter() - t0
+        summary = {
+            "seeds": len(seed_list),
+            "rooms": rooms,
+            "succeeded": ok,
+            "failed": failed,
+            "faults": dict(sorted(faults.items())),
+            "violations": dict(sorted(violated.items())),
+            "failing_seeds": [
+                {
+                    "seed": r.seed,
+                    "invariants": r.violated(),
+                    "first": r.violations[0]["detail"],
+                    "scenario": str(p),
+                    "replay": f"kvferry replay {p}",
+                }
+                for r, p in failures
+            ],
+            "wall_s": round(wall, 3),
+            "seeds_per_minute": round(len(seed_list) / wall * 60, 1) if wall > 0 else None,
+        }
+        if as_json:
+            sys.stdout.write(json.dumps(summary) + "\n")
+        else:
+            console.print(
+                f"{len(seed_list)} seeds, {rooms} rooms: {ok} succeeded, {failed} failed "
+                f"({summary['seeds_per_minute']} seeds/min on {jobs} job(s))"
+            )
+            console.print(
+                "faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none")
+            )
+            if not failures:
+                console.print("[bold green]no invariant violated[/]")
+            for r, p in failures:
+                v = r.violations[0]
+                console.print(f"[bold red]seed {r.seed}[/]: {v['invariant']}: {v['detail']}")
+                console.print(f"  replay: kvferry replay {p}")
+        if failures:
+            raise typer.Exit(1)
+
+    @app.command("replay")
+    def replay(
+        scenario: Annotated[Path, typer.Argument(help="Scenario TOML file.")],
+        seed: Annotated[int | None, typer.Option(help="Override the file's seed.")] = None,
+        trace: Annotated[Path | None, typer.Option(help="Write a Chrome/Perfetto trace (JSON) here.")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    ) -> None:
+        """Run one scenario and report per-room outcomes, latencies, bytes and the invariant verdict."""
+        _run_and_report(scenario=scenario, seed=seed, trace=trace, as_json=as_json)
+
+    @app.command("demo")
+    def demo(
+        seed: Annotated[int, typer.Option(help="Seed of the demo run.")] = 0,
+        trace: Annotated[Path | None, typer.Option(help="Write a Chrome/Perfetto trace (JSON) here.")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    ) -> None:
+        """A small P/D deployment (2 prefill ranks, 1 decode rank) under faults, simulated in seconds."""
+        _run_and_report(scenario=None, seed=seed, trace=trace, as_json=as_json, demo=True)
+
+
+def _run_and_report(
+    scenario: Path | None, seed: int | None, trace: Path | None, as_json: bool, demo: bool = False
+) -> None:
+    import tomllib
+
+    from rich.console import Console
+
+    from kvferry.sim import chrome
+    from kvferry.sim import scenario as sc
+    from kvferry.sim.campaign import run_one
+
+    try:
+        s = sc.parse(tomllib.loads(DEMO_TOML), where="demo") if demo else sc.load(scenario)  # type: ignore[arg-type]
+    except sc.ScenarioError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    console = Console(stderr=as_json)
+    if demo and not as_json:
+        console.print(
+            "[bold]kvferry demo[/]: prefill TP2 -> decode TP1 on a simulated RDMA fabric, "
+            f"{s.workload.rooms} rooms, faults: control drop/dup/reorder, notification delay, "
+            "transfer ERR, aborts, a link flap, a slow link, a prefill crash + restart"
+        )
+    res, w = run_one(s, seed=seed, keep_trace=trace is not None, detail=True)
+    if trace is not None:
+        chrome.write(w.trace.events, trace, {"scenario": s.name, "seed": res.seed, "digest": res.digest})
+    expected = set(w.scenario.expect_violations)
+    unexpected = set(res.violated()) != expected
+    if as_json:
+        d = res.as_dict(detail=True)
+        d["expected_violations"] = sorted(expected)
+        d["verdict"] = "fail" if unexpected else "pass"
+        sys.stdout.write(json.dumps(d) + "\n")
+    else:
+        console.print(f"scenario [bold]{w.scenario.name}[/] seed {res.seed}: {w.scenario.description}")
+        _print_result(res, console)
+        if expected:
+            console.print(
+                f"expected violations (planted bug): {', '.join(sorted(expected))} -> "
+                + ("[green]as expected[/]" if not unexpected else "[red]NOT as expected[/]")
+            )
+        if trace is not None:
+            console.print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
+        if demo:
+            console.print(
+                "next: [bold]kvferry replay scenarios/crash-and-restart.toml --trace t.json[/], "
+                "[bold]kvferry fuzz --seeds 0-199 --jobs 2[/]"
+            )
+    if unexpected:
+        raise typer.Exit(1)

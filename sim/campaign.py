@@ -1,0 +1,166 @@
+"""Fault campaigns: many seeds, each a whole run with its own swarm personality, checked.
+
+Without a base scenario every seed also draws its deployment (TP pair, heads or MLA, page sizes,
+layouts, workers, workload), so a campaign covers topologies as well as faults. A failing seed is
+written out as a resolved scenario file: replaying it (``kvferry replay FILE``) repeats the run
+event for event, and dropping it into ``tests/scenarios/`` makes it a regression test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from kvferry.sim import scenario as sc
+from kvferry.sim.metrics import RunResult, collect
+from kvferry.sim.rng import Streams
+from kvferry.sim.world import World
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0-999"``, ``"7"``, ``"1,5,10-12"`` -> the seeds, in order, without repeats."""
+    out: list[int] = []
+    seen: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                lo_s, hi_s = part.split("-", 1)
+                lo, hi = int(lo_s), int(hi_s)
+            else:
+                lo = hi = int(part)
+        except ValueError:
+            raise ValueError(f"bad seed range {part!r}; use e.g. 0-999 or 1,5,10-12") from None
+        if lo < 0 or hi < lo:
+            raise ValueError(f"bad seed range {part!r}")
+        for s in range(lo, hi + 1):
+            if s not in seen:
+                seen.add(s)
+                out.append(s)
+    if not out:
+        raise ValueError("no seeds given")
+    return out
+
+
+def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, ...] = ()) -> sc.Scenario:
+    """The scenario seed ``seed`` runs: ``base`` with swarm faults, or a deployment drawn too."""
+    if base is not None:
+        return replace(base, seed=seed, faults=replace(base.faults, swarm=True), hooks=base.hooks + hooks)
+    rng = Streams(seed)["swarm.topology"]
+    heads, mla = rng.choice(((8, False), (8, False), (4, False), (2, False), (1, True)))
+    tps = [t for t in (1, 2, 4) if (t <= heads and heads % t == 0) or (t > heads and t % heads == 0)]
+    ptp, dtp = rng.choice(tps), rng.choice(tps)
+    pps, dps = rng.choice((4, 16, 32)), rng.choice((4, 16, 32))
+    layouts = ("sglang_nhd", "vllm_nhd", "vllm_hnd")
+    model = sc.ModelSpec(
+        name="fuzz",
+        num_layers=rng.randint(1, 3),
+        num_kv_heads=heads,
+        head_dim=rng.choice((4, 8, 16)) if not mla else 32,
+        dtype=rng.choice(("bf16", "fp8_e4m3")),
+        is_mla=mla,
+    )
+    rooms = rng.randint(6, 16)
+    topo = sc.Topology(
+        prefill_tp=ptp,
+        decode_tp=dtp,
+        prefill_page_size=pps,
+        decode_page_size=dps,
+        prefill_pages=2048 // pps * 4,
+        decode_pages=2048 // dps * 4,
+        prefill_layout=rng.choice(layouts),
+        decode_layout=rng.choice(layouts),
+        workers=rng.randint(1, 3),
+        aux_rows=64,
+    )
+    work = sc.Workload(
+        rooms=rooms,
+        tokens_min=1,
+        tokens_max=rng.choice((64, 160, 300)),
+        chunk_tokens=rng.choice((0, 16, 48, 64)),
+        arrival_mean_us=rng.choice((100, 500, 1500)),
+    )
+    return sc.Scenario(
+        name=f"fuzz-{seed}",
+        seed=seed,
+        model=model,
+        topology=topo,
+        workload=work,
+        faults=sc.Faults(swarm=True),
+        phases=sc.Phases(fault_window_us=rng.choice((5_000, 15_000, 30_000))),
+        hooks=hooks,
+    )
+
+
+def run_one(
+    s: sc.Scenario, seed: int | None = None, keep_trace: bool = False, detail: bool = False
+) -> tuple[RunResult, World]:
+    t0 = time.perf_counter()
+    w = World(s, seed=seed, keep_trace=keep_trace)
+    w.run()
+    res = collect(w, wall_s=time.perf_counter() - t0, detail=detail)
+    if res.violations:
+        res.scenario_toml = failing_scenario_toml(w, res)
+    return res, w
+
+
+def failing_scenario_toml(w: World, res: RunResult) -> str:
+    first = res.violations[0]
+    s = replace(
+        w.scenario,
+        name=f"{w.scenario.name}-seed-{w.seed}"
+        if not w.scenario.name.endswith(f"-{w.seed}")
+        else w.scenario.name,
+        description=f"found by kvferry fuzz: {first['invariant']}: {first['detail']}"[:500],
+        seed=w.seed,
+        expect_violations=tuple(res.violated()) if w.scenario.hooks else (),
+    )
+    header = (
+        f"# Failing run saved by `kvferry fuzz` (seed {w.seed}). Replay: kvferry replay <this file>\n"
+        f"# Violated: {', '.join(res.violated())}. Dropped into tests/scenarios/ it is a regression\n"
+        "# test that expects no violation (or exactly those under [expect] for planted bugs).\n"
+    )
+    return header + sc.dump(s)
+
+
+def _job(args: tuple[int, str | None, tuple[str, ...]]) -> RunResult:
+    seed, base_toml, hooks = args
+    base = sc.parse(_loads(base_toml)) if base_toml is not None else None
+    res, _ = run_one(fuzz_scenario(seed, base, hooks))
+    return res
+
+
+def _loads(text: str) -> dict:
+    import tomllib
+
+    return tomllib.loads(text)
+
+
+def campaign(
+    seeds: Sequence[int], base: sc.Scenario | None = None, jobs: int = 1, hooks: tuple[str, ...] = ()
+) -> Iterator[RunResult]:
+    """Run every seed; yields results in seed order (so output does not depend on ``jobs``)."""
+    base_toml = sc.dump(base) if base is not None else None
+    args = [(s, base_toml, hooks) for s in seeds]
+    if jobs <= 1:
+        for a in args:
+            yield _job(a)
+        return
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        yield from pool.map(_job, args, chunksize=max(1, min(16, len(args) // (jobs * 8) or 1)))
+
+
+def save_failure(res: RunResult, directory: str | Path) -> Path:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"seed-{res.seed}.toml"
+    path.write_text(res.scenario_toml)
+    return path
+
+
+Progress = Callable[[RunResult], None]

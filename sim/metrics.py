@@ -1,0 +1,143 @@
+"""What one run produced: outcome counts, latencies, bytes and descriptors, faults, violations.
+
+A ``RunResult`` is plain data (JSON-ready through ``as_dict``), so campaign workers can hand it
+back across processes and ``--json`` can print it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvferry.core.kvpoll import KVPoll
+
+if TYPE_CHECKING:
+    from kvferry.sim.world import World
+
+
+def percentiles(values: list[int], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, int]:
+    """Nearest-rank percentiles (integers, no interpolation); empty input gives no keys."""
+    if not values:
+        return {}
+    v = sorted(values)
+    return {f"p{q}": v[min(len(v) - 1, max(0, -(-q * len(v) // 100) - 1))] for q in qs} | {"max": v[-1]}
+
+
+@dataclass(slots=True)
+class RoomOutcome:
+    key: int
+    room: int
+    tokens: int
+    chunks: int
+    outcome: str
+    latency_ns: int  # arrival -> terminal on every decode rank (-1 if never)
+    reasons: dict[str, str]
+
+
+@dataclass(slots=True)
+class RunResult:
+    seed: int
+    scenario: str
+    rooms: int
+    succeeded: int
+    failed: int
+    violations: list[dict[str, Any]]
+    faults: dict[str, int]
+    digest: str
+    sim_ns: int
+    events: int
+    transfers: int
+    transfers_err: int
+    bytes_moved: int
+    descriptors: int
+    descriptors_charged: int
+    control_sent: int
+    control_dropped: int
+    room_latency_ns: dict[str, int]
+    write_latency_ns: dict[str, int]
+    failure_reasons: dict[str, int]
+    wall_s: float = 0.0
+    rooms_detail: list[RoomOutcome] = field(default_factory=list)
+    scenario_toml: str = ""  # the resolved scenario, filled in for failing runs
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def violated(self) -> list[str]:
+        return sorted({v["invariant"] for v in self.violations})
+
+    def as_dict(self, detail: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not detail:
+            d.pop("rooms_detail")
+        d.pop("scenario_toml")
+        return d
+
+
+def collect(w: World, wall_s: float = 0.0, detail: bool = False) -> RunResult:
+    rooms: list[RoomOutcome] = []
+    lat: list[int] = []
+    reasons: Counter[str] = Counter()
+    for r in w.requests:
+        dec = [f"decode{d}" for d in range(w.D)]
+        ends = [r.terminal_ns.get(n, -1) for n in dec]
+        latency = max(ends) - r.arrival_ns if r.opened and min(ends) >= 0 else -1
+        if r.outcome == "success" and latency >= 0:
+            lat.append(latency)
+        for n in sorted(r.reason):
+            if r.status.get(n) is KVPoll.Failed:
+                reasons[_reason_class(r.reason[n])] += 1
+        if detail:
+            rooms.append(
+                RoomOutcome(
+                    r.key,
+                    r.room,
+                    r.spec.tokens,
+                    len(r.chunks),
+                    r.outcome or "open",
+                    latency,
+                    dict(sorted(r.reason.items())),
+                )
+            )
+    st = w.fabric.stats
+    return RunResult(
+        seed=w.seed,
+        scenario=w.scenario.name,
+        rooms=len(w.requests),
+        succeeded=sum(1 for r in w.requests if r.outcome == "success"),
+        failed=sum(1 for r in w.requests if r.outcome == "failed"),
+        violations=[
+            {"invariant": v.invariant, "detail": v.detail, "t_ns": v.t_ns, "room": v.room}
+            for v in w.violations
+        ],
+        faults=dict(sorted(w.injector.counts.items())),
+        digest=w.trace.digest(),
+        sim_ns=int(w.env.now),
+        events=w.trace.count,
+        transfers=st.posts,
+        transfers_err=st.transfers_err,
+        bytes_moved=st.bytes_landed,
+        descriptors=st.descriptors_posted,
+        descriptors_charged=st.descriptors_charged,
+        control_sent=st.control_sent,
+        control_dropped=st.control_dropped,
+        room_latency_ns=percentiles(lat),
+        write_latency_ns=percentiles(w.fabric.write_latencies),
+        failure_reasons=dict(reasons.most_common()),
+        wall_s=wall_s,
+        rooms_detail=rooms,
+    )
+
+
+def _reason_class(reason: str) -> str:
+    """Group failure reasons (drop ids and numbers) so summaries stay short."""
+    words = []
+    for tok in reason.split():
+        if any(ch.isdigit() for ch in tok) and not tok.startswith(("decode#", "prefill#")):
+            continue
+        words.append(tok)
+        if len(words) == 8:
+            break
+    return " ".join(words)
