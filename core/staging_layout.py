@@ -39,7 +39,7 @@ from enum import StrEnum
 
 import numpy as np
 from kvferry.core.geometry import Link, PoolGeometry, links
-from kvferry.core.planner import check_pools, check_room, find_link
+from kvferry.core.planner import RankPlan, check_pools, check_room, find_link
 
 __all__ = [
     "StagedPairPlan",
@@ -142,6 +142,34 @@ class StagedPairPlan:
     @property
     def total_bytes(self) -> int:
         return self.length
+
+    def as_rank_plan(self, src_region: int, dst_region: int) -> RankPlan:
+        """The single descriptor as a ``RankPlan``, for backends that post planner descriptors.
+
+        ``src_region``/``dst_region``: the ids under which each side registered its staging memory
+        (distinct from the pool's region ids ``0 .. num_regions-1``).
+        """
+        n = self.count
+
+        def arr(value: int) -> np.ndarray:
+            return _frozen(np.full(n, value, dtype=np.int64))
+
+        return RankPlan(
+            src_rank=self.src_rank,
+            dst_rank=self.dst_rank,
+            src_region=arr(src_region),
+            src_offset=arr(self.src_staging_offset),
+            dst_region=arr(dst_region),
+            dst_offset=arr(self.dst_staging_offset),
+            length=arr(self.length),
+            descriptors_unmerged=n,
+            count=n,
+            total_bytes=self.length,
+            head_start=self.head_start,
+            num_heads=self.num_heads,
+            token_start=self.token_start,
+            token_end=self.token_end,
+        )
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -147,6 +147,18 @@ def test_layer_major_packs_writers_in_the_decode_ring() -> None:
     assert (g.stride_region, g.stride_token, g.stride_head) == (64 * 2 * 256, 2 * 256, 256)
 
 
+def test_single_descriptor_as_rank_plan() -> None:
+    q = PRESETS["qwen3-8b"]
+    src, dst = make_pools(q, 2, 16, 8), make_pools(q, 4, 16, 8)
+    pair = plan_staged_pair(src[1], dst[3], [0, 1], [2, 3], 0, 32, src_base=4096, dst_base=64)
+    rp = pair.as_rank_plan(src_region=1000, dst_region=2000)
+    assert rp.count == 1 and rp.total_bytes == pair.length == 72 * 32 * 2 * 256
+    assert (rp.src_region[0], rp.src_offset[0]) == (1000, 4096 + 2 * 72 * 32 * 256)  # heads 6,7 of 4..7
+    assert (rp.dst_region[0], rp.dst_offset[0], rp.length[0]) == (2000, 64, pair.length)
+    dummy = plan_staged_pair(src[0], dst[3], [0, 1], [2, 3], 0, 32).as_rank_plan(1000, 2000)
+    assert dummy.count == 0 and dummy.src_offset.size == 0
+
+
 def test_mla_dummy_pairs_have_empty_maps() -> None:
     ds = PRESETS["deepseek-v3"]
     src, dst = make_pools(ds, 4, 64, 4), make_pools(ds, 2, 64, 4)
