@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from hypothesis import given, settings
 from kvferry.core.geometry import make_pools
-from kvferry.core.planner import plan_room
+from kvferry.core.planner import plan_rank_pair, plan_room
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import refmodel
@@ -64,5 +64,11 @@ def test_room_plan_equals_logical_relayout(room: dict) -> None:
                 np.testing.assert_array_equal(dst_mem[d][r], expected[d][r])
                 np.testing.assert_array_equal(direct_mem[d][r], expected[d][r])
                 assert counts[r].max(initial=0) <= 1, "two descriptors write the same byte"
+        # Pairs the room does not use move nothing, so applying "every pair" cannot double-write.
+        used = {(p.src_rank, p.dst_rank) for p in plan.pairs}
+        for sp_pool in src_pools:
+            for dp_pool in dst_pools:
+                if (sp_pool.tp_rank, dp_pool.tp_rank) not in used:
+                    assert plan_rank_pair(sp_pool, dp_pool, sp, dp, lo, hi).count == 0
         d_heads = [len(refmodel.ref_heads(model.num_kv_heads, room["dtp"], d)) for d in range(room["dtp"])]
         assert plan.total_bytes == (hi - lo) * n_regions * hb * sum(d_heads)
