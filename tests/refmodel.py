@@ -203,7 +203,7 @@ def rooms(draw: st.DrawFn) -> dict[str, Any]:
     head_dim = draw(st.integers(1, min(max_hd, 8)))
     model = ModelGeometry("m", draw(st.integers(1, 2)), heads, head_dim, dtype, is_mla=mla)
     tps = _tp_choices(heads)
-    page_sizes = st.one_of(st.integers(1, 8), st.sampled_from([16, 64, 256]))
+    page_sizes = st.one_of(st.integers(1, 8), st.sampled_from([16, 64, 256]), st.integers(1, 256))
     tokens = draw(st.integers(1, 200))
     ps_p, ps_d = draw(page_sizes), draw(page_sizes)
     need_p, need_d = -(-tokens // ps_p), -(-tokens // ps_d)
