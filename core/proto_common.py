@@ -75,6 +75,15 @@ class Tombstones:
         self._latest[room] = transfer_id
         self._heap.set(key, now + self.ttl)
 
+    def fail(self, room: int, transfer_id: str) -> bool:
+        """The peer reported failure after we released the room: record the outcome both sides
+        agree on (poll says Failed); nothing is resurrected. True if the record changed."""
+        key = (room, transfer_id)
+        if self._by_key.get(key, KVPoll.Failed) is KVPoll.Failed:
+            return False
+        self._by_key[key] = KVPoll.Failed
+        return True
+
     def get(self, room: int, transfer_id: str) -> KVPoll | None:
         return self._by_key.get((room, transfer_id))
 

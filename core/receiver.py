@@ -114,7 +114,7 @@ RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
         RIn.PEER_LOST: _t("ignore", _S),
         RIn.STOPPED: _t("ignore", _S),  # the sender failed after our Success; its RoomFailed follows
         RIn.PEER_FAILED: _FAIL,  # both sides must agree on the outcome
-        RIn.ABORT_LOCAL: _FAIL,
+        RIn.ABORT_LOCAL: _t("ignore", _S),  # every byte landed: nothing left to abort
         RIn.RELEASE: _t("ignore", _S),
     },
     _F: {i: _t("on_failed_input", _F) for i in RIn},
@@ -303,6 +303,7 @@ class ReceiverEngine:
         if t is m.Stopped:
             self._room_input(msg.room, msg.transfer_id, RIn.STOPPED, msg, sender=msg.src)
         elif t is m.RoomFailed:
+            self._late_failure(msg)
             self._room_input(msg.room, msg.transfer_id, RIn.PEER_FAILED, msg, sender=msg.src)
         elif t is m.RegisterAck:
             self._on_register_ack(msg)
@@ -621,6 +622,15 @@ class ReceiverEngine:
                     del self.rooms_by_peer[p]
         self.deadlines.cancel(("room", r.room))
         self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
+
+    def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
+        """The peer failed a room we already released: the tombstone (and the poller) learn it."""
+        if self.tombstones.fail(msg.room, msg.transfer_id):
+            self.counters["failed_after_release"] += 1
+            reason = f"failed on {msg.src} after release: {msg.reason}"
+            self._out.append(
+                StatusChanged(room=msg.room, transfer_id=msg.transfer_id, status=KVPoll.Failed, reason=reason)
+            )
 
     # --- time ----------------------------------------------------------------------------------------
 

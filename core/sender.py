@@ -130,7 +130,7 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.INFO: _t("on_info", _S),
         SIn.PEER_READY: _t("ignore", _S),
         SIn.PEER_LOST: _t("ignore", _S),  # nothing left to send; the peer's fate is its own
-        SIn.ABORT_LOCAL: _FAIL,
+        SIn.ABORT_LOCAL: _t("ignore", _S),  # the transfer is complete: nothing left to abort
         SIn.ABORT_PEER: _FAIL,  # decode gave up (e.g. a lost notification): agree on Failed
         SIn.PEER_FAILED: _FAIL,
         SIn.RELEASE: _t("on_release", _S),
@@ -333,6 +333,7 @@ class SenderEngine:
         elif t is m.Abort:
             self._on_abort(msg)
         elif t is m.RoomFailed:
+            self._late_failure(msg)
             self._room_input(msg.room, msg.transfer_id, SIn.PEER_FAILED, msg)
         elif t is m.Register:
             self._on_register(msg)
@@ -391,6 +392,7 @@ class SenderEngine:
         if r is None or r.tid != msg.transfer_id:
             # Nothing of ours is live for this incarnation, so nothing can be writing: fence now.
             self.counters["abort_for_unknown_room"] += 1
+            self._late_failure(msg)
             self._send(msg.src, m.Stopped(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id))
             return
         self._dispatch(r, SIn.ABORT_PEER, msg)
@@ -735,6 +737,15 @@ class SenderEngine:
                     del self.rooms_by_peer[p]
         self.deadlines.cancel(("room", r.room))
         self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
+
+    def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
+        """The peer failed a room we already released: the tombstone (and the poller) learn it."""
+        if self.tombstones.fail(msg.room, msg.transfer_id):
+            self.counters["failed_after_release"] += 1
+            reason = f"failed on {msg.src} after release: {msg.reason}"
+            self._out.append(
+                StatusChanged(room=msg.room, transfer_id=msg.transfer_id, status=KVPoll.Failed, reason=reason)
+            )
 
     # --- time ----------------------------------------------------------------------------------------
 

@@ -60,16 +60,16 @@ AUX_ROWS = 64
 AUX_ROW_BYTES = 16
 
 TEST_TIMEOUTS = Timeouts(
-    bootstrap_ns=100,
-    waiting_ns=100,
-    transfer_ns=200,
-    heartbeat_interval_ns=25,
-    heartbeat_timeout_ns=400,
-    fence_ns=500,
-    tombstone_ns=1000,
+    bootstrap_ns=500,
+    waiting_ns=500,
+    transfer_ns=800,
+    heartbeat_interval_ns=50,
+    heartbeat_timeout_ns=1500,
+    fence_ns=2500,
+    tombstone_ns=3000,
 )
-MAX_MSG_DELAY = 40
-MAX_WRITE = 40
+MAX_MSG_DELAY = 60
+MAX_WRITE = 60
 
 
 class FabricError(KvferryError):
@@ -317,6 +317,7 @@ class World:
         self.fabric.on_land = self._on_land
         self.violations: list[str] = []
         self.effects: Counter[tuple[Any, ...]] = Counter()
+        self.reasons: Counter[tuple[str, str]] = Counter()
         self.requests: dict[tuple[int, str], Request] = {}
         self.live: dict[int, Request] = {}  # room id -> current incarnation
         self.history: dict[tuple[str, int, int, str], KVPoll] = {}
@@ -363,6 +364,8 @@ class World:
                 self.violations.append(f"{key}: status {old.name} -> {cmd.status.name}")
             if old is None or cmd.status is not old:
                 self.history[key] = cmd.status
+            if cmd.status is KVPoll.Failed and old is not KVPoll.Failed:
+                self.reasons[(rank.side, cmd.reason.split(":")[0])] += 1
             self._check_server_view(rank.side, cmd.room, cmd.transfer_id)
             if rank.side == "decode" and cmd.status is KVPoll.Success:
                 self._check_bytes(rank, cmd.room, cmd.transfer_id)
@@ -608,25 +611,30 @@ class World:
         self.fabric.expire()
         self.pump()
 
+    def flush(self) -> None:
+        """Deliver everything pending, run every worker, complete every write, until quiet (no
+        time passes)."""
+        progressed = True
+        while progressed:
+            progressed = False
+            while self.fabric.pending:
+                self.deliver(0)
+                progressed = True
+            for p in range(self.P):
+                for s in range(len(self.prefill[p].driver.queues)):
+                    while self.run_worker(p, s):
+                        progressed = True
+            while self.fabric.writes:
+                self.fabric.complete(0)
+                self.pump()
+                progressed = True
+            self.pump()
+
     def heal_and_settle(self, rounds: int = 200) -> None:
         """No more loss: deliver everything, run every worker, complete every write, let time pass
         past every deadline; release rooms as their ranks turn terminal."""
         for _ in range(rounds):
-            progressed = True
-            while progressed:
-                progressed = False
-                while self.fabric.pending:
-                    self.deliver(0)
-                    progressed = True
-                for p in range(self.P):
-                    for s in range(len(self.prefill[p].driver.queues)):
-                        while self.run_worker(p, s):
-                            progressed = True
-                while self.fabric.writes:
-                    self.fabric.complete(0)
-                    self.pump()
-                    progressed = True
-                self.pump()
+            self.flush()
             self.release_terminal()
             if not self.live_rooms_anywhere() and not self.fabric.pending and not self.fabric.writes:
                 return

@@ -1,0 +1,227 @@
+"""Hypothesis stateful test of the whole protocol over the in-memory harness.
+
+Each step the machine picks what happens next: open a room (or reuse a released room id with a
+new transfer_id), hand a chunk to a prefill rank, run a worker, deliver / duplicate / drop any
+pending control message or notification, complete or fail any posted write, advance time, abort
+on either side, release rooms that turned terminal. Invariants after every step (see
+tests/harness.py for the on-the-fly checks): statuses monotone with Failed absorbing, per rank
+and for the MIN view; exactly-once effect per (room, chunk); no write outside the pages and aux
+row a room owns; Success on decode implies every byte equal to the source; released rooms leave
+no trace in any per-room table. Teardown heals the network, lets time pass every deadline, and
+checks that every room is terminal everywhere and that both sides agree on the outcome for every
+room none of whose room-level messages was lost.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kvferry.core import messages as m
+from kvferry.core.errors import WireError
+from kvferry.core.kvpoll import KVPoll, is_terminal, min_status
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness as H
+
+CONFIGS = [
+    (H.TINY, 1, 1, None),
+    (H.TINY, 2, 1, None),  # P > D: two senders per decode rank
+    (H.TINY, 1, 2, None),  # P < D: one sender serves two decode ranks
+    (H.TINY, 4, 1, None),  # replication: TP 4 > 2 heads, one replica of each pair sends
+    (H.TINY_MLA, 2, 1, None),  # MLA P > D: a dummy sender
+    (H.TINY, 1, 1, 4),  # different page sizes on the two sides
+]
+MAX_LIVE = 5
+
+
+def _room_of(msg: H.PendingMsg) -> tuple[int, str] | None:
+    try:
+        obj = m.decode_note(msg.data) if msg.note else m.decode_control(msg.data)
+    except WireError:
+        return None
+    room = getattr(obj, "room", None)
+    return None if room is None else (room, obj.transfer_id)
+
+
+class ProtocolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w: H.World = None  # type: ignore[assignment]
+        self.lossy: set[tuple[int, str]] = set()  # rooms that lost a room-level message
+        self.next_room = 1
+        self.incarnation = 0
+
+    @initialize(cfg=st.sampled_from(CONFIGS), seed=st.integers(0, 1000), shards=st.integers(1, 3))
+    def setup(self, cfg, seed, shards) -> None:  # type: ignore[no-untyped-def]
+        model, p, d, dps = cfg
+        self.w = H.World(model, p, d, decode_page_size=dps, num_shards=shards, seed=seed)
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _live(self) -> list[H.Request]:
+        return list(self.w.live.values())
+
+    def _lose(self, msgs: list[H.PendingMsg]) -> None:
+        for msg in msgs:
+            key = _room_of(msg)
+            if key is not None:
+                self.lossy.add(key)
+
+    # --- scheduler rules --------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.w.live) < MAX_LIVE)
+    @rule(n=st.integers(0, 12), cuts=st.lists(st.integers(0, 12), max_size=3))
+    def open_room(self, n: int, cuts: list[int]) -> None:
+        ends = [*sorted({c for c in cuts if c < n}), n]
+        self.incarnation += 1
+        if self.w.open_room(self.next_room, f"t{self.incarnation}", n, ends) is not None:
+            self.next_room += 1
+
+    @precondition(lambda self: len(self.w.live) < MAX_LIVE)
+    @rule(pick=st.integers(0, 100), n=st.integers(1, 8))
+    def reuse_room_id(self, pick: int, n: int) -> None:
+        """A new request under a room id whose previous incarnation was released everywhere."""
+        old = sorted({req.room for req in self.w.requests.values()} - set(self.w.live))
+        if old:
+            self.incarnation += 1
+            self.w.open_room(old[pick % len(old)], f"t{self.incarnation}", n, [n])
+
+    @precondition(lambda self: self.w.live)
+    @rule(pick=st.integers(0, 100), p=st.integers(0, 3))
+    def chunk_ready(self, pick: int, p: int) -> None:
+        live = self._live()
+        self.w.chunk_ready(live[pick % len(live)], p % self.w.P)
+
+    @rule(p=st.integers(0, 3), shard=st.integers(0, 2))
+    def run_worker(self, p: int, shard: int) -> None:
+        self.w.run_worker(p % self.w.P, shard)
+
+    @precondition(lambda self: self.w.live)
+    @rule(pick=st.integers(0, 100), side=st.sampled_from(["prefill", "decode"]), rank=st.integers(0, 3))
+    def abort(self, pick: int, side: str, rank: int) -> None:
+        live = self._live()
+        n = self.w.P if side == "prefill" else self.w.D
+        self.w.abort(live[pick % len(live)], side, rank % n)
+
+    @precondition(lambda self: self.w.live)
+    @rule(pick=st.integers(0, 100))
+    def finish_prefill(self, pick: int) -> None:
+        """Every prefill rank hands over every remaining chunk of one room."""
+        live = self._live()
+        req = live[pick % len(live)]
+        for p in range(self.w.P):
+            while self.w.chunk_ready(req, p):
+                pass
+
+    @rule()
+    def flush(self) -> None:
+        """A calm moment: everything pending is delivered and every write completes."""
+        self.w.flush()
+
+    @rule()
+    def release_terminal(self) -> None:
+        self.w.release_terminal()
+
+    # --- network rules ----------------------------------------------------------------------------
+
+    @precondition(lambda self: self.w.fabric.pending)
+    @rule(i=st.integers(0, 1000))
+    def deliver(self, i: int) -> None:
+        self.w.deliver(i % len(self.w.fabric.pending))
+
+    @precondition(lambda self: self.w.fabric.pending)
+    @rule(i=st.integers(0, 1000))
+    def duplicate(self, i: int) -> None:
+        msg = self.w.fabric.pending[i % len(self.w.fabric.pending)]
+        self.w.fabric.pending.append(H.PendingMsg(msg.src, msg.dst, msg.data, msg.sent_at, msg.note))
+
+    @precondition(lambda self: self.w.fabric.pending)
+    @rule(i=st.integers(0, 1000))
+    def drop(self, i: int) -> None:
+        self._lose([self.w.fabric.pending.pop(i % len(self.w.fabric.pending))])
+
+    @precondition(lambda self: self.w.fabric.writes)
+    @rule(i=st.integers(0, 1000))
+    def complete_write(self, i: int) -> None:
+        self.w.fabric.complete(i % len(self.w.fabric.writes))
+        self.w.pump()
+
+    @precondition(lambda self: self.w.fabric.writes)
+    @rule(i=st.integers(0, 1000))
+    def fail_write(self, i: int) -> None:
+        self.w.fabric.fail(i % len(self.w.fabric.writes))
+        self.w.pump()
+
+    @rule(dt=st.sampled_from([1, 10, 30, 100, 400]))
+    def advance_time(self, dt: int) -> None:
+        before = list(self.w.fabric.pending)
+        self.w.fabric.now += dt
+        self.w.fabric.expire()
+        kept = {id(x) for x in self.w.fabric.pending}
+        self._lose([x for x in before if id(x) not in kept])
+        self.w.pump()
+
+    # --- invariants -------------------------------------------------------------------------------
+
+    @invariant()
+    def no_violation(self) -> None:
+        if self.w is not None:
+            assert self.w.violations == [], self.w.violations
+
+    @invariant()
+    def released_rooms_leave_no_trace(self) -> None:
+        if self.w is None:
+            return
+        for req in self.w.requests.values():
+            for side, ranks in (("prefill", self.w.prefill), ("decode", self.w.decode)):
+                for rank in ranks:
+                    if rank.index in req.released[side] and req.room not in rank.engine.rooms:
+                        refs = rank.engine.references(req.room)
+                        assert refs == [], f"{side} {rank.index} room {req.room} still in {refs}"
+
+    def teardown(self) -> None:
+        w = self.w
+        if w is None:
+            return
+        w.heal_and_settle()
+        # Let every tombstone and peer deadline run out too; nothing may wake a finished room.
+        for _ in range(3):
+            w.advance(w.timeouts.tombstone_ns)
+        assert w.violations == [], w.violations
+        for req in w.requests.values():
+            views = {}
+            for side, ranks in (("prefill", w.prefill), ("decode", w.decode)):
+                sts = [w.rank_status(r, req) for r in ranks]
+                # After the tombstones expired the status is gone: fall back to the last reported.
+                sts = [
+                    s if s is not None else w.history.get((side, i, req.room, req.tid))
+                    for i, s in enumerate(sts)
+                ]
+                assert all(s is not None and is_terminal(s) for s in sts), (side, req.room, sts)
+                views[side] = min_status(sts)  # type: ignore[arg-type]
+            if (req.room, req.tid) not in self.lossy:
+                assert views["prefill"] is views["decode"], (req.room, req.tid, views)
+            if views["decode"] is KVPoll.Success:
+                assert all((req.room, req.tid, d) in w.success_checked for d in range(w.D))
+        for rank in w.ranks:
+            assert rank.engine.rooms == {}, rank.engine.rooms
+            assert rank.engine.rooms_by_peer == {}
+            assert len(rank.engine.tombstones) == 0
+            assert all(k[0] in ("hb", "loss") for k in rank.engine.deadlines.live_keys())
+            if rank.side == "prefill":
+                assert rank.engine.writes == {}
+            assert rank.driver.handles == {}
+        assert not w.fabric.writes
+
+
+ProtocolMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestProtocol = ProtocolMachine.TestCase
