@@ -16,7 +16,8 @@ from kvferry.backends.kernels.errors import (
 )
 from kvferry.backends.kernels.layout import StagingLayout
 
-_LAZY = {"KVPool", "KernelStats", "gather", "scatter", "triton_usable"}
+_LAZY = {"KVPool", "KernelStats", "gather", "gather_slots", "scatter", "scatter_slots", "triton_usable"}
+_LAZY_MAPS = {"gather_map", "scatter_map", "map_layout"}
 
 __all__ = [
     "DTypeWidthError",
@@ -27,7 +28,12 @@ __all__ = [
     "KernelStats",
     "StagingLayout",
     "gather",
+    "gather_map",
+    "gather_slots",
+    "map_layout",
     "scatter",
+    "scatter_map",
+    "scatter_slots",
     "triton_usable",
 ]
 
@@ -37,4 +43,8 @@ def __getattr__(name: str) -> Any:
         from kvferry.backends.kernels import api
 
         return getattr(api, name)
+    if name in _LAZY_MAPS:
+        from kvferry.backends.kernels import planner_maps
+
+        return getattr(planner_maps, name)
     raise AttributeError(name)

@@ -14,6 +14,7 @@ outside it, so no call reads or writes outside the pool or past the staging buff
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -118,21 +119,23 @@ class _Call:
     n_tokens: int
     token_start: int  # relative to pages_dev[0]
     pages_dev: torch.Tensor
+    page_size: int
+    num_pages: int
     head_start: int
     layout: StagingLayout
     staging: torch.Tensor
     word_bytes: int
 
 
-def _check_pages_host(pages: np.ndarray, p0: int, p1: int, pool: KVPool, unique: bool) -> np.ndarray:
+def _check_pages_host(pages: np.ndarray, p0: int, p1: int, num_pages: int, unique: bool) -> np.ndarray:
     if pages.ndim != 1 or not np.issubdtype(pages.dtype, np.integer):
         raise KernelArgError(f"page ids must be a 1-D integer array, got {pages.dtype} {pages.shape}")
     if len(pages) < p1:
         raise KernelArgError(f"{len(pages)} page ids do not cover page {p1 - 1} the token range needs")
     sub = pages[p0:p1].astype(np.int64, copy=False)
-    bad = (sub < 0) | (sub >= pool.num_pages)
+    bad = (sub < 0) | (sub >= num_pages)
     if bad.any():
-        raise KernelArgError(f"page id {int(sub[bad][0])} outside the pool's {pool.num_pages} pages")
+        raise KernelArgError(f"page id {int(sub[bad][0])} outside the pool's {num_pages} pages")
     if unique and len(np.unique(sub)) != len(sub):
         raise KernelArgError("duplicate page ids: two tokens would be scattered into one slot")
     return sub
@@ -148,6 +151,7 @@ def _validate(
     token_end: int,
     head_start: int,
     staging_token_offset: int,
+    page_size: int,
 ) -> _Call:
     if staging.element_size() != pool.itemsize:
         raise DTypeWidthError(
@@ -185,12 +189,14 @@ def _validate(
             f"{n_tokens} tokens at staging offset {staging_token_offset} overflow the layout's "
             f"{layout.num_tokens} tokens"
         )
-    ps = pool.page_size
+    ps = page_size
+    num_pages = pool.num_slots // ps
     p0, p1 = token_start // ps, -(-token_end // ps)
     if isinstance(pages, np.ndarray) or (isinstance(pages, torch.Tensor) and pages.device.type == "cpu"):
         host = pages if isinstance(pages, np.ndarray) else pages.numpy()
-        sub = _check_pages_host(host, p0, p1, pool, unique=kind == "scatter")
-        pages_dev = torch.from_numpy(np.ascontiguousarray(sub)).to(pool.device, non_blocking=True)
+        sub = _check_pages_host(host, p0, p1, num_pages, unique=kind == "scatter")
+        # A copy: the planner hands out read-only arrays, and torch wants writable memory.
+        pages_dev = torch.from_numpy(np.array(sub, dtype=np.int64)).to(pool.device, non_blocking=True)
         rel_start = token_start - p0 * ps
     elif isinstance(pages, torch.Tensor):
         # Device page ids stay unchecked on the host (that would synchronize); the kernel masks
@@ -226,7 +232,7 @@ def _validate(
         layout.stride_token * isz,
     ):
         word = min(word, _lowbit(nbytes))
-    return _Call(n_tokens, rel_start, pages_dev, head_start, layout, staging, max(word, 1))
+    return _Call(n_tokens, rel_start, pages_dev, ps, num_pages, head_start, layout, staging, max(word, 1))
 
 
 def _run_triton(kind: str, pool: KVPool, c: _Call) -> None:
@@ -248,8 +254,8 @@ def _run_triton(kind: str, pool: KVPool, c: _Call) -> None:
         num_planes=pool.num_planes,
         n_tokens=c.n_tokens,
         token_start=c.token_start,
-        page_size=pool.page_size,
-        num_pages=pool.num_pages,
+        page_size=c.page_size,
+        num_pages=c.num_pages,
         slot_stride=w(pool.num_heads * pool.head_dim),
         pool_head0=c.head_start,
         num_heads=lay.num_heads,
@@ -263,10 +269,10 @@ def _run_triton(kind: str, pool: KVPool, c: _Call) -> None:
 
 
 def _run_torch(kind: str, pool: KVPool, c: _Call) -> None:
-    ps, int_t = pool.page_size, _INT_OF_WIDTH[pool.itemsize]
+    ps, int_t = c.page_size, _INT_OF_WIDTH[pool.itemsize]
     t = torch.arange(c.n_tokens, device=pool.device) + c.token_start
     page = c.pages_dev.to(torch.int64)[t // ps]
-    valid = (page >= 0) & (page < pool.num_pages)
+    valid = (page >= 0) & (page < c.num_pages)
     slots = page * ps + t % ps
     tok_idx = None
     if not bool(valid.all()):
@@ -302,6 +308,7 @@ def _run(
     staging_token_offset: int,
     stream: torch.cuda.Stream | None,
     backend: Backend,
+    page_size: int | None = None,
 ) -> torch.cuda.Event | None:
     if backend == "auto":
         backend = "triton" if triton_usable(pool.device) else "torch"
@@ -318,13 +325,20 @@ def _run(
         stream = stream or torch.cuda.current_stream(pool.device)
         ctx = torch.cuda.stream(stream)
     else:
-        import contextlib
-
         ctx = contextlib.nullcontext()
     with ctx:
         try:
             call = _validate(
-                kind, pool, staging, layout, pages, token_start, token_end, head_start, staging_token_offset
+                kind,
+                pool,
+                staging,
+                layout,
+                pages,
+                token_start,
+                token_end,
+                head_start,
+                staging_token_offset,
+                page_size or pool.page_size,
             )
         except KernelArgError:
             pool.stats.rejected += 1
@@ -407,3 +421,33 @@ def scatter(
         stream,
         backend,
     )
+
+
+def gather_slots(
+    pool: KVPool,
+    staging: torch.Tensor,
+    layout: StagingLayout,
+    slots: np.ndarray | torch.Tensor,
+    *,
+    head_start: int,
+    stream: torch.cuda.Stream | None = None,
+    backend: Backend = "auto",
+) -> torch.cuda.Event | None:
+    """``gather`` with the page lookup already done: chunk token ``i`` lives in ``slots[i]``."""
+    n = len(slots)
+    return _run("gather", pool, staging, layout, slots, 0, n, head_start, 0, stream, backend, page_size=1)
+
+
+def scatter_slots(
+    pool: KVPool,
+    staging: torch.Tensor,
+    layout: StagingLayout,
+    slots: np.ndarray | torch.Tensor,
+    *,
+    head_start: int,
+    stream: torch.cuda.Stream | None = None,
+    backend: Backend = "auto",
+) -> torch.cuda.Event | None:
+    """``scatter`` with the page lookup already done: chunk token ``i`` goes to ``slots[i]``."""
+    n = len(slots)
+    return _run("scatter", pool, staging, layout, slots, 0, n, head_start, 0, stream, backend, page_size=1)

@@ -38,7 +38,7 @@ def _tile_offsets(
     s_plane,
     s_tok,
     NH: tl.constexpr,
-    NH_P: tl.constexpr,
+    HB: tl.constexpr,
     ROW: tl.constexpr,
     ROW_P: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -51,7 +51,7 @@ def _tile_offsets(
     tok_ok = tok_ok & (page >= 0) & (page < num_pages)
     slot = page * page_size + t_abs % page_size
 
-    h = tl.arange(0, NH_P)
+    h = tl.program_id(2) * HB + tl.arange(0, HB)
     w = tl.arange(0, ROW_P)
     pool_off = (
         slot[:, None, None] * slot_stride
@@ -85,7 +85,7 @@ def _gather_kernel(
     s_plane,
     s_tok,
     NH: tl.constexpr,
-    NH_P: tl.constexpr,
+    HB: tl.constexpr,
     ROW: tl.constexpr,
     ROW_P: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -98,7 +98,7 @@ def _gather_kernel(
     pool_ptr = tl.multiple_of(tl.load(table_ptr + plane).to(stg_ptr.dtype, bitcast=True), POOL_ALIGN)
     pool_off, stg_off, mask = _tile_offsets(
         pid_t, plane, pages_ptr, n_tokens, token_start, page_size, num_pages, slot_stride,
-        pool_head0, s_base, s_head, s_plane, s_tok, NH, NH_P, ROW, ROW_P, BLOCK_T,
+        pool_head0, s_base, s_head, s_plane, s_tok, NH, HB, ROW, ROW_P, BLOCK_T,
     )  # fmt: skip
     vals = tl.load(pool_ptr + pool_off, mask=mask)
     tl.store(stg_ptr + stg_off, vals, mask=mask)
@@ -120,7 +120,7 @@ def _scatter_kernel(
     s_plane,
     s_tok,
     NH: tl.constexpr,
-    NH_P: tl.constexpr,
+    HB: tl.constexpr,
     ROW: tl.constexpr,
     ROW_P: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -133,15 +133,20 @@ def _scatter_kernel(
     pool_ptr = tl.multiple_of(tl.load(table_ptr + plane).to(stg_ptr.dtype, bitcast=True), POOL_ALIGN)
     pool_off, stg_off, mask = _tile_offsets(
         pid_t, plane, pages_ptr, n_tokens, token_start, page_size, num_pages, slot_stride,
-        pool_head0, s_base, s_head, s_plane, s_tok, NH, NH_P, ROW, ROW_P, BLOCK_T,
+        pool_head0, s_base, s_head, s_plane, s_tok, NH, HB, ROW, ROW_P, BLOCK_T,
     )  # fmt: skip
     vals = tl.load(stg_ptr + stg_off, mask=mask)
     tl.store(pool_ptr + pool_off, vals, mask=mask)
 
 
-# Tile size in bytes per program and warps per program: tuned on an H100 (docs/benchmarks.md).
-TILE_BYTES = 16384
-NUM_WARPS = 4
+# (tile bytes per program, warps per program, heads per program; 0 = all) by (kind, staging in
+# host memory): tuned on an H100 with bench/kernel_bench.py --sweep (docs/benchmarks.md).
+TUNING: dict[tuple[str, bool], tuple[int, int, int]] = {
+    ("gather", True): (16384, 8, 1),
+    ("gather", False): (8192, 8, 1),
+    ("scatter", True): (16384, 4, 1),
+    ("scatter", False): (8192, 8, 1),
+}
 
 
 def launch(
@@ -164,25 +169,22 @@ def launch(
     s_plane: int,
     s_tok: int,
     pool_align: int,
-    tile_bytes: int | None = None,
-    num_warps: int | None = None,
 ) -> None:
     """Launch one gather or scatter on the current stream; every size and stride is in words."""
-    nh_p = triton.next_power_of_2(num_heads)
+    tile, warps, hb = TUNING[(kind, staging_words.device.type == "cpu")]
+    hb = triton.next_power_of_2(min(hb, num_heads) if hb else num_heads)
     row_p = triton.next_power_of_2(row_words)
-    word_bytes = staging_words.element_size()
-    tile = tile_bytes or TILE_BYTES
-    block_t = max(1, tile // (nh_p * row_p * word_bytes))
+    block_t = max(1, tile // (hb * row_p * staging_words.element_size()))
     block_t = min(triton.next_power_of_2(block_t), triton.next_power_of_2(n_tokens))
-    # Programs along x walk the tokens of one plane, so those running together write (gather) or
-    # read (scatter) neighbouring staging rows: long sequential streams for PCIe.
-    grid = (triton.cdiv(n_tokens, block_t), num_planes)
+    # x walks the tokens of one (head block, plane), so the programs running together touch
+    # neighbouring staging rows: one long sequential stream over PCIe, as a memcpy would.
+    grid = (triton.cdiv(n_tokens, block_t), num_planes, triton.cdiv(num_heads, hb))
     kernel = _gather_kernel if kind == "gather" else _scatter_kernel
     kernel[grid](
         table, pages, staging_words,
         n_tokens, token_start, page_size, num_pages, slot_stride, pool_head0,
         s_base, s_head, s_plane, s_tok,
-        NH=num_heads, NH_P=nh_p, ROW=row_words, ROW_P=row_p, BLOCK_T=block_t,
-        POOL_ALIGN=pool_align, num_warps=num_warps or NUM_WARPS,
+        NH=num_heads, HB=hb, ROW=row_words, ROW_P=row_p, BLOCK_T=block_t,
+        POOL_ALIGN=pool_align, num_warps=warps,
     )  # fmt: skip
     LAUNCHES[kind] += 1
