@@ -10,8 +10,8 @@ import numpy as np
 import typer
 
 from kvferry.core.errors import KvferryError
-from kvferry.core.geometry import PRESETS, DType, Layout, ModelGeometry, make_pools
-from kvferry.core.planner import plan_room
+from kvferry.core.geometry import PRESETS, DType, Layout, ModelGeometry, links, make_pools
+from kvferry.core.planner import RankPlan, plan_rank_pair
 from kvferry.core.staging_layout import StagingFormat, plan_staged_room
 
 EXIT_BAD_INPUT = 2
@@ -89,7 +89,13 @@ def make_report(
     dp, dn = room_pages(tokens, decode_page_size, fragmented, np.random.default_rng([seed, 1]))
     src = make_pools(model, prefill_tp, prefill_page_size, sn, prefill_layout)
     dst = make_pools(model, decode_tp, decode_page_size, dn, decode_layout)
-    room = plan_room(src, dst, sp, dp, 0, tokens)
+    # Pair by pair, keeping only the counts: a whole long room's descriptor arrays can be GBs.
+    all_links = links(model, prefill_tp, decode_tp)
+    pairs = [
+        _pair_summary(plan_rank_pair(src[x.prefill_rank], dst[x.decode_rank], sp, dp, 0, tokens))
+        for x in all_links
+        if not x.is_dummy
+    ]
     staged = {fmt.value: plan_staged_room(src, dst, sp, dp, 0, tokens, fmt) for fmt in StagingFormat}
     return {
         "model": {
@@ -109,23 +115,12 @@ def make_report(
         "tokens": tokens,
         "fragmented": fragmented,
         "seed": seed,
-        "total_bytes": room.total_bytes,
-        "descriptors": room.count,
-        "descriptors_unmerged": room.descriptors_unmerged,
-        "pairs": [
-            {
-                "prefill_rank": p.src_rank,
-                "decode_rank": p.dst_rank,
-                "head_start": p.head_start,
-                "num_heads": p.num_heads,
-                "descriptors": p.count,
-                "descriptors_unmerged": p.descriptors_unmerged,
-                "bytes": p.total_bytes,
-            }
-            for p in room.pairs
-        ],
+        "total_bytes": sum(p["bytes"] for p in pairs),
+        "descriptors": sum(p["descriptors"] for p in pairs),
+        "descriptors_unmerged": sum(p["descriptors_unmerged"] for p in pairs),
+        "pairs": pairs,
         "dummies": [
-            {"prefill_rank": x.prefill_rank, "decode_rank": x.decode_rank} for x in room.links if x.is_dummy
+            {"prefill_rank": x.prefill_rank, "decode_rank": x.decode_rank} for x in all_links if x.is_dummy
         ],
         "staged": {
             name: {
@@ -136,6 +131,18 @@ def make_report(
             }
             for name, s in staged.items()
         },
+    }
+
+
+def _pair_summary(p: RankPlan) -> dict[str, int]:
+    return {
+        "prefill_rank": p.src_rank,
+        "decode_rank": p.dst_rank,
+        "head_start": p.head_start,
+        "num_heads": p.num_heads,
+        "descriptors": p.count,
+        "descriptors_unmerged": p.descriptors_unmerged,
+        "bytes": p.total_bytes,
     }
 
 
