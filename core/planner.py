@@ -58,8 +58,10 @@ _EMPTY.flags.writeable = False
 class RankPlan:
     """Descriptors one (prefill rank, decode rank) pair moves for tokens ``[token_start, token_end)``.
 
-    The five arrays are read-only int64 arrays of equal length ``count``. Regions ascend, and
-    within a region source offsets ascend. ``descriptors_unmerged`` is the count before coalescing.
+    The five arrays are read-only int64 arrays of equal length ``count``. Regions ascend; within a
+    region a merged plan's source offsets ascend and a direct (``coalesce=False``) plan is in token
+    order (then head order on a head-major side). ``descriptors_unmerged`` is the count before
+    coalescing. ``src_region == dst_region`` always (region ids name the same (layer, kind)).
     """
 
     src_rank: int
