@@ -205,7 +205,9 @@ class NixlAgent:
             merged = {**self._local, **{r.region_id: r for r in regions}}
             if len(merged) != len(self._local) + len(regions):
                 raise RegionError("region id registered twice")
-            check_disjoint(merged.values())
+            # Disjoint within a group (a descriptor may not land in two rooms' bytes); groups may
+            # overlap, e.g. a benchmark's single covering region over the whole pool.
+            check_disjoint([self._local[i] for i in self._groups.get(group, ())] + list(regions))
             by_mem: dict[str, list[MemRegion]] = {}
             for r in regions:
                 by_mem.setdefault(r.mem, []).append(r)
@@ -244,22 +246,40 @@ class NixlAgent:
             name = name.decode() if isinstance(name, bytes) else str(name)
             if name in self._peers:
                 self._drop_peer_locked(name, invalidate=False)
-            peer = _Peer(name, {r.region_id: r for regions, _ in groups.values() for r in regions})
-            self._peers[name] = peer
+            self._peers[name] = _Peer(name, {})
             try:
-                for group, (regions, granules) in groups.items():
-                    for g in granules:
-                        key = (group, g)
-                        self._local_prep(key)
-                        table = _RegionTable({r.region_id: r for r in regions}, g)
-                        peer.tables[key] = table
-                        peer.prepped[key] = self._call(
-                            self._nixl.prep_xfer_dlist, name, table.rows(), table.mem_type()
-                        )
+                self._add_lists_locked(name, groups)
             except Exception:
                 self._drop_peer_locked(name, invalidate=True)
                 raise
             return name
+
+    def add_lists(self, name: str, groups: dict[str, tuple[Sequence[MemRegion], Sequence[int]]]) -> None:
+        """Prepare more lists towards an already loaded peer (e.g. a benchmark's raw region)."""
+        for regions, _ in groups.values():
+            check_disjoint(regions)
+        with self._tables.write():
+            if name not in self._peers:
+                raise NixlPeerError(f"peer {name!r} not registered")
+            self._add_lists_locked(name, groups)
+
+    def _add_lists_locked(
+        self, name: str, groups: dict[str, tuple[Sequence[MemRegion], Sequence[int]]]
+    ) -> None:
+        peer = self._peers[name]
+        for group, (regions, granules) in groups.items():
+            peer.regions.update({r.region_id: r for r in regions})
+            for g in granules:
+                key = (group, g)
+                self._local_prep(key)
+                table = _RegionTable({r.region_id: r for r in regions}, g)
+                old = peer.prepped.pop(key, None)
+                if old is not None:
+                    self._quiet(old.release)
+                peer.tables[key] = table
+                peer.prepped[key] = self._call(
+                    self._nixl.prep_xfer_dlist, name, table.rows(), table.mem_type()
+                )
 
     def has_peer(self, name: str) -> bool:
         return name in self._peers

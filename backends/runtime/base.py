@@ -1,0 +1,196 @@
+"""What prefill and decode endpoints share: config, transport, driver, status board, shutdown.
+
+Threads and ownership (the rule for every table reachable from an endpoint):
+- The core engine, the driver's queues and in-flight handle table: only under ``self.lock`` (the
+  driver takes it on every call; ``on_status``/``on_free_pages`` run with it held).
+- The status board: its own lock (board.py), so polling never waits for a worker.
+- The transport: thread-safe (NIXL agent with its RW lock and sync mode RW; the control plane's
+  IO thread owns the sockets).
+- ``errors``: a list appended under ``_err_lock``.
+Shutdown stops every loop, joins every thread (bounded), then closes the transport (NIXL teardown
+in its order, then the control plane's IO thread).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+from kvferry.backends.driver import Driver
+from kvferry.backends.nixl.transport import NixlTransport
+from kvferry.backends.runtime.board import StatusBoard
+from kvferry.backends.runtime.errors import EndpointClosedError, KVTransferError
+from kvferry.backends.runtime.loops import Loop
+from kvferry.backends.zmqctl import ControlPlane
+from kvferry.core.commands import FreePages, StatusChanged
+from kvferry.core.deadlines import Timeouts
+from kvferry.core.geometry import PoolGeometry
+from kvferry.core.kvpoll import KVPoll
+from kvferry.core.messages import Endpoint
+
+
+class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """``num_queues``: prefill transfer queues, one worker thread each (rooms sharded by id).
+    ``idle_max_s``: the longest a progress thread sleeps when nothing happens (latency bound)."""
+
+    num_queues: int = 4
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    idle_max_s: float = 1e-3
+    join_timeout_s: float = 10.0
+    aux_rows: int = 1024
+    aux_row_bytes: int = 64
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: chosen at runtime
+    nixl_sync: str = "rw"  # several threads share the agent
+
+
+def now_ns() -> int:
+    return time.monotonic_ns()
+
+
+class EndpointBase:
+    role = ""
+
+    def __init__(
+        self,
+        server: str,
+        pool: PoolGeometry,
+        *,
+        buffers: Mapping[int, Any] | None,
+        aux: Any | None,
+        config: RuntimeConfig,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.endpoint = Endpoint(server=server, rank=pool.tp_rank)
+        control = ControlPlane(str(self.endpoint), host=config.host, port=config.port)
+        self.transport = NixlTransport(
+            self.endpoint,
+            pool,
+            role=self.role,
+            buffers=buffers,
+            aux=aux,
+            sync=config.nixl_sync,
+            control=control,
+        )
+        self.transport.register_regions(pool.regions, config.aux_rows, config.aux_row_bytes)
+        self.lock = threading.Lock()
+        self.board = StatusBoard()
+        self.errors: list[BaseException] = []
+        self._err_lock = threading.Lock()
+        self._loops: list[Loop] = []
+        self._started = False
+        self._closed = False
+        self.engine: Any = None
+        self.driver: Driver
+        # Called (room, transfer_id) when a failed room's pages are fenced; runs with the driver
+        # lock held, so it must be quick and must not call back into the endpoint.
+        self.on_free_pages: Callable[[int, str], None] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """The control-plane address peers reach this rank at (port chosen at runtime)."""
+        return self.transport.control_address
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        for loop in self._loops:
+            loop.start()
+
+    def close(self) -> list[str]:
+        """Stop and join every thread, then tear the transport down. Returns the names of threads
+        that did not stop in time (empty on a clean shutdown)."""
+        if self._closed:
+            return []
+        self._closed = True
+        for loop in self._loops:
+            loop.stop()
+        self._wake_all()
+        stuck = [lp.name for lp in self._loops if not lp.join(self.config.join_timeout_s)]
+        self.transport.close()
+        return stuck
+
+    def __enter__(self) -> EndpointBase:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wake_all(self) -> None:
+        pass
+
+    def _check_open(self) -> None:
+        if self._closed or not self._started:
+            raise EndpointClosedError(f"{self.endpoint} is {'closed' if self._closed else 'not started'}")
+
+    # ---- driver callbacks (driver lock held) ---------------------------------------------------
+    def _on_status(self, cmd: StatusChanged) -> None:
+        error = None
+        if cmd.status is KVPoll.Failed:
+            failure = self.engine.failure(cmd.room)
+            error = failure.error if failure is not None else None
+        self.board.update(cmd.room, cmd.transfer_id, cmd.status, cmd.reason, error)
+
+    def _on_free_pages(self, cmd: FreePages) -> None:
+        self.board.freed(cmd.room, cmd.transfer_id)
+        if self.on_free_pages is not None:
+            self.on_free_pages(cmd.room, cmd.transfer_id)
+
+    def _sync(self, room: int, tid: str) -> None:
+        """Bring the board up to the engine's view: a room can change state before its handle
+        exists (a TransferInfo, or an Abort, may arrive before the local open)."""
+        with self.lock:
+            live = self.engine.rooms.get(room)
+            if live is None or live.tid != tid:
+                return
+            status = self.engine.poll(room)
+            failure = self.engine.failure(room)
+        reason, error = (failure.reason, failure.error) if failure is not None else ("", None)
+        self.board.update(room, tid, status, reason, error)
+
+    def _record_error(self, exc: BaseException) -> None:
+        with self._err_lock:
+            self.errors.append(exc)
+
+    def _progress_step(self) -> bool:
+        return self.driver.pump(now_ns()) > 0
+
+    # ---- what a room handle needs --------------------------------------------------------------
+    def poll(self, room: int, tid: str) -> KVPoll:
+        view = self.board.get(room, tid)
+        if view is None:
+            raise KVTransferError(room, "not tracked here (cleared, or never created)")
+        return view.status
+
+    def failure_exception(self, room: int, tid: str) -> None:
+        """Raise the room's failure: the original exception when there was one, else
+        KVTransferError with the core's reason. Returns quietly if the room has not failed."""
+        view = self.board.get(room, tid)
+        if view is None or view.status is not KVPoll.Failed:
+            return
+        if view.error is not None:
+            raise view.error
+        raise KVTransferError(room, view.reason or "failed")
+
+    def leaks(self) -> dict[str, int]:
+        """Sizes of every per-room or per-transfer table; all zero once every room was cleared
+        and fenced. Tombstones are excluded: they expire by design."""
+        with self.lock:
+            out = {
+                "engine.rooms": len(self.engine.rooms),
+                "engine.rooms_by_peer": sum(len(s) for s in self.engine.rooms_by_peer.values()),
+                "driver.handles": len(self.driver.handles),
+                "driver.queues": sum(len(q) for q in self.driver.queues),
+            }
+            if hasattr(self.engine, "writes"):
+                out["engine.writes"] = len(self.engine.writes)
+        out["nixl.inflight"] = self.transport.agent.inflight()
+        out["board"] = len(self.board)
+        return out

@@ -1,0 +1,58 @@
+"""Thread plumbing shared by the endpoints: a stoppable loop with idle backoff.
+
+A loop calls ``step()`` repeatedly. After a step that did work it goes again at once (after a
+``sleep(0)`` yield); after idle steps it sleeps, doubling from ``idle_min_s`` up to ``idle_max_s``,
+so an idle endpoint costs a few hundred wake-ups a second and never spins. ``step`` may wait on
+its own (a worker waits on its queue's event). An exception from ``step`` never ends the thread:
+it goes to ``on_error`` with its original type and the loop continues.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class Loop:
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[], bool],
+        on_error: Callable[[BaseException], None],
+        *,
+        idle_min_s: float = 50e-6,
+        idle_max_s: float = 1e-3,
+    ) -> None:
+        self.name = name
+        self._step = step
+        self._on_error = on_error
+        self._idle_min = idle_min_s
+        self._idle_max = idle_max_s
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def join(self, timeout_s: float) -> bool:
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
+
+    def _run(self) -> None:
+        idle = self._idle_min
+        while not self.stop_event.is_set():
+            try:
+                busy = self._step()
+            except Exception as exc:  # the thread must survive; the error goes to the poller
+                self._on_error(exc)
+                busy = False
+            if busy:
+                idle = self._idle_min
+                time.sleep(0)
+            else:
+                self.stop_event.wait(idle)
+                idle = min(idle * 2, self._idle_max)

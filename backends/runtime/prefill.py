@@ -1,0 +1,183 @@
+"""Prefill rank endpoint: the sender engine driven by real threads over NIXL + ZMQ.
+
+Threads (seed 000's design): one progress thread (control messages, write completions, deadlines
+and heartbeats) and ``num_queues`` worker threads. A room's chunks all go to queue
+``room % num_queues`` (the core's ``shard_of``), so one worker runs them in order; the worker
+posts a chunk's writes and waits for them before taking its next chunk.
+
+Ownership: each worker is the only consumer of its queue in ``driver.queues`` (the driver appends
+under its lock; the worker peeks the head without it, which is safe for a sole consumer of a
+deque); its wake-up Event is set by the driver's ``on_enqueue`` and cleared only by the worker.
+Everything else follows base.py.
+
+A worker never dies: an exception from a chunk fails that chunk's room through the core (an
+AbortRoom, which tells decode with RoomFailed) and is kept on the status board, so
+``failure_exception()`` raises it with its original type.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from kvferry.backends.driver import Driver
+from kvferry.backends.runtime.base import EndpointBase, RuntimeConfig, now_ns
+from kvferry.backends.runtime.loops import Loop
+from kvferry.core.events import AbortRoom, ChunkReady, ReleaseRoom, SenderOpen
+from kvferry.core.geometry import PoolGeometry
+from kvferry.core.kvpoll import KVPoll
+from kvferry.core.sender import SenderEngine
+
+
+class PrefillEndpoint(EndpointBase):
+    """One prefill TP rank. ``buffers``: region_id -> numpy array / torch tensor (DRAM or VRAM)
+    holding that region of the KV pool (allocated here as DRAM if omitted); ``aux``: the aux rows."""
+
+    role = "prefill"
+
+    def __init__(
+        self,
+        server: str,
+        pool: PoolGeometry,
+        *,
+        buffers: Mapping[int, Any] | None = None,
+        aux: Any | None = None,
+        config: RuntimeConfig | None = None,
+    ) -> None:
+        config = config or RuntimeConfig()
+        super().__init__(server, pool, buffers=buffers, aux=aux, config=config)
+        n = config.num_queues
+        self.engine = SenderEngine(self.endpoint, pool, timeouts=config.timeouts, num_shards=n)
+        self._wake = [threading.Event() for _ in range(n)]
+        self.driver = Driver(
+            self.engine,
+            self.transport,
+            num_shards=n,
+            lock=self.lock,
+            on_status=self._on_status,
+            on_free_pages=self._on_free_pages,
+            on_enqueue=lambda shard: self._wake[shard].set(),
+        )
+        self._loops.append(
+            Loop(
+                f"{self.endpoint}-progress",
+                self._progress_step,
+                self._record_error,
+                idle_max_s=config.idle_max_s,
+            )
+        )
+        for shard in range(n):
+            self._loops.append(
+                Loop(
+                    f"{self.endpoint}-worker{shard}",
+                    lambda shard=shard: self._worker_step(shard),
+                    self._record_error,
+                    idle_max_s=config.idle_max_s,
+                )
+            )
+
+    def sender(self, room: int, transfer_id: str) -> KVSender:
+        self._check_open()
+        return KVSender(self, room, transfer_id)
+
+    def _wake_all(self) -> None:
+        for ev in self._wake:
+            ev.set()
+
+    def _worker_step(self, shard: int) -> bool:
+        queue = self.driver.queues[shard]
+        wake = self._wake[shard]
+        if not queue:
+            wake.wait(0.05)
+            wake.clear()
+            if not queue:
+                return True  # the wait was the idle sleep
+        head: ChunkReady = queue[0]  # sole consumer: the head cannot change under us
+        try:
+            ids = self.driver.worker_step(shard, now_ns())
+        except Exception as exc:
+            # The chunk was taken off the queue (or the engine broke on it): fail its room only.
+            self.board.fail(head.room, head.transfer_id, exc)
+            self.driver.feed(
+                AbortRoom(
+                    room=head.room,
+                    transfer_id=head.transfer_id,
+                    reason=f"worker: {type(exc).__name__}: {exc}",
+                ),
+                now_ns(),
+            )
+            self._record_error(exc)
+            return True
+        if ids:
+            self._await(shard, ids)
+        return True
+
+    def _await(self, shard: int, ids: tuple[int, ...]) -> None:
+        """Seed 000's pacing: the worker's next chunk waits for this chunk's writes."""
+        idle = 20e-6
+        stop = self._loops[1 + shard].stop_event
+        while self.driver.writes_pending(ids) and not stop.is_set():
+            if self.driver.poll_writes(now_ns(), ids):
+                idle = 20e-6
+                continue
+            time.sleep(idle)
+            idle = min(idle * 2, self.config.idle_max_s)
+
+
+class KVSender:
+    """One room on one prefill rank, shaped like SGLang's KVSender (init, send, poll,
+    failure_exception, abort, clear)."""
+
+    def __init__(self, endpoint: PrefillEndpoint, room: int, transfer_id: str) -> None:
+        self.ep = endpoint
+        self.room = room
+        self.transfer_id = transfer_id
+        self._chunks = 0
+        endpoint.board.track(room, transfer_id)
+
+    def init(self, aux_index: int) -> None:
+        """The scheduler has this room (its aux row is ``aux_index``)."""
+        self.ep._check_open()
+        self.ep.driver.feed(
+            SenderOpen(room=self.room, transfer_id=self.transfer_id, aux_index=aux_index), now_ns()
+        )
+
+    def send(self, src_pages: Any, token_end: int, is_last: bool) -> None:
+        """A chunk is computed: tokens up to ``token_end`` are in ``src_pages`` (the room's page
+        ids from token 0). Returns at once; a worker posts the writes."""
+        self.ep._check_open()
+        chunk = ChunkReady(
+            room=self.room,
+            transfer_id=self.transfer_id,
+            chunk_index=self._chunks,
+            token_end=int(token_end),
+            src_pages=np.asarray(src_pages, dtype=np.int64),
+            is_last=bool(is_last),
+        )
+        self._chunks += 1
+        self.ep.driver.feed(chunk, now_ns())
+
+    def write_aux(self, aux_index: int, row: bytes) -> None:
+        """Fill the room's aux row (first 8 bytes: the room id, the landing check)."""
+        self.ep.transport.write_aux_row(aux_index, row)
+
+    def poll(self) -> KVPoll:
+        return self.ep.poll(self.room, self.transfer_id)
+
+    def wait(self, timeout_s: float) -> KVPoll | None:
+        return self.ep.board.wait_for(self.room, self.transfer_id, {KVPoll.Success, KVPoll.Failed}, timeout_s)
+
+    def failure_exception(self) -> None:
+        self.ep.failure_exception(self.room, self.transfer_id)
+
+    def abort(self, reason: str = "aborted by the scheduler") -> None:
+        self.ep.driver.feed(AbortRoom(room=self.room, transfer_id=self.transfer_id, reason=reason), now_ns())
+
+    def clear(self) -> None:
+        """Done with the room: the core drops it once terminal (a failed one once no write is in
+        flight); the status board forgets it now."""
+        self.ep.driver.feed(ReleaseRoom(room=self.room, transfer_id=self.transfer_id), now_ns())
+        self.ep.board.drop(self.room, self.transfer_id)

@@ -1,0 +1,179 @@
+"""Prefill helper process: two prefill ranks (TP 2) over real NIXL, driven by the shared workload.
+
+Protocol (JSON lines): prints ``ready`` with its control addresses, waits for ``go``; runs the
+rooms; prints ``inflight`` in hold mode and waits for ``killed``; prints ``done`` with every room's
+outcome and the table sizes once they are empty (or the wait gave up); waits for ``exit``, closes
+and prints ``closed`` with the threads that did not stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+import workload as wl
+from kvferry.backends.runtime import PrefillEndpoint, RuntimeConfig
+from kvferry.core.kvpoll import KVPoll
+from kvferry.sim import pattern
+from wire import heard, say
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seed", type=int, required=True)
+    ap.add_argument("--rooms", type=int, required=True)
+    ap.add_argument("--abort-rate", type=float, default=0.0)
+    ap.add_argument("--hold", action="store_true")
+    ap.add_argument("--queues", type=int, default=2)
+    ap.add_argument("--deadline-s", type=float, default=90.0)
+    args = ap.parse_args()
+
+    cfg = RuntimeConfig(num_queues=args.queues, timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS)
+    eps = [PrefillEndpoint("prefill", pool, config=cfg) for pool in wl.prefill_pools()]
+    for ep in eps:
+        ep.start()
+    say(event="ready", addresses=[ep.address for ep in eps], pid=os.getpid())
+    if heard(60.0) != "go":
+        sys.exit(2)
+
+    plans = wl.rooms(args.seed, args.rooms, args.abort_rate, hold=args.hold)
+    free_pages = list(range(wl.PREFILL_PAGES))
+    free_aux = list(range(wl.AUX_ROWS))
+    pending = list(reversed(plans))
+    live: dict[int, dict] = {}
+    results: dict[int, dict] = {}
+    end = time.monotonic() + args.deadline_s
+    announced = False
+
+    while (pending or live) and time.monotonic() < end:
+        busy = False
+        while pending and len(live) < wl.WINDOW:
+            plan = pending[-1]
+            need = -(-plan.tokens // wl.PREFILL_PAGE)
+            if need > len(free_pages) or not free_aux:
+                break
+            pending.pop()
+            pages = np.array([free_pages.pop() for _ in range(need)], dtype=np.int64)
+            aux = free_aux.pop()
+            senders = []
+            for ep in eps:
+                pattern.fill(ep.pool, ep.transport.region, plan.room, pages, 0, plan.tokens)
+                s = ep.sender(plan.room, plan.tid)
+                s.write_aux(aux, plan.room.to_bytes(8, "little", signed=True))
+                s.init(aux)
+                senders.append(s)
+            live[plan.index] = {
+                "plan": plan,
+                "pages": pages,
+                "aux": aux,
+                "senders": senders,
+                "next": 0,
+                "aborted": False,
+            }
+            busy = True
+        for idx in list(live):
+            st = live[idx]
+            plan, senders = st["plan"], st["senders"]
+            statuses = [s.poll() for s in senders]
+            if (
+                plan.abort == "prefill_early"
+                and not st["aborted"]
+                and min(statuses) >= KVPoll.WaitingForInput
+            ):
+                for s in senders:
+                    s.abort("test: prefill_early")
+                st["aborted"] = True
+                busy = True
+            limit = len(plan.cuts)
+            if plan.hold or plan.abort in ("decode_mid", "prefill_mid"):
+                limit = 1
+            if plan.abort == "prefill_early":
+                limit = 0
+            if plan.abort == "prefill_mid" and min(statuses) < KVPoll.WaitingForInput:
+                # Abort only once decode's TransferInfo is in: a sender that fails and is released
+                # before it arrives cannot tell decode (the core drops the late TransferInfo at the
+                # tombstone), and decode would only fail by its own timeout.
+                limit = 0
+            if st["next"] < limit and not st["aborted"]:
+                i = st["next"]
+                for s in senders:
+                    s.send(st["pages"], plan.cuts[i], is_last=i == len(plan.cuts) - 1)
+                st["next"] += 1
+                busy = True
+                if plan.abort == "prefill_mid":
+                    for s in senders:
+                        s.abort("test: prefill_mid")
+                    st["aborted"] = True
+            if all(x in (KVPoll.Success, KVPoll.Failed) for x in statuses):
+                if plan.abort is not None and not all(x is KVPoll.Failed for x in statuses):
+                    continue  # an aborted room must end Failed everywhere: keep polling (bounded)
+                reasons, errors = [], []
+                for s in senders:
+                    try:
+                        s.failure_exception()
+                        reasons.append("")
+                        errors.append("")
+                    except Exception as exc:
+                        reasons.append(str(exc))
+                        errors.append(type(exc).__name__)
+                    s.clear()
+                results[idx] = {"status": [int(x) for x in statuses], "reason": reasons, "error": errors}
+                free_pages.extend(st["pages"].tolist())
+                free_aux.append(st["aux"])
+                del live[idx]
+                busy = True
+        if (
+            args.hold
+            and not announced
+            and not pending
+            and live
+            and all(s.poll() is KVPoll.Transferring for st in live.values() for s in st["senders"])
+        ):
+            say(event="inflight", rooms=len(live))
+            announced = True
+            if heard(60.0) != "killed":
+                break
+            end = time.monotonic() + args.deadline_s
+            t_killed = time.monotonic()
+        if not busy:
+            time.sleep(0.001)
+
+    for idx, st in live.items():
+        results[idx] = {
+            "status": [int(s.poll()) for s in st["senders"]],
+            "reason": ["still live"],
+            "error": [""],
+        }
+    elapsed = time.monotonic() - t_killed if announced else None
+    leaks = wait_empty(eps, 15.0)
+    say(
+        event="done",
+        rooms=results,
+        leaks=leaks,
+        after_kill_s=elapsed,
+        errors=[repr(e) for ep in eps for e in ep.errors],
+        driver_errors=[dict(ep.driver.errors) for ep in eps],
+        telemetry=[ep.transport.agent.telemetry.totals().transfers for ep in eps],
+    )
+    heard(120.0)
+    stuck = [name for ep in eps for name in ep.close()]
+    say(event="closed", stuck=stuck)
+
+
+def wait_empty(eps, timeout_s: float) -> list[dict[str, int]]:
+    end = time.monotonic() + timeout_s
+    while True:
+        leaks = [ep.leaks() for ep in eps]
+        if all(v == 0 for d in leaks for v in d.values()) or time.monotonic() > end:
+            return leaks
+        time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    main()

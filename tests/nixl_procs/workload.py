@@ -1,0 +1,82 @@
+"""The workload both helper processes derive from one seed: same rooms, same plan, no messages.
+
+A real router would tell prefill and decode about each request; here both sides compute the same
+list. ``abort`` says who aborts a room and when:
+
+- ``decode_early``: decode aborts right after opening the room.
+- ``decode_mid``: prefill sends the first chunk and holds the rest; decode aborts once that chunk
+  landed (Transferring), so the room cannot have succeeded first.
+- ``prefill_early``: prefill aborts once the room is WaitingForInput, before any chunk.
+- ``prefill_mid``: prefill aborts right after handing over the first chunk (once WaitingForInput).
+``hold``: prefill sends the first chunk and then stops (the peer-kill scenarios).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvferry.core.deadlines import MS, SEC, Timeouts
+from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry
+
+ABORTS = ("decode_early", "decode_mid", "prefill_early", "prefill_mid")
+MODEL = ModelGeometry("e2e", num_layers=2, num_kv_heads=4, head_dim=16)
+PREFILL_TP, DECODE_TP = 2, 1
+PREFILL_PAGE, DECODE_PAGE = 4, 8
+PREFILL_PAGES, DECODE_PAGES = 512, 160  # decode pages are reused: the fence is exercised
+AUX_ROWS = 64
+WINDOW = 16  # rooms in flight per side
+MAX_TOKENS = 48
+
+
+def timeouts() -> Timeouts:
+    return Timeouts(
+        bootstrap_ns=5 * SEC,
+        waiting_ns=5 * SEC,
+        transfer_ns=5 * SEC,
+        # Generous for a loaded 2-core CI machine: a missed beat fails every room of the peer.
+        heartbeat_interval_ns=200 * MS,
+        heartbeat_timeout_ns=3 * SEC,
+        fence_ns=20 * SEC,
+        tombstone_ns=60 * SEC,
+    )
+
+
+def prefill_pools(layout: Layout = Layout.SGLANG_NHD) -> list[PoolGeometry]:
+    return [
+        PoolGeometry(MODEL, PREFILL_TP, r, PREFILL_PAGE, PREFILL_PAGES, layout) for r in range(PREFILL_TP)
+    ]
+
+
+def decode_pool(layout: Layout = Layout.SGLANG_NHD) -> PoolGeometry:
+    return PoolGeometry(MODEL, DECODE_TP, 0, DECODE_PAGE, DECODE_PAGES, layout)
+
+
+@dataclass(frozen=True)
+class RoomPlan:
+    index: int
+    room: int
+    tid: str
+    tokens: int
+    cuts: tuple[int, ...]  # chunk ends, the last one == tokens
+    abort: str | None
+    hold: bool
+
+
+def rooms(seed: int, n: int, abort_rate: float, hold: bool = False) -> list[RoomPlan]:
+    rng = random.Random(seed)
+    out = []
+    used: set[int] = set()
+    for i in range(n):
+        room = rng.getrandbits(63)
+        while room in used:
+            room = rng.getrandbits(63)
+        used.add(room)
+        tokens = rng.randint(2, MAX_TOKENS)
+        k = rng.randint(1, 3)
+        cuts = tuple(sorted({rng.randint(1, tokens - 1) for _ in range(k - 1)} | {tokens}))
+        abort = rng.choice(ABORTS) if rng.random() < abort_rate else None
+        if (hold or abort in ("decode_mid", "prefill_mid")) and len(cuts) < 2:
+            cuts = (tokens // 2, tokens)
+        out.append(RoomPlan(i, room, f"s{seed}-{i}", tokens, cuts, abort, hold))
+    return out
