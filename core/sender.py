@@ -277,6 +277,17 @@ class SenderEngine:
         self._out = []
         return out
 
+    def apply(self, room: int, inp: SIn, payload: Any, now: int) -> list[Any]:
+        """Table-level entry: feed ``inp`` straight to a live room (tests and tools; runtimes use
+        ``handle``). Unknown rooms are ignored like any message for them."""
+        self._now = now
+        self._out = out = []
+        r = self.rooms.get(room)
+        if r is not None:
+            self._dispatch(r, inp, payload)
+        self._out = []
+        return out
+
     def poll(self, room: int) -> KVPoll:
         r = self.rooms.get(room)
         if r is not None:
