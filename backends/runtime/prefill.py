@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from kvferry.backends.driver import Driver
 from kvferry.backends.runtime.base import EndpointBase, RuntimeConfig, now_ns
+from kvferry.backends.runtime.errortap import ErrorTap
 from kvferry.backends.runtime.loops import Loop
 from kvferry.core.events import AbortRoom, ChunkReady, ReleaseRoom, SenderOpen
 from kvferry.core.geometry import PoolGeometry
@@ -54,7 +55,7 @@ class PrefillEndpoint(EndpointBase):
         self._wake = [threading.Event() for _ in range(n)]
         self.driver = Driver(
             self.engine,
-            self.transport,
+            ErrorTap(self.transport, self.board),
             num_shards=n,
             lock=self.lock,
             on_status=self._on_status,

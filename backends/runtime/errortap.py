@@ -1,0 +1,65 @@
+"""Keeps the original exception of a failed write for the poller.
+
+The shared driver turns a transport exception (or an ERR state) into ``WriteFailed`` with a text
+reason, which fails the room through the core and tells decode; the exception object itself does
+not travel through the core's events. This tap sits between the driver and the transport: when a
+post raises, or a write ends in ERR, it records the exception on the status board for the write's
+room (read from the notification the write carries), so ``failure_exception()`` raises it with
+its original type. It decides nothing and changes no outcome.
+
+Ownership: ``_rooms`` (ticket -> room) is only touched with the driver lock held (every transport
+call of the driver happens under it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvferry.backends.nixl.errors import NixlXferError
+from kvferry.backends.runtime.board import StatusBoard
+from kvferry.backends.transport import XferState
+from kvferry.core.errors import WireError
+from kvferry.core.messages import decode_note
+
+
+class ErrorTap:
+    def __init__(self, inner: Any, board: StatusBoard) -> None:
+        self._inner = inner
+        self._board = board
+        self._rooms: dict[int, tuple[int, str]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _room_of(self, notif: bytes) -> tuple[int, str] | None:
+        try:
+            note = decode_note(notif)
+        except WireError:
+            return None
+        return note.room, note.transfer_id
+
+    def _post(self, fn: Any, notif: bytes, *args: Any) -> Any:
+        key = self._room_of(notif)
+        try:
+            handle = fn(*args)
+        except Exception as exc:
+            if key is not None:
+                self._board.fail(key[0], key[1], exc)
+            raise
+        if key is not None:
+            self._rooms[id(handle)] = key
+        return handle
+
+    def post_write(self, peer: Any, *args: Any) -> Any:
+        return self._post(self._inner.post_write, args[-1], peer, *args)
+
+    def post_aux_write(self, peer: Any, src: int, dst: int, notif: bytes) -> Any:
+        return self._post(self._inner.post_aux_write, notif, peer, src, dst, notif)
+
+    def check_xfer(self, handle: Any) -> XferState:
+        state = self._inner.check_xfer(handle)
+        if state is not XferState.PROC:
+            key = self._rooms.pop(id(handle), None)
+            if state is XferState.ERR and key is not None:
+                self._board.fail(key[0], key[1], NixlXferError(f"write to {handle.peer} ended in ERR"))
+        return state

@@ -1,0 +1,244 @@
+"""Threaded runtime in one process over real NIXL (DRAM): the API, error propagation, shutdown.
+
+The two-process proof is tests/test_nixl_e2e.py; here each case pokes one behaviour: an
+exception keeps its type up to ``failure_exception()``, a NIXL error fails one room (and reaches
+decode as an explicit failure) while the worker goes on, threads join on close.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvferry.backends.nixl.errors import NixlXferError
+from kvferry.backends.runtime import (
+    DecodeEndpoint,
+    EndpointClosedError,
+    KVTransferError,
+    PrefillEndpoint,
+    RuntimeConfig,
+    sender_specs,
+)
+from kvferry.backends.runtime.board import StatusBoard
+from kvferry.backends.runtime.loops import Loop
+from kvferry.core.deadlines import MS, SEC, Timeouts
+from kvferry.core.errors import ProtocolError
+from kvferry.core.geometry import ModelGeometry, PoolGeometry
+from kvferry.core.kvpoll import KVPoll
+from kvferry.sim import pattern
+
+MODEL = ModelGeometry("rt", num_layers=2, num_kv_heads=4, head_dim=8)
+TIMEOUTS = Timeouts(
+    bootstrap_ns=10 * SEC,
+    waiting_ns=10 * SEC,
+    transfer_ns=10 * SEC,
+    heartbeat_interval_ns=200 * MS,
+    heartbeat_timeout_ns=5 * SEC,
+    fence_ns=40 * SEC,
+    tombstone_ns=60 * SEC,
+)
+
+
+@pytest.fixture
+def servers():
+    cfg = RuntimeConfig(num_queues=2, aux_rows=16, timeouts=TIMEOUTS)
+    pre = [PrefillEndpoint("P", PoolGeometry(MODEL, 2, r, 4, 32), config=cfg) for r in range(2)]
+    dec = DecodeEndpoint(
+        "D",
+        PoolGeometry(MODEL, 1, 0, 4, 32),
+        prefill_server="P",
+        prefill_addresses=[p.address for p in pre],
+        config=cfg,
+    )
+    for e in [*pre, dec]:
+        e.start()
+    yield pre, dec
+    for e in [*pre, dec]:
+        assert e.close() == []
+
+
+def _room(pre, dec, room, tid, pages, tokens, chunks, aux=0):
+    rv = dec.receiver(room, tid)
+    rv.init(pages, tokens, aux)
+    senders = []
+    for p in pre:
+        pattern.fill(p.pool, p.transport.region, room, pages, 0, tokens)
+        s = p.sender(room, tid)
+        s.write_aux(aux, room.to_bytes(8, "little"))
+        s.init(aux)
+        senders.append(s)
+    for i, end in enumerate(chunks):
+        for s in senders:
+            s.send(pages, end, is_last=i == len(chunks) - 1)
+    return rv, senders
+
+
+def _settle(rv, senders, timeout_s=20.0):
+    return rv.wait(timeout_s), [s.wait(timeout_s) for s in senders]
+
+
+def test_rooms_succeed_and_tables_empty_after_clear(servers):
+    pre, dec = servers
+    for i in range(6):
+        pages = np.arange(i * 4, i * 4 + 4)
+        rv, senders = _room(pre, dec, 100 + i, f"t{i}", pages, 13, [5, 13], aux=i)
+        assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * 2)
+        assert pattern.mismatches(dec.pool, dec.transport.region, 100 + i, pages, 13)[0] == 0
+        rv.failure_exception()  # no failure: returns quietly
+        rv.clear()
+        for s in senders:
+            s.clear()
+        with pytest.raises(KVTransferError):
+            rv.poll()  # cleared: not tracked any more
+    deadline = time.monotonic() + 10
+    while any(v for e in [*pre, dec] for v in e.leaks().values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(v == 0 for e in [*pre, dec] for v in e.leaks().values())
+    tel = pre[0].transport.agent.telemetry.totals()
+    assert tel.transfers >= 12 and tel.errors == 0 and tel.descs_posted <= tel.descs_requested
+
+
+def test_core_exception_keeps_its_type_and_reaches_decode(servers):
+    pre, dec = servers
+    pages = np.arange(8)
+    # The chunk claims more tokens than decode allocated: the core's worker step raises.
+    rv, senders = _room(pre, dec, 7, "bad", pages, 10, [20])
+    assert _settle(rv, senders) == (KVPoll.Failed, [KVPoll.Failed] * 2)
+    with pytest.raises(ProtocolError, match="past decode's 10"):
+        senders[0].failure_exception()
+    with pytest.raises(KVTransferError, match="failed on P#"):
+        rv.failure_exception()
+
+
+def test_nixl_error_fails_one_room_worker_survives(servers, monkeypatch):
+    pre, dec = servers
+    real = pre[1].transport.post_write
+    bad_room = 42
+    calls = {"n": 0}
+
+    def flaky(peer, *args):
+        calls["n"] += 1
+        if calls["n"] == 1:  # the first post of this rank (room 42's only chunk)
+            raise NixlXferError("injected: NIXL_ERR_BACKEND")
+        return real(peer, *args)
+
+    monkeypatch.setattr(pre[1].transport, "post_write", flaky)
+    rv, senders = _room(pre, dec, bad_room, "x", np.arange(4), 8, [8])
+    assert _settle(rv, senders)[0] is KVPoll.Failed
+    assert senders[1].poll() is KVPoll.Failed
+    with pytest.raises(NixlXferError, match="injected"):
+        senders[1].failure_exception()  # the original exception, not a text reason
+    with pytest.raises(KVTransferError, match="failed on P#1"):
+        rv.failure_exception()  # explicit failure from prefill, not a decode timeout
+    # Same workers, next room: fine.
+    rv2, senders2 = _room(pre, dec, 43, "y", np.arange(4, 8), 8, [4, 8], aux=1)
+    assert _settle(rv2, senders2) == (KVPoll.Success, [KVPoll.Success] * 2)
+    assert all(lp.thread.is_alive() for lp in pre[1]._loops)
+
+
+def test_worker_exception_outside_core_keeps_type(servers, monkeypatch):
+    pre, dec = servers
+
+    class Boom(RuntimeError):
+        pass
+
+    real = pre[0].driver.worker_step
+    fired = threading.Event()
+
+    def broken(shard, now):
+        if not fired.is_set():
+            fired.set()
+            pre[0].driver.queues[shard].popleft()  # the chunk is consumed, then the bug hits
+            raise Boom("worker bug")
+        return real(shard, now)
+
+    monkeypatch.setattr(pre[0].driver, "worker_step", broken)
+    rv, senders = _room(pre, dec, 9, "b", np.arange(4), 8, [8])
+    assert _settle(rv, senders)[0] is KVPoll.Failed
+    assert senders[0].poll() is KVPoll.Failed
+    with pytest.raises(Boom):
+        senders[0].failure_exception()
+    assert any(isinstance(e, Boom) for e in pre[0].errors)
+    rv2, senders2 = _room(pre, dec, 10, "c", np.arange(4, 8), 8, [8], aux=1)
+    assert _settle(rv2, senders2) == (KVPoll.Success, [KVPoll.Success] * 2)
+
+
+def test_decode_abort_fails_both_sides_and_fences_pages(servers):
+    pre, dec = servers
+    freed = []
+    dec.on_free_pages = lambda room, tid: freed.append(room)
+    rv = dec.receiver(11, "a")
+    rv.init(np.arange(4), 8, 0)
+    senders = [p.sender(11, "a") for p in pre]
+    for s in senders:
+        s.init(0)
+    rv.abort("test")
+    assert _settle(rv, senders) == (KVPoll.Failed, [KVPoll.Failed] * 2)
+    deadline = time.monotonic() + 10
+    while not rv.pages_freed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rv.pages_freed() and freed == [11]  # every sender confirmed Stopped
+
+
+def test_closed_endpoint_refuses_calls():
+    cfg = RuntimeConfig(num_queues=1, aux_rows=4)
+    ep = PrefillEndpoint("P", PoolGeometry(MODEL, 1, 0, 4, 4), config=cfg)
+    with pytest.raises(EndpointClosedError):
+        ep.sender(1, "t")  # not started
+    ep.start()
+    s = ep.sender(1, "t")
+    assert ep.close() == []
+    assert not any(lp.thread.is_alive() for lp in ep._loops)
+    with pytest.raises(EndpointClosedError):
+        s.init(0)
+    assert ep.close() == []  # idempotent
+
+
+def test_sender_specs_one_aux_carrier():
+    for ptp, dtp in [(2, 1), (1, 2), (4, 2), (8, 8)]:
+        for d in range(dtp):
+            specs = sender_specs(PoolGeometry(ModelGeometry.preset("qwen3-8b"), dtp, d, 16, 4), "P", ptp)
+            assert sum(s.send_aux for s in specs) == 1
+            assert all(not (s.send_aux and s.dummy) for s in specs)
+
+
+def test_loop_survives_step_exceptions():
+    errors: list[BaseException] = []
+    n = {"i": 0}
+
+    def step():
+        n["i"] += 1
+        if n["i"] % 2:
+            raise ValueError(n["i"])
+        return n["i"] < 20
+
+    loop = Loop("t", step, errors.append)
+    loop.start()
+    deadline = time.monotonic() + 5
+    while n["i"] < 20 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    loop.stop()
+    assert loop.join(5)
+    assert n["i"] >= 20 and all(isinstance(e, ValueError) for e in errors) and len(errors) >= 10
+
+
+@settings(max_examples=50)
+@given(st.lists(st.sampled_from(list(KVPoll)), max_size=12))
+def test_board_status_monotone_failed_sticks(seq):
+    board = StatusBoard()
+    board.track(1, "t")
+    seen = [KVPoll.Bootstrapping]
+    for s in seq:
+        board.update(1, "t", s, reason=f"r{s}")
+        seen.append(board.get(1, "t").status)
+    for a, b in itertools.pairwise(seen):
+        assert b is KVPoll.Failed or (a is not KVPoll.Failed and b >= a)
+        if a is KVPoll.Failed:
+            assert b is KVPoll.Failed
+    if KVPoll.Failed in seq:
+        assert board.get(1, "t").reason == "r0"  # the first failure's reason is kept
