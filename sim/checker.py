@@ -63,11 +63,8 @@ def _conservation(w: World) -> None:
             f"{len(w.requests)} rooms submitted, {ok} succeeded, {failed} failed, "
             f"{open_} never reached an outcome",
         )
-    for r in w.requests:
-        if r.outcome == "success" and any(
-            r.status.get(f"decode{d}") is not KVPoll.Success for d in range(w.D)
-        ):
-            w.violate("conservation", f"room {r.key} counted as success but a decode rank is not Success", r)
+    # A room's outcome is decided when every decode rank is terminal; a later Failed (a peer's
+    # RoomFailed after release, allowed since Failed overrides) does not un-deliver its bytes.
     st = w.fabric.stats
     inflight = w.fabric.in_flight()
     if st.posts != st.transfers_done + st.transfers_err + inflight or inflight:

@@ -29,6 +29,9 @@ class Event:
         return default
 
 
+_PLAIN = frozenset((int, str, bool, type(None)))
+
+
 def _canon(v: Any) -> str:
     # repr of ints, strings, tuples and enums is stable; anything else would make the hash
     # depend on object identity, so refuse it loudly.
@@ -53,7 +56,13 @@ class Trace:
     def record(self, kind: str, node: str, **attrs: Any) -> None:
         t = int(self._clock())
         items = tuple(sorted(attrs.items()))
-        self._hash.update(f"{t}|{node}|{kind}|{';'.join(f'{k}={_canon(v)}' for k, v in items)}\n".encode())
+        # repr of tuples of ints, strings and None is stable across runs and platforms; the
+        # slow canonical form is only needed for other types.
+        if all(type(v) in _PLAIN for _k, v in items):
+            text = f"{t}|{node}|{kind}|{items!r}\n"
+        else:
+            text = f"{t}|{node}|{kind}|{';'.join(f'{k}={_canon(v)}' for k, v in items)}\n"
+        self._hash.update(text.encode())
         self.count += 1
         if self.keep or self.listeners:
             ev = Event(t, node, kind, items)

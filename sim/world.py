@@ -138,6 +138,10 @@ class World:
         self.by_room: dict[int, Request] = {}
         self.violations: list[Violation] = []
         self.awaiting_prefill: set[int] = set()
+        self._admit_next = 0  # admission tickets, in arrival order
+        self._admit_now = 0
+        self._memory_changed = self.env.event()
+        self._turns: dict[int, simpy.Event] = {}
         self.status_log: dict[tuple[str, int, int, str], KVPoll] = {}
         self.rooms_started = 0
         self.phase = "faults"
@@ -253,16 +257,24 @@ class World:
         t = s.topology
         n_dec = -(-req.spec.tokens // t.decode_page_size)
         n_pre = -(-req.spec.tokens // t.prefill_page_size)
-        # Wait for memory like a real scheduler would (the queue is not part of what we test).
-        while True:
-            if (
-                self.dec_alloc.used + n_dec <= t.decode_pages
-                and self.pre_alloc.used + n_pre <= t.prefill_pages
-                and self.dec_aux.used < t.aux_rows
-                and self.pre_aux.used < t.aux_rows
-            ):
-                break
-            yield env.timeout(100 * US)
+        # Wait for memory like a real scheduler would, first come first served: a request waits
+        # until the ones that arrived before it got their memory and enough is free for it.
+        ticket = self._admit_next
+        self._admit_next += 1
+        if ticket != self._admit_now:
+            ev = self._turns[ticket] = env.event()
+            yield ev
+        while not (
+            self.dec_alloc.used + n_dec <= t.decode_pages
+            and self.pre_alloc.used + n_pre <= t.prefill_pages
+            and self.dec_aux.used < t.aux_rows
+            and self.pre_aux.used < t.aux_rows
+        ):
+            yield self._memory_changed  # only the head of the line waits here
+        self._admit_now += 1
+        nxt = self._turns.pop(self._admit_now, None)
+        if nxt is not None:
+            nxt.succeed()
         req.dec_pages = self.dec_alloc.alloc(n_dec, req.key)
         req.pre_pages = self.pre_alloc.alloc(n_pre, req.key)
         req.dec_aux = self.dec_aux.alloc(1, req.key)
@@ -436,6 +448,12 @@ class World:
         req.pre_pages_freed = True
         self.pre_alloc.free(req.pre_pages, req.key)
         self.pre_aux.free(req.pre_aux, req.key)
+        self._memory_event()
+
+    def _memory_event(self) -> None:
+        """Wake the requests waiting for memory (admission order is kept by their tickets)."""
+        ev, self._memory_changed = self._memory_changed, self.env.event()
+        ev.succeed()
 
     def _free_dec_pages(self, req: Request) -> None:
         if req.dec_pages_freed:
@@ -443,6 +461,7 @@ class World:
         req.dec_pages_freed = True
         self.dec_alloc.free(req.dec_pages, req.key)
         self.dec_aux.free(req.dec_aux, req.key)
+        self._memory_event()
 
     def _verify(self, req: Request) -> None:
         bad_total = 0

@@ -63,6 +63,8 @@ class SimRank:
             on_enqueue=self._wake_worker,
         )
         self._work = [env.event() for _ in range(workers)]
+        self._sleep_until: int | None = None
+        self._kicked = False
         self._resolved = env.event()
         env.process(self._main())
         for i in range(workers):
@@ -76,6 +78,14 @@ class SimRank:
         """Hand one local event (open, chunk ready, abort, release) to the engine."""
         if not self.dead:
             self.driver.feed(event, self.now())
+            self._rearm()
+
+    def _rearm(self) -> None:
+        """A local event may have set an earlier deadline than the one the main loop sleeps to."""
+        dl = self.driver.next_deadline()
+        if dl is not None and (self._sleep_until is None or dl < self._sleep_until) and not self._kicked:
+            self._kicked = True
+            self.fabric.wake(self.node, ("kick",))
 
     @property
     def pending(self) -> dict[int, Any]:
@@ -99,6 +109,8 @@ class SimRank:
         get = inbox.get()
         while True:
             dl = self.driver.next_deadline()
+            self._sleep_until = dl
+            self._kicked = False
             if dl is None:
                 yield get
             else:
@@ -125,6 +137,7 @@ class SimRank:
             chunk = q[0]
             self.record("chunk_begin", self.node, worker=i, room=chunk.room, chunk=chunk.chunk_index)
             wait = self.driver.worker_step(i, self.now()) or ()
+            self._rearm()
             while wait and not self.dead and self.driver.writes_pending(wait):
                 yield self._resolved
             if self.dead:

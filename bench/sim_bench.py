@@ -1,0 +1,121 @@
+"""Simulator throughput: a 10,000-room replay, simulated transfers per wall second, fuzz seeds/minute.
+
+Run: ``uv run python bench/sim_bench.py [--rooms 10000] [--seeds 60]`` (one core, no GPU).
+
+Baseline measured in the same run: a bare SimPy process doing timeouts, i.e. the fastest a SimPy
+world can advance. The simulator's cost is shown as trace events per second and as the ratio of
+its per-event wall time to that bare timeout (how many bare timeouts one simulated event costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+import simpy
+from kvferry.sim import scenario as sc
+from kvferry.sim.campaign import campaign, run_one
+
+
+def bare_simpy_rate(n: int = 300_000) -> float:
+    env = simpy.Environment()
+
+    def proc():  # type: ignore[no-untyped-def]
+        for _ in range(n):
+            yield env.timeout(1)
+
+    env.process(proc())
+    t0 = time.perf_counter()
+    env.run()
+    return n / (time.perf_counter() - t0)
+
+
+def big_scenario(rooms: int) -> sc.Scenario:
+    return sc.Scenario(
+        name=f"bench-{rooms}",
+        description=f"{rooms} rooms, prefill TP2 -> decode TP2, chunked, no faults",
+        seed=1,
+        model=sc.ModelSpec(name="sim-tiny", num_layers=2, num_kv_heads=8, head_dim=8),
+        topology=sc.Topology(prefill_tp=2, decode_tp=2, prefill_pages=4096, decode_pages=4096, workers=4),
+        workload=sc.Workload(
+            rooms=rooms, tokens_min=16, tokens_max=128, chunk_tokens=64, arrival_mean_us=400
+        ),
+        phases=sc.Phases(fault_window_us=0, liveness_us=300_000),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rooms", type=int, default=10_000)
+    ap.add_argument("--seeds", type=int, default=60)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    base = bare_simpy_rate()
+    s = big_scenario(args.rooms)
+    t0 = time.perf_counter()
+    res, _w = run_one(s)
+    big_wall = time.perf_counter() - t0
+    assert not res.violations, res.violations[:3]
+    ev_rate = res.events / big_wall
+
+    # Same deployment with swarm faults on, as the campaign runs it.
+    faulty = replace(
+        big_scenario(min(args.rooms, 2000)),
+        faults=sc.Faults(swarm=True),
+        phases=sc.Phases(fault_window_us=200_000),
+    )
+    t0 = time.perf_counter()
+    fres, _ = run_one(faulty)
+    faulty_wall = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    n_rooms = sum(r.rooms for r in campaign(range(args.seeds)))
+    fuzz_wall = time.perf_counter() - t0
+
+    out = {
+        "bare_simpy_timeouts_per_s": round(base),
+        "replay_rooms": res.rooms,
+        "replay_succeeded": res.succeeded,
+        "replay_wall_s": round(big_wall, 2),
+        "replay_simulated_s": res.sim_ns / 1e9,
+        "replay_transfers": res.transfers,
+        "transfers_per_wall_s": round(res.transfers / big_wall),
+        "rooms_per_wall_s": round(res.rooms / big_wall),
+        "trace_events_per_wall_s": round(ev_rate),
+        "cost_per_event_in_bare_timeouts": round(base / ev_rate, 2),
+        "faulty_rooms": fres.rooms,
+        "faulty_wall_s": round(faulty_wall, 2),
+        "faulty_transfers_per_wall_s": round(fres.transfers / faulty_wall),
+        "fuzz_seeds": args.seeds,
+        "fuzz_rooms": n_rooms,
+        "fuzz_seeds_per_minute_one_core": round(args.seeds / fuzz_wall * 60, 1),
+    }
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"bare SimPy baseline: {out['bare_simpy_timeouts_per_s']:,} timeouts/s")
+    print(
+        f"{res.rooms}-room replay (no faults): {big_wall:.2f} s wall for {res.sim_ns / 1e9:.3f} s simulated, "
+        f"{res.succeeded} succeeded, target < 30 s"
+    )
+    print(
+        f"  {out['transfers_per_wall_s']:,} simulated transfers per wall second, "
+        f"{out['rooms_per_wall_s']:,} rooms/s, {out['trace_events_per_wall_s']:,} trace events/s "
+        f"= one event costs {out['cost_per_event_in_bare_timeouts']} bare SimPy timeouts"
+    )
+    print(
+        f"{fres.rooms}-room replay with swarm faults: {faulty_wall:.2f} s wall, "
+        f"{out['faulty_transfers_per_wall_s']:,} transfers/s"
+    )
+    print(
+        f"kvferry fuzz (drawn deployments, swarm faults): {args.seeds} seeds, {n_rooms} rooms "
+        f"in {fuzz_wall:.1f} s "
+        f"= {out['fuzz_seeds_per_minute_one_core']} seeds/minute on one core"
+    )
+
+
+if __name__ == "__main__":
+    main()

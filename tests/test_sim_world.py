@@ -1,0 +1,153 @@
+"""Whole simulated runs: outcomes, determinism, the shipped scenarios, and checkers that can fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from kvferry.core.kvpoll import KVPoll
+from kvferry.sim import scenario as sc
+from kvferry.sim.campaign import campaign, fuzz_scenario, run_one, save_failure
+from kvferry.sim.world import World
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((ROOT / "scenarios").glob("*.toml"))
+REGRESSIONS = sorted((ROOT / "tests" / "scenarios").glob("*.toml"))
+
+
+def test_quickstart_all_rooms_succeed_with_verified_bytes() -> None:
+    res, w = run_one(sc.load(ROOT / "scenarios" / "quickstart.toml"))
+    assert res.violations == []
+    assert res.succeeded == res.rooms == 24
+    assert all(r.verified_bad == 0 for r in w.requests)
+    # The pattern really reached decode memory: a verified room is not all zeros.
+    r0 = w.requests[0]
+    dec = w.ranks["decode0"].transport
+    assert dec.region(0)[int(r0.dec_pages[0]) * w.dec_pools[0].page_bytes :][:64].any() or r0.dec_pages_freed
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_shipped_scenarios_hold_every_invariant(path: Path) -> None:
+    res, _w = run_one(sc.load(path))
+    assert res.violations == [], res.violations[:3]
+    assert res.succeeded > 0
+    assert res.succeeded + res.failed == res.rooms
+
+
+def _regression_params() -> list:
+    out = []
+    for p in REGRESSIONS:
+        marks = ()
+        if p.stem.startswith("known-bug-"):
+            # A real bug the campaign found in code this suite does not own; the file's header
+            # says what and where. Strict: once fixed this XPASSes and fails, so the file is renamed.
+            marks = (pytest.mark.xfail(strict=True, reason=f"known bug, see {p.name}"),)
+        out.append(pytest.param(p, id=p.stem, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("path", _regression_params())
+def test_regression_scenarios_reproduce_exactly_their_expectation(path: Path) -> None:
+    s = sc.load(path)
+    res, _ = run_one(s)
+    assert set(res.violated()) == set(s.expect_violations), res.violations[:3]
+
+
+def test_crash_and_restart_fails_rooms_on_both_sides_and_recovers() -> None:
+    res, w = run_one(sc.load(ROOT / "scenarios" / "crash-and-restart.toml"))
+    assert res.faults.get("crash") == 2
+    crashed = [r for r in w.requests if r.reason.get("decode1") == "node crashed"]
+    assert crashed, "some room must have been live on decode1 when it crashed"
+    for r in crashed:
+        assert r.outcome == "failed"
+        # The prefill side of such a room reached Failed too (told, or timed out), not stuck.
+        assert all(r.status.get(f"prefill{p}") is KVPoll.Failed for p in range(w.P)), r.status
+    late = [r for r in w.requests if r.arrival_ns > 12_000_000]
+    assert late and all(r.outcome == "success" for r in late)
+
+
+def test_same_seed_same_trace_hash_and_different_seed_differs() -> None:
+    s = fuzz_scenario(17)
+    a, _ = run_one(s)
+    b, _ = run_one(s)
+    c, _ = run_one(fuzz_scenario(18))
+    assert a.digest == b.digest and a.events == b.events
+    assert a.digest != c.digest
+
+
+def test_trace_hash_does_not_depend_on_python_hash_seed() -> None:
+    code = (
+        "from kvferry.sim.campaign import fuzz_scenario, run_one;"
+        "print(' '.join(run_one(fuzz_scenario(s))[0].digest for s in (3, 4, 5)))"
+    )
+    outs = set()
+    for hs in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hs}
+        outs.add(
+            subprocess.run(
+                [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+            ).stdout
+        )
+    assert len(outs) == 1
+
+
+def test_swarm_runs_differ_in_kind() -> None:
+    kinds = [frozenset(r.faults) for r in campaign(range(12))]
+    assert len(set(kinds)) > 3
+
+
+@pytest.mark.parametrize(
+    ("hook", "invariant"),
+    [
+        ("free_pages_early", "ownership"),
+        ("chunk_offset_own_length", "bytes"),
+        ("keep_room_tables", "tables_empty"),
+    ],
+)
+def test_campaign_catches_planted_bug_with_a_replayable_seed(
+    hook: str, invariant: str, tmp_path: Path
+) -> None:
+    failing = [r for r in campaign(range(12), hooks=(hook,)) if r.violations]
+    assert failing, f"planted {hook} went unnoticed"
+    assert any(invariant in r.violated() for r in failing)
+    first = failing[0]
+    path = save_failure(first, tmp_path)
+    s = sc.load(path)
+    assert s.seed == first.seed and hook in s.hooks and not s.faults.swarm
+    again, _ = run_one(s)
+    assert again.digest == first.digest
+    assert again.violated() == first.violated()
+    # Without the planted bug the same run is clean.
+    clean, _ = run_one(replace(s, hooks=(), expect_violations=()))
+    assert clean.violations == []
+
+
+def test_failed_room_pages_wait_for_the_fence() -> None:
+    # A decode room aborted while writes may be in flight: pages return only on FreePages.
+    s = sc.parse(tomllib.loads((ROOT / "scenarios" / "quickstart.toml").read_text()))
+    s = replace(s, faults=replace(s.faults, abort=0.5))
+    w = World(s, seed=4)
+    w.run()
+    aborted = [r for r in w.requests if r.outcome == "failed"]
+    assert aborted
+    assert all(r.dec_pages_freed and "decode0" in r.freed for r in aborted)
+    assert w.violations == []
+
+
+def test_chrome_trace_has_tracks_per_node_and_worker(tmp_path: Path) -> None:
+    from kvferry.sim import chrome
+
+    res, w = run_one(sc.load(ROOT / "scenarios" / "quickstart.toml"), keep_trace=True)
+    out = tmp_path / "t.json"
+    chrome.write(w.trace.events, out)
+    doc = json.loads(out.read_text())
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
+    assert {"prefill0", "prefill1", "decode0", "worker 0", "worker 1", "nic", "rooms"} <= names
+    spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len([e for e in spans if e["cat"] == "xfer_done"]) == res.transfers - res.transfers_err
