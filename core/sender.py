@@ -381,8 +381,18 @@ class SenderEngine:
                 self._dispatch(r, SIn.PEER_READY, msg.src)
 
     def _on_info(self, msg: m.TransferInfo) -> None:
-        if self.tombstones.get(msg.room, msg.transfer_id) is not None:
+        status = self.tombstones.get(msg.room, msg.transfer_id)
+        if status is not None:
             self.counters["tombstoned"] += 1
+            if status is KVPoll.Failed:
+                # A decode rank that joins after we failed and forgot the room must still hear it,
+                # or it would wait for our chunks until its deadline and then disagree with us.
+                room, tid = msg.room, msg.transfer_id
+                self._send(
+                    msg.src,
+                    m.RoomFailed(src=self.endpoint, room=room, transfer_id=tid, reason="failed earlier"),
+                )
+                self._send(msg.src, m.Stopped(src=self.endpoint, room=room, transfer_id=tid))
             return
         r = self.rooms.get(msg.room)
         if r is None:

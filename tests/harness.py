@@ -105,6 +105,7 @@ class MemFabric:
         self.states: dict[int, XferState] = {}
         self._next_handle = 1
         self.on_land: Any = None  # callback(write, note) before the bytes are copied
+        self.copy = True
 
     def post(self, w: PendingWrite) -> int:
         self.writes.append(w)
@@ -122,15 +123,15 @@ class MemFabric:
         if self.on_land is not None:
             self.on_land(w, note)
         src, dst = self.transports[w.src], self.transports[w.dst]
-        if w.descs is not None:
+        if w.descs is not None and self.copy:
             sr, so, dr, do, ln = w.descs
             for k in range(len(ln)):
                 n = int(ln[k])
                 dst.regions[int(dr[k])][int(do[k]) : int(do[k]) + n] = src.regions[int(sr[k])][
                     int(so[k]) : int(so[k]) + n
                 ]
-        else:
-            s, d = w.aux  # type: ignore[misc]
+        elif w.aux is not None:  # the aux row moves even when KV bytes are not copied
+            s, d = w.aux
             dst.aux[d] = src.aux[s]
         self.states[w.handle] = XferState.DONE
         self.pending.append(PendingMsg(w.src, w.dst, w.notif, self.now, note=True))
@@ -156,11 +157,15 @@ class MemFabric:
 class MemTransport:
     """``backends.transport.Transport`` over numpy arrays and Python lists."""
 
-    def __init__(self, fabric: MemFabric, endpoint: m.Endpoint, pool: PoolGeometry, fill: int) -> None:
+    def __init__(
+        self, fabric: MemFabric, endpoint: m.Endpoint, pool: PoolGeometry, fill: int, memory: bool = True
+    ) -> None:
         self.fabric = fabric
         self._endpoint = endpoint
         self.pool = pool
-        self.regions: dict[int, np.ndarray] = refmodel.garbage(pool, fill)
+        # memory=False (benchmarks): bounds are still checked, nothing is allocated or copied.
+        self.sizes = {r.region_id: r.nbytes for r in pool.regions}
+        self.regions: dict[int, np.ndarray] = refmodel.garbage(pool, fill) if memory else {}
         self.aux = np.zeros((AUX_ROWS, AUX_ROW_BYTES), dtype=np.uint8)
         self.peers: dict[m.Endpoint, m.Register] = {}
         self.inbox: list[bytes] = []
@@ -187,9 +192,7 @@ class MemTransport:
             agent_name=self.agent_name,
             agent_meta=self.agent_metadata(),
             geometry=m.GeometryWire.from_pool(self.pool),
-            regions=[
-                m.RegionAddr(region_id=r, addr=0, nbytes=len(b)) for r, b in sorted(self.regions.items())
-            ],
+            regions=[m.RegionAddr(region_id=r, addr=0, nbytes=n) for r, n in sorted(self.sizes.items())],
             aux_addr=0,
             aux_row_bytes=AUX_ROW_BYTES,
             aux_rows=AUX_ROWS,
@@ -201,17 +204,18 @@ class MemTransport:
     def drop_peer(self, peer: m.Endpoint) -> None:
         self.peers.pop(peer, None)
 
-    def _check(self, mem: dict[int, np.ndarray], region: np.ndarray, off: np.ndarray, ln: np.ndarray) -> None:
-        for k in range(len(ln)):
-            buf = mem.get(int(region[k]))
-            if buf is None or off[k] < 0 or ln[k] <= 0 or off[k] + ln[k] > len(buf):
-                raise FabricError(f"descriptor {k} ({region[k]}, {off[k]}, {ln[k]}) outside a region")
+    def _check(self, sizes: dict[int, int], region: np.ndarray, off: np.ndarray, ln: np.ndarray) -> None:
+        size = np.array([sizes.get(int(r), -1) for r in region], dtype=np.int64)
+        bad = (size < 0) | (off < 0) | (ln <= 0) | (off + ln > size)
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise FabricError(f"descriptor {k} ({region[k]}, {off[k]}, {ln[k]}) outside a region")
 
     def post_write(self, peer, src_region, src_offset, dst_region, dst_offset, length, notif):  # type: ignore[no-untyped-def]
         if peer not in self.peers:
             raise FabricError(f"peer {peer} not added")
-        self._check(self.regions, src_region, src_offset, length)
-        self._check(self.fabric.transports[peer].regions, dst_region, dst_offset, length)
+        self._check(self.sizes, src_region, src_offset, length)
+        self._check(self.fabric.transports[peer].sizes, dst_region, dst_offset, length)
         h = self.fabric.new_handle()
         descs = (src_region, src_offset, dst_region, dst_offset, length)
         return self.fabric.post(PendingWrite(h, self._endpoint, peer, descs, None, notif, self.fabric.now))
@@ -308,13 +312,16 @@ class World:
         num_shards: int = 2,
         timeouts: Timeouts = TEST_TIMEOUTS,
         seed: int = 0,
+        memory: bool = True,
     ) -> None:
         self.model = model
         self.P, self.D = prefill_tp, decode_tp
         self.timeouts = timeouts
         self.rng = np.random.default_rng(seed)
         self.fabric = MemFabric()
-        self.fabric.on_land = self._on_land
+        self.memory = memory
+        self.fabric.copy = memory
+        self.fabric.on_land = self._on_land if memory else None
         self.violations: list[str] = []
         self.effects: Counter[tuple[Any, ...]] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
@@ -336,14 +343,14 @@ class World:
         self.decode: list[Rank] = []
         for p, pool in enumerate(src_pools):
             ep = m.Endpoint("prefill", p)
-            t = MemTransport(self.fabric, ep, pool, fill=100 + p)
+            t = MemTransport(self.fabric, ep, pool, fill=100 + p, memory=memory)
             eng = SenderEngine(ep, pool, timeouts=timeouts, num_shards=num_shards)
             rank = Rank("prefill", p, ep, pool, t, eng, Driver(eng, t, num_shards=num_shards))
             rank.driver.on_status = self._status_cb(rank)
             self.prefill.append(rank)
         for d, pool in enumerate(dst_pools):
             ep = m.Endpoint("decode", d)
-            t = MemTransport(self.fabric, ep, pool, fill=200 + d)
+            t = MemTransport(self.fabric, ep, pool, fill=200 + d, memory=memory)
             eng = ReceiverEngine(t.registration(), timeouts=timeouts)
             rank = Rank("decode", d, ep, pool, t, eng, Driver(eng, t))
             rank.driver.on_status = self._status_cb(rank)
@@ -367,7 +374,7 @@ class World:
             if cmd.status is KVPoll.Failed and old is not KVPoll.Failed:
                 self.reasons[(rank.side, cmd.reason.split(":")[0])] += 1
             self._check_server_view(rank.side, cmd.room, cmd.transfer_id)
-            if rank.side == "decode" and cmd.status is KVPoll.Success:
+            if rank.side == "decode" and cmd.status is KVPoll.Success and self.memory:
                 self._check_bytes(rank, cmd.room, cmd.transfer_id)
 
         return cb
@@ -498,7 +505,7 @@ class World:
             heads = refmodel.ref_heads(pool.model.num_kv_heads, pool.tp_size, pool.tp_rank)
             hb = refmodel.head_bytes(pool.model)
             pg, tip = sp[tokens // pool.page_size], tokens % pool.page_size
-            for r, buf in rank.transport.regions.items():
+            for r, buf in rank.transport.regions.items():  # empty when memory=False
                 view = refmodel.logical(pool, buf)
                 for j, g in enumerate(heads):
                     view[pg, tip, j, :] = refmodel.pattern(r, tokens + req.salt, g, hb)
