@@ -506,7 +506,14 @@ class World:
         if (own != key).any():
             other = int(own[own != key][0])
             who = "free pages" if other == FREE else f"pages of room {other}"
-            self.violate("ownership", f"write of room {key} from {x.src} landed in {who} on {x.dst}", req)
+            why = ""
+            opened_on = req.inc.get(x.dst) if req is not None else None
+            now_inc = self.fabric.nodes[x.dst].incarnation
+            if opened_on is not None and opened_on != now_inc:
+                why = f" (room opened on {x.dst} incarnation {opened_on}, written into incarnation {now_inc})"
+            self.violate(
+                "ownership", f"write of room {key} from {x.src} landed in {who} on {x.dst}{why}", req
+            )
 
     # --------------------------------------------------------------------------- faults and phases
     def _fault_schedule(self):  # type: ignore[no-untyped-def]
