@@ -425,9 +425,12 @@ class ReceiverEngine:
             return "every sender is a dummy"
         if sum(s.send_aux for s in ev.senders) != 1 or any(s.send_aux and s.dummy for s in ev.senders):
             return "exactly one non-dummy sender must carry the aux row"
-        if pages.ndim != 1 or (pages.size and (pages.min() < 0 or pages.max() >= self.num_pages)):
+        if pages.ndim != 1:
+            return "page ids must be a 1-D array"
+        ids = pages.tolist()  # small arrays: Python beats numpy's per-call overhead here
+        if ids and (min(ids) < 0 or max(ids) >= self.num_pages):
             return f"page ids out of range [0, {self.num_pages})"
-        if np.unique(pages).size != pages.size:
+        if len(set(ids)) != len(ids):
             return "a page is listed twice"
         if not 0 <= ev.num_tokens <= pages.size * self.page_size:
             return f"{ev.num_tokens} tokens do not fit {pages.size} pages of {self.page_size}"

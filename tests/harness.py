@@ -165,6 +165,9 @@ class MemTransport:
         self.pool = pool
         # memory=False (benchmarks): bounds are still checked, nothing is allocated or copied.
         self.sizes = {r.region_id: r.nbytes for r in pool.regions}
+        self.size_of = np.full(max(self.sizes) + 1, -1, dtype=np.int64)
+        for rid, n in self.sizes.items():
+            self.size_of[rid] = n
         self.regions: dict[int, np.ndarray] = refmodel.garbage(pool, fill) if memory else {}
         self.aux = np.zeros((AUX_ROWS, AUX_ROW_BYTES), dtype=np.uint8)
         self.peers: dict[m.Endpoint, m.Register] = {}
@@ -204,8 +207,9 @@ class MemTransport:
     def drop_peer(self, peer: m.Endpoint) -> None:
         self.peers.pop(peer, None)
 
-    def _check(self, sizes: dict[int, int], region: np.ndarray, off: np.ndarray, ln: np.ndarray) -> None:
-        size = np.array([sizes.get(int(r), -1) for r in region], dtype=np.int64)
+    def _check(self, size_of: np.ndarray, region: np.ndarray, off: np.ndarray, ln: np.ndarray) -> None:
+        known = (region >= 0) & (region < len(size_of))
+        size = np.where(known, size_of[np.where(known, region, 0)], -1)
         bad = (size < 0) | (off < 0) | (ln <= 0) | (off + ln > size)
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
@@ -214,8 +218,8 @@ class MemTransport:
     def post_write(self, peer, src_region, src_offset, dst_region, dst_offset, length, notif):  # type: ignore[no-untyped-def]
         if peer not in self.peers:
             raise FabricError(f"peer {peer} not added")
-        self._check(self.sizes, src_region, src_offset, length)
-        self._check(self.fabric.transports[peer].sizes, dst_region, dst_offset, length)
+        self._check(self.size_of, src_region, src_offset, length)
+        self._check(self.fabric.transports[peer].size_of, dst_region, dst_offset, length)
         h = self.fabric.new_handle()
         descs = (src_region, src_offset, dst_region, dst_offset, length)
         return self.fabric.post(PendingWrite(h, self._endpoint, peer, descs, None, notif, self.fabric.now))
