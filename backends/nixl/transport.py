@@ -119,6 +119,7 @@ class NixlTransport:
         sync: str = "rw",
         control: ControlPlane | None = None,
         agent: NixlAgent | None = None,
+        extra_groups: Mapping[str, Sequence[MemRegion]] | None = None,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError("role must be prefill or decode")
@@ -128,6 +129,8 @@ class NixlTransport:
         self.agent = agent or NixlAgent(f"{endpoint.server}-{endpoint.rank}-{_suffix()}", sync=sync)
         self.control = control or ControlPlane(str(endpoint))
         self._buffers = dict(buffers) if buffers is not None else None
+        # More memory to register before the metadata is taken (a benchmark's covering region).
+        self._extra = dict(extra_groups or {})
         self._aux = aux
         self._lock = threading.Lock()
         self._peers: dict[Endpoint, _PeerEntry] = {}
@@ -147,7 +150,7 @@ class NixlTransport:
         return self.agent.name
 
     def agent_metadata(self) -> bytes:
-        kv = [r for r in self.agent.regions() if r.region_id != AUX_REGION_ID]
+        kv = [r for r in self.agent.regions() if r.region_id < AUX_REGION_ID]
         aux = [r for r in self.agent.regions() if r.region_id == AUX_REGION_ID]
         mem, dev = (kv[0].mem, kv[0].dev) if kv else ("DRAM", 0)
         aux_mem, aux_dev = (aux[0].mem, aux[0].dev) if aux else ("DRAM", 0)
@@ -175,6 +178,8 @@ class NixlTransport:
         aux = msgspec.structs.replace(aux, nbytes=aux_rows * aux_row_bytes)
         self.agent.register(kv, group="kv")
         self.agent.register([aux], group="aux")
+        for group, extra in self._extra.items():
+            self.agent.register(list(extra), group=group)
         self.aux_rows, self.aux_row_bytes = aux_rows, aux_row_bytes
         for rid, buf in {**self._buffers, AUX_REGION_ID: self._aux}.items():
             self._views[rid] = _np_view(buf)
@@ -231,6 +236,10 @@ class NixlTransport:
     def has_peer(self, peer: Endpoint) -> bool:
         with self._lock:
             return peer in self._peers
+
+    def peer_agent(self, peer: Endpoint) -> str:
+        """NIXL agent name of a registered peer (for extra lists on the same connection)."""
+        return self._peer(peer).agent
 
     def _peer(self, peer: Endpoint) -> _PeerEntry:
         with self._lock:

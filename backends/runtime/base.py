@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 from kvferry.backends.driver import Driver
+from kvferry.backends.nixl.memory import MemRegion
 from kvferry.backends.nixl.transport import NixlTransport
 from kvferry.backends.runtime.board import StatusBoard
 from kvferry.backends.runtime.errors import EndpointClosedError, KVTransferError
@@ -62,6 +63,7 @@ class EndpointBase:
         buffers: Mapping[int, Any] | None,
         aux: Any | None,
         config: RuntimeConfig,
+        extra_groups: Mapping[str, Sequence[MemRegion]] | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -75,6 +77,7 @@ class EndpointBase:
             aux=aux,
             sync=config.nixl_sync,
             control=control,
+            extra_groups=extra_groups,
         )
         self.transport.register_regions(pool.regions, config.aux_rows, config.aux_row_bytes)
         self.lock = threading.Lock()

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.backends.driver import Driver
+from kvferry.backends.nixl.memory import MemRegion
 from kvferry.backends.runtime.base import EndpointBase, RuntimeConfig, now_ns
 from kvferry.backends.runtime.loops import Loop
 from kvferry.core.events import AbortRoom, ReceiverOpen, ReleaseRoom, SenderSpec
@@ -60,9 +61,10 @@ class DecodeEndpoint(EndpointBase):
         buffers: Mapping[int, Any] | None = None,
         aux: Any | None = None,
         config: RuntimeConfig | None = None,
+        extra_groups: Mapping[str, Sequence[MemRegion]] | None = None,
     ) -> None:
         config = config or RuntimeConfig()
-        super().__init__(server, pool, buffers=buffers, aux=aux, config=config)
+        super().__init__(server, pool, buffers=buffers, aux=aux, config=config, extra_groups=extra_groups)
         self.specs = sender_specs(pool, prefill_server, len(prefill_addresses))
         for rank, address in enumerate(prefill_addresses):
             self.transport.connect(Endpoint(server=prefill_server, rank=rank), address)

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from kvferry.backends.driver import Driver
+from kvferry.backends.nixl.memory import MemRegion
 from kvferry.backends.runtime.base import EndpointBase, RuntimeConfig, now_ns
 from kvferry.backends.runtime.errortap import ErrorTap
 from kvferry.backends.runtime.loops import Loop
@@ -47,9 +48,10 @@ class PrefillEndpoint(EndpointBase):
         buffers: Mapping[int, Any] | None = None,
         aux: Any | None = None,
         config: RuntimeConfig | None = None,
+        extra_groups: Mapping[str, Sequence[MemRegion]] | None = None,
     ) -> None:
         config = config or RuntimeConfig()
-        super().__init__(server, pool, buffers=buffers, aux=aux, config=config)
+        super().__init__(server, pool, buffers=buffers, aux=aux, config=config, extra_groups=extra_groups)
         n = config.num_queues
         self.engine = SenderEngine(self.endpoint, pool, timeouts=config.timeouts, num_shards=n)
         self._wake = [threading.Event() for _ in range(n)]

@@ -6,8 +6,9 @@ import typer
 
 
 def register_all(app: typer.Typer) -> None:
-    from kvferry.commands import plan, sim, version
+    from kvferry.commands import bench, plan, sim, version
 
     version.register(app)
     plan.register(app)
     sim.register(app)
+    bench.register(app)

@@ -1,0 +1,49 @@
+"""``kvferry bench nixl``: kvferry over real NIXL vs a raw single-descriptor WRITE, same processes."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+bench_app = typer.Typer(
+    help="Benchmarks that measure their own baseline in the same run.", no_args_is_help=True
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("nixl")
+def nixl(
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per configuration.")] = False,
+    config: Annotated[
+        list[str] | None, typer.Option("--config", help="Only these configurations, e.g. 'tp1->1 nhd'.")
+    ] = None,
+    rooms: Annotated[int, typer.Option(help="Timed rooms per configuration (0: its default).")] = 0,
+    tokens: Annotated[int, typer.Option(help="Tokens per room (qwen3-8b KV).")] = 4096,
+    chunk_tokens: Annotated[int, typer.Option(help="Tokens per prefill chunk (0: one chunk).")] = 0,
+) -> None:
+    """Two processes on 127.0.0.1 (prefill ranks, one decode rank) move qwen3-8b KV rooms through
+    kvferry's runtime; the same processes then WRITE the same bytes as one NIXL descriptor."""
+    from dataclasses import replace
+
+    from kvferry.backends.runtime.bench import DEFAULT_CONFIGS, run_config
+
+    configs = [c for c in DEFAULT_CONFIGS if not config or c.name in config]
+    if not configs:
+        raise typer.BadParameter(f"unknown configuration; known: {[c.name for c in DEFAULT_CONFIGS]}")
+    for c in configs:
+        r = run_config(replace(c, tokens=tokens, chunk_tokens=chunk_tokens, rooms=rooms or c.rooms))
+        if as_json:
+            typer.echo(json.dumps(r))
+            continue
+        typer.echo(
+            f"{r['config']:<12} {r['tokens']} tokens, {r['room_mb']:.0f} MB/room: "
+            f"kvferry {r['kvferry_gbps']:.2f} GB/s ({r['kvferry_s'] * 1e3:.0f} ms/room), "
+            f"raw 1-descriptor WRITE {r['raw_gbps']:.2f} GB/s ({r['raw_s'] * 1e3:.0f} ms), "
+            f"ratio {r['ratio']:.2f}; {r['descs_requested']} indices -> {r['descs_posted']} posted "
+            f"descriptors per write; bytes {'ok' if r['bytes_ok'] else 'WRONG'}"
+        )
