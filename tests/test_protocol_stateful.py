@@ -219,8 +219,8 @@ class ProtocolMachine(RuleBasedStateMachine):
 
 
 ProtocolMachine.TestCase.settings = settings(
-    max_examples=60,
-    stateful_step_count=40,
+    max_examples=200,
+    stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
