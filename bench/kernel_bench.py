@@ -82,11 +82,13 @@ class Setup:
         self.gpu2 = bufs["gpu2"][:n]
 
     def op(self, kind: str, where: str, backend: str = "triton"):
-        staging = self.pinned if where == "pinned" else self.gpu
+        """where: 'gpu', 'pinned' (zero-copy kernel) or 'pinned_ce' (kernel + copy engine)."""
+        staging = self.gpu if where == "gpu" else self.pinned
+        path = "copy_engine" if where == "pinned_ce" else "zero_copy"
         fn = gather if kind == "gather" else scatter
         return lambda: fn(
-            self.pool, staging, self.layout, self.pages_dev,
-            token_start=0, token_end=self.tokens, head_start=self.head_start, backend=backend,
+            self.pool, staging, self.layout, self.pages_dev, token_start=0, token_end=self.tokens,
+            head_start=self.head_start, backend=backend, pinned_path=path,
         )  # fmt: skip
 
 
@@ -103,6 +105,11 @@ def check(s: Setup) -> str:
     torch.cuda.synchronize()
     if not torch.equal(ref.view(torch.int16), s.pinned.cuda().view(torch.int16)):
         return "pinned gather != gpu gather"
+    s.pinned.fill_(0)
+    s.op("gather", "pinned_ce")()
+    torch.cuda.synchronize()
+    if not torch.equal(ref.view(torch.int16), s.pinned.cuda().view(torch.int16)):
+        return "copy-engine gather != gpu gather"
     # Scatter into a fresh pool, gather back from it: the round trip must reproduce the bytes.
     fresh = KVPool([torch.zeros_like(p) for p in s.pool.planes], s.page_size)
     scatter(
@@ -124,9 +131,20 @@ def bench_one(s: Setup, reps: int, fallback_reps: int) -> dict:
     r["d2d"] = timed(lambda: s.gpu2.copy_(s.gpu), reps)
     r["gather_pinned"] = timed(s.op("gather", "pinned"), reps)
     r["scatter_pinned"] = timed(s.op("scatter", "pinned"), reps)
+    r["gather_pinned_ce"] = timed(s.op("gather", "pinned_ce"), reps)
+    r["scatter_pinned_ce"] = timed(s.op("scatter", "pinned_ce"), reps)
     r["gather_gpu"] = timed(s.op("gather", "gpu"), reps)
     r["scatter_gpu"] = timed(s.op("scatter", "gpu"), reps)
     r["torch_gather_pinned"] = timed(s.op("gather", "pinned", "torch"), fallback_reps, warmup=1)
+    # Host time to validate and launch one call (no waiting): when it exceeds the device time of
+    # a call, back-to-back calls are launch-bound, not bandwidth-bound.
+    op = s.op("gather", "gpu")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        op()
+    r["host_us"] = (time.perf_counter() - t0) / reps * 1e6
+    torch.cuda.synchronize()
     assert n == s.pinned.numel()
     return r
 
@@ -137,20 +155,26 @@ def gbps(r: dict, key: str) -> float:
 
 def print_table(rows: list[dict]) -> None:
     hdr = (
-        "| model | tokens | page | MB | D2H | gather->pinned | % | H2D | scatter<-pinned | % | "
-        "D2D | gather->GPU | % | scatter<-GPU | torch gather->pinned | kernel/torch | check |"
+        "| model | tokens | page | MB | D2H | gather->pinned zero-copy | % | copy-engine | % | H2D | "
+        "scatter<-pinned zero-copy | % | copy-engine | % | D2D | gather->GPU | % | scatter<-GPU | % | "
+        "torch gather->pinned | best/torch | host us/call | GPU us/call | check |"
     )
     print(hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for r in rows:
-        g = {k: gbps(r, k) for k in r if isinstance(r[k], float) and k != "MB"}
+        g = {k: gbps(r, k) for k in r if isinstance(r[k], float) and k not in ("MB", "host_us")}
+        best = max(g["gather_pinned"], g["gather_pinned_ce"])
+
+        def pct(k: str, base: str, g=g) -> str:
+            return f"{g[k]:.1f} | {100 * g[k] / g[base]:.1f}"
+
         print(
             f"| {r['model']} | {r['tokens']} | {r['page_size']} | {r['MB']:.0f} | {g['d2h']:.1f} | "
-            f"{g['gather_pinned']:.1f} | {100 * g['gather_pinned'] / g['d2h']:.1f} | {g['h2d']:.1f} | "
-            f"{g['scatter_pinned']:.1f} | {100 * g['scatter_pinned'] / g['h2d']:.1f} | {g['d2d']:.0f} | "
-            f"{g['gather_gpu']:.0f} | {100 * g['gather_gpu'] / g['d2d']:.1f} | {g['scatter_gpu']:.0f} | "
-            f"{g['torch_gather_pinned']:.2f} | {g['gather_pinned'] / g['torch_gather_pinned']:.1f}x | "
-            f"{r['check']} |"
+            f"{pct('gather_pinned', 'd2h')} | {pct('gather_pinned_ce', 'd2h')} | {g['h2d']:.1f} | "
+            f"{pct('scatter_pinned', 'h2d')} | {pct('scatter_pinned_ce', 'h2d')} | {g['d2d']:.0f} | "
+            f"{pct('gather_gpu', 'd2d')} | {pct('scatter_gpu', 'd2d')} | "
+            f"{g['torch_gather_pinned']:.2f} | {best / g['torch_gather_pinned']:.1f}x | "
+            f"{r['host_us']:.0f} | {r['gather_gpu'] * 1e6:.0f} | {r['check']} |"
         )
 
 
@@ -178,6 +202,64 @@ def sweep(s: Setup, reps: int) -> dict:
     return best
 
 
+def sweep_chunks(s: Setup, reps: int) -> dict:
+    """Copy-engine path: chunk size (scratch = 3 chunks); keeps the fastest for gather+scatter."""
+    from kvferry.backends.kernels import bounce
+
+    results = []
+    for mb in (8, 16, 32, 64, 128):
+        bounce.CHUNK_BYTES = mb << 20
+        tg = timed(s.op("gather", "pinned_ce"), reps, warmup=1)
+        ts = timed(s.op("scatter", "pinned_ce"), reps, warmup=1)
+        print(
+            f"chunks {mb:4d} MB: gather {s.nbytes / 1e9 / tg:6.1f} GB/s  "
+            f"scatter {s.nbytes / 1e9 / ts:6.1f} GB/s",
+            flush=True,
+        )
+        results.append((tg + ts, mb))
+    bounce.CHUNK_BYTES = min(results)[1] << 20
+    return {"chunk_MB": min(results)[1]}
+
+
+def probe(s: Setup, reps: int) -> None:
+    """Where does the PCIe ceiling come from? memcpy whole vs in chunks, alone vs beside a kernel."""
+    n = s.layout.numel
+    mb = s.nbytes / 1e9
+    for chunk_mb in (0, 8, 64):
+        step = n if not chunk_mb else (chunk_mb << 20) // 2
+
+        def d2h(step=step):
+            for i in range(0, n, step):
+                s.pinned[i : i + step].copy_(s.gpu[i : i + step], non_blocking=True)
+
+        def h2d(step=step):
+            for i in range(0, n, step):
+                s.gpu[i : i + step].copy_(s.pinned[i : i + step], non_blocking=True)
+
+        print(
+            f"probe memcpy chunks={chunk_mb or 'whole'} MB: D2H {mb / timed(d2h, reps):.1f} GB/s "
+            f"H2D {mb / timed(h2d, reps):.1f} GB/s",
+            flush=True,
+        )
+    side = torch.cuda.Stream()
+
+    def d2h_beside_kernel():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            s.pinned.copy_(s.gpu, non_blocking=True)
+        s.op("gather", "gpu")()
+        torch.cuda.current_stream().wait_stream(side)
+
+    print(f"probe D2H beside GPU gathers: {mb / timed(d2h_beside_kernel, reps):.1f} GB/s", flush=True)
+    from kvferry.backends.kernels import bounce
+
+    runs = bounce.STATS["runs"]
+    t = timed(s.op("gather", "pinned_ce"), reps)
+    print(
+        f"probe copy-engine gather {mb / t:.1f} GB/s, bounce runs {bounce.STATS['runs'] - runs}", flush=True
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["qwen3-8b", "llama-3.1-70b"])
@@ -186,7 +268,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--fallback-reps", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="tune tile/warps on the first config first")
+    ap.add_argument("--sweep-chunks", action="store_true", help="tune the copy-engine chunk size first")
     ap.add_argument("--sweep-reps", type=int, default=5)
+    ap.add_argument("--probe", action="store_true", help="memcpy variants on the first config, then exit")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -204,9 +288,14 @@ def main() -> int:
     bufs["gpu"].view(torch.int16).random_()
     print(f"buffers: {max_numel * 2 / 1e9:.2f} GB each, {time.time() - t0:.1f}s", flush=True)
     out = {"device": torch.cuda.get_device_name(), "rows": [], "tuning": None}
-    if args.sweep:
+    if args.probe:
+        probe(Setup(models[0], args.tokens[-1], args.page_sizes[0], bufs), args.reps)
+        return 0
+    if args.sweep or args.sweep_chunks:
         s = Setup(models[0], args.tokens[-1], args.page_sizes[0], bufs)
-        out["tuning"] = sweep(s, args.sweep_reps)
+        out["tuning"] = sweep(s, args.sweep_reps) if args.sweep else {}
+        if args.sweep_chunks:
+            out["tuning"].update(sweep_chunks(s, args.sweep_reps))
         print("tuning:", out["tuning"], flush=True)
         del s
     for m in models:

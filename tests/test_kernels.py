@@ -8,6 +8,7 @@ proves the kernels really ran there rather than the torch fallback. On the GPU m
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -172,8 +173,9 @@ TP_CASES = [(8, 4, 2), (8, 2, 4), (4, 4, 4), (2, 8, 2), (2, 2, 8), (4, 8, 16), (
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_hetero_tp_senders_at_head_offsets(heads, ptp, dtp, page_size) -> None:
     """Every decode rank receives the right global heads: each real sender gathers its slice and
-    writes it at its own head offset of the decode rank's head-major buffer; one scatter per
-    decode rank over all its heads. Replicas hold identical KV, so any replica may send."""
+    writes it at its own head offset of the decode rank's head-major buffer; the decode rank
+    scatters all its heads at once (even ranks) or sender by sender (odd ranks). Replicas hold
+    identical KV, so any replica may send."""
     model = ModelGeometry("t", num_layers=2, num_kv_heads=heads, head_dim=4)
     planes_n, hd, n_tok = 2 * model.num_layers, model.head_dim, 37
     rng = np.random.default_rng([heads, ptp, dtp, page_size])
@@ -224,7 +226,15 @@ def test_hetero_tp_senders_at_head_offsets(heads, ptp, dtp, page_size) -> None:
         sl = pages[t // page_size] * page_size + t % page_size
         for p in pool.planes:
             p.view(torch.int16)[torch.from_numpy(sl).to(DEVICE)] = 0x7FC1
-        scatter(pool, buf, buf_lay, pages, token_start=0, token_end=n_tok, head_start=0, backend="triton")
+        if d % 2 == 0:  # one scatter over every sender's heads
+            scatter(pool, buf, buf_lay, pages, token_start=0, token_end=n_tok, head_start=0, backend="triton")
+        else:  # or one per sender, each from its own head offset of the buffer
+            for x in senders:
+                off = x.head_start - dh0
+                sub = buf_lay.sub_heads(off, x.num_heads)
+                scatter(
+                    pool, buf, sub, pages, token_start=0, token_end=n_tok, head_start=off, backend="triton"
+                )
         sync()
         for p in range(planes_n):
             got = pool.planes[p].view(torch.int16).cpu()
@@ -418,13 +428,14 @@ def test_kernel_masks_page_ids_outside_the_pool() -> None:
                 assert set(changed.tolist()) <= {2, 3, 4, 5}  # slots of pages 1 and 2 only
 
 
-def test_core_and_kernel_package_import_without_torch_or_triton() -> None:
+def test_core_and_kernel_package_import_without_torch_or_triton(tmp_path) -> None:
     code = (
         "import sys, kvferry.core.geometry, kvferry.core.staging_layout, kvferry.backends.kernels as k;"
         "k.StagingLayout.head_major(1, 1, 1, 1);"
         "assert 'torch' not in sys.modules and 'triton' not in sys.modules, sorted(sys.modules)"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    # cwd elsewhere: the repo root's kvferry/ folder alone would shadow the installed package.
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tmp_path)
 
 
 @pytest.mark.skipif(
@@ -445,3 +456,71 @@ def test_runs_on_the_given_stream_and_signals_an_event() -> None:
     want = np.full(lay.extent * 2, 0xA5, dtype=np.uint8)
     ref_gather(pool.planes, pages, 16, 0, 4096, 2, lay, want)
     np.testing.assert_array_equal(as_bytes(stg), want)
+
+
+@settings(max_examples=40)
+@given(
+    heads=st.integers(1, 5),
+    planes=st.integers(1, 7),
+    tokens=st.integers(1, 9),
+    hd=st.integers(1, 4),
+    chunk=st.integers(1, 400),
+    fmt=st.sampled_from(["head_major", "plane_major"]),
+)
+def test_copy_engine_chunks_tile_the_buffer(heads, planes, tokens, hd, chunk, fmt) -> None:
+    """Each chunk of the copy-engine path is one contiguous staging range laid out like its scratch
+    slot; together the chunks cover the buffer once, in order."""
+    from kvferry.backends.kernels import bounce
+
+    lay = getattr(StagingLayout, fmt)(heads, planes, tokens, hd, base=3)
+    chunks = bounce.plan_chunks(lay, tokens, hd * 2, chunk)
+    assert chunks is not None
+    covered = np.zeros(lay.extent, dtype=np.int64)
+    pos = lay.base
+    for h0, nh, p0, npl in chunks:
+        sub = bounce.chunk_layout(lay, nh, npl)
+        e0 = lay.base + h0 * lay.stride_head + p0 * lay.stride_plane
+        assert e0 == pos
+        n = nh * npl * tokens * hd
+        # every row of the chunk sits at the same offset in scratch as in the staging range
+        for h, p, t in itertools.product(range(nh), range(npl), range(tokens)):
+            parent = (
+                lay.base + (h0 + h) * lay.stride_head + (p0 + p) * lay.stride_plane + t * lay.stride_token
+            )
+            child = h * sub.stride_head + p * sub.stride_plane + t * sub.stride_token
+            assert parent - e0 == child and child + hd <= n
+        covered[e0 : e0 + n] += 1
+        pos += n
+    assert (covered[lay.base :] == 1).all() and pos == lay.extent
+    assert bounce.plan_chunks(lay, tokens - 1, hd * 2, chunk) is None if tokens > 1 else True
+    gappy = StagingLayout(heads, planes, tokens, hd, hd + 1, (hd + 1) * heads * tokens, (hd + 1) * heads)
+    assert bounce.plan_chunks(gappy, tokens, hd * 2, chunk) is None
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the copy-engine path needs a GPU (KVFERRY_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("fmt", ["head_major", "plane_major"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e5m2, torch.float32], ids=str)
+def test_copy_engine_path_equals_zero_copy(fmt, dtype, monkeypatch) -> None:
+    from kvferry.backends.kernels import bounce
+
+    monkeypatch.setattr(bounce, "CHUNK_BYTES", 3000)  # many chunks: scratch slots get reused
+    planes = rand_planes(6, 512, 4, 16, dtype, seed=4)
+    pool = KVPool(planes, 16)
+    pages = make_pages(np.random.default_rng(2), 32, 20)
+    lay = getattr(StagingLayout, fmt)(3, 6, 300, 16)
+    a = staging_buffer(lay.extent, dtype, "pinned")
+    b = staging_buffer(lay.extent, dtype, "pinned", fill=0)
+    gather(pool, a, lay, pages, token_start=5, token_end=305, head_start=1)
+    chunks = bounce.STATS["chunks"]
+    ev = gather(pool, b, lay, pages, token_start=5, token_end=305, head_start=1, pinned_path="copy_engine")
+    assert bounce.STATS["chunks"] - chunks > 3
+    ev.synchronize()
+    sync()
+    np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+    dst = KVPool([torch.zeros_like(p) for p in planes], 16)
+    ev = scatter(dst, b, lay, pages, token_start=5, token_end=305, head_start=1, pinned_path="copy_engine")
+    ev.synchronize()
+    c = staging_buffer(lay.extent, dtype, "gpu", fill=0)
+    gather(dst, c, lay, pages, token_start=5, token_end=305, head_start=1)
+    sync()
+    np.testing.assert_array_equal(as_bytes(a), as_bytes(c))

@@ -27,6 +27,8 @@ from kvferry.backends.kernels.errors import DTypeWidthError, KernelArgError, Ker
 from kvferry.backends.kernels.layout import StagingLayout
 
 Backend = Literal["auto", "triton", "torch"]
+# How a kernel reaches pinned staging: SM loads/stores over PCIe, or GPU scratch + copy engine.
+PinnedPath = Literal["zero_copy", "copy_engine"]
 
 # Integer type of each element width: the byte-exact view of any dtype of that width.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -124,7 +126,6 @@ class _Call:
     head_start: int
     layout: StagingLayout
     staging: torch.Tensor
-    word_bytes: int
 
 
 def _check_pages_host(pages: np.ndarray, p0: int, p1: int, num_pages: int, unique: bool) -> np.ndarray:
@@ -220,44 +221,62 @@ def _validate(
         layout.stride_token,
         layout.base + staging_token_offset * layout.stride_token,
     )
-    isz = pool.itemsize
-    word = _MAX_WORD
+    return _Call(n_tokens, rel_start, pages_dev, ps, num_pages, head_start, layout, staging)
+
+
+def _word_bytes(pool: KVPool, staging: torch.Tensor, lay: StagingLayout) -> int:
+    """Widest word (up to 4 bytes) that every row start and row length is a multiple of."""
+    isz, word = pool.itemsize, _MAX_WORD
     for nbytes in (
         pool.head_dim * isz,
         pool.addr_align,
         staging.data_ptr(),
-        layout.base * isz,
-        layout.stride_head * isz,
-        layout.stride_plane * isz,
-        layout.stride_token * isz,
+        lay.base * isz,
+        lay.stride_head * isz,
+        lay.stride_plane * isz,
+        lay.stride_token * isz,
     ):
         word = min(word, _lowbit(nbytes))
-    return _Call(n_tokens, rel_start, pages_dev, ps, num_pages, head_start, layout, staging, max(word, 1))
+    return max(word, 1)
 
 
-def _run_triton(kind: str, pool: KVPool, c: _Call) -> None:
+def _run_triton(
+    kind: str,
+    pool: KVPool,
+    c: _Call,
+    *,
+    planes: tuple[int, int] | None = None,
+    head_start: int | None = None,
+    layout: StagingLayout | None = None,
+    staging: torch.Tensor | None = None,
+) -> None:
+    """One launch; the keywords narrow it to planes ``[p0, p0 + n)`` and another staging target
+    (the copy-engine path's chunks)."""
     from kvferry.backends.kernels import triton_gather_scatter as tk
 
-    isz, wb, lay = pool.itemsize, c.word_bytes, c.layout
-    flat = c.staging.reshape(-1).view(torch.uint8)[: lay.extent * isz].view(_INT_OF_WIDTH[wb])
-    f = isz // wb if isz >= wb else None
+    lay = layout or c.layout
+    staging = c.staging if staging is None else staging
+    p0, n_planes = planes or (0, pool.num_planes)
+    isz = pool.itemsize
+    wb = _word_bytes(pool, staging, lay)
+    flat = staging.reshape(-1).view(torch.uint8)[: lay.extent * isz].view(_INT_OF_WIDTH[wb])
 
     # All sizes in words: every one is a whole number of words by the choice of word size.
     def w(n_elems: int) -> int:
-        return n_elems * f if f else n_elems * isz // wb
+        return n_elems * isz // wb
 
     tk.launch(
         kind,
-        pool.table,
+        pool.table[p0 : p0 + n_planes],
         c.pages_dev,
         flat,
-        num_planes=pool.num_planes,
+        num_planes=n_planes,
         n_tokens=c.n_tokens,
         token_start=c.token_start,
         page_size=c.page_size,
         num_pages=c.num_pages,
         slot_stride=w(pool.num_heads * pool.head_dim),
-        pool_head0=c.head_start,
+        pool_head0=c.head_start if head_start is None else head_start,
         num_heads=lay.num_heads,
         row_words=w(pool.head_dim),
         s_base=w(lay.base),
@@ -266,6 +285,24 @@ def _run_triton(kind: str, pool: KVPool, c: _Call) -> None:
         s_tok=w(lay.stride_token),
         pool_align=pool.addr_align,
     )
+
+
+def _run_copy_engine(kind: str, pool: KVPool, c: _Call, stream: torch.cuda.Stream) -> torch.cuda.Event | None:
+    """Pinned staging through GPU scratch and the copy engine; None if the layout cannot be cut
+    into contiguous chunks (the caller then runs the zero-copy kernel)."""
+    from kvferry.backends.kernels import bounce
+
+    chunks = bounce.plan_chunks(c.layout, c.n_tokens, pool.head_dim * pool.itemsize, bounce.CHUNK_BYTES)
+    if chunks is None:
+        return None
+
+    def launch_chunk(chunk: tuple[int, int, int, int], scratch: torch.Tensor, sub: StagingLayout) -> None:
+        h0, _, p0, npl = chunk
+        _run_triton(
+            kind, pool, c, planes=(p0, npl), head_start=c.head_start + h0, layout=sub, staging=scratch
+        )
+
+    return bounce.run(kind, launch_chunk, c.staging.reshape(-1), c.layout, chunks, pool.device, stream)
 
 
 def _run_torch(kind: str, pool: KVPool, c: _Call) -> None:
@@ -309,6 +346,7 @@ def _run(
     stream: torch.cuda.Stream | None,
     backend: Backend,
     page_size: int | None = None,
+    pinned_path: PinnedPath = "zero_copy",
 ) -> torch.cuda.Event | None:
     if backend == "auto":
         backend = "triton" if triton_usable(pool.device) else "torch"
@@ -320,6 +358,9 @@ def _run(
     elif backend not in ("triton", "torch"):
         pool.stats.rejected += 1
         raise KernelArgError(f"unknown backend {backend!r}")
+    if pinned_path not in ("zero_copy", "copy_engine"):
+        pool.stats.rejected += 1
+        raise KernelArgError(f"unknown pinned path {pinned_path!r}")
     on_cuda = pool.device.type == "cuda"
     if on_cuda:
         stream = stream or torch.cuda.current_stream(pool.device)
@@ -343,8 +384,12 @@ def _run(
         except KernelArgError:
             pool.stats.rejected += 1
             raise
+        event = None
         if backend == "triton":
-            _run_triton(kind, pool, call)
+            if pinned_path == "copy_engine" and on_cuda and call.staging.device.type == "cpu":
+                event = _run_copy_engine(kind, pool, call, stream)
+            if event is None:
+                _run_triton(kind, pool, call)
             pool.stats.triton_launches += 1
         else:
             _run_torch(kind, pool, call)
@@ -355,8 +400,9 @@ def _run(
         pool.stats.scatters += 1
     if not on_cuda:
         return None
-    event = torch.cuda.Event()
-    event.record(stream)
+    if event is None:
+        event = torch.cuda.Event()
+        event.record(stream)
     return event
 
 
@@ -372,6 +418,7 @@ def gather(
     staging_token_offset: int = 0,
     stream: torch.cuda.Stream | None = None,
     backend: Backend = "auto",
+    pinned_path: PinnedPath = "zero_copy",
 ) -> torch.cuda.Event | None:
     """Copy pool heads ``[head_start, head_start + layout.num_heads)`` of tokens
     ``[token_start, token_end)`` (token ``t`` in slot ``pages[t // page_size] * page_size +
@@ -389,6 +436,7 @@ def gather(
         staging_token_offset,
         stream,
         backend,
+        pinned_path=pinned_path,
     )
 
 
@@ -404,6 +452,7 @@ def scatter(
     staging_token_offset: int = 0,
     stream: torch.cuda.Stream | None = None,
     backend: Backend = "auto",
+    pinned_path: PinnedPath = "zero_copy",
 ) -> torch.cuda.Event | None:
     """The reverse of ``gather``: staging rows into the pool. Several senders that each wrote
     their own head range of one buffer are scattered by one call over the whole range, or by one
@@ -420,6 +469,7 @@ def scatter(
         staging_token_offset,
         stream,
         backend,
+        pinned_path=pinned_path,
     )
 
 
