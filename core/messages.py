@@ -14,6 +14,7 @@ and turns every failure into ``WireError``; callers count it and carry on.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Any
 
 import msgspec
@@ -38,6 +39,7 @@ __all__ = [
     "decode_control",
     "decode_note",
     "encode",
+    "registration_id",
 ]
 
 PROTOCOL_VERSION = 1
@@ -173,10 +175,14 @@ class TransferInfo(_Msg, tag="info"):
     room (from ``receivers_for``); the prefill room is WaitingForInput once it has that many.
     ``dummy``: this prefill rank writes nothing to this decode rank but must still finish.
     ``send_aux``: this prefill rank writes the aux row (exactly one sender per decode rank does).
+    ``reg``: which registration (incarnation) of the decode rank these pages belong to; a prefill
+    rank writes only while it holds that same registration, so a decode rank that restarted (new
+    agent, same endpoint, same page ids reused) never receives a write meant for its past life.
     """
 
     room: Room
     transfer_id: TransferId
+    reg: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # registration_id() of the sender's Register
     dst_pages: Annotated[list[PageId], msgspec.Meta(max_length=MAX_PAGES)]
     num_tokens: Tokens
     aux_index: Count
@@ -233,6 +239,13 @@ class ChunkNote(msgspec.Struct, frozen=True, kw_only=True):
         _check_version(self.v)
         if self.token_end < self.token_start:
             raise ValueError(f"token range [{self.token_start}, {self.token_end}) is reversed")
+
+
+def registration_id(reg: Register) -> int:
+    """A 63-bit digest of a Register: equal for a resent Register, different after a restart
+    (a new agent brings new metadata)."""
+    digest = hashlib.blake2b(_encoder.encode(reg), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -197,6 +197,7 @@ class ReceiverEngine:
 
     def __init__(self, registration: m.Register, *, timeouts: Timeouts | None = None) -> None:
         self.registration = registration
+        self.reg_id = m.registration_id(registration)
         self.endpoint = registration.src
         self.page_size = registration.geometry.page_size
         self.num_pages = registration.geometry.num_pages
@@ -397,6 +398,7 @@ class ReceiverEngine:
                     src=self.endpoint,
                     room=r.room,
                     transfer_id=r.tid,
+                    reg=self.reg_id,
                     dst_pages=pages.tolist(),
                     num_tokens=r.num_tokens,
                     aux_index=r.aux_index,

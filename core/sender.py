@@ -191,10 +191,11 @@ class _Room:
 
 
 class _Peer:
-    __slots__ = ("last_seen", "pool", "registration")
+    __slots__ = ("last_seen", "pool", "reg_id", "registration")
 
     def __init__(self, registration: m.Register, pool: Any, now: int) -> None:
         self.registration = registration
+        self.reg_id = m.registration_id(registration)
         self.pool = pool
         self.last_seen = now
 
@@ -367,17 +368,26 @@ class SenderEngine:
             self._send(msg.src, m.RegisterAck(src=self.endpoint, ok=False, reason=f"incompatible KV: {why}"))
             return
         old = self.peers.get(msg.src)
-        if old is None or old.registration != msg:
-            self.peers[msg.src] = _Peer(msg, pool, self._now)
+        new = _Peer(msg, pool, self._now)
+        if old is not None and old.reg_id == new.reg_id:
+            self.counters["register_duplicate"] += 1
+        else:
+            if old is not None:
+                # The decode rank restarted (new agent, maybe the same page ids): forget the old
+                # incarnation before loading the new one.
+                self.counters["peer_restarted"] += 1
+                self._out.append(DropPeer(peer=msg.src, reason="re-registered with a new agent"))
+            self.peers[msg.src] = new
             self._out.append(AddPeer(peer=msg.src, registration=msg))
             if old is None:
                 self._arm_peer(msg.src)
-        else:
-            self.counters["register_duplicate"] += 1
         self._send(msg.src, m.RegisterAck(src=self.endpoint, ok=True))
         for room in sorted(self.rooms_by_peer.get(msg.src, ())):
             r = self.rooms[room]
-            if r.state is SState.BOOTSTRAPPING:
+            if r.infos[msg.src].reg != new.reg_id:
+                # Pages named by a past incarnation: writing them would hit whoever owns them now.
+                self._dispatch(r, SIn.PEER_LOST, (msg.src, "restarted since its TransferInfo"))
+            elif r.state is SState.BOOTSTRAPPING:
                 self._dispatch(r, SIn.PEER_READY, msg.src)
 
     def _on_info(self, msg: m.TransferInfo) -> None:
@@ -401,8 +411,10 @@ class SenderEngine:
         elif r.tid != msg.transfer_id:
             self.counters["stale_transfer_id"] += 1
             return
-        if msg.src not in self.peers:
-            # Maybe the Register is in flight, maybe we forgot the peer (heartbeat loss): ask again.
+        peer = self.peers.get(msg.src)
+        if peer is None or peer.reg_id != msg.reg:
+            # Maybe the Register is in flight, maybe we forgot the peer (heartbeat loss) or hold
+            # another incarnation's registration: ask again; the room waits for a matching one.
             self._send(
                 msg.src, m.RegisterAck(src=self.endpoint, ok=False, retry=True, reason="not registered")
             )
@@ -512,7 +524,7 @@ class SenderEngine:
             r.opened
             and r.expected_infos > 0
             and len(r.infos) == r.expected_infos
-            and all(p in self.peers for p in r.infos)
+            and all(p in self.peers and self.peers[p].reg_id == i.reg for p, i in r.infos.items())
         )
 
     # --- handlers (names referenced by SENDER_TABLE) -------------------------------------------
@@ -592,6 +604,10 @@ class SenderEngine:
             raise _RoomError(f"chunk {c.chunk_index} ends at token {end}, past decode's {r.num_tokens}")
         if c.is_last and end != r.num_tokens:
             raise _RoomError(f"prefill produced {end} tokens but decode allocated {r.num_tokens}")
+        for p, info in r.infos.items():
+            peer = self.peers.get(p)
+            if peer is None or peer.reg_id != info.reg:
+                raise _RoomError(f"decode rank {p} is gone or restarted since its TransferInfo")
         dests = [
             Destination(p, self.peers[p].pool, r.dests[p], info.dummy) for p, info in sorted(r.infos.items())
         ]
@@ -687,6 +703,8 @@ class SenderEngine:
             reason = f"failed on {payload.src}: {payload.reason}"
         elif inp is SIn.TIMEOUT:
             reason = f"timed out while {r.state.value}"
+        elif isinstance(payload, tuple):
+            reason = f"peer {payload[0]} {payload[1]}"
         else:
             reason = f"peer {payload} lost (no heartbeat)"
         tell = None if inp not in (SIn.ABORT_PEER, SIn.PEER_FAILED) else payload.src

@@ -35,6 +35,7 @@ def samples() -> list[Any]:
             src=EP,
             room=(1 << 63) - 1,
             transfer_id="router-42",
+            reg=12345,
             dst_pages=list(range(50)),
             num_tokens=800,
             aux_index=7,

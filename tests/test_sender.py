@@ -75,6 +75,7 @@ def info(src: m.Endpoint = D0, expected: int = 1, num_tokens: int = 6, **kw: Any
         src=src,
         room=ROOM,
         transfer_id=TID,
+        reg=m.registration_id(register(src)),
         dst_pages=[3, 4, 5],
         num_tokens=num_tokens,
         aux_index=2,
@@ -556,3 +557,25 @@ def test_every_state_input_pair(state: SState, inp: SIn, data: st.DataObject) ->
 def test_table_covers_every_state() -> None:
     assert set(SENDER_TABLE) == set(SState)
     assert set(SENDER_TABLE[SState.FAILED]) == set(SIn)  # Failed absorbs every input
+
+
+def test_restarted_decode_rank_fails_rooms_bound_to_its_past_life() -> None:
+    """A decode rank that restarts within the heartbeat timeout re-registers with a new agent; rooms
+    whose pages it named before must fail, never be written into the new incarnation's pages."""
+    e, _ = transferring()
+    old = register(D0)
+    new = m.Register(**{**{f: getattr(old, f) for f in old.__struct_fields__}, "agent_meta": b"meta-2"})
+    cmds = e.handle(ctl(new), 10)
+    assert [type(c) for c in cmds if type(c) in (DropPeer, AddPeer)] == [DropPeer, AddPeer]
+    assert e.state(ROOM) is SState.FAILED and "restarted" in e.failure(ROOM).reason
+    assert [p for p, _ in sent(cmds, m.RoomFailed)] == [D0]
+    # The new incarnation's rooms work; a late TransferInfo of the old one never becomes ready.
+    e.handle(SenderOpen(room=8, transfer_id="b", aux_index=3), 11)
+    e.handle(ctl(info(room=8, transfer_id="b", reg=m.registration_id(new))), 11)
+    assert e.state(8) is SState.WAITING
+    e.handle(SenderOpen(room=9, transfer_id="c", aux_index=4), 12)
+    cmds = e.handle(ctl(info(room=9, transfer_id="c")), 12)
+    assert sent(cmds, m.RegisterAck)[0][1].retry and e.state(9) is SState.BOOTSTRAPPING
+    # A resent Register of the same incarnation changes nothing.
+    assert not [c for c in e.handle(ctl(new), 13) if type(c) in (DropPeer, AddPeer)]
+    assert e.state(8) is SState.WAITING
