@@ -17,7 +17,9 @@ turned into a failed write so that only that room fails.
 
 Threads: pass ``lock=threading.Lock()``; every call takes it, so the single-threaded engine is
 never entered twice. SimPy passes nothing (no lock). Waiting (``time.sleep(0)`` between polls, or
-``yield env.timeout(...)``) belongs to the runtime, not here.
+``yield env.timeout(...)``) belongs to the runtime, not here. The callbacks (``on_status``,
+``on_free_pages``, ``on_enqueue``) run with the lock held: they must record and return, not call
+back into the driver (with a plain Lock that would deadlock).
 """
 
 from __future__ import annotations
