@@ -184,7 +184,11 @@ def test_registration_rejects_bad_metadata_and_regions():
             pre[0].add_peer(dec[0].endpoint, bad)
         # A peer table claiming a region bigger than the peer registered cannot be written past:
         # NIXL refuses the remote list (the memory is not registered there).
-        big = [RegionAddr(region_id=r.region_id, addr=r.addr, nbytes=r.nbytes * 4) for r in reg.regions]
+        top = max(reg.regions, key=lambda r: r.addr)  # enlarged past its end, overlapping nothing
+        big = [
+            RegionAddr(region_id=r.region_id, addr=r.addr, nbytes=r.nbytes * (4 if r is top else 1))
+            for r in reg.regions
+        ]
         lying = reg.__class__(**{**{f: getattr(reg, f) for f in reg.__struct_fields__}, "regions": big})
         with pytest.raises(NixlError, match="NOT_FOUND"):
             pre[0].add_peer(dec[0].endpoint, lying)
@@ -211,3 +215,27 @@ def test_pair_granule_divides_every_planned_descriptor():
                 for arr in (plan.src_offset, plan.dst_offset, plan.length):
                     assert not (arr % g).any()
     assert pair_granule(PoolGeometry(model, 1, 0, 16, 8), PoolGeometry(model, 1, 0, 16, 8)) == 2048
+
+
+def test_page_aligned_writes_use_the_page_granule_list():
+    model = ModelGeometry("tiny", 1, 2, 8)  # token bytes 32, page (4 tokens) 128
+    pre, dec = _servers(model, 1, 1, 4, 4, 8, 8, Layout.SGLANG_NHD, Layout.SGLANG_NHD)
+    p, d = pre[0], dec[0]
+    try:
+        p.add_peer(d.endpoint, d.registration())
+        for r in p.pool.regions:
+            p.region(r.region_id)[:] = np.arange(r.nbytes) % 253
+        for start, end, want_indices in [(0, 8, 2 * 2), (1, 8, 7 * 2)]:  # 2 regions
+            for r in d.pool.regions:
+                d.region(r.region_id)[:] = 255
+            exp = {r.region_id: d.region(r.region_id).copy() for r in d.pool.regions}
+            plan = plan_rank_pair(p.pool, d.pool, [0, 1], [5, 6], start, end)
+            refmodel.apply_plan(plan, {r.region_id: p.region(r.region_id) for r in p.pool.regions}, exp)
+            args = (plan.src_region, plan.src_offset, plan.dst_region, plan.dst_offset, plan.length)
+            assert _wait(p, p.post_write(d.endpoint, *args, b"")) is XferState.DONE
+            rec = p.agent.telemetry.records()[-1]
+            assert rec.descs_requested == want_indices  # pages when aligned, tokens otherwise
+            assert all(np.array_equal(d.region(rid), exp[rid]) for rid in exp)
+    finally:
+        for t in pre + dec:
+            t.close()

@@ -10,7 +10,9 @@ tests). ``agent_meta`` is our own versioned msgspec envelope around NIXL's blob,
 Granule: prepared descriptor lists cut the pool into ``granule``-byte descriptors (see
 ``agent.py``). For a (prefill pool, decode pool) pair the granule is the gcd of every stride and
 head-slice size the planner can emit for that pair, so every planned descriptor is a whole run of
-granules on both sides; the local list is built once per granule, the remote once per peer.
+granules on both sides; the local list is built once per granule, the remote once per peer. When
+the pair also shares a page granule (same head split), a second, page-sized list is prepared and
+used for writes that are page-aligned (whole-page chunks), so a room costs 18x fewer indices.
 
 Threading: safe to call from several threads. The NIXL agent guards its own tables; ``_lock``
 guards ``_peers`` (Endpoint -> agent name and list keys); the control plane owns its sockets in
@@ -89,9 +91,19 @@ def pair_granule(src: PoolGeometry, dst: PoolGeometry) -> int:
 @dataclass(frozen=True)
 class _PeerEntry:
     agent: str
-    kv: ListKey
+    kv: ListKey  # the fine list: every planned descriptor is a run of it
+    coarse: ListKey | None  # a page-granule list, used when a write is page-aligned
     aux: ListKey
     registration: Register
+
+    def key_for(self, *arrays: npt.NDArray[np.int64]) -> ListKey:
+        """The coarsest prepared list that can express these descriptors exactly: fewer indices
+        to build and for NIXL to merge back (18x fewer for 16-token pages)."""
+        if self.coarse is not None:
+            g = self.coarse[1]
+            if not any((np.asarray(a) % g).any() for a in arrays):
+                return self.coarse
+        return self.kv
 
 
 def _np_view(buf: Any) -> np.ndarray | None:
@@ -216,16 +228,22 @@ class NixlTransport:
         remote_pool = registration.geometry.to_pool()
         src, dst = (self.pool, remote_pool) if self.role == "prefill" else (remote_pool, self.pool)
         g = pair_granule(src, dst)
+        # Page-aligned writes (whole pages, equal head split) can use page-sized descriptors.
+        big = math.gcd(src.page_bytes, dst.page_bytes)
+        coarse = big if big > g and big % g == 0 else None
         kv = [MemRegion(r.region_id, r.addr, r.nbytes, blob.mem, blob.dev) for r in registration.regions]
         aux_bytes = registration.aux_rows * registration.aux_row_bytes
         aux = [MemRegion(AUX_REGION_ID, registration.aux_addr, aux_bytes, blob.aux_mem, blob.aux_dev)]
         ag = math.gcd(self.aux_row_bytes, registration.aux_row_bytes)
-        kv_key, aux_key = ("kv", g), ("aux", ag)
+        granules = [g] if coarse is None else [g, coarse]
         if old is not None:
             self.agent.remove_peer(old.agent)
-        name = self.agent.add_peer(blob.nixl_md, {"kv": (kv, [g]), "aux": (aux, [ag])})
+        name = self.agent.add_peer(blob.nixl_md, {"kv": (kv, granules), "aux": (aux, [ag])})
+        entry = _PeerEntry(
+            name, ("kv", g), None if coarse is None else ("kv", coarse), ("aux", ag), registration
+        )
         with self._lock:
-            self._peers[peer] = _PeerEntry(name, kv_key, aux_key, registration)
+            self._peers[peer] = entry
 
     def drop_peer(self, peer: Endpoint) -> None:
         with self._lock:
@@ -261,7 +279,13 @@ class NixlTransport:
     ) -> XferTicket:
         entry = self._peer(peer)
         return self.agent.post(
-            "WRITE", entry.agent, entry.kv, (src_region, src_offset), (dst_region, dst_offset), length, notif
+            "WRITE",
+            entry.agent,
+            entry.key_for(src_offset, dst_offset, length),
+            (src_region, src_offset),
+            (dst_region, dst_offset),
+            length,
+            notif,
         )
 
     def post_read(
@@ -277,7 +301,13 @@ class NixlTransport:
         """Pull: planner descriptors (prefill src -> decode dst) READ by the decode side."""
         entry = self._peer(peer)
         return self.agent.post(
-            "READ", entry.agent, entry.kv, (dst_region, dst_offset), (src_region, src_offset), length, notif
+            "READ",
+            entry.agent,
+            entry.key_for(src_offset, dst_offset, length),
+            (dst_region, dst_offset),
+            (src_region, src_offset),
+            length,
+            notif,
         )
 
     def post_aux_write(
