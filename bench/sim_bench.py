@@ -40,7 +40,7 @@ def big_scenario(rooms: int) -> sc.Scenario:
         model=sc.ModelSpec(name="sim-tiny", num_layers=2, num_kv_heads=8, head_dim=8),
         topology=sc.Topology(prefill_tp=2, decode_tp=2, prefill_pages=4096, decode_pages=4096, workers=4),
         workload=sc.Workload(
-            rooms=rooms, tokens_min=16, tokens_max=128, chunk_tokens=64, arrival_mean_us=400
+            rooms=rooms, tokens_min=16, tokens_max=128, chunk_tokens=64, arrival_mean_us=1000
         ),
         phases=sc.Phases(fault_window_us=0, liveness_us=300_000),
     )

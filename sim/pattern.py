@@ -13,17 +13,25 @@ from collections.abc import Callable
 import numpy as np
 from kvferry.core.geometry import PoolGeometry
 
+_MASK = (1 << 64) - 1
+_MUL_INT = 0xD6E8FEB86659FD93
+_MUL = np.uint64(_MUL_INT)
 
-def _values(pool: PoolGeometry, room_key: int, rid: int, tokens: np.ndarray) -> np.ndarray:
-    """uint8 array [tokens, local heads, head bytes] of the room's bytes on this rank."""
+
+def _positions(pool: PoolGeometry, tokens: np.ndarray) -> np.ndarray:
+    """uint64 [tokens, local heads, head bytes]: the logical position of every byte, premultiplied."""
     heads = pool.model.num_kv_heads
     hb = pool.head_bytes
     g = np.arange(pool.head_start, pool.head_end, dtype=np.uint64)
     pos = (tokens.astype(np.uint64)[:, None, None] * np.uint64(heads) + g[None, :, None]) * np.uint64(hb)
-    pos = pos + np.arange(hb, dtype=np.uint64)[None, None, :]
-    salt = np.uint64((room_key * 0x9E3779B97F4A7C15 + rid * 0xC2B2AE3D27D4EB4F) & 0xFFFFFFFFFFFFFFFF)
-    v = (pos + salt) * np.uint64(0xD6E8FEB86659FD93)
-    return (v >> np.uint64(56)).astype(np.uint8)
+    return (pos + np.arange(hb, dtype=np.uint64)[None, None, :]) * _MUL
+
+
+def _values(pos_mul: np.ndarray, room_key: int, rid: int) -> np.ndarray:
+    """uint8 values of the room's bytes in region ``rid``: a multiplicative hash of position + salt."""
+    salt = (room_key * 0x9E3779B97F4A7C15 + rid * 0xC2B2AE3D27D4EB4F) & _MASK
+    # (pos + salt) * MUL, with the salt's product taken in Python ints (mod 2**64, no overflow warning).
+    return ((pos_mul + np.uint64(salt * _MUL_INT & _MASK)) >> np.uint64(56)).astype(np.uint8)
 
 
 def _offsets(pool: PoolGeometry, pages: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -46,8 +54,9 @@ def fill(
     if tokens.size == 0:
         return
     off = _offsets(pool, pages, tokens)
+    pos = _positions(pool, tokens)
     for spec in pool.regions:
-        region(spec.region_id)[off] = _values(pool, room_key, spec.region_id, tokens)
+        region(spec.region_id)[off] = _values(pos, room_key, spec.region_id)
 
 
 def mismatches(
@@ -58,10 +67,11 @@ def mismatches(
     if tokens.size == 0:
         return 0, ""
     off = _offsets(pool, pages, tokens)
+    pos = _positions(pool, tokens)
     bad_total, first = 0, ""
     for spec in pool.regions:
         got = region(spec.region_id)[off]
-        want = _values(pool, room_key, spec.region_id, tokens)
+        want = _values(pos, room_key, spec.region_id)
         bad = got != want
         n = int(bad.sum())
         if n and not first:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import simpy
+from kvferry.backends.simfabric.descriptors import gather_index
 from kvferry.backends.simfabric.fabric import Fabric, Xfer
 from kvferry.backends.simfabric.runtime import SimRank
 from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport
@@ -499,7 +500,8 @@ class World:
         if (~aux).any():
             first = d.dst_offset[~aux] // pool.page_bytes
             last = (d.dst_offset[~aux] + d.length[~aux] - 1) // pool.page_bytes
-            owners.append(self.dec_alloc.owner[np.concatenate([first, last])])
+            # Every page a descriptor touches, not only its ends.
+            owners.append(self.dec_alloc.owner[gather_index(first, last - first + 1)])
         if aux.any():
             owners.append(self.dec_aux.owner[d.dst_offset[aux] // AUX_ROW_BYTES])
         own = np.concatenate(owners)

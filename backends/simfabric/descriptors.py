@@ -67,3 +67,40 @@ def gather_index(offset: np.ndarray, length: np.ndarray) -> np.ndarray:
         return np.empty(0, dtype=np.int64)
     starts = np.cumsum(length) - length
     return np.repeat(offset - starts, length) + np.arange(total, dtype=np.int64)
+
+
+class RegionSizes:
+    """Region id -> size, with a vectorised check that descriptors stay inside their regions.
+
+    Small ids (the planner's, ``< DENSE``) go through a dense array (no per-region loop, no
+    ``np.unique``); the rare large ids (the aux buffer) through a dict.
+    """
+
+    DENSE = 1 << 12
+    __slots__ = ("_dense", "_sparse")
+
+    def __init__(self, sizes: dict[int, int]) -> None:
+        small = [rid for rid in sizes if 0 <= rid < self.DENSE]
+        self._dense = np.full((max(small) + 1) if small else 0, -1, dtype=np.int64)
+        for rid in small:
+            self._dense[rid] = sizes[rid]
+        self._sparse = {rid: n for rid, n in sizes.items() if not 0 <= rid < self.DENSE}
+
+    def first_violation(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> int:
+        """Index of the first descriptor outside its region (or negative/empty), or -1."""
+        if region.size == 0:
+            return -1
+        ends = offset + length
+        bad = (length <= 0) | (offset < 0)
+        if region.size and int(region.min()) >= 0 and int(region.max()) < self._dense.size:
+            size = self._dense[region]
+            bad |= (size < 0) | (ends > size)
+        else:
+            size = np.array([self._size(int(r)) for r in region.tolist()], dtype=np.int64)
+            bad |= (size < 0) | (ends > size)
+        return int(np.argmax(bad)) if bad.any() else -1
+
+    def _size(self, rid: int) -> int:
+        if 0 <= rid < self._dense.size:
+            return int(self._dense[rid])
+        return self._sparse.get(rid, -1)

@@ -7,6 +7,7 @@ descriptor that does not is refused before anything moves.
 from __future__ import annotations
 
 import numpy as np
+from kvferry.backends.simfabric.descriptors import RegionSizes
 from kvferry.backends.simfabric.errors import RegionAccessError
 
 
@@ -16,6 +17,7 @@ class FakeMemory:
     def __init__(self, node: str) -> None:
         self.node = node
         self._regions: dict[int, np.ndarray] = {}
+        self._bounds: RegionSizes | None = None  # rebuilt lazily after (de)registration
 
     def register(self, region_id: int, nbytes: int) -> np.ndarray:
         if region_id in self._regions:
@@ -24,15 +26,18 @@ class FakeMemory:
             raise RegionAccessError(f"{self.node}: region {region_id} has size {nbytes}")
         buf = np.zeros(nbytes, dtype=np.uint8)
         self._regions[region_id] = buf
+        self._bounds = None
         return buf
 
     def deregister(self, region_id: int) -> None:
         if self._regions.pop(region_id, None) is None:
             raise RegionAccessError(f"{self.node}: region {region_id} is not registered")
+        self._bounds = None
 
     def wipe(self) -> None:
         """A crash: every registration and every byte is gone."""
         self._regions.clear()
+        self._bounds = None
 
     def region(self, region_id: int) -> np.ndarray:
         try:
@@ -49,20 +54,14 @@ class FakeMemory:
 
     def check(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> None:
         """Refuse descriptors that are negative, empty or run past the end of their region."""
-        if region.size == 0:
-            return
-        if (length <= 0).any() or (offset < 0).any():
-            bad = int(np.flatnonzero((length <= 0) | (offset < 0))[0])
+        if self._bounds is None:
+            self._bounds = RegionSizes({rid: int(buf.size) for rid, buf in self._regions.items()})
+        bad = self._bounds.first_violation(region, offset, length)
+        if bad >= 0:
+            rid = int(region[bad])
+            buf = self._regions.get(rid)
+            what = "an unregistered region" if buf is None else f"region {rid} of {buf.size} bytes"
             raise RegionAccessError(
-                f"{self.node}: descriptor {bad} has offset {int(offset[bad])} length {int(length[bad])}"
+                f"{self.node}: descriptor {bad} (region {rid}, offset {int(offset[bad])}, length "
+                f"{int(length[bad])}) falls outside {what}"
             )
-        for rid in np.unique(region).tolist():
-            buf = self._regions.get(int(rid))
-            if buf is None:
-                raise RegionAccessError(f"{self.node}: descriptor targets unregistered region {rid}")
-            sel = region == rid
-            end = int((offset[sel] + length[sel]).max())
-            if end > buf.size:
-                raise RegionAccessError(
-                    f"{self.node}: descriptor ends at byte {end} of region {rid} which has {buf.size}"
-                )

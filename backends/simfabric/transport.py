@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from kvferry.backends.simfabric.descriptors import DescList
+from kvferry.backends.simfabric.descriptors import DescList, RegionSizes
 from kvferry.backends.simfabric.errors import RegionAccessError, UnknownPeerError
 from kvferry.backends.simfabric.fabric import Fabric
 from kvferry.backends.transport import XferHandle, XferState, aux_room_of
@@ -44,12 +44,13 @@ def _parse_meta(blob: bytes) -> tuple[str, int]:
 
 
 class _Peer:
-    __slots__ = ("aux_row_bytes", "aux_rows", "incarnation", "node", "region_bytes", "registration")
+    __slots__ = ("aux_row_bytes", "aux_rows", "bounds", "incarnation", "node", "region_bytes", "registration")
 
     def __init__(self, registration: Register) -> None:
         self.registration = registration
         self.node, self.incarnation = _parse_meta(registration.agent_meta)
         self.region_bytes = {r.region_id: r.nbytes for r in registration.regions}
+        self.bounds = RegionSizes(self.region_bytes)
         self.aux_rows = registration.aux_rows
         self.aux_row_bytes = registration.aux_row_bytes
 
@@ -172,17 +173,13 @@ class SimTransport:
         return self._post(p, d, notif, tag)
 
     def _check_remote(self, p: _Peer, d: DescList) -> None:
-        if d.count == 0:
-            return
-        if (d.length <= 0).any() or (d.dst_offset < 0).any():
+        bad = p.bounds.first_violation(d.dst_region, d.dst_offset, d.length)
+        if bad >= 0:
             self.refused += 1
-            raise RegionAccessError(f"{self.node}: negative or empty descriptor for {p.node}")
-        for rid in np.unique(d.dst_region).tolist():
-            size = p.region_bytes.get(int(rid))
-            sel = d.dst_region == rid
-            if size is None or int((d.dst_offset[sel] + d.length[sel]).max()) > size:
-                self.refused += 1
-                raise RegionAccessError(f"{self.node}: descriptor outside {p.node}'s registered region {rid}")
+            raise RegionAccessError(
+                f"{self.node}: descriptor {bad} (region {int(d.dst_region[bad])}, offset "
+                f"{int(d.dst_offset[bad])}, length {int(d.length[bad])}) outside {p.node}'s regions"
+            )
 
     def _post(self, p: _Peer, d: DescList, notif: bytes, tag: Any) -> int:
         try:

@@ -227,6 +227,9 @@ def register(app: typer.Typer) -> None:
             )
             if not failures:
                 console.print("[bold green]no invariant violated[/]")
+            else:
+                per = ", ".join(f"{k} in {v} seed(s)" for k, v in sorted(violated.items()))
+                console.print(f"[bold red]violations[/]: {per}")
             for r, p in failures:
                 v = r.violations[0]
                 console.print(f"[bold red]seed {r.seed}[/]: {v['invariant']}: {v['detail']}")
