@@ -29,6 +29,9 @@ import workload as wl  # noqa: E402
 from kvferry.core.kvpoll import KVPoll  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
+# CPU CI runs DRAM pools; on the GPU machine KVFERRY_E2E_MEM=VRAM runs the same tests with torch
+# CUDA pools in both processes (one GPU).
+MEM = os.environ.get("KVFERRY_E2E_MEM", "DRAM")
 
 
 class Child:
@@ -91,7 +94,7 @@ class Child:
 
 
 def _start(seed: int, rooms: int, abort_rate: float, hold: bool) -> tuple[Child, Child]:
-    common = ["--seed", str(seed), "--rooms", str(rooms), "--abort-rate", str(abort_rate)]
+    common = ["--seed", str(seed), "--rooms", str(rooms), "--abort-rate", str(abort_rate), "--mem", MEM]
     if hold:
         common.append("--hold")
     pre = Child("prefill_proc", *common)

@@ -50,6 +50,7 @@ class BenchConfig:
     warmup: int = 1
     chunk_tokens: int = 0  # 0: the whole room in one chunk
     raw_reps: int = 3
+    mem: str = "DRAM"  # VRAM: pools are torch CUDA tensors (one GPU shared by both processes)
 
 
 DEFAULT_CONFIGS = (
@@ -88,10 +89,37 @@ def _pools(cfg: BenchConfig, role: str) -> list[Any]:
     ]
 
 
-def _buffers(pool: Any, fill: int) -> tuple[np.ndarray, dict[int, np.ndarray]]:
-    buf = np.full(pool.total_bytes, fill, dtype=np.uint8)  # touched: no page faults in the timing
+def _buffers(pool: Any, fill: int, mem: str) -> tuple[Any, dict[int, Any], Any]:
+    """One contiguous buffer per rank (regions are views), and its covering MemRegion."""
+    from kvferry.backends.nixl.memory import MemRegion
+
     per = pool.region_bytes
-    return buf, {r.region_id: buf[i * per : (i + 1) * per] for i, r in enumerate(pool.regions)}
+    if mem in ("VRAM", "TORCH_DRAM"):  # TORCH_DRAM: the tensor path on a machine without a GPU
+        import torch
+
+        device = "cuda" if mem == "VRAM" else "cpu"
+        buf = torch.full((pool.total_bytes,), fill, dtype=torch.uint8, device=device)
+        kind = "VRAM" if mem == "VRAM" else "DRAM"
+        cover = MemRegion(RAW_ID, buf.data_ptr(), buf.numel(), kind, max(buf.get_device(), 0))
+    else:
+        buf = np.full(pool.total_bytes, fill, dtype=np.uint8)  # touched: no page faults in timing
+        cover = MemRegion(RAW_ID, buf.ctypes.data, buf.nbytes)
+    return buf, {r.region_id: buf[i * per : (i + 1) * per] for i, r in enumerate(pool.regions)}, cover
+
+
+def _zero(region: Any, half: int) -> None:
+    region.reshape(2, -1)[half] = 0
+
+
+def _counts(regions: dict[int, Any], half: int) -> dict[int, int]:
+    if any(hasattr(r, "device") for r in regions.values()):
+        import torch
+
+        total = sum(torch.bincount(r.reshape(2, -1)[half], minlength=256) for r in regions.values())
+        total = total.cpu().numpy()
+    else:
+        total = sum(np.bincount(r.reshape(2, -1)[half], minlength=256) for r in regions.values())
+    return {int(v): int(c) for v, c in enumerate(total) if c}
 
 
 def _config(cfg: BenchConfig) -> Any:
@@ -112,8 +140,8 @@ def child_prefill(cfg: BenchConfig) -> None:
 
     eps, bufs = [], []
     for pool in _pools(cfg, "prefill"):
-        buf, regions = _buffers(pool, 1 + pool.tp_rank)
-        raw = {"raw": [MemRegion(RAW_ID, buf.ctypes.data, buf.nbytes)]}
+        buf, regions, cover = _buffers(pool, 1 + pool.tp_rank, cfg.mem)
+        raw = {"raw": [cover]}
         eps.append(PrefillEndpoint("prefill", pool, buffers=regions, config=_config(cfg), extra_groups=raw))
         bufs.append(buf)
     for ep in eps:
@@ -127,6 +155,7 @@ def child_prefill(cfg: BenchConfig) -> None:
     decode = Endpoint(server="decode", rank=0)
     one = np.array([RAW_ID], dtype=np.int64)
     raw_times, kv_posts = [], []
+    kind = "VRAM" if cfg.mem == "VRAM" else "DRAM"
     for i in range(cfg.warmup + cfg.rooms):
         senders = [ep.sender(1000 + i, f"b{i}") for ep in eps]
         for s in senders:
@@ -144,12 +173,12 @@ def child_prefill(cfg: BenchConfig) -> None:
         _say(event="room_sent", index=i)
         # Raw, paired with this room: one descriptor per prefill rank, all ranks at once, the same
         # bytes. Only after decode checked the room: these writes land in the same decode buffer.
-        d_addr, d_bytes = _hear()["raw"]
+        d_addr, d_bytes, d_dev = _hear()["raw"]
         for ep in eps:
             agent = ep.transport.peer_agent(decode)
             if ("raw", room_bytes) not in ep.transport.agent._peers[agent].prepped:
                 ep.transport.agent.add_lists(
-                    agent, {"raw": ([MemRegion(RAW_ID, d_addr, d_bytes)], [room_bytes])}
+                    agent, {"raw": ([MemRegion(RAW_ID, d_addr, d_bytes, kind, d_dev)], [room_bytes])}
                 )
         t0 = time.perf_counter()
         tickets = []
@@ -184,13 +213,12 @@ def child_prefill(cfg: BenchConfig) -> None:
 
 
 def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
-    from kvferry.backends.nixl.memory import MemRegion
     from kvferry.backends.runtime import DecodeEndpoint
     from kvferry.core.kvpoll import KVPoll
 
     (pool,) = _pools(cfg, "decode")
-    buf, regions = _buffers(pool, 0)
-    raw = {"raw": [MemRegion(RAW_ID, buf.ctypes.data, buf.nbytes)]}
+    _buf, regions, cover = _buffers(pool, 0, cfg.mem)  # _buf: the views keep it alive
+    raw = {"raw": [cover]}
     ep = DecodeEndpoint(
         "decode",
         pool,
@@ -201,7 +229,7 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
         extra_groups=raw,
     )
     ep.start()
-    _say(event="ready", raw=[buf.ctypes.data, buf.nbytes])
+    _say(event="ready", raw=[cover.addr, cover.nbytes, cover.dev])
     _hear()
     n_pages = -(-cfg.tokens // cfg.page_size)
     durations, checks = [], []
@@ -210,7 +238,7 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
         half = i % 2
         pages = np.arange(n_pages, dtype=np.int64) + half * n_pages
         for r in regions.values():  # clear the room's pages so the check below means something
-            r.reshape(2, -1)[half] = 0
+            _zero(r, half)
         rv = ep.receiver(1000 + i, f"b{i}")
         t0 = time.perf_counter()
         rv.init(pages, cfg.tokens, i % 8)
@@ -221,12 +249,9 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
         rv.clear()
         if i >= cfg.warmup:
             durations.append(dt)
-            counts = np.zeros(256, dtype=np.int64)
-            for r in regions.values():
-                counts += np.bincount(r.reshape(2, -1)[half], minlength=256)
             # Prefill rank r filled its pool with r + 1; each wrote its share of every token.
             want = {v + 1: room_bytes // cfg.prefill_tp for v in range(cfg.prefill_tp)}
-            checks.append({int(v): int(c) for v, c in enumerate(counts) if c} == want)
+            checks.append(_counts(regions, half) == want)
         _say(event="room", index=i)
         _hear()  # next: the paired raw write is done
     check = {"ok": bool(checks) and all(checks), "rooms_checked": len(checks)}
@@ -321,6 +346,7 @@ def run_config(
         "descs_posted": p["descs_posted"],
         "bytes_ok": d["check"].get("ok", False),
         "ucx_tls": env.get("UCX_TLS", "(default)"),
+        "mem": cfg.mem,
     }
 
 

@@ -25,6 +25,7 @@ def nixl(
     rooms: Annotated[int, typer.Option(help="Timed rooms per configuration (0: its default).")] = 0,
     tokens: Annotated[int, typer.Option(help="Tokens per room (qwen3-8b KV).")] = 4096,
     chunk_tokens: Annotated[int, typer.Option(help="Tokens per prefill chunk (0: one chunk).")] = 0,
+    mem: Annotated[str, typer.Option(help="DRAM, or VRAM (torch CUDA pools, one GPU).")] = "DRAM",
 ) -> None:
     """Two processes on 127.0.0.1 (prefill ranks, one decode rank) move qwen3-8b KV rooms through
     kvferry's runtime; the same processes then WRITE the same bytes as one NIXL descriptor."""
@@ -36,12 +37,12 @@ def nixl(
     if not configs:
         raise typer.BadParameter(f"unknown configuration; known: {[c.name for c in DEFAULT_CONFIGS]}")
     for c in configs:
-        r = run_config(replace(c, tokens=tokens, chunk_tokens=chunk_tokens, rooms=rooms or c.rooms))
+        r = run_config(replace(c, tokens=tokens, chunk_tokens=chunk_tokens, rooms=rooms or c.rooms, mem=mem))
         if as_json:
             typer.echo(json.dumps(r))
             continue
         typer.echo(
-            f"{r['config']:<12} {r['tokens']} tokens, {r['room_mb']:.0f} MB/room: "
+            f"{r['config']:<12} {r['mem']} {r['tokens']} tokens, {r['room_mb']:.0f} MB/room: "
             f"kvferry {r['kvferry_gbps']:.2f} GB/s ({r['kvferry_s'] * 1e3:.0f} ms/room), "
             f"raw 1-descriptor WRITE {r['raw_gbps']:.2f} GB/s ({r['raw_s'] * 1e3:.0f} ms), "
             f"ratio {r['ratio']:.2f}; {r['descs_requested']} indices -> {r['descs_posted']} posted "

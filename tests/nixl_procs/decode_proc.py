@@ -33,11 +33,18 @@ def main() -> None:
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--prefill", nargs="+", required=True)
     ap.add_argument("--deadline-s", type=float, default=90.0)
+    ap.add_argument("--mem", default="DRAM", choices=["DRAM", "VRAM"])
     args = ap.parse_args()
 
     cfg = RuntimeConfig(timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS)
+    mem = wl.Memory(wl.decode_pool(), args.mem)
     ep = DecodeEndpoint(
-        "decode", wl.decode_pool(), prefill_server="prefill", prefill_addresses=args.prefill, config=cfg
+        "decode",
+        wl.decode_pool(),
+        prefill_server="prefill",
+        prefill_addresses=args.prefill,
+        config=cfg,
+        buffers=mem.device,
     )
     fenced: deque[tuple[int, str]] = deque()
     ep.on_free_pages = lambda room, tid: fenced.append((room, tid))
@@ -95,9 +102,9 @@ def main() -> None:
                 continue
             res: dict = {"status": int(status), "reason": "", "error": ""}
             if status is KVPoll.Success:
-                bad, first = pattern.mismatches(
-                    ep.pool, ep.transport.region, plan.room, st["pages"], plan.tokens
-                )
+                mem.pull()
+                region = mem.region_fn(ep.transport)
+                bad, first = pattern.mismatches(ep.pool, region, plan.room, st["pages"], plan.tokens)
                 res["bad_bytes"], res["first_bad"] = bad, first
                 res["aux_room_ok"] = ep.transport.read_aux_room(st["aux"]) == plan.room
                 rv.clear()

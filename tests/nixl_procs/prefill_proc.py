@@ -32,10 +32,15 @@ def main() -> None:
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--queues", type=int, default=2)
     ap.add_argument("--deadline-s", type=float, default=90.0)
+    ap.add_argument("--mem", default="DRAM", choices=["DRAM", "VRAM"])
     args = ap.parse_args()
 
     cfg = RuntimeConfig(num_queues=args.queues, timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS)
-    eps = [PrefillEndpoint("prefill", pool, config=cfg) for pool in wl.prefill_pools()]
+    mems = [wl.Memory(pool, args.mem) for pool in wl.prefill_pools()]
+    eps = [
+        PrefillEndpoint("prefill", pool, config=cfg, buffers=m.device)
+        for pool, m in zip(wl.prefill_pools(), mems, strict=True)
+    ]
     for ep in eps:
         ep.start()
     say(event="ready", addresses=[ep.address for ep in eps], pid=os.getpid())
@@ -62,8 +67,9 @@ def main() -> None:
             pages = np.array([free_pages.pop() for _ in range(need)], dtype=np.int64)
             aux = free_aux.pop()
             senders = []
-            for ep in eps:
-                pattern.fill(ep.pool, ep.transport.region, plan.room, pages, 0, plan.tokens)
+            for ep, m in zip(eps, mems, strict=True):
+                pattern.fill(ep.pool, m.region_fn(ep.transport), plan.room, pages, 0, plan.tokens)
+                m.push()
                 s = ep.sender(plan.room, plan.tid)
                 s.write_aux(aux, plan.room.to_bytes(8, "little", signed=True))
                 s.init(aux)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from kvferry.core.deadlines import MS, SEC, Timeouts
 from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry
@@ -80,3 +81,36 @@ def rooms(seed: int, n: int, abort_rate: float, hold: bool = False) -> list[Room
             cuts = (tokens // 2, tokens)
         out.append(RoomPlan(i, room, f"s{seed}-{i}", tokens, cuts, abort, hold))
     return out
+
+
+class Memory:
+    """A rank's pool regions: numpy DRAM (the transport's own), or torch CUDA tensors with a host
+    mirror the pattern is computed in (``push`` copies it to the GPU, ``pull`` copies back)."""
+
+    def __init__(self, pool: PoolGeometry, mem: str) -> None:
+        self.mem = mem
+        self.host: dict[int, Any] = {}
+        self.device: dict[int, Any] | None = None
+        if mem == "VRAM":
+            import numpy as np
+            import torch
+
+            self.device = {
+                r.region_id: torch.zeros(r.nbytes, dtype=torch.uint8, device="cuda") for r in pool.regions
+            }
+            self.host = {r.region_id: np.zeros(r.nbytes, dtype=np.uint8) for r in pool.regions}
+
+    def region_fn(self, transport: Any) -> Any:
+        return transport.region if self.device is None else self.host.__getitem__
+
+    def push(self) -> None:
+        if self.device is not None:
+            import torch
+
+            for rid, t in self.device.items():
+                t.copy_(torch.from_numpy(self.host[rid]))
+
+    def pull(self) -> None:
+        if self.device is not None:
+            for rid, t in self.device.items():
+                self.host[rid][:] = t.cpu().numpy()
