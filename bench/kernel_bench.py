@@ -260,6 +260,26 @@ def probe(s: Setup, reps: int) -> None:
     )
 
 
+def profile_host(s: Setup, calls: int = 300) -> None:
+    """Where the host time of one gather call goes (cProfile over queued calls)."""
+    import cProfile
+    import pstats
+
+    op = s.op("gather", "gpu")
+    for _ in range(20):
+        op()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(calls):
+        op()
+    prof.disable()
+    print(f"host us/call {(time.perf_counter() - t0) / calls * 1e6:.1f} (profiled)")
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["qwen3-8b", "llama-3.1-70b"])
@@ -271,6 +291,7 @@ def main() -> int:
     ap.add_argument("--sweep-chunks", action="store_true", help="tune the copy-engine chunk size first")
     ap.add_argument("--sweep-reps", type=int, default=5)
     ap.add_argument("--probe", action="store_true", help="memcpy variants on the first config, then exit")
+    ap.add_argument("--profile-host", action="store_true", help="profile the host side of a call, then exit")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -288,6 +309,9 @@ def main() -> int:
     bufs["gpu"].view(torch.int16).random_()
     print(f"buffers: {max_numel * 2 / 1e9:.2f} GB each, {time.time() - t0:.1f}s", flush=True)
     out = {"device": torch.cuda.get_device_name(), "rows": [], "tuning": None}
+    if args.profile_host:
+        profile_host(Setup(models[0], args.tokens[0], args.page_sizes[0], bufs))
+        return 0
     if args.probe:
         probe(Setup(models[0], args.tokens[-1], args.page_sizes[0], bufs), args.reps)
         return 0

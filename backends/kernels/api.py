@@ -15,6 +15,8 @@ outside it, so no call reads or writes outside the pool or past the staging buff
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,11 +105,18 @@ class KVPool:
         return len(self.planes)
 
 
-def triton_usable(device: torch.device) -> bool:
-    """Triton can run here: a CUDA device, or the CPU interpreter (TRITON_INTERPRET=1)."""
+@functools.cache
+def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Triton can run here: a CUDA device, or the CPU interpreter (TRITON_INTERPRET=1)."""
+    if not _triton_importable():
         return False
     if device.type == "cuda":
         return True
@@ -211,16 +220,8 @@ def _validate(
         raise KernelArgError(f"page ids must be a numpy array or a torch tensor, got {type(pages).__name__}")
 
     # Staging token offset folds into the layout's base: the kernels see chunk-relative tokens.
-    layout = StagingLayout(
-        layout.num_heads,
-        layout.num_planes,
-        layout.num_tokens,
-        layout.head_dim,
-        layout.stride_head,
-        layout.stride_plane,
-        layout.stride_token,
-        layout.base + staging_token_offset * layout.stride_token,
-    )
+    if staging_token_offset:
+        layout = dataclasses.replace(layout, base=layout.base + staging_token_offset * layout.stride_token)
     return _Call(n_tokens, rel_start, pages_dev, ps, num_pages, head_start, layout, staging)
 
 
@@ -267,7 +268,7 @@ def _run_triton(
 
     tk.launch(
         kind,
-        pool.table[p0 : p0 + n_planes],
+        pool.table if planes is None else pool.table[p0 : p0 + n_planes],
         c.pages_dev,
         flat,
         num_planes=n_planes,
@@ -362,11 +363,15 @@ def _run(
         pool.stats.rejected += 1
         raise KernelArgError(f"unknown pinned path {pinned_path!r}")
     on_cuda = pool.device.type == "cuda"
+    ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
     if on_cuda:
-        stream = stream or torch.cuda.current_stream(pool.device)
-        ctx = torch.cuda.stream(stream)
-    else:
-        ctx = contextlib.nullcontext()
+        # Switching streams costs more host time than a small gather takes on the GPU: only
+        # switch (stream and device, since Triton launches on the current device) when needed.
+        if stream is not None or pool.device.index != torch.cuda.current_device():
+            stream = stream or torch.cuda.current_stream(pool.device)
+            ctx = torch.cuda.stream(stream)
+        else:
+            stream = torch.cuda.current_stream()
     with ctx:
         try:
             call = _validate(
