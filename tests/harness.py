@@ -94,6 +94,7 @@ class PendingWrite:
     aux: tuple[int, int] | None  # (src_aux_index, dst_aux_index)
     notif: bytes
     posted_at: int
+    dst_incarnation: int = 0
 
 
 class MemFabric:
@@ -119,6 +120,10 @@ class MemFabric:
 
     def complete(self, i: int) -> None:
         w = self.writes.pop(i)
+        if self.transports[w.dst].incarnation != w.dst_incarnation:
+            # The target process died: like a WRITE to a stale remote agent, it ends in ERR.
+            self.states[w.handle] = XferState.ERR
+            return
         note = m.decode_note(w.notif)
         if self.on_land is not None:
             self.on_land(w, note)
@@ -158,9 +163,16 @@ class MemTransport:
     """``backends.transport.Transport`` over numpy arrays and Python lists."""
 
     def __init__(
-        self, fabric: MemFabric, endpoint: m.Endpoint, pool: PoolGeometry, fill: int, memory: bool = True
+        self,
+        fabric: MemFabric,
+        endpoint: m.Endpoint,
+        pool: PoolGeometry,
+        fill: int,
+        memory: bool = True,
+        incarnation: int = 0,
     ) -> None:
         self.fabric = fabric
+        self.incarnation = incarnation
         self._endpoint = endpoint
         self.pool = pool
         # memory=False (benchmarks): bounds are still checked, nothing is allocated or copied.
@@ -171,6 +183,7 @@ class MemTransport:
         self.regions: dict[int, np.ndarray] = refmodel.garbage(pool, fill) if memory else {}
         self.aux = np.zeros((AUX_ROWS, AUX_ROW_BYTES), dtype=np.uint8)
         self.peers: dict[m.Endpoint, m.Register] = {}
+        self.peer_incarnation: dict[m.Endpoint, int] = {}
         self.inbox: list[bytes] = []
         self.notes: list[bytes] = []
         fabric.transports[endpoint] = self
@@ -184,7 +197,7 @@ class MemTransport:
         return str(self._endpoint)
 
     def agent_metadata(self) -> bytes:
-        return b"mem:" + str(self._endpoint).encode()
+        return f"mem:{self._endpoint}:{self.incarnation}".encode()
 
     def register_regions(self, regions: Any, aux_rows: int, aux_row_bytes: int) -> None:
         pass  # allocated at construction
@@ -203,9 +216,12 @@ class MemTransport:
 
     def add_peer(self, peer: m.Endpoint, registration: m.Register) -> None:
         self.peers[peer] = registration
+        # Writes go to the incarnation whose agent we loaded (a stale agent's writes end in ERR).
+        self.peer_incarnation[peer] = int(registration.agent_meta.decode().rsplit(":", 1)[1])
 
     def drop_peer(self, peer: m.Endpoint) -> None:
         self.peers.pop(peer, None)
+        self.peer_incarnation.pop(peer, None)
 
     def _check(self, size_of: np.ndarray, region: np.ndarray, off: np.ndarray, ln: np.ndarray) -> None:
         known = (region >= 0) & (region < len(size_of))
@@ -222,7 +238,10 @@ class MemTransport:
         self._check(self.fabric.transports[peer].size_of, dst_region, dst_offset, length)
         h = self.fabric.new_handle()
         descs = (src_region, src_offset, dst_region, dst_offset, length)
-        return self.fabric.post(PendingWrite(h, self._endpoint, peer, descs, None, notif, self.fabric.now))
+        inc = self.peer_incarnation[peer]
+        return self.fabric.post(
+            PendingWrite(h, self._endpoint, peer, descs, None, notif, self.fabric.now, inc)
+        )
 
     def post_aux_write(self, peer, src_aux_index, dst_aux_index, notif):  # type: ignore[no-untyped-def]
         if peer not in self.peers:
@@ -231,7 +250,8 @@ class MemTransport:
             raise FabricError("aux row out of range")
         h = self.fabric.new_handle()
         aux = (src_aux_index, dst_aux_index)
-        return self.fabric.post(PendingWrite(h, self._endpoint, peer, None, aux, notif, self.fabric.now))
+        inc = self.peer_incarnation[peer]
+        return self.fabric.post(PendingWrite(h, self._endpoint, peer, None, aux, notif, self.fabric.now, inc))
 
     def check_xfer(self, handle: int) -> XferState:
         return self.fabric.states[handle]
@@ -352,14 +372,43 @@ class World:
             rank = Rank("prefill", p, ep, pool, t, eng, Driver(eng, t, num_shards=num_shards))
             rank.driver.on_status = self._status_cb(rank)
             self.prefill.append(rank)
-        for d, pool in enumerate(dst_pools):
-            ep = m.Endpoint("decode", d)
-            t = MemTransport(self.fabric, ep, pool, fill=200 + d, memory=memory)
-            eng = ReceiverEngine(t.registration(), timeouts=timeouts)
-            rank = Rank("decode", d, ep, pool, t, eng, Driver(eng, t))
-            rank.driver.on_status = self._status_cb(rank)
-            rank.driver.on_free_pages = self._free_cb(rank)
-            self.decode.append(rank)
+        self.dst_pools = dst_pools
+        self.decode_incarnation = 0
+        for d in range(decode_tp):
+            self.decode.append(self._decode_rank(d))
+
+    def _decode_rank(self, d: int) -> Rank:
+        ep = m.Endpoint("decode", d)
+        pool = self.dst_pools[d]
+        t = MemTransport(self.fabric, ep, pool, 200 + d, self.memory, self.decode_incarnation)
+        eng = ReceiverEngine(t.registration(), timeouts=self.timeouts)
+        rank = Rank("decode", d, ep, pool, t, eng, Driver(eng, t))
+        rank.driver.on_status = self._status_cb(rank)
+        rank.driver.on_free_pages = self._free_cb(rank)
+        return rank
+
+    def restart_decode(self) -> list[Request]:
+        """The decode server crashes and comes back at once (every rank: new agent, empty memory,
+        empty allocator, so page ids get reused). Returns the requests whose decode side died."""
+        self.decode_incarnation += 1
+        dead = []
+        for req in self.requests.values():
+            if len(req.released["decode"]) == self.D:
+                continue
+            dead.append(req)
+            for d in range(self.D):
+                key = ("decode", d, req.room, req.tid)
+                if not is_terminal(self.history.get(key, KVPoll.Bootstrapping)):
+                    self.history[key] = KVPoll.Failed  # the process that held it is gone
+                req.released["decode"].add(d)
+                req.freed.add(d)
+            self._maybe_forget(req)
+        self.dst_alloc = PageAllocator(self.dst_pools[0].num_pages)
+        self.dst_aux_free = list(range(AUX_ROWS))
+        self.dst_owner = [{} for _ in range(self.D)]
+        self.dst_aux_owner = {}
+        self.decode = [self._decode_rank(d) for d in range(self.D)]
+        return dead
 
     @property
     def ranks(self) -> list[Rank]:

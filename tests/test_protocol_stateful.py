@@ -3,8 +3,8 @@
 Each step the machine picks what happens next: open a room (or reuse a released room id with a
 new transfer_id), hand a chunk to a prefill rank, run a worker, deliver / duplicate / drop any
 pending control message or notification, complete or fail any posted write, advance time, abort
-on either side, release rooms that turned terminal. Invariants after every step (see
-tests/harness.py for the on-the-fly checks): statuses monotone with Failed absorbing, per rank
+on either side, release rooms that turned terminal, restart the decode server. Invariants after
+every step (see tests/harness.py for the on-the-fly checks): statuses monotone with Failed absorbing, per rank
 and for the MIN view; exactly-once effect per (room, chunk); no write outside the pages and aux
 row a room owns; Success on decode implies every byte equal to the source; released rooms leave
 no trace in any per-room table. Teardown heals the network, lets time pass every deadline, and
@@ -54,6 +54,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.lossy: set[tuple[int, str]] = set()  # rooms that lost a room-level message
         self.next_room = 1
         self.incarnation = 0
+        self.restarts = 0
 
     @initialize(cfg=st.sampled_from(CONFIGS), seed=st.integers(0, 1000), shards=st.integers(1, 3))
     def setup(self, cfg, seed, shards) -> None:  # type: ignore[no-untyped-def]
@@ -155,6 +156,15 @@ class ProtocolMachine(RuleBasedStateMachine):
     def fail_write(self, i: int) -> None:
         self.w.fabric.fail(i % len(self.w.fabric.writes))
         self.w.pump()
+
+    @precondition(lambda self: self.restarts < 2)
+    @rule()
+    def restart_decode(self) -> None:
+        """The decode server dies and restarts at once (new agents, page ids reused); prefill may
+        still hold rooms it registered with the old incarnation."""
+        self.restarts += 1
+        for req in self.w.restart_decode():
+            self.lossy.add((req.room, req.tid))  # its decode side is gone: no agreement to check
 
     @rule(dt=st.sampled_from([1, 10, 30, 100, 400]))
     def advance_time(self, dt: int) -> None:
