@@ -3,9 +3,11 @@
 ``gather`` copies heads ``[head_start, head_start + layout.num_heads)`` of every plane of a pool,
 for the tokens ``[token_start, token_end)`` of a request, into a staging buffer laid out by a
 ``StagingLayout``; ``scatter`` is the reverse. The staging buffer may live on the pool's GPU or in
-pinned host memory (the kernel then writes or reads it over PCIe, zero-copy). Both run on a given
-CUDA stream and return a CUDA event recorded after the work, so callers poll ``event.query()`` or
-make another stream wait on it; nothing here synchronizes the device.
+pinned host memory: the kernel then reads or writes it over PCIe itself (``pinned_path=
+"zero_copy"``, no GPU memory used) or through GPU scratch chunks and the copy engine
+(``"copy_engine"``, faster, 3 x 64 MiB of scratch; see ``bounce``). Both run on a given CUDA stream
+and return a CUDA event recorded after the work, so callers poll ``event.query()`` or make another
+stream wait on it; nothing here synchronizes the device.
 
 Every argument is validated before a launch (typed errors, counted on the pool's ``stats``):
 page ids the host can see must lie inside the pool, and the kernel itself masks any page id
