@@ -282,7 +282,7 @@ class ReceiverEngine:
             refs.append("rooms")
         if any(room in s for s in self.rooms_by_peer.values()):
             refs.append("rooms_by_peer")
-        if ("room", room) in self.deadlines:
+        if ("room", room) in self.deadlines or ("abort", room) in self.deadlines:
             refs.append("deadlines")
         return refs
 
@@ -614,15 +614,23 @@ class ReceiverEngine:
         )
         self.deadlines.set(("room", r.room), self._now + self.timeouts.fence_ns)
         if abort:
-            for p in sorted(r.senders):
-                self._send(
-                    p, m.Abort(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=failure.reason)
-                )
+            self._send_aborts(r)
+
+    def _send_aborts(self, r: _Room) -> None:
+        """Abort every sender that has not confirmed Stopped; repeated each heartbeat interval until
+        the fence closes, so one lost Abort neither pins the pages until the fence deadline nor
+        leaves the sender believing in a Success the decode side gave up on."""
+        reason = r.failure.reason if r.failure else "failed"
+        for p in sorted(r.senders):
+            if p not in r.fenced:
+                self._send(p, m.Abort(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=reason))
+        self.deadlines.set(("abort", r.room), self._now + self.timeouts.heartbeat_interval_ns)
 
     def _maybe_finish(self, r: _Room) -> None:
         if r.state is RState.FAILED and not r.freed and (r.fence_expired or r.fenced >= r.senders.keys()):
             r.freed = True
             self.deadlines.cancel(("room", r.room))
+            self.deadlines.cancel(("abort", r.room))
             reason = "fence expired" if r.fence_expired else "every sender stopped"
             self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
         if r.release_requested and (r.state is RState.SUCCESS or r.freed):
@@ -637,6 +645,7 @@ class ReceiverEngine:
                 if not s:
                     del self.rooms_by_peer[p]
         self.deadlines.cancel(("room", r.room))
+        self.deadlines.cancel(("abort", r.room))
         self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
 
     def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
@@ -659,6 +668,11 @@ class ReceiverEngine:
                 r = self.rooms.get(what)
                 if r is not None:
                     self._dispatch(r, RIn.TIMEOUT, None)
+            elif kind == "abort":
+                r = self.rooms.get(what)
+                if r is not None and r.state is RState.FAILED and not r.freed:
+                    self.counters["abort_resent"] += 1
+                    self._send_aborts(r)
             elif kind == "hb":
                 peer = self.peers.get(what)
                 if peer is not None:

@@ -477,3 +477,17 @@ def test_every_state_input_pair(state: RState, inp: RIn, data: st.DataObject) ->
 def test_table_covers_every_state() -> None:
     assert set(RECEIVER_TABLE) == set(RState)
     assert set(RECEIVER_TABLE[RState.FAILED]) == set(RIn)
+
+
+def test_abort_is_resent_until_every_sender_stopped() -> None:
+    e = waiting()
+    e.handle(AbortRoom(room=ROOM, transfer_id=TID), 0)
+    e.handle(ctl(m.Stopped(src=P0, room=ROOM, transfer_id=TID)), 5)
+    cmds = e.handle(Tick(), 10)  # one heartbeat interval later: the unanswered senders again
+    assert {p for p, _ in sent(cmds, m.Abort)} == {P1, P2}
+    for p in (P1, P2):
+        e.handle(ctl(m.Stopped(src=p, room=ROOM, transfer_id=TID)), 15)
+    assert not e.pages_in_use(ROOM)
+    assert sent(e.handle(Tick(), 20), m.Abort) == []
+    e.handle(ReleaseRoom(room=ROOM, transfer_id=TID), 21)
+    assert e.references(ROOM) == []
