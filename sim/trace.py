@@ -55,7 +55,8 @@ class Trace:
 
     def record(self, kind: str, node: str, **attrs: Any) -> None:
         t = int(self._clock())
-        items = tuple(sorted(attrs.items()))
+        # Keyword order is fixed per call site, so it is already deterministic: no sort needed.
+        items = tuple(attrs.items())
         # repr of tuples of ints, strings and None is stable across runs and platforms; the
         # slow canonical form is only needed for other types.
         if all(type(v) in _PLAIN for _k, v in items):
