@@ -4,15 +4,16 @@ Two processes on 127.0.0.1: a prefill server (``prefill_tp`` ranks) and a decode
 rank per ``decode_tp``, here 1), each rank's pool one contiguous buffer (regions are views into
 it) so the whole room can also be moved as one descriptor. For each configuration:
 
-1. kvferry end to end: rooms of ``tokens`` tokens of qwen3-8b KV, one after the other, through
-   the threaded runtime (TransferInfo, chunk writes with notifications, aux row, Success on both
-   sides). Timed on decode from ``KVReceiver.init`` to Success; GB/s = room bytes / that time.
-2. Raw: from every prefill rank at once, one NIXL WRITE of the same byte count as one descriptor
-   into the decode buffer (prepared lists, no notification), timed from post to DONE on all ranks.
-   Each timed room is followed by one raw write (paired, interleaved), so both see the same load
-   on a shared machine; each side reports its median.
+1. kvferry end to end: batches of ``inflight`` rooms of ``tokens`` tokens of qwen3-8b KV, one
+   batch after the other, through the threaded runtime (TransferInfo, chunk writes with
+   notifications, aux row, Success on both sides). Timed on decode from the first
+   ``KVReceiver.init`` of a batch to its last Success; GB/s = batch bytes / that time.
+2. Raw: from every prefill rank, one NIXL WRITE per room of the same byte count as a single
+   descriptor into the decode buffer (prepared lists, no notification), all posted at once, timed
+   from the first post to the last DONE. Each timed batch is followed by its raw batch (paired,
+   interleaved), so both see the same load on a shared machine; each side reports its median.
 
-Every timed room is checked on decode before its raw write: every byte of the room's pages holds
+Every timed room is checked on decode before the raw writes: every byte of the room's pages holds
 the value its source rank filled in.
 
 Child processes speak JSON lines on stdout/stdin (``python -m kvferry.backends.runtime.bench``).
@@ -27,6 +28,7 @@ import queue
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -50,6 +52,8 @@ class BenchConfig:
     warmup: int = 1
     chunk_tokens: int = 0  # 0: the whole room in one chunk
     raw_reps: int = 3
+    inflight: int = 1  # rooms opened at once per batch (throughput rather than one room's latency)
+    idle_max_s: float = 2e-4  # progress threads' longest idle sleep (latency of the control path)
     mem: str = "DRAM"  # VRAM: pools are torch CUDA tensors (one GPU shared by both processes)
 
 
@@ -76,13 +80,13 @@ def _pools(cfg: BenchConfig, role: str) -> list[Any]:
     from kvferry.core.geometry import ModelGeometry, PoolGeometry
 
     model = ModelGeometry.preset(cfg.model)
-    pages = -(-cfg.tokens // cfg.page_size)
+    pages = -(-cfg.tokens // cfg.page_size) * cfg.inflight
     if role == "prefill":
         return [
             PoolGeometry(model, cfg.prefill_tp, r, cfg.page_size, pages, cfg.layout)
             for r in range(cfg.prefill_tp)
         ]
-    # Two rooms' worth on decode: consecutive rooms land in different pages.
+    # Two batches' worth on decode: consecutive batches land in different pages.
     return [
         PoolGeometry(model, cfg.decode_tp, r, cfg.page_size, 2 * pages, cfg.layout)
         for r in range(cfg.decode_tp)
@@ -107,18 +111,19 @@ def _buffers(pool: Any, fill: int, mem: str) -> tuple[Any, dict[int, Any], Any]:
     return buf, {r.region_id: buf[i * per : (i + 1) * per] for i, r in enumerate(pool.regions)}, cover
 
 
-def _zero(region: Any, half: int) -> None:
-    region.reshape(2, -1)[half] = 0
+def _slot(region: Any, slots: int, slot: int) -> Any:
+    """The bytes of room slot ``slot`` of a region cut into ``slots`` equal room-sized slots."""
+    return region.reshape(slots, -1)[slot]
 
 
-def _counts(regions: dict[int, Any], half: int) -> dict[int, int]:
-    if any(hasattr(r, "device") for r in regions.values()):
+def _counts(regions: dict[int, Any], slots: int, slot: int) -> dict[int, int]:
+    if not all(isinstance(r, np.ndarray) for r in regions.values()):  # torch tensors
         import torch
 
-        total = sum(torch.bincount(r.reshape(2, -1)[half], minlength=256) for r in regions.values())
+        total = sum(torch.bincount(_slot(r, slots, slot), minlength=256) for r in regions.values())
         total = total.cpu().numpy()
     else:
-        total = sum(np.bincount(r.reshape(2, -1)[half], minlength=256) for r in regions.values())
+        total = sum(np.bincount(_slot(r, slots, slot), minlength=256) for r in regions.values())
     return {int(v): int(c) for v, c in enumerate(total) if c}
 
 
@@ -129,7 +134,7 @@ def _config(cfg: BenchConfig) -> Any:
     t = Timeouts(
         bootstrap_ns=120 * SEC, waiting_ns=120 * SEC, transfer_ns=120 * SEC, heartbeat_timeout_ns=60 * SEC
     )
-    return RuntimeConfig(num_queues=2, aux_rows=8, timeouts=t)
+    return RuntimeConfig(num_queues=2, aux_rows=64, timeouts=t, idle_max_s=cfg.idle_max_s)
 
 
 def child_prefill(cfg: BenchConfig) -> None:
@@ -148,32 +153,40 @@ def child_prefill(cfg: BenchConfig) -> None:
         ep.start()
     _say(event="ready", addresses=[ep.address for ep in eps])
     _hear()  # go
-    pages = np.arange(-(-cfg.tokens // cfg.page_size), dtype=np.int64)
+    n_pages = -(-cfg.tokens // cfg.page_size)
     cuts = list(range(cfg.chunk_tokens, cfg.tokens, cfg.chunk_tokens)) if cfg.chunk_tokens else []
     cuts.append(cfg.tokens)
-    room_bytes = eps[0].pool.total_bytes  # one room fills a prefill rank's pool exactly
+    room_bytes = eps[0].pool.total_bytes // cfg.inflight  # a rank's share of one room
     decode = Endpoint(server="decode", rank=0)
     one = np.array([RAW_ID], dtype=np.int64)
     raw_times, kv_posts = [], []
     kind = "VRAM" if cfg.mem == "VRAM" else "DRAM"
-    for i in range(cfg.warmup + cfg.rooms):
-        senders = [ep.sender(1000 + i, f"b{i}") for ep in eps]
-        for s in senders:
-            s.write_aux(i % 8, (1000 + i).to_bytes(8, "little"))
-            s.init(i % 8)
-        for k, end in enumerate(cuts):
+    for b in range(cfg.warmup + cfg.rooms):
+        batch = []
+        for k in range(cfg.inflight):
+            room, aux = 1000 + b * cfg.inflight + k, k
+            pages = np.arange(n_pages, dtype=np.int64) + k * n_pages
+            senders = [ep.sender(room, f"b{room}") for ep in eps]
             for s in senders:
-                s.send(pages, end, is_last=k == len(cuts) - 1)
-        for s in senders:
-            if s.wait(600) is not KVPoll.Success:
-                s.failure_exception()
-            s.clear()
-        if i == 0:
+                s.write_aux(aux, room.to_bytes(8, "little"))
+                s.init(aux)
+            batch.append((senders, pages))
+        for c, end in enumerate(cuts):
+            for senders, pages in batch:
+                for s in senders:
+                    s.send(pages, end, is_last=c == len(cuts) - 1)
+        for senders, _ in batch:
+            for s in senders:
+                if s.wait(600) is not KVPoll.Success:
+                    s.failure_exception()
+                s.clear()
+        if b == 0:
             kv_posts = [r for ep in eps for r in ep.transport.agent.telemetry.records() if r.nbytes > 4096]
-        _say(event="room_sent", index=i)
-        # Raw, paired with this room: one descriptor per prefill rank, all ranks at once, the same
-        # bytes. Only after decode checked the room: these writes land in the same decode buffer.
+        _say(event="batch_sent", index=b)
+        # Raw, paired with this batch: one descriptor per (room, prefill rank), all posted at once,
+        # the same bytes. Only after decode checked the batch: they land in the same decode buffer.
         d_addr, d_bytes, d_dev = _hear()["raw"]
+        slots = max(1, d_bytes // room_bytes)
         for ep in eps:
             agent = ep.transport.peer_agent(decode)
             if ("raw", room_bytes) not in ep.transport.agent._peers[agent].prepped:
@@ -182,27 +195,31 @@ def child_prefill(cfg: BenchConfig) -> None:
                 )
         t0 = time.perf_counter()
         tickets = []
-        for r, ep in enumerate(eps):
-            off = np.array([(r % max(1, d_bytes // room_bytes)) * room_bytes], dtype=np.int64)
-            tickets.append(
-                ep.transport.agent.post(
-                    "WRITE",
-                    ep.transport.peer_agent(decode),
-                    ("raw", room_bytes),
-                    (one, np.zeros(1, dtype=np.int64)),
-                    (one, off),
-                    np.array([room_bytes], dtype=np.int64),
+        for k in range(cfg.inflight):
+            for r, ep in enumerate(eps):
+                dst = ((k * len(eps) + r) % slots) * room_bytes
+                tickets.append(
+                    (
+                        ep,
+                        ep.transport.agent.post(
+                            "WRITE",
+                            ep.transport.peer_agent(decode),
+                            ("raw", room_bytes),
+                            (one, np.array([k * room_bytes], dtype=np.int64)),
+                            (one, np.array([dst], dtype=np.int64)),
+                            np.array([room_bytes], dtype=np.int64),
+                        ),
+                    )
                 )
-            )
-        states = [ep.transport.agent.wait(t, 600.0) for ep, t in zip(eps, tickets, strict=True)]
+        states = [ep.transport.agent.wait(t, 600.0) for ep, t in tickets]
         raw_times.append(time.perf_counter() - t0)
         if any(s != "DONE" for s in states):
             raise RuntimeError(f"raw write ended {states}")
-        _say(event="raw_done", index=i)
+        _say(event="raw_done", index=b)
     _say(
         event="done",
         raw_times=raw_times[cfg.warmup :],
-        raw_bytes=room_bytes * len(eps),
+        raw_bytes=room_bytes * len(eps) * cfg.inflight,
         descs_requested=max((r.descs_requested for r in kv_posts), default=0),
         descs_posted=max((r.descs_posted for r in kv_posts), default=0),
         post_us=max((r.post_us for r in kv_posts), default=0),
@@ -232,30 +249,36 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
     _say(event="ready", raw=[cover.addr, cover.nbytes, cover.dev])
     _hear()
     n_pages = -(-cfg.tokens // cfg.page_size)
+    slots = 2 * cfg.inflight
     durations, checks = [], []
     room_bytes = pool.token_bytes * cfg.tokens * pool.model.num_regions
-    for i in range(cfg.warmup + cfg.rooms):
-        half = i % 2
-        pages = np.arange(n_pages, dtype=np.int64) + half * n_pages
-        for r in regions.values():  # clear the room's pages so the check below means something
-            _zero(r, half)
-        rv = ep.receiver(1000 + i, f"b{i}")
+    for b in range(cfg.warmup + cfg.rooms):
+        half = b % 2
+        for k in range(cfg.inflight):  # clear the batch's pages so the check means something
+            for r in regions.values():
+                _slot(r, slots, half * cfg.inflight + k)[:] = 0
+        rvs = []
         t0 = time.perf_counter()
-        rv.init(pages, cfg.tokens, i % 8)
-        st = rv.wait(600)
+        for k in range(cfg.inflight):
+            room, slot = 1000 + b * cfg.inflight + k, half * cfg.inflight + k
+            rv = ep.receiver(room, f"b{room}")
+            rv.init(np.arange(n_pages, dtype=np.int64) + slot * n_pages, cfg.tokens, k)
+            rvs.append(rv)
+        sts = [rv.wait(600) for rv in rvs]
         dt = time.perf_counter() - t0
-        if st is not KVPoll.Success:
-            rv.failure_exception()
-        rv.clear()
-        if i >= cfg.warmup:
+        for rv, st in zip(rvs, sts, strict=True):
+            if st is not KVPoll.Success:
+                rv.failure_exception()
+            rv.clear()
+        if b >= cfg.warmup:
             durations.append(dt)
             # Prefill rank r filled its pool with r + 1; each wrote its share of every token.
             want = {v + 1: room_bytes // cfg.prefill_tp for v in range(cfg.prefill_tp)}
-            checks.append(_counts(regions, half) == want)
-        _say(event="room", index=i)
-        _hear()  # next: the paired raw write is done
+            checks += [_counts(regions, slots, half * cfg.inflight + k) == want for k in range(cfg.inflight)]
+        _say(event="batch", index=b)
+        _hear()  # next: the paired raw writes are done
     check = {"ok": bool(checks) and all(checks), "rooms_checked": len(checks)}
-    _say(event="done", durations=durations, room_bytes=room_bytes, check=check)
+    _say(event="done", durations=durations, room_bytes=room_bytes * cfg.inflight, check=check)
     _hear()
     ep.close()
 
@@ -263,11 +286,12 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
 # ---- harness side --------------------------------------------------------------------------------
 class _Proc:
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the child's stderr, kept for errors)
         self.p = subprocess.Popen(
             [sys.executable, "-m", "kvferry.backends.runtime.bench", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.log,
             text=True,
             env=env,
         )
@@ -281,10 +305,13 @@ class _Proc:
         self.q.put(None)
 
     def get(self, timeout_s: float) -> dict[str, Any]:
-        line = self.q.get(timeout=timeout_s)
-        if line is None:
-            raise RuntimeError(f"bench child exited with {self.p.wait()}")
-        return json.loads(line)
+        while True:
+            line = self.q.get(timeout=timeout_s)
+            if line is None:
+                self.log.seek(0)
+                raise RuntimeError(f"bench child exited with {self.p.wait()}: {self.log.read()[-2000:]}")
+            if line.startswith("{"):  # NIXL/UCX may print their own lines on stdout
+                return json.loads(line)
 
     def put(self, **msg: Any) -> None:
         assert self.p.stdin is not None
@@ -311,8 +338,8 @@ def run_config(
         pre.put(go=True)
         dec.put(go=True)
         for _ in range(cfg.warmup + cfg.rooms):
-            dec.get(timeout_s)  # room: timed and checked on decode
-            pre.get(timeout_s)  # room_sent
+            dec.get(timeout_s)  # batch: timed and checked on decode
+            pre.get(timeout_s)  # batch_sent
             pre.put(raw=raw)
             pre.get(timeout_s)  # raw_done
             dec.put(next=True)
@@ -335,8 +362,9 @@ def run_config(
         "tokens": cfg.tokens,
         "tp": f"{cfg.prefill_tp}->{cfg.decode_tp}",
         "layout": cfg.layout,
-        "room_mb": room_bytes / 1e6,
+        "room_mb": room_bytes / cfg.inflight / 1e6,
         "rooms": cfg.rooms,
+        "inflight": cfg.inflight,
         "kvferry_s": e2e_s,
         "kvferry_gbps": e2e,
         "raw_s": raw_s,

@@ -26,6 +26,7 @@ def nixl(
     tokens: Annotated[int, typer.Option(help="Tokens per room (qwen3-8b KV).")] = 4096,
     chunk_tokens: Annotated[int, typer.Option(help="Tokens per prefill chunk (0: one chunk).")] = 0,
     mem: Annotated[str, typer.Option(help="DRAM, or VRAM (torch CUDA pools, one GPU).")] = "DRAM",
+    inflight: Annotated[int, typer.Option(help="Rooms in flight at once (a batch).")] = 1,
 ) -> None:
     """Two processes on 127.0.0.1 (prefill ranks, one decode rank) move qwen3-8b KV rooms through
     kvferry's runtime; the same processes then WRITE the same bytes as one NIXL descriptor."""
@@ -37,14 +38,16 @@ def nixl(
     if not configs:
         raise typer.BadParameter(f"unknown configuration; known: {[c.name for c in DEFAULT_CONFIGS]}")
     for c in configs:
-        r = run_config(replace(c, tokens=tokens, chunk_tokens=chunk_tokens, rooms=rooms or c.rooms, mem=mem))
+        c = replace(c, tokens=tokens, chunk_tokens=chunk_tokens, mem=mem, inflight=inflight)
+        r = run_config(replace(c, rooms=rooms or c.rooms))
         if as_json:
             typer.echo(json.dumps(r))
             continue
         typer.echo(
-            f"{r['config']:<12} {r['mem']} {r['tokens']} tokens, {r['room_mb']:.0f} MB/room: "
-            f"kvferry {r['kvferry_gbps']:.2f} GB/s ({r['kvferry_s'] * 1e3:.0f} ms/room), "
-            f"raw 1-descriptor WRITE {r['raw_gbps']:.2f} GB/s ({r['raw_s'] * 1e3:.0f} ms), "
+            f"{r['config']:<12} {r['mem']} {r['tokens']} tokens, {r['room_mb']:.0f} MB/room, "
+            f"{r['inflight']} in flight: "
+            f"kvferry {r['kvferry_gbps']:.2f} GB/s ({r['kvferry_s'] * 1e3:.1f} ms/batch), "
+            f"raw 1-descriptor WRITEs {r['raw_gbps']:.2f} GB/s ({r['raw_s'] * 1e3:.1f} ms), "
             f"ratio {r['ratio']:.2f}; {r['descs_requested']} indices -> {r['descs_posted']} posted "
             f"descriptors per write; bytes {'ok' if r['bytes_ok'] else 'WRONG'}"
         )
