@@ -151,3 +151,28 @@ def test_chrome_trace_has_tracks_per_node_and_worker(tmp_path: Path) -> None:
     assert {"prefill0", "prefill1", "decode0", "worker 0", "worker 1", "nic", "rooms"} <= names
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert len([e for e in spans if e["cat"] == "xfer_done"]) == res.transfers - res.transfers_err
+
+
+def test_liveness_checker_fires_when_rooms_cannot_finish_in_time() -> None:
+    # The control link is down for the whole run and the deadline is shorter than the core's
+    # bootstrap timeout: rooms are still Bootstrapping when it passes, and the checker says so.
+    s = sc.parse(
+        {
+            "workload": {"rooms": 3, "arrival_mean_us": 10},
+            "faults": {
+                "event": [
+                    {
+                        "at_us": 0,
+                        "kind": "link_down",
+                        "node": "prefill0",
+                        "peer": "decode0",
+                        "duration_us": 5000,
+                    }
+                ]
+            },
+            "phases": {"fault_window_us": 5000, "liveness_us": 1000},
+        }
+    )
+    res, _ = run_one(s)
+    assert "liveness" in res.violated()
+    assert any("still Bootstrapping" in v["detail"] for v in res.violations)
