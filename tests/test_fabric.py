@@ -220,3 +220,25 @@ def test_sim_transport_is_a_transport_and_checks_peer_regions() -> None:
     h = p.post_write(de, np.array([0]), np.array([0]), np.array([0]), np.array([0]), np.array([8]), b"x")
     env.run()
     assert p.check_xfer(h).value == "ERR"
+
+
+def test_sim_transport_read_pulls_bytes_and_notifies_the_peer() -> None:
+    env = simpy.Environment()
+    fab = Fabric(env, SPEC, random.Random(0))
+    for n in ("prefill0", "decode0"):
+        fab.add_node(n)
+    pe, de = Endpoint("prefill", 0), Endpoint("decode", 0)
+    p, d = SimTransport(fab, pe, _pool(0)), SimTransport(fab, de, _pool(0))
+    for t in (p, d):
+        t.register_regions(t.pool.regions, aux_rows=2, aux_row_bytes=16)
+    d.add_peer(pe, p.registration())
+    p.region(0)[100:110] = np.arange(1, 11, dtype=np.uint8)
+    h = d.post_read(pe, np.array([0]), np.array([7]), np.array([0]), np.array([100]), np.array([10]), b"read")
+    env.run()
+    assert d.check_xfer(h).value == "DONE"
+    assert (d.region(0)[7:17] == np.arange(1, 11)).all()
+    assert p.drain_notifs() == [b"read"]
+    with pytest.raises(RegionAccessError):
+        d.post_read(
+            pe, np.array([0]), np.array([0]), np.array([0]), np.array([p.pool.region_bytes]), np.array([1])
+        )

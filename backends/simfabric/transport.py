@@ -150,6 +150,35 @@ class SimTransport:
         self._check_remote(p, d)
         return self._post(p, d, notif, tag)
 
+    def post_read(
+        self,
+        peer: Endpoint,
+        local_region: npt.NDArray[np.int64],
+        local_offset: npt.NDArray[np.int64],
+        remote_region: npt.NDArray[np.int64],
+        remote_offset: npt.NDArray[np.int64],
+        length: npt.NDArray[np.int64],
+        notif: bytes | None = None,
+        tag: Any = None,
+    ) -> XferHandle:
+        """READ from ``peer``'s registered memory into ours (the pull flow); ``notif`` reaches the
+        peer once the bytes are read. Not in the push protocol's Transport; kept for pull."""
+        p = self._peer(peer)
+        d = DescList.of(remote_region, remote_offset, local_region, local_offset, length)
+        bad = p.bounds.first_violation(d.src_region, d.src_offset, d.length)
+        if bad >= 0:
+            self.refused += 1
+            raise RegionAccessError(f"{self.node}: read descriptor {bad} outside {p.node}'s regions")
+        try:
+            xid = self.fabric.post(
+                self.node, p.node, self.node, d, notif, tag=tag, dst_incarnation=p.incarnation
+            )
+        except RegionAccessError:
+            self.refused += 1
+            raise
+        self.handles.add(xid)
+        return xid
+
     def post_aux_write(
         self, peer: Endpoint, src_aux_index: int, dst_aux_index: int, notif: bytes, tag: Any = None
     ) -> XferHandle:
