@@ -50,6 +50,7 @@ def test_the_four_required_scenarios_exist() -> None:
         ({"seed": -1}, "scenario.seed: must be >= 0"),
         ({"phases": {"liveness_us": "soon"}}, "[phases].liveness_us: expected an integer"),
         ({"timeouts": {"fence_ns": 0}}, "[timeouts].fence_ns: must be >= 1"),
+        ({"timeouts": {"fence_ns": 10_000_000}}, "[timeouts]: fence_ns 10000000 must exceed the longest"),
     ],
 )
 def test_errors_point_at_the_field(doc: dict, needle: str) -> None:
