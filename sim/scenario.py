@@ -375,6 +375,26 @@ def _faults(r: _Reader, nodes: tuple[str, ...]) -> Faults:
     )
 
 
+# Longest a write may take to finish or fail on the simulated fabric, beyond the NIC's error
+# timeout: generous room for posts queued behind others (assumption).
+WRITE_SLACK_NS = 10_000_000
+REORDER_MAX_NS = 200 * US  # sim/faults.py's reorder delay bound
+
+
+def _check_timeouts(where: str, t: TimeoutSpec, fabric: FabricSpec, faults: Faults) -> None:
+    """Refuse deadlines the core itself calls unsafe for this fabric (a fence shorter than a
+    peer may still write would let the checker blame the core for the scenario's settings)."""
+    from kvferry.core.deadlines import Timeouts
+
+    max_msg = (
+        fabric.control.latency_ns + fabric.control.jitter_ns + faults.ctrl_delay_max_us * US + REORDER_MAX_NS
+    )
+    max_write = fabric.nic.error_timeout_ns + WRITE_SLACK_NS
+    probs = Timeouts(**{n: getattr(t, n) for n in _names(TimeoutSpec)}).problems(max_msg, max_write)
+    if probs:
+        raise ScenarioError(f"{where}: {'; '.join(probs)}")
+
+
 def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
     top = _Reader(
         where,
@@ -436,6 +456,7 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
     tr = _Reader(f"{where}: [timeouts]", data.get("timeouts", {}), _names(TimeoutSpec))
     td = TimeoutSpec()
     timeouts = TimeoutSpec(**{n: tr.int(n, getattr(td, n), lo=1) for n in _names(TimeoutSpec)})
+    _check_timeouts(f"{where}: [timeouts]", timeouts, fabric, faults)
     pr = _Reader(f"{where}: [phases]", data.get("phases", {}), _names(Phases))
     phases = Phases(
         pr.int("fault_window_us", Phases().fault_window_us), pr.int("liveness_us", Phases().liveness_us, lo=1)
