@@ -60,6 +60,11 @@ class Telemetry:
             t.xfer_us += rec.xfer_us
             t.wall_ns += rec.wall_ns
 
+    def clear(self) -> None:
+        """Forget the kept records (totals stay): a benchmark's warm-up, for instance."""
+        with self._lock:
+            self._ring.clear()
+
     def records(self) -> list[XferRecord]:
         with self._lock:
             return list(self._ring)

@@ -159,7 +159,8 @@ def child_prefill(cfg: BenchConfig) -> None:
     room_bytes = eps[0].pool.total_bytes // cfg.inflight  # a rank's share of one room
     decode = Endpoint(server="decode", rank=0)
     one = np.array([RAW_ID], dtype=np.int64)
-    raw_times, kv_posts = [], []
+    raw_times: list[float] = []
+    kv_posts: list[Any] = []
     kind = "VRAM" if cfg.mem == "VRAM" else "DRAM"
     for b in range(cfg.warmup + cfg.rooms):
         batch = []
@@ -180,8 +181,10 @@ def child_prefill(cfg: BenchConfig) -> None:
                 if s.wait(600) is not KVPoll.Success:
                     s.failure_exception()
                 s.clear()
-        if b == 0:
-            kv_posts = [r for ep in eps for r in ep.transport.agent.telemetry.records() if r.nbytes > 4096]
+        if b >= cfg.warmup:  # NIXL's own per-write telemetry of the timed batches
+            kv_posts += [r for ep in eps for r in ep.transport.agent.telemetry.records() if r.nbytes > 4096]
+            for ep in eps:
+                ep.transport.agent.telemetry.clear()
         _say(event="batch_sent", index=b)
         # Raw, paired with this batch: one descriptor per (room, prefill rank), all posted at once,
         # the same bytes. Only after decode checked the batch: they land in the same decode buffer.
@@ -222,7 +225,9 @@ def child_prefill(cfg: BenchConfig) -> None:
         raw_bytes=room_bytes * len(eps) * cfg.inflight,
         descs_requested=max((r.descs_requested for r in kv_posts), default=0),
         descs_posted=max((r.descs_posted for r in kv_posts), default=0),
-        post_us=max((r.post_us for r in kv_posts), default=0),
+        post_us=statistics.median([r.post_us for r in kv_posts]) if kv_posts else 0,
+        xfer_us=statistics.median([r.xfer_us for r in kv_posts]) if kv_posts else 0,
+        wall_us=statistics.median([r.wall_ns / 1e3 for r in kv_posts]) if kv_posts else 0,
     )
     _hear()
     for ep in eps:
@@ -372,6 +377,9 @@ def run_config(
         "ratio": e2e / raw,
         "descs_requested": p["descs_requested"],
         "descs_posted": p["descs_posted"],
+        "write_post_us": p["post_us"],  # NIXL telemetry, median per kvferry write
+        "write_xfer_us": p["xfer_us"],
+        "write_wall_us": p["wall_us"],  # post to DONE seen by our poll
         "bytes_ok": d["check"].get("ok", False),
         "ucx_tls": env.get("UCX_TLS", "(default)"),
         "mem": cfg.mem,
