@@ -223,7 +223,8 @@ Control = Register | RegisterAck | Heartbeat | TransferInfo | RoomFailed | Abort
 
 
 class ChunkNote(msgspec.Struct, frozen=True, kw_only=True):
-    """Notification payload carried by a chunk's WRITE (``aux``: the aux-row write of the room)."""
+    """Notification payload carried by a chunk's WRITE (``aux``: the aux-row write of the room;
+    ``dummy``: sent alone by a dummy sender when it ran its last chunk)."""
 
     v: int = PROTOCOL_VERSION
     room: Room
@@ -234,9 +235,12 @@ class ChunkNote(msgspec.Struct, frozen=True, kw_only=True):
     token_end: Tokens
     is_last: bool
     aux: bool = False
+    dummy: bool = False  # a dummy sender's "done": no bytes came with it
 
     def __post_init__(self) -> None:
         _check_version(self.v)
+        if self.dummy and (self.aux or not self.is_last):
+            raise ValueError("a dummy note is the last one and carries no aux row")
         if self.token_end < self.token_start:
             raise ValueError(f"token range [{self.token_start}, {self.token_end}) is reversed")
 

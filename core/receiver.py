@@ -8,7 +8,8 @@ Room states and KVPoll:
     TRANSFERRING  (Transferring)    chunks landing
     SUCCESS       (Success)         every non-dummy sender delivered every chunk (as a set: the
                                     count comes from its last chunk), the token ranges tile
-                                    [0, num_tokens) exactly, and the aux row holds this room id
+                                    [0, num_tokens) exactly, the aux row holds this room id, and
+                                    every dummy sender said it finished
     FAILED        (Failed)          absorbing; Abort sent to every sender; the pages are freed
                                     (FreePages) once every sender confirmed Stopped, or the fence
                                     deadline passed
@@ -138,6 +139,7 @@ class _Room:
         "aux_sender",
         "data_senders",
         "dst_pages",
+        "dummies_done",
         "failure",
         "fence_expired",
         "fenced",
@@ -167,6 +169,7 @@ class _Room:
         self.progress: dict[m.Endpoint, _SenderProgress] = {p: _SenderProgress() for p in self.data_senders}
         self.aux_pending = False
         self.aux_ok = False
+        self.dummies_done: set[m.Endpoint] = set()
         self.fenced: set[m.Endpoint] = set()
         self.fence_expired = False
         self.freed = False
@@ -503,11 +506,19 @@ class ReceiverEngine:
         src = note.src
         if src not in r.senders:
             raise _RoomError(f"notification from {src}, which is not a sender of this room")
-        if src not in r.data_senders:
-            raise _RoomError(f"notification from dummy sender {src}")
         if r.state is not RState.SUCCESS:
             self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
-        if note.aux:
+        if src not in r.data_senders:
+            # A dummy moves no bytes; its one "done" note makes decode's Success cover every
+            # sender, so a dummy that failed (and said so, or went silent) fails the room here too.
+            if not (note.dummy and note.is_last):
+                raise _RoomError(f"notification with data from dummy sender {src}")
+            if src in r.dummies_done:
+                self.counters["duplicate_notification"] += 1
+            r.dummies_done.add(src)
+        elif note.dummy:
+            raise _RoomError(f"dummy notification from data sender {src}")
+        elif note.aux:
             if src != r.aux_sender:
                 raise _RoomError(f"aux row written by {src}, expected {r.aux_sender}")
             if r.aux_pending or r.aux_ok:
@@ -555,7 +566,11 @@ class ReceiverEngine:
             prog.done = True
 
     def _complete(self, r: _Room) -> bool:
-        return r.aux_ok and all(p.done for p in r.progress.values())
+        return (
+            r.aux_ok
+            and all(p.done for p in r.progress.values())
+            and len(r.dummies_done) == len(r.senders) - len(r.data_senders)
+        )
 
     def _h_on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> None:
         if r.aux_ok or not r.aux_pending:
@@ -570,7 +585,7 @@ class ReceiverEngine:
 
     def _h_on_notify_after_success(self, r: _Room, inp: RIn, note: m.ChunkNote) -> None:
         prog = r.progress.get(note.src)
-        if note.aux and note.src == r.aux_sender:
+        if (note.aux and note.src == r.aux_sender) or (note.dummy and note.src in r.dummies_done):
             self.counters["duplicate_notification"] += 1
             return
         if prog is not None and prog.chunks.get(note.chunk_index) == (note.token_start, note.token_end):

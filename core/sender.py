@@ -648,6 +648,20 @@ class SenderEngine:
             )
         if c.is_last:
             for p, info in sorted(r.infos.items()):
+                if info.dummy:
+                    note = m.encode(
+                        m.ChunkNote(
+                            room=r.room,
+                            transfer_id=r.tid,
+                            src=self.endpoint,
+                            chunk_index=c.chunk_index,
+                            token_start=start,
+                            token_end=end,
+                            is_last=True,
+                            dummy=True,
+                        )
+                    )
+                    self._out.append(SendNotif(peer=p, room=r.room, notif=note))
                 if info.send_aux:
                     note = m.encode(
                         m.ChunkNote(

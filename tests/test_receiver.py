@@ -121,6 +121,7 @@ FULL = [
     note(P0, 1, 2, 6, True),
     note(P0, 1, 2, 6, True, aux=True),
     note(P1, 0, 0, 6, True),
+    note(P2, 1, 0, 6, True, dummy=True),  # the dummy sender's "done"
 ]
 
 
@@ -198,12 +199,12 @@ def test_bad_open_fails_at_once_and_frees_pages(kw: dict[str, Any], why: str) ->
 # --- chunks and Success -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 2, 1, 0], [1, 2, 0, 3], [2, 3, 1, 0]])
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [1, 4, 2, 0, 3], [2, 3, 1, 0, 4]])
 def test_success_needs_every_chunk_of_every_sender_as_a_set(order: list[int]) -> None:
     e = waiting()
     for k, i in enumerate(order):
         deliver_all(e, [FULL[i]])
-        if k < 3:
+        if k < 4:
             assert e.state(ROOM) is RState.TRANSFERRING
     assert e.state(ROOM) is RState.SUCCESS
 
@@ -231,7 +232,8 @@ def test_duplicates_are_ignored_and_counted() -> None:
         ([note(P0, 0, 0, 2, False), note(P0, 1, 3, 6, True)], "starts at token 3"),
         ([note(P0, 0, 0, 7, True)], "past the 6 allocated"),
         ([note(P0, 0, 0, 2, False), note(P0, 0, 0, 3, False)], "twice with ranges"),
-        ([note(P2, 0, 0, 6, True)], "dummy"),
+        ([note(P2, 0, 0, 6, True)], "data from dummy sender"),
+        ([note(P0, 1, 0, 6, True, dummy=True)], "dummy notification from data sender"),
         ([note(m.Endpoint("prefill", 9), 0, 0, 6, True)], "not a sender"),
         ([note(P1, 0, 0, 6, True, aux=True)], "aux row written by"),
         ([note(P0, 1, 2, 6, True), note(P0, 2, 6, 6, False)], "after its last chunk"),

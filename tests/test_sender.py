@@ -248,6 +248,9 @@ def test_dummy_sender_succeeds_without_writing() -> None:
     e.handle(ctl(info(dummy=True, send_aux=False)), 0)
     cmds = run(e, chunk(0, 6, True))
     assert of(cmds, PostWrite) == [] and of(cmds, PostAuxWrite) == []
+    [done] = of(cmds, SendNotif)  # the dummy tells decode it finished
+    note = m.decode_note(done.notif)
+    assert done.peer == D0 and note.dummy and note.is_last
     assert e.state(ROOM) is SState.SUCCESS
 
 
