@@ -567,17 +567,21 @@ class World:
             return
         self.injector.counts["crash"] += 1
         rank.crash()
-        # Every room this incarnation held is gone with it: Failed on that rank. On decode that
-        # includes rooms already Success there whose server-wide outcome is still open: the
-        # bytes they landed are gone with the memory.
+        # After the status reports this incarnation made before dying (deferred, same instant).
+        self._later(lambda: self._crashed(node, rank.incarnation))
+
+    def _crashed(self, node: str, incarnation: int) -> None:
+        """Every room this incarnation held is gone with it: Failed on that rank. On decode that
+        includes rooms already Success there whose server-wide outcome is still open: the bytes
+        they landed are gone with the memory."""
         decode = node.startswith("decode")
         for req in self.requests:
-            if req.inc.get(node) != rank.incarnation:
+            if req.inc.get(node) != incarnation:
                 continue
             st = req.status.get(node)
             if not _terminal(st) or (decode and st is KVPoll.Success and not req.outcome):
-                self._mark(req, node, KVPoll.Failed, "node crashed", rank.incarnation)
-            elif req.inc.get(node) == rank.incarnation:
+                self._mark(req, node, KVPoll.Failed, "node crashed", incarnation)
+            else:
                 side = "prefill" if node.startswith("prefill") else "decode"
                 self._check_side(req, side)
 
