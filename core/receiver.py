@@ -213,6 +213,7 @@ class ReceiverEngine:
         self.counters: Counter[str] = Counter()
         self._out: list[Any] = []
         self._now = 0
+        self.last_internal_error: BaseException | None = None
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -221,9 +222,9 @@ class ReceiverEngine:
         self._out = out = []
         t = type(event)
         if t is NotificationIn:
-            self._on_notification(event.data)
+            self._guarded(self._on_notification, event.data)
         elif t is ControlIn:
-            self._on_control(event.data)
+            self._guarded(self._on_control, event.data)
         elif t is AuxChecked:
             self._room_input(event.room, event.transfer_id, RIn.AUX_CHECKED, event)
         elif t is ReceiverOpen:
@@ -239,6 +240,15 @@ class ReceiverEngine:
             raise TypeError(f"ReceiverEngine cannot handle {t.__name__}")
         self._out = []
         return out
+
+    def _guarded(self, fn: Any, data: bytes) -> None:
+        """Peer input must never raise out of the engine (it would kill a driver thread): a bug
+        outside any room's dispatch is counted and kept for inspection; tests assert none."""
+        try:
+            fn(data)
+        except Exception as exc:
+            self.counters["internal_error"] += 1
+            self.last_internal_error = exc
 
     def apply(self, room: int, inp: RIn, payload: Any, now: int) -> list[Any]:
         """Table-level entry: feed ``inp`` straight to a live room (tests and tools; runtimes use

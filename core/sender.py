@@ -231,6 +231,7 @@ class SenderEngine:
         self._next_write_id = 1
         self._out: list[Any] = []
         self._now = 0
+        self.last_internal_error: BaseException | None = None
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -240,7 +241,7 @@ class SenderEngine:
         self._out = out = []
         t = type(event)
         if t is ControlIn:
-            self._on_control(event.data)
+            self._guarded(self._on_control, event.data)
         elif t is ChunkReady:
             self._room_input(event.room, event.transfer_id, SIn.CHUNK, event)
         elif t is WriteDone or t is WriteFailed:
@@ -277,6 +278,15 @@ class SenderEngine:
             self._dispatch(r, SIn.RUN_CHUNK, chunk)
         self._out = []
         return out
+
+    def _guarded(self, fn: Any, data: bytes) -> None:
+        """Peer input must never raise out of the engine (it would kill a driver thread): a bug
+        outside any room's dispatch is counted and kept for inspection; tests assert none."""
+        try:
+            fn(data)
+        except Exception as exc:
+            self.counters["internal_error"] += 1
+            self.last_internal_error = exc
 
     def apply(self, room: int, inp: SIn, payload: Any, now: int) -> list[Any]:
         """Table-level entry: feed ``inp`` straight to a live room (tests and tools; runtimes use

@@ -708,5 +708,8 @@ class World:
                     if st is not None and is_terminal(st):
                         self.release(req, side, rank.index)
 
+    def internal_errors(self) -> list[BaseException]:
+        return [r.engine.last_internal_error for r in self.ranks if r.engine.counters["internal_error"]]
+
     def live_rooms_anywhere(self) -> bool:
         return any(r.engine.rooms for r in self.ranks)

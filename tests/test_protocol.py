@@ -56,7 +56,7 @@ def final(w: H.World, side: str, req: H.Request) -> list[KVPoll | None]:
 def test_every_topology_moves_every_byte(model: Any, p: int, d: int, dps: int | None) -> None:
     w = H.World(model, p, d, decode_page_size=dps, seed=p * 10 + d)
     reqs = run_rooms(w)
-    assert w.violations == []
+    assert w.violations == [] and w.internal_errors() == []
     for req in reqs:
         assert final(w, "decode", req) == [KVPoll.Success] * d
         assert final(w, "prefill", req) == [KVPoll.Success] * p

@@ -187,6 +187,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     def no_violation(self) -> None:
         if self.w is not None:
             assert self.w.violations == [], self.w.violations
+            assert self.w.internal_errors() == []
 
     @invariant()
     def released_rooms_leave_no_trace(self) -> None:

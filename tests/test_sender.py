@@ -582,3 +582,15 @@ def test_restarted_decode_rank_fails_rooms_bound_to_its_past_life() -> None:
     # A resent Register of the same incarnation changes nothing.
     assert not [c for c in e.handle(ctl(new), 13) if type(c) in (DropPeer, AddPeer)]
     assert e.state(8) is SState.WAITING
+
+
+def test_an_engine_bug_on_peer_input_is_counted_not_raised() -> None:
+    e = waiting()
+
+    def broken(msg: Any) -> None:
+        raise RuntimeError("bug")
+
+    e._on_info = broken  # type: ignore[method-assign]
+    assert e.handle(ctl(info(D1, expected=2)), 0) == []
+    assert e.counters["internal_error"] == 1 and str(e.last_internal_error) == "bug"
+    assert e.state(ROOM) is SState.WAITING
