@@ -45,7 +45,7 @@ from kvferry.core.events import (
     SenderOpen,
     SenderSpec,
 )
-from kvferry.core.geometry import ModelGeometry, PoolGeometry, make_pools, receivers_for, senders_for
+from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry, make_pools, receivers_for, senders_for
 from kvferry.core.kvpoll import KVPoll, advance, is_terminal, min_status
 from kvferry.core.receiver import ReceiverEngine
 from kvferry.core.sender import SenderEngine
@@ -333,6 +333,8 @@ class World:
         page_size: int = 2,
         num_pages: int = 32,
         decode_page_size: int | None = None,
+        prefill_layout: Layout = Layout.SGLANG_NHD,
+        decode_layout: Layout = Layout.SGLANG_NHD,
         num_shards: int = 2,
         timeouts: Timeouts = TEST_TIMEOUTS,
         seed: int = 0,
@@ -355,8 +357,8 @@ class World:
         self.server_view: dict[tuple[str, int, str], KVPoll] = {}
         self.freed_log: list[tuple[int, str, int]] = []
         self.success_checked: set[tuple[int, str, int]] = set()
-        src_pools = make_pools(model, prefill_tp, page_size, num_pages)
-        dst_pools = make_pools(model, decode_tp, decode_page_size or page_size, num_pages)
+        src_pools = make_pools(model, prefill_tp, page_size, num_pages, prefill_layout)
+        dst_pools = make_pools(model, decode_tp, decode_page_size or page_size, num_pages, decode_layout)
         self.src_alloc, self.dst_alloc = PageAllocator(num_pages), PageAllocator(num_pages)
         self.src_aux_free, self.dst_aux_free = list(range(AUX_ROWS)), list(range(AUX_ROWS))
         self.src_owner: dict[int, tuple[int, str]] = {}

@@ -13,6 +13,7 @@ from kvferry.core import messages as m
 from kvferry.core.commands import FreePages
 from kvferry.core.errors import PlanError
 from kvferry.core.events import AbortRoom
+from kvferry.core.geometry import Layout
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.planner import plan_rank_pair
 
@@ -45,6 +46,17 @@ def run_rooms(w: H.World, rooms: list[tuple[int, int, list[int]]] = ROOMS) -> li
                 pass
     w.heal_and_settle()
     return reqs  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("src_layout", "dst_layout", "p", "d"),
+    [(Layout.SGLANG_NHD, Layout.VLLM_HND, 2, 1), (Layout.VLLM_HND, Layout.VLLM_NHD, 1, 2)],
+)
+def test_layouts_move_every_byte(src_layout: Layout, dst_layout: Layout, p: int, d: int) -> None:
+    w = H.World(H.TINY, p, d, prefill_layout=src_layout, decode_layout=dst_layout, page_size=4, seed=9)
+    reqs = run_rooms(w)
+    assert w.violations == [] and w.internal_errors() == []
+    assert all({(r.room, r.tid, i) for i in range(d)} <= w.success_checked for r in reqs)
 
 
 def final(w: H.World, side: str, req: H.Request) -> list[KVPoll | None]:
