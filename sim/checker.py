@@ -11,6 +11,7 @@ Checked here:
   terminal on every rank that opened it.
 - ``conservation``: rooms submitted = succeeded + failed (none left in flight); transfers posted =
   DONE + ERR; every decode outcome agrees with the per-rank statuses.
+- ``agreement``: in runs whose network lost nothing, both sides end with the same outcome.
 - ``quiescence`` / ``tables_empty``: after quiescence every room's memory is back in the allocators,
   and every per-room table, pending write, transfer handle and queued chunk is gone.
 """
@@ -51,6 +52,29 @@ def check_final(w: World) -> None:
         _conservation(w)
     if c.tables_empty:
         _tables(w)
+    if c.agreement:
+        _agreement(w)
+
+
+def _agreement(w: World) -> None:
+    """Both sides end with the same outcome for every room (Failed on one side reached the other).
+
+    Only where the network could carry the news: the core does not resend RoomFailed, so a run
+    that dropped a control message, lost a node or a link is exempt (liveness still holds there).
+    """
+    if w.fabric.stats.control_dropped or w.injector.counts.get("crash") or w.injector.counts.get("link_down"):
+        return
+    for r in w.requests:
+        if not r.opened:
+            continue
+        pre = [r.status.get(f"prefill{p}") for p in range(w.P)]
+        dec = [r.status.get(f"decode{d}") for d in range(w.D)]
+        pre_ok = all(st is KVPoll.Success for st in pre)
+        dec_ok = all(st is KVPoll.Success for st in dec)
+        if pre_ok != dec_ok:
+            side = "decode" if pre_ok else "prefill"
+            why = next((f"{n}: {x}" for n, x in sorted(r.reason.items())), "")
+            w.violate("agreement", f"room {r.key} Success on one side, Failed on {side} ({why})", r)
 
 
 def _conservation(w: World) -> None:
