@@ -361,7 +361,7 @@ class World:
         self.trace.record("status", node, room=req.room, key=req.key, status=status.name, reason=reason)
         key = (node, inc, req.key, req.tid)
         old = self.status_log.get(key)
-        if old is not None:
+        if old is not None and self.scenario.checks.monotone:
             if old is KVPoll.Failed and status is not KVPoll.Failed:
                 self.violate("failed_absorbing", f"{node} room {req.key}: {old.name} -> {status.name}", req)
             elif status < old and status is not KVPoll.Failed:
@@ -415,7 +415,7 @@ class World:
         if side == "decode":
             if not req.outcome:
                 req.outcome = "success" if all(st is KVPoll.Success for st in stats) else "failed"
-                if req.outcome == "success":
+                if req.outcome == "success" and self.scenario.checks.bytes:
                     self._verify(req)
             if not req.dec_released:
                 req.dec_released = True
@@ -485,7 +485,7 @@ class World:
 
     # --------------------------------------------------------------------------- fabric hook
     def _on_land(self, x: Xfer) -> None:
-        if not x.dst.startswith("decode") or x.notif is None:
+        if not x.dst.startswith("decode") or x.notif is None or not self.scenario.checks.ownership:
             return
         try:
             room = decode_note(x.notif).room

@@ -176,3 +176,9 @@ def test_liveness_checker_fires_when_rooms_cannot_finish_in_time() -> None:
     res, _ = run_one(s)
     assert "liveness" in res.violated()
     assert any("still Bootstrapping" in v["detail"] for v in res.violations)
+
+
+def test_checks_can_be_switched_off_per_scenario() -> None:
+    s = sc.load(ROOT / "tests" / "scenarios" / "planted-free-pages-early.toml")
+    res, _ = run_one(replace(s, checks=replace(s.checks, ownership=False)))
+    assert "ownership" not in res.violated()
