@@ -13,6 +13,15 @@ from kvferry.backends.nixl.errors import DescriptorError, NixlError, NixlPeerErr
 from kvferry.backends.nixl.memory import MemRegion, RegionError, regions_from
 
 
+def _settle(initiator: NixlAgent, target: NixlAgent, ticket, timeout_s: float = 10.0) -> str:
+    """Poll the transfer; the target needs polling too (no NIXL progress thread, as in the runtime)."""
+    end = time.monotonic() + timeout_s
+    while (state := initiator.poll(ticket)) == "PROC" and time.monotonic() < end:
+        target.progress()
+        time.sleep(0.0005)
+    return state
+
+
 def _wait_notifs(agent: NixlAgent, n: int, timeout_s: float = 5.0) -> list[tuple[str, bytes]]:
     got: list[tuple[str, bytes]] = []
     end = time.monotonic() + timeout_s
@@ -48,7 +57,7 @@ def test_write_with_notification_lands_exact_bytes(agents):
         length,
         b"note-1",
     )
-    assert a.wait(t, 10.0) == "DONE"
+    assert _settle(a, b, t) == "DONE"
     assert (dst[2][1024:2048] == src[0][:1024]).all()
     assert (dst[0][8192 : 8192 + 4096] == src[1][2048 : 2048 + 4096]).all()
     assert (dst[1][256:512] == src[2][512:768]).all()
@@ -62,7 +71,7 @@ def test_write_with_notification_lands_exact_bytes(agents):
 
 
 def test_read_pulls_remote_bytes(agents):
-    a, _b, name_b, _, dst = agents
+    a, b, name_b, _, dst = agents
     dst[1][:4096] = np.arange(4096) % 251
     mine = a.regions()
     # READ: local (region 0, offset 8192) <- remote (region 1, offset 0).
@@ -74,7 +83,7 @@ def test_read_pulls_remote_bytes(agents):
         (np.array([1]), np.array([0])),
         np.array([4096]),
     )
-    assert a.wait(t, 10.0) == "DONE"
+    assert _settle(a, b, t) == "DONE"
     region0 = next(r for r in mine if r.region_id == 0)
     local = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * region0.nbytes).from_address(region0.addr))
     assert (local[8192 : 8192 + 4096] == dst[1][:4096]).all()
@@ -138,7 +147,7 @@ def test_torch_tensor_regions_register_and_move():
         assert a.regions()[0].mem == "DRAM"
         peer = a.add_peer(b.metadata(), {"kv": (b.regions(), [4096])})
         t = a.post("WRITE", peer, ("kv", 4096), (np.array([0]),) * 2, (np.array([0]),) * 2, np.array([16384]))
-        assert a.wait(t, 10.0) == "DONE"
+        assert _settle(a, b, t) == "DONE"
         assert torch.equal(src, dst)
     finally:
         a.close()

@@ -26,9 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import refmodel
 
 
-def _wait(t: NixlTransport, h, timeout_s: float = 10.0) -> XferState:
+def _wait(t: NixlTransport, h, targets=(), timeout_s: float = 10.0) -> XferState:
+    """Poll a write; targets are polled too (no NIXL progress thread, as in the runtime)."""
     end = time.monotonic() + timeout_s
     while (s := t.check_xfer(h)) is XferState.PROC and time.monotonic() < end:
+        for d in targets:
+            d.agent.progress()
         time.sleep(0.0005)
     return s
 
@@ -124,7 +127,7 @@ def test_planned_bytes_land_exactly(room):
                     args = (plan.src_region, plan.src_offset, plan.dst_region, plan.dst_offset, plan.length)
                     handles.append((p, p.post_write(d.endpoint, *args, b"")))
         for p, h in handles:
-            assert _wait(p, h) is XferState.DONE
+            assert _wait(p, h, dec) is XferState.DONE
         for d, exp in zip(dec, expected, strict=True):
             for rid, want in exp.items():
                 assert np.array_equal(d.region(rid), want), f"decode rank {d.pool.tp_rank} region {rid}"
@@ -143,7 +146,7 @@ def test_transport_protocol_aux_notifs_and_control():
         p.add_peer(d.endpoint, d.registration())  # idempotent
         p.write_aux_row(2, (987654321).to_bytes(8, "little") + b"meta")
         h = p.post_aux_write(d.endpoint, 2, 3, b"aux-note")
-        assert _wait(p, h) is XferState.DONE
+        assert _wait(p, h, dec) is XferState.DONE
         p.release_xfer(h)
         assert d.read_aux_room(3) == 987654321
         p.send_notif(d.endpoint, b"bare")
@@ -232,7 +235,7 @@ def test_page_aligned_writes_use_the_page_granule_list():
             plan = plan_rank_pair(p.pool, d.pool, [0, 1], [5, 6], start, end)
             refmodel.apply_plan(plan, {r.region_id: p.region(r.region_id) for r in p.pool.regions}, exp)
             args = (plan.src_region, plan.src_offset, plan.dst_region, plan.dst_offset, plan.length)
-            assert _wait(p, p.post_write(d.endpoint, *args, b"")) is XferState.DONE
+            assert _wait(p, p.post_write(d.endpoint, *args, b""), dec) is XferState.DONE
             rec = p.agent.telemetry.records()[-1]
             assert rec.descs_requested == want_indices  # pages when aligned, tokens otherwise
             assert all(np.array_equal(d.region(rid), exp[rid]) for rid in exp)

@@ -14,6 +14,11 @@ never reaches NIXL, so nothing is written outside a registered region.
 Thread-sync. The agent is created with an explicit NIXL sync mode: NONE when one thread touches it,
 RW when several do (the runtime posts from N workers and drains notifications from another).
 
+Progress. NIXL's own progress thread is off by default: the Python API fixes its delay at 0, so it
+spins (about 70% of a core per agent, idle or not, measured). UCX then progresses when we poll
+(check_xfer_state, get_new_notifs): the initiator polls its writes, and a target must keep
+calling ``notifs()``/``progress()`` (the runtime's progress threads do, with an idle backoff).
+
 Ownership. ``_tables`` (an RWLock) guards every table here: peers, prepared lists, in-flight
 handles. Data-path calls (post, poll, notifications) take the shared side, table changes the
 exclusive side; ``_inflight`` is a dict whose single-key operations are atomic under the GIL and
@@ -28,6 +33,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +59,9 @@ def _nixl_api() -> Any:
     return _api
 
 
-def make_nixl_agent(name: str, sync: str, telemetry: bool, ucx_threads: int) -> Any:
+def make_nixl_agent(
+    name: str, sync: str, telemetry: bool, ucx_threads: int, progress_thread: bool = False
+) -> Any:
     api = _nixl_api()
     modes = {
         "none": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE,
@@ -61,7 +69,7 @@ def make_nixl_agent(name: str, sync: str, telemetry: bool, ucx_threads: int) -> 
         "rw": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
     }
     cfg = api.nixl_agent_config(
-        enable_prog_thread=True,
+        enable_prog_thread=progress_thread,
         enable_listen_thread=False,  # metadata travels in our own registration message
         capture_telemetry=telemetry,
         num_threads=ucx_threads,
@@ -177,14 +185,16 @@ class NixlAgent:
         sync: str = "rw",
         telemetry: bool = True,
         ucx_threads: int = 0,
-        factory: Callable[[str, str, bool, int], Any] = make_nixl_agent,
+        progress_thread: bool = False,
+        factory: Callable[..., Any] = make_nixl_agent,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}")
         # A fresh suffix per process: a restarted peer gets a new name, so stale state of the old
         # incarnation can never be mistaken for the new one.
         self.name = name or f"kvferry-{uuid.uuid4().hex[:12]}"
-        self._nixl = factory(self.name, sync, telemetry, ucx_threads)
+        self._nixl = factory(self.name, sync, telemetry, ucx_threads, progress_thread)
+        self._stash: deque[tuple[str, bytes]] = deque()  # notifications taken by progress()
         self._capture = telemetry
         self._tables = RWLock()
         self._reg_descs: list[Any] = []
@@ -368,16 +378,26 @@ class NixlAgent:
             time.sleep(idle_s)
 
     def notifs(self) -> list[tuple[str, bytes]]:
-        """New notifications as (sender agent name, payload)."""
+        """New notifications as (sender agent name, payload). Also makes UCX progress."""
+        self.progress()
+        out = []
+        while self._stash:
+            out.append(self._stash.popleft())
+        return out
+
+    def progress(self) -> None:
+        """Drive UCX progress on this agent (keeping any notification for ``notifs()``).
+
+        Without NIXL's progress thread a rank that is the *target* of writes moves only when
+        polled: the runtime's progress thread polls every ``idle_max_s`` at most.
+        """
         with self._tables.read():
             if self._closed:
-                return []
+                return
             got = self._call(self._nixl.get_new_notifs)
-        out = []
         for sender, msgs in got.items():
             name = sender.decode() if isinstance(sender, bytes) else str(sender)
-            out.extend((name, bytes(m)) for m in msgs)
-        return out
+            self._stash.extend((name, bytes(m)) for m in msgs)
 
     def send_notif(self, peer: str, payload: bytes) -> None:
         with self._tables.read():

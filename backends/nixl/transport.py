@@ -132,13 +132,16 @@ class NixlTransport:
         control: ControlPlane | None = None,
         agent: NixlAgent | None = None,
         extra_groups: Mapping[str, Sequence[MemRegion]] | None = None,
+        progress_thread: bool = False,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError("role must be prefill or decode")
         self._endpoint = endpoint
         self.role = role
         self.pool = pool
-        self.agent = agent or NixlAgent(f"{endpoint.server}-{endpoint.rank}-{_suffix()}", sync=sync)
+        self.agent = agent or NixlAgent(
+            f"{endpoint.server}-{endpoint.rank}-{_suffix()}", sync=sync, progress_thread=progress_thread
+        )
         self.control = control or ControlPlane(str(endpoint))
         self._buffers = dict(buffers) if buffers is not None else None
         # More memory to register before the metadata is taken (a benchmark's covering region).

@@ -46,6 +46,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 0  # 0: chosen at runtime
     nixl_sync: str = "rw"  # several threads share the agent
+    # NIXL's progress thread spins (~70% of a core per agent); our progress threads poll instead.
+    nixl_progress_thread: bool = False
 
 
 def now_ns() -> int:
@@ -78,6 +80,7 @@ class EndpointBase:
             sync=config.nixl_sync,
             control=control,
             extra_groups=extra_groups,
+            progress_thread=config.nixl_progress_thread,
         )
         self.transport.register_regions(pool.regions, config.aux_rows, config.aux_row_bytes)
         self.lock = threading.Lock()
