@@ -59,7 +59,7 @@ class Trace:
         items = tuple(attrs.items())
         # repr of tuples of ints, strings and None is stable across runs and platforms; the
         # slow canonical form is only needed for other types.
-        if all(type(v) in _PLAIN for _k, v in items):
+        if _PLAIN.issuperset(map(type, attrs.values())):
             text = f"{t}|{node}|{kind}|{items!r}\n"
         else:
             text = f"{t}|{node}|{kind}|{';'.join(f'{k}={_canon(v)}' for k, v in items)}\n"

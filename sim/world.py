@@ -140,6 +140,7 @@ class World(Chaos):
         self.by_room: dict[int, Request] = {}
         self.violations: list[Violation] = []
         self.awaiting_prefill: set[int] = set()
+        self._deferred: list[Any] = []
         self._admit_next = 0  # admission tickets, in arrival order
         self._admit_now = 0
         self._memory_changed = self.env.event()
@@ -150,6 +151,10 @@ class World(Chaos):
         self.deadline_ns = 0
         self.quiesced_ns = -1
         self._senders = {d: self._sender_specs(d) for d in range(self.D)}
+        self._sides = {
+            "prefill": tuple(f"prefill{r}" for r in range(self.P)),
+            "decode": tuple(f"decode{r}" for r in range(self.D)),
+        }
         for name in s.node_names():
             self._start_rank(name)
         self._build_workload()
@@ -354,8 +359,21 @@ class World(Chaos):
                 self._maybe_free_prefill(self.requests[key])
 
     def _later(self, fn: Any) -> None:
-        ev = self.env.timeout(0)
-        ev.callbacks.append(lambda _e: fn())
+        """Run ``fn`` at this simulated instant, after the current callback, in call order.
+
+        One SimPy event per batch rather than per call: status changes come in bursts.
+        """
+        self._deferred.append(fn)
+        if len(self._deferred) == 1:
+            ev = self.env.timeout(0)
+            ev.callbacks.append(self._flush_deferred)
+
+    def _flush_deferred(self, _ev: Any) -> None:
+        i = 0
+        while i < len(self._deferred):  # fns may defer more; they run in this same flush
+            self._deferred[i]()
+            i += 1
+        self._deferred.clear()
 
     def _mark(self, req: Request, node: str, status: KVPoll, reason: str, inc: int | None = None) -> None:
         inc = self.ranks[node].incarnation if inc is None else inc
@@ -392,15 +410,17 @@ class World(Chaos):
         self._later(lambda: self._check_side(req, "decode"))
 
     # --------------------------------------------------------------------------- scheduler reactions
-    def _side_nodes(self, side: str) -> list[str]:
-        return [f"{side}{r}" for r in range(self.P if side == "prefill" else self.D)]
+    def _side_nodes(self, side: str) -> tuple[str, ...]:
+        return self._sides[side]
 
     def _check_side(self, req: Request, side: str) -> None:
         if not req.opened:
             return
         nodes = self._side_nodes(side)
-        if len([n for n in nodes if n in req.inc]) < len(nodes):
-            return  # not opened on every rank yet
+        inc = req.inc
+        for n in nodes:
+            if n not in inc:
+                return  # not opened on every rank yet
         stats = [req.status.get(n) for n in nodes]
         # One failed rank fails the room on this server: abort it on the others.
         if any(st is KVPoll.Failed for st in stats):

@@ -7,8 +7,9 @@ chunks from queue ``i`` in order and, as in seed 000, does not take its next chu
 writes of the current one finished (``AwaitWrites``).
 
 Crash: the rank is marked dead and every process exits at its next wake-up; nothing is
-interrupted, and the main loop keeps one pending ``Store.get()`` across iterations, so no token is
-ever lost to a cancelled get (SimPy's lost-item pitfall).
+interrupted. The main loop sleeps on a plain event that the fabric's wake-up callback, a local
+event or the deadline timer succeeds; arrivals themselves sit in the fabric's per-node lists, so
+nothing is carried by the wake-up and nothing can be lost with it (SimPy's lost-item pitfall).
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class SimRank:
         self._work = [env.event() for _ in range(workers)]
         self._sleep_until: int | None = None
         self._kicked = False
+        self._wake = env.event()
+        self._timer_gen = 0
+        self._timer_at: int | None = None
+        fabric.node(self.node).waker = self._on_wake  # before any process runs: nothing is missed
         self._resolved = env.event()
         env.process(self._main())
         for i in range(workers):
@@ -85,7 +90,7 @@ class SimRank:
         dl = self.driver.next_deadline()
         if dl is not None and (self._sleep_until is None or dl < self._sleep_until) and not self._kicked:
             self._kicked = True
-            self.fabric.wake(self.node, ("kick",))
+            self._on_wake(None)
 
     @property
     def pending(self) -> dict[int, Any]:
@@ -104,22 +109,31 @@ class SimRank:
         ev.succeed()
 
     # --- processes ----------------------------------------------------------------------------------
+    def _on_wake(self, _item: Any) -> None:
+        if not self._wake.triggered:
+            self._wake.succeed()
+
+    def _timer(self, gen: int) -> None:
+        if gen == self._timer_gen:
+            self._timer_at = None
+            self._on_wake(None)
+
     def _main(self):  # type: ignore[no-untyped-def]
-        inbox = self.fabric.node(self.node).inbox
-        get = inbox.get()
+        # One wake-up event per sleep: the fabric's callback (message, notification, finished
+        # write), a local event that moved a deadline earlier (_rearm), or the deadline timer.
         while True:
             dl = self.driver.next_deadline()
             self._sleep_until = dl
             self._kicked = False
-            if dl is None:
-                yield get
-            else:
-                yield get | self.env.timeout(max(0, dl - self.now()))
+            if dl is not None and dl != self._timer_at:
+                self._timer_gen += 1
+                self._timer_at = dl
+                ev = self.env.timeout(max(0, dl - self.now()))
+                ev.callbacks.append(lambda _e, g=self._timer_gen: self._timer(g))
+            yield self._wake
+            self._wake = self.env.event()
             if self.dead:
                 return
-            if get.triggered:
-                inbox.items.clear()  # tokens only say "look": one look serves them all
-                get = inbox.get()
             before = len(self.driver.handles)
             self.driver.pump(self.now())
             if len(self.driver.handles) < before:
