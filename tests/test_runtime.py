@@ -242,3 +242,57 @@ def test_board_status_monotone_failed_sticks(seq):
             assert b is KVPoll.Failed
     if KVPoll.Failed in seq:
         assert board.get(1, "t").reason == "r0"  # the first failure's reason is kept
+
+
+def test_malformed_control_and_notifications_are_counted_not_fatal(servers):
+    import zmq
+
+    pre, dec = servers
+    raw = zmq.Context.instance().socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(pre[0].address)
+    raw.send_multipart([b"evil#0", b"", b"\x93not a control message"])  # well framed, bad payload
+    raw.send_multipart([b"only-one-frame"])  # bad framing: dropped by the control plane
+    rv, senders = _room(pre, dec, 77, "ok", np.arange(4), 8, [8])  # registers the peers
+    assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * 2)
+    pre[0].transport.send_notif(dec.endpoint, b"\xc1garbage")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+        pre[0].engine.counters["wire_error"] < 1 or dec.engine.counters["wire_error"] < 1
+    ):
+        time.sleep(0.01)
+    raw.close(0)
+    assert pre[0].engine.counters["wire_error"] == 1
+    assert pre[0].transport.control.stats.malformed == 1
+    assert dec.engine.counters["wire_error"] == 1
+    rv2, senders2 = _room(pre, dec, 78, "ok2", np.arange(4, 8), 8, [4, 8], aux=1)
+    assert _settle(rv2, senders2) == (KVPoll.Success, [KVPoll.Success] * 2)
+    assert all(lp.thread.is_alive() for e in [*pre, dec] for lp in e._loops)
+
+
+def test_decode_restart_on_a_new_port_is_followed(servers):
+    pre, dec = servers
+    rv, senders = _room(pre, dec, 90, "a", np.arange(4), 8, [8])
+    assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * 2)
+    rv.clear()
+    for s in senders:
+        s.clear()
+    assert dec.close() == []
+    cfg = RuntimeConfig(num_queues=2, aux_rows=16, timeouts=TIMEOUTS)
+    dec2 = DecodeEndpoint(
+        "D",
+        PoolGeometry(MODEL, 1, 0, 4, 32),
+        prefill_server="P",
+        prefill_addresses=[p.address for p in pre],
+        config=cfg,
+    )
+    dec2.start()
+    try:
+        assert dec2.address != dec.address  # a new port, a new NIXL agent
+        rv2, senders2 = _room(pre, dec2, 91, "b", np.arange(4, 8), 8, [4, 8], aux=1)
+        assert _settle(rv2, senders2) == (KVPoll.Success, [KVPoll.Success] * 2)
+        assert pattern.mismatches(dec2.pool, dec2.transport.region, 91, np.arange(4, 8), 8)[0] == 0
+        # Prefill now writes to the new agent only: the old one's lists were released.
+        assert [dec2.transport.agent_name] == pre[0].transport.agent.peers()
+    finally:
+        assert dec2.close() == []
