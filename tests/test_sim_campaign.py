@@ -77,3 +77,12 @@ def test_demo_cli() -> None:
     d = json.loads(r.stdout.strip().splitlines()[-1])
     assert d["rooms"] == 36 and d["verdict"] == "pass" and d["succeeded"] > 0
     assert sum(d["faults"].values()) >= 5
+
+
+def test_fuzz_cli_with_a_base_scenario() -> None:
+    r = runner.invoke(
+        app, ["fuzz", "--seeds", "0-2", "--scenario", str(ROOT / "scenarios" / "quickstart.toml"), "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["rooms"] == 3 * 24 and d["violations"] == {}
