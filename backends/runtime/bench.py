@@ -54,6 +54,7 @@ class BenchConfig:
     raw_reps: int = 3
     inflight: int = 1  # rooms opened at once per batch (throughput rather than one room's latency)
     idle_max_s: float = 2e-4  # progress threads' longest idle sleep (latency of the control path)
+    telemetry_path: str = ""  # write NIXL's per-write telemetry of the timed batches here (JSON)
     mem: str = "DRAM"  # VRAM: pools are torch CUDA tensors (one GPU shared by both processes)
 
 
@@ -163,6 +164,8 @@ def child_prefill(cfg: BenchConfig) -> None:
     kv_posts: list[Any] = []
     kind = "VRAM" if cfg.mem == "VRAM" else "DRAM"
     for b in range(cfg.warmup + cfg.rooms):
+        for ep in eps:  # keep only this batch's writes (not the warm-up's, not the raw ones)
+            ep.transport.agent.telemetry.clear()
         batch = []
         for k in range(cfg.inflight):
             room, aux = 1000 + b * cfg.inflight + k, k
@@ -181,10 +184,8 @@ def child_prefill(cfg: BenchConfig) -> None:
                 if s.wait(600) is not KVPoll.Success:
                     s.failure_exception()
                 s.clear()
-        if b >= cfg.warmup:  # NIXL's own per-write telemetry of the timed batches
+        if b >= cfg.warmup:  # NIXL's own per-write telemetry of this batch's KV writes (no aux)
             kv_posts += [r for ep in eps for r in ep.transport.agent.telemetry.records() if r.nbytes > 4096]
-            for ep in eps:
-                ep.transport.agent.telemetry.clear()
         _say(event="batch_sent", index=b)
         # Raw, paired with this batch: one descriptor per (room, prefill rank), all posted at once,
         # the same bytes. Only after decode checked the batch: they land in the same decode buffer.
@@ -219,6 +220,11 @@ def child_prefill(cfg: BenchConfig) -> None:
         if any(s != "DONE" for s in states):
             raise RuntimeError(f"raw write ended {states}")
         _say(event="raw_done", index=b)
+    if cfg.telemetry_path:  # for calibrating the simulator's cost model from real writes
+        import msgspec
+
+        with open(cfg.telemetry_path, "wb") as f:
+            f.write(msgspec.json.encode({"config": asdict(cfg), "writes": kv_posts}))
     _say(
         event="done",
         raw_times=raw_times[cfg.warmup :],

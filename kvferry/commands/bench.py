@@ -27,6 +27,9 @@ def nixl(
     chunk_tokens: Annotated[int, typer.Option(help="Tokens per prefill chunk (0: one chunk).")] = 0,
     mem: Annotated[str, typer.Option(help="DRAM, or VRAM (torch CUDA pools, one GPU).")] = "DRAM",
     inflight: Annotated[int, typer.Option(help="Rooms in flight at once (a batch).")] = 1,
+    telemetry: Annotated[
+        str, typer.Option(help="Write NIXL's per-write telemetry (JSON) to this path (one config).")
+    ] = "",
 ) -> None:
     """Two processes on 127.0.0.1 (prefill ranks, one decode rank) move qwen3-8b KV rooms through
     kvferry's runtime; the same processes then WRITE the same bytes as one NIXL descriptor."""
@@ -39,6 +42,8 @@ def nixl(
         raise typer.BadParameter(f"unknown configuration; known: {[c.name for c in DEFAULT_CONFIGS]}")
     for c in configs:
         c = replace(c, tokens=tokens, chunk_tokens=chunk_tokens, mem=mem, inflight=inflight)
+        if telemetry:
+            c = replace(c, telemetry_path=telemetry if len(configs) == 1 else f"{telemetry}.{c.prefill_tp}")
         r = run_config(replace(c, rooms=rooms or c.rooms))
         if as_json:
             typer.echo(json.dumps(r))
