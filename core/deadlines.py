@@ -26,7 +26,8 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
         never renewed, so a prefill room's life is bounded (the fence relies on it); on decode it
         is renewed by every notification (decode's own liveness, no safety role).
     heartbeat_interval_ns / heartbeat_timeout_ns: peer liveness; the timeout fails its live rooms.
-    fence_ns: decode frees a failed room's pages without the peer's Stopped after this long.
+    fence_ns: decode frees a failed room's pages without the peer's Stopped after this long; it
+        also bounds the resending of a failure notice (decode's Abort, prefill's RoomFailed).
     tombstone_ns: how long a finished (room, transfer_id) keeps rejecting late messages.
     """
 

@@ -3,8 +3,8 @@
 Two families travel between a prefill rank and a decode rank:
 
 - Control messages (``Control`` union, tagged by the ``t`` field) over the control plane (ZMQ
-  in the real backend): registration, per-room TransferInfo, failure, abort and its fence ack,
-  heartbeats.
+  in the real backend): registration, per-room TransferInfo, failure and its ack, abort and its
+  fence ack, heartbeats.
 - Notification payloads (``ChunkNote``) attached to a WRITE (or sent alone for a chunk that
   moves no bytes): which room, incarnation, sender, chunk and token range just landed.
 
@@ -28,6 +28,7 @@ __all__ = [
     "ChunkNote",
     "Control",
     "Endpoint",
+    "FailedAck",
     "GeometryWire",
     "Heartbeat",
     "RegionAddr",
@@ -204,6 +205,19 @@ class RoomFailed(_Msg, tag="failed"):
     reason: Reason
 
 
+class FailedAck(_Msg, tag="failed_ack"):
+    """Answer to RoomFailed (decode -> prefill): your failure notice reached me, stop resending it.
+
+    ``known``: the room (live or tombstoned) was here, so this side now reports Failed for it too;
+    False when the room was unknown (restarted since, or its tombstone expired), so nothing could
+    be recorded.
+    """
+
+    room: Room
+    transfer_id: TransferId
+    known: bool
+
+
 class Abort(_Msg, tag="abort"):
     """Decode -> prefill: stop writing into this room's pages and confirm with Stopped."""
 
@@ -219,7 +233,7 @@ class Stopped(_Msg, tag="stopped"):
     transfer_id: TransferId
 
 
-Control = Register | RegisterAck | Heartbeat | TransferInfo | RoomFailed | Abort | Stopped
+Control = Register | RegisterAck | Heartbeat | TransferInfo | RoomFailed | FailedAck | Abort | Stopped
 
 
 class ChunkNote(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,6 +14,10 @@ Room states and KVPoll:
                                     (FreePages) once every sender confirmed Stopped, or the fence
                                     deadline passed
 
+Late failures: a RoomFailed for a room that is Success here (live or tombstoned) turns it Failed
+(Failed overrides and sticks, so both sides end Failed); every RoomFailed is answered with
+FailedAck, which stops the sender's resending.
+
 ``RECEIVER_TABLE`` lists every legal (state, input); any other pair fails the room with a reason.
 """
 
@@ -330,6 +334,16 @@ class ReceiverEngine:
         elif t is m.RoomFailed:
             self._late_failure(msg)
             self._room_input(msg.room, msg.transfer_id, RIn.PEER_FAILED, msg, sender=msg.src)
+            # Answer every notice, even for a room we never had, or the sender resends it until
+            # its give-up deadline. ``known``: this side now reports Failed for the room.
+            r = self.rooms.get(msg.room)
+            known = (r is not None and r.tid == msg.transfer_id and msg.src in r.senders) or (
+                self.tombstones.get(msg.room, msg.transfer_id) is not None
+            )
+            self._send(
+                msg.src,
+                m.FailedAck(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id, known=known),
+            )
         elif t is m.RegisterAck:
             self._on_register_ack(msg)
         elif t is m.Heartbeat:

@@ -10,6 +10,12 @@ Room states and KVPoll:
     FAILED        (Failed)         absorbing; tells every known decode rank (RoomFailed), and once
                                    no write is in flight sends the fence (Stopped)
 
+Failure notices are reliable: RoomFailed is resent every heartbeat interval to each decode rank
+that has not answered (FailedAck, or its own Abort / RoomFailed, which prove it is Failed too),
+for at most ``fence_ns`` after the failure. The pending notices live in ``notices``, apart from
+the room: like the tombstone they outlive a released room (its pages need not wait for a peer's
+answer) and are dropped on the last answer or at the give-up deadline.
+
 ``SENDER_TABLE`` lists every legal (state, input); any other pair fails the room with a reason.
 The engine is not thread-safe: a threaded driver serialises calls (one lock per engine).
 """
@@ -190,6 +196,17 @@ class _Room:
         self.release_requested = False
 
 
+class _Notice:
+    """A failure the decode ranks in ``peers`` have not acknowledged yet."""
+
+    __slots__ = ("give_up_at", "peers", "reason")
+
+    def __init__(self, peers: set[m.Endpoint], reason: str, give_up_at: int) -> None:
+        self.peers = peers
+        self.reason = reason
+        self.give_up_at = give_up_at
+
+
 class _Peer:
     __slots__ = ("last_seen", "pool", "reg_id", "registration")
 
@@ -225,6 +242,7 @@ class SenderEngine:
         self.peers: dict[m.Endpoint, _Peer] = {}
         self.rooms_by_peer: dict[m.Endpoint, set[int]] = {}
         self.writes: dict[int, tuple[int, str]] = {}  # write id -> room key
+        self.notices: dict[tuple[int, str], _Notice] = {}  # unacknowledged RoomFailed, by room key
         self.deadlines = DeadlineHeap()
         self.tombstones = Tombstones(self.timeouts.tombstone_ns)
         self.counters: Counter[str] = Counter()
@@ -353,10 +371,18 @@ class SenderEngine:
         if t is m.TransferInfo:
             self._on_info(msg)
         elif t is m.Abort:
+            self._acked(msg)  # a decode rank that aborts is Failed: it needs no notice from us
             self._on_abort(msg)
         elif t is m.RoomFailed:
+            self._acked(msg)
             self._late_failure(msg)
             self._room_input(msg.room, msg.transfer_id, SIn.PEER_FAILED, msg)
+        elif t is m.FailedAck:
+            if not msg.known:
+                # Our notice came too late (the peer restarted, or forgot the room): it cannot
+                # report the failure; counted so that such runs are visible.
+                self.counters["failure_notice_unknown"] += 1
+            self._acked(msg)
         elif t is m.Register:
             self._on_register(msg)
         elif t is m.Heartbeat:
@@ -467,6 +493,16 @@ class SenderEngine:
             r.aux_index = ev.aux_index
             self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Bootstrapping))
             return
+        if r.tid != ev.transfer_id and r.created_by_info and not r.opened:
+            # Only a TransferInfo made that room and no local request owns it: a message of an
+            # incarnation whose tombstone expired. The local scheduler is the authority on which
+            # request holds the id now: the ghost fails (it never wrote) and the new room starts.
+            self.counters["ghost_superseded"] += 1
+            self._fail(r, RoomFailure(f"superseded by request {ev.transfer_id}", at_ns=self._now))
+            self._maybe_finish(r)
+            if self.rooms.get(ev.room) is None:
+                self._open(ev)
+                return
         if r.tid != ev.transfer_id:
             # Same room id, another request: the old one is stale, the new one cannot start.
             self.counters["stale_transfer_id"] += 1
@@ -773,11 +809,16 @@ class SenderEngine:
         self._out.append(
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
-        for p in sorted(r.infos):
-            if p != skip:
-                self._send(
-                    p, m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=failure.reason)
-                )
+        tell = {p for p in r.infos if p != skip}
+        for p in sorted(tell):
+            self._send(
+                p, m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=failure.reason)
+            )
+        if tell:
+            # A decode rank may already be Success (our last write landed before we failed): it
+            # must hear this, so the notice is resent until answered (see _tick).
+            self.notices[r.key] = _Notice(tell, failure.reason, self._now + self.timeouts.fence_ns)
+            self.deadlines.set(("notice", r.key), self._now + self.timeouts.heartbeat_interval_ns)
 
     def _maybe_finish(self, r: _Room) -> None:
         if r.state is SState.FAILED and not r.inflight and not r.stopped_sent:
@@ -810,6 +851,30 @@ class SenderEngine:
                 StatusChanged(room=msg.room, transfer_id=msg.transfer_id, status=KVPoll.Failed, reason=reason)
             )
 
+    def _acked(self, msg: m.FailedAck | m.Abort | m.RoomFailed) -> None:
+        key = (msg.room, msg.transfer_id)
+        n = self.notices.get(key)
+        if n is None or msg.src not in n.peers:
+            return
+        n.peers.discard(msg.src)
+        if not n.peers:
+            del self.notices[key]
+            self.deadlines.cancel(("notice", key))
+
+    def _resend_notice(self, key: tuple[int, str]) -> None:
+        n = self.notices.get(key)
+        if n is None:
+            return
+        if self._now >= n.give_up_at:
+            # Bounded like decode's Abort resend: a peer silent this long is gone or cut off.
+            self.counters["failure_notice_gave_up"] += len(n.peers)
+            del self.notices[key]
+            return
+        self.counters["failure_resent"] += 1
+        for p in sorted(n.peers):
+            self._send(p, m.RoomFailed(src=self.endpoint, room=key[0], transfer_id=key[1], reason=n.reason))
+        self.deadlines.set(("notice", key), self._now + self.timeouts.heartbeat_interval_ns)
+
     # --- time ----------------------------------------------------------------------------------------
 
     def _arm_peer(self, peer: m.Endpoint) -> None:
@@ -825,6 +890,8 @@ class SenderEngine:
                 r = self.rooms.get(what)
                 if r is not None:
                     self._dispatch(r, SIn.TIMEOUT, None)
+            elif kind == "notice":
+                self._resend_notice(what)
             elif kind == "hb":
                 if what in self.peers:
                     self._send(what, m.Heartbeat(src=self.endpoint))

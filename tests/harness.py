@@ -36,7 +36,7 @@ from kvferry.backends.driver import Driver
 from kvferry.backends.transport import XferState, aux_room_of, encode_aux_room
 from kvferry.core import messages as m
 from kvferry.core.deadlines import Timeouts
-from kvferry.core.errors import KvferryError
+from kvferry.core.errors import KvferryError, WireError
 from kvferry.core.events import (
     AbortRoom,
     ChunkReady,
@@ -107,6 +107,25 @@ class MemFabric:
         self._next_handle = 1
         self.on_land: Any = None  # callback(write, note) before the bytes are copied
         self.copy = True
+        # Set to {} to log failure notices (RoomFailed, Abort) per stream
+        # (room, tid, src, dst, kind) -> [first sent, last sent, ever delivered].
+        self.failure_streams: dict[tuple[Any, ...], list[Any]] | None = None
+
+    def track(self, msg: PendingMsg, delivered: bool) -> None:
+        if self.failure_streams is None or msg.note:
+            return
+        try:
+            obj = m.decode_control(msg.data)
+        except WireError:
+            return
+        if type(obj) is not m.RoomFailed and type(obj) is not m.Abort:
+            return
+        key = (obj.room, obj.transfer_id, msg.src, msg.dst, type(obj).__name__)
+        rec = self.failure_streams.setdefault(key, [self.now, self.now, False])
+        if delivered:
+            rec[2] = True
+        else:
+            rec[1] = self.now
 
     def post(self, w: PendingWrite) -> int:
         self.writes.append(w)
@@ -147,6 +166,7 @@ class MemFabric:
 
     def deliver(self, i: int) -> m.Endpoint:
         msg = self.pending.pop(i)
+        self.track(msg, delivered=True)
         t = self.transports[msg.dst]
         (t.notes if msg.note else t.inbox).append(msg.data)
         return msg.dst
@@ -270,7 +290,9 @@ class MemTransport:
         return aux_room_of(self.aux[aux_index])
 
     def send_control(self, peer: m.Endpoint, data: bytes) -> None:
-        self.fabric.pending.append(PendingMsg(self._endpoint, peer, data, self.fabric.now, note=False))
+        msg = PendingMsg(self._endpoint, peer, data, self.fabric.now, note=False)
+        self.fabric.pending.append(msg)
+        self.fabric.track(msg, delivered=False)
 
     def recv_control(self) -> list[bytes]:
         out, self.inbox = self.inbox, []

@@ -44,6 +44,7 @@ def samples() -> list[Any]:
             expected_infos=2,
         ),
         m.RoomFailed(src=EP, room=1, transfer_id="t", reason="write ERR"),
+        m.FailedAck(src=EP, room=1, transfer_id="t", known=True),
         m.Abort(src=EP, room=1, transfer_id="t", reason="timeout"),
         m.Stopped(src=EP, room=1, transfer_id="t"),
     ]
