@@ -252,7 +252,8 @@ class NixlTransport:
         with self._lock:
             entry = self._peers.pop(peer, None)
         if entry is not None:
-            self.agent.remove_peer(entry.agent)
+            # Short: the driver's lock is held here, and a lost peer's writes may never finish.
+            self.agent.remove_peer(entry.agent, settle_s=0.2)
 
     def has_peer(self, peer: Endpoint) -> bool:
         with self._lock:
