@@ -240,7 +240,7 @@ class NixlTransport:
         ag = math.gcd(self.aux_row_bytes, registration.aux_row_bytes)
         granules = [g] if coarse is None else [g, coarse]
         if old is not None:
-            self.agent.remove_peer(old.agent)
+            self.agent.remove_peer(old.agent, settle_s=0.2)  # a restarted peer: old writes are moot
         name = self.agent.add_peer(blob.nixl_md, {"kv": (kv, granules), "aux": (aux, [ag])})
         entry = _PeerEntry(
             name, ("kv", g), None if coarse is None else ("kv", coarse), ("aux", ag), registration
