@@ -228,9 +228,11 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.restarts += 1
         # A room both sides had already settled (terminal, same outcome) stays held to agreement:
         # nothing can change either side any more. Any other room may lose for good what only
-        # the dead decode knew: a Success it reported (prefill may still fail and its notice
-        # reaches a process that never had the room), its unfenced Abort, or its half-landed
-        # chunks (prefill may still end Success). Every other invariant still applies to them.
+        # the dead decode knew, and no protocol can repair that: e.g. every write of the room
+        # completed (prefill Success) but decode died before reading the notifications (Failed
+        # with the process), or decode reported Success and then prefill failed (its notice
+        # reaches a process that never had the room). Prefill cannot tell these apart, so it
+        # cannot pick the dead side's outcome. Every other invariant still applies to them.
         for key, req in self.w.requests.items():
             v = self._views(req)
             pre, dec = v["prefill"], v["decode"]
