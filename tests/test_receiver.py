@@ -493,3 +493,27 @@ def test_abort_is_resent_until_every_sender_stopped() -> None:
     assert sent(e.handle(Tick(), 20), m.Abort) == []
     e.handle(ReleaseRoom(room=ROOM, transfer_id=TID), 21)
     assert e.references(ROOM) == []
+
+
+# --- failure notices -------------------------------------------------------------------------------
+
+
+def test_every_room_failed_is_answered_with_failed_ack() -> None:
+    e = success()
+    cmds = e.handle(ctl(m.RoomFailed(src=P0, room=ROOM, transfer_id=TID, reason="late")), 0)
+    assert e.state(ROOM) is RState.FAILED  # Failed overrides Success and sticks
+    assert sent(cmds, m.FailedAck) == [(P0, m.FailedAck(src=ME, room=ROOM, transfer_id=TID, known=True))]
+    cmds = e.handle(ctl(m.RoomFailed(src=P0, room=ROOM, transfer_id=TID, reason="late")), 0)  # resent
+    assert e.state(ROOM) is RState.FAILED and len(sent(cmds, m.FailedAck)) == 1
+    cmds = e.handle(ctl(m.RoomFailed(src=P0, room=99, transfer_id="gone", reason="x")), 0)
+    assert sent(cmds, m.FailedAck) == [(P0, m.FailedAck(src=ME, room=99, transfer_id="gone", known=False))]
+
+
+def test_room_failed_after_release_turns_the_tombstone_failed_and_is_acked() -> None:
+    e = success()
+    e.handle(ReleaseRoom(room=ROOM, transfer_id=TID), 0)
+    assert ROOM not in e.rooms and e.poll(ROOM) is KVPoll.Success
+    cmds = e.handle(ctl(m.RoomFailed(src=P1, room=ROOM, transfer_id=TID, reason="late")), 0)
+    assert e.poll(ROOM) is KVPoll.Failed and e.counters["failed_after_release"] == 1
+    assert [c.status for c in of(cmds, StatusChanged)] == [KVPoll.Failed]
+    assert sent(cmds, m.FailedAck) == [(P1, m.FailedAck(src=ME, room=ROOM, transfer_id=TID, known=True))]

@@ -594,3 +594,69 @@ def test_an_engine_bug_on_peer_input_is_counted_not_raised() -> None:
     assert e.handle(ctl(info(D1, expected=2)), 0) == []
     assert e.counters["internal_error"] == 1 and str(e.last_internal_error) == "bug"
     assert e.state(ROOM) is SState.WAITING
+
+
+# --- failure notices (RoomFailed resent until answered) -------------------------------------------
+
+
+def test_room_failed_is_resent_until_failed_ack_then_stops() -> None:
+    e = waiting()
+    e.handle(AbortRoom(room=ROOM, transfer_id=TID), 0)
+    assert (ROOM, TID) in e.notices
+    e.handle(ReleaseRoom(room=ROOM, transfer_id=TID), 0)
+    assert ROOM not in e.rooms and e.references(ROOM) == []  # the notice outlives the room
+    cmds = e.handle(Tick(), T.heartbeat_interval_ns)
+    assert [p for p, _ in sent(cmds, m.RoomFailed)] == [D0]
+    e.handle(ctl(m.FailedAck(src=D0, room=ROOM, transfer_id=TID, known=True)), 15)
+    assert e.notices == {} and ("notice", (ROOM, TID)) not in e.deadlines
+    assert not sent(e.handle(Tick(), 10 * T.heartbeat_interval_ns), m.RoomFailed)
+    assert e.counters["failure_notice_unknown"] == 0
+
+
+def test_abort_from_the_peer_answers_the_notice_and_unknown_acks_are_counted() -> None:
+    e = waiting()
+    e.handle(AbortRoom(room=ROOM, transfer_id=TID), 0)
+    e.handle(ctl(m.Abort(src=D0, room=ROOM, transfer_id=TID, reason="r")), 1)
+    assert e.notices == {}
+    e = waiting()
+    e.handle(AbortRoom(room=ROOM, transfer_id=TID), 0)
+    e.handle(ctl(m.FailedAck(src=D1, room=ROOM, transfer_id=TID, known=True)), 1)  # not asked
+    assert (ROOM, TID) in e.notices
+    e.handle(ctl(m.FailedAck(src=D0, room=ROOM, transfer_id=TID, known=False)), 1)
+    assert e.notices == {} and e.counters["failure_notice_unknown"] == 1
+
+
+def test_room_failed_resend_gives_up_after_fence_ns() -> None:
+    e = waiting()
+    e.handle(AbortRoom(room=ROOM, transfer_id=TID), 0)
+    now, resent = 0, 0
+    while e.notices:
+        now = e.next_deadline()
+        resent += len(sent(e.handle(Tick(), now), m.RoomFailed))
+    assert now >= T.fence_ns and resent == T.fence_ns // T.heartbeat_interval_ns - 1
+    assert e.counters["failure_notice_gave_up"] == 1
+    assert all(k[0] in ("hb", "loss", "room") for k in e.deadlines.live_keys())
+
+
+def test_failure_caused_by_the_peer_needs_no_notice_to_it() -> None:
+    e = waiting()
+    e.handle(ctl(m.RoomFailed(src=D0, room=ROOM, transfer_id=TID, reason="oom")), 0)
+    assert e.state(ROOM) is SState.FAILED and e.notices == {}
+
+
+def test_open_supersedes_a_room_only_a_stale_transfer_info_made() -> None:
+    e = engine()
+    e.handle(ctl(register(D0)), 0)
+    e.handle(ctl(info(transfer_id="old")), 0)  # e.g. replayed after its tombstone expired
+    assert e.rooms[ROOM].tid == "old"
+    cmds = e.handle(SenderOpen(room=ROOM, transfer_id=TID, aux_index=1), 0)
+    assert e.rooms[ROOM].tid == TID and e.counters["ghost_superseded"] == 1
+    assert e.tombstones.get(ROOM, "old") is KVPoll.Failed
+    assert [(c.transfer_id, c.status) for c in of(cmds, StatusChanged)] == [
+        ("old", KVPoll.Failed),
+        (TID, KVPoll.Bootstrapping),
+    ]
+    # A room the local scheduler opened is never displaced that way.
+    cmds = e.handle(SenderOpen(room=ROOM, transfer_id="third", aux_index=1), 0)
+    assert e.rooms[ROOM].tid == TID
+    assert [(c.transfer_id, c.status) for c in of(cmds, StatusChanged)] == [("third", KVPoll.Failed)]
