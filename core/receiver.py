@@ -92,6 +92,8 @@ _LIVE_FAILURES = {
     RIn.ABORT_LOCAL: _FAIL,
     RIn.TIMEOUT: _FAIL,
     RIn.PEER_LOST: _FAIL,
+    # A sender confirms Stopped only after it failed: its RoomFailed was lost or is overtaken.
+    RIn.STOPPED: _FAIL,
 }
 
 RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
@@ -626,6 +628,8 @@ class ReceiverEngine:
             reason = f"aborted: {payload.reason}"
         elif inp is RIn.TIMEOUT:
             reason = f"timed out while {r.state.value}"
+        elif inp is RIn.STOPPED:
+            reason = f"{payload.src} stopped sending before its failure notice arrived"
         else:
             reason = f"peer {payload} lost (no heartbeat)"
         self._fail(r, RoomFailure(reason, at_ns=self._now))

@@ -299,7 +299,8 @@ def test_peer_failure_fails_and_aborts_every_sender() -> None:
 def test_stopped_without_abort_means_a_lost_failure() -> None:
     e = waiting()
     e.handle(ctl(m.Stopped(src=P0, room=ROOM, transfer_id=TID)), 0)
-    assert "stopped not allowed" in e.failure(ROOM).reason
+    assert "prefill#0 stopped sending before its failure notice arrived" in e.failure(ROOM).reason
+    assert e.counters["illegal_input"] == 0  # a legal (if early) message, not a protocol violation
 
 
 def test_success_then_peer_failure_agrees_on_failed() -> None:
