@@ -736,4 +736,7 @@ class World:
         return [r.engine.last_internal_error for r in self.ranks if r.engine.counters["internal_error"]]
 
     def live_rooms_anywhere(self) -> bool:
-        return any(r.engine.rooms for r in self.ranks)
+        # A released prefill room may still owe its peer a failure notice (resent each heartbeat
+        # interval): settling must keep time moving in heartbeat steps until that stream ends,
+        # or one big jump past fence_ns would give up without a single resend.
+        return any(r.engine.rooms or (r.side == "prefill" and r.engine.notices) for r in self.ranks)
