@@ -26,7 +26,7 @@ class ScenarioError(KvferryError, ValueError):
 
 FAULT_EVENT_KINDS = ("crash", "link_down", "slow_link")
 NODE_EVENT_KINDS = ("crash",)
-HOOKS = ("free_pages_early", "chunk_offset_own_length", "keep_room_tables")
+HOOKS = ("free_pages_early", "chunk_offset_own_length", "keep_room_tables", "decode_ignores_room_failed")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from kvferry.core.errors import WireError
 from kvferry.core.events import AbortRoom, ChunkReady, ReceiverOpen, ReleaseRoom, SenderOpen, SenderSpec
 from kvferry.core.geometry import receivers_for, senders_for
 from kvferry.core.kvpoll import KVPoll
-from kvferry.core.messages import Endpoint, decode_note
+from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control, decode_note
 from kvferry.core.receiver import ReceiverEngine
 from kvferry.core.sender import SenderEngine
 from kvferry.sim import pattern
@@ -95,6 +95,11 @@ class Request:
     outcome: str = ""  # "success" / "failed" once decode is terminal everywhere
     verified_bad: int = -1
     opened: bool = False
+    # Facts for the agreement check. Failure notices (RoomFailed / Abort) per (src, dst, kind):
+    # [first sent ns, last sent ns, copies delivered]; and the nodes whose process died (crash)
+    # while the room was not yet settled on both sides.
+    notices: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
+    lost_with: set[str] = field(default_factory=set)
 
     @property
     def done(self) -> bool:
@@ -122,6 +127,7 @@ class World(Chaos):
         self.injector = Injector(s.faults, s.phases.fault_window_us * US, self.streams)
         self.fabric = Fabric(self.env, s.fabric, self.streams["fabric"], self.injector, self.trace.record)
         self.fabric.on_land = self._on_land
+        self.fabric.on_control = self._on_control
         self.timeouts = Timeouts(**{f: getattr(s.timeouts, f) for f in s.timeouts.__slots__})
         self.pre_pools, self.dec_pools = pools(s)
         self.model = s.model.geometry()
@@ -139,6 +145,7 @@ class World(Chaos):
         self.requests: list[Request] = []
         self.by_room: dict[int, Request] = {}
         self.violations: list[Violation] = []
+        self.agreement_exempt: list[tuple[int, str]] = []  # (room key, why), filled by the checker
         self.awaiting_prefill: set[int] = set()
         self._deferred: list[Any] = []
         self._admit_next = 0  # admission tickets, in arrival order
@@ -538,6 +545,48 @@ class World(Chaos):
                 "ownership", f"write of room {key} from {x.src} landed in {who} on {x.dst}{why}", req
             )
 
+    def _on_control(self, what: str, src: str, dst: str, payload: bytes) -> bool:
+        """Log every failure notice per room (what the agreement exemption is judged from)."""
+        try:
+            msg = decode_control(payload)
+        except WireError:
+            return True
+        t = type(msg)
+        if t is not RoomFailed and t is not Abort:
+            return True
+        req = self.by_room.get(msg.room)
+        if req is None or req.tid != msg.transfer_id:
+            return True
+        now = int(self.env.now)
+        k = (src, dst, t.__name__)
+        rec = req.notices.get(k)
+        if what == "sent":
+            if rec is None:
+                req.notices[k] = [now, now, 0]
+            else:
+                rec[1] = now
+            return True
+        if rec is not None:
+            rec[2] += 1
+        if (
+            t is RoomFailed
+            and "decode_ignores_room_failed" in self.hooks
+            and req.status.get(dst) is KVPoll.Success
+        ):
+            # Planted bug: decode in Success drops a peer's failure notice unanswered (the old
+            # core's behaviour): prefill ends Failed, decode Success, though the news arrived.
+            self.trace.record("planted_ignore", dst, room=req.room, src=src)
+            return False
+        return True
+
+    def settled(self, req: Request) -> bool:
+        """Terminal on every rank of both sides, with the same outcome on both sides."""
+        pre = [req.status.get(n) for n in self._sides["prefill"]]
+        dec = [req.status.get(n) for n in self._sides["decode"]]
+        if not all(_terminal(st) for st in pre + dec):
+            return False
+        return all(st is KVPoll.Success for st in pre) == all(st is KVPoll.Success for st in dec)
+
     # --------------------------------------------------------------------------- running
     def violate(self, invariant: str, detail: str, req: Request | None = None) -> None:
         self.violations.append(
@@ -554,12 +603,22 @@ class World(Chaos):
         # Quiescence: every room released and its memory back, or give up after the fence.
         limit = self.deadline_ns + self.timeouts.fence_ns + self.timeouts.heartbeat_timeout_ns * 4
         step = max(self.timeouts.heartbeat_interval_ns, 1_000_000)
-        while self.env.now < limit and not all(r.done for r in self.requests):
+        while self.env.now < limit and not (
+            all(r.done for r in self.requests) and not self._notices_pending()
+        ):
             self.env.run(until=int(self.env.now) + step)
         self.quiesced_ns = int(self.env.now)
         # Let in-flight transfers and messages drain (bounded: nothing new is started).
         self.env.run(until=int(self.env.now) + self.fabric.spec.nic.error_timeout_ns + step)
         check_final(self)
+
+    def _notices_pending(self) -> bool:
+        """A prefill rank still resends a failure notice: the peer may yet change its outcome."""
+        return any(
+            getattr(r.engine, "notices", None)
+            for n, r in self.ranks.items()
+            if n.startswith("prefill") and not r.dead
+        )
 
 
 def _terminal(st: KVPoll | None) -> bool:

@@ -182,3 +182,85 @@ def test_checks_can_be_switched_off_per_scenario() -> None:
     s = sc.load(ROOT / "tests" / "scenarios" / "planted-free-pages-early.toml")
     res, _ = run_one(replace(s, checks=replace(s.checks, ownership=False)))
     assert "ownership" not in res.violated()
+
+
+# --------------------------------------------------------------------------- agreement
+# Prefill aborts (scheduler faults) on every room over a long-haul link (500 us one way): a prefill
+# rank aborted after its last write landed, before it saw DONE, leaves decode Success. The core
+# resends RoomFailed until decode answers and decode's Success turns Failed; the planted bug drops
+# that notice at decode, so the two sides end apart although the news arrived. A lossy control
+# plane (20% dropped) on top: the check must hold in runs that lost messages.
+LATE_ABORTS = (ROOT / "scenarios" / "quickstart.toml", 500_000)
+
+
+def _late_aborts() -> sc.Scenario:
+    path, latency = LATE_ABORTS
+    s = sc.load(path)
+    return replace(
+        s,
+        faults=replace(s.faults, abort=1.0, ctrl_drop=0.2),
+        fabric=replace(s.fabric, nic=replace(s.fabric.nic, latency_ns=latency)),
+    )
+
+
+def test_campaign_catches_decode_ignoring_room_failed_with_a_replayable_seed(tmp_path: Path) -> None:
+    hook = "decode_ignores_room_failed"
+    failing = [r for r in campaign(range(12), base=_late_aborts(), hooks=(hook,)) if r.violations]
+    assert failing, "planted decode_ignores_room_failed went unnoticed"
+    first = failing[0]
+    assert first.violated() == ["agreement"], first.violations[:3]
+    assert "Success on one side, Failed on prefill" in first.violations[0]["detail"]
+    assert first.control_dropped > 0  # once exempt as a whole run, now checked per room
+    path = save_failure(first, tmp_path)
+    s = sc.load(path)
+    assert s.seed == first.seed and hook in s.hooks and s.expect_violations == ("agreement",)
+    again, _ = run_one(s)
+    assert again.digest == first.digest and again.violated() == ["agreement"]
+    # The same run without the planted bug: the resent RoomFailed turns decode Failed too.
+    clean, w = run_one(replace(s, hooks=(), expect_violations=()))
+    assert clean.violations == [] and w.agreement_exempt == []
+
+
+def _agreement_violations(w: World) -> list[str]:
+    from kvferry.sim.checker import _agreement
+
+    w.violations.clear()
+    w.agreement_exempt.clear()
+    _agreement(w)
+    return [v.detail for v in w.violations if v.invariant == "agreement"]
+
+
+def test_agreement_exemption_is_per_room_and_needs_the_whole_resend_window() -> None:
+    """Doctor one finished room's record: only a notice stream that spans the resend window with
+    no copy delivered, or a crash while unsettled, exempts it; other rooms stay checked."""
+    res, w = run_one(sc.load(ROOT / "scenarios" / "quickstart.toml"))
+    assert res.violations == [] and w.fabric.stats.control_dropped == 0
+    a, b = w.requests[0], w.requests[1]
+    for r in (a, b):
+        r.status["prefill0"] = KVPoll.Failed  # as if prefill0 failed after decode Success
+    assert len(_agreement_violations(w)) == 2
+    window = w.timeouts.fence_ns - 2 * w.timeouts.heartbeat_interval_ns
+    k = ("prefill0", "decode0", "RoomFailed")
+    a.notices[k] = [1_000, 1_000 + window - 1, 0]  # stopped resending before the window ended
+    assert len(_agreement_violations(w)) == 2
+    a.notices[k] = [1_000, 1_000 + window, 1]  # the whole window, but a copy got through
+    assert len(_agreement_violations(w)) == 2
+    a.notices[k] = [1_000, 1_000 + window, 0]  # cut off for the whole window
+    assert _agreement_violations(w) == [f"room {b.key} Success on one side, Failed on prefill ()"]
+    assert [key for key, _why in w.agreement_exempt] == [a.key]
+    b.lost_with.add("decode0")  # decode0's process died while the room was unsettled
+    assert _agreement_violations(w) == []
+    assert sorted(key for key, _why in w.agreement_exempt) == [a.key, b.key]
+
+
+def test_crash_exempts_only_rooms_unsettled_at_the_crash() -> None:
+    res, w = run_one(sc.load(ROOT / "scenarios" / "crash-and-restart.toml"))
+    assert res.violations == []
+    lost = [r for r in w.requests if r.lost_with]
+    assert lost and all(r.lost_with <= {"decode1", "prefill0"} for r in lost)
+    # Rooms finished before the first crash (3 ms) and rooms arriving after the last restart
+    # (10.5 ms) are held to agreement.
+    early = [r for r in w.requests if r.opened and max(r.terminal_ns.values(), default=1 << 62) < 3_000_000]
+    late = [r for r in w.requests if r.arrival_ns > 10_500_000]
+    assert early and late
+    assert not any(r.lost_with for r in early + late)

@@ -154,6 +154,11 @@ class Fabric:
         # Called with (xfer) just before a transfer's bytes land; the world uses it to check that
         # the writer owns the destination.
         self.on_land: Callable[[Xfer], None] | None = None
+        # Called with ("sent" | "delivered", src, dst, payload) for every control message sent
+        # and every copy handed to its receiver (a sent message never delivered was dropped);
+        # the world derives per-room reachability from it. Returning False on "delivered" makes
+        # the receiver ignore that copy (only the simulator's planted bugs do).
+        self.on_control: Callable[[str, str, str, bytes], bool] | None = None
 
     # ------------------------------------------------------------------ nodes and links
     def add_node(self, name: str, nic: NicSpec | None = None, skew_ns: int = 0) -> Node:
@@ -387,6 +392,8 @@ class Fabric:
         self.node(dst)
         now = int(self.env.now)
         self.stats.control_sent += 1
+        if self.on_control is not None:
+            self.on_control("sent", src, dst, payload)
         if not self.link(src, dst).up:
             self.stats.control_dropped += 1
             self.record("ctrl_drop", src, dst=dst, why="link down", tag=tag)
@@ -410,6 +417,8 @@ class Fabric:
             self.record("ctrl_drop", dst, src=src, why="receiver down" if not d.up else "link down", tag=tag)
             return
         self.stats.control_delivered += 1
+        if self.on_control is not None and self.on_control("delivered", src, dst, payload) is False:
+            return
         d.control.append((src, payload))
         self._signal(d, ("ctrl", src))
 
