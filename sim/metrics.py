@@ -58,7 +58,8 @@ class RunResult:
     write_latency_ns: dict[str, int]
     failure_reasons: dict[str, int]
     wall_s: float = 0.0
-    agreement_exempt: int = 0  # rooms whose outcomes differ for a reason the core cannot help
+    # "room K: why" for each room whose two sides ended apart for a reason the core cannot help
+    agreement_exempt: list[str] = field(default_factory=list)
     rooms_detail: list[RoomOutcome] = field(default_factory=list)
     scenario_toml: str = ""  # the resolved scenario, filled in for failing runs
 
@@ -128,7 +129,7 @@ def collect(w: World, wall_s: float = 0.0, detail: bool = False) -> RunResult:
         write_latency_ns=percentiles(w.fabric.write_latencies),
         failure_reasons=dict(reasons.most_common()),
         wall_s=wall_s,
-        agreement_exempt=len(w.agreement_exempt),
+        agreement_exempt=[f"room {k}: {why}" for k, why in w.agreement_exempt],
         rooms_detail=rooms,
     )
 

@@ -39,6 +39,7 @@ def test_fuzz_cli_json_clean_run() -> None:
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout.strip().splitlines()[-1])
     assert d["seeds"] == 6 and d["violations"] == {} and d["rooms"] > 0
+    assert isinstance(d["agreement_exempt_rooms"], int)
 
 
 def test_fuzz_cli_reports_planted_bug_with_replay_line_and_file(tmp_path: Path) -> None:

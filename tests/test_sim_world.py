@@ -264,3 +264,48 @@ def test_crash_exempts_only_rooms_unsettled_at_the_crash() -> None:
     late = [r for r in w.requests if r.arrival_ns > 10_500_000]
     assert early and late
     assert not any(r.lost_with for r in early + late)
+
+
+def _partition(duration_us: int) -> sc.Scenario:
+    """prefill0 and decode0 cut apart at 9 ms; notifications lost so decode rooms wait and fail
+    while prefill already saw every write DONE (prefill Success, decode Failed: only decode's
+    resent Abort can bring the two sides together)."""
+    return sc.parse(
+        {
+            "topology": {"prefill_tp": 1, "decode_tp": 1, "workers": 1},
+            "workload": {"rooms": 40, "arrival_mean_us": 100, "tokens_max": 256, "chunk_tokens": 64},
+            "fabric": {"latency_ns": 500_000},
+            "faults": {
+                "notif_drop": 0.3,
+                "event": [
+                    {
+                        "at_us": 9000,
+                        "kind": "link_down",
+                        "node": "prefill0",
+                        "peer": "decode0",
+                        "duration_us": duration_us,
+                    }
+                ],
+            },
+            "phases": {"fault_window_us": 300_000, "liveness_us": 300_000},
+        }
+    )
+
+
+@pytest.mark.parametrize("duration_us", [190_000, 250_000])
+def test_only_a_partition_longer_than_the_resend_window_exempts_a_room(duration_us: int) -> None:
+    res, w = run_one(_partition(duration_us), seed=0)
+    assert res.violations == [], res.violations[:3]
+    window = w.timeouts.fence_ns
+    aborts = [r.notices[k] for r in w.requests for k in r.notices if k == ("decode0", "prefill0", "Abort")]
+    assert aborts
+    if duration_us < window // 1000:
+        # Abort resent through the partition reaches prefill after it heals: both sides Failed.
+        assert w.agreement_exempt == []
+        assert any(delivered and last - first > 100_000_000 for first, last, delivered in aborts)
+    else:
+        assert w.agreement_exempt
+        assert all("every Abort decode0->prefill0 dropped" in why for _k, why in w.agreement_exempt)
+        for key, _why in w.agreement_exempt:
+            r = w.requests[key]
+            assert r.status["prefill0"] is KVPoll.Success and r.status["decode0"] is KVPoll.Failed

@@ -120,6 +120,11 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
         f"simulated {_ms(res.sim_ns)} in {res.wall_s:.2f} s wall, {res.events:,} trace events, "
         f"trace hash {res.digest}"
     )
+    if res.agreement_exempt:
+        console.print(
+            f"agreement not required for {len(res.agreement_exempt)} room(s) (the core cannot "
+            f"guarantee it there): {'; '.join(res.agreement_exempt[:5])}"
+        )
     if res.violations:
         for v in res.violations[:20]:
             console.print(f"[bold red]VIOLATION[/] {v['invariant']}: {v['detail']}")
@@ -128,7 +133,7 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
     else:
         console.print(
             "[bold green]invariants: all held[/] (status monotone, Failed absorbing, write ownership, "
-            "bytes of every Success room, liveness, conservation, empty tables)"
+            "bytes of every Success room, liveness, conservation, agreement, empty tables)"
         )
 
 
@@ -170,7 +175,7 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(2) from None
         console = Console(stderr=as_json)
         t0 = time.perf_counter()
-        rooms = ok = failed = 0
+        rooms = ok = failed = exempt = 0
         faults: Counter[str] = Counter()
         violated: Counter[str] = Counter()
         failures = []
@@ -188,6 +193,7 @@ def register(app: typer.Typer) -> None:
                 rooms += res.rooms
                 ok += res.succeeded
                 failed += res.failed
+                exempt += len(res.agreement_exempt)
                 faults.update(res.faults)
                 if res.violations:
                     violated.update(res.violated())
@@ -201,6 +207,7 @@ def register(app: typer.Typer) -> None:
             "succeeded": ok,
             "failed": failed,
             "faults": dict(sorted(faults.items())),
+            "agreement_exempt_rooms": exempt,
             "violations": dict(sorted(violated.items())),
             "failing_seeds": [
                 {
@@ -225,6 +232,11 @@ def register(app: typer.Typer) -> None:
             console.print(
                 "faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none")
             )
+            if exempt:
+                console.print(
+                    f"agreement not required for {exempt} room(s): a node holding the room crashed "
+                    "before both sides settled, or a failure notice was cut off for its whole resend window"
+                )
             if not failures:
                 console.print("[bold green]no invariant violated[/]")
             else:
