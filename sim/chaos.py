@@ -69,11 +69,11 @@ class Chaos(_Base):
         if rank.dead:
             return
         self.injector.counts["crash"] += 1
-        # What this process alone knew about an unsettled room dies with it (the agreement check
-        # exempts such rooms; sim/checker.py).
+        # What this process alone knew about a room still settling dies with it (the agreement
+        # check exempts such rooms; sim/checker.py).
         for req in self.requests:
             held = req.inc.get(node, rank.incarnation) == rank.incarnation
-            if req.opened and held and not self.settled(req):
+            if req.opened and held and self.could_settle(req):
                 req.lost_with.add(node)
         rank.crash()
         # After the status reports this incarnation made before dying (deferred, same instant).

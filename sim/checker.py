@@ -13,7 +13,8 @@ Checked here:
   DONE + ERR; every decode outcome agrees with the per-rank statuses.
 - ``agreement``: every room ends with the same outcome on both sides (all Success, or Failed on
   both), in every run. Exempt, per room, only what the core cannot guarantee: a node holding the
-  room crashed before the room was settled on both sides (the dead process's knowledge is lost),
+  room crashed while the room could still settle (a rank not yet terminal, or the sides apart
+  and no failure notice delivered yet: the dead process's knowledge is lost),
   or a failure notice (RoomFailed / Abort) of the room was resent for the whole resend window
   (``fence_ns``) and the fabric delivered no copy (its peer was unreachable throughout).
 - ``quiescence`` / ``tables_empty``: after quiescence every room's memory is back in the allocators,
@@ -72,7 +73,7 @@ def agreement_exemption(w: World, r: Request) -> str:
     # The resend stream spans the window up to one heartbeat interval of tick granularity at
     # each end (node clocks only shift it, skew is constant per node).
     window = w.timeouts.fence_ns - 2 * w.timeouts.heartbeat_interval_ns
-    for (src, dst, kind), (first, last, delivered) in sorted(r.notices.items()):
+    for (src, dst, kind), (first, last, delivered, _at) in sorted(r.notices.items()):
         if not delivered and last - first >= window:
             return f"every {kind} {src}->{dst} dropped for {(last - first) // 1_000_000} ms"
     return ""

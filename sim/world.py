@@ -96,8 +96,8 @@ class Request:
     verified_bad: int = -1
     opened: bool = False
     # Facts for the agreement check. Failure notices (RoomFailed / Abort) per (src, dst, kind):
-    # [first sent ns, last sent ns, copies delivered]; and the nodes whose process died (crash)
-    # while the room was not yet settled on both sides.
+    # [first sent ns, last sent ns, copies delivered, first delivery ns or -1]; and the nodes
+    # whose process died (crash) while the room could still settle (sim/chaos.py).
     notices: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
     lost_with: set[str] = field(default_factory=set)
 
@@ -562,12 +562,14 @@ class World(Chaos):
         rec = req.notices.get(k)
         if what == "sent":
             if rec is None:
-                req.notices[k] = [now, now, 0]
+                req.notices[k] = [now, now, 0, -1]
             else:
                 rec[1] = now
             return True
         if rec is not None:
             rec[2] += 1
+            if rec[3] < 0:
+                rec[3] = now
         if (
             t is RoomFailed
             and "decode_ignores_room_failed" in self.hooks
@@ -578,6 +580,21 @@ class World(Chaos):
             self.trace.record("planted_ignore", dst, room=req.room, src=src)
             return False
         return True
+
+    def could_settle(self, req: Request) -> bool:
+        """The room is not settled and the protocol could still bring the two sides together.
+
+        Once every rank is terminal, the sides can only meet through a failure notice; if a copy
+        already reached the other side before now, the core had the news, so a disagreement
+        that outlasts it is not the crash's doing.
+        """
+        if self.settled(req):
+            return False
+        nodes = self._sides["prefill"] + self._sides["decode"]
+        if not all(_terminal(req.status.get(n)) for n in nodes):
+            return True
+        now = int(self.env.now)
+        return not any(0 <= rec[3] < now for rec in req.notices.values())
 
     def settled(self, req: Request) -> bool:
         """Terminal on every rank of both sides, with the same outcome on both sides."""

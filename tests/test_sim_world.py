@@ -241,11 +241,11 @@ def test_agreement_exemption_is_per_room_and_needs_the_whole_resend_window() -> 
     assert len(_agreement_violations(w)) == 2
     window = w.timeouts.fence_ns - 2 * w.timeouts.heartbeat_interval_ns
     k = ("prefill0", "decode0", "RoomFailed")
-    a.notices[k] = [1_000, 1_000 + window - 1, 0]  # stopped resending before the window ended
+    a.notices[k] = [1_000, 1_000 + window - 1, 0, -1]  # stopped resending before the window ended
     assert len(_agreement_violations(w)) == 2
-    a.notices[k] = [1_000, 1_000 + window, 1]  # the whole window, but a copy got through
+    a.notices[k] = [1_000, 1_000 + window, 1, 5_000]  # the whole window, but a copy got through
     assert len(_agreement_violations(w)) == 2
-    a.notices[k] = [1_000, 1_000 + window, 0]  # cut off for the whole window
+    a.notices[k] = [1_000, 1_000 + window, 0, -1]  # cut off for the whole window
     assert _agreement_violations(w) == [f"room {b.key} Success on one side, Failed on prefill ()"]
     assert [key for key, _why in w.agreement_exempt] == [a.key]
     b.lost_with.add("decode0")  # decode0's process died while the room was unsettled
@@ -297,7 +297,8 @@ def test_only_a_partition_longer_than_the_resend_window_exempts_a_room(duration_
     res, w = run_one(_partition(duration_us), seed=0)
     assert res.violations == [], res.violations[:3]
     window = w.timeouts.fence_ns
-    aborts = [r.notices[k] for r in w.requests for k in r.notices if k == ("decode0", "prefill0", "Abort")]
+    key = ("decode0", "prefill0", "Abort")
+    aborts = [r.notices[key][:3] for r in w.requests if key in r.notices]
     assert aborts
     if duration_us < window // 1000:
         # Abort resent through the partition reaches prefill after it heals: both sides Failed.
@@ -309,3 +310,14 @@ def test_only_a_partition_longer_than_the_resend_window_exempts_a_room(duration_
         for key, _why in w.agreement_exempt:
             r = w.requests[key]
             assert r.status["prefill0"] is KVPoll.Success and r.status["decode0"] is KVPoll.Failed
+
+
+def test_a_crash_after_the_news_crossed_does_not_excuse_a_disagreement() -> None:
+    """Planted bug, seed 21 of the late-aborts campaign: decode0 ignored RoomFailed for room 5 and
+    then crashed. The disagreement predates the crash (a copy was delivered), so it is reported."""
+    res, w = run_one(fuzz_scenario(21, _late_aborts(), ("decode_ignores_room_failed",)))
+    assert res.faults.get("crash", 0) >= 1
+    r = w.requests[5]
+    assert any(rec[2] > 0 for k, rec in r.notices.items() if k[2] == "RoomFailed")
+    assert not r.lost_with
+    assert [v["room"] for v in res.violations if v["invariant"] == "agreement"] == [5]
