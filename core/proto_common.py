@@ -9,6 +9,9 @@ lands outside its declared targets fails the room (a bug caught, not propagated)
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Mapping
+from enum import Enum
+from typing import Any, ClassVar
 
 import msgspec
 from kvferry.core.deadlines import DeadlineHeap
@@ -16,6 +19,8 @@ from kvferry.core.errors import ProtocolError
 from kvferry.core.kvpoll import KVPoll
 
 __all__ = [
+    "RoomEngine",
+    "RoomError",
     "RoomFailure",
     "Tombstones",
     "Transition",
@@ -106,3 +111,107 @@ class Tombstones:
 
 def new_counters() -> Counter[str]:
     return Counter()
+
+
+class RoomError(ProtocolError):
+    """A room-level protocol violation detected inside a handler (the room fails with it)."""
+
+
+class RoomEngine:
+    """What the sender and receiver engines share: table dispatch, queries, the tick horizon.
+
+    A subclass sets ``TABLE`` (state -> input -> Transition), ``STATUS`` (state -> KVPoll) and
+    ``FAILED`` (its absorbing state), and provides ``rooms``, ``tombstones``, ``deadlines``,
+    ``counters``, ``_now``, ``_out``, ``_fail``, ``_entered`` and ``_maybe_finish``. Handlers are
+    methods named ``_h_<Transition.handler>``.
+    """
+
+    TABLE: ClassVar[Mapping[Any, Mapping[Any, Transition]]]
+    STATUS: ClassVar[Mapping[Any, KVPoll]]
+    FAILED: ClassVar[Enum]
+
+    rooms: dict[int, Any]
+    tombstones: Tombstones
+    deadlines: DeadlineHeap
+    counters: Counter[str]
+    last_internal_error: BaseException | None
+    _now: int
+    _out: list[Any]
+
+    def _fail(self, r: Any, failure: RoomFailure) -> None:
+        raise NotImplementedError
+
+    def _entered(self, r: Any) -> None:
+        raise NotImplementedError
+
+    def _maybe_finish(self, r: Any) -> None:
+        raise NotImplementedError
+
+    def _bookkeep(self, r: Any, inp: Any, payload: Any) -> None:
+        """Per-side bookkeeping every state needs, whatever the table says about the input."""
+
+    def _guarded(self, fn: Callable[[bytes], None], data: bytes) -> None:
+        """Peer input must never raise out of the engine (it would kill a driver thread): a bug
+        outside any room's dispatch is counted and kept for inspection; tests assert none."""
+        try:
+            fn(data)
+        except Exception as exc:
+            self.counters["internal_error"] += 1
+            self.last_internal_error = exc
+
+    def apply(self, room: int, inp: Any, payload: Any, now: int) -> list[Any]:
+        """Table-level entry: feed ``inp`` straight to a live room (tests and tools; runtimes use
+        ``handle``). Unknown rooms are ignored like any message for them."""
+        self._now = now
+        self._out = out = []
+        r = self.rooms.get(room)
+        if r is not None:
+            self._dispatch(r, inp, payload)
+        self._out = []
+        return out
+
+    def poll(self, room: int) -> KVPoll:
+        r = self.rooms.get(room)
+        if r is not None:
+            return self.STATUS[r.state]
+        t = self.tombstones.latest(room)
+        if t is None:
+            raise UnknownRoomError(room)
+        return t[1]
+
+    def state(self, room: int) -> Any:
+        r = self.rooms.get(room)
+        return None if r is None else r.state
+
+    def failure(self, room: int) -> RoomFailure | None:
+        r = self.rooms.get(room)
+        return None if r is None else r.failure
+
+    def next_deadline(self) -> int | None:
+        a, b = self.deadlines.next(), self.tombstones.next_deadline()
+        if a is None:
+            return b
+        return a if b is None else min(a, b)
+
+    def _dispatch(self, r: Any, inp: Any, payload: Any) -> None:
+        self._bookkeep(r, inp, payload)
+        before = r.state
+        tr = self.TABLE[before].get(inp)
+        if tr is None:
+            self.counters["illegal_input"] += 1
+            self._fail(r, RoomFailure(f"{inp.value} not allowed while {before.value}", at_ns=self._now))
+        else:
+            try:
+                getattr(self, "_h_" + tr.handler)(r, inp, payload)
+            except Exception as exc:
+                # One room's exception fails that room only, type and message kept for the poller.
+                self.counters["room_exception"] += 1
+                self._fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
+            if r.state not in tr.targets and r.state is not self.FAILED:
+                self._fail(r, RoomFailure(f"internal: {inp.value} left {before.value} for {r.state.value}"))
+        if r.state is not before and r.state is not self.FAILED:
+            self._entered(r)
+        self._maybe_finish(r)
+
+    def _h_ignore(self, r: Any, inp: Any, payload: Any) -> None:
+        self.counters[f"ignored_{inp.value}"] += 1

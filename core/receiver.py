@@ -31,7 +31,7 @@ import numpy as np
 from kvferry.core import messages as m
 from kvferry.core.commands import CheckAux, DropPeer, FreePages, SendControl, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
-from kvferry.core.errors import ProtocolError, WireError
+from kvferry.core.errors import WireError
 from kvferry.core.events import (
     AbortRoom,
     AuxChecked,
@@ -43,7 +43,7 @@ from kvferry.core.events import (
     Tick,
 )
 from kvferry.core.kvpoll import KVPoll
-from kvferry.core.proto_common import RoomFailure, Tombstones, Transition, UnknownRoomError
+from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition
 
 __all__ = ["RECEIVER_TABLE", "RIn", "RState", "ReceiverEngine"]
 
@@ -191,16 +191,16 @@ class _Peer:
         self.last_seen = now
 
 
-class _RoomError(ProtocolError):
-    """A room-level protocol violation detected inside a handler (the room fails with it)."""
-
-
-class ReceiverEngine:
+class ReceiverEngine(RoomEngine):
     """All rooms of one decode rank. Feed it events, execute the commands it returns.
 
     ``registration``: this rank's ``Register`` message (agent, regions, geometry, aux rows), sent
     to every prefill rank it pairs with.
     """
+
+    TABLE = RECEIVER_TABLE
+    STATUS = STATUS
+    FAILED = RState.FAILED
 
     side = "decode"
 
@@ -247,53 +247,10 @@ class ReceiverEngine:
         self._out = []
         return out
 
-    def _guarded(self, fn: Any, data: bytes) -> None:
-        """Peer input must never raise out of the engine (it would kill a driver thread): a bug
-        outside any room's dispatch is counted and kept for inspection; tests assert none."""
-        try:
-            fn(data)
-        except Exception as exc:
-            self.counters["internal_error"] += 1
-            self.last_internal_error = exc
-
-    def apply(self, room: int, inp: RIn, payload: Any, now: int) -> list[Any]:
-        """Table-level entry: feed ``inp`` straight to a live room (tests and tools; runtimes use
-        ``handle``). Unknown rooms are ignored like any message for them."""
-        self._now = now
-        self._out = out = []
-        r = self.rooms.get(room)
-        if r is not None:
-            self._dispatch(r, inp, payload)
-        self._out = []
-        return out
-
-    def poll(self, room: int) -> KVPoll:
-        r = self.rooms.get(room)
-        if r is not None:
-            return STATUS[r.state]
-        t = self.tombstones.latest(room)
-        if t is None:
-            raise UnknownRoomError(room)
-        return t[1]
-
-    def state(self, room: int) -> RState | None:
-        r = self.rooms.get(room)
-        return None if r is None else r.state
-
-    def failure(self, room: int) -> RoomFailure | None:
-        r = self.rooms.get(room)
-        return None if r is None else r.failure
-
     def pages_in_use(self, room: int) -> bool:
         """True while the room's pages must not go back to the allocator."""
         r = self.rooms.get(room)
         return r is not None and not r.freed
-
-    def next_deadline(self) -> int | None:
-        a, b = self.deadlines.next(), self.tombstones.next_deadline()
-        if a is None:
-            return b
-        return a if b is None else min(a, b)
 
     def references(self, room: int) -> list[str]:
         refs = []
@@ -486,27 +443,11 @@ class ReceiverEngine:
             return
         self._dispatch(r, inp, payload)
 
-    def _dispatch(self, r: _Room, inp: RIn, payload: Any) -> None:
+    def _bookkeep(self, r: _Room, inp: RIn, payload: Any) -> None:
         if inp is RIn.RELEASE:
             r.release_requested = True
         elif inp is RIn.STOPPED:
             r.fenced.add(payload.src)
-        before = r.state
-        tr = RECEIVER_TABLE[before].get(inp)
-        if tr is None:
-            self.counters["illegal_input"] += 1
-            self._fail(r, RoomFailure(f"{inp.value} not allowed while {before.value}", at_ns=self._now))
-        else:
-            try:
-                getattr(self, "_h_" + tr.handler)(r, inp, payload)
-            except Exception as exc:
-                self.counters["room_exception"] += 1
-                self._fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
-            if r.state not in tr.targets and r.state is not RState.FAILED:
-                self._fail(r, RoomFailure(f"internal: {inp.value} left {before.value} for {r.state.value}"))
-        if r.state is not before and r.state is not RState.FAILED:
-            self._entered(r)
-        self._maybe_finish(r)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -521,9 +462,6 @@ class ReceiverEngine:
 
     # --- handlers (names referenced by RECEIVER_TABLE) -----------------------------------------
 
-    def _h_ignore(self, r: _Room, inp: RIn, payload: Any) -> None:
-        self.counters[f"ignored_{inp.value}"] += 1
-
     def _h_on_peer_ready(self, r: _Room, inp: RIn, payload: Any) -> None:
         if r.state is RState.BOOTSTRAPPING and self._all_acked(r):
             r.state = RState.WAITING
@@ -531,22 +469,22 @@ class ReceiverEngine:
     def _h_on_notify(self, r: _Room, inp: RIn, note: m.ChunkNote) -> None:
         src = note.src
         if src not in r.senders:
-            raise _RoomError(f"notification from {src}, which is not a sender of this room")
+            raise RoomError(f"notification from {src}, which is not a sender of this room")
         if r.state is not RState.SUCCESS:
             self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
         if src not in r.data_senders:
             # A dummy moves no bytes; its one "done" note makes decode's Success cover every
             # sender, so a dummy that failed (and said so, or went silent) fails the room here too.
             if not (note.dummy and note.is_last):
-                raise _RoomError(f"notification with data from dummy sender {src}")
+                raise RoomError(f"notification with data from dummy sender {src}")
             if src in r.dummies_done:
                 self.counters["duplicate_notification"] += 1
             r.dummies_done.add(src)
         elif note.dummy:
-            raise _RoomError(f"dummy notification from data sender {src}")
+            raise RoomError(f"dummy notification from data sender {src}")
         elif note.aux:
             if src != r.aux_sender:
-                raise _RoomError(f"aux row written by {src}, expected {r.aux_sender}")
+                raise RoomError(f"aux row written by {src}, expected {r.aux_sender}")
             if r.aux_pending or r.aux_ok:
                 self.counters["duplicate_notification"] += 1
             else:
@@ -562,21 +500,21 @@ class ReceiverEngine:
         seen = prog.chunks.get(idx)
         if seen is not None:
             if seen != rng:
-                raise _RoomError(f"chunk {idx} from {note.src} arrived twice with ranges {seen} and {rng}")
+                raise RoomError(f"chunk {idx} from {note.src} arrived twice with ranges {seen} and {rng}")
             self.counters["duplicate_notification"] += 1
             return
         if note.token_end > r.num_tokens:
-            raise _RoomError(
+            raise RoomError(
                 f"chunk {idx} from {note.src} ends at token {note.token_end}, "
                 f"past the {r.num_tokens} allocated"
             )
         if prog.last_index >= 0 and idx > prog.last_index:
-            raise _RoomError(f"chunk {idx} from {note.src} after its last chunk {prog.last_index}")
+            raise RoomError(f"chunk {idx} from {note.src} after its last chunk {prog.last_index}")
         if note.is_last:
             if prog.last_index >= 0:
-                raise _RoomError(f"two last chunks from {note.src}")
+                raise RoomError(f"two last chunks from {note.src}")
             if any(i > idx for i in prog.chunks):
-                raise _RoomError(f"last chunk {idx} from {note.src} but a later chunk already arrived")
+                raise RoomError(f"last chunk {idx} from {note.src} but a later chunk already arrived")
             prog.last_index = idx
         prog.chunks[idx] = rng
         if prog.last_index >= 0 and len(prog.chunks) == prog.last_index + 1:
@@ -585,10 +523,10 @@ class ReceiverEngine:
             for i in range(prog.last_index + 1):
                 start, end = prog.chunks[i]
                 if start != pos:
-                    raise _RoomError(f"chunk {i} from {note.src} starts at token {start}, expected {pos}")
+                    raise RoomError(f"chunk {i} from {note.src} starts at token {start}, expected {pos}")
                 pos = end
             if pos != r.num_tokens:
-                raise _RoomError(f"{note.src} delivered {pos} tokens but decode allocated {r.num_tokens}")
+                raise RoomError(f"{note.src} delivered {pos} tokens but decode allocated {r.num_tokens}")
             prog.done = True
 
     def _complete(self, r: _Room) -> bool:
@@ -603,7 +541,7 @@ class ReceiverEngine:
             self.counters["duplicate_aux_check"] += 1
             return
         if ev.found_room != r.room:
-            raise _RoomError(f"aux row {r.aux_index} holds room {ev.found_room}, expected {r.room}")
+            raise RoomError(f"aux row {r.aux_index} holds room {ev.found_room}, expected {r.room}")
         r.aux_pending = False
         r.aux_ok = True
         if self._complete(r):
@@ -617,7 +555,7 @@ class ReceiverEngine:
         if prog is not None and prog.chunks.get(note.chunk_index) == (note.token_start, note.token_end):
             self.counters["duplicate_notification"] += 1
             return
-        raise _RoomError(f"new chunk {note.chunk_index} from {note.src} after Success")
+        raise RoomError(f"new chunk {note.chunk_index} from {note.src} after Success")
 
     def _h_on_fail(self, r: _Room, inp: RIn, payload: Any) -> None:
         if inp is RIn.PEER_FAILED:

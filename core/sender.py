@@ -42,7 +42,7 @@ from kvferry.core.commands import (
     StatusChanged,
 )
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
-from kvferry.core.errors import KvferryError, ProtocolError, WireError
+from kvferry.core.errors import KvferryError, WireError
 from kvferry.core.events import (
     AbortRoom,
     ChunkReady,
@@ -54,7 +54,7 @@ from kvferry.core.events import (
     WriteFailed,
 )
 from kvferry.core.kvpoll import KVPoll
-from kvferry.core.proto_common import RoomFailure, Tombstones, Transition, UnknownRoomError
+from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition
 from kvferry.core.worker import Destination, plan_chunk, shard_of
 
 __all__ = ["SENDER_TABLE", "SIn", "SState", "SenderEngine"]
@@ -217,8 +217,12 @@ class _Peer:
         self.last_seen = now
 
 
-class SenderEngine:
+class SenderEngine(RoomEngine):
     """All rooms of one prefill rank. Feed it events, execute the commands it returns."""
+
+    TABLE = SENDER_TABLE
+    STATUS = STATUS
+    FAILED = SState.FAILED
 
     side = "prefill"
 
@@ -296,49 +300,6 @@ class SenderEngine:
             self._dispatch(r, SIn.RUN_CHUNK, chunk)
         self._out = []
         return out
-
-    def _guarded(self, fn: Any, data: bytes) -> None:
-        """Peer input must never raise out of the engine (it would kill a driver thread): a bug
-        outside any room's dispatch is counted and kept for inspection; tests assert none."""
-        try:
-            fn(data)
-        except Exception as exc:
-            self.counters["internal_error"] += 1
-            self.last_internal_error = exc
-
-    def apply(self, room: int, inp: SIn, payload: Any, now: int) -> list[Any]:
-        """Table-level entry: feed ``inp`` straight to a live room (tests and tools; runtimes use
-        ``handle``). Unknown rooms are ignored like any message for them."""
-        self._now = now
-        self._out = out = []
-        r = self.rooms.get(room)
-        if r is not None:
-            self._dispatch(r, inp, payload)
-        self._out = []
-        return out
-
-    def poll(self, room: int) -> KVPoll:
-        r = self.rooms.get(room)
-        if r is not None:
-            return STATUS[r.state]
-        t = self.tombstones.latest(room)
-        if t is None:
-            raise UnknownRoomError(room)
-        return t[1]
-
-    def state(self, room: int) -> SState | None:
-        r = self.rooms.get(room)
-        return None if r is None else r.state
-
-    def failure(self, room: int) -> RoomFailure | None:
-        r = self.rooms.get(room)
-        return None if r is None else r.failure
-
-    def next_deadline(self) -> int | None:
-        a, b = self.deadlines.next(), self.tombstones.next_deadline()
-        if a is None:
-            return b
-        return a if b is None else min(a, b)
 
     def references(self, room: int) -> list[str]:
         """Names of the per-room tables that still mention ``room`` (empty once released)."""
@@ -526,29 +487,11 @@ class SenderEngine:
             return
         self._dispatch(r, inp, payload)
 
-    def _dispatch(self, r: _Room, inp: SIn, payload: Any) -> None:
-        # Bookkeeping every state needs, whatever the table says about the input.
+    def _bookkeep(self, r: _Room, inp: SIn, payload: Any) -> None:
         if inp is SIn.RELEASE:
             r.release_requested = True
         elif inp is SIn.WRITE_DONE or inp is SIn.WRITE_FAILED:
             r.inflight.discard(payload.write_id)
-        before = r.state
-        tr = SENDER_TABLE[before].get(inp)
-        if tr is None:
-            self.counters["illegal_input"] += 1
-            self._fail(r, RoomFailure(f"{inp.value} not allowed while {before.value}", at_ns=self._now))
-        else:
-            try:
-                getattr(self, "_h_" + tr.handler)(r, inp, payload)
-            except Exception as exc:
-                # One room's exception fails that room only, type and message kept for the poller.
-                self.counters["room_exception"] += 1
-                self._fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
-            if r.state not in tr.targets and r.state is not SState.FAILED:
-                self._fail(r, RoomFailure(f"internal: {inp.value} left {before.value} for {r.state.value}"))
-        if r.state is not before and r.state is not SState.FAILED:
-            self._entered(r)
-        self._maybe_finish(r)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -575,12 +518,9 @@ class SenderEngine:
 
     # --- handlers (names referenced by SENDER_TABLE) -------------------------------------------
 
-    def _h_ignore(self, r: _Room, inp: SIn, payload: Any) -> None:
-        self.counters[f"ignored_{inp.value}"] += 1
-
     def _h_on_open(self, r: _Room, inp: SIn, ev: SenderOpen) -> None:
         if r.opened:
-            raise _RoomError("room opened twice")
+            raise RoomError("room opened twice")
         r.opened = True
         r.aux_index = ev.aux_index
         if self._ready(r):
@@ -590,23 +530,23 @@ class SenderEngine:
         known = r.infos.get(msg.src)
         if known is not None:
             if known != msg:
-                raise _RoomError(f"conflicting TransferInfo from {msg.src}")
+                raise RoomError(f"conflicting TransferInfo from {msg.src}")
             self.counters["duplicate_info"] += 1
             return
         if r.state is not SState.BOOTSTRAPPING:
-            raise _RoomError(f"unexpected TransferInfo from {msg.src} after all {r.expected_infos} arrived")
+            raise RoomError(f"unexpected TransferInfo from {msg.src} after all {r.expected_infos} arrived")
         if r.infos:
             if msg.expected_infos != r.expected_infos:
-                raise _RoomError(f"decode ranks disagree on expected senders ({msg.expected_infos})")
+                raise RoomError(f"decode ranks disagree on expected senders ({msg.expected_infos})")
             if msg.num_tokens != r.num_tokens:
-                raise _RoomError(
+                raise RoomError(
                     f"decode ranks disagree on the room's length ({msg.num_tokens} vs {r.num_tokens})"
                 )
         else:
             r.expected_infos = msg.expected_infos
             r.num_tokens = msg.num_tokens
         if len(r.infos) >= r.expected_infos:
-            raise _RoomError(f"more TransferInfos than the {r.expected_infos} expected")
+            raise RoomError(f"more TransferInfos than the {r.expected_infos} expected")
         r.infos[msg.src] = msg
         r.dests[msg.src] = np.asarray(msg.dst_pages, dtype=np.int64)
         r.stop_to.add(msg.src)
@@ -624,9 +564,9 @@ class SenderEngine:
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="duplicate chunk"))
             return
         if c.chunk_index != r.next_enqueue:
-            raise _RoomError(f"chunk {c.chunk_index} arrived before chunk {r.next_enqueue}")
+            raise RoomError(f"chunk {c.chunk_index} arrived before chunk {r.next_enqueue}")
         if r.last_enqueued:
-            raise _RoomError("chunk after the last chunk")
+            raise RoomError("chunk after the last chunk")
         r.next_enqueue += 1
         r.last_enqueued = c.is_last
         if r.state is SState.BOOTSTRAPPING:
@@ -640,20 +580,20 @@ class SenderEngine:
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="already run"))
             return
         if c.chunk_index != r.next_run:
-            raise _RoomError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
+            raise RoomError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
         if r.last_run:
-            raise _RoomError("chunk after the last chunk")
+            raise RoomError("chunk after the last chunk")
         start, end = r.tokens_done, c.token_end
         if end < start:
-            raise _RoomError(f"chunk {c.chunk_index} ends at token {end}, before its start {start}")
+            raise RoomError(f"chunk {c.chunk_index} ends at token {end}, before its start {start}")
         if end > r.num_tokens:
-            raise _RoomError(f"chunk {c.chunk_index} ends at token {end}, past decode's {r.num_tokens}")
+            raise RoomError(f"chunk {c.chunk_index} ends at token {end}, past decode's {r.num_tokens}")
         if c.is_last and end != r.num_tokens:
-            raise _RoomError(f"prefill produced {end} tokens but decode allocated {r.num_tokens}")
+            raise RoomError(f"prefill produced {end} tokens but decode allocated {r.num_tokens}")
         for p, info in r.infos.items():
             peer = self.peers.get(p)
             if peer is None or peer.reg_id != info.reg:
-                raise _RoomError(f"decode rank {p} is gone or restarted since its TransferInfo")
+                raise RoomError(f"decode rank {p} is gone or restarted since its TransferInfo")
         dests = [
             Destination(p, self.peers[p].pool, r.dests[p], info.dummy) for p, info in sorted(r.infos.items())
         ]
@@ -915,7 +855,3 @@ class SenderEngine:
             r = self.rooms.get(room)
             if r is not None:
                 self._dispatch(r, SIn.PEER_LOST, peer)
-
-
-class _RoomError(ProtocolError):
-    """A room-level protocol violation detected inside a handler (the room fails with it)."""
