@@ -15,11 +15,30 @@ Every command is executed here, in order, and what it causes (a refused post bec
 A transport error never escapes: it is counted in ``errors`` and, where a write is concerned,
 turned into a failed write so that only that room fails.
 
-Threads: pass ``lock=threading.Lock()``; every call takes it, so the single-threaded engine is
-never entered twice. SimPy passes nothing (no lock). Waiting (``time.sleep(0)`` between polls, or
-``yield env.timeout(...)``) belongs to the runtime, not here. The callbacks (``on_status``,
-``on_free_pages``, ``on_enqueue``) run with the lock held: they must record and return, not call
-back into the driver (with a plain Lock that would deadlock).
+Threads: pass ``lock=threading.Lock()``. The lock guards the engine, ``queues``, ``handles``,
+``errors``, ``posting`` and the follow-up queue: every entry point takes it, so the
+single-threaded engine is never entered twice. SimPy passes nothing (no lock). Waiting
+(``time.sleep(0)`` between polls, or ``yield env.timeout(...)``) belongs to the runtime, not here.
+The callbacks (``on_status``, ``on_free_pages``, ``on_enqueue``) run with the lock held: they must
+record and return, not call back into the driver (with a plain Lock that would deadlock).
+
+Data-plane calls of a worker step run *outside* the lock (issue 5): ``worker_step`` takes the lock
+to pop the chunk and get its commands from the engine, releases it to execute each run of
+``PostWrite``/``PostAuxWrite``/``SendNotif`` (a TP 2->1 post is ~300k descriptors; N workers must
+post in parallel, and a slow post must not stall the progress thread or other rooms), then takes
+it again to publish the handles and feed back what failed (a refused post -> ``WriteFailed``).
+Other commands of the step run under the lock, in list order, between those runs; follow-ups
+are fed after the whole list, as before. So:
+- a room's commands run in the engine's order: only its shard's worker runs its chunks, one at a
+  time; a chunk's data carries its own notification, so no later message of the chunk can
+  overtake its bytes;
+- a write being posted is in flight for the engine from the moment the engine emitted it (its id is
+  in the engine's tables) until ``WriteDone``/``WriteFailed`` is fed: an abort that lands while
+  the post runs fails the room but cannot fence its pages before the post returned and the handle
+  finished; a handle enters ``handles`` only after its post returned, so pollers never touch a
+  handle that is still being posted;
+- the transport must accept concurrent data-plane calls (NixlTransport does: NIXL sync mode RW).
+The SimPy runtime runs the same steps in the same order (no other thread can act in between).
 """
 
 from __future__ import annotations
@@ -72,6 +91,7 @@ class Driver:
         self.on_free_pages = on_free_pages
         self.on_enqueue = on_enqueue
         self._followups: deque[Any] = deque()
+        self.posting = 0  # writes of worker steps not yet posted and published to ``handles``
 
     # --- entry points ----------------------------------------------------------------------------
 
@@ -108,13 +128,82 @@ class Driver:
             return any(i in self.handles for i in ids)
 
     def worker_step(self, shard: int, now: int) -> tuple[int, ...] | None:
-        """Run one queued chunk of ``shard``; None if the queue is empty, else the ids to await."""
+        """Run one queued chunk of ``shard``; None if the queue is empty, else the ids to await.
+        The chunk's data-plane calls run without the lock (see the module header)."""
         with self.lock:
             q = self.queues[shard]
             if not q:
                 return None
             chunk = q.popleft()
-            return self._execute(self.engine.run_chunk(chunk, now), now)
+            cmds = self.engine.run_chunk(chunk, now)
+        wait: tuple[int, ...] = ()
+        pending: list[Any] = []  # follow-ups, fed after the whole list (the order _execute keeps)
+        i, n = 0, len(cmds)
+        while i < n:
+            j = i
+            slow = type(cmds[i]) in _DATA_PLANE
+            while j < n and (type(cmds[j]) in _DATA_PLANE) == slow:
+                j += 1
+            if slow:
+                self._post_unlocked(cmds[i:j], pending, now)
+            else:
+                with self.lock:
+                    for cmd in cmds[i:j]:
+                        w = self._run(cmd)
+                        wait = w if w is not None else wait
+                    pending.extend(self._followups)
+                    self._followups.clear()
+            i = j
+        with self.lock:
+            self._followups.extend(pending)
+            self._drain(now)
+        return wait
+
+    def _post_unlocked(self, cmds: list[Any], pending: list[Any], now: int) -> None:
+        ids = [c.write_id for c in cmds if type(c) is not SendNotif]
+        with self.lock:
+            self.posting += len(ids)
+        done: list[tuple[Any, Any, Exception | None]] = []
+        try:
+            for cmd in cmds:
+                try:
+                    done.append((cmd, self._call_data_plane(cmd), None))
+                except Exception as exc:
+                    done.append((cmd, None, exc))
+        finally:
+            with self.lock:
+                self.posting -= len(ids)
+                for cmd, handle, exc in done:
+                    k = type(cmd)
+                    if exc is not None:
+                        self._on_failure(cmd, exc, pending)
+                    elif k is not SendNotif:
+                        self.handles[cmd.write_id] = handle
+                if len(done) < len(cmds):
+                    # A BaseException is on its way out of this step: fail what was never posted
+                    # and feed it now, since the step will not get to the end.
+                    for cmd in cmds[len(done) :]:
+                        self._on_failure(cmd, RuntimeError("worker interrupted before the post"), pending)
+                    self._followups.extend(pending)
+                    pending.clear()
+                    self._drain(now)
+
+    def _call_data_plane(self, cmd: Any) -> Any:
+        t = self.transport
+        if type(cmd) is PostWrite:
+            return t.post_write(
+                cmd.peer,
+                cmd.src_region,
+                cmd.src_offset,
+                cmd.dst_region,
+                cmd.dst_offset,
+                cmd.length,
+                cmd.notif,
+            )
+        if type(cmd) is PostAuxWrite:
+            return t.post_aux_write(cmd.peer, cmd.src_aux_index, cmd.dst_aux_index, cmd.notif)
+        t.send_notif(cmd.peer, cmd.notif)
+        return None
 
     def next_deadline(self) -> int | None:
         with self.lock:
@@ -151,62 +240,65 @@ class Driver:
 
     def _execute(self, cmds: list[Any], now: int) -> tuple[int, ...]:
         wait: tuple[int, ...] = ()
-        t = self.transport
         for cmd in cmds:
-            k = type(cmd)
-            try:
-                if k is SendControl:
-                    t.send_control(cmd.peer, m.encode(cmd.msg))
-                elif k is PostWrite:
-                    self.handles[cmd.write_id] = t.post_write(
-                        cmd.peer,
-                        cmd.src_region,
-                        cmd.src_offset,
-                        cmd.dst_region,
-                        cmd.dst_offset,
-                        cmd.length,
-                        cmd.notif,
-                    )
-                elif k is PostAuxWrite:
-                    self.handles[cmd.write_id] = t.post_aux_write(
-                        cmd.peer, cmd.src_aux_index, cmd.dst_aux_index, cmd.notif
-                    )
-                elif k is SendNotif:
-                    t.send_notif(cmd.peer, cmd.notif)
-                elif k is EnqueueChunk:
-                    self.queues[cmd.shard % len(self.queues)].append(cmd.chunk)
-                    if self.on_enqueue is not None:
-                        self.on_enqueue(cmd.shard % len(self.queues))
-                elif k is AwaitWrites:
-                    wait = cmd.write_ids
-                elif k is CheckAux:
-                    found = t.read_aux_room(cmd.aux_index)
-                    self._followups.append(
-                        AuxChecked(room=cmd.room, transfer_id=cmd.transfer_id, found_room=found)
-                    )
-                elif k is AddPeer:
-                    t.add_peer(cmd.peer, cmd.registration)
-                elif k is DropPeer:
-                    t.drop_peer(cmd.peer)
-                elif k is StatusChanged:
-                    if self.on_status is not None:
-                        self.on_status(cmd)
-                elif k is FreePages:
-                    if self.on_free_pages is not None:
-                        self.on_free_pages(cmd)
-                elif k is ChunkSkipped:
-                    self.errors["chunk_skipped"] += 1
-                else:
-                    self.errors[f"unknown command {k.__name__}"] += 1
-            except Exception as exc:
-                self.errors[f"{k.__name__}: {type(exc).__name__}"] += 1
-                if k is PostWrite or k is PostAuxWrite:
-                    # Refused before anything moved: only this room fails, as a failed write.
-                    self._followups.append(WriteFailed(write_id=cmd.write_id, reason=f"post refused: {exc}"))
-                elif k is CheckAux:
-                    self._followups.append(
-                        AuxChecked(room=cmd.room, transfer_id=cmd.transfer_id, found_room=-1)
-                    )
+            w = self._run(cmd)
+            wait = w if w is not None else wait
+        self._drain(now)
+        return wait
+
+    def _drain(self, now: int) -> None:
         while self._followups:
             self._execute(self.engine.handle(self._followups.popleft(), now), now)
-        return wait
+
+    def _run(self, cmd: Any) -> tuple[int, ...] | None:
+        """Execute one command (lock held); a failure is counted and queued as a follow-up."""
+        k = type(cmd)
+        t = self.transport
+        try:
+            if k is SendControl:
+                t.send_control(cmd.peer, m.encode(cmd.msg))
+            elif k in _DATA_PLANE:
+                handle = self._call_data_plane(cmd)
+                if k is not SendNotif:
+                    self.handles[cmd.write_id] = handle
+            elif k is EnqueueChunk:
+                self.queues[cmd.shard % len(self.queues)].append(cmd.chunk)
+                if self.on_enqueue is not None:
+                    self.on_enqueue(cmd.shard % len(self.queues))
+            elif k is AwaitWrites:
+                return cmd.write_ids
+            elif k is CheckAux:
+                found = t.read_aux_room(cmd.aux_index)
+                self._followups.append(
+                    AuxChecked(room=cmd.room, transfer_id=cmd.transfer_id, found_room=found)
+                )
+            elif k is AddPeer:
+                t.add_peer(cmd.peer, cmd.registration)
+            elif k is DropPeer:
+                t.drop_peer(cmd.peer)
+            elif k is StatusChanged:
+                if self.on_status is not None:
+                    self.on_status(cmd)
+            elif k is FreePages:
+                if self.on_free_pages is not None:
+                    self.on_free_pages(cmd)
+            elif k is ChunkSkipped:
+                self.errors["chunk_skipped"] += 1
+            else:
+                self.errors[f"unknown command {k.__name__}"] += 1
+        except Exception as exc:
+            self._on_failure(cmd, exc, self._followups)
+        return None
+
+    def _on_failure(self, cmd: Any, exc: Exception, followups: Any) -> None:
+        k = type(cmd)
+        self.errors[f"{k.__name__}: {type(exc).__name__}"] += 1
+        if k is PostWrite or k is PostAuxWrite:
+            # Refused before anything moved: only this room fails, as a failed write.
+            followups.append(WriteFailed(write_id=cmd.write_id, reason=f"post refused: {exc}"))
+        elif k is CheckAux:
+            followups.append(AuxChecked(room=cmd.room, transfer_id=cmd.transfer_id, found_room=-1))
+
+
+# Executed outside the driver lock by a worker step (they touch only the transport).
+_DATA_PLANE = (PostWrite, PostAuxWrite, SendNotif)

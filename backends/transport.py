@@ -14,8 +14,10 @@ ids to its own registered buffers. An out-of-range descriptor is rejected with a
 Aux rows: each rank has an aux buffer of ``aux_rows`` rows of ``aux_row_bytes``; the first 8 bytes
 of a row hold the room id as little-endian int64 (the landing check of the last chunk).
 
-Threading: a transport may be called from several worker threads at once only if it says so; the
-driver serialises calls into the core but not into the transport.
+Threading: the driver serialises calls into the core but not into the transport: a worker step's
+``post_write``/``post_aux_write``/``send_notif`` run outside the driver lock, concurrently with
+other workers' posts and with the progress thread's calls (see driver.py). A transport used with
+several worker threads must allow that (NixlTransport does; the SimPy one runs in one thread).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from kvferry.core.deadlines import MS, SEC, Timeouts
 from kvferry.core.errors import ProtocolError
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
+from kvferry.core.messages import decode_note
 from kvferry.sim import pattern
 
 MODEL = ModelGeometry("rt", num_layers=2, num_kv_heads=4, head_dim=8)
@@ -183,6 +184,76 @@ def test_decode_abort_fails_both_sides_and_fences_pages(servers):
     while not rv.pages_freed() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert rv.pages_freed() and freed == [11]  # every sender confirmed Stopped
+
+
+def _gate_posts(monkeypatch, ep, gate):
+    """Route ``ep``'s real NIXL posts through ``gate(room)`` first (called in the posting thread)."""
+    real = ep.transport.post_write
+
+    def gated(peer, *args):
+        gate(decode_note(args[-1]).room)
+        return real(peer, *args)
+
+    monkeypatch.setattr(ep.transport, "post_write", gated)
+
+
+def test_blocked_post_stalls_no_other_room_and_abort_waits_for_it(servers, monkeypatch):
+    """Issue 5: the driver used to hold its lock through every post, so one slow post (a TP 2->1
+    room is ~300k descriptors) stalled every worker, the progress thread and every API call.
+    Room 10 (shard 0) blocks inside its post on P#0; room 11 (shard 1) must still complete, and
+    an abort of room 10 lands while that post is in flight but cannot fence decode's pages
+    until the post returned and its write finished."""
+    pre, dec = servers
+    release, entered = threading.Event(), threading.Event()
+
+    def gate(room):
+        if room == 10:
+            entered.set()
+            release.wait(30)
+
+    _gate_posts(monkeypatch, pre[0], gate)
+    try:
+        rv10, s10 = _room(pre, dec, 10, "blocked", np.arange(0, 4), 13, [13], aux=0)
+        assert entered.wait(10)
+        rv11, s11 = _room(pre, dec, 11, "free", np.arange(4, 8), 13, [5, 13], aux=1)
+        assert _settle(rv11, s11, timeout_s=10) == (KVPoll.Success, [KVPoll.Success] * 2)
+        assert pattern.mismatches(dec.pool, dec.transport.region, 11, np.arange(4, 8), 13)[0] == 0
+        rv10.abort("scheduler gave up")
+        assert _settle(rv10, s10[:1], timeout_s=10) == (KVPoll.Failed, [KVPoll.Failed])
+        # The write being posted is still in flight for P#0's core: no Stopped, no page reuse.
+        assert pre[0].driver.posting == 2  # its KV write, and the aux row queued behind it
+        with pre[0].lock:
+            assert any(key[0] == 10 for key in pre[0].engine.writes.values())
+        assert not rv10.pages_freed()
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while not rv10.pages_freed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rv10.pages_freed() and pre[0].driver.posting == 0
+    for h in [rv10, rv11, *s10, *s11]:
+        h.clear()
+    deadline = time.monotonic() + 10
+    while any(v for e in [*pre, dec] for v in e.leaks().values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(v == 0 for e in [*pre, dec] for v in e.leaks().values())
+
+
+def test_workers_post_concurrently_into_one_agent(servers, monkeypatch):
+    """Both workers of P#0 must be inside a real NIXL post at the same time (a barrier that only
+    opens with two parties); under the old single driver lock the barrier broke and both rooms
+    failed with a refused post."""
+    pre, dec = servers
+    barrier = threading.Barrier(2, timeout=10)
+    _gate_posts(monkeypatch, pre[0], lambda room: barrier.wait() if room in (20, 21) else None)
+    rooms = [_room(pre, dec, 20 + k, f"c{k}", np.arange(4 * k, 4 * k + 4), 13, [13], aux=k) for k in range(2)]
+    for k, (rv, senders) in enumerate(rooms):
+        assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * 2)
+        assert (
+            pattern.mismatches(dec.pool, dec.transport.region, 20 + k, np.arange(4 * k, 4 * k + 4), 13)[0]
+            == 0
+        )
+    assert not barrier.broken
 
 
 def test_closed_endpoint_refuses_calls():

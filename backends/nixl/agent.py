@@ -21,9 +21,15 @@ calling ``notifs()``/``progress()`` (the runtime's progress threads do, with an 
 
 Ownership. ``_tables`` (an RWLock) guards every table here: peers, prepared lists, in-flight
 handles. Data-path calls (post, poll, notifications) take the shared side, table changes the
-exclusive side; ``_inflight`` is a dict whose single-key operations are atomic under the GIL and
-only ever touched by the thread that posted a transfer and by teardown (which holds the exclusive
-side). Teardown follows NIXL's order: transfer handles, prepared lists, remote agents, memory.
+exclusive side; ``_inflight`` is a dict whose single-key operations are atomic under the GIL.
+Several threads post at once (the runtime's workers post outside the driver lock). That is safe
+with sync mode RW in nixl 1.5.x: the agent takes its own lock shared on the data path
+(prep/make/post/status/release of *different* requests run concurrently) and exclusive for
+metadata changes, and the UCX backend then creates its workers thread-safe (UCS_THREAD_MODE_MULTI).
+What NIXL does not make safe is one request handle used by two threads at once (nixl#2049): a
+ticket's ``lock`` is held while it is posted and while it is polled, so a settle (peer removal,
+teardown) polling ``_inflight`` from another thread waits for a post in progress to return.
+Teardown follows NIXL's order: transfer handles, prepared lists, remote agents, memory.
 """
 
 from __future__ import annotations
@@ -343,15 +349,18 @@ class NixlAgent:
                 self._nixl.make_prepped_xfer, op, self._local_prepped[key], li, p.prepped[key], ri, notif
             )
             ticket = XferTicket(next(self._ids), peer, op, handle, int(li.size), nbytes, t0)
-            self._inflight[ticket.xid] = ticket
-            try:
-                state = self._call(self._nixl.transfer, handle)
-            except NixlError:
-                self._release(ticket, "ERR")
-                raise
-            if state == "ERR":
-                self._release(ticket, "ERR")
-                raise NixlXferError(f"{op} to {peer} failed at post")
+            # A NIXL request handle is single-threaded (nixl#2049), and a settle in another thread
+            # polls whatever is in ``_inflight``: the ticket's lock keeps it off until posted.
+            with ticket.lock:
+                self._inflight[ticket.xid] = ticket
+                try:
+                    state = self._call(self._nixl.transfer, handle)
+                except NixlError:
+                    self._release(ticket, "ERR")
+                    raise
+                if state == "ERR":
+                    self._release(ticket, "ERR")
+                    raise NixlXferError(f"{op} to {peer} failed at post")
             return ticket
 
     def poll(self, ticket: XferTicket) -> str:

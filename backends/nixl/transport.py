@@ -253,6 +253,7 @@ class NixlTransport:
             entry = self._peers.pop(peer, None)
         if entry is not None:
             # Short: the driver's lock is held here, and a lost peer's writes may never finish.
+            # (A post running in a worker is waited for, not cut: see agent.py's ticket lock.)
             self.agent.remove_peer(entry.agent, settle_s=0.2)
 
     def has_peer(self, peer: Endpoint) -> bool:

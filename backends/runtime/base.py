@@ -1,11 +1,13 @@
 """What prefill and decode endpoints share: config, transport, driver, status board, shutdown.
 
 Threads and ownership (the rule for every table reachable from an endpoint):
-- The core engine, the driver's queues and in-flight handle table: only under ``self.lock`` (the
-  driver takes it on every call; ``on_status``/``on_free_pages`` run with it held).
+- The core engine, the driver's queues, in-flight handle table and ``posting`` count: only under
+  ``self.lock`` (the driver takes it on every call; ``on_status``/``on_free_pages`` run with it
+  held). The one thing done without it is a worker posting its chunk's writes: the engine has
+  already counted them in flight, and the handles are published under the lock once posted.
 - The status board: its own lock (board.py), so polling never waits for a worker.
-- The transport: thread-safe (NIXL agent with its RW lock and sync mode RW; the control plane's
-  IO thread owns the sockets).
+- The transport: thread-safe (NIXL agent with its RW lock and sync mode RW, which makes concurrent
+  posts from the workers safe, see nixl/agent.py; the control plane's IO thread owns the sockets).
 - ``errors``: a list appended under ``_err_lock``.
 Shutdown stops every loop, joins every thread (bounded), then closes the transport (NIXL teardown
 in its order, then the control plane's IO thread).
@@ -193,6 +195,7 @@ class EndpointBase:
                 "engine.rooms": len(self.engine.rooms),
                 "engine.rooms_by_peer": sum(len(s) for s in self.engine.rooms_by_peer.values()),
                 "driver.handles": len(self.driver.handles),
+                "driver.posting": self.driver.posting,
                 "driver.queues": sum(len(q) for q in self.driver.queues),
             }
             if hasattr(self.engine, "writes"):

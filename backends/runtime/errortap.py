@@ -7,8 +7,10 @@ post raises, or a write ends in ERR, it records the exception on the status boar
 room (read from the notification the write carries), so ``failure_exception()`` raises it with
 its original type. It decides nothing and changes no outcome.
 
-Ownership: ``_rooms`` (ticket -> room) is only touched with the driver lock held (every transport
-call of the driver happens under it).
+Ownership: ``_rooms`` (ticket -> room) gets a key from the worker that posted the ticket, outside
+the driver lock but before the handle is published to the driver, and loses it in
+``check_xfer``, under the driver lock; single-key dict operations are atomic under the GIL, and no
+poller sees a ticket before its key is in.
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ posts a chunk's writes and waits for them before taking its next chunk.
 Ownership: each worker is the only consumer of its queue in ``driver.queues`` (the driver appends
 under its lock; the worker peeks the head without it, which is safe for a sole consumer of a
 deque); its wake-up Event is set by the driver's ``on_enqueue`` and cleared only by the worker.
-Everything else follows base.py.
+A worker holds the driver lock only to take its chunk's commands from the engine and to feed
+results back; it posts the chunk's writes (NIXL make_prepped_xfer + transfer) without it, so the
+N workers post in parallel and a slow post (294,912 descriptors per rank for TP 2->1) stalls
+neither the progress thread, nor API calls, nor rooms of other shards (driver.py's header has
+the ordering argument). Everything else follows base.py.
 
 A worker never dies: an exception from a chunk fails that chunk's room through the core (an
 AbortRoom, which tells decode with RoomFailed) and is kept on the status board, so
