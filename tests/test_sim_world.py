@@ -291,8 +291,11 @@ def test_only_a_partition_longer_than_the_resend_window_exempts_a_room(duration_
         # Abort resent through the partition reaches prefill after it heals: both sides Failed.
         assert w.agreement_exempt == []
         assert any(delivered and last - first > 100_000_000 for first, last, delivered in aborts)
+        assert not w.ranks["decode0"].engine.counters.get("fence_expired")
     else:
         assert w.agreement_exempt
+        # The core's own account agrees with the fabric log: decode gave up waiting (fence).
+        assert w.ranks["decode0"].engine.counters["fence_expired"] >= len(w.agreement_exempt)
         assert all("every Abort decode0->prefill0 dropped" in why for _k, why in w.agreement_exempt)
         for key, _why in w.agreement_exempt:
             r = w.requests[key]
