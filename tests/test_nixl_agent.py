@@ -300,3 +300,46 @@ def test_teardown_order_with_hung_transfer():
     assert first["release_xfer"] < first["release_dlist"] < first["remove_remote"] < first["dereg"]
     with pytest.raises(NixlError):
         agent.post("WRITE", peer, ("kv", 256), ONE, ONE, np.array([256]))
+
+
+def test_several_ucx_workers_posting_from_threads():
+    """``ucx_workers > 1`` (RuntimeConfig.nixl_ucx_workers): writes posted from several threads at
+    once into one agent all land with their notifications."""
+    import threading
+
+    rng = np.random.default_rng(11)
+    src = {0: rng.integers(0, 256, 1 << 16, dtype=np.uint8)}
+    dst = {0: np.zeros(1 << 16, dtype=np.uint8)}
+    a, b = NixlAgent(sync="rw", ucx_workers=3), NixlAgent(sync="rw", ucx_workers=3)
+    try:
+        a.register(regions_from(src))
+        b.register(regions_from(dst))
+        name_b = a.add_peer(b.metadata(), {"kv": (b.regions(), [256])})
+        states: dict[int, str] = {}
+
+        def post(k: int) -> None:
+            off = np.array([k * 16384])
+            t = a.post(
+                "WRITE",
+                name_b,
+                ("kv", 256),
+                (np.zeros(1, np.int64), off),
+                (np.zeros(1, np.int64), off),
+                np.array([16384]),
+                f"n{k}".encode(),
+            )
+            states[k] = _settle(a, b, t)
+
+        threads = [threading.Thread(target=post, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert states == {k: "DONE" for k in range(4)}
+        assert (dst[0] == src[0]).all()
+        assert sorted(p for _, p in _wait_notifs(b, 4)) == [b"n0", b"n1", b"n2", b"n3"]
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(ValueError):
+        NixlAgent(sync="rw", ucx_workers=0)

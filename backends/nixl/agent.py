@@ -66,7 +66,12 @@ def _nixl_api() -> Any:
 
 
 def make_nixl_agent(
-    name: str, sync: str, telemetry: bool, ucx_threads: int, progress_thread: bool = False
+    name: str,
+    sync: str,
+    telemetry: bool,
+    ucx_threads: int,
+    progress_thread: bool = False,
+    ucx_workers: int = 1,
 ) -> Any:
     api = _nixl_api()
     modes = {
@@ -79,10 +84,19 @@ def make_nixl_agent(
         enable_listen_thread=False,  # metadata travels in our own registration message
         capture_telemetry=telemetry,
         num_threads=ucx_threads,
-        backends=["UCX"],
+        backends=["UCX"] if ucx_workers == 1 else [],
         sync_mode=modes[sync],
     )
-    return api.nixl_agent(name, cfg)
+    agent = api.nixl_agent(name, cfg)
+    if ucx_workers != 1:
+        # Several UCX workers: threads posting at once get their own workers and endpoints, so a
+        # small write's completion is not queued behind a big post's on a shared endpoint.
+        params = agent.get_plugin_params("UCX")
+        params["num_workers"] = str(ucx_workers)
+        if ucx_threads > 0:
+            params["num_threads"] = str(ucx_threads)
+        agent.create_backend("UCX", params)
+    return agent
 
 
 @dataclass
@@ -192,6 +206,7 @@ class NixlAgent:
         telemetry: bool = True,
         ucx_threads: int = 0,
         progress_thread: bool = False,
+        ucx_workers: int = 1,
         factory: Callable[..., Any] = make_nixl_agent,
     ) -> None:
         if sync not in SYNC_MODES:
@@ -199,7 +214,10 @@ class NixlAgent:
         # A fresh suffix per process: a restarted peer gets a new name, so stale state of the old
         # incarnation can never be mistaken for the new one.
         self.name = name or f"kvferry-{uuid.uuid4().hex[:12]}"
-        self._nixl = factory(self.name, sync, telemetry, ucx_threads, progress_thread)
+        if ucx_workers < 1:
+            raise ValueError("ucx_workers must be >= 1")
+        extra = {} if ucx_workers == 1 else {"ucx_workers": ucx_workers}  # fakes need not know it
+        self._nixl = factory(self.name, sync, telemetry, ucx_threads, progress_thread, **extra)
         self._stash: deque[tuple[str, bytes]] = deque()  # notifications taken by progress()
         self._capture = telemetry
         self._tables = RWLock()

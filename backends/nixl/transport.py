@@ -133,6 +133,7 @@ class NixlTransport:
         agent: NixlAgent | None = None,
         extra_groups: Mapping[str, Sequence[MemRegion]] | None = None,
         progress_thread: bool = False,
+        ucx_workers: int = 1,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError("role must be prefill or decode")
@@ -140,7 +141,10 @@ class NixlTransport:
         self.role = role
         self.pool = pool
         self.agent = agent or NixlAgent(
-            f"{endpoint.server}-{endpoint.rank}-{_suffix()}", sync=sync, progress_thread=progress_thread
+            f"{endpoint.server}-{endpoint.rank}-{_suffix()}",
+            sync=sync,
+            progress_thread=progress_thread,
+            ucx_workers=ucx_workers,
         )
         self.control = control or ControlPlane(str(endpoint))
         self._buffers = dict(buffers) if buffers is not None else None

@@ -50,6 +50,11 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     nixl_sync: str = "rw"  # several threads share the agent
     # NIXL's progress thread spins (~70% of a core per agent); our progress threads poll instead.
     nixl_progress_thread: bool = False
+    # UCX workers per agent. With one, every thread's posts share one UCX endpoint per peer, and a
+    # small room's write completes only after a big post on another shard (measured in
+    # bench/nixl_hol_probe.py); more workers separate them, but NIXL assigns workers to threads
+    # itself, so two threads can still share one. Not yet the default: see docs/benchmarks.md.
+    nixl_ucx_workers: int = 1
 
 
 def now_ns() -> int:
@@ -83,6 +88,7 @@ class EndpointBase:
             control=control,
             extra_groups=extra_groups,
             progress_thread=config.nixl_progress_thread,
+            ucx_workers=config.nixl_ucx_workers,
         )
         self.transport.register_regions(pool.regions, config.aux_rows, config.aux_row_bytes)
         self.lock = threading.Lock()
