@@ -38,6 +38,10 @@ are fed after the whole list, as before. So:
   finished; a handle enters ``handles`` only after its post returned, so pollers never touch a
   handle that is still being posted;
 - the transport must accept concurrent data-plane calls (NixlTransport does: NIXL sync mode RW).
+The same holds for observing: ``pump`` and ``poll_writes`` ask the transport (control messages,
+notifications, write states) without the lock and feed the answers under it. With one UCX worker
+per agent, a poll or notification drain waits while another thread's big post holds the worker;
+holding the engine lock through that wait would stall every room again.
 The SimPy runtime runs the same steps in the same order (no other thread can act in between).
 """
 
@@ -101,27 +105,58 @@ class Driver:
 
     def pump(self, now: int) -> int:
         """Feed every observation the transport has, then a Tick if a deadline is due.
-        Returns how many observations were fed (0: nothing happened)."""
+        Returns how many observations were fed (0: nothing happened). The transport is asked
+        without the lock (its calls may wait on the data plane, see the module header), each
+        batch of answers is fed under it, in the same order as ever."""
+        t = self.transport
+        n = 0
+        controls = t.recv_control()
         with self.lock:
-            n = 0
-            t = self.transport
-            for data in t.recv_control():
+            for data in controls:
                 self._feed(ControlIn(data=data), now)
                 n += 1
-            for data in t.drain_notifs():
+        notifs = t.drain_notifs()
+        with self.lock:
+            for data in notifs:
                 self._feed(NotificationIn(data=data), now)
                 n += 1
-            n += self._poll_writes(now, None)
+        n += self.poll_writes(now, None)
+        with self.lock:
             dl = self.engine.next_deadline()
             if dl is not None and dl <= now:
                 self._feed(Tick(), now)
                 n += 1
-            return n
+        return n
 
     def poll_writes(self, now: int, ids: tuple[int, ...] | None = None) -> int:
-        """Check posted writes (all, or ``ids``); feed the finished ones. Returns how many finished."""
+        """Check posted writes (all, or ``ids``); feed the finished ones. Returns how many finished.
+        The checks run without the lock; a write two threads both saw finish is fed once."""
+        t = self.transport
         with self.lock:
-            return self._poll_writes(now, ids)
+            todo = [(w, self.handles[w]) for w in (self.handles if ids is None else ids) if w in self.handles]
+        checked: list[tuple[int, Any, XferState, Exception | None]] = []
+        for wid, h in todo:
+            try:
+                checked.append((wid, h, t.check_xfer(h), None))
+            except Exception as exc:
+                checked.append((wid, h, XferState.ERR, exc))
+        n = 0
+        with self.lock:
+            for _, _, _, exc in checked:
+                if exc is not None:
+                    self.errors[f"check_xfer: {type(exc).__name__}"] += 1
+            for wid, h, st, _ in checked:
+                if st is XferState.PROC or self.handles.get(wid) is not h:
+                    continue  # still in flight, or another thread fed it already
+                del self.handles[wid]
+                try:
+                    t.release_xfer(h)
+                except Exception as exc:
+                    self.errors[f"release_xfer: {type(exc).__name__}"] += 1
+                ev = WriteDone(write_id=wid) if st is XferState.DONE else WriteFailed(write_id=wid)
+                self._feed(ev, now)
+                n += 1
+        return n
 
     def writes_pending(self, ids: tuple[int, ...]) -> bool:
         with self.lock:
@@ -213,30 +248,6 @@ class Driver:
 
     def _feed(self, event: Any, now: int) -> tuple[int, ...]:
         return self._execute(self.engine.handle(event, now), now)
-
-    def _poll_writes(self, now: int, ids: tuple[int, ...] | None) -> int:
-        t = self.transport
-        finished = []
-        for wid in self.handles if ids is None else ids:
-            h = self.handles.get(wid)
-            if h is None:
-                continue
-            try:
-                st = t.check_xfer(h)
-            except Exception as exc:
-                self.errors[f"check_xfer: {type(exc).__name__}"] += 1
-                st = XferState.ERR
-            if st is not XferState.PROC:
-                finished.append((wid, h, st))
-        for wid, h, st in finished:
-            del self.handles[wid]
-            try:
-                t.release_xfer(h)
-            except Exception as exc:
-                self.errors[f"release_xfer: {type(exc).__name__}"] += 1
-            ev = WriteDone(write_id=wid) if st is XferState.DONE else WriteFailed(write_id=wid)
-            self._feed(ev, now)
-        return len(finished)
 
     def _execute(self, cmds: list[Any], now: int) -> tuple[int, ...]:
         wait: tuple[int, ...] = ()

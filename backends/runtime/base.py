@@ -50,10 +50,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     nixl_sync: str = "rw"  # several threads share the agent
     # NIXL's progress thread spins (~70% of a core per agent); our progress threads poll instead.
     nixl_progress_thread: bool = False
-    # UCX workers per agent. With one, every thread's posts share one UCX endpoint per peer, and a
-    # small room's write completes only after a big post on another shard (measured in
-    # bench/nixl_hol_probe.py); more workers separate them, but NIXL assigns workers to threads
-    # itself, so two threads can still share one. Not yet the default: see docs/benchmarks.md.
+    # UCX workers per agent. With one, NIXL serialises concurrent posts to a peer inside its post
+    # call: a small room's post waits for a big post of another shard (bench/nixl_hol_probe.py).
+    # 4 workers did not change that on the CPU machine (docs/benchmarks.md); left at 1.
     nixl_ucx_workers: int = 1
 
 
