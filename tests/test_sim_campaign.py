@@ -24,7 +24,10 @@ def test_bounded_campaign_finds_no_violation(block: int) -> None:
         assert res.succeeded + res.failed == res.rooms
         if res.violations:
             failing.append((res.seed, res.violations[0]))
-    assert failing == []
+    assert failing == [], "\n".join(
+        f"seed {seed}: {violation} -- replay: uv run kvferry fuzz --seeds {seed} --save-dir fuzz-failures"
+        for seed, violation in failing
+    )
 
 
 def test_parse_seeds() -> None:
