@@ -602,8 +602,11 @@ class SenderEngine(RoomEngine):
         r.tokens_done = end
         r.last_run = c.is_last
         posted: list[int] = []
-        for w in writes:
-            note = m.encode(
+
+        def chunk_note(**kind: bool) -> bytes:
+            # Every note of this chunk names the same room, sender and token range; ``kind`` marks
+            # the dummy "done" note or the aux write.
+            return m.encode(
                 m.ChunkNote(
                     room=r.room,
                     transfer_id=r.tid,
@@ -612,8 +615,12 @@ class SenderEngine(RoomEngine):
                     token_start=start,
                     token_end=end,
                     is_last=c.is_last,
+                    **kind,
                 )
             )
+
+        note = chunk_note()  # identical for every data write of the chunk: encode it once
+        for w in writes:
             if w.count == 0:
                 self._out.append(SendNotif(peer=w.peer, room=r.room, notif=note))
                 continue
@@ -635,32 +642,10 @@ class SenderEngine(RoomEngine):
         if c.is_last:
             for p, info in sorted(r.infos.items()):
                 if info.dummy:
-                    note = m.encode(
-                        m.ChunkNote(
-                            room=r.room,
-                            transfer_id=r.tid,
-                            src=self.endpoint,
-                            chunk_index=c.chunk_index,
-                            token_start=start,
-                            token_end=end,
-                            is_last=True,
-                            dummy=True,
-                        )
-                    )
+                    note = chunk_note(dummy=True)
                     self._out.append(SendNotif(peer=p, room=r.room, notif=note))
                 if info.send_aux:
-                    note = m.encode(
-                        m.ChunkNote(
-                            room=r.room,
-                            transfer_id=r.tid,
-                            src=self.endpoint,
-                            chunk_index=c.chunk_index,
-                            token_start=start,
-                            token_end=end,
-                            is_last=True,
-                            aux=True,
-                        )
-                    )
+                    note = chunk_note(aux=True)
                     wid = self._new_write(r)
                     posted.append(wid)
                     self._out.append(
