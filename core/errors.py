@@ -25,3 +25,11 @@ class WireError(KvferryError, ValueError):
 
 class ProtocolError(KvferryError):
     """An input the protocol state machines do not accept in their current state."""
+
+
+class ResourceError(KvferryError, ValueError):
+    """Local misuse of an allocator: a non-positive size or capacity, an unknown or double free.
+
+    A size that is merely too large for the pool comes from a peer and is answered with a typed
+    refusal value instead, so one bad request cannot raise through the flow that carries it.
+    """
