@@ -14,6 +14,12 @@ Execution contract for a driver (``backends/driver.py`` implements it):
   finished (seed 000's per-queue ordering); purely a pacing hint, correctness does not need it.
 - CheckAux: read the room id stored in local aux row ``aux_index``; answer with AuxChecked.
 - FreePages: decode pages of the room may go back to the allocator (fenced, or fence expired).
+- Gather / Scatter: copy the heads the maps name between the local KV pool and local staging
+  region ``staging_region`` (``core.staging_layout.StagingMap``, one per writer); asynchronous,
+  answered by CopyDone(op_id) or CopyFailed(op_id). A Gather's buffer and a Scatter's staging
+  space stay owned by the op until that answer.
+- ChunkDeferred: informational, a chunk the worker could not run yet (no staging space); the core
+  re-enqueues it itself when space frees.
 - StatusChanged: the room's KVPoll moved (for waiters and traces; pollers may also call poll()).
 - ChunkSkipped: informational, a chunk the worker did not run (failed room, duplicate, unknown).
 """
@@ -30,13 +36,16 @@ __all__ = [
     "AddPeer",
     "AwaitWrites",
     "CheckAux",
+    "ChunkDeferred",
     "ChunkSkipped",
     "Command",
     "DropPeer",
     "EnqueueChunk",
     "FreePages",
+    "Gather",
     "PostAuxWrite",
     "PostWrite",
+    "Scatter",
     "SendControl",
     "SendNotif",
     "StatusChanged",
@@ -119,6 +128,30 @@ class FreePages(_Cmd):
     reason: str
 
 
+class Gather(_Cmd):
+    """Copy pool -> staging: the chunk's heads for every writer into the local staging region."""
+
+    op_id: int
+    room: int
+    staging_region: int
+    maps: tuple[Any, ...]  # core.staging_layout.StagingMap
+
+
+class Scatter(_Cmd):
+    """Copy staging -> pool: every writer's block of a landed chunk into the room's pages."""
+
+    op_id: int
+    room: int
+    staging_region: int
+    maps: tuple[Any, ...]
+
+
+class ChunkDeferred(_Cmd):
+    room: int
+    chunk_index: int
+    reason: str
+
+
 class StatusChanged(_Cmd):
     room: int
     transfer_id: str
@@ -145,4 +178,7 @@ Command = (
     | FreePages
     | StatusChanged
     | ChunkSkipped
+    | Gather
+    | Scatter
+    | ChunkDeferred
 )

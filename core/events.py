@@ -5,10 +5,11 @@ integer ns, read by the driver, never by the core) and answer with a list of com
 (``core/commands.py``). Control messages and notifications arrive as raw bytes: the core decodes
 and validates them itself so that a malformed frame is counted and rejected in one place.
 
-Sender side (prefill rank): SenderOpen, ChunkReady, WriteDone, WriteFailed, ControlIn, AbortRoom,
-ReleaseRoom, Tick. The worker step takes a ChunkReady directly (``SenderEngine.run_chunk``).
-Receiver side (decode rank): ReceiverOpen, ControlIn, NotificationIn, AuxChecked, AbortRoom,
-ReleaseRoom, Tick.
+Sender side (prefill rank): SenderOpen, ChunkReady, WriteDone, WriteFailed, CopyDone, CopyFailed,
+ControlIn, AbortRoom, ReleaseRoom, Tick. The worker step takes a ChunkReady directly
+(``SenderEngine.run_chunk``).
+Receiver side (decode rank): ReceiverOpen, ControlIn, NotificationIn, AuxChecked, CopyDone,
+CopyFailed, AbortRoom, ReleaseRoom, Tick.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ __all__ = [
     "AuxChecked",
     "ChunkReady",
     "ControlIn",
+    "CopyDone",
+    "CopyFailed",
     "Event",
     "NotificationIn",
     "ReceiverOpen",
@@ -74,11 +77,19 @@ class Tick(_Event):
 
 
 class SenderOpen(_Event):
-    """The prefill scheduler has a room: pair it by ``transfer_id``; ``aux_index`` is its aux row."""
+    """The prefill scheduler has a room: pair it by ``transfer_id``; ``aux_index`` is its aux row.
+
+    ``receivers``: the decode ranks this rank will send data to (``core.topology``), when known:
+    staging space is then asked for as soon as a chunk is ready, before their TransferInfos.
+    ``flow``: an explicit transfer flow for the room (``core.flows.Flow`` value); it overrides
+    the policy.
+    """
 
     room: int
     transfer_id: str
     aux_index: int
+    receivers: tuple[Endpoint, ...] = ()
+    flow: str | None = None
 
 
 class ChunkReady(_Event):
@@ -103,6 +114,19 @@ class WriteDone(_Event):
     write_id: int
 
 
+class CopyDone(_Event):
+    """A Gather or Scatter finished (its bytes are in place)."""
+
+    op_id: int
+
+
+class CopyFailed(_Event):
+    """A Gather or Scatter could not run (kernel error, region out of range)."""
+
+    op_id: int
+    reason: str = "copy failed"
+
+
 class WriteFailed(_Event):
     """A posted write reached ERR (or the backend gave up on it)."""
 
@@ -124,6 +148,8 @@ class SenderSpec(msgspec.Struct, frozen=True):
     dummy: bool
     expected_infos: int
     send_aux: bool
+    head_start: int = 0  # global heads this sender writes (staged flows scatter them there)
+    num_heads: int = 0
 
 
 class ReceiverOpen(_Event):
@@ -163,4 +189,6 @@ Event = (
     | ReceiverOpen
     | NotificationIn
     | AuxChecked
+    | CopyDone
+    | CopyFailed
 )

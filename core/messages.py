@@ -15,7 +15,7 @@ and turns every failure into ``WireError``; callers count it and carry on.
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from kvferry.core.errors import WireError
@@ -35,8 +35,11 @@ __all__ = [
     "Register",
     "RegisterAck",
     "RoomFailed",
+    "StagingReq",
+    "StagingRsp",
     "Stopped",
     "TransferInfo",
+    "Watermark",
     "decode_control",
     "decode_note",
     "encode",
@@ -147,6 +150,10 @@ class Register(_Msg, tag="reg"):
     aux_addr: Addr
     aux_row_bytes: Annotated[int, msgspec.Meta(ge=8, lt=1 << 20)]
     aux_rows: Count
+    # What else this rank can receive (core.flows): a staging ring and a pinned bounce region,
+    # each registered among ``regions`` under the ids in core.flows.regions; 0 = not offered.
+    ring_bytes: Annotated[int, msgspec.Meta(ge=0, lt=1 << 48)] = 0
+    pinned_bytes: Annotated[int, msgspec.Meta(ge=0, lt=1 << 48)] = 0
 
     def __post_init__(self) -> None:
         _check_version(self.v)
@@ -233,7 +240,71 @@ class Stopped(_Msg, tag="stopped"):
     transfer_id: TransferId
 
 
-Control = Register | RegisterAck | Heartbeat | TransferInfo | RoomFailed | FailedAck | Abort | Stopped
+StagedFlow = Literal["ring", "pinned"]
+Offset = Annotated[int, msgspec.Meta(ge=0, lt=1 << 48)]
+Round = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
+
+
+class StagingReq(_Msg, tag="stg_req"):
+    """Prefill -> decode: staging space for one chunk of a room (ahead of need, resent until
+    answered). Every writer of a decode rank asks; the writers of one chunk share one allocation."""
+
+    room: Room
+    transfer_id: TransferId
+    flow: StagedFlow
+    chunk_index: Count
+    token_start: Tokens
+    token_end: Tokens
+
+    def __post_init__(self) -> None:
+        _check_version(self.v)
+        if self.token_end <= self.token_start:
+            raise ValueError(f"token range [{self.token_start}, {self.token_end}) is empty or reversed")
+
+
+class StagingRsp(_Msg, tag="stg_rsp"):
+    """Decode -> every writer of the chunk: where to write (``offset``: this writer's block inside
+    the allocation ``[start, end)`` of ``round``), and decode's current watermark. Refused (not
+    ``ok``) when the chunk can never fit; the room then fails with ``reason``."""
+
+    room: Room
+    transfer_id: TransferId
+    chunk_index: Count
+    reg: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+    ok: bool = True
+    reason: Reason = ""
+    alloc_id: Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)] = 0
+    round: Round = 0
+    start: Offset = 0
+    end: Offset = 0
+    offset: Offset = 0
+    wm_round: Round = 0
+    wm_offset: Offset = 0
+
+
+class Watermark(_Msg, tag="wm"):
+    """Decode -> prefill: the oldest live allocation of decode's staging ring (round, offset);
+    space before it in the previous round is free to overwrite. Monotone; ``reg`` names the
+    registration (incarnation) it belongs to."""
+
+    reg: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+    round: Round
+    offset: Offset
+
+
+Control = (
+    Register
+    | RegisterAck
+    | Heartbeat
+    | TransferInfo
+    | RoomFailed
+    | FailedAck
+    | Abort
+    | Stopped
+    | StagingReq
+    | StagingRsp
+    | Watermark
+)
 
 
 class ChunkNote(msgspec.Struct, frozen=True, kw_only=True):
@@ -250,11 +321,14 @@ class ChunkNote(msgspec.Struct, frozen=True, kw_only=True):
     is_last: bool
     aux: bool = False
     dummy: bool = False  # a dummy sender's "done": no bytes came with it
+    staged: Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)] = -1  # staging allocation the bytes landed in
 
     def __post_init__(self) -> None:
         _check_version(self.v)
         if self.dummy and (self.aux or not self.is_last):
             raise ValueError("a dummy note is the last one and carries no aux row")
+        if self.staged >= 0 and (self.aux or self.dummy):
+            raise ValueError("aux and dummy notes are never staged")
         if self.token_end < self.token_start:
             raise ValueError(f"token range [{self.token_start}, {self.token_end}) is reversed")
 

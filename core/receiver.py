@@ -23,27 +23,41 @@ FailedAck, which stops the sender's resending.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from enum import Enum
 from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
-from kvferry.core.commands import CheckAux, DropPeer, FreePages, SendControl, StatusChanged
+from kvferry.core.commands import CheckAux, DropPeer, FreePages, Scatter, SendControl, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import WireError
 from kvferry.core.events import (
     AbortRoom,
     AuxChecked,
     ControlIn,
+    CopyDone,
+    CopyFailed,
     NotificationIn,
     ReceiverOpen,
     ReleaseRoom,
     SenderSpec,
     Tick,
 )
+from kvferry.core.flows import Flow, staging_format
+from kvferry.core.flows.machine import fire
+from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
+from kvferry.core.flows.staged_rx import RX_TABLE, RxChunk, RxIn, RxState
+from kvferry.core.flows.staged_tx import decode_alloc_bytes
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition
+from kvferry.core.resources import PinnedPool, PinnedRefused, RingRefused, StagingRing, Watermark
+from kvferry.core.staging_layout import staged_map
+
+# StagingReqs for rooms this rank has not opened yet (seed 003 prefetches them) are held, never
+# dropped: at most this many, each until the bootstrap deadline.
+MAX_HELD_STAGING = 1024
+STAGING_ALIGN = 64
 
 __all__ = ["RECEIVER_TABLE", "RIn", "RState", "ReceiverEngine"]
 
@@ -68,6 +82,9 @@ class RIn(Enum):
     TIMEOUT = "timeout"
     PEER_LOST = "peer_lost"
     RELEASE = "release"
+    STAGING_REQ = "staging_req"  # a writer asks for staging space for a chunk
+    COPY_DONE = "copy_done"  # a scatter finished
+    COPY_FAILED = "copy_failed"
 
 
 STATUS = {
@@ -94,27 +111,33 @@ _LIVE_FAILURES = {
     RIn.PEER_LOST: _FAIL,
     # A sender confirms Stopped only after it failed: its RoomFailed was lost or is overtaken.
     RIn.STOPPED: _FAIL,
+    RIn.COPY_FAILED: _FAIL,
 }
 
 RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
     _B: {
+        **_LIVE_FAILURES,
         RIn.PEER_READY: _t("on_peer_ready", _B, _W),
         # A notification proves the sender has our registration even if its ack is still in flight.
         RIn.NOTIFY: _t("on_notify", _T, _S),
-        **_LIVE_FAILURES,
+        RIn.STAGING_REQ: _t("on_staging_req", _B),
     },
     _W: {
+        **_LIVE_FAILURES,
         RIn.PEER_READY: _t("on_peer_ready", _W),
         RIn.NOTIFY: _t("on_notify", _T, _S),
-        **_LIVE_FAILURES,
+        RIn.STAGING_REQ: _t("on_staging_req", _W),
     },
     _T: {
+        **_LIVE_FAILURES,
         RIn.PEER_READY: _t("on_peer_ready", _T),
         RIn.NOTIFY: _t("on_notify", _T, _S),
         RIn.AUX_CHECKED: _t("on_aux_checked", _T, _S),
-        **_LIVE_FAILURES,
+        RIn.STAGING_REQ: _t("on_staging_req", _T),
+        RIn.COPY_DONE: _t("on_copy_done", _T, _S),
     },
     _S: {
+        RIn.STAGING_REQ: _t("ignore", _S),
         RIn.PEER_READY: _t("ignore", _S),
         RIn.NOTIFY: _t("on_notify_after_success", _S),
         RIn.AUX_CHECKED: _t("on_aux_checked", _S),
@@ -155,8 +178,10 @@ class _Room:
         "progress",
         "release_requested",
         "room",
+        "scatters",
         "senders",
         "state",
+        "stg",
         "tid",
     )
 
@@ -181,6 +206,8 @@ class _Room:
         self.freed = False
         self.failure: RoomFailure | None = None
         self.release_requested = False
+        self.stg: dict[int, RxChunk] = {}  # staged chunks (core.flows.staged_rx)
+        self.scatters: set[int] = set()  # scatter ops in flight: the pages are being written
 
 
 class _Peer:
@@ -220,6 +247,18 @@ class ReceiverEngine(RoomEngine):
         self._out: list[Any] = []
         self._now = 0
         self.last_internal_error: BaseException | None = None
+        # Staged flows: what this rank offers in its Register, and who hears its watermark.
+        self.pool = registration.geometry.to_pool()
+        self.ring = StagingRing(registration.ring_bytes, STAGING_ALIGN) if registration.ring_bytes else None
+        self.pinned = (
+            PinnedPool(registration.pinned_bytes, STAGING_ALIGN) if registration.pinned_bytes else None
+        )
+        self.subscribers: set[m.Endpoint] = set()
+        self._last_wm: Watermark | None = None
+        self.pinned_queue: deque[tuple[int, str, int]] = deque()  # (room, tid, chunk) waiting for space
+        self.held: dict[tuple[int, str], list[m.StagingReq]] = {}
+        self.ops: dict[int, tuple[int, str]] = {}  # scatter op id -> room key
+        self._next_op_id = 1
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -233,6 +272,12 @@ class ReceiverEngine(RoomEngine):
             self._guarded(self._on_control, event.data)
         elif t is AuxChecked:
             self._room_input(event.room, event.transfer_id, RIn.AUX_CHECKED, event)
+        elif t is CopyDone or t is CopyFailed:
+            key = self.ops.pop(event.op_id, None)
+            if key is None:
+                self.counters["unknown_op"] += 1
+            else:
+                self._room_input(key[0], key[1], RIn.COPY_DONE if t is CopyDone else RIn.COPY_FAILED, event)
         elif t is ReceiverOpen:
             self._open(event)
         elif t is AbortRoom:
@@ -260,7 +305,20 @@ class ReceiverEngine(RoomEngine):
             refs.append("rooms_by_peer")
         if ("room", room) in self.deadlines or ("abort", room) in self.deadlines:
             refs.append("deadlines")
+        if any(k[0] == room for k in self.ops.values()):
+            refs.append("ops")
+        if any(k[0] == room for k in self.held):
+            refs.append("held")
+        if any(q[0] == room for q in self.pinned_queue):
+            refs.append("pinned_queue")
+        for name, res in (("ring", self.ring), ("pinned", self.pinned)):
+            if res is not None and any(res.owner_of(i)[0] == room for i in res.live):
+                refs.append(name)
         return refs
+
+    def staging_in_use(self) -> int:
+        """Live staging allocations (ring and pinned); 0 once every room settled."""
+        return sum(len(x) for x in (self.ring, self.pinned) if x is not None)
 
     # --- messages --------------------------------------------------------------------------------
 
@@ -305,6 +363,8 @@ class ReceiverEngine(RoomEngine):
             )
         elif t is m.RegisterAck:
             self._on_register_ack(msg)
+        elif t is m.StagingReq:
+            self._on_staging_req(msg)
         elif t is m.Heartbeat:
             self.counters["heartbeat_in"] += 1
         else:
@@ -395,6 +455,11 @@ class ReceiverEngine(RoomEngine):
             )
         if self._all_acked(r):
             self._dispatch(r, RIn.PEER_READY, None)
+        held = self.held.pop(r.key, None)
+        if held:
+            self.deadlines.cancel(("held", r.key))
+            for req in held:
+                self._room_input(req.room, req.transfer_id, RIn.STAGING_REQ, req, sender=req.src)
 
     def _all_acked(self, r: _Room) -> bool:
         for p in r.senders:
@@ -448,6 +513,8 @@ class ReceiverEngine(RoomEngine):
             r.release_requested = True
         elif inp is RIn.STOPPED:
             r.fenced.add(payload.src)
+        elif inp is RIn.COPY_DONE or inp is RIn.COPY_FAILED:
+            self._scatter_finished(r, payload.op_id)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -482,6 +549,8 @@ class ReceiverEngine(RoomEngine):
             r.dummies_done.add(src)
         elif note.dummy:
             raise RoomError(f"dummy notification from data sender {src}")
+        elif note.staged >= 0:
+            self._staged_note(r, note)
         elif note.aux:
             if src != r.aux_sender:
                 raise RoomError(f"aux row written by {src}, expected {r.aux_sender}")
@@ -531,7 +600,8 @@ class ReceiverEngine(RoomEngine):
 
     def _complete(self, r: _Room) -> bool:
         return (
-            r.aux_ok
+            not r.scatters
+            and r.aux_ok
             and all(p.done for p in r.progress.values())
             and len(r.dummies_done) == len(r.senders) - len(r.data_senders)
         )
@@ -546,6 +616,232 @@ class ReceiverEngine(RoomEngine):
         r.aux_ok = True
         if self._complete(r):
             r.state = RState.SUCCESS
+
+    # --- staged flows (ring, pinned) ---------------------------------------------------------------
+
+    def _on_staging_req(self, req: m.StagingReq) -> None:
+        key = (req.room, req.transfer_id)
+        r = self.rooms.get(req.room)
+        if r is not None and r.tid == req.transfer_id:
+            self._room_input(req.room, req.transfer_id, RIn.STAGING_REQ, req, sender=req.src)
+            return
+        if self.tombstones.get(req.room, req.transfer_id) is not None:
+            self.counters["tombstoned"] += 1
+            return
+        # Asked ahead of our open (seed 003 prefetches): hold it until the room opens, bounded.
+        if sum(len(v) for v in self.held.values()) >= MAX_HELD_STAGING:
+            self.counters["staging_req_overflow"] += 1
+            self._send(
+                req.src,
+                m.StagingRsp(
+                    src=self.endpoint,
+                    room=req.room,
+                    transfer_id=req.transfer_id,
+                    chunk_index=req.chunk_index,
+                    reg=self.reg_id,
+                    ok=False,
+                    reason=f"more than {MAX_HELD_STAGING} requests for unopened rooms",
+                ),
+            )
+            return
+        self.counters["staging_req_held"] += 1
+        self.held.setdefault(key, []).append(req)
+        if ("held", key) not in self.deadlines:
+            self.deadlines.set(("held", key), self._now + self.timeouts.bootstrap_ns)
+
+    def _h_on_staging_req(self, r: _Room, inp: RIn, req: m.StagingReq) -> None:
+        spec = r.senders[req.src]
+        if spec.dummy:
+            raise RoomError(f"staging request from dummy sender {req.src}")
+        flow = Flow(req.flow)
+        if (self.ring if flow is Flow.RING else self.pinned) is None:
+            raise RoomError(f"{req.src} asked for {flow.value} space, which this rank does not offer")
+        if req.token_end > r.num_tokens:
+            raise RoomError(
+                f"staging request for chunk {req.chunk_index} up to token {req.token_end}, "
+                f"past the {r.num_tokens} allocated"
+            )
+        ch = r.stg.get(req.chunk_index)
+        if ch is not None:
+            if (ch.token_start, ch.token_end, ch.flow) != (req.token_start, req.token_end, flow):
+                raise RoomError(
+                    f"writers disagree on chunk {req.chunk_index}: [{ch.token_start}, {ch.token_end}) "
+                    f"{ch.flow.value} vs [{req.token_start}, {req.token_end}) {flow.value}"
+                )
+            self.counters["staging_req_duplicate"] += 1
+            if ch.state is not RxState.WAITING_SPACE:
+                self._grant(r, ch, (req.src,))
+            return
+        writers = tuple(sorted(p for p in r.data_senders))
+        for p in writers:
+            if r.senders[p].num_heads <= 0:
+                raise RoomError(
+                    f"sender {p} has no head range; build SenderSpecs with core.topology.sender_specs"
+                )
+        ch = RxChunk(req.chunk_index, req.token_start, req.token_end, flow, writers)
+        r.stg[req.chunk_index] = ch
+        if not self._allocate(r, ch):
+            self.counters["pinned_wait"] += 1
+            self.pinned_queue.append((r.room, r.tid, ch.index))
+
+    def _allocate(self, r: _Room, ch: RxChunk) -> bool:
+        """Space for one chunk of every writer; False if the pinned pool must be waited for."""
+        tokens = ch.token_end - ch.token_start
+        need = decode_alloc_bytes(self.pool, tokens)
+        hb, regions = self.pool.head_bytes, self.pool.model.num_regions
+        offsets: dict[m.Endpoint, int] = {}
+        if ch.flow is Flow.RING:
+            assert self.ring is not None
+            got = self.ring.assign(need, r.key)
+            if isinstance(got, RingRefused):
+                raise RoomError(f"chunk {ch.index}: {got.reason}")
+            pos = got.offset
+            for p in ch.writers:  # seed 003: one block per writer, packed in sender order
+                offsets[p] = pos
+                pos += regions * tokens * r.senders[p].num_heads * hb
+            self.subscribers.update(ch.writers)
+        else:
+            assert self.pinned is not None
+            res = self.pinned.reserve(need, r.key)
+            if isinstance(res, PinnedRefused):
+                raise RoomError(f"chunk {ch.index}: {res.reason}")
+            if res is None:
+                return False
+            for p in ch.writers:  # seed 002: head-major, each writer at its heads
+                offsets[p] = (
+                    res.offset + (r.senders[p].head_start - self.pool.head_start) * regions * tokens * hb
+                )
+            got = res
+        fire(RX_TABLE, ch, RxIn.ALLOCATED, got, offsets)
+        self._grant(r, ch, ch.writers)
+        return True
+
+    def _grant(self, r: _Room, ch: RxChunk, to: tuple[m.Endpoint, ...]) -> None:
+        wm = self.ring.watermark() if self.ring is not None else Watermark(0, 0)
+        a = ch.alloc
+        rnd, start, end = (a.round, a.offset, a.end) if ch.flow is Flow.RING else (0, a.offset, a.end)
+        for p in to:
+            self._send(
+                p,
+                m.StagingRsp(
+                    src=self.endpoint,
+                    room=r.room,
+                    transfer_id=r.tid,
+                    chunk_index=ch.index,
+                    reg=self.reg_id,
+                    alloc_id=ch.alloc_id,
+                    round=rnd,
+                    start=start,
+                    end=end,
+                    offset=ch.offsets[p],
+                    wm_round=wm.round,
+                    wm_offset=wm.offset,
+                ),
+            )
+
+    def _staged_note(self, r: _Room, note: m.ChunkNote) -> None:
+        ch = r.stg.get(note.chunk_index)
+        if ch is None or ch.state is RxState.WAITING_SPACE or ch.alloc_id != note.staged:
+            raise RoomError(
+                f"chunk {note.chunk_index} from {note.src} landed in staging space "
+                f"{note.staged} this rank never granted it"
+            )
+        if (note.token_start, note.token_end) != (ch.token_start, ch.token_end):
+            raise RoomError(
+                f"chunk {note.chunk_index} from {note.src} covers [{note.token_start}, "
+                f"{note.token_end}), its space was for [{ch.token_start}, {ch.token_end})"
+            )
+        if fire(RX_TABLE, ch, RxIn.NOTE, note) == "duplicate":
+            self.counters["duplicate_notification"] += 1
+            return
+        if ch.state is RxState.LANDED:
+            self._start_scatter(r, ch)
+
+    def _start_scatter(self, r: _Room, ch: RxChunk) -> None:
+        fmt = staging_format(ch.flow)
+        base = ch.alloc.offset
+        maps = []
+        for p in ch.writers:
+            spec = r.senders[p]
+            block = ch.offsets[p] if ch.flow is Flow.RING else base
+            maps.append(
+                staged_map(
+                    self.pool,
+                    r.dst_pages,
+                    spec.head_start,
+                    spec.num_heads,
+                    ch.token_start,
+                    ch.token_end,
+                    fmt,
+                    block,
+                )
+            )
+        op = self._next_op_id
+        self._next_op_id += 1
+        self.ops[op] = r.key
+        r.scatters.add(op)
+        fire(RX_TABLE, ch, RxIn.START, op)
+        region = RING_REGION if ch.flow is Flow.RING else PINNED_REGION
+        self._out.append(Scatter(op_id=op, room=r.room, staging_region=region, maps=tuple(maps)))
+
+    def _scatter_finished(self, r: _Room, op: int) -> None:
+        """Every state: the scatter's staging space has no writer left, so it is freed at once."""
+        r.scatters.discard(op)
+        ch = next((x for x in r.stg.values() if x.op_id == op), None)
+        if ch is None or ch.state is not RxState.SCATTERING:
+            return
+        fire(RX_TABLE, ch, RxIn.SCATTERED)
+        self._free_alloc(ch)
+        self._space_freed()
+
+    def _free_alloc(self, ch: RxChunk) -> None:
+        if ch.flow is Flow.RING:
+            self.ring.free(ch.alloc.alloc_id)  # type: ignore[union-attr]
+        else:
+            self.pinned.free(ch.alloc.res_id)  # type: ignore[union-attr]
+
+    def _h_on_copy_done(self, r: _Room, inp: RIn, ev: CopyDone) -> None:
+        for ch in r.stg.values():
+            if ch.op_id == ev.op_id:
+                for p in ch.writers:
+                    self._record_chunk(r, r.progress[p], ch.notes[p])
+        if self._complete(r):
+            r.state = RState.SUCCESS
+
+    def _reclaim(self, r: _Room) -> None:
+        """A failed room's staging space, once its writers are fenced and no scatter runs."""
+        freed = 0
+        for res in (self.ring, self.pinned):
+            if res is not None:
+                freed += len(res.free_owner(r.key))
+        if any(q[0] == r.room and q[1] == r.tid for q in self.pinned_queue):
+            self.pinned_queue = deque(q for q in self.pinned_queue if (q[0], q[1]) != r.key)
+        if freed:
+            self._space_freed()
+
+    def _space_freed(self) -> None:
+        """Broadcast the ring's new watermark; grant pinned chunks that waited, in order."""
+        if self.ring is not None:
+            wm = self.ring.watermark()
+            if wm != self._last_wm:
+                self._last_wm = wm
+                for p in sorted(self.subscribers):
+                    self._send(
+                        p, m.Watermark(src=self.endpoint, reg=self.reg_id, round=wm.round, offset=wm.offset)
+                    )
+        while self.pinned_queue:
+            room, tid, idx = self.pinned_queue[0]
+            r = self.rooms.get(room)
+            ch = r.stg.get(idx) if r is not None and r.tid == tid and r.state is not RState.FAILED else None
+            if ch is None:
+                self.pinned_queue.popleft()
+                continue
+            try:
+                if not self._allocate(r, ch):  # type: ignore[arg-type]
+                    break
+            except RoomError as exc:
+                self._fail(r, RoomFailure(str(exc), error=exc, at_ns=self._now))  # type: ignore[arg-type]
+            self.pinned_queue.popleft()
 
     def _h_on_notify_after_success(self, r: _Room, inp: RIn, note: m.ChunkNote) -> None:
         prog = r.progress.get(note.src)
@@ -568,6 +864,8 @@ class ReceiverEngine(RoomEngine):
             reason = f"timed out while {r.state.value}"
         elif inp is RIn.STOPPED:
             reason = f"{payload.src} stopped sending before its failure notice arrived"
+        elif inp is RIn.COPY_FAILED:
+            reason = f"scatter failed: {payload.reason}"
         else:
             reason = f"peer {payload} lost (no heartbeat)"
         self._fail(r, RoomFailure(reason, at_ns=self._now))
@@ -608,13 +906,17 @@ class ReceiverEngine(RoomEngine):
         self.deadlines.set(("abort", r.room), self._now + self.timeouts.heartbeat_interval_ns)
 
     def _maybe_finish(self, r: _Room) -> None:
-        if r.state is RState.FAILED and not r.freed and (r.fence_expired or r.fenced >= r.senders.keys()):
+        fenced = r.fence_expired or r.fenced >= r.senders.keys()
+        if r.state is RState.FAILED and not r.freed and fenced and not r.scatters:
+            # Pages and staging space go back only when no writer can still write them (fenced)
+            # and no scatter of ours is writing the pages.
             r.freed = True
+            self._reclaim(r)
             self.deadlines.cancel(("room", r.room))
             self.deadlines.cancel(("abort", r.room))
             reason = "fence expired" if r.fence_expired else "every sender stopped"
             self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
-        if r.release_requested and (r.state is RState.SUCCESS or r.freed):
+        if r.release_requested and ((r.state is RState.SUCCESS and not r.scatters) or r.freed):
             self._remove(r)
 
     def _remove(self, r: _Room) -> None:
@@ -654,11 +956,21 @@ class ReceiverEngine(RoomEngine):
                 if r is not None and r.state is RState.FAILED and not r.freed:
                     self.counters["abort_resent"] += 1
                     self._send_aborts(r)
+            elif kind == "held":
+                dropped = self.held.pop(what, [])
+                self.counters["staging_req_expired"] += len(dropped)
             elif kind == "hb":
                 peer = self.peers.get(what)
                 if peer is not None:
                     # Until acked, the heartbeat is the Register again (it may have been lost).
                     self._send(what, m.Heartbeat(src=self.endpoint) if peer.acked else self.registration)
+                    if what in self.subscribers and self.ring is not None:
+                        # A lost broadcast must not leave a writer waiting: repeat the watermark.
+                        wm = self.ring.watermark()
+                        self._send(
+                            what,
+                            m.Watermark(src=self.endpoint, reg=self.reg_id, round=wm.round, offset=wm.offset),
+                        )
                     self.deadlines.set(key, now + self.timeouts.heartbeat_interval_ns)
             elif kind == "loss":
                 peer = self.peers.get(what)

@@ -48,6 +48,7 @@ __all__ = [
     "StagingMap",
     "plan_staged_pair",
     "plan_staged_room",
+    "staged_map",
 ]
 
 
@@ -220,6 +221,38 @@ def _side_map(
     )
 
 
+def _strides(fmt: StagingFormat, regions: int, tokens: int, num_heads: int, hb: int) -> tuple[int, int, int]:
+    if fmt is StagingFormat.HEAD_MAJOR:
+        return (tokens * hb, hb, regions * tokens * hb)
+    return (tokens * num_heads * hb, num_heads * hb, hb)
+
+
+def staged_map(
+    pool: PoolGeometry,
+    pages: np.ndarray,
+    head_start: int,
+    num_heads: int,
+    token_start: int,
+    token_end: int,
+    fmt: StagingFormat,
+    base: int,
+) -> StagingMap:
+    """One side's map of a writer's heads ``[head_start, head_start + num_heads)`` (global ids).
+
+    ``base``: where the side's buffer starts in its staging memory: the rank buffer for
+    HEAD_MAJOR (the writer's heads sit at their offset inside it), the writer's own block for
+    LAYER_MAJOR. Prefill's gather and decode's scatter both come from here, each with its own pool,
+    so the two sides agree on every staging byte without sharing a plan.
+    """
+    fmt = StagingFormat(fmt)
+    ts, te = int(token_start), int(token_end)
+    if num_heads == 0:
+        ts = te  # a dummy moves nothing; its maps are empty but well-formed
+    strides = _strides(fmt, pool.model.num_regions, te - ts, num_heads, pool.head_bytes)
+    off = base + (head_start - pool.head_start) * strides[2] if fmt is StagingFormat.HEAD_MAJOR else base
+    return _side_map(pool, pages, head_start, num_heads, ts, te, off, strides)
+
+
 def plan_staged_pair(
     src: PoolGeometry,
     dst: PoolGeometry,
@@ -239,27 +272,17 @@ def plan_staged_pair(
     """
     sp, dp = check_room(src, dst, src_pages, dst_pages, token_start, token_end)
     fmt = StagingFormat(fmt)
-    ts, te = int(token_start), int(token_end)
     link = find_link(src, dst)
     g0, n = (link.head_start, link.num_heads) if link else (0, 0)
-    if n == 0:
-        ts = te  # a dummy moves nothing; its maps are empty but well-formed
-    t = te - ts
+    t = int(token_end) - int(token_start) if n else 0
     r = src.model.num_regions
     hb = src.head_bytes
     if fmt is StagingFormat.HEAD_MAJOR:
-        strides = (t * hb, hb, r * t * hb)
-        src_off = src_base + (g0 - src.head_start) * strides[2]
-        dst_off = dst_base + (g0 - dst.head_start) * strides[2]
         src_bytes, dst_bytes = src.heads_per_rank * r * t * hb, dst.heads_per_rank * r * t * hb
     else:
-        strides = (t * n * hb, n * hb, hb)
-        src_off, dst_off = src_base, dst_base
         src_bytes = dst_bytes = r * t * n * hb
-    if n == 0:
-        src_bytes = dst_bytes = 0
-    gather = _side_map(src, sp, g0, n, ts, te, src_off, strides)
-    scatter = _side_map(dst, dp, g0, n, ts, te, dst_off, strides)
+    gather = staged_map(src, sp, g0, n, token_start, token_end, fmt, src_base)
+    scatter = staged_map(dst, dp, g0, n, token_start, token_end, fmt, dst_base)
     return StagedPairPlan(
         src_rank=src.tp_rank,
         dst_rank=dst.tp_rank,
@@ -270,8 +293,8 @@ def plan_staged_pair(
         token_end=int(token_end),
         gather=gather,
         scatter=scatter,
-        src_staging_offset=src_off,
-        dst_staging_offset=dst_off,
+        src_staging_offset=gather.staging_base,
+        dst_staging_offset=scatter.staging_base,
         length=r * t * n * hb,
         src_buffer_bytes=src_bytes,
         dst_buffer_bytes=dst_bytes,

@@ -16,6 +16,8 @@ from kvferry.core.events import (
     AbortRoom,
     AuxChecked,
     ControlIn,
+    CopyDone,
+    CopyFailed,
     NotificationIn,
     ReceiverOpen,
     ReleaseRoom,
@@ -453,6 +455,18 @@ PAYLOADS: dict[RIn, Any] = {
     RIn.TIMEOUT: st.none(),
     RIn.PEER_LOST: endpoints,
     RIn.RELEASE: st.builds(ReleaseRoom, room=st.just(ROOM), transfer_id=st.just(TID)),
+    RIn.STAGING_REQ: st.builds(
+        m.StagingReq,
+        src=endpoints,
+        room=st.just(ROOM),
+        transfer_id=st.just(TID),
+        flow=st.sampled_from(["ring", "pinned"]),
+        chunk_index=st.integers(0, 3),
+        token_start=st.integers(0, 4),
+        token_end=st.integers(5, 9),
+    ),
+    RIn.COPY_DONE: st.builds(CopyDone, op_id=st.integers(0, 5)),
+    RIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
 }
 
 

@@ -28,6 +28,8 @@ from kvferry.core.events import (
     AbortRoom,
     ChunkReady,
     ControlIn,
+    CopyDone,
+    CopyFailed,
     ReleaseRoom,
     SenderOpen,
     Tick,
@@ -532,6 +534,22 @@ PAYLOADS: dict[SIn, Any] = {
     SIn.TIMEOUT: st.none(),
     SIn.PEER_LOST: endpoints,
     SIn.RELEASE: st.builds(ReleaseRoom, room=st.just(ROOM), transfer_id=st.just(TID)),
+    SIn.STAGING_RSP: st.builds(
+        m.StagingRsp,
+        src=endpoints,
+        room=st.just(ROOM),
+        transfer_id=st.just(TID),
+        chunk_index=st.integers(0, 3),
+        reg=st.integers(0, 3),
+        ok=st.booleans(),
+        alloc_id=st.integers(0, 3),
+        round=st.integers(0, 3),
+        start=st.integers(0, 64),
+        end=st.integers(0, 64),
+        offset=st.integers(0, 64),
+    ),
+    SIn.COPY_DONE: st.builds(CopyDone, op_id=st.integers(0, 5)),
+    SIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
 }
 
 

@@ -1,0 +1,91 @@
+"""Which flow moves a room's bytes: a pure, configurable choice per room.
+
+Flows (DESIGN section 9): ``direct`` WRITEs the planner's descriptors; ``ring`` gathers into a
+worker's staging buffer and WRITEs one block per writer into decode's staging ring (seed 003);
+``pinned`` bounces through pinned host memory, head-major (seed 002). ``push`` and ``pull`` are
+named so that a scenario or a caller asking for them gets a clear "not built" rather than a typo.
+
+Default: ``direct`` when the two ranks hold the same heads (equal TP: whole pages coalesce into a
+few descriptors); otherwise ``ring`` when decode registered a ring, else ``pinned`` when it
+registered a pinned pool, else ``direct`` (always possible, only slow). An explicit override
+always wins; overriding with a flow decode did not register fails the room with a reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from kvferry.core.errors import KvferryError
+from kvferry.core.geometry import PoolGeometry
+from kvferry.core.staging_layout import StagingFormat
+
+__all__ = ["BUILT_FLOWS", "Flow", "FlowError", "FlowPolicy", "staging_format"]
+
+
+class FlowError(KvferryError, ValueError):
+    """A flow name that does not exist or is not built."""
+
+
+class Flow(StrEnum):
+    DIRECT = "direct"
+    RING = "ring"
+    PINNED = "pinned"
+    PUSH = "push"
+    PULL = "pull"
+
+    @classmethod
+    def parse(cls, name: str) -> Flow:
+        try:
+            flow = cls(name)
+        except ValueError:
+            raise FlowError(f"unknown flow {name!r} (known: {', '.join(f.value for f in cls)})") from None
+        if flow not in BUILT_FLOWS:
+            raise FlowError(f"flow {name!r} is not built yet (built: {', '.join(BUILT_FLOWS)})")
+        return flow
+
+    @property
+    def staged(self) -> bool:
+        return self is Flow.RING or self is Flow.PINNED
+
+
+BUILT_FLOWS = (Flow.DIRECT, Flow.RING, Flow.PINNED)
+
+
+def staging_format(flow: Flow) -> StagingFormat:
+    return StagingFormat.LAYER_MAJOR if flow is Flow.RING else StagingFormat.HEAD_MAJOR
+
+
+def same_heads(src: PoolGeometry, dst: PoolGeometry) -> bool:
+    return src.head_start == dst.head_start and src.heads_per_rank == dst.heads_per_rank
+
+
+@dataclass(frozen=True, slots=True)
+class FlowPolicy:
+    """``fallback_direct``: a chunk too large for decode's ring or pinned pool goes direct
+    instead of failing the room. Off by default: a silent 1000x slowdown is worse than a
+    clear error naming the size to configure."""
+
+    override: Flow | None = None
+    fallback_direct: bool = False
+
+    def choose(
+        self,
+        src: PoolGeometry,
+        dst: PoolGeometry,
+        ring_bytes: int,
+        pinned_bytes: int,
+        override: str | None = None,
+    ) -> Flow:
+        """The flow of one (room, decode rank); ``override`` (per room) beats the policy's own."""
+        if override is not None:
+            return Flow.parse(override)
+        if self.override is not None:
+            return self.override
+        if same_heads(src, dst):
+            return Flow.DIRECT
+        if ring_bytes > 0:
+            return Flow.RING
+        if pinned_bytes > 0:
+            return Flow.PINNED
+        return Flow.DIRECT
