@@ -58,17 +58,29 @@ from kvferry.core.commands import (
     AddPeer,
     AwaitWrites,
     CheckAux,
+    ChunkDeferred,
     ChunkSkipped,
     DropPeer,
     EnqueueChunk,
     FreePages,
+    Gather,
     PostAuxWrite,
     PostWrite,
+    Scatter,
     SendControl,
     SendNotif,
     StatusChanged,
 )
-from kvferry.core.events import AuxChecked, ControlIn, NotificationIn, Tick, WriteDone, WriteFailed
+from kvferry.core.events import (
+    AuxChecked,
+    ControlIn,
+    CopyDone,
+    CopyFailed,
+    NotificationIn,
+    Tick,
+    WriteDone,
+    WriteFailed,
+)
 
 __all__ = ["Driver"]
 
@@ -90,6 +102,7 @@ class Driver:
         self.lock = lock if lock is not None else contextlib.nullcontext()
         self.queues: list[deque[Any]] = [deque() for _ in range(num_shards)]
         self.handles: dict[int, Any] = {}  # write id -> transport handle, in post order
+        self.copies: dict[int, Any] = {}  # gather/scatter op id -> transport handle
         self.errors: Counter[str] = Counter()
         self.on_status = on_status
         self.on_free_pages = on_free_pages
@@ -140,7 +153,7 @@ class Driver:
                 checked.append((wid, h, t.check_xfer(h), None))
             except Exception as exc:
                 checked.append((wid, h, XferState.ERR, exc))
-        n = 0
+        n = self._poll_copies(now) if ids is None else 0
         with self.lock:
             for _, _, _, exc in checked:
                 if exc is not None:
@@ -154,6 +167,38 @@ class Driver:
                 except Exception as exc:
                     self.errors[f"release_xfer: {type(exc).__name__}"] += 1
                 ev = WriteDone(write_id=wid) if st is XferState.DONE else WriteFailed(write_id=wid)
+                self._feed(ev, now)
+                n += 1
+        return n
+
+    def _poll_copies(self, now: int) -> int:
+        """Gathers and scatters that finished: fed as CopyDone/CopyFailed (checked without the lock)."""
+        t = self.transport
+        with self.lock:
+            todo = list(self.copies.items())
+        if not todo:
+            return 0
+        states = []
+        for op, h in todo:
+            try:
+                states.append((op, h, t.check_copy(h), ""))
+            except Exception as exc:
+                states.append((op, h, XferState.ERR, f"{type(exc).__name__}: {exc}"))
+        n = 0
+        with self.lock:
+            for op, h, st, why in states:
+                if st is XferState.PROC or self.copies.get(op) is not h:
+                    continue
+                del self.copies[op]
+                try:
+                    t.release_copy(h)
+                except Exception as exc:
+                    self.errors[f"release_copy: {type(exc).__name__}"] += 1
+                ev = (
+                    CopyDone(op_id=op)
+                    if st is XferState.DONE
+                    else CopyFailed(op_id=op, reason=why or "copy failed")
+                )
                 self._feed(ev, now)
                 n += 1
         return n
@@ -276,8 +321,13 @@ class Driver:
                 self.queues[cmd.shard % len(self.queues)].append(cmd.chunk)
                 if self.on_enqueue is not None:
                     self.on_enqueue(cmd.shard % len(self.queues))
+            elif k is Gather or k is Scatter:
+                kind = "gather" if k is Gather else "scatter"
+                self.copies[cmd.op_id] = t.post_copy(kind, cmd.staging_region, cmd.maps)
             elif k is AwaitWrites:
                 return cmd.write_ids
+            elif k is ChunkDeferred:
+                self.errors["chunk_deferred"] += 1
             elif k is CheckAux:
                 found = t.read_aux_room(cmd.aux_index)
                 self._followups.append(
@@ -309,6 +359,8 @@ class Driver:
             followups.append(WriteFailed(write_id=cmd.write_id, reason=f"post refused: {exc}"))
         elif k is CheckAux:
             followups.append(AuxChecked(room=cmd.room, transfer_id=cmd.transfer_id, found_room=-1))
+        elif k is Gather or k is Scatter:
+            followups.append(CopyFailed(op_id=cmd.op_id, reason=f"copy refused: {type(exc).__name__}: {exc}"))
 
 
 # Executed outside the driver lock by a worker step (they touch only the transport).

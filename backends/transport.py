@@ -119,6 +119,18 @@ class Transport(Protocol):
         """Notification payloads that arrived since the last call, in arrival order."""
         ...
 
+    def post_copy(self, kind: str, staging_region: int, maps: Sequence[Any]) -> XferHandle:
+        """Start a gather ("gather": KV pool -> local staging region) or a scatter ("scatter":
+        staging -> pool) of ``core.staging_layout.StagingMap``s; poll it with ``check_copy``.
+        A transport that registered no staging memory raises (the room that asked fails)."""
+        ...
+
+    def check_copy(self, handle: XferHandle) -> XferState:
+        """Non-blocking state of a copy: PROC, then DONE or ERR (sticky)."""
+        ...
+
+    def release_copy(self, handle: XferHandle) -> None: ...
+
     def read_aux_room(self, aux_index: int) -> int:
         """The room id stored in local aux row ``aux_index`` (first 8 bytes, little-endian)."""
         ...

@@ -307,8 +307,6 @@ class ReceiverEngine(RoomEngine):
             refs.append("deadlines")
         if any(k[0] == room for k in self.ops.values()):
             refs.append("ops")
-        if any(k[0] == room for k in self.held):
-            refs.append("held")
         if any(q[0] == room for q in self.pinned_queue):
             refs.append("pinned_queue")
         for name, res in (("ring", self.ring), ("pinned", self.pinned)):

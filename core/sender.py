@@ -873,7 +873,7 @@ class SenderEngine(RoomEngine):
 
     def _too_big(self, flow: Flow, targets: tuple[m.Endpoint, ...], pools: list[Any], tokens: int) -> str:
         need = gather_bytes(flow, self.pool, pools, tokens)
-        have = self.worker_buffer_bytes if flow is Flow.RING else (self.pinned.capacity if self.pinned else 0)
+        have = self.worker_buffer_bytes if flow is Flow.RING else (self.pinned.capacity if self.pinned is not None else 0)
         if need > have:
             knob = "worker staging buffer" if flow is Flow.RING else "prefill pinned pool"
             return f"needs {need} bytes of {knob}, which holds {have}"

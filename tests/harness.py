@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.backends.driver import Driver
+from kvferry.backends.staging_copy import copy_maps
 from kvferry.backends.transport import XferState, aux_room_of, encode_aux_room
 from kvferry.core import messages as m
 from kvferry.core.deadlines import Timeouts
@@ -43,12 +44,14 @@ from kvferry.core.events import (
     ReceiverOpen,
     ReleaseRoom,
     SenderOpen,
-    SenderSpec,
 )
-from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry, make_pools, receivers_for, senders_for
+from kvferry.core.flows import Flow, FlowPolicy
+from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, is_staging_region, worker_region
+from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry, make_pools
 from kvferry.core.kvpoll import KVPoll, advance, is_terminal, min_status
 from kvferry.core.receiver import ReceiverEngine
 from kvferry.core.sender import SenderEngine
+from kvferry.core.topology import receiver_endpoints, sender_specs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import refmodel
@@ -97,12 +100,22 @@ class PendingWrite:
     dst_incarnation: int = 0
 
 
+@dataclass
+class PendingCopy:
+    handle: int
+    owner: m.Endpoint
+    kind: str
+    staging_region: int
+    maps: tuple[Any, ...]
+
+
 class MemFabric:
     def __init__(self) -> None:
         self.now = 0
         self.transports: dict[m.Endpoint, MemTransport] = {}
         self.pending: list[PendingMsg] = []
         self.writes: list[PendingWrite] = []
+        self.copies: list[PendingCopy] = []  # gathers and scatters not yet run
         self.states: dict[int, XferState] = {}
         self._next_handle = 1
         self.on_land: Any = None  # callback(write, note) before the bytes are copied
@@ -151,7 +164,7 @@ class MemFabric:
             sr, so, dr, do, ln = w.descs
             for k in range(len(ln)):
                 n = int(ln[k])
-                dst.regions[int(dr[k])][int(do[k]) : int(do[k]) + n] = src.regions[int(sr[k])][
+                dst.memory(int(dr[k]))[int(do[k]) : int(do[k]) + n] = src.memory(int(sr[k]))[
                     int(so[k]) : int(so[k]) + n
                 ]
         elif w.aux is not None:  # the aux row moves even when KV bytes are not copied
@@ -163,6 +176,16 @@ class MemFabric:
     def fail(self, i: int) -> None:
         w = self.writes.pop(i)
         self.states[w.handle] = XferState.ERR
+
+    def run_copy(self, i: int) -> None:
+        c = self.copies.pop(i)
+        t = self.transports[c.owner]
+        try:
+            copy_maps(c.kind, t.regions, t.staging[c.staging_region], c.maps)
+        except KvferryError:
+            self.states[c.handle] = XferState.ERR
+            return
+        self.states[c.handle] = XferState.DONE
 
     def deliver(self, i: int) -> m.Endpoint:
         msg = self.pending.pop(i)
@@ -190,6 +213,8 @@ class MemTransport:
         fill: int,
         memory: bool = True,
         incarnation: int = 0,
+        staging: dict[int, int] | None = None,
+        advert: tuple[int, int] = (0, 0),
     ) -> None:
         self.fabric = fabric
         self.incarnation = incarnation
@@ -197,10 +222,11 @@ class MemTransport:
         self.pool = pool
         # memory=False (benchmarks): bounds are still checked, nothing is allocated or copied.
         self.sizes = {r.region_id: r.nbytes for r in pool.regions}
-        self.size_of = np.full(max(self.sizes) + 1, -1, dtype=np.int64)
-        for rid, n in self.sizes.items():
-            self.size_of[rid] = n
         self.regions: dict[int, np.ndarray] = refmodel.garbage(pool, fill) if memory else {}
+        # Staging memory (core.flows.regions ids): worker buffers, a ring, a pinned pool.
+        self.staging = {rid: np.full(n, fill, dtype=np.uint8) for rid, n in (staging or {}).items()}
+        self.sizes.update((staging or {}).items())
+        self.ring_bytes, self.pinned_bytes = advert
         self.aux = np.zeros((AUX_ROWS, AUX_ROW_BYTES), dtype=np.uint8)
         self.peers: dict[m.Endpoint, m.Register] = {}
         self.peer_incarnation: dict[m.Endpoint, int] = {}
@@ -232,6 +258,8 @@ class MemTransport:
             aux_addr=0,
             aux_row_bytes=AUX_ROW_BYTES,
             aux_rows=AUX_ROWS,
+            ring_bytes=self.ring_bytes,
+            pinned_bytes=self.pinned_bytes,
         )
 
     def add_peer(self, peer: m.Endpoint, registration: m.Register) -> None:
@@ -243,9 +271,8 @@ class MemTransport:
         self.peers.pop(peer, None)
         self.peer_incarnation.pop(peer, None)
 
-    def _check(self, size_of: np.ndarray, region: np.ndarray, off: np.ndarray, ln: np.ndarray) -> None:
-        known = (region >= 0) & (region < len(size_of))
-        size = np.where(known, size_of[np.where(known, region, 0)], -1)
+    def _check(self, sizes: dict[int, int], region: np.ndarray, off: np.ndarray, ln: np.ndarray) -> None:
+        size = np.array([sizes.get(int(x), -1) for x in region], dtype=np.int64)
         bad = (size < 0) | (off < 0) | (ln <= 0) | (off + ln > size)
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
@@ -254,8 +281,8 @@ class MemTransport:
     def post_write(self, peer, src_region, src_offset, dst_region, dst_offset, length, notif):  # type: ignore[no-untyped-def]
         if peer not in self.peers:
             raise FabricError(f"peer {peer} not added")
-        self._check(self.size_of, src_region, src_offset, length)
-        self._check(self.fabric.transports[peer].size_of, dst_region, dst_offset, length)
+        self._check(self.sizes, src_region, src_offset, length)
+        self._check(self.fabric.transports[peer].sizes, dst_region, dst_offset, length)
         h = self.fabric.new_handle()
         descs = (src_region, src_offset, dst_region, dst_offset, length)
         inc = self.peer_incarnation[peer]
@@ -288,6 +315,23 @@ class MemTransport:
 
     def read_aux_room(self, aux_index: int) -> int:
         return aux_room_of(self.aux[aux_index])
+
+    def memory(self, region_id: int) -> np.ndarray:
+        return self.staging[region_id] if is_staging_region(region_id) else self.regions[region_id]
+
+    def post_copy(self, kind: str, staging_region: int, maps: Any) -> int:
+        if staging_region not in self.staging:
+            raise FabricError(f"{self._endpoint}: no staging region {staging_region}")
+        h = self.fabric.new_handle()
+        self.fabric.states[h] = XferState.PROC
+        self.fabric.copies.append(PendingCopy(h, self._endpoint, kind, staging_region, tuple(maps)))
+        return h
+
+    def check_copy(self, handle: int) -> XferState:
+        return self.fabric.states[handle]
+
+    def release_copy(self, handle: int) -> None:
+        del self.fabric.states[handle]
 
     def send_control(self, peer: m.Endpoint, data: bytes) -> None:
         msg = PendingMsg(self._endpoint, peer, data, self.fabric.now, note=False)
@@ -361,8 +405,20 @@ class World:
         timeouts: Timeouts = TEST_TIMEOUTS,
         seed: int = 0,
         memory: bool = True,
+        flow: str | None = None,
+        ring_bytes: int = 0,
+        pinned_bytes: int = 0,
+        worker_buffer_bytes: int = 0,
+        prefill_pinned_bytes: int = 0,
+        fallback_direct: bool = False,
     ) -> None:
+        """``flow``: a flow every room is opened with (an override), "mixed" to draw one per
+        room, or None for the policy's choice. ``ring_bytes``/``pinned_bytes``: what each decode
+        rank registers; ``worker_buffer_bytes``/``prefill_pinned_bytes``: each prefill worker's
+        staging buffer and each prefill rank's pinned pool."""
         self.model = model
+        self.flow = flow
+        self.staging_sizes = (ring_bytes, pinned_bytes, worker_buffer_bytes, prefill_pinned_bytes)
         self.P, self.D = prefill_tp, decode_tp
         self.timeouts = timeouts
         self.rng = np.random.default_rng(seed)
@@ -373,6 +429,7 @@ class World:
         self.violations: list[str] = []
         self.effects: Counter[tuple[Any, ...]] = Counter()
         self.reasons: Counter[tuple[str, str]] = Counter()
+        self.failure_reasons: list[str] = []
         self.requests: dict[tuple[int, str], Request] = {}
         self.live: dict[int, Request] = {}  # room id -> current incarnation
         self.history: dict[tuple[str, int, int, str], KVPoll] = {}
@@ -389,10 +446,22 @@ class World:
         self.dst_aux_owner: dict[int, tuple[int, str]] = {}
         self.prefill: list[Rank] = []
         self.decode: list[Rank] = []
+        staging = {worker_region(i): worker_buffer_bytes for i in range(num_shards) if worker_buffer_bytes}
+        if prefill_pinned_bytes:
+            staging[PINNED_REGION] = prefill_pinned_bytes
+        policy = FlowPolicy(fallback_direct=fallback_direct)
         for p, pool in enumerate(src_pools):
             ep = m.Endpoint("prefill", p)
-            t = MemTransport(self.fabric, ep, pool, fill=100 + p, memory=memory)
-            eng = SenderEngine(ep, pool, timeouts=timeouts, num_shards=num_shards)
+            t = MemTransport(self.fabric, ep, pool, fill=100 + p, memory=memory, staging=staging)
+            eng = SenderEngine(
+                ep,
+                pool,
+                timeouts=timeouts,
+                num_shards=num_shards,
+                policy=policy,
+                worker_buffer_bytes=worker_buffer_bytes,
+                pinned_bytes=prefill_pinned_bytes,
+            )
             rank = Rank("prefill", p, ep, pool, t, eng, Driver(eng, t, num_shards=num_shards))
             rank.driver.on_status = self._status_cb(rank)
             self.prefill.append(rank)
@@ -404,7 +473,11 @@ class World:
     def _decode_rank(self, d: int) -> Rank:
         ep = m.Endpoint("decode", d)
         pool = self.dst_pools[d]
-        t = MemTransport(self.fabric, ep, pool, 200 + d, self.memory, self.decode_incarnation)
+        ring, pinned = self.staging_sizes[:2]
+        staging = {rid: n for rid, n in ((RING_REGION, ring), (PINNED_REGION, pinned)) if n}
+        t = MemTransport(
+            self.fabric, ep, pool, 200 + d, self.memory, self.decode_incarnation, staging, (ring, pinned)
+        )
         eng = ReceiverEngine(t.registration(), timeouts=self.timeouts)
         rank = Rank("decode", d, ep, pool, t, eng, Driver(eng, t))
         rank.driver.on_status = self._status_cb(rank)
@@ -450,6 +523,7 @@ class World:
                 self.history[key] = cmd.status
             if cmd.status is KVPoll.Failed and old is not KVPoll.Failed:
                 self.reasons[(rank.side, cmd.reason.split(":")[0])] += 1
+                self.failure_reasons.append(cmd.reason)
             self._check_server_view(rank.side, cmd.room, cmd.transfer_id)
             if rank.side == "decode" and cmd.status is KVPoll.Success and self.memory:
                 self._check_bytes(rank, cmd.room, cmd.transfer_id)
@@ -505,7 +579,10 @@ class World:
             if self.dst_aux_owner.get(w.aux[1]) != key:
                 self.violations.append(f"aux write of {key} into aux row {w.aux[1]} it does not own")
             return
-        _sr, so, _dr, do, ln = w.descs  # type: ignore[misc]
+        _sr, so, dr, do, ln = w.descs  # type: ignore[misc]
+        if is_staging_region(int(dr[0])):
+            self._check_staged_land(w, note, key)
+            return
         dpb, spb = d.pool.page_bytes, s.pool.page_bytes
         for k in range(len(ln)):
             for off in (int(do[k]), int(do[k]) + int(ln[k]) - 1):
@@ -517,6 +594,19 @@ class World:
             for off in (int(so[k]), int(so[k]) + int(ln[k]) - 1):
                 if self.src_owner.get(off // spb) != key:
                     self.violations.append(f"write of {key} reads prefill page {off // spb} it does not own")
+
+    def _check_staged_land(self, w: PendingWrite, note: m.ChunkNote, key: tuple[int, str]) -> None:
+        """A staged write lands only inside a live allocation its room holds on that decode rank."""
+        _sr, _so, dr, do, ln = w.descs  # type: ignore[misc]
+        eng = self.decode[w.dst.rank].engine
+        res = eng.ring if int(dr[0]) == RING_REGION else eng.pinned
+        live = [] if res is None else [(a, res.owner_of(i)) for i, a in res.live.items()]
+        lo, hi = int(do[0]), int(do[0]) + int(ln[0])
+        if not any(owner == key and a.offset <= lo and hi <= a.end for a, owner in live):
+            self.violations.append(
+                f"staged write of {key} chunk {note.chunk_index} into [{lo}, {hi}) of "
+                f"region {int(dr[0])} on {w.dst}, outside its live allocations"
+            )
 
     def _check_bytes(self, rank: Rank, room: int, tid: str) -> None:
         key = (room, tid, rank.index)
@@ -544,7 +634,9 @@ class World:
 
     # --- the scheduler's side ----------------------------------------------------------------------
 
-    def open_room(self, room: int, tid: str, num_tokens: int, cuts: list[int]) -> Request | None:
+    def open_room(
+        self, room: int, tid: str, num_tokens: int, cuts: list[int], decode_late: bool = False
+    ) -> Request | None:
         """Allocate both sides, write the source KV, open the room on every rank. None if full."""
         if room in self.live or not self.src_aux_free or not self.dst_aux_free:
             return None
@@ -589,30 +681,39 @@ class World:
             rank.transport.aux[req.src_aux] = 0
             rank.transport.aux[req.src_aux, :8] = np.frombuffer(encode_aux_room(room), dtype=np.uint8)
             rank.transport.aux[req.src_aux, 8:] = room & 0xFF
+        if not decode_late:
+            self.open_decode(req)
+        flow = self.room_flow(room)
+        for rank in self.prefill:
+            receivers = receiver_endpoints(self.model, self.P, self.D, rank.index)
+            ev = SenderOpen(room=room, transfer_id=tid, aux_index=req.src_aux, receivers=receivers, flow=flow)
+            rank.driver.feed(ev, self.fabric.now)
+        return req
+
+    def open_decode(self, req: Request) -> None:
+        """The decode scheduler opens the room on every decode rank (open_room does it first,
+        unless ``decode_late``: then prefill may ask for staging space before decode knows it)."""
         for rank in self.decode:
-            links = senders_for(self.model, self.P, self.D, rank.index)
-            first_real = min(x.prefill_rank for x in links if not x.is_dummy)
-            specs = tuple(
-                SenderSpec(
-                    endpoint=m.Endpoint("prefill", x.prefill_rank),
-                    dummy=x.is_dummy,
-                    expected_infos=len(receivers_for(self.model, self.P, self.D, x.prefill_rank)),
-                    send_aux=x.prefill_rank == first_real,
-                )
-                for x in links
-            )
+            specs = sender_specs(self.model, self.P, self.D, rank.index)
             ev = ReceiverOpen(
-                room=room,
-                transfer_id=tid,
-                dst_pages=dp,
-                num_tokens=num_tokens,
+                room=req.room,
+                transfer_id=req.tid,
+                dst_pages=req.dst_pages,
+                num_tokens=req.num_tokens,
                 aux_index=req.dst_aux,
                 senders=specs,
             )
             rank.driver.feed(ev, self.fabric.now)
-        for rank in self.prefill:
-            rank.driver.feed(SenderOpen(room=room, transfer_id=tid, aux_index=req.src_aux), self.fabric.now)
-        return req
+
+    def room_flow(self, room: int) -> str | None:
+        if self.flow != "mixed":
+            return self.flow
+        offered = [Flow.DIRECT]
+        if self.staging_sizes[0] and self.staging_sizes[2]:
+            offered.append(Flow.RING)
+        if self.staging_sizes[1] and self.staging_sizes[3]:
+            offered.append(Flow.PINNED)
+        return offered[room % len(offered)].value
 
     def chunk_ready(self, req: Request, p: int) -> bool:
         """Prefill rank p finished its next chunk of the room. False if it has none left."""
@@ -712,6 +813,10 @@ class World:
                 self.fabric.complete(0)
                 self.pump()
                 progressed = True
+            while self.fabric.copies:
+                self.fabric.run_copy(0)
+                self.pump()
+                progressed = True
             self.pump()
 
     def heal_and_settle(self, rounds: int = 200) -> None:
@@ -720,7 +825,8 @@ class World:
         for _ in range(rounds):
             self.flush()
             self.release_terminal()
-            if not self.live_rooms_anywhere() and not self.fabric.pending and not self.fabric.writes:
+            quiet = not (self.fabric.pending or self.fabric.writes or self.fabric.copies)
+            if not self.live_rooms_anywhere() and quiet:
                 return
             self.advance(self.timeouts.heartbeat_interval_ns)
 

@@ -63,10 +63,30 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.incarnation = 0
         self.restarts = 0
 
-    @initialize(cfg=st.sampled_from(CONFIGS), seed=st.integers(0, 1000), shards=st.integers(1, 3))
-    def setup(self, cfg, seed, shards) -> None:  # type: ignore[no-untyped-def]
+    @initialize(
+        cfg=st.sampled_from(CONFIGS),
+        seed=st.integers(0, 1000),
+        shards=st.integers(1, 3),
+        flow=st.sampled_from([None, "direct", "ring", "pinned", "mixed"]),
+        space=st.sampled_from([256, 768, 2048, 1 << 14]),  # from less than one chunk to many
+        fallback=st.booleans(),
+    )
+    def setup(self, cfg, seed, shards, flow, space, fallback) -> None:  # type: ignore[no-untyped-def]
         model, p, d, dps = cfg
-        self.w = H.World(model, p, d, decode_page_size=dps, num_shards=shards, seed=seed)
+        self.w = H.World(
+            model,
+            p,
+            d,
+            decode_page_size=dps,
+            num_shards=shards,
+            seed=seed,
+            flow=flow,
+            ring_bytes=space,
+            pinned_bytes=space,
+            worker_buffer_bytes=space,
+            prefill_pinned_bytes=space,
+            fallback_direct=fallback,
+        )
         self.w.fabric.failure_streams = {}
 
     # --- helpers ---------------------------------------------------------------------------------
@@ -214,6 +234,13 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.w.fabric.complete(i % len(self.w.fabric.writes))
         self.w.pump()
 
+    @precondition(lambda self: self.w.fabric.copies)
+    @rule(i=st.integers(0, 1000))
+    def run_copy(self, i: int) -> None:
+        """A gather or scatter finishes (in any order relative to writes and messages)."""
+        self.w.fabric.run_copy(i % len(self.w.fabric.copies))
+        self.w.pump()
+
     @precondition(lambda self: self.w.fabric.writes)
     @rule(i=st.integers(0, 1000))
     def fail_write(self, i: int) -> None:
@@ -290,8 +317,13 @@ class ProtocolMachine(RuleBasedStateMachine):
             if rank.side == "prefill":
                 assert rank.engine.writes == {}
                 assert rank.engine.notices == {}, rank.engine.notices
-            assert rank.driver.handles == {}
-        assert not w.fabric.writes
+                assert rank.engine.worker_owner == {} and rank.engine.ops == {} and not rank.engine.stalled
+                assert rank.engine.pinned is None or len(rank.engine.pinned) == 0
+            else:
+                assert rank.engine.staging_in_use() == 0, "staging space leaked"
+                assert rank.engine.ops == {} and not rank.engine.pinned_queue and rank.engine.held == {}
+            assert rank.driver.handles == {} and rank.driver.copies == {}
+        assert not w.fabric.writes and not w.fabric.copies
 
 
 ProtocolMachine.TestCase.settings = settings(
