@@ -31,6 +31,7 @@ __all__ = [
     "FailedAck",
     "GeometryWire",
     "Heartbeat",
+    "InfoAck",
     "RegionAddr",
     "Register",
     "RegisterAck",
@@ -204,6 +205,15 @@ class TransferInfo(_Msg, tag="info"):
             raise ValueError("a dummy sender cannot carry the aux row")
 
 
+class InfoAck(_Msg, tag="info_ack"):
+    """Prefill -> decode: your TransferInfo for this room reached me (stop resending it). A lost
+    TransferInfo would otherwise keep the room waiting for its deadline, and with a staging ring
+    its granted space pinned for every room behind it."""
+
+    room: Room
+    transfer_id: TransferId
+
+
 class RoomFailed(_Msg, tag="failed"):
     """Either direction: this room failed on my side, and why (so no counter waits forever)."""
 
@@ -278,18 +288,21 @@ class StagingRsp(_Msg, tag="stg_rsp"):
     start: Offset = 0
     end: Offset = 0
     offset: Offset = 0
+    flow: StagedFlow = "ring"
     wm_round: Round = 0
     wm_offset: Offset = 0
 
 
 class Watermark(_Msg, tag="wm"):
     """Decode -> prefill: the oldest live allocation of decode's staging ring (round, offset);
-    space before it in the previous round is free to overwrite. Monotone; ``reg`` names the
-    registration (incarnation) it belongs to."""
+    space before it in the previous round is free to overwrite. For the pinned pool
+    (``pool="pinned"``) ``round`` is the grant sequence number of the oldest live reservation:
+    grants before it are scattered. Monotone; ``reg`` names the registration (incarnation)."""
 
     reg: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
     round: Round
     offset: Offset
+    pool: StagedFlow = "ring"
 
 
 Control = (
@@ -297,6 +310,7 @@ Control = (
     | RegisterAck
     | Heartbeat
     | TransferInfo
+    | InfoAck
     | RoomFailed
     | FailedAck
     | Abort

@@ -173,6 +173,7 @@ class _Room:
         "fence_expired",
         "fenced",
         "freed",
+        "info_acked",
         "key",
         "num_tokens",
         "progress",
@@ -207,6 +208,7 @@ class _Room:
         self.failure: RoomFailure | None = None
         self.release_requested = False
         self.stg: dict[int, RxChunk] = {}  # staged chunks (core.flows.staged_rx)
+        self.info_acked: set[m.Endpoint] = set()  # senders that confirmed our TransferInfo
         self.scatters: set[int] = set()  # scatter ops in flight: the pages are being written
 
 
@@ -253,8 +255,10 @@ class ReceiverEngine(RoomEngine):
         self.pinned = (
             PinnedPool(registration.pinned_bytes, STAGING_ALIGN) if registration.pinned_bytes else None
         )
-        self.subscribers: set[m.Endpoint] = set()
-        self._last_wm: Watermark | None = None
+        self.subscribers: dict[str, set[m.Endpoint]] = {"ring": set(), "pinned": set()}
+        self._last_wm: dict[str, Watermark] = {}
+        self._pinned_next = 0  # grant sequence numbers of pinned reservations (their watermark)
+        self._pinned_live: dict[int, int] = {}  # reservation id -> grant number
         self.pinned_queue: deque[tuple[int, str, int]] = deque()  # (room, tid, chunk) waiting for space
         self.held: dict[tuple[int, str], list[m.StagingReq]] = {}
         self.ops: dict[int, tuple[int, str]] = {}  # scatter op id -> room key
@@ -303,7 +307,7 @@ class ReceiverEngine(RoomEngine):
             refs.append("rooms")
         if any(room in s for s in self.rooms_by_peer.values()):
             refs.append("rooms_by_peer")
-        if ("room", room) in self.deadlines or ("abort", room) in self.deadlines:
+        if any(k in self.deadlines for k in (("room", room), ("abort", room), ("info", room))):
             refs.append("deadlines")
         if any(k[0] == room for k in self.ops.values()):
             refs.append("ops")
@@ -363,6 +367,10 @@ class ReceiverEngine(RoomEngine):
             self._on_register_ack(msg)
         elif t is m.StagingReq:
             self._on_staging_req(msg)
+        elif t is m.InfoAck:
+            r = self.rooms.get(msg.room)
+            if r is not None and r.tid == msg.transfer_id and msg.src in r.senders:
+                r.info_acked.add(msg.src)
         elif t is m.Heartbeat:
             self.counters["heartbeat_in"] += 1
         else:
@@ -435,22 +443,8 @@ class ReceiverEngine(RoomEngine):
                 self._send(p, self.registration)
                 self.deadlines.set(("hb", p), self._now + self.timeouts.heartbeat_interval_ns)
                 self.deadlines.set(("loss", p), self._now + self.timeouts.heartbeat_timeout_ns)
-            spec = r.senders[p]
-            self._send(
-                p,
-                m.TransferInfo(
-                    src=self.endpoint,
-                    room=r.room,
-                    transfer_id=r.tid,
-                    reg=self.reg_id,
-                    dst_pages=pages.tolist(),
-                    num_tokens=r.num_tokens,
-                    aux_index=r.aux_index,
-                    send_aux=spec.send_aux,
-                    dummy=spec.dummy,
-                    expected_infos=spec.expected_infos,
-                ),
-            )
+            self._send(p, self._transfer_info(r, p))
+        self.deadlines.set(("info", r.room), self._now + self.timeouts.heartbeat_interval_ns)
         if self._all_acked(r):
             self._dispatch(r, RIn.PEER_READY, None)
         held = self.held.pop(r.key, None)
@@ -458,6 +452,33 @@ class ReceiverEngine(RoomEngine):
             self.deadlines.cancel(("held", r.key))
             for req in held:
                 self._room_input(req.room, req.transfer_id, RIn.STAGING_REQ, req, sender=req.src)
+
+    def _transfer_info(self, r: _Room, p: m.Endpoint) -> m.TransferInfo:
+        spec = r.senders[p]
+        return m.TransferInfo(
+            src=self.endpoint,
+            room=r.room,
+            transfer_id=r.tid,
+            reg=self.reg_id,
+            dst_pages=r.dst_pages.tolist(),
+            num_tokens=r.num_tokens,
+            aux_index=r.aux_index,
+            send_aux=spec.send_aux,
+            dummy=spec.dummy,
+            expected_infos=spec.expected_infos,
+        )
+
+    def _resend_infos(self, r: _Room) -> None:
+        """Until each sender confirmed it (InfoAck), the room's TransferInfo is resent each
+        heartbeat interval while the room is live."""
+        if r.state is RState.FAILED or r.state is RState.SUCCESS:
+            return
+        missing = [p for p in sorted(r.senders) if p not in r.info_acked]
+        for p in missing:
+            self.counters["info_resent"] += 1
+            self._send(p, self._transfer_info(r, p))
+        if missing:
+            self.deadlines.set(("info", r.room), self._now + self.timeouts.heartbeat_interval_ns)
 
     def _all_acked(self, r: _Room) -> bool:
         for p in r.senders:
@@ -697,7 +718,7 @@ class ReceiverEngine(RoomEngine):
             for p in ch.writers:  # seed 003: one block per writer, packed in sender order
                 offsets[p] = pos
                 pos += regions * tokens * r.senders[p].num_heads * hb
-            self.subscribers.update(ch.writers)
+            self.subscribers["ring"].update(ch.writers)
         else:
             assert self.pinned is not None
             res = self.pinned.reserve(need, r.key)
@@ -710,14 +731,25 @@ class ReceiverEngine(RoomEngine):
                     res.offset + (r.senders[p].head_start - self.pool.head_start) * regions * tokens * hb
                 )
             got = res
+            ch.seq = self._pinned_next
+            self._pinned_next += 1
+            self._pinned_live[res.res_id] = ch.seq
+            self.subscribers["pinned"].update(ch.writers)
         fire(RX_TABLE, ch, RxIn.ALLOCATED, got, offsets)
         self._grant(r, ch, ch.writers)
         return True
 
+    def _watermark(self, pool: str) -> Watermark:
+        """Ring: the oldest live allocation. Pinned: the grant number of the oldest live
+        reservation (everything granted before it is scattered), or the next one if none."""
+        if pool == "ring":
+            return self.ring.watermark() if self.ring is not None else Watermark(0, 0)
+        return Watermark(min(self._pinned_live.values(), default=self._pinned_next), 0)
+
     def _grant(self, r: _Room, ch: RxChunk, to: tuple[m.Endpoint, ...]) -> None:
-        wm = self.ring.watermark() if self.ring is not None else Watermark(0, 0)
+        wm = self._watermark(ch.flow.value)
         a = ch.alloc
-        rnd, start, end = (a.round, a.offset, a.end) if ch.flow is Flow.RING else (0, a.offset, a.end)
+        rnd, start, end = (a.round, a.offset, a.end) if ch.flow is Flow.RING else (ch.seq, a.offset, a.end)
         for p in to:
             self._send(
                 p,
@@ -732,10 +764,15 @@ class ReceiverEngine(RoomEngine):
                     start=start,
                     end=end,
                     offset=ch.offsets[p],
+                    flow=ch.flow.value,  # type: ignore[arg-type]
                     wm_round=wm.round,
                     wm_offset=wm.offset,
                 ),
             )
+
+    def _watermark_msg(self, pool: str) -> m.Watermark:
+        wm = self._watermark(pool)
+        return m.Watermark(src=self.endpoint, reg=self.reg_id, round=wm.round, offset=wm.offset, pool=pool)  # type: ignore[arg-type]
 
     def _staged_note(self, r: _Room, note: m.ChunkNote) -> None:
         ch = r.stg.get(note.chunk_index)
@@ -797,6 +834,7 @@ class ReceiverEngine(RoomEngine):
             self.ring.free(ch.alloc.alloc_id)  # type: ignore[union-attr]
         else:
             self.pinned.free(ch.alloc.res_id)  # type: ignore[union-attr]
+            self._pinned_live.pop(ch.alloc.res_id, None)
 
     def _h_on_copy_done(self, r: _Room, inp: RIn, ev: CopyDone) -> None:
         for ch in r.stg.values():
@@ -809,9 +847,13 @@ class ReceiverEngine(RoomEngine):
     def _reclaim(self, r: _Room) -> None:
         """A failed room's staging space, once its writers are fenced and no scatter runs."""
         freed = 0
-        for res in (self.ring, self.pinned):
-            if res is not None:
-                freed += len(res.free_owner(r.key))
+        if self.ring is not None:
+            freed += len(self.ring.free_owner(r.key))
+        if self.pinned is not None:
+            ids = self.pinned.free_owner(r.key)
+            for i in ids:
+                self._pinned_live.pop(i, None)
+            freed += len(ids)
         if any(q[0] == r.room and q[1] == r.tid for q in self.pinned_queue):
             self.pinned_queue = deque(q for q in self.pinned_queue if (q[0], q[1]) != r.key)
         if freed:
@@ -819,14 +861,12 @@ class ReceiverEngine(RoomEngine):
 
     def _space_freed(self) -> None:
         """Broadcast the ring's new watermark; grant pinned chunks that waited, in order."""
-        if self.ring is not None:
-            wm = self.ring.watermark()
-            if wm != self._last_wm:
-                self._last_wm = wm
-                for p in sorted(self.subscribers):
-                    self._send(
-                        p, m.Watermark(src=self.endpoint, reg=self.reg_id, round=wm.round, offset=wm.offset)
-                    )
+        for pool in ("ring", "pinned"):
+            wm = self._watermark(pool)
+            if wm != self._last_wm.get(pool):
+                self._last_wm[pool] = wm
+                for p in sorted(self.subscribers[pool]):
+                    self._send(p, self._watermark_msg(pool))
         while self.pinned_queue:
             room, tid, idx = self.pinned_queue[0]
             r = self.rooms.get(room)
@@ -927,6 +967,7 @@ class ReceiverEngine(RoomEngine):
                     del self.rooms_by_peer[p]
         self.deadlines.cancel(("room", r.room))
         self.deadlines.cancel(("abort", r.room))
+        self.deadlines.cancel(("info", r.room))
         self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
 
     def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
@@ -954,6 +995,10 @@ class ReceiverEngine(RoomEngine):
                 if r is not None and r.state is RState.FAILED and not r.freed:
                     self.counters["abort_resent"] += 1
                     self._send_aborts(r)
+            elif kind == "info":
+                r = self.rooms.get(what)
+                if r is not None:
+                    self._resend_infos(r)
             elif kind == "held":
                 dropped = self.held.pop(what, [])
                 self.counters["staging_req_expired"] += len(dropped)
@@ -962,13 +1007,10 @@ class ReceiverEngine(RoomEngine):
                 if peer is not None:
                     # Until acked, the heartbeat is the Register again (it may have been lost).
                     self._send(what, m.Heartbeat(src=self.endpoint) if peer.acked else self.registration)
-                    if what in self.subscribers and self.ring is not None:
-                        # A lost broadcast must not leave a writer waiting: repeat the watermark.
-                        wm = self.ring.watermark()
-                        self._send(
-                            what,
-                            m.Watermark(src=self.endpoint, reg=self.reg_id, round=wm.round, offset=wm.offset),
-                        )
+                    for pool in ("ring", "pinned"):
+                        if what in self.subscribers[pool]:
+                            # A lost broadcast must not leave a writer waiting: repeat it.
+                            self._send(what, self._watermark_msg(pool))
                     self.deadlines.set(key, now + self.timeouts.heartbeat_interval_ns)
             elif kind == "loss":
                 peer = self.peers.get(what)

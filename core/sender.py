@@ -32,11 +32,9 @@ from kvferry.core import messages as m
 from kvferry.core.commands import (
     AddPeer,
     AwaitWrites,
-    ChunkDeferred,
     ChunkSkipped,
     DropPeer,
     EnqueueChunk,
-    Gather,
     PostAuxWrite,
     PostWrite,
     SendControl,
@@ -58,20 +56,9 @@ from kvferry.core.events import (
     WriteFailed,
 )
 from kvferry.core.flows import Flow, FlowPolicy
-from kvferry.core.flows.machine import fire
-from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
-from kvferry.core.flows.staged_tx import (
-    TX_TABLE,
-    TxChunk,
-    TxIn,
-    TxState,
-    decode_alloc_bytes,
-    gather_bytes,
-    gather_plan,
-)
+from kvferry.core.flows.staged_sender import StagedSender
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition
-from kvferry.core.resources import PinnedPool, PinnedRefused, RingSlot, Watermark, writable
 from kvferry.core.worker import Destination, plan_chunk, shard_of
 
 __all__ = ["SENDER_TABLE", "SIn", "SState", "SenderEngine"]
@@ -141,7 +128,7 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.INFO: _t("on_info", _W),
         SIn.PEER_READY: _t("on_peer_ready", _W),
         SIn.CHUNK: _t("on_chunk", _W),
-        SIn.RUN_CHUNK: _t("on_run_chunk", _W, _T, _S),  # a staged chunk may wait for space
+        SIn.RUN_CHUNK: _t("on_run_chunk", _T, _S),
         SIn.STAGING_RSP: _t("on_staging_rsp", _W),
         **_LIVE_FAILURES,
     },
@@ -173,11 +160,13 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
 
 class _Room:
     __slots__ = (
+        "asked",
         "aux_index",
         "blocked",
-        "chunks",
         "created_by_info",
+        "deferred",
         "dests",
+        "direct_chunks",
         "early_grants",
         "enqueue_end",
         "expected_infos",
@@ -187,6 +176,7 @@ class _Room:
         "inflight",
         "infos",
         "key",
+        "lanes",
         "last_enqueued",
         "last_run",
         "next_enqueue",
@@ -194,6 +184,7 @@ class _Room:
         "num_tokens",
         "opened",
         "ops",
+        "pages",
         "parked",
         "ranges",
         "receivers",
@@ -204,8 +195,7 @@ class _Room:
         "stopped_sent",
         "tid",
         "tokens_done",
-        "waiting",
-        "write_chunk",
+        "write_lane",
     )
 
     def __init__(self, room: int, tid: str) -> None:
@@ -231,19 +221,23 @@ class _Room:
         self.stop_to: set[m.Endpoint] = set()
         self.stopped_sent = False
         self.release_requested = False
-        # Flows (core.flows): the room's flow once chosen, its staged chunks, chunks the worker
-        # handed over that wait for staging space, and the ops and writes each chunk owns.
+        # Flows (core.flows, core.flows.staged_sender): the room's flow once chosen, the token
+        # range of every enqueued chunk, and the lanes of its staged chunks.
         self.receivers: tuple[m.Endpoint, ...] = ()
         self.flow_override: str | None = None
         self.flow: Flow | None = None
-        self.ranges: list[tuple[int, int]] = []  # token range of every enqueued chunk
+        self.ranges: list[tuple[int, int]] = []
         self.enqueue_end = 0
-        self.chunks: dict[int, TxChunk] = {}
-        self.early_grants: dict[int, list[m.StagingRsp]] = {}
-        self.waiting: dict[int, ChunkReady] = {}
+        self.lanes: dict[tuple[int, m.Endpoint], Any] = {}
+        self.asked: dict[tuple[int, m.Endpoint], bool] = {}
+        self.early_grants: dict[tuple[int, m.Endpoint], list[m.StagingRsp]] = {}
+        self.direct_chunks: set[int] = set()  # staged room, but these chunks go direct
+        self.deferred: set[int] = set()
         self.blocked = ""
+        self.pages: Any = None
         self.ops: set[int] = set()
-        self.write_chunk: dict[int, int] = {}  # write id -> staged chunk index
+        # write id -> (lane, its note, ring slot position or None)
+        self.write_lane: dict[int, tuple[tuple[int, m.Endpoint], bytes, Any]] = {}
 
 
 class _Notice:
@@ -267,7 +261,7 @@ class _Peer:
         self.last_seen = now
 
 
-class SenderEngine(RoomEngine):
+class SenderEngine(StagedSender, RoomEngine):
     """All rooms of one prefill rank. Feed it events, execute the commands it returns."""
 
     TABLE = SENDER_TABLE
@@ -307,16 +301,7 @@ class SenderEngine(RoomEngine):
         self._out: list[Any] = []
         self._now = 0
         self.last_internal_error: BaseException | None = None
-        # Staged flows: each worker's private staging buffer (region worker_region(shard)), the
-        # rank's pinned pool shared by its workers, each decode rank's last watermark.
-        self.policy = policy or FlowPolicy()
-        self.worker_buffer_bytes = worker_buffer_bytes
-        self.worker_owner: dict[int, tuple[tuple[int, str], int]] = {}  # shard -> (room key, chunk)
-        self.pinned = PinnedPool(pinned_bytes) if pinned_bytes > 0 else None
-        self.peer_wm: dict[m.Endpoint, Watermark] = {}
-        self.ops: dict[int, tuple[int, str]] = {}  # gather op id -> room key
-        self.stalled: set[int] = set()  # rooms whose next chunk waits for staging space
-        self._next_op_id = 1
+        self._init_staging(policy, worker_buffer_bytes, pinned_bytes)
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -381,15 +366,7 @@ class SenderEngine(RoomEngine):
             refs.append("writes")
         if any(isinstance(k, tuple) and k[1] == room for k in self.deadlines.live_keys()):
             refs.append("deadlines")
-        if any(k[0] == room for k in self.ops.values()):
-            refs.append("ops")
-        if room in self.stalled:
-            refs.append("stalled")
-        if any(k[0] == room for k, _ in self.worker_owner.values()):
-            refs.append("worker_buffers")
-        if self.pinned is not None and any(self.pinned.owner_of(i)[0][0] == room for i in self.pinned.live):
-            refs.append("pinned")
-        return refs
+        return refs + self.staging_refs(room)
 
     # --- control messages --------------------------------------------------------------------------
 
@@ -454,7 +431,7 @@ class SenderEngine(RoomEngine):
                 # The decode rank restarted (new agent, maybe the same page ids): forget the old
                 # incarnation before loading the new one.
                 self.counters["peer_restarted"] += 1
-                self.peer_wm.pop(msg.src, None)  # a new incarnation's ring starts over
+                self._forget_staging_peer(msg.src)
                 self._out.append(DropPeer(peer=msg.src, reason="re-registered with a new agent"))
             self.peers[msg.src] = new
             self._out.append(AddPeer(peer=msg.src, registration=msg))
@@ -473,6 +450,7 @@ class SenderEngine(RoomEngine):
         status = self.tombstones.get(msg.room, msg.transfer_id)
         if status is not None:
             self.counters["tombstoned"] += 1
+            self._send(msg.src, m.InfoAck(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id))
             if status is KVPoll.Failed:
                 # A decode rank that joins after we failed and forgot the room must still hear it,
                 # or it would wait for our chunks until its deadline and then disagree with us.
@@ -498,6 +476,7 @@ class SenderEngine(RoomEngine):
                 msg.src, m.RegisterAck(src=self.endpoint, ok=False, retry=True, reason="not registered")
             )
         self._dispatch(r, SIn.INFO, msg)
+        self._send(msg.src, m.InfoAck(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id))
 
     def _on_abort(self, msg: m.Abort) -> None:
         r = self.rooms.get(msg.room)
@@ -575,8 +554,8 @@ class SenderEngine(RoomEngine):
             r.release_requested = True
         elif inp is SIn.WRITE_DONE or inp is SIn.WRITE_FAILED:
             r.inflight.discard(payload.write_id)
-            if r.write_chunk:
-                self._write_finished(r, payload.write_id)
+            if r.write_lane:
+                self._write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
         elif inp is SIn.COPY_DONE or inp is SIn.COPY_FAILED:
             self._op_finished(r, payload.op_id)
 
@@ -676,15 +655,13 @@ class SenderEngine(RoomEngine):
             return
         if r.flow is None and r.state is not SState.BOOTSTRAPPING:
             self._choose_flow(r)
-        if r.flow is not None and r.flow.staged:
-            # Staged chunks may wait for space: the worker hands them over and moves on; the
-            # room runs them in order as space comes (_run_waiting), re-enqueueing when it frees.
-            r.waiting[c.chunk_index] = c
-            self._run_waiting(r)
-            return
         if c.chunk_index != r.next_run:
             raise RoomError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
-        self._run_direct(r, c)
+        if r.flow is not None and r.flow.staged:
+            # The worker hands a staged chunk over and moves on; its lanes wait for space.
+            self._accept_staged(r, c)
+        else:
+            self._run_direct(r, c)
 
     def _chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
         """Validate the chunk the room runs next against decode's allocation; its token range."""
@@ -780,330 +757,8 @@ class SenderEngine(RoomEngine):
             self._out.append(AwaitWrites(room=r.room, write_ids=tuple(posted)))
         if r.state is SState.WAITING:
             r.state = SState.TRANSFERRING
-        if r.last_run and not r.inflight and not r.ops:
+        if r.last_run and not r.inflight and not r.ops and self._lanes_landed(r):
             r.state = SState.SUCCESS
-
-    # --- staged flows (ring, pinned) -------------------------------------------------------------
-
-    def _choose_flow(self, r: _Room) -> None:
-        """Pick the room's flow from the policy, once, when a decode rank it writes to is known and
-        registered (its Register says what it can receive)."""
-        targets = self._targets(r)
-        for p in targets:
-            peer = self.peers.get(p)
-            if peer is not None:
-                reg = peer.registration
-                r.flow = self.policy.choose(
-                    self.pool, peer.pool, reg.ring_bytes, reg.pinned_bytes, r.flow_override
-                )
-                break
-        else:
-            if r.state is not SState.BOOTSTRAPPING and not targets:
-                r.flow = Flow.DIRECT  # only dummy links: nothing to stage
-            return
-        if r.flow.staged:
-            for p in targets:
-                peer = self.peers.get(p)
-                if peer is None:
-                    continue
-                have = peer.registration.ring_bytes if r.flow is Flow.RING else peer.registration.pinned_bytes
-                if not have:
-                    raise RoomError(
-                        f"flow {r.flow.value}: decode rank {p} registered no {r.flow.value} region"
-                    )
-
-    def _targets(self, r: _Room) -> tuple[m.Endpoint, ...]:
-        """Decode ranks this rank writes data to: from the TransferInfos once all are in, before
-        that from the topology the scheduler passed at open."""
-        if r.expected_infos and len(r.infos) == r.expected_infos:
-            return tuple(sorted(p for p, i in r.infos.items() if not i.dummy))
-        return r.receivers
-
-    def _prefetch(self, r: _Room) -> None:
-        """Ask for staging space for every known chunk not yet run, as early as possible (seed
-        003's prefetch): a StagingReq per (chunk, decode rank), once; resent by _tick until answered."""
-        if r.flow is None:
-            self._choose_flow(r)
-        if r.flow is None or not r.flow.staged or r.state is SState.FAILED:
-            return
-        targets = self._targets(r)
-        if not targets:
-            return
-        asked = False
-        for idx in range(r.next_run, len(r.ranges)):
-            ts, te = r.ranges[idx]
-            ch = r.chunks.get(idx)
-            if ch is None:
-                if te <= ts:
-                    continue  # no tokens: nothing to stage, it runs direct (notes only)
-                ch = self._new_staged_chunk(r, idx, ts, te, targets)
-                if ch is None:
-                    continue
-            if ch.flow is not r.flow:
-                continue
-            for p in ch.targets:
-                if p in ch.asked or p not in self.peers:
-                    continue
-                ch.asked.add(p)
-                asked = True
-                self._send(p, self._staging_req(r, ch))
-        if asked and ("stg", r.room) not in self.deadlines:
-            self.deadlines.set(("stg", r.room), self._now + self.timeouts.heartbeat_interval_ns)
-
-    def _new_staged_chunk(
-        self, r: _Room, idx: int, ts: int, te: int, targets: tuple[m.Endpoint, ...]
-    ) -> TxChunk | None:
-        """The chunk's ledger entry; None (and the chunk runs direct) when it cannot fit and the
-        policy allows falling back; RoomError when it cannot fit otherwise."""
-        assert r.flow is not None
-        pools = [self.peers[p].pool for p in targets if p in self.peers]
-        if len(pools) < len(targets):
-            return None  # sized once every decode rank it writes to is registered
-        why = self._too_big(r.flow, targets, pools, te - ts)
-        ch = TxChunk(idx, ts, te, r.flow, targets)
-        if why:
-            if not self.policy.fallback_direct:
-                raise RoomError(f"chunk {idx}: {why}")
-            self.counters["chunk_fallback_direct"] += 1
-            ch.flow = Flow.DIRECT
-        r.chunks[idx] = ch
-        for rsp in r.early_grants.pop(idx, []):
-            fire(TX_TABLE, ch, TxIn.GRANT, rsp)
-        return ch
-
-    def _too_big(self, flow: Flow, targets: tuple[m.Endpoint, ...], pools: list[Any], tokens: int) -> str:
-        need = gather_bytes(flow, self.pool, pools, tokens)
-        have = self.worker_buffer_bytes if flow is Flow.RING else (self.pinned.capacity if self.pinned is not None else 0)
-        if need > have:
-            knob = "worker staging buffer" if flow is Flow.RING else "prefill pinned pool"
-            return f"needs {need} bytes of {knob}, which holds {have}"
-        for p, pool in zip(targets, pools, strict=True):
-            reg = self.peers[p].registration
-            cap = reg.ring_bytes if flow is Flow.RING else reg.pinned_bytes
-            need = decode_alloc_bytes(pool, tokens)
-            if need > cap:
-                return f"needs {need} bytes of decode {p}'s {flow.value} region, which holds {cap}"
-        return ""
-
-    def _h_on_staging_rsp(self, r: _Room, inp: SIn, rsp: m.StagingRsp) -> None:
-        peer = self.peers.get(rsp.src)
-        if peer is None or peer.reg_id != rsp.reg:
-            self.counters["staging_rsp_stale"] += 1
-            return
-        if not rsp.ok:
-            raise RoomError(f"staging refused by {rsp.src}: {rsp.reason}")
-        self._heard_wm(rsp.src, Watermark(rsp.wm_round, rsp.wm_offset))
-        ch = r.chunks.get(rsp.chunk_index)
-        if ch is None:
-            if rsp.chunk_index < r.next_run:
-                self.counters["staging_rsp_late"] += 1
-            else:
-                r.early_grants.setdefault(rsp.chunk_index, []).append(rsp)
-            return
-        if rsp.src not in ch.targets:
-            raise RoomError(
-                f"staging space for chunk {rsp.chunk_index} from {rsp.src}, not a decode rank of it"
-            )
-        fire(TX_TABLE, ch, TxIn.GRANT, rsp)
-        self._wake_stalled()
-
-    def _on_watermark(self, msg: m.Watermark) -> None:
-        peer = self.peers.get(msg.src)
-        if peer is None or peer.reg_id != msg.reg:
-            self.counters["watermark_stale"] += 1
-            return
-        self._heard_wm(msg.src, Watermark(msg.round, msg.offset))
-        self._wake_stalled()
-
-    def _heard_wm(self, peer: m.Endpoint, wm: Watermark) -> None:
-        # Watermarks only grow; a reordered older one must not undo a newer one.
-        old = self.peer_wm.get(peer)
-        if old is None or wm > old:
-            self.peer_wm[peer] = wm
-
-    def _worker_of(self, r: _Room) -> int:
-        return shard_of(r.room, self.num_shards)
-
-    def _blocker(self, r: _Room, ch: TxChunk) -> str:
-        """Why the room's next chunk cannot start now ("" if it can)."""
-        if ch.state is TxState.ASKING:
-            return f"waiting for staging space from {', '.join(map(str, ch.ungranted))}"
-        if ch.flow is Flow.RING:
-            for p, g in sorted(ch.grants.items()):
-                wm = self.peer_wm.get(p)
-                slot = _slot(g)
-                if wm is None or not writable(slot, wm):
-                    return f"ring space of {p} not drained yet (round {g.round}, [{g.start}, {g.end}))"
-            if self._worker_of(r) in self.worker_owner:
-                return "worker staging buffer busy"
-        return ""
-
-    def _run_waiting(self, r: _Room) -> None:
-        """Run the room's next chunk if the worker handed it over and its space is ready."""
-        c = r.waiting.get(r.next_run)
-        if c is None:
-            return
-        ch = r.chunks.get(r.next_run)
-        if ch is None and r.next_run < len(r.ranges) and r.ranges[r.next_run][1] > r.ranges[r.next_run][0]:
-            self._prefetch(r)  # the room's decode ranks are all known by now: ask
-            ch = r.chunks.get(r.next_run)
-            if ch is None:
-                raise RoomError(f"chunk {r.next_run}: no staging ledger entry")
-        if ch is None or ch.flow is Flow.DIRECT:
-            del r.waiting[r.next_run]
-            self._run_direct(r, c)
-            return
-        why = self._blocker(r, ch)
-        buffer: tuple[str, int] | None = None
-        base = 0
-        if not why:
-            need = gather_bytes(
-                ch.flow, self.pool, [self.peers[p].pool for p in ch.targets], ch.token_end - ch.token_start
-            )
-            if ch.flow is Flow.RING:
-                buffer = ("worker", self._worker_of(r))
-            else:
-                assert self.pinned is not None
-                res = self.pinned.reserve(need, (r.key, ch.index))
-                if isinstance(res, PinnedRefused):
-                    raise RoomError(f"chunk {ch.index}: {res.reason}")
-                if res is None:
-                    why = "prefill pinned pool full"
-                else:
-                    buffer, base = ("pinned", res.res_id), res.offset
-        if why:
-            if r.blocked != why:
-                self.counters["chunk_deferred"] += 1
-                self._out.append(ChunkDeferred(room=r.room, chunk_index=ch.index, reason=why))
-            r.blocked = why
-            self.stalled.add(r.room)
-            return
-        assert buffer is not None
-        r.blocked = ""
-        self.stalled.discard(r.room)
-        del r.waiting[r.next_run]
-        self._start_staged(r, c, ch, buffer, base)
-
-    def _start_staged(self, r: _Room, c: ChunkReady, ch: TxChunk, buffer: tuple[str, int], base: int) -> None:
-        start, end = self._chunk_bounds(r, c)
-        if (start, end) != (ch.token_start, ch.token_end):
-            raise RoomError(
-                f"chunk {ch.index} covers [{start}, {end}) but asked for space for "
-                f"[{ch.token_start}, {ch.token_end})"
-            )
-        if set(ch.targets) != set(self._targets(r)):
-            raise RoomError(
-                f"chunk {ch.index}: decode ranks {sorted(self._targets(r))} differ from the "
-                f"topology given at open {sorted(ch.targets)}"
-            )
-        pages = np.asarray(c.src_pages, dtype=np.int64)
-        if pages.size * self.pool.page_size < end:
-            raise RoomError(f"chunk {ch.index}: {pages.size} source pages do not cover token {end}")
-        dsts = [(p, self.peers[p].pool) for p in ch.targets]
-        maps, ch.blocks = gather_plan(ch.flow, self.pool, pages, dsts, start, end, base)
-        region = worker_region(buffer[1]) if buffer[0] == "worker" else PINNED_REGION
-        if buffer[0] == "worker":
-            self.worker_owner[buffer[1]] = (r.key, ch.index)
-        op = self._next_op_id
-        self._next_op_id += 1
-        self.ops[op] = r.key
-        r.ops.add(op)
-        fire(TX_TABLE, ch, TxIn.START, op, buffer)
-        ch.is_last = c.is_last
-        self._advance(r, c, end)
-        self._out.append(Gather(op_id=op, room=r.room, staging_region=region, maps=tuple(maps)))
-        self._finish_run(r, c, start, end, [])
-
-    def _h_on_copy_done(self, r: _Room, inp: SIn, ev: CopyDone) -> None:
-        ch = next((x for x in r.chunks.values() if x.op_id == ev.op_id), None)
-        if ch is None:
-            raise RoomError(f"gather {ev.op_id} finished for no chunk of the room")
-        start, end = ch.token_start, ch.token_end
-        dst_region = RING_REGION if ch.flow is Flow.RING else PINNED_REGION
-        assert ch.buffer is not None
-        region = worker_region(ch.buffer[1]) if ch.buffer[0] == "worker" else PINNED_REGION
-        wids: list[int] = []
-        last = ch.is_last
-        for p, (src_off, length) in sorted(ch.blocks.items()):
-            g = ch.grants[p]
-            wid = self._new_write(r)
-            r.write_chunk[wid] = ch.index
-            wids.append(wid)
-            note = m.encode(
-                m.ChunkNote(
-                    room=r.room,
-                    transfer_id=r.tid,
-                    src=self.endpoint,
-                    chunk_index=ch.index,
-                    token_start=start,
-                    token_end=end,
-                    is_last=last,
-                    staged=g.alloc_id,
-                )
-            )
-            self._out.append(
-                PostWrite(
-                    write_id=wid,
-                    peer=p,
-                    room=r.room,
-                    src_region=np.array([region], dtype=np.int64),
-                    src_offset=np.array([src_off], dtype=np.int64),
-                    dst_region=np.array([dst_region], dtype=np.int64),
-                    dst_offset=np.array([g.offset], dtype=np.int64),
-                    length=np.array([length], dtype=np.int64),
-                    notif=note,
-                )
-            )
-        if fire(TX_TABLE, ch, TxIn.GATHERED, tuple(wids)) == "landed":
-            self._chunk_landed(r, ch)
-
-    def _op_finished(self, r: _Room, op: int) -> None:
-        """Bookkeeping in every state: a failed room's gather releases its buffer, posts nothing."""
-        r.ops.discard(op)
-        if r.state is SState.FAILED:
-            for ch in r.chunks.values():
-                if ch.op_id == op and ch.state is TxState.GATHERING:
-                    self._release_buffer(ch)
-
-    def _write_finished(self, r: _Room, wid: int) -> None:
-        idx = r.write_chunk.pop(wid, None)
-        if idx is None:
-            return
-        ch = r.chunks[idx]
-        if fire(TX_TABLE, ch, TxIn.WRITTEN, wid) == "landed":
-            self._chunk_landed(r, ch)
-
-    def _chunk_landed(self, r: _Room, ch: TxChunk) -> None:
-        self._release_buffer(ch)
-        if r.state is not SState.FAILED:
-            self._run_waiting(r)
-
-    def _release_buffer(self, ch: TxChunk) -> None:
-        if ch.buffer is None:
-            return
-        kind, ident = ch.buffer
-        ch.buffer = None
-        if kind == "worker":
-            self.worker_owner.pop(ident, None)
-        elif self.pinned is not None:
-            self.pinned.free(ident)
-        self._wake_stalled()
-
-    def _wake_stalled(self) -> None:
-        """Space may have freed: re-enqueue the waiting chunk of every stalled room that can now
-        start (to its own worker, so per-room order holds). Not a busy spin: only on news."""
-        for room in sorted(self.stalled):
-            r = self.rooms.get(room)
-            if r is None or r.state is SState.FAILED:
-                self.stalled.discard(room)
-                continue
-            ch = r.chunks.get(r.next_run)
-            c = r.waiting.get(r.next_run)
-            if c is None or ch is None:
-                continue
-            if not self._blocker(r, ch):
-                self.stalled.discard(room)
-                self._out.append(EnqueueChunk(shard=self._worker_of(r), chunk=c))
 
     def _new_write(self, r: _Room) -> int:
         wid = self._next_write_id
@@ -1113,7 +768,7 @@ class SenderEngine(RoomEngine):
         return wid
 
     def _h_on_write_done(self, r: _Room, inp: SIn, ev: WriteDone) -> None:
-        if r.last_run and not r.inflight and not r.ops:
+        if r.last_run and not r.inflight and not r.ops and self._lanes_landed(r):
             r.state = SState.SUCCESS
 
     def _h_on_fail(self, r: _Room, inp: SIn, payload: Any) -> None:
@@ -1174,7 +829,6 @@ class SenderEngine(RoomEngine):
         r.state = SState.FAILED
         r.failure = failure
         r.parked = []
-        r.waiting.clear()
         r.early_grants.clear()
         self.stalled.discard(r.room)
         self.deadlines.cancel(("room", r.room))
@@ -1269,6 +923,8 @@ class SenderEngine(RoomEngine):
                     self._dispatch(r, SIn.TIMEOUT, None)
             elif kind == "notice":
                 self._resend_notice(what)
+            elif kind == "notes":
+                self._resend_notes(what)
             elif kind == "stg":
                 r = self.rooms.get(what)
                 if r is not None:
@@ -1287,34 +943,9 @@ class SenderEngine(RoomEngine):
                     continue
                 self._lose_peer(what)
 
-    def _staging_req(self, r: _Room, ch: TxChunk) -> m.StagingReq:
-        return m.StagingReq(
-            src=self.endpoint,
-            room=r.room,
-            transfer_id=r.tid,
-            flow=ch.flow.value,  # type: ignore[arg-type]
-            chunk_index=ch.index,
-            token_start=ch.token_start,
-            token_end=ch.token_end,
-        )
-
-    def _resend_staging(self, r: _Room) -> None:
-        """StagingReq (and its answer) may be lost: ask again each heartbeat interval until every
-        decode rank answered; decode answers a repeat with the same allocation."""
-        pending = False
-        for _, ch in sorted(r.chunks.items()):
-            if ch.state is not TxState.ASKING:
-                continue
-            for p in ch.ungranted:
-                if p in ch.asked and p in self.peers:
-                    pending = True
-                    self.counters["staging_req_resent"] += 1
-                    self._send(p, self._staging_req(r, ch))
-        if pending:
-            self.deadlines.set(("stg", r.room), self._now + self.timeouts.heartbeat_interval_ns)
-
     def _lose_peer(self, peer: m.Endpoint) -> None:
         self.counters["peer_lost"] += 1
+        self._forget_staging_peer(peer)
         del self.peers[peer]
         self.deadlines.cancel(("hb", peer))
         self._out.append(DropPeer(peer=peer, reason="heartbeat lost"))
@@ -1322,7 +953,3 @@ class SenderEngine(RoomEngine):
             r = self.rooms.get(room)
             if r is not None:
                 self._dispatch(r, SIn.PEER_LOST, peer)
-
-
-def _slot(g: m.StagingRsp) -> RingSlot:
-    return RingSlot(alloc_id=g.alloc_id, offset=g.start, round=g.round, end=g.end, size=g.end - g.start)

@@ -85,11 +85,18 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
         chunk_tokens=rng.choice((0, 16, 48, 64)),
         arrival_mean_us=rng.choice((100, 500, 1500)),
     )
+    # Flows from their own stream, so adding them left every other draw of a seed as it was.
+    frng = Streams(seed)["swarm.flows"]
+    flows = sc.FlowSpec(
+        flow=frng.choice(("policy", "direct", "ring", "pinned", "mixed", "mixed")),
+        auto_chunks=frng.choice((1, 1, 2, 4, 16)),  # staging space from one chunk to many
+    )
     return sc.Scenario(
         name=f"fuzz-{seed}",
         seed=seed,
         model=model,
         topology=topo,
+        flows=flows,
         workload=work,
         faults=sc.Faults(swarm=True),
         phases=sc.Phases(fault_window_us=rng.choice((5_000, 15_000, 30_000))),

@@ -18,7 +18,11 @@ Checked here:
   or a failure notice (RoomFailed / Abort) of the room was resent for the whole resend window
   (``fence_ns``) and the fabric delivered no copy (its peer was unreachable throughout).
 - ``quiescence`` / ``tables_empty``: after quiescence every room's memory is back in the allocators,
-  and every per-room table, pending write, transfer handle and queued chunk is gone.
+  and every per-room table, pending write, transfer handle and queued chunk is gone, and so is
+  every staging allocation (ring, pinned pools, worker buffers), held request and copy.
+- ``fault_free``: in a run where nothing was injected (no fault, abort or crash), every room ends
+  Success on both sides and no StagingReq had to be resent (a resend there means a request was
+  lost inside the core, e.g. one that arrived before its room and was dropped).
 """
 
 from __future__ import annotations
@@ -59,6 +63,26 @@ def check_final(w: World) -> None:
         _tables(w)
     if c.agreement:
         _agreement(w)
+    if c.fault_free:
+        _fault_free(w)
+
+
+def _fault_free(w: World) -> None:
+    if sum(w.injector.counts.values()):
+        return
+    for r in w.requests:
+        if r.opened and r.outcome != "success":
+            why = next((f"{n}: {x}" for n, x in sorted(r.reason.items())), "")
+            w.violate(
+                "fault_free",
+                f"room {r.key} {r.outcome or 'unfinished'} though nothing was injected ({why})",
+                r,
+            )
+    resent = sum(
+        rk.engine.counters["staging_req_resent"] for n, rk in w.ranks.items() if n.startswith("prefill")
+    )
+    if resent:
+        w.violate("fault_free", f"{resent} StagingReq resent though no message was lost")
 
 
 def agreement_exemption(w: World, r: Request) -> str:
@@ -165,6 +189,9 @@ def _tables(w: World) -> None:
             leftovers.append(f"{len(rank.pending)} pending writes in the driver")
         if rank.transport.handles:
             leftovers.append(f"{len(rank.transport.handles)} transfer handles")
+        if rank.transport.copies or rank.driver.copies:
+            leftovers.append(f"{len(rank.transport.copies)} gathers/scatters")
+        leftovers += _staging_leftovers(eng)
         queued = rank.queued
         if queued:
             leftovers.append(f"{queued} queued chunks")
@@ -173,3 +200,27 @@ def _tables(w: World) -> None:
     handles = w.fabric.open_handles()
     if handles:
         w.violate("tables_empty", f"fabric handles still open: {handles}")
+
+
+def _staging_leftovers(eng: object) -> list[str]:
+    """Staging state of a rank's engine that should be gone once every room settled."""
+    from kvferry.core.receiver import ReceiverEngine
+
+    out = []
+    if isinstance(eng, ReceiverEngine):
+        if eng.staging_in_use():
+            out.append(f"{eng.staging_in_use()} staging allocations")
+        if eng.held:
+            out.append(f"held StagingReqs for {len(eng.held)} rooms")
+        if eng.pinned_queue:
+            out.append(f"{len(eng.pinned_queue)} chunks waiting for pinned space")
+        if eng.ops:
+            out.append(f"{len(eng.ops)} scatters")
+    else:
+        if eng.slot_owner:  # type: ignore[attr-defined]
+            out.append(f"{len(eng.slot_owner)} worker staging buffers held")  # type: ignore[attr-defined]
+        if eng.pinned is not None and len(eng.pinned):  # type: ignore[attr-defined]
+            out.append(f"{len(eng.pinned)} pinned reservations")  # type: ignore[attr-defined]
+        if eng.ops or eng.stalled:  # type: ignore[attr-defined]
+            out.append("gathers or stalled rooms")
+    return out

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from kvferry.backends.simfabric.spec import PROFILES, ControlSpec, FabricSpec, NicSpec
+from kvferry.backends.simfabric.spec import PROFILES, ControlSpec, FabricSpec, KernelSpec, NicSpec
 from kvferry.core.errors import GeometryError, KvferryError
 from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry, validate_tp
 
@@ -26,7 +26,19 @@ class ScenarioError(KvferryError, ValueError):
 
 FAULT_EVENT_KINDS = ("crash", "link_down", "slow_link")
 NODE_EVENT_KINDS = ("crash",)
-HOOKS = ("free_pages_early", "chunk_offset_own_length", "keep_room_tables", "decode_ignores_room_failed")
+HOOKS = (
+    "free_pages_early",
+    "chunk_offset_own_length",
+    "keep_room_tables",
+    "decode_ignores_room_failed",
+    # staged flows (sim/planted.py)
+    "ring_keeps_old_head",
+    "drop_early_staging_req",
+    "shared_staging_buffer",
+    "free_staging_before_scatter",
+    "leak_failed_room_staging",
+)
+FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "mixed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +118,25 @@ class Faults:
 
 
 @dataclass(frozen=True, slots=True)
+class FlowSpec:
+    """Which flow moves each room (core.flows) and the staging memory each rank registers.
+
+    ``flow``: "policy" (the default policy: direct for equal TP, ring for unequal TP when a ring
+    is offered, else pinned, else direct), one flow for every room, or "mixed" (one drawn per room
+    from those offered). Sizes in bytes; 0 = not offered. ``auto_size``: a flow named here gets
+    room for ``auto_chunks`` of the workload's largest chunk wherever its size is left at 0.
+    """
+
+    flow: str = "policy"
+    ring_bytes: int = 0
+    pinned_bytes: int = 0
+    worker_buffer_bytes: int = 0
+    prefill_pinned_bytes: int = 0
+    fallback_direct: bool = False
+    auto_chunks: int = 4
+
+
+@dataclass(frozen=True, slots=True)
 class TimeoutSpec:
     """The core's deadlines, scaled to simulated runs (the real defaults are tens of seconds)."""
 
@@ -134,6 +165,7 @@ class Checks:
     liveness: bool = True
     conservation: bool = True
     tables_empty: bool = True
+    fault_free: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +177,7 @@ class Scenario:
     topology: Topology = field(default_factory=Topology)
     fabric_profile: str = "h100-rdma"
     fabric: FabricSpec = field(default_factory=FabricSpec)
+    flows: FlowSpec = field(default_factory=FlowSpec)
     workload: Workload = field(default_factory=Workload)
     faults: Faults = field(default_factory=Faults)
     timeouts: TimeoutSpec = field(default_factory=TimeoutSpec)
@@ -298,7 +331,59 @@ def _fabric(r: _Reader) -> tuple[str, FabricSpec]:
         latency_ns=r.int("control_latency_ns", c.latency_ns),
         jitter_ns=r.int("control_jitter_ns", c.jitter_ns),
     )
-    return profile, FabricSpec(nic=nic, control=control, prepped=r.bool("prepped", base.prepped))
+    k = base.kernel
+    kernel = KernelSpec(
+        launch_ns=r.int("kernel_launch_ns", k.launch_ns),
+        gpu_bps=int(r.float("gpu_copy_gbps", k.gpu_bps / 1e9, lo=0.001) * 1e9),
+        pinned_bps=int(r.float("pinned_copy_gbps", k.pinned_bps / 1e9, lo=0.001) * 1e9),
+    )
+    return profile, FabricSpec(
+        nic=nic, control=control, kernel=kernel, prepped=r.bool("prepped", base.prepped)
+    )
+
+
+def _flows(r: _Reader) -> FlowSpec:
+    d = FlowSpec()
+    sizes = {
+        n: r.int(n, getattr(d, n), hi=1 << 40)
+        for n in ("ring_bytes", "pinned_bytes", "worker_buffer_bytes", "prefill_pinned_bytes")
+    }
+    return FlowSpec(
+        flow=r.str("flow", d.flow, FLOW_CHOICES),
+        fallback_direct=r.bool("fallback_direct", d.fallback_direct),
+        auto_chunks=r.int("auto_chunks", d.auto_chunks, lo=1, hi=1024),
+        **sizes,
+    )
+
+
+def staging_sizes(s: Scenario) -> FlowSpec:
+    """The sizes a run registers: those given, and for a flow the scenario names (or "mixed",
+    or the policy under unequal TP) the ones left at 0 sized to ``auto_chunks`` of its largest
+    chunk, so that naming a flow is enough to run it."""
+    f = s.flows
+    pre, dec = pools(s)
+    w = s.workload
+    chunk = max(
+        [min(w.chunk_tokens or w.tokens_max, w.tokens_max)]
+        + [c for room in w.explicit for c in (room.chunks or (room.tokens,))]
+    )
+    regions = pre[0].model.num_regions
+    dec_chunk = regions * chunk * dec[0].token_bytes
+    pre_chunk = regions * chunk * pre[0].token_bytes * max(1, len(dec) // len(pre))
+    want_ring = f.flow in ("ring", "mixed") or (f.flow == "policy" and len(pre) != len(dec))
+    want_pinned = f.flow in ("pinned", "mixed")
+    n = f.auto_chunks
+
+    def size(given: int, wanted: bool, per_chunk: int, chunks: int) -> int:
+        return given if given or not wanted else per_chunk * chunks
+
+    return replace(
+        f,
+        ring_bytes=size(f.ring_bytes, want_ring, dec_chunk, n),
+        worker_buffer_bytes=size(f.worker_buffer_bytes, want_ring or want_pinned, pre_chunk, 1),
+        pinned_bytes=size(f.pinned_bytes, want_pinned, dec_chunk, n),
+        prefill_pinned_bytes=size(f.prefill_pinned_bytes, want_pinned, pre_chunk, n),
+    )
 
 
 def _workload(r: _Reader, topo: Topology) -> Workload:
@@ -406,6 +491,7 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
             "model",
             "topology",
             "fabric",
+            "flows",
             "workload",
             "faults",
             "timeouts",
@@ -432,10 +518,14 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
                 "error_timeout_ns",
                 "control_latency_ns",
                 "control_jitter_ns",
+                "kernel_launch_ns",
+                "gpu_copy_gbps",
+                "pinned_copy_gbps",
                 "prepped",
             ),
         )
     )
+    flows = _flows(_Reader(f"{where}: [flows]", data.get("flows", {}), _names(FlowSpec)))
     work = _workload(
         _Reader(
             f"{where}: [workload]",
@@ -477,6 +567,7 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
         topology=topo,
         fabric_profile=profile,
         fabric=fabric,
+        flows=flows,
         workload=work,
         faults=faults,
         timeouts=timeouts,
@@ -556,9 +647,13 @@ def dump(s: Scenario) -> str:
             "error_timeout_ns": n.error_timeout_ns,
             "control_latency_ns": c.latency_ns,
             "control_jitter_ns": c.jitter_ns,
+            "kernel_launch_ns": s.fabric.kernel.launch_ns,
+            "gpu_copy_gbps": s.fabric.kernel.gpu_bps / 1e9,
+            "pinned_copy_gbps": s.fabric.kernel.pinned_bps / 1e9,
             "prepped": s.fabric.prepped,
         },
     )
+    out += _table("flows", {f.name: getattr(s.flows, f.name) for f in fields(FlowSpec)})
     w = s.workload
     out += _table("workload", {f.name: getattr(w, f.name) for f in fields(Workload) if f.name != "explicit"})
     for room in w.explicit:
@@ -581,6 +676,13 @@ def dump(s: Scenario) -> str:
     if s.expect_violations:
         out += _table("expect", {"violations": s.expect_violations})
     return "\n".join(out)
+
+
+def with_flow(s: Scenario, flow: str) -> Scenario:
+    """The scenario with every room on ``flow`` (sizes the flow needs are auto-sized)."""
+    if flow not in FLOW_CHOICES:
+        raise ScenarioError(f"--flow: expected one of {', '.join(FLOW_CHOICES)}, got {flow!r}")
+    return replace(s, flows=replace(s.flows, flow=flow))
 
 
 def with_overrides(s: Scenario, **kw: Any) -> Scenario:

@@ -25,17 +25,17 @@ from kvferry.backends.transport import encode_aux_room
 from kvferry.core.commands import FreePages, StatusChanged
 from kvferry.core.deadlines import Timeouts
 from kvferry.core.errors import WireError
-from kvferry.core.events import AbortRoom, ChunkReady, ReceiverOpen, ReleaseRoom, SenderOpen, SenderSpec
-from kvferry.core.geometry import receivers_for, senders_for
+from kvferry.core.events import AbortRoom, ChunkReady, ReceiverOpen, ReleaseRoom, SenderOpen
+from kvferry.core.flows import Flow, FlowPolicy
+from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, is_staging_region, worker_region
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control, decode_note
-from kvferry.core.receiver import ReceiverEngine
-from kvferry.core.sender import SenderEngine
-from kvferry.sim import pattern
+from kvferry.core.topology import receiver_endpoints, sender_specs
+from kvferry.sim import pattern, planted
 from kvferry.sim.chaos import Chaos
 from kvferry.sim.faults import Injector, draw_personality
 from kvferry.sim.rng import Streams
-from kvferry.sim.scenario import US, RoomSpec, Scenario, pools
+from kvferry.sim.scenario import US, RoomSpec, Scenario, pools, staging_sizes
 from kvferry.sim.trace import Trace
 
 AUX_ROW_BYTES = 64
@@ -100,6 +100,7 @@ class Request:
     # whose process died (crash) while the room could still settle (sim/chaos.py).
     notices: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
     lost_with: set[str] = field(default_factory=set)
+    flow: str | None = None  # the room's explicit flow (None: the policy's choice)
 
     @property
     def done(self) -> bool:
@@ -157,7 +158,11 @@ class World(Chaos):
         self.phase = "faults"
         self.deadline_ns = 0
         self.quiesced_ns = -1
-        self._senders = {d: self._sender_specs(d) for d in range(self.D)}
+        self._senders = {d: sender_specs(self.model, self.P, self.D, d) for d in range(self.D)}
+        self._receivers = {p: receiver_endpoints(self.model, self.P, self.D, p) for p in range(self.P)}
+        self.staging = staging_sizes(s)
+        self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
+        self._flow_rng = self.streams["flows"]
         self._sides = {
             "prefill": tuple(f"prefill{r}" for r in range(self.P)),
             "decode": tuple(f"decode{r}" for r in range(self.D)),
@@ -177,34 +182,45 @@ class World(Chaos):
         pool = self.pre_pools[ep.rank] if ep.server == "prefill" else self.dec_pools[ep.rank]
         tr = SimTransport(self.fabric, ep, pool)
         tr.register_regions(pool.regions, self.scenario.topology.aux_rows, AUX_ROW_BYTES)
+        st = self.staging
         if ep.server == "prefill":
             planner = None
             if "chunk_offset_own_length" in self.hooks:
                 planner = _offset_from_own_length_planner()
-            engine: Any = SenderEngine(
-                ep, pool, timeouts=self.timeouts, num_shards=self.scenario.topology.workers, planner=planner
-            )
             workers = self.scenario.topology.workers
+            buffers = {worker_region(i): st.worker_buffer_bytes for i in range(workers)}
+            tr.register_staging({**buffers, PINNED_REGION: st.prefill_pinned_bytes})
+            engine: Any = planted.sender_class(self.hooks)(
+                ep,
+                pool,
+                timeouts=self.timeouts,
+                num_shards=workers,
+                planner=planner,
+                policy=self.policy,
+                worker_buffer_bytes=st.worker_buffer_bytes,
+                pinned_bytes=st.prefill_pinned_bytes,
+            )
         else:
-            engine = ReceiverEngine(tr.registration(), timeouts=self.timeouts)
+            tr.register_staging(
+                {RING_REGION: st.ring_bytes, PINNED_REGION: st.pinned_bytes}, st.ring_bytes, st.pinned_bytes
+            )
+            engine = planted.receiver_class(self.hooks)(tr.registration(), timeouts=self.timeouts)
             workers = 0
         self.ranks[node] = SimRank(self.env, self.fabric, tr, engine, self, workers, self.trace.record)
 
-    def _sender_specs(self, d: int) -> tuple[SenderSpec, ...]:
-        specs = []
-        aux_given = False
-        for link in senders_for(self.model, self.P, self.D, d):
-            aux = not link.is_dummy and not aux_given
-            aux_given = aux_given or aux
-            specs.append(
-                SenderSpec(
-                    endpoint=Endpoint("prefill", link.prefill_rank),
-                    dummy=link.is_dummy,
-                    expected_infos=len(receivers_for(self.model, self.P, self.D, link.prefill_rank)),
-                    send_aux=aux,
-                )
-            )
-        return tuple(specs)
+    def room_flow(self, req: Request) -> str | None:
+        """The flow a room is opened with: None lets the policy choose."""
+        f = self.staging.flow
+        if f == "policy":
+            return None
+        if f != "mixed":
+            return f
+        offered = [Flow.DIRECT.value]
+        if self.staging.ring_bytes and self.staging.worker_buffer_bytes:
+            offered.append(Flow.RING.value)
+        if self.staging.pinned_bytes and self.staging.prefill_pinned_bytes:
+            offered.append(Flow.PINNED.value)
+        return offered[self._flow_rng.randrange(len(offered))]
 
     def alive(self, node: str, req: Request) -> bool:
         r = self.ranks[node]
@@ -298,6 +314,7 @@ class World(Chaos):
             "room_arrive", "scheduler", room=req.room, key=req.key, tokens=req.spec.tokens, chunks=req.chunks
         )
         req.opened = True
+        req.flow = self.room_flow(req)
         for d in range(self.D):
             node = f"decode{d}"
             rank = self.ranks[node]
@@ -326,7 +343,15 @@ class World(Chaos):
                 self._mark(req, node, KVPoll.Failed, "node down at open")
                 continue
             rank.transport.aux_row(int(req.pre_aux[0]))[: aux_row.size] = aux_row
-            rank.feed(SenderOpen(room=req.room, transfer_id=req.tid, aux_index=int(req.pre_aux[0])))
+            rank.feed(
+                SenderOpen(
+                    room=req.room,
+                    transfer_id=req.tid,
+                    aux_index=int(req.pre_aux[0]),
+                    receivers=self._receivers[p],
+                    flow=req.flow,
+                )
+            )
         self._check_side(req, "decode")
         self._check_side(req, "prefill")
         start = 0
@@ -523,6 +548,9 @@ class World(Chaos):
         key = req.key if req is not None else -2
         d = x.descs
         pool = self.dec_pools[int(x.dst[len("decode") :])]
+        if d.count and is_staging_region(int(d.dst_region[0])):
+            self._check_staged_land(x, req)
+            return
         aux = d.dst_region == AUX_REGION
         owners = []
         if (~aux).any():
@@ -544,6 +572,25 @@ class World(Chaos):
             self.violate(
                 "ownership", f"write of room {key} from {x.src} landed in {who} on {x.dst}{why}", req
             )
+
+    def _check_staged_land(self, x: Xfer, req: Request | None) -> None:
+        """A staged write lands only inside a live allocation its own room holds there."""
+        d = x.descs
+        eng = self.ranks[x.dst].engine
+        res = eng.ring if int(d.dst_region[0]) == RING_REGION else eng.pinned
+        key = (req.room, req.tid) if req is not None else None
+        lo, hi = int(d.dst_offset.min()), int((d.dst_offset + d.length).max())
+        if res is not None:
+            for i, a in res.live.items():
+                if res.owner_of(i) == key and a.offset <= lo and hi <= a.end:
+                    return
+        who = req.key if req is not None else "unknown"
+        where = f"[{lo}, {hi}) of region {int(d.dst_region[0])} on {x.dst}"
+        self.violate(
+            "ownership",
+            f"staged write of room {who} from {x.src} into {where}, outside its live allocations",
+            req,
+        )
 
     def _on_control(self, what: str, src: str, dst: str, payload: bytes) -> bool:
         """Log every failure notice per room (what the agreement exemption is judged from)."""

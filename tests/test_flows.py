@@ -45,8 +45,7 @@ def run_rooms(w: H.World, n: int, tokens: int, cuts: list[int], room0: int = 100
 def assert_clean(w: H.World) -> None:
     assert w.violations == [] and w.internal_errors() == []
     for r in w.prefill:
-        assert r.engine.worker_owner == {} and r.engine.ops == {} and not r.engine.stalled
-        assert r.engine.pinned is None or len(r.engine.pinned) == 0
+        assert r.engine.staging_in_use() == 0 and not r.engine.stalled and not r.engine.unconfirmed
     for r in w.decode:
         assert r.engine.staging_in_use() == 0 and r.engine.ops == {} and r.engine.held == {}
     for r in w.ranks:

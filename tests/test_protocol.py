@@ -136,18 +136,35 @@ def test_abort_with_writes_in_flight_frees_pages_only_after_stopped() -> None:
     assert w.violations == []
 
 
-def test_lost_transfer_info_fails_both_sides_within_deadlines() -> None:
+def test_lost_transfer_info_is_resent_until_acknowledged() -> None:
     w = H.World(H.TINY, 1, 1, seed=4)
     req = w.open_room(5, "t5", 4, [4])
     infos = [i for i, x in enumerate(w.fabric.pending) if type(m.decode_control(x.data)) is m.TransferInfo]
     w.fabric.pending.pop(infos[0])
     w.chunk_ready(req, 0)
     w.heal_and_settle()
+    assert final(w, "decode", req) == [KVPoll.Success] and final(w, "prefill", req) == [KVPoll.Success]
+    assert w.decode[0].engine.counters["info_resent"] >= 1
+    assert all(not r.engine.rooms for r in w.ranks) and w.violations == []
+
+
+def test_transfer_info_never_arriving_fails_both_sides_within_deadlines() -> None:
+    w = H.World(H.TINY, 1, 1, seed=4)
+    req = w.open_room(5, "t5", 4, [4])
+    w.chunk_ready(req, 0)
+    t_end = H.TEST_TIMEOUTS.bootstrap_ns + H.TEST_TIMEOUTS.waiting_ns + H.TEST_TIMEOUTS.fence_ns
+    while w.fabric.now <= t_end and w.live_rooms_anywhere():
+        # The network loses every copy of the TransferInfo, resends included.
+        w.fabric.pending = [
+            x for x in w.fabric.pending if x.note or type(m.decode_control(x.data)) is not m.TransferInfo
+        ]
+        w.pump()
+        w.release_terminal()
+        w.advance(H.TEST_TIMEOUTS.heartbeat_interval_ns)
+    w.heal_and_settle()
     assert final(w, "decode", req) == [KVPoll.Failed] and final(w, "prefill", req) == [KVPoll.Failed]
     assert all(not r.engine.rooms for r in w.ranks) and w.violations == []
-    assert (
-        w.fabric.now <= H.TEST_TIMEOUTS.bootstrap_ns + H.TEST_TIMEOUTS.waiting_ns + H.TEST_TIMEOUTS.fence_ns
-    )
+    assert w.fabric.now <= t_end + 4 * H.TEST_TIMEOUTS.heartbeat_interval_ns
 
 
 def test_one_rooms_exception_does_not_stop_the_worker_or_other_rooms() -> None:

@@ -317,8 +317,8 @@ class ProtocolMachine(RuleBasedStateMachine):
             if rank.side == "prefill":
                 assert rank.engine.writes == {}
                 assert rank.engine.notices == {}, rank.engine.notices
-                assert rank.engine.worker_owner == {} and rank.engine.ops == {} and not rank.engine.stalled
-                assert rank.engine.pinned is None or len(rank.engine.pinned) == 0
+                assert rank.engine.staging_in_use() == 0 and not rank.engine.stalled
+                assert not rank.engine.unconfirmed
             else:
                 assert rank.engine.staging_in_use() == 0, "staging space leaked"
                 assert rank.engine.ops == {} and not rank.engine.pinned_queue and rank.engine.held == {}

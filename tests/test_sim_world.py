@@ -303,11 +303,14 @@ def test_only_a_partition_longer_than_the_resend_window_exempts_a_room(duration_
 
 
 def test_a_crash_after_the_news_crossed_does_not_excuse_a_disagreement() -> None:
-    """Planted bug, seed 21 of the late-aborts campaign: decode0 ignored RoomFailed for room 5 and
-    then crashed. The disagreement predates the crash (a copy was delivered), so it is reported."""
+    """Planted bug, seed 21 of the late-aborts campaign: a decode rank ignores RoomFailed for a
+    Success room and a crash follows. The disagreement predates the crash (a copy of the notice
+    was delivered), so it is reported, not excused."""
     res, w = run_one(fuzz_scenario(21, _late_aborts(), ("decode_ignores_room_failed",)))
     assert res.faults.get("crash", 0) >= 1
-    r = w.requests[5]
-    assert any(rec[2] > 0 for k, rec in r.notices.items() if k[2] == "RoomFailed")
-    assert not r.lost_with
-    assert [v["room"] for v in res.violations if v["invariant"] == "agreement"] == [5]
+    rooms = [v["room"] for v in res.violations if v["invariant"] == "agreement"]
+    assert rooms, res.violations
+    for key in rooms:
+        r = w.requests[key]
+        assert any(rec[2] > 0 for k, rec in r.notices.items() if k[2] == "RoomFailed")
+        assert not r.lost_with

@@ -57,9 +57,34 @@ class ControlSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelSpec:
+    """Gather/scatter kernels of the staged flows: a launch cost plus bytes over a copy rate.
+
+    Defaults from the H100 kernel table in docs/benchmarks.md (Kernels, 2026-11-22): host cost
+    101-181 us per call (140 taken); GPU<->GPU gather/scatter 1426-1470 GB/s (1440 taken);
+    zero-copy gather to / scatter from pinned host memory 50.6-52.5 GB/s (51 taken).
+    """
+
+    launch_ns: int = 140_000
+    gpu_bps: int = 1_440_000_000_000
+    pinned_bps: int = 51_000_000_000
+
+    def validate(self) -> None:
+        if self.launch_ns < 0:
+            raise ValueError("kernel.launch_ns must be >= 0")
+        if self.gpu_bps <= 0 or self.pinned_bps <= 0:
+            raise ValueError("kernel copy rates must be positive")
+
+    def cost_ns(self, nbytes: int, pinned: bool) -> int:
+        rate = self.pinned_bps if pinned else self.gpu_bps
+        return self.launch_ns + nbytes * NS_PER_S // rate
+
+
+@dataclass(frozen=True, slots=True)
 class FabricSpec:
     nic: NicSpec = field(default_factory=NicSpec)
     control: ControlSpec = field(default_factory=ControlSpec)
+    kernel: KernelSpec = field(default_factory=KernelSpec)
     # Prepared descriptor lists (make_prepped_xfer) merge dense runs; one-shot posts never do
     # (DESIGN.md s3).
     prepped: bool = True
@@ -67,6 +92,7 @@ class FabricSpec:
     def validate(self) -> None:
         self.nic.validate()
         self.control.validate()
+        self.kernel.validate()
 
 
 # The CPU machine of DESIGN.md s8: NIXL UCX DRAM->DRAM across two processes on loopback.

@@ -16,7 +16,10 @@ import numpy.typing as npt
 from kvferry.backends.simfabric.descriptors import DescList, RegionSizes
 from kvferry.backends.simfabric.errors import RegionAccessError, UnknownPeerError
 from kvferry.backends.simfabric.fabric import Fabric
+from kvferry.backends.staging_copy import copy_maps, map_bytes
 from kvferry.backends.transport import XferHandle, XferState, aux_room_of
+from kvferry.core.errors import KvferryError
+from kvferry.core.flows.regions import PINNED_REGION, is_staging_region
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.messages import Endpoint, GeometryWire, RegionAddr, Register
 
@@ -71,6 +74,12 @@ class SimTransport:
         # Writes the driver has not released yet; the world checks this is empty at quiescence.
         self.handles: set[int] = set()
         self.refused = 0
+        # Staging memory (core.flows.regions) and the gathers/scatters running on it.
+        self.ring_bytes = 0
+        self.pinned_bytes = 0
+        self._staging: dict[int, int] = {}
+        self.copies: dict[int, XferState] = {}
+        self._next_copy = 1
 
     # --- identity and local memory ---------------------------------------------------------------
     @property
@@ -91,6 +100,15 @@ class SimTransport:
         self._regions = tuple(regions)
         self.aux_rows, self.aux_row_bytes = aux_rows, aux_row_bytes
 
+    def register_staging(self, regions: dict[int, int], ring_bytes: int = 0, pinned_bytes: int = 0) -> None:
+        """Staging buffers (region id -> bytes); ``ring_bytes``/``pinned_bytes``: what this rank
+        offers its peers in its Register (decode)."""
+        for rid, n in regions.items():
+            if n > 0:
+                self.fabric.register(self.node, rid, n)
+                self._staging[rid] = n
+        self.ring_bytes, self.pinned_bytes = ring_bytes, pinned_bytes
+
     def region(self, region_id: int) -> np.ndarray:
         return self.fabric.node(self.node).memory.region(region_id)
 
@@ -109,6 +127,10 @@ class SimTransport:
             )
             for r in self._regions
         ]
+        regions += [
+            RegionAddr(region_id=rid, addr=base + (rid % 4096 + 4096) * (1 << 30), nbytes=n)
+            for rid, n in sorted(self._staging.items())
+        ]
         return Register(
             src=self._endpoint,
             agent_name=self.agent_name,
@@ -118,6 +140,8 @@ class SimTransport:
             aux_addr=base + AUX_REGION * (1 << 10),
             aux_row_bytes=self.aux_row_bytes,
             aux_rows=self.aux_rows,
+            ring_bytes=self.ring_bytes,
+            pinned_bytes=self.pinned_bytes,
         )
 
     # --- peers -------------------------------------------------------------------------------------
@@ -239,6 +263,41 @@ class SimTransport:
 
     def read_aux_room(self, aux_index: int) -> int:
         return aux_room_of(self.aux_row(aux_index))
+
+    # --- gather / scatter (staged flows) -----------------------------------------------------------
+    def post_copy(self, kind: str, staging_region: int, maps: Any) -> int:
+        """A kernel on this node's stream: it costs launch + bytes / rate of virtual time, then
+        moves the bytes (numpy, the same maps the Triton kernels run); a crash before then loses it."""
+        if staging_region not in self._staging or not is_staging_region(staging_region):
+            raise RegionAccessError(f"{self.node}: no staging region {staging_region}")
+        cid = self._next_copy
+        self._next_copy += 1
+        self.copies[cid] = XferState.PROC
+        cost = self.fabric.spec.kernel.cost_ns(map_bytes(maps), pinned=staging_region == PINNED_REGION)
+        ev = self.fabric.env.timeout(cost)
+        ev.callbacks.append(lambda _e: self._copy_done(cid, kind, staging_region, tuple(maps)))
+        return cid
+
+    def _copy_done(self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...]) -> None:
+        node = self.fabric.node(self.node)
+        if not node.up or node.incarnation != self.incarnation or cid not in self.copies:
+            return  # the process that launched it is gone
+        mem = node.memory
+        try:
+            regions = {int(r.region_id): mem.region(int(r.region_id)) for r in self._regions}
+            copy_maps(kind, regions, mem.region(staging_region), maps)
+            self.copies[cid] = XferState.DONE
+        except KvferryError as exc:
+            self.copies[cid] = XferState.ERR
+            self.fabric.record("copy_err", self.node, reason=str(exc))
+        self.fabric.record(kind, self.node, bytes=map_bytes(maps))
+        self.fabric.wake(self.node, ("copy", cid))
+
+    def check_copy(self, handle: int) -> XferState:
+        return self.copies[handle]
+
+    def release_copy(self, handle: int) -> None:
+        self.copies.pop(handle, None)
 
     # --- control plane ----------------------------------------------------------------------------------
     def send_control(self, peer: Endpoint, data: bytes, tag: Any = None) -> None:

@@ -22,4 +22,4 @@ def worker_region(worker: int) -> int:
 
 
 def is_staging_region(region_id: int) -> bool:
-    return region_id >= WORKER_STAGING_BASE
+    return WORKER_STAGING_BASE <= region_id < 1 << 20

@@ -44,6 +44,7 @@ class RxChunk:
         "notes",
         "offsets",
         "op_id",
+        "seq",
         "state",
         "token_end",
         "token_start",
@@ -63,6 +64,7 @@ class RxChunk:
         self.offsets: dict[m.Endpoint, int] = {}  # writer -> its block's offset in the staging region
         self.notes: dict[m.Endpoint, m.ChunkNote] = {}
         self.op_id = -1
+        self.seq = 0  # pinned: grant sequence number (what the pinned watermark counts)
 
     @property
     def alloc_id(self) -> int:

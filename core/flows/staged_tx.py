@@ -1,12 +1,14 @@
-"""Prefill side of the staged flows (``ring``, ``pinned``): one ledger entry per chunk.
+"""Prefill side of the staged flows (``ring``, ``pinned``): one ledger entry per lane.
 
-A staged chunk goes ASKING (StagingReq sent to every decode rank it writes to) -> GRANTED (every
-StagingRsp in) -> GATHERING (the worker gathered its heads into a staging buffer it owns) ->
-WRITING (one WRITE per decode rank, from the buffer into decode's ring or pinned region) ->
-LANDED (every write DONE: the buffer is free again). The room machine (``core.sender``) asks
-the ledger whether the head chunk can start (``blocker``), starts it, and hears back only that a
-chunk landed or failed. Sizes and offsets come from ``core.staging_layout.staged_map``, the same
-function decode uses for its scatter, so both sides agree on every staging byte.
+A *lane* is one chunk of one room going to one decode rank. Lanes are independent on purpose:
+a chunk that a prefill rank sends to two decode rings must not wait for both rings at once (two
+decode ranks may order their allocations differently, and a chunk holding space on one while
+waiting on the other deadlocks against a chunk doing the reverse). A lane goes ASKING
+(StagingReq sent, resent until answered) -> GRANTED -> GATHERING (its heads gathered into a
+staging slot it now owns: its worker's private buffer, or a pinned reservation) -> WRITING (one
+WRITE into decode's ring or pinned region) -> LANDED (the slot is free again). A lane holds a
+slot only while gathering and writing, which never wait on anything, so the oldest allocation
+on every decode rank can always be written: that is the progress argument of the ring.
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ from typing import Any
 
 from kvferry.core import messages as m
 from kvferry.core.flows.machine import Step
-from kvferry.core.flows.policy import Flow, staging_format
+from kvferry.core.flows.policy import Flow
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.planner import find_link
-from kvferry.core.staging_layout import StagingFormat, StagingMap, staged_map
 
-__all__ = ["TX_TABLE", "TxChunk", "TxIn", "TxState", "decode_alloc_bytes", "writer_bytes"]
+__all__ = ["TX_TABLE", "TxIn", "TxLane", "TxState", "decode_alloc_bytes", "writer_bytes"]
 
 
 class TxState(Enum):
@@ -39,88 +40,96 @@ class TxIn(Enum):
     WRITTEN = "written"
 
 
-class TxChunk:
-    """One staged chunk of one room on one prefill rank."""
+class TxLane:
+    """One staged chunk of one room to one decode rank, on one prefill rank."""
 
     __slots__ = (
-        "asked",
-        "blocks",
+        "accepted",
         "buffer",
         "flow",
-        "grants",
+        "grant",
+        "head_start",
         "index",
         "is_last",
+        "length",
+        "num_heads",
         "op_id",
+        "src_offset",
         "state",
-        "targets",
+        "target",
         "token_end",
         "token_start",
-        "writes",
+        "write_id",
     )
 
     def __init__(
-        self, index: int, token_start: int, token_end: int, flow: Flow, targets: tuple[m.Endpoint, ...]
-    ):
+        self,
+        index: int,
+        target: m.Endpoint,
+        token_start: int,
+        token_end: int,
+        flow: Flow,
+        head_start: int,
+        num_heads: int,
+    ) -> None:
         self.index = index
+        self.target = target
         self.token_start = token_start
         self.token_end = token_end
         self.flow = flow
-        self.targets = targets
+        self.head_start = head_start
+        self.num_heads = num_heads
         self.state = TxState.ASKING
-        self.grants: dict[m.Endpoint, m.StagingRsp] = {}
-        self.asked: set[m.Endpoint] = set()
-        self.buffer: tuple[str, int] | None = None  # ("worker", shard) or ("pinned", reservation id)
-        self.op_id = -1
+        self.grant: m.StagingRsp | None = None
+        self.accepted = False  # the worker handed the chunk over (its bounds are checked)
         self.is_last = False
-        self.writes: set[int] = set()
-        self.blocks: dict[m.Endpoint, tuple[int, int]] = {}  # decode rank -> (buffer offset, length)
+        self.buffer: tuple[str, int] | None = None  # ("slot", shard) or ("pinned", reservation id)
+        self.op_id = -1
+        self.write_id = -1
+        self.src_offset = 0
+        self.length = 0
 
     @property
-    def ungranted(self) -> list[m.Endpoint]:
-        return [p for p in self.targets if p not in self.grants]
+    def key(self) -> tuple[int, m.Endpoint]:
+        return (self.index, self.target)
 
 
-def _grant(ch: TxChunk, rsp: m.StagingRsp) -> str:
-    if rsp.src in ch.grants:
-        return "duplicate"
-    ch.grants[rsp.src] = rsp
-    return "more" if ch.ungranted else "all"
+def _grant(lane: TxLane, rsp: m.StagingRsp) -> str:
+    lane.grant = rsp
+    return "granted"
 
 
-def _duplicate_grant(ch: TxChunk, rsp: m.StagingRsp) -> str:
+def _again(lane: TxLane, rsp: m.StagingRsp) -> str:
     return "duplicate"
 
 
-def _start(ch: TxChunk, op_id: int, buffer: tuple[str, int]) -> str:
-    ch.op_id, ch.buffer = op_id, buffer
+def _start(lane: TxLane, op_id: int, buffer: tuple[str, int], src_offset: int, length: int) -> str:
+    lane.op_id, lane.buffer, lane.src_offset, lane.length = op_id, buffer, src_offset, length
     return "started"
 
 
-def _gathered(ch: TxChunk, write_ids: tuple[int, ...]) -> str:
-    ch.writes.update(write_ids)
-    return "writing" if write_ids else "landed"
+def _gathered(lane: TxLane, write_id: int) -> str:
+    lane.write_id = write_id
+    return "writing"
 
 
-def _written(ch: TxChunk, write_id: int) -> str:
-    ch.writes.discard(write_id)
-    return "more" if ch.writes else "landed"
+def _written(lane: TxLane) -> str:
+    return "landed"
 
 
 _A, _G, _GA, _W, _L = TxState.ASKING, TxState.GRANTED, TxState.GATHERING, TxState.WRITING, TxState.LANDED
-_DUP = Step(_duplicate_grant, {"duplicate": _G})
+
+
+def _dup(state: TxState) -> Step:
+    return Step(_again, {"duplicate": state})
+
 
 TX_TABLE: dict[TxState, dict[TxIn, Step]] = {
-    _A: {TxIn.GRANT: Step(_grant, {"more": _A, "all": _G, "duplicate": _A})},
-    _G: {TxIn.GRANT: _DUP, TxIn.START: Step(_start, {"started": _GA})},
-    _GA: {
-        TxIn.GRANT: Step(_duplicate_grant, {"duplicate": _GA}),
-        TxIn.GATHERED: Step(_gathered, {"writing": _W, "landed": _L}),
-    },
-    _W: {
-        TxIn.GRANT: Step(_duplicate_grant, {"duplicate": _W}),
-        TxIn.WRITTEN: Step(_written, {"more": _W, "landed": _L}),
-    },
-    _L: {TxIn.GRANT: Step(_duplicate_grant, {"duplicate": _L})},
+    _A: {TxIn.GRANT: Step(_grant, {"granted": _G})},
+    _G: {TxIn.GRANT: _dup(_G), TxIn.START: Step(_start, {"started": _GA})},
+    _GA: {TxIn.GRANT: _dup(_GA), TxIn.GATHERED: Step(_gathered, {"writing": _W})},
+    _W: {TxIn.GRANT: _dup(_W), TxIn.WRITTEN: Step(_written, {"landed": _L})},
+    _L: {TxIn.GRANT: _dup(_L)},
 }
 
 
@@ -139,35 +148,9 @@ def decode_alloc_bytes(dst: PoolGeometry, tokens: int) -> int:
     return dst.model.num_regions * tokens * dst.heads_per_rank * dst.head_bytes
 
 
-def gather_bytes(flow: Flow, src: PoolGeometry, dsts: list[PoolGeometry], tokens: int) -> int:
-    """Prefill staging a chunk needs: one block per decode rank (ring) or the rank's head-major
-    buffer (pinned)."""
-    if flow is Flow.RING:
-        return sum(writer_bytes(src, d, tokens) for d in dsts)
-    return src.model.num_regions * tokens * src.heads_per_rank * src.head_bytes
+def lane_heads(src: PoolGeometry, dst: PoolGeometry) -> tuple[int, int]:
+    link = find_link(src, dst)
+    return (link.head_start, link.num_heads) if link else (0, 0)
 
 
-def gather_plan(
-    flow: Flow,
-    src: PoolGeometry,
-    src_pages: Any,
-    dsts: list[tuple[m.Endpoint, PoolGeometry]],
-    token_start: int,
-    token_end: int,
-    base: int,
-) -> tuple[list[StagingMap], dict[m.Endpoint, tuple[int, int]]]:
-    """The gather maps of a chunk and, per decode rank, the (source offset, length) of its WRITE."""
-    fmt = staging_format(flow)
-    maps: list[StagingMap] = []
-    blocks: dict[m.Endpoint, tuple[int, int]] = {}
-    offset = base
-    for peer, dst in dsts:
-        link = find_link(src, dst)
-        if link is None or link.num_heads == 0:
-            continue
-        block = offset if fmt is StagingFormat.LAYER_MAJOR else base
-        smap = staged_map(src, src_pages, link.head_start, link.num_heads, token_start, token_end, fmt, block)
-        maps.append(smap)
-        blocks[peer] = (smap.staging_base, smap.nbytes)
-        offset += smap.nbytes
-    return maps, blocks
+Lanes = dict[tuple[int, m.Endpoint], Any]

@@ -255,9 +255,13 @@ def register(app: typer.Typer) -> None:
         seed: Annotated[int | None, typer.Option(help="Override the file's seed.")] = None,
         trace: Annotated[Path | None, typer.Option(help="Write a Chrome/Perfetto trace (JSON) here.")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+        flow: Annotated[
+            str | None,
+            typer.Option(help="Run every room with this flow: policy, direct, ring, pinned or mixed."),
+        ] = None,
     ) -> None:
         """Run one scenario and report per-room outcomes, latencies, bytes and the invariant verdict."""
-        _run_and_report(scenario=scenario, seed=seed, trace=trace, as_json=as_json)
+        _run_and_report(scenario=scenario, seed=seed, trace=trace, as_json=as_json, flow=flow)
 
     @app.command("demo")
     def demo(
@@ -270,7 +274,12 @@ def register(app: typer.Typer) -> None:
 
 
 def _run_and_report(
-    scenario: Path | None, seed: int | None, trace: Path | None, as_json: bool, demo: bool = False
+    scenario: Path | None,
+    seed: int | None,
+    trace: Path | None,
+    as_json: bool,
+    demo: bool = False,
+    flow: str | None = None,
 ) -> None:
     import tomllib
 
@@ -282,6 +291,8 @@ def _run_and_report(
 
     try:
         s = sc.parse(tomllib.loads(DEMO_TOML), where="demo") if demo else sc.load(scenario)  # type: ignore[arg-type]
+        if flow is not None:
+            s = sc.with_flow(s, flow)
     except sc.ScenarioError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -1,0 +1,89 @@
+"""Planted bugs of the staged flows, for proving that the campaign's checks can fail.
+
+Each is a subclass overriding one small method of the real engines or allocators, selected by a
+scenario's ``hooks`` (tests only). What each one breaks, and what should catch it:
+
+- ``ring_keeps_old_head``: an emptied ring keeps its head instead of restarting at 0 in a new
+  round (the upstream bug): a producer waits forever on a stale watermark (liveness, success).
+- ``drop_early_staging_req``: a StagingReq for a room decode has not opened yet is dropped
+  instead of held: the chunk waits for the resend (fault-free runs must never resend).
+- ``shared_staging_buffer``: every prefill worker gathers into worker 0's buffer (bytes).
+- ``free_staging_before_scatter``: decode frees a chunk's staging space when the scatter starts,
+  not when it ends: another chunk's write lands in it before the scatter read it (bytes).
+- ``leak_failed_room_staging``: a failed room's staging space is never reclaimed (tables_empty,
+  and the ring wedges).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvferry.core import messages as m
+from kvferry.core.flows.regions import worker_region
+from kvferry.core.receiver import ReceiverEngine
+from kvferry.core.resources import StagingRing
+from kvferry.core.sender import SenderEngine
+
+__all__ = ["receiver_class", "sender_class"]
+
+
+class _StaleHeadRing(StagingRing):
+    def _restart(self) -> None:
+        pass
+
+
+class _StaleHeadReceiver(ReceiverEngine):
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        if self.ring is not None:
+            self.ring = _StaleHeadRing(self.ring.capacity, self.ring.align)
+
+
+class _DropEarlyReceiver(ReceiverEngine):
+    def _on_staging_req(self, req: m.StagingReq) -> None:
+        r = self.rooms.get(req.room)
+        if r is None or r.tid != req.transfer_id:
+            self.counters["planted_dropped_staging_req"] += 1
+            return
+        super()._on_staging_req(req)
+
+
+class _EarlyFreeReceiver(ReceiverEngine):
+    def _start_scatter(self, r: Any, ch: Any) -> None:
+        super()._start_scatter(r, ch)
+        self._free_alloc(ch)
+        self._space_freed()
+
+    def _free_alloc(self, ch: Any) -> None:
+        res = self.ring if ch.alloc.__class__.__name__ == "RingSlot" else self.pinned
+        if res is not None and ch.alloc_id in res.live:
+            super()._free_alloc(ch)
+
+
+class _LeakyReceiver(ReceiverEngine):
+    def _reclaim(self, r: Any) -> None:
+        pass
+
+
+class _SharedBufferSender(SenderEngine):
+    def _buffer_region(self, buffer: tuple[str, int]) -> int:
+        return worker_region(0) if buffer[0] == "worker" else super()._buffer_region(buffer)
+
+
+_RECEIVERS = {
+    "ring_keeps_old_head": _StaleHeadReceiver,
+    "drop_early_staging_req": _DropEarlyReceiver,
+    "free_staging_before_scatter": _EarlyFreeReceiver,
+    "leak_failed_room_staging": _LeakyReceiver,
+}
+
+
+def sender_class(hooks: frozenset[str]) -> type[SenderEngine]:
+    return _SharedBufferSender if "shared_staging_buffer" in hooks else SenderEngine
+
+
+def receiver_class(hooks: frozenset[str]) -> type[ReceiverEngine]:
+    picked = [cls for hook, cls in _RECEIVERS.items() if hook in hooks]
+    if len(picked) > 1:
+        raise ValueError(f"one planted decode bug at a time, got {sorted(hooks)}")
+    return picked[0] if picked else ReceiverEngine
