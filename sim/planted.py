@@ -4,7 +4,8 @@ Each is a subclass overriding one small method of the real engines or allocators
 scenario's ``hooks`` (tests only). What each one breaks, and what should catch it:
 
 - ``ring_keeps_old_head``: an emptied ring keeps its head instead of restarting at 0 in a new
-  round (the upstream bug): a producer waits forever on a stale watermark (liveness, success).
+  round, and the watermark is a tail moved only by frees (the upstream ring): after "free
+  [0, 60) of 100, assign 70" the writer waits on (round, 60) forever (fault_free, liveness).
 - ``drop_early_staging_req``: a StagingReq for a room decode has not opened yet is dropped
   instead of held: the chunk waits for the resend (fault-free runs must never resend).
 - ``shared_staging_buffer``: every prefill worker gathers into worker 0's buffer (bytes).
@@ -21,22 +22,36 @@ from typing import Any
 from kvferry.core import messages as m
 from kvferry.core.flows.regions import worker_region
 from kvferry.core.receiver import ReceiverEngine
-from kvferry.core.resources import StagingRing
+from kvferry.core.resources import StagingRing, Watermark
 from kvferry.core.sender import SenderEngine
 
 __all__ = ["receiver_class", "sender_class"]
 
 
-class _StaleHeadRing(StagingRing):
+class _StaleTailRing(StagingRing):
+    """The upstream ring: the watermark is a tail pointer updated only when an allocation is
+    freed, and an emptied ring keeps its old head (no new round)."""
+
+    def __init__(self, capacity: int, align: int = 1) -> None:
+        super().__init__(capacity, align)
+        self._tail = Watermark(0, 0)
+
     def _restart(self) -> None:
         pass
+
+    def free(self, alloc_id: int) -> None:
+        super().free(alloc_id)
+        self._tail = super().watermark()
+
+    def watermark(self) -> Watermark:
+        return self._tail
 
 
 class _StaleHeadReceiver(ReceiverEngine):
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         if self.ring is not None:
-            self.ring = _StaleHeadRing(self.ring.capacity, self.ring.align)
+            self.ring = _StaleTailRing(self.ring.capacity, self.ring.align)
 
 
 class _DropEarlyReceiver(ReceiverEngine):
@@ -67,7 +82,7 @@ class _LeakyReceiver(ReceiverEngine):
 
 class _SharedBufferSender(SenderEngine):
     def _buffer_region(self, buffer: tuple[str, int]) -> int:
-        return worker_region(0) if buffer[0] == "worker" else super()._buffer_region(buffer)
+        return worker_region(0) if buffer[0] == "slot" else super()._buffer_region(buffer)
 
 
 _RECEIVERS = {

@@ -76,6 +76,9 @@ class RoomSpec:
     arrival_us: int
     chunks: tuple[int, ...] = ()  # explicit chunk lengths; empty: split by workload.chunk_tokens
     prefill_delay_us: int = 0  # prefill compute starts this long after decode allocates
+    # Decode allocates this long after prefill opened the room (decode short of memory): prefill
+    # then asks for staging space before decode knows the room.
+    decode_lag_us: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,7 @@ class Workload:
     arrival_mean_us: int = 100
     # Time to "compute" one chunk on prefill (forward pass), per token.
     compute_ns_per_token: int = 200
+    decode_lag_us_max: int = 0  # each drawn room's decode_lag_us is uniform in [0, this]
     explicit: tuple[RoomSpec, ...] = ()
 
 
@@ -166,6 +170,7 @@ class Checks:
     conservation: bool = True
     tables_empty: bool = True
     fault_free: bool = True
+    ring_progress: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +341,7 @@ def _fabric(r: _Reader) -> tuple[str, FabricSpec]:
         launch_ns=r.int("kernel_launch_ns", k.launch_ns),
         gpu_bps=int(r.float("gpu_copy_gbps", k.gpu_bps / 1e9, lo=0.001) * 1e9),
         pinned_bps=int(r.float("pinned_copy_gbps", k.pinned_bps / 1e9, lo=0.001) * 1e9),
+        busy_mean_ns=r.int("kernel_busy_mean_ns", k.busy_mean_ns),
     )
     return profile, FabricSpec(
         nic=nic, control=control, kernel=kernel, prepped=r.bool("prepped", base.prepped)
@@ -397,7 +403,15 @@ def _workload(r: _Reader, topo: Topology) -> Workload:
             raise ScenarioError(f"{rr.where}.chunks: expected positive integers, got {chunks!r}")
         if chunks and sum(chunks) != tokens:
             raise ScenarioError(f"{rr.where}.chunks: lengths sum to {sum(chunks)}, room has {tokens} tokens")
-        rooms.append(RoomSpec(tokens, rr.int("arrival_us", 0), tuple(chunks), rr.int("prefill_delay_us", 0)))
+        rooms.append(
+            RoomSpec(
+                tokens,
+                rr.int("arrival_us", 0),
+                tuple(chunks),
+                rr.int("prefill_delay_us", 0),
+                rr.int("decode_lag_us", 0),
+            )
+        )
     w = Workload(
         rooms=r.int("rooms", len(rooms) if rooms else d.rooms, lo=0, hi=1_000_000),
         tokens_min=r.int("tokens_min", d.tokens_min, lo=1),
@@ -405,6 +419,7 @@ def _workload(r: _Reader, topo: Topology) -> Workload:
         chunk_tokens=r.int("chunk_tokens", d.chunk_tokens, lo=0),
         arrival_mean_us=r.int("arrival_mean_us", d.arrival_mean_us),
         compute_ns_per_token=r.int("compute_ns_per_token", d.compute_ns_per_token),
+        decode_lag_us_max=r.int("decode_lag_us_max", d.decode_lag_us_max, hi=10_000_000),
         explicit=tuple(rooms),
     )
     if rooms and w.rooms != len(rooms):
@@ -519,6 +534,7 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
                 "control_latency_ns",
                 "control_jitter_ns",
                 "kernel_launch_ns",
+                "kernel_busy_mean_ns",
                 "gpu_copy_gbps",
                 "pinned_copy_gbps",
                 "prepped",
@@ -648,6 +664,7 @@ def dump(s: Scenario) -> str:
             "control_latency_ns": c.latency_ns,
             "control_jitter_ns": c.jitter_ns,
             "kernel_launch_ns": s.fabric.kernel.launch_ns,
+            "kernel_busy_mean_ns": s.fabric.kernel.busy_mean_ns,
             "gpu_copy_gbps": s.fabric.kernel.gpu_bps / 1e9,
             "pinned_copy_gbps": s.fabric.kernel.pinned_bps / 1e9,
             "prepped": s.fabric.prepped,
@@ -664,6 +681,7 @@ def dump(s: Scenario) -> str:
                 "arrival_us": room.arrival_us,
                 "chunks": room.chunks,
                 "prefill_delay_us": room.prefill_delay_us,
+                "decode_lag_us": room.decode_lag_us,
             },
         )
     f = s.faults

@@ -28,8 +28,10 @@ from kvferry.core.errors import WireError
 from kvferry.core.events import AbortRoom, ChunkReady, ReceiverOpen, ReleaseRoom, SenderOpen
 from kvferry.core.flows import Flow, FlowPolicy
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, is_staging_region, worker_region
+from kvferry.core.flows.staged_tx import TxState
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control, decode_note
+from kvferry.core.resources import writable
 from kvferry.core.topology import receiver_endpoints, sender_specs
 from kvferry.sim import pattern, planted
 from kvferry.sim.chaos import Chaos
@@ -206,6 +208,7 @@ class World(Chaos):
             )
             engine = planted.receiver_class(self.hooks)(tr.registration(), timeouts=self.timeouts)
             workers = 0
+        tr.kernel_rng = self.streams[f"kernels.{node}"]
         self.ranks[node] = SimRank(self.env, self.fabric, tr, engine, self, workers, self.trace.record)
 
     def room_flow(self, req: Request) -> str | None:
@@ -243,6 +246,14 @@ class World(Chaos):
                     prefill_delay_us=rng.randrange(0, 50),
                 )
             )
+        if w.decode_lag_us_max:
+            lag_rng = self.streams["workload.decode_lag"]
+            specs = [
+                replace(x, decode_lag_us=lag_rng.randint(0, w.decode_lag_us_max))
+                if i >= len(w.explicit)
+                else x
+                for i, x in enumerate(specs)
+            ]
         used: set[int] = set()
         abort_rng = self.streams["faults.abort"]
         for key, spec in enumerate(specs):
@@ -315,43 +326,16 @@ class World(Chaos):
         )
         req.opened = True
         req.flow = self.room_flow(req)
-        for d in range(self.D):
-            node = f"decode{d}"
-            rank = self.ranks[node]
-            req.inc[node] = rank.incarnation
-            if rank.dead:
-                self._mark(req, node, KVPoll.Failed, "node down at open")
-                continue
-            rank.feed(
-                ReceiverOpen(
-                    room=req.room,
-                    transfer_id=req.tid,
-                    dst_pages=req.dec_pages,
-                    num_tokens=req.spec.tokens,
-                    aux_index=int(req.dec_aux[0]),
-                    senders=self._senders[d],
-                )
-            )
-        if req.spec.prefill_delay_us:
-            yield env.timeout(req.spec.prefill_delay_us * US)
-        aux_row = np.frombuffer(encode_aux_room(req.room), dtype=np.uint8)
-        for p in range(self.P):
-            node = f"prefill{p}"
-            rank = self.ranks[node]
-            req.inc[node] = rank.incarnation
-            if rank.dead:
-                self._mark(req, node, KVPoll.Failed, "node down at open")
-                continue
-            rank.transport.aux_row(int(req.pre_aux[0]))[: aux_row.size] = aux_row
-            rank.feed(
-                SenderOpen(
-                    room=req.room,
-                    transfer_id=req.tid,
-                    aux_index=int(req.pre_aux[0]),
-                    receivers=self._receivers[p],
-                    flow=req.flow,
-                )
-            )
+        if req.spec.decode_lag_us:
+            # Decode allocates late: prefill opens and computes first (staging requests arrive
+            # before decode knows the room and must be held there).
+            self._open_prefill(req)
+            env.process(self._open_decode_later(req, req.spec.decode_lag_us * US))
+        else:
+            self._open_decode(req)
+            if req.spec.prefill_delay_us:
+                yield env.timeout(req.spec.prefill_delay_us * US)
+            self._open_prefill(req)
         self._check_side(req, "decode")
         self._check_side(req, "prefill")
         start = 0
@@ -376,6 +360,50 @@ class World(Chaos):
                 )
             start = end
 
+    def _open_decode(self, req: Request) -> None:
+        for d in range(self.D):
+            node = f"decode{d}"
+            rank = self.ranks[node]
+            req.inc[node] = rank.incarnation
+            if rank.dead:
+                self._mark(req, node, KVPoll.Failed, "node down at open")
+                continue
+            rank.feed(
+                ReceiverOpen(
+                    room=req.room,
+                    transfer_id=req.tid,
+                    dst_pages=req.dec_pages,
+                    num_tokens=req.spec.tokens,
+                    aux_index=int(req.dec_aux[0]),
+                    senders=self._senders[d],
+                )
+            )
+
+    def _open_decode_later(self, req: Request, lag_ns: int):  # type: ignore[no-untyped-def]
+        yield self.env.timeout(lag_ns)
+        self._open_decode(req)
+        self._check_side(req, "decode")
+
+    def _open_prefill(self, req: Request) -> None:
+        aux_row = np.frombuffer(encode_aux_room(req.room), dtype=np.uint8)
+        for p in range(self.P):
+            node = f"prefill{p}"
+            rank = self.ranks[node]
+            req.inc[node] = rank.incarnation
+            if rank.dead:
+                self._mark(req, node, KVPoll.Failed, "node down at open")
+                continue
+            rank.transport.aux_row(int(req.pre_aux[0]))[: aux_row.size] = aux_row
+            rank.feed(
+                SenderOpen(
+                    room=req.room,
+                    transfer_id=req.tid,
+                    aux_index=int(req.pre_aux[0]),
+                    receivers=self._receivers[p],
+                    flow=req.flow,
+                )
+            )
+
     # --------------------------------------------------------------------------- sink (from ranks)
     def status(self, rank: SimRank, cmd: StatusChanged) -> None:
         req = self.by_room.get(cmd.room)
@@ -386,6 +414,8 @@ class World(Chaos):
         self._later(lambda: self._mark(req, rank.node, cmd.status, cmd.reason, rank.incarnation))
 
     def after_pump(self, rank: SimRank) -> None:
+        if rank.node.startswith("prefill") and rank.engine.stalled and self.scenario.checks.ring_progress:
+            self._check_ring_progress(rank)
         if self.awaiting_prefill and rank.node.startswith("prefill"):
             for key in sorted(self.awaiting_prefill):
                 self._maybe_free_prefill(self.requests[key])
@@ -572,6 +602,37 @@ class World(Chaos):
             self.violate(
                 "ownership", f"write of room {key} from {x.src} landed in {who} on {x.dst}{why}", req
             )
+
+    def _check_ring_progress(self, rank: SimRank) -> None:
+        """A producer waiting on a watermark resumes once the consumer drains: a lane whose slot
+        is the oldest live one of its decode ring, and that has heard that ring's current
+        watermark, must be writable. A lane blocked there is a wedge (the upstream stale tail)."""
+        eng = rank.engine
+        for room in sorted(eng.stalled):
+            r = eng.rooms.get(room)
+            if r is None:
+                continue
+            for lane in r.lanes.values():
+                if not lane.accepted or lane.state is not TxState.GRANTED or lane.flow is not Flow.RING:
+                    continue
+                dec = self.ranks.get(f"decode{lane.target.rank}")
+                if dec is None or dec.dead or dec.engine.ring is None:
+                    continue
+                ring = dec.engine.ring
+                oldest = next(iter(ring.live.values()), None)
+                g = lane.grant
+                heard = eng.peer_wm.get((lane.target, "ring"))
+                if oldest is None or g is None or oldest.alloc_id != g.alloc_id or heard != ring.watermark():
+                    continue
+                if not writable(oldest, heard):
+                    req = self.by_room.get(room)
+                    self.violate(
+                        "ring_progress",
+                        f"{rank.node} room {req.key if req else room} chunk {lane.index}: the oldest slot "
+                        f"of {lane.target}'s ring (round {oldest.round}, [{oldest.offset}, {oldest.end})) is "
+                        f"not writable under the ring's own watermark {tuple(heard)}",
+                        req,
+                    )
 
     def _check_staged_land(self, x: Xfer, req: Request | None) -> None:
         """A staged write lands only inside a live allocation its own room holds there."""

@@ -68,10 +68,14 @@ class KernelSpec:
     launch_ns: int = 140_000
     gpu_bps: int = 1_440_000_000_000
     pinned_bps: int = 51_000_000_000
+    # Kernels of one node run one after another on its stream; a GPU also runs the model, so a
+    # kernel may first wait for the step in progress: an exponential wait of this mean (0: an
+    # idle GPU, the assumption of the H100 table; a decode step is tens of ms in practice).
+    busy_mean_ns: int = 0
 
     def validate(self) -> None:
-        if self.launch_ns < 0:
-            raise ValueError("kernel.launch_ns must be >= 0")
+        if self.launch_ns < 0 or self.busy_mean_ns < 0:
+            raise ValueError("kernel.launch_ns and kernel.busy_mean_ns must be >= 0")
         if self.gpu_bps <= 0 or self.pinned_bps <= 0:
             raise ValueError("kernel copy rates must be positive")
 

@@ -80,6 +80,8 @@ class SimTransport:
         self._staging: dict[int, int] = {}
         self.copies: dict[int, XferState] = {}
         self._next_copy = 1
+        self._stream_free_at = 0  # this node's kernels run one after another
+        self.kernel_rng: Any = None  # a named random stream for the GPU's busy waits (world sets it)
 
     # --- identity and local memory ---------------------------------------------------------------
     @property
@@ -273,8 +275,14 @@ class SimTransport:
         cid = self._next_copy
         self._next_copy += 1
         self.copies[cid] = XferState.PROC
-        cost = self.fabric.spec.kernel.cost_ns(map_bytes(maps), pinned=staging_region == PINNED_REGION)
-        ev = self.fabric.env.timeout(cost)
+        k = self.fabric.spec.kernel
+        now = int(self.fabric.env.now)
+        busy = 0
+        if k.busy_mean_ns and self.kernel_rng is not None:
+            busy = int(self.kernel_rng.expovariate(1.0 / k.busy_mean_ns))
+        start = max(now + busy, self._stream_free_at)
+        self._stream_free_at = start + k.cost_ns(map_bytes(maps), pinned=staging_region == PINNED_REGION)
+        ev = self.fabric.env.timeout(self._stream_free_at - now)
         ev.callbacks.append(lambda _e: self._copy_done(cid, kind, staging_region, tuple(maps)))
         return cid
 

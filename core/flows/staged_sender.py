@@ -208,7 +208,9 @@ class StagedSender:
         for key, lane in sorted(r.lanes.items()):
             if lane.state is TxState.ASKING and r.asked.get(key) and lane.target in self.peers:
                 pending = True
-                self.counters["staging_req_resent"] += 1
+                # Per flow: a ring answers at once, so a ring resend means a lost message; a full
+                # pinned pool answers only when space frees, so pinned resends are routine.
+                self.counters[f"staging_req_resent_{lane.flow.value}"] += 1
                 self._send(lane.target, self._staging_req(r, lane))
         if pending:
             self.deadlines.set(("stg", r.room), self._now + self.timeouts.heartbeat_interval_ns)
