@@ -19,6 +19,8 @@ from kvferry.sim.rng import Streams
 from kvferry.sim.scenario import US, FaultEvent, Faults, Scenario
 
 CALM_SHARE = 0.1
+CALM_STRETCH = 10
+_STRETCHED = ("bootstrap_ns", "waiting_ns", "transfer_ns", "fence_ns", "tombstone_ns")
 
 
 def draw_personality(s: Scenario, streams: Streams) -> Scenario:
@@ -33,8 +35,12 @@ def draw_personality(s: Scenario, streams: Streams) -> Scenario:
     if streams["swarm.calm"].random() < CALM_SHARE:
         # A calm seed: nothing injected beyond what the base scenario sets. Most hours in
         # production look like this, and only such runs can hold the core to "every room
-        # succeeds" and "nothing is ever resent" (checker: fault_free).
-        return replace(s, faults=replace(f, swarm=False))
+        # succeeds" and "nothing is ever resent" (checker: fault_free). Its deadlines are
+        # stretched so that queueing under a drawn overload is not mistaken for a wedge: a room
+        # that waits forever then shows as a liveness violation instead of a timeout.
+        t = s.timeouts
+        stretched = replace(t, **{n: getattr(t, n) * CALM_STRETCH for n in _STRETCHED})
+        return replace(s, faults=replace(f, swarm=False), timeouts=stretched)
     rng = streams["swarm"]
     window = s.phases.fault_window_us
 

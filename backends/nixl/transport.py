@@ -353,6 +353,21 @@ class NixlTransport:
     def drain_notifs(self) -> list[bytes]:
         return [payload for _, payload in self.agent.notifs()]
 
+    # Gather/scatter of the staged flows. This backend registers no staging memory yet (its
+    # Register offers no ring and no pinned pool), so the flow policy never picks a staged flow
+    # for it; a peer that forces one gets this refusal, which fails only that room.
+    def post_copy(self, kind: str, staging_region: int, maps: Any) -> Any:
+        raise DescriptorError(
+            f"{kind} into staging region {staging_region}: this NIXL endpoint registered no staging "
+            "memory (staged flows run in the simulator; the real backend's executors are not built yet)"
+        )
+
+    def check_copy(self, handle: Any) -> XferState:
+        raise DescriptorError(f"unknown copy handle {handle!r}")
+
+    def release_copy(self, handle: Any) -> None:
+        return None
+
     def read_aux_room(self, aux_index: int) -> int:
         if not 0 <= aux_index < self.aux_rows:
             raise DescriptorError(f"aux row {aux_index} out of range ({self.aux_rows} rows)")

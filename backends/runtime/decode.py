@@ -19,30 +19,17 @@ from kvferry.backends.driver import Driver
 from kvferry.backends.nixl.memory import MemRegion
 from kvferry.backends.runtime.base import EndpointBase, RuntimeConfig, now_ns
 from kvferry.backends.runtime.loops import Loop
+from kvferry.core import topology
 from kvferry.core.events import AbortRoom, ReceiverOpen, ReleaseRoom, SenderSpec
-from kvferry.core.geometry import PoolGeometry, receivers_for, senders_for
+from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Endpoint
 from kvferry.core.receiver import ReceiverEngine
 
 
 def sender_specs(pool: PoolGeometry, prefill_server: str, prefill_tp: int) -> tuple[SenderSpec, ...]:
-    """The prefill ranks this decode rank pairs with; the first real sender carries the aux row."""
-    specs = []
-    aux_given = False
-    model, decode_tp = pool.model, pool.tp_size
-    for link in senders_for(model, prefill_tp, decode_tp, pool.tp_rank):
-        aux = not link.is_dummy and not aux_given
-        aux_given = aux_given or aux
-        specs.append(
-            SenderSpec(
-                endpoint=Endpoint(server=prefill_server, rank=link.prefill_rank),
-                dummy=link.is_dummy,
-                expected_infos=len(receivers_for(model, prefill_tp, decode_tp, link.prefill_rank)),
-                send_aux=aux,
-            )
-        )
-    return tuple(specs)
+    """The prefill ranks this decode rank pairs with (``core.topology``, the one copy of the rule)."""
+    return topology.sender_specs(pool.model, prefill_tp, pool.tp_size, pool.tp_rank, prefill_server)
 
 
 class DecodeEndpoint(EndpointBase):
