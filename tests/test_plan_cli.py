@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,6 +64,41 @@ def test_json_matches_the_planner(app: typer.Typer) -> None:
     assert report["dummies"] == []
 
 
+def test_flows_section_counts_what_the_flows_post(app: typer.Typer) -> None:
+    report = _json(app, *README_ARGS, "--tokens", "4096", "--chunk-tokens", "1000")
+    f = report["flows"]
+    assert f["policy_choice"] == "ring"  # TP 4 -> 2: heads differ
+    assert f["ring"]["chunks"] == f["pinned"]["chunks"] == 5  # 4 x 1000 + 96
+    assert f["ring"]["descriptors"] == f["pinned"]["descriptors"] == 4 * 5  # one WRITE per lane
+    assert f["direct"]["descriptors"] == report["descriptors"]
+    q = PRESETS["qwen3-8b"]
+    # A decode rank of TP 2 takes 4 of 8 heads for each of the 1000 tokens of the biggest chunk.
+    assert f["ring"]["decode_space_per_chunk_bytes"] == 1000 * q.token_bytes // 2
+    # Cross-check with the flows themselves: a staged room's lanes move exactly these bytes.
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import harness as H
+
+    w = H.World(
+        q,
+        4,
+        2,
+        num_pages=64,
+        page_size=16,
+        flow="ring",
+        ring_bytes=1 << 22,
+        pinned_bytes=0,
+        worker_buffer_bytes=1 << 22,
+        memory=False,
+    )
+    req = w.open_room(1, "t", 40, [40])
+    assert req is not None
+    for p in range(4):
+        w.chunk_ready(req, p)
+    w.flush()
+    lanes = [lane for r in w.prefill for room in r.engine.rooms.values() for lane in room.lanes.values()]
+    assert len(lanes) == 4 and all(lane.length == 40 * q.token_bytes // 4 for lane in lanes)
+
+
 def test_fragmented_is_seeded_and_costs_descriptors(app: typer.Typer) -> None:
     args = ("plan", "--model", "llama-3.1-70b", "--prefill-tp", "2", "--decode-tp", "2", "--tokens", "1000")
     dense = _json(app, *args)
@@ -76,13 +113,35 @@ def test_fragmented_is_seeded_and_costs_descriptors(app: typer.Typer) -> None:
 
 def test_separate_page_sizes_and_explicit_model(app: typer.Typer) -> None:
     report = _json(
-        app, "plan", "--layers", "3", "--kv-heads", "4", "--head-dim", "64", "--dtype", "fp8_e4m3",
-        "--prefill-tp", "1", "--decode-tp", "4", "--prefill-page-size", "1", "--decode-page-size", "64",
-        "--tokens", "100",
-    )  # fmt: skip
+        app,
+        "plan",
+        "--layers",
+        "3",
+        "--kv-heads",
+        "4",
+        "--head-dim",
+        "64",
+        "--dtype",
+        "fp8_e4m3",
+        "--prefill-tp",
+        "1",
+        "--decode-tp",
+        "4",
+        "--prefill-page-size",
+        "1",
+        "--decode-page-size",
+        "64",
+        "--tokens",
+        "100",
+    )
     assert report["model"] == {
-        "name": "custom", "layers": 3, "kv_heads": 4, "head_dim": 64, "dtype": "fp8_e4m3", "mla": False,
-    }  # fmt: skip
+        "name": "custom",
+        "layers": 3,
+        "kv_heads": 4,
+        "head_dim": 64,
+        "dtype": "fp8_e4m3",
+        "mla": False,
+    }
     assert (report["prefill_page_size"], report["decode_page_size"]) == (1, 64)
     assert report["total_bytes"] == 100 * 6 * 4 * 64
     assert len(report["pairs"]) == 4

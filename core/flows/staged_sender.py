@@ -32,7 +32,15 @@ from kvferry.core.errors import ProtocolError
 from kvferry.core.flows.machine import fire
 from kvferry.core.flows.policy import Flow, FlowPolicy, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
-from kvferry.core.flows.staged_tx import TX_TABLE, TxIn, TxLane, TxState, decode_alloc_bytes, lane_heads
+from kvferry.core.flows.staged_tx import (
+    TX_TABLE,
+    TxIn,
+    TxLane,
+    TxState,
+    decode_alloc_bytes,
+    lane_heads,
+    writer_bytes,
+)
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.proto_common import RoomFailure
 from kvferry.core.resources import PinnedPool, PinnedRefused, RingSlot, Watermark, writable
@@ -162,12 +170,7 @@ class StagedSender:
         return lane
 
     def _lane_bytes(self, lane: TxLane) -> int:
-        return (
-            self.pool.model.num_regions
-            * (lane.token_end - lane.token_start)
-            * lane.num_heads
-            * self.pool.head_bytes
-        )
+        return writer_bytes(self.pool, self.peers[lane.target].pool, lane.token_end - lane.token_start)
 
     def _slot_bytes(self, n_targets: int) -> int:
         return self.worker_buffer_bytes // max(1, n_targets)

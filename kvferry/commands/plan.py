@@ -10,6 +10,7 @@ import numpy as np
 import typer
 
 from kvferry.core.errors import KvferryError
+from kvferry.core.flows.summary import staged_summary
 from kvferry.core.geometry import PRESETS, DType, Layout, ModelGeometry, links, make_pools
 from kvferry.core.planner import RankPlan, plan_rank_pair
 from kvferry.core.staging_layout import StagingFormat, plan_staged_room
@@ -78,10 +79,13 @@ def make_report(
     decode_layout: Layout,
     fragmented: bool,
     seed: int,
+    chunk_tokens: int = 0,
 ) -> dict[str, Any]:
     """Everything ``kvferry plan`` prints, as plain JSON-able data (deterministic for a seed)."""
     if tokens < 1:
         raise typer.BadParameter("--tokens must be at least 1")
+    if chunk_tokens < 0:
+        raise typer.BadParameter(f"--chunk-tokens must be >= 0, got {chunk_tokens}")
     for side, ps in (("prefill", prefill_page_size), ("decode", decode_page_size)):
         if ps < 1:
             raise typer.BadParameter(f"{side} page_size must be at least 1, got {ps}")
@@ -97,6 +101,7 @@ def make_report(
         if not x.is_dummy
     ]
     staged = {fmt.value: plan_staged_room(src, dst, sp, dp, 0, tokens, fmt) for fmt in StagingFormat}
+    flows = staged_summary(src, dst, tokens, chunk_tokens)
     return {
         "model": {
             "name": model.name,
@@ -130,6 +135,16 @@ def make_report(
                 "max_decode_buffer_bytes": _max_decode_buffer(s),
             }
             for name, s in staged.items()
+        },
+        "flows": {
+            # Direct: the planner's count for the whole room (chunking splits runs, never merges).
+            "direct": {
+                "descriptors": sum(p["descriptors"] for p in pairs),
+                "chunks": flows["ring"]["chunks"],
+            },
+            "ring": flows["ring"],
+            "pinned": flows["pinned"],
+            "policy_choice": flows["policy_choice"],
         },
     }
 
@@ -205,6 +220,16 @@ def print_table(report: dict[str, Any]) -> None:
             f"buffers up to {_human(s['max_prefill_buffer_bytes'])} (prefill) / "
             f"{_human(s['max_decode_buffer_bytes'])} (decode)"
         )
+    f = report["flows"]
+    ring, pinned = f["ring"], f["pinned"]
+    console.print(
+        f"flows ({ring['chunks']} chunk(s)): direct {f['direct']['descriptors']:,} descriptors; "
+        f"ring {ring['descriptors']:,} (decode ring >= {_human(ring['decode_space_per_chunk_bytes'])} "
+        f"a chunk, prefill slots {_human(ring['prefill_space_per_chunk_bytes'])}); pinned "
+        f"{pinned['descriptors']:,} (decode pool >= {_human(pinned['decode_space_per_chunk_bytes'])} "
+        "a chunk); "
+        f"the default policy picks {f['policy_choice']}"
+    )
 
 
 def register(app: typer.Typer) -> None:
@@ -231,9 +256,12 @@ def register(app: typer.Typer) -> None:
         prefill_layout: Annotated[Layout, typer.Option(help="Prefill pool layout.")] = Layout.SGLANG_NHD,
         decode_layout: Annotated[Layout, typer.Option(help="Decode pool layout.")] = Layout.SGLANG_NHD,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+        chunk_tokens: Annotated[
+            int, typer.Option(help="Chunked prefill: tokens per chunk (0: the room is one chunk).")
+        ] = 0,
     ) -> None:
         """Plan one room's KV transfer: descriptors (merged and unmerged), bytes per rank pair,
-        and the descriptor counts of the two staged strategies."""
+        the staged layouts, and what each flow (direct, ring, pinned) posts and needs."""
         try:
             geometry = build_model(model, layers, kv_heads, head_dim, dtype, mla)
             report = make_report(
@@ -247,6 +275,7 @@ def register(app: typer.Typer) -> None:
                 decode_layout,
                 fragmented,
                 seed,
+                chunk_tokens,
             )
         except (KvferryError, typer.BadParameter) as exc:
             typer.echo(f"error: {exc}", err=True)
