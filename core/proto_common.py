@@ -38,7 +38,7 @@ class WrongSideError(ProtocolError):
 
 
 class Transition(msgspec.Struct, frozen=True):
-    handler: str
+    handler: Callable[..., None]  # the engine's handler itself (unbound): (engine, room, input, payload)
     targets: frozenset
 
 
@@ -123,7 +123,7 @@ class RoomEngine:
     A subclass sets ``TABLE`` (state -> input -> Transition), ``STATUS`` (state -> KVPoll) and
     ``FAILED`` (its absorbing state), and provides ``rooms``, ``tombstones``, ``deadlines``,
     ``counters``, ``_now``, ``_out``, ``_fail``, ``_entered`` and ``_maybe_finish``. Handlers are
-    methods named ``_h_<Transition.handler>``.
+    methods the table's ``Transition.handler`` entries point at.
     """
 
     TABLE: ClassVar[Mapping[Any, Mapping[Any, Transition]]]
@@ -202,7 +202,7 @@ class RoomEngine:
             self._fail(r, RoomFailure(f"{inp.value} not allowed while {before.value}", at_ns=self._now))
         else:
             try:
-                getattr(self, "_h_" + tr.handler)(r, inp, payload)
+                tr.handler(self, r, inp, payload)
             except Exception as exc:
                 # One room's exception fails that room only, type and message kept for the poller.
                 self.counters["room_exception"] += 1

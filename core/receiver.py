@@ -24,6 +24,7 @@ FailedAck, which stops the sender's resending.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -96,59 +97,6 @@ STATUS = {
 }
 
 _B, _W, _T, _S, _F = RState.BOOTSTRAPPING, RState.WAITING, RState.TRANSFERRING, RState.SUCCESS, RState.FAILED
-
-
-def _t(handler: str, *targets: RState) -> Transition:
-    return Transition(handler, frozenset(targets))
-
-
-_FAIL = _t("on_fail", _F)
-_LIVE_FAILURES = {
-    RIn.PEER_REFUSED: _FAIL,
-    RIn.PEER_FAILED: _FAIL,
-    RIn.ABORT_LOCAL: _FAIL,
-    RIn.TIMEOUT: _FAIL,
-    RIn.PEER_LOST: _FAIL,
-    # A sender confirms Stopped only after it failed: its RoomFailed was lost or is overtaken.
-    RIn.STOPPED: _FAIL,
-    RIn.COPY_FAILED: _FAIL,
-}
-
-RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
-    _B: {
-        **_LIVE_FAILURES,
-        RIn.PEER_READY: _t("on_peer_ready", _B, _W),
-        # A notification proves the sender has our registration even if its ack is still in flight.
-        RIn.NOTIFY: _t("on_notify", _T, _S),
-        RIn.STAGING_REQ: _t("on_staging_req", _B),
-    },
-    _W: {
-        **_LIVE_FAILURES,
-        RIn.PEER_READY: _t("on_peer_ready", _W),
-        RIn.NOTIFY: _t("on_notify", _T, _S),
-        RIn.STAGING_REQ: _t("on_staging_req", _W),
-    },
-    _T: {
-        **_LIVE_FAILURES,
-        RIn.PEER_READY: _t("on_peer_ready", _T),
-        RIn.NOTIFY: _t("on_notify", _T, _S),
-        RIn.AUX_CHECKED: _t("on_aux_checked", _T, _S),
-        RIn.STAGING_REQ: _t("on_staging_req", _T),
-        RIn.COPY_DONE: _t("on_copy_done", _T, _S),
-    },
-    _S: {
-        RIn.STAGING_REQ: _t("ignore", _S),
-        RIn.PEER_READY: _t("ignore", _S),
-        RIn.NOTIFY: _t("on_notify_after_success", _S),
-        RIn.AUX_CHECKED: _t("on_aux_checked", _S),
-        RIn.PEER_LOST: _t("ignore", _S),
-        RIn.STOPPED: _t("ignore", _S),  # the sender failed after our Success; its RoomFailed follows
-        RIn.PEER_FAILED: _FAIL,  # both sides must agree on the outcome
-        RIn.ABORT_LOCAL: _t("ignore", _S),  # every byte landed: nothing left to abort
-        RIn.RELEASE: _t("ignore", _S),
-    },
-    _F: {i: _t("on_failed_input", _F) for i in RIn},
-}
 
 
 class _SenderProgress:
@@ -227,7 +175,6 @@ class ReceiverEngine(RoomEngine):
     to every prefill rank it pairs with.
     """
 
-    TABLE = RECEIVER_TABLE
     STATUS = STATUS
     FAILED = RState.FAILED
 
@@ -1031,3 +978,63 @@ class ReceiverEngine(RoomEngine):
             r = self.rooms.get(room)
             if r is not None:
                 self._dispatch(r, RIn.PEER_LOST, peer)
+
+
+# --- the transition table (after the class: it holds the handlers themselves) --------------
+
+
+def _t(handler: Callable[..., None], *targets: RState) -> Transition:
+    return Transition(handler, frozenset(targets))
+
+
+_FAIL = _t(ReceiverEngine._h_on_fail, _F)
+_LIVE_FAILURES = {
+    RIn.PEER_REFUSED: _FAIL,
+    RIn.PEER_FAILED: _FAIL,
+    RIn.ABORT_LOCAL: _FAIL,
+    RIn.TIMEOUT: _FAIL,
+    RIn.PEER_LOST: _FAIL,
+    # A sender confirms Stopped only after it failed: its RoomFailed was lost or is overtaken.
+    RIn.STOPPED: _FAIL,
+    RIn.COPY_FAILED: _FAIL,
+}
+
+RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
+    _B: {
+        **_LIVE_FAILURES,
+        RIn.PEER_READY: _t(ReceiverEngine._h_on_peer_ready, _B, _W),
+        # A notification proves the sender has our registration even if its ack is still in flight.
+        RIn.NOTIFY: _t(ReceiverEngine._h_on_notify, _T, _S),
+        RIn.STAGING_REQ: _t(ReceiverEngine._h_on_staging_req, _B),
+    },
+    _W: {
+        **_LIVE_FAILURES,
+        RIn.PEER_READY: _t(ReceiverEngine._h_on_peer_ready, _W),
+        RIn.NOTIFY: _t(ReceiverEngine._h_on_notify, _T, _S),
+        RIn.STAGING_REQ: _t(ReceiverEngine._h_on_staging_req, _W),
+    },
+    _T: {
+        **_LIVE_FAILURES,
+        RIn.PEER_READY: _t(ReceiverEngine._h_on_peer_ready, _T),
+        RIn.NOTIFY: _t(ReceiverEngine._h_on_notify, _T, _S),
+        RIn.AUX_CHECKED: _t(ReceiverEngine._h_on_aux_checked, _T, _S),
+        RIn.STAGING_REQ: _t(ReceiverEngine._h_on_staging_req, _T),
+        RIn.COPY_DONE: _t(ReceiverEngine._h_on_copy_done, _T, _S),
+    },
+    _S: {
+        RIn.STAGING_REQ: _t(RoomEngine._h_ignore, _S),
+        RIn.PEER_READY: _t(RoomEngine._h_ignore, _S),
+        RIn.NOTIFY: _t(ReceiverEngine._h_on_notify_after_success, _S),
+        RIn.AUX_CHECKED: _t(ReceiverEngine._h_on_aux_checked, _S),
+        RIn.PEER_LOST: _t(RoomEngine._h_ignore, _S),
+        RIn.STOPPED: _t(
+            RoomEngine._h_ignore, _S
+        ),  # the sender failed after our Success; its RoomFailed follows
+        RIn.PEER_FAILED: _FAIL,  # both sides must agree on the outcome
+        RIn.ABORT_LOCAL: _t(RoomEngine._h_ignore, _S),  # every byte landed: nothing left to abort
+        RIn.RELEASE: _t(RoomEngine._h_ignore, _S),
+    },
+    _F: {i: _t(ReceiverEngine._h_on_failed_input, _F) for i in RIn},
+}
+
+ReceiverEngine.TABLE = RECEIVER_TABLE

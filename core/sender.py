@@ -102,62 +102,6 @@ STATUS = {
 _B, _W, _T, _S, _F = SState.BOOTSTRAPPING, SState.WAITING, SState.TRANSFERRING, SState.SUCCESS, SState.FAILED
 
 
-def _t(handler: str, *targets: SState) -> Transition:
-    return Transition(handler, frozenset(targets))
-
-
-_FAIL = _t("on_fail", _F)
-_LIVE_FAILURES = {
-    SIn.ABORT_LOCAL: _FAIL,
-    SIn.ABORT_PEER: _FAIL,
-    SIn.PEER_FAILED: _FAIL,
-    SIn.TIMEOUT: _FAIL,
-    SIn.PEER_LOST: _FAIL,
-}
-
-SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
-    _B: {
-        SIn.OPEN: _t("on_open", _B, _W),
-        SIn.INFO: _t("on_info", _B, _W),
-        SIn.PEER_READY: _t("on_peer_ready", _B, _W),
-        SIn.CHUNK: _t("on_chunk", _B),  # parked until WAITING: the worker never sees it early
-        SIn.STAGING_RSP: _t("on_staging_rsp", _B),  # space asked for ahead of the TransferInfos
-        **_LIVE_FAILURES,
-    },
-    _W: {
-        SIn.INFO: _t("on_info", _W),
-        SIn.PEER_READY: _t("on_peer_ready", _W),
-        SIn.CHUNK: _t("on_chunk", _W),
-        SIn.RUN_CHUNK: _t("on_run_chunk", _T, _S),
-        SIn.STAGING_RSP: _t("on_staging_rsp", _W),
-        **_LIVE_FAILURES,
-    },
-    _T: {
-        SIn.INFO: _t("on_info", _T),
-        SIn.PEER_READY: _t("on_peer_ready", _T),
-        SIn.CHUNK: _t("on_chunk", _T),
-        SIn.RUN_CHUNK: _t("on_run_chunk", _T, _S),
-        SIn.WRITE_DONE: _t("on_write_done", _T, _S),
-        SIn.WRITE_FAILED: _FAIL,
-        SIn.STAGING_RSP: _t("on_staging_rsp", _T),
-        SIn.COPY_DONE: _t("on_copy_done", _T),
-        SIn.COPY_FAILED: _FAIL,
-        **_LIVE_FAILURES,
-    },
-    _S: {
-        SIn.STAGING_RSP: _t("ignore", _S),
-        SIn.INFO: _t("on_info", _S),
-        SIn.PEER_READY: _t("ignore", _S),
-        SIn.PEER_LOST: _t("ignore", _S),  # nothing left to send; the peer's fate is its own
-        SIn.ABORT_LOCAL: _t("ignore", _S),  # the transfer is complete: nothing left to abort
-        SIn.ABORT_PEER: _FAIL,  # decode gave up (e.g. a lost notification): agree on Failed
-        SIn.PEER_FAILED: _FAIL,
-        SIn.RELEASE: _t("on_release", _S),
-    },
-    _F: {i: _t("on_failed_input", _F) for i in SIn},
-}
-
-
 class _Room:
     __slots__ = (
         "asked",
@@ -264,7 +208,6 @@ class _Peer:
 class SenderEngine(StagedSender, RoomEngine):
     """All rooms of one prefill rank. Feed it events, execute the commands it returns."""
 
-    TABLE = SENDER_TABLE
     STATUS = STATUS
     FAILED = SState.FAILED
 
@@ -953,3 +896,64 @@ class SenderEngine(StagedSender, RoomEngine):
             r = self.rooms.get(room)
             if r is not None:
                 self._dispatch(r, SIn.PEER_LOST, peer)
+
+
+# --- the transition table (after the class: it holds the handlers themselves) --------------
+
+
+def _t(handler: Callable[..., None], *targets: SState) -> Transition:
+    return Transition(handler, frozenset(targets))
+
+
+_FAIL = _t(SenderEngine._h_on_fail, _F)
+_LIVE_FAILURES = {
+    SIn.ABORT_LOCAL: _FAIL,
+    SIn.ABORT_PEER: _FAIL,
+    SIn.PEER_FAILED: _FAIL,
+    SIn.TIMEOUT: _FAIL,
+    SIn.PEER_LOST: _FAIL,
+}
+
+SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
+    _B: {
+        SIn.OPEN: _t(SenderEngine._h_on_open, _B, _W),
+        SIn.INFO: _t(SenderEngine._h_on_info, _B, _W),
+        SIn.PEER_READY: _t(SenderEngine._h_on_peer_ready, _B, _W),
+        SIn.CHUNK: _t(SenderEngine._h_on_chunk, _B),  # parked until WAITING: the worker never sees it early
+        SIn.STAGING_RSP: _t(SenderEngine._h_on_staging_rsp, _B),  # space asked for ahead of the TransferInfos
+        **_LIVE_FAILURES,
+    },
+    _W: {
+        SIn.INFO: _t(SenderEngine._h_on_info, _W),
+        SIn.PEER_READY: _t(SenderEngine._h_on_peer_ready, _W),
+        SIn.CHUNK: _t(SenderEngine._h_on_chunk, _W),
+        SIn.RUN_CHUNK: _t(SenderEngine._h_on_run_chunk, _T, _S),
+        SIn.STAGING_RSP: _t(SenderEngine._h_on_staging_rsp, _W),
+        **_LIVE_FAILURES,
+    },
+    _T: {
+        SIn.INFO: _t(SenderEngine._h_on_info, _T),
+        SIn.PEER_READY: _t(SenderEngine._h_on_peer_ready, _T),
+        SIn.CHUNK: _t(SenderEngine._h_on_chunk, _T),
+        SIn.RUN_CHUNK: _t(SenderEngine._h_on_run_chunk, _T, _S),
+        SIn.WRITE_DONE: _t(SenderEngine._h_on_write_done, _T, _S),
+        SIn.WRITE_FAILED: _FAIL,
+        SIn.STAGING_RSP: _t(SenderEngine._h_on_staging_rsp, _T),
+        SIn.COPY_DONE: _t(SenderEngine._h_on_copy_done, _T),
+        SIn.COPY_FAILED: _FAIL,
+        **_LIVE_FAILURES,
+    },
+    _S: {
+        SIn.STAGING_RSP: _t(RoomEngine._h_ignore, _S),
+        SIn.INFO: _t(SenderEngine._h_on_info, _S),
+        SIn.PEER_READY: _t(RoomEngine._h_ignore, _S),
+        SIn.PEER_LOST: _t(RoomEngine._h_ignore, _S),  # nothing left to send; the peer's fate is its own
+        SIn.ABORT_LOCAL: _t(RoomEngine._h_ignore, _S),  # the transfer is complete: nothing left to abort
+        SIn.ABORT_PEER: _FAIL,  # decode gave up (e.g. a lost notification): agree on Failed
+        SIn.PEER_FAILED: _FAIL,
+        SIn.RELEASE: _t(SenderEngine._h_on_release, _S),
+    },
+    _F: {i: _t(SenderEngine._h_on_failed_input, _F) for i in SIn},
+}
+
+SenderEngine.TABLE = SENDER_TABLE
