@@ -33,3 +33,9 @@ class ResourceError(KvferryError, ValueError):
     A size that is merely too large for the pool comes from a peer and is answered with a typed
     refusal value instead, so one bad request cannot raise through the flow that carries it.
     """
+
+
+class LocalMisuseError(KvferryError, ValueError):
+    """The local caller used the API wrongly (a chunk past decode's allocation, a chunk after the
+    last one, a call on a cleared handle). Raised to that caller; no room changes because of it.
+    A peer's garbage is never this: it fails the room with a ``RoomError`` and is counted."""

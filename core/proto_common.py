@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import msgspec
 from kvferry.core.deadlines import DeadlineHeap
-from kvferry.core.errors import ProtocolError
+from kvferry.core.errors import LocalMisuseError, ProtocolError
 from kvferry.core.kvpoll import KVPoll
 
 __all__ = [
@@ -38,8 +38,16 @@ class WrongSideError(ProtocolError):
 
 
 class Transition(msgspec.Struct, frozen=True):
-    handler: Callable[..., None]  # the engine's handler itself (unbound): (engine, room, input, payload)
-    targets: frozenset
+    """``handler`` is the engine's handler itself (unbound: engine, room, input, payload); it
+    returns an outcome ("stay", "ready", "running", "done", "failed"), and ``next`` maps each
+    outcome it may return to the state the room moves to. The table, not the handler, decides."""
+
+    handler: Callable[..., str | None]
+    next: Mapping[str, Any]
+
+    @property
+    def targets(self) -> frozenset:
+        return frozenset(self.next.values())
 
 
 class RoomFailure(msgspec.Struct, frozen=True):
@@ -202,16 +210,31 @@ class RoomEngine:
             self._fail(r, RoomFailure(f"{inp.value} not allowed while {before.value}", at_ns=self._now))
         else:
             try:
-                tr.handler(self, r, inp, payload)
+                outcome = tr.handler(self, r, inp, payload) or "stay"
+            except LocalMisuseError:
+                raise  # our own caller's mistake: theirs to handle, the room is untouched
             except Exception as exc:
                 # One room's exception fails that room only, type and message kept for the poller.
                 self.counters["room_exception"] += 1
+                if isinstance(exc, RoomError):
+                    self.counters["remote_violation"] += 1
                 self._fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
-            if r.state not in tr.targets and r.state is not self.FAILED:
-                self._fail(r, RoomFailure(f"internal: {inp.value} left {before.value} for {r.state.value}"))
+                outcome = "failed"
+            if r.state is not self.FAILED:
+                nxt = tr.next.get(outcome)
+                if nxt is None:
+                    self._fail(
+                        r, RoomFailure(f"internal: {inp.value} while {before.value}: outcome {outcome!r}")
+                    )
+                elif nxt is not before:
+                    if r.state is not before:
+                        self._fail(r, RoomFailure(f"internal: a handler moved the room to {r.state.value}"))
+                    else:
+                        r.state = nxt
         if r.state is not before and r.state is not self.FAILED:
             self._entered(r)
         self._maybe_finish(r)
 
-    def _h_ignore(self, r: Any, inp: Any, payload: Any) -> None:
+    def _h_ignore(self, r: Any, inp: Any, payload: Any) -> str:
         self.counters[f"ignored_{inp.value}"] += 1
+        return "stay"

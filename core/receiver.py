@@ -495,11 +495,10 @@ class ReceiverEngine(RoomEngine):
 
     # --- handlers (names referenced by RECEIVER_TABLE) -----------------------------------------
 
-    def _h_on_peer_ready(self, r: _Room, inp: RIn, payload: Any) -> None:
-        if r.state is RState.BOOTSTRAPPING and self._all_acked(r):
-            r.state = RState.WAITING
+    def _h_on_peer_ready(self, r: _Room, inp: RIn, payload: Any) -> str:
+        return "ready" if r.state is RState.BOOTSTRAPPING and self._all_acked(r) else "stay"
 
-    def _h_on_notify(self, r: _Room, inp: RIn, note: m.ChunkNote) -> None:
+    def _h_on_notify(self, r: _Room, inp: RIn, note: m.ChunkNote) -> str:
         src = note.src
         if src not in r.senders:
             raise RoomError(f"notification from {src}, which is not a sender of this room")
@@ -527,8 +526,7 @@ class ReceiverEngine(RoomEngine):
                 self._out.append(CheckAux(room=r.room, transfer_id=r.tid, aux_index=r.aux_index))
         else:
             self._record_chunk(r, r.progress[src], note)
-        if r.state is not RState.SUCCESS:
-            r.state = RState.SUCCESS if self._complete(r) else RState.TRANSFERRING
+        return "done" if self._complete(r) else "running"
 
     def _record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> None:
         idx, rng = note.chunk_index, (note.token_start, note.token_end)
@@ -572,16 +570,15 @@ class ReceiverEngine(RoomEngine):
             and len(r.dummies_done) == len(r.senders) - len(r.data_senders)
         )
 
-    def _h_on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> None:
+    def _h_on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> str:
         if r.aux_ok or not r.aux_pending:
             self.counters["duplicate_aux_check"] += 1
-            return
+            return "stay"
         if ev.found_room != r.room:
             raise RoomError(f"aux row {r.aux_index} holds room {ev.found_room}, expected {r.room}")
         r.aux_pending = False
         r.aux_ok = True
-        if self._complete(r):
-            r.state = RState.SUCCESS
+        return "done" if self._complete(r) else "stay"
 
     # --- staged flows (ring, pinned) ---------------------------------------------------------------
 
@@ -783,13 +780,12 @@ class ReceiverEngine(RoomEngine):
             self.pinned.free(ch.alloc.res_id)  # type: ignore[union-attr]
             self._pinned_live.pop(ch.alloc.res_id, None)
 
-    def _h_on_copy_done(self, r: _Room, inp: RIn, ev: CopyDone) -> None:
+    def _h_on_copy_done(self, r: _Room, inp: RIn, ev: CopyDone) -> str:
         for ch in r.stg.values():
             if ch.op_id == ev.op_id:
                 for p in ch.writers:
                     self._record_chunk(r, r.progress[p], ch.notes[p])
-        if self._complete(r):
-            r.state = RState.SUCCESS
+        return "done" if self._complete(r) else "stay"
 
     def _reclaim(self, r: _Room) -> None:
         """A failed room's staging space, once its writers are fenced and no scatter runs."""
@@ -838,7 +834,7 @@ class ReceiverEngine(RoomEngine):
             return
         raise RoomError(f"new chunk {note.chunk_index} from {note.src} after Success")
 
-    def _h_on_fail(self, r: _Room, inp: RIn, payload: Any) -> None:
+    def _h_on_fail(self, r: _Room, inp: RIn, payload: Any) -> str:
         if inp is RIn.PEER_FAILED:
             reason = f"failed on {payload.src}: {payload.reason}"
         elif inp is RIn.PEER_REFUSED:
@@ -854,6 +850,7 @@ class ReceiverEngine(RoomEngine):
         else:
             reason = f"peer {payload} lost (no heartbeat)"
         self._fail(r, RoomFailure(reason, at_ns=self._now))
+        return "failed"
 
     def _h_on_failed_input(self, r: _Room, inp: RIn, payload: Any) -> None:
         if inp is RIn.TIMEOUT:
@@ -983,11 +980,12 @@ class ReceiverEngine(RoomEngine):
 # --- the transition table (after the class: it holds the handlers themselves) --------------
 
 
-def _t(handler: Callable[..., None], *targets: RState) -> Transition:
-    return Transition(handler, frozenset(targets))
+def _t(handler: Callable[..., str | None], **next_state: RState) -> Transition:
+    return Transition(handler, next_state)
 
 
-_FAIL = _t(ReceiverEngine._h_on_fail, _F)
+E = ReceiverEngine
+_FAIL = _t(E._h_on_fail, failed=_F)
 _LIVE_FAILURES = {
     RIn.PEER_REFUSED: _FAIL,
     RIn.PEER_FAILED: _FAIL,
@@ -1002,39 +1000,37 @@ _LIVE_FAILURES = {
 RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
     _B: {
         **_LIVE_FAILURES,
-        RIn.PEER_READY: _t(ReceiverEngine._h_on_peer_ready, _B, _W),
+        RIn.PEER_READY: _t(E._h_on_peer_ready, stay=_B, ready=_W),
         # A notification proves the sender has our registration even if its ack is still in flight.
-        RIn.NOTIFY: _t(ReceiverEngine._h_on_notify, _T, _S),
-        RIn.STAGING_REQ: _t(ReceiverEngine._h_on_staging_req, _B),
+        RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
+        RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_B),
     },
     _W: {
         **_LIVE_FAILURES,
-        RIn.PEER_READY: _t(ReceiverEngine._h_on_peer_ready, _W),
-        RIn.NOTIFY: _t(ReceiverEngine._h_on_notify, _T, _S),
-        RIn.STAGING_REQ: _t(ReceiverEngine._h_on_staging_req, _W),
+        RIn.PEER_READY: _t(E._h_on_peer_ready, stay=_W),
+        RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
+        RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_W),
     },
     _T: {
         **_LIVE_FAILURES,
-        RIn.PEER_READY: _t(ReceiverEngine._h_on_peer_ready, _T),
-        RIn.NOTIFY: _t(ReceiverEngine._h_on_notify, _T, _S),
-        RIn.AUX_CHECKED: _t(ReceiverEngine._h_on_aux_checked, _T, _S),
-        RIn.STAGING_REQ: _t(ReceiverEngine._h_on_staging_req, _T),
-        RIn.COPY_DONE: _t(ReceiverEngine._h_on_copy_done, _T, _S),
+        RIn.PEER_READY: _t(E._h_on_peer_ready, stay=_T),
+        RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
+        RIn.AUX_CHECKED: _t(E._h_on_aux_checked, stay=_T, done=_S),
+        RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_T),
+        RIn.COPY_DONE: _t(E._h_on_copy_done, stay=_T, done=_S),
     },
     _S: {
-        RIn.STAGING_REQ: _t(RoomEngine._h_ignore, _S),
-        RIn.PEER_READY: _t(RoomEngine._h_ignore, _S),
-        RIn.NOTIFY: _t(ReceiverEngine._h_on_notify_after_success, _S),
-        RIn.AUX_CHECKED: _t(ReceiverEngine._h_on_aux_checked, _S),
-        RIn.PEER_LOST: _t(RoomEngine._h_ignore, _S),
-        RIn.STOPPED: _t(
-            RoomEngine._h_ignore, _S
-        ),  # the sender failed after our Success; its RoomFailed follows
+        RIn.STAGING_REQ: _t(E._h_ignore, stay=_S),
+        RIn.PEER_READY: _t(E._h_ignore, stay=_S),
+        RIn.NOTIFY: _t(E._h_on_notify_after_success, stay=_S),
+        RIn.AUX_CHECKED: _t(E._h_on_aux_checked, stay=_S, done=_S),
+        RIn.PEER_LOST: _t(E._h_ignore, stay=_S),
+        RIn.STOPPED: _t(E._h_ignore, stay=_S),  # the sender failed after our Success; its RoomFailed follows
         RIn.PEER_FAILED: _FAIL,  # both sides must agree on the outcome
-        RIn.ABORT_LOCAL: _t(RoomEngine._h_ignore, _S),  # every byte landed: nothing left to abort
-        RIn.RELEASE: _t(RoomEngine._h_ignore, _S),
+        RIn.ABORT_LOCAL: _t(E._h_ignore, stay=_S),  # every byte landed: nothing left to abort
+        RIn.RELEASE: _t(E._h_ignore, stay=_S),
     },
-    _F: {i: _t(ReceiverEngine._h_on_failed_input, _F) for i in RIn},
+    _F: {i: _t(E._h_on_failed_input, stay=_F) for i in RIn},
 }
 
 ReceiverEngine.TABLE = RECEIVER_TABLE

@@ -42,7 +42,7 @@ from kvferry.core.commands import (
     StatusChanged,
 )
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
-from kvferry.core.errors import KvferryError, WireError
+from kvferry.core.errors import KvferryError, LocalMisuseError, WireError
 from kvferry.core.events import (
     AbortRoom,
     ChunkReady,
@@ -527,23 +527,22 @@ class SenderEngine(StagedSender, RoomEngine):
 
     # --- handlers (names referenced by SENDER_TABLE) -------------------------------------------
 
-    def _h_on_open(self, r: _Room, inp: SIn, ev: SenderOpen) -> None:
+    def _h_on_open(self, r: _Room, inp: SIn, ev: SenderOpen) -> str:
         if r.opened:
             raise RoomError("room opened twice")
         r.opened = True
         r.aux_index = ev.aux_index
         r.receivers, r.flow_override = tuple(ev.receivers), ev.flow
         self._prefetch(r)
-        if self._ready(r):
-            r.state = SState.WAITING
+        return "ready" if self._ready(r) else "stay"
 
-    def _h_on_info(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> None:
+    def _h_on_info(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> str:
         known = r.infos.get(msg.src)
         if known is not None:
             if known != msg:
                 raise RoomError(f"conflicting TransferInfo from {msg.src}")
             self.counters["duplicate_info"] += 1
-            return
+            return "stay"
         if r.state is not SState.BOOTSTRAPPING:
             raise RoomError(f"unexpected TransferInfo from {msg.src} after all {r.expected_infos} arrived")
         if r.infos:
@@ -563,23 +562,35 @@ class SenderEngine(StagedSender, RoomEngine):
         r.stop_to.add(msg.src)
         self.rooms_by_peer.setdefault(msg.src, set()).add(r.room)
         self._prefetch(r)
-        if self._ready(r):
-            r.state = SState.WAITING
+        return "ready" if self._ready(r) else "stay"
 
-    def _h_on_peer_ready(self, r: _Room, inp: SIn, peer: Any) -> None:
+    def _h_on_peer_ready(self, r: _Room, inp: SIn, peer: Any) -> str:
         self._prefetch(r)
-        if r.state is SState.BOOTSTRAPPING and self._ready(r):
-            r.state = SState.WAITING
+        return "ready" if r.state is SState.BOOTSTRAPPING and self._ready(r) else "stay"
 
     def _h_on_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
         if c.chunk_index < r.next_enqueue:
             self.counters["duplicate_chunk"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="duplicate chunk"))
             return
+        # These come from our own scheduler, not from a peer: its mistake is raised to it (the
+        # room does not change), unlike a peer's garbage, which fails the room.
         if c.chunk_index != r.next_enqueue:
-            raise RoomError(f"chunk {c.chunk_index} arrived before chunk {r.next_enqueue}")
+            raise LocalMisuseError(
+                f"room {r.room}: chunk {c.chunk_index} handed over before chunk {r.next_enqueue}"
+            )
         if r.last_enqueued:
-            raise RoomError("chunk after the last chunk")
+            raise LocalMisuseError(f"room {r.room}: chunk {c.chunk_index} after the last chunk")
+        if r.num_tokens >= 0 and c.token_end > r.num_tokens:
+            raise LocalMisuseError(
+                f"room {r.room}: chunk {c.chunk_index} ends at token {c.token_end}, past the "
+                f"{r.num_tokens} tokens decode allocated"
+            )
+        if c.token_end < r.enqueue_end:
+            raise LocalMisuseError(
+                f"room {r.room}: chunk {c.chunk_index} ends at token {c.token_end}, before the "
+                f"previous chunk's end {r.enqueue_end}"
+            )
         r.next_enqueue += 1
         r.last_enqueued = c.is_last
         start = r.enqueue_end
@@ -591,20 +602,19 @@ class SenderEngine(StagedSender, RoomEngine):
         else:
             self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c))
 
-    def _h_on_run_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
+    def _h_on_run_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> str:
         if c.chunk_index < r.next_run:
             self.counters["duplicate_chunk_run"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="already run"))
-            return
+            return "stay"
         if r.flow is None and r.state is not SState.BOOTSTRAPPING:
             self._choose_flow(r)
         if c.chunk_index != r.next_run:
             raise RoomError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
         if r.flow is not None and r.flow.staged:
             # The worker hands a staged chunk over and moves on; its lanes wait for space.
-            self._accept_staged(r, c)
-        else:
-            self._run_direct(r, c)
+            return self._accept_staged(r, c)
+        return self._run_direct(r, c)
 
     def _chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
         """Validate the chunk the room runs next against decode's allocation; its token range."""
@@ -639,7 +649,7 @@ class SenderEngine(StagedSender, RoomEngine):
             )
         )
 
-    def _run_direct(self, r: _Room, c: ChunkReady) -> None:
+    def _run_direct(self, r: _Room, c: ChunkReady) -> str:
         start, end = self._chunk_bounds(r, c)
         dests = [
             Destination(p, self.peers[p].pool, r.dests[p], info.dummy) for p, info in sorted(r.infos.items())
@@ -667,16 +677,16 @@ class SenderEngine(StagedSender, RoomEngine):
                     notif=note,
                 )
             )
-        self._finish_run(r, c, start, end, posted)
+        return self._finish_run(r, c, start, end, posted)
 
     def _advance(self, r: _Room, c: ChunkReady, end: int) -> None:
         r.next_run += 1
         r.tokens_done = end
         r.last_run = c.is_last
 
-    def _finish_run(self, r: _Room, c: ChunkReady, start: int, end: int, posted: list[int]) -> None:
-        """What every run chunk ends with: the last chunk's dummy and aux notes, the pacing hint,
-        the room's state."""
+    def _finish_run(self, r: _Room, c: ChunkReady, start: int, end: int, posted: list[int]) -> str:
+        """What every run chunk ends with: the last chunk's dummy and aux notes, the pacing hint;
+        the outcome: "done" once the last chunk ran and nothing is in flight, else "running"."""
         if c.is_last:
             for p, info in sorted(r.infos.items()):
                 if info.dummy:
@@ -698,10 +708,11 @@ class SenderEngine(StagedSender, RoomEngine):
                     )
         if posted:
             self._out.append(AwaitWrites(room=r.room, write_ids=tuple(posted)))
-        if r.state is SState.WAITING:
-            r.state = SState.TRANSFERRING
-        if r.last_run and not r.inflight and not r.ops and self._lanes_landed(r):
-            r.state = SState.SUCCESS
+        return "done" if self._quiet(r) else "running"
+
+    def _quiet(self, r: _Room) -> bool:
+        """The last chunk ran and nothing of the room is in flight: writes, gathers, lanes."""
+        return r.last_run and not r.inflight and not r.ops and self._lanes_landed(r)
 
     def _new_write(self, r: _Room) -> int:
         wid = self._next_write_id
@@ -710,11 +721,10 @@ class SenderEngine(StagedSender, RoomEngine):
         self.writes[wid] = r.key
         return wid
 
-    def _h_on_write_done(self, r: _Room, inp: SIn, ev: WriteDone) -> None:
-        if r.last_run and not r.inflight and not r.ops and self._lanes_landed(r):
-            r.state = SState.SUCCESS
+    def _h_on_write_done(self, r: _Room, inp: SIn, ev: WriteDone) -> str:
+        return "done" if self._quiet(r) else "stay"
 
-    def _h_on_fail(self, r: _Room, inp: SIn, payload: Any) -> None:
+    def _h_on_fail(self, r: _Room, inp: SIn, payload: Any) -> str:
         if inp is SIn.WRITE_FAILED:
             reason = f"write failed: {payload.reason}"
         elif inp is SIn.ABORT_LOCAL:
@@ -736,6 +746,7 @@ class SenderEngine(StagedSender, RoomEngine):
             reason = f"peer {payload} lost (no heartbeat)"
         tell = None if inp not in (SIn.ABORT_PEER, SIn.PEER_FAILED) else payload.src
         self._fail(r, RoomFailure(reason, at_ns=self._now), skip=tell)
+        return "failed"
 
     def _h_on_failed_input(self, r: _Room, inp: SIn, payload: Any) -> None:
         """Failed absorbs everything; some inputs still matter for the fence and the peers."""
@@ -901,11 +912,12 @@ class SenderEngine(StagedSender, RoomEngine):
 # --- the transition table (after the class: it holds the handlers themselves) --------------
 
 
-def _t(handler: Callable[..., None], *targets: SState) -> Transition:
-    return Transition(handler, frozenset(targets))
+def _t(handler: Callable[..., str | None], **next_state: SState) -> Transition:
+    return Transition(handler, next_state)
 
 
-_FAIL = _t(SenderEngine._h_on_fail, _F)
+E = SenderEngine
+_FAIL = _t(E._h_on_fail, failed=_F)
 _LIVE_FAILURES = {
     SIn.ABORT_LOCAL: _FAIL,
     SIn.ABORT_PEER: _FAIL,
@@ -916,44 +928,44 @@ _LIVE_FAILURES = {
 
 SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
     _B: {
-        SIn.OPEN: _t(SenderEngine._h_on_open, _B, _W),
-        SIn.INFO: _t(SenderEngine._h_on_info, _B, _W),
-        SIn.PEER_READY: _t(SenderEngine._h_on_peer_ready, _B, _W),
-        SIn.CHUNK: _t(SenderEngine._h_on_chunk, _B),  # parked until WAITING: the worker never sees it early
-        SIn.STAGING_RSP: _t(SenderEngine._h_on_staging_rsp, _B),  # space asked for ahead of the TransferInfos
+        SIn.OPEN: _t(E._h_on_open, stay=_B, ready=_W),
+        SIn.INFO: _t(E._h_on_info, stay=_B, ready=_W),
+        SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_B, ready=_W),
+        SIn.CHUNK: _t(E._h_on_chunk, stay=_B),  # parked until WAITING: the worker never sees it early
+        SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_B),  # asked for ahead of the TransferInfos
         **_LIVE_FAILURES,
     },
     _W: {
-        SIn.INFO: _t(SenderEngine._h_on_info, _W),
-        SIn.PEER_READY: _t(SenderEngine._h_on_peer_ready, _W),
-        SIn.CHUNK: _t(SenderEngine._h_on_chunk, _W),
-        SIn.RUN_CHUNK: _t(SenderEngine._h_on_run_chunk, _T, _S),
-        SIn.STAGING_RSP: _t(SenderEngine._h_on_staging_rsp, _W),
+        SIn.INFO: _t(E._h_on_info, stay=_W, ready=_W),
+        SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_W),
+        SIn.CHUNK: _t(E._h_on_chunk, stay=_W),
+        SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_W, running=_T, done=_S),
+        SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_W),
         **_LIVE_FAILURES,
     },
     _T: {
-        SIn.INFO: _t(SenderEngine._h_on_info, _T),
-        SIn.PEER_READY: _t(SenderEngine._h_on_peer_ready, _T),
-        SIn.CHUNK: _t(SenderEngine._h_on_chunk, _T),
-        SIn.RUN_CHUNK: _t(SenderEngine._h_on_run_chunk, _T, _S),
-        SIn.WRITE_DONE: _t(SenderEngine._h_on_write_done, _T, _S),
+        SIn.INFO: _t(E._h_on_info, stay=_T, ready=_T),
+        SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_T),
+        SIn.CHUNK: _t(E._h_on_chunk, stay=_T),
+        SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_T, running=_T, done=_S),
+        SIn.WRITE_DONE: _t(E._h_on_write_done, stay=_T, done=_S),
         SIn.WRITE_FAILED: _FAIL,
-        SIn.STAGING_RSP: _t(SenderEngine._h_on_staging_rsp, _T),
-        SIn.COPY_DONE: _t(SenderEngine._h_on_copy_done, _T),
+        SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_T),
+        SIn.COPY_DONE: _t(E._h_on_copy_done, stay=_T),
         SIn.COPY_FAILED: _FAIL,
         **_LIVE_FAILURES,
     },
     _S: {
-        SIn.STAGING_RSP: _t(RoomEngine._h_ignore, _S),
-        SIn.INFO: _t(SenderEngine._h_on_info, _S),
-        SIn.PEER_READY: _t(RoomEngine._h_ignore, _S),
-        SIn.PEER_LOST: _t(RoomEngine._h_ignore, _S),  # nothing left to send; the peer's fate is its own
-        SIn.ABORT_LOCAL: _t(RoomEngine._h_ignore, _S),  # the transfer is complete: nothing left to abort
+        SIn.STAGING_RSP: _t(E._h_ignore, stay=_S),
+        SIn.INFO: _t(E._h_on_info, stay=_S, ready=_S),
+        SIn.PEER_READY: _t(E._h_ignore, stay=_S),
+        SIn.PEER_LOST: _t(E._h_ignore, stay=_S),  # nothing left to send; the peer's fate is its own
+        SIn.ABORT_LOCAL: _t(E._h_ignore, stay=_S),  # the transfer is complete: nothing left to abort
         SIn.ABORT_PEER: _FAIL,  # decode gave up (e.g. a lost notification): agree on Failed
         SIn.PEER_FAILED: _FAIL,
-        SIn.RELEASE: _t(SenderEngine._h_on_release, _S),
+        SIn.RELEASE: _t(E._h_on_release, stay=_S),
     },
-    _F: {i: _t(SenderEngine._h_on_failed_input, _F) for i in SIn},
+    _F: {i: _t(E._h_on_failed_input, stay=_F) for i in SIn},
 }
 
 SenderEngine.TABLE = SENDER_TABLE

@@ -27,7 +27,7 @@ from kvferry.backends.runtime import (
 from kvferry.backends.runtime.board import StatusBoard
 from kvferry.backends.runtime.loops import Loop
 from kvferry.core.deadlines import MS, SEC, Timeouts
-from kvferry.core.errors import ProtocolError
+from kvferry.core.errors import LocalMisuseError, ProtocolError
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import decode_note
@@ -96,6 +96,11 @@ def test_rooms_succeed_and_tables_empty_after_clear(servers):
             s.clear()
         with pytest.raises(KVTransferError):
             rv.poll()  # cleared: not tracked any more
+        # A cleared handle is our own caller's mistake: a typed local error, nothing sent.
+        with pytest.raises(LocalMisuseError, match="cleared"):
+            senders[0].send(pages, 13, True)
+        with pytest.raises(LocalMisuseError, match="cleared"):
+            rv.abort()
     deadline = time.monotonic() + 10
     while any(v for e in [*pre, dec] for v in e.leaks().values()) and time.monotonic() < deadline:
         time.sleep(0.01)

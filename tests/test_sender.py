@@ -23,7 +23,7 @@ from kvferry.core.commands import (
     StatusChanged,
 )
 from kvferry.core.deadlines import Timeouts
-from kvferry.core.errors import PlanError
+from kvferry.core.errors import LocalMisuseError, PlanError
 from kvferry.core.events import (
     AbortRoom,
     ChunkReady,
@@ -265,13 +265,32 @@ def test_sum_of_chunks_must_equal_decode_allocation() -> None:
     assert of(cmds, PostWrite) == []
 
 
-def test_chunk_past_allocation_and_out_of_order_fail() -> None:
+def test_our_schedulers_bad_chunks_raise_to_it_and_leave_the_room_alone() -> None:
+    # Local misuse (h11's LocalProtocolError): the caller hears it, the room stays as it was.
+    for bad, why in (
+        (chunk(0, 7, False), "past the 6 tokens"),
+        (chunk(1, 2, False), "before chunk 0"),
+    ):
+        e = waiting()
+        with pytest.raises(LocalMisuseError, match=why):
+            e.handle(bad, 0)
+        assert e.state(ROOM) is SState.WAITING and e.failure(ROOM) is None
     e = waiting()
-    run(e, chunk(0, 7, False))
+    e.handle(chunk(0, 6, True), 0)
+    with pytest.raises(LocalMisuseError, match="after the last chunk"):
+        e.handle(chunk(1, 6, True), 0)
+
+
+def test_a_chunk_past_the_allocation_found_at_run_time_fails_the_room() -> None:
+    # Handed over before decode's TransferInfo said how long the room is: caught by the worker.
+    e = engine()
+    e.handle(SenderOpen(room=ROOM, transfer_id=TID, aux_index=1), 0)
+    e.handle(chunk(0, 7, True), 0)
+    assert e.state(ROOM) is SState.BOOTSTRAPPING
+    e.handle(ctl(register(D0)), 0)
+    [enq] = of(e.handle(ctl(info()), 0), EnqueueChunk)  # the parked chunk goes to its worker
+    e.run_chunk(enq.chunk, 0)
     assert "past decode's 6" in e.failure(ROOM).reason
-    e = waiting()
-    e.handle(chunk(1, 2, False), 0)
-    assert "before chunk 0" in e.failure(ROOM).reason
 
 
 def test_duplicate_chunk_is_skipped_once() -> None:
@@ -561,7 +580,11 @@ def test_every_state_input_pair(state: SState, inp: SIn, data: st.DataObject) ->
     e, _ = in_state(state)
     payload = data.draw(PAYLOADS[inp])
     before = e.poll(ROOM)
-    e.apply(ROOM, inp, payload, 1)  # must not raise
+    try:
+        e.apply(ROOM, inp, payload, 1)  # must not raise, except to a local caller's own mistake
+    except LocalMisuseError:
+        assert inp is SIn.CHUNK and e.poll(ROOM) is before
+        return
     if ROOM not in e.rooms:  # released (a release before terminal fails the room first)
         assert inp is SIn.RELEASE
         assert e.poll(ROOM) is (KVPoll.Success if state is SState.SUCCESS else KVPoll.Failed)

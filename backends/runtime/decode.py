@@ -20,6 +20,7 @@ from kvferry.backends.nixl.memory import MemRegion
 from kvferry.backends.runtime.base import EndpointBase, RuntimeConfig, now_ns
 from kvferry.backends.runtime.loops import Loop
 from kvferry.core import topology
+from kvferry.core.errors import LocalMisuseError
 from kvferry.core.events import AbortRoom, ReceiverOpen, ReleaseRoom, SenderSpec
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
@@ -86,9 +87,11 @@ class KVReceiver:
         self.room = room
         self.transfer_id = transfer_id
         endpoint.board.track(room, transfer_id)
+        self._cleared = False
 
     def init(self, dst_pages: Any, num_tokens: int, aux_index: int) -> None:
         """Pages are allocated: ask every prefill rank of the room for its KV."""
+        self._usable()
         self.ep._check_open()
         self.ep.driver.feed(
             ReceiverOpen(
@@ -118,8 +121,14 @@ class KVReceiver:
         return view is not None and view.pages_freed
 
     def abort(self, reason: str = "aborted by the scheduler") -> None:
+        self._usable()
         self.ep.driver.feed(AbortRoom(room=self.room, transfer_id=self.transfer_id, reason=reason), now_ns())
+
+    def _usable(self) -> None:
+        if self._cleared:
+            raise LocalMisuseError(f"room {self.room}: this handle was cleared")
 
     def clear(self) -> None:
         self.ep.driver.feed(ReleaseRoom(room=self.room, transfer_id=self.transfer_id), now_ns())
         self.ep.board.drop(self.room, self.transfer_id)
+        self._cleared = True

@@ -32,6 +32,7 @@ from kvferry.backends.nixl.memory import MemRegion
 from kvferry.backends.runtime.base import EndpointBase, RuntimeConfig, now_ns
 from kvferry.backends.runtime.errortap import ErrorTap
 from kvferry.backends.runtime.loops import Loop
+from kvferry.core.errors import LocalMisuseError
 from kvferry.core.events import AbortRoom, ChunkReady, ReleaseRoom, SenderOpen
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
@@ -144,9 +145,11 @@ class KVSender:
         self.transfer_id = transfer_id
         self._chunks = 0
         endpoint.board.track(room, transfer_id)
+        self._cleared = False
 
     def init(self, aux_index: int) -> None:
         """The scheduler has this room (its aux row is ``aux_index``)."""
+        self._usable()
         self.ep._check_open()
         self.ep.driver.feed(
             SenderOpen(room=self.room, transfer_id=self.transfer_id, aux_index=aux_index), now_ns()
@@ -155,6 +158,7 @@ class KVSender:
     def send(self, src_pages: Any, token_end: int, is_last: bool) -> None:
         """A chunk is computed: tokens up to ``token_end`` are in ``src_pages`` (the room's page
         ids from token 0). Returns at once; a worker posts the writes."""
+        self._usable()
         self.ep._check_open()
         chunk = ChunkReady(
             room=self.room,
@@ -169,6 +173,7 @@ class KVSender:
 
     def write_aux(self, aux_index: int, row: bytes) -> None:
         """Fill the room's aux row (first 8 bytes: the room id, the landing check)."""
+        self._usable()
         self.ep.transport.write_aux_row(aux_index, row)
 
     def poll(self) -> KVPoll:
@@ -181,10 +186,16 @@ class KVSender:
         self.ep.failure_exception(self.room, self.transfer_id)
 
     def abort(self, reason: str = "aborted by the scheduler") -> None:
+        self._usable()
         self.ep.driver.feed(AbortRoom(room=self.room, transfer_id=self.transfer_id, reason=reason), now_ns())
+
+    def _usable(self) -> None:
+        if self._cleared:
+            raise LocalMisuseError(f"room {self.room}: this handle was cleared")
 
     def clear(self) -> None:
         """Done with the room: the core drops it once terminal (a failed one once no write is in
         flight); the status board forgets it now."""
         self.ep.driver.feed(ReleaseRoom(room=self.room, transfer_id=self.transfer_id), now_ns())
         self.ep.board.drop(self.room, self.transfer_id)
+        self._cleared = True

@@ -260,7 +260,7 @@ class StagedSender:
 
     # --- the worker step and the lanes ------------------------------------------------------------
 
-    def _accept_staged(self, r: Any, c: Any) -> None:
+    def _accept_staged(self, r: Any, c: Any) -> str:
         """The worker hands over the room's next chunk: check it, then let its lanes go."""
         start, end = self._chunk_bounds(r, c)  # type: ignore[attr-defined]
         idx = c.chunk_index
@@ -268,8 +268,7 @@ class StagedSender:
             self._prefetch(r)  # every decode rank is known and registered by now
         lanes = [r.lanes[(idx, p)] for p in self._targets(r) if (idx, p) in r.lanes]
         if end <= start or idx in r.direct_chunks or not lanes:
-            self._run_direct(r, c)  # type: ignore[attr-defined]
-            return
+            return self._run_direct(r, c)  # type: ignore[attr-defined,no-any-return]
         if len(lanes) != len(self._targets(r)):
             raise StagingRoomError(
                 f"chunk {idx}: staging lanes for {len(lanes)} of {len(self._targets(r))} decode ranks"
@@ -287,8 +286,9 @@ class StagedSender:
             lane.accepted = True
             lane.is_last = c.is_last
         self._advance(r, c, end)  # type: ignore[attr-defined]
-        self._finish_run(r, c, start, end, [])  # type: ignore[attr-defined]
+        outcome: str = self._finish_run(r, c, start, end, [])  # type: ignore[attr-defined]
         self._start_ready(r)
+        return outcome
 
     def _blocker(self, r: Any, lane: TxLane) -> str:
         """Why an accepted lane cannot start now ("" if it can, once a slot is free)."""
