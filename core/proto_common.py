@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any, ClassVar
 
 import msgspec
+from kvferry.core.commands import DropPeer
 from kvferry.core.deadlines import DeadlineHeap
 from kvferry.core.errors import LocalMisuseError, ProtocolError
 from kvferry.core.kvpoll import KVPoll
@@ -234,6 +235,70 @@ class RoomEngine:
         if r.state is not before and r.state is not self.FAILED:
             self._entered(r)
         self._maybe_finish(r)
+
+    # --- time and peers: the same rules on both sides -------------------------------------------
+
+    TIMEOUT: ClassVar[Enum]  # the side's input for a room's deadline
+    PEER_LOST: ClassVar[Enum]  # the side's input for a peer declared dead
+    peers: dict[Any, Any]
+    rooms_by_peer: dict[Any, set[int]]
+    timeouts: Any
+
+    def _tick(self) -> None:
+        """Fire every due deadline: room deadlines, heartbeats, peer loss; the side's own kinds
+        (resends, held requests) go to ``_on_deadline``."""
+        now = self._now
+        self.tombstones.expire(now)
+        for key in self.deadlines.pop_due(now):
+            kind, what = key
+            if kind == "room":
+                r = self.rooms.get(what)
+                if r is not None:
+                    self._dispatch(r, self.TIMEOUT, None)
+            elif kind == "hb":
+                if what in self.peers:
+                    self._heartbeat(what)
+                    self.deadlines.set(key, now + self.timeouts.heartbeat_interval_ns)
+            elif kind == "loss":
+                self._check_loss(what)
+            else:
+                self._on_deadline(kind, what)
+
+    def _arm_peer(self, peer: Any) -> None:
+        self.deadlines.set(("hb", peer), self._now + self.timeouts.heartbeat_interval_ns)
+        self.deadlines.set(("loss", peer), self._now + self.timeouts.heartbeat_timeout_ns)
+
+    def _check_loss(self, peer: Any) -> None:
+        """Any message from a peer refreshes ``last_seen``; silence for the heartbeat timeout
+        loses it (its rooms fail), otherwise look again when it could next be silent that long."""
+        p = self.peers.get(peer)
+        if p is None:
+            return
+        silent_until = p.last_seen + self.timeouts.heartbeat_timeout_ns
+        if silent_until > self._now:
+            self.deadlines.set(("loss", peer), silent_until)
+        else:
+            self._lose_peer(peer)
+
+    def _lose_peer(self, peer: Any) -> None:
+        self.counters["peer_lost"] += 1
+        self._peer_gone(peer)
+        del self.peers[peer]
+        self.deadlines.cancel(("hb", peer))
+        self._out.append(DropPeer(peer=peer, reason="heartbeat lost"))
+        for room in sorted(self.rooms_by_peer.get(peer, ())):
+            r = self.rooms.get(room)
+            if r is not None:
+                self._dispatch(r, self.PEER_LOST, peer)
+
+    def _heartbeat(self, peer: Any) -> None:
+        raise NotImplementedError
+
+    def _on_deadline(self, kind: str, what: Any) -> None:
+        raise NotImplementedError
+
+    def _peer_gone(self, peer: Any) -> None:
+        """Side-specific state to drop with a lost peer."""
 
     def _h_ignore(self, r: Any, inp: Any, payload: Any) -> str:
         self.counters[f"ignored_{inp.value}"] += 1

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
-from kvferry.core.commands import CheckAux, DropPeer, FreePages, Scatter, SendControl, StatusChanged
+from kvferry.core.commands import CheckAux, FreePages, Scatter, SendControl, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import WireError
 from kvferry.core.events import (
@@ -179,6 +179,8 @@ class ReceiverEngine(RoomEngine):
     FAILED = RState.FAILED
 
     side = "decode"
+    TIMEOUT = RIn.TIMEOUT
+    PEER_LOST = RIn.PEER_LOST
 
     def __init__(self, registration: m.Register, *, timeouts: Timeouts | None = None) -> None:
         self.registration = registration
@@ -388,8 +390,7 @@ class ReceiverEngine(RoomEngine):
             if peer is None:
                 peer = self.peers[p] = _Peer(self._now)
                 self._send(p, self.registration)
-                self.deadlines.set(("hb", p), self._now + self.timeouts.heartbeat_interval_ns)
-                self.deadlines.set(("loss", p), self._now + self.timeouts.heartbeat_timeout_ns)
+                self._arm_peer(p)
             self._send(p, self._transfer_info(r, p))
         self.deadlines.set(("info", r.room), self._now + self.timeouts.heartbeat_interval_ns)
         if self._all_acked(r):
@@ -925,56 +926,27 @@ class ReceiverEngine(RoomEngine):
 
     # --- time ----------------------------------------------------------------------------------------
 
-    def _tick(self) -> None:
-        now = self._now
-        self.tombstones.expire(now)
-        for key in self.deadlines.pop_due(now):
-            kind, what = key
-            if kind == "room":
-                r = self.rooms.get(what)
-                if r is not None:
-                    self._dispatch(r, RIn.TIMEOUT, None)
-            elif kind == "abort":
-                r = self.rooms.get(what)
-                if r is not None and r.state is RState.FAILED and not r.freed:
-                    self.counters["abort_resent"] += 1
-                    self._send_aborts(r)
-            elif kind == "info":
-                r = self.rooms.get(what)
-                if r is not None:
-                    self._resend_infos(r)
-            elif kind == "held":
-                dropped = self.held.pop(what, [])
-                self.counters["staging_req_expired"] += len(dropped)
-            elif kind == "hb":
-                peer = self.peers.get(what)
-                if peer is not None:
-                    # Until acked, the heartbeat is the Register again (it may have been lost).
-                    self._send(what, m.Heartbeat(src=self.endpoint) if peer.acked else self.registration)
-                    for pool in ("ring", "pinned"):
-                        if what in self.subscribers[pool]:
-                            # A lost broadcast must not leave a writer waiting: repeat it.
-                            self._send(what, self._watermark_msg(pool))
-                    self.deadlines.set(key, now + self.timeouts.heartbeat_interval_ns)
-            elif kind == "loss":
-                peer = self.peers.get(what)
-                if peer is None:
-                    continue
-                silent_until = peer.last_seen + self.timeouts.heartbeat_timeout_ns
-                if silent_until > now:
-                    self.deadlines.set(key, silent_until)
-                    continue
-                self._lose_peer(what)
+    def _heartbeat(self, peer: m.Endpoint) -> None:
+        # Until acked, the heartbeat is the Register again (it may have been lost).
+        self._send(peer, m.Heartbeat(src=self.endpoint) if self.peers[peer].acked else self.registration)
+        for pool in ("ring", "pinned"):
+            if peer in self.subscribers[pool]:
+                # A lost broadcast must not leave a writer waiting: repeat it.
+                self._send(peer, self._watermark_msg(pool))
 
-    def _lose_peer(self, peer: m.Endpoint) -> None:
-        self.counters["peer_lost"] += 1
-        del self.peers[peer]
-        self.deadlines.cancel(("hb", peer))
-        self._out.append(DropPeer(peer=peer, reason="heartbeat lost"))
-        for room in sorted(self.rooms_by_peer.get(peer, ())):
-            r = self.rooms.get(room)
+    def _on_deadline(self, kind: str, what: Any) -> None:
+        if kind == "abort":
+            r = self.rooms.get(what)
+            if r is not None and r.state is RState.FAILED and not r.freed:
+                self.counters["abort_resent"] += 1
+                self._send_aborts(r)
+        elif kind == "info":
+            r = self.rooms.get(what)
             if r is not None:
-                self._dispatch(r, RIn.PEER_LOST, peer)
+                self._resend_infos(r)
+        elif kind == "held":
+            dropped = self.held.pop(what, [])
+            self.counters["staging_req_expired"] += len(dropped)
 
 
 # --- the transition table (after the class: it holds the handlers themselves) --------------

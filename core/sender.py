@@ -212,6 +212,8 @@ class SenderEngine(StagedSender, RoomEngine):
     FAILED = SState.FAILED
 
     side = "prefill"
+    TIMEOUT = SIn.TIMEOUT
+    PEER_LOST = SIn.PEER_LOST
 
     def __init__(
         self,
@@ -633,15 +635,17 @@ class SenderEngine(StagedSender, RoomEngine):
                 raise RoomError(f"decode rank {p} is gone or restarted since its TransferInfo")
         return start, end
 
-    def _chunk_note(self, r: _Room, c: ChunkReady, start: int, end: int, **kind: Any) -> bytes:
+    def _chunk_note(self, r: _Room, c: Any, start: int, end: int, **kind: Any) -> bytes:
         # Every note of a chunk names the same room, sender and token range; ``kind`` marks the
         # dummy "done" note, the aux write, or the staging allocation the bytes landed in.
+        # ``c``: the ChunkReady, or a staged lane (same fields under other names).
+        index = c.chunk_index if isinstance(c, ChunkReady) else c.index
         return m.encode(
             m.ChunkNote(
                 room=r.room,
                 transfer_id=r.tid,
                 src=self.endpoint,
-                chunk_index=c.chunk_index,
+                chunk_index=index,
                 token_start=start,
                 token_end=end,
                 is_last=c.is_last,
@@ -862,51 +866,21 @@ class SenderEngine(StagedSender, RoomEngine):
 
     # --- time ----------------------------------------------------------------------------------------
 
-    def _arm_peer(self, peer: m.Endpoint) -> None:
-        self.deadlines.set(("hb", peer), self._now + self.timeouts.heartbeat_interval_ns)
-        self.deadlines.set(("loss", peer), self._now + self.timeouts.heartbeat_timeout_ns)
+    def _heartbeat(self, peer: m.Endpoint) -> None:
+        self._send(peer, m.Heartbeat(src=self.endpoint))
 
-    def _tick(self) -> None:
-        now = self._now
-        self.tombstones.expire(now)
-        for key in self.deadlines.pop_due(now):
-            kind, what = key
-            if kind == "room":
-                r = self.rooms.get(what)
-                if r is not None:
-                    self._dispatch(r, SIn.TIMEOUT, None)
-            elif kind == "notice":
-                self._resend_notice(what)
-            elif kind == "notes":
-                self._resend_notes(what)
-            elif kind == "stg":
-                r = self.rooms.get(what)
-                if r is not None:
-                    self._resend_staging(r)
-            elif kind == "hb":
-                if what in self.peers:
-                    self._send(what, m.Heartbeat(src=self.endpoint))
-                    self.deadlines.set(key, now + self.timeouts.heartbeat_interval_ns)
-            elif kind == "loss":
-                peer = self.peers.get(what)
-                if peer is None:
-                    continue
-                silent_until = peer.last_seen + self.timeouts.heartbeat_timeout_ns
-                if silent_until > now:
-                    self.deadlines.set(key, silent_until)
-                    continue
-                self._lose_peer(what)
-
-    def _lose_peer(self, peer: m.Endpoint) -> None:
-        self.counters["peer_lost"] += 1
-        self._forget_staging_peer(peer)
-        del self.peers[peer]
-        self.deadlines.cancel(("hb", peer))
-        self._out.append(DropPeer(peer=peer, reason="heartbeat lost"))
-        for room in sorted(self.rooms_by_peer.get(peer, ())):
-            r = self.rooms.get(room)
+    def _on_deadline(self, kind: str, what: Any) -> None:
+        if kind == "notice":
+            self._resend_notice(what)
+        elif kind == "notes":
+            self._resend_notes(what)
+        elif kind == "stg":
+            r = self.rooms.get(what)
             if r is not None:
-                self._dispatch(r, SIn.PEER_LOST, peer)
+                self._resend_staging(r)
+
+    def _peer_gone(self, peer: m.Endpoint) -> None:
+        self._forget_staging_peer(peer)
 
 
 # --- the transition table (after the class: it holds the handlers themselves) --------------

@@ -387,18 +387,7 @@ class StagedSender:
             raise StagingRoomError(f"gather {ev.op_id} finished for no lane of the room")
         g = lane.grant
         assert g is not None and lane.buffer is not None
-        note = m.encode(
-            m.ChunkNote(
-                room=r.room,
-                transfer_id=r.tid,
-                src=self.endpoint,
-                chunk_index=lane.index,
-                token_start=lane.token_start,
-                token_end=lane.token_end,
-                is_last=lane.is_last,
-                staged=g.alloc_id,
-            )
-        )
+        note = self._chunk_note(r, lane, lane.token_start, lane.token_end, staged=g.alloc_id)  # type: ignore[attr-defined]
         wid = self._new_write(r)
         # Where the watermark must pass for this write to be known scattered: the ring slot, or
         # the pinned grant's sequence number.
