@@ -23,14 +23,14 @@ FailedAck, which stops the sender's resending.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
-from kvferry.core.commands import CheckAux, FreePages, Scatter, SendControl, StatusChanged
+from kvferry.core.commands import CheckAux, FreePages, SendControl, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import WireError
 from kvferry.core.events import (
@@ -45,15 +45,10 @@ from kvferry.core.events import (
     SenderSpec,
     Tick,
 )
-from kvferry.core.flows import Flow, staging_format
-from kvferry.core.flows.machine import fire
-from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
-from kvferry.core.flows.staged_rx import RX_TABLE, RxChunk, RxIn, RxState
-from kvferry.core.flows.staged_tx import decode_alloc_bytes
+from kvferry.core.flows.staged_receiver import StagedReceiver
+from kvferry.core.flows.staged_rx import RxChunk
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition
-from kvferry.core.resources import PinnedPool, PinnedRefused, RingRefused, StagingRing, Watermark
-from kvferry.core.staging_layout import staged_map
 
 # StagingReqs for rooms this rank has not opened yet (seed 003 prefetches them) are held, never
 # dropped: at most this many, each until the bootstrap deadline.
@@ -168,7 +163,7 @@ class _Peer:
         self.last_seen = now
 
 
-class ReceiverEngine(RoomEngine):
+class ReceiverEngine(StagedReceiver, RoomEngine):
     """All rooms of one decode rank. Feed it events, execute the commands it returns.
 
     ``registration``: this rank's ``Register`` message (agent, regions, geometry, aux rows), sent
@@ -181,6 +176,7 @@ class ReceiverEngine(RoomEngine):
     side = "decode"
     TIMEOUT = RIn.TIMEOUT
     PEER_LOST = RIn.PEER_LOST
+    STAGING_REQ = RIn.STAGING_REQ
 
     def __init__(self, registration: m.Register, *, timeouts: Timeouts | None = None) -> None:
         self.registration = registration
@@ -198,20 +194,7 @@ class ReceiverEngine(RoomEngine):
         self._out: list[Any] = []
         self._now = 0
         self.last_internal_error: BaseException | None = None
-        # Staged flows: what this rank offers in its Register, and who hears its watermark.
-        self.pool = registration.geometry.to_pool()
-        self.ring = StagingRing(registration.ring_bytes, STAGING_ALIGN) if registration.ring_bytes else None
-        self.pinned = (
-            PinnedPool(registration.pinned_bytes, STAGING_ALIGN) if registration.pinned_bytes else None
-        )
-        self.subscribers: dict[str, set[m.Endpoint]] = {"ring": set(), "pinned": set()}
-        self._last_wm: dict[str, Watermark] = {}
-        self._pinned_next = 0  # grant sequence numbers of pinned reservations (their watermark)
-        self._pinned_live: dict[int, int] = {}  # reservation id -> grant number
-        self.pinned_queue: deque[tuple[int, str, int]] = deque()  # (room, tid, chunk) waiting for space
-        self.held: dict[tuple[int, str], list[m.StagingReq]] = {}
-        self.ops: dict[int, tuple[int, str]] = {}  # scatter op id -> room key
-        self._next_op_id = 1
+        self._init_staging(registration)
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -580,250 +563,6 @@ class ReceiverEngine(RoomEngine):
         r.aux_pending = False
         r.aux_ok = True
         return "done" if self._complete(r) else "stay"
-
-    # --- staged flows (ring, pinned) ---------------------------------------------------------------
-
-    def _on_staging_req(self, req: m.StagingReq) -> None:
-        key = (req.room, req.transfer_id)
-        r = self.rooms.get(req.room)
-        if r is not None and r.tid == req.transfer_id:
-            self._room_input(req.room, req.transfer_id, RIn.STAGING_REQ, req, sender=req.src)
-            return
-        if self.tombstones.get(req.room, req.transfer_id) is not None:
-            self.counters["tombstoned"] += 1
-            return
-        # Asked ahead of our open (seed 003 prefetches): hold it until the room opens, bounded.
-        if sum(len(v) for v in self.held.values()) >= MAX_HELD_STAGING:
-            self.counters["staging_req_overflow"] += 1
-            self._send(
-                req.src,
-                m.StagingRsp(
-                    src=self.endpoint,
-                    room=req.room,
-                    transfer_id=req.transfer_id,
-                    chunk_index=req.chunk_index,
-                    reg=self.reg_id,
-                    ok=False,
-                    reason=f"more than {MAX_HELD_STAGING} requests for unopened rooms",
-                ),
-            )
-            return
-        self.counters["staging_req_held"] += 1
-        self.held.setdefault(key, []).append(req)
-        if ("held", key) not in self.deadlines:
-            self.deadlines.set(("held", key), self._now + self.timeouts.bootstrap_ns)
-
-    def _h_on_staging_req(self, r: _Room, inp: RIn, req: m.StagingReq) -> None:
-        spec = r.senders[req.src]
-        if spec.dummy:
-            raise RoomError(f"staging request from dummy sender {req.src}")
-        flow = Flow(req.flow)
-        if (self.ring if flow is Flow.RING else self.pinned) is None:
-            raise RoomError(f"{req.src} asked for {flow.value} space, which this rank does not offer")
-        if req.token_end > r.num_tokens:
-            raise RoomError(
-                f"staging request for chunk {req.chunk_index} up to token {req.token_end}, "
-                f"past the {r.num_tokens} allocated"
-            )
-        ch = r.stg.get(req.chunk_index)
-        if ch is not None:
-            if (ch.token_start, ch.token_end, ch.flow) != (req.token_start, req.token_end, flow):
-                raise RoomError(
-                    f"writers disagree on chunk {req.chunk_index}: [{ch.token_start}, {ch.token_end}) "
-                    f"{ch.flow.value} vs [{req.token_start}, {req.token_end}) {flow.value}"
-                )
-            self.counters["staging_req_duplicate"] += 1
-            if ch.state is not RxState.WAITING_SPACE:
-                self._grant(r, ch, (req.src,))
-            return
-        writers = tuple(sorted(p for p in r.data_senders))
-        for p in writers:
-            if r.senders[p].num_heads <= 0:
-                raise RoomError(
-                    f"sender {p} has no head range; build SenderSpecs with core.topology.sender_specs"
-                )
-        ch = RxChunk(req.chunk_index, req.token_start, req.token_end, flow, writers)
-        r.stg[req.chunk_index] = ch
-        if not self._allocate(r, ch):
-            self.counters["pinned_wait"] += 1
-            self.pinned_queue.append((r.room, r.tid, ch.index))
-
-    def _allocate(self, r: _Room, ch: RxChunk) -> bool:
-        """Space for one chunk of every writer; False if the pinned pool must be waited for."""
-        tokens = ch.token_end - ch.token_start
-        need = decode_alloc_bytes(self.pool, tokens)
-        hb, regions = self.pool.head_bytes, self.pool.model.num_regions
-        offsets: dict[m.Endpoint, int] = {}
-        if ch.flow is Flow.RING:
-            assert self.ring is not None
-            got = self.ring.assign(need, r.key)
-            if isinstance(got, RingRefused):
-                raise RoomError(f"chunk {ch.index}: {got.reason}")
-            pos = got.offset
-            for p in ch.writers:  # seed 003: one block per writer, packed in sender order
-                offsets[p] = pos
-                pos += regions * tokens * r.senders[p].num_heads * hb
-            self.subscribers["ring"].update(ch.writers)
-        else:
-            assert self.pinned is not None
-            res = self.pinned.reserve(need, r.key)
-            if isinstance(res, PinnedRefused):
-                raise RoomError(f"chunk {ch.index}: {res.reason}")
-            if res is None:
-                return False
-            for p in ch.writers:  # seed 002: head-major, each writer at its heads
-                offsets[p] = (
-                    res.offset + (r.senders[p].head_start - self.pool.head_start) * regions * tokens * hb
-                )
-            got = res
-            ch.seq = self._pinned_next
-            self._pinned_next += 1
-            self._pinned_live[res.res_id] = ch.seq
-            self.subscribers["pinned"].update(ch.writers)
-        fire(RX_TABLE, ch, RxIn.ALLOCATED, got, offsets)
-        self._grant(r, ch, ch.writers)
-        return True
-
-    def _watermark(self, pool: str) -> Watermark:
-        """Ring: the oldest live allocation. Pinned: the grant number of the oldest live
-        reservation (everything granted before it is scattered), or the next one if none."""
-        if pool == "ring":
-            return self.ring.watermark() if self.ring is not None else Watermark(0, 0)
-        return Watermark(min(self._pinned_live.values(), default=self._pinned_next), 0)
-
-    def _grant(self, r: _Room, ch: RxChunk, to: tuple[m.Endpoint, ...]) -> None:
-        wm = self._watermark(ch.flow.value)
-        a = ch.alloc
-        rnd, start, end = (a.round, a.offset, a.end) if ch.flow is Flow.RING else (ch.seq, a.offset, a.end)
-        for p in to:
-            self._send(
-                p,
-                m.StagingRsp(
-                    src=self.endpoint,
-                    room=r.room,
-                    transfer_id=r.tid,
-                    chunk_index=ch.index,
-                    reg=self.reg_id,
-                    alloc_id=ch.alloc_id,
-                    round=rnd,
-                    start=start,
-                    end=end,
-                    offset=ch.offsets[p],
-                    flow=ch.flow.value,  # type: ignore[arg-type]
-                    wm_round=wm.round,
-                    wm_offset=wm.offset,
-                ),
-            )
-
-    def _watermark_msg(self, pool: str) -> m.Watermark:
-        wm = self._watermark(pool)
-        return m.Watermark(src=self.endpoint, reg=self.reg_id, round=wm.round, offset=wm.offset, pool=pool)  # type: ignore[arg-type]
-
-    def _staged_note(self, r: _Room, note: m.ChunkNote) -> None:
-        ch = r.stg.get(note.chunk_index)
-        if ch is None or ch.state is RxState.WAITING_SPACE or ch.alloc_id != note.staged:
-            raise RoomError(
-                f"chunk {note.chunk_index} from {note.src} landed in staging space "
-                f"{note.staged} this rank never granted it"
-            )
-        if (note.token_start, note.token_end) != (ch.token_start, ch.token_end):
-            raise RoomError(
-                f"chunk {note.chunk_index} from {note.src} covers [{note.token_start}, "
-                f"{note.token_end}), its space was for [{ch.token_start}, {ch.token_end})"
-            )
-        if fire(RX_TABLE, ch, RxIn.NOTE, note) == "duplicate":
-            self.counters["duplicate_notification"] += 1
-            return
-        if ch.state is RxState.LANDED:
-            self._start_scatter(r, ch)
-
-    def _start_scatter(self, r: _Room, ch: RxChunk) -> None:
-        fmt = staging_format(ch.flow)
-        base = ch.alloc.offset
-        maps = []
-        for p in ch.writers:
-            spec = r.senders[p]
-            block = ch.offsets[p] if ch.flow is Flow.RING else base
-            maps.append(
-                staged_map(
-                    self.pool,
-                    r.dst_pages,
-                    spec.head_start,
-                    spec.num_heads,
-                    ch.token_start,
-                    ch.token_end,
-                    fmt,
-                    block,
-                )
-            )
-        op = self._next_op_id
-        self._next_op_id += 1
-        self.ops[op] = r.key
-        r.scatters.add(op)
-        fire(RX_TABLE, ch, RxIn.START, op)
-        region = RING_REGION if ch.flow is Flow.RING else PINNED_REGION
-        self._out.append(Scatter(op_id=op, room=r.room, staging_region=region, maps=tuple(maps)))
-
-    def _scatter_finished(self, r: _Room, op: int) -> None:
-        """Every state: the scatter's staging space has no writer left, so it is freed at once."""
-        r.scatters.discard(op)
-        ch = next((x for x in r.stg.values() if x.op_id == op), None)
-        if ch is None or ch.state is not RxState.SCATTERING:
-            return
-        fire(RX_TABLE, ch, RxIn.SCATTERED)
-        self._free_alloc(ch)
-        self._space_freed()
-
-    def _free_alloc(self, ch: RxChunk) -> None:
-        if ch.flow is Flow.RING:
-            self.ring.free(ch.alloc.alloc_id)  # type: ignore[union-attr]
-        else:
-            self.pinned.free(ch.alloc.res_id)  # type: ignore[union-attr]
-            self._pinned_live.pop(ch.alloc.res_id, None)
-
-    def _h_on_copy_done(self, r: _Room, inp: RIn, ev: CopyDone) -> str:
-        for ch in r.stg.values():
-            if ch.op_id == ev.op_id:
-                for p in ch.writers:
-                    self._record_chunk(r, r.progress[p], ch.notes[p])
-        return "done" if self._complete(r) else "stay"
-
-    def _reclaim(self, r: _Room) -> None:
-        """A failed room's staging space, once its writers are fenced and no scatter runs."""
-        freed = 0
-        if self.ring is not None:
-            freed += len(self.ring.free_owner(r.key))
-        if self.pinned is not None:
-            ids = self.pinned.free_owner(r.key)
-            for i in ids:
-                self._pinned_live.pop(i, None)
-            freed += len(ids)
-        if any(q[0] == r.room and q[1] == r.tid for q in self.pinned_queue):
-            self.pinned_queue = deque(q for q in self.pinned_queue if (q[0], q[1]) != r.key)
-        if freed:
-            self._space_freed()
-
-    def _space_freed(self) -> None:
-        """Broadcast the ring's new watermark; grant pinned chunks that waited, in order."""
-        for pool in ("ring", "pinned"):
-            wm = self._watermark(pool)
-            if wm != self._last_wm.get(pool):
-                self._last_wm[pool] = wm
-                for p in sorted(self.subscribers[pool]):
-                    self._send(p, self._watermark_msg(pool))
-        while self.pinned_queue:
-            room, tid, idx = self.pinned_queue[0]
-            r = self.rooms.get(room)
-            ch = r.stg.get(idx) if r is not None and r.tid == tid and r.state is not RState.FAILED else None
-            if ch is None:
-                self.pinned_queue.popleft()
-                continue
-            try:
-                if not self._allocate(r, ch):  # type: ignore[arg-type]
-                    break
-            except RoomError as exc:
-                self._fail(r, RoomFailure(str(exc), error=exc, at_ns=self._now))  # type: ignore[arg-type]
-            self.pinned_queue.popleft()
 
     def _h_on_notify_after_success(self, r: _Room, inp: RIn, note: m.ChunkNote) -> None:
         prog = r.progress.get(note.src)

@@ -55,8 +55,9 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
-from kvferry.core.flows import Flow, FlowPolicy
+from kvferry.core.flows import FlowPolicy
 from kvferry.core.flows.staged_sender import StagedSender
+from kvferry.core.flows.staged_tx import StagedLedger
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition
 from kvferry.core.worker import Destination, plan_chunk, shard_of
@@ -104,31 +105,23 @@ _B, _W, _T, _S, _F = SState.BOOTSTRAPPING, SState.WAITING, SState.TRANSFERRING, 
 
 class _Room:
     __slots__ = (
-        "asked",
         "aux_index",
-        "blocked",
         "created_by_info",
-        "deferred",
         "dests",
-        "direct_chunks",
-        "early_grants",
         "enqueue_end",
         "expected_infos",
         "failure",
-        "flow",
         "flow_override",
         "inflight",
         "infos",
         "key",
-        "lanes",
         "last_enqueued",
         "last_run",
+        "ledger",
         "next_enqueue",
         "next_run",
         "num_tokens",
         "opened",
-        "ops",
-        "pages",
         "parked",
         "ranges",
         "receivers",
@@ -139,7 +132,6 @@ class _Room:
         "stopped_sent",
         "tid",
         "tokens_done",
-        "write_lane",
     )
 
     def __init__(self, room: int, tid: str) -> None:
@@ -165,23 +157,13 @@ class _Room:
         self.stop_to: set[m.Endpoint] = set()
         self.stopped_sent = False
         self.release_requested = False
-        # Flows (core.flows, core.flows.staged_sender): the room's flow once chosen, the token
-        # range of every enqueued chunk, and the lanes of its staged chunks.
+        # Flows: what the scheduler asked for, the token range of every enqueued chunk (the room
+        # machine's), and the flow's own ledger (core.flows.staged_tx.StagedLedger).
         self.receivers: tuple[m.Endpoint, ...] = ()
         self.flow_override: str | None = None
-        self.flow: Flow | None = None
         self.ranges: list[tuple[int, int]] = []
         self.enqueue_end = 0
-        self.lanes: dict[tuple[int, m.Endpoint], Any] = {}
-        self.asked: dict[tuple[int, m.Endpoint], bool] = {}
-        self.early_grants: dict[tuple[int, m.Endpoint], list[m.StagingRsp]] = {}
-        self.direct_chunks: set[int] = set()  # staged room, but these chunks go direct
-        self.deferred: set[int] = set()
-        self.blocked = ""
-        self.pages: Any = None
-        self.ops: set[int] = set()
-        # write id -> (lane, its note, ring slot position or None)
-        self.write_lane: dict[int, tuple[tuple[int, m.Endpoint], bytes, Any]] = {}
+        self.ledger = StagedLedger()
 
 
 class _Notice:
@@ -499,7 +481,7 @@ class SenderEngine(StagedSender, RoomEngine):
             r.release_requested = True
         elif inp is SIn.WRITE_DONE or inp is SIn.WRITE_FAILED:
             r.inflight.discard(payload.write_id)
-            if r.write_lane:
+            if r.ledger.write_lane:
                 self._write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
         elif inp is SIn.COPY_DONE or inp is SIn.COPY_FAILED:
             self._op_finished(r, payload.op_id)
@@ -609,11 +591,11 @@ class SenderEngine(StagedSender, RoomEngine):
             self.counters["duplicate_chunk_run"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="already run"))
             return "stay"
-        if r.flow is None and r.state is not SState.BOOTSTRAPPING:
+        if r.ledger.flow is None and r.state is not SState.BOOTSTRAPPING:
             self._choose_flow(r)
         if c.chunk_index != r.next_run:
             raise RoomError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
-        if r.flow is not None and r.flow.staged:
+        if r.ledger.flow is not None and r.ledger.flow.staged:
             # The worker hands a staged chunk over and moves on; its lanes wait for space.
             return self._accept_staged(r, c)
         return self._run_direct(r, c)
@@ -716,7 +698,7 @@ class SenderEngine(StagedSender, RoomEngine):
 
     def _quiet(self, r: _Room) -> bool:
         """The last chunk ran and nothing of the room is in flight: writes, gathers, lanes."""
-        return r.last_run and not r.inflight and not r.ops and self._lanes_landed(r)
+        return r.last_run and not r.inflight and r.ledger.quiet()
 
     def _new_write(self, r: _Room) -> int:
         wid = self._next_write_id
@@ -740,8 +722,8 @@ class SenderEngine(StagedSender, RoomEngine):
             reason = f"failed on {payload.src}: {payload.reason}"
         elif inp is SIn.TIMEOUT:
             reason = f"timed out while {r.state.value}"
-            if r.blocked:
-                reason += f" (chunk {r.next_run}: {r.blocked})"
+            if r.ledger.blocked:
+                reason += f" ({r.ledger.blocked})"
         elif inp is SIn.COPY_FAILED:
             reason = f"gather failed: {payload.reason}"
         elif isinstance(payload, tuple):
@@ -787,7 +769,7 @@ class SenderEngine(StagedSender, RoomEngine):
         r.state = SState.FAILED
         r.failure = failure
         r.parked = []
-        r.early_grants.clear()
+        r.ledger.drop_waiting()
         self.stalled.discard(r.room)
         self.deadlines.cancel(("room", r.room))
         self.deadlines.cancel(("stg", r.room))
@@ -812,7 +794,7 @@ class SenderEngine(StagedSender, RoomEngine):
                 self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         # A gather still running owns a staging buffer: the room stays until it returns.
         terminal_quiet = r.state is SState.SUCCESS or (
-            r.state is SState.FAILED and not r.inflight and not r.ops
+            r.state is SState.FAILED and not r.inflight and not r.ledger.ops
         )
         # A room only a TransferInfo ever created has no local owner to release it.
         auto = r.created_by_info and not r.opened and r.state is SState.FAILED

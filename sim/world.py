@@ -612,7 +612,7 @@ class World(Chaos):
             r = eng.rooms.get(room)
             if r is None:
                 continue
-            for lane in r.lanes.values():
+            for lane in r.ledger.lanes.values():
                 if not lane.accepted or lane.state is not TxState.GRANTED or lane.flow is not Flow.RING:
                     continue
                 dec = self.ranks.get(f"decode{lane.target.rank}")

@@ -72,7 +72,7 @@ def test_default_policy_picks_ring_for_unequal_tp_and_direct_for_equal() -> None
         w = world(TINY4, p, d, None, space=4096)
         req = w.open_room(7, "t", 4, [4])
         w.flush()
-        assert w.prefill[0].engine.rooms[7].flow is want
+        assert w.prefill[0].engine.rooms[7].ledger.flow is want
         assert req is not None
         for i in range(p):
             w.chunk_ready(req, i)

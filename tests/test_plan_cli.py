@@ -95,7 +95,9 @@ def test_flows_section_counts_what_the_flows_post(app: typer.Typer) -> None:
     for p in range(4):
         w.chunk_ready(req, p)
     w.flush()
-    lanes = [lane for r in w.prefill for room in r.engine.rooms.values() for lane in room.lanes.values()]
+    lanes = [
+        lane for r in w.prefill for room in r.engine.rooms.values() for lane in room.ledger.lanes.values()
+    ]
     assert len(lanes) == 4 and all(lane.length == 40 * q.token_bytes // 4 for lane in lanes)
 
 

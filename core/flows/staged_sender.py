@@ -110,62 +110,66 @@ class StagedSender:
         known = [self.peers[p] for p in targets if p in self.peers]
         if not known:
             if r.state.value != "bootstrapping" and not targets:
-                r.flow = Flow.DIRECT  # only dummy links: nothing to stage
+                r.ledger.flow = Flow.DIRECT  # only dummy links: nothing to stage
             return
         reg = known[0].registration
-        r.flow = self.policy.choose(
+        r.ledger.flow = self.policy.choose(
             self.pool, known[0].pool, reg.ring_bytes, reg.pinned_bytes, r.flow_override
         )
-        if r.flow.staged:
+        if r.ledger.flow.staged:
             for peer in known:
-                have = peer.registration.ring_bytes if r.flow is Flow.RING else peer.registration.pinned_bytes
+                have = (
+                    peer.registration.ring_bytes
+                    if r.ledger.flow is Flow.RING
+                    else peer.registration.pinned_bytes
+                )
                 if not have:
                     raise StagingRoomError(
-                        f"flow {r.flow.value}: decode rank {peer.registration.src} registered no "
-                        f"{r.flow.value} region"
+                        f"flow {r.ledger.flow.value}: decode rank {peer.registration.src} registered no "
+                        f"{r.ledger.flow.value} region"
                     )
 
     def _prefetch(self, r: Any) -> None:
         """Create the lanes of every known chunk not yet accepted and ask for their space."""
-        if r.flow is None:
+        if r.ledger.flow is None:
             self._choose_flow(r)
-        if r.flow is None or not r.flow.staged or r.state.value == "failed":
+        if r.ledger.flow is None or not r.ledger.flow.staged or r.state.value == "failed":
             return
         targets = self._targets(r)
         asked = False
         for idx in range(r.next_run, len(r.ranges)):
             ts, te = r.ranges[idx]
-            if te <= ts or idx in r.direct_chunks:
+            if te <= ts or idx in r.ledger.direct_chunks:
                 continue  # nothing to stage: it runs direct (notes only, or the fallback)
             for p in targets:
-                lane = r.lanes.get((idx, p))
+                lane = r.ledger.lanes.get((idx, p))
                 if lane is None:
                     if p not in self.peers:
                         continue
                     lane = self._new_lane(r, idx, p, ts, te, len(targets))
                     if lane is None:
                         break  # the chunk falls back to direct
-                if lane.state is TxState.ASKING and not r.asked.get(lane.key):
-                    r.asked[lane.key] = True
+                if lane.state is TxState.ASKING and not r.ledger.asked.get(lane.key):
+                    r.ledger.asked[lane.key] = True
                     asked = True
                     self._send(p, self._staging_req(r, lane))
         if asked and ("stg", r.room) not in self.deadlines:
             self.deadlines.set(("stg", r.room), self._now + self.timeouts.heartbeat_interval_ns)
 
     def _new_lane(self, r: Any, idx: int, p: m.Endpoint, ts: int, te: int, n_targets: int) -> TxLane | None:
-        assert r.flow is not None
+        assert r.ledger.flow is not None
         dst = self.peers[p].pool
         g0, n = lane_heads(self.pool, dst)
-        lane = TxLane(idx, p, ts, te, r.flow, g0, n)
+        lane = TxLane(idx, p, ts, te, r.ledger.flow, g0, n)
         why = self._too_big(lane, dst, n_targets)
         if why:
             if not self.policy.fallback_direct:
                 raise StagingRoomError(f"chunk {idx}: {why}")
             self.counters["chunk_fallback_direct"] += 1
-            r.direct_chunks.add(idx)
+            r.ledger.direct_chunks.add(idx)
             return None
-        r.lanes[lane.key] = lane
-        for rsp in r.early_grants.pop(lane.key, []):
+        r.ledger.lanes[lane.key] = lane
+        for rsp in r.ledger.early_grants.pop(lane.key, []):
             fire(TX_TABLE, lane, TxIn.GRANT, rsp)
         return lane
 
@@ -208,8 +212,8 @@ class StagedSender:
         """StagingReq (or its answer) may be lost: ask again each heartbeat interval until every
         lane is answered; decode answers a repeat with the same allocation."""
         pending = False
-        for key, lane in sorted(r.lanes.items()):
-            if lane.state is TxState.ASKING and r.asked.get(key) and lane.target in self.peers:
+        for key, lane in sorted(r.ledger.lanes.items()):
+            if lane.state is TxState.ASKING and r.ledger.asked.get(key) and lane.target in self.peers:
                 pending = True
                 # Per flow: a ring answers at once, so a ring resend means a lost message; a full
                 # pinned pool answers only when space frees, so pinned resends are routine.
@@ -230,12 +234,12 @@ class StagedSender:
         if rsp.src not in self._targets(r) and rsp.src not in r.receivers:
             raise StagingRoomError(f"staging space from {rsp.src}, which is not a decode rank of the room")
         self._heard_wm((rsp.src, rsp.flow), Watermark(rsp.wm_round, rsp.wm_offset))
-        lane = r.lanes.get((rsp.chunk_index, rsp.src))
+        lane = r.ledger.lanes.get((rsp.chunk_index, rsp.src))
         if lane is None:
             if rsp.chunk_index < r.next_run:
                 self.counters["staging_rsp_late"] += 1
             else:
-                r.early_grants.setdefault((rsp.chunk_index, rsp.src), []).append(rsp)
+                r.ledger.early_grants.setdefault((rsp.chunk_index, rsp.src), []).append(rsp)
             return
         if fire(TX_TABLE, lane, TxIn.GRANT, rsp) == "duplicate":
             self.counters["staging_rsp_duplicate"] += 1
@@ -264,10 +268,10 @@ class StagedSender:
         """The worker hands over the room's next chunk: check it, then let its lanes go."""
         start, end = self._chunk_bounds(r, c)  # type: ignore[attr-defined]
         idx = c.chunk_index
-        if end > start and idx not in r.direct_chunks:
+        if end > start and idx not in r.ledger.direct_chunks:
             self._prefetch(r)  # every decode rank is known and registered by now
-        lanes = [r.lanes[(idx, p)] for p in self._targets(r) if (idx, p) in r.lanes]
-        if end <= start or idx in r.direct_chunks or not lanes:
+        lanes = [r.ledger.lanes[(idx, p)] for p in self._targets(r) if (idx, p) in r.ledger.lanes]
+        if end <= start or idx in r.ledger.direct_chunks or not lanes:
             return self._run_direct(r, c)  # type: ignore[attr-defined,no-any-return]
         if len(lanes) != len(self._targets(r)):
             raise StagingRoomError(
@@ -281,7 +285,7 @@ class StagedSender:
         pages = np.asarray(c.src_pages, dtype=np.int64)
         if pages.size * self.pool.page_size < end:
             raise StagingRoomError(f"chunk {idx}: {pages.size} source pages do not cover token {end}")
-        r.pages = pages
+        r.ledger.pages = pages
         for lane in lanes:
             lane.accepted = True
             lane.is_last = c.is_last
@@ -322,7 +326,7 @@ class StagedSender:
         if r.state.value == "failed":
             return
         blocked = ""
-        for _, lane in sorted(r.lanes.items()):
+        for _, lane in sorted(r.ledger.lanes.items()):
             if not lane.accepted or lane.state not in (TxState.ASKING, TxState.GRANTED):
                 continue
             why = self._blocker(r, lane)
@@ -330,11 +334,11 @@ class StagedSender:
                 why = self._start_lane(r, lane)
             if why:
                 blocked = blocked or f"chunk {lane.index} to {lane.target}: {why}"
-                if lane.index not in r.deferred:
-                    r.deferred.add(lane.index)
+                if lane.index not in r.ledger.deferred:
+                    r.ledger.deferred.add(lane.index)
                     self.counters["chunk_deferred"] += 1
                     self._out.append(ChunkDeferred(room=r.room, chunk_index=lane.index, reason=why))
-        r.blocked = blocked
+        r.ledger.blocked = blocked
         if blocked:
             self.stalled.add(r.room)
         else:
@@ -363,7 +367,7 @@ class StagedSender:
             base = res.offset - (lane.head_start - self.pool.head_start) * regions * T * hb
         smap = staged_map(
             self.pool,
-            r.pages,
+            r.ledger.pages,
             lane.head_start,
             lane.num_heads,
             lane.token_start,
@@ -374,7 +378,7 @@ class StagedSender:
         op = self._next_op_id
         self._next_op_id += 1
         self.ops[op] = r.key
-        r.ops.add(op)
+        r.ledger.ops.add(op)
         fire(TX_TABLE, lane, TxIn.START, op, buffer, smap.staging_base, smap.nbytes)
         self._out.append(
             Gather(op_id=op, room=r.room, staging_region=self._buffer_region(buffer), maps=(smap,))
@@ -382,7 +386,7 @@ class StagedSender:
         return ""
 
     def _h_on_copy_done(self, r: Any, inp: Any, ev: Any) -> None:
-        lane = next((x for x in r.lanes.values() if x.op_id == ev.op_id), None)
+        lane = next((x for x in r.ledger.lanes.values() if x.op_id == ev.op_id), None)
         if lane is None:
             raise StagingRoomError(f"gather {ev.op_id} finished for no lane of the room")
         g = lane.grant
@@ -392,7 +396,7 @@ class StagedSender:
         # Where the watermark must pass for this write to be known scattered: the ring slot, or
         # the pinned grant's sequence number.
         position = Watermark(g.round, g.start) if lane.flow is Flow.RING else Watermark(g.round, 0)
-        r.write_lane[wid] = (lane.key, note, position)
+        r.ledger.write_lane[wid] = (lane.key, note, position)
         fire(TX_TABLE, lane, TxIn.GATHERED, wid)
         self._out.append(
             PostWrite(
@@ -412,18 +416,18 @@ class StagedSender:
 
     def _op_finished(self, r: Any, op: int) -> None:
         """Every state: a failed room's gather gives its slot back and posts nothing."""
-        r.ops.discard(op)
+        r.ledger.ops.discard(op)
         if r.state.value == "failed":
-            for lane in r.lanes.values():
+            for lane in r.ledger.lanes.values():
                 if lane.op_id == op and lane.state is TxState.GATHERING:
                     self._release(r, lane)
 
     def _write_finished(self, r: Any, wid: int, done: bool) -> None:
-        entry = r.write_lane.pop(wid, None)
+        entry = r.ledger.write_lane.pop(wid, None)
         if entry is None:
             return
         key, note, position = entry
-        lane = r.lanes[key]
+        lane = r.ledger.lanes[key]
         if done:
             self._await_scatter((lane.target, lane.flow.value), position, note)
         fire(TX_TABLE, lane, TxIn.WRITTEN)
@@ -440,9 +444,6 @@ class StagedSender:
         elif self.pinned is not None:
             self.pinned.free(ident)
         self._wake_stalled()
-
-    def _lanes_landed(self, r: Any) -> bool:
-        return all(x.state is TxState.LANDED for x in r.lanes.values() if x.accepted)
 
     def _wake_stalled(self) -> None:
         """A grant, a watermark or a freed slot: let stalled rooms try again. Not a spin: only

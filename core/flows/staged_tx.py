@@ -22,7 +22,7 @@ from kvferry.core.flows.policy import Flow
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.planner import find_link
 
-__all__ = ["TX_TABLE", "TxIn", "TxLane", "TxState", "decode_alloc_bytes", "writer_bytes"]
+__all__ = ["TX_TABLE", "StagedLedger", "TxIn", "TxLane", "TxState", "decode_alloc_bytes", "writer_bytes"]
 
 
 class TxState(Enum):
@@ -92,6 +92,35 @@ class TxLane:
     @property
     def key(self) -> tuple[int, m.Endpoint]:
         return (self.index, self.target)
+
+
+class StagedLedger:
+    """Everything the flow keeps about one room, owned by the flow: the room machine reads only
+    ``flow``, ``quiet()`` and ``blocked`` (for a timeout's reason), and never writes here."""
+
+    __slots__ = ("asked", "blocked", "deferred", "direct_chunks", "early_grants", "flow", "lanes", "ops",
+                 "pages", "write_lane")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.flow: Flow | None = None  # chosen once a decode rank of the room is registered
+        self.lanes: dict[tuple[int, m.Endpoint], TxLane] = {}
+        self.asked: dict[tuple[int, m.Endpoint], bool] = {}
+        self.early_grants: dict[tuple[int, m.Endpoint], list[m.StagingRsp]] = {}
+        self.direct_chunks: set[int] = set()  # a staged room's chunks that go direct (fallback, empty)
+        self.deferred: set[int] = set()
+        self.blocked = ""  # why the first waiting lane waits (for the room's timeout reason)
+        self.pages: Any = None
+        self.ops: set[int] = set()  # gathers in flight: each owns a staging slot
+        # write id -> (lane, its note, the watermark position that confirms its scatter)
+        self.write_lane: dict[int, tuple[tuple[int, m.Endpoint], bytes, Any]] = {}
+
+    def quiet(self) -> bool:
+        """No gather or write in flight and every accepted lane landed."""
+        return not self.ops and all(x.state is TxState.LANDED for x in self.lanes.values() if x.accepted)
+
+    def drop_waiting(self) -> None:
+        """The room failed: nothing not yet started will start."""
+        self.early_grants.clear()
 
 
 def _grant(lane: TxLane, rsp: m.StagingRsp) -> str:
