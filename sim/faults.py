@@ -35,12 +35,14 @@ def draw_personality(s: Scenario, streams: Streams) -> Scenario:
     if streams["swarm.calm"].random() < CALM_SHARE:
         # A calm seed: nothing injected beyond what the base scenario sets. Most hours in
         # production look like this, and only such runs can hold the core to "every room
-        # succeeds" and "nothing is ever resent" (checker: fault_free). Its deadlines are
-        # stretched so that queueing under a drawn overload is not mistaken for a wedge: a room
-        # that waits forever then shows as a liveness violation instead of a timeout.
+        # succeeds" and "nothing is ever resent" (checker: fault_free). Its deadlines and its
+        # liveness window are stretched so that queueing under a drawn overload (posting 100k
+        # descriptors per room, say) is not mistaken for a wedge; a room that waits forever
+        # still fails its (stretched) deadline, which fault_free reports.
         t = s.timeouts
         stretched = replace(t, **{n: getattr(t, n) * CALM_STRETCH for n in _STRETCHED})
-        return replace(s, faults=replace(f, swarm=False), timeouts=stretched)
+        phases = replace(s.phases, liveness_us=s.phases.liveness_us * CALM_STRETCH)
+        return replace(s, faults=replace(f, swarm=False), timeouts=stretched, phases=phases)
     rng = streams["swarm"]
     window = s.phases.fault_window_us
 
