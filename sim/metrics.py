@@ -61,6 +61,8 @@ class RunResult:
     # "room K: why" for each room whose two sides ended apart for a reason the core cannot help
     agreement_exempt: list[str] = field(default_factory=list)
     rooms_detail: list[RoomOutcome] = field(default_factory=list)
+    # Per decode rank offering staged flows: capacities and peak use (ring, pinned, fragmentation).
+    staging: dict[str, Any] = field(default_factory=dict)
     scenario_toml: str = ""  # the resolved scenario, filled in for failing runs
 
     @property
@@ -131,7 +133,23 @@ def collect(w: World, wall_s: float = 0.0, detail: bool = False) -> RunResult:
         wall_s=wall_s,
         agreement_exempt=[f"room {k}: {why}" for k, why in w.agreement_exempt],
         rooms_detail=rooms,
+        staging=_staging(w),
     )
+
+
+def _staging(w: World) -> dict[str, Any]:
+    """Staging offered and its peak use per decode rank (empty when no staged flow is offered)."""
+    out: dict[str, Any] = {}
+    for d in range(w.D):
+        eng = w.ranks[f"decode{d}"].engine
+        if eng.ring is None and eng.pinned is None:
+            continue
+        out[f"decode{d}"] = {
+            "ring_bytes": eng.ring.capacity if eng.ring is not None else 0,
+            "pinned_bytes": eng.pinned.capacity if eng.pinned is not None else 0,
+            **eng.staging_peaks,
+        }
+    return out
 
 
 def _reason_class(reason: str) -> str:

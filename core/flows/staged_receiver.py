@@ -87,6 +87,15 @@ class StagedReceiver:
         self.pinned_queue: deque[tuple[int, str, int]] = deque()  # (room, tid, chunk) waiting for space
         self.held: dict[tuple[int, str], list[m.StagingReq]] = {}
         self.ops: dict[int, tuple[int, str]] = {}  # scatter op id -> room key
+        # Peaks over the rank's life (what sizing a ring or a pinned pool needs to know).
+        # ring_assigned: bytes handed out and not yet freed, laps ahead of the watermark included,
+        # so it can exceed the ring (those chunks wait for the watermark on prefill).
+        self.staging_peaks = {
+            "ring_used": 0,
+            "pinned_used": 0,
+            "pinned_fragmentation": 0.0,
+            "pinned_waiting": 0,
+        }
         self._next_op_id = 1
 
     # --- staged flows (ring, pinned) ---------------------------------------------------------------
@@ -155,6 +164,7 @@ class StagedReceiver:
         if not self._allocate(r, ch):
             self.counters["pinned_wait"] += 1
             self.pinned_queue.append((r.room, r.tid, ch.index))
+            self._note_peaks()
 
     def _allocate(self, r: Any, ch: RxChunk) -> bool:
         """Space for one chunk of every writer; False if the pinned pool must be waited for."""
@@ -188,9 +198,19 @@ class StagedReceiver:
             self._pinned_next += 1
             self._pinned_live[res.res_id] = ch.seq
             self.subscribers["pinned"].update(ch.writers)
+        self._note_peaks()
         fire(RX_TABLE, ch, RxIn.ALLOCATED, got, offsets)
         self._grant(r, ch, ch.writers)
         return True
+
+    def _note_peaks(self) -> None:
+        p = self.staging_peaks
+        if self.ring is not None:
+            p["ring_assigned"] = max(p["ring_assigned"], self.ring.used)
+        if self.pinned is not None:
+            p["pinned_used"] = max(p["pinned_used"], self.pinned.used)
+            p["pinned_fragmentation"] = max(p["pinned_fragmentation"], round(self.pinned.fragmentation, 4))
+            p["pinned_waiting"] = max(p["pinned_waiting"], len(self.pinned_queue))
 
     def _watermark(self, pool: str) -> Watermark:
         """Ring: the oldest live allocation. Pinned: the grant number of the oldest live
