@@ -91,7 +91,7 @@ class StagedReceiver:
         # ring_assigned: bytes handed out and not yet freed, laps ahead of the watermark included,
         # so it can exceed the ring (those chunks wait for the watermark on prefill).
         self.staging_peaks = {
-            "ring_used": 0,
+            "ring_assigned": 0,
             "pinned_used": 0,
             "pinned_fragmentation": 0.0,
             "pinned_waiting": 0,
