@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from kvferry.core import messages as m
+from kvferry.core.events import ControlIn
 from kvferry.core.flows import Flow, FlowError, FlowPolicy
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
@@ -25,8 +26,18 @@ PAIRS = [(TINY4, 1, 1), (TINY4, 2, 1), (TINY4, 1, 2), (TINY4, 4, 2), (TINY4, 2, 
 
 
 def world(model: ModelGeometry, p: int, d: int, flow: str | None, space: int, **kw: object) -> H.World:
-    return H.World(model, p, d, flow=flow, ring_bytes=space, pinned_bytes=space, worker_buffer_bytes=space,
-                   prefill_pinned_bytes=space, seed=p * 10 + d, **kw)  # fmt: skip
+    return H.World(
+        model,
+        p,
+        d,
+        flow=flow,
+        ring_bytes=space,
+        pinned_bytes=space,
+        worker_buffer_bytes=space,
+        prefill_pinned_bytes=space,
+        seed=p * 10 + d,
+        **kw,
+    )
 
 
 def run_rooms(w: H.World, n: int, tokens: int, cuts: list[int], room0: int = 100) -> list[H.Request]:
@@ -111,8 +122,16 @@ def test_rooms_with_different_flows_share_a_rank() -> None:
 
 @pytest.mark.parametrize("flow", ["ring", "pinned"])
 def test_chunk_larger_than_decode_space_fails_the_room_with_the_size(flow: str) -> None:
-    w = H.World(TINY4, 2, 1, flow=flow, ring_bytes=128, pinned_bytes=128, worker_buffer_bytes=4096,
-                prefill_pinned_bytes=4096)  # fmt: skip
+    w = H.World(
+        TINY4,
+        2,
+        1,
+        flow=flow,
+        ring_bytes=128,
+        pinned_bytes=128,
+        worker_buffer_bytes=4096,
+        prefill_pinned_bytes=4096,
+    )
     (req,) = run_rooms(w, 1, 10, [10])
     assert w.server_view[("decode", req.room, req.tid)] is KVPoll.Failed
     assert any("needs" in r and "bytes of decode" in r for r in w.failure_reasons), w.failure_reasons
@@ -196,3 +215,54 @@ def test_topology_feeds_both_sides() -> None:
     assert receiver_endpoints(TINY4, 1, 2, 0) == (m.Endpoint("decode", 0), m.Endpoint("decode", 1))
     mla = sender_specs(H.TINY_MLA, 2, 1, 0)
     assert [s.dummy for s in mla] == [False, True] and receiver_endpoints(H.TINY_MLA, 2, 1, 1) == ()
+
+
+def test_a_ring_that_never_drains_fails_the_waiting_room_with_the_reason() -> None:
+    # Decode's scatters never run: the ring stays full, the next chunk can never be written.
+    w = world(TINY4, 2, 1, "ring", space=512)
+    req = w.open_room(3, "t", 8, [4, 8])
+    assert req is not None
+    w.flush()
+    for p in range(2):
+        w.chunk_ready(req, p)
+        w.chunk_ready(req, p)
+    decode = w.decode[0].endpoint
+    for _ in range(40):
+        w.fabric.copies = [c for c in w.fabric.copies if c.owner == decode] + [
+            c for c in w.fabric.copies if c.owner != decode
+        ]
+        while any(c.owner != decode for c in w.fabric.copies):
+            i = next(i for i, c in enumerate(w.fabric.copies) if c.owner != decode)
+            w.fabric.run_copy(i)
+            w.pump()
+        while w.fabric.pending or w.fabric.writes:
+            while w.fabric.pending:
+                w.deliver(0)
+            while w.fabric.writes:
+                w.fabric.complete(0)
+                w.pump()
+        for p in range(2):
+            for s in range(len(w.prefill[p].driver.queues)):
+                while w.run_worker(p, s):
+                    pass
+        w.advance(H.TEST_TIMEOUTS.heartbeat_interval_ns)
+    assert any("ring space of decode#0 not drained" in r for r in w.failure_reasons), w.failure_reasons
+    assert w.violations == []
+
+
+def test_too_many_early_requests_are_refused_with_a_reason_not_dropped() -> None:
+    from kvferry.core.flows.staged_receiver import MAX_HELD_STAGING
+
+    w = world(TINY4, 1, 1, "ring", space=4096)
+    eng = w.decode[0].engine
+    src = w.prefill[0].endpoint
+    out = []
+    for i in range(MAX_HELD_STAGING + 1):
+        req = m.StagingReq(
+            src=src, room=1000 + i, transfer_id="x", flow="ring", chunk_index=0, token_start=0, token_end=4
+        )
+        out += eng.handle(ControlIn(data=m.encode(req)), 0)
+    assert sum(len(v) for v in eng.held.values()) == MAX_HELD_STAGING
+    refusals = [c.msg for c in out if type(c.msg) is m.StagingRsp]
+    assert len(refusals) == 1 and not refusals[0].ok and "unopened rooms" in refusals[0].reason
+    assert eng.counters["staging_req_overflow"] == 1
