@@ -124,3 +124,41 @@ def test_head_major_in_page_pool_is_rejected() -> None:
     with pytest.raises(KernelArgError, match="NHD"):
         gather_map(pool, buffer(pair.src_buffer_bytes, torch.bfloat16, 0), pair.gather)
     assert pool.stats.rejected == 1
+
+
+@settings(max_examples=6, deadline=None)
+@given(room=refmodel.rooms(), fmt=st.sampled_from(list(StagingFormat)), base_units=st.integers(0, 7))
+def test_kernels_and_the_simulators_numpy_copy_move_the_same_bytes(
+    room: dict, fmt: StagingFormat, base_units: int
+) -> None:
+    """The simulator and the test harness run every staged flow with numpy
+    (backends/staging_copy.py); the GPU runs the Triton kernels. For the maps the flows build
+    (``staged_map`` with a lane's base), both must put the same bytes at the same places."""
+    from kvferry.backends.staging_copy import copy_maps
+    from kvferry.core.staging_layout import staged_map
+
+    model = room["model"]
+    dt = TORCH_DTYPE[model.dtype]
+    rng = np.random.default_rng(room["seed"])
+    src_geo = make_pools(model, room["ptp"], room["ps_p"], room["pool_p"], Layout.SGLANG_NHD)
+    sp = refmodel.fragmented_pages(rng, room["pool_p"], room["need_p"])
+    lo, hi = room["cuts"][0], room["cuts"][1]
+    geo = src_geo[-1]
+    n = max(1, geo.heads_per_rank // 2)
+    base = base_units * geo.head_bytes  # a lane's slot starts anywhere on a head row
+    smap = staged_map(geo, sp, geo.head_start, n, lo, hi, fmt, base)
+    mem = refmodel.source_memory(geo, sp, room["tokens"], salt=3)
+    size = base + smap.nbytes + geo.model.num_regions * (hi - lo) * geo.heads_per_rank * geo.head_bytes
+    # Gather: kernels into one buffer, numpy into another.
+    kbuf = buffer(size, dt, 0xEE)
+    gather_map(to_pool(geo, mem), kbuf, smap, backend="triton")
+    nbuf = np.full(size, 0xEE, dtype=np.uint8)
+    copy_maps("gather", {r: mem[r].reshape(-1) for r in range(len(mem))}, nbuf, (smap,))
+    np.testing.assert_array_equal(kbuf.cpu().view(torch.uint8).numpy(), nbuf)
+    # Scatter the gathered bytes back into blank pools, both ways: same pools.
+    kmem = refmodel.blank(geo, 0x11)
+    nmem = {r: v.copy() for r, v in kmem.items()}
+    scatter_map(to_pool(geo, kmem), kbuf, smap, backend="triton")
+    copy_maps("scatter", {r: nmem[r].reshape(-1) for r in range(len(nmem))}, nbuf, (smap,))
+    for r in range(len(kmem)):
+        np.testing.assert_array_equal(kmem[r], nmem[r])
