@@ -2,7 +2,45 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 import typer
+from typer.core import TyperGroup
+
+try:  # typer >= 0.20 carries its own copy of click
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover (older typer: click itself)
+    from click.exceptions import UsageError  # type: ignore[no-redef]
+
+
+@contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+    try:
+        yield
+    except UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # no arguments: typer prints the help
+            raise
+        from kvferry.commands import bad_input
+
+        hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        bad_input(e.format_message() + hint)
+
+
+class _OneLineErrors(TyperGroup):
+    """Typer's usage errors (a wrong type, an unknown option or command) as one ``error: ...``
+    line and exit status 2, like every error kvferry reports itself, instead of a usage box.
+    Parsing errors arise in ``make_context`` (the root's options) and ``invoke`` (a subcommand's)."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        with _one_line_usage_errors():
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: Any) -> Any:
+        with _one_line_usage_errors():
+            return super().invoke(ctx)
+
 
 app = typer.Typer(
     name="kvferry",
@@ -10,6 +48,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=_OneLineErrors,
 )
 
 

@@ -24,6 +24,9 @@ def parse_seeds(text: str) -> list[int]:
     """``"0-999"``, ``"7"``, ``"1,5,10-12"`` -> the seeds, in order, without repeats."""
     out: list[int] = []
     seen: set[int] = set()
+    # The whole list (and a set) is built: 10M seeds is about 1 GB, and weeks of runs.
+    max_seeds = 10_000_000
+    count = 0
     for part in text.split(","):
         part = part.strip()
         if not part:
@@ -38,6 +41,9 @@ def parse_seeds(text: str) -> list[int]:
             raise ValueError(f"bad seed range {part!r}; use e.g. 0-999 or 1,5,10-12") from None
         if lo < 0 or hi < lo:
             raise ValueError(f"bad seed range {part!r}")
+        count += hi - lo + 1  # checked before the list is built
+        if count > max_seeds:
+            raise ValueError(f"too many seeds in {text!r}: at most {max_seeds:,} in one campaign")
         for s in range(lo, hi + 1):
             if s not in seen:
                 seen.add(s)

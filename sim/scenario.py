@@ -597,9 +597,17 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
 def load(path: str | Path) -> Scenario:
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
+        text = p.read_text()
     except FileNotFoundError:
         raise ScenarioError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise ScenarioError(f"{p}: is a directory, not a scenario file") from None
+    except UnicodeDecodeError:
+        raise ScenarioError(f"{p}: not a text (UTF-8) file, so not a TOML scenario") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        raise ScenarioError(f"{p}: cannot read: {e}") from None
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{p}: not valid TOML: {e}") from None
     return parse(data, where=str(p))

@@ -335,9 +335,55 @@ class _Proc:
         self.p.wait(10)
 
 
+# Input bounds (check_config): the pools are allocated whole in both processes up front.
+MAX_TOKENS = 131_072  # qwen3-8b's longest context (with YaRN); a room is ~147 KB a token
+MAX_ROOMS = 1000  # timed batches; each also moves its raw twin, so this is already many minutes
+MAX_INFLIGHT = 64  # one aux row per room in flight, and _config gives the runtime 64 of them
+MEM_KINDS = ("DRAM", "VRAM", "TORCH_DRAM")
+
+
+def check_config(cfg: BenchConfig) -> None:
+    """Raise ValueError naming the field if ``cfg`` cannot run, before any process starts."""
+    from kvferry.core.geometry import ModelGeometry
+
+    for name, value, lo, hi in (
+        ("tokens", cfg.tokens, 1, MAX_TOKENS),
+        ("rooms", cfg.rooms, 1, MAX_ROOMS),
+        ("inflight", cfg.inflight, 1, MAX_INFLIGHT),
+        ("chunk_tokens", cfg.chunk_tokens, 0, None),
+        ("warmup", cfg.warmup, 0, None),
+        ("page_size", cfg.page_size, 1, None),
+        ("raw_reps", cfg.raw_reps, 1, None),
+    ):
+        if value < lo or (hi is not None and value > hi):
+            bounds = f"in [{lo}, {hi:,}]" if hi is not None else f">= {lo}"
+            raise ValueError(f"{name} must be {bounds}, got {value}")
+    if cfg.mem not in MEM_KINDS:
+        raise ValueError(f"mem must be one of {', '.join(MEM_KINDS)}, got {cfg.mem!r}")
+    # Prefill holds one batch of rooms, decode two (summed over ranks): all allocated up front.
+    model = ModelGeometry.preset(cfg.model)
+    need = 3 * cfg.inflight * -(-cfg.tokens // cfg.page_size) * cfg.page_size * model.token_bytes
+    if cfg.mem == "VRAM":
+        try:
+            import torch
+        except ImportError:
+            raise ValueError("mem VRAM needs torch (pip install 'kvferry[real]')") from None
+        if not torch.cuda.is_available():
+            raise ValueError("mem VRAM needs a CUDA GPU, and torch sees none (use DRAM)")
+        have, where = torch.cuda.get_device_properties(0).total_memory, "GPU 0 has"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine has"
+    if need > have:
+        raise ValueError(
+            f"{cfg.inflight} room(s) of {cfg.tokens:,} tokens need {need / 2**30:.1f} GiB of {cfg.mem} "
+            f"pools; {where} {have / 2**30:.1f} GiB"
+        )
+
+
 def run_config(
     cfg: BenchConfig, env: dict[str, str] | None = None, timeout_s: float = 900.0
 ) -> dict[str, Any]:
+    check_config(cfg)
     env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", **(env or {})}
     blob = json.dumps(asdict(cfg))
     pre = _Proc(["prefill", blob], env)

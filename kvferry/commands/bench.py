@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from kvferry.commands import bad_input, check_output_file
 
 bench_app = typer.Typer(
     help="Benchmarks that measure their own baseline in the same run.", no_args_is_help=True
@@ -35,16 +39,36 @@ def nixl(
     kvferry's runtime; the same processes then WRITE the same bytes as one NIXL descriptor."""
     from dataclasses import replace
 
-    from kvferry.backends.runtime.bench import DEFAULT_CONFIGS, run_config
+    from kvferry.backends.runtime.bench import DEFAULT_CONFIGS, check_config, run_config
 
+    # Everything is checked before the first configuration starts: a run is minutes long.
+    known = [c.name for c in DEFAULT_CONFIGS]
+    unknown = [n for n in config or () if n not in known]
+    if unknown:
+        bad_input(f"--config: unknown configuration(s) {unknown}; known: {known}")
+    if rooms < 0:
+        bad_input(f"--rooms must be >= 0 (0: each configuration's default), got {rooms}")
+    mem = mem.upper()
+    if mem not in ("DRAM", "VRAM"):  # the runtime's other kind (TORCH_DRAM) is for its own tests
+        bad_input(f"--mem must be DRAM or VRAM, got {mem!r}")
     configs = [c for c in DEFAULT_CONFIGS if not config or c.name in config]
-    if not configs:
-        raise typer.BadParameter(f"unknown configuration; known: {[c.name for c in DEFAULT_CONFIGS]}")
+    if telemetry:
+        check_output_file(Path(telemetry), "--telemetry")
+    runs = []
     for c in configs:
         c = replace(c, tokens=tokens, chunk_tokens=chunk_tokens, mem=mem, inflight=inflight)
         if telemetry:
             c = replace(c, telemetry_path=telemetry if len(configs) == 1 else f"{telemetry}.{c.prefill_tp}")
-        r = run_config(replace(c, rooms=rooms or c.rooms))
+        c = replace(c, rooms=rooms or c.rooms)
+        try:
+            check_config(c)
+        except ValueError as e:
+            bad_input(f"{c.name}: {e}")
+        runs.append(c)
+    if importlib.util.find_spec("nixl") is None:
+        bad_input("bench nixl needs NIXL: pip install 'kvferry[real]'")
+    for c in runs:
+        r = run_config(c)
         if as_json:
             typer.echo(json.dumps(r))
             continue

@@ -9,13 +9,28 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
+from kvferry.commands import MAX_SEED, bad_input
 from kvferry.core.errors import KvferryError
 from kvferry.core.flows.summary import staged_summary
 from kvferry.core.geometry import PRESETS, DType, Layout, ModelGeometry, links, make_pools
+from kvferry.core.messages import MAX_PAGES
 from kvferry.core.planner import RankPlan, plan_rank_pair
 from kvferry.core.staging_layout import StagingFormat, plan_staged_room
 
-EXIT_BAD_INPUT = 2
+# Bounds that keep one `kvferry plan` to seconds and about a GB; past them it would allocate tens
+# of GB (--tokens 99999999999: 46 GiB of page ids) or walk ranks and heads for hours.
+MAX_TP = 1024  # links() walks every head for every rank; no deployment shards a model wider
+MAX_LAYERS = 1024  # a pool holds a region object per layer and kind; real models have < 200 layers
+MAX_KV_HEADS = 1024  # links() walks every head; real models have at most 128 KV heads
+# tokens x regions x head groups: the descriptors the planner may write unmerged (its cost is
+# linear in them; at this bound qwen3-8b TP8->1, fragmented, took 4 s and 1.2 GB).
+MAX_DESCRIPTORS = 1 << 28
+# --fragmented: scattered pages x regions, the page runs the planner holds at once (~32 bytes
+# each: deepseek-v3 with 2M scattered pages of 1 token took 4 GB); at this bound 4 s and 1.2 GB.
+MAX_SCATTERED_RUNS = 1 << 25
+# A rank's pool is one registered range of virtual memory: past 2**48 bytes (the 48-bit address
+# space of x86-64 and ARM64) it cannot exist, and its byte offsets would near int64 overflow.
+MAX_POOL_BYTES = 1 << 48
 
 
 def build_model(
@@ -57,6 +72,53 @@ def _model_name(
     return f"{model} (modified)" if reshaped else model
 
 
+def check_bounds(
+    model: ModelGeometry,
+    prefill_tp: int,
+    decode_tp: int,
+    prefill_page_size: int,
+    decode_page_size: int,
+    tokens: int,
+    fragmented: bool,
+) -> None:
+    """Raise typer.BadParameter, naming the limit, before planning a room past the bounds above."""
+    for side, tp in (("--prefill-tp", prefill_tp), ("--decode-tp", decode_tp)):
+        if tp > MAX_TP:
+            raise typer.BadParameter(f"{side} {tp}: kvferry plan handles TP up to {MAX_TP}")
+    if model.num_layers > MAX_LAYERS:
+        raise typer.BadParameter(f"{model.num_layers} layers: kvferry plan handles up to {MAX_LAYERS}")
+    if model.num_kv_heads > MAX_KV_HEADS:
+        raise typer.BadParameter(f"{model.num_kv_heads} KV heads: kvferry plan handles up to {MAX_KV_HEADS}")
+    for side, ps in (("prefill", prefill_page_size), ("decode", decode_page_size)):
+        pages = -(-tokens // ps)
+        if pages > MAX_PAGES:
+            raise typer.BadParameter(
+                f"--tokens {tokens:,} is {pages:,} {side} pages of {ps}; a room has at most "
+                f"{MAX_PAGES:,} pages (MAX_PAGES, the most one transfer can name)"
+            )
+        pool = (2 if fragmented else 1) * pages * ps * model.token_bytes
+        if pool > MAX_POOL_BYTES:
+            raise typer.BadParameter(
+                f"the {side} server's pool would be {pool:,} bytes (page size {ps}, "
+                f"{model.token_bytes:,} bytes a token); past 2**48 bytes no pool can be registered"
+            )
+    pages = -(-tokens // min(prefill_page_size, decode_page_size))
+    if fragmented and pages * model.num_regions > MAX_SCATTERED_RUNS:
+        raise typer.BadParameter(
+            f"--fragmented: {pages:,} scattered pages x {model.num_regions} regions is "
+            f"{pages * model.num_regions:,} page runs; kvferry plan stops at {MAX_SCATTERED_RUNS:,} "
+            f"(here at most {MAX_SCATTERED_RUNS // model.num_regions:,} pages a side)"
+        )
+    groups = max(model.num_kv_heads, prefill_tp, decode_tp)
+    per_token = model.num_regions * groups
+    if tokens * per_token > MAX_DESCRIPTORS:
+        raise typer.BadParameter(
+            f"--tokens {tokens:,} x {model.num_regions} regions x {groups} head groups may be "
+            f"{tokens * per_token:,} descriptors; kvferry plan stops at {MAX_DESCRIPTORS:,} "
+            f"(here at most {MAX_DESCRIPTORS // per_token:,} tokens)"
+        )
+
+
 def room_pages(
     tokens: int, page_size: int, fragmented: bool, rng: np.random.Generator
 ) -> tuple[np.ndarray, int]:
@@ -89,6 +151,9 @@ def make_report(
     for side, ps in (("prefill", prefill_page_size), ("decode", decode_page_size)):
         if ps < 1:
             raise typer.BadParameter(f"{side} page_size must be at least 1, got {ps}")
+    if not 0 <= seed <= MAX_SEED:  # numpy's generators take non-negative seeds only
+        raise typer.BadParameter(f"--seed must be in [0, 2**63 - 1], got {seed}")
+    check_bounds(model, prefill_tp, decode_tp, prefill_page_size, decode_page_size, tokens, fragmented)
     sp, sn = room_pages(tokens, prefill_page_size, fragmented, np.random.default_rng([seed, 0]))
     dp, dn = room_pages(tokens, decode_page_size, fragmented, np.random.default_rng([seed, 1]))
     src = make_pools(model, prefill_tp, prefill_page_size, sn, prefill_layout)
@@ -278,8 +343,7 @@ def register(app: typer.Typer) -> None:
                 chunk_tokens,
             )
         except (KvferryError, typer.BadParameter) as exc:
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(EXIT_BAD_INPUT) from None
+            bad_input(str(exc))
         if as_json:
             json.dump(report, sys.stdout)
             sys.stdout.write("\n")

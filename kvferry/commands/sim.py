@@ -11,6 +11,11 @@ from typing import Annotated
 
 import typer
 
+from kvferry.commands import MAX_SEED, bad_input, check_output_dir, check_output_file, check_seed
+
+# A job is a process running simulations; past the cores of any machine more of them only thrash.
+MAX_JOBS = 256
+
 DEMO_TOML = """
 name = "demo"
 description = "2 prefill ranks (TP2) -> 1 decode rank (TP1), 36 chunked rooms, a handful of faults"
@@ -163,6 +168,9 @@ def register(app: typer.Typer) -> None:
         from kvferry.sim import campaign as cp
         from kvferry.sim import scenario as sc
 
+        if not 1 <= jobs <= MAX_JOBS:
+            bad_input(f"--jobs must be in [1, {MAX_JOBS}], got {jobs}")
+        check_output_dir(save_dir, "--save-dir")
         try:
             seed_list = cp.parse_seeds(seeds)
             base = sc.load(scenario) if scenario is not None else None
@@ -171,8 +179,9 @@ def register(app: typer.Typer) -> None:
                 if h not in sc.HOOKS:
                     raise sc.ScenarioError(f"--plant: unknown bug {h!r} (known: {', '.join(sc.HOOKS)})")
         except (ValueError, sc.ScenarioError) as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
+            bad_input(str(e))
+        if max(seed_list) > MAX_SEED:
+            bad_input(f"--seeds: a seed is at most 2**63 - 1, got {max(seed_list)}")
         console = Console(stderr=as_json)
         t0 = time.perf_counter()
         rooms = ok = failed = exempt = 0
@@ -197,7 +206,10 @@ def register(app: typer.Typer) -> None:
                 faults.update(res.faults)
                 if res.violations:
                     violated.update(res.violated())
-                    path = cp.save_failure(res, save_dir)
+                    try:
+                        path = cp.save_failure(res, save_dir)
+                    except OSError as e:
+                        bad_input(f"--save-dir {save_dir}: cannot save seed {res.seed}: {e}")
                     failures.append((res, path))
                 progress.update(task, advance=1, status=f"{len(failures)} failing seed(s)")
         wall = time.perf_counter() - t0
@@ -289,13 +301,16 @@ def _run_and_report(
     from kvferry.sim import scenario as sc
     from kvferry.sim.campaign import run_one
 
+    if seed is not None:
+        check_seed(seed)
+    if trace is not None:  # checked now: the trace is written after the whole run
+        check_output_file(trace, "--trace")
     try:
         s = sc.parse(tomllib.loads(DEMO_TOML), where="demo") if demo else sc.load(scenario)  # type: ignore[arg-type]
         if flow is not None:
             s = sc.with_flow(s, flow)
     except sc.ScenarioError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        bad_input(str(e))
     console = Console(stderr=as_json)
     if demo and not as_json:
         console.print(
@@ -305,7 +320,10 @@ def _run_and_report(
         )
     res, w = run_one(s, seed=seed, keep_trace=trace is not None, detail=True)
     if trace is not None:
-        chrome.write(w.trace.events, trace, {"scenario": s.name, "seed": res.seed, "digest": res.digest})
+        try:
+            chrome.write(w.trace.events, trace, {"scenario": s.name, "seed": res.seed, "digest": res.digest})
+        except OSError as e:
+            bad_input(f"--trace {trace}: cannot write: {e}")
     expected = set(w.scenario.expect_violations)
     unexpected = set(res.violated()) != expected
     if as_json:

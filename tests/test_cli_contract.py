@@ -1,0 +1,354 @@
+"""One contract for every option of every subcommand: bad input is ONE ``error: ...`` line on
+stderr and exit status 2 -- never a traceback, never an unbounded allocation, never a nonsensical
+value accepted in silence.
+
+A table of known-bad invocations (each a bug a user met, or found reading the options), then a
+property test that feeds every int, string and path option (found by walking the typer app)
+negative, huge, empty, NUL-laden and odd values and checks the contract whatever happens.
+``bench nixl`` never starts NIXL processes here: ``run_config`` is replaced by a stub, so a value
+that happens to be valid only exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from kvferry.backends.runtime import bench as runtime_bench
+from kvferry.sim.campaign import parse_seeds
+from typer.testing import CliRunner
+
+from kvferry.cli import _register, app
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK = str(ROOT / "scenarios" / "quickstart.toml")
+_register()
+runner = CliRunner()
+
+# Run in a subprocess under a memory cap and a timeout: if their bound regressed they would take
+# tens of GB or hours, which must fail this test, not the machine.
+HAZARDS = [
+    (["plan", "--model", "qwen3-8b", "--tokens", "99999999999"], "at most 4,194,304 pages"),
+    (["plan", "--model", "qwen3-8b", "--decode-tp", str(10**15)], "TP up to 1024"),
+    (["plan", "--layers", str(10**15), "--kv-heads", "8", "--head-dim", "8"], "up to 1024"),
+    (["plan", "--layers", "2", "--kv-heads", str(10**15), "--head-dim", "8"], "up to 1024"),
+    (["fuzz", "--seeds", "0-99999999999"], "at most 10,000,000"),
+    (["plan", "--tokens", "abc"], "Invalid value for '--tokens'"),  # typer's own parse error
+]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("cli")
+    (d / "binary.toml").write_bytes(bytes(range(256)) * 4)
+    (d / "notes.toml").write_text("this is = = not toml\n")
+    (d / "a-file").write_text("x")
+    return {
+        "dir": str(d),
+        "binary": str(d / "binary.toml"),
+        "not_toml": str(d / "notes.toml"),
+        "file": str(d / "a-file"),
+        "missing": str(d / "no-such-file.toml"),
+        "missing_dir_file": str(d / "no-such-folder" / "out.json"),
+    }
+
+
+def _fake_run_config(cfg: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    runtime_bench.check_config(cfg)  # what the real one does first
+    return {
+        "config": cfg.name,
+        "mem": cfg.mem,
+        "tokens": cfg.tokens,
+        "room_mb": 1.0,
+        "inflight": cfg.inflight,
+        "kvferry_gbps": 1.0,
+        "kvferry_s": 1.0,
+        "raw_gbps": 1.0,
+        "raw_s": 1.0,
+        "ratio": 1.0,
+        "descs_requested": 1,
+        "descs_posted": 1,
+        "bytes_ok": True,
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_real_bench() -> Iterator[None]:
+    mp = pytest.MonkeyPatch()
+    mp.setattr(runtime_bench, "run_config", _fake_run_config)
+    yield
+    mp.undo()
+
+
+@contextlib.contextmanager
+def _memory_cap(extra: int = 4 << 30) -> Iterator[None]:
+    """Address space capped at what the process has now plus ``extra``: a regressed bound fails
+    with MemoryError instead of taking the shared machine's memory."""
+    try:
+        import resource
+
+        vsz = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (ImportError, OSError):  # not Linux: run uncapped
+        yield
+        return
+    old = resource.getrlimit(resource.RLIMIT_AS)
+    cap = vsz + extra if old[1] == resource.RLIM_INFINITY else min(vsz + extra, old[1])
+    resource.setrlimit(resource.RLIMIT_AS, (cap, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, old)
+
+
+def _check_contract(code: int, stdout: str, stderr: str, exc: BaseException | None = None) -> None:
+    assert "Traceback" not in stdout + stderr, stdout + stderr
+    assert exc is None or isinstance(exc, SystemExit), repr(exc)
+    assert code in (0, 1, 2), (code, stderr)
+    if code == 2:
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+
+
+def _invoke(args: list[str]) -> tuple[int, str, str]:
+    with _memory_cap():
+        r = runner.invoke(app, args)
+    _check_contract(r.exit_code, r.stdout, r.stderr, r.exception)
+    return r.exit_code, r.stdout, r.stderr
+
+
+# (args, a piece of the message); {name} is filled from the ``files`` fixture.
+BAD = [
+    # plan
+    (["plan", "--model", "qwen3-8b", "--tokens", "10000000"], "kvferry plan stops at"),
+    (["plan", "--model", "qwen3-8b", "--tokens", "1" * 300], "pages"),
+    (["plan", "--model", "qwen3-8b", "--tokens", "0"], "--tokens"),
+    (["plan", "--model", "qwen3-8b", "--tokens", "1.5"], "Invalid value for '--tokens'"),
+    (["plan", "--model", "qwen3-8b", "--prefill-tp", "0"], "TP size must be a positive integer"),
+    (["plan", "--model", "qwen3-8b", "--decode-tp", "-1"], "TP size must be a positive integer"),
+    (["plan", "--model", "qwen3-8b", "--decode-tp", "8000000"], "TP up to 1024"),
+    (["plan", "--model", "qwen3-8b", "--page-size", str(10**15)], "2**48"),
+    (["plan", "--model", "qwen3-8b", "--prefill-page-size", "-3"], "page_size"),
+    (["plan", "--model", "qwen3-8b", "--seed", "-1"], "--seed"),
+    (["plan", "--model", "qwen3-8b", "--seed", "-1", "--fragmented"], "--seed"),
+    (["plan", "--layers", "2", "--kv-heads", "8", "--head-dim", str(10**15)], "2**48"),
+    (["plan", "--layers", "-1", "--kv-heads", "8", "--head-dim", "8"], "num_layers"),
+    (["plan", "--model", "qwen3-8b", "--chunk-tokens", "-1"], "--chunk-tokens"),
+    (["plan", "--model", "deepseek-v3", "--tokens", "4194304", "--page-size", "1", "--fragmented"], "runs"),
+    (["plan", "--model", ""], "unknown model preset"),
+    (["plan", "--model", "qwen3-8b", "--dtype", "bogus"], "--dtype"),
+    (["plan", "--model", "qwen3-8b", "--prefill-layout", "x"], "--prefill-layout"),
+    (["plan", "--layers", "2"], "--kv-heads"),
+    # replay
+    (["replay", "{binary}"], "not a text (UTF-8) file"),
+    (["replay", "{dir}"], "is a directory"),
+    (["replay", ""], "is a directory"),
+    (["replay", "{missing}"], "no such file"),
+    (["replay", "{not_toml}"], "not valid TOML"),
+    (["replay", "bad\0name.toml"], "null byte"),
+    (["replay"], "Missing argument"),
+    (["replay", QUICK, "--trace", "{missing_dir_file}"], "does not exist"),
+    (["replay", QUICK, "--trace", "{dir}"], "is a directory"),
+    (["replay", QUICK, "--trace", ""], "is a directory"),
+    (["replay", QUICK, "--trace", "a\0b"], "null byte"),
+    (["replay", QUICK, "--seed", "-1"], "--seed"),
+    (["replay", QUICK, "--seed", str(2**63)], "--seed"),
+    (["replay", QUICK, "--flow", "bogus"], "--flow"),
+    # demo
+    (["demo", "--seed", "-1"], "--seed"),
+    (["demo", "--trace", "{missing_dir_file}"], "does not exist"),
+    (["demo", "--trace", ""], "is a directory"),
+    # fuzz
+    (["fuzz", "--seeds", "5-1"], "bad seed range"),
+    (["fuzz", "--seeds", ""], "no seeds given"),
+    (["fuzz", "--seeds", "abc"], "bad seed range"),
+    (["fuzz", "--seeds", "-3"], "bad seed range"),
+    (["fuzz", "--seeds", "0-3\n,x"], "bad seed range"),
+    (["fuzz", "--seeds", str(2**63)], "2**63"),
+    (["fuzz", "--seeds", "0-0", "--jobs", "0"], "--jobs"),
+    (["fuzz", "--seeds", "0-0", "--jobs", "-1"], "--jobs"),
+    (["fuzz", "--seeds", "0-0", "--jobs", str(10**15)], "--jobs"),
+    (["fuzz", "--seeds", "0-0", "--scenario", "{dir}"], "is a directory"),
+    (["fuzz", "--seeds", "0-0", "--scenario", "{binary}"], "not a text (UTF-8) file"),
+    (["fuzz", "--seeds", "0-0", "--save-dir", "{file}"], "not a folder"),
+    (["fuzz", "--seeds", "0-0", "--plant", "bogus"], "--plant"),
+    # bench nixl (validation only: run_config is a stub here)
+    (["bench", "nixl", "--mem", "HBM"], "--mem must be DRAM or VRAM"),
+    (["bench", "nixl", "--mem", ""], "--mem must be DRAM or VRAM"),
+    (["bench", "nixl", "--tokens", "-5"], "tokens must be in"),
+    (["bench", "nixl", "--tokens", "0"], "tokens must be in"),
+    (["bench", "nixl", "--tokens", str(10**15)], "tokens must be in"),
+    (["bench", "nixl", "--tokens", "abc"], "Invalid value for '--tokens'"),
+    (["bench", "nixl", "--rooms", "-1"], "--rooms"),
+    (["bench", "nixl", "--rooms", "1000000"], "rooms must be in"),
+    (["bench", "nixl", "--inflight", "0"], "inflight must be in"),
+    (["bench", "nixl", "--inflight", "65"], "inflight must be in"),
+    (["bench", "nixl", "--inflight", "64", "--tokens", "131072"], "GiB"),
+    (["bench", "nixl", "--chunk-tokens", "-1"], "chunk_tokens"),
+    (["bench", "nixl", "--config", "bogus"], "unknown configuration"),
+    (["bench", "nixl", "--telemetry", "{dir}"], "is a directory"),
+    (["bench", "nixl", "--telemetry", "{missing_dir_file}"], "does not exist"),
+    # the root and version
+    (["bogus"], "No such command"),
+    (["--bogus"], "No such option"),
+    (["version", "--bogus"], "No such option"),
+    (["version", "extra"], "unexpected extra argument"),
+]
+
+
+@pytest.mark.parametrize(("args", "match"), BAD, ids=[" ".join(a)[:60] for a, _ in BAD])
+def test_known_bad_input_is_one_error_line(args: list[str], match: str, files: dict[str, str]) -> None:
+    code, _, err = _invoke([a.format(**files) if "{" in a else a for a in args])
+    assert code == 2
+    assert match in err
+
+
+def test_vram_without_a_gpu_is_an_error() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: --mem VRAM is valid here")
+    code, _, err = _invoke(["bench", "nixl", "--mem", "VRAM"])
+    assert code == 2 and "needs a CUDA GPU" in err
+
+
+@pytest.mark.parametrize(("args", "match"), HAZARDS, ids=[" ".join(a)[:60] for a, _ in HAZARDS])
+def test_hazards_fail_fast_through_the_real_entry_point(args: list[str], match: str) -> None:
+    def cap() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    r = subprocess.run(
+        [sys.executable, "-c", "from kvferry.cli import main; main()", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=cap if sys.platform == "linux" else None,
+    )
+    _check_contract(r.returncode, r.stdout, r.stderr)
+    assert r.returncode == 2 and match in r.stderr
+
+
+def test_good_input_still_runs(files: dict[str, str]) -> None:
+    trace = Path(files["dir"]) / "t.json"
+    assert _invoke(["replay", QUICK, "--trace", str(trace), "--json"])[0] == 0 and trace.exists()
+    assert _invoke(["plan", "--model", "qwen3-8b", "--tokens", "466033", "--json"])[0] == 0
+    assert _invoke(["bench", "nixl", "--mem", "dram", "--json", "--rooms", "2"])[0] == 0
+    code, out, _ = _invoke(["fuzz", "--seeds", "0-0", "--jobs", "1", "--json"])
+    assert code == 0 and '"seeds": 1' in out
+
+
+# ---- every option, generated values --------------------------------------------------------------
+
+
+def _walk(cmd: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    if hasattr(cmd, "commands"):
+        for name, sub in cmd.commands.items():
+            yield from _walk(sub, (*path, name))
+    else:
+        yield path, cmd
+
+
+def _kind(param: Any) -> str | None:
+    """int, float, str or path; None for flags (nothing to feed them)."""
+    if getattr(param, "is_flag", False):
+        return None
+    ann = param.type_descriptor.annotation if hasattr(param, "type_descriptor") else None
+    if ann is None:  # typer on click: the click type's name
+        return {"integer": "int", "float": "float", "path": "path"}.get(param.type.name, "str")
+    if typing.get_origin(ann) is list:
+        (ann,) = typing.get_args(ann)
+    if ann is bool:
+        return None
+    if isinstance(ann, type) and issubclass(ann, Path):
+        return "path"
+    return {int: "int", float: "float"}.get(ann, "str")
+
+
+# The cheapest run of each command, which the option under test then overrides.
+BASE = {
+    ("plan",): ["--model", "qwen3-8b", "--tokens", "16", "--json"],
+    ("fuzz",): ["--seeds", "0-0", "--json"],
+    ("replay",): [QUICK, "--json"],
+    ("demo",): ["--json"],
+    ("bench", "nixl"): ["--json"],
+    ("version",): [],
+}
+
+OPTIONS = [
+    (path, p.opts[0] if p.param_type_name == "option" else None, kind)
+    for path, cmd in _walk(typer.main.get_command(app))
+    for p in cmd.params
+    if (kind := _kind(p)) is not None
+]
+
+
+def test_every_command_and_option_is_covered() -> None:
+    assert {path for path, _ in _walk(typer.main.get_command(app))} == set(BASE)
+    names = {(path, opt) for path, opt, _ in OPTIONS}
+    for must in [
+        (("plan",), "--tokens"),
+        (("fuzz",), "--jobs"),
+        (("replay",), None),
+        (("bench", "nixl"), "--mem"),
+    ]:
+        assert must in names
+
+
+_ODD = st.text(
+    alphabet=st.sampled_from([*"09-,. /\\x", "\0", "\n", "\t", "\x1b", "é", "💥", "٣", "\u202e"]),
+    max_size=12,
+)
+_INTS = st.one_of(
+    st.integers(max_value=0),
+    st.integers(min_value=10**9),
+    st.sampled_from([-1, 2**31, 2**63 - 1, 2**63, 2**64, 10**15, 10**100]),
+)
+_STRINGS = st.one_of(
+    _ODD, st.sampled_from(["", " ", "\0", "a\nb", "-1", "--json", "0-99999999999", "DRAM ", "hbm"])
+)
+
+
+def _values(kind: str) -> st.SearchStrategy[str]:
+    if kind in ("int", "float"):
+        nums = st.one_of(_INTS.map(str), st.sampled_from(["1.5", "nan", "inf", "-inf", "1e400", "0x10"]))
+        return st.one_of(nums, _STRINGS)
+    if kind == "path":
+        return st.one_of(
+            st.sampled_from(["{dir}", "{binary}", "{not_toml}", "{file}", "{missing}", "{missing_dir_file}"]),
+            st.sampled_from(["", ".", "/", "\0", "a\0b", "{file}/below-a-file"]),
+            _ODD,
+        )
+    return _STRINGS
+
+
+@pytest.mark.parametrize(
+    ("path", "opt", "kind"), OPTIONS, ids=[f"{' '.join(p)} {o or 'ARG'}" for p, o, _ in OPTIONS]
+)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_option_keeps_the_contract(
+    path: tuple[str, ...], opt: str | None, kind: str, files: dict[str, str], data: st.DataObject
+) -> None:
+    value = data.draw(_values(kind), label=opt or "argument")
+    if "{" in value and "}" in value:
+        value = value.format(**files)
+    if opt == "--seeds":  # a valid range is a campaign: keep to a few seeds
+        with contextlib.suppress(ValueError):
+            assume(len(parse_seeds(value)) <= 3)
+    base = BASE[path]
+    # The scenario argument replaces the base's, after '--' so that '-x' is a value.
+    args = [*path, *base[1:], "--", value] if opt is None else [*path, *base, opt, value]
+    # Relative paths that turn out valid (a trace, a save dir) land in a throwaway folder.
+    with tempfile.TemporaryDirectory(dir=files["dir"]) as cwd, contextlib.chdir(cwd):
+        _invoke(args)
