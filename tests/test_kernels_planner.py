@@ -151,14 +151,19 @@ def test_kernels_and_the_simulators_numpy_copy_move_the_same_bytes(
     size = base + smap.nbytes + geo.model.num_regions * (hi - lo) * geo.heads_per_rank * geo.head_bytes
     # Gather: kernels into one buffer, numpy into another.
     kbuf = buffer(size, dt, 0xEE)
-    gather_map(to_pool(geo, mem), kbuf, smap, backend="triton")
+    done = gather_map(to_pool(geo, mem), kbuf, smap, backend="triton")
+    if done is not None:
+        done.synchronize()  # the kernels run on their own stream: wait before reading back
     nbuf = np.full(size, 0xEE, dtype=np.uint8)
     copy_maps("gather", {r: mem[r].reshape(-1) for r in range(len(mem))}, nbuf, (smap,))
     np.testing.assert_array_equal(kbuf.cpu().view(torch.uint8).numpy(), nbuf)
     # Scatter the gathered bytes back into blank pools, both ways: same pools.
-    kmem = refmodel.blank(geo, 0x11)
-    nmem = {r: v.copy() for r, v in kmem.items()}
-    scatter_map(to_pool(geo, kmem), kbuf, smap, backend="triton")
+    blank = refmodel.blank(geo, 0x11)
+    kpool = to_pool(geo, {r: v.copy() for r, v in blank.items()})
+    done = scatter_map(kpool, kbuf, smap, backend="triton")
+    if done is not None:
+        done.synchronize()
+    nmem = {r: v.copy() for r, v in blank.items()}
     copy_maps("scatter", {r: nmem[r].reshape(-1) for r in range(len(nmem))}, nbuf, (smap,))
-    for r in range(len(kmem)):
-        np.testing.assert_array_equal(kmem[r], nmem[r])
+    for r, plane in enumerate(kpool.planes):
+        np.testing.assert_array_equal(plane.cpu().contiguous().view(torch.uint8).numpy().reshape(-1), nmem[r])
