@@ -23,6 +23,7 @@ __all__ = [
     "RoomEngine",
     "RoomError",
     "RoomFailure",
+    "RoomStateError",
     "Tombstones",
     "Transition",
     "UnknownRoomError",
@@ -123,7 +124,14 @@ def new_counters() -> Counter[str]:
 
 
 class RoomError(ProtocolError):
-    """A room-level protocol violation detected inside a handler (the room fails with it)."""
+    """A room-level protocol violation detected inside a handler (the room fails with it), in
+    what a peer sent: counted as ``remote_violation``."""
+
+
+class RoomStateError(ProtocolError):
+    """The room cannot go on for a reason of our own, found inside a handler (a chunk the
+    scheduler handed over before decode said how long the room is, that turns out too long; a
+    peer gone since its TransferInfo): the room fails with it, but no peer misbehaved."""
 
 
 class RoomEngine:

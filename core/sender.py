@@ -59,7 +59,14 @@ from kvferry.core.flows import FlowPolicy
 from kvferry.core.flows.staged_sender import StagedSender
 from kvferry.core.flows.staged_tx import StagedLedger
 from kvferry.core.kvpoll import KVPoll
-from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition
+from kvferry.core.proto_common import (
+    RoomEngine,
+    RoomError,
+    RoomFailure,
+    RoomStateError,
+    Tombstones,
+    Transition,
+)
 from kvferry.core.worker import Destination, plan_chunk, shard_of
 
 __all__ = ["SENDER_TABLE", "SIn", "SState", "SenderEngine"]
@@ -513,7 +520,7 @@ class SenderEngine(StagedSender, RoomEngine):
 
     def _h_on_open(self, r: _Room, inp: SIn, ev: SenderOpen) -> str:
         if r.opened:
-            raise RoomError("room opened twice")
+            raise RoomStateError("room opened twice")
         r.opened = True
         r.aux_index = ev.aux_index
         r.receivers, r.flow_override = tuple(ev.receivers), ev.flow
@@ -594,7 +601,7 @@ class SenderEngine(StagedSender, RoomEngine):
         if r.ledger.flow is None and r.state is not SState.BOOTSTRAPPING:
             self._choose_flow(r)
         if c.chunk_index != r.next_run:
-            raise RoomError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
+            raise RoomStateError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
         if r.ledger.flow is not None and r.ledger.flow.staged:
             # The worker hands a staged chunk over and moves on; its lanes wait for space.
             return self._accept_staged(r, c)
@@ -603,18 +610,18 @@ class SenderEngine(StagedSender, RoomEngine):
     def _chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
         """Validate the chunk the room runs next against decode's allocation; its token range."""
         if r.last_run:
-            raise RoomError("chunk after the last chunk")
+            raise RoomStateError("chunk after the last chunk")
         start, end = r.tokens_done, c.token_end
         if end < start:
-            raise RoomError(f"chunk {c.chunk_index} ends at token {end}, before its start {start}")
+            raise RoomStateError(f"chunk {c.chunk_index} ends at token {end}, before its start {start}")
         if end > r.num_tokens:
-            raise RoomError(f"chunk {c.chunk_index} ends at token {end}, past decode's {r.num_tokens}")
+            raise RoomStateError(f"chunk {c.chunk_index} ends at token {end}, past decode's {r.num_tokens}")
         if c.is_last and end != r.num_tokens:
-            raise RoomError(f"prefill produced {end} tokens but decode allocated {r.num_tokens}")
+            raise RoomStateError(f"prefill produced {end} tokens but decode allocated {r.num_tokens}")
         for p, info in r.infos.items():
             peer = self.peers.get(p)
             if peer is None or peer.reg_id != info.reg:
-                raise RoomError(f"decode rank {p} is gone or restarted since its TransferInfo")
+                raise RoomStateError(f"decode rank {p} is gone or restarted since its TransferInfo")
         return start, end
 
     def _chunk_note(self, r: _Room, c: Any, start: int, end: int, **kind: Any) -> bytes:

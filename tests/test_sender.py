@@ -703,3 +703,18 @@ def test_open_supersedes_a_room_only_a_stale_transfer_info_made() -> None:
     cmds = e.handle(SenderOpen(room=ROOM, transfer_id="third", aux_index=1), 0)
     assert e.rooms[ROOM].tid == TID
     assert [(c.transfer_id, c.status) for c in of(cmds, StatusChanged)] == [("third", KVPoll.Failed)]
+
+
+def test_peer_violations_are_counted_apart_from_our_own_late_errors() -> None:
+    # A decode rank that contradicts itself is a peer's violation: counted.
+    e = waiting()
+    e.handle(ctl(info(dst_pages=[5, 6, 7])), 0)
+    assert "conflicting TransferInfo" in e.failure(ROOM).reason and e.counters["remote_violation"] == 1
+    # Our own chunk found too long at run time fails the room too, but blames no peer.
+    e = engine()
+    e.handle(SenderOpen(room=ROOM, transfer_id=TID, aux_index=1), 0)
+    e.handle(chunk(0, 7, True), 0)
+    e.handle(ctl(register(D0)), 0)
+    [enq] = of(e.handle(ctl(info()), 0), EnqueueChunk)
+    e.run_chunk(enq.chunk, 0)
+    assert e.failure(ROOM) is not None and e.counters["remote_violation"] == 0
