@@ -28,6 +28,7 @@ __all__ = [
     "Transition",
     "UnknownRoomError",
     "WrongSideError",
+    "step",
 ]
 
 
@@ -50,6 +51,11 @@ class Transition(msgspec.Struct, frozen=True):
     @property
     def targets(self) -> frozenset:
         return frozenset(self.next.values())
+
+
+def step(handler: Callable[..., str | None], **next_state: Any) -> Transition:
+    """One table entry: ``step(handler, stay=S, ready=W)``."""
+    return Transition(handler, next_state)
 
 
 class RoomFailure(msgspec.Struct, frozen=True):

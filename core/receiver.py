@@ -24,7 +24,6 @@ FailedAck, which stops the sender's resending.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from enum import Enum
 from typing import Any
 
@@ -48,7 +47,7 @@ from kvferry.core.events import (
 from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.flows.staged_rx import RxChunk
 from kvferry.core.kvpoll import KVPoll
-from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition
+from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition, step
 
 # StagingReqs for rooms this rank has not opened yet (seed 003 prefetches them) are held, never
 # dropped: at most this many, each until the bootstrap deadline.
@@ -691,10 +690,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
 # --- the transition table (after the class: it holds the handlers themselves) --------------
 
 
-def _t(handler: Callable[..., str | None], **next_state: RState) -> Transition:
-    return Transition(handler, next_state)
-
-
+_t = step
 E = ReceiverEngine
 _FAIL = _t(E._h_on_fail, failed=_F)
 _LIVE_FAILURES = {

@@ -66,6 +66,7 @@ from kvferry.core.proto_common import (
     RoomStateError,
     Tombstones,
     Transition,
+    step,
 )
 from kvferry.core.worker import Destination, plan_chunk, shard_of
 
@@ -875,10 +876,7 @@ class SenderEngine(StagedSender, RoomEngine):
 # --- the transition table (after the class: it holds the handlers themselves) --------------
 
 
-def _t(handler: Callable[..., str | None], **next_state: SState) -> Transition:
-    return Transition(handler, next_state)
-
-
+_t = step
 E = SenderEngine
 _FAIL = _t(E._h_on_fail, failed=_F)
 _LIVE_FAILURES = {
