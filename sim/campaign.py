@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kvferry.sim import scenario as sc
 from kvferry.sim.metrics import RunResult, collect
@@ -111,10 +112,17 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
 
 
 def run_one(
-    s: sc.Scenario, seed: int | None = None, keep_trace: bool = False, detail: bool = False
+    s: sc.Scenario,
+    seed: int | None = None,
+    keep_trace: bool = False,
+    detail: bool = False,
+    before_run: Callable[[World], Any] | None = None,
 ) -> tuple[RunResult, World]:
+    """One run, checked. ``before_run`` sees the built world first (a trace viewer's tap)."""
     t0 = time.perf_counter()
     w = World(s, seed=seed, keep_trace=keep_trace)
+    if before_run is not None:
+        before_run(w)
     w.run()
     res = collect(w, wall_s=time.perf_counter() - t0, detail=detail)
     if res.violations:

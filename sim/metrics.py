@@ -6,6 +6,7 @@ back across processes and ``--json`` can print it.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,10 +34,19 @@ class RoomOutcome:
     outcome: str
     latency_ns: int  # arrival -> terminal on every decode rank (-1 if never)
     reasons: dict[str, str]
+    first_failing: str = ""  # the rank where the room's failure started ("" if none failed)
 
 
 @dataclass(slots=True)
 class RunResult:
+    """One run's outcome (``as_dict`` is what ``--json`` prints).
+
+    ``failure_reasons``: failed rooms per reason, most common first. A room counts once, however
+    many of its ranks failed, under the reason of its first failing rank (``first_failure``: the
+    rank where the failure started), whole, with its numbers and ids replaced by N
+    (``reason_class``). The counts sum to ``failed``.
+    """
+
     seed: int
     scenario: str
     rooms: int
@@ -90,9 +100,9 @@ def collect(w: World, wall_s: float = 0.0, detail: bool = False) -> RunResult:
         latency = max(ends) - r.arrival_ns if r.opened and min(ends) >= 0 else -1
         if r.outcome == "success" and latency >= 0:
             lat.append(latency)
-        for n in sorted(r.reason):
-            if r.status.get(n) is KVPoll.Failed:
-                reasons[_reason_class(r.reason[n])] += 1
+        first = first_failure(r.reason, r.status, r.terminal_ns)
+        if r.outcome == "failed":
+            reasons[reason_class(first[1]) if first else "no reason recorded"] += 1
         if detail:
             rooms.append(
                 RoomOutcome(
@@ -103,6 +113,7 @@ def collect(w: World, wall_s: float = 0.0, detail: bool = False) -> RunResult:
                     r.outcome or "open",
                     latency,
                     dict(sorted(r.reason.items())),
+                    first[0] if first else "",
                 )
             )
     st = w.fabric.stats
@@ -152,13 +163,48 @@ def _staging(w: World) -> dict[str, Any]:
     return out
 
 
-def _reason_class(reason: str) -> str:
-    """Group failure reasons (drop ids and numbers) so summaries stay short."""
-    words = []
-    for tok in reason.split():
-        if any(ch.isdigit() for ch in tok) and not tok.startswith(("decode#", "prefill#")):
-            continue
-        words.append(tok)
-        if len(words) == 8:
-            break
-    return " ".join(words)
+# Reasons that pass on another rank's failure: core/sender.py and core/receiver.py prefix a peer's
+# reason with "failed on X" or "aborted by X", or say X stopped sending; the scheduler (sim/world.py)
+# aborts the other ranks of a failed room with "failed on another rank". A room's failure never
+# started on a rank giving one of these, so they are only picked when no rank gives a reason of
+# its own.
+_RELAYED = re.compile(
+    r"^(failed on |aborted by )|failed on another rank$|stopped sending before its failure notice arrived$"
+)
+_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?")
+_NEVER = 1 << 63
+
+
+def _rank_order(node: str) -> tuple[str, int]:
+    """prefill2 before prefill10: node names sort by side, then by rank number."""
+    side = node.rstrip("0123456789")
+    return side, int(node[len(side) :] or 0)
+
+
+def first_failure(
+    reasons: dict[str, str], status: dict[str, KVPoll], terminal_ns: dict[str, int]
+) -> tuple[str, str] | None:
+    """(rank, reason) of the rank where a room's failure started, None if no rank failed.
+
+    A reason of the rank's own beats one passed on from another rank; then the earliest to end,
+    then rank order (decode ranks before prefill ranks, by number), so the pick is deterministic.
+    """
+    failed = [n for n in reasons if status.get(n) is KVPoll.Failed]
+    if not failed:
+        return None
+    rank = min(
+        failed,
+        key=lambda n: (
+            _RELAYED.search(reasons[n]) is not None,
+            terminal_ns.get(n, _NEVER),
+            _rank_order(n),
+        ),
+    )
+    return rank, reasons[rank]
+
+
+def reason_class(reason: str) -> str:
+    """The whole reason with its numbers and ids replaced by N, so that the same failure on other
+    rooms, chunks or ranks groups together and still reads as a sentence: "timed out while
+    waiting (chunk N to decode#N: ring space of decode#N not drained yet (round N, [N, N)))"."""
+    return _NUMBER.sub("N", reason)

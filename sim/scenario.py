@@ -3,15 +3,20 @@
 ``load(path)`` parses and validates; every error names the file and the offending field
 (``[faults].ctrl_drop: expected a probability in [0, 1], got 1.5``). ``dump(scenario)`` writes a
 scenario back as TOML, which is how a failing fuzz seed becomes a regression file.
+
+Each table's keys are documented next to its dataclass (``DOC``, one line per key);
+``schema_markdown()`` turns them, the types and the defaults the parser applies into
+docs/scenarios.md: ``python -m kvferry.sim.scenario --markdown > docs/scenarios.md``.
 """
 
 from __future__ import annotations
 
 import difflib
+import sys
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvferry.backends.simfabric.spec import PROFILES, ControlSpec, FabricSpec, KernelSpec, NicSpec
 from kvferry.core.errors import GeometryError, KvferryError
@@ -50,6 +55,15 @@ class ModelSpec:
     dtype: str = "bf16"
     is_mla: bool = False
 
+    DOC: ClassVar[dict[str, str]] = {
+        "name": "A label for the model, shown in plans and summaries.",
+        "num_layers": "Transformer layers: each has its own K and V buffers (one latent buffer under MLA).",
+        "num_kv_heads": "KV heads of the whole model, split or replicated across TP ranks (1 under MLA).",
+        "head_dim": "Elements per head per token.",
+        "dtype": "Element type of the KV cache.",
+        "is_mla": "Multi-head latent attention: one latent buffer per layer instead of K and V.",
+    }
+
     def geometry(self) -> ModelGeometry:
         return ModelGeometry(
             self.name, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.is_mla
@@ -69,6 +83,19 @@ class Topology:
     workers: int = 2  # transfer queues (one worker each) per prefill rank, as in seed 000
     aux_rows: int = 256
 
+    DOC: ClassVar[dict[str, str]] = {
+        "prefill_tp": "Prefill ranks (tensor-parallel size): nodes prefill0, prefill1, ...",
+        "decode_tp": "Decode ranks (tensor-parallel size): nodes decode0, decode1, ...",
+        "prefill_page_size": "Tokens per KV page on prefill.",
+        "decode_page_size": "Tokens per KV page on decode.",
+        "prefill_pages": "KV pages in each prefill rank's pool; arriving rooms wait while it is full.",
+        "decode_pages": "KV pages in each decode rank's pool; arriving rooms wait while it is full.",
+        "prefill_layout": "Memory layout of prefill's KV buffers.",
+        "decode_layout": "Memory layout of decode's KV buffers.",
+        "workers": "Transfer queues, one worker each, per prefill rank.",
+        "aux_rows": "Aux rows per rank: one per room in flight, so also a bound on rooms in flight.",
+    }
+
 
 @dataclass(frozen=True, slots=True)
 class RoomSpec:
@@ -79,6 +106,15 @@ class RoomSpec:
     # Decode allocates this long after prefill opened the room (decode short of memory): prefill
     # then asks for staging space before decode knows the room.
     decode_lag_us: int = 0
+
+    DOC: ClassVar[dict[str, str]] = {
+        "tokens": "Prompt tokens of the room.",
+        "arrival_us": "When the room arrives, in us from the start.",
+        "chunks": "Chunk lengths, summing to tokens (empty: split by `[workload].chunk_tokens`).",
+        "prefill_delay_us": "Prefill starts computing this long after decode allocated, in us.",
+        "decode_lag_us": "Decode allocates this long after prefill opened the room, in us "
+        "(prefill then asks for staging space before decode knows the room).",
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +129,19 @@ class Workload:
     decode_lag_us_max: int = 0  # each drawn room's decode_lag_us is uniform in [0, this]
     explicit: tuple[RoomSpec, ...] = ()
 
+    DOC: ClassVar[dict[str, str]] = {
+        "rooms": "Rooms (requests) in the run, drawn at random; with `[[workload.room]]` entries, "
+        "their number (it may be left out).",
+        "tokens_min": "Fewest tokens of a drawn room.",
+        "tokens_max": "Most tokens of a drawn room.",
+        "chunk_tokens": "Tokens per chunk: prefill sends a room in chunks of this size (0: one chunk).",
+        "arrival_mean_us": "Mean gap between drawn rooms' arrivals (exponential), in us.",
+        "compute_ns_per_token": "Prefill compute per token of a chunk before it can be sent, in ns.",
+        "decode_lag_us_max": "Each drawn room's decode allocates a uniform [0, this] us after prefill "
+        "opened it (0: decode first).",
+        "explicit": "Rooms given one by one: see `[[workload.room]]`.",
+    }
+
 
 @dataclass(frozen=True, slots=True)
 class FaultEvent:
@@ -102,6 +151,16 @@ class FaultEvent:
     peer: str = ""
     duration_us: int = 0  # crash: restart after; link_down: up after; slow_link: restore after
     factor: float = 1.0  # slow_link bandwidth multiplier
+
+    DOC: ClassVar[dict[str, str]] = {
+        "at_us": "When it happens, in us from the start (ignored from `[phases].fault_window_us` on).",
+        "kind": "What happens.",
+        "node": "The node that crashes, or one end of the link (prefill0, ..., decode0, ...).",
+        "peer": "The other end of the link (link_down and slow_link only).",
+        "duration_us": "crash: restart after; link_down: up after; slow_link: restore after, in us "
+        "(0: until the heal).",
+        "factor": "slow_link: bandwidth multiplier, in (0, 1].",
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +178,22 @@ class Faults:
     notif_delay_max_us: int = 500
     clock_skew_max_us: int = 0
     events: tuple[FaultEvent, ...] = ()
+
+    DOC: ClassVar[dict[str, str]] = {
+        "swarm": "Draw a fault personality from the seed for every rate and event left unset.",
+        "ctrl_drop": "Probability that a control message is lost.",
+        "ctrl_dup": "Probability that a control message is delivered twice.",
+        "ctrl_reorder": "Probability that a control message is held back a while, so later ones overtake it.",
+        "ctrl_delay": "Probability that a control message is delayed up to `ctrl_delay_max_us`.",
+        "ctrl_delay_max_us": "Longest extra delay of a delayed control message, in us.",
+        "xfer_err": "Probability that a write fails (ERR) after placing any prefix of its descriptors.",
+        "abort": "Probability that the scheduler aborts a room, on a random side.",
+        "notif_drop": "Probability that a write's notification is lost.",
+        "notif_delay": "Probability that a notification is delayed up to `notif_delay_max_us`.",
+        "notif_delay_max_us": "Longest extra delay of a delayed notification, in us.",
+        "clock_skew_max_us": "Each node's clock is off by a uniform [0, this] us.",
+        "events": "Timed faults: see `[[faults.event]]`.",
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +214,19 @@ class FlowSpec:
     fallback_direct: bool = False
     auto_chunks: int = 4
 
+    DOC: ClassVar[dict[str, str]] = {
+        "flow": "Which flow moves each room: policy (direct for equal TP; for unequal TP ring if "
+        "offered, else pinned, else direct), one flow for every room, or mixed (one drawn per room).",
+        "ring_bytes": "Decode's staging ring per rank (0: not offered, unless auto-sized).",
+        "pinned_bytes": "Decode's pinned host staging pool per rank.",
+        "worker_buffer_bytes": "Prefill's staging buffer per transfer worker (ring and pinned flows).",
+        "prefill_pinned_bytes": "Prefill's pinned host staging pool per rank (pinned flow).",
+        "fallback_direct": "A chunk too large for decode's ring or pinned pool goes direct instead of "
+        "failing its room.",
+        "auto_chunks": "Staging that the chosen flows need and that is left at 0 is sized to hold this "
+        "many of the workload's largest chunk.",
+    }
+
 
 @dataclass(frozen=True, slots=True)
 class TimeoutSpec:
@@ -152,12 +240,30 @@ class TimeoutSpec:
     fence_ns: int = 200_000_000
     tombstone_ns: int = 250_000_000
 
+    DOC: ClassVar[dict[str, str]] = {
+        "bootstrap_ns": "Room created until every TransferInfo and registration it needs is in.",
+        "waiting_ns": "WaitingForInput until the first chunk (prefill) or first notification (decode).",
+        "transfer_ns": "Transferring until done (prefill: from entering it, never renewed; decode: "
+        "renewed by every notification).",
+        "heartbeat_interval_ns": "Between two heartbeats to a peer.",
+        "heartbeat_timeout_ns": "A peer silent this long is lost, and its live rooms fail.",
+        "fence_ns": "Decode frees a failed room's pages without the peer's Stopped after this long; "
+        "also how long a failure notice is resent.",
+        "tombstone_ns": "How long a finished (room, transfer_id) keeps rejecting late messages.",
+    }
+
 
 @dataclass(frozen=True, slots=True)
 class Phases:
     fault_window_us: int = 20_000  # faults injected until then; afterwards the network heals
     # After the heal (and the last arrival), every room must be terminal within this.
     liveness_us: int = 300_000
+
+    DOC: ClassVar[dict[str, str]] = {
+        "fault_window_us": "Faults are injected until then, in us; then the network heals (links up, "
+        "full speed, crashed nodes restarted).",
+        "liveness_us": "After the heal and the last arrival, every room must be terminal within this, in us.",
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +277,20 @@ class Checks:
     tables_empty: bool = True
     fault_free: bool = True
     ring_progress: bool = True
+
+    DOC: ClassVar[dict[str, str]] = {
+        "bytes": "A room Success on every decode rank holds exactly the source bytes (and the room id "
+        "in its aux row).",
+        "ownership": "Every write into decode memory lands in pages the writing room owns at that moment.",
+        "monotone": "Statuses only move forward, and Failed is absorbing.",
+        "agreement": "Both sides of a room end alike: Success on all ranks, or Failed on both sides.",
+        "liveness": "By the deadline, every room is terminal on every rank that opened it.",
+        "conservation": "Rooms submitted = succeeded + failed; transfers posted = DONE + ERR.",
+        "tables_empty": "After quiescence all memory is back and every per-room table, handle and "
+        "staging allocation is gone.",
+        "fault_free": "A run that injects no fault ends with every room Success and no ring request resent.",
+        "ring_progress": "A producer waiting on a decode ring's watermark resumes once the ring drains.",
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +310,14 @@ class Scenario:
     checks: Checks = field(default_factory=Checks)
     hooks: tuple[str, ...] = ()  # planted bugs (tests only)
     expect_violations: tuple[str, ...] = ()  # invariants a regression file is known to break
+
+    # The top-level keys; the other fields are tables, documented by their own dataclasses.
+    DOC: ClassVar[dict[str, str]] = {
+        "name": "Scenario name, shown in summaries and in saved fuzz failures.",
+        "description": "One line that replay prints under the name.",
+        "seed": "Seed of every random choice of the run (replay --seed overrides it).",
+        "hooks": "Planted bugs, to test the checker itself.",
+    }
 
     def node_names(self) -> tuple[str, ...]:
         t = self.topology
@@ -317,6 +445,29 @@ def _topology(r: _Reader, model: ModelSpec) -> Topology:
         except GeometryError as e:
             raise ScenarioError(f"{r.where}.{key}: {e}") from None
     return t
+
+
+# The [fabric] keys (they map onto backends' FabricSpec, in other units): the parser accepts
+# exactly these, and the docs list them with these meanings.
+FABRIC_DOC: dict[str, str] = {
+    "profile": "Named fabric whose numbers are the defaults of the other keys of this table.",
+    "bandwidth_gbps": "NIC bandwidth of a node, in GB/s.",
+    "latency_ns": "One-way latency of an RDMA write.",
+    "jitter_ns": "Extra delay per transfer, uniform in [0, this).",
+    "post_cost_ns": "Fixed cost of posting one transfer.",
+    "per_desc_ns": "Cost of posting one descriptor.",
+    "max_inflight": "Transfers a NIC keeps in flight before new posts queue.",
+    "error_timeout_ns": "How long a write into a dead peer or over a down link takes to report ERR.",
+    "control_latency_ns": "One-way latency of a control message.",
+    "control_jitter_ns": "Extra delay per control message, uniform in [0, this).",
+    "kernel_launch_ns": "Host cost of one gather or scatter kernel call.",
+    "kernel_busy_mean_ns": "Mean wait (exponential) for the model step in progress before a kernel runs "
+    "(0: an idle GPU).",
+    "gpu_copy_gbps": "GPU-to-GPU gather and scatter rate, in GB/s.",
+    "pinned_copy_gbps": "Gather to and scatter from pinned host memory rate, in GB/s.",
+    "prepped": "Prepared descriptor lists: dense runs merge into one descriptor, as NIXL's prepped "
+    "transfers do.",
+}
 
 
 def _fabric(r: _Reader) -> tuple[str, FabricSpec]:
@@ -518,29 +669,7 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
     )
     model = _model(_Reader(f"{where}: [model]", data.get("model", {}), (*_names(ModelSpec), "preset")))
     topo = _topology(_Reader(f"{where}: [topology]", data.get("topology", {}), _names(Topology)), model)
-    profile, fabric = _fabric(
-        _Reader(
-            f"{where}: [fabric]",
-            data.get("fabric", {}),
-            (
-                "profile",
-                "bandwidth_gbps",
-                "latency_ns",
-                "jitter_ns",
-                "post_cost_ns",
-                "per_desc_ns",
-                "max_inflight",
-                "error_timeout_ns",
-                "control_latency_ns",
-                "control_jitter_ns",
-                "kernel_launch_ns",
-                "kernel_busy_mean_ns",
-                "gpu_copy_gbps",
-                "pinned_copy_gbps",
-                "prepped",
-            ),
-        )
-    )
+    profile, fabric = _fabric(_Reader(f"{where}: [fabric]", data.get("fabric", {}), tuple(FABRIC_DOC)))
     flows = _flows(_Reader(f"{where}: [flows]", data.get("flows", {}), _names(FlowSpec)))
     work = _workload(
         _Reader(
@@ -648,6 +777,28 @@ def _table(name: str, values: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _fabric_values(s: Scenario) -> dict[str, Any]:
+    """The [fabric] table of a scenario, in the file's keys and units."""
+    n, c, k = s.fabric.nic, s.fabric.control, s.fabric.kernel
+    return {
+        "profile": s.fabric_profile,
+        "bandwidth_gbps": n.bandwidth_bps / 1e9,
+        "latency_ns": n.latency_ns,
+        "jitter_ns": n.jitter_ns,
+        "post_cost_ns": n.post_cost_ns,
+        "per_desc_ns": n.per_desc_ns,
+        "max_inflight": n.max_inflight,
+        "error_timeout_ns": n.error_timeout_ns,
+        "control_latency_ns": c.latency_ns,
+        "control_jitter_ns": c.jitter_ns,
+        "kernel_launch_ns": k.launch_ns,
+        "kernel_busy_mean_ns": k.busy_mean_ns,
+        "gpu_copy_gbps": k.gpu_bps / 1e9,
+        "pinned_copy_gbps": k.pinned_bps / 1e9,
+        "prepped": s.fabric.prepped,
+    }
+
+
 def dump(s: Scenario) -> str:
     """The scenario as TOML; ``parse(tomllib.loads(dump(s)))`` gives ``s`` back."""
     out = [f"name = {_toml_value(s.name)}", f"description = {_toml_value(s.description)}", f"seed = {s.seed}"]
@@ -657,27 +808,7 @@ def dump(s: Scenario) -> str:
     m = s.model
     out += _table("model", {f.name: getattr(m, f.name) for f in fields(ModelSpec)})
     out += _table("topology", {f.name: getattr(s.topology, f.name) for f in fields(Topology)})
-    n, c = s.fabric.nic, s.fabric.control
-    out += _table(
-        "fabric",
-        {
-            "profile": s.fabric_profile,
-            "bandwidth_gbps": n.bandwidth_bps / 1e9,
-            "latency_ns": n.latency_ns,
-            "jitter_ns": n.jitter_ns,
-            "post_cost_ns": n.post_cost_ns,
-            "per_desc_ns": n.per_desc_ns,
-            "max_inflight": n.max_inflight,
-            "error_timeout_ns": n.error_timeout_ns,
-            "control_latency_ns": c.latency_ns,
-            "control_jitter_ns": c.jitter_ns,
-            "kernel_launch_ns": s.fabric.kernel.launch_ns,
-            "kernel_busy_mean_ns": s.fabric.kernel.busy_mean_ns,
-            "gpu_copy_gbps": s.fabric.kernel.gpu_bps / 1e9,
-            "pinned_copy_gbps": s.fabric.kernel.pinned_bps / 1e9,
-            "prepped": s.fabric.prepped,
-        },
-    )
+    out += _table("fabric", _fabric_values(s))
     out += _table("flows", {f.name: getattr(s.flows, f.name) for f in fields(FlowSpec)})
     w = s.workload
     out += _table("workload", {f.name: getattr(w, f.name) for f in fields(Workload) if f.name != "explicit"})
@@ -713,3 +844,266 @@ def with_flow(s: Scenario, flow: str) -> Scenario:
 
 def with_overrides(s: Scenario, **kw: Any) -> Scenario:
     return replace(s, **kw)
+
+
+# ---------------------------------------------------------------------------------------- documentation
+
+
+@dataclass(frozen=True, slots=True)
+class KeyDoc:
+    key: str
+    type: str
+    default: str  # as TOML; or "required", or "none" (no value: leaving the key out means something else)
+    meaning: str
+
+
+@dataclass(frozen=True, slots=True)
+class TableDoc:
+    """One table of the format: its header, where it sits in the TOML document, and its keys."""
+
+    header: str  # "" for the top level
+    path: tuple[str, ...]  # ("workload", "room") for [[workload.room]]
+    intro: str
+    keys: tuple[KeyDoc, ...]
+
+
+_TOML_TYPES = {
+    "int": "integer",
+    "float": "number",
+    "bool": "boolean",
+    "str": "string",
+    "tuple[int, ...]": "array of integers",
+    "tuple[str, ...]": "array of strings",
+}
+# Scenario fields that are tables, not top-level keys (each documented by its own dataclass).
+_TABLE_FIELDS = frozenset(
+    (
+        "model",
+        "topology",
+        "fabric_profile",
+        "fabric",
+        "flows",
+        "workload",
+        "faults",
+        "timeouts",
+        "phases",
+        "checks",
+        "expect_violations",
+    )
+)
+# Fields read from an array of tables under another name: [[workload.room]], [[faults.event]].
+_ARRAY_KEYS = {"explicit": "room", "events": "event"}
+# The smallest valid entry of each array of tables: its keys are the required ones, and parsing it
+# gives the defaults of the others.
+_MINIMAL_ENTRIES: dict[str, Any] = {
+    "workload": {"room": [{"tokens": 16}]},
+    "faults": {"event": [{"kind": "crash", "node": "prefill0"}]},
+}
+
+
+def _choices() -> dict[tuple[str, str], tuple[str, ...]]:
+    from kvferry.core.geometry import PRESETS, DType
+
+    layouts = tuple(x.value for x in Layout)
+    return {
+        ("", "hooks"): HOOKS,
+        ("[model]", "dtype"): tuple(x.value for x in DType),
+        ("[model]", "preset"): tuple(sorted(PRESETS)),
+        ("[topology]", "prefill_layout"): layouts,
+        ("[topology]", "decode_layout"): layouts,
+        ("[fabric]", "profile"): tuple(PROFILES),
+        ("[flows]", "flow"): FLOW_CHOICES,
+        ("[[faults.event]]", "kind"): FAULT_EVENT_KINDS,
+    }
+
+
+def _doc_default(v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10_000:
+        return f"{v:_}"  # TOML reads 50_000_000 too, and a reader counts the zeros at a glance
+    return _toml_value(v)
+
+
+def _value_type(v: Any) -> str:
+    return _TOML_TYPES[type(v).__name__]
+
+
+def _field_keys(
+    cls: type, values: Any, skip: tuple[str, ...] = (), required: tuple[str, ...] = ()
+) -> list[KeyDoc]:
+    doc: dict[str, str] = cls.DOC  # type: ignore[attr-defined]
+    names = [f.name for f in fields(cls) if f.name not in skip]
+    missing, extra = set(names) - set(doc), set(doc) - {f.name for f in fields(cls)}
+    if missing or extra:
+        raise ValueError(f"{cls.__name__}.DOC: undocumented {sorted(missing)}, not fields {sorted(extra)}")
+    types = {f.name: f.type for f in fields(cls)}
+    return [
+        KeyDoc(_ARRAY_KEYS[n], "array of tables", "[]", doc[n])
+        if n in _ARRAY_KEYS
+        else KeyDoc(
+            n,
+            _TOML_TYPES[str(types[n])],
+            "required" if n in required else _doc_default(getattr(values, n)),
+            doc[n],
+        )
+        for n in names
+    ]
+
+
+def _top_keys(s: Scenario) -> list[KeyDoc]:
+    stray = {f.name for f in fields(Scenario)} - set(Scenario.DOC) - _TABLE_FIELDS
+    if stray:
+        raise ValueError(f"Scenario: fields neither in Scenario.DOC nor tables: {sorted(stray)}")
+    return _field_keys(Scenario, s, skip=tuple(_TABLE_FIELDS))
+
+
+def schema_tables() -> list[TableDoc]:
+    """Every table of the scenario format, its keys, their types, and the defaults the parser
+    applies (read off ``parse`` itself, so they are the ones a run gets)."""
+    s = parse({})
+    entries = parse(_MINIMAL_ENTRIES)
+    room, event = entries.workload.explicit[0], entries.faults.events[0]
+    fabric = _fabric_values(s)
+    return [
+        TableDoc("", (), "Keys outside any table.", tuple(_top_keys(s))),
+        TableDoc(
+            "[model]",
+            ("model",),
+            "The model whose KV cache moves. Either `preset` alone or the explicit keys.",
+            (
+                *_field_keys(ModelSpec, s.model),
+                KeyDoc("preset", "string", "none", "A known model's geometry instead of the keys above."),
+            ),
+        ),
+        TableDoc(
+            "[topology]",
+            ("topology",),
+            "Ranks, pages and workers of each side.",
+            tuple(_field_keys(Topology, s.topology)),
+        ),
+        TableDoc(
+            "[fabric]",
+            ("fabric",),
+            "The simulated network and copy kernels. Defaults shown are the `h100-rdma` profile's; "
+            "another `profile` changes them.",
+            tuple(
+                KeyDoc(k, _value_type(fabric[k]), _doc_default(fabric[k]), meaning)
+                for k, meaning in FABRIC_DOC.items()
+            ),
+        ),
+        TableDoc(
+            "[flows]",
+            ("flows",),
+            "Which flow moves each room, and the staging memory each rank registers. Sizes in bytes.",
+            tuple(_field_keys(FlowSpec, s.flows)),
+        ),
+        TableDoc(
+            "[workload]",
+            ("workload",),
+            "The rooms of the run: drawn at random, or listed one by one in `[[workload.room]]`.",
+            tuple(_field_keys(Workload, s.workload)),
+        ),
+        TableDoc(
+            "[[workload.room]]",
+            ("workload", "room"),
+            "One room, given explicitly; repeat the table for each room.",
+            tuple(_field_keys(RoomSpec, room, required=tuple(_MINIMAL_ENTRIES["workload"]["room"][0]))),
+        ),
+        TableDoc(
+            "[faults]",
+            ("faults",),
+            "Random faults, each a probability per message or write, injected until "
+            "`[phases].fault_window_us`.",
+            tuple(_field_keys(Faults, s.faults)),
+        ),
+        TableDoc(
+            "[[faults.event]]",
+            ("faults", "event"),
+            "One timed fault; repeat the table for each.",
+            tuple(_field_keys(FaultEvent, event, required=tuple(_MINIMAL_ENTRIES["faults"]["event"][0]))),
+        ),
+        TableDoc(
+            "[timeouts]",
+            ("timeouts",),
+            "The core's deadlines, in ns, scaled down for simulated runs. A file whose deadlines the "
+            "core calls unsafe for its fabric (a fence shorter than a peer may still write) is refused.",
+            tuple(_field_keys(TimeoutSpec, s.timeouts)),
+        ),
+        TableDoc(
+            "[phases]",
+            ("phases",),
+            "The fault window and the liveness deadline.",
+            tuple(_field_keys(Phases, s.phases)),
+        ),
+        TableDoc(
+            "[checks]",
+            ("checks",),
+            "Invariants checked; each can be turned off.",
+            tuple(_field_keys(Checks, s.checks)),
+        ),
+        TableDoc(
+            "[expect]",
+            ("expect",),
+            "For regression files of planted bugs.",
+            (
+                KeyDoc(
+                    "violations",
+                    "array of strings",
+                    "[]",
+                    "Invariants this file is known to break: replay passes only if exactly these break.",
+                ),
+            ),
+        ),
+    ]
+
+
+_PREAMBLE = """\
+# Scenario files
+
+<!-- Generated from sim/scenario.py: edit the DOC dicts there, then run
+     python -m kvferry.sim.scenario --markdown > docs/scenarios.md
+     (tests/test_scenario_docs.py fails while this file differs from the generated text). -->
+
+A scenario is one TOML file (`kvferry replay FILE` runs it; `scenarios/` holds examples). Every table
+and every key is optional unless marked required; a key left out takes the default shown, which is
+what the parser applies. An unknown key, in any table, is an error naming the file and the key (with
+a "did you mean" for near misses), and so is a value of the wrong type or out of range
+(`[faults].ctrl_drop: expected a probability in [0, 1], got 1.5`). Times are in the unit their key
+ends with (`_us`, `_ns`).
+"""
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _md_table(t: TableDoc, choices: dict[tuple[str, str], tuple[str, ...]]) -> list[str]:
+    title = f"`{t.header}`" if t.header else "Top level"
+    lines = [f"## {title}", "", t.intro, "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    for k in t.keys:
+        meaning = k.meaning
+        if (t.header, k.key) in choices:
+            meaning += " One of: " + ", ".join(f"`{c}`" for c in choices[(t.header, k.key)]) + "."
+        default = k.default if k.default in ("required", "none") else f"`{k.default}`"
+        lines.append(f"| `{k.key}` | {k.type} | {_md_cell(default)} | {_md_cell(meaning)} |")
+    return [*lines, ""]
+
+
+def schema_markdown() -> str:
+    """docs/scenarios.md: every table and key of the format, from the dataclasses and the parser."""
+    choices = _choices()
+    lines = [_PREAMBLE]
+    for t in schema_tables():
+        lines += _md_table(t, choices)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _main(argv: list[str]) -> int:
+    if argv != ["--markdown"]:
+        sys.stderr.write("usage: python -m kvferry.sim.scenario --markdown > docs/scenarios.md\n")
+        return 2
+    sys.stdout.write(schema_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

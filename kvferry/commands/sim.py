@@ -85,7 +85,20 @@ def _lat(p: dict[str, int]) -> str:
     return " / ".join(f"{k} {_ms(v)}" for k, v in p.items())
 
 
+def _print_failure_reasons(reasons: dict[str, int], console, top: int = 5) -> None:  # type: ignore[no-untyped-def]
+    """One reason a line, whole: reasons hold commas and colons, so a joined line would not read."""
+    from rich.markup import escape
+
+    console.print("failed rooms by reason (each room once, as its first failing rank gave it):")
+    width = len(str(max(reasons.values())))
+    for reason, n in list(reasons.items())[:top]:
+        console.print(f"  {n:>{width}}  {escape(reason)}")
+    if len(reasons) > top:
+        console.print(f"  ... {len(reasons) - top} more reason(s) (--json for all)")
+
+
 def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[no-untyped-def]
+    from rich.markup import escape
     from rich.table import Table
 
     if res.rooms_detail:
@@ -93,14 +106,14 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
         for col in ("room", "tokens", "chunks", "outcome", "latency", "why (first failing rank)"):
             table.add_column(col)
         for r in res.rooms_detail[:rooms_limit]:
-            why = next(iter(r.reasons.items()), ("", ""))
+            first = r.first_failing
             table.add_row(
                 str(r.key),
                 str(r.tokens),
                 str(r.chunks),
                 "[green]success[/]" if r.outcome == "success" else f"[red]{r.outcome}[/]",
                 _ms(r.latency_ns) if r.latency_ns >= 0 else "-",
-                f"{why[0]}: {why[1]}" if why[0] else "",
+                escape(f"{first}: {r.reasons[first]}") if first else "",
             )
         if res.rooms > rooms_limit:
             table.caption = f"first {rooms_limit} of {res.rooms} rooms (--json for all)"
@@ -110,8 +123,7 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
         f"[red]{res.failed} failed[/]"
     )
     if res.failure_reasons:
-        top = ", ".join(f"{k} x{v}" for k, v in list(res.failure_reasons.items())[:5])
-        console.print(f"failure reasons (per rank): {top}")
+        _print_failure_reasons(res.failure_reasons, console)
     console.print(f"room latency (arrival -> Success): {_lat(res.room_latency_ns)}")
     console.print(f"write latency (post -> DONE): {_lat(res.write_latency_ns)}")
     console.print(
@@ -122,8 +134,10 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
     faults = ", ".join(f"{k} {v}" for k, v in res.faults.items()) or "none"
     console.print(f"faults injected: {faults}")
     console.print(
-        f"simulated {_ms(res.sim_ns)} in {res.wall_s:.2f} s wall, {res.events:,} trace events, "
-        f"trace hash {res.digest}"
+        # Not the count of a --trace file's events (those are merged into spans, plus track
+        # names): this one counts what the hash covers.
+        f"simulated {_ms(res.sim_ns)} in {res.wall_s:.2f} s wall, trace hash {res.digest} "
+        f"over {res.events:,} simulation events"
     )
     if res.agreement_exempt:
         console.print(
@@ -318,10 +332,17 @@ def _run_and_report(
             f"{s.workload.rooms} rooms, faults: control drop/dup/reorder, notification delay, "
             "transfer ERR, aborts, a link flap, a slow link, a prefill crash + restart"
         )
-    res, w = run_one(s, seed=seed, keep_trace=trace is not None, detail=True)
-    if trace is not None:
+    written = 0
+    if trace is None:
+        res, w = run_one(s, seed=seed, detail=True)
+    else:
+        taps: list[chrome.NoteTap] = []
+        res, w = run_one(
+            s, seed=seed, keep_trace=True, detail=True, before_run=lambda w: taps.append(chrome.NoteTap(w))
+        )
+        meta = {"scenario": s.name, "seed": res.seed, "digest": res.digest}
         try:
-            chrome.write(w.trace.events, trace, {"scenario": s.name, "seed": res.seed, "digest": res.digest})
+            written = chrome.write(w.trace.events, trace, meta, notes=taps[0].notes)
         except OSError as e:
             bad_input(f"--trace {trace}: cannot write: {e}")
     expected = set(w.scenario.expect_violations)
@@ -330,6 +351,8 @@ def _run_and_report(
         d = res.as_dict(detail=True)
         d["expected_violations"] = sorted(expected)
         d["verdict"] = "fail" if unexpected else "pass"
+        if trace is not None:
+            d["trace_events"] = written
         sys.stdout.write(json.dumps(d) + "\n")
     else:
         console.print(f"scenario [bold]{w.scenario.name}[/] seed {res.seed}: {w.scenario.description}")
@@ -340,7 +363,7 @@ def _run_and_report(
                 + ("[green]as expected[/]" if not unexpected else "[red]NOT as expected[/]")
             )
         if trace is not None:
-            console.print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
+            console.print(f"trace written to {trace}: {written:,} events (open in https://ui.perfetto.dev)")
         if demo:
             console.print(
                 "next: [bold]kvferry replay scenarios/crash-and-restart.toml --trace t.json[/], "
