@@ -1,6 +1,6 @@
 """KVPoll: the status of one room on one side, and the rules for combining and moving it.
 
-The numeric order is the contract (DESIGN.md section 2): across the TP ranks of one server the
+The numeric order is the contract (docs/design.md section 1): across the TP ranks of one server the
 room's status is the MIN over ranks, so one Failed rank fails the room and Success needs every
 rank. A status only moves up; Failed overrides everything and sticks.
 """

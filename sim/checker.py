@@ -1,4 +1,4 @@
-"""Invariant checks over a finished (or deadline-reached) world, per ../shared/DESIGN.md section 6.
+"""Invariant checks over a finished (or deadline-reached) world, per docs/design.md section 5.
 
 Checked while the run goes (in sim/world.py, as events happen):
 - ``status_monotone`` / ``failed_absorbing``: every status change of every (rank, room).

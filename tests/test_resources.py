@@ -1,4 +1,4 @@
-"""Property and stateful tests of the staging ring and the pinned pool (DESIGN.md section 6).
+"""Property and stateful tests of the staging ring and the pinned pool (docs/design.md section 5).
 
 Ring: no byte range is writable by two live slots at once, and a slot is never writable while an
 overlapping slot of an earlier round is live (overlaps computed from byte ranges and rounds, not

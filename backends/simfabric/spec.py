@@ -1,6 +1,7 @@
 """Fabric parameters and their defaults, with where each number comes from.
 
-Sources are ../shared/DESIGN.md section 8 (measured) and section 3 (upstream vLLM numbers); a
+Sources are measurements on the H100 and CPU machines (docs/benchmarks.md) and vLLM's published
+posting figures (118 descriptors in 460 us, 18,880 in 46 ms: vLLM issue on fragmented KV); a
 number with no measurement behind it says so and is a plain assumption a scenario can override.
 """
 
@@ -16,7 +17,7 @@ class NicSpec:
     """One node's RDMA NIC as the simulator charges it."""
 
     # 50 GB/s: a 400 Gb/s NIC per GPU, the usual H100 deployment (assumption), and just under the
-    # pinned D2H copy rate measured on the H100 machine (55.0 GB/s, DESIGN.md s8), which bounds
+    # pinned D2H copy rate measured on the H100 machine (55.0 GB/s, docs/benchmarks.md, Kernels), which bounds
     # what a GPU can feed a NIC.
     bandwidth_bps: int = 50_000_000_000
     # One-way wire + NIC latency of an RDMA write; a few microseconds on InfiniBand (assumption).
@@ -24,7 +25,7 @@ class NicSpec:
     # Uniform extra delay in [0, jitter) per transfer (assumption).
     jitter_ns: int = 2_000
     # Fixed cost and per-descriptor cost of posting one transfer: fitted to vLLM's measurement in
-    # DESIGN.md s3 (118 descriptors -> 460 us, 18,880 -> 46 ms): 2.43 us/descriptor + 174 us.
+    # vLLM's figures (118 descriptors -> 460 us, 18,880 -> 46 ms): 2.43 us/descriptor + 174 us.
     post_cost_ns: int = 174_000
     per_desc_ns: int = 2_430
     # Transfers a NIC keeps in flight before new posts queue (assumption; UCX keeps a bounded
@@ -90,7 +91,7 @@ class FabricSpec:
     control: ControlSpec = field(default_factory=ControlSpec)
     kernel: KernelSpec = field(default_factory=KernelSpec)
     # Prepared descriptor lists (make_prepped_xfer) merge dense runs; one-shot posts never do
-    # (DESIGN.md s3).
+    # (docs/design.md section 2).
     prepped: bool = True
 
     def validate(self) -> None:
@@ -99,7 +100,7 @@ class FabricSpec:
         self.kernel.validate()
 
 
-# The CPU machine of DESIGN.md s8: NIXL UCX DRAM->DRAM across two processes on loopback.
+# The CPU machine (docs/benchmarks.md, NIXL): NIXL UCX DRAM->DRAM across two processes on loopback.
 CPU_LOOPBACK = FabricSpec(nic=replace(NicSpec(), bandwidth_bps=560_000_000, latency_ns=20_000))
 # The same in one process (3.7-3.9 GB/s measured).
 CPU_IN_PROCESS = FabricSpec(nic=replace(NicSpec(), bandwidth_bps=3_800_000_000, latency_ns=2_000))
