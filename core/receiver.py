@@ -302,6 +302,8 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             r = self.rooms.get(msg.room)
             if r is not None and r.tid == msg.transfer_id and msg.src in r.senders:
                 r.info_acked.add(msg.src)
+                if len(r.info_acked) == len(r.senders):
+                    self.deadlines.cancel(("info", r.room))  # no resend due: no wake-up either
         elif t is m.Heartbeat:
             self.counters["heartbeat_in"] += 1
         else:
