@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from kvferry.backends.simfabric.spec import PROFILES, ControlSpec, FabricSpec, KernelSpec, NicSpec
 from kvferry.core.errors import GeometryError, KvferryError
-from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry, validate_tp
+from kvferry.core.geometry import PRESETS, Layout, ModelGeometry, PoolGeometry, validate_tp
 
 US = 1_000
 
@@ -329,6 +329,12 @@ class Scenario:
 # ---------------------------------------------------------------------------------------- parsing
 
 
+def _at(where: str, key: str) -> str:
+    """One error path format: ``FILE: key`` at the top level, ``FILE: [table].key`` in a table
+    (``where`` is ``FILE`` or ``FILE: [table]``, or deeper: ``FILE: [workload].room[0]``)."""
+    return f"{where}.{key}" if ": [" in where else f"{where}: {key}"
+
+
 class _Reader:
     """Pulls typed fields out of one TOML table, naming the field in every error."""
 
@@ -341,10 +347,10 @@ class _Reader:
             if key not in known:
                 hint = difflib.get_close_matches(key, known, n=1)
                 extra = f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(known)})"
-                raise ScenarioError(f"{where}.{key}: unknown field{extra}")
+                raise ScenarioError(f"{_at(where, key)}: unknown field{extra}")
 
     def _err(self, key: str, msg: str) -> ScenarioError:
-        return ScenarioError(f"{self.where}.{key}: {msg}")
+        return ScenarioError(f"{_at(self.where, key)}: {msg}")
 
     def int(self, key: str, default: int, lo: int | None = 0, hi: int | None = None) -> int:
         v = self.table.get(key, default)
@@ -397,6 +403,13 @@ def _names(cls: type) -> tuple[str, ...]:
 
 
 def _model(r: _Reader) -> ModelSpec:
+    named = r.table.get("name")
+    if "preset" not in r.table and isinstance(named, str) and named in PRESETS:
+        # A preset's name alone used to run the tiny default geometry under that name.
+        raise ScenarioError(
+            f"{_at(r.where, 'name')}: {named!r} is a preset: write preset = {named!r} (a name alone "
+            "does not set the geometry; give another name for a custom model)"
+        )
     if "preset" in r.table:
         name = r.str("preset", "")
         extra = [k for k in r.table if k != "preset"]
@@ -701,7 +714,9 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
     hooks = top.list("hooks")
     for h in hooks:
         if h not in HOOKS:
-            raise ScenarioError(f"{where}.hooks: unknown planted bug {h!r} (known: {', '.join(HOOKS)})")
+            raise ScenarioError(
+                f"{_at(where, 'hooks')}: unknown planted bug {h!r} (known: {', '.join(HOOKS)})"
+            )
     er = _Reader(f"{where}: [expect]", data.get("expect", {}), ("violations",))
     expect = er.list("violations")
     return Scenario(

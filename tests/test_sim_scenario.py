@@ -27,6 +27,11 @@ def test_the_four_required_scenarios_exist() -> None:
     assert {"quickstart", "heterogeneous-tp", "crash-and-restart", "lossy-control-plane"} <= names
 
 
+def test_a_presets_name_alone_is_refused_not_run_as_the_tiny_model() -> None:
+    with pytest.raises(sc.ScenarioError, match=r"\[model\]\.name: 'qwen3-8b' is a preset: write preset"):
+        sc.parse({"model": {"name": "qwen3-8b"}})
+
+
 @pytest.mark.parametrize(
     ("doc", "needle"),
     [
@@ -47,7 +52,7 @@ def test_the_four_required_scenarios_exist() -> None:
         ({"faults": {"event": [{"kind": "meteor", "node": "decode0"}]}}, "event[0].kind: expected one of"),
         ({"hooks": ["nope"]}, "hooks: unknown planted bug 'nope'"),
         ({"fabric": {"profile": "ethernet"}}, "[fabric].profile: expected one of"),
-        ({"seed": -1}, "scenario.seed: must be >= 0"),
+        ({"seed": -1}, "scenario: seed: must be >= 0"),
         ({"phases": {"liveness_us": "soon"}}, "[phases].liveness_us: expected an integer"),
         ({"timeouts": {"fence_ns": 0}}, "[timeouts].fence_ns: must be >= 1"),
         ({"timeouts": {"fence_ns": 10_000_000}}, "[timeouts]: fence_ns 10000000 must exceed the longest"),
