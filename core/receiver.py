@@ -48,6 +48,7 @@ from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.flows.staged_rx import RxChunk
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition, step
+from kvferry.core.reliable import Resends
 
 # StagingReqs for rooms this rank has not opened yet (seed 003 prefetches them) are held, never
 # dropped: at most this many, each until the bootstrap deadline.
@@ -115,7 +116,6 @@ class _Room:
         "fence_expired",
         "fenced",
         "freed",
-        "info_acked",
         "key",
         "num_tokens",
         "progress",
@@ -150,7 +150,6 @@ class _Room:
         self.failure: RoomFailure | None = None
         self.release_requested = False
         self.stg: dict[int, RxChunk] = {}  # staged chunks (core.flows.staged_rx)
-        self.info_acked: set[m.Endpoint] = set()  # senders that confirmed our TransferInfo
         self.scatters: set[int] = set()  # scatter ops in flight: the pages are being written
 
 
@@ -190,6 +189,11 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         self.deadlines = DeadlineHeap()
         self.tombstones = Tombstones(self.timeouts.tombstone_ns)
         self.counters: Counter[str] = Counter()
+        interval = self.timeouts.heartbeat_interval_ns
+        # Owed answers (core/reliable): Abort until Stopped (ended by the fence), TransferInfo
+        # until InfoAck (ended when the room finishes).
+        self._aborts = Resends("abort", self.deadlines, self.counters, interval, resent="abort_resent")
+        self._infos = Resends("info", self.deadlines, self.counters, interval, resent="info_resent")
         self._out: list[Any] = []
         self._now = 0
         self.last_internal_error: BaseException | None = None
@@ -301,9 +305,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         elif t is m.InfoAck:
             r = self.rooms.get(msg.room)
             if r is not None and r.tid == msg.transfer_id and msg.src in r.senders:
-                r.info_acked.add(msg.src)
-                if len(r.info_acked) == len(r.senders):
-                    self.deadlines.cancel(("info", r.room))  # no resend due: no wake-up either
+                self._infos.answered(r.room, msg.src)
         elif t is m.Heartbeat:
             self.counters["heartbeat_in"] += 1
         else:
@@ -368,6 +370,8 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             self._fail(r, RoomFailure(why, at_ns=self._now), abort=False)
             self._maybe_finish(r)
             return
+        # Resent each heartbeat interval until its InfoAck, while the room is live (core/reliable).
+        infos = dict(self._infos.start(r.room, r.senders, lambda p: self._transfer_info(r, p), self._now))
         for p in sorted(r.senders):
             self.rooms_by_peer.setdefault(p, set()).add(r.room)
             peer = self.peers.get(p)
@@ -375,8 +379,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
                 peer = self.peers[p] = _Peer(self._now)
                 self._send(p, self.registration)
                 self._arm_peer(p)
-            self._send(p, self._transfer_info(r, p))
-        self.deadlines.set(("info", r.room), self._now + self.timeouts.heartbeat_interval_ns)
+            self._send(p, infos[p])  # after the Register, as a new peer must hear them
         if self._all_acked(r):
             self._dispatch(r, RIn.PEER_READY, None)
         held = self.held.pop(r.key, None)
@@ -399,18 +402,6 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             dummy=spec.dummy,
             expected_infos=spec.expected_infos,
         )
-
-    def _resend_infos(self, r: _Room) -> None:
-        """Until each sender confirmed it (InfoAck), the room's TransferInfo is resent each
-        heartbeat interval while the room is live."""
-        if r.state is RState.FAILED or r.state is RState.SUCCESS:
-            return
-        missing = [p for p in sorted(r.senders) if p not in r.info_acked]
-        for p in missing:
-            self.counters["info_resent"] += 1
-            self._send(p, self._transfer_info(r, p))
-        if missing:
-            self.deadlines.set(("info", r.room), self._now + self.timeouts.heartbeat_interval_ns)
 
     def _all_acked(self, r: _Room) -> bool:
         for p in r.senders:
@@ -464,6 +455,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             r.release_requested = True
         elif inp is RIn.STOPPED:
             r.fenced.add(payload.src)
+            self._aborts.answered(r.room, payload.src)
         elif inp is RIn.COPY_DONE or inp is RIn.COPY_FAILED:
             self._scatter_finished(r, payload.op_id)
 
@@ -619,14 +611,19 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             self._send_aborts(r)
 
     def _send_aborts(self, r: _Room) -> None:
-        """Abort every sender that has not confirmed Stopped; repeated each heartbeat interval until
-        the fence closes, so one lost Abort neither pins the pages until the fence deadline nor
-        leaves the sender believing in a Success the decode side gave up on."""
+        """Abort every sender that has not confirmed Stopped; resent each heartbeat interval until
+        the fence closes (core/reliable), so one lost Abort neither pins the pages until the fence
+        deadline nor leaves the sender believing in a Success the decode side gave up on."""
         reason = r.failure.reason if r.failure else "failed"
-        for p in sorted(r.senders):
-            if p not in r.fenced:
-                self._send(p, m.Abort(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=reason))
-        self.deadlines.set(("abort", r.room), self._now + self.timeouts.heartbeat_interval_ns)
+        room, tid = r.room, r.tid
+        owed = [p for p in r.senders if p not in r.fenced]
+        for p, msg in self._aborts.start(
+            room,
+            owed,
+            lambda p: m.Abort(src=self.endpoint, room=room, transfer_id=tid, reason=reason),
+            self._now,
+        ):
+            self._send(p, msg)
 
     def _maybe_finish(self, r: _Room) -> None:
         fenced = r.fence_expired or r.fenced >= r.senders.keys()
@@ -636,7 +633,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             r.freed = True
             self._reclaim(r)
             self.deadlines.cancel(("room", r.room))
-            self.deadlines.cancel(("abort", r.room))
+            self._aborts.cancel(r.room)
             reason = "fence expired" if r.fence_expired else "every sender stopped"
             self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
         if r.release_requested and ((r.state is RState.SUCCESS and not r.scatters) or r.freed):
@@ -651,8 +648,8 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
                 if not s:
                     del self.rooms_by_peer[p]
         self.deadlines.cancel(("room", r.room))
-        self.deadlines.cancel(("abort", r.room))
-        self.deadlines.cancel(("info", r.room))
+        self._aborts.cancel(r.room)
+        self._infos.cancel(r.room)
         self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
 
     def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
@@ -676,14 +673,15 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
 
     def _on_deadline(self, kind: str, what: Any) -> None:
         if kind == "abort":
-            r = self.rooms.get(what)
-            if r is not None and r.state is RState.FAILED and not r.freed:
-                self.counters["abort_resent"] += 1
-                self._send_aborts(r)
+            for p, msg in self._aborts.fire(what, self._now):
+                self._send(p, msg)
         elif kind == "info":
             r = self.rooms.get(what)
-            if r is not None:
-                self._resend_infos(r)
+            if r is None or r.state is RState.FAILED or r.state is RState.SUCCESS:
+                self._infos.cancel(what)  # a finished room needs no more of its TransferInfo
+            else:
+                for p, msg in self._infos.fire(what, self._now):
+                    self._send(p, msg)
         elif kind == "held":
             dropped = self.held.pop(what, [])
             self.counters["staging_req_expired"] += len(dropped)

@@ -68,6 +68,7 @@ from kvferry.core.proto_common import (
     Transition,
     step,
 )
+from kvferry.core.reliable import Resends
 from kvferry.core.worker import Destination, plan_chunk, shard_of
 
 __all__ = ["SENDER_TABLE", "SIn", "SState", "SenderEngine"]
@@ -174,17 +175,6 @@ class _Room:
         self.ledger = StagedLedger()
 
 
-class _Notice:
-    """A failure the decode ranks in ``peers`` have not acknowledged yet."""
-
-    __slots__ = ("give_up_at", "peers", "reason")
-
-    def __init__(self, peers: set[m.Endpoint], reason: str, give_up_at: int) -> None:
-        self.peers = peers
-        self.reason = reason
-        self.give_up_at = give_up_at
-
-
 class _Peer:
     __slots__ = ("last_seen", "pool", "reg_id", "registration")
 
@@ -228,10 +218,18 @@ class SenderEngine(StagedSender, RoomEngine):
         self.peers: dict[m.Endpoint, _Peer] = {}
         self.rooms_by_peer: dict[m.Endpoint, set[int]] = {}
         self.writes: dict[int, tuple[int, str]] = {}  # write id -> room key
-        self.notices: dict[tuple[int, str], _Notice] = {}  # unacknowledged RoomFailed, by room key
         self.deadlines = DeadlineHeap()
         self.tombstones = Tombstones(self.timeouts.tombstone_ns)
         self.counters: Counter[str] = Counter()
+        # Unacknowledged RoomFailed, by room key; outlives the room (like the tombstone).
+        self._notices = Resends(
+            "notice",
+            self.deadlines,
+            self.counters,
+            self.timeouts.heartbeat_interval_ns,
+            resent="failure_resent",
+            gave_up="failure_notice_gave_up",
+        )
         self._next_write_id = 1
         self._out: list[Any] = []
         self._now = 0
@@ -785,15 +783,17 @@ class SenderEngine(StagedSender, RoomEngine):
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
         tell = {p for p in r.infos if p != skip}
-        for p in sorted(tell):
-            self._send(
-                p, m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=failure.reason)
-            )
-        if tell:
-            # A decode rank may already be Success (our last write landed before we failed): it
-            # must hear this, so the notice is resent until answered (see _tick).
-            self.notices[r.key] = _Notice(tell, failure.reason, self._now + self.timeouts.fence_ns)
-            self.deadlines.set(("notice", r.key), self._now + self.timeouts.heartbeat_interval_ns)
+        # A decode rank may already be Success (our last write landed before we failed): it must
+        # hear this, so the notice is resent until answered, for at most fence_ns.
+        room, tid, reason = r.room, r.tid, failure.reason
+        for p, msg in self._notices.start(
+            r.key,
+            tell,
+            lambda p: m.RoomFailed(src=self.endpoint, room=room, transfer_id=tid, reason=reason),
+            self._now,
+            give_up_at=self._now + self.timeouts.fence_ns,
+        ):
+            self._send(p, msg)
 
     def _maybe_finish(self, r: _Room) -> None:
         if r.state is SState.FAILED and not r.inflight and not r.stopped_sent:
@@ -831,28 +831,12 @@ class SenderEngine(StagedSender, RoomEngine):
             )
 
     def _acked(self, msg: m.FailedAck | m.Abort | m.RoomFailed) -> None:
-        key = (msg.room, msg.transfer_id)
-        n = self.notices.get(key)
-        if n is None or msg.src not in n.peers:
-            return
-        n.peers.discard(msg.src)
-        if not n.peers:
-            del self.notices[key]
-            self.deadlines.cancel(("notice", key))
+        self._notices.answered((msg.room, msg.transfer_id), msg.src)
 
-    def _resend_notice(self, key: tuple[int, str]) -> None:
-        n = self.notices.get(key)
-        if n is None:
-            return
-        if self._now >= n.give_up_at:
-            # Bounded like decode's Abort resend: a peer silent this long is gone or cut off.
-            self.counters["failure_notice_gave_up"] += len(n.peers)
-            del self.notices[key]
-            return
-        self.counters["failure_resent"] += 1
-        for p in sorted(n.peers):
-            self._send(p, m.RoomFailed(src=self.endpoint, room=key[0], transfer_id=key[1], reason=n.reason))
-        self.deadlines.set(("notice", key), self._now + self.timeouts.heartbeat_interval_ns)
+    @property
+    def notices(self) -> dict[Any, Any]:
+        """Unacknowledged failure notices by room key (empty once every peer answered)."""
+        return self._notices.entries
 
     # --- time ----------------------------------------------------------------------------------------
 
@@ -861,7 +845,8 @@ class SenderEngine(StagedSender, RoomEngine):
 
     def _on_deadline(self, kind: str, what: Any) -> None:
         if kind == "notice":
-            self._resend_notice(what)
+            for p, msg in self._notices.fire(what, self._now):
+                self._send(p, msg)
         elif kind == "notes":
             self._resend_notes(what)
         elif kind == "stg":
