@@ -637,14 +637,10 @@ class World(Chaos):
     def _check_staged_land(self, x: Xfer, req: Request | None) -> None:
         """A staged write lands only inside a live allocation its own room holds there."""
         d = x.descs
-        eng = self.ranks[x.dst].engine
-        res = eng.ring if int(d.dst_region[0]) == RING_REGION else eng.pinned
         key = (req.room, req.tid) if req is not None else None
         lo, hi = int(d.dst_offset.min()), int((d.dst_offset + d.length).max())
-        if res is not None:
-            for i, a in res.live.items():
-                if res.owner_of(i) == key and a.offset <= lo and hi <= a.end:
-                    return
+        if self.ranks[x.dst].engine.staging_holds(key, int(d.dst_region[0]), lo, hi):
+            return
         who = req.key if req is not None else "unknown"
         where = f"[{lo}, {hi}) of region {int(d.dst_region[0])} on {x.dst}"
         self.violate(

@@ -598,11 +598,8 @@ class World:
     def _check_staged_land(self, w: PendingWrite, note: m.ChunkNote, key: tuple[int, str]) -> None:
         """A staged write lands only inside a live allocation its room holds on that decode rank."""
         _sr, _so, dr, do, ln = w.descs  # type: ignore[misc]
-        eng = self.decode[w.dst.rank].engine
-        res = eng.ring if int(dr[0]) == RING_REGION else eng.pinned
-        live = [] if res is None else [(a, res.owner_of(i)) for i, a in res.live.items()]
         lo, hi = int(do[0]), int(do[0]) + int(ln[0])
-        if not any(owner == key and a.offset <= lo and hi <= a.end for a, owner in live):
+        if not self.decode[w.dst.rank].engine.staging_holds(key, int(dr[0]), lo, hi):
             self.violations.append(
                 f"staged write of {key} chunk {note.chunk_index} into [{lo}, {hi}) of "
                 f"region {int(dr[0])} on {w.dst}, outside its live allocations"

@@ -14,6 +14,7 @@ import pytest
 from kvferry.core import messages as m
 from kvferry.core.events import ControlIn
 from kvferry.core.flows import Flow, FlowError, FlowPolicy
+from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.topology import receiver_endpoints, sender_specs
@@ -198,7 +199,14 @@ def test_abort_with_a_chunk_in_staging_reclaims_space_after_the_fence(flow: str,
         w.fabric.complete(0)
     while w.fabric.pending:
         w.deliver(0)
-    assert w.decode[0].engine.staging_in_use() == 1
+    eng = w.decode[0].engine
+    assert eng.staging_in_use() == 1
+    # What the checkers ask of every staged write: inside a live allocation of its own room.
+    region = RING_REGION if flow == "ring" else PINNED_REGION
+    (a,) = (eng.ring if flow == "ring" else eng.pinned).live.values()
+    assert eng.staging_holds((5, "t"), region, a.offset, a.end)
+    assert not eng.staging_holds((6, "t"), region, a.offset, a.end)  # another room's write
+    assert not eng.staging_holds((5, "t"), region, a.offset, a.end + 1)  # runs past the allocation
     w.abort(req, side, 0)
     w.heal_and_settle()
     assert w.server_view[("decode", 5, "t")] is KVPoll.Failed

@@ -203,6 +203,14 @@ class StagedReceiver:
         self._grant(r, ch, ch.writers)
         return True
 
+    def staging_holds(self, key: Any, region_id: int, lo: int, hi: int) -> bool:
+        """Whether bytes ``[lo, hi)`` of staging region ``region_id`` lie inside one live
+        allocation that room ``key`` holds (what a staged write may touch; the checkers ask)."""
+        res = self.ring if region_id == RING_REGION else self.pinned if region_id == PINNED_REGION else None
+        if res is None:
+            return False
+        return any(res.owner_of(i) == key and a.offset <= lo and hi <= a.end for i, a in res.live.items())
+
     def _note_peaks(self) -> None:
         p = self.staging_peaks
         if self.ring is not None:

@@ -45,6 +45,7 @@ from kvferry.core.geometry import PoolGeometry
 from kvferry.core.proto_common import RoomFailure
 from kvferry.core.resources import PinnedPool, PinnedRefused, RingSlot, Watermark, writable
 from kvferry.core.staging_layout import staged_map
+from kvferry.core.worker import shard_of
 
 __all__ = ["StagedSender"]
 
@@ -312,7 +313,7 @@ class StagedSender:
         return ""
 
     def _worker_of(self, r: Any) -> int:
-        return r.room % self.num_shards
+        return shard_of(r.room, self.num_shards)  # the worker whose queue runs the room's chunks
 
     def _target_index(self, r: Any, target: m.Endpoint) -> int:
         return self._targets(r).index(target)
