@@ -112,13 +112,39 @@ def test_rooms_succeed_and_tables_empty_after_clear(servers):
 def test_core_exception_keeps_its_type_and_reaches_decode(servers):
     pre, dec = servers
     pages = np.arange(8)
-    # The chunk claims more tokens than decode allocated: the core's worker step raises.
-    rv, senders = _room(pre, dec, 7, "bad", pages, 10, [20])
+    # The chunk claims more tokens than decode will allocate, handed over before decode's
+    # TransferInfo could say so (the receiver is opened after the sends): the core finds it in
+    # the worker step, and the room fails with the error's type on prefill and a notice on decode.
+    senders = []
+    for p in pre:
+        pattern.fill(p.pool, p.transport.region, 7, pages, 0, 10)
+        tx = p.sender(7, "bad")
+        tx.write_aux(0, (7).to_bytes(8, "little"))
+        tx.init(0)
+        tx.send(pages, 20, is_last=True)
+        senders.append(tx)
+    rv = dec.receiver(7, "bad")
+    rv.init(pages, 10, 0)
     assert _settle(rv, senders) == (KVPoll.Failed, [KVPoll.Failed] * 2)
     with pytest.raises(ProtocolError, match="past decode's 10"):
         senders[0].failure_exception()
     with pytest.raises(KVTransferError, match="failed on P#"):
         rv.failure_exception()
+
+
+def test_a_chunk_past_a_known_allocation_is_raised_to_the_caller(servers):
+    pre, dec = servers
+    pages = np.arange(8, 16)
+    rv, senders = _room(pre, dec, 8, "known", pages, 10, [])
+    deadline = time.monotonic() + 20
+    while any(s.poll() is not KVPoll.WaitingForInput for s in senders) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until every TransferInfo (with the length) is in
+    with pytest.raises(LocalMisuseError, match="past the 10 tokens"):
+        senders[0].send(pages, 20, is_last=True)
+    assert senders[0].poll() is KVPoll.WaitingForInput  # the room is untouched by our mistake
+    for s in senders:
+        s.send(pages, 10, is_last=True)
+    assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * 2)
 
 
 def test_nixl_error_fails_one_room_worker_survives(servers, monkeypatch):

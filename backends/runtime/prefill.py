@@ -168,8 +168,8 @@ class KVSender:
             src_pages=np.asarray(src_pages, dtype=np.int64),
             is_last=bool(is_last),
         )
+        self.ep.driver.feed(chunk, now_ns())  # a chunk refused as our own mistake keeps its index
         self._chunks += 1
-        self.ep.driver.feed(chunk, now_ns())
 
     def write_aux(self, aux_index: int, row: bytes) -> None:
         """Fill the room's aux row (first 8 bytes: the room id, the landing check)."""
