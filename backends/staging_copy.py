@@ -1,13 +1,16 @@
 """Gather and scatter on CPU memory with numpy: the same bytes the Triton kernels move.
 
 Executes ``core.staging_layout.StagingMap``s between a rank's KV pool regions and one staging
-buffer, all as flat ``uint8`` arrays. Used by the simulator (bytes in fake memory), the test
-harness and the real backend's DRAM pools. Every index is checked before any byte moves (numpy
-would wrap a negative index silently), so a bad map raises ``StagingCopyError`` and writes nothing.
+buffer, all as flat ``uint8`` arrays, moving whole copy units (the gcd of the head row and every
+offset, typically the head row itself) rather than single bytes. Used by the simulator (bytes in
+fake memory), the test harness and the real backend's DRAM pools. Every index is checked before
+any byte moves (numpy would wrap a negative index silently), so a bad map raises
+``StagingCopyError`` and writes nothing.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -21,10 +24,6 @@ class StagingCopyError(KvferryError):
     """A map that reaches outside the pool region or the staging buffer."""
 
 
-def _index(starts: np.ndarray, hb: int) -> np.ndarray:
-    return starts[..., None] + np.arange(hb, dtype=np.int64)
-
-
 def _check(what: str, starts: np.ndarray, hb: int, size: int) -> None:
     if starts.size and (int(starts.min()) < 0 or int(starts.max()) + hb > size):
         raise StagingCopyError(
@@ -32,10 +31,27 @@ def _check(what: str, starts: np.ndarray, hb: int, size: int) -> None:
         )
 
 
+def _unit(smap: StagingMap, pool_start: np.ndarray) -> int:
+    """The largest copy unit (bytes) that divides every offset and the head row: moving whole
+    units instead of single bytes makes index arrays ``unit`` times smaller."""
+    g = math.gcd(smap.head_bytes, smap.staging_base, smap.stride_region, smap.stride_token)
+    g = math.gcd(g, smap.stride_head, smap.pool_head_stride)
+    if pool_start.size:
+        g = math.gcd(g, int(np.gcd.reduce(pool_start.ravel())))
+    return max(g, 1)
+
+
+def _units(buf: np.ndarray, unit: int) -> np.ndarray:
+    """``buf`` (flat uint8) as an array of ``unit``-byte elements (its tail, if any, left out)."""
+    whole = buf[: buf.size - buf.size % unit]
+    return whole.view(np.dtype((np.void, unit))) if unit > 1 else whole
+
+
 def copy_maps(
     kind: str, regions: Mapping[int, np.ndarray], staging: np.ndarray, maps: Sequence[StagingMap]
 ) -> int:
-    """``kind`` "gather" (pool -> staging) or "scatter" (staging -> pool); returns bytes moved."""
+    """``kind`` "gather" (pool -> staging) or "scatter" (staging -> pool); returns bytes moved.
+    Every map is checked before any byte moves."""
     if kind not in ("gather", "scatter"):
         raise ValueError(f"kind must be gather or scatter, got {kind!r}")
     plans = []
@@ -45,7 +61,9 @@ def copy_maps(
             continue
         j = np.arange(n, dtype=np.int64)[None, :]
         i = np.arange(t, dtype=np.int64)[:, None]
-        pool_start = smap.token_offsets[:, None] + j * smap.pool_head_stride
+        pool_start = smap.token_offsets[:, None] + j * smap.pool_head_stride  # [t, n] bytes
+        unit = _unit(smap, pool_start)
+        k = np.arange(hb // unit, dtype=np.int64)  # units of one head row
         for r, rid in enumerate(smap.region_ids.tolist()):
             region = regions.get(rid)
             if region is None:
@@ -55,14 +73,17 @@ def copy_maps(
             )
             _check(f"pool region {rid}", pool_start, hb, region.size)
             _check("staging buffer", st_start, hb, staging.size)
-            plans.append((region, _index(pool_start, hb), _index(st_start, hb)))
+            pool_idx = ((pool_start // unit)[..., None] + k).ravel()
+            st_idx = ((st_start // unit)[..., None] + k).ravel()
+            plans.append((region, staging, unit, pool_idx, st_idx))
     moved = 0
-    for region, pool_idx, st_idx in plans:
+    for region, stage, unit, pool_idx, st_idx in plans:
+        pool_u, stage_u = _units(region, unit), _units(stage, unit)
         if kind == "gather":
-            staging[st_idx] = region[pool_idx]
+            stage_u[st_idx] = pool_u[pool_idx]
         else:
-            region[pool_idx] = staging[st_idx]
-        moved += pool_idx.size
+            pool_u[pool_idx] = stage_u[st_idx]
+        moved += pool_idx.size * unit
     return moved
 
 

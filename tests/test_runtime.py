@@ -26,6 +26,7 @@ from kvferry.backends.runtime import (
 )
 from kvferry.backends.runtime.board import StatusBoard
 from kvferry.backends.runtime.loops import Loop
+from kvferry.backends.runtime.staging import StagingConfig
 from kvferry.core.deadlines import MS, SEC, Timeouts
 from kvferry.core.errors import LocalMisuseError, ProtocolError
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
@@ -46,8 +47,18 @@ TIMEOUTS = Timeouts(
 
 
 @pytest.fixture
-def servers():
-    cfg = RuntimeConfig(num_queues=2, aux_rows=16, timeouts=TIMEOUTS)
+def servers(request):
+    """Two prefill ranks and one decode rank; the flow is ``direct`` unless a test asks for
+    another (``indirect`` parametrization)."""
+    flow = getattr(request, "param", "direct")
+    staging = StagingConfig(
+        worker_buffer_bytes=32 << 10,
+        ring_bytes=64 << 10,
+        pinned_bytes=64 << 10,
+        prefill_pinned_bytes=64 << 10,
+        flow=flow,
+    )
+    cfg = RuntimeConfig(num_queues=2, aux_rows=16, timeouts=TIMEOUTS, staging=staging)
     pre = [PrefillEndpoint("P", PoolGeometry(MODEL, 2, r, 4, 32), config=cfg) for r in range(2)]
     dec = DecodeEndpoint(
         "D",
@@ -83,6 +94,7 @@ def _settle(rv, senders, timeout_s=20.0):
     return rv.wait(timeout_s), [s.wait(timeout_s) for s in senders]
 
 
+@pytest.mark.parametrize("servers", ["direct", "ring", "pinned"], indirect=True)
 def test_rooms_succeed_and_tables_empty_after_clear(servers):
     pre, dec = servers
     for i in range(6):

@@ -366,20 +366,51 @@ class NixlAgent:
             handle = self._call(
                 self._nixl.make_prepped_xfer, op, self._local_prepped[key], li, p.prepped[key], ri, notif
             )
-            ticket = XferTicket(next(self._ids), peer, op, handle, int(li.size), nbytes, t0)
-            # A NIXL request handle is single-threaded (nixl#2049), and a settle in another thread
-            # polls whatever is in ``_inflight``: the ticket's lock keeps it off until posted.
-            with ticket.lock:
-                self._inflight[ticket.xid] = ticket
-                try:
-                    state = self._call(self._nixl.transfer, handle)
-                except NixlError:
-                    self._release(ticket, "ERR")
-                    raise
-                if state == "ERR":
-                    self._release(ticket, "ERR")
-                    raise NixlXferError(f"{op} to {peer} failed at post")
-            return ticket
+            return self._start(op, peer, handle, int(li.size), nbytes, t0)
+
+    def post_single(
+        self, op: str, peer: str, local: MemRegion, remote: MemRegion, notif: bytes = b""
+    ) -> XferTicket:
+        """Post one contiguous WRITE/READ between two ranges the caller has bounds-checked inside
+        registered memory (a staged flow's block: no prepared list, since its offsets are the
+        ring allocator's, not multiples of a granule). One descriptor each side."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}")
+        with self._tables.read():
+            if self._closed:
+                raise NixlError("agent is closed")
+            if peer not in self._peers:
+                raise NixlPeerError(f"peer {peer!r} not registered")
+            ld = self._call(
+                self._nixl.get_xfer_descs,
+                np.array([[local.addr, local.nbytes, local.dev]], np.uint64),
+                local.mem,
+            )
+            rd = self._call(
+                self._nixl.get_xfer_descs,
+                np.array([[remote.addr, remote.nbytes, remote.dev]], np.uint64),
+                remote.mem,
+            )
+            t0 = time.monotonic_ns()
+            handle = self._call(self._nixl.initialize_xfer, op, ld, rd, peer, notif)
+            return self._start(op, peer, handle, 1, int(local.nbytes), t0)
+
+    def _start(self, op: str, peer: str, handle: Any, descs: int, nbytes: int, t0: int) -> XferTicket:
+        # Caller holds the shared side. A NIXL request handle is single-threaded (nixl#2049), and
+        # a settle in another thread polls whatever is in ``_inflight``: the ticket's lock keeps
+        # it off until posted.
+        ticket = XferTicket(next(self._ids), peer, op, handle, descs, nbytes, t0)
+        with ticket.lock:
+            self._inflight[ticket.xid] = ticket
+            try:
+                state = self._call(self._nixl.transfer, handle)
+            except NixlError:
+                self._release(ticket, "ERR")
+                raise
+            if state == "ERR":
+                self._release(ticket, "ERR")
+                raise NixlXferError(f"{op} to {peer} failed at post")
+        return ticket
 
     def poll(self, ticket: XferTicket) -> str:
         """PROC, DONE or ERR. DONE and ERR release the handle and record telemetry."""

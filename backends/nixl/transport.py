@@ -21,6 +21,7 @@ its IO thread.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -30,12 +31,14 @@ from typing import Any
 import msgspec
 import numpy as np
 import numpy.typing as npt
+from kvferry.backends.copy_exec import CopyExecutor, CudaCopyExecutor, HostCopyExecutor
 from kvferry.backends.nixl.agent import ListKey, NixlAgent, XferTicket
 from kvferry.backends.nixl.errors import DescriptorError, NixlPeerError
 from kvferry.backends.nixl.memory import MemRegion, RegionError, regions_from
 from kvferry.backends.transport import AUX_ROOM_BYTES, XferState
 from kvferry.backends.zmqctl import ControlPlane
 from kvferry.core.errors import WireError
+from kvferry.core.flows.regions import is_staging_region
 from kvferry.core.geometry import Layout, PoolGeometry
 from kvferry.core.messages import Endpoint, GeometryWire, RegionAddr, Register
 from kvferry.core.planner import find_link
@@ -54,6 +57,8 @@ class AgentBlob(msgspec.Struct, frozen=True):
     dev: int
     aux_mem: str
     aux_dev: int
+    # (region id, mem, dev) of each staging region (core.flows.regions) this rank registered.
+    staging: tuple[tuple[int, str, int], ...] = ()
 
 
 _blob_decoder = msgspec.msgpack.Decoder(AgentBlob)
@@ -68,6 +73,7 @@ def decode_blob(data: bytes) -> AgentBlob:
         blob.v != AGENT_BLOB_VERSION
         or blob.mem not in ("DRAM", "VRAM")
         or blob.aux_mem not in ("DRAM", "VRAM")
+        or any(mem not in ("DRAM", "VRAM") for _, mem, _ in blob.staging)
     ):
         raise WireError(f"agent metadata: unsupported version {blob.v} or memory type")
     return blob
@@ -95,6 +101,7 @@ class _PeerEntry:
     coarse: ListKey | None  # a page-granule list, used when a write is page-aligned
     aux: ListKey
     registration: Register
+    staging: Mapping[int, MemRegion]  # the peer's staging regions, for staged flows' one-block writes
 
     def key_for(self, *arrays: npt.NDArray[np.int64]) -> ListKey:
         """The coarsest prepared list that can express these descriptors exactly: fewer indices
@@ -107,9 +114,15 @@ class _PeerEntry:
 
 
 def _np_view(buf: Any) -> np.ndarray | None:
-    """A uint8 numpy view of a DRAM buffer, or None for device memory."""
+    """A uint8 numpy view of a DRAM buffer (array, CPU tensor, or raw (addr, nbytes[, "DRAM"])
+    tuple), or None for device memory."""
     if isinstance(buf, np.ndarray):
         return buf.reshape(-1).view(np.uint8)
+    if isinstance(buf, tuple):
+        addr, nbytes, mem = int(buf[0]), int(buf[1]), (buf[2] if len(buf) > 2 else "DRAM")
+        if mem != "DRAM":
+            return None
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
     if hasattr(buf, "get_device") and buf.get_device() < 0:
         import torch
 
@@ -155,9 +168,17 @@ class NixlTransport:
         self._peers: dict[Endpoint, _PeerEntry] = {}
         self._views: dict[int, np.ndarray | None] = {}
         self._registration: Register | None = None
+        self._kv_regions: list[MemRegion] = []
+        self._aux_region: MemRegion | None = None
         self.aux_rows = 0
         self.aux_row_bytes = 0
         self.control_failures = 0
+        # Staging memory of the staged flows (core.flows.regions ids), once register_staging ran.
+        self._staging: dict[int, MemRegion] = {}
+        self._staging_bufs: dict[int, Any] = {}
+        self.ring_bytes = 0
+        self.pinned_bytes = 0
+        self.copies: CopyExecutor | None = None
 
     # ---- identity and local memory -----------------------------------------------------------
     @property
@@ -169,13 +190,17 @@ class NixlTransport:
         return self.agent.name
 
     def agent_metadata(self) -> bytes:
-        kv = [r for r in self.agent.regions() if r.region_id < AUX_REGION_ID]
+        kv = [r for r in self.agent.regions() if r.region_id in self._buffers_ids()]
         aux = [r for r in self.agent.regions() if r.region_id == AUX_REGION_ID]
         mem, dev = (kv[0].mem, kv[0].dev) if kv else ("DRAM", 0)
         aux_mem, aux_dev = (aux[0].mem, aux[0].dev) if aux else ("DRAM", 0)
+        staging = tuple((r.region_id, r.mem, r.dev) for _, r in sorted(self._staging.items()))
         return msgspec.msgpack.encode(
-            AgentBlob(AGENT_BLOB_VERSION, self.agent.metadata(), mem, dev, aux_mem, aux_dev)
+            AgentBlob(AGENT_BLOB_VERSION, self.agent.metadata(), mem, dev, aux_mem, aux_dev, staging)
         )
+
+    def _buffers_ids(self) -> set[int]:
+        return set(self._buffers or ())
 
     def register_regions(self, regions: Sequence[Any], aux_rows: int, aux_row_bytes: int) -> None:
         if aux_row_bytes < AUX_ROOM_BYTES or aux_rows < 1:
@@ -202,16 +227,72 @@ class NixlTransport:
         self.aux_rows, self.aux_row_bytes = aux_rows, aux_row_bytes
         for rid, buf in {**self._buffers, AUX_REGION_ID: self._aux}.items():
             self._views[rid] = _np_view(buf)
-        self._registration = Register(
+        self._kv_regions = kv
+        self._aux_region = aux
+        self._registration = self._build_registration()
+
+    def _build_registration(self) -> Register:
+        kv, aux = self._kv_regions, self._aux_region
+        assert aux is not None
+        regions = [RegionAddr(region_id=r.region_id, addr=r.addr, nbytes=r.nbytes) for r in kv]
+        regions += [
+            RegionAddr(region_id=r.region_id, addr=r.addr, nbytes=r.nbytes)
+            for _, r in sorted(self._staging.items())
+        ]
+        return Register(
             src=self._endpoint,
             agent_name=self.agent.name,
             agent_meta=self.agent_metadata(),
             geometry=GeometryWire.from_pool(self.pool),
-            regions=[RegionAddr(region_id=r.region_id, addr=r.addr, nbytes=r.nbytes) for r in kv],
+            regions=regions,
             aux_addr=aux.addr,
-            aux_row_bytes=aux_row_bytes,
-            aux_rows=aux_rows,
+            aux_row_bytes=self.aux_row_bytes,
+            aux_rows=self.aux_rows,
+            ring_bytes=self.ring_bytes,
+            pinned_bytes=self.pinned_bytes,
         )
+
+    def register_staging(
+        self, buffers: Mapping[int, Any], ring_bytes: int = 0, pinned_bytes: int = 0
+    ) -> None:
+        """Register the staged flows' memory (region id of ``core.flows.regions`` -> buffer: numpy
+        array, or torch tensor on the pool's GPU or in pinned host memory) and start the copy
+        executor. ``ring_bytes``/``pinned_bytes``: what a decode rank offers its peers in its
+        Register (0: not offered). Call once, after ``register_regions`` and before peers connect:
+        the agent metadata sent to peers must carry these registrations."""
+        if self._registration is None:
+            raise RegionError("register_regions() first")
+        if self._staging:
+            raise RegionError("staging memory is registered once per endpoint")
+        for rid in buffers:
+            if not is_staging_region(rid):
+                raise RegionError(f"region {rid} is not a staging region id (core.flows.regions)")
+        regs = regions_from(dict(buffers))
+        if not regs:
+            return  # no staged flow on this rank: it offers none and the policy picks direct
+        self.copies = self._make_executor(dict(buffers))
+        self.agent.register(regs, group="staging")
+        self._staging = {r.region_id: r for r in regs}
+        self._staging_bufs = dict(buffers)
+        self.ring_bytes, self.pinned_bytes = int(ring_bytes), int(pinned_bytes)
+        self._registration = self._build_registration()
+
+    def _make_executor(self, buffers: Mapping[int, Any]) -> CopyExecutor:
+        views = {rid: self._views.get(rid) for rid in self._buffers or ()}
+        if all(v is not None for v in views.values()):
+            staging = {rid: _np_view(b) for rid, b in buffers.items()}
+            host = {rid: v for rid, v in staging.items() if v is not None}
+            if len(host) != len(staging):
+                raise RegionError("a DRAM pool needs DRAM staging buffers (its copies run on the CPU)")
+            return HostCopyExecutor(
+                {k: v for k, v in views.items() if v is not None}, host, str(self._endpoint)
+            )
+        if not all(hasattr(b, "data_ptr") for b in [*(self._buffers or {}).values(), *buffers.values()]):
+            raise RegionError(
+                "staged flows on a VRAM pool need torch tensors for the pool and staging buffers "
+                "(the kernels run on them); pass tensors, or set RuntimeConfig.staging sizes to 0"
+            )
+        return CudaCopyExecutor(kernel_pool(self.pool, self._buffers or {}), buffers)
 
     def registration(self) -> Register:
         if self._registration is None:
@@ -238,7 +319,19 @@ class NixlTransport:
         # Page-aligned writes (whole pages, equal head split) can use page-sized descriptors.
         big = math.gcd(src.page_bytes, dst.page_bytes)
         coarse = big if big > g and big % g == 0 else None
-        kv = [MemRegion(r.region_id, r.addr, r.nbytes, blob.mem, blob.dev) for r in registration.regions]
+        kv = [
+            MemRegion(r.region_id, r.addr, r.nbytes, blob.mem, blob.dev)
+            for r in registration.regions
+            if not is_staging_region(r.region_id)
+        ]
+        kinds = {rid: (mem, dev) for rid, mem, dev in blob.staging}
+        staging = {
+            r.region_id: MemRegion(
+                r.region_id, r.addr, r.nbytes, *kinds.get(r.region_id, (blob.mem, blob.dev))
+            )
+            for r in registration.regions
+            if is_staging_region(r.region_id)
+        }
         aux_bytes = registration.aux_rows * registration.aux_row_bytes
         aux = [MemRegion(AUX_REGION_ID, registration.aux_addr, aux_bytes, blob.aux_mem, blob.aux_dev)]
         ag = math.gcd(self.aux_row_bytes, registration.aux_row_bytes)
@@ -247,7 +340,7 @@ class NixlTransport:
             self.agent.remove_peer(old.agent, settle_s=0.2)  # a restarted peer: old writes are moot
         name = self.agent.add_peer(blob.nixl_md, {"kv": (kv, granules), "aux": (aux, [ag])})
         entry = _PeerEntry(
-            name, ("kv", g), None if coarse is None else ("kv", coarse), ("aux", ag), registration
+            name, ("kv", g), None if coarse is None else ("kv", coarse), ("aux", ag), registration, staging
         )
         with self._lock:
             self._peers[peer] = entry
@@ -287,6 +380,10 @@ class NixlTransport:
         notif: bytes,
     ) -> XferTicket:
         entry = self._peer(peer)
+        if len(dst_region) == 1 and is_staging_region(int(dst_region[0])):
+            return self._post_block(
+                "WRITE", entry, src_region, src_offset, dst_region, dst_offset, length, notif
+            )
         return self.agent.post(
             "WRITE",
             entry.agent,
@@ -296,6 +393,25 @@ class NixlTransport:
             length,
             notif,
         )
+
+    def _post_block(
+        self,
+        op: str,
+        entry: _PeerEntry,
+        src_region: npt.NDArray[np.int64],
+        src_offset: npt.NDArray[np.int64],
+        dst_region: npt.NDArray[np.int64],
+        dst_offset: npt.NDArray[np.int64],
+        length: npt.NDArray[np.int64],
+        notif: bytes,
+    ) -> XferTicket:
+        """A staged flow's one-block write: local staging range -> the peer's staging range, both
+        checked inside the registered region before NIXL sees them."""
+        if not (len(src_region) == len(src_offset) == len(dst_offset) == len(length) == 1):
+            raise DescriptorError("a staged write is exactly one descriptor")
+        local = _sub_range(self._staging, int(src_region[0]), int(src_offset[0]), int(length[0]), "local")
+        remote = _sub_range(entry.staging, int(dst_region[0]), int(dst_offset[0]), int(length[0]), "peer")
+        return self.agent.post_single(op, entry.agent, local, remote, notif)
 
     def post_read(
         self,
@@ -353,20 +469,22 @@ class NixlTransport:
     def drain_notifs(self) -> list[bytes]:
         return [payload for _, payload in self.agent.notifs()]
 
-    # Gather/scatter of the staged flows. This backend registers no staging memory yet (its
-    # Register offers no ring and no pinned pool), so the flow policy never picks a staged flow
-    # for it; a peer that forces one gets this refusal, which fails only that room.
-    def post_copy(self, kind: str, staging_region: int, maps: Any) -> Any:
-        raise DescriptorError(
-            f"{kind} into staging region {staging_region}: this NIXL endpoint registered no staging "
-            "memory (staged flows run in the simulator; the real backend's executors are not built yet)"
-        )
+    # ---- gather / scatter of the staged flows ----------------------------------------------------
+    def post_copy(self, kind: str, staging_region: int, maps: Any) -> int:
+        if self.copies is None:
+            raise DescriptorError(
+                f"{kind} into staging region {staging_region}: this endpoint registered no staging memory"
+            )
+        return self.copies.submit(kind, staging_region, maps)
 
-    def check_copy(self, handle: Any) -> XferState:
-        raise DescriptorError(f"unknown copy handle {handle!r}")
+    def check_copy(self, handle: int) -> XferState:
+        if self.copies is None:
+            raise DescriptorError(f"unknown copy handle {handle!r}")
+        return self.copies.state(handle)
 
-    def release_copy(self, handle: Any) -> None:
-        return None
+    def release_copy(self, handle: int) -> None:
+        if self.copies is not None:
+            self.copies.release(handle)
 
     def read_aux_room(self, aux_index: int) -> int:
         if not 0 <= aux_index < self.aux_rows:
@@ -424,7 +542,36 @@ class NixlTransport:
     # ---- teardown -----------------------------------------------------------------------------
     def close(self) -> None:
         self.control.close()
+        if self.copies is not None:
+            self.copies.close()
         self.agent.close()
+
+
+def _sub_range(regions: Mapping[int, MemRegion], rid: int, offset: int, length: int, side: str) -> MemRegion:
+    region = regions.get(rid)
+    if region is None:
+        raise DescriptorError(f"{side}: no staging region {rid} registered")
+    if offset < 0 or length <= 0 or offset + length > region.nbytes:
+        raise DescriptorError(
+            f"{side}: bytes [{offset}, {offset + length}) outside staging region {rid} of {region.nbytes} B"
+        )
+    return MemRegion(rid, region.addr + offset, length, region.mem, region.dev)
+
+
+def kernel_pool(pool: PoolGeometry, buffers: Mapping[int, Any]) -> Any:
+    """The pool's VRAM regions as the kernels' ``KVPool`` (plane i = region i, NHD rows)."""
+    import torch
+    from kvferry.backends.kernels.api import KVPool
+
+    if pool.layout is Layout.VLLM_HND:
+        raise RegionError("the gather/scatter kernels need an NHD pool; this one is HND")
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[pool.model.dtype.itemsize]
+    slots = pool.num_pages * pool.page_size
+    planes = []
+    for rid in range(pool.model.num_regions):
+        flat = buffers[rid].reshape(-1).view(torch.uint8)[: pool.region_bytes].view(width)
+        planes.append(flat.view(slots, pool.heads_per_rank, -1))
+    return KVPool(planes, pool.page_size)
 
 
 def _suffix() -> str:

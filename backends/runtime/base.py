@@ -27,6 +27,7 @@ from kvferry.backends.nixl.transport import NixlTransport
 from kvferry.backends.runtime.board import StatusBoard
 from kvferry.backends.runtime.errors import EndpointClosedError, KVTransferError
 from kvferry.backends.runtime.loops import Loop
+from kvferry.backends.runtime.staging import StagingConfig, allocate_staging, pool_device
 from kvferry.backends.zmqctl import ControlPlane
 from kvferry.core.commands import FreePages, StatusChanged
 from kvferry.core.deadlines import Timeouts
@@ -54,6 +55,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # call: a small room's post waits for a big post of another shard (bench/nixl_hol_probe.py).
     # 4 workers did not change that on the CPU machine (docs/benchmarks.md); left at 1.
     nixl_ucx_workers: int = 1
+    # Staging memory of the ring and pinned flows (backends/runtime/staging.py).
+    staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
 
 
 def now_ns() -> int:
@@ -89,7 +92,16 @@ class EndpointBase:
             progress_thread=config.nixl_progress_thread,
             ucx_workers=config.nixl_ucx_workers,
         )
-        self.transport.register_regions(pool.regions, config.aux_rows, config.aux_row_bytes)
+        try:
+            self.transport.register_regions(pool.regions, config.aux_rows, config.aux_row_bytes)
+            st = config.staging
+            device = pool_device(buffers or {})
+            self.staging_buffers = allocate_staging(self.role, st, config.num_queues, device)
+            offered = (st.ring_bytes, st.pinned_bytes) if self.role == "decode" else (0, 0)
+            self.transport.register_staging(self.staging_buffers, *offered)
+        except BaseException:
+            self.transport.close()  # no thread or registration outlives a refused endpoint
+            raise
         self.lock = threading.Lock()
         self.board = StatusBoard()
         self.errors: list[BaseException] = []

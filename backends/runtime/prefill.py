@@ -34,8 +34,10 @@ from kvferry.backends.runtime.errortap import ErrorTap
 from kvferry.backends.runtime.loops import Loop
 from kvferry.core.errors import LocalMisuseError
 from kvferry.core.events import AbortRoom, ChunkReady, ReleaseRoom, SenderOpen
+from kvferry.core.flows import Flow
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
+from kvferry.core.messages import Endpoint
 from kvferry.core.sender import SenderEngine
 
 
@@ -58,7 +60,16 @@ class PrefillEndpoint(EndpointBase):
         config = config or RuntimeConfig()
         super().__init__(server, pool, buffers=buffers, aux=aux, config=config, extra_groups=extra_groups)
         n = config.num_queues
-        self.engine = SenderEngine(self.endpoint, pool, timeouts=config.timeouts, num_shards=n)
+        st = config.staging
+        self.engine = SenderEngine(
+            self.endpoint,
+            pool,
+            timeouts=config.timeouts,
+            num_shards=n,
+            policy=st.policy(),
+            worker_buffer_bytes=st.worker_buffer_bytes,
+            pinned_bytes=st.prefill_pinned_bytes,
+        )
         self._wake = [threading.Event() for _ in range(n)]
         self.driver = Driver(
             self.engine,
@@ -147,12 +158,24 @@ class KVSender:
         endpoint.board.track(room, transfer_id)
         self._cleared = False
 
-    def init(self, aux_index: int) -> None:
-        """The scheduler has this room (its aux row is ``aux_index``)."""
+    def init(self, aux_index: int, *, flow: str | None = None, receivers: Sequence[Endpoint] = ()) -> None:
+        """The scheduler has this room (its aux row is ``aux_index``). ``flow`` forces this room's
+        transfer flow ("direct", "ring", "pinned"); ``receivers``: the decode ranks this rank
+        sends to (``core.topology.receiver_endpoints``), if known, so staging space is asked for
+        before decode's TransferInfo arrives."""
         self._usable()
         self.ep._check_open()
+        if flow is not None:
+            Flow.parse(flow)  # a typo is the caller's mistake, raised here
         self.ep.driver.feed(
-            SenderOpen(room=self.room, transfer_id=self.transfer_id, aux_index=aux_index), now_ns()
+            SenderOpen(
+                room=self.room,
+                transfer_id=self.transfer_id,
+                aux_index=aux_index,
+                receivers=tuple(receivers),
+                flow=flow,
+            ),
+            now_ns(),
         )
 
     def send(self, src_pages: Any, token_end: int, is_last: bool) -> None:

@@ -307,6 +307,7 @@ class StagedReceiver:
         if ch is None or ch.state is not RxState.SCATTERING:
             return
         fire(RX_TABLE, ch, RxIn.SCATTERED)
+        self.counters[f"scattered_{ch.flow.value}"] += 1
         self._free_alloc(ch)
         self._space_freed()
 

@@ -1,4 +1,6 @@
-"""Decode helper process: one decode rank (TP 1) over real NIXL, driven by the shared workload.
+"""Decode helper process: every decode rank (``--decode-tp``) over real NIXL, driven by the shared
+workload. A room's ranks share its page ids (as TP ranks of one scheduler do); its result lists
+one status per rank, and ``bad_bytes`` sums the mismatches of every rank.
 
 Same protocol as prefill_proc.py (``ready``/``go``, ``inflight``/``killed``, ``done``/``exit``,
 ``closed``). Every Success room's bytes are checked against the pattern prefill computed; pages
@@ -12,7 +14,6 @@ import argparse
 import os
 import sys
 import time
-from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,22 +35,28 @@ def main() -> None:
     ap.add_argument("--prefill", nargs="+", required=True)
     ap.add_argument("--deadline-s", type=float, default=90.0)
     ap.add_argument("--mem", default="DRAM", choices=["DRAM", "VRAM"])
+    ap.add_argument("--prefill-tp", type=int, default=wl.PREFILL_TP)
+    ap.add_argument("--decode-tp", type=int, default=wl.DECODE_TP)
+    ap.add_argument("--flow", default="policy", choices=wl.FLOWS)
     args = ap.parse_args()
 
-    cfg = RuntimeConfig(timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS)
-    mem = wl.Memory(wl.decode_pool(), args.mem)
-    ep = DecodeEndpoint(
-        "decode",
-        wl.decode_pool(),
-        prefill_server="prefill",
-        prefill_addresses=args.prefill,
-        config=cfg,
-        buffers=mem.device,
-    )
-    fenced: deque[tuple[int, str]] = deque()
-    ep.on_free_pages = lambda room, tid: fenced.append((room, tid))
-    ep.start()
-    say(event="ready", address=ep.address, pid=os.getpid())
+    cfg = RuntimeConfig(timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS, staging=wl.staging(args.flow))
+    pools = wl.decode_pools(args.decode_tp)
+    mems = [wl.Memory(pool, args.mem) for pool in pools]
+    eps = [
+        DecodeEndpoint(
+            "decode",
+            pool,
+            prefill_server="prefill",
+            prefill_addresses=args.prefill,
+            config=cfg,
+            buffers=m.device,
+        )
+        for pool, m in zip(pools, mems, strict=True)
+    ]
+    for ep in eps:
+        ep.start()
+    say(event="ready", address=eps[0].address, pid=os.getpid())
     if heard(60.0) != "go":
         sys.exit(2)
 
@@ -57,7 +64,8 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)  # scattered pages, reproducible
     free_pages = list(range(wl.DECODE_PAGES))
     free_aux = list(range(wl.AUX_ROWS))
-    waiting_fence: dict[tuple[int, str], tuple[np.ndarray, int]] = {}
+    # A failed room's pages (and its receivers, uncleared) until every failed rank is fenced.
+    waiting_fence: dict[tuple[int, str], tuple[np.ndarray, int, list]] = {}
     pending = list(reversed(plans))
     live: dict[int, dict] = {}
     results: dict[int, dict] = {}
@@ -67,12 +75,7 @@ def main() -> None:
 
     while (pending or live) and time.monotonic() < end:
         busy = False
-        while fenced:
-            key = fenced.popleft()
-            got = waiting_fence.pop(key, None)
-            if got is not None:
-                free_pages.extend(got[0].tolist())
-                free_aux.append(got[1])
+        reclaim(waiting_fence, free_pages, free_aux)
         while pending and len(live) < wl.WINDOW and not announced:
             plan = pending[-1]
             need = -(-plan.tokens // wl.DECODE_PAGE)
@@ -81,46 +84,55 @@ def main() -> None:
             pending.pop()
             pages = np.array([free_pages.pop(int(rng.integers(len(free_pages)))) for _ in range(need)])
             aux = free_aux.pop()
-            rv = ep.receiver(plan.room, plan.tid)
-            rv.init(pages, plan.tokens, aux)
+            rvs = [ep.receiver(plan.room, plan.tid) for ep in eps]
+            for rv in rvs:
+                rv.init(pages, plan.tokens, aux)
             aborted = False
             if plan.abort == "decode_early":
-                rv.abort("test: decode_early")
+                for rv in rvs:
+                    rv.abort("test: decode_early")
                 aborted = True
-            live[plan.index] = {"plan": plan, "pages": pages, "aux": aux, "rv": rv, "aborted": aborted}
+            live[plan.index] = {"plan": plan, "pages": pages, "aux": aux, "rvs": rvs, "aborted": aborted}
             busy = True
         for idx in list(live):
             st = live[idx]
-            plan, rv = st["plan"], st["rv"]
-            status = rv.poll()
-            if plan.abort == "decode_mid" and not st["aborted"] and status is KVPoll.Transferring:
-                rv.abort("test: decode_mid")
+            plan, rvs = st["plan"], st["rvs"]
+            statuses = [rv.poll() for rv in rvs]
+            if plan.abort == "decode_mid" and not st["aborted"] and min(statuses) >= KVPoll.Transferring:
+                for rv in rvs:
+                    rv.abort("test: decode_mid")
                 st["aborted"] = True
                 busy = True
                 continue
-            if status not in (KVPoll.Success, KVPoll.Failed):
+            if not all(x in (KVPoll.Success, KVPoll.Failed) for x in statuses):
                 continue
-            res: dict = {"status": int(status), "reason": "", "error": ""}
-            if status is KVPoll.Success:
-                mem.pull()
-                region = mem.region_fn(ep.transport)
-                bad, first = pattern.mismatches(ep.pool, region, plan.room, st["pages"], plan.tokens)
-                res["bad_bytes"], res["first_bad"] = bad, first
-                res["aux_room_ok"] = ep.transport.read_aux_room(st["aux"]) == plan.room
-                rv.clear()
-                free_pages.extend(st["pages"].tolist())
-                free_aux.append(st["aux"])
-            else:
-                try:
-                    rv.failure_exception()
-                except Exception as exc:
-                    res["reason"], res["error"] = str(exc), type(exc).__name__
-                if rv.pages_freed():
-                    free_pages.extend(st["pages"].tolist())
-                    free_aux.append(st["aux"])
+            res: dict = {"status": [int(x) for x in statuses], "reason": [], "error": [], "bad_bytes": 0}
+            res["first_bad"], res["aux_room_ok"] = None, True
+            unfenced = []
+            for ep, mem, rv, status in zip(eps, mems, rvs, statuses, strict=True):
+                if status is KVPoll.Success:
+                    mem.pull()
+                    region = mem.region_fn(ep.transport)
+                    bad, first = pattern.mismatches(ep.pool, region, plan.room, st["pages"], plan.tokens)
+                    res["bad_bytes"] += bad
+                    res["first_bad"] = res["first_bad"] or first
+                    res["aux_room_ok"] &= ep.transport.read_aux_room(st["aux"]) == plan.room
+                    res["reason"].append("")
+                    res["error"].append("")
                 else:
-                    waiting_fence[(plan.room, plan.tid)] = (st["pages"], st["aux"])
+                    try:
+                        rv.failure_exception()
+                        res["reason"].append("")
+                        res["error"].append("")
+                    except Exception as exc:
+                        res["reason"].append(str(exc))
+                        res["error"].append(type(exc).__name__)
+                    if not rv.pages_freed():
+                        unfenced.append(rv)
+                        continue
                 rv.clear()
+            waiting_fence[(plan.room, plan.tid)] = (st["pages"], st["aux"], unfenced)
+            reclaim(waiting_fence, free_pages, free_aux)
             results[idx] = res
             del live[idx]
             busy = True
@@ -129,7 +141,7 @@ def main() -> None:
             and not announced
             and not pending
             and live
-            and all(st["rv"].poll() is KVPoll.Transferring for st in live.values())
+            and all(rv.poll() is KVPoll.Transferring for st in live.values() for rv in st["rvs"])
         ):
             say(event="inflight", rooms=len(live))
             announced = True
@@ -141,30 +153,45 @@ def main() -> None:
             time.sleep(0.001)
 
     for idx, st in live.items():
-        results[idx] = {"status": int(st["rv"].poll()), "reason": "still live", "error": ""}
+        results[idx] = {
+            "status": [int(rv.poll()) for rv in st["rvs"]],
+            "reason": ["still live"] * len(eps),
+            "error": [""] * len(eps),
+        }
     elapsed = time.monotonic() - t_killed if announced else None
-    leaks: dict[str, int] = {}
+    leaks: list[dict[str, int]] = [{} for _ in eps]
     if not args.hold:  # with a dead peer the fence waits for its deadline; nothing to wait for
         stop = time.monotonic() + 15.0
         while time.monotonic() < stop:
-            leaks = ep.leaks()
-            if all(v == 0 for v in leaks.values()) and not waiting_fence:
+            leaks = [ep.leaks() for ep in eps]
+            if all(v == 0 for d in leaks for v in d.values()) and not waiting_fence:
                 break
-            while fenced:
-                waiting_fence.pop(fenced.popleft(), None)
+            reclaim(waiting_fence, [], [])
             time.sleep(0.01)
     say(
         event="done",
         rooms=results,
-        leaks=[leaks],
+        leaks=leaks,
         waiting_fence=len(waiting_fence),
         after_kill_s=elapsed,
-        errors=[repr(e) for e in ep.errors],
-        driver_errors=[dict(ep.driver.errors)],
-        counters=dict(ep.engine.counters),
+        errors=[repr(e) for ep in eps for e in ep.errors],
+        driver_errors=[dict(ep.driver.errors) for ep in eps],
+        counters=[dict(ep.engine.counters) for ep in eps],
     )
     heard(120.0)
-    say(event="closed", stuck=ep.close())
+    say(event="closed", stuck=[name for ep in eps for name in ep.close()])
+
+
+def reclaim(waiting: dict, free_pages: list, free_aux: list) -> None:
+    """Pages of rooms whose every failed rank is now fenced go back to the allocator."""
+    for key in list(waiting):
+        pages, aux, unfenced = waiting[key]
+        if all(rv.pages_freed() for rv in unfenced):
+            for rv in unfenced:
+                rv.clear()
+            del waiting[key]
+            free_pages.extend(pages.tolist())
+            free_aux.append(aux)
 
 
 if __name__ == "__main__":

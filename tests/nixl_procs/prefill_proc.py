@@ -1,4 +1,5 @@
-"""Prefill helper process: two prefill ranks (TP 2) over real NIXL, driven by the shared workload.
+"""Prefill helper process: every prefill rank (``--prefill-tp``) over real NIXL, driven by the
+shared workload.
 
 Protocol (JSON lines): prints ``ready`` with its control addresses, waits for ``go``; runs the
 rooms; prints ``inflight`` in hold mode and waits for ``killed``; prints ``done`` with every room's
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 import workload as wl
 from kvferry.backends.runtime import PrefillEndpoint, RuntimeConfig
+from kvferry.core import topology
 from kvferry.core.kvpoll import KVPoll
 from kvferry.sim import pattern
 from wire import heard, say
@@ -33,13 +35,19 @@ def main() -> None:
     ap.add_argument("--queues", type=int, default=2)
     ap.add_argument("--deadline-s", type=float, default=90.0)
     ap.add_argument("--mem", default="DRAM", choices=["DRAM", "VRAM"])
+    ap.add_argument("--prefill-tp", type=int, default=wl.PREFILL_TP)
+    ap.add_argument("--decode-tp", type=int, default=wl.DECODE_TP)
+    ap.add_argument("--flow", default="policy", choices=wl.FLOWS)
     args = ap.parse_args()
 
-    cfg = RuntimeConfig(num_queues=args.queues, timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS)
-    mems = [wl.Memory(pool, args.mem) for pool in wl.prefill_pools()]
+    cfg = RuntimeConfig(
+        num_queues=args.queues, timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS, staging=wl.staging(args.flow)
+    )
+    pools = wl.prefill_pools(args.prefill_tp)
+    mems = [wl.Memory(pool, args.mem) for pool in pools]
     eps = [
         PrefillEndpoint("prefill", pool, config=cfg, buffers=m.device)
-        for pool, m in zip(wl.prefill_pools(), mems, strict=True)
+        for pool, m in zip(pools, mems, strict=True)
     ]
     for ep in eps:
         ep.start()
@@ -72,7 +80,12 @@ def main() -> None:
                 m.push()
                 s = ep.sender(plan.room, plan.tid)
                 s.write_aux(aux, plan.room.to_bytes(8, "little", signed=True))
-                s.init(aux)
+                s.init(
+                    aux,
+                    receivers=topology.receiver_endpoints(
+                        wl.MODEL, args.prefill_tp, args.decode_tp, ep.pool.tp_rank
+                    ),
+                )
                 senders.append(s)
             live[plan.index] = {
                 "plan": plan,

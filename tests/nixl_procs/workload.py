@@ -9,6 +9,9 @@ list. ``abort`` says who aborts a room and when:
 - ``prefill_early``: prefill aborts once the room is WaitingForInput, before any chunk.
 - ``prefill_mid``: prefill aborts right after handing over the first chunk (once WaitingForInput).
 ``hold``: prefill sends the first chunk and then stops (the peer-kill scenarios).
+
+The TP pair (``--prefill-tp``/``--decode-tp``) and the transfer flow (``--flow``) are arguments of
+both processes; every rank of a side runs in that side's process.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from kvferry.backends.runtime.staging import StagingConfig
 from kvferry.core.deadlines import MS, SEC, Timeouts
 from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry
 
 ABORTS = ("decode_early", "decode_mid", "prefill_early", "prefill_mid")
 MODEL = ModelGeometry("e2e", num_layers=2, num_kv_heads=4, head_dim=16)
-PREFILL_TP, DECODE_TP = 2, 1
+PREFILL_TP, DECODE_TP = 2, 1  # the default pair
+FLOWS = ("policy", "direct", "ring", "pinned")
 PREFILL_PAGE, DECODE_PAGE = 4, 8
 PREFILL_PAGES, DECODE_PAGES = 512, 160  # decode pages are reused: the fence is exercised
 AUX_ROWS = 64
@@ -43,14 +48,24 @@ def timeouts() -> Timeouts:
     )
 
 
-def prefill_pools(layout: Layout = Layout.SGLANG_NHD) -> list[PoolGeometry]:
-    return [
-        PoolGeometry(MODEL, PREFILL_TP, r, PREFILL_PAGE, PREFILL_PAGES, layout) for r in range(PREFILL_TP)
-    ]
+def prefill_pools(tp: int = PREFILL_TP, layout: Layout = Layout.SGLANG_NHD) -> list[PoolGeometry]:
+    return [PoolGeometry(MODEL, tp, r, PREFILL_PAGE, PREFILL_PAGES, layout) for r in range(tp)]
 
 
-def decode_pool(layout: Layout = Layout.SGLANG_NHD) -> PoolGeometry:
-    return PoolGeometry(MODEL, DECODE_TP, 0, DECODE_PAGE, DECODE_PAGES, layout)
+def decode_pools(tp: int = DECODE_TP, layout: Layout = Layout.SGLANG_NHD) -> list[PoolGeometry]:
+    return [PoolGeometry(MODEL, tp, r, DECODE_PAGE, DECODE_PAGES, layout) for r in range(tp)]
+
+
+def staging(flow: str) -> StagingConfig:
+    """Small staging memory, so the ring wraps and its watermark flow control is exercised: a
+    chunk of MAX_TOKENS to one decode rank is at most 4 regions x 48 tokens x 4 heads x 32 B."""
+    return StagingConfig(
+        worker_buffer_bytes=64 << 10,
+        ring_bytes=128 << 10,
+        pinned_bytes=128 << 10,
+        prefill_pinned_bytes=128 << 10,
+        flow=None if flow == "policy" else flow,
+    )
 
 
 @dataclass(frozen=True)

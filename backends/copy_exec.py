@@ -1,0 +1,197 @@
+"""Executors of the staged flows' gathers and scatters on a real rank: a "copy stream" per rank.
+
+The core emits ``Gather``/``Scatter`` commands (``core.staging_layout.StagingMap``s between the KV
+pool and one staging region); the driver hands them to ``Transport.post_copy`` under its lock and
+polls ``check_copy`` from the progress thread. So ``submit`` must return at once and ``state``
+must never block:
+
+- ``HostCopyExecutor`` (DRAM pools): one thread runs the copies in submission order with
+  ``staging_copy.copy_maps`` (numpy; whole head rows per index, the GIL released inside the copy
+  loop), so a gather of chunk N+1 overlaps the NIXL write of chunk N. Same bytes as the kernels.
+- ``CudaCopyExecutor`` (VRAM pools): the Triton kernels of ``backends.kernels`` on one dedicated
+  CUDA stream; completion is a CUDA event recorded after the kernel, polled with ``query()``; no
+  device-wide or stream synchronize anywhere.
+
+A copy that cannot run (a map outside the pool or the staging buffer, an unknown staging region)
+ends ERR with its reason and fails only its room; nothing is written in that case.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+from kvferry.backends.staging_copy import copy_maps
+from kvferry.backends.transport import XferState
+from kvferry.core.errors import KvferryError
+from kvferry.core.staging_layout import StagingMap
+
+__all__ = ["CopyExecutor", "CopyRefused", "CudaCopyExecutor", "HostCopyExecutor"]
+
+
+class CopyRefused(KvferryError):
+    """A gather/scatter this rank cannot run (unknown staging region, unknown handle)."""
+
+
+class CopyExecutor(Protocol):
+    def submit(self, kind: str, staging_region: int, maps: Sequence[StagingMap]) -> int: ...
+
+    def state(self, handle: int) -> XferState: ...
+
+    def reason(self, handle: int) -> str: ...
+
+    def release(self, handle: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class _Job:
+    kind: str
+    staging_region: int
+    maps: tuple[StagingMap, ...]
+    state: XferState = XferState.PROC
+    reason: str = ""
+
+
+class HostCopyExecutor:
+    """Copies between DRAM pool regions and DRAM staging buffers on one worker thread.
+
+    ``regions``/``staging``: region id -> flat uint8 numpy view. ``_jobs`` is shared with the copy
+    thread: every access holds ``_lock``; the queue hands job ids over."""
+
+    def __init__(
+        self, regions: Mapping[int, np.ndarray], staging: Mapping[int, np.ndarray], name: str
+    ) -> None:
+        self._regions = dict(regions)
+        self._staging = dict(staging)
+        self._jobs: dict[int, _Job] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-copy", daemon=True)
+        self._thread.start()
+
+    def submit(self, kind: str, staging_region: int, maps: Sequence[StagingMap]) -> int:
+        if staging_region not in self._staging:
+            raise CopyRefused(f"{kind}: this rank registered no staging region {staging_region}")
+        hid = next(self._ids)
+        with self._lock:
+            self._jobs[hid] = _Job(kind, staging_region, tuple(maps))
+        self._queue.put(hid)
+        return hid
+
+    def _run(self) -> None:
+        while True:
+            hid = self._queue.get()
+            if hid is None:
+                return
+            with self._lock:
+                job = self._jobs.get(hid)
+            if job is None:
+                continue  # released before it ran (its room is gone)
+            try:
+                copy_maps(job.kind, self._regions, self._staging[job.staging_region], job.maps)
+                state, why = XferState.DONE, ""
+            except Exception as exc:  # the thread must survive; the room learns the reason
+                state, why = XferState.ERR, f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                job.state, job.reason = state, why
+
+    def _job(self, handle: int) -> _Job:
+        with self._lock:
+            job = self._jobs.get(handle)
+        if job is None:
+            raise CopyRefused(f"unknown copy handle {handle!r}")
+        return job
+
+    def state(self, handle: int) -> XferState:
+        job = self._job(handle)
+        with self._lock:
+            return job.state
+
+    def reason(self, handle: int) -> str:
+        return self._job(handle).reason
+
+    def release(self, handle: int) -> None:
+        with self._lock:
+            self._jobs.pop(handle, None)
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(1 for j in self._jobs.values() if j.state is XferState.PROC)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(10.0)
+
+
+class CudaCopyExecutor:
+    """Gathers and scatters by the Triton kernels on a dedicated CUDA stream of the pool's GPU.
+
+    ``pool``: a ``backends.kernels.KVPool`` over the rank's VRAM regions (plane i = region i);
+    ``staging``: region id -> tensor (VRAM, or pinned host memory which the kernels reach over
+    PCIe), viewed here in the pool's element width. Called from the driver under its lock (submit)
+    and from the progress thread (state): events are only queried, never waited on."""
+
+    def __init__(self, pool: Any, staging: Mapping[int, Any]) -> None:
+        import torch
+
+        self._torch = torch
+        self._pool = pool
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[pool.itemsize]
+        self._staging = {
+            rid: t.reshape(-1)
+            .view(torch.uint8)[: t.numel() * t.element_size() // pool.itemsize * pool.itemsize]
+            .view(width)
+            for rid, t in staging.items()
+        }
+        self._stream = torch.cuda.Stream(device=pool.device)
+        self._events: dict[int, Any] = {}
+        self._reasons: dict[int, str] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def submit(self, kind: str, staging_region: int, maps: Sequence[StagingMap]) -> int:
+        from kvferry.backends.kernels.planner_maps import gather_map, scatter_map
+
+        buf = self._staging.get(staging_region)
+        if buf is None:
+            raise CopyRefused(f"{kind}: this rank registered no staging region {staging_region}")
+        run = gather_map if kind == "gather" else scatter_map
+        event = None
+        for smap in maps:  # one stream: the maps of a command run in order
+            event = run(self._pool, buf, smap, stream=self._stream) or event
+        if event is None:  # nothing to move (dummy maps): done at once
+            event = self._torch.cuda.Event()
+            event.record(self._stream)
+        hid = next(self._ids)
+        with self._lock:
+            self._events[hid] = event
+        return hid
+
+    def state(self, handle: int) -> XferState:
+        with self._lock:
+            event = self._events.get(handle)
+        if event is None:
+            raise CopyRefused(f"unknown copy handle {handle!r}")
+        return XferState.DONE if event.query() else XferState.PROC
+
+    def reason(self, handle: int) -> str:
+        return self._reasons.get(handle, "")
+
+    def release(self, handle: int) -> None:
+        with self._lock:
+            self._events.pop(handle, None)
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(1 for e in self._events.values() if not e.query())
+
+    def close(self) -> None:
+        self._stream.synchronize()  # teardown only: the staging memory is about to be freed
