@@ -1,15 +1,18 @@
 """``kvferry bench nixl``: kvferry end to end vs a raw single-descriptor NIXL WRITE, same processes.
 
-Two processes on 127.0.0.1: a prefill server (``prefill_tp`` ranks) and a decode server (one
-rank per ``decode_tp``, here 1), each rank's pool one contiguous buffer (regions are views into
-it) so the whole room can also be moved as one descriptor. For each configuration:
+Two processes on 127.0.0.1: a prefill server (``prefill_tp`` ranks) and a decode server
+(``decode_tp`` ranks), each rank's pool one contiguous buffer (regions are views into it) so the
+whole room can also be moved as one descriptor. Each configuration runs one transfer flow
+(``direct``, ``ring``, ``pinned``, or ``policy``: the runtime's own choice), with staging memory
+sized for ``max(2, inflight)`` chunks. For each configuration:
 
 1. kvferry end to end: batches of ``inflight`` rooms of ``tokens`` tokens of qwen3-8b KV, one
    batch after the other, through the threaded runtime (TransferInfo, chunk writes with
    notifications, aux row, Success on both sides). Timed on decode from the first
    ``KVReceiver.init`` of a batch to its last Success; GB/s = batch bytes / that time.
 2. Raw: from every prefill rank, one NIXL WRITE per room of the same byte count as a single
-   descriptor into the decode buffer (prepared lists, no notification), all posted at once, timed
+   descriptor into a decode rank's buffer (the first decode rank that prefill rank sends to;
+   prepared lists, no notification), all posted at once, timed
    from the first post to the last DONE. Each timed batch is followed by its raw batch (paired,
    interleaved), so both see the same load on a shared machine; each side reports its median.
 
@@ -56,12 +59,16 @@ class BenchConfig:
     idle_max_s: float = 2e-4  # progress threads' longest idle sleep (latency of the control path)
     telemetry_path: str = ""  # write NIXL's per-write telemetry of the timed batches here (JSON)
     mem: str = "DRAM"  # VRAM: pools are torch CUDA tensors (one GPU shared by both processes)
+    flow: str = "policy"  # direct, ring, pinned, or policy (the runtime chooses per room)
 
 
 DEFAULT_CONFIGS = (
     BenchConfig("tp1->1 nhd", 1, 1),
     BenchConfig("tp2->1 nhd", 2, 1, rooms=2),
+    BenchConfig("tp1->2 nhd", 1, 2, rooms=2),
+    BenchConfig("tp4->2 nhd", 4, 2, rooms=2),
 )
+FLOWS = ("direct", "ring", "pinned", "policy")
 
 
 # ---- child side ----------------------------------------------------------------------------------
@@ -128,14 +135,42 @@ def _counts(regions: dict[int, Any], slots: int, slot: int) -> dict[int, int]:
     return {int(v): int(c) for v, c in enumerate(total) if c}
 
 
+def staging_bytes(cfg: BenchConfig) -> dict[str, int]:
+    """Staging sizes for ``max(2, inflight)`` chunks per rank (one chunk per worker buffer slot)."""
+    from kvferry.core.geometry import ModelGeometry
+
+    if cfg.flow == "direct":
+        return {"worker_buffer_bytes": 0, "ring_bytes": 0, "pinned_bytes": 0, "prefill_pinned_bytes": 0}
+    model = ModelGeometry.preset(cfg.model)
+    chunk = cfg.chunk_tokens or cfg.tokens
+    per_token = model.num_regions * model.head_bytes * model.num_kv_heads  # every head, one token
+    pre = per_token * chunk // min(cfg.prefill_tp, model.num_kv_heads)  # one prefill rank's heads
+    dec = per_token * chunk // min(cfg.decode_tp, model.num_kv_heads)
+    targets = max(1, cfg.decode_tp // cfg.prefill_tp)
+    depth = max(2, cfg.inflight)
+    ring, pinned = cfg.flow in ("ring", "policy"), cfg.flow in ("pinned", "policy")
+    return {
+        "worker_buffer_bytes": pre * targets if ring else 0,
+        "ring_bytes": dec * depth if ring else 0,
+        "pinned_bytes": dec * depth if pinned else 0,
+        "prefill_pinned_bytes": pre * depth if pinned else 0,
+    }
+
+
 def _config(cfg: BenchConfig) -> Any:
     from kvferry.backends.runtime import RuntimeConfig
+    from kvferry.backends.runtime.staging import StagingConfig
     from kvferry.core.deadlines import SEC, Timeouts
 
     t = Timeouts(
-        bootstrap_ns=120 * SEC, waiting_ns=120 * SEC, transfer_ns=120 * SEC, heartbeat_timeout_ns=60 * SEC
+        bootstrap_ns=120 * SEC,
+        waiting_ns=120 * SEC,
+        transfer_ns=120 * SEC,
+        heartbeat_timeout_ns=60 * SEC,
+        fence_ns=120 * SEC,
     )
-    return RuntimeConfig(num_queues=2, aux_rows=64, timeouts=t, idle_max_s=cfg.idle_max_s)
+    staging = StagingConfig(**staging_bytes(cfg), flow=None if cfg.flow == "policy" else cfg.flow)
+    return RuntimeConfig(num_queues=2, aux_rows=64, timeouts=t, idle_max_s=cfg.idle_max_s, staging=staging)
 
 
 def child_prefill(cfg: BenchConfig) -> None:
@@ -143,6 +178,7 @@ def child_prefill(cfg: BenchConfig) -> None:
     from kvferry.backends.runtime import PrefillEndpoint
     from kvferry.core.kvpoll import KVPoll
     from kvferry.core.messages import Endpoint
+    from kvferry.core.topology import receiver_endpoints
 
     eps, bufs = [], []
     for pool in _pools(cfg, "prefill"):
@@ -158,7 +194,6 @@ def child_prefill(cfg: BenchConfig) -> None:
     cuts = list(range(cfg.chunk_tokens, cfg.tokens, cfg.chunk_tokens)) if cfg.chunk_tokens else []
     cuts.append(cfg.tokens)
     room_bytes = eps[0].pool.total_bytes // cfg.inflight  # a rank's share of one room
-    decode = Endpoint(server="decode", rank=0)
     one = np.array([RAW_ID], dtype=np.int64)
     raw_times: list[float] = []
     kv_posts: list[Any] = []
@@ -171,9 +206,14 @@ def child_prefill(cfg: BenchConfig) -> None:
             room, aux = 1000 + b * cfg.inflight + k, k
             pages = np.arange(n_pages, dtype=np.int64) + k * n_pages
             senders = [ep.sender(room, f"b{room}") for ep in eps]
-            for s in senders:
+            for s, ep in zip(senders, eps, strict=True):
                 s.write_aux(aux, room.to_bytes(8, "little"))
-                s.init(aux)
+                s.init(
+                    aux,
+                    receivers=receiver_endpoints(
+                        ep.pool.model, cfg.prefill_tp, cfg.decode_tp, ep.pool.tp_rank
+                    ),
+                )
             batch.append((senders, pages))
         for c, end in enumerate(cuts):
             for senders, pages in batch:
@@ -189,10 +229,15 @@ def child_prefill(cfg: BenchConfig) -> None:
         _say(event="batch_sent", index=b)
         # Raw, paired with this batch: one descriptor per (room, prefill rank), all posted at once,
         # the same bytes. Only after decode checked the batch: they land in the same decode buffer.
-        d_addr, d_bytes, d_dev = _hear()["raw"]
-        slots = max(1, d_bytes // room_bytes)
-        for ep in eps:
-            agent = ep.transport.peer_agent(decode)
+        covers = _hear()["raw"]  # per decode rank: (addr, bytes, dev) of its whole pool
+        # Each prefill rank writes its raw bytes to the first decode rank it really sends to.
+        raw_to = [
+            receiver_endpoints(ep.pool.model, cfg.prefill_tp, cfg.decode_tp, ep.pool.tp_rank)[0].rank
+            for ep in eps
+        ]
+        for ep, d in zip(eps, raw_to, strict=True):
+            d_addr, d_bytes, d_dev = covers[d]
+            agent = ep.transport.peer_agent(Endpoint(server="decode", rank=d))
             if ("raw", room_bytes) not in ep.transport.agent._peers[agent].prepped:
                 ep.transport.agent.add_lists(
                     agent, {"raw": ([MemRegion(RAW_ID, d_addr, d_bytes, kind, d_dev)], [room_bytes])}
@@ -201,6 +246,8 @@ def child_prefill(cfg: BenchConfig) -> None:
         tickets = []
         for k in range(cfg.inflight):
             for r, ep in enumerate(eps):
+                decode = Endpoint(server="decode", rank=raw_to[r])
+                slots = max(1, covers[raw_to[r]][1] // room_bytes)
                 dst = ((k * len(eps) + r) % slots) * room_bytes
                 tickets.append(
                     (
@@ -240,41 +287,62 @@ def child_prefill(cfg: BenchConfig) -> None:
         ep.close()
 
 
+def _expected_counts(pool: Any, prefill_tp: int, tokens: int) -> dict[int, int]:
+    """Bytes each prefill rank (value r + 1) writes into this decode rank for one room."""
+    from kvferry.core.geometry import senders_for
+
+    want: dict[int, int] = {}
+    per_head = pool.model.num_regions * pool.head_bytes * tokens
+    for link in senders_for(pool.model, prefill_tp, pool.tp_size, pool.tp_rank):
+        if not link.is_dummy:
+            want[link.prefill_rank + 1] = want.get(link.prefill_rank + 1, 0) + link.num_heads * per_head
+    return want
+
+
 def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
     from kvferry.backends.runtime import DecodeEndpoint
     from kvferry.core.kvpoll import KVPoll
 
-    (pool,) = _pools(cfg, "decode")
-    _buf, regions, cover = _buffers(pool, 0, cfg.mem)  # _buf: the views keep it alive
-    raw = {"raw": [cover]}
-    ep = DecodeEndpoint(
-        "decode",
-        pool,
-        prefill_server="prefill",
-        prefill_addresses=prefill,
-        buffers=regions,
-        config=_config(cfg),
-        extra_groups=raw,
-    )
-    ep.start()
-    _say(event="ready", raw=[cover.addr, cover.nbytes, cover.dev])
+    eps, all_regions, covers, keep = [], [], [], []
+    for pool in _pools(cfg, "decode"):
+        buf, regions, cover = _buffers(pool, 0, cfg.mem)
+        keep.append(buf)  # the views keep it alive anyway; explicit is clearer
+        eps.append(
+            DecodeEndpoint(
+                "decode",
+                pool,
+                prefill_server="prefill",
+                prefill_addresses=prefill,
+                buffers=regions,
+                config=_config(cfg),
+                extra_groups={"raw": [cover]},
+            )
+        )
+        all_regions.append(regions)
+        covers.append([cover.addr, cover.nbytes, cover.dev])
+    for ep in eps:
+        ep.start()
+    _say(event="ready", raw=covers)
     _hear()
     n_pages = -(-cfg.tokens // cfg.page_size)
     slots = 2 * cfg.inflight
     durations, checks = [], []
-    room_bytes = pool.token_bytes * cfg.tokens * pool.model.num_regions
+    room_bytes = sum(ep.pool.token_bytes for ep in eps) * cfg.tokens * eps[0].pool.model.num_regions
+    wants = [_expected_counts(ep.pool, cfg.prefill_tp, cfg.tokens) for ep in eps]
     for b in range(cfg.warmup + cfg.rooms):
         half = b % 2
         for k in range(cfg.inflight):  # clear the batch's pages so the check means something
-            for r in regions.values():
-                _slot(r, slots, half * cfg.inflight + k)[:] = 0
+            for regions in all_regions:
+                for r in regions.values():
+                    _slot(r, slots, half * cfg.inflight + k)[:] = 0
         rvs = []
         t0 = time.perf_counter()
         for k in range(cfg.inflight):
             room, slot = 1000 + b * cfg.inflight + k, half * cfg.inflight + k
-            rv = ep.receiver(room, f"b{room}")
-            rv.init(np.arange(n_pages, dtype=np.int64) + slot * n_pages, cfg.tokens, k)
-            rvs.append(rv)
+            for ep in eps:
+                rv = ep.receiver(room, f"b{room}")
+                rv.init(np.arange(n_pages, dtype=np.int64) + slot * n_pages, cfg.tokens, k)
+                rvs.append(rv)
         sts = [rv.wait(600) for rv in rvs]
         dt = time.perf_counter() - t0
         for rv, st in zip(rvs, sts, strict=True):
@@ -283,15 +351,29 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
             rv.clear()
         if b >= cfg.warmup:
             durations.append(dt)
-            # Prefill rank r filled its pool with r + 1; each wrote its share of every token.
-            want = {v + 1: room_bytes // cfg.prefill_tp for v in range(cfg.prefill_tp)}
-            checks += [_counts(regions, slots, half * cfg.inflight + k) == want for k in range(cfg.inflight)]
+            # Prefill rank r filled its pool with r + 1; each wrote its heads of every token.
+            checks += [
+                _counts(regions, slots, half * cfg.inflight + k) == want
+                for k in range(cfg.inflight)
+                for regions, want in zip(all_regions, wants, strict=True)
+            ]
         _say(event="batch", index=b)
         _hear()  # next: the paired raw writes are done
     check = {"ok": bool(checks) and all(checks), "rooms_checked": len(checks)}
-    _say(event="done", durations=durations, room_bytes=room_bytes * cfg.inflight, check=check)
+    counters: dict[str, int] = {}
+    for ep in eps:
+        for k, v in ep.engine.counters.items():
+            counters[k] = counters.get(k, 0) + v
+    _say(
+        event="done",
+        durations=durations,
+        room_bytes=room_bytes * cfg.inflight,
+        check=check,
+        counters=counters,
+    )
     _hear()
-    ep.close()
+    for ep in eps:
+        ep.close()
 
 
 # ---- harness side --------------------------------------------------------------------------------
@@ -360,9 +442,15 @@ def check_config(cfg: BenchConfig) -> None:
             raise ValueError(f"{name} must be {bounds}, got {value}")
     if cfg.mem not in MEM_KINDS:
         raise ValueError(f"mem must be one of {', '.join(MEM_KINDS)}, got {cfg.mem!r}")
-    # Prefill holds one batch of rooms, decode two (summed over ranks): all allocated up front.
+    if cfg.flow not in FLOWS:
+        raise ValueError(f"flow must be one of {', '.join(FLOWS)}, got {cfg.flow!r}")
+    # Prefill holds one batch of rooms, decode two (summed over ranks): all allocated up front,
+    # and the staging memory of every rank.
     model = ModelGeometry.preset(cfg.model)
     need = 3 * cfg.inflight * -(-cfg.tokens // cfg.page_size) * cfg.page_size * model.token_bytes
+    st = staging_bytes(cfg)
+    need += cfg.prefill_tp * (2 * st["worker_buffer_bytes"] + st["prefill_pinned_bytes"])
+    need += cfg.decode_tp * (st["ring_bytes"] + st["pinned_bytes"])
     if cfg.mem == "VRAM":
         try:
             import torch
@@ -435,6 +523,9 @@ def run_config(
         "bytes_ok": d["check"].get("ok", False),
         "ucx_tls": env.get("UCX_TLS", "(default)"),
         "mem": cfg.mem,
+        "flow": cfg.flow,
+        # Chunks decode scattered per flow (the flow really ran): from decode's counters.
+        "scattered": {f: d["counters"].get(f"scattered_{f}", 0) for f in ("ring", "pinned")},
     }
 
 

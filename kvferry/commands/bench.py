@@ -34,12 +34,19 @@ def nixl(
     telemetry: Annotated[
         str, typer.Option(help="Write NIXL's per-write telemetry (JSON) to this path (one config).")
     ] = "",
+    flow: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--flow", help="Transfer flows to run: direct, ring, pinned, policy (default: the first three)."
+        ),
+    ] = None,
 ) -> None:
     """Two processes on 127.0.0.1 (prefill ranks, one decode rank) move qwen3-8b KV rooms through
     kvferry's runtime; the same processes then WRITE the same bytes as one NIXL descriptor."""
+    import sys
     from dataclasses import replace
 
-    from kvferry.backends.runtime.bench import DEFAULT_CONFIGS, check_config, run_config
+    from kvferry.backends.runtime.bench import DEFAULT_CONFIGS, FLOWS, check_config, run_config
 
     # Everything is checked before the first configuration starts: a run is minutes long.
     known = [c.name for c in DEFAULT_CONFIGS]
@@ -51,29 +58,41 @@ def nixl(
     mem = mem.upper()
     if mem not in ("DRAM", "VRAM"):  # the runtime's other kind (TORCH_DRAM) is for its own tests
         bad_input(f"--mem must be DRAM or VRAM, got {mem!r}")
+    flows = [f.strip() for item in flow or ("direct,ring,pinned",) for f in item.split(",") if f.strip()]
+    bad = [f for f in flows if f not in FLOWS]
+    if bad or not flows:
+        bad_input(f"--flow: unknown flow(s) {bad}; known: {list(FLOWS)}")
     configs = [c for c in DEFAULT_CONFIGS if not config or c.name in config]
     if telemetry:
         check_output_file(Path(telemetry), "--telemetry")
     runs = []
-    for c in configs:
-        c = replace(c, tokens=tokens, chunk_tokens=chunk_tokens, mem=mem, inflight=inflight)
-        if telemetry:
-            c = replace(c, telemetry_path=telemetry if len(configs) == 1 else f"{telemetry}.{c.prefill_tp}")
-        c = replace(c, rooms=rooms or c.rooms)
-        try:
-            check_config(c)
-        except ValueError as e:
-            bad_input(f"{c.name}: {e}")
-        runs.append(c)
+    for base in configs:
+        for f in flows:
+            c = replace(base, tokens=tokens, chunk_tokens=chunk_tokens, mem=mem, inflight=inflight, flow=f)
+            if telemetry:
+                one = len(configs) * len(flows) == 1
+                c = replace(
+                    c, telemetry_path=telemetry if one else f"{telemetry}.{c.prefill_tp}-{c.decode_tp}.{f}"
+                )
+            c = replace(c, rooms=rooms or c.rooms)
+            try:
+                check_config(c)
+            except ValueError as e:
+                bad_input(f"{c.name}: {e}")
+            runs.append(c)
     if importlib.util.find_spec("nixl") is None:
         bad_input("bench nixl needs NIXL: pip install 'kvferry[real]'")
-    for c in runs:
+    for i, c in enumerate(runs):
+        print(
+            f"[{i + 1}/{len(runs)}] {c.name} {c.flow} {c.mem}: {c.rooms} batch(es) of {c.inflight}",
+            file=sys.stderr,
+        )
         r = run_config(c)
         if as_json:
             typer.echo(json.dumps(r))
             continue
         typer.echo(
-            f"{r['config']:<12} {r['mem']} {r['tokens']} tokens, {r['room_mb']:.0f} MB/room, "
+            f"{r['config']:<12} {r['flow']:<7} {r['mem']} {r['tokens']} tokens, {r['room_mb']:.0f} MB/room, "
             f"{r['inflight']} in flight: "
             f"kvferry {r['kvferry_gbps']:.2f} GB/s ({r['kvferry_s'] * 1e3:.1f} ms/batch), "
             f"raw 1-descriptor WRITEs {r['raw_gbps']:.2f} GB/s ({r['raw_s'] * 1e3:.1f} ms), "
