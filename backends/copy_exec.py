@@ -139,7 +139,7 @@ class CudaCopyExecutor:
     PCIe), viewed here in the pool's element width. Called from the driver under its lock (submit)
     and from the progress thread (state): events are only queried, never waited on."""
 
-    def __init__(self, pool: Any, staging: Mapping[int, Any]) -> None:
+    def __init__(self, pool: Any, staging: Mapping[int, Any], geometry: Any = None) -> None:
         import torch
 
         self._torch = torch
@@ -156,6 +156,32 @@ class CudaCopyExecutor:
         self._reasons: dict[int, str] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        if geometry is not None:
+            self.precompile(geometry)
+
+    def precompile(self, geometry: Any) -> int:
+        """Compile (or load from Triton's cache) the kernels this rank's copies will use: gather
+        and scatter, both staging formats, every head count a lane can have (a divisor of this
+        rank's heads). A first compile takes seconds: paid here, not inside a room's deadline.
+        Returns how many specializations were asked for."""
+        from kvferry.backends.kernels.planner_maps import gather_map, scatter_map
+        from kvferry.core.staging_layout import StagingFormat, staged_map
+
+        if not self._staging:
+            return 0
+        buf = next(iter(self._staging.values()))
+        heads = geometry.heads_per_rank
+        pages = np.zeros(1, dtype=np.int64)
+        n = 0
+        for nh in (d for d in range(1, heads + 1) if heads % d == 0):
+            for fmt in StagingFormat:
+                smap = staged_map(
+                    geometry, pages, geometry.head_start, nh, 0, min(16, geometry.page_size), fmt, 0
+                )
+                for run in (gather_map, scatter_map):
+                    run(self._pool, buf, smap, stream=self._stream, compile_only=True)
+                    n += 1
+        return n
 
     def submit(self, kind: str, staging_region: int, maps: Sequence[StagingMap]) -> int:
         from kvferry.backends.kernels.planner_maps import gather_map, scatter_map

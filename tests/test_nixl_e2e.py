@@ -139,6 +139,14 @@ def _check_rooms(plans: list[wl.RoomPlan], out: dict[str, Any], tp: tuple[int, i
     d, p = out["d"], out["p"]
     n = len(plans)
     assert len(d["rooms"]) == len(p["rooms"]) == n
+    # First what the threads saw (it explains a failed room better than the room does):
+    assert d["errors"] == [] and p["errors"] == []
+    assert all(not c["engine_ops"] and not c["driver"] for c in p["copies"]), p["copies"]
+    # Skipped chunks of failed rooms and chunks waiting for staging space are expected; any other
+    # driver error (a refused post, a transport exception) is not, in a run without faults.
+    expected = {"chunk_skipped", "chunk_deferred"}
+    unexpected = [k for e in d["driver_errors"] + p["driver_errors"] for k in e if k not in expected]
+    assert unexpected == [], (d["driver_errors"], p["driver_errors"])
     successes = 0
     for plan in plans:
         dr, pr = d["rooms"][str(plan.index)], p["rooms"][str(plan.index)]
@@ -155,12 +163,6 @@ def _check_rooms(plans: list[wl.RoomPlan], out: dict[str, Any], tp: tuple[int, i
             successes += 1
     assert _empty(d["leaks"]) and _empty(p["leaks"]), (d["leaks"], p["leaks"])
     assert d["waiting_fence"] == 0
-    assert d["errors"] == [] and p["errors"] == []
-    # Skipped chunks of failed rooms and chunks waiting for staging space are expected; any other
-    # driver error (a refused post, a transport exception) is not, in a run without faults.
-    expected = {"chunk_skipped", "chunk_deferred"}
-    unexpected = [k for e in d["driver_errors"] + p["driver_errors"] for k in e if k not in expected]
-    assert unexpected == [], (d["driver_errors"], p["driver_errors"])
     assert out["stuck"] == []
     assert sum(p["telemetry"]) > 0
     return successes

@@ -252,6 +252,7 @@ def _run_triton(
     head_start: int | None = None,
     layout: StagingLayout | None = None,
     staging: torch.Tensor | None = None,
+    compile_only: bool = False,
 ) -> None:
     """One launch; the keywords narrow it to planes ``[p0, p0 + n)`` and another staging target
     (the copy-engine path's chunks)."""
@@ -287,6 +288,7 @@ def _run_triton(
         s_plane=w(lay.stride_plane),
         s_tok=w(lay.stride_token),
         pool_align=pool.addr_align,
+        compile_only=compile_only,
     )
 
 
@@ -350,6 +352,7 @@ def _run(
     backend: Backend,
     page_size: int | None = None,
     pinned_path: PinnedPath = "zero_copy",
+    compile_only: bool = False,
 ) -> torch.cuda.Event | None:
     if backend == "auto":
         backend = "triton" if triton_usable(pool.device) else "torch"
@@ -392,6 +395,10 @@ def _run(
             pool.stats.rejected += 1
             raise
         event = None
+        if compile_only:  # compile the Triton specialization of this call; move nothing
+            if backend == "triton":
+                _run_triton(kind, pool, call, compile_only=True)
+            return None
         if backend == "triton":
             if pinned_path == "copy_engine" and on_cuda and call.staging.device.type == "cpu":
                 event = _run_copy_engine(kind, pool, call, stream)
@@ -489,10 +496,14 @@ def gather_slots(
     head_start: int,
     stream: torch.cuda.Stream | None = None,
     backend: Backend = "auto",
+    compile_only: bool = False,
 ) -> torch.cuda.Event | None:
     """``gather`` with the page lookup already done: chunk token ``i`` lives in ``slots[i]``."""
     n = len(slots)
-    return _run("gather", pool, staging, layout, slots, 0, n, head_start, 0, stream, backend, page_size=1)
+    return _run(
+        "gather", pool, staging, layout, slots, 0, n, head_start, 0, stream, backend, page_size=1,
+        compile_only=compile_only,
+    )  # fmt: skip
 
 
 def scatter_slots(
@@ -504,7 +515,11 @@ def scatter_slots(
     head_start: int,
     stream: torch.cuda.Stream | None = None,
     backend: Backend = "auto",
+    compile_only: bool = False,
 ) -> torch.cuda.Event | None:
     """``scatter`` with the page lookup already done: chunk token ``i`` goes to ``slots[i]``."""
     n = len(slots)
-    return _run("scatter", pool, staging, layout, slots, 0, n, head_start, 0, stream, backend, page_size=1)
+    return _run(
+        "scatter", pool, staging, layout, slots, 0, n, head_start, 0, stream, backend, page_size=1,
+        compile_only=compile_only,
+    )  # fmt: skip

@@ -62,6 +62,7 @@ def gather_map(
     *,
     stream: torch.cuda.Stream | None = None,
     backend: Backend = "auto",
+    compile_only: bool = False,
 ) -> torch.cuda.Event | None:
     """Gather the planner's map into ``staging`` (the side's whole staging memory, viewed with the
     pool's element width). An empty map (a dummy pair) moves nothing and returns None."""
@@ -69,8 +70,9 @@ def gather_map(
         return None
     layout = _check(pool, m)
     return gather_slots(
-        pool, staging, layout, m.slots, head_start=m.local_head_start, stream=stream, backend=backend
-    )
+        pool, staging, layout, m.slots, head_start=m.local_head_start, stream=stream, backend=backend,
+        compile_only=compile_only,
+    )  # fmt: skip
 
 
 def scatter_map(
@@ -80,11 +82,13 @@ def scatter_map(
     *,
     stream: torch.cuda.Stream | None = None,
     backend: Backend = "auto",
+    compile_only: bool = False,
 ) -> torch.cuda.Event | None:
     """Scatter ``staging`` into the pool by the planner's map; None for an empty map."""
     if m.num_heads == 0 or len(m.slots) == 0:
         return None
     layout = _check(pool, m)
     return scatter_slots(
-        pool, staging, layout, m.slots, head_start=m.local_head_start, stream=stream, backend=backend
-    )
+        pool, staging, layout, m.slots, head_start=m.local_head_start, stream=stream, backend=backend,
+        compile_only=compile_only,
+    )  # fmt: skip

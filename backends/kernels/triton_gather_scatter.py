@@ -69,7 +69,13 @@ def _tile_offsets(
     return pool_off, stg_off, mask
 
 
-@triton.jit
+# The token range, the page count and the first pool head change from call to call but never
+# change what the compiler can prove about alignment: specializing on them (value 1, multiple of
+# 16) would compile a new variant mid-transfer, seconds on a cold cache, for no speed.
+_VARYING = ("n_tokens", "token_start", "num_pages", "pool_head0")
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _gather_kernel(
     table_ptr,
     pages_ptr,
@@ -104,7 +110,7 @@ def _gather_kernel(
     tl.store(stg_ptr + stg_off, vals, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING)
 def _scatter_kernel(
     table_ptr,
     pages_ptr,
@@ -169,22 +175,29 @@ def launch(
     s_plane: int,
     s_tok: int,
     pool_align: int,
+    compile_only: bool = False,
 ) -> None:
-    """Launch one gather or scatter on the current stream; every size and stride is in words."""
+    """Launch one gather or scatter on the current stream; every size and stride is in words.
+    ``compile_only``: compile this specialization (or load it from Triton's cache) and launch
+    nothing, so a rank can pay for compilation at start-up instead of in a room's deadline."""
     tile, warps, hb = TUNING[(kind, staging_words.device.type == "cpu")]
     hb = triton.next_power_of_2(min(hb, num_heads) if hb else num_heads)
     row_p = triton.next_power_of_2(row_words)
-    block_t = max(1, tile // (hb * row_p * staging_words.element_size()))
-    block_t = min(triton.next_power_of_2(block_t), triton.next_power_of_2(n_tokens))
+    # Not capped by n_tokens: one tile shape per (kind, heads, row) whatever the chunk's length,
+    # so a short chunk reuses the compiled kernel (its extra rows are masked off).
+    block_t = triton.next_power_of_2(max(1, tile // (hb * row_p * staging_words.element_size())))
     # x walks the tokens of one (head block, plane), so the programs running together touch
     # neighbouring staging rows: one long sequential stream over PCIe, as a memcpy would.
     grid = (triton.cdiv(n_tokens, block_t), num_planes, triton.cdiv(num_heads, hb))
     kernel = _gather_kernel if kind == "gather" else _scatter_kernel
-    kernel[grid](
+    run = kernel.warmup if compile_only else kernel.__getitem__(grid)
+    extra = {"grid": grid} if compile_only else {}
+    run(
         table, pages, staging_words,
         n_tokens, token_start, page_size, num_pages, slot_stride, pool_head0,
         s_base, s_head, s_plane, s_tok,
         NH=num_heads, HB=hb, ROW=row_words, ROW_P=row_p, BLOCK_T=block_t,
-        POOL_ALIGN=pool_align, num_warps=warps,
+        POOL_ALIGN=pool_align, num_warps=warps, **extra,
     )  # fmt: skip
-    LAUNCHES[kind] += 1
+    if not compile_only:
+        LAUNCHES[kind] += 1

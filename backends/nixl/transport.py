@@ -292,7 +292,7 @@ class NixlTransport:
                 "staged flows on a VRAM pool need torch tensors for the pool and staging buffers "
                 "(the kernels run on them); pass tensors, or set RuntimeConfig.staging sizes to 0"
             )
-        return CudaCopyExecutor(kernel_pool(self.pool, self._buffers or {}), buffers)
+        return CudaCopyExecutor(kernel_pool(self.pool, self._buffers or {}), buffers, self.pool)
 
     def registration(self) -> Register:
         if self._registration is None:

@@ -308,9 +308,18 @@ class StagedSender:
             )
             if wm is None or not writable(slot, wm):
                 return f"ring space of {lane.target} not drained yet (round {g.round}, [{g.start}, {g.end}))"
-            if (self._worker_of(r), self._target_index(r, lane.target)) in self.slot_owner:
-                return "worker staging slot busy"
+            owner = self.slot_owner.get((self._worker_of(r), self._target_index(r, lane.target)))
+            if owner is not None:
+                return f"worker staging slot busy (held by {self._describe_lane(*owner)})"
         return ""
+
+    def _describe_lane(self, room_key: tuple[int, str], lane_key: tuple[int, m.Endpoint]) -> str:
+        """For a blocked room's reason: who holds what it waits for, and in which state."""
+        holder = self.rooms.get(room_key[0])
+        lane = holder.ledger.lanes.get(lane_key) if holder is not None and holder.tid == room_key[1] else None
+        if lane is None:
+            return f"room {room_key[0]} chunk {lane_key[0]} (gone)"
+        return f"room {room_key[0]} chunk {lane_key[0]}, {lane.state.name}, {holder.state.value}"
 
     def _worker_of(self, r: Any) -> int:
         return shard_of(r.room, self.num_shards)  # the worker whose queue runs the room's chunks

@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--decode-tp", type=int, default=wl.DECODE_TP)
     ap.add_argument("--flow", default="policy", choices=wl.FLOWS)
     args = ap.parse_args()
+    wl.stall_copies_if_asked()
 
     cfg = RuntimeConfig(timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS, staging=wl.staging(args.flow))
     pools = wl.decode_pools(args.decode_tp)

@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--decode-tp", type=int, default=wl.DECODE_TP)
     ap.add_argument("--flow", default="policy", choices=wl.FLOWS)
     args = ap.parse_args()
+    wl.stall_copies_if_asked()
 
     cfg = RuntimeConfig(
         num_queues=args.queues, timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS, staging=wl.staging(args.flow)
@@ -179,6 +180,15 @@ def main() -> None:
         errors=[repr(e) for ep in eps for e in ep.errors],
         driver_errors=[dict(ep.driver.errors) for ep in eps],
         telemetry=[ep.transport.agent.telemetry.totals().transfers for ep in eps],
+        # Gathers the engine waits for, and what the driver and the copy executor say of them.
+        copies=[
+            {
+                "engine_ops": sorted(ep.engine.ops),
+                "driver": {str(op): ep.transport.check_copy(h).value for op, h in ep.driver.copies.items()},
+                "executor_pending": ep.transport.copies.pending() if ep.transport.copies else 0,
+            }
+            for ep in eps
+        ],
     )
     heard(120.0)
     stuck = [name for ep in eps for name in ep.close()]

@@ -39,7 +39,7 @@ def timeouts() -> Timeouts:
     return Timeouts(
         bootstrap_ns=5 * SEC,
         waiting_ns=5 * SEC,
-        transfer_ns=5 * SEC,
+        transfer_ns=30 * SEC,  # a cold Triton cache compiles kernels on first use (GPU runs)
         # Generous for a loaded 2-core CI machine: a missed beat fails every room of the peer.
         heartbeat_interval_ns=200 * MS,
         heartbeat_timeout_ns=3 * SEC,
@@ -129,3 +129,24 @@ class Memory:
         if self.device is not None:
             for rid, t in self.device.items():
                 self.host[rid][:] = t.cpu().numpy()
+
+
+def stall_copies_if_asked() -> None:
+    """A controlled stall: ``KVFERRY_E2E_COPY_DELAY_S`` makes every gather/scatter of this process
+    take that much longer (GPU-like orderings on a CPU: copies finish after the writes and
+    notices they race with)."""
+    import os
+    import time
+
+    delay = float(os.environ.get("KVFERRY_E2E_COPY_DELAY_S", "0") or 0)
+    if not delay:
+        return
+    from kvferry.backends import copy_exec
+
+    real = copy_exec.copy_maps
+
+    def slow(*args: Any, **kwargs: Any) -> int:
+        time.sleep(delay)
+        return real(*args, **kwargs)
+
+    copy_exec.copy_maps = slow
