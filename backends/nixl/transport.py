@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 from kvferry.backends.copy_exec import CopyExecutor, CudaCopyExecutor, HostCopyExecutor
-from kvferry.backends.nixl.agent import ListKey, NixlAgent, XferTicket
+from kvferry.backends.nixl.agent import MAX_PREP_DESCS, ListKey, NixlAgent, XferTicket
 from kvferry.backends.nixl.errors import DescriptorError, NixlPeerError
 from kvferry.backends.nixl.memory import MemRegion, RegionError, regions_from
 from kvferry.backends.transport import AUX_ROOM_BYTES, XferState
@@ -97,11 +97,12 @@ def pair_granule(src: PoolGeometry, dst: PoolGeometry) -> int:
 @dataclass(frozen=True)
 class _PeerEntry:
     agent: str
-    kv: ListKey  # the fine list: every planned descriptor is a run of it
+    kv: ListKey | None  # the fine list: every planned descriptor is a run of it (None: too big)
     coarse: ListKey | None  # a page-granule list, used when a write is page-aligned
     aux: ListKey
     registration: Register
     staging: Mapping[int, MemRegion]  # the peer's staging regions, for staged flows' one-block writes
+    no_fine: str = ""  # why there is no fine list (a direct write needing it is refused)
 
     def key_for(self, *arrays: npt.NDArray[np.int64]) -> ListKey:
         """The coarsest prepared list that can express these descriptors exactly: fewer indices
@@ -110,6 +111,8 @@ class _PeerEntry:
             g = self.coarse[1]
             if not any((np.asarray(a) % g).any() for a in arrays):
                 return self.coarse
+        if self.kv is None:
+            raise DescriptorError(self.no_fine)
         return self.kv
 
 
@@ -306,6 +309,13 @@ class NixlTransport:
             raise RegionError(f"region {region_id} is not a registered DRAM region")
         return view
 
+    def staging_view(self, region_id: int) -> np.ndarray:
+        """Host view of a registered DRAM staging region (tests read bytes through it)."""
+        view = _np_view(self._staging_bufs[region_id]) if region_id in self._staging_bufs else None
+        if view is None:
+            raise RegionError(f"staging region {region_id} is not a registered DRAM region")
+        return view
+
     # ---- peers --------------------------------------------------------------------------------
     def add_peer(self, peer: Endpoint, registration: Register) -> None:
         with self._lock:
@@ -335,12 +345,32 @@ class NixlTransport:
         aux_bytes = registration.aux_rows * registration.aux_row_bytes
         aux = [MemRegion(AUX_REGION_ID, registration.aux_addr, aux_bytes, blob.aux_mem, blob.aux_dev)]
         ag = math.gcd(self.aux_row_bytes, registration.aux_row_bytes)
-        granules = [g] if coarse is None else [g, coarse]
+        # A fine list of a big pool (head slices of a long context) can exceed what NIXL can
+        # prepare; the peer is still registered (staged flows and page-aligned writes need no fine
+        # list), and a direct write that would need it is refused with the reason.
+        fine_ok = all(_descs(side, g) <= MAX_PREP_DESCS for side in (kv, self._kv_regions))
+        granules = ([g] if fine_ok else []) + ([coarse] if coarse is not None else [])
         if old is not None:
             self.agent.remove_peer(old.agent, settle_s=0.2)  # a restarted peer: old writes are moot
-        name = self.agent.add_peer(blob.nixl_md, {"kv": (kv, granules), "aux": (aux, [ag])})
+        groups = {"aux": (aux, [ag])}
+        if granules:
+            groups["kv"] = (kv, granules)
+        name = self.agent.add_peer(blob.nixl_md, groups)
         entry = _PeerEntry(
-            name, ("kv", g), None if coarse is None else ("kv", coarse), ("aux", ag), registration, staging
+            name,
+            ("kv", g) if fine_ok else None,
+            None if coarse is None else ("kv", coarse),
+            ("aux", ag),
+            registration,
+            staging,
+            ""
+            if fine_ok
+            else (
+                f"a direct write to {peer} needs {g}-byte descriptors, and its pool would take "
+                f"{max(_descs(kv, g), _descs(self._kv_regions, g)):,} of them "
+                f"(NIXL limit {MAX_PREP_DESCS:,}): "
+                "use a staged flow (ring or pinned), or fewer pages per pool"
+            ),
         )
         with self._lock:
             self._peers[peer] = entry
@@ -545,6 +575,10 @@ class NixlTransport:
         if self.copies is not None:
             self.copies.close()
         self.agent.close()
+
+
+def _descs(regions: Sequence[MemRegion], granule: int) -> int:
+    return sum(r.nbytes // granule for r in regions)
 
 
 def _sub_range(regions: Mapping[int, MemRegion], rid: int, offset: int, length: int, side: str) -> MemRegion:
