@@ -77,6 +77,7 @@ from kvferry.core.events import (
     CopyDone,
     CopyFailed,
     NotificationIn,
+    PeerUnusable,
     Tick,
     WriteDone,
     WriteFailed,
@@ -361,6 +362,10 @@ class Driver:
             followups.append(AuxChecked(room=cmd.room, transfer_id=cmd.transfer_id, found_room=-1))
         elif k is Gather or k is Scatter:
             followups.append(CopyFailed(op_id=cmd.op_id, reason=f"copy refused: {type(exc).__name__}: {exc}"))
+        elif k is AddPeer:
+            # The engine believes the peer is loaded: tell it, or its rooms fail only at their
+            # first write, with "no registered peer" instead of this reason.
+            followups.append(PeerUnusable(peer=cmd.peer, reason=f"{type(exc).__name__}: {exc}"))
 
 
 # Executed outside the driver lock by a worker step (they touch only the transport).

@@ -137,6 +137,15 @@ class WriteFailed(_Event):
 # --- receiver side (decode rank) -------------------------------------------------------------------
 
 
+class PeerUnusable(_Event):
+    """The driver could not load a registered peer (``AddPeer`` raised: its metadata, or memory
+    this transport cannot describe). The peer's rooms fail with ``reason`` now, instead of at
+    their first write ("no registered peer"); a later Register from it is tried again."""
+
+    peer: Endpoint
+    reason: str
+
+
 class SenderSpec(msgspec.Struct, frozen=True):
     """One prefill rank a decode room pairs with (from ``core.geometry.senders_for``).
 

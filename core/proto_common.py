@@ -294,16 +294,20 @@ class RoomEngine:
         else:
             self._lose_peer(peer)
 
-    def _lose_peer(self, peer: Any) -> None:
-        self.counters["peer_lost"] += 1
+    def _lose_peer(self, peer: Any, unusable: str = "") -> None:
+        """A peer declared dead (heartbeat), or ``unusable`` (why the driver could not load it):
+        its rooms fail, and it is forgotten until it registers again."""
+        self.counters["peer_unusable" if unusable else "peer_lost"] += 1
         self._peer_gone(peer)
         del self.peers[peer]
         self.deadlines.cancel(("hb", peer))
-        self._out.append(DropPeer(peer=peer, reason="heartbeat lost"))
+        self.deadlines.cancel(("loss", peer))
+        self._out.append(DropPeer(peer=peer, reason=unusable or "heartbeat lost"))
+        payload = (peer, f"unusable here: {unusable}") if unusable else peer
         for room in sorted(self.rooms_by_peer.get(peer, ())):
             r = self.rooms.get(room)
             if r is not None:
-                self._dispatch(r, self.PEER_LOST, peer)
+                self._dispatch(r, self.PEER_LOST, payload)
 
     def _heartbeat(self, peer: Any) -> None:
         raise NotImplementedError

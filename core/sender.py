@@ -49,6 +49,7 @@ from kvferry.core.events import (
     ControlIn,
     CopyDone,
     CopyFailed,
+    PeerUnusable,
     ReleaseRoom,
     SenderOpen,
     Tick,
@@ -269,6 +270,9 @@ class SenderEngine(StagedSender, RoomEngine):
             self._room_input(event.room, event.transfer_id, SIn.RELEASE, event)
         elif t is Tick:
             self._tick()
+        elif t is PeerUnusable:
+            if event.peer in self.peers:
+                self._lose_peer(event.peer, unusable=event.reason)
         else:
             self.counters["bad_event"] += 1
             raise TypeError(f"SenderEngine cannot handle {t.__name__}")

@@ -410,3 +410,29 @@ def test_decode_restart_on_a_new_port_is_followed(servers):
         assert [dec2.transport.agent_name] == pre[0].transport.agent.peers()
     finally:
         assert dec2.close() == []
+
+
+def test_a_peer_the_transport_cannot_load_fails_its_rooms_with_the_reason(monkeypatch):
+    """AddPeer raising (metadata or memory this transport cannot load) fails the peer's rooms at
+    once with that reason, instead of at their first write as "no registered peer"."""
+    cfg = RuntimeConfig(num_queues=1, aux_rows=4, timeouts=TIMEOUTS)
+    pre = PrefillEndpoint("P", PoolGeometry(MODEL, 1, 0, 4, 8), config=cfg)
+
+    def refuse(peer, registration):
+        raise RuntimeError("cannot describe this memory")
+
+    monkeypatch.setattr(pre.transport, "add_peer", refuse)
+    dec = DecodeEndpoint(
+        "D", PoolGeometry(MODEL, 1, 0, 4, 8), prefill_server="P", prefill_addresses=[pre.address], config=cfg
+    )
+    try:
+        for e in (pre, dec):
+            e.start()
+        rv, senders = _room([pre], dec, 5, "t", np.arange(2), 6, [6])
+        assert _settle(rv, senders, 10.0) == (KVPoll.Failed, [KVPoll.Failed])
+        with pytest.raises(KVTransferError, match="unusable here: RuntimeError: cannot describe this memory"):
+            senders[0].failure_exception()
+        assert pre.engine.counters["peer_unusable"] >= 1  # decode may register again; refused again
+    finally:
+        for e in (pre, dec):
+            e.close()

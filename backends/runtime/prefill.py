@@ -119,6 +119,8 @@ class PrefillEndpoint(EndpointBase):
             ids = self.driver.worker_step(shard, now_ns())
         except Exception as exc:
             # The chunk was taken off the queue (or the engine broke on it): fail its room only.
+            # Recorded first: whoever sees the room fail may look for the error at once.
+            self._record_error(exc)
             self.board.fail(head.room, head.transfer_id, exc)
             self.driver.feed(
                 AbortRoom(
@@ -128,7 +130,6 @@ class PrefillEndpoint(EndpointBase):
                 ),
                 now_ns(),
             )
-            self._record_error(exc)
             return True
         if ids:
             self._await(shard, ids)
