@@ -194,7 +194,9 @@ def test_two_processes_flows_tp_pairs(tp, flow):
 
 
 @pytest.mark.parametrize(
-    ("tp", "flow"), [((2, 1), "direct"), ((2, 1), "ring"), ((4, 2), "pinned")], ids=["direct", "ring", "pinned"]
+    ("tp", "flow"),
+    [((2, 1), "direct"), ((2, 1), "ring"), ((4, 2), "pinned")],
+    ids=["direct", "ring", "pinned"],
 )
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
 def test_peer_killed_mid_transfer_fails_rooms_on_survivor(victim, tp, flow):
