@@ -122,25 +122,41 @@ class Driver:
         Returns how many observations were fed (0: nothing happened). The transport is asked
         without the lock (its calls may wait on the data plane, see the module header), each
         batch of answers is fed under it, in the same order as ever."""
-        t = self.transport
+        n = self._feed_controls(now)
+        n += self.pump_data(now)
+        return n + self._tick_if_due(now)
+
+    def pump_control(self, now: int) -> int:
+        """The control half of ``pump``: control messages and due deadlines (heartbeats among
+        them). It never waits on the data plane, so a thread running only this keeps a rank's
+        heartbeats and liveness checks going while a big post holds the UCX worker."""
+        return self._feed_controls(now) + self._tick_if_due(now)
+
+    def pump_data(self, now: int) -> int:
+        """The data half of ``pump``: notifications, finished writes and copies. May wait while
+        another thread's post holds the data plane."""
+        notifs = self.transport.drain_notifs()
         n = 0
-        controls = t.recv_control()
-        with self.lock:
-            for data in controls:
-                self._feed(ControlIn(data=data), now)
-                n += 1
-        notifs = t.drain_notifs()
         with self.lock:
             for data in notifs:
                 self._feed(NotificationIn(data=data), now)
                 n += 1
-        n += self.poll_writes(now, None)
+        return n + self.poll_writes(now, None)
+
+    def _feed_controls(self, now: int) -> int:
+        controls = self.transport.recv_control()
+        with self.lock:
+            for data in controls:
+                self._feed(ControlIn(data=data), now)
+        return len(controls)
+
+    def _tick_if_due(self, now: int) -> int:
         with self.lock:
             dl = self.engine.next_deadline()
             if dl is not None and dl <= now:
                 self._feed(Tick(), now)
-                n += 1
-        return n
+                return 1
+        return 0
 
     def poll_writes(self, now: int, ids: tuple[int, ...] | None = None) -> int:
         """Check posted writes (all, or ``ids``); feed the finished ones. Returns how many finished.

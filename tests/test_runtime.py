@@ -436,3 +436,48 @@ def test_a_peer_the_transport_cannot_load_fails_its_rooms_with_the_reason(monkey
     finally:
         for e in (pre, dec):
             e.close()
+
+
+@pytest.mark.parametrize("stalled_side", ["prefill", "decode"])
+def test_heartbeats_go_on_while_the_data_plane_is_stalled(stalled_side):
+    """A controlled stall: one rank's data plane (notification drain, where UCX waits while a big
+    post holds its worker) blocks for longer than the heartbeat timeout. Liveness is judged by
+    the control thread, which never waits on the data plane, so the peer is not declared dead
+    and the room still succeeds. (With one progress thread doing both, the peer was lost: the
+    CPU --inflight 8 failure "peer prefill#1 lost (no heartbeat)".)"""
+    t = Timeouts(
+        bootstrap_ns=20 * SEC,
+        waiting_ns=20 * SEC,
+        transfer_ns=20 * SEC,
+        heartbeat_interval_ns=100 * MS,
+        heartbeat_timeout_ns=1 * SEC,
+        fence_ns=20 * SEC,
+        tombstone_ns=60 * SEC,
+    )
+    cfg = RuntimeConfig(num_queues=1, aux_rows=4, timeouts=t, staging=StagingConfig(flow="direct"))
+    pre = PrefillEndpoint("P", PoolGeometry(MODEL, 1, 0, 4, 8), config=cfg)
+    dec = DecodeEndpoint(
+        "D", PoolGeometry(MODEL, 1, 0, 4, 8), prefill_server="P", prefill_addresses=[pre.address], config=cfg
+    )
+    victim = pre if stalled_side == "prefill" else dec
+    real = victim.transport.drain_notifs
+    armed, done = threading.Event(), threading.Event()
+
+    def stalled():
+        if armed.is_set() and not done.is_set():
+            done.set()
+            time.sleep(2.5)  # 2.5 heartbeat timeouts
+        return real()
+
+    victim.transport.drain_notifs = stalled
+    try:
+        for e in (pre, dec):
+            e.start()
+        armed.set()
+        rv, senders = _room([pre], dec, 21, "s", np.arange(2), 6, [6])
+        assert _settle(rv, senders, 15.0) == (KVPoll.Success, [KVPoll.Success])
+        assert done.is_set()  # the stall really happened
+        assert pre.engine.counters["peer_lost"] == 0 and dec.engine.counters["peer_lost"] == 0
+    finally:
+        for e in (pre, dec):
+            e.close()

@@ -38,7 +38,7 @@ from kvferry.core.messages import Endpoint
 
 class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """``num_queues``: prefill transfer queues, one worker thread each (rooms sharded by id).
-    ``idle_max_s``: the longest a progress thread sleeps when nothing happens (latency bound)."""
+    ``idle_max_s``: the longest the control and data threads sleep when nothing happens (latency bound)."""
 
     num_queues: int = 4
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
@@ -184,8 +184,26 @@ class EndpointBase:
         with self._err_lock:
             self.errors.append(exc)
 
-    def _progress_step(self) -> bool:
-        return self.driver.pump(now_ns()) > 0
+    def _progress_loops(self) -> list[Loop]:
+        """Two threads drive the engine besides the workers: the control loop (control messages,
+        deadlines, heartbeats: never blocked by the data plane, so a busy rank still proves it is
+        alive) and the data loop (notifications, write and copy completions, which may wait on a
+        UCX worker another thread's big post holds)."""
+        idle = self.config.idle_max_s
+        return [
+            Loop(
+                f"{self.endpoint}-control",
+                lambda: self.driver.pump_control(now_ns()) > 0,
+                self._record_error,
+                idle_max_s=idle,
+            ),
+            Loop(
+                f"{self.endpoint}-data",
+                lambda: self.driver.pump_data(now_ns()) > 0,
+                self._record_error,
+                idle_max_s=idle,
+            ),
+        ]
 
     # ---- what a room handle needs --------------------------------------------------------------
     def poll(self, room: int, tid: str) -> KVPoll:

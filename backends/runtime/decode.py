@@ -1,7 +1,8 @@
 """Decode rank endpoint: the receiver engine driven by one progress/notification thread.
 
-The progress thread drains NIXL notifications and control messages into the core, checks landed
-aux rows, fires deadlines and heartbeats. API calls (open, abort, release) come from the
+Two threads drive it: the control thread (control messages, deadlines and heartbeats, never
+blocked by the data plane) and the data thread (NIXL notifications, landed aux rows, scatter
+completions). API calls (open, abort, release) come from the
 scheduler's thread. Ownership follows base.py: the engine and driver only under ``self.lock``.
 
 Pages: a failed room's pages may still be written by a prefill rank until it confirms it stopped
@@ -18,7 +19,6 @@ import numpy as np
 from kvferry.backends.driver import Driver
 from kvferry.backends.nixl.memory import MemRegion
 from kvferry.backends.runtime.base import EndpointBase, RuntimeConfig, now_ns
-from kvferry.backends.runtime.loops import Loop
 from kvferry.core import topology
 from kvferry.core.errors import LocalMisuseError
 from kvferry.core.events import AbortRoom, ReceiverOpen, ReleaseRoom, SenderSpec
@@ -64,14 +64,7 @@ class DecodeEndpoint(EndpointBase):
             on_status=self._on_status,
             on_free_pages=self._on_free_pages,
         )
-        self._loops.append(
-            Loop(
-                f"{self.endpoint}-progress",
-                self._progress_step,
-                self._record_error,
-                idle_max_s=config.idle_max_s,
-            )
-        )
+        self._loops.extend(self._progress_loops())
 
     def receiver(self, room: int, transfer_id: str) -> KVReceiver:
         self._check_open()

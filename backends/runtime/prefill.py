@@ -1,7 +1,8 @@
 """Prefill rank endpoint: the sender engine driven by real threads over NIXL + ZMQ.
 
-Threads (seed 000's design): one progress thread (control messages, write completions, deadlines
-and heartbeats) and ``num_queues`` worker threads. A room's chunks all go to queue
+Threads (seed 000's design, with its progress thread split in two): a control thread (control
+messages, deadlines and heartbeats: never waits on the data plane), a data thread (notifications,
+write and copy completions) and ``num_queues`` worker threads. A room's chunks all go to queue
 ``room % num_queues`` (the core's ``shard_of``), so one worker runs them in order; the worker
 posts a chunk's writes and waits for them before taking its next chunk.
 
@@ -11,7 +12,7 @@ deque); its wake-up Event is set by the driver's ``on_enqueue`` and cleared only
 A worker holds the driver lock only to take its chunk's commands from the engine and to feed
 results back; it posts the chunk's writes (NIXL make_prepped_xfer + transfer) without it, so the
 N workers post in parallel and a slow post (294,912 descriptors per rank for TP 2->1) stalls
-neither the progress thread, nor API calls, nor rooms of other shards (driver.py's header has
+neither the control and data threads, nor API calls, nor rooms of other shards (driver.py's header has
 the ordering argument). Everything else follows base.py.
 
 A worker never dies: an exception from a chunk fails that chunk's room through the core (an
@@ -80,16 +81,10 @@ class PrefillEndpoint(EndpointBase):
             on_free_pages=self._on_free_pages,
             on_enqueue=lambda shard: self._wake[shard].set(),
         )
-        self._loops.append(
-            Loop(
-                f"{self.endpoint}-progress",
-                self._progress_step,
-                self._record_error,
-                idle_max_s=config.idle_max_s,
-            )
-        )
+        self._loops.extend(self._progress_loops())
+        self._worker_loops = []
         for shard in range(n):
-            self._loops.append(
+            self._worker_loops.append(
                 Loop(
                     f"{self.endpoint}-worker{shard}",
                     lambda shard=shard: self._worker_step(shard),
@@ -97,6 +92,7 @@ class PrefillEndpoint(EndpointBase):
                     idle_max_s=config.idle_max_s,
                 )
             )
+        self._loops.extend(self._worker_loops)
 
     def sender(self, room: int, transfer_id: str) -> KVSender:
         self._check_open()
@@ -138,7 +134,7 @@ class PrefillEndpoint(EndpointBase):
     def _await(self, shard: int, ids: tuple[int, ...]) -> None:
         """Seed 000's pacing: the worker's next chunk waits for this chunk's writes."""
         idle = 20e-6
-        stop = self._loops[1 + shard].stop_event
+        stop = self._worker_loops[shard].stop_event
         while self.driver.writes_pending(ids) and not stop.is_set():
             if self.driver.poll_writes(now_ns(), ids):
                 idle = 20e-6
