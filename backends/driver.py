@@ -126,11 +126,12 @@ class Driver:
         n += self.pump_data(now)
         return n + self._tick_if_due(now)
 
-    def pump_control(self, now: int) -> int:
+    def pump_control(self, now: int, controls: list[bytes] | None = None) -> int:
         """The control half of ``pump``: control messages and due deadlines (heartbeats among
         them). It never waits on the data plane, so a thread running only this keeps a rank's
-        heartbeats and liveness checks going while a big post holds the UCX worker."""
-        return self._feed_controls(now) + self._tick_if_due(now)
+        heartbeats and liveness checks going while a big post holds the UCX worker.
+        ``controls``: messages the caller already received (it waited on the control plane)."""
+        return self._feed_controls(now, controls) + self._tick_if_due(now)
 
     def pump_data(self, now: int) -> int:
         """The data half of ``pump``: notifications, finished writes and copies. May wait while
@@ -143,8 +144,9 @@ class Driver:
                 n += 1
         return n + self.poll_writes(now, None)
 
-    def _feed_controls(self, now: int) -> int:
-        controls = self.transport.recv_control()
+    def _feed_controls(self, now: int, controls: list[bytes] | None = None) -> int:
+        if controls is None:
+            controls = self.transport.recv_control()
         with self.lock:
             for data in controls:
                 self._feed(ControlIn(data=data), now)

@@ -59,6 +59,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
 
 
+CONTROL_WAIT_S = 2e-3
+
+
 def now_ns() -> int:
     return time.monotonic_ns()
 
@@ -193,9 +196,10 @@ class EndpointBase:
         return [
             Loop(
                 f"{self.endpoint}-control",
-                lambda: self.driver.pump_control(now_ns()) > 0,
+                self._control_step,
                 self._record_error,
-                idle_max_s=idle,
+                idle_min_s=0.0,
+                idle_max_s=0.0,
             ),
             Loop(
                 f"{self.endpoint}-data",
@@ -204,6 +208,16 @@ class EndpointBase:
                 idle_max_s=idle,
             ),
         ]
+
+    def _control_step(self) -> bool:
+        """Wait on the control plane until a message comes or the next deadline is due (at most
+        ``CONTROL_WAIT_S``): no polling, so a message is handled as soon as it arrives and an idle
+        rank costs no wake-ups. The cap bounds how late a deadline set by another thread fires."""
+        now = now_ns()
+        dl = self.driver.next_deadline()
+        wait = CONTROL_WAIT_S if dl is None else min(CONTROL_WAIT_S, max(0.0, (dl - now) / 1e9))
+        controls = self.transport.recv_control(wait) if wait > 0 else []
+        return self.driver.pump_control(now_ns(), controls) > 0
 
     # ---- what a room handle needs --------------------------------------------------------------
     def poll(self, room: int, tid: str) -> KVPoll:
