@@ -138,8 +138,14 @@ def test_core_exception_keeps_its_type_and_reaches_decode(servers):
     rv = dec.receiver(7, "bad")
     rv.init(pages, 10, 0)
     assert _settle(rv, senders) == (KVPoll.Failed, [KVPoll.Failed] * 2)
-    with pytest.raises(ProtocolError, match="past decode's 10"):
-        senders[0].failure_exception()
+    # The rank whose worker finds the error keeps its type; the other may hear of it from decode
+    # first (whichever is faster: both orders were seen, CPU and H100), with the reason.
+    raised = []
+    for s in senders:
+        with pytest.raises((ProtocolError, KVTransferError), match="past decode's 10") as info:
+            s.failure_exception()
+        raised.append(info.type)
+    assert ProtocolError in raised or issubclass(raised[0], ProtocolError), raised
     with pytest.raises(KVTransferError, match="failed on P#"):
         rv.failure_exception()
 
