@@ -19,3 +19,7 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# Endpoints refuse to start without a control-plane key (docs/security.md): every endpoint a test
+# builds, and the processes tests start (they inherit the environment), share this one.
+os.environ.setdefault("KVFERRY_CONTROL_KEY", "kvferry-test-control-key-not-secret")

@@ -353,8 +353,13 @@ def test_malformed_control_and_notifications_are_counted_not_fatal(servers):
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(pre[0].address)
-    raw.send_multipart([b"evil#0", b"", b"\x93not a control message"])  # well framed, bad payload
+    # Correctly tagged (a holder of the key), well framed, bad payload: reaches the engine.
+    from kvferry.backends.zmqctl import ControlAuth, load_keys
+
+    bad = b"\x93not a control message"
+    raw.send_multipart([b"evil#0", b"", ControlAuth(load_keys()).sign(b"evil#0", b"", b"P#0", bad), bad])
     raw.send_multipart([b"only-one-frame"])  # bad framing: dropped by the control plane
+    raw.send_multipart([b"evil#0", b"", bad])  # untagged: rejected before the engine
     rv, senders = _room(pre, dec, 77, "ok", np.arange(4), 8, [8])  # registers the peers
     assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * 2)
     pre[0].transport.send_notif(dec.endpoint, b"\xc1garbage")
@@ -366,6 +371,7 @@ def test_malformed_control_and_notifications_are_counted_not_fatal(servers):
     raw.close(0)
     assert pre[0].engine.counters["wire_error"] == 1
     assert pre[0].transport.control.stats.malformed == 1
+    assert pre[0].transport.control.stats.rejected == {"untagged": 1}
     assert dec.engine.counters["wire_error"] == 1
     rv2, senders2 = _room(pre, dec, 78, "ok2", np.arange(4, 8), 8, [4, 8], aux=1)
     assert _settle(rv2, senders2) == (KVPoll.Success, [KVPoll.Success] * 2)

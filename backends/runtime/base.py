@@ -27,6 +27,7 @@ from kvferry.backends.nixl.transport import NixlTransport
 from kvferry.backends.runtime.board import StatusBoard
 from kvferry.backends.runtime.errors import EndpointClosedError, KVTransferError
 from kvferry.backends.runtime.loops import Loop
+from kvferry.backends.runtime.security import control_auth
 from kvferry.backends.zmqctl import ControlPlane
 from kvferry.core.commands import FreePages, StatusChanged
 from kvferry.core.deadlines import Timeouts
@@ -54,6 +55,14 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # call: a small room's post waits for a big post of another shard (bench/nixl_hol_probe.py).
     # 4 workers did not change that on the CPU machine (docs/benchmarks.md); left at 1.
     nixl_ucx_workers: int = 1
+    # Control-plane authentication (backends/runtime/security.py, docs/security.md): one or two
+    # keys (signing key first; "hex:..." or text of >= 16 bytes), else the key file, else
+    # $KVFERRY_CONTROL_KEY / $KVFERRY_CONTROL_KEY_FILE. Without any, the endpoint refuses to start
+    # unless control_insecure is set. Keys given here appear in the config's repr: prefer a file.
+    control_keys: tuple[str, ...] = ()
+    control_key_file: str = ""
+    control_insecure: bool = False
+    control_max_age_s: float = 300.0  # frames sent longer ago (sender's clock) are rejected
 
 
 def now_ns() -> int:
@@ -76,7 +85,9 @@ class EndpointBase:
         self.config = config
         self.pool = pool
         self.endpoint = Endpoint(server=server, rank=pool.tp_rank)
-        control = ControlPlane(str(self.endpoint), host=config.host, port=config.port)
+        control = ControlPlane(
+            str(self.endpoint), host=config.host, port=config.port, auth=control_auth(config)
+        )
         self.transport = NixlTransport(
             self.endpoint,
             pool,

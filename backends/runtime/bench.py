@@ -385,6 +385,10 @@ def run_config(
 ) -> dict[str, Any]:
     check_config(cfg)
     env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", **(env or {})}
+    if not any(env.get(k) for k in ("KVFERRY_CONTROL_KEY", "KVFERRY_CONTROL_KEY_FILE")):
+        from kvferry.backends.runtime.security import ephemeral_key
+
+        env["KVFERRY_CONTROL_KEY"] = ephemeral_key()  # the two children share a fresh key
     blob = json.dumps(asdict(cfg))
     pre = _Proc(["prefill", blob], env)
     dec = None
