@@ -364,15 +364,18 @@ def test_malformed_control_and_notifications_are_counted_not_fatal(servers):
     assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * 2)
     pre[0].transport.send_notif(dec.endpoint, b"\xc1garbage")
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (
-        pre[0].engine.counters["wire_error"] < 1 or dec.engine.counters["wire_error"] < 1
-    ):
+
+    def wire_errors(ep) -> int:
+        with ep.lock:  # the engine only under its lock (lock-check mode asserts it)
+            return ep.engine.counters["wire_error"]
+
+    while time.monotonic() < deadline and (wire_errors(pre[0]) < 1 or wire_errors(dec) < 1):
         time.sleep(0.01)
     raw.close(0)
-    assert pre[0].engine.counters["wire_error"] == 1
+    assert wire_errors(pre[0]) == 1
     assert pre[0].transport.control.stats.malformed == 1
     assert pre[0].transport.control.stats.rejected == {"untagged": 1}
-    assert dec.engine.counters["wire_error"] == 1
+    assert wire_errors(dec) == 1
     rv2, senders2 = _room(pre, dec, 78, "ok2", np.arange(4, 8), 8, [4, 8], aux=1)
     assert _settle(rv2, senders2) == (KVPoll.Success, [KVPoll.Success] * 2)
     assert all(lp.thread.is_alive() for e in [*pre, dec] for lp in e._loops)

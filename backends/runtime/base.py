@@ -24,6 +24,7 @@ import msgspec
 from kvferry.backends.driver import Driver
 from kvferry.backends.nixl.memory import MemRegion
 from kvferry.backends.nixl.transport import NixlTransport
+from kvferry.backends.runtime import lockcheck
 from kvferry.backends.runtime.board import StatusBoard
 from kvferry.backends.runtime.errors import EndpointClosedError, KVTransferError
 from kvferry.backends.runtime.loops import Loop
@@ -101,7 +102,7 @@ class EndpointBase:
             ucx_workers=config.nixl_ucx_workers,
         )
         self.transport.register_regions(pool.regions, config.aux_rows, config.aux_row_bytes)
-        self.lock = threading.Lock()
+        self.lock = lockcheck.new_lock()  # an OwnedLock in the lock-check debug mode
         self.board = StatusBoard()
         self.errors: list[BaseException] = []
         self._err_lock = threading.Lock()
@@ -124,6 +125,7 @@ class EndpointBase:
         if self._started:
             return
         self._started = True
+        lockcheck.guard(self)  # debug mode only: the engine asserts its lock from here on
         for loop in self._loops:
             loop.start()
 

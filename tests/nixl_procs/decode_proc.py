@@ -153,6 +153,8 @@ def main() -> None:
             while fenced:
                 waiting_fence.pop(fenced.popleft(), None)
             time.sleep(0.01)
+    with ep.lock:  # the engine only under its lock
+        counters = dict(ep.engine.counters)
     say(
         event="done",
         rooms=results,
@@ -161,7 +163,7 @@ def main() -> None:
         after_kill_s=elapsed,
         errors=[repr(e) for e in ep.errors],
         driver_errors=[dict(ep.driver.errors)],
-        counters=dict(ep.engine.counters),
+        counters=counters,
     )
     heard(120.0)
     say(event="closed", stuck=ep.close())
