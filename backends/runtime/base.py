@@ -64,6 +64,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     control_key_file: str = ""
     control_insecure: bool = False
     control_max_age_s: float = 300.0  # frames sent longer ago (sender's clock) are rejected
+    # Prometheus metrics (backends/runtime/metrics.py, extra ``metrics``); metrics_port >= 0 also
+    # serves them over HTTP on ``host`` (0: a free port, EndpointMetrics.port).
+    metrics: bool = False
+    metrics_port: int = -1
 
 
 def now_ns() -> int:
@@ -114,6 +118,7 @@ class EndpointBase:
         # Called (room, transfer_id) when a failed room's pages are fenced; runs with the driver
         # lock held, so it must be quick and must not call back into the endpoint.
         self.on_free_pages: Callable[[int, str], None] | None = None
+        self.metrics: Any = None  # EndpointMetrics when config.metrics
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -126,6 +131,10 @@ class EndpointBase:
             return
         self._started = True
         lockcheck.guard(self)  # debug mode only: the engine asserts its lock from here on
+        if self.config.metrics:
+            from kvferry.backends.runtime import metrics  # the optional extra, only when asked
+
+            self.metrics = metrics.attach(self)
         for loop in self._loops:
             loop.start()
 
@@ -140,6 +149,8 @@ class EndpointBase:
         self._wake_all()
         stuck = [lp.name for lp in self._loops if not lp.join(self.config.join_timeout_s)]
         self.transport.close()
+        if self.metrics is not None:
+            self.metrics.close()
         return stuck
 
     def __enter__(self) -> EndpointBase:
@@ -163,6 +174,8 @@ class EndpointBase:
             failure = self.engine.failure(cmd.room)
             error = failure.error if failure is not None else None
         self.board.update(cmd.room, cmd.transfer_id, cmd.status, cmd.reason, error)
+        if self.metrics is not None:
+            self.metrics.on_status(cmd.room, cmd.transfer_id, cmd.status, cmd.reason)
 
     def _on_free_pages(self, cmd: FreePages) -> None:
         self.board.freed(cmd.room, cmd.transfer_id)
