@@ -86,6 +86,10 @@ def main() -> None:
         bootstrap_ns=120 * SEC, waiting_ns=120 * SEC, transfer_ns=120 * SEC, heartbeat_timeout_ns=60 * SEC
     )
     cfg = RuntimeConfig(num_queues=2, aux_rows=8, timeouts=t, idle_max_s=2e-4)
+    if "control_keys" in RuntimeConfig.__struct_fields__:  # both ends live here: a fresh key
+        from kvferry.backends.runtime.security import ephemeral_key
+
+        cfg = msgspec.structs.replace(cfg, control_keys=(ephemeral_key(),))
     if args.ucx_workers != 1:  # older trees (the pre-fix comparison) lack the field
         cfg = msgspec.structs.replace(cfg, nixl_ucx_workers=args.ucx_workers)
     pre = [PrefillEndpoint("P", PoolGeometry(model, 2, r, PAGE, pages), config=cfg) for r in range(2)]

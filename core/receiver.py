@@ -479,6 +479,10 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         src = note.src
         if src not in r.senders:
             raise RoomError(f"notification from {src}, which is not a sender of this room")
+        # A sender writes only after our TransferInfo: its note is as good as the InfoAck (which
+        # may be lost). Resending on would hand the TransferInfo to a restarted sender, which
+        # then knows the room only from it, times out, and fails a room that ended Success.
+        self._infos.answered(r.room, src)
         if r.state is not RState.SUCCESS:
             self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
         if src not in r.data_senders:

@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
+from kvferry.backends.runtime.security import ephemeral_key
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll, min_status
 
@@ -38,7 +39,8 @@ def heads(pool: PoolGeometry, buf: np.ndarray) -> np.ndarray:
 
 
 def main() -> int:
-    config = RuntimeConfig(num_queues=2, aux_rows=8)
+    # Both endpoints live in this process: a fresh control-plane key for them (docs/security.md).
+    config = RuntimeConfig(num_queues=2, aux_rows=8, control_keys=(ephemeral_key(),))
     rng = np.random.default_rng(0)
     pre_pools = [PoolGeometry(MODEL, PREFILL_TP, r, PAGE, PAGES) for r in range(PREFILL_TP)]
     dec_pool = PoolGeometry(MODEL, 1, 0, PAGE, PAGES)

@@ -85,13 +85,25 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
         workers=rng.randint(1, 3),
         aux_rows=64,
     )
+    # The blind spots, from their own stream (every earlier draw of a seed stays as it was):
+    # decode allocations shorter or longer than prefill's; chunks handed over back to back with
+    # a wide per-write jitter, so several chunks of a room are in flight and land (and notify)
+    # out of order even when no fault is injected.
+    brng = Streams(seed)["swarm.blind"]
+    mismatch = brng.choice((0.0, 0.0, 0.1, 0.3))
+    burst = brng.random() < 0.35
+    jitter_ns = brng.choice((2_000, 40_000)) if burst else 2_000
     work = sc.Workload(
         rooms=rooms,
         tokens_min=1,
         tokens_max=rng.choice((64, 160, 300)),
         chunk_tokens=rng.choice((0, 16, 48, 64)),
         arrival_mean_us=rng.choice((100, 500, 1500)),
+        compute_ns_per_token=0 if burst else sc.Workload().compute_ns_per_token,
+        length_mismatch=mismatch,
     )
+    fabric = sc.Scenario().fabric
+    fabric = replace(fabric, nic=replace(fabric.nic, jitter_ns=jitter_ns))
     # Flows from their own stream, so adding them left every other draw of a seed as it was.
     frng = Streams(seed)["swarm.flows"]
     flows = sc.FlowSpec(
@@ -103,6 +115,7 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
         seed=seed,
         model=model,
         topology=topo,
+        fabric=fabric,
         flows=flows,
         workload=work,
         faults=sc.Faults(swarm=True),

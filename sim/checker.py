@@ -25,6 +25,12 @@ Checked here:
   Success on both sides and no ring StagingReq had to be resent (decode answers those at once,
   so a resend there means a request was lost inside the core, e.g. one that arrived before its
   room and was dropped; a pinned request waits for space by design and may be repeated).
+  A room whose decode allocation differs from prefill's length is expected to fail there.
+- ``length``: a room whose decode allocation is shorter or longer than what prefill sends is
+  never Success on any rank, at any time (a Success would be a silently truncated or padded cache).
+- ``success_stable`` (checked as statuses change, sim/world.py): once a room is Success on every
+  rank of both sides and released on a side, no rank of that side reports anything else for it
+  (nobody holds a failure to report, so a later change is a late message reviving the room).
 """
 
 from __future__ import annotations
@@ -67,6 +73,21 @@ def check_final(w: World) -> None:
         _agreement(w)
     if c.fault_free:
         _fault_free(w)
+    if c.length:
+        _length(w)
+
+
+def _length(w: World) -> None:
+    ever_success = {key[2] for key, st in w.status_log.items() if st is KVPoll.Success}
+    for r in w.requests:
+        if r.opened and r.mismatched and r.key in ever_success:
+            nodes = sorted(k[0] for k, st in w.status_log.items() if k[2] == r.key and st is KVPoll.Success)
+            w.violate(
+                "length",
+                f"room {r.key}: decode allocated {r.dec_tokens} tokens, prefill sent {r.spec.tokens}, "
+                f"yet Success on {', '.join(nodes)}",
+                r,
+            )
 
 
 def _fault_free(w: World) -> None:
@@ -86,7 +107,7 @@ def _fault_free(w: World) -> None:
     if any(rates) or f.events or sum(w.injector.counts.values()):
         return
     for r in w.requests:
-        if r.opened and r.outcome != "success":
+        if r.opened and r.outcome != "success" and not r.mismatched:
             why = next((f"{n}: {x}" for n, x in sorted(r.reason.items())), "")
             w.violate(
                 "fault_free",

@@ -13,6 +13,17 @@ scenario's ``hooks`` (tests only). What each one breaks, and what should catch i
   not when it ends: another chunk's write lands in it before the scatter read it (bytes).
 - ``leak_failed_room_staging``: a failed room's staging space is never reclaimed (tables_empty,
   and the ring wedges).
+
+The campaign's blind spots (issue 13), each caught only with its dimension of the draw space:
+
+- ``silent_truncation``: when the two servers disagree on a room's length, prefill clamps its
+  chunks to decode's allocation and decode takes a short delivery as complete: the room ends
+  Success with a truncated or padded cache (length; bytes when decode allocated more).
+- ``last_note_completes``: decode takes a sender's last chunk note as proof that every chunk
+  landed, though earlier chunks may still be in flight (bytes, or a Failed after Success).
+- ``late_info_revives_room``: prefill forgets its tombstone when a TransferInfo arrives late
+  (a resend or a duplicate after the room was released): the room is created again, times out
+  and reports Failed for a room that was Success everywhere (success_stable).
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from typing import Any
 
 from kvferry.core import messages as m
 from kvferry.core.flows.regions import worker_region
+from kvferry.core.proto_common import RoomError
 from kvferry.core.receiver import ReceiverEngine
 from kvferry.core.resources import StagingRing, Watermark
 from kvferry.core.sender import SenderEngine
@@ -85,16 +97,74 @@ class _SharedBufferSender(SenderEngine):
         return worker_region(0) if buffer[0] == "slot" else super()._buffer_region(buffer)
 
 
+class _TruncatingSender(SenderEngine):
+    def _h_on_chunk(self, r: Any, inp: Any, c: Any) -> None:
+        if r.num_tokens >= 0 and c.token_end > r.num_tokens:
+            c = _with_end(c, r.num_tokens)
+        super()._h_on_chunk(r, inp, c)
+
+    def _chunk_bounds(self, r: Any, c: Any) -> tuple[int, int]:
+        if c.token_end > r.num_tokens:
+            c = _with_end(c, r.num_tokens)
+        if not (c.is_last and c.token_end < r.num_tokens):
+            return super()._chunk_bounds(r, c)
+        full, r.num_tokens = r.num_tokens, c.token_end  # the short last chunk passes as the end
+        try:
+            return super()._chunk_bounds(r, c)
+        finally:
+            r.num_tokens = full
+
+
+def _with_end(c: Any, end: int) -> Any:
+    import msgspec
+
+    return msgspec.structs.replace(c, token_end=end)
+
+
+class _TruncatingReceiver(ReceiverEngine):
+    def _record_chunk(self, r: Any, prog: Any, note: m.ChunkNote) -> None:
+        try:
+            super()._record_chunk(r, prog, note)
+        except RoomError as exc:
+            if "delivered" not in str(exc):
+                raise
+            prog.done = True  # a short delivery taken as the whole room
+
+
+class _LastNoteReceiver(ReceiverEngine):
+    def _record_chunk(self, r: Any, prog: Any, note: m.ChunkNote) -> None:
+        super()._record_chunk(r, prog, note)
+        if note.is_last:
+            prog.done = True
+
+
+class _ForgetfulSender(SenderEngine):
+    def _on_info(self, msg: m.TransferInfo) -> None:
+        if self.tombstones.get(msg.room, msg.transfer_id) is not None and msg.room not in self.rooms:
+            self.tombstones._by_key.pop((msg.room, msg.transfer_id), None)
+        super()._on_info(msg)
+
+
 _RECEIVERS = {
     "ring_keeps_old_head": _StaleHeadReceiver,
     "drop_early_staging_req": _DropEarlyReceiver,
     "free_staging_before_scatter": _EarlyFreeReceiver,
     "leak_failed_room_staging": _LeakyReceiver,
+    "silent_truncation": _TruncatingReceiver,
+    "last_note_completes": _LastNoteReceiver,
+}
+_SENDERS = {
+    "shared_staging_buffer": _SharedBufferSender,
+    "silent_truncation": _TruncatingSender,
+    "late_info_revives_room": _ForgetfulSender,
 }
 
 
 def sender_class(hooks: frozenset[str]) -> type[SenderEngine]:
-    return _SharedBufferSender if "shared_staging_buffer" in hooks else SenderEngine
+    picked = [cls for hook, cls in _SENDERS.items() if hook in hooks]
+    if len(picked) > 1:
+        raise ValueError(f"one planted prefill bug at a time, got {sorted(hooks)}")
+    return picked[0] if picked else SenderEngine
 
 
 def receiver_class(hooks: frozenset[str]) -> type[ReceiverEngine]:

@@ -42,6 +42,10 @@ HOOKS = (
     "shared_staging_buffer",
     "free_staging_before_scatter",
     "leak_failed_room_staging",
+    # campaign blind spots (sim/planted.py)
+    "silent_truncation",
+    "last_note_completes",
+    "late_info_revives_room",
 )
 FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "mixed")
 
@@ -106,6 +110,13 @@ class RoomSpec:
     # Decode allocates this long after prefill opened the room (decode short of memory): prefill
     # then asks for staging space before decode knows the room.
     decode_lag_us: int = 0
+    # Decode allocates this many tokens (0: ``tokens``); a different count is a length mismatch
+    # between the two servers, which must fail the room on both sides, never truncate or pad it.
+    decode_tokens: int = 0
+
+    @property
+    def dec_tokens(self) -> int:
+        return self.decode_tokens or self.tokens
 
     DOC: ClassVar[dict[str, str]] = {
         "tokens": "Prompt tokens of the room.",
@@ -114,6 +125,8 @@ class RoomSpec:
         "prefill_delay_us": "Prefill starts computing this long after decode allocated, in us.",
         "decode_lag_us": "Decode allocates this long after prefill opened the room, in us "
         "(prefill then asks for staging space before decode knows the room).",
+        "decode_tokens": "Tokens decode allocates for the room (0: `tokens`); any other count must "
+        "fail the room on both sides.",
     }
 
 
@@ -127,6 +140,7 @@ class Workload:
     # Time to "compute" one chunk on prefill (forward pass), per token.
     compute_ns_per_token: int = 200
     decode_lag_us_max: int = 0  # each drawn room's decode_lag_us is uniform in [0, this]
+    length_mismatch: float = 0.0  # share of drawn rooms whose decode allocates another length
     explicit: tuple[RoomSpec, ...] = ()
 
     DOC: ClassVar[dict[str, str]] = {
@@ -139,6 +153,8 @@ class Workload:
         "compute_ns_per_token": "Prefill compute per token of a chunk before it can be sent, in ns.",
         "decode_lag_us_max": "Each drawn room's decode allocates a uniform [0, this] us after prefill "
         "opened it (0: decode first).",
+        "length_mismatch": "Share of drawn rooms whose decode allocation is shorter or longer than "
+        "what prefill sends (each must end Failed on both sides).",
         "explicit": "Rooms given one by one: see `[[workload.room]]`.",
     }
 
@@ -277,6 +293,8 @@ class Checks:
     tables_empty: bool = True
     fault_free: bool = True
     ring_progress: bool = True
+    length: bool = True
+    success_stable: bool = True
 
     DOC: ClassVar[dict[str, str]] = {
         "bytes": "A room Success on every decode rank holds exactly the source bytes (and the room id "
@@ -290,6 +308,10 @@ class Checks:
         "staging allocation is gone.",
         "fault_free": "A run that injects no fault ends with every room Success and no ring request resent.",
         "ring_progress": "A producer waiting on a decode ring's watermark resumes once the ring drains.",
+        "length": "A room whose decode allocation differs from what prefill sends ends Failed on "
+        "every rank (never truncated or padded into Success).",
+        "success_stable": "A room Success on every rank of both sides, once released, stays Success "
+        "(no late message revives or fails it).",
     }
 
 
@@ -574,6 +596,7 @@ def _workload(r: _Reader, topo: Topology) -> Workload:
                 tuple(chunks),
                 rr.int("prefill_delay_us", 0),
                 rr.int("decode_lag_us", 0),
+                rr.int("decode_tokens", 0),
             )
         )
     w = Workload(
@@ -584,14 +607,16 @@ def _workload(r: _Reader, topo: Topology) -> Workload:
         arrival_mean_us=r.int("arrival_mean_us", d.arrival_mean_us),
         compute_ns_per_token=r.int("compute_ns_per_token", d.compute_ns_per_token),
         decode_lag_us_max=r.int("decode_lag_us_max", d.decode_lag_us_max, hi=10_000_000),
+        length_mismatch=r.prob("length_mismatch", d.length_mismatch),
         explicit=tuple(rooms),
     )
     if rooms and w.rooms != len(rooms):
         raise ScenarioError(f"{r.where}.rooms: {w.rooms} but {len(rooms)} [[workload.room]] entries")
     if w.tokens_min > w.tokens_max:
         raise ScenarioError(f"{r.where}.tokens_min: {w.tokens_min} > tokens_max {w.tokens_max}")
-    longest = max([x.tokens for x in rooms] or [w.tokens_max])
     for side in ("prefill", "decode"):
+        # A drawn mismatched room's decode length is capped at the pool (sim/world.py).
+        longest = max([x.dec_tokens if side == "decode" else x.tokens for x in rooms] or [w.tokens_max])
         cap = getattr(topo, f"{side}_pages") * getattr(topo, f"{side}_page_size")
         if longest > cap:
             raise ScenarioError(
@@ -836,6 +861,7 @@ def dump(s: Scenario) -> str:
                 "chunks": room.chunks,
                 "prefill_delay_us": room.prefill_delay_us,
                 "decode_lag_us": room.decode_lag_us,
+                "decode_tokens": room.decode_tokens,
             },
         )
     f = s.faults

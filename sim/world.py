@@ -24,7 +24,7 @@ from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport
 from kvferry.backends.transport import encode_aux_room
 from kvferry.core.commands import FreePages, StatusChanged
 from kvferry.core.deadlines import Timeouts
-from kvferry.core.errors import WireError
+from kvferry.core.errors import LocalMisuseError, WireError
 from kvferry.core.events import AbortRoom, ChunkReady, ReceiverOpen, ReleaseRoom, SenderOpen
 from kvferry.core.flows import Flow, FlowPolicy
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, is_staging_region, worker_region
@@ -103,6 +103,16 @@ class Request:
     notices: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
     lost_with: set[str] = field(default_factory=set)
     flow: str | None = None  # the room's explicit flow (None: the policy's choice)
+    success_all_ns: int = -1  # when every rank of both sides was first Success (-1: not yet)
+
+    @property
+    def dec_tokens(self) -> int:
+        """Tokens decode allocates; differs from ``spec.tokens`` in a length-mismatch room."""
+        return self.spec.dec_tokens
+
+    @property
+    def mismatched(self) -> bool:
+        return self.spec.dec_tokens != self.spec.tokens
 
     @property
     def done(self) -> bool:
@@ -254,6 +264,8 @@ class World(Chaos):
                 else x
                 for i, x in enumerate(specs)
             ]
+        if w.length_mismatch:
+            specs = self._mismatch(specs, len(w.explicit))
         used: set[int] = set()
         abort_rng = self.streams["faults.abort"]
         for key, spec in enumerate(specs):
@@ -282,6 +294,25 @@ class World(Chaos):
         last = max((r.arrival_ns for r in self.requests), default=0)
         self.deadline_ns = max(s.phases.fault_window_us * US, last) + s.phases.liveness_us * US
 
+    def _mismatch(self, specs: list[RoomSpec], first: int) -> list[RoomSpec]:
+        """Give a share of the drawn rooms a decode allocation shorter or longer than prefill's
+        (its own stream: other draws of the seed stay as they were)."""
+        rng = self.streams["workload.mismatch"]
+        t = self.scenario.topology
+        cap = t.decode_pages * t.decode_page_size
+        out = list(specs)
+        for i in range(first, len(out)):
+            if rng.random() >= self.scenario.workload.length_mismatch:
+                continue
+            n = out[i].tokens
+            # Off by one page boundary or a whole chunk, either way; never 0, never past the pool.
+            delta = rng.choice((1, 2, max(1, n // 4), n))
+            dec = n - delta if rng.random() < 0.5 and n - delta >= 1 else n + delta
+            dec = min(dec, cap)
+            if dec != n:
+                out[i] = replace(out[i], decode_tokens=dec)
+        return out
+
     def _abort_later(self, req: Request, node: str, at: int):  # type: ignore[no-untyped-def]
         yield self.env.timeout(at - int(self.env.now))
         if req.opened and self.alive(node, req) and not _terminal(req.status.get(node)):
@@ -296,7 +327,7 @@ class World(Chaos):
         yield env.timeout(req.arrival_ns)
         s = self.scenario
         t = s.topology
-        n_dec = -(-req.spec.tokens // t.decode_page_size)
+        n_dec = -(-req.dec_tokens // t.decode_page_size)
         n_pre = -(-req.spec.tokens // t.prefill_page_size)
         # Wait for memory like a real scheduler would, first come first served: a request waits
         # until the ones that arrived before it got their memory and enough is free for it.
@@ -348,16 +379,23 @@ class World(Chaos):
                     continue
                 rank = self.ranks[node]
                 pattern.fill(rank.transport.pool, rank.transport.region, req.key, req.pre_pages, start, end)
-                rank.feed(
-                    ChunkReady(
-                        room=req.room,
-                        transfer_id=req.tid,
-                        chunk_index=i,
-                        token_end=end,
-                        src_pages=req.pre_pages,
-                        is_last=i == len(req.chunks) - 1,
-                    )
+                chunk = ChunkReady(
+                    room=req.room,
+                    transfer_id=req.tid,
+                    chunk_index=i,
+                    token_end=end,
+                    src_pages=req.pre_pages,
+                    is_last=i == len(req.chunks) - 1,
                 )
+                try:
+                    rank.feed(chunk)
+                except LocalMisuseError as exc:
+                    if not req.mismatched:
+                        raise
+                    # The sender knows decode's length and refuses a chunk past it, to us, its
+                    # caller: a real scheduler would abort the room, and so do we.
+                    self.trace.record("chunk_refused", node, room=req.room, reason=str(exc))
+                    rank.feed(AbortRoom(room=req.room, transfer_id=req.tid, reason=f"refused: {exc}"))
             start = end
 
     def _open_decode(self, req: Request) -> None:
@@ -373,7 +411,7 @@ class World(Chaos):
                     room=req.room,
                     transfer_id=req.tid,
                     dst_pages=req.dec_pages,
-                    num_tokens=req.spec.tokens,
+                    num_tokens=req.dec_tokens,
                     aux_index=int(req.dec_aux[0]),
                     senders=self._senders[d],
                 )
@@ -450,6 +488,15 @@ class World(Chaos):
         self.status_log[key] = status
         if req.inc.get(node, inc) != inc:
             return  # an old incarnation's news
+        if req.success_all_ns >= 0 and status is not KVPoll.Success and self.scenario.checks.success_stable:
+            side = "prefill" if node.startswith("prefill") else "decode"
+            if req.dec_released if side == "decode" else req.pre_released:
+                self.violate(
+                    "success_stable",
+                    f"{node} room {req.key}: {status.name} ({reason}) after the room was Success on "
+                    f"every rank and released",
+                    req,
+                )
         prev = req.status.get(node)
         if prev is KVPoll.Failed:
             return
@@ -458,10 +505,16 @@ class World(Chaos):
             req.reason[node] = reason
         if _terminal(status):
             req.terminal_ns.setdefault(node, int(self.env.now))
+        if status is KVPoll.Success and req.success_all_ns < 0 and self._all_success(req):
+            req.success_all_ns = int(self.env.now)
         side = "prefill" if node.startswith("prefill") else "decode"
         if status is KVPoll.Failed and side == "decode" and "free_pages_early" in self.hooks:
             self._free_dec_pages(req)  # planted bug: ignores the fence
         self._check_side(req, side)
+
+    def _all_success(self, req: Request) -> bool:
+        nodes = self._sides["prefill"] + self._sides["decode"]
+        return all(req.status.get(n) is KVPoll.Success for n in nodes)
 
     def free_pages(self, rank: SimRank, cmd: FreePages) -> None:
         req = self.by_room.get(cmd.room)
@@ -552,7 +605,7 @@ class World(Chaos):
         for d in range(self.D):
             rank = self.ranks[f"decode{d}"]
             bad, first = pattern.mismatches(
-                rank.transport.pool, rank.transport.region, req.key, req.dec_pages, req.spec.tokens
+                rank.transport.pool, rank.transport.region, req.key, req.dec_pages, req.dec_tokens
             )
             aux = rank.transport.read_aux_room(int(req.dec_aux[0]))
             if aux != req.room:

@@ -371,20 +371,29 @@ def test_malformed_control_and_notifications_are_counted_not_fatal(servers):
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(pre[0].address)
-    raw.send_multipart([b"evil#0", b"", b"\x93not a control message"])  # well framed, bad payload
+    # Correctly tagged (a holder of the key), well framed, bad payload: reaches the engine.
+    from kvferry.backends.zmqctl import ControlAuth, load_keys
+
+    bad = b"\x93not a control message"
+    raw.send_multipart([b"evil#0", b"", ControlAuth(load_keys()).sign(b"evil#0", b"", b"P#0", bad), bad])
     raw.send_multipart([b"only-one-frame"])  # bad framing: dropped by the control plane
+    raw.send_multipart([b"evil#0", b"", bad])  # untagged: rejected before the engine
     rv, senders = _room(pre, dec, 77, "ok", np.arange(4), 8, [8])  # registers the peers
     assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * 2)
     pre[0].transport.send_notif(dec.endpoint, b"\xc1garbage")
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (
-        pre[0].engine.counters["wire_error"] < 1 or dec.engine.counters["wire_error"] < 1
-    ):
+
+    def wire_errors(ep) -> int:
+        with ep.lock:  # the engine only under its lock (lock-check mode asserts it)
+            return ep.engine.counters["wire_error"]
+
+    while time.monotonic() < deadline and (wire_errors(pre[0]) < 1 or wire_errors(dec) < 1):
         time.sleep(0.01)
     raw.close(0)
-    assert pre[0].engine.counters["wire_error"] == 1
+    assert wire_errors(pre[0]) == 1
     assert pre[0].transport.control.stats.malformed == 1
-    assert dec.engine.counters["wire_error"] == 1
+    assert pre[0].transport.control.stats.rejected == {"untagged": 1}
+    assert wire_errors(dec) == 1
     rv2, senders2 = _room(pre, dec, 78, "ok2", np.arange(4, 8), 8, [4, 8], aux=1)
     assert _settle(rv2, senders2) == (KVPoll.Success, [KVPoll.Success] * 2)
     assert all(lp.thread.is_alive() for e in [*pre, dec] for lp in e._loops)
@@ -438,7 +447,8 @@ def test_a_peer_the_transport_cannot_load_fails_its_rooms_with_the_reason(monkey
         assert _settle(rv, senders, 10.0) == (KVPoll.Failed, [KVPoll.Failed])
         with pytest.raises(KVTransferError, match="unusable here: RuntimeError: cannot describe this memory"):
             senders[0].failure_exception()
-        assert pre.engine.counters["peer_unusable"] >= 1  # decode may register again; refused again
+        with pre.lock:
+            assert pre.engine.counters["peer_unusable"] >= 1  # decode may register again; refused again
     finally:
         for e in (pre, dec):
             e.close()
@@ -483,7 +493,9 @@ def test_heartbeats_go_on_while_the_data_plane_is_stalled(stalled_side):
         rv, senders = _room([pre], dec, 21, "s", np.arange(2), 6, [6])
         assert _settle(rv, senders, 15.0) == (KVPoll.Success, [KVPoll.Success])
         assert done.is_set()  # the stall really happened
-        assert pre.engine.counters["peer_lost"] == 0 and dec.engine.counters["peer_lost"] == 0
+        for e in (pre, dec):
+            with e.lock:
+                assert e.engine.counters["peer_lost"] == 0
     finally:
         for e in (pre, dec):
             e.close()

@@ -24,9 +24,11 @@ import msgspec
 from kvferry.backends.driver import Driver
 from kvferry.backends.nixl.memory import MemRegion
 from kvferry.backends.nixl.transport import NixlTransport
+from kvferry.backends.runtime import lockcheck
 from kvferry.backends.runtime.board import StatusBoard
 from kvferry.backends.runtime.errors import EndpointClosedError, KVTransferError
 from kvferry.backends.runtime.loops import Loop
+from kvferry.backends.runtime.security import control_auth
 from kvferry.backends.runtime.staging import StagingConfig, allocate_staging, pool_device
 from kvferry.backends.zmqctl import ControlPlane
 from kvferry.core.commands import FreePages, StatusChanged
@@ -57,6 +59,18 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     nixl_ucx_workers: int = 1
     # Staging memory of the ring and pinned flows (backends/runtime/staging.py).
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
+    # Control-plane authentication (backends/runtime/security.py, docs/security.md): one or two
+    # keys (signing key first; "hex:..." or text of >= 16 bytes), else the key file, else
+    # $KVFERRY_CONTROL_KEY / $KVFERRY_CONTROL_KEY_FILE. Without any, the endpoint refuses to start
+    # unless control_insecure is set. Keys given here appear in the config's repr: prefer a file.
+    control_keys: tuple[str, ...] = ()
+    control_key_file: str = ""
+    control_insecure: bool = False
+    control_max_age_s: float = 300.0  # frames sent longer ago (sender's clock) are rejected
+    # Prometheus metrics (backends/runtime/metrics.py, extra ``metrics``); metrics_port >= 0 also
+    # serves them over HTTP on ``host`` (0: a free port, EndpointMetrics.port).
+    metrics: bool = False
+    metrics_port: int = -1
 
 
 CONTROL_WAIT_S = 2e-3
@@ -82,7 +96,9 @@ class EndpointBase:
         self.config = config
         self.pool = pool
         self.endpoint = Endpoint(server=server, rank=pool.tp_rank)
-        control = ControlPlane(str(self.endpoint), host=config.host, port=config.port)
+        control = ControlPlane(
+            str(self.endpoint), host=config.host, port=config.port, auth=control_auth(config)
+        )
         self.transport = NixlTransport(
             self.endpoint,
             pool,
@@ -105,7 +121,7 @@ class EndpointBase:
         except BaseException:
             self.transport.close()  # no thread or registration outlives a refused endpoint
             raise
-        self.lock = threading.Lock()
+        self.lock = lockcheck.new_lock()  # an OwnedLock in the lock-check debug mode
         self.board = StatusBoard()
         self.errors: list[BaseException] = []
         self._err_lock = threading.Lock()
@@ -117,6 +133,7 @@ class EndpointBase:
         # Called (room, transfer_id) when a failed room's pages are fenced; runs with the driver
         # lock held, so it must be quick and must not call back into the endpoint.
         self.on_free_pages: Callable[[int, str], None] | None = None
+        self.metrics: Any = None  # EndpointMetrics when config.metrics
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -128,6 +145,11 @@ class EndpointBase:
         if self._started:
             return
         self._started = True
+        lockcheck.guard(self)  # debug mode only: the engine asserts its lock from here on
+        if self.config.metrics:
+            from kvferry.backends.runtime import metrics  # the optional extra, only when asked
+
+            self.metrics = metrics.attach(self)
         for loop in self._loops:
             loop.start()
 
@@ -142,6 +164,8 @@ class EndpointBase:
         self._wake_all()
         stuck = [lp.name for lp in self._loops if not lp.join(self.config.join_timeout_s)]
         self.transport.close()
+        if self.metrics is not None:
+            self.metrics.close()
         return stuck
 
     def __enter__(self) -> EndpointBase:
@@ -165,6 +189,8 @@ class EndpointBase:
             failure = self.engine.failure(cmd.room)
             error = failure.error if failure is not None else None
         self.board.update(cmd.room, cmd.transfer_id, cmd.status, cmd.reason, error)
+        if self.metrics is not None:
+            self.metrics.on_status(cmd.room, cmd.transfer_id, cmd.status, cmd.reason)
 
     def _on_free_pages(self, cmd: FreePages) -> None:
         self.board.freed(cmd.room, cmd.transfer_id)

@@ -362,8 +362,9 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
     check = {"ok": bool(checks) and all(checks), "rooms_checked": len(checks)}
     counters: dict[str, int] = {}
     for ep in eps:
-        for k, v in ep.engine.counters.items():
-            counters[k] = counters.get(k, 0) + v
+        with ep.lock:
+            for k, v in ep.engine.counters.items():
+                counters[k] = counters.get(k, 0) + v
     _say(
         event="done",
         durations=durations,
@@ -473,6 +474,10 @@ def run_config(
 ) -> dict[str, Any]:
     check_config(cfg)
     env = {**os.environ, "NIXL_LOG_LEVEL": "WARN", **(env or {})}
+    if not any(env.get(k) for k in ("KVFERRY_CONTROL_KEY", "KVFERRY_CONTROL_KEY_FILE")):
+        from kvferry.backends.runtime.security import ephemeral_key
+
+        env["KVFERRY_CONTROL_KEY"] = ephemeral_key()  # the two children share a fresh key
     blob = json.dumps(asdict(cfg))
     pre = _Proc(["prefill", blob], env)
     dec = None

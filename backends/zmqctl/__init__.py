@@ -1,5 +1,7 @@
-"""Real control plane: ZMQ PUSH/PULL between ranks, one IO thread per endpoint, bounded queues."""
+"""Real control plane: ZMQ PUSH/PULL between ranks, one IO thread per endpoint, bounded queues,
+frames authenticated with a shared key (auth.py)."""
 
+from kvferry.backends.zmqctl.auth import AuthConfigError, ControlAuth, load_keys
 from kvferry.backends.zmqctl.plane import ControlPlane, ControlPlaneError, Inbound
 
-__all__ = ["ControlPlane", "ControlPlaneError", "Inbound"]
+__all__ = ["AuthConfigError", "ControlAuth", "ControlPlane", "ControlPlaneError", "Inbound", "load_keys"]

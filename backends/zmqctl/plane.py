@@ -20,6 +20,12 @@ towards a dead peer) is given up and reported as a SendFailure through the inbox
 can fail the rooms waiting on it instead of hanging. When the inbox is full the IO thread stops
 reading, so backpressure reaches the senders through ZMQ's own high-water marks.
 
+Authentication (``auth``, backends/zmqctl/auth.py): with a ``ControlAuth`` every message carries a
+fourth frame, a header with an HMAC-SHA256 tag, between the reply address and the payload, and
+every inbound frame is checked on the IO thread before it reaches the inbox: a rejected frame is
+only counted (``stats.rejected`` by reason), and never teaches the plane a reply address. Without
+one (``auth=None``) the plane is unauthenticated and says so in the log.
+
 Reconnects. A PUSH socket reconnects by itself when a peer restarts at the same address; when it
 comes back at a new address, ``connect(peer, new_address)`` replaces the socket.
 """
@@ -31,10 +37,11 @@ import os
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import zmq
+from kvferry.backends.zmqctl.auth import ControlAuth, warn_insecure
 from kvferry.core.errors import KvferryError
 
 MAX_ID_BYTES = 256
@@ -60,6 +67,7 @@ class Stats:
     malformed: int = 0
     send_failed: int = 0
     unknown_peer: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)  # authentication, by reason
 
 
 @dataclass
@@ -67,6 +75,7 @@ class _Out:
     peer: str
     payload: bytes
     deadline: float = field(default=0.0)
+    header: bytes = b""
 
 
 class ControlPlane:
@@ -82,6 +91,7 @@ class ControlPlane:
         send_timeout_s: float = 2.0,
         poll_ms: int = 50,
         learn: bool = True,
+        auth: ControlAuth | None = None,
     ) -> None:
         if not identity or len(identity.encode()) > MAX_ID_BYTES:
             raise ValueError("identity must be 1..256 bytes")
@@ -92,6 +102,9 @@ class ControlPlane:
         self._send_timeout = send_timeout_s
         self._poll_ms = poll_ms
         self._learn = learn
+        self._auth = auth
+        if auth is None:
+            warn_insecure(identity)
         self._inbox: queue.Queue[Inbound] = queue.Queue(maxsize=inbox_max)
         self._outbox: queue.Queue[_Out] = queue.Queue(maxsize=outbox_max)
         self._commands: queue.Queue[tuple[str, str, str | None]] = queue.Queue()
@@ -241,8 +254,13 @@ class ControlPlane:
                 frames = self._pull.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            if len(frames) != 3 or not 0 < len(frames[0]) <= MAX_ID_BYTES or len(frames[1]) > MAX_ID_BYTES:
-                self.stats.malformed += 1
+            want = 3 if self._auth is None else 4
+            if len(frames) != want or not 0 < len(frames[0]) <= MAX_ID_BYTES or len(frames[1]) > MAX_ID_BYTES:
+                if self._auth is not None and len(frames) == 3:
+                    self.stats.rejected["untagged"] += 1
+                    self._auth.reject("untagged")
+                else:
+                    self.stats.malformed += 1
                 continue
             try:
                 sender, reply = frames[0].decode(), frames[1].decode()
@@ -252,10 +270,15 @@ class ControlPlane:
             if reply and not reply.startswith("tcp://"):
                 self.stats.malformed += 1
                 continue
+            if self._auth is not None:
+                why = self._auth.check(frames[0], frames[1], self._id, frames[2], frames[3])
+                if why:
+                    self.stats.rejected[why] += 1
+                    continue
             if self._learn and reply and self._addrs.get(sender) != reply:
                 self._open(socks, sender, reply)
             self.stats.received += 1
-            self._inbox.put_nowait(Inbound(sender, frames[2]))
+            self._inbox.put_nowait(Inbound(sender, frames[-1]))
 
     def _flush_outbound(self, socks: dict[str, zmq.Socket], waiting: dict[str, deque[_Out]]) -> None:
         now = time.monotonic()
@@ -278,8 +301,14 @@ class ControlPlane:
                     self.stats.unknown_peer += 1
                     self._fail(pending.popleft())
                     continue
+                if self._auth is None:
+                    frames = [self._id, self._addr, out.payload]
+                else:
+                    if not out.header:  # signed once: a retry after zmq.Again resends the same frame
+                        out.header = self._auth.sign(self._id, self._addr, peer.encode(), out.payload)
+                    frames = [self._id, self._addr, out.header, out.payload]
                 try:
-                    sock.send_multipart([self._id, self._addr, out.payload], zmq.NOBLOCK)
+                    sock.send_multipart(frames, zmq.NOBLOCK)
                 except zmq.Again:
                     if now >= out.deadline:
                         self._fail(pending.popleft())

@@ -152,7 +152,8 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
     else:
         console.print(
             "[bold green]invariants: all held[/] (status monotone, Failed absorbing, write ownership, "
-            "bytes of every Success room, liveness, conservation, agreement, empty tables)"
+            "bytes of every Success room, liveness, conservation, agreement, empty tables, "
+            "length mismatches failed, released Success rooms stable)"
         )
 
 

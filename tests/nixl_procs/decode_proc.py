@@ -169,6 +169,10 @@ def main() -> None:
                 break
             reclaim(waiting_fence, [], [])
             time.sleep(0.01)
+    counters = []
+    for ep in eps:
+        with ep.lock:  # the engine only under its lock
+            counters.append(dict(ep.engine.counters))
     say(
         event="done",
         rooms=results,
@@ -177,7 +181,7 @@ def main() -> None:
         after_kill_s=elapsed,
         errors=[repr(e) for ep in eps for e in ep.errors],
         driver_errors=[dict(ep.driver.errors) for ep in eps],
-        counters=[dict(ep.engine.counters) for ep in eps],
+        counters=counters,
     )
     heard(120.0)
     say(event="closed", stuck=[name for ep in eps for name in ep.close()])

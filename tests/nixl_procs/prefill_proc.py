@@ -181,18 +181,22 @@ def main() -> None:
         driver_errors=[dict(ep.driver.errors) for ep in eps],
         telemetry=[ep.transport.agent.telemetry.totals().transfers for ep in eps],
         # Gathers the engine waits for, and what the driver and the copy executor say of them.
-        copies=[
-            {
-                "engine_ops": sorted(ep.engine.ops),
-                "driver": {str(op): ep.transport.check_copy(h).value for op, h in ep.driver.copies.items()},
-                "executor_pending": ep.transport.copies.pending() if ep.transport.copies else 0,
-            }
-            for ep in eps
-        ],
+        copies=[copy_tables(ep) for ep in eps],
     )
     heard(120.0)
     stuck = [name for ep in eps for name in ep.close()]
     say(event="closed", stuck=stuck)
+
+
+def copy_tables(ep) -> dict:
+    """Gathers the engine waits for, and what the driver and the copy executor say of them."""
+    with ep.lock:  # the engine and the driver's tables only under the endpoint's lock
+        ops, handles = sorted(ep.engine.ops), dict(ep.driver.copies)
+    return {
+        "engine_ops": ops,
+        "driver": {str(op): ep.transport.check_copy(h).value for op, h in handles.items()},
+        "executor_pending": ep.transport.copies.pending() if ep.transport.copies else 0,
+    }
 
 
 def wait_empty(eps, timeout_s: float) -> list[dict[str, int]]:
