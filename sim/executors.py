@@ -21,6 +21,7 @@ import concurrent.futures as cf
 import functools
 import hashlib
 import importlib.util
+import pickle
 import re
 import socket
 from abc import ABC, abstractmethod
@@ -154,6 +155,10 @@ class LocalExecutor(Executor):
                     progress(ledger.stats)
                 yield it, r
             return
+        try:  # a pickling error inside the pool can hang its shutdown (CPython 3.11): fail here
+            pickle.dumps(fn)
+        except Exception as e:
+            raise TypeError(f"the function must be picklable to run in worker processes: {e}") from e
         n = len(ledger.order)
         # Chunks amortise the per-submit cost for cheap runs; kept small so progress stays smooth.
         size = self.chunksize or max(1, min(16, n // (self.jobs * 8) or 1))
@@ -161,6 +166,7 @@ class LocalExecutor(Executor):
         window = self.jobs * 4
         pool = cf.ProcessPoolExecutor(max_workers=self.jobs)
         running: dict[cf.Future[list[R]], list[T]] = {}
+        finished = False
         try:
             while todo or running:
                 while todo and len(running) < window:
@@ -189,8 +195,10 @@ class LocalExecutor(Executor):
                     running.clear()
                     pool.shutdown(wait=True, cancel_futures=True)
                     pool = cf.ProcessPoolExecutor(max_workers=self.jobs)
+            finished = True
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            # Stopped early (an error, the caller breaking off): do not wait for runs in flight.
+            pool.shutdown(wait=finished, cancel_futures=True)
 
     @staticmethod
     def _resend(ledger: Ledger[T], chunk: list[T], todo: deque[list[T]], progress: Progress | None) -> None:
@@ -284,10 +292,11 @@ class RayExecutor(Executor):
         self.ray = ray = _import_ray()
         self.max_retries, self.max_attempts, self.chunksize = max_retries, max_attempts, chunksize
         self.last_stats: MapStats | None = None
+        if address not in ("local", "auto"):
+            _reachable(address)
+        # A session already open in this process (a test's, a notebook's) is used as it is.
         self.owns_session = not ray.is_initialized()
         if self.owns_session:
-            if address not in ("local", "auto"):
-                _reachable(address)
             kw: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
             if address == "local":
                 kw |= {"num_cpus": num_cpus, "include_dashboard": False}
