@@ -132,7 +132,8 @@ def test_local_worker_killed_mid_map_loses_nothing(tmp_path: Path) -> None:
     doomed = frozenset({3, 11})
     stats: list[ex.MapStats] = []
     pool = ex.LocalExecutor(2, chunksize=2)
-    out = list(pool.map(functools.partial(_die_once, str(tmp_path), doomed), range(16), progress=stats.append))
+    fn = functools.partial(_die_once, str(tmp_path), doomed)
+    out = list(pool.map(fn, range(16), progress=stats.append))
     assert Counter(i for i, _ in out) == Counter(range(16))  # each once
     assert dict(out) == {i: i * i for i in range(16)}
     assert all((tmp_path / f"{i}.died").exists() for i in doomed)
