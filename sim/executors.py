@@ -27,7 +27,7 @@ import socket
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -45,7 +45,7 @@ class WorkerLost(ExecutorError):
 
 @dataclass(slots=True)
 class MapStats:
-    """What a ``map`` has done so far; ``progress`` callbacks get it after every change."""
+    """What a ``map`` has done so far; ``progress`` callbacks get a copy after every change."""
 
     total: int
     done: int = 0
@@ -152,7 +152,7 @@ class LocalExecutor(Executor):
                 r = fn(it)
                 ledger.deliver(it)
                 if progress:
-                    progress(ledger.stats)
+                    progress(replace(ledger.stats))
                 yield it, r
             return
         try:  # a pickling error inside the pool can hang its shutdown (CPython 3.11): fail here
@@ -185,7 +185,7 @@ class LocalExecutor(Executor):
                     for it, r in zip(chunk, results, strict=True):
                         if ledger.deliver(it):
                             if progress:
-                                progress(ledger.stats)
+                                progress(replace(ledger.stats))
                             yield it, r
                 if broken:
                     # A dead process breaks the whole pool: every chunk still in it is lost too.
@@ -206,7 +206,7 @@ class LocalExecutor(Executor):
         if again:
             todo.appendleft(again)
             if progress:
-                progress(ledger.stats)
+                progress(replace(ledger.stats))
 
 
 # ---- Ray -------------------------------------------------------------------------------------------
@@ -350,7 +350,7 @@ class RayExecutor(Executor):
                         if again:
                             todo.appendleft(again)
                             if progress:
-                                progress(ledger.stats)
+                                progress(replace(ledger.stats))
                         continue
                     except ray.exceptions.RayTaskError as e:
                         cause = e.cause if isinstance(e.cause, ExecutorError) else None
@@ -360,7 +360,7 @@ class RayExecutor(Executor):
                     for it, r in zip(chunk, results, strict=True):
                         if ledger.deliver(it):
                             if progress:
-                                progress(ledger.stats)
+                                progress(replace(ledger.stats))
                             yield it, r
         finally:
             for ref in running:  # the caller stopped early: do not leave the cluster busy
