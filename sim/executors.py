@@ -13,6 +13,12 @@ item, so an item gives the same result on any executor; ``fn`` raising is a bug 
   worker died (``max_retries``); past those the items are sent again from here (``max_attempts``).
   Every node must have the same kvferry installed: each task checks its code digest against the
   driver's, so a node running other code fails loudly instead of returning other results.
+
+A sweep uses it the way ``kvferry fuzz`` does (``campaign.run_seeds``)::
+
+    with make_executor(jobs=4, ray_address=None) as executor:  # or RayExecutor("auto")
+        for point, result in executor.map(run_point, points, progress=lambda st: bar(st.done)):
+            ...  # points: hashable, e.g. (flow, concurrency, seed); run_point: module-level
 """
 
 from __future__ import annotations
