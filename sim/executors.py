@@ -84,18 +84,24 @@ class Ledger(Generic[T]):
         self.stats.done += 1
         return True
 
-    def lost(self, item: T) -> bool:
-        """``item``'s worker died: True if it must be sent again, False if it was delivered already."""
-        if item not in self.owed:
-            return False
-        self.owed[item] += 1
-        if self.owed[item] >= self.max_attempts:
+    def lost(self, items: Sequence[T]) -> list[T]:
+        """The worker(s) running ``items`` died: those to send again (not the ones delivered already).
+
+        A dead process cannot say which of the items it held killed it, so every item in flight is
+        charged; past ``max_attempts`` losses the error names all such items of this loss.
+        """
+        again = [it for it in items if it in self.owed]
+        for it in again:
+            self.owed[it] += 1
+        spent = [it for it in again if self.owed[it] >= self.max_attempts]
+        if spent:
+            what = f"item {spent[0]!r}" if len(spent) == 1 else f"one of items {spent!r}"
             raise WorkerLost(
-                f"item {item!r} lost its worker {self.owed[item]} time(s); a run that kills its own "
-                "process or exhausts memory? run it alone to see"
+                f"{what} lost its worker {self.max_attempts} time(s) (each in flight at every loss): a "
+                "run that kills its own process or exhausts memory? run it alone to see"
             )
-        self.stats.resent += 1
-        return True
+        self.stats.resent += len(again)
+        return again
 
     @property
     def finished(self) -> bool:
@@ -179,40 +185,35 @@ class LocalExecutor(Executor):
                     chunk = todo.popleft()
                     running[pool.submit(_run_chunk, fn, chunk)] = chunk
                 done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
-                broken = False
+                lost: list[T] = []
                 for fut in done:
                     chunk = running.pop(fut)
                     try:
                         results = fut.result()
                     except cf.process.BrokenProcessPool:
-                        broken = True
-                        self._resend(ledger, chunk, todo, progress)
+                        lost += chunk
                         continue
                     for it, r in zip(chunk, results, strict=True):
                         if ledger.deliver(it):
                             if progress:
                                 progress(replace(ledger.stats))
                             yield it, r
-                if broken:
+                if lost:
                     # A dead process breaks the whole pool: every chunk still in it is lost too.
                     for fut, chunk in running.items():
                         fut.cancel()
-                        self._resend(ledger, chunk, todo, progress)
+                        lost += chunk
                     running.clear()
                     pool.shutdown(wait=True, cancel_futures=True)
+                    again = ledger.lost(lost)
+                    todo.extendleft(reversed(list(_chunks(again, size))))
+                    if progress:
+                        progress(replace(ledger.stats))
                     pool = cf.ProcessPoolExecutor(max_workers=self.jobs)
             finished = True
         finally:
             # Stopped early (an error, the caller breaking off): do not wait for runs in flight.
             pool.shutdown(wait=finished, cancel_futures=True)
-
-    @staticmethod
-    def _resend(ledger: Ledger[T], chunk: list[T], todo: deque[list[T]], progress: Progress | None) -> None:
-        again = [it for it in chunk if ledger.lost(it)]
-        if again:
-            todo.appendleft(again)
-            if progress:
-                progress(replace(ledger.stats))
 
 
 # ---- Ray -------------------------------------------------------------------------------------------
@@ -357,7 +358,7 @@ class RayExecutor(Executor):
                     try:
                         results = ray.get(ref)
                     except self._lost:
-                        again = [it for it in chunk if ledger.lost(it)]
+                        again = ledger.lost(chunk)
                         if again:
                             todo.appendleft(again)
                             if progress:
