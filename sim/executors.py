@@ -48,6 +48,10 @@ class ExecutorError(RuntimeError):
 class WorkerLost(ExecutorError):
     """An item's worker was lost more times than allowed (a run that kills its process, say)."""
 
+    def __init__(self, message: str, items: Sequence[Hashable] = ()) -> None:
+        super().__init__(message)
+        self.items = list(items)  # the items in flight at every loss: one of them is the cause
+
 
 @dataclass(slots=True)
 class MapStats:
@@ -98,7 +102,8 @@ class Ledger(Generic[T]):
             what = f"item {spent[0]!r}" if len(spent) == 1 else f"one of items {spent!r}"
             raise WorkerLost(
                 f"{what} lost its worker {self.max_attempts} time(s) (each in flight at every loss): a "
-                "run that kills its own process or exhausts memory? run it alone to see"
+                "run that kills its own process or exhausts memory? run it alone to see",
+                spent,
             )
         self.stats.resent += len(again)
         return again

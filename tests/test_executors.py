@@ -159,6 +159,24 @@ def test_an_item_that_always_kills_its_worker_is_named() -> None:
         list(ex.LocalExecutor(2, chunksize=1, max_attempts=2).map(_always_dies_on_5, range(8)))
 
 
+_JOB = cp.seed_job()
+
+
+def _seed_5_kills_its_worker(seed: int) -> bytes:
+    if seed == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _JOB(seed)
+
+
+def test_fuzz_names_a_seed_that_kills_its_worker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(cp, "seed_job", lambda base=None, hooks=(): _seed_5_kills_its_worker)
+    r = runner.invoke(app, ["fuzz", "--seeds", "0-7", "--jobs", "2", "--save-dir", str(tmp_path)])
+    assert r.exit_code == 1 and "Traceback" not in r.stdout + r.stderr
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "lost its worker 4 time" in line
+    assert "try each seed alone: kvferry fuzz --seeds " in line and "5" in line.rsplit("--seeds ", 1)[1]
+
+
 def test_an_unpicklable_function_is_refused_before_any_process_starts() -> None:
     with pytest.raises(TypeError, match="must be picklable"):
         list(ex.LocalExecutor(2).map(lambda x: x, range(4)))

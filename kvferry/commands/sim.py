@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvferry.commands import MAX_SEED, bad_input, check_output_dir, check_output_file, check_seed
+from kvferry.commands import (
+    MAX_SEED,
+    bad_input,
+    check_output_dir,
+    check_output_file,
+    check_seed,
+    one_line,
+)
 from kvferry.sim.executors import MapStats
 
 if TYPE_CHECKING:
@@ -333,8 +340,17 @@ def register(app: typer.Typer) -> None:
             executor = ex.make_executor(jobs=jobs, ray_address=ray)
         except ex.ExecutorError as e:
             bad_input(str(e))
-        with executor:
-            _fuzz_campaign(executor, seed_list, base, hooks, save_dir, as_json, console)
+        try:
+            with executor:
+                _fuzz_campaign(executor, seed_list, base, hooks, save_dir, as_json, console)
+        except ex.WorkerLost as e:  # a finding, not bad input: the run of a seed kills its process
+            first, *rest = sorted(e.items)  # type: ignore[type-var]
+            then = f" (then {', '.join(map(str, rest))})" if rest else ""
+            hint = f"try each seed alone: kvferry fuzz --seeds {first}{then}"
+            typer.echo(f"error: {one_line(str(e))}; {hint}", err=True)
+            raise typer.Exit(1) from None
+        except ex.ExecutorError as e:  # e.g. a node running other kvferry code
+            bad_input(str(e))
 
     @app.command("replay")
     def replay(
