@@ -8,14 +8,17 @@ event for event, and dropping it into ``tests/scenarios/`` makes it a regression
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import msgspec
+from kvferry.sim import executors as ex
 from kvferry.sim import scenario as sc
+from kvferry.sim.executors import Executor
 from kvferry.sim.metrics import RunResult, collect
 from kvferry.sim.rng import Streams
 from kvferry.sim.world import World
@@ -162,11 +165,11 @@ def failing_scenario_toml(w: World, res: RunResult) -> str:
     return header + sc.dump(s)
 
 
-def _job(args: tuple[int, str | None, tuple[str, ...]]) -> RunResult:
-    seed, base_toml, hooks = args
+def _job(seed: int, base_toml: str | None, hooks: tuple[str, ...]) -> bytes:
+    """One seed's run, as msgpack: results cross processes and machines as data, never pickles."""
     base = sc.parse(_loads(base_toml)) if base_toml is not None else None
     res, _ = run_one(fuzz_scenario(seed, base, hooks))
-    return res
+    return msgspec.msgpack.encode(res)
 
 
 def _loads(text: str) -> dict:
@@ -175,18 +178,44 @@ def _loads(text: str) -> dict:
     return tomllib.loads(text)
 
 
+def seed_job(base: sc.Scenario | None = None, hooks: tuple[str, ...] = ()) -> Callable[[int], bytes]:
+    """The picklable function an executor maps over seeds (the base travels as its TOML text)."""
+    return functools.partial(_job, base_toml=sc.dump(base) if base is not None else None, hooks=hooks)
+
+
+def decode_result(data: bytes) -> RunResult:
+    return msgspec.msgpack.decode(data, type=RunResult)
+
+
+def run_seeds(
+    seeds: Sequence[int],
+    base: sc.Scenario | None = None,
+    hooks: tuple[str, ...] = (),
+    executor: Executor | None = None,
+    progress: ex.Progress | None = None,
+) -> Iterator[RunResult]:
+    """Every seed once, yielded as runs finish (any order); ``executor`` defaults to inline."""
+    executor = executor or ex.LocalExecutor(1)
+    for _, data in executor.map(seed_job(base, hooks), seeds, progress=progress):
+        yield decode_result(data)
+
+
 def campaign(
-    seeds: Sequence[int], base: sc.Scenario | None = None, jobs: int = 1, hooks: tuple[str, ...] = ()
+    seeds: Sequence[int],
+    base: sc.Scenario | None = None,
+    jobs: int = 1,
+    hooks: tuple[str, ...] = (),
+    executor: Executor | None = None,
 ) -> Iterator[RunResult]:
     """Run every seed; yields results in seed order (so output does not depend on ``jobs``)."""
-    base_toml = sc.dump(base) if base is not None else None
-    args = [(s, base_toml, hooks) for s in seeds]
-    if jobs <= 1:
-        for a in args:
-            yield _job(a)
-        return
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        yield from pool.map(_job, args, chunksize=max(1, min(16, len(args) // (jobs * 8) or 1)))
+    order = list(seeds)
+    held: dict[int, RunResult] = {}
+    nxt = 0
+    for res in run_seeds(order, base, hooks, executor or ex.LocalExecutor(jobs)):
+        held[res.seed] = res
+        while nxt < len(order) and order[nxt] in held:
+            yield held.pop(order[nxt])
+            nxt += 1
 
 
 def save_failure(res: RunResult, directory: str | Path) -> Path:

@@ -7,11 +7,26 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvferry.commands import MAX_SEED, bad_input, check_output_dir, check_output_file, check_seed
+from kvferry.commands import (
+    MAX_SEED,
+    bad_input,
+    check_output_dir,
+    check_output_file,
+    check_seed,
+    one_line,
+)
+from kvferry.sim.executors import MapStats
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvferry.sim.executors import Executor
+    from kvferry.sim.metrics import RunResult
+    from kvferry.sim.scenario import Scenario
 
 # A job is a process running simulations; past the cores of any machine more of them only thrash.
 MAX_JOBS = 256
@@ -157,11 +172,126 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
         )
 
 
+def _fuzz_campaign(
+    executor: Executor,
+    seed_list: list[int],
+    base: Scenario | None,
+    hooks: tuple[str, ...],
+    save_dir: Path,
+    as_json: bool,
+    console: Console,
+) -> None:
+    """Run the seeds on ``executor`` as they finish; report in seed order whatever the executor."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvferry.sim import campaign as cp
+
+    t0 = time.perf_counter()
+    rooms = ok = failed = exempt = 0
+    faults: Counter[str] = Counter()
+    violated: Counter[str] = Counter()
+    failures: list[tuple[RunResult, Path]] = []
+    stats = MapStats(total=len(seed_list))
+    with Progress(
+        TextColumn("fuzz"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=as_json,
+    ) as progress:
+        task = progress.add_task("seeds", total=len(seed_list), status="")
+
+        def show(now: MapStats) -> None:  # after each seed, and when a lost worker's seeds go again
+            nonlocal stats
+            stats = now
+            lost = f", {now.resent} re-run after a lost worker" if now.resent else ""
+            progress.update(task, completed=now.done, status=f"{len(failures)} failing seed(s){lost}")
+
+        for res in cp.run_seeds(seed_list, base=base, hooks=hooks, executor=executor, progress=show):
+            rooms += res.rooms
+            ok += res.succeeded
+            failed += res.failed
+            exempt += len(res.agreement_exempt)
+            faults.update(res.faults)
+            if res.violations:
+                violated.update(res.violated())
+                try:
+                    path = cp.save_failure(res, save_dir)
+                except OSError as e:
+                    bad_input(f"--save-dir {save_dir}: cannot save seed {res.seed}: {e}")
+                failures.append((res, path))
+                show(stats)
+    # Seeds finish in any order on several workers; the report lists them in seed order.
+    failures.sort(key=lambda rp: rp[0].seed)
+    wall = time.perf_counter() - t0
+    summary = {
+        "seeds": len(seed_list),
+        "rooms": rooms,
+        "succeeded": ok,
+        "failed": failed,
+        "faults": dict(sorted(faults.items())),
+        "agreement_exempt_rooms": exempt,
+        "violations": dict(sorted(violated.items())),
+        "failing_seeds": [
+            {
+                "seed": r.seed,
+                "invariants": r.violated(),
+                "first": r.violations[0]["detail"],
+                "scenario": str(p),
+                "replay": f"kvferry replay {p}",
+            }
+            for r, p in failures
+        ],
+        "wall_s": round(wall, 3),
+        "seeds_per_minute": round(len(seed_list) / wall * 60, 1) if wall > 0 else None,
+        "executor": executor.kind,
+        "seeds_rerun": stats.resent,  # runs sent again because their worker was lost (each counted once)
+    }
+    if as_json:
+        sys.stdout.write(json.dumps(summary) + "\n")
+    else:
+        console.print(
+            f"{len(seed_list)} seeds, {rooms} rooms: {ok} succeeded, {failed} failed "
+            f"({summary['seeds_per_minute']} seeds/min on {executor.describe()})"
+        )
+        if stats.resent:
+            console.print(f"{stats.resent} seed run(s) sent again after a lost worker, each counted once")
+        console.print(
+            "faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none")
+        )
+        if exempt:
+            console.print(
+                f"agreement not required for {exempt} room(s): a node holding the room crashed "
+                "before both sides settled, or a failure notice was cut off for its whole resend window"
+            )
+        if not failures:
+            console.print("[bold green]no invariant violated[/]")
+        else:
+            per = ", ".join(f"{k} in {v} seed(s)" for k, v in sorted(violated.items()))
+            console.print(f"[bold red]violations[/]: {per}")
+        for r, p in failures:
+            v = r.violations[0]
+            console.print(f"[bold red]seed {r.seed}[/]: {v['invariant']}: {v['detail']}")
+            console.print(f"  replay: kvferry replay {p}")
+    if failures:
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("fuzz")
     def fuzz(
         seeds: Annotated[str, typer.Option(help="Seeds to run: 0-999, or 1,5,10-20.")] = "0-99",
         jobs: Annotated[int, typer.Option(help="Worker processes.")] = 1,
+        ray: Annotated[
+            str | None,
+            typer.Option(
+                metavar="ADDRESS",
+                help="Run the seeds on Ray instead: local (start an instance here), auto, HOST:PORT or "
+                "ray://HOST:PORT (needs the ray extra).",
+            ),
+        ] = None,
         as_json: Annotated[
             bool, typer.Option("--json", help="Print one JSON object instead of a report.")
         ] = False,
@@ -178,13 +308,22 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run a seeded fault campaign; exit 1 if any invariant is violated."""
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         from kvferry.sim import campaign as cp
+        from kvferry.sim import executors as ex
         from kvferry.sim import scenario as sc
 
         if not 1 <= jobs <= MAX_JOBS:
             bad_input(f"--jobs must be in [1, {MAX_JOBS}], got {jobs}")
+        if ray is not None:
+            if jobs != 1:
+                bad_input(
+                    "--jobs and --ray do not go together: Ray spreads the seeds over its cluster's CPUs"
+                )
+            try:
+                ex.check_ray_address(ray)
+            except ValueError as e:
+                bad_input(str(e))
         check_output_dir(save_dir, "--save-dir")
         try:
             seed_list = cp.parse_seeds(seeds)
@@ -198,83 +337,21 @@ def register(app: typer.Typer) -> None:
         if max(seed_list) > MAX_SEED:
             bad_input(f"--seeds: a seed is at most 2**63 - 1, got {max(seed_list)}")
         console = Console(stderr=as_json)
-        t0 = time.perf_counter()
-        rooms = ok = failed = exempt = 0
-        faults: Counter[str] = Counter()
-        violated: Counter[str] = Counter()
-        failures = []
-        with Progress(
-            TextColumn("fuzz"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(),
-            console=console,
-            transient=as_json,
-        ) as progress:
-            task = progress.add_task("seeds", total=len(seed_list), status="")
-            for res in cp.campaign(seed_list, base=base, jobs=jobs, hooks=hooks):
-                rooms += res.rooms
-                ok += res.succeeded
-                failed += res.failed
-                exempt += len(res.agreement_exempt)
-                faults.update(res.faults)
-                if res.violations:
-                    violated.update(res.violated())
-                    try:
-                        path = cp.save_failure(res, save_dir)
-                    except OSError as e:
-                        bad_input(f"--save-dir {save_dir}: cannot save seed {res.seed}: {e}")
-                    failures.append((res, path))
-                progress.update(task, advance=1, status=f"{len(failures)} failing seed(s)")
-        wall = time.perf_counter() - t0
-        summary = {
-            "seeds": len(seed_list),
-            "rooms": rooms,
-            "succeeded": ok,
-            "failed": failed,
-            "faults": dict(sorted(faults.items())),
-            "agreement_exempt_rooms": exempt,
-            "violations": dict(sorted(violated.items())),
-            "failing_seeds": [
-                {
-                    "seed": r.seed,
-                    "invariants": r.violated(),
-                    "first": r.violations[0]["detail"],
-                    "scenario": str(p),
-                    "replay": f"kvferry replay {p}",
-                }
-                for r, p in failures
-            ],
-            "wall_s": round(wall, 3),
-            "seeds_per_minute": round(len(seed_list) / wall * 60, 1) if wall > 0 else None,
-        }
-        if as_json:
-            sys.stdout.write(json.dumps(summary) + "\n")
-        else:
-            console.print(
-                f"{len(seed_list)} seeds, {rooms} rooms: {ok} succeeded, {failed} failed "
-                f"({summary['seeds_per_minute']} seeds/min on {jobs} job(s))"
-            )
-            console.print(
-                "faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none")
-            )
-            if exempt:
-                console.print(
-                    f"agreement not required for {exempt} room(s): a node holding the room crashed "
-                    "before both sides settled, or a failure notice was cut off for its whole resend window"
-                )
-            if not failures:
-                console.print("[bold green]no invariant violated[/]")
-            else:
-                per = ", ".join(f"{k} in {v} seed(s)" for k, v in sorted(violated.items()))
-                console.print(f"[bold red]violations[/]: {per}")
-            for r, p in failures:
-                v = r.violations[0]
-                console.print(f"[bold red]seed {r.seed}[/]: {v['invariant']}: {v['detail']}")
-                console.print(f"  replay: kvferry replay {p}")
-        if failures:
-            raise typer.Exit(1)
+        try:  # connecting to (or starting) Ray comes last: every cheap check has passed
+            executor = ex.make_executor(jobs=jobs, ray_address=ray)
+        except ex.ExecutorError as e:
+            bad_input(str(e))
+        try:
+            with executor:
+                _fuzz_campaign(executor, seed_list, base, hooks, save_dir, as_json, console)
+        except ex.WorkerLost as e:  # a finding, not bad input: the run of a seed kills its process
+            first, *rest = sorted(e.items)  # type: ignore[type-var]
+            then = f" (then {', '.join(map(str, rest))})" if rest else ""
+            hint = f"try each seed alone: kvferry fuzz --seeds {first}{then}"
+            typer.echo(f"error: {one_line(str(e))}; {hint}", err=True)
+            raise typer.Exit(1) from None
+        except ex.ExecutorError as e:  # e.g. a node running other kvferry code
+            bad_input(str(e))
 
     @app.command("replay")
     def replay(
