@@ -85,7 +85,10 @@ class StagedSender:
     def _init_staging(self, policy: FlowPolicy | None, worker_buffer_bytes: int, pinned_bytes: int) -> None:
         self.policy = policy or FlowPolicy()
         self.worker_buffer_bytes = worker_buffer_bytes
-        self.slot_owner: dict[tuple[int, int], tuple[tuple[int, str], tuple[int, m.Endpoint]]] = {}
+        # (worker, target index, half) -> (room key, lane key). Each worker's buffer holds one slot
+        # per decode rank it writes to, split in two halves: two lanes that fit in a half run at
+        # once (gather chunk N+1 while chunk N is written); a bigger lane holds both halves.
+        self.slot_owner: dict[tuple[int, int, int], tuple[tuple[int, str], tuple[int, m.Endpoint]]] = {}
         self.pinned = PinnedPool(pinned_bytes) if pinned_bytes > 0 else None
         self.peer_wm: dict[tuple[m.Endpoint, str], Watermark] = {}  # (decode rank, "ring"|"pinned")
         self.ops: dict[int, tuple[int, str]] = {}  # gather op id -> room key
@@ -308,8 +311,10 @@ class StagedSender:
             )
             if wm is None or not writable(slot, wm):
                 return f"ring space of {lane.target} not drained yet (round {g.round}, [{g.start}, {g.end}))"
-            owner = self.slot_owner.get((self._worker_of(r), self._target_index(r, lane.target)))
-            if owner is not None:
+            halves = self._free_halves(r, lane)
+            if halves is None:
+                shard, ti = self._worker_of(r), self._target_index(r, lane.target)
+                owner = self.slot_owner.get((shard, ti, 0)) or self.slot_owner[(shard, ti, 1)]
                 return f"worker staging slot busy (held by {self._describe_lane(*owner)})"
         return ""
 
@@ -321,13 +326,22 @@ class StagedSender:
             return f"room {room_key[0]} chunk {lane_key[0]} (gone)"
         return f"room {room_key[0]} chunk {lane_key[0]}, {lane.state.name}, {holder.state.value}"
 
+    def _free_halves(self, r: Any, lane: TxLane) -> tuple[int, ...] | None:
+        """The halves of the worker's slot for this lane's decode rank that the lane would take:
+        one free half if the lane fits in half a slot, else both; None if they are not free."""
+        shard, ti = self._worker_of(r), self._target_index(r, lane.target)
+        free = [k for k in (0, 1) if (shard, ti, k) not in self.slot_owner]
+        if self._lane_bytes(lane) <= self._slot_bytes(len(self._targets(r))) // 2:
+            return (free[0],) if free else None
+        return (0, 1) if len(free) == 2 else None
+
     def _worker_of(self, r: Any) -> int:
         return shard_of(r.room, self.num_shards)  # the worker whose queue runs the room's chunks
 
     def _target_index(self, r: Any, target: m.Endpoint) -> int:
         return self._targets(r).index(target)
 
-    def _buffer_region(self, buffer: tuple[str, int]) -> int:
+    def _buffer_region(self, buffer: tuple[Any, ...]) -> int:
         """Staging region of a lane's buffer: its worker's private one, or the pinned pool."""
         return worker_region(buffer[1]) if buffer[0] == "slot" else PINNED_REGION
 
@@ -362,9 +376,13 @@ class StagedSender:
         if lane.flow is Flow.RING:
             targets = self._targets(r)
             shard = self._worker_of(r)
-            base = self._target_index(r, lane.target) * self._slot_bytes(len(targets))
-            buffer = ("slot", shard)
-            self.slot_owner[(shard, self._target_index(r, lane.target))] = (r.key, lane.key)
+            ti, slot = self._target_index(r, lane.target), self._slot_bytes(len(targets))
+            halves = self._free_halves(r, lane)
+            assert halves is not None  # _blocker said a slot is free
+            base = ti * slot + halves[0] * (slot // 2)
+            buffer = ("slot", shard, *halves)
+            for k in halves:
+                self.slot_owner[(shard, ti, k)] = (r.key, lane.key)
         else:
             assert self.pinned is not None
             res = self.pinned.reserve(n, (r.key, lane.key))
@@ -447,10 +465,12 @@ class StagedSender:
     def _release(self, r: Any, lane: TxLane) -> None:
         if lane.buffer is None:
             return
-        kind, ident = lane.buffer
+        kind, ident, *halves = lane.buffer
         lane.buffer = None
         if kind == "slot":
-            self.slot_owner.pop((ident, self._target_index(r, lane.target)), None)
+            ti = self._target_index(r, lane.target)
+            for k in halves:
+                self.slot_owner.pop((ident, ti, k), None)
         elif self.pinned is not None:
             self.pinned.free(ident)
         self._wake_stalled()

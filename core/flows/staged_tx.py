@@ -83,7 +83,8 @@ class TxLane:
         self.grant: m.StagingRsp | None = None
         self.accepted = False  # the worker handed the chunk over (its bounds are checked)
         self.is_last = False
-        self.buffer: tuple[str, int] | None = None  # ("slot", shard) or ("pinned", reservation id)
+        # ("slot", worker, half[, half]) or ("pinned", reservation id)
+        self.buffer: tuple[Any, ...] | None = None
         self.op_id = -1
         self.write_id = -1
         self.src_offset = 0
