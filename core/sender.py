@@ -10,6 +10,14 @@ Room states and KVPoll:
     FAILED        (Failed)         absorbing; tells every known decode rank (RoomFailed), and once
                                    no write is in flight sends the fence (Stopped)
 
+Pull flow (``Flow.PULL``): running a chunk posts no data write; it offers the chunk's pages to
+every data decode rank (``PullOffer``, resent each heartbeat interval until ``Pulled``) and the
+room stays Transferring until every offered chunk was pulled. A failed pull room keeps its pages
+(the room is not dropped, so the scheduler cannot free them) until every decode rank that was
+offered pages said ``ReadsStopped``, restarted (its READs died with it), or the fence deadline
+passed: decode may still be reading them. The aux row is still written by prefill (one small
+write, like the metadata a router carries upstream).
+
 Failure notices are reliable: RoomFailed is resent every heartbeat interval to each decode rank
 that has not answered (FailedAck, or its own Abort / RoomFailed, which prove it is Failed too),
 for at most ``fence_ns`` after the failure. The pending notices live in ``notices``, apart from
@@ -49,13 +57,14 @@ from kvferry.core.events import (
     ControlIn,
     CopyDone,
     CopyFailed,
+    NotificationIn,
     ReleaseRoom,
     SenderOpen,
     Tick,
     WriteDone,
     WriteFailed,
 )
-from kvferry.core.flows import FlowPolicy
+from kvferry.core.flows import Flow, FlowPolicy
 from kvferry.core.flows.staged_sender import StagedSender
 from kvferry.core.flows.staged_tx import StagedLedger
 from kvferry.core.kvpoll import KVPoll
@@ -99,6 +108,8 @@ class SIn(Enum):
     STAGING_RSP = "staging_rsp"  # decode granted (or refused) staging space for a chunk
     COPY_DONE = "copy_done"  # a gather finished
     COPY_FAILED = "copy_failed"
+    PULLED = "pulled"  # pull flow: decode READ an offered chunk
+    READS_STOPPED = "reads_stopped"  # pull flow: decode failed the room and reads no more
 
 
 STATUS = {
@@ -132,6 +143,9 @@ class _Room:
         "num_tokens",
         "opened",
         "parked",
+        "pull_fence_expired",
+        "pull_offered",
+        "pull_owed",
         "ranges",
         "receivers",
         "release_requested",
@@ -173,6 +187,11 @@ class _Room:
         self.ranges: list[tuple[int, int]] = []
         self.enqueue_end = 0
         self.ledger = StagedLedger()
+        # Pull flow: chunks offered, and per decode rank the offered chunks it has not pulled
+        # (it may be reading those pages: they stay ours until it says so or the fence expires).
+        self.pull_offered: list[int] = []
+        self.pull_owed: dict[m.Endpoint, set[int]] = {}
+        self.pull_fence_expired = False
 
 
 class _Peer:
@@ -206,7 +225,10 @@ class SenderEngine(StagedSender, RoomEngine):
         policy: FlowPolicy | None = None,
         worker_buffer_bytes: int = 0,
         pinned_bytes: int = 0,
+        registration: m.Register | None = None,
     ) -> None:
+        """``registration``: this rank's own Register (agent, regions, geometry), which the pull
+        flow hands to decode in its offers; without it a pull room fails with a reason."""
         if planner is None:
             from kvferry.core.planner import plan_rank_pair as planner
         self.endpoint = endpoint
@@ -229,6 +251,11 @@ class SenderEngine(StagedSender, RoomEngine):
             self.timeouts.heartbeat_interval_ns,
             resent="failure_resent",
             gave_up="failure_notice_gave_up",
+        )
+        self.registration = registration
+        # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
+        self._pulls = Resends(
+            "pull", self.deadlines, self.counters, self.timeouts.heartbeat_interval_ns, "pull_resent"
         )
         self._next_write_id = 1
         self._out: list[Any] = []
@@ -269,6 +296,10 @@ class SenderEngine(StagedSender, RoomEngine):
             self._room_input(event.room, event.transfer_id, SIn.RELEASE, event)
         elif t is Tick:
             self._tick()
+        elif t is NotificationIn:
+            # The notification of decode's READ (pull flow): informational; the pages stay ours
+            # until the control message Pulled, which is resent until it arrives.
+            self.counters["read_notif"] += 1
         else:
             self.counters["bad_event"] += 1
             raise TypeError(f"SenderEngine cannot handle {t.__name__}")
@@ -299,6 +330,8 @@ class SenderEngine(StagedSender, RoomEngine):
             refs.append("writes")
         if any(isinstance(k, tuple) and k[1] == room for k in self.deadlines.live_keys()):
             refs.append("deadlines")
+        if any(k[0] == room for k in self._pulls.entries):
+            refs.append("pull_offers")
         return refs + self.staging_refs(room)
 
     # --- control messages --------------------------------------------------------------------------
@@ -339,6 +372,11 @@ class SenderEngine(StagedSender, RoomEngine):
             self._room_input(msg.room, msg.transfer_id, SIn.STAGING_RSP, msg)
         elif t is m.Watermark:
             self._on_watermark(msg)
+        elif t is m.Pulled:
+            self._pulls.answered((msg.room, msg.transfer_id, msg.chunk_index), msg.src)
+            self._room_input(msg.room, msg.transfer_id, SIn.PULLED, msg)
+        elif t is m.ReadsStopped:
+            self._room_input(msg.room, msg.transfer_id, SIn.READS_STOPPED, msg)
         else:
             # RegisterAck / Stopped / StagingReq only travel prefill -> decode.
             self.counters["wrong_side_message"] += 1
@@ -374,6 +412,8 @@ class SenderEngine(StagedSender, RoomEngine):
         for room in sorted(self.rooms_by_peer.get(msg.src, ())):
             r = self.rooms[room]
             if r.infos[msg.src].reg != new.reg_id:
+                # The old process is gone, and its READs of our pages (pull) died with it.
+                r.pull_owed.pop(msg.src, None)
                 # Pages named by a past incarnation: writing them would hit whoever owns them now.
                 self._dispatch(r, SIn.PEER_LOST, (msg.src, "restarted since its TransferInfo"))
             elif r.state is SState.BOOTSTRAPPING:
@@ -491,6 +531,12 @@ class SenderEngine(StagedSender, RoomEngine):
                 self._write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
         elif inp is SIn.COPY_DONE or inp is SIn.COPY_FAILED:
             self._op_finished(r, payload.op_id)
+        elif inp is SIn.PULLED:
+            owed = r.pull_owed.get(payload.src)
+            if owed is not None:
+                owed.discard(payload.chunk_index)
+        elif inp is SIn.READS_STOPPED:
+            r.pull_owed.pop(payload.src, None)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -604,6 +650,8 @@ class SenderEngine(StagedSender, RoomEngine):
         if r.ledger.flow is not None and r.ledger.flow.staged:
             # The worker hands a staged chunk over and moves on; its lanes wait for space.
             return self._accept_staged(r, c)
+        if r.ledger.flow is Flow.PULL:
+            return self._run_pull(r, c)
         return self._run_direct(r, c)
 
     def _chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
@@ -671,6 +719,41 @@ class SenderEngine(StagedSender, RoomEngine):
             )
         return self._finish_run(r, c, start, end, posted)
 
+    def _run_pull(self, r: _Room, c: ChunkReady) -> str:
+        """Offer the chunk's pages to every data decode rank; they READ, then answer Pulled."""
+        if self.registration is None:
+            raise RoomStateError("pull flow: this prefill rank has no registration to offer")
+        start, end = self._chunk_bounds(r, c)
+        self._advance(r, c, end)
+        targets = [p for p, info in sorted(r.infos.items()) if not info.dummy]
+        idx = c.chunk_index
+        reg, room, tid = self.registration, r.room, r.tid
+        pages = np.asarray(c.src_pages, dtype=np.int64).tolist()
+        for p in targets:
+            r.pull_owed.setdefault(p, set()).add(idx)
+        r.pull_offered.append(idx)
+        offer = m.PullOffer(
+            src=self.endpoint,
+            room=room,
+            transfer_id=tid,
+            registration=reg,
+            chunk_index=idx,
+            token_start=start,
+            token_end=end,
+            is_last=c.is_last,
+            src_pages=pages,
+        )
+        for p, msg in self._pulls.start((room, tid, idx), targets, lambda p: offer, self._now):
+            self._send(p, msg)
+        return self._finish_run(r, c, start, end, [])
+
+    def _h_on_pulled(self, r: _Room, inp: SIn, msg: m.Pulled) -> str:
+        return "done" if self._quiet(r) else "stay"
+
+    def _pull_fenced(self, r: _Room) -> bool:
+        """No decode rank can still be READing this room's pages."""
+        return r.pull_fence_expired or not any(r.pull_owed.values())
+
     def _advance(self, r: _Room, c: ChunkReady, end: int) -> None:
         r.next_run += 1
         r.tokens_done = end
@@ -704,7 +787,7 @@ class SenderEngine(StagedSender, RoomEngine):
 
     def _quiet(self, r: _Room) -> bool:
         """The last chunk ran and nothing of the room is in flight: writes, gathers, lanes."""
-        return r.last_run and not r.inflight and r.ledger.quiet()
+        return r.last_run and not r.inflight and r.ledger.quiet() and not any(r.pull_owed.values())
 
     def _new_write(self, r: _Room) -> int:
         wid = self._next_write_id
@@ -732,6 +815,8 @@ class SenderEngine(StagedSender, RoomEngine):
                 reason += f" ({r.ledger.blocked})"
         elif inp is SIn.COPY_FAILED:
             reason = f"gather failed: {payload.reason}"
+        elif inp is SIn.READS_STOPPED:
+            reason = f"{payload.src} failed the room and stopped reading"
         elif isinstance(payload, tuple):
             reason = f"peer {payload[0]} {payload[1]}"
         else:
@@ -761,7 +846,7 @@ class SenderEngine(StagedSender, RoomEngine):
             # seed 000: a worker that meets a Failed room skips its remaining chunks.
             self.counters["chunk_skipped_failed"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=payload.chunk_index, reason="room failed"))
-        elif inp is not SIn.RELEASE and inp is not SIn.WRITE_DONE and inp is not SIn.WRITE_FAILED:
+        elif inp not in (SIn.RELEASE, SIn.WRITE_DONE, SIn.WRITE_FAILED, SIn.PULLED, SIn.READS_STOPPED):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
     def _h_on_release(self, r: _Room, inp: SIn, payload: Any) -> None:
@@ -779,6 +864,11 @@ class SenderEngine(StagedSender, RoomEngine):
         self.stalled.discard(r.room)
         self.deadlines.cancel(("room", r.room))
         self.deadlines.cancel(("stg", r.room))
+        for idx in r.pull_offered:
+            self._pulls.cancel((r.room, r.tid, idx))
+        if not self._pull_fenced(r):
+            # Decode may be READing our pages: they stay until it says it stopped, or this.
+            self.deadlines.set(("pfence", r.room), self._now + self.timeouts.fence_ns)
         self._out.append(
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
@@ -802,7 +892,7 @@ class SenderEngine(StagedSender, RoomEngine):
                 self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         # A gather still running owns a staging buffer: the room stays until it returns.
         terminal_quiet = r.state is SState.SUCCESS or (
-            r.state is SState.FAILED and not r.inflight and not r.ledger.ops
+            r.state is SState.FAILED and not r.inflight and not r.ledger.ops and self._pull_fenced(r)
         )
         # A room only a TransferInfo ever created has no local owner to release it.
         auto = r.created_by_info and not r.opened and r.state is SState.FAILED
@@ -819,6 +909,9 @@ class SenderEngine(StagedSender, RoomEngine):
                     del self.rooms_by_peer[p]
         self.deadlines.cancel(("room", r.room))
         self.deadlines.cancel(("stg", r.room))
+        self.deadlines.cancel(("pfence", r.room))
+        for idx in r.pull_offered:
+            self._pulls.cancel((r.room, r.tid, idx))
         self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
 
     def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
@@ -847,6 +940,15 @@ class SenderEngine(StagedSender, RoomEngine):
         if kind == "notice":
             for p, msg in self._notices.fire(what, self._now):
                 self._send(p, msg)
+        elif kind == "pull":
+            for p, msg in self._pulls.fire(what, self._now):
+                self._send(p, msg)
+        elif kind == "pfence":
+            r = self.rooms.get(what)
+            if r is not None and r.state is SState.FAILED and not self._pull_fenced(r):
+                self.counters["pull_fence_expired"] += 1
+                r.pull_fence_expired = True
+                self._maybe_finish(r)
         elif kind == "notes":
             self._resend_notes(what)
         elif kind == "stg":
@@ -870,6 +972,7 @@ _LIVE_FAILURES = {
     SIn.PEER_FAILED: _FAIL,
     SIn.TIMEOUT: _FAIL,
     SIn.PEER_LOST: _FAIL,
+    SIn.READS_STOPPED: _FAIL,  # decode failed the room (its Abort may still be on the way)
 }
 
 SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
@@ -899,9 +1002,12 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_T),
         SIn.COPY_DONE: _t(E._h_on_copy_done, stay=_T),
         SIn.COPY_FAILED: _FAIL,
+        SIn.PULLED: _t(E._h_on_pulled, stay=_T, done=_S),
         **_LIVE_FAILURES,
     },
     _S: {
+        SIn.PULLED: _t(E._h_ignore, stay=_S),  # a duplicate answer to a resent offer
+        SIn.READS_STOPPED: _t(E._h_ignore, stay=_S),  # nothing was owed; its Abort follows
         SIn.STAGING_RSP: _t(E._h_ignore, stay=_S),
         SIn.INFO: _t(E._h_on_info, stay=_S, ready=_S),
         SIn.PEER_READY: _t(E._h_ignore, stay=_S),

@@ -98,6 +98,10 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
         flow=frng.choice(("policy", "direct", "ring", "pinned", "mixed", "mixed")),
         auto_chunks=frng.choice((1, 1, 2, 4, 16)),  # staging space from one chunk to many
     )
+    # Pull from a stream of its own too: a fifth of the seeds run every room pulled, the others
+    # keep the flow they drew before pull existed ("mixed" draws it per room as well).
+    if Streams(seed)["swarm.flows.pull"].random() < 0.2:
+        flows = replace(flows, flow="pull")
     return sc.Scenario(
         name=f"fuzz-{seed}",
         seed=seed,

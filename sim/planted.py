@@ -13,6 +13,9 @@ scenario's ``hooks`` (tests only). What each one breaks, and what should catch i
   not when it ends: another chunk's write lands in it before the scatter read it (bytes).
 - ``leak_failed_room_staging``: a failed room's staging space is never reclaimed (tables_empty,
   and the ring wedges).
+- ``pull_free_early``: a pull room's prefill forgets what it offered as soon as it offered it, so
+  it reaches Success and its pages are freed before decode's READ of them ran (ownership: the
+  READ's source pages are free or another room's when it lands).
 """
 
 from __future__ import annotations
@@ -93,8 +96,24 @@ _RECEIVERS = {
 }
 
 
+class _PullFreeEarlySender(SenderEngine):
+    def _run_pull(self, r: Any, c: Any) -> str:
+        super()._run_pull(r, c)
+        r.pull_owed.clear()
+        return "done" if self._quiet(r) else "running"
+
+
+_SENDERS = {
+    "shared_staging_buffer": _SharedBufferSender,
+    "pull_free_early": _PullFreeEarlySender,
+}
+
+
 def sender_class(hooks: frozenset[str]) -> type[SenderEngine]:
-    return _SharedBufferSender if "shared_staging_buffer" in hooks else SenderEngine
+    picked = [cls for hook, cls in _SENDERS.items() if hook in hooks]
+    if len(picked) > 1:
+        raise ValueError(f"one planted prefill bug at a time, got {sorted(hooks)}")
+    return picked[0] if picked else SenderEngine
 
 
 def receiver_class(hooks: frozenset[str]) -> type[ReceiverEngine]:

@@ -42,8 +42,10 @@ HOOKS = (
     "shared_staging_buffer",
     "free_staging_before_scatter",
     "leak_failed_room_staging",
+    # pull flow (sim/planted.py)
+    "pull_free_early",
 )
-FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "mixed")
+FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "pull", "mixed")
 
 
 @dataclass(frozen=True, slots=True)

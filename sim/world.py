@@ -201,6 +201,7 @@ class World(Chaos):
                 policy=self.policy,
                 worker_buffer_bytes=st.worker_buffer_bytes,
                 pinned_bytes=st.prefill_pinned_bytes,
+                registration=tr.registration(),
             )
         else:
             tr.register_staging(
@@ -218,7 +219,7 @@ class World(Chaos):
             return None
         if f != "mixed":
             return f
-        offered = [Flow.DIRECT.value]
+        offered = [Flow.DIRECT.value, Flow.PULL.value]
         if self.staging.ring_bytes and self.staging.worker_buffer_bytes:
             offered.append(Flow.RING.value)
         if self.staging.pinned_bytes and self.staging.prefill_pinned_bytes:
@@ -581,6 +582,8 @@ class World(Chaos):
         if d.count and is_staging_region(int(d.dst_region[0])):
             self._check_staged_land(x, req)
             return
+        if x.initiator == x.dst and d.count:
+            self._check_read_source(x, req, key)
         aux = d.dst_region == AUX_REGION
         owners = []
         if (~aux).any():
@@ -602,6 +605,21 @@ class World(Chaos):
             self.violate(
                 "ownership", f"write of room {key} from {x.src} landed in {who} on {x.dst}{why}", req
             )
+
+    def _check_read_source(self, x: Xfer, req: Request | None, key: int) -> None:
+        """A pull READ copies prefill pages its room still owns: pages freed (or handed to another
+        room) before decode's READ of them finished would give decode someone else's bytes."""
+        if not x.src.startswith("prefill"):
+            return
+        d = x.descs
+        pool = self.pre_pools[int(x.src[len("prefill") :])]
+        first = d.src_offset // pool.page_bytes
+        last = (d.src_offset + d.length - 1) // pool.page_bytes
+        own = self.pre_alloc.owner[gather_index(first, last - first + 1)]
+        if (own != key).any():
+            other = int(own[own != key][0])
+            who = "free pages" if other == FREE else f"pages of room {other}"
+            self.violate("ownership", f"READ of room {key} by {x.dst} copied {who} of {x.src}", req)
 
     def _check_ring_progress(self, rank: SimRank) -> None:
         """A producer waiting on a watermark resumes once the consumer drains: a lane whose slot
