@@ -13,6 +13,9 @@ scenario's ``hooks`` (tests only). What each one breaks, and what should catch i
   not when it ends: another chunk's write lands in it before the scatter read it (bytes).
 - ``leak_failed_room_staging``: a failed room's staging space is never reclaimed (tables_empty,
   and the ring wedges).
+- ``silent_write_failure``: a prefill rank whose write failed fails its room without telling
+  decode (no RoomFailed; vLLM's missing PUSH_FAIL): decode waits for its deadline
+  (failure_notice).
 - ``pull_free_early``: a pull room's prefill forgets what it offered as soon as it offered it, so
   it reaches Success and its pages are freed before decode's READ of them ran (ownership: the
   READ's source pages are free or another room's when it lands).
@@ -103,7 +106,25 @@ class _PullFreeEarlySender(SenderEngine):
         return "done" if self._quiet(r) else "running"
 
 
+class _NoNotices:
+    def start(self, *a: Any, **kw: Any) -> list[Any]:
+        return []
+
+
+class _SilentWriteFailureSender(SenderEngine):
+    def _fail(self, r: Any, failure: Any, skip: Any = None) -> None:
+        if not failure.reason.startswith("write failed"):
+            super()._fail(r, failure, skip)
+            return
+        notices, self._notices = self._notices, _NoNotices()  # type: ignore[assignment]
+        try:
+            super()._fail(r, failure, skip)
+        finally:
+            self._notices = notices
+
+
 _SENDERS = {
+    "silent_write_failure": _SilentWriteFailureSender,
     "shared_staging_buffer": _SharedBufferSender,
     "pull_free_early": _PullFreeEarlySender,
 }

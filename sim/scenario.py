@@ -42,8 +42,9 @@ HOOKS = (
     "shared_staging_buffer",
     "free_staging_before_scatter",
     "leak_failed_room_staging",
-    # pull flow (sim/planted.py)
+    # pull flow, failure notices (sim/planted.py)
     "pull_free_early",
+    "silent_write_failure",
 )
 FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "pull", "mixed")
 
@@ -279,6 +280,7 @@ class Checks:
     tables_empty: bool = True
     fault_free: bool = True
     ring_progress: bool = True
+    failure_notice: bool = True
 
     DOC: ClassVar[dict[str, str]] = {
         "bytes": "A room Success on every decode rank holds exactly the source bytes (and the room id "
@@ -292,6 +294,8 @@ class Checks:
         "staging allocation is gone.",
         "fault_free": "A run that injects no fault ends with every room Success and no ring request resent.",
         "ring_progress": "A producer waiting on a decode ring's watermark resumes once the ring drains.",
+        "failure_notice": "A prefill rank whose write failed (refused or in error) tells every decode rank "
+        "it serves (RoomFailed) at once.",
     }
 
 

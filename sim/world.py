@@ -226,6 +226,10 @@ class World(Chaos):
             offered.append(Flow.PINNED.value)
         return offered[self._flow_rng.randrange(len(offered))]
 
+    def receivers_of(self, node: str) -> list[str]:
+        """The decode nodes a prefill node exchanges data or notes with."""
+        return [f"decode{ep.rank}" for ep in self._receivers[int(node[len("prefill") :])]]
+
     def alive(self, node: str, req: Request) -> bool:
         r = self.ranks[node]
         return not r.dead and req.inc.get(node) == r.incarnation

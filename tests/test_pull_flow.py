@@ -187,3 +187,16 @@ def test_campaign_catches_pull_freeing_pages_before_the_read(tmp_path: Path) -> 
     assert again.digest == first.digest and again.violated() == first.violated()
     clean, _ = run_one(replace(s, hooks=(), expect_violations=()))
     assert clean.violations == [], clean.violations[:2]
+
+
+def test_campaign_catches_a_write_failure_that_never_tells_decode(tmp_path: Path) -> None:
+    # Not pull-specific: every flow's failed write must reach decode at once (tracker gap C2).
+    failing = [r for r in campaign(range(0, 4), hooks=("silent_write_failure",)) if r.violations]
+    assert failing, "planted silent_write_failure went unnoticed"
+    first = failing[0]
+    assert first.violated() == ["failure_notice"]
+    s = sc.load(save_failure(first, tmp_path))
+    again, _ = run_one(s)
+    assert again.digest == first.digest and again.violated() == first.violated()
+    clean, _ = run_one(replace(s, hooks=(), expect_violations=()))
+    assert clean.violations == [], clean.violations[:2]
