@@ -201,11 +201,14 @@ class TransferInfo(_Msg, tag="info"):
     send_aux: bool
     dummy: bool
     expected_infos: Annotated[int, msgspec.Meta(ge=1, lt=1 << 12)]
+    token_start: Tokens = 0  # decode holds [0, token_start) already (a prefix hit): send the rest
 
     def __post_init__(self) -> None:
         _check_version(self.v)
         if self.dummy and self.send_aux:
             raise ValueError("a dummy sender cannot carry the aux row")
+        if self.token_start > self.num_tokens:
+            raise ValueError(f"token_start {self.token_start} past the {self.num_tokens} tokens")
 
 
 class InfoAck(_Msg, tag="info_ack"):

@@ -139,6 +139,7 @@ class _Room:
         "state",
         "stg",
         "tid",
+        "token_start",
     )
 
     def __init__(self, ev: ReceiverOpen, pages: Any) -> None:
@@ -148,6 +149,7 @@ class _Room:
         self.state = RState.BOOTSTRAPPING
         self.dst_pages = pages
         self.num_tokens = ev.num_tokens
+        self.token_start = ev.token_start
         self.aux_index = ev.aux_index
         self.senders: dict[m.Endpoint, SenderSpec] = {s.endpoint: s for s in ev.senders}
         self.data_senders = {s.endpoint for s in ev.senders if not s.dummy}
@@ -437,6 +439,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             send_aux=spec.send_aux,
             dummy=spec.dummy,
             expected_infos=spec.expected_infos,
+            token_start=r.token_start,
         )
 
     def _all_acked(self, r: _Room) -> bool:
@@ -467,6 +470,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             return f"{ev.num_tokens} tokens do not fit {pages.size} pages of {self.page_size}"
         if not 0 <= ev.aux_index < self.registration.aux_rows:
             return f"aux row {ev.aux_index} out of range"
+        if not 0 <= ev.token_start <= ev.num_tokens:
+            return f"token_start {ev.token_start} outside [0, {ev.num_tokens}]"
         return None
 
     def _room_input(
@@ -564,8 +569,9 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             prog.last_index = idx
         prog.chunks[idx] = rng
         if prog.last_index >= 0 and len(prog.chunks) == prog.last_index + 1:
-            # Every chunk is in (as a set, whatever the order): the ranges must tile [0, num_tokens).
-            pos = 0
+            # Every chunk is in (as a set, whatever the order): the ranges must tile
+            # [token_start, num_tokens) (a prefix hit starts later; nothing is shifted to the front).
+            pos = r.token_start
             for i in range(prog.last_index + 1):
                 start, end = prog.chunks[i]
                 if start != pos:

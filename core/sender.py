@@ -154,6 +154,7 @@ class _Room:
         "stop_to",
         "stopped_sent",
         "tid",
+        "token_start",
         "tokens_done",
     )
 
@@ -169,6 +170,7 @@ class _Room:
         self.dests: dict[m.Endpoint, Any] = {}  # peer -> dst page array
         self.expected_infos = 0
         self.num_tokens = -1
+        self.token_start = 0  # decode's prefix hit: it holds [0, token_start) already
         self.parked: list[ChunkReady] = []
         self.next_enqueue = 0
         self.next_run = 0
@@ -588,9 +590,12 @@ class SenderEngine(StagedSender, RoomEngine):
                 raise RoomError(
                     f"decode ranks disagree on the room's length ({msg.num_tokens} vs {r.num_tokens})"
                 )
+            if msg.token_start != r.token_start:
+                raise RoomError(f"decode ranks disagree on the prefix they hold ({msg.token_start})")
         else:
             r.expected_infos = msg.expected_infos
             r.num_tokens = msg.num_tokens
+            r.token_start = msg.token_start
         if len(r.infos) >= r.expected_infos:
             raise RoomError(f"more TransferInfos than the {r.expected_infos} expected")
         r.infos[msg.src] = msg
@@ -648,6 +653,8 @@ class SenderEngine(StagedSender, RoomEngine):
         if c.chunk_index != r.next_run:
             raise RoomStateError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
         if r.ledger.flow is not None and r.ledger.flow.staged:
+            if r.token_start:
+                raise RoomStateError(f"flow {r.ledger.flow.value} cannot skip decode's prefix hit")
             # The worker hands a staged chunk over and moves on; its lanes wait for space.
             return self._accept_staged(r, c)
         if r.ledger.flow is Flow.PULL:
@@ -661,6 +668,9 @@ class SenderEngine(StagedSender, RoomEngine):
         start, end = r.tokens_done, c.token_end
         if end < start:
             raise RoomStateError(f"chunk {c.chunk_index} ends at token {end}, before its start {start}")
+        # A prefix hit: decode holds [0, token_start); only the rest moves, at its own slots (the
+        # planner places by absolute token), and a chunk wholly inside the prefix moves nothing.
+        start, end = max(start, r.token_start), max(end, r.token_start)
         if end > r.num_tokens:
             raise RoomStateError(f"chunk {c.chunk_index} ends at token {end}, past decode's {r.num_tokens}")
         if c.is_last and end != r.num_tokens:
@@ -756,7 +766,7 @@ class SenderEngine(StagedSender, RoomEngine):
 
     def _advance(self, r: _Room, c: ChunkReady, end: int) -> None:
         r.next_run += 1
-        r.tokens_done = end
+        r.tokens_done = int(c.token_end)  # what prefill computed, not the prefix-clipped ``end``
         r.last_run = c.is_last
 
     def _finish_run(self, r: _Room, c: ChunkReady, start: int, end: int, posted: list[int]) -> str:

@@ -16,6 +16,9 @@ scenario's ``hooks`` (tests only). What each one breaks, and what should catch i
 - ``silent_write_failure``: a prefill rank whose write failed fails its room without telling
   decode (no RoomFailed; vLLM's missing PUSH_FAIL): decode waits for its deadline
   (failure_notice).
+- ``prefix_front_trim``: on a prefix hit, prefill writes the tokens decode lacks at the front of
+  its pages instead of at their own slots (vLLM tracker gap C3: silent corruption upstream); the
+  bytes check at decode's Success catches it.
 - ``pull_free_early``: a pull room's prefill forgets what it offered as soon as it offered it, so
   it reaches Success and its pages are freed before decode's READ of them ran (ownership: the
   READ's source pages are free or another room's when it lands).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from kvferry.core import messages as m
 from kvferry.core.flows.regions import worker_region
 from kvferry.core.receiver import ReceiverEngine
@@ -123,7 +127,22 @@ class _SilentWriteFailureSender(SenderEngine):
             self._notices = notices
 
 
+class _FrontTrimSender(SenderEngine):
+    def _run_direct(self, r: Any, c: Any) -> str:
+        if not r.token_start:
+            return super()._run_direct(r, c)
+        saved = dict(r.dests)
+        for p, pages in saved.items():
+            shift = max(1, r.token_start // self.peers[p].pool.page_size)
+            r.dests[p] = np.roll(pages, shift)  # token token_start lands near slot 0
+        try:
+            return super()._run_direct(r, c)
+        finally:
+            r.dests = saved
+
+
 _SENDERS = {
+    "prefix_front_trim": _FrontTrimSender,
     "silent_write_failure": _SilentWriteFailureSender,
     "shared_staging_buffer": _SharedBufferSender,
     "pull_free_early": _PullFreeEarlySender,

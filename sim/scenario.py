@@ -45,6 +45,7 @@ HOOKS = (
     # pull flow, failure notices (sim/planted.py)
     "pull_free_early",
     "silent_write_failure",
+    "prefix_front_trim",
 )
 FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "pull", "mixed")
 
@@ -130,6 +131,7 @@ class Workload:
     # Time to "compute" one chunk on prefill (forward pass), per token.
     compute_ns_per_token: int = 200
     decode_lag_us_max: int = 0  # each drawn room's decode_lag_us is uniform in [0, this]
+    prefix_hit: float = 0.0  # share of rooms whose decode already holds a prefix (direct/pull/push)
     explicit: tuple[RoomSpec, ...] = ()
 
     DOC: ClassVar[dict[str, str]] = {
@@ -142,6 +144,8 @@ class Workload:
         "compute_ns_per_token": "Prefill compute per token of a chunk before it can be sent, in ns.",
         "decode_lag_us_max": "Each drawn room's decode allocates a uniform [0, this] us after prefill "
         "opened it (0: decode first).",
+        "prefix_hit": "Share of rooms (of those on the direct, pull or push flow) whose decode already "
+        "holds a prefix of uniform length: it asks only for the rest, which must land at its own slots.",
         "explicit": "Rooms given one by one: see `[[workload.room]]`.",
     }
 
@@ -590,6 +594,7 @@ def _workload(r: _Reader, topo: Topology) -> Workload:
         arrival_mean_us=r.int("arrival_mean_us", d.arrival_mean_us),
         compute_ns_per_token=r.int("compute_ns_per_token", d.compute_ns_per_token),
         decode_lag_us_max=r.int("decode_lag_us_max", d.decode_lag_us_max, hi=10_000_000),
+        prefix_hit=r.float("prefix_hit", d.prefix_hit, hi=1.0),
         explicit=tuple(rooms),
     )
     if rooms and w.rooms != len(rooms):

@@ -103,6 +103,7 @@ class Request:
     notices: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
     lost_with: set[str] = field(default_factory=set)
     flow: str | None = None  # the room's explicit flow (None: the policy's choice)
+    token_start: int = 0  # decode's prefix hit: tokens [0, token_start) are already in its pages
 
     @property
     def done(self) -> bool:
@@ -165,6 +166,7 @@ class World(Chaos):
         self.staging = staging_sizes(s)
         self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
         self._flow_rng = self.streams["flows"]
+        self._prefix_rng = self.streams["workload.prefix"]
         self._sides = {
             "prefill": tuple(f"prefill{r}" for r in range(self.P)),
             "decode": tuple(f"decode{r}" for r in range(self.D)),
@@ -331,6 +333,10 @@ class World(Chaos):
         )
         req.opened = True
         req.flow = self.room_flow(req)
+        hit = self._prefix_rng.random() < s.workload.prefix_hit  # drawn for every room: stable streams
+        length = self._prefix_rng.randint(0, req.spec.tokens)
+        if hit and req.flow in _PREFIX_FLOWS:
+            req.token_start = length
         if req.spec.decode_lag_us:
             # Decode allocates late: prefill opens and computes first (staging requests arrive
             # before decode knows the room and must be held there).
@@ -373,6 +379,10 @@ class World(Chaos):
             if rank.dead:
                 self._mark(req, node, KVPoll.Failed, "node down at open")
                 continue
+            if req.token_start:
+                # The prefix cache: decode's own copy of the first tokens, already in its pages.
+                tr = rank.transport
+                pattern.fill(tr.pool, tr.region, req.key, req.dec_pages, 0, req.token_start)
             rank.feed(
                 ReceiverOpen(
                     room=req.room,
@@ -381,6 +391,7 @@ class World(Chaos):
                     num_tokens=req.spec.tokens,
                     aux_index=int(req.dec_aux[0]),
                     senders=self._senders[d],
+                    token_start=req.token_start,
                 )
             )
 
@@ -762,6 +773,9 @@ class World(Chaos):
             for n, r in self.ranks.items()
             if n.startswith("prefill") and not r.dead
         )
+
+
+_PREFIX_FLOWS = (Flow.DIRECT.value, Flow.PULL.value, Flow.PUSH.value)
 
 
 def _terminal(st: KVPoll | None) -> bool:

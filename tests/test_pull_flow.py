@@ -200,3 +200,35 @@ def test_campaign_catches_a_write_failure_that_never_tells_decode(tmp_path: Path
     assert again.digest == first.digest and again.violated() == first.violated()
     clean, _ = run_one(replace(s, hooks=(), expect_violations=()))
     assert clean.violations == [], clean.violations[:2]
+
+
+@pytest.mark.parametrize("flow", ["direct", "pull"])
+def test_prefix_hit_moves_only_the_missing_tokens_to_their_own_slots(flow: str) -> None:
+    base = sc.with_flow(sc.load(HETERO), flow)
+    hits = replace(base, workload=replace(base.workload, prefix_hit=0.7))
+    _, full = run_one(base)
+    res, w = run_one(hits)
+    assert res.violations == [] and res.succeeded == res.rooms  # bytes compared over [0, tokens)
+    assert sum(r.token_start > 0 for r in w.requests) > 5
+    assert w.fabric.stats.bytes_landed < full.fabric.stats.bytes_landed
+
+
+def test_prefix_hits_are_drawn_only_where_the_flow_can_skip_tokens() -> None:
+    ring = sc.with_flow(sc.load(HETERO), "ring")
+    res, w = run_one(replace(ring, workload=replace(ring.workload, prefix_hit=1.0)))
+    assert res.violations == []
+    assert all(r.token_start == 0 for r in w.requests)  # the simulator draws hits only where they can run
+
+
+def test_campaign_catches_a_front_trimmed_prefix_hit(tmp_path: Path) -> None:
+    base = sc.with_flow(sc.load(HETERO), "direct")
+    base = replace(base, workload=replace(base.workload, prefix_hit=0.5))
+    failing = [r for r in campaign(range(0, 2), base=base, hooks=("prefix_front_trim",)) if r.violations]
+    assert failing, "planted prefix_front_trim went unnoticed"
+    first = failing[0]
+    assert first.violated() == ["bytes"]
+    s = sc.load(save_failure(first, tmp_path))
+    again, _ = run_one(s)
+    assert again.digest == first.digest and again.violated() == first.violated()
+    clean, _ = run_one(replace(s, hooks=(), expect_violations=()))
+    assert clean.violations == [], clean.violations[:2]
