@@ -177,7 +177,11 @@ class RegisterAck(_Msg, tag="reg_ack"):
 
 
 class Heartbeat(_Msg, tag="hb"):
-    """Either direction, periodic: I am alive. Any message counts as liveness; this one is spare."""
+    """Either direction, periodic: I am alive. Any message counts as liveness; this one is spare.
+    ``rooms`` (decode -> prefill): the rooms decode still waits on from this prefill rank; each
+    renews that room's push registration lease (core/resources/leases.py)."""
+
+    rooms: Annotated[list[Room], msgspec.Meta(max_length=1 << 16)] = []
 
 
 class TransferInfo(_Msg, tag="info"):

@@ -713,8 +713,17 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
     # --- time ----------------------------------------------------------------------------------------
 
     def _heartbeat(self, peer: m.Endpoint) -> None:
-        # Until acked, the heartbeat is the Register again (it may have been lost).
-        self._send(peer, m.Heartbeat(src=self.endpoint) if self.peers[peer].acked else self.registration)
+        # Until acked, the heartbeat is the Register again (it may have been lost). It names the
+        # rooms still waiting on this sender: that renews their push registration leases.
+        if self.peers[peer].acked:
+            waiting = sorted(
+                room
+                for room in self.rooms_by_peer.get(peer, ())
+                if self.rooms[room].state in (RState.BOOTSTRAPPING, RState.WAITING, RState.TRANSFERRING)
+            )
+            self._send(peer, m.Heartbeat(src=self.endpoint, rooms=waiting))
+        else:
+            self._send(peer, self.registration)
         for pool in ("ring", "pinned"):
             if peer in self.subscribers[pool]:
                 # A lost broadcast must not leave a writer waiting: repeat it.

@@ -18,6 +18,14 @@ offered pages said ``ReadsStopped``, restarted (its READs died with it), or the 
 passed: decode may still be reading them. The aux row is still written by prefill (one small
 write, like the metadata a router carries upstream).
 
+Push flow (``Flow.PUSH``, seed 004): the direct flow's writes under registration leases
+(core/resources/leases.py). Each TransferInfo of a push room is decode's PUSH_REG: a lease per
+(room, decode rank), renewed by decode's heartbeats naming the room. The first chunk run is the
+"forward finished" that matches it (chunks that come first are held, as in every flow); every
+write (data and aux) is posted only while the lease lives; a lease that expires, or a
+registration refused or never matched (watchdog), fails the room with that reason, which reaches
+decode as RoomFailed; writes in flight are fenced (Stopped) before decode frees its pages.
+
 Failure notices are reliable: RoomFailed is resent every heartbeat interval to each decode rank
 that has not answered (FailedAck, or its own Abort / RoomFailed, which prove it is Failed too),
 for at most ``fence_ns`` after the failure. The pending notices live in ``notices``, apart from
@@ -78,6 +86,14 @@ from kvferry.core.proto_common import (
     step,
 )
 from kvferry.core.reliable import Resends
+from kvferry.core.resources.leases import (
+    Finish,
+    LeaseMisuseError,
+    LeaseRegistry,
+    Notice,
+    NoticeKind,
+    PushReg,
+)
 from kvferry.core.worker import Destination, plan_chunk, shard_of
 
 __all__ = ["SENDER_TABLE", "SIn", "SState", "SenderEngine"]
@@ -146,6 +162,8 @@ class _Room:
         "pull_fence_expired",
         "pull_offered",
         "pull_owed",
+        "push_keys",
+        "push_writes",
         "ranges",
         "receivers",
         "release_requested",
@@ -194,6 +212,9 @@ class _Room:
         self.pull_offered: list[int] = []
         self.pull_owed: dict[m.Endpoint, set[int]] = {}
         self.pull_fence_expired = False
+        # Push flow: lease key per decode rank, and which decode rank each write in flight goes to.
+        self.push_keys: dict[m.Endpoint, str] = {}
+        self.push_writes: dict[int, m.Endpoint] = {}
 
 
 class _Peer:
@@ -255,6 +276,15 @@ class SenderEngine(StagedSender, RoomEngine):
             gave_up="failure_notice_gave_up",
         )
         self.registration = registration
+        # Push registrations (a lease per room and decode rank); the watchdog fires just before
+        # the room's own waiting deadline, so the room fails with its reason.
+        t = self.timeouts
+        self.leases = LeaseRegistry(
+            t.heartbeat_timeout_ns,
+            max(1, t.waiting_ns - t.heartbeat_interval_ns),
+            tombstone_ns=t.tombstone_ns,
+        )
+        self._push_rooms: dict[str, tuple[int, str]] = {}  # lease key -> room key
         # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
         self._pulls = Resends(
             "pull", self.deadlines, self.counters, self.timeouts.heartbeat_interval_ns, "pull_resent"
@@ -334,6 +364,8 @@ class SenderEngine(StagedSender, RoomEngine):
             refs.append("deadlines")
         if any(k[0] == room for k in self._pulls.entries):
             refs.append("pull_offers")
+        if any(rk[0] == room and k in self.leases.leases for k, rk in self._push_rooms.items()):
+            refs.append("leases")
         return refs + self.staging_refs(room)
 
     # --- control messages --------------------------------------------------------------------------
@@ -370,6 +402,10 @@ class SenderEngine(StagedSender, RoomEngine):
             self._on_register(msg)
         elif t is m.Heartbeat:
             self.counters["heartbeat_in"] += 1
+            for room in msg.rooms:
+                r = self.rooms.get(room)
+                if r is not None and msg.src in r.push_keys:
+                    self.leases.renew_key(r.push_keys[msg.src], r.tid, self._now)
         elif t is m.StagingRsp:
             self._room_input(msg.room, msg.transfer_id, SIn.STAGING_RSP, msg)
         elif t is m.Watermark:
@@ -529,6 +565,8 @@ class SenderEngine(StagedSender, RoomEngine):
             r.release_requested = True
         elif inp is SIn.WRITE_DONE or inp is SIn.WRITE_FAILED:
             r.inflight.discard(payload.write_id)
+            if r.push_writes:
+                self._push_write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
             if r.ledger.write_lane:
                 self._write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
         elif inp is SIn.COPY_DONE or inp is SIn.COPY_FAILED:
@@ -571,6 +609,8 @@ class SenderEngine(StagedSender, RoomEngine):
         r.opened = True
         r.aux_index = ev.aux_index
         r.receivers, r.flow_override = tuple(ev.receivers), ev.flow
+        for info in list(r.infos.values()):
+            self._push_register(r, info)
         self._prefetch(r)
         return "ready" if self._ready(r) else "stay"
 
@@ -602,6 +642,7 @@ class SenderEngine(StagedSender, RoomEngine):
         r.dests[msg.src] = np.asarray(msg.dst_pages, dtype=np.int64)
         r.stop_to.add(msg.src)
         self.rooms_by_peer.setdefault(msg.src, set()).add(r.room)
+        self._push_register(r, msg)
         self._prefetch(r)
         return "ready" if self._ready(r) else "stay"
 
@@ -705,6 +746,9 @@ class SenderEngine(StagedSender, RoomEngine):
             Destination(p, self.peers[p].pool, r.dests[p], info.dummy) for p, info in sorted(r.infos.items())
         ]
         writes = plan_chunk(self.planner, self.pool, c.src_pages, dests, start, end)
+        push = r.ledger.flow is Flow.PUSH
+        if push and c.chunk_index == 0:
+            self._push_finish(r)
         self._advance(r, c, end)
         posted: list[int] = []
         note = self._chunk_note(r, c, start, end)  # identical for every data write: encode once
@@ -712,7 +756,11 @@ class SenderEngine(StagedSender, RoomEngine):
             if w.count == 0:
                 self._out.append(SendNotif(peer=w.peer, room=r.room, notif=note))
                 continue
+            if push:
+                self._push_post(r, w.peer)
             wid = self._new_write(r)
+            if push:
+                r.push_writes[wid] = w.peer
             posted.append(wid)
             self._out.append(
                 PostWrite(
@@ -760,6 +808,75 @@ class SenderEngine(StagedSender, RoomEngine):
     def _h_on_pulled(self, r: _Room, inp: SIn, msg: m.Pulled) -> str:
         return "done" if self._quiet(r) else "stay"
 
+    # --- push: registration leases -----------------------------------------------------------
+
+    def _push_register(self, r: _Room, info: m.TransferInfo) -> None:
+        """A TransferInfo of a push room is decode's PUSH_REG: a lease for that decode rank."""
+        if r.flow_override != Flow.PUSH.value or info.dummy or info.src in r.push_keys:
+            return
+        key = f"{r.tid}@{info.src.server}{info.src.rank}"
+        r.push_keys[info.src] = key
+        self._push_rooms[key] = r.key
+        reg = PushReg(
+            transfer_id=key,
+            request_id=r.tid,
+            decode=info.src,
+            incarnation=0,  # a restarted decode rank is caught by its registration id (PEER_LOST)
+            blocks=tuple(info.dst_pages),
+            token_start=info.token_start,
+            token_end=info.num_tokens,
+        )
+        self._lease_notices(self.leases.register(reg, self._now))
+
+    def _push_finish(self, r: _Room) -> None:
+        """The first chunk ran: the forward pass that matches every registration of the room."""
+        for _p, key in sorted(r.push_keys.items()):
+            if key in self.leases.leases:
+                self._lease_notices(self.leases.finish(Finish(key, r.tid), self._now))
+
+    def _push_post(self, r: _Room, peer: m.Endpoint) -> None:
+        """One write to ``peer`` is about to be posted: only under its live lease."""
+        key = r.push_keys.get(peer)
+        lease = self.leases.leases.get(key) if key is not None else None
+        if lease is None or lease.finish is None or self.leases.post(key, r.tid, self._now) is None:
+            self._lease_notices(self.leases.drain())
+            how = self.leases.finished.get(key, None) if key is not None else None
+            why = how.value if how else "never registered"
+            raise RoomStateError(f"push lease of {peer} is over ({why}): nothing is written")
+
+    def _lease_notices(self, notices: list[Notice]) -> None:
+        for n in notices:
+            if n.kind not in (NoticeKind.EXPIRED, NoticeKind.FAILED, NoticeKind.REFUSED):
+                continue  # MATCHED, DELIVERED, RELEASED: the room's own machine tracks writes and fences
+            rk = self._push_rooms.get(n.transfer_id)
+            r = self.rooms.get(rk[0]) if rk is not None else None
+            if r is None or r.key != rk or r.state is SState.FAILED:
+                continue
+            self.counters[f"push_{n.kind.value}"] += 1
+            self._fail(r, RoomFailure(f"push registration {n.kind.value}: {n.reason}", at_ns=self._now))
+            self._maybe_finish(r)
+
+    def _push_write_finished(self, r: _Room, wid: int, ok: bool) -> None:
+        peer = r.push_writes.pop(wid, None)
+        if peer is None:
+            return
+        try:
+            notices = self.leases.write_done(r.push_keys[peer], r.tid, ok, self._now)
+        except LeaseMisuseError:
+            self.counters["push_untracked_write"] += 1  # posted without its lease (never in real code)
+            return
+        self._lease_notices(notices)
+
+    def next_deadline(self) -> int | None:
+        a, b = RoomEngine.next_deadline(self), self.leases.next_deadline()
+        if a is None:
+            return b
+        return a if b is None else min(a, b)
+
+    def _tick(self) -> None:
+        RoomEngine._tick(self)
+        self._lease_notices(self.leases.tick(self._now))
+
     def _pull_fenced(self, r: _Room) -> bool:
         """No decode rank can still be READing this room's pages."""
         return r.pull_fence_expired or not any(r.pull_owed.values())
@@ -779,7 +896,12 @@ class SenderEngine(StagedSender, RoomEngine):
                         SendNotif(peer=p, room=r.room, notif=self._chunk_note(r, c, start, end, dummy=True))
                     )
                 if info.send_aux:
+                    push = r.ledger.flow is Flow.PUSH
+                    if push:
+                        self._push_post(r, p)
                     wid = self._new_write(r)
+                    if push:
+                        r.push_writes[wid] = p
                     posted.append(wid)
                     self._out.append(
                         PostAuxWrite(
@@ -793,6 +915,12 @@ class SenderEngine(StagedSender, RoomEngine):
                     )
         if posted:
             self._out.append(AwaitWrites(room=r.room, write_ids=tuple(posted)))
+        if c.is_last and r.ledger.flow is Flow.PUSH:
+            for key in sorted(r.push_keys.values()):
+                try:
+                    self._lease_notices(self.leases.complete(key, r.tid, self._now))
+                except LeaseMisuseError:
+                    self.counters["push_complete_without_lease"] += 1
         return "done" if self._quiet(r) else "running"
 
     def _quiet(self, r: _Room) -> bool:
@@ -876,6 +1004,9 @@ class SenderEngine(StagedSender, RoomEngine):
         self.deadlines.cancel(("stg", r.room))
         for idx in r.pull_offered:
             self._pulls.cancel((r.room, r.tid, idx))
+        for p, key in sorted(r.push_keys.items()):
+            if key in self.leases.leases:
+                self.leases.abort(key, r.tid, p, self._now)  # its writes in flight fence it
         if not self._pull_fenced(r):
             # Decode may be READing our pages: they stay until it says it stopped, or this.
             self.deadlines.set(("pfence", r.room), self._now + self.timeouts.fence_ns)
@@ -922,6 +1053,9 @@ class SenderEngine(StagedSender, RoomEngine):
         self.deadlines.cancel(("pfence", r.room))
         for idx in r.pull_offered:
             self._pulls.cancel((r.room, r.tid, idx))
+        for key in r.push_keys.values():
+            if self._push_rooms.get(key) == r.key and key not in self.leases.leases:
+                del self._push_rooms[key]
         self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
 
     def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:

@@ -102,6 +102,8 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
     # keep the flow they drew before pull existed ("mixed" draws it per room as well).
     if Streams(seed)["swarm.flows.pull"].random() < 0.2:
         flows = replace(flows, flow="pull")
+    elif Streams(seed)["swarm.flows.push"].random() < 0.25:
+        flows = replace(flows, flow="push")
     # Prefix hits (decode holds the first tokens): a third of the seeds, for half of their rooms.
     if Streams(seed)["swarm.prefix"].random() < 0.3:
         work = replace(work, prefix_hit=0.5)

@@ -19,6 +19,8 @@ scenario's ``hooks`` (tests only). What each one breaks, and what should catch i
 - ``prefix_front_trim``: on a prefix hit, prefill writes the tokens decode lacks at the front of
   its pages instead of at their own slots (vLLM tracker gap C3: silent corruption upstream); the
   bytes check at decode's Success catches it.
+- ``push_lease_never_expires``: prefill's lease registry neither expires leases nor checks their
+  deadline before a write: writes go on after decode stopped renewing (lease).
 - ``pull_free_early``: a pull room's prefill forgets what it offered as soon as it offered it, so
   it reaches Success and its pages are freed before decode's READ of them ran (ownership: the
   READ's source pages are free or another room's when it lands).
@@ -33,6 +35,7 @@ from kvferry.core import messages as m
 from kvferry.core.flows.regions import worker_region
 from kvferry.core.receiver import ReceiverEngine
 from kvferry.core.resources import StagingRing, Watermark
+from kvferry.core.resources.leases import LeaseIn, LeaseRegistry, LeaseState
 from kvferry.core.sender import SenderEngine
 
 __all__ = ["receiver_class", "sender_class"]
@@ -141,7 +144,36 @@ class _FrontTrimSender(SenderEngine):
             r.dests = saved
 
 
+class _NeverExpiringLeases(LeaseRegistry):
+    """Expiry is never noticed: no tick expires a lease and ``post`` ignores the deadline."""
+
+    def tick(self, now: int) -> list[Any]:
+        for lease in list(self.leases.values()):
+            if lease.state is LeaseState.WAITING and lease.watchdog <= now:
+                self._step(lease, LeaseIn.WATCHDOG, now)
+        return self._drain()
+
+    def next_deadline(self) -> int | None:
+        times = [x.watchdog for x in self.leases.values() if x.state is LeaseState.WAITING]
+        return min(times) if times else None
+
+    def post(self, transfer_id: str, request_id: str, now: int) -> Any:
+        lease = self._matched(transfer_id, request_id)
+        if lease.state is not LeaseState.MATCHED:
+            return None
+        lease.inflight += 1
+        return lease.reg
+
+
+class _LeaseNeverExpiresSender(SenderEngine):
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        old = self.leases
+        self.leases = _NeverExpiringLeases(old.lease_ns, old.match_ns, tombstone_ns=old.tombstone_ns)
+
+
 _SENDERS = {
+    "push_lease_never_expires": _LeaseNeverExpiresSender,
     "prefix_front_trim": _FrontTrimSender,
     "silent_write_failure": _SilentWriteFailureSender,
     "shared_staging_buffer": _SharedBufferSender,

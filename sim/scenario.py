@@ -46,8 +46,9 @@ HOOKS = (
     "pull_free_early",
     "silent_write_failure",
     "prefix_front_trim",
+    "push_lease_never_expires",
 )
-FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "pull", "mixed")
+FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "pull", "push", "mixed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +286,7 @@ class Checks:
     fault_free: bool = True
     ring_progress: bool = True
     failure_notice: bool = True
+    lease: bool = True
 
     DOC: ClassVar[dict[str, str]] = {
         "bytes": "A room Success on every decode rank holds exactly the source bytes (and the room id "
@@ -300,6 +302,7 @@ class Checks:
         "ring_progress": "A producer waiting on a decode ring's watermark resumes once the ring drains.",
         "failure_notice": "A prefill rank whose write failed (refused or in error) tells every decode rank "
         "it serves (RoomFailed) at once.",
+        "lease": "Nothing is written under an expired push registration lease.",
     }
 
 

@@ -221,7 +221,7 @@ class World(Chaos):
             return None
         if f != "mixed":
             return f
-        offered = [Flow.DIRECT.value, Flow.PULL.value]
+        offered = [Flow.DIRECT.value, Flow.PULL.value, Flow.PUSH.value]
         if self.staging.ring_bytes and self.staging.worker_buffer_bytes:
             offered.append(Flow.RING.value)
         if self.staging.pinned_bytes and self.staging.prefill_pinned_bytes:
@@ -599,6 +599,8 @@ class World(Chaos):
             return
         if x.initiator == x.dst and d.count:
             self._check_read_source(x, req, key)
+        elif req is not None and req.flow == Flow.PUSH.value and self.scenario.checks.lease:
+            self._check_lease(x, req)
         aux = d.dst_region == AUX_REGION
         owners = []
         if (~aux).any():
@@ -635,6 +637,26 @@ class World(Chaos):
             other = int(own[own != key][0])
             who = "free pages" if other == FREE else f"pages of room {other}"
             self.violate("ownership", f"READ of room {key} by {x.dst} copied {who} of {x.src}", req)
+
+    def _check_lease(self, x: Xfer, req: Request) -> None:
+        """Nothing is written under an expired push lease: a write posted at or after the instant
+        its registration's lease ran out (or that it could have, unrenewed) is a violation."""
+        eng = self.ranks[x.src].engine
+        leases = getattr(eng, "leases", None)
+        if leases is None or self.ranks[x.src].incarnation != req.inc.get(x.src):
+            return
+        key = f"{req.tid}@{x.dst}"
+        live = leases.leases.get(key)
+        ended = leases.expired_at.get(key)
+        if live is not None and live.state.value == "matched" and live.deadline <= x.posted_ns:
+            ended = live.deadline
+        if ended is not None and x.posted_ns >= ended:
+            self.violate(
+                "lease",
+                f"write of room {req.key} from {x.src} to {x.dst} posted at {x.posted_ns} ns, "
+                f"after its lease ended at {ended} ns",
+                req,
+            )
 
     def _check_ring_progress(self, rank: SimRank) -> None:
         """A producer waiting on a watermark resumes once the consumer drains: a lane whose slot

@@ -722,7 +722,7 @@ class World:
     def room_flow(self, room: int) -> str | None:
         if self.flow != "mixed":
             return self.flow
-        offered = [Flow.DIRECT, Flow.PULL]
+        offered = [Flow.DIRECT, Flow.PULL, Flow.PUSH]
         if self.staging_sizes[0] and self.staging_sizes[2]:
             offered.append(Flow.RING)
         if self.staging_sizes[1] and self.staging_sizes[3]:

@@ -165,6 +165,7 @@ class LeaseRegistry:
         self.leases: dict[str, Lease] = {}  # by transfer id ("" ids are keyed by request id)
         self.held: dict[str, tuple[Finish, int]] = {}  # finishes waiting: key -> (finish, watchdog)
         self.finished: dict[str, NoticeKind] = {}  # tombstones: key -> how it ended
+        self.expired_at: dict[str, int] = {}  # tombstones: key -> the deadline of a lease that expired
         self._tomb = DeadlineHeap()
         self._out: list[Notice] = []
         self.counters: dict[str, int] = {}
@@ -188,6 +189,10 @@ class LeaseRegistry:
     def _drain(self) -> list[Notice]:
         out, self._out = self._out, []
         return out
+
+    def drain(self) -> list[Notice]:
+        """Notices left by ``post`` (which answers with the registration, not notices)."""
+        return self._drain()
 
     def _candidates(self, transfer_id: str, request_id: str, pool: dict[str, Any], tid_of: Any) -> list[str]:
         """Keys in ``pool`` this entry may pair with: its own transfer id, else (configured) the
@@ -287,6 +292,12 @@ class LeaseRegistry:
                 lease.deadline = now + self.lease_ns
         return self._drain()
 
+    def renew_key(self, transfer_id: str, request_id: str, now: int) -> None:
+        """Renew one registration (decode named it in a heartbeat): a lease already over stays over."""
+        lease = self.leases.get(self._key(transfer_id, request_id))
+        if lease is not None and lease.state is not _F and lease.deadline > now:
+            lease.deadline = now + self.lease_ns
+
     def abort(self, transfer_id: str, request_id: str, decode: Hashable, now: int) -> list[Notice]:
         """Decode aborted after registering (gap C1): fence, then release its blocks."""
         lease = self.leases.get(self._key(transfer_id, request_id))
@@ -369,6 +380,7 @@ class LeaseRegistry:
     def tick(self, now: int) -> list[Notice]:
         for key in self._tomb.pop_due(now):
             self.finished.pop(key, None)  # type: ignore[arg-type]
+            self.expired_at.pop(key, None)  # type: ignore[arg-type]
         for lease in list(self.leases.values()):
             if lease.state is _W and lease.watchdog <= now:
                 self._step(lease, LeaseIn.WATCHDOG, now)
@@ -441,7 +453,7 @@ def _h_complete(lease: Lease, reg: LeaseRegistry, now: int) -> str:
 
 def _h_write_failed(lease: Lease, reg: LeaseRegistry, now: int) -> str:
     lease.inflight -= 1
-    return _over(lease, reg, NoticeKind.FAILED, "a write failed")
+    return _over(lease, reg, NoticeKind.FAILED, "a write failed", now)
 
 
 def _h_fenced_write(lease: Lease, reg: LeaseRegistry, now: int) -> str:
@@ -455,12 +467,15 @@ def _h_fenced_write(lease: Lease, reg: LeaseRegistry, now: int) -> str:
 
 def _ends_with(kind: NoticeKind, why: str) -> Callable[..., str]:
     def handler(lease: Lease, reg: LeaseRegistry, now: int, reason: str = "") -> str:
-        return _over(lease, reg, kind, reason or why)
+        if kind is NoticeKind.EXPIRED:
+            # Writes are allowed strictly before this instant: what a checker compares them with.
+            reg.expired_at[reg._key(lease.reg.transfer_id, lease.reg.request_id)] = lease.deadline
+        return _over(lease, reg, kind, reason or why, now)
 
     return handler
 
 
-def _over(lease: Lease, reg: LeaseRegistry, kind: NoticeKind, reason: str) -> str:
+def _over(lease: Lease, reg: LeaseRegistry, kind: NoticeKind, reason: str, now: int) -> str:
     if lease.inflight:
         # Writes in flight: decode hears it now; its blocks are released once they finished.
         lease.over, lease.outcome = reason, kind
