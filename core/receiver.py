@@ -334,6 +334,11 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
                 msg.src,
                 m.FailedAck(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id, known=known),
             )
+            if r is None or r.tid != msg.transfer_id:
+                # No room of ours reads its pages (released or never known): a pull sender may free.
+                self._send(
+                    msg.src, m.ReadsStopped(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id)
+                )
         elif t is m.RegisterAck:
             self._on_register_ack(msg)
         elif t is m.StagingReq:
@@ -639,6 +644,9 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             self.counters["notification_after_failure"] += 1
         elif inp is RIn.OFFER:
             self._pull_after_failure(r, payload)
+        elif inp is RIn.PEER_FAILED and payload.src in r.pull_from and not r.reads:
+            # A pull sender still holding its pages asks again: nothing of ours reads them.
+            self._send(payload.src, m.ReadsStopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         elif inp not in (RIn.STOPPED, RIn.RELEASE, RIn.READ_DONE, RIn.READ_FAILED):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 

@@ -159,7 +159,6 @@ class _Room:
         "num_tokens",
         "opened",
         "parked",
-        "pull_fence_expired",
         "pull_offered",
         "pull_owed",
         "push_keys",
@@ -211,7 +210,6 @@ class _Room:
         # (it may be reading those pages: they stay ours until it says so or the fence expires).
         self.pull_offered: list[int] = []
         self.pull_owed: dict[m.Endpoint, set[int]] = {}
-        self.pull_fence_expired = False
         # Push flow: lease key per decode rank, and which decode rank each write in flight goes to.
         self.push_keys: dict[m.Endpoint, str] = {}
         self.push_writes: dict[int, m.Endpoint] = {}
@@ -877,9 +875,30 @@ class SenderEngine(StagedSender, RoomEngine):
         RoomEngine._tick(self)
         self._lease_notices(self.leases.tick(self._now))
 
+    def _pull_fence_due(self, r: _Room) -> None:
+        """The fence deadline of a failed pull room: a decode rank that vanished (heartbeat lost)
+        cannot be reading; one still alive may have READs queued behind others (a posted READ
+        cannot be cancelled), so it is asked again (RoomFailed, answered with ReadsStopped once
+        its READs drained) and the pages stay until it answers or vanishes."""
+        reason = r.failure.reason if r.failure else "failed"
+        alive = False
+        for p in sorted(r.pull_owed):
+            if not r.pull_owed[p]:
+                continue
+            if p in self.peers:
+                alive = True
+                self.counters["pull_fence_extended"] += 1
+                self._send(p, m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=reason))
+            else:
+                self.counters["pull_fence_expired"] += 1
+                del r.pull_owed[p]
+        if alive:
+            self.deadlines.set(("pfence", r.room), self._now + self.timeouts.heartbeat_interval_ns)
+        self._maybe_finish(r)
+
     def _pull_fenced(self, r: _Room) -> bool:
         """No decode rank can still be READing this room's pages."""
-        return r.pull_fence_expired or not any(r.pull_owed.values())
+        return not any(r.pull_owed.values())
 
     def _advance(self, r: _Room, c: ChunkReady, end: int) -> None:
         r.next_run += 1
@@ -1090,9 +1109,7 @@ class SenderEngine(StagedSender, RoomEngine):
         elif kind == "pfence":
             r = self.rooms.get(what)
             if r is not None and r.state is SState.FAILED and not self._pull_fenced(r):
-                self.counters["pull_fence_expired"] += 1
-                r.pull_fence_expired = True
-                self._maybe_finish(r)
+                self._pull_fence_due(r)
         elif kind == "notes":
             self._resend_notes(what)
         elif kind == "stg":

@@ -232,3 +232,26 @@ def test_campaign_catches_a_front_trimmed_prefix_hit(tmp_path: Path) -> None:
     assert again.digest == first.digest and again.violated() == first.violated()
     clean, _ = run_one(replace(s, hooks=(), expect_violations=()))
     assert clean.violations == [], clean.violations[:2]
+
+
+def test_failed_prefill_waits_past_its_fence_for_a_live_decode_still_reading() -> None:
+    # Seed 1448 of the first campaign: decode's READs were queued behind others longer than the
+    # fence; freeing at the fence gave decode other rooms' bytes. A live decode is asked again.
+    w = H.World(TINY4, 1, 1, flow="pull", num_shards=1)
+    req = _offered_and_read_posted(w)
+    eng = w.prefill[0].engine
+    i = next(i for i, x in enumerate(w.fabric.writes) if x.read)
+    queued = w.fabric.writes.pop(i)  # still in decode's post queue: no timeout applies yet
+    w.prefill[0].driver.feed(AbortRoom(room=req.room, transfer_id=req.tid, reason="test"), w.fabric.now)
+    w.release(req, "prefill", 0)
+    for _ in range(2 * w.timeouts.fence_ns // w.timeouts.heartbeat_interval_ns):
+        w.advance(w.timeouts.heartbeat_interval_ns)
+        w.flush()
+        assert req.room in eng.rooms  # decode is alive and has not said it stopped reading
+    assert eng.counters["pull_fence_extended"] > 0 and eng.counters["pull_fence_expired"] == 0
+    queued.posted_at = w.fabric.now
+    w.fabric.writes.append(queued)
+    w.flush()
+    assert req.room not in eng.rooms  # ReadsStopped once the READ finished
+    w.heal_and_settle()
+    _clean(w)
