@@ -25,7 +25,7 @@ from kvferry.core.kvpoll import KVPoll
 from kvferry.sim import scenario as sc
 from kvferry.sim.world import Allocator, World
 
-FLOWS = ("direct", "pull")
+FLOWS = ("direct", "push", "pull")
 
 
 class _Fragmented(Allocator):

@@ -308,6 +308,7 @@ class LeaseMachine(RuleBasedStateMachine):
         for x in self.r.leases.values():
             if x.state is LeaseState.FENCING:
                 assert x.inflight > 0  # a fencing lease waits for writes, else it is released
+        assert self.r.next_deadline() == self.r._compute_next()  # the cached horizon is current
 
 
 settings_ = settings(

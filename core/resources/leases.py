@@ -169,6 +169,8 @@ class LeaseRegistry:
         self._tomb = DeadlineHeap()
         self._out: list[Notice] = []
         self.counters: dict[str, int] = {}
+        self._dirty = True
+        self._next: int | None = None
 
     # --- keys and lookups ------------------------------------------------------------------------
 
@@ -216,6 +218,7 @@ class LeaseRegistry:
 
     def register(self, reg: PushReg, now: int) -> list[Notice]:
         """Decode's PUSH_REG. Answers with notices (a refusal names its reason)."""
+        self._dirty = True
         key = self._key(reg.transfer_id, reg.request_id)
         why = self._bad(reg)
         if why:
@@ -285,6 +288,7 @@ class LeaseRegistry:
     def renew(self, decode: Hashable, incarnation: int, now: int) -> list[Notice]:
         """A heartbeat from ``decode``: its live leases run ``lease_ns`` from now; registrations of
         an older incarnation are superseded (that process is gone)."""
+        self._dirty = True
         for lease in [x for x in self.leases.values() if x.reg.decode == decode]:
             if lease.reg.incarnation < incarnation:
                 self._step(lease, LeaseIn.SUPERSEDE, now)
@@ -294,12 +298,14 @@ class LeaseRegistry:
 
     def renew_key(self, transfer_id: str, request_id: str, now: int) -> None:
         """Renew one registration (decode named it in a heartbeat): a lease already over stays over."""
+        self._dirty = True
         lease = self.leases.get(self._key(transfer_id, request_id))
         if lease is not None and lease.state is not _F and lease.deadline > now:
             lease.deadline = now + self.lease_ns
 
     def abort(self, transfer_id: str, request_id: str, decode: Hashable, now: int) -> list[Notice]:
         """Decode aborted after registering (gap C1): fence, then release its blocks."""
+        self._dirty = True
         lease = self.leases.get(self._key(transfer_id, request_id))
         if lease is None or lease.reg.decode != decode:
             self._count("abort_unknown")
@@ -314,6 +320,7 @@ class LeaseRegistry:
     # --- local input (prefill's scheduler and driver) ---------------------------------------------
 
     def finish(self, fin: Finish, now: int) -> list[Notice]:
+        self._dirty = True
         key = self._key(fin.transfer_id, fin.request_id)
         if key in self.held or (key in self.leases and self.leases[key].finish is not None):
             raise LeaseMisuseError(f"request {key} finished twice")
@@ -339,6 +346,7 @@ class LeaseRegistry:
     def post(self, transfer_id: str, request_id: str, now: int) -> PushReg | None:
         """Prefill is about to post one write: the registration it writes into, or None when the
         lease is over (then nothing may be written; the notices say why)."""
+        self._dirty = True
         lease = self._matched(transfer_id, request_id)
         if lease.state is _M and lease.deadline <= now:
             self._step(lease, LeaseIn.EXPIRE, now)
@@ -348,6 +356,7 @@ class LeaseRegistry:
         return lease.reg
 
     def write_done(self, transfer_id: str, request_id: str, ok: bool, now: int) -> list[Notice]:
+        self._dirty = True
         lease = self._matched(transfer_id, request_id)
         if lease.inflight <= 0:
             raise LeaseMisuseError(f"write of {transfer_id or request_id} finished but none is in flight")
@@ -356,6 +365,7 @@ class LeaseRegistry:
 
     def post_failed(self, transfer_id: str, request_id: str, reason: str, now: int) -> list[Notice]:
         """A write prefill could not post (gap C2): decode hears it at once."""
+        self._dirty = True
         lease = self._matched(transfer_id, request_id)
         if lease.state is _M:
             self._step(lease, LeaseIn.POST_FAILED, now, f"write could not be posted: {reason}")
@@ -363,6 +373,7 @@ class LeaseRegistry:
 
     def complete(self, transfer_id: str, request_id: str, now: int) -> list[Notice]:
         """Prefill posted its last write of the request."""
+        self._dirty = True
         lease = self._matched(transfer_id, request_id)
         if lease.state is _M:
             self._step(lease, LeaseIn.COMPLETE, now)
@@ -378,6 +389,7 @@ class LeaseRegistry:
     # --- time --------------------------------------------------------------------------------------
 
     def tick(self, now: int) -> list[Notice]:
+        self._dirty = True
         for key in self._tomb.pop_due(now):
             self.finished.pop(key, None)  # type: ignore[arg-type]
             self.expired_at.pop(key, None)  # type: ignore[arg-type]
@@ -395,8 +407,19 @@ class LeaseRegistry:
         return self._drain()
 
     def next_deadline(self) -> int | None:
+        # Asked after every event by the driver: recomputed only after something changed.
+        if not self._dirty:
+            return self._next
+        self._dirty = False
+        self._next = self._compute_next()
+        return self._next
+
+    def _compute_next(self) -> int | None:
+        # A waiting lease ends at its watchdog or its lease deadline, whichever comes first.
         times = [
-            x.watchdog if x.state is _W else x.deadline for x in self.leases.values() if x.state is not _F
+            min(x.watchdog, x.deadline) if x.state is _W else x.deadline
+            for x in self.leases.values()
+            if x.state is not _F
         ]
         times += [wd for _, wd in self.held.values()]
         t = self._tomb.next()
