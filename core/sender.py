@@ -607,6 +607,13 @@ class SenderEngine(StagedSender, RoomEngine):
         r.opened = True
         r.aux_index = ev.aux_index
         r.receivers, r.flow_override = tuple(ev.receivers), ev.flow
+        if not self._wants_push(r):
+            # Registered on the policy's push before the open named another flow: withdraw.
+            for p, key in sorted(r.push_keys.items()):
+                if key in self.leases.leases:
+                    self.leases.abort(key, r.tid, p, self._now)
+                self._push_rooms.pop(key, None)
+            r.push_keys.clear()
         for info in list(r.infos.values()):
             self._push_register(r, info)
         self._prefetch(r)
@@ -810,7 +817,7 @@ class SenderEngine(StagedSender, RoomEngine):
 
     def _push_register(self, r: _Room, info: m.TransferInfo) -> None:
         """A TransferInfo of a push room is decode's PUSH_REG: a lease for that decode rank."""
-        if r.flow_override != Flow.PUSH.value or info.dummy or info.src in r.push_keys:
+        if not self._wants_push(r) or info.dummy or info.src in r.push_keys:
             return
         key = f"{r.tid}@{info.src.server}{info.src.rank}"
         r.push_keys[info.src] = key
@@ -825,6 +832,12 @@ class SenderEngine(StagedSender, RoomEngine):
             token_end=info.num_tokens,
         )
         self._lease_notices(self.leases.register(reg, self._now))
+
+    def _wants_push(self, r: _Room) -> bool:
+        """The room will run the push flow: asked per room, or the policy's own override."""
+        if r.flow_override is not None:
+            return r.flow_override == Flow.PUSH.value
+        return self.policy.override is Flow.PUSH
 
     def _push_finish(self, r: _Room) -> None:
         """The first chunk ran: the forward pass that matches every registration of the room."""
