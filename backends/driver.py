@@ -11,7 +11,8 @@ A ``Driver`` wraps one engine (``SenderEngine`` or ``ReceiverEngine``) and one `
   ``writes_pending(ids)`` tells when they finished; ``poll_writes(now)`` makes progress on them.
 
 Every command is executed here, in order, and what it causes (a refused post becomes
-``WriteFailed``, ``CheckAux`` becomes ``AuxChecked``) is fed back before the call returns.
+``WriteFailed``, ``CheckAux`` becomes ``AuxChecked``) is fed back before the call returns; a
+decode-side ``PostRead`` (pull flow) is tracked and answered like a write.
 A transport error never escapes: it is counted in ``errors`` and, where a write is concerned,
 turned into a failed write so that only that room fails.
 
@@ -65,6 +66,7 @@ from kvferry.core.commands import (
     FreePages,
     Gather,
     PostAuxWrite,
+    PostRead,
     PostWrite,
     Scatter,
     SendControl,
@@ -336,6 +338,17 @@ class Driver:
                 handle = self._call_data_plane(cmd)
                 if k is not SendNotif:
                     self.handles[cmd.write_id] = handle
+            elif k is PostRead:
+                # Decode's pull READ: tracked and reported like a write (WriteDone/WriteFailed).
+                self.handles[cmd.read_id] = t.post_read(
+                    cmd.peer,
+                    cmd.src_region,
+                    cmd.src_offset,
+                    cmd.dst_region,
+                    cmd.dst_offset,
+                    cmd.length,
+                    cmd.notif,
+                )
             elif k is EnqueueChunk:
                 self.queues[cmd.shard % len(self.queues)].append(cmd.chunk)
                 if self.on_enqueue is not None:
@@ -376,6 +389,8 @@ class Driver:
         if k is PostWrite or k is PostAuxWrite:
             # Refused before anything moved: only this room fails, as a failed write.
             followups.append(WriteFailed(write_id=cmd.write_id, reason=f"post refused: {exc}"))
+        elif k is PostRead:
+            followups.append(WriteFailed(write_id=cmd.read_id, reason=f"read refused: {exc}"))
         elif k is CheckAux:
             followups.append(AuxChecked(room=cmd.room, transfer_id=cmd.transfer_id, found_room=-1))
         elif k is Gather or k is Scatter:

@@ -10,6 +10,10 @@ Execution contract for a driver (``backends/driver.py`` implements it):
   ``src_aux_index`` into the peer's row ``dst_aux_index``) with ``notif`` as its notification, or
   send the notification alone. Report DONE/ERR back as WriteDone/WriteFailed(write_id). A
   SendNotif has no write id and no completion.
+- PostRead (pull flow, decode side): ``transport.post_read(peer, src_region, src_offset,
+  dst_region, dst_offset, length, notif)``: READ the planner's descriptors (src: the peer's
+  pages, dst: ours); the peer gets ``notif`` when the bytes are read. Reported back like a write:
+  WriteDone/WriteFailed(write_id=read_id) (the driver tracks every posted transfer by its id).
 - AwaitWrites: the worker that ran the chunk should not take its next chunk before these writes
   finished (seed 000's per-queue ordering); purely a pacing hint, correctness does not need it.
 - CheckAux: read the room id stored in local aux row ``aux_index``; answer with AuxChecked.
@@ -44,6 +48,7 @@ __all__ = [
     "FreePages",
     "Gather",
     "PostAuxWrite",
+    "PostRead",
     "PostWrite",
     "Scatter",
     "SendControl",
@@ -84,6 +89,20 @@ class PostWrite(_Cmd):
     """WRITE of planner descriptors (equal-length int64 arrays) into ``peer``'s registered regions."""
 
     write_id: int
+    peer: Endpoint
+    room: int
+    src_region: Any
+    src_offset: Any
+    dst_region: Any
+    dst_offset: Any
+    length: Any
+    notif: bytes
+
+
+class PostRead(_Cmd):
+    """READ of planner descriptors (src: ``peer``'s registered regions, dst: ours)."""
+
+    read_id: int
     peer: Endpoint
     room: int
     src_region: Any
@@ -172,6 +191,7 @@ Command = (
     | EnqueueChunk
     | PostWrite
     | PostAuxWrite
+    | PostRead
     | SendNotif
     | AwaitWrites
     | CheckAux

@@ -170,6 +170,9 @@ class ReceiverOpen(_Event):
     num_tokens: int
     aux_index: int
     senders: tuple[SenderSpec, ...]
+    # A partial prefix hit: decode already holds tokens [0, token_start) (its prefix cache) and
+    # asks only for the rest; they land at their own slots, never shifted to the front.
+    token_start: int = 0
 
 
 class NotificationIn(_Event):

@@ -32,6 +32,9 @@ __all__ = [
     "GeometryWire",
     "Heartbeat",
     "InfoAck",
+    "PullOffer",
+    "Pulled",
+    "ReadsStopped",
     "RegionAddr",
     "Register",
     "RegisterAck",
@@ -174,7 +177,11 @@ class RegisterAck(_Msg, tag="reg_ack"):
 
 
 class Heartbeat(_Msg, tag="hb"):
-    """Either direction, periodic: I am alive. Any message counts as liveness; this one is spare."""
+    """Either direction, periodic: I am alive. Any message counts as liveness; this one is spare.
+    ``rooms`` (decode -> prefill): the rooms decode still waits on from this prefill rank; each
+    renews that room's push registration lease (core/resources/leases.py)."""
+
+    rooms: Annotated[list[Room], msgspec.Meta(max_length=1 << 16)] = []
 
 
 class TransferInfo(_Msg, tag="info"):
@@ -198,11 +205,14 @@ class TransferInfo(_Msg, tag="info"):
     send_aux: bool
     dummy: bool
     expected_infos: Annotated[int, msgspec.Meta(ge=1, lt=1 << 12)]
+    token_start: Tokens = 0  # decode holds [0, token_start) already (a prefix hit): send the rest
 
     def __post_init__(self) -> None:
         _check_version(self.v)
         if self.dummy and self.send_aux:
             raise ValueError("a dummy sender cannot carry the aux row")
+        if self.token_start > self.num_tokens:
+            raise ValueError(f"token_start {self.token_start} past the {self.num_tokens} tokens")
 
 
 class InfoAck(_Msg, tag="info_ack"):
@@ -245,6 +255,49 @@ class Abort(_Msg, tag="abort"):
 
 class Stopped(_Msg, tag="stopped"):
     """Prefill -> decode: the fence. No write of mine for this room is or will be in flight."""
+
+    room: Room
+    transfer_id: TransferId
+
+
+class PullOffer(_Msg, tag="pull_offer"):
+    """Prefill -> decode (pull flow): chunk ``chunk_index`` (tokens ``[token_start, token_end)``)
+    is computed and sits in ``src_pages`` (prefill's page ids covering the room from token 0);
+    READ it, then answer ``Pulled``. Prefill keeps the pages until every offered chunk was
+    pulled, or until decode says it stopped reading (``ReadsStopped``), or its fence deadline.
+    ``registration`` is prefill's own Register (agent, regions, geometry): decode needs it to READ,
+    and carrying it in every offer makes each offer usable alone, in any order. Resent each
+    heartbeat interval until answered."""
+
+    room: Room
+    transfer_id: TransferId
+    registration: Register
+    chunk_index: Count
+    token_start: Tokens
+    token_end: Tokens
+    is_last: bool
+    src_pages: Annotated[list[PageId], msgspec.Meta(max_length=MAX_PAGES)]
+
+    def __post_init__(self) -> None:
+        _check_version(self.v)
+        if self.token_end < self.token_start:
+            raise ValueError(f"token range [{self.token_start}, {self.token_end}) is reversed")
+        if self.registration.src != self.src:
+            raise ValueError("an offer carries its sender's own registration")
+
+
+class Pulled(_Msg, tag="pulled"):
+    """Decode -> prefill (pull flow): my READ of chunk ``chunk_index`` finished; those pages are
+    yours again as far as I am concerned. Answers every copy of the offer."""
+
+    room: Room
+    transfer_id: TransferId
+    chunk_index: Count
+
+
+class ReadsStopped(_Msg, tag="reads_stopped"):
+    """Decode -> prefill (pull flow), the reverse fence: the room failed here and no READ of
+    mine from your pages is or will be in flight; you may free them."""
 
     room: Room
     transfer_id: TransferId
@@ -318,6 +371,9 @@ Control = (
     | StagingReq
     | StagingRsp
     | Watermark
+    | PullOffer
+    | Pulled
+    | ReadsStopped
 )
 
 

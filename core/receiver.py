@@ -14,6 +14,9 @@ Room states and KVPoll:
                                     (FreePages) once every sender confirmed Stopped, or the fence
                                     deadline passed
 
+Pull flow (core/flows/pull_rx.py): a sender may offer its chunks (PullOffer) instead of writing
+them; decode READs each one and records it like a write's notification, so Success means the same.
+
 Late failures: a RoomFailed for a room that is Success here (live or tombstoned) turns it Failed
 (Failed overrides and sticks, so both sides end Failed); every RoomFailed is answered with
 FailedAck, which stops the sender's resending.
@@ -43,7 +46,10 @@ from kvferry.core.events import (
     ReleaseRoom,
     SenderSpec,
     Tick,
+    WriteDone,
+    WriteFailed,
 )
+from kvferry.core.flows.pull_rx import PullReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.flows.staged_rx import RxChunk
 from kvferry.core.kvpoll import KVPoll
@@ -81,6 +87,9 @@ class RIn(Enum):
     STAGING_REQ = "staging_req"  # a writer asks for staging space for a chunk
     COPY_DONE = "copy_done"  # a scatter finished
     COPY_FAILED = "copy_failed"
+    OFFER = "offer"  # pull flow: a sender offers a computed chunk's pages
+    READ_DONE = "read_done"  # pull flow: our READ of an offered chunk finished
+    READ_FAILED = "read_failed"
 
 
 STATUS = {
@@ -119,6 +128,10 @@ class _Room:
         "key",
         "num_tokens",
         "progress",
+        "pull_from",
+        "pulled",
+        "reads",
+        "reads_stopped_sent",
         "release_requested",
         "room",
         "scatters",
@@ -126,6 +139,7 @@ class _Room:
         "state",
         "stg",
         "tid",
+        "token_start",
     )
 
     def __init__(self, ev: ReceiverOpen, pages: Any) -> None:
@@ -135,6 +149,7 @@ class _Room:
         self.state = RState.BOOTSTRAPPING
         self.dst_pages = pages
         self.num_tokens = ev.num_tokens
+        self.token_start = ev.token_start
         self.aux_index = ev.aux_index
         self.senders: dict[m.Endpoint, SenderSpec] = {s.endpoint: s for s in ev.senders}
         self.data_senders = {s.endpoint for s in ev.senders if not s.dummy}
@@ -151,6 +166,11 @@ class _Room:
         self.release_requested = False
         self.stg: dict[int, RxChunk] = {}  # staged chunks (core.flows.staged_rx)
         self.scatters: set[int] = set()  # scatter ops in flight: the pages are being written
+        # Pull flow: READs in flight (they write the pages), chunks pulled, senders that offered.
+        self.reads: dict[int, Any] = {}
+        self.pulled: set[tuple[m.Endpoint, int]] = set()
+        self.pull_from: set[m.Endpoint] = set()
+        self.reads_stopped_sent = False
 
 
 class _Peer:
@@ -161,7 +181,7 @@ class _Peer:
         self.last_seen = now
 
 
-class ReceiverEngine(StagedReceiver, RoomEngine):
+class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
     """All rooms of one decode rank. Feed it events, execute the commands it returns.
 
     ``registration``: this rank's ``Register`` message (agent, regions, geometry, aux rows), sent
@@ -175,8 +195,11 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
     TIMEOUT = RIn.TIMEOUT
     PEER_LOST = RIn.PEER_LOST
     STAGING_REQ = RIn.STAGING_REQ
+    OFFER = RIn.OFFER
 
-    def __init__(self, registration: m.Register, *, timeouts: Timeouts | None = None) -> None:
+    def __init__(
+        self, registration: m.Register, *, timeouts: Timeouts | None = None, planner: Any = None
+    ) -> None:
         self.registration = registration
         self.reg_id = m.registration_id(registration)
         self.endpoint = registration.src
@@ -198,6 +221,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         self._now = 0
         self.last_internal_error: BaseException | None = None
         self._init_staging(registration)
+        self._init_pull(planner)
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -217,6 +241,16 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
                 self.counters["unknown_op"] += 1
             else:
                 self._room_input(key[0], key[1], RIn.COPY_DONE if t is CopyDone else RIn.COPY_FAILED, event)
+        elif t is WriteDone or t is WriteFailed:
+            # Our pull READs come back as transfers by id, like a write's completion.
+            key = self.reads.pop(event.write_id, None)
+            if key is None:
+                self.counters["unknown_read"] += 1
+            else:
+                r = self.rooms.get(key[0])
+                info = r.reads.pop(event.write_id, None) if r is not None and r.tid == key[1] else None
+                inp = RIn.READ_DONE if t is WriteDone else RIn.READ_FAILED
+                self._room_input(key[0], key[1], inp, (event, info))
         elif t is ReceiverOpen:
             self._open(event)
         elif t is AbortRoom:
@@ -246,6 +280,8 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             refs.append("deadlines")
         if any(k[0] == room for k in self.ops.values()):
             refs.append("ops")
+        if any(k[0] == room for k in self.reads.values()):
+            refs.append("reads")
         if any(q[0] == room for q in self.pinned_queue):
             refs.append("pinned_queue")
         for name, res in (("ring", self.ring), ("pinned", self.pinned)):
@@ -298,10 +334,17 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
                 msg.src,
                 m.FailedAck(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id, known=known),
             )
+            if r is None or r.tid != msg.transfer_id:
+                # No room of ours reads its pages (released or never known): a pull sender may free.
+                self._send(
+                    msg.src, m.ReadsStopped(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id)
+                )
         elif t is m.RegisterAck:
             self._on_register_ack(msg)
         elif t is m.StagingReq:
             self._on_staging_req(msg)
+        elif t is m.PullOffer:
+            self._on_offer(msg)
         elif t is m.InfoAck:
             r = self.rooms.get(msg.room)
             if r is not None and r.tid == msg.transfer_id and msg.src in r.senders:
@@ -401,6 +444,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             send_aux=spec.send_aux,
             dummy=spec.dummy,
             expected_infos=spec.expected_infos,
+            token_start=r.token_start,
         )
 
     def _all_acked(self, r: _Room) -> bool:
@@ -431,6 +475,8 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             return f"{ev.num_tokens} tokens do not fit {pages.size} pages of {self.page_size}"
         if not 0 <= ev.aux_index < self.registration.aux_rows:
             return f"aux row {ev.aux_index} out of range"
+        if not 0 <= ev.token_start <= ev.num_tokens:
+            return f"token_start {ev.token_start} outside [0, {ev.num_tokens}]"
         return None
 
     def _room_input(
@@ -532,8 +578,9 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             prog.last_index = idx
         prog.chunks[idx] = rng
         if prog.last_index >= 0 and len(prog.chunks) == prog.last_index + 1:
-            # Every chunk is in (as a set, whatever the order): the ranges must tile [0, num_tokens).
-            pos = 0
+            # Every chunk is in (as a set, whatever the order): the ranges must tile
+            # [token_start, num_tokens) (a prefix hit starts later; nothing is shifted to the front).
+            pos = r.token_start
             for i in range(prog.last_index + 1):
                 start, end = prog.chunks[i]
                 if start != pos:
@@ -584,6 +631,8 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             reason = f"{payload.src} stopped sending before its failure notice arrived"
         elif inp is RIn.COPY_FAILED:
             reason = f"scatter failed: {payload.reason}"
+        elif inp is RIn.READ_FAILED:
+            reason = f"read failed: {payload[0].reason}"
         else:
             reason = f"peer {payload} lost (no heartbeat)"
         self._fail(r, RoomFailure(reason, at_ns=self._now))
@@ -597,7 +646,12 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
                 r.fence_expired = True
         elif inp is RIn.NOTIFY:
             self.counters["notification_after_failure"] += 1
-        elif inp is not RIn.STOPPED and inp is not RIn.RELEASE:
+        elif inp is RIn.OFFER:
+            self._pull_after_failure(r, payload)
+        elif inp is RIn.PEER_FAILED and payload.src in r.pull_from and not r.reads:
+            # A pull sender still holding its pages asks again: nothing of ours reads them.
+            self._send(payload.src, m.ReadsStopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
+        elif inp not in (RIn.STOPPED, RIn.RELEASE, RIn.READ_DONE, RIn.READ_FAILED):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
     # --- failure, fence, release -------------------------------------------------------------------
@@ -631,16 +685,19 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
 
     def _maybe_finish(self, r: _Room) -> None:
         fenced = r.fence_expired or r.fenced >= r.senders.keys()
-        if r.state is RState.FAILED and not r.freed and fenced and not r.scatters:
+        if r.state is RState.FAILED:
+            self._reads_drained(r)
+        if r.state is RState.FAILED and not r.freed and fenced and not r.scatters and not r.reads:
             # Pages and staging space go back only when no writer can still write them (fenced)
-            # and no scatter of ours is writing the pages.
+            # and no scatter or READ of ours is writing the pages.
             r.freed = True
             self._reclaim(r)
             self.deadlines.cancel(("room", r.room))
             self._aborts.cancel(r.room)
             reason = "fence expired" if r.fence_expired else "every sender stopped"
             self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
-        if r.release_requested and ((r.state is RState.SUCCESS and not r.scatters) or r.freed):
+        settled = r.state is RState.SUCCESS and not r.scatters and not r.reads
+        if r.release_requested and (settled or r.freed):
             self._remove(r)
 
     def _remove(self, r: _Room) -> None:
@@ -668,12 +725,24 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
     # --- time ----------------------------------------------------------------------------------------
 
     def _heartbeat(self, peer: m.Endpoint) -> None:
-        # Until acked, the heartbeat is the Register again (it may have been lost).
-        self._send(peer, m.Heartbeat(src=self.endpoint) if self.peers[peer].acked else self.registration)
+        # Until acked, the heartbeat is the Register again (it may have been lost). It names the
+        # rooms still waiting on this sender: that renews their push registration leases.
+        if self.peers[peer].acked:
+            waiting = sorted(
+                room
+                for room in self.rooms_by_peer.get(peer, ())
+                if self.rooms[room].state in (RState.BOOTSTRAPPING, RState.WAITING, RState.TRANSFERRING)
+            )
+            self._send(peer, m.Heartbeat(src=self.endpoint, rooms=waiting))
+        else:
+            self._send(peer, self.registration)
         for pool in ("ring", "pinned"):
             if peer in self.subscribers[pool]:
                 # A lost broadcast must not leave a writer waiting: repeat it.
                 self._send(peer, self._watermark_msg(pool))
+
+    def _peer_gone(self, peer: m.Endpoint) -> None:
+        self._forget_pull_peer(peer)  # the driver drops its agent with it (DropPeer)
 
     def _on_deadline(self, kind: str, what: Any) -> None:
         if kind == "abort":
@@ -706,6 +775,7 @@ _LIVE_FAILURES = {
     # A sender confirms Stopped only after it failed: its RoomFailed was lost or is overtaken.
     RIn.STOPPED: _FAIL,
     RIn.COPY_FAILED: _FAIL,
+    RIn.READ_FAILED: _FAIL,
 }
 
 RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
@@ -715,12 +785,15 @@ RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
         # A notification proves the sender has our registration even if its ack is still in flight.
         RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
         RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_B),
+        # An offer proves the sender has our TransferInfo and registration, as a notification does.
+        RIn.OFFER: _t(E._h_on_offer, stay=_B, running=_T, done=_S),
     },
     _W: {
         **_LIVE_FAILURES,
         RIn.PEER_READY: _t(E._h_on_peer_ready, stay=_W),
         RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
         RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_W),
+        RIn.OFFER: _t(E._h_on_offer, stay=_W, running=_T, done=_S),
     },
     _T: {
         **_LIVE_FAILURES,
@@ -729,6 +802,8 @@ RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
         RIn.AUX_CHECKED: _t(E._h_on_aux_checked, stay=_T, done=_S),
         RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_T),
         RIn.COPY_DONE: _t(E._h_on_copy_done, stay=_T, done=_S),
+        RIn.OFFER: _t(E._h_on_offer, stay=_T, running=_T, done=_S),
+        RIn.READ_DONE: _t(E._h_on_read_done, stay=_T, running=_T, done=_S),
     },
     _S: {
         RIn.STAGING_REQ: _t(E._h_ignore, stay=_S),
@@ -740,6 +815,7 @@ RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
         RIn.PEER_FAILED: _FAIL,  # both sides must agree on the outcome
         RIn.ABORT_LOCAL: _t(E._h_ignore, stay=_S),  # every byte landed: nothing left to abort
         RIn.RELEASE: _t(E._h_ignore, stay=_S),
+        RIn.OFFER: _t(E._h_on_offer_after_success, stay=_S),
     },
     _F: {i: _t(E._h_on_failed_input, stay=_F) for i in RIn},
 }

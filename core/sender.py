@@ -10,6 +10,22 @@ Room states and KVPoll:
     FAILED        (Failed)         absorbing; tells every known decode rank (RoomFailed), and once
                                    no write is in flight sends the fence (Stopped)
 
+Pull flow (``Flow.PULL``): running a chunk posts no data write; it offers the chunk's pages to
+every data decode rank (``PullOffer``, resent each heartbeat interval until ``Pulled``) and the
+room stays Transferring until every offered chunk was pulled. A failed pull room keeps its pages
+(the room is not dropped, so the scheduler cannot free them) until every decode rank that was
+offered pages said ``ReadsStopped``, restarted (its READs died with it), or the fence deadline
+passed: decode may still be reading them. The aux row is still written by prefill (one small
+write, like the metadata a router carries upstream).
+
+Push flow (``Flow.PUSH``, seed 004): the direct flow's writes under registration leases
+(core/resources/leases.py). Each TransferInfo of a push room is decode's PUSH_REG: a lease per
+(room, decode rank), renewed by decode's heartbeats naming the room. The first chunk run is the
+"forward finished" that matches it (chunks that come first are held, as in every flow); every
+write (data and aux) is posted only while the lease lives; a lease that expires, or a
+registration refused or never matched (watchdog), fails the room with that reason, which reaches
+decode as RoomFailed; writes in flight are fenced (Stopped) before decode frees its pages.
+
 Failure notices are reliable: RoomFailed is resent every heartbeat interval to each decode rank
 that has not answered (FailedAck, or its own Abort / RoomFailed, which prove it is Failed too),
 for at most ``fence_ns`` after the failure. The pending notices live in ``notices``, apart from
@@ -49,6 +65,7 @@ from kvferry.core.events import (
     ControlIn,
     CopyDone,
     CopyFailed,
+    NotificationIn,
     PeerUnusable,
     ReleaseRoom,
     SenderOpen,
@@ -56,7 +73,7 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
-from kvferry.core.flows import FlowPolicy
+from kvferry.core.flows import Flow, FlowPolicy
 from kvferry.core.flows.staged_sender import StagedSender
 from kvferry.core.flows.staged_tx import StagedLedger
 from kvferry.core.kvpoll import KVPoll
@@ -70,6 +87,14 @@ from kvferry.core.proto_common import (
     step,
 )
 from kvferry.core.reliable import Resends
+from kvferry.core.resources.leases import (
+    Finish,
+    LeaseMisuseError,
+    LeaseRegistry,
+    Notice,
+    NoticeKind,
+    PushReg,
+)
 from kvferry.core.worker import Destination, plan_chunk, shard_of
 
 __all__ = ["SENDER_TABLE", "SIn", "SState", "SenderEngine"]
@@ -100,6 +125,8 @@ class SIn(Enum):
     STAGING_RSP = "staging_rsp"  # decode granted (or refused) staging space for a chunk
     COPY_DONE = "copy_done"  # a gather finished
     COPY_FAILED = "copy_failed"
+    PULLED = "pulled"  # pull flow: decode READ an offered chunk
+    READS_STOPPED = "reads_stopped"  # pull flow: decode failed the room and reads no more
 
 
 STATUS = {
@@ -133,6 +160,10 @@ class _Room:
         "num_tokens",
         "opened",
         "parked",
+        "pull_offered",
+        "pull_owed",
+        "push_keys",
+        "push_writes",
         "ranges",
         "receivers",
         "release_requested",
@@ -141,6 +172,7 @@ class _Room:
         "stop_to",
         "stopped_sent",
         "tid",
+        "token_start",
         "tokens_done",
     )
 
@@ -156,6 +188,7 @@ class _Room:
         self.dests: dict[m.Endpoint, Any] = {}  # peer -> dst page array
         self.expected_infos = 0
         self.num_tokens = -1
+        self.token_start = 0  # decode's prefix hit: it holds [0, token_start) already
         self.parked: list[ChunkReady] = []
         self.next_enqueue = 0
         self.next_run = 0
@@ -174,6 +207,13 @@ class _Room:
         self.ranges: list[tuple[int, int]] = []
         self.enqueue_end = 0
         self.ledger = StagedLedger()
+        # Pull flow: chunks offered, and per decode rank the offered chunks it has not pulled
+        # (it may be reading those pages: they stay ours until it says so or the fence expires).
+        self.pull_offered: list[int] = []
+        self.pull_owed: dict[m.Endpoint, set[int]] = {}
+        # Push flow: lease key per decode rank, and which decode rank each write in flight goes to.
+        self.push_keys: dict[m.Endpoint, str] = {}
+        self.push_writes: dict[int, m.Endpoint] = {}
 
 
 class _Peer:
@@ -207,7 +247,10 @@ class SenderEngine(StagedSender, RoomEngine):
         policy: FlowPolicy | None = None,
         worker_buffer_bytes: int = 0,
         pinned_bytes: int = 0,
+        registration: m.Register | None = None,
     ) -> None:
+        """``registration``: this rank's own Register (agent, regions, geometry), which the pull
+        flow hands to decode in its offers; without it a pull room fails with a reason."""
         if planner is None:
             from kvferry.core.planner import plan_rank_pair as planner
         self.endpoint = endpoint
@@ -230,6 +273,20 @@ class SenderEngine(StagedSender, RoomEngine):
             self.timeouts.heartbeat_interval_ns,
             resent="failure_resent",
             gave_up="failure_notice_gave_up",
+        )
+        self.registration = registration
+        # Push registrations (a lease per room and decode rank); the watchdog fires just before
+        # the room's own waiting deadline, so the room fails with its reason.
+        t = self.timeouts
+        self.leases = LeaseRegistry(
+            t.heartbeat_timeout_ns,
+            max(1, t.waiting_ns - t.heartbeat_interval_ns),
+            tombstone_ns=t.tombstone_ns,
+        )
+        self._push_rooms: dict[str, tuple[int, str]] = {}  # lease key -> room key
+        # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
+        self._pulls = Resends(
+            "pull", self.deadlines, self.counters, self.timeouts.heartbeat_interval_ns, "pull_resent"
         )
         self._next_write_id = 1
         self._out: list[Any] = []
@@ -273,6 +330,10 @@ class SenderEngine(StagedSender, RoomEngine):
         elif t is PeerUnusable:
             if event.peer in self.peers:
                 self._lose_peer(event.peer, unusable=event.reason)
+        elif t is NotificationIn:
+            # The notification of decode's READ (pull flow): informational; the pages stay ours
+            # until the control message Pulled, which is resent until it arrives.
+            self.counters["read_notif"] += 1
         else:
             self.counters["bad_event"] += 1
             raise TypeError(f"SenderEngine cannot handle {t.__name__}")
@@ -303,6 +364,10 @@ class SenderEngine(StagedSender, RoomEngine):
             refs.append("writes")
         if any(isinstance(k, tuple) and k[1] == room for k in self.deadlines.live_keys()):
             refs.append("deadlines")
+        if any(k[0] == room for k in self._pulls.entries):
+            refs.append("pull_offers")
+        if any(rk[0] == room and k in self.leases.leases for k, rk in self._push_rooms.items()):
+            refs.append("leases")
         return refs + self.staging_refs(room)
 
     # --- control messages --------------------------------------------------------------------------
@@ -339,10 +404,19 @@ class SenderEngine(StagedSender, RoomEngine):
             self._on_register(msg)
         elif t is m.Heartbeat:
             self.counters["heartbeat_in"] += 1
+            for room in msg.rooms:
+                r = self.rooms.get(room)
+                if r is not None and msg.src in r.push_keys:
+                    self.leases.renew_key(r.push_keys[msg.src], r.tid, self._now)
         elif t is m.StagingRsp:
             self._room_input(msg.room, msg.transfer_id, SIn.STAGING_RSP, msg)
         elif t is m.Watermark:
             self._on_watermark(msg)
+        elif t is m.Pulled:
+            self._pulls.answered((msg.room, msg.transfer_id, msg.chunk_index), msg.src)
+            self._room_input(msg.room, msg.transfer_id, SIn.PULLED, msg)
+        elif t is m.ReadsStopped:
+            self._room_input(msg.room, msg.transfer_id, SIn.READS_STOPPED, msg)
         else:
             # RegisterAck / Stopped / StagingReq only travel prefill -> decode.
             self.counters["wrong_side_message"] += 1
@@ -378,6 +452,8 @@ class SenderEngine(StagedSender, RoomEngine):
         for room in sorted(self.rooms_by_peer.get(msg.src, ())):
             r = self.rooms[room]
             if r.infos[msg.src].reg != new.reg_id:
+                # The old process is gone, and its READs of our pages (pull) died with it.
+                r.pull_owed.pop(msg.src, None)
                 # Pages named by a past incarnation: writing them would hit whoever owns them now.
                 self._dispatch(r, SIn.PEER_LOST, (msg.src, "restarted since its TransferInfo"))
             elif r.state is SState.BOOTSTRAPPING:
@@ -491,10 +567,18 @@ class SenderEngine(StagedSender, RoomEngine):
             r.release_requested = True
         elif inp is SIn.WRITE_DONE or inp is SIn.WRITE_FAILED:
             r.inflight.discard(payload.write_id)
+            if r.push_writes:
+                self._push_write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
             if r.ledger.write_lane:
                 self._write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
         elif inp is SIn.COPY_DONE or inp is SIn.COPY_FAILED:
             self._op_finished(r, payload.op_id)
+        elif inp is SIn.PULLED:
+            owed = r.pull_owed.get(payload.src)
+            if owed is not None:
+                owed.discard(payload.chunk_index)
+        elif inp is SIn.READS_STOPPED:
+            r.pull_owed.pop(payload.src, None)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -527,6 +611,15 @@ class SenderEngine(StagedSender, RoomEngine):
         r.opened = True
         r.aux_index = ev.aux_index
         r.receivers, r.flow_override = tuple(ev.receivers), ev.flow
+        if not self._wants_push(r):
+            # Registered on the policy's push before the open named another flow: withdraw.
+            for p, key in sorted(r.push_keys.items()):
+                if key in self.leases.leases:
+                    self.leases.abort(key, r.tid, p, self._now)
+                self._push_rooms.pop(key, None)
+            r.push_keys.clear()
+        for info in list(r.infos.values()):
+            self._push_register(r, info)
         self._prefetch(r)
         return "ready" if self._ready(r) else "stay"
 
@@ -546,15 +639,19 @@ class SenderEngine(StagedSender, RoomEngine):
                 raise RoomError(
                     f"decode ranks disagree on the room's length ({msg.num_tokens} vs {r.num_tokens})"
                 )
+            if msg.token_start != r.token_start:
+                raise RoomError(f"decode ranks disagree on the prefix they hold ({msg.token_start})")
         else:
             r.expected_infos = msg.expected_infos
             r.num_tokens = msg.num_tokens
+            r.token_start = msg.token_start
         if len(r.infos) >= r.expected_infos:
             raise RoomError(f"more TransferInfos than the {r.expected_infos} expected")
         r.infos[msg.src] = msg
         r.dests[msg.src] = np.asarray(msg.dst_pages, dtype=np.int64)
         r.stop_to.add(msg.src)
         self.rooms_by_peer.setdefault(msg.src, set()).add(r.room)
+        self._push_register(r, msg)
         self._prefetch(r)
         return "ready" if self._ready(r) else "stay"
 
@@ -606,8 +703,12 @@ class SenderEngine(StagedSender, RoomEngine):
         if c.chunk_index != r.next_run:
             raise RoomStateError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
         if r.ledger.flow is not None and r.ledger.flow.staged:
+            if r.token_start:
+                raise RoomStateError(f"flow {r.ledger.flow.value} cannot skip decode's prefix hit")
             # The worker hands a staged chunk over and moves on; its lanes wait for space.
             return self._accept_staged(r, c)
+        if r.ledger.flow is Flow.PULL:
+            return self._run_pull(r, c)
         return self._run_direct(r, c)
 
     def _chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
@@ -617,6 +718,9 @@ class SenderEngine(StagedSender, RoomEngine):
         start, end = r.tokens_done, c.token_end
         if end < start:
             raise RoomStateError(f"chunk {c.chunk_index} ends at token {end}, before its start {start}")
+        # A prefix hit: decode holds [0, token_start); only the rest moves, at its own slots (the
+        # planner places by absolute token), and a chunk wholly inside the prefix moves nothing.
+        start, end = max(start, r.token_start), max(end, r.token_start)
         if end > r.num_tokens:
             raise RoomStateError(f"chunk {c.chunk_index} ends at token {end}, past decode's {r.num_tokens}")
         if c.is_last and end != r.num_tokens:
@@ -651,6 +755,9 @@ class SenderEngine(StagedSender, RoomEngine):
             Destination(p, self.peers[p].pool, r.dests[p], info.dummy) for p, info in sorted(r.infos.items())
         ]
         writes = plan_chunk(self.planner, self.pool, c.src_pages, dests, start, end)
+        push = r.ledger.flow is Flow.PUSH
+        if push and c.chunk_index == 0:
+            self._push_finish(r)
         self._advance(r, c, end)
         posted: list[int] = []
         note = self._chunk_note(r, c, start, end)  # identical for every data write: encode once
@@ -658,7 +765,11 @@ class SenderEngine(StagedSender, RoomEngine):
             if w.count == 0:
                 self._out.append(SendNotif(peer=w.peer, room=r.room, notif=note))
                 continue
+            if push:
+                self._push_post(r, w.peer)
             wid = self._new_write(r)
+            if push:
+                r.push_writes[wid] = w.peer
             posted.append(wid)
             self._out.append(
                 PostWrite(
@@ -675,9 +786,140 @@ class SenderEngine(StagedSender, RoomEngine):
             )
         return self._finish_run(r, c, start, end, posted)
 
+    def _run_pull(self, r: _Room, c: ChunkReady) -> str:
+        """Offer the chunk's pages to every data decode rank; they READ, then answer Pulled."""
+        if self.registration is None:
+            raise RoomStateError("pull flow: this prefill rank has no registration to offer")
+        start, end = self._chunk_bounds(r, c)
+        self._advance(r, c, end)
+        targets = [p for p, info in sorted(r.infos.items()) if not info.dummy]
+        idx = c.chunk_index
+        reg, room, tid = self.registration, r.room, r.tid
+        pages = np.asarray(c.src_pages, dtype=np.int64).tolist()
+        for p in targets:
+            r.pull_owed.setdefault(p, set()).add(idx)
+        r.pull_offered.append(idx)
+        offer = m.PullOffer(
+            src=self.endpoint,
+            room=room,
+            transfer_id=tid,
+            registration=reg,
+            chunk_index=idx,
+            token_start=start,
+            token_end=end,
+            is_last=c.is_last,
+            src_pages=pages,
+        )
+        for p, msg in self._pulls.start((room, tid, idx), targets, lambda p: offer, self._now):
+            self._send(p, msg)
+        return self._finish_run(r, c, start, end, [])
+
+    def _h_on_pulled(self, r: _Room, inp: SIn, msg: m.Pulled) -> str:
+        return "done" if self._quiet(r) else "stay"
+
+    # --- push: registration leases -----------------------------------------------------------
+
+    def _push_register(self, r: _Room, info: m.TransferInfo) -> None:
+        """A TransferInfo of a push room is decode's PUSH_REG: a lease for that decode rank."""
+        if not self._wants_push(r) or info.dummy or info.src in r.push_keys:
+            return
+        key = f"{r.tid}@{info.src.server}{info.src.rank}"
+        r.push_keys[info.src] = key
+        self._push_rooms[key] = r.key
+        reg = PushReg(
+            transfer_id=key,
+            request_id=r.tid,
+            decode=info.src,
+            incarnation=0,  # a restarted decode rank is caught by its registration id (PEER_LOST)
+            blocks=tuple(info.dst_pages),
+            token_start=info.token_start,
+            token_end=info.num_tokens,
+        )
+        self._lease_notices(self.leases.register(reg, self._now))
+
+    def _wants_push(self, r: _Room) -> bool:
+        """The room will run the push flow: asked per room, or the policy's own override."""
+        if r.flow_override is not None:
+            return r.flow_override == Flow.PUSH.value
+        return self.policy.override is Flow.PUSH
+
+    def _push_finish(self, r: _Room) -> None:
+        """The first chunk ran: the forward pass that matches every registration of the room."""
+        for _p, key in sorted(r.push_keys.items()):
+            if key in self.leases.leases:
+                self._lease_notices(self.leases.finish(Finish(key, r.tid), self._now))
+
+    def _push_post(self, r: _Room, peer: m.Endpoint) -> None:
+        """One write to ``peer`` is about to be posted: only under its live lease."""
+        key = r.push_keys.get(peer)
+        lease = self.leases.leases.get(key) if key is not None else None
+        if lease is None or lease.finish is None or self.leases.post(key, r.tid, self._now) is None:
+            self._lease_notices(self.leases.drain())
+            how = self.leases.finished.get(key, None) if key is not None else None
+            why = how.value if how else "never registered"
+            raise RoomStateError(f"push lease of {peer} is over ({why}): nothing is written")
+
+    def _lease_notices(self, notices: list[Notice]) -> None:
+        for n in notices:
+            if n.kind not in (NoticeKind.EXPIRED, NoticeKind.FAILED, NoticeKind.REFUSED):
+                continue  # MATCHED, DELIVERED, RELEASED: the room's own machine tracks writes and fences
+            rk = self._push_rooms.get(n.transfer_id)
+            r = self.rooms.get(rk[0]) if rk is not None else None
+            if r is None or r.key != rk or r.state is SState.FAILED:
+                continue
+            self.counters[f"push_{n.kind.value}"] += 1
+            self._fail(r, RoomFailure(f"push registration {n.kind.value}: {n.reason}", at_ns=self._now))
+            self._maybe_finish(r)
+
+    def _push_write_finished(self, r: _Room, wid: int, ok: bool) -> None:
+        peer = r.push_writes.pop(wid, None)
+        if peer is None:
+            return
+        try:
+            notices = self.leases.write_done(r.push_keys[peer], r.tid, ok, self._now)
+        except LeaseMisuseError:
+            self.counters["push_untracked_write"] += 1  # posted without its lease (never in real code)
+            return
+        self._lease_notices(notices)
+
+    def next_deadline(self) -> int | None:
+        a, b = RoomEngine.next_deadline(self), self.leases.next_deadline()
+        if a is None:
+            return b
+        return a if b is None else min(a, b)
+
+    def _tick(self) -> None:
+        RoomEngine._tick(self)
+        self._lease_notices(self.leases.tick(self._now))
+
+    def _pull_fence_due(self, r: _Room) -> None:
+        """The fence deadline of a failed pull room: a decode rank that vanished (heartbeat lost)
+        cannot be reading; one still alive may have READs queued behind others (a posted READ
+        cannot be cancelled), so it is asked again (RoomFailed, answered with ReadsStopped once
+        its READs drained) and the pages stay until it answers or vanishes."""
+        reason = r.failure.reason if r.failure else "failed"
+        alive = False
+        for p in sorted(r.pull_owed):
+            if not r.pull_owed[p]:
+                continue
+            if p in self.peers:
+                alive = True
+                self.counters["pull_fence_extended"] += 1
+                self._send(p, m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=reason))
+            else:
+                self.counters["pull_fence_expired"] += 1
+                del r.pull_owed[p]
+        if alive:
+            self.deadlines.set(("pfence", r.room), self._now + self.timeouts.heartbeat_interval_ns)
+        self._maybe_finish(r)
+
+    def _pull_fenced(self, r: _Room) -> bool:
+        """No decode rank can still be READing this room's pages."""
+        return not any(r.pull_owed.values())
+
     def _advance(self, r: _Room, c: ChunkReady, end: int) -> None:
         r.next_run += 1
-        r.tokens_done = end
+        r.tokens_done = int(c.token_end)  # what prefill computed, not the prefix-clipped ``end``
         r.last_run = c.is_last
 
     def _finish_run(self, r: _Room, c: ChunkReady, start: int, end: int, posted: list[int]) -> str:
@@ -690,7 +932,12 @@ class SenderEngine(StagedSender, RoomEngine):
                         SendNotif(peer=p, room=r.room, notif=self._chunk_note(r, c, start, end, dummy=True))
                     )
                 if info.send_aux:
+                    push = r.ledger.flow is Flow.PUSH
+                    if push:
+                        self._push_post(r, p)
                     wid = self._new_write(r)
+                    if push:
+                        r.push_writes[wid] = p
                     posted.append(wid)
                     self._out.append(
                         PostAuxWrite(
@@ -704,11 +951,17 @@ class SenderEngine(StagedSender, RoomEngine):
                     )
         if posted:
             self._out.append(AwaitWrites(room=r.room, write_ids=tuple(posted)))
+        if c.is_last and r.ledger.flow is Flow.PUSH:
+            for key in sorted(r.push_keys.values()):
+                try:
+                    self._lease_notices(self.leases.complete(key, r.tid, self._now))
+                except LeaseMisuseError:
+                    self.counters["push_complete_without_lease"] += 1
         return "done" if self._quiet(r) else "running"
 
     def _quiet(self, r: _Room) -> bool:
         """The last chunk ran and nothing of the room is in flight: writes, gathers, lanes."""
-        return r.last_run and not r.inflight and r.ledger.quiet()
+        return r.last_run and not r.inflight and r.ledger.quiet() and not any(r.pull_owed.values())
 
     def _new_write(self, r: _Room) -> int:
         wid = self._next_write_id
@@ -736,6 +989,8 @@ class SenderEngine(StagedSender, RoomEngine):
                 reason += f" ({r.ledger.blocked})"
         elif inp is SIn.COPY_FAILED:
             reason = f"gather failed: {payload.reason}"
+        elif inp is SIn.READS_STOPPED:
+            reason = f"{payload.src} failed the room and stopped reading"
         elif isinstance(payload, tuple):
             reason = f"peer {payload[0]} {payload[1]}"
         else:
@@ -765,7 +1020,7 @@ class SenderEngine(StagedSender, RoomEngine):
             # seed 000: a worker that meets a Failed room skips its remaining chunks.
             self.counters["chunk_skipped_failed"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=payload.chunk_index, reason="room failed"))
-        elif inp is not SIn.RELEASE and inp is not SIn.WRITE_DONE and inp is not SIn.WRITE_FAILED:
+        elif inp not in (SIn.RELEASE, SIn.WRITE_DONE, SIn.WRITE_FAILED, SIn.PULLED, SIn.READS_STOPPED):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
     def _h_on_release(self, r: _Room, inp: SIn, payload: Any) -> None:
@@ -783,6 +1038,14 @@ class SenderEngine(StagedSender, RoomEngine):
         self.stalled.discard(r.room)
         self.deadlines.cancel(("room", r.room))
         self.deadlines.cancel(("stg", r.room))
+        for idx in r.pull_offered:
+            self._pulls.cancel((r.room, r.tid, idx))
+        for p, key in sorted(r.push_keys.items()):
+            if key in self.leases.leases:
+                self.leases.abort(key, r.tid, p, self._now)  # its writes in flight fence it
+        if not self._pull_fenced(r):
+            # Decode may be READing our pages: they stay until it says it stopped, or this.
+            self.deadlines.set(("pfence", r.room), self._now + self.timeouts.fence_ns)
         self._out.append(
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
@@ -806,7 +1069,7 @@ class SenderEngine(StagedSender, RoomEngine):
                 self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         # A gather still running owns a staging buffer: the room stays until it returns.
         terminal_quiet = r.state is SState.SUCCESS or (
-            r.state is SState.FAILED and not r.inflight and not r.ledger.ops
+            r.state is SState.FAILED and not r.inflight and not r.ledger.ops and self._pull_fenced(r)
         )
         # A room only a TransferInfo ever created has no local owner to release it.
         auto = r.created_by_info and not r.opened and r.state is SState.FAILED
@@ -823,6 +1086,12 @@ class SenderEngine(StagedSender, RoomEngine):
                     del self.rooms_by_peer[p]
         self.deadlines.cancel(("room", r.room))
         self.deadlines.cancel(("stg", r.room))
+        self.deadlines.cancel(("pfence", r.room))
+        for idx in r.pull_offered:
+            self._pulls.cancel((r.room, r.tid, idx))
+        for key in r.push_keys.values():
+            if self._push_rooms.get(key) == r.key and key not in self.leases.leases:
+                del self._push_rooms[key]
         self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
 
     def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
@@ -851,6 +1120,13 @@ class SenderEngine(StagedSender, RoomEngine):
         if kind == "notice":
             for p, msg in self._notices.fire(what, self._now):
                 self._send(p, msg)
+        elif kind == "pull":
+            for p, msg in self._pulls.fire(what, self._now):
+                self._send(p, msg)
+        elif kind == "pfence":
+            r = self.rooms.get(what)
+            if r is not None and r.state is SState.FAILED and not self._pull_fenced(r):
+                self._pull_fence_due(r)
         elif kind == "notes":
             self._resend_notes(what)
         elif kind == "stg":
@@ -874,6 +1150,7 @@ _LIVE_FAILURES = {
     SIn.PEER_FAILED: _FAIL,
     SIn.TIMEOUT: _FAIL,
     SIn.PEER_LOST: _FAIL,
+    SIn.READS_STOPPED: _FAIL,  # decode failed the room (its Abort may still be on the way)
 }
 
 SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
@@ -903,9 +1180,12 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_T),
         SIn.COPY_DONE: _t(E._h_on_copy_done, stay=_T),
         SIn.COPY_FAILED: _FAIL,
+        SIn.PULLED: _t(E._h_on_pulled, stay=_T, done=_S),
         **_LIVE_FAILURES,
     },
     _S: {
+        SIn.PULLED: _t(E._h_ignore, stay=_S),  # a duplicate answer to a resent offer
+        SIn.READS_STOPPED: _t(E._h_ignore, stay=_S),  # nothing was owed; its Abort follows
         SIn.STAGING_RSP: _t(E._h_ignore, stay=_S),
         SIn.INFO: _t(E._h_on_info, stay=_S, ready=_S),
         SIn.PEER_READY: _t(E._h_ignore, stay=_S),

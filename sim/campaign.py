@@ -113,6 +113,15 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
         flow=frng.choice(("policy", "direct", "ring", "pinned", "mixed", "mixed")),
         auto_chunks=frng.choice((1, 1, 2, 4, 16)),  # staging space from one chunk to many
     )
+    # Pull from a stream of its own too: a fifth of the seeds run every room pulled, the others
+    # keep the flow they drew before pull existed ("mixed" draws it per room as well).
+    if Streams(seed)["swarm.flows.pull"].random() < 0.2:
+        flows = replace(flows, flow="pull")
+    elif Streams(seed)["swarm.flows.push"].random() < 0.25:
+        flows = replace(flows, flow="push")
+    # Prefix hits (decode holds the first tokens): a third of the seeds, for half of their rooms.
+    if Streams(seed)["swarm.prefix"].random() < 0.3:
+        work = replace(work, prefix_hit=0.5)
     return sc.Scenario(
         name=f"fuzz-{seed}",
         seed=seed,

@@ -20,6 +20,10 @@ Checked here:
 - ``quiescence`` / ``tables_empty``: after quiescence every room's memory is back in the allocators,
   and every per-room table, pending write, transfer handle and queued chunk is gone, and so is
   every staging allocation (ring, pinned pools, worker buffers), held request and copy.
+- ``failure_notice``: a prefill rank whose write failed (a post refused, or a transfer in error)
+  sent RoomFailed to every decode rank it serves, at the instant it failed (vLLM's missing
+  PUSH_FAIL, tracker gap C2: otherwise decode waits for chunks that never come until its own
+  deadline). Not judged for a rank that crashed with the room unsettled.
 - ``fault_free``: in a run whose scenario injects nothing (no fault rate, event, abort or crash:
   the shipped fault-free scenarios, and the calm seeds of campaigns), every room ends
   Success on both sides and no ring StagingReq had to be resent (decode answers those at once,
@@ -75,6 +79,8 @@ def check_final(w: World) -> None:
         _fault_free(w)
     if c.length:
         _length(w)
+    if c.failure_notice:
+        _failure_notice(w)
 
 
 def _length(w: World) -> None:
@@ -88,6 +94,22 @@ def _length(w: World) -> None:
                 f"yet Success on {', '.join(nodes)}",
                 r,
             )
+
+
+def _failure_notice(w: World) -> None:
+    for r in w.requests:
+        for node, reason in sorted(r.reason.items()):
+            if not node.startswith("prefill") or not reason.startswith("write failed") or node in r.lost_with:
+                continue
+            failed_at = r.terminal_ns.get(node, -1)
+            for ep in w.receivers_of(node):
+                rec = r.notices.get((node, ep, "RoomFailed"))
+                if rec is None or rec[0] > failed_at:
+                    w.violate(
+                        "failure_notice",
+                        f"room {r.key}: {node} failed ({reason}) without telling {ep} at once",
+                        r,
+                    )
 
 
 def _fault_free(w: World) -> None:

@@ -24,17 +24,30 @@ The campaign's blind spots (issue 13), each caught only with its dimension of th
 - ``late_info_revives_room``: prefill forgets its tombstone when a TransferInfo arrives late
   (a resend or a duplicate after the room was released): the room is created again, times out
   and reports Failed for a room that was Success everywhere (success_stable).
+- ``silent_write_failure``: a prefill rank whose write failed fails its room without telling
+  decode (no RoomFailed; vLLM's missing PUSH_FAIL): decode waits for its deadline
+  (failure_notice).
+- ``prefix_front_trim``: on a prefix hit, prefill writes the tokens decode lacks at the front of
+  its pages instead of at their own slots (vLLM tracker gap C3: silent corruption upstream); the
+  bytes check at decode's Success catches it.
+- ``push_lease_never_expires``: prefill's lease registry neither expires leases nor checks their
+  deadline before a write: writes go on after decode stopped renewing (lease).
+- ``pull_free_early``: a pull room's prefill forgets what it offered as soon as it offered it, so
+  it reaches Success and its pages are freed before decode's READ of them ran (ownership: the
+  READ's source pages are free or another room's when it lands).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from kvferry.core import messages as m
 from kvferry.core.flows.regions import worker_region
 from kvferry.core.proto_common import RoomError
 from kvferry.core.receiver import ReceiverEngine
 from kvferry.core.resources import StagingRing, Watermark
+from kvferry.core.resources.leases import LeaseIn, LeaseRegistry, LeaseState
 from kvferry.core.sender import SenderEngine
 
 __all__ = ["receiver_class", "sender_class"]
@@ -157,6 +170,81 @@ _SENDERS = {
     "shared_staging_buffer": _SharedBufferSender,
     "silent_truncation": _TruncatingSender,
     "late_info_revives_room": _ForgetfulSender,
+}
+
+
+class _PullFreeEarlySender(SenderEngine):
+    def _run_pull(self, r: Any, c: Any) -> str:
+        super()._run_pull(r, c)
+        r.pull_owed.clear()
+        return "done" if self._quiet(r) else "running"
+
+
+class _NoNotices:
+    def start(self, *a: Any, **kw: Any) -> list[Any]:
+        return []
+
+
+class _SilentWriteFailureSender(SenderEngine):
+    def _fail(self, r: Any, failure: Any, skip: Any = None) -> None:
+        if not failure.reason.startswith("write failed"):
+            super()._fail(r, failure, skip)
+            return
+        notices, self._notices = self._notices, _NoNotices()  # type: ignore[assignment]
+        try:
+            super()._fail(r, failure, skip)
+        finally:
+            self._notices = notices
+
+
+class _FrontTrimSender(SenderEngine):
+    def _run_direct(self, r: Any, c: Any) -> str:
+        if not r.token_start:
+            return super()._run_direct(r, c)
+        saved = dict(r.dests)
+        for p, pages in saved.items():
+            shift = max(1, r.token_start // self.peers[p].pool.page_size)
+            r.dests[p] = np.roll(pages, shift)  # token token_start lands near slot 0
+        try:
+            return super()._run_direct(r, c)
+        finally:
+            r.dests = saved
+
+
+class _NeverExpiringLeases(LeaseRegistry):
+    """Expiry is never noticed: no tick expires a lease and ``post`` ignores the deadline."""
+
+    def tick(self, now: int) -> list[Any]:
+        for lease in list(self.leases.values()):
+            if lease.state is LeaseState.WAITING and lease.watchdog <= now:
+                self._step(lease, LeaseIn.WATCHDOG, now)
+        return self._drain()
+
+    def next_deadline(self) -> int | None:
+        times = [x.watchdog for x in self.leases.values() if x.state is LeaseState.WAITING]
+        return min(times) if times else None
+
+    def post(self, transfer_id: str, request_id: str, now: int) -> Any:
+        lease = self._matched(transfer_id, request_id)
+        if lease.state is not LeaseState.MATCHED:
+            return None
+        lease.inflight += 1
+        return lease.reg
+
+
+class _LeaseNeverExpiresSender(SenderEngine):
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        old = self.leases
+        self.leases = _NeverExpiringLeases(old.lease_ns, old.match_ns, tombstone_ns=old.tombstone_ns)
+
+
+_SENDERS = {
+    "push_lease_never_expires": _LeaseNeverExpiresSender,
+    "prefix_front_trim": _FrontTrimSender,
+    "silent_write_failure": _SilentWriteFailureSender,
+    "shared_staging_buffer": _SharedBufferSender,
+    "pull_free_early": _PullFreeEarlySender,
 }
 
 

@@ -46,8 +46,13 @@ HOOKS = (
     "silent_truncation",
     "last_note_completes",
     "late_info_revives_room",
+    # pull flow, failure notices (sim/planted.py)
+    "pull_free_early",
+    "silent_write_failure",
+    "prefix_front_trim",
+    "push_lease_never_expires",
 )
-FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "mixed")
+FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "pull", "push", "mixed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +146,7 @@ class Workload:
     compute_ns_per_token: int = 200
     decode_lag_us_max: int = 0  # each drawn room's decode_lag_us is uniform in [0, this]
     length_mismatch: float = 0.0  # share of drawn rooms whose decode allocates another length
+    prefix_hit: float = 0.0  # share of rooms whose decode already holds a prefix (direct/pull/push)
     explicit: tuple[RoomSpec, ...] = ()
 
     DOC: ClassVar[dict[str, str]] = {
@@ -155,6 +161,8 @@ class Workload:
         "opened it (0: decode first).",
         "length_mismatch": "Share of drawn rooms whose decode allocation is shorter or longer than "
         "what prefill sends (each must end Failed on both sides).",
+        "prefix_hit": "Share of rooms (of those on the direct, pull or push flow) whose decode already "
+        "holds a prefix of uniform length: it asks only for the rest, which must land at its own slots.",
         "explicit": "Rooms given one by one: see `[[workload.room]]`.",
     }
 
@@ -295,6 +303,8 @@ class Checks:
     ring_progress: bool = True
     length: bool = True
     success_stable: bool = True
+    failure_notice: bool = True
+    lease: bool = True
 
     DOC: ClassVar[dict[str, str]] = {
         "bytes": "A room Success on every decode rank holds exactly the source bytes (and the room id "
@@ -312,6 +322,9 @@ class Checks:
         "every rank (never truncated or padded into Success).",
         "success_stable": "A room Success on every rank of both sides, once released, stays Success "
         "(no late message revives or fails it).",
+        "failure_notice": "A prefill rank whose write failed (refused or in error) tells every decode rank "
+        "it serves (RoomFailed) at once.",
+        "lease": "Nothing is written under an expired push registration lease.",
     }
 
 
@@ -608,6 +621,7 @@ def _workload(r: _Reader, topo: Topology) -> Workload:
         compute_ns_per_token=r.int("compute_ns_per_token", d.compute_ns_per_token),
         decode_lag_us_max=r.int("decode_lag_us_max", d.decode_lag_us_max, hi=10_000_000),
         length_mismatch=r.prob("length_mismatch", d.length_mismatch),
+        prefix_hit=r.float("prefix_hit", d.prefix_hit, hi=1.0),
         explicit=tuple(rooms),
     )
     if rooms and w.rooms != len(rooms):

@@ -103,6 +103,7 @@ class Request:
     notices: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
     lost_with: set[str] = field(default_factory=set)
     flow: str | None = None  # the room's explicit flow (None: the policy's choice)
+    token_start: int = 0  # decode's prefix hit: tokens [0, token_start) are already in its pages
     success_all_ns: int = -1  # when every rank of both sides was first Success (-1: not yet)
 
     @property
@@ -175,6 +176,7 @@ class World(Chaos):
         self.staging = staging_sizes(s)
         self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
         self._flow_rng = self.streams["flows"]
+        self._prefix_rng = self.streams["workload.prefix"]
         self._sides = {
             "prefill": tuple(f"prefill{r}" for r in range(self.P)),
             "decode": tuple(f"decode{r}" for r in range(self.D)),
@@ -211,6 +213,7 @@ class World(Chaos):
                 policy=self.policy,
                 worker_buffer_bytes=st.worker_buffer_bytes,
                 pinned_bytes=st.prefill_pinned_bytes,
+                registration=tr.registration(),
             )
         else:
             tr.register_staging(
@@ -228,12 +231,16 @@ class World(Chaos):
             return None
         if f != "mixed":
             return f
-        offered = [Flow.DIRECT.value]
+        offered = [Flow.DIRECT.value, Flow.PULL.value, Flow.PUSH.value]
         if self.staging.ring_bytes and self.staging.worker_buffer_bytes:
             offered.append(Flow.RING.value)
         if self.staging.pinned_bytes and self.staging.prefill_pinned_bytes:
             offered.append(Flow.PINNED.value)
         return offered[self._flow_rng.randrange(len(offered))]
+
+    def receivers_of(self, node: str) -> list[str]:
+        """The decode nodes a prefill node exchanges data or notes with."""
+        return [f"decode{ep.rank}" for ep in self._receivers[int(node[len("prefill") :])]]
 
     def alive(self, node: str, req: Request) -> bool:
         r = self.ranks[node]
@@ -357,6 +364,10 @@ class World(Chaos):
         )
         req.opened = True
         req.flow = self.room_flow(req)
+        hit = self._prefix_rng.random() < s.workload.prefix_hit  # drawn for every room: stable streams
+        length = self._prefix_rng.randint(0, req.spec.tokens)
+        if hit and req.flow in _PREFIX_FLOWS:
+            req.token_start = length
         if req.spec.decode_lag_us:
             # Decode allocates late: prefill opens and computes first (staging requests arrive
             # before decode knows the room and must be held there).
@@ -406,6 +417,10 @@ class World(Chaos):
             if rank.dead:
                 self._mark(req, node, KVPoll.Failed, "node down at open")
                 continue
+            if req.token_start:
+                # The prefix cache: decode's own copy of the first tokens, already in its pages.
+                tr = rank.transport
+                pattern.fill(tr.pool, tr.region, req.key, req.dec_pages, 0, req.token_start)
             rank.feed(
                 ReceiverOpen(
                     room=req.room,
@@ -414,6 +429,7 @@ class World(Chaos):
                     num_tokens=req.dec_tokens,
                     aux_index=int(req.dec_aux[0]),
                     senders=self._senders[d],
+                    token_start=req.token_start,
                 )
             )
 
@@ -634,6 +650,10 @@ class World(Chaos):
         if d.count and is_staging_region(int(d.dst_region[0])):
             self._check_staged_land(x, req)
             return
+        if x.initiator == x.dst and d.count:
+            self._check_read_source(x, req, key)
+        elif req is not None and req.flow == Flow.PUSH.value and self.scenario.checks.lease:
+            self._check_lease(x, req)
         aux = d.dst_region == AUX_REGION
         owners = []
         if (~aux).any():
@@ -654,6 +674,41 @@ class World(Chaos):
                 why = f" (room opened on {x.dst} incarnation {opened_on}, written into incarnation {now_inc})"
             self.violate(
                 "ownership", f"write of room {key} from {x.src} landed in {who} on {x.dst}{why}", req
+            )
+
+    def _check_read_source(self, x: Xfer, req: Request | None, key: int) -> None:
+        """A pull READ copies prefill pages its room still owns: pages freed (or handed to another
+        room) before decode's READ of them finished would give decode someone else's bytes."""
+        if not x.src.startswith("prefill"):
+            return
+        d = x.descs
+        pool = self.pre_pools[int(x.src[len("prefill") :])]
+        first = d.src_offset // pool.page_bytes
+        last = (d.src_offset + d.length - 1) // pool.page_bytes
+        own = self.pre_alloc.owner[gather_index(first, last - first + 1)]
+        if (own != key).any():
+            other = int(own[own != key][0])
+            who = "free pages" if other == FREE else f"pages of room {other}"
+            self.violate("ownership", f"READ of room {key} by {x.dst} copied {who} of {x.src}", req)
+
+    def _check_lease(self, x: Xfer, req: Request) -> None:
+        """Nothing is written under an expired push lease: a write posted at or after the instant
+        its registration's lease ran out (or that it could have, unrenewed) is a violation."""
+        eng = self.ranks[x.src].engine
+        leases = getattr(eng, "leases", None)
+        if leases is None or self.ranks[x.src].incarnation != req.inc.get(x.src):
+            return
+        key = f"{req.tid}@{x.dst}"
+        live = leases.leases.get(key)
+        ended = leases.expired_at.get(key)
+        if live is not None and live.state.value == "matched" and live.deadline <= x.posted_ns:
+            ended = live.deadline
+        if ended is not None and x.posted_ns >= ended:
+            self.violate(
+                "lease",
+                f"write of room {req.key} from {x.src} to {x.dst} posted at {x.posted_ns} ns, "
+                f"after its lease ended at {ended} ns",
+                req,
             )
 
     def _check_ring_progress(self, rank: SimRank) -> None:
@@ -793,6 +848,9 @@ class World(Chaos):
             for n, r in self.ranks.items()
             if n.startswith("prefill") and not r.dead
         )
+
+
+_PREFIX_FLOWS = (Flow.DIRECT.value, Flow.PULL.value, Flow.PUSH.value)
 
 
 def _terminal(st: KVPoll | None) -> bool:

@@ -97,7 +97,8 @@ class PendingWrite:
     aux: tuple[int, int] | None  # (src_aux_index, dst_aux_index)
     notif: bytes
     posted_at: int
-    dst_incarnation: int = 0
+    dst_incarnation: int = 0  # of the peer whose agent the initiator loaded (src for a READ)
+    read: bool = False  # a pull READ: dst (decode) posted it, src is the peer; notif goes to src
 
 
 @dataclass
@@ -152,7 +153,7 @@ class MemFabric:
 
     def complete(self, i: int) -> None:
         w = self.writes.pop(i)
-        if self.transports[w.dst].incarnation != w.dst_incarnation:
+        if self.transports[w.src if w.read else w.dst].incarnation != w.dst_incarnation:
             # The target process died: like a WRITE to a stale remote agent, it ends in ERR.
             self.states[w.handle] = XferState.ERR
             return
@@ -171,7 +172,10 @@ class MemFabric:
             s, d = w.aux
             dst.aux[d] = src.aux[s]
         self.states[w.handle] = XferState.DONE
-        self.pending.append(PendingMsg(w.src, w.dst, w.notif, self.now, note=True))
+        if w.read:
+            self.pending.append(PendingMsg(w.dst, w.src, w.notif, self.now, note=True))
+        else:
+            self.pending.append(PendingMsg(w.src, w.dst, w.notif, self.now, note=True))
 
     def fail(self, i: int) -> None:
         w = self.writes.pop(i)
@@ -288,6 +292,18 @@ class MemTransport:
         inc = self.peer_incarnation[peer]
         return self.fabric.post(
             PendingWrite(h, self._endpoint, peer, descs, None, notif, self.fabric.now, inc)
+        )
+
+    def post_read(self, peer, src_region, src_offset, dst_region, dst_offset, length, notif):  # type: ignore[no-untyped-def]
+        if peer not in self.peers:
+            raise FabricError(f"peer {peer} not added")
+        self._check(self.fabric.transports[peer].sizes, src_region, src_offset, length)
+        self._check(self.sizes, dst_region, dst_offset, length)
+        h = self.fabric.new_handle()
+        descs = (src_region, src_offset, dst_region, dst_offset, length)
+        inc = self.peer_incarnation[peer]
+        return self.fabric.post(
+            PendingWrite(h, peer, self._endpoint, descs, None, notif, self.fabric.now, inc, read=True)
         )
 
     def post_aux_write(self, peer, src_aux_index, dst_aux_index, notif):  # type: ignore[no-untyped-def]
@@ -461,6 +477,7 @@ class World:
                 policy=policy,
                 worker_buffer_bytes=worker_buffer_bytes,
                 pinned_bytes=prefill_pinned_bytes,
+                registration=t.registration(),
             )
             rank = Rank("prefill", p, ep, pool, t, eng, Driver(eng, t, num_shards=num_shards))
             rank.driver.on_status = self._status_cb(rank)
@@ -705,7 +722,7 @@ class World:
     def room_flow(self, room: int) -> str | None:
         if self.flow != "mixed":
             return self.flow
-        offered = [Flow.DIRECT]
+        offered = [Flow.DIRECT, Flow.PULL, Flow.PUSH]
         if self.staging_sizes[0] and self.staging_sizes[2]:
             offered.append(Flow.RING)
         if self.staging_sizes[1] and self.staging_sizes[3]:

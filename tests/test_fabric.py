@@ -233,12 +233,12 @@ def test_sim_transport_read_pulls_bytes_and_notifies_the_peer() -> None:
         t.register_regions(t.pool.regions, aux_rows=2, aux_row_bytes=16)
     d.add_peer(pe, p.registration())
     p.region(0)[100:110] = np.arange(1, 11, dtype=np.uint8)
-    h = d.post_read(pe, np.array([0]), np.array([7]), np.array([0]), np.array([100]), np.array([10]), b"read")
+    h = d.post_read(pe, np.array([0]), np.array([100]), np.array([0]), np.array([7]), np.array([10]), b"read")
     env.run()
     assert d.check_xfer(h).value == "DONE"
     assert (d.region(0)[7:17] == np.arange(1, 11)).all()
     assert p.drain_notifs() == [b"read"]
     with pytest.raises(RegionAccessError):
         d.post_read(
-            pe, np.array([0]), np.array([0]), np.array([0]), np.array([p.pool.region_bytes]), np.array([1])
+            pe, np.array([0]), np.array([p.pool.region_bytes]), np.array([0]), np.array([0]), np.array([1])
         )

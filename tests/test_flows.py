@@ -106,8 +106,8 @@ def test_policy_rules() -> None:
     assert pol.choose(pools[0], pools[1], 0, 0) is Flow.DIRECT
     assert pol.choose(pools[0], pools[1], 100, 100, override="pinned") is Flow.PINNED
     assert FlowPolicy(override=Flow.DIRECT).choose(pools[0], pools[1], 100, 0) is Flow.DIRECT
-    with pytest.raises(FlowError, match="not built"):
-        pol.choose(pools[0], pools[1], 1, 1, override="push")
+    assert pol.choose(pools[0], pools[1], 100, 100, override="pull") is Flow.PULL
+    assert pol.choose(pools[0], pools[1], 1, 1, override="push") is Flow.PUSH
     with pytest.raises(FlowError, match="unknown flow"):
         Flow.parse("rnig")
 
@@ -116,7 +116,7 @@ def test_rooms_with_different_flows_share_a_rank() -> None:
     w = world(TINY4, 2, 1, "mixed", space=1024)
     reqs = run_rooms(w, 6, 8, [5, 8])
     flows = {w.room_flow(r.room) for r in reqs}
-    assert flows == {"direct", "ring", "pinned"}
+    assert flows == {"direct", "ring", "pinned", "pull", "push"}
     assert all(w.server_view[("decode", r.room, r.tid)] is KVPoll.Success for r in reqs)
     assert_clean(w)
 

@@ -67,7 +67,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         cfg=st.sampled_from(CONFIGS),
         seed=st.integers(0, 1000),
         shards=st.integers(1, 3),
-        flow=st.sampled_from([None, "direct", "ring", "pinned", "mixed"]),
+        flow=st.sampled_from([None, "direct", "ring", "pinned", "pull", "push", "mixed"]),
         space=st.sampled_from([256, 768, 2048, 1 << 14]),  # from less than one chunk to many
         fallback=st.booleans(),
     )

@@ -23,7 +23,10 @@ from kvferry.core.events import (
     ReleaseRoom,
     SenderSpec,
     Tick,
+    WriteDone,
+    WriteFailed,
 )
+from kvferry.core.flows.pull_rx import ReadInfo
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll, advance
 from kvferry.core.proto_common import UnknownRoomError
@@ -439,6 +442,41 @@ notes = st.builds(
     st.booleans(),
     st.booleans(),
 )
+
+
+def prefill_registration(src: m.Endpoint) -> m.Register:
+    pool = PoolGeometry(MODEL, 8, src.rank, 2, 32)  # TP 8 over 2 heads: replicated, any rank fits
+    return m.Register(
+        src=src,
+        agent_name=f"p{src.rank}",
+        agent_meta=b"meta",
+        geometry=m.GeometryWire.from_pool(pool),
+        regions=[m.RegionAddr(region_id=r.region_id, addr=0, nbytes=r.nbytes) for r in pool.regions],
+        aux_addr=0,
+        aux_row_bytes=16,
+        aux_rows=8,
+    )
+
+
+offers = st.builds(
+    lambda src, i, a, n, last, pages: m.PullOffer(
+        src=src,
+        room=ROOM,
+        transfer_id=TID,
+        registration=prefill_registration(src),
+        chunk_index=i,
+        token_start=a,
+        token_end=a + n,
+        is_last=last,
+        src_pages=pages,
+    ),
+    endpoints,
+    st.integers(0, 3),
+    st.integers(0, 8),
+    st.integers(0, 8),
+    st.booleans(),
+    st.lists(st.integers(0, 40), max_size=6),
+)
 PAYLOADS: dict[RIn, Any] = {
     RIn.OPEN: st.just(open_ev()),
     RIn.PEER_READY: endpoints,
@@ -467,6 +505,11 @@ PAYLOADS: dict[RIn, Any] = {
     ),
     RIn.COPY_DONE: st.builds(CopyDone, op_id=st.integers(0, 5)),
     RIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
+    RIn.OFFER: offers,
+    RIn.READ_DONE: st.tuples(
+        st.builds(WriteDone, write_id=st.integers(0, 5)), st.one_of(st.none(), offers.map(ReadInfo))
+    ),
+    RIn.READ_FAILED: st.tuples(st.builds(WriteFailed, write_id=st.integers(0, 5)), st.none()),
 }
 
 

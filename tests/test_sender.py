@@ -571,6 +571,10 @@ PAYLOADS: dict[SIn, Any] = {
     ),
     SIn.COPY_DONE: st.builds(CopyDone, op_id=st.integers(0, 5)),
     SIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
+    SIn.PULLED: st.builds(
+        m.Pulled, src=endpoints, room=st.just(ROOM), transfer_id=st.just(TID), chunk_index=st.integers(0, 3)
+    ),
+    SIn.READS_STOPPED: st.builds(m.ReadsStopped, src=endpoints, room=st.just(ROOM), transfer_id=st.just(TID)),
 }
 
 

@@ -179,22 +179,27 @@ class SimTransport:
     def post_read(
         self,
         peer: Endpoint,
-        local_region: npt.NDArray[np.int64],
-        local_offset: npt.NDArray[np.int64],
-        remote_region: npt.NDArray[np.int64],
-        remote_offset: npt.NDArray[np.int64],
+        src_region: npt.NDArray[np.int64],
+        src_offset: npt.NDArray[np.int64],
+        dst_region: npt.NDArray[np.int64],
+        dst_offset: npt.NDArray[np.int64],
         length: npt.NDArray[np.int64],
         notif: bytes | None = None,
         tag: Any = None,
     ) -> XferHandle:
-        """READ from ``peer``'s registered memory into ours (the pull flow); ``notif`` reaches the
-        peer once the bytes are read. Not in the push protocol's Transport; kept for pull."""
+        """READ (the pull flow): planner descriptors from ``peer``'s registered memory (src) into
+        ours (dst), NixlTransport.post_read's signature; ``notif`` reaches the peer once the bytes
+        are read. Same cost model as a write: the initiator pays the post and per-descriptor cost,
+        the bytes share the NICs' bandwidth."""
         p = self._peer(peer)
-        d = DescList.of(remote_region, remote_offset, local_region, local_offset, length)
+        d = DescList.of(src_region, src_offset, dst_region, dst_offset, length)
         bad = p.bounds.first_violation(d.src_region, d.src_offset, d.length)
         if bad >= 0:
             self.refused += 1
-            raise RegionAccessError(f"{self.node}: read descriptor {bad} outside {p.node}'s regions")
+            raise RegionAccessError(
+                f"{self.node}: read descriptor {bad} (region {int(d.src_region[bad])}, offset "
+                f"{int(d.src_offset[bad])}, length {int(d.length[bad])}) outside {p.node}'s regions"
+            )
         try:
             xid = self.fabric.post(
                 self.node, p.node, self.node, d, notif, tag=tag, dst_incarnation=p.incarnation

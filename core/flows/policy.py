@@ -2,8 +2,10 @@
 
 Flows (DESIGN section 9): ``direct`` WRITEs the planner's descriptors; ``ring`` gathers into a
 worker's staging buffer and WRITEs one block per writer into decode's staging ring (seed 003);
-``pinned`` bounces through pinned host memory, head-major (seed 002). ``push`` and ``pull`` are
-named so that a scenario or a caller asking for them gets a clear "not built" rather than a typo.
+``pinned`` bounces through pinned host memory, head-major (seed 002); ``pull`` lets decode READ
+prefill's pages (vLLM's default; core/flows/pull_rx.py), chosen only by an explicit override.
+``push`` writes like ``direct`` under registration leases (seed 004; core/resources/leases.py),
+also only by override.
 
 Default: ``direct`` when the two ranks hold the same heads (equal TP: whole pages coalesce into a
 few descriptors); otherwise ``ring`` when decode registered a ring, else ``pinned`` when it
@@ -49,7 +51,7 @@ class Flow(StrEnum):
         return self is Flow.RING or self is Flow.PINNED
 
 
-BUILT_FLOWS = (Flow.DIRECT, Flow.RING, Flow.PINNED)
+BUILT_FLOWS = (Flow.DIRECT, Flow.RING, Flow.PINNED, Flow.PULL, Flow.PUSH)
 
 
 def staging_format(flow: Flow) -> StagingFormat:

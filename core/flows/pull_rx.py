@@ -1,0 +1,212 @@
+"""Decode side of the pull flow (mixin of ``ReceiverEngine``): READ offered chunks, answer Pulled.
+
+Prefill offers each computed chunk (``PullOffer``: its page ids and its own Register). Decode
+loads prefill's agent (``AddPeer``, once per incarnation), plans the chunk with the same planner
+as a write (prefill's pages are the source, its own the destination; heterogeneous TP gives
+direct slices), posts one ``PostRead`` per (chunk, sender), and on its completion records the
+chunk exactly as a write's notification would (same tiling checks) and answers ``Pulled`` so that
+prefill may free the pages. A duplicate offer is answered again (its Pulled was lost), or ignored
+while its READ runs.
+
+A failed room's pages are freed only once no READ of ours is in flight (a READ writes them), and
+then every sender that offered hears ``ReadsStopped``: it may free its pages before its fence.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from kvferry.core import messages as m
+from kvferry.core.commands import AddPeer, DropPeer, PostRead
+from kvferry.core.errors import KvferryError
+from kvferry.core.proto_common import RoomError
+
+__all__ = ["PullReceiver", "ReadInfo"]
+
+
+class ReadInfo:
+    """One posted READ: which sender's chunk it moves."""
+
+    __slots__ = ("chunk_index", "is_last", "src", "token_end", "token_start")
+
+    def __init__(self, offer: m.PullOffer) -> None:
+        self.src = offer.src
+        self.chunk_index = offer.chunk_index
+        self.token_start = offer.token_start
+        self.token_end = offer.token_end
+        self.is_last = offer.is_last
+
+    def note(self, room: int, tid: str) -> m.ChunkNote:
+        """The notification a write of this chunk would have carried (for the shared ledger)."""
+        return m.ChunkNote(
+            room=room,
+            transfer_id=tid,
+            src=self.src,
+            chunk_index=self.chunk_index,
+            token_start=self.token_start,
+            token_end=self.token_end,
+            is_last=self.is_last,
+        )
+
+
+class PullReceiver:
+    """Needs from the engine: ``endpoint``, ``pool``, ``rooms``, ``tombstones``, ``counters``,
+    ``deadlines``, ``timeouts``, ``_now``, ``_out``, ``_send``, ``_record_chunk``, ``_complete``,
+    ``_room_input``; rooms need ``reads``, ``pulled``, ``pull_from``, ``reads_stopped_sent``."""
+
+    planner: Any
+    pool: Any
+    endpoint: m.Endpoint
+
+    def _init_pull(self, planner: Any) -> None:
+        if planner is None:
+            from kvferry.core.planner import plan_rank_pair as planner
+        self.planner = planner
+        self.reads: dict[int, tuple[int, str]] = {}  # read id -> room key
+        self.pull_peers: dict[m.Endpoint, int] = {}  # prefill agents loaded: registration id
+        self._next_read = 1
+
+    # --- messages ----------------------------------------------------------------------------------
+
+    def _on_offer(self, offer: m.PullOffer) -> None:
+        r = self.rooms.get(offer.room)  # type: ignore[attr-defined]
+        if r is None or r.tid != offer.transfer_id:
+            status = self.tombstones.get(offer.room, offer.transfer_id)  # type: ignore[attr-defined]
+            if status is not None and status.name == "Success":
+                # Every chunk was pulled before the room was released: this copy's Pulled was lost.
+                self._send(offer.src, self._pulled(offer))  # type: ignore[attr-defined]
+            else:
+                # Nothing of ours reads these pages (a finished, failed or unknown room): free them.
+                self._send(  # type: ignore[attr-defined]
+                    offer.src,
+                    m.ReadsStopped(src=self.endpoint, room=offer.room, transfer_id=offer.transfer_id),
+                )
+            self.counters["offer_for_unknown_room"] += 1  # type: ignore[attr-defined]
+            return
+        self._room_input(offer.room, offer.transfer_id, self.OFFER, offer, sender=offer.src)  # type: ignore[attr-defined]
+
+    def _pulled(self, offer: Any) -> m.Pulled:
+        return m.Pulled(
+            src=self.endpoint, room=offer.room, transfer_id=offer.transfer_id, chunk_index=offer.chunk_index
+        )
+
+    # --- handlers ------------------------------------------------------------------------------------
+
+    def _h_on_offer(self, r: Any, inp: Any, offer: m.PullOffer) -> str:
+        src = offer.src
+        if src not in r.data_senders:
+            raise RoomError(f"pull offer from {src}, which sends no data to this room")
+        key = (src, offer.chunk_index)
+        r.pull_from.add(src)
+        if key in r.pulled:
+            self.counters["duplicate_offer"] += 1  # type: ignore[attr-defined]
+            self._send(src, self._pulled(offer))  # type: ignore[attr-defined]
+            return "stay"
+        if any(i.src == src and i.chunk_index == offer.chunk_index for i in r.reads.values()):
+            self.counters["duplicate_offer"] += 1  # type: ignore[attr-defined]
+            return "stay"
+        self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)  # type: ignore[attr-defined]
+        plan = self._plan_read(r, offer)
+        self._load_pull_peer(offer.registration)
+        info = ReadInfo(offer)
+        if plan.count == 0:
+            return self._chunk_read(r, info)
+        rid = self._next_read
+        self._next_read += 1
+        self.reads[rid] = r.key
+        r.reads[rid] = info
+        self._out.append(  # type: ignore[attr-defined]
+            PostRead(
+                read_id=rid,
+                peer=src,
+                room=r.room,
+                src_region=plan.src_region,
+                src_offset=plan.src_offset,
+                dst_region=plan.dst_region,
+                dst_offset=plan.dst_offset,
+                length=plan.length,
+                notif=m.encode(info.note(r.room, r.tid)),
+            )
+        )
+        return "running"
+
+    def _h_on_read_done(self, r: Any, inp: Any, payload: tuple[Any, ReadInfo | None]) -> str:
+        _ev, info = payload
+        if info is None:
+            return "stay"
+        return self._chunk_read(r, info)
+
+    def _chunk_read(self, r: Any, info: ReadInfo) -> str:
+        self._record_chunk(r, r.progress[info.src], info.note(r.room, r.tid))  # type: ignore[attr-defined]
+        r.pulled.add((info.src, info.chunk_index))
+        self._send(  # type: ignore[attr-defined]
+            info.src,
+            m.Pulled(src=self.endpoint, room=r.room, transfer_id=r.tid, chunk_index=info.chunk_index),
+        )
+        return "done" if self._complete(r) else "running"  # type: ignore[attr-defined]
+
+    def _h_on_offer_after_success(self, r: Any, inp: Any, offer: m.PullOffer) -> None:
+        if (offer.src, offer.chunk_index) in r.pulled:
+            self.counters["duplicate_offer"] += 1  # type: ignore[attr-defined]
+            self._send(offer.src, self._pulled(offer))  # type: ignore[attr-defined]
+            return
+        raise RoomError(f"new chunk {offer.chunk_index} offered by {offer.src} after Success")
+
+    def _pull_after_failure(self, r: Any, offer: m.PullOffer) -> None:
+        """An offer for a failed room: never read; its sender hears ReadsStopped once ours drain."""
+        self.counters["offer_after_failure"] += 1  # type: ignore[attr-defined]
+        r.pull_from.add(offer.src)
+        if not r.reads:
+            self._send(  # type: ignore[attr-defined]
+                offer.src, m.ReadsStopped(src=self.endpoint, room=r.room, transfer_id=r.tid)
+            )
+
+    def _reads_drained(self, r: Any) -> None:
+        """A failed room with no READ in flight tells every sender that offered (once)."""
+        if r.reads or r.reads_stopped_sent or not r.pull_from:
+            return
+        r.reads_stopped_sent = True
+        for p in sorted(r.pull_from):
+            self._send(p, m.ReadsStopped(src=self.endpoint, room=r.room, transfer_id=r.tid))  # type: ignore[attr-defined]
+
+    # --- planning ------------------------------------------------------------------------------------
+
+    def _plan_read(self, r: Any, offer: m.PullOffer) -> Any:
+        try:
+            src_pool = offer.registration.geometry.to_pool()
+        except (KvferryError, ValueError) as exc:
+            raise RoomError(f"pull offer from {offer.src} with a bad geometry: {exc}") from None
+        why = self.pool.model.same_kv_shape(src_pool.model)
+        if why is not None:
+            raise RoomError(f"pull offer from {offer.src}: incompatible KV: {why}")
+        if src_pool.tp_rank != offer.src.rank:
+            raise RoomError(f"pull offer from {offer.src} carries rank {src_pool.tp_rank}'s geometry")
+        if offer.token_end > r.num_tokens:
+            raise RoomError(
+                f"chunk {offer.chunk_index} offered by {offer.src} ends at token {offer.token_end}, "
+                f"past the {r.num_tokens} allocated"
+            )
+        pages = np.asarray(offer.src_pages, dtype=np.int64)
+        need = -(-offer.token_end // src_pool.page_size)
+        if pages.size < need:
+            raise RoomError(
+                f"pull offer from {offer.src}: {pages.size} pages cannot hold {offer.token_end} tokens"
+            )
+        if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= src_pool.num_pages):
+            raise RoomError(f"pull offer from {offer.src}: page ids out of range [0, {src_pool.num_pages})")
+        return self.planner(src_pool, self.pool, pages, r.dst_pages, offer.token_start, offer.token_end)
+
+    def _load_pull_peer(self, reg: m.Register) -> None:
+        rid = m.registration_id(reg)
+        known = self.pull_peers.get(reg.src)
+        if known == rid:
+            return
+        if known is not None:
+            # Prefill restarted: its old agent's memory is gone; READs name the new one.
+            self._out.append(DropPeer(peer=reg.src, reason="prefill re-registered with a new agent"))  # type: ignore[attr-defined]
+        self.pull_peers[reg.src] = rid
+        self._out.append(AddPeer(peer=reg.src, registration=reg))  # type: ignore[attr-defined]
+
+    def _forget_pull_peer(self, peer: m.Endpoint) -> None:
+        self.pull_peers.pop(peer, None)
