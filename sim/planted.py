@@ -166,11 +166,6 @@ _RECEIVERS = {
     "silent_truncation": _TruncatingReceiver,
     "last_note_completes": _LastNoteReceiver,
 }
-_SENDERS = {
-    "shared_staging_buffer": _SharedBufferSender,
-    "silent_truncation": _TruncatingSender,
-    "late_info_revives_room": _ForgetfulSender,
-}
 
 
 class _PullFreeEarlySender(SenderEngine):
@@ -240,6 +235,8 @@ class _LeaseNeverExpiresSender(SenderEngine):
 
 
 _SENDERS = {
+    "silent_truncation": _TruncatingSender,
+    "late_info_revives_room": _ForgetfulSender,
     "push_lease_never_expires": _LeaseNeverExpiresSender,
     "prefix_front_trim": _FrontTrimSender,
     "silent_write_failure": _SilentWriteFailureSender,

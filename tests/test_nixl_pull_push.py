@@ -14,8 +14,9 @@ import time
 import numpy as np
 import pytest
 from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
+from kvferry.backends.runtime.staging import StagingConfig
 from kvferry.core.deadlines import MS, SEC, Timeouts
-from kvferry.core.flows import Flow, FlowPolicy
+from kvferry.core.flows import Flow
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.sim import pattern
@@ -35,12 +36,8 @@ TIMEOUTS = Timeouts(
 @pytest.fixture(params=["pull", "push"])
 def servers(request):
     flow = Flow(request.param)
-    cfg = RuntimeConfig(num_queues=2, aux_rows=16, timeouts=TIMEOUTS)
+    cfg = RuntimeConfig(num_queues=2, aux_rows=16, timeouts=TIMEOUTS, staging=StagingConfig(flow=flow.value))
     pre = [PrefillEndpoint("P", PoolGeometry(MODEL, 2, r, 4, 32), config=cfg) for r in range(2)]
-    for p in pre:
-        p.engine.policy = FlowPolicy(override=flow)
-        if flow is Flow.PULL:
-            p.engine.registration = p.transport.registration()
     dec = DecodeEndpoint(
         "D",
         PoolGeometry(MODEL, 1, 0, 4, 32),
@@ -82,7 +79,15 @@ def test_rooms_move_every_byte_over_nixl(servers):
     while any(v for e in [*pre, dec] for v in e.leaks().values()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert all(v == 0 for e in [*pre, dec] for v in e.leaks().values())
+    counts = []
+    for p in pre:
+        with p.lock:  # the engine only under its endpoint's lock
+            counts.append(
+                p.engine.counters["read_notif"]
+                if flow is Flow.PULL
+                else p.engine.leases.counters.get("delivered", 0)
+            )
     if flow is Flow.PULL:
-        assert sum(p.engine.counters["read_notif"] for p in pre) > 0  # decode READ the KV
+        assert sum(counts) > 0  # decode READ the KV
     else:
-        assert sum(p.engine.leases.counters.get("delivered", 0) for p in pre) >= 4
+        assert sum(counts) >= 4

@@ -70,6 +70,7 @@ class PrefillEndpoint(EndpointBase):
             policy=st.policy(),
             worker_buffer_bytes=st.worker_buffer_bytes,
             pinned_bytes=st.prefill_pinned_bytes,
+            registration=self.transport.registration(),  # what a pull flow offers decode
         )
         self._wake = [threading.Event() for _ in range(n)]
         self.driver = Driver(
