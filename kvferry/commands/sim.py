@@ -119,7 +119,8 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
             table.caption = f"first {rooms_limit} of {res.rooms} rooms (--json for all)"
         console.print(table)
     console.print(
-        f"rooms: {res.rooms} submitted, [green]{res.succeeded} succeeded[/] (bytes verified), "
+        f"rooms: {res.rooms} submitted, [green]{res.succeeded} succeeded[/] "
+        f"({'bytes verified' if res.bytes_verified else 'bytes not verified: timing only'}), "
         f"[red]{res.failed} failed[/]"
     )
     if res.failure_reasons:

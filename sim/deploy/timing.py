@@ -1,0 +1,47 @@
+"""Timing-only fabric and transport: every cost is charged as usual, but no KV byte is copied.
+
+Deployment-sized models move gigabytes per room; copying and checking them would take the whole
+machine. These subclasses keep the fabric's and the kernels' timing, state and notifications
+exactly as the byte-moving ones and skip the copies of KV bytes (aux rows, a few bytes that
+decode reads the room id from, still move). Registrations stay
+(lazily zeroed arrays: untouched pages cost no memory), so descriptor bounds are still checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvferry.backends.simfabric.descriptors import DescList
+from kvferry.backends.simfabric.fabric import Fabric, Xfer
+from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport
+from kvferry.backends.staging_copy import map_bytes
+from kvferry.backends.transport import XferState
+
+__all__ = ["TimingFabric", "TimingTransport"]
+
+
+class TimingFabric(Fabric):
+    def _copy(self, x: Xfer, descs: DescList) -> None:
+        # Aux rows are copied: decode reads the room id back from them to accept a room.
+        aux = descs.dst_region == AUX_REGION
+        if aux.any():
+            super()._copy(
+                x,
+                DescList(
+                    descs.src_region[aux],
+                    descs.src_offset[aux],
+                    descs.dst_region[aux],
+                    descs.dst_offset[aux],
+                    descs.length[aux],
+                ),
+            )
+
+
+class TimingTransport(SimTransport):
+    def _copy_done(self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...]) -> None:
+        node = self.fabric.node(self.node)
+        if not node.up or node.incarnation != self.incarnation or cid not in self.copies:
+            return  # the process that launched it is gone
+        self.copies[cid] = XferState.DONE
+        self.fabric.record(kind, self.node, bytes=map_bytes(maps))
+        self.fabric.wake(self.node, ("copy", cid))
