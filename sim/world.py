@@ -298,7 +298,7 @@ class World(Chaos):
 
     def _request(self, req: Request):  # type: ignore[no-untyped-def]
         env = self.env
-        yield env.timeout(req.arrival_ns)
+        yield env.timeout(req.arrival_ns - int(env.now))  # absolute: a request may be added later
         s = self.scenario
         t = s.topology
         n_dec = -(-req.spec.tokens // t.decode_page_size)
@@ -345,7 +345,7 @@ class World(Chaos):
         self._check_side(req, "prefill")
         start = 0
         for i, n in enumerate(req.chunks):
-            yield env.timeout(max(1, n * s.workload.compute_ns_per_token))
+            yield from self._compute_chunk(req, start, n)
             end = start + n
             for p in range(self.P):
                 node = f"prefill{p}"
@@ -367,6 +367,10 @@ class World(Chaos):
                     )
                 )
             start = end
+
+    def _compute_chunk(self, req: Request, start: int, tokens: int):  # type: ignore[no-untyped-def]
+        """Prefill's forward pass over one chunk (sim/deploy replaces it with a roofline)."""
+        yield self.env.timeout(max(1, tokens * self.scenario.workload.compute_ns_per_token))
 
     def _open_decode(self, req: Request) -> None:
         for d in range(self.D):

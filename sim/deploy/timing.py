@@ -13,14 +13,29 @@ from typing import Any
 
 from kvferry.backends.simfabric.descriptors import DescList
 from kvferry.backends.simfabric.fabric import Fabric, Xfer
+from kvferry.backends.simfabric.fabric import XferState as FabricState
 from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport
 from kvferry.backends.staging_copy import map_bytes
 from kvferry.backends.transport import XferState
+from kvferry.core.errors import WireError
+from kvferry.core.messages import decode_note
 
 __all__ = ["TimingFabric", "TimingTransport"]
 
 
 class TimingFabric(Fabric):
+    # Set to a list to log every DONE write as (room, posted, started, landed, done) ns.
+    xfer_log: list[tuple[int, int, int, int, int]] | None = None
+
+    def _retire(self, x: Xfer, state: FabricState, reason: str, silent: bool = False) -> None:
+        super()._retire(x, state, reason, silent)
+        if self.xfer_log is not None and x.state is FabricState.DONE and x.notif is not None:
+            try:
+                room = decode_note(x.notif).room
+            except WireError:
+                return
+            self.xfer_log.append((room, x.posted_ns, x.started_ns, x.landed_ns, x.done_ns))
+
     def _copy(self, x: Xfer, descs: DescList) -> None:
         # Aux rows are copied: decode reads the room id back from them to accept a room.
         aux = descs.dst_region == AUX_REGION

@@ -1,0 +1,112 @@
+"""Simulate one deployment under one workload: build the scenario, run the DeployWorld, collect."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+
+from kvferry.sim import scenario as sc
+from kvferry.sim.deploy.metrics import SPLIT_KEYS, DeployResult, Percentiles, transfer_split
+from kvferry.sim.deploy.spec import DeployError, DeploySpec
+from kvferry.sim.deploy.workload import Arrivals, DeployRequest
+from kvferry.sim.deploy.world import DeployWorld
+
+__all__ = ["build_scenario", "simulate", "staging_bytes"]
+
+NS = 1_000_000_000
+MS = 1_000_000
+
+
+def build_scenario(spec: DeploySpec, lengths: tuple[DeployRequest, ...]) -> sc.Scenario:
+    spec.check()
+    longest = max(r.input_tokens for r in lengths)
+    chunk = min(spec.chunk_tokens, longest)
+    try:
+        return sc.parse(spec.scenario_dict(longest, chunk), where=f"deployment {spec.model}")
+    except sc.ScenarioError as e:
+        raise DeployError(str(e)) from None
+
+
+def staging_bytes(s: sc.Scenario) -> dict[str, int]:
+    """The extra memory a flow registers per rank (0 for what it does not use)."""
+    f = sc.staging_sizes(s)
+    flow = f.flow
+    return {
+        "decode_ring": f.ring_bytes if flow == "ring" else 0,
+        "decode_pinned": f.pinned_bytes if flow == "pinned" else 0,
+        "prefill_worker_buffers": f.worker_buffer_bytes * s.topology.workers if flow != "direct" else 0,
+        "prefill_pinned": f.prefill_pinned_bytes if flow == "pinned" else 0,
+    }
+
+
+def simulate(
+    spec: DeploySpec, arrivals: Arrivals, lengths: tuple[DeployRequest, ...] = (), label: str = ""
+) -> DeployResult:
+    """``lengths``: the request sizes of a closed loop (ignored for open-loop arrivals)."""
+    pool = arrivals.requests or lengths
+    if not pool:
+        raise DeployError("the workload has no requests")
+    s = build_scenario(spec, pool)
+    w = DeployWorld(spec, s, arrivals, lengths)
+    last_arrival = max((r.arrival_ns for r in arrivals.requests), default=0)
+    limit = last_arrival + 3600 * NS  # an hour of simulated time past the last arrival
+    wall = w.run_deploy(limit)
+    ttft, tpot, e2e, xfer = [], [], [], []
+    split_sum: dict[str, float] = defaultdict(float)
+    split_n = 0
+    writes: dict[int, list[tuple[int, int, int, int, int]]] = defaultdict(list)
+    for rec in w.fabric.xfer_log or ():
+        writes[rec[0]].append(rec)
+    good = completed = failed = out_tokens = 0
+    for key, t in w.tracks.items():
+        if t.failed:
+            failed += 1
+            continue
+        if t.done_ns < 0:
+            continue
+        completed += 1
+        out_tokens += t.tokens
+        ft = (t.first_token_ns - t.arrival_ns) / MS
+        tp = (t.done_ns - t.first_token_ns) / MS / max(1, t.tokens - 1)
+        ttft.append(ft)
+        tpot.append(tp)
+        e2e.append((t.done_ns - t.arrival_ns) / MS)
+        last_ready = t.chunk_ready_ns[-1] if t.chunk_ready_ns else -1
+        if t.kv_done_ns >= 0 and last_ready >= 0:
+            xfer.append((t.kv_done_ns - last_ready) / MS)
+        parts = transfer_split(last_ready, t.kv_done_ns, writes.get(w.requests[key].room, []))
+        if parts is not None:
+            split_n += 1
+            for k, v in parts.items():
+                split_sum[k] += v / MS
+        if ft <= spec.ttft_slo_ms and tp <= spec.tpot_slo_ms:
+            good += 1
+    first = min((t.arrival_ns for t in w.tracks.values()), default=0)
+    end = max((t.done_ns for t in w.tracks.values()), default=0)
+    span_s = max(1e-9, (end - first) / NS)
+    total = arrivals.count
+    return DeployResult(
+        flow=spec.flow,
+        label=label,
+        requests=total,
+        completed=completed,
+        failed=failed,
+        unfinished=total - completed - failed,
+        sim_s=int(w.env.now) / NS,
+        wall_s=wall,
+        ttft_ms=Percentiles.of(ttft),
+        tpot_ms=Percentiles.of(tpot),
+        e2e_ms=Percentiles.of(e2e),
+        transfer_ms=Percentiles.of(xfer),
+        split_ms={k: split_sum[k] / split_n if split_n else 0.0 for k in SPLIT_KEYS},
+        goodput_rps=good / span_s,
+        slo_attained=good / total if total else 0.0,
+        throughput_tok_s=out_tokens / span_s,
+        extra_memory_bytes=staging_bytes(s),
+        violations=[f"{v.invariant}: {v.detail}" for v in w.violations],
+        seed=spec.seed,
+    )
+
+
+def with_flow(spec: DeploySpec, flow: str) -> DeploySpec:
+    return replace(spec, flow=flow)
