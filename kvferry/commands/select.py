@@ -218,7 +218,10 @@ def register(app: typer.Typer) -> None:
         if plot is not None:
             from kvferry.sim.deploy.report import plot as draw
 
-            draw(sel, plot)
+            try:
+                draw(sel, plot)
+            except OSError as e:
+                bad_input(f"--plot {plot}: cannot write: {e}")
         if as_json:
             sys.stdout.write(json.dumps(_nan_safe(sel.as_dict())) + "\n")
         else:

@@ -56,18 +56,24 @@ class NicProfile:
 
 def names(kind: str) -> tuple[str, ...]:
     """The shipped profiles of one kind ("gpu" or "nic")."""
-    out = []
-    for entry in resources.files("kvferry.sim.deploy").joinpath("profiles").iterdir():
-        if entry.name.endswith(".toml") and _read(entry.name[:-5]).get("kind") == kind:
-            out.append(entry.name[:-5])
-    return tuple(sorted(out))
+    return tuple(sorted(f[:-5] for f in _files() if _read(f[:-5]).get("kind") == kind))
 
 
 def _read(name: str) -> dict[str, Any]:
+    ok = bool(name) and name.replace("-", "").replace("_", "").isalnum() and name.isascii()
     entry = resources.files("kvferry.sim.deploy").joinpath("profiles", f"{name}.toml")
-    if not name or "/" in name or not entry.is_file():
-        raise ProfileError(f"unknown hardware profile {name!r}")
-    return tomllib.loads(entry.read_text())
+    if not ok or not entry.is_file():
+        known = ", ".join(n[:-5] for n in sorted(_files()))
+        raise ProfileError(f"unknown hardware profile {name!r} (known: {known})")
+    try:
+        return tomllib.loads(entry.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"profile {name}: not valid TOML: {e}") from None
+
+
+def _files() -> list[str]:
+    folder = resources.files("kvferry.sim.deploy").joinpath("profiles")
+    return [e.name for e in folder.iterdir() if e.name.endswith(".toml")]
 
 
 def _load(name: str, kind: str, cls: type) -> Any:

@@ -104,5 +104,5 @@ def plot(sel: Selection, path: Path) -> None:
         f"{sel.spec.gpu} + {sel.spec.nic}"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # whatever the name ends with: --plot writes PNG
     plt.close(fig)

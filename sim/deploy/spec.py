@@ -85,7 +85,7 @@ class DeploySpec:
             raise DeployError(
                 f"{self.model} at TP {tp} does not fit a {gpu.name}: its weights take "
                 f"{self.roofline(side).weight_bytes_per_rank() / 1e9:.0f} GB of a rank's "
-                f"{gpu.hbm_gb * gpu.memory_fraction:.0f} GB (raise the TP, or weight_bytes = 1 for FP8)"
+                f"{gpu.hbm_gb * gpu.memory_fraction:.0f} GB (raise the TP, or use FP8 weights: --fp8-weights)"
             )
         return n
 
