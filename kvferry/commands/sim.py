@@ -151,9 +151,10 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
         if len(res.violations) > 20:
             console.print(f"... {len(res.violations) - 20} more")
     else:
+        checked = "bytes of every Success room, " if res.bytes_verified else ""
         console.print(
             "[bold green]invariants: all held[/] (status monotone, Failed absorbing, write ownership, "
-            "bytes of every Success room, liveness, conservation, agreement, empty tables)"
+            f"{checked}liveness, conservation, agreement, empty tables)"
         )
 
 
