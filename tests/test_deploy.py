@@ -198,3 +198,15 @@ def test_transfer_split_parts_sum_to_the_whole() -> None:
     parts = transfer_split(100, 900, [(1, 150, 400, 700, 710), (1, 120, 130, 300, 301)])
     assert parts == {"wait": 50, "posting": 250, "wire": 300, "scatter": 200}
     assert transfer_split(100, 900, []) is None
+
+
+def test_paired_instances_share_the_load() -> None:
+    reqs = wl.poisson(40.0, 40, 1000, 20, seed=5)
+    one = simulate(replace(SPEC, flow="ring"), wl.Arrivals(requests=reqs))
+    two = simulate(
+        replace(SPEC, flow="ring", prefill_instances=2, decode_instances=2), wl.Arrivals(requests=reqs)
+    )
+    assert two.completed == one.completed == 40 and two.violations == []
+    assert two.ttft_ms.p99 <= one.ttft_ms.p99
+    with pytest.raises(DeployError, match="only paired instances"):
+        replace(SPEC, prefill_instances=2, decode_instances=1).check()

@@ -110,6 +110,9 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         requests: Annotated[int, typer.Option(help="Requests per load point.")] = 64,
+        instances: Annotated[
+            int, typer.Option(help="Prefill and decode instances, paired one to one (requests round-robin).")
+        ] = 1,
         chunk_tokens: Annotated[int, typer.Option(help="Chunked prefill size, in tokens.")] = 2048,
         workers: Annotated[int, typer.Option(help="Transfer queues (one worker each) per prefill rank.")] = 2,
         staging_chunks: Annotated[int, typer.Option(help="Ring and pinned pools hold this many chunks.")] = 4,
@@ -153,6 +156,7 @@ def register(app: typer.Typer) -> None:
         _bounded(isl, "--isl", 1, MAX_TOKENS)
         _bounded(osl, "--osl", 1, MAX_TOKENS)
         _bounded(requests, "--requests", 1, MAX_REQUESTS)
+        _bounded(instances, "--instances", 1, 64)
         _bounded(chunk_tokens, "--chunk-tokens", 1, MAX_TOKENS)
         _bounded(workers, "--workers", 1, 64)
         _bounded(staging_chunks, "--staging-chunks", 1, 1024)
@@ -181,6 +185,8 @@ def register(app: typer.Typer) -> None:
             ttft_slo_ms=ttft_slo_ms,
             tpot_slo_ms=tpot_slo_ms,
             seed=seed,
+            prefill_instances=instances,
+            decode_instances=instances,
         )
         try:
             spec.check()

@@ -39,6 +39,22 @@ def staging_bytes(s: sc.Scenario) -> dict[str, int]:
     }
 
 
+def _split_arrivals(arrivals: Arrivals, k: int) -> list[Arrivals]:
+    """Round-robin over ``k`` instance pairs: request i of an open loop goes to pair i % k; a
+    closed loop's users and requests are shared out as evenly as they go."""
+    if k == 1:
+        return [arrivals]
+    if arrivals.concurrency:
+        return [
+            Arrivals(
+                concurrency=arrivals.concurrency // k + (j < arrivals.concurrency % k),
+                total=arrivals.total // k + (j < arrivals.total % k),
+            )
+            for j in range(k)
+        ]
+    return [Arrivals(requests=arrivals.requests[j::k]) for j in range(k)]
+
+
 def simulate(
     spec: DeploySpec, arrivals: Arrivals, lengths: tuple[DeployRequest, ...] = (), label: str = ""
 ) -> DeployResult:
@@ -47,43 +63,56 @@ def simulate(
     if not pool:
         raise DeployError("the workload has no requests")
     s = build_scenario(spec, pool)
-    w = DeployWorld(spec, s, arrivals, lengths)
-    last_arrival = max((r.arrival_ns for r in arrivals.requests), default=0)
-    limit = last_arrival + 3600 * NS  # an hour of simulated time past the last arrival
-    wall = w.run_deploy(limit)
+    worlds: list[DeployWorld] = []
+    wall = 0.0
+    for j, part in enumerate(_split_arrivals(arrivals, spec.prefill_instances)):
+        if part.count == 0 or (part.concurrency == 0 and not part.requests):
+            continue
+        pair = replace(spec, seed=spec.seed + j)
+        w = DeployWorld(
+            pair, replace(s, seed=pair.seed), part, lengths[j :: spec.prefill_instances] or lengths
+        )
+        last_arrival = max((r.arrival_ns for r in part.requests), default=0)
+        wall += w.run_deploy(last_arrival + 3600 * NS)  # an hour of simulated time past the last arrival
+        worlds.append(w)
     ttft, tpot, e2e, xfer = [], [], [], []
     split_sum: dict[str, float] = defaultdict(float)
     split_n = 0
-    writes: dict[int, list[tuple[int, int, int, int, int]]] = defaultdict(list)
-    for rec in w.fabric.xfer_log or ():
-        writes[rec[0]].append(rec)
     good = completed = failed = out_tokens = 0
-    for key, t in w.tracks.items():
-        if t.failed:
-            failed += 1
-            continue
-        if t.done_ns < 0:
-            continue
-        completed += 1
-        out_tokens += t.tokens
-        ft = (t.first_token_ns - t.arrival_ns) / MS
-        tp = (t.done_ns - t.first_token_ns) / MS / max(1, t.tokens - 1)
-        ttft.append(ft)
-        tpot.append(tp)
-        e2e.append((t.done_ns - t.arrival_ns) / MS)
-        last_ready = t.chunk_ready_ns[-1] if t.chunk_ready_ns else -1
-        if t.kv_done_ns >= 0 and last_ready >= 0:
-            xfer.append((t.kv_done_ns - last_ready) / MS)
-        parts = transfer_split(last_ready, t.kv_done_ns, writes.get(w.requests[key].room, []))
-        if parts is not None:
-            split_n += 1
-            for k, v in parts.items():
-                split_sum[k] += v / MS
-        if ft <= spec.ttft_slo_ms and tp <= spec.tpot_slo_ms:
-            good += 1
-    first = min((t.arrival_ns for t in w.tracks.values()), default=0)
-    end = max((t.done_ns for t in w.tracks.values()), default=0)
-    span_s = max(1e-9, (end - first) / NS)
+    first, end, sim_ns = None, 0, 0
+    violations: list[str] = []
+    for w in worlds:
+        sim_ns = max(sim_ns, int(w.env.now))
+        violations += [f"{v.invariant}: {v.detail}" for v in w.violations]
+        writes: dict[int, list[tuple[int, int, int, int, int]]] = defaultdict(list)
+        for rec in w.fabric.xfer_log or ():
+            writes[rec[0]].append(rec)
+        for key, t in w.tracks.items():
+            first = t.arrival_ns if first is None else min(first, t.arrival_ns)
+            end = max(end, t.done_ns)
+            if t.failed:
+                failed += 1
+                continue
+            if t.done_ns < 0:
+                continue
+            completed += 1
+            out_tokens += t.tokens
+            ft = (t.first_token_ns - t.arrival_ns) / MS
+            tp = (t.done_ns - t.first_token_ns) / MS / max(1, t.tokens - 1)
+            ttft.append(ft)
+            tpot.append(tp)
+            e2e.append((t.done_ns - t.arrival_ns) / MS)
+            last_ready = t.chunk_ready_ns[-1] if t.chunk_ready_ns else -1
+            if t.kv_done_ns >= 0 and last_ready >= 0:
+                xfer.append((t.kv_done_ns - last_ready) / MS)
+            parts = transfer_split(last_ready, t.kv_done_ns, writes.get(w.requests[key].room, []))
+            if parts is not None:
+                split_n += 1
+                for k, v in parts.items():
+                    split_sum[k] += v / MS
+            if ft <= spec.ttft_slo_ms and tp <= spec.tpot_slo_ms:
+                good += 1
+    span_s = max(1e-9, (end - (first or 0)) / NS)
     total = arrivals.count
     return DeployResult(
         flow=spec.flow,
@@ -92,7 +121,7 @@ def simulate(
         completed=completed,
         failed=failed,
         unfinished=total - completed - failed,
-        sim_s=int(w.env.now) / NS,
+        sim_s=sim_ns / NS,
         wall_s=wall,
         ttft_ms=Percentiles.of(ttft),
         tpot_ms=Percentiles.of(tpot),
@@ -103,7 +132,7 @@ def simulate(
         slo_attained=good / total if total else 0.0,
         throughput_tok_s=out_tokens / span_s,
         extra_memory_bytes=staging_bytes(s),
-        violations=[f"{v.invariant}: {v.detail}" for v in w.violations],
+        violations=violations,
         seed=spec.seed,
     )
 

@@ -39,6 +39,10 @@ class DeploySpec:
     ttft_slo_ms: float = 2000.0
     tpot_slo_ms: float = 100.0
     seed: int = 1
+    # P prefill and D decode instances, paired one to one (requests go round-robin to the pairs;
+    # a pair's NICs serve only that pair). P != D needs cross-pair routing: not modelled.
+    prefill_instances: int = 1
+    decode_instances: int = 1
 
     def geometry(self) -> ModelGeometry:
         try:
@@ -62,6 +66,11 @@ class DeploySpec:
             raise DeployError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if self.weight_bytes not in (1, 2):
             raise DeployError(f"weight_bytes must be 1 (FP8) or 2 (BF16), got {self.weight_bytes}")
+        if not 1 <= self.prefill_instances <= 64 or self.prefill_instances != self.decode_instances:
+            raise DeployError(
+                f"instances: {self.prefill_instances} prefill and {self.decode_instances} decode; only "
+                "paired instances (the same number of each, at most 64) are modelled"
+            )
         if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
             raise DeployError("SLOs must be positive")
         hardware.gpu(self.gpu)
