@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -210,3 +211,26 @@ def test_paired_instances_share_the_load() -> None:
     assert two.ttft_ms.p99 <= one.ttft_ms.p99
     with pytest.raises(DeployError, match="only paired instances"):
         replace(SPEC, prefill_instances=2, decode_instances=1).check()
+
+
+def test_timing_only_registrations_take_no_memory_but_keep_their_bounds() -> None:
+    from kvferry.backends.simfabric.descriptors import DescList
+    from kvferry.backends.simfabric.errors import RegionAccessError
+    from kvferry.backends.simfabric.transport import AUX_REGION
+    from kvferry.sim import scenario as sc
+    from kvferry.sim.world import World
+
+    s = sc.load(
+        Path(__file__).resolve().parent.parent / "scenarios" / "presets" / "llama-3.1-70b-16k-tp8-tp8.toml"
+    )
+    w = World(s)
+    mem = w.fabric.node("decode0").memory
+    sizes = mem.sizes()
+    kv = [rid for rid in sizes if rid != AUX_REGION]
+    assert sum(sizes[r] for r in kv) > 500 << 20  # hundreds of MB of pool on paper...
+    assert all(mem.region(r).strides == (0,) for r in kv)  # ...backed by one byte
+    assert mem.region(AUX_REGION).flags.writeable  # aux rows are real: decode reads room ids there
+    rid = kv[0]
+    bad = DescList(*(np.array([x], dtype=np.int64) for x in (rid, 0, rid, sizes[rid] - 8, 16)))
+    with pytest.raises(RegionAccessError, match="falls outside"):
+        w.fabric.post("prefill0", "prefill0", "decode0", bad, notif=None)

@@ -146,4 +146,7 @@ class DeploySpec:
                 "tombstone_ns": 500_000 * MS,
             },
             "phases": {"fault_window_us": 0},
+            # A request that times out under overload is an outcome of the load (reported as
+            # failed), not a protocol bug; every other invariant is still checked.
+            "checks": {"fault_free": False},
         }
