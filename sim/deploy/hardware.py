@@ -1,5 +1,9 @@
 """Hardware profiles: GPUs and NICs as data files (sim/deploy/profiles/*.toml, each number sourced
-in a comment there), and the simulated fabric they make."""
+in a comment there), and the simulated fabric they make.
+
+A profile fitted to this machine's own telemetry (``kvferry calibrate``: NIXL posting and kernel
+figures) would be one more file here; that command is another engineer's work and not built yet.
+"""
 
 from __future__ import annotations
 

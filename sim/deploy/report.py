@@ -29,6 +29,7 @@ def table(sel: Selection, console: Any) -> None:
         "load",
         "TTFT p50/p99 ms",
         "TPOT p50/p99 ms",
+        "E2E p50 s",
         "xfer p50 ms",
         "SLO met",
         "extra MiB",
@@ -47,12 +48,14 @@ def table(sel: Selection, console: Any) -> None:
                 r.label,
                 f"{r.ttft_ms.p50:.0f} / {r.ttft_ms.p99:.0f}",
                 f"{r.tpot_ms.p50:.1f} / {r.tpot_ms.p99:.1f}",
+                f"{r.e2e_ms.p50 / 1000:.2f}",
                 f"{r.transfer_ms.p50:.1f}",
-                f"{r.slo_attained:.0%}{note}",
+                f"{r.slo_attained:.0%} ({r.goodput_rps:.1f}/s){note}",
                 f"{sum(r.extra_memory_bytes.values()) / 2**20:.0f}",
             )
     t.caption = (
-        "extra MiB: staging a prefill rank and a decode rank register (ring, pinned pools, worker buffers)"
+        "SLO met: requests within both SLOs (goodput, requests/s); extra MiB: staging a prefill rank "
+        "and a decode rank register (ring, pinned pools, worker buffers); --json has p90s and means"
     )
     console.print(t)
     s = Table(title="transfer time split (mean ms per request, heaviest load)")
