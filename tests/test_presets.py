@@ -7,6 +7,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvferry.core.deadlines import MS, Timeouts
 from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import run_one
@@ -102,3 +104,36 @@ def test_timeouts_problems_names_a_deadline_shorter_than_the_transfer() -> None:
     assert len(probs) == 2
     assert probs[0].startswith("waiting_ns 100.0 ms is shorter than the expected transfer")
     assert "717.0 ms (direct flow)" in probs[1]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    model=st.sampled_from(["qwen3-8b", "llama-3.1-70b", "deepseek-v3"]),
+    tp=st.sampled_from([(1, 1), (2, 4), (4, 2), (8, 8), (8, 1), (1, 8)]),
+    tokens=st.integers(1, 32768),
+    chunk=st.sampled_from([0, 256, 2048]),
+    flow=st.sampled_from(["policy", "direct", "ring", "pinned", "mixed"]),
+    layout=st.sampled_from(["sglang_nhd", "vllm_hnd"]),
+)
+def test_derived_deadlines_are_never_refused_and_cover_the_transfer(
+    model: str, tp: tuple[int, int], tokens: int, chunk: int, flow: str, layout: str
+) -> None:
+    pages = -(-tokens // 16) + 8
+    doc = {
+        "model": {"preset": model},
+        "topology": {
+            "prefill_tp": tp[0],
+            "decode_tp": tp[1],
+            "prefill_pages": pages,
+            "decode_pages": pages,
+            "decode_layout": layout,
+        },
+        "flows": {"flow": flow},
+        "workload": {"rooms": 2, "tokens_min": 1, "tokens_max": tokens, "chunk_tokens": chunk},
+    }
+    s = sc.parse(doc)  # derived deadlines pass the core's own checks, or this raises
+    est = worst(s).total_ns
+    assert s.timeouts.waiting_ns > est and s.timeouts.transfer_ns > est
+    assert s.timeouts.waiting_ns >= min(SAFETY * est, sc.TimeoutSpec().waiting_ns)
+    assert s.timeouts.fence_ns >= sc.TimeoutSpec().fence_ns  # derivation only ever lengthens
+    assert sc.parse(tomllib.loads(sc.dump(s))) == s
