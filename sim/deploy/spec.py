@@ -91,10 +91,11 @@ class DeploySpec:
         page_bytes = page_size * g.num_regions * heads * g.head_bytes
         n = int(free // page_bytes)
         if n < 1:
+            hint = "raise the TP" + (", or use FP8 weights: --fp8-weights" if self.weight_bytes == 2 else "")
             raise DeployError(
                 f"{self.model} at TP {tp} does not fit a {gpu.name}: its weights take "
                 f"{self.roofline(side).weight_bytes_per_rank() / 1e9:.0f} GB of a rank's "
-                f"{gpu.hbm_gb * gpu.memory_fraction:.0f} GB (raise the TP, or use FP8 weights: --fp8-weights)"
+                f"{gpu.hbm_gb * gpu.memory_fraction:.0f} GB ({hint})"
             )
         return n
 
