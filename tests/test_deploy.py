@@ -196,8 +196,10 @@ def test_more_load_means_more_queueing() -> None:
 
 
 def test_transfer_split_parts_sum_to_the_whole() -> None:
-    parts = transfer_split(100, 900, [(1, 150, 400, 700, 710), (1, 120, 130, 300, 301)])
-    assert parts == {"wait": 50, "posting": 250, "wire": 300, "scatter": 200}
+    parts = transfer_split(100, 900, [(1, 150, 400, 700, 710), (1, 120, 130, 300, 301)], picked_ns=120)
+    assert parts == {"queue": 20, "staging": 30, "posting": 250, "wire": 300, "scatter": 200}
+    unknown = transfer_split(100, 900, [(1, 150, 400, 700, 710)])
+    assert unknown is not None and unknown["queue"] == 0 and unknown["staging"] == 50
     assert transfer_split(100, 900, []) is None
 
 

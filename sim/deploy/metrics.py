@@ -12,9 +12,10 @@ import numpy as np
 __all__ = ["DeployResult", "Percentiles", "percentiles", "transfer_split"]
 
 MS = 1e6
-SPLIT_KEYS = ("wait", "posting", "wire", "scatter")
+SPLIT_KEYS = ("queue", "staging", "posting", "wire", "scatter")
 SPLIT_DOC = {
-    "wait": "last chunk computed -> its last write posted: transfer queue, ring/pinned space, gather",
+    "queue": "last chunk computed -> a transfer worker takes it up (the transfer queue)",
+    "staging": "taken up -> its last write posted: waiting for ring or pinned space, and the gather",
     "posting": "posted -> on the wire: the NIC's posting engine (post + per-descriptor cost) and its "
     "in-flight limit",
     "wire": "on the wire -> landed: bandwidth shared with the other transfers, and latency",
@@ -69,18 +70,24 @@ class DeployResult:
 
 
 def transfer_split(
-    last_ready_ns: int, success_ns: int, writes: Sequence[tuple[int, int, int, int, int]]
+    last_ready_ns: int,
+    success_ns: int,
+    writes: Sequence[tuple[int, int, int, int, int]],
+    picked_ns: int = -1,
 ) -> dict[str, int] | None:
-    """Split (last chunk ready -> Success) along the room's last-landing write; None without one."""
+    """Split (last chunk ready -> Success) along the room's last-landing write; None without one.
+    ``picked_ns``: when a transfer worker took the last chunk up (-1: unknown, counted as staging)."""
     if not writes or success_ns < 0 or last_ready_ns < 0:
         return None
     _room, posted, started, landed, _done = max(writes, key=lambda w: w[3])
     posted = max(posted, last_ready_ns)
+    picked = min(max(picked_ns, last_ready_ns), posted)
     started = max(started, posted)
     landed = max(landed, started)
     end = max(success_ns, landed)
     return {
-        "wait": posted - last_ready_ns,
+        "queue": picked - last_ready_ns,
+        "staging": posted - picked,
         "posting": started - posted,
         "wire": landed - started,
         "scatter": end - landed,

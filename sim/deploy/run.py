@@ -105,7 +105,9 @@ def simulate(
             last_ready = t.chunk_ready_ns[-1] if t.chunk_ready_ns else -1
             if t.kv_done_ns >= 0 and last_ready >= 0:
                 xfer.append((t.kv_done_ns - last_ready) / MS)
-            parts = transfer_split(last_ready, t.kv_done_ns, writes.get(w.requests[key].room, []))
+            req = w.requests[key]
+            picked = w.picked_ns.get((req.room, len(req.chunks) - 1), -1)
+            parts = transfer_split(last_ready, t.kv_done_ns, writes.get(req.room, []), picked)
             if parts is not None:
                 split_n += 1
                 for k, v in parts.items():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import simpy
 from kvferry.sim import scenario as sc
@@ -71,6 +72,26 @@ class DeployWorld(World):
             for r in arrivals.requests:
                 self._submit(r.arrival_ns, r)
         self.env.process(self._decode_loop())
+        # When a prefill rank's transfer worker first takes up each chunk: (room, chunk) -> latest
+        # over the ranks (the transfer split's queueing ends there).
+        self.picked_ns: dict[tuple[int, int], int] = {}
+        for name, rank in self.ranks.items():
+            if name.startswith("prefill"):
+                rank.record = self._tap(rank.record, name)
+
+    def _tap(self, record: Any, node: str) -> Any:
+        first: set[tuple[int, int]] = set()
+
+        def tapped(kind: str, where: str, **attrs: Any) -> None:
+            if kind == "chunk_begin":
+                key = (attrs["room"], attrs["chunk"])
+                if key not in first:  # a chunk put back (no staging space yet) is taken up again
+                    first.add(key)
+                    now = int(self.env.now)
+                    self.picked_ns[key] = max(self.picked_ns.get(key, now), now)
+            record(kind, where, **attrs)
+
+        return tapped
 
     # ------------------------------------------------------------------ arrivals
     def _submit(self, at_ns: int, r: DeployRequest | None = None) -> None:
