@@ -3,9 +3,10 @@
 A fault-free room must not time out, so a deadline left out of a scenario is derived from what
 the room costs on the simulated fabric (backends/simfabric: posting is ``post_cost + per_desc x
 descriptors`` serialised per NIC, bytes share the NIC bandwidth, staged flows add a gather and a
-scatter kernel). The estimate is the largest room alone on the fabric, with every descriptor
-charged (no dense-run merging: a fragmented pool merges little), so it is an upper bound of what
-one room costs and a lower bound of what a deadline must allow.
+scatter kernel). The estimate is the largest room alone on the fabric, its pages in any order
+(descriptors merge at most within a page: a fragmented pool merges little), posting, wire,
+kernels and compute added up rather than overlapped: an upper bound of what one room costs
+(tests/test_presets.py checks it against runs) and a lower bound of what a deadline must allow.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, replace
 from kvferry.core.geometry import PoolGeometry, links
 from kvferry.sim.scenario import US, Scenario, TimeoutSpec, pools, staging_sizes
 
-__all__ = ["SAFETY", "RoomEstimate", "derive", "estimate", "flows_used"]
+__all__ = ["SAFETY", "RoomEstimate", "derive", "estimate", "flows_used", "worst"]
 
 MS = 1_000_000
 # A derived deadline allows this many times the largest room's expected time: room for rooms
