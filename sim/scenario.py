@@ -910,7 +910,7 @@ def with_flow(s: Scenario, flow: str) -> Scenario:
         ),
     )
     derived = with_derived_deadlines(base)
-    _check_timeouts("--flow", derived)
+    _check_timeouts(f"[timeouts] under --flow {flow}", derived)
     return derived
 
 
