@@ -10,6 +10,7 @@ assumption: no communication cost is charged).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvferry.core.geometry import ModelGeometry
@@ -98,11 +99,18 @@ class Roofline:
 
     def prefill_ns(self, tokens: int, ctx_start: int) -> int:
         """One prefill step computing ``tokens`` new tokens after ``ctx_start`` already cached."""
+        return self.prefill_batch_ns(((tokens, ctx_start),))
+
+    def prefill_batch_ns(self, parts: Sequence[tuple[int, int]]) -> int:
+        """One prefill step over several requests' chunks, each ``(new tokens, cached before)``:
+        the weights are read once for the whole batch, the step overhead paid once."""
         w = self.w
-        # Each new token attends to the cached context and to the new tokens before it.
-        pairs = tokens * ctx_start + tokens * (tokens + 1) // 2
+        tokens = sum(t for t, _ in parts)
+        # Each new token attends to its request's cached context and to the new tokens before it.
+        pairs = sum(t * ctx + t * (t + 1) // 2 for t, ctx in parts)
         flops = 2.0 * w.active_per_token() * tokens + self._attn_flops(pairs)
-        nbytes = self.weight_bytes * w.read_per_step(tokens) + self._kv_bytes(ctx_start + tokens)
+        kv = sum(ctx + t for t, ctx in parts)
+        nbytes = self.weight_bytes * w.read_per_step(tokens) + self._kv_bytes(kv)
         return self._time_ns(flops, nbytes, self.gpu.prefill_step_overhead_us)
 
     def decode_ns(self, batch: int, ctx_total: int) -> int:

@@ -1,10 +1,11 @@
 """A deployment run: the simulator's World (real core engines, real flows, the simulated fabric,
 the invariant checker) with a prefill GPU, a decode batch loop and requests that arrive over time.
 
-- Prefill: chunked prefill, one chunk at a time on the instance's GPU, first come first served
-  (a request's next chunk queues behind chunks that arrived meanwhile); a chunk's time is the
-  roofline of its new tokens (prefix hits are not computed, still transferred). A chunk's KV goes
-  to decode as soon as the chunk is computed.
+- Prefill: chunked prefill. Chunks wait first come first served (a request's next chunk queues
+  behind chunks that arrived meanwhile); each forward step takes queued chunks, of any requests,
+  up to the chunk size in tokens (SGLang's chunked_prefill_size is both), and costs the roofline
+  of the batch (weights read once). Prefix hits are not computed, still transferred. A chunk's
+  KV goes to decode as soon as its step ends.
 - Decode: a request joins the batch once its room is Success on every decode rank; each step's
   time is the roofline over the batch and its context; decode keeps the request's pages until
   its last token.
@@ -15,6 +16,7 @@ the invariant checker) with a prefill GPU, a decode batch loop and requests that
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,7 +55,8 @@ class DeployWorld(World):
         self.spec = spec
         self.roof_p = spec.roofline("prefill")
         self.roof_d = spec.roofline("decode")
-        self.gpu = simpy.Resource(self.env, capacity=1)
+        self._pjobs: deque[tuple[int, int, simpy.Event]] = deque()  # (new tokens, cached, done)
+        self._pwake = self.env.event()
         self.tracks: dict[int, Track] = {}  # by request key
         self.finished = 0
         self.total = arrivals.count
@@ -72,6 +75,7 @@ class DeployWorld(World):
             for r in arrivals.requests:
                 self._submit(r.arrival_ns, r)
         self.env.process(self._decode_loop())
+        self.env.process(self._prefill_loop())
         # When a prefill rank's transfer worker first takes up each chunk: (room, chunk) -> latest
         # over the ranks (the transfer split's queueing ends there).
         self.picked_ns: dict[tuple[int, int], int] = {}
@@ -133,12 +137,30 @@ class DeployWorld(World):
         new_start = max(start, hit)
         new = max(0, start + tokens - new_start)
         if new:
-            with self.gpu.request() as turn:
-                yield turn
-                yield self.env.timeout(self.roof_p.prefill_ns(new, new_start))
+            done = self.env.event()
+            self._pjobs.append((new, new_start, done))
+            if not self._pwake.triggered:
+                self._pwake.succeed()
+            yield done
         else:
             yield self.env.timeout(1)  # a cached chunk: nothing to compute
         self.tracks[req.key].chunk_ready_ns.append(int(self.env.now))
+
+    def _prefill_loop(self):  # type: ignore[no-untyped-def]
+        budget = self.spec.chunk_tokens
+        while True:
+            if not self._pjobs:
+                self._pwake = self.env.event()
+                yield self._pwake
+                continue
+            batch = [self._pjobs.popleft()]
+            used = batch[0][0]
+            while self._pjobs and used + self._pjobs[0][0] <= budget:
+                used += self._pjobs[0][0]
+                batch.append(self._pjobs.popleft())
+            yield self.env.timeout(self.roof_p.prefill_batch_ns([(t, ctx) for t, ctx, _ in batch]))
+            for _, _, done in batch:
+                done.succeed()
 
     # ------------------------------------------------------------------ decode
     def _check_side(self, req: Request, side: str) -> None:
