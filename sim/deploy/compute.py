@@ -77,11 +77,12 @@ def weights(m: ModelGeometry) -> Weights:
 class Roofline:
     """Step times of one TP group of ``gpu`` running ``model``."""
 
-    __slots__ = ("gpu", "model", "tp", "w", "weight_bytes")
+    __slots__ = ("_active", "gpu", "model", "tp", "w", "weight_bytes")
 
     def __init__(self, model: ModelGeometry, gpu: GpuProfile, tp: int, weight_bytes: int = 2) -> None:
         self.model, self.gpu, self.tp, self.weight_bytes = model, gpu, tp, weight_bytes  # BF16 weights
         self.w = weights(model)
+        self._active = self.w.active_per_token()
 
     def _attn_flops(self, token_ctx: int) -> float:
         """Attention FLOPs of all layers for ``token_ctx`` (query token x context token) pairs."""
@@ -118,7 +119,7 @@ class Roofline:
         if batch <= 0:
             return 0
         w = self.w
-        flops = 2.0 * w.active_per_token() * batch + self._attn_flops(ctx_total)
+        flops = 2.0 * self._active * batch + self._attn_flops(ctx_total)
         nbytes = self.weight_bytes * w.read_per_step(batch) + self._kv_bytes(ctx_total)
         return self._time_ns(flops, nbytes, self.gpu.decode_step_overhead_us)
 
