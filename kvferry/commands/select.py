@@ -113,7 +113,10 @@ def register(app: typer.Typer) -> None:
         instances: Annotated[
             int, typer.Option(help="Prefill and decode instances, paired one to one (requests round-robin).")
         ] = 1,
-        chunk_tokens: Annotated[int, typer.Option(help="Chunked prefill size, in tokens.")] = 2048,
+        chunk_tokens: Annotated[
+            int,
+            typer.Option(help="Chunked prefill size in tokens: a chunk, and a prefill step's token budget."),
+        ] = 2048,
         workers: Annotated[int, typer.Option(help="Transfer queues (one worker each) per prefill rank.")] = 2,
         staging_chunks: Annotated[int, typer.Option(help="Ring and pinned pools hold this many chunks.")] = 4,
         max_batch: Annotated[int, typer.Option(help="Decode's largest batch.")] = 256,
