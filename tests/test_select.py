@@ -90,3 +90,16 @@ def test_bad_input_is_one_error_line(extra: list[str], needle: str) -> None:
     assert r.exit_code == 2
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+
+
+def test_knobs_say_when_the_ring_was_too_small() -> None:
+    tight = _json(
+        [*SMALL, "--flows", "ring", "--concurrency", "16", "--requests", "16", "--staging-chunks", "1"]
+    )
+    roomy = _json(
+        [*SMALL, "--flows", "ring", "--concurrency", "16", "--requests", "16", "--staging-chunks", "8"]
+    )
+    assert tight["knobs"]["decode_ring_peak_in_use_mb"] > 0
+    assert "filled up at c=16" in tight["knobs"]["sizing"]
+    assert "of the ring in use" in roomy["knobs"]["sizing"]
+    assert roomy["results"]["ring"][0]["staging_peak_bytes"]["ring"] > 0

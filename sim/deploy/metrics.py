@@ -62,6 +62,9 @@ class DeployResult:
     slo_attained: float  # fraction of requests meeting both SLOs
     throughput_tok_s: float  # output tokens per second
     extra_memory_bytes: dict[str, int]  # staging each rank registers, by kind
+    # Most of decode's ring / pinned pool in use at once, over its ranks (ring: laps handed out
+    # ahead of the watermark included, so it can exceed the ring: chunks then waited for space).
+    staging_peak_bytes: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     seed: int = 0
 

@@ -81,8 +81,14 @@ def simulate(
     good = completed = failed = out_tokens = 0
     first, end, sim_ns = None, 0, 0
     violations: list[str] = []
+    peaks = {"ring": 0, "pinned": 0}
     for w in worlds:
         sim_ns = max(sim_ns, int(w.env.now))
+        for name, rank in w.ranks.items():
+            got = getattr(rank.engine, "staging_peaks", None) if name.startswith("decode") else None
+            if got:
+                peaks["ring"] = max(peaks["ring"], int(got["ring_assigned"]))
+                peaks["pinned"] = max(peaks["pinned"], int(got["pinned_used"]))
         violations += [f"{v.invariant}: {v.detail}" for v in w.violations]
         writes: dict[int, list[tuple[int, int, int, int, int]]] = defaultdict(list)
         for rec in w.fabric.xfer_log or ():
@@ -134,6 +140,7 @@ def simulate(
         slo_attained=good / total if total else 0.0,
         throughput_tok_s=out_tokens / span_s,
         extra_memory_bytes=staging_bytes(s),
+        staging_peak_bytes=peaks,
         violations=violations,
         seed=spec.seed,
     )

@@ -64,8 +64,11 @@ def _score(rs: Sequence[DeployResult]) -> tuple[float, float, float]:
     return (att, -p99, -p50)
 
 
-def knobs(spec: DeploySpec, flow: str, s: sc.Scenario) -> dict[str, Any]:
-    """The settings the flow ran with, named as the seeds' servers name them."""
+def knobs(
+    spec: DeploySpec, flow: str, s: sc.Scenario, results: Sequence[DeployResult] = ()
+) -> dict[str, Any]:
+    """The settings the flow ran with, named as the seeds' servers name them, and how much of
+    its staging the heaviest load point used."""
     f = sc.staging_sizes(replace(s, flows=replace(s.flows, flow=flow)))
     out: dict[str, Any] = {
         "flow": flow,
@@ -80,6 +83,17 @@ def knobs(spec: DeploySpec, flow: str, s: sc.Scenario) -> dict[str, Any]:
     if flow == "pinned":
         out["decode_pinned_pool_mb"] = round(f.pinned_bytes / 2**20, 1)
         out["prefill_pinned_pool_mb"] = round(f.prefill_pinned_bytes / 2**20, 1)
+    if flow != "direct" and results:
+        r = max(reversed(results), key=lambda x: x.staging_peak_bytes.get(flow, 0))  # ties: heaviest load
+        peak = r.staging_peak_bytes.get(flow, 0)
+        size = f.ring_bytes if flow == "ring" else f.pinned_bytes
+        out[f"decode_{flow}_peak_in_use_mb"] = round(peak / 2**20, 1)
+        if size and peak >= size:
+            out["sizing"] = (
+                f"the {flow} filled up at {r.label} (chunks waited for space): raise --staging-chunks"
+            )
+        elif size:
+            out["sizing"] = f"at most {peak / size:.0%} of the {flow} in use (at {r.label})"
     return out
 
 
@@ -132,4 +146,6 @@ def select(
     best = ranking[0]
     pool = points[0].arrivals.requests or points[0].lengths
     s = build_scenario(replace(spec, flow=best), pool)
-    return Selection(spec, results, ranking, best, _reason(best, results, ranking), knobs(spec, best, s))
+    return Selection(
+        spec, results, ranking, best, _reason(best, results, ranking), knobs(spec, best, s, results[best])
+    )
