@@ -1097,8 +1097,12 @@ def schema_tables() -> list[TableDoc]:
         TableDoc(
             "[timeouts]",
             ("timeouts",),
-            "The core's deadlines, in ns, scaled down for simulated runs. A file whose deadlines the "
-            "core calls unsafe for its fabric (a fence shorter than a peer may still write) is refused.",
+            "The core's deadlines, in ns, scaled down for simulated runs. A key left out whose default "
+            "is too short for the scenario's largest room (4x its expected transfer: posting, wire, "
+            "kernels, compute on this fabric and flow; sim/expected.py) is derived from it, and so are "
+            "the fence, the tombstone and `[phases].liveness_us` then. A file whose deadlines the core "
+            "calls unsafe for its fabric (a fence shorter than a peer may still write), or shorter than "
+            "its largest room's transfer, is refused.",
             tuple(_field_keys(TimeoutSpec, s.timeouts)),
         ),
         TableDoc(
