@@ -139,7 +139,7 @@ def main() -> None:
     print(f"bare SimPy baseline: {out['bare_simpy_timeouts_per_s']:,} timeouts/s")
     print(
         f"{res.rooms}-room replay (no faults): {big_wall:.2f} s wall for {res.sim_ns / 1e9:.3f} s simulated, "
-        f"{res.succeeded} succeeded, target < 30 s"
+        f"{res.succeeded} succeeded, target <= 15 s"
     )
     print(f"  process CPU time {big_cpu:.2f} s (load average {out['load_average_1min']} on this machine)")
     print(
