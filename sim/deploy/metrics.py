@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DeployResult", "Percentiles", "percentiles", "transfer_split"]
+__all__ = ["SPLIT_DOC", "SPLIT_KEYS", "DeployResult", "Percentiles", "transfer_split"]
 
 MS = 1e6
 SPLIT_KEYS = ("queue", "staging", "posting", "wire", "scatter")
@@ -37,10 +37,6 @@ class Percentiles:
         a = np.asarray(values_ms, dtype=float)
         p50, p90, p99 = np.percentile(a, [50, 90, 99])
         return Percentiles(float(p50), float(p90), float(p99), float(a.mean()))
-
-
-def percentiles(values_ms: Sequence[float]) -> Percentiles:
-    return Percentiles.of(values_ms)
 
 
 @dataclass(slots=True)

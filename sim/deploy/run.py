@@ -144,7 +144,3 @@ def simulate(
         violations=violations,
         seed=spec.seed,
     )
-
-
-def with_flow(spec: DeploySpec, flow: str) -> DeploySpec:
-    return replace(spec, flow=flow)
