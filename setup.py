@@ -13,4 +13,5 @@ for package, folder in ROOTS.items():
     packages.append(package)
     packages += [f"{package}.{sub}" for sub in find_packages(folder)]
 
-setup(packages=packages, package_dir=ROOTS)
+# Hardware profiles (sim/deploy/profiles/*.toml) are data, read through importlib.resources.
+setup(packages=packages, package_dir=ROOTS, package_data={"kvferry.sim.deploy": ["profiles/*.toml"]})

@@ -39,13 +39,23 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
     fence_ns: int = 180 * SEC
     tombstone_ns: int = 600 * SEC
 
-    def problems(self, max_msg_delay_ns: int, max_write_ns: int) -> list[str]:
+    def problems(
+        self,
+        max_msg_delay_ns: int,
+        max_write_ns: int,
+        expected_transfer_ns: int = 0,
+        transfer_what: str = "",
+    ) -> list[str]:
         """Why these settings are unsafe on a fabric whose control messages arrive within
-        ``max_msg_delay_ns`` (or never) and whose writes finish or fail within ``max_write_ns``.
+        ``max_msg_delay_ns`` (or never) and whose writes finish or fail within ``max_write_ns``,
+        for rooms whose transfer is expected to take ``expected_transfer_ns`` (0: not known;
+        ``transfer_what`` says what it is made of).
 
         The fence must outlive anything the peer might still write: a prefill room that never heard
         the Abort lives at most bootstrap + waiting + transfer after the TransferInfo reached it,
         and its last write may take max_write_ns more. Tombstones must outlive late messages.
+        A healthy room must not time out: decode waits for its first notification (waiting) and
+        prefill's transfer deadline is never renewed, so both must exceed the transfer itself.
         """
         out = []
         for name in self.__struct_fields__:
@@ -60,6 +70,15 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
             )
         if self.tombstone_ns <= max_msg_delay_ns + self.fence_ns:
             out.append("tombstone_ns must exceed max_msg_delay_ns + fence_ns")
+        for name in ("waiting_ns", "transfer_ns"):
+            value = getattr(self, name)
+            if 0 < value <= expected_transfer_ns:
+                what = f" ({transfer_what})" if transfer_what else ""
+                out.append(
+                    f"{name} {value / MS:.1f} ms is shorter than the expected transfer of the "
+                    f"largest room, {expected_transfer_ns / MS:.1f} ms{what}: a healthy room would "
+                    "time out; raise it, or leave it out to derive it"
+                )
         return out
 
 

@@ -106,6 +106,17 @@ class ModelGeometry:
     head_dim: int
     dtype: DType = DType.BF16
     is_mla: bool = False
+    # What compute needs (sim/deploy's rooflines); 0 = unknown. Never part of the KV layout.
+    hidden_size: int = 0
+    intermediate_size: int = 0  # dense MLP width (a MoE model's leading dense layers)
+    num_attention_heads: int = 0  # query heads
+    vocab_size: int = 0
+    attn_params: int = 0  # attention weights per layer; 0: GQA's, from the heads and head_dim
+    attn_dim: int = 0  # q.k plus v width per query head; 0: 2 x head_dim
+    moe_intermediate_size: int = 0  # one expert's MLP width (0: dense model)
+    experts_per_token: int = 0  # experts a token runs through, shared ones included
+    num_experts: int = 0  # routed + shared experts per MoE layer
+    dense_layers: int = 0  # leading layers with a dense MLP in a MoE model
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -159,12 +170,59 @@ class ModelGeometry:
         return None
 
 
+# deepseek-v3's MLA attention weights per layer, from its config.json (hidden 7168, 128 heads,
+# q_lora_rank 1536, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v_head_dim 128):
+# q_a 7168x1536 + q_b 1536x(128x192) + kv_a 7168x(512+64) + kv_b 512x(128x(128+128)) + o (128x128)x7168.
+_DSV3_ATTN = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+
 PRESETS: dict[str, ModelGeometry] = {
     g.name: g
     for g in (
-        ModelGeometry("qwen3-8b", num_layers=36, num_kv_heads=8, head_dim=128),
-        ModelGeometry("llama-3.1-70b", num_layers=80, num_kv_heads=8, head_dim=128),
-        ModelGeometry("deepseek-v3", num_layers=61, num_kv_heads=1, head_dim=576, is_mla=True),
+        # Qwen/Qwen3-8B config.json: hidden_size 4096, intermediate_size 12288, 32 attention heads,
+        # 8 KV heads, head_dim 128, 36 layers, vocab 151936.
+        ModelGeometry(
+            "qwen3-8b",
+            num_layers=36,
+            num_kv_heads=8,
+            head_dim=128,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_attention_heads=32,
+            vocab_size=151936,
+        ),
+        # meta-llama/Llama-3.1-70B config.json: hidden_size 8192, intermediate_size 28672,
+        # 64 attention heads, 8 KV heads, 80 layers, vocab 128256.
+        ModelGeometry(
+            "llama-3.1-70b",
+            num_layers=80,
+            num_kv_heads=8,
+            head_dim=128,
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_attention_heads=64,
+            vocab_size=128256,
+        ),
+        # deepseek-ai/DeepSeek-V3 config.json: hidden_size 7168, intermediate_size 18432 (the first
+        # 3 layers are dense), moe_intermediate_size 2048, 256 routed + 1 shared experts, 8 routed
+        # per token (+ the shared one), 128 attention heads, vocab 129280; the KV cache is one
+        # 512 + 64 = 576-wide latent per token and layer.
+        ModelGeometry(
+            "deepseek-v3",
+            num_layers=61,
+            num_kv_heads=1,
+            head_dim=576,
+            is_mla=True,
+            hidden_size=7168,
+            intermediate_size=18432,
+            num_attention_heads=128,
+            vocab_size=129280,
+            attn_params=_DSV3_ATTN,
+            attn_dim=192 + 128,
+            moe_intermediate_size=2048,
+            experts_per_token=9,
+            num_experts=257,
+            dense_layers=3,
+        ),
     )
 }
 

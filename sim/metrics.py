@@ -74,6 +74,7 @@ class RunResult:
     # Per decode rank offering staged flows: capacities and peak use (ring, pinned, fragmentation).
     staging: dict[str, Any] = field(default_factory=dict)
     scenario_toml: str = ""  # the resolved scenario, filled in for failing runs
+    bytes_verified: bool = True  # false for timing-only runs (move_bytes = false) or checks.bytes off
 
     @property
     def ok(self) -> bool:
@@ -120,6 +121,7 @@ def collect(w: World, wall_s: float = 0.0, detail: bool = False) -> RunResult:
     return RunResult(
         seed=w.seed,
         scenario=w.scenario.name,
+        bytes_verified=w.scenario.move_bytes and w.scenario.checks.bytes,
         rooms=len(w.requests),
         succeeded=sum(1 for r in w.requests if r.outcome == "success"),
         failed=sum(1 for r in w.requests if r.outcome == "failed"),

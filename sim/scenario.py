@@ -344,7 +344,11 @@ class Scenario:
     phases: Phases = field(default_factory=Phases)
     checks: Checks = field(default_factory=Checks)
     hooks: tuple[str, ...] = ()  # planted bugs (tests only)
+    move_bytes: bool = True
     expect_violations: tuple[str, ...] = ()  # invariants a regression file is known to break
+    # The [timeouts] keys and "liveness_us" the file set; the others were derived from the
+    # largest room's expected time (sim/expected.py). None: all given (built in code).
+    deadlines_set: frozenset[str] | None = field(default=None, compare=False)
 
     # The top-level keys; the other fields are tables, documented by their own dataclasses.
     DOC: ClassVar[dict[str, str]] = {
@@ -352,6 +356,8 @@ class Scenario:
         "description": "One line that replay prints under the name.",
         "seed": "Seed of every random choice of the run (replay --seed overrides it).",
         "hooks": "Planted bugs, to test the checker itself.",
+        "move_bytes": "Write, copy and verify every KV byte. false: timing only (every cost charged, "
+        "no byte copied, the bytes check off), for deployment-sized models.",
     }
 
     def node_names(self) -> tuple[str, ...]:
@@ -438,13 +444,6 @@ def _names(cls: type) -> tuple[str, ...]:
 
 
 def _model(r: _Reader) -> ModelSpec:
-    named = r.table.get("name")
-    if "preset" not in r.table and isinstance(named, str) and named in PRESETS:
-        # A preset's name alone used to run the tiny default geometry under that name.
-        raise ScenarioError(
-            f"{_at(r.where, 'name')}: {named!r} is a preset: write preset = {named!r} (a name alone "
-            "does not set the geometry; give another name for a custom model)"
-        )
     if "preset" in r.table:
         name = r.str("preset", "")
         extra = [k for k in r.table if k != "preset"]
@@ -465,9 +464,16 @@ def _model(r: _Reader) -> ModelSpec:
         is_mla=r.bool("is_mla", d.is_mla),
     )
     try:
-        spec.geometry()
+        g = spec.geometry()
     except GeometryError as e:
         raise ScenarioError(f"{r.where}: {e}") from None
+    if spec.name in PRESETS and PRESETS[spec.name].same_kv_shape(g) is not None:
+        # A preset's name alone used to run the tiny default geometry under that name (the
+        # preset's own fields written out, as dump() does, are fine).
+        raise ScenarioError(
+            f"{_at(r.where, 'name')}: {spec.name!r} is a preset: write preset = {spec.name!r} (a name "
+            "alone does not set the geometry; give another name for a custom model)"
+        )
     return spec
 
 
@@ -684,18 +690,42 @@ WRITE_SLACK_NS = 10_000_000
 REORDER_MAX_NS = 200 * US  # sim/faults.py's reorder delay bound
 
 
-def _check_timeouts(where: str, t: TimeoutSpec, fabric: FabricSpec, faults: Faults) -> None:
+def _check_timeouts(where: str, s: Scenario) -> None:
     """Refuse deadlines the core itself calls unsafe for this fabric (a fence shorter than a
-    peer may still write would let the checker blame the core for the scenario's settings)."""
+    peer may still write would let the checker blame the core for the scenario's settings), or
+    shorter than the scenario's own largest room takes to move."""
     from kvferry.core.deadlines import Timeouts
+    from kvferry.sim.expected import worst
 
+    fabric, t = s.fabric, s.timeouts
     max_msg = (
-        fabric.control.latency_ns + fabric.control.jitter_ns + faults.ctrl_delay_max_us * US + REORDER_MAX_NS
+        fabric.control.latency_ns
+        + fabric.control.jitter_ns
+        + s.faults.ctrl_delay_max_us * US
+        + REORDER_MAX_NS
     )
-    max_write = fabric.nic.error_timeout_ns + WRITE_SLACK_NS
-    probs = Timeouts(**{n: getattr(t, n) for n in _names(TimeoutSpec)}).problems(max_msg, max_write)
+    est = worst(s)
+    max_write = fabric.nic.error_timeout_ns + WRITE_SLACK_NS + est.total_ns
+    probs = Timeouts(**{n: getattr(t, n) for n in _names(TimeoutSpec)}).problems(
+        max_msg, max_write, expected_transfer_ns=est.total_ns, transfer_what=est.describe()
+    )
     if probs:
         raise ScenarioError(f"{where}: {'; '.join(probs)}")
+
+
+def with_derived_deadlines(s: Scenario) -> Scenario:
+    """``s`` with the deadlines it does not set derived for its flows (sim/expected.py)."""
+    if s.deadlines_set is None:
+        return s
+    from kvferry.sim.expected import derive
+
+    given = s.deadlines_set
+    out = derive(
+        s,
+        frozenset(n for n in given if n != "liveness_us"),
+        frozenset(n for n in given if n == "liveness_us"),
+    )
+    return replace(out, deadlines_set=given)
 
 
 def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
@@ -716,6 +746,7 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
             "phases",
             "checks",
             "hooks",
+            "move_bytes",
             "expect",
         ),
     )
@@ -743,7 +774,6 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
     tr = _Reader(f"{where}: [timeouts]", data.get("timeouts", {}), _names(TimeoutSpec))
     td = TimeoutSpec()
     timeouts = TimeoutSpec(**{n: tr.int(n, getattr(td, n), lo=1) for n in _names(TimeoutSpec)})
-    _check_timeouts(f"{where}: [timeouts]", timeouts, fabric, faults)
     pr = _Reader(f"{where}: [phases]", data.get("phases", {}), _names(Phases))
     phases = Phases(
         pr.int("fault_window_us", Phases().fault_window_us), pr.int("liveness_us", Phases().liveness_us, lo=1)
@@ -758,7 +788,10 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
             )
     er = _Reader(f"{where}: [expect]", data.get("expect", {}), ("violations",))
     expect = er.list("violations")
-    return Scenario(
+    given = frozenset(n for n in _names(TimeoutSpec) if n in tr.table) | frozenset(
+        n for n in ("liveness_us",) if n in pr.table
+    )
+    out = Scenario(
         name=top.str("name", "unnamed"),
         description=top.str("description", ""),
         seed=top.int("seed", 0),
@@ -773,8 +806,13 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
         phases=phases,
         checks=checks,
         hooks=tuple(hooks),
+        move_bytes=top.bool("move_bytes", True),
         expect_violations=tuple(str(x) for x in expect),
+        deadlines_set=given,
     )
+    out = with_derived_deadlines(out)
+    _check_timeouts(f"{where}: [timeouts]", out)
+    return out
 
 
 def load(path: str | Path) -> Scenario:
@@ -858,6 +896,8 @@ def dump(s: Scenario) -> str:
     out = [f"name = {_toml_value(s.name)}", f"description = {_toml_value(s.description)}", f"seed = {s.seed}"]
     if s.hooks:
         out.append(f"hooks = {_toml_value(s.hooks)}")
+    if not s.move_bytes:
+        out.append("move_bytes = false")
     out.append("")
     m = s.model
     out += _table("model", {f.name: getattr(m, f.name) for f in fields(ModelSpec)})
@@ -894,7 +934,24 @@ def with_flow(s: Scenario, flow: str) -> Scenario:
     """The scenario with every room on ``flow`` (sizes the flow needs are auto-sized)."""
     if flow not in FLOW_CHOICES:
         raise ScenarioError(f"--flow: expected one of {', '.join(FLOW_CHOICES)}, got {flow!r}")
-    return replace(s, flows=replace(s.flows, flow=flow))
+    out = replace(s, flows=replace(s.flows, flow=flow))
+    if s.deadlines_set is None:
+        return out
+    # Re-derive from the defaults for the new flow (a slower flow needs longer deadlines).
+    given = s.deadlines_set
+    td, pd = TimeoutSpec(), Phases()
+    base = replace(
+        out,
+        timeouts=TimeoutSpec(
+            **{n: getattr(s.timeouts if n in given else td, n) for n in _names(TimeoutSpec)}
+        ),
+        phases=replace(
+            s.phases, liveness_us=s.phases.liveness_us if "liveness_us" in given else pd.liveness_us
+        ),
+    )
+    derived = with_derived_deadlines(base)
+    _check_timeouts(f"[timeouts] under --flow {flow}", derived)
+    return derived
 
 
 def with_overrides(s: Scenario, **kw: Any) -> Scenario:
@@ -944,6 +1001,7 @@ _TABLE_FIELDS = frozenset(
         "phases",
         "checks",
         "expect_violations",
+        "deadlines_set",
     )
 )
 # Fields read from an array of tables under another name: [[workload.room]], [[faults.event]].
@@ -1079,8 +1137,12 @@ def schema_tables() -> list[TableDoc]:
         TableDoc(
             "[timeouts]",
             ("timeouts",),
-            "The core's deadlines, in ns, scaled down for simulated runs. A file whose deadlines the "
-            "core calls unsafe for its fabric (a fence shorter than a peer may still write) is refused.",
+            "The core's deadlines, in ns, scaled down for simulated runs. A key left out whose default "
+            "is too short for the scenario's largest room (4x its expected transfer: posting, wire, "
+            "kernels, compute on this fabric and flow; sim/expected.py) is derived from it, and so are "
+            "the fence, the tombstone and `[phases].liveness_us` then. A file whose deadlines the core "
+            "calls unsafe for its fabric (a fence shorter than a peer may still write), or shorter than "
+            "its largest room's transfer, is refused.",
             tuple(_field_keys(TimeoutSpec, s.timeouts)),
         ),
         TableDoc(

@@ -35,6 +35,7 @@ from kvferry.core.resources import writable
 from kvferry.core.topology import receiver_endpoints, sender_specs
 from kvferry.sim import pattern, planted
 from kvferry.sim.chaos import Chaos
+from kvferry.sim.deploy.timing import TimingFabric, TimingTransport
 from kvferry.sim.faults import Injector, draw_personality
 from kvferry.sim.rng import Streams
 from kvferry.sim.scenario import US, RoomSpec, Scenario, pools, staging_sizes
@@ -139,7 +140,11 @@ class World(Chaos):
         self.env = simpy.Environment()
         self.trace = Trace(lambda: self.env.now, keep=keep_trace)
         self.injector = Injector(s.faults, s.phases.fault_window_us * US, self.streams)
-        self.fabric = Fabric(self.env, s.fabric, self.streams["fabric"], self.injector, self.trace.record)
+        # Timing only (deployment-sized models): the same costs, no byte copied (sim/deploy/timing.py).
+        fabric_cls, self._transport_cls = (
+            (Fabric, SimTransport) if s.move_bytes else (TimingFabric, TimingTransport)
+        )
+        self.fabric = fabric_cls(self.env, s.fabric, self.streams["fabric"], self.injector, self.trace.record)
         self.fabric.on_land = self._on_land
         self.fabric.on_control = self._on_control
         self.timeouts = Timeouts(**{f: getattr(s.timeouts, f) for f in s.timeouts.__slots__})
@@ -194,7 +199,7 @@ class World(Chaos):
     def _start_rank(self, node: str) -> None:
         ep = self._endpoint(node)
         pool = self.pre_pools[ep.rank] if ep.server == "prefill" else self.dec_pools[ep.rank]
-        tr = SimTransport(self.fabric, ep, pool)
+        tr = self._transport_cls(self.fabric, ep, pool)
         tr.register_regions(pool.regions, self.scenario.topology.aux_rows, AUX_ROW_BYTES)
         st = self.staging
         if ep.server == "prefill":
@@ -331,7 +336,7 @@ class World(Chaos):
 
     def _request(self, req: Request):  # type: ignore[no-untyped-def]
         env = self.env
-        yield env.timeout(req.arrival_ns)
+        yield env.timeout(req.arrival_ns - int(env.now))  # absolute: a request may be added later
         s = self.scenario
         t = s.topology
         n_dec = -(-req.dec_tokens // t.decode_page_size)
@@ -382,14 +387,17 @@ class World(Chaos):
         self._check_side(req, "prefill")
         start = 0
         for i, n in enumerate(req.chunks):
-            yield env.timeout(max(1, n * s.workload.compute_ns_per_token))
+            yield from self._compute_chunk(req, start, n)
             end = start + n
             for p in range(self.P):
                 node = f"prefill{p}"
                 if not self.alive(node, req) or _terminal(req.status.get(node)):
                     continue
                 rank = self.ranks[node]
-                pattern.fill(rank.transport.pool, rank.transport.region, req.key, req.pre_pages, start, end)
+                if s.move_bytes:
+                    pattern.fill(
+                        rank.transport.pool, rank.transport.region, req.key, req.pre_pages, start, end
+                    )
                 chunk = ChunkReady(
                     room=req.room,
                     transfer_id=req.tid,
@@ -408,6 +416,10 @@ class World(Chaos):
                     self.trace.record("chunk_refused", node, room=req.room, reason=str(exc))
                     rank.feed(AbortRoom(room=req.room, transfer_id=req.tid, reason=f"refused: {exc}"))
             start = end
+
+    def _compute_chunk(self, req: Request, start: int, tokens: int):  # type: ignore[no-untyped-def]
+        """Prefill's forward pass over one chunk (sim/deploy replaces it with a roofline)."""
+        yield self.env.timeout(max(1, tokens * self.scenario.workload.compute_ns_per_token))
 
     def _open_decode(self, req: Request) -> None:
         for d in range(self.D):
@@ -567,7 +579,7 @@ class World(Chaos):
         if side == "decode":
             if not req.outcome:
                 req.outcome = "success" if all(st is KVPoll.Success for st in stats) else "failed"
-                if req.outcome == "success" and self.scenario.checks.bytes:
+                if req.outcome == "success" and self.scenario.checks.bytes and self.scenario.move_bytes:
                     self._verify(req)
             if not req.dec_released:
                 req.dec_released = True

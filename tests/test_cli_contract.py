@@ -283,6 +283,7 @@ BASE = {
     ("demo",): ["--json"],
     ("bench", "nixl"): ["--json"],
     ("version",): [],
+    ("select",): ["--concurrency", "1", "--requests", "1", "--isl", "16", "--osl", "2", "--json"],
 }
 
 OPTIONS = [

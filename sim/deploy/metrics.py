@@ -1,0 +1,93 @@
+"""A deployment run's numbers: latency percentiles, goodput under the SLOs, and where each
+request's KV transfer spent its time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SPLIT_DOC", "SPLIT_KEYS", "DeployResult", "Percentiles", "transfer_split"]
+
+MS = 1e6
+SPLIT_KEYS = ("queue", "staging", "posting", "wire", "scatter")
+SPLIT_DOC = {
+    "queue": "last chunk computed -> a transfer worker takes it up (the transfer queue)",
+    "staging": "taken up -> its last write posted: waiting for ring or pinned space, and the gather",
+    "posting": "posted -> on the wire: the NIC's posting engine (post + per-descriptor cost) and its "
+    "in-flight limit",
+    "wire": "on the wire -> landed: bandwidth shared with the other transfers, and latency",
+    "scatter": "landed -> Success on every decode rank: scatter kernels (staged flows), notifications",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Percentiles:
+    p50: float
+    p90: float
+    p99: float
+    mean: float
+
+    @staticmethod
+    def of(values_ms: Sequence[float]) -> Percentiles:
+        if not values_ms:
+            return Percentiles(float("nan"), float("nan"), float("nan"), float("nan"))
+        a = np.asarray(values_ms, dtype=float)
+        p50, p90, p99 = np.percentile(a, [50, 90, 99])
+        return Percentiles(float(p50), float(p90), float(p99), float(a.mean()))
+
+
+@dataclass(slots=True)
+class DeployResult:
+    flow: str
+    label: str  # the workload point (e.g. "concurrency 64")
+    requests: int
+    completed: int
+    failed: int
+    unfinished: int
+    sim_s: float
+    wall_s: float
+    ttft_ms: Percentiles
+    tpot_ms: Percentiles
+    e2e_ms: Percentiles
+    transfer_ms: Percentiles  # last chunk computed -> Success on decode
+    split_ms: dict[str, float]  # mean per request, SPLIT_KEYS
+    goodput_rps: float  # requests per second meeting both SLOs
+    slo_attained: float  # fraction of requests meeting both SLOs
+    throughput_tok_s: float  # output tokens per second
+    extra_memory_bytes: dict[str, int]  # staging each rank registers, by kind
+    # Most of decode's ring / pinned pool in use at once, over its ranks (ring: laps handed out
+    # ahead of the watermark included, so it can exceed the ring: chunks then waited for space).
+    staging_peak_bytes: dict[str, int] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    seed: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def transfer_split(
+    last_ready_ns: int,
+    success_ns: int,
+    writes: Sequence[tuple[int, int, int, int, int]],
+    picked_ns: int = -1,
+) -> dict[str, int] | None:
+    """Split (last chunk ready -> Success) along the room's last-landing write; None without one.
+    ``picked_ns``: when a transfer worker took the last chunk up (-1: unknown, counted as staging)."""
+    if not writes or success_ns < 0 or last_ready_ns < 0:
+        return None
+    _room, posted, started, landed, _done = max(writes, key=lambda w: w[3])
+    posted = max(posted, last_ready_ns)
+    picked = min(max(picked_ns, last_ready_ns), posted)
+    started = max(started, posted)
+    landed = max(landed, started)
+    end = max(success_ns, landed)
+    return {
+        "queue": picked - last_ready_ns,
+        "staging": posted - picked,
+        "posting": started - posted,
+        "wire": landed - started,
+        "scatter": end - landed,
+    }

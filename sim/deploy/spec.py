@@ -1,0 +1,153 @@
+"""What a deployment is: the model, one prefill and one decode instance (TP sizes, page sizes, a
+GPU and a NIC profile), the flow that moves KV between them and its knobs, and the SLOs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvferry.core.errors import GeometryError, KvferryError
+from kvferry.core.geometry import ModelGeometry, validate_tp
+from kvferry.sim.deploy import hardware
+from kvferry.sim.deploy.compute import Roofline
+
+__all__ = ["FLOWS", "DeployError", "DeploySpec"]
+
+FLOWS = ("direct", "ring", "pinned")
+MS = 1_000_000
+
+
+class DeployError(KvferryError, ValueError):
+    """A deployment that cannot be simulated; the message says which input."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeploySpec:
+    model: str = "qwen3-8b"
+    prefill_tp: int = 4
+    decode_tp: int = 2
+    prefill_page_size: int = 16
+    decode_page_size: int = 16
+    gpu: str = "h100"
+    nic: str = "nic-400g"
+    flow: str = "direct"
+    chunk_tokens: int = 2048  # chunked prefill: tokens per chunk (each chunk's KV goes as it is ready)
+    workers: int = 2  # transfer queues (one worker each) per prefill rank
+    staging_chunks: int = 4  # ring / pinned pools hold this many of the largest chunk
+    max_batch: int = 256  # decode's largest batch
+    weight_bytes: int = 2  # bytes per weight (2: BF16, 1: FP8)
+    ttft_slo_ms: float = 2000.0
+    tpot_slo_ms: float = 100.0
+    seed: int = 1
+    # P prefill and D decode instances, paired one to one (requests go round-robin to the pairs;
+    # a pair's NICs serve only that pair). P != D needs cross-pair routing: not modelled.
+    prefill_instances: int = 1
+    decode_instances: int = 1
+
+    def geometry(self) -> ModelGeometry:
+        try:
+            return ModelGeometry.preset(self.model)
+        except GeometryError as e:
+            raise DeployError(str(e)) from None
+
+    def check(self) -> None:
+        g = self.geometry()
+        for side in ("prefill_tp", "decode_tp"):
+            try:
+                validate_tp(g, getattr(self, side))
+            except GeometryError as e:
+                raise DeployError(f"{side}: {e}") from None
+        if self.flow not in FLOWS:
+            raise DeployError(f"flow: expected one of {', '.join(FLOWS)}, got {self.flow!r}")
+        for name in ("prefill_page_size", "decode_page_size", "workers", "staging_chunks", "max_batch"):
+            if getattr(self, name) < 1:
+                raise DeployError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_tokens < 1:
+            raise DeployError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.weight_bytes not in (1, 2):
+            raise DeployError(f"weight_bytes must be 1 (FP8) or 2 (BF16), got {self.weight_bytes}")
+        if not 1 <= self.prefill_instances <= 64 or self.prefill_instances != self.decode_instances:
+            raise DeployError(
+                f"instances: {self.prefill_instances} prefill and {self.decode_instances} decode; only "
+                "paired instances (the same number of each, at most 64) are modelled"
+            )
+        if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
+            raise DeployError("SLOs must be positive")
+        hardware.gpu(self.gpu)
+        hardware.nic(self.nic)
+
+    def roofline(self, side: str) -> Roofline:
+        tp = self.prefill_tp if side == "prefill" else self.decode_tp
+        return Roofline(self.geometry(), hardware.gpu(self.gpu), tp, self.weight_bytes)
+
+    def pages(self, side: str) -> int:
+        """KV pages per rank: the HBM the server gives away, less the rank's weights."""
+        g = self.geometry()
+        tp = self.prefill_tp if side == "prefill" else self.decode_tp
+        page_size = self.prefill_page_size if side == "prefill" else self.decode_page_size
+        gpu = hardware.gpu(self.gpu)
+        free = gpu.hbm_gb * 1e9 * gpu.memory_fraction - self.roofline(side).weight_bytes_per_rank()
+        heads = g.num_kv_heads // tp if tp <= g.num_kv_heads else 1
+        page_bytes = page_size * g.num_regions * heads * g.head_bytes
+        n = int(free // page_bytes)
+        if n < 1:
+            hint = "raise the TP" + (", or use FP8 weights: --fp8-weights" if self.weight_bytes == 2 else "")
+            raise DeployError(
+                f"{self.model} at TP {tp} does not fit a {gpu.name}: its weights take "
+                f"{self.roofline(side).weight_bytes_per_rank() / 1e9:.0f} GB of a rank's "
+                f"{gpu.hbm_gb * gpu.memory_fraction:.0f} GB ({hint})"
+            )
+        return n
+
+    def scenario_dict(self, max_input: int, max_chunk: int) -> dict[str, Any]:
+        """The scenario (sim/scenario.py) of one prefill and one decode instance running this flow."""
+        gpu, nic = hardware.gpu(self.gpu), hardware.nic(self.nic)
+        fab = hardware.fabric_spec(gpu, nic)
+        return {
+            "name": f"deploy-{self.model}-tp{self.prefill_tp}-tp{self.decode_tp}-{self.flow}",
+            "seed": self.seed,
+            "move_bytes": False,
+            "model": {"preset": self.model},
+            "topology": {
+                "prefill_tp": self.prefill_tp,
+                "decode_tp": self.decode_tp,
+                "prefill_page_size": self.prefill_page_size,
+                "decode_page_size": self.decode_page_size,
+                "prefill_pages": min(self.pages("prefill"), 1 << 20),
+                "decode_pages": min(self.pages("decode"), 1 << 20),
+                "workers": self.workers,
+                "aux_rows": 1 << 16,
+            },
+            "fabric": {
+                "bandwidth_gbps": fab.nic.bandwidth_bps / 1e9,
+                "latency_ns": fab.nic.latency_ns,
+                "post_cost_ns": fab.nic.post_cost_ns,
+                "per_desc_ns": fab.nic.per_desc_ns,
+                "error_timeout_ns": fab.nic.error_timeout_ns,
+                "kernel_launch_ns": fab.kernel.launch_ns,
+                "gpu_copy_gbps": fab.kernel.gpu_bps / 1e9,
+                "pinned_copy_gbps": fab.kernel.pinned_bps / 1e9,
+            },
+            "flows": {"flow": self.flow, "auto_chunks": self.staging_chunks},
+            "workload": {
+                "rooms": 1,  # sizes staging and deadlines for the largest room; rooms come later
+                "tokens_min": max_input,
+                "tokens_max": max_input,
+                "chunk_tokens": max_chunk,
+                "compute_ns_per_token": 0,
+            },
+            # The real servers' deadlines (core defaults are tens of seconds), longer under load.
+            "timeouts": {
+                "bootstrap_ns": 30_000 * MS,
+                "waiting_ns": 120_000 * MS,
+                "transfer_ns": 120_000 * MS,
+                "heartbeat_interval_ns": 1_000 * MS,
+                "heartbeat_timeout_ns": 10_000 * MS,
+                "fence_ns": 400_000 * MS,
+                "tombstone_ns": 500_000 * MS,
+            },
+            "phases": {"fault_window_us": 0},
+            # A request that times out under overload is an outcome of the load (reported as
+            # failed), not a protocol bug; every other invariant is still checked.
+            "checks": {"fault_free": False},
+        }

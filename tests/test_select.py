@@ -1,0 +1,105 @@
+"""``kvferry select``: a ranked table and a recommendation, JSON, plots, and bad input as one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvferry.cli import _register, app
+
+ROOT = Path(__file__).resolve().parent.parent
+_register()
+runner = CliRunner()
+SMALL = ["select", "--concurrency", "1,4", "--requests", "6", "--isl", "800", "--osl", "8"]
+
+
+def _json(args: list[str]) -> dict:
+    r = runner.invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)
+
+
+def test_unequal_tp_compares_every_flow_and_recommends_staging() -> None:
+    out = _json(SMALL)
+    assert sorted(out["ranking"]) == ["direct", "pinned", "ring"]
+    assert out["recommendation"] == out["ranking"][0] != "direct"
+    assert out["reason"].startswith(out["recommendation"] + ":")
+    for flow, points in out["results"].items():
+        assert [p["label"] for p in points] == ["c=1", "c=4"]
+        assert all(p["completed"] == 6 and not p["violations"] for p in points), flow
+    knobs = out["knobs"]
+    assert knobs["flow"] == out["recommendation"]
+    assert any("SGLANG_DISAGGREGATION_QUEUE_SIZE" in k for k in knobs)
+    assert knobs["staging_buffer_per_worker_mb"] > 0
+
+
+def test_equal_tp_has_only_direct() -> None:
+    out = _json([*SMALL, "--prefill-tp", "2", "--decode-tp", "2"])
+    assert out["ranking"] == ["direct"] and "only flow" in out["reason"]
+
+
+def test_table_progress_and_plot(tmp_path: Path) -> None:
+    png = tmp_path / "sel.png"
+    r = runner.invoke(app, [*SMALL, "--flows", "direct,ring", "--plot", str(png)])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert "recommendation: ring" in r.stdout and "TTFT" in r.stdout
+    assert "[1/4] direct at c=1" in r.stderr and "[4/4] ring at c=4" in r.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_poisson_rate_and_trace_workloads(tmp_path: Path) -> None:
+    out = _json([*SMALL, "--flows", "ring", "--rate", "20"])
+    assert out["results"]["ring"][0]["label"] == "20 req/s"
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,input_tokens,output_tokens,prefix_hit_tokens\n0,900,4,0\n0.01,900,4,800\n")
+    out = _json([*SMALL, "--flows", "ring", "--trace", str(trace)])
+    assert out["results"]["ring"][0]["completed"] == 2
+
+
+def test_a_scenario_file_gives_the_deployment() -> None:
+    preset = ROOT / "scenarios" / "presets" / "qwen3-8b-8k-tp1-tp4.toml"
+    out = _json(["select", "--scenario", str(preset), "--osl", "4", "--concurrency", "2", "--flows", "ring"])
+    d = out["deployment"]
+    assert (d["model"], d["prefill_tp"], d["decode_tp"]) == ("qwen3-8b", 1, 4)
+    assert out["results"]["ring"][0]["requests"] == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--flows", "magic"], "--flows: expected names from direct, ring, pinned"),
+        (["--prefill-tp", "2", "--decode-tp", "2", "--flows", "ring"], "only direct applies"),
+        (["--prefill-tp", "3"], "TP 3 does not divide 8 KV heads"),
+        (["--gpu", "a100"], "unknown hardware profile 'a100'"),
+        (["--model", "gpt-5"], "unknown model preset"),
+        (["--concurrency", "0"], "--concurrency: each value must be in"),
+        (["--concurrency", "1,x"], "comma-separated integers"),
+        (["--requests", "1000001"], "--requests must be in"),
+        (["--rate", "nan"], "--rate must be a number >= 0"),
+        (["--ttft-slo-ms", "-1"], "--ttft-slo-ms must be a positive number"),
+        (["--model", "deepseek-v3", "--prefill-tp", "8", "--decode-tp", "8"], "does not fit a h100"),
+        (["--scenario", str(ROOT / "scenarios" / "quickstart.toml")], "is not a preset"),
+        (["--seed", "-1"], "--seed"),
+    ],
+)
+def test_bad_input_is_one_error_line(extra: list[str], needle: str) -> None:
+    r = runner.invoke(app, [*SMALL, *extra])
+    assert r.exit_code == 2
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+
+
+def test_knobs_say_when_the_ring_was_too_small() -> None:
+    tight = _json(
+        [*SMALL, "--flows", "ring", "--concurrency", "16", "--requests", "16", "--staging-chunks", "1"]
+    )
+    roomy = _json(
+        [*SMALL, "--flows", "ring", "--concurrency", "16", "--requests", "16", "--staging-chunks", "8"]
+    )
+    assert tight["knobs"]["decode_ring_peak_in_use_mb"] > 0
+    assert "filled up at c=16" in tight["knobs"]["sizing"]
+    assert "of the ring in use" in roomy["knobs"]["sizing"]
+    assert roomy["results"]["ring"][0]["staging_peak_bytes"]["ring"] > 0
