@@ -372,7 +372,7 @@ class World(Chaos):
         hit = self._prefix_rng.random() < s.workload.prefix_hit  # drawn for every room: stable streams
         length = self._prefix_rng.randint(0, req.spec.tokens)
         if hit and req.flow in _PREFIX_FLOWS:
-            req.token_start = length
+            req.token_start = min(length, req.dec_tokens)  # a hit lies inside decode's allocation
         if req.spec.decode_lag_us:
             # Decode allocates late: prefill opens and computes first (staging requests arrive
             # before decode knows the room and must be held there).
@@ -429,7 +429,7 @@ class World(Chaos):
             if rank.dead:
                 self._mark(req, node, KVPoll.Failed, "node down at open")
                 continue
-            if req.token_start:
+            if req.token_start and self.scenario.move_bytes:
                 # The prefix cache: decode's own copy of the first tokens, already in its pages.
                 tr = rank.transport
                 pattern.fill(tr.pool, tr.region, req.key, req.dec_pages, 0, req.token_start)

@@ -99,6 +99,7 @@ class PendingWrite:
     posted_at: int
     dst_incarnation: int = 0  # of the peer whose agent the initiator loaded (src for a READ)
     read: bool = False  # a pull READ: dst (decode) posted it, src is the peer; notif goes to src
+    initiator_incarnation: int = -1  # of the process that posted it (-1: not tracked)
 
 
 @dataclass
@@ -153,6 +154,11 @@ class MemFabric:
 
     def complete(self, i: int) -> None:
         w = self.writes.pop(i)
+        initiator = self.transports[w.dst if w.read else w.src]
+        if w.initiator_incarnation >= 0 and initiator.incarnation != w.initiator_incarnation:
+            # The process that posted it died: its queue pairs went with it, and so does the
+            # transfer (a READ cannot land in memory its dead initiator no longer has).
+            return
         if self.transports[w.src if w.read else w.dst].incarnation != w.dst_incarnation:
             # The target process died: like a WRITE to a stale remote agent, it ends in ERR.
             self.states[w.handle] = XferState.ERR
@@ -303,7 +309,18 @@ class MemTransport:
         descs = (src_region, src_offset, dst_region, dst_offset, length)
         inc = self.peer_incarnation[peer]
         return self.fabric.post(
-            PendingWrite(h, peer, self._endpoint, descs, None, notif, self.fabric.now, inc, read=True)
+            PendingWrite(
+                h,
+                peer,
+                self._endpoint,
+                descs,
+                None,
+                notif,
+                self.fabric.now,
+                inc,
+                read=True,
+                initiator_incarnation=self.incarnation,
+            )
         )
 
     def post_aux_write(self, peer, src_aux_index, dst_aux_index, notif):  # type: ignore[no-untyped-def]
