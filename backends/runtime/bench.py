@@ -60,6 +60,10 @@ class BenchConfig:
     telemetry_path: str = ""  # write NIXL's per-write telemetry of the timed batches here (JSON)
     mem: str = "DRAM"  # VRAM: pools are torch CUDA tensors (one GPU shared by both processes)
     flow: str = "policy"  # direct, ring, pinned, or policy (the runtime chooses per room)
+    # GPU placement (VRAM): CUDA_VISIBLE_DEVICES of each process, e.g. "0" and "1"; rank r of a
+    # side uses visible GPU r mod count. Empty: both processes see every GPU and use GPU 0.
+    prefill_gpus: str = ""
+    decode_gpus: str = ""
 
 
 DEFAULT_CONFIGS = (
@@ -109,7 +113,7 @@ def _buffers(pool: Any, fill: int, mem: str) -> tuple[Any, dict[int, Any], Any]:
     if mem in ("VRAM", "TORCH_DRAM"):  # TORCH_DRAM: the tensor path on a machine without a GPU
         import torch
 
-        device = "cuda" if mem == "VRAM" else "cpu"
+        device = f"cuda:{pool.tp_rank % torch.cuda.device_count()}" if mem == "VRAM" else "cpu"
         buf = torch.full((pool.total_bytes,), fill, dtype=torch.uint8, device=device)
         kind = "VRAM" if mem == "VRAM" else "DRAM"
         cover = MemRegion(RAW_ID, buf.data_ptr(), buf.numel(), kind, max(buf.get_device(), 0))
@@ -479,11 +483,16 @@ def run_config(
 
         env["KVFERRY_CONTROL_KEY"] = ephemeral_key()  # the two children share a fresh key
     blob = json.dumps(asdict(cfg))
-    pre = _Proc(["prefill", blob], env)
+    pre_env, dec_env = dict(env), dict(env)
+    if cfg.prefill_gpus:
+        pre_env["CUDA_VISIBLE_DEVICES"] = cfg.prefill_gpus
+    if cfg.decode_gpus:
+        dec_env["CUDA_VISIBLE_DEVICES"] = cfg.decode_gpus
+    pre = _Proc(["prefill", blob], pre_env)
     dec = None
     try:
         addresses = pre.get(timeout_s)["addresses"]
-        dec = _Proc(["decode", blob, *addresses], env)
+        dec = _Proc(["decode", blob, *addresses], dec_env)
         raw = dec.get(timeout_s)["raw"]
         pre.put(go=True)
         dec.put(go=True)
@@ -501,6 +510,7 @@ def run_config(
         pre.kill()
         if dec is not None:
             dec.kill()
+    p2p = _p2p_gbps(cfg, env, d["room_bytes"] // cfg.inflight) if cfg.mem == "VRAM" else None
     room_bytes = d["room_bytes"]
     e2e_s = statistics.median(d["durations"])
     e2e = room_bytes / e2e_s / 1e9
@@ -529,9 +539,52 @@ def run_config(
         "ucx_tls": env.get("UCX_TLS", "(default)"),
         "mem": cfg.mem,
         "flow": cfg.flow,
+        "gpus": f"{cfg.prefill_gpus or '0'}->{cfg.decode_gpus or '0'}",
+        # torch copy of one room's bytes from prefill's first GPU to decode's (the link's limit)
+        "p2p_gbps": p2p,
         # Chunks decode scattered per flow (the flow really ran): from decode's counters.
         "scattered": {f: d["counters"].get(f"scattered_{f}", 0) for f in ("ring", "pinned")},
     }
+
+
+_P2P = """
+import sys, torch
+a, b, n = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+src = torch.ones(n, dtype=torch.uint8, device=f"cuda:{a}")
+dst = torch.empty(n, dtype=torch.uint8, device=f"cuda:{b}")
+for _ in range(2):
+    dst.copy_(src)
+torch.cuda.synchronize(a), torch.cuda.synchronize(b)
+best = []
+for _ in range(5):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(torch.cuda.current_stream(a))
+    dst.copy_(src)
+    e.record(torch.cuda.current_stream(a))
+    torch.cuda.synchronize(a), torch.cuda.synchronize(b)
+    best.append(s.elapsed_time(e) / 1e3)
+print(n / sorted(best)[len(best) // 2] / 1e9)
+"""
+
+
+def _p2p_gbps(cfg: BenchConfig, env: dict[str, str], nbytes: int) -> float | None:
+    """GB/s of a torch device-to-device copy of ``nbytes`` from prefill's first GPU to decode's
+    first GPU (peer-to-peer over NVLink or PCIe when they differ): what the link can do."""
+    a = (cfg.prefill_gpus or "0").split(",")[0]
+    b = (cfg.decode_gpus or "0").split(",")[0]
+    visible = ",".join(dict.fromkeys([a, b]))
+    idx = {g: i for i, g in enumerate(visible.split(","))}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _P2P, str(idx[a]), str(idx[b]), str(nbytes)],
+            env={**env, "CUDA_VISIBLE_DEVICES": visible},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return float(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def run(

@@ -34,6 +34,12 @@ def nixl(
     telemetry: Annotated[
         str, typer.Option(help="Write NIXL's per-write telemetry (JSON) to this path (one config).")
     ] = "",
+    prefill_gpus: Annotated[
+        str, typer.Option(help="VRAM: CUDA_VISIBLE_DEVICES of the prefill process, e.g. '0' or '0,1'.")
+    ] = "",
+    decode_gpus: Annotated[
+        str, typer.Option(help="VRAM: CUDA_VISIBLE_DEVICES of the decode process, e.g. '1'.")
+    ] = "",
     flow: Annotated[
         list[str] | None,
         typer.Option(
@@ -58,6 +64,11 @@ def nixl(
     mem = mem.upper()
     if mem not in ("DRAM", "VRAM"):  # the runtime's other kind (TORCH_DRAM) is for its own tests
         bad_input(f"--mem must be DRAM or VRAM, got {mem!r}")
+    for name, gpus in (("--prefill-gpus", prefill_gpus), ("--decode-gpus", decode_gpus)):
+        if gpus and not all(g.strip().isdigit() for g in gpus.split(",")):
+            bad_input(f"{name}: expected GPU indices like '0' or '0,1', got {gpus!r}")
+        if gpus and mem != "VRAM":
+            bad_input(f"{name} places GPU memory: use it with --mem VRAM")
     flows = [f.strip() for item in flow or ("direct,ring,pinned",) for f in item.split(",") if f.strip()]
     bad = [f for f in flows if f not in FLOWS]
     if bad or not flows:
@@ -68,7 +79,16 @@ def nixl(
     runs = []
     for base in configs:
         for f in flows:
-            c = replace(base, tokens=tokens, chunk_tokens=chunk_tokens, mem=mem, inflight=inflight, flow=f)
+            c = replace(
+                base,
+                tokens=tokens,
+                chunk_tokens=chunk_tokens,
+                mem=mem,
+                inflight=inflight,
+                flow=f,
+                prefill_gpus=prefill_gpus,
+                decode_gpus=decode_gpus,
+            )
             if telemetry:
                 one = len(configs) * len(flows) == 1
                 c = replace(
