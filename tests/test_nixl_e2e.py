@@ -179,7 +179,7 @@ def test_two_processes_rooms_chunks_tp2_to_1_aborts():
 
 # Every staged flow, and the policy's choice, on the TP pairs of the issue: fewer rooms each (the
 # 240-room run above covers volume), every abort kind, ring wrapping (a small ring), chunking.
-@pytest.mark.parametrize("flow", ["ring", "pinned", "direct"])
+@pytest.mark.parametrize("flow", ["ring", "pinned", "direct", "pull", "push"])
 @pytest.mark.parametrize("tp", [(2, 1), (1, 2), (4, 2)], ids=["tp2to1", "tp1to2", "tp4to2"])
 def test_two_processes_flows_tp_pairs(tp, flow):
     seed, n = 23, 48
@@ -187,16 +187,22 @@ def test_two_processes_flows_tp_pairs(tp, flow):
     out = _run_rooms(seed, n, 0.2, tp, flow)
     assert _check_rooms(plans, out, tp) >= n // 2
     scattered = {f: sum(c.get(f"scattered_{f}", 0) for c in out["d"]["counters"]) for f in ("ring", "pinned")}
-    if flow == "direct":
+    pre = {k: sum(c.get(k, 0) for c in out["p"]["counters"]) for c in out["p"]["counters"] for k in c}
+    if flow in ("direct", "pull", "push"):
         assert scattered == {"ring": 0, "pinned": 0}, scattered
     else:  # the flow really staged: decode scattered chunks of that flow and no other
         assert scattered[flow] > 0 and sum(scattered.values()) == scattered[flow], scattered
+    if flow == "pull":  # decode really READ: prefill saw its READs' notifications
+        assert pre.get("read_notif", 0) > 0, pre
+    if flow == "push":  # prefill's writes went under leases, and never without one
+        assert pre.get("lease_delivered", 0) > 0, pre
+        assert pre.get("push_untracked_write", 0) == 0, pre
 
 
 @pytest.mark.parametrize(
     ("tp", "flow"),
-    [((2, 1), "direct"), ((2, 1), "ring"), ((4, 2), "pinned")],
-    ids=["direct", "ring", "pinned"],
+    [((2, 1), "direct"), ((2, 1), "ring"), ((4, 2), "pinned"), ((2, 1), "pull"), ((1, 2), "push")],
+    ids=["direct", "ring", "pinned", "pull", "push"],
 )
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
 def test_peer_killed_mid_transfer_fails_rooms_on_survivor(victim, tp, flow):
@@ -227,9 +233,12 @@ def test_peer_killed_mid_transfer_fails_rooms_on_survivor(victim, tp, flow):
         # The core noticed the death itself: by the heartbeat deadline, or by the NIXL error of a
         # write that was still in flight (not by the 5 s room timeout, not by the harness).
         # A staged write posted after the death is refused by NIXL itself (the original error).
-        died = ("lost (no heartbeat)", "write failed", "ended in ERR", "REMOTE_DISCONNECT")
+        # Under push, decode's death also shows as its registration's lease running out.
+        died = ("lost (no heartbeat)", "write failed", "ended in ERR", "REMOTE_DISCONNECT", "lease expired")
         assert all(any(d in r for d in died) for r in reasons), res
     assert out["after_kill_s"] is not None
     assert closed["stuck"] == []
-    if victim == "decode":
+    if victim == "decode" and flow != "pull":
+        # (Under pull, prefill keeps a dead decode's pages until the fence deadline, 20 s, never
+        # earlier: decode's READs might still be landing. The simulator checks that rule.)
         assert _empty(out["leaks"]), out["leaks"]

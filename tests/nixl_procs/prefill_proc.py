@@ -182,10 +182,18 @@ def main() -> None:
         telemetry=[ep.transport.agent.telemetry.totals().transfers for ep in eps],
         # Gathers the engine waits for, and what the driver and the copy executor say of them.
         copies=[copy_tables(ep) for ep in eps],
+        counters=[engine_counters(ep) for ep in eps],
     )
     heard(120.0)
     stuck = [name for ep in eps for name in ep.close()]
     say(event="closed", stuck=stuck)
+
+
+def engine_counters(ep) -> dict:
+    with ep.lock:  # the engine only under its endpoint's lock
+        out = dict(ep.engine.counters)
+        out.update({f"lease_{k}": v for k, v in ep.engine.leases.counters.items()})
+        return out
 
 
 def copy_tables(ep) -> dict:
