@@ -72,7 +72,7 @@ DEFAULT_CONFIGS = (
     BenchConfig("tp1->2 nhd", 1, 2, rooms=2),
     BenchConfig("tp4->2 nhd", 4, 2, rooms=2),
 )
-FLOWS = ("direct", "ring", "pinned", "policy")
+FLOWS = ("direct", "ring", "pinned", "pull", "push", "policy")
 
 
 # ---- child side ----------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def staging_bytes(cfg: BenchConfig) -> dict[str, int]:
     """Staging sizes for ``max(2, inflight)`` chunks per rank (one chunk per worker buffer slot)."""
     from kvferry.core.geometry import ModelGeometry
 
-    if cfg.flow == "direct":
+    if cfg.flow in ("direct", "pull", "push"):  # no staging memory
         return {"worker_buffer_bytes": 0, "ring_bytes": 0, "pinned_bytes": 0, "prefill_pinned_bytes": 0}
     model = ModelGeometry.preset(cfg.model)
     chunk = cfg.chunk_tokens or cfg.tokens
