@@ -590,6 +590,8 @@ class SenderEngine(StagedSender, RoomEngine):
             shard = shard_of(r.room, self.num_shards)
             for c in parked:
                 self._out.append(EnqueueChunk(shard=shard, chunk=c))
+            if parked and self._wants_push(r):
+                self._push_finish(r)
         elif st is SState.TRANSFERRING:
             self.deadlines.set(key, self._now + self.timeouts.transfer_ns)
         elif st is SState.SUCCESS:
@@ -692,6 +694,8 @@ class SenderEngine(StagedSender, RoomEngine):
             r.parked.append(c)
         else:
             self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c))
+            if c.chunk_index == 0 and self._wants_push(r):
+                self._push_finish(r)
 
     def _h_on_run_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> str:
         if c.chunk_index < r.next_run:
@@ -844,9 +848,13 @@ class SenderEngine(StagedSender, RoomEngine):
         return self.policy.override is Flow.PUSH
 
     def _push_finish(self, r: _Room) -> None:
-        """The first chunk ran: the forward pass that matches every registration of the room."""
+        """The room's first chunk is computed (its forward pass finished): that matches every
+        registration of the room. Called when chunk 0 is handed to its worker and again when it
+        runs (a registration that arrived in between); a lease matched already is left alone,
+        so the watchdog measures decode's wait for prefill, not the worker queue."""
         for _p, key in sorted(r.push_keys.items()):
-            if key in self.leases.leases:
+            lease = self.leases.leases.get(key)
+            if lease is not None and lease.finish is None and key not in self.leases.held:
                 self._lease_notices(self.leases.finish(Finish(key, r.tid), self._now))
 
     def _push_post(self, r: _Room, peer: m.Endpoint) -> None:

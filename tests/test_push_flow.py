@@ -135,3 +135,21 @@ def test_campaign_catches_a_lease_that_never_expires(tmp_path: Path) -> None:
     assert again.digest == res.digest and again.violated() == ["lease"]
     clean, _ = run_one(replace(s, hooks=()), seed=0)
     assert clean.violations == []
+
+
+def test_a_computed_chunk_matches_its_registration_before_the_worker_runs_it() -> None:
+    """The forward pass finishing (chunk 0 handed over) is the match, not the worker reaching the
+    chunk: a registration must not be failed by its watchdog because the worker queue is long."""
+    w = H.World(TINY4, 1, 1, flow="push", seed=7)
+    req = w.open_room(300, "q", 10, [10])
+    assert req is not None
+    w.flush()  # decode registered (TransferInfo): the lease waits for prefill
+    eng = w.prefill[0].engine
+    (lease,) = eng.leases.leases.values()
+    assert lease.finish is None
+    w.chunk_ready(req, 0)  # handed to the worker queue; no worker step has run yet
+    assert w.prefill[0].driver.queues[0] or any(w.prefill[0].driver.queues)
+    assert lease.finish is not None  # matched now
+    w.heal_and_settle()
+    assert w.server_view[("decode", req.room, req.tid)] is KVPoll.Success
+    assert w.violations == [] and w.internal_errors() == []
