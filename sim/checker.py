@@ -115,18 +115,7 @@ def _failure_notice(w: World) -> None:
 def _fault_free(w: World) -> None:
     # Calm by construction, not by luck: a run that drew fault rates but happened to inject
     # nothing keeps deadlines sized for faults, and may time out under its own load.
-    f = w.scenario.faults
-    rates = (
-        f.ctrl_drop,
-        f.ctrl_dup,
-        f.ctrl_reorder,
-        f.ctrl_delay,
-        f.xfer_err,
-        f.abort,
-        f.notif_drop,
-        f.notif_delay,
-    )
-    if any(rates) or f.events or sum(w.injector.counts.values()):
+    if not w.scenario.faults.injects_nothing() or sum(w.injector.counts.values()):
         return
     for r in w.requests:
         if r.opened and r.outcome != "success" and not r.mismatched:

@@ -57,6 +57,8 @@ def flows_used(s: Scenario) -> tuple[str, ...]:
     pinned = bool(f.pinned_bytes and f.prefill_pinned_bytes)
     if f.flow in ("direct", "ring", "pinned"):
         out = [f.flow]
+    elif f.flow in ("pull", "push"):  # the planner's descriptors, as direct posts them
+        out = ["direct"]
     elif f.flow == "mixed":
         out = ["direct"] + ["ring"] * ring + ["pinned"] * pinned
     else:  # the policy: direct for equal TP, else ring if offered, else pinned, else direct

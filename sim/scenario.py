@@ -219,6 +219,20 @@ class Faults:
         "events": "Timed faults: see `[[faults.event]]`.",
     }
 
+    def injects_nothing(self) -> bool:
+        """No fault rate and no timed event (clock skew is not a fault: clocks always differ)."""
+        rates = (
+            self.ctrl_drop,
+            self.ctrl_dup,
+            self.ctrl_reorder,
+            self.ctrl_delay,
+            self.xfer_err,
+            self.abort,
+            self.notif_drop,
+            self.notif_delay,
+        )
+        return not (self.swarm or any(rates) or self.events)
+
 
 @dataclass(frozen=True, slots=True)
 class FlowSpec:

@@ -103,3 +103,30 @@ def test_crash_wakes_old_waiters_and_new_incarnation_gets_fresh_inbox() -> None:
     assert got == [("old", ("crashed", 0))]
     assert fab.drain_control("b") == [("a", b"after restart")]
     assert len(fab.node("b").inbox.items) == 1
+
+
+def test_a_seed_that_draws_no_fault_is_stretched_like_a_calm_seed() -> None:
+    # Seed 2040 drew every rate and event off; its rooms queued 51 ms behind each other in a
+    # worker under unstretched 50 ms deadlines, and fault_free reported the timeout.
+    from kvferry.sim.campaign import fuzz_scenario, run_one
+
+    s = fuzz_scenario(2040)
+    res, w = run_one(s)
+    assert w.scenario.faults.injects_nothing()
+    assert w.scenario.timeouts.waiting_ns >= 10 * s.timeouts.waiting_ns
+    assert not res.violations, res.violations
+
+
+def test_calm_stretch_covers_the_backlog_of_rooms_admitted_together() -> None:
+    from dataclasses import replace
+
+    from kvferry.sim.campaign import fuzz_scenario
+    from kvferry.sim.expected import worst
+    from kvferry.sim.faults import CALM_STRETCH, calm_stretch
+
+    s = fuzz_scenario(2040)
+    few, many = replace(s.workload, rooms=1), replace(s.workload, rooms=64)
+    assert calm_stretch(replace(s, workload=few)) == CALM_STRETCH
+    big = replace(s, workload=many)
+    backlog = min(64, s.topology.aux_rows) * worst(big).total_ns
+    assert calm_stretch(big) * s.timeouts.waiting_ns >= backlog
