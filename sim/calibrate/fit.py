@@ -172,5 +172,5 @@ def fit_kernels(rows: Sequence[KernelRow]) -> KernelFit:
     if hosts:
         launch, source = float(np.median(hosts)), "median host_us of the bench rows"
     else:
-        launch, source = float(np.mean(intercepts)), "fitted intercept (no host_us in the bench)"
+        launch, source = float(np.mean(intercepts)), "fitted intercept, no host_us in the bench"
     return KernelFit(launch, source, rates["gpu"], rates["pinned"], len(rows), errs)
