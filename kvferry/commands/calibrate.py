@@ -24,8 +24,9 @@ def _mb(sizes: tuple[int, ...]) -> str:
     return ", ".join(f"{s / 1e6:.1f}" for s in sizes) + " MB"
 
 
-def _check_target(path: Path, name: str) -> None:
-    """A fitted profile may replace a fitted one (a recalibration), never a shipped GPU/NIC one."""
+def _check_target(path: Path, name: str, option: str) -> None:
+    """A fitted profile may replace a fitted one (a recalibration), never a shipped GPU/NIC profile
+    nor any other file."""
     if not path.exists():
         return
     try:
@@ -34,7 +35,7 @@ def _check_target(path: Path, name: str) -> None:
         kind = None
     if kind != "fabric":
         what = kind or "unreadable"
-        bad_input(f"--name {name}: {path} exists and is not a fitted profile ({what}); pick another name")
+        bad_input(f"{option} {path}: exists and is not a fitted profile ({what}); not replacing it")
 
 
 def calibrate(
@@ -71,10 +72,11 @@ def calibrate(
         bad_input(str(e))
     if out is not None:
         check_output_file(out, "--out")
+        _check_target(out, name, "--out")
         if compare is not None:
             bad_input("--compare simulates the profile by name: drop --out (or run `bench predict` later)")
     else:
-        _check_target(target, name)
+        _check_target(target, name, "--name")
     try:
         tel = inputs.read_telemetry(telemetry)
         fab = fit.fit_fabric(tel.rows)

@@ -51,15 +51,19 @@ class KernelRow:
     host_us: float | None
 
 
-def _load_json(path: Path) -> Any:
+def read_text(path: Path) -> str:
     try:
-        text = path.read_text()
+        return path.read_text()
     except FileNotFoundError:
         raise CalibrationError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise CalibrationError(f"{path}: is a directory, give a file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CalibrationError(f"{path}: cannot read: {e}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # ValueError: a NUL in the path
+        raise CalibrationError(f"{str(path)!r}: cannot read: {e}") from None
+
+
+def _load_json(path: Path) -> Any:
+    text = read_text(path)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvferry.core.geometry import PRESETS
 from kvferry.sim import scenario as sc
-from kvferry.sim.calibrate.inputs import CalibrationError, _load_json
+from kvferry.sim.calibrate.inputs import CalibrationError, read_text
 
 __all__ = ["BenchRow", "Prediction", "predict", "read_bench"]
 
@@ -70,16 +70,13 @@ class Prediction:
 
 
 def _rows(path: Path) -> list[Any]:
-    """A JSON list, or JSON lines (what ``bench nixl --json`` prints, one object per line)."""
+    """A JSON list or object, or JSON lines (what ``bench nixl --json`` prints, one per line)."""
+    text = read_text(path).strip()
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError):
-        _load_json(path)  # raises the file's error
-        raise
-    text = text.strip()
-    if text.startswith("["):
-        data = _load_json(path)
+        data = json.loads(text)
         return data if isinstance(data, list) else [data]
+    except json.JSONDecodeError:
+        pass
     out = []
     for i, line in enumerate(text.splitlines()):
         if not line.strip():

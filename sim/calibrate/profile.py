@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from importlib import resources
 from pathlib import Path
 
 from kvferry.sim.calibrate.fit import FabricFit, KernelFit
 from kvferry.sim.calibrate.inputs import CalibrationError, Telemetry
+from kvferry.sim.deploy import hardware
 
 __all__ = ["NAME_RE", "profile_path", "render", "write"]
 
@@ -27,7 +27,7 @@ def profile_path(name: str) -> Path:
             f"--name {name!r}: a profile name is 1-64 characters of a-z, 0-9, - and _, "
             "starting with a letter or digit"
         )
-    return Path(str(resources.files("kvferry.sim.deploy").joinpath("profiles", f"{name}.toml")))
+    return Path(str(hardware.folder().joinpath(f"{name}.toml")))
 
 
 def _s(v: str) -> str:

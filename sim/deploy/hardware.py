@@ -12,6 +12,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import MISSING, dataclass, fields, replace
 from importlib import resources
+from importlib.resources.abc import Traversable
 from typing import Any
 
 from kvferry.backends.simfabric.spec import FabricSpec, KernelSpec, NicSpec
@@ -71,7 +72,7 @@ def names(kind: str) -> tuple[str, ...]:
 
 def _read(name: str) -> dict[str, Any]:
     ok = bool(name) and name.replace("-", "").replace("_", "").isalnum() and name.isascii()
-    entry = resources.files("kvferry.sim.deploy").joinpath("profiles", f"{name}.toml")
+    entry = folder().joinpath(f"{name}.toml")
     if not ok or not entry.is_file():
         known = ", ".join(n[:-5] for n in sorted(_files()))
         raise ProfileError(f"unknown hardware profile {name!r} (known: {known})")
@@ -81,9 +82,13 @@ def _read(name: str) -> dict[str, Any]:
         raise ProfileError(f"profile {name}: not valid TOML: {e}") from None
 
 
+def folder() -> Traversable:
+    """The profile folder (``kvferry calibrate`` writes fitted profiles here)."""
+    return resources.files("kvferry.sim.deploy").joinpath("profiles")
+
+
 def _files() -> list[str]:
-    folder = resources.files("kvferry.sim.deploy").joinpath("profiles")
-    return [e.name for e in folder.iterdir() if e.name.endswith(".toml")]
+    return [e.name for e in folder().iterdir() if e.name.endswith(".toml")]
 
 
 # Costs a fit may find to be nil (a fitted profile may hold 0 for them); every rate stays positive.
