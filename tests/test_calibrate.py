@@ -191,7 +191,9 @@ def test_bench_predict_puts_the_simulation_beside_each_row() -> None:
     got = [json.loads(line) for line in stdout.splitlines()]
     want = [json.loads(line) for line in TWO_ROWS.read_text().splitlines()]
     assert [(g["flow"], g["measured_gbps"]) for g in got] == [(w["flow"], w["kvferry_gbps"]) for w in want]
-    for g in got:
+    for g, w in zip(got, want, strict=True):
         assert g["ratio"] == pytest.approx(g["measured_gbps"] / g["predicted_gbps"])
+        assert g["measured_ms"] == pytest.approx(w["kvferry_s"] * 1e3)  # the bench's own batch time
+        assert g["unexplained_ms"] == pytest.approx(g["measured_ms"] - g["predicted_ms"])
         # predicted GB/s is the batch's bytes over the simulated time
         assert g["predicted_gbps"] == pytest.approx(g["room_mb"] * g["inflight"] / g["predicted_ms"])

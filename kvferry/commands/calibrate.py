@@ -169,13 +169,16 @@ def _predict_rows(rows: list, profile: str) -> list:  # type: ignore[type-arg]
 
 def _print_predictions(preds: list, profile: str) -> None:  # type: ignore[type-arg]
     typer.echo(f"measured (bench nixl) vs simulated on profile {profile}; ratio = measured / predicted")
-    typer.echo("config        flow     tokens  inflight  measured GB/s  predicted GB/s  ratio   raw GB/s")
+    typer.echo(
+        "config        flow     tokens  inflight  measured GB/s  predicted GB/s  ratio   raw GB/s"
+        "  unexplained ms/batch"
+    )
     for p in preds:
         d = p.as_dict()
         typer.echo(
             f"{d['config']:<13} {d['flow']:<8} {d['tokens']:>6}  {d['inflight']:>8}  "
             f"{d['measured_gbps']:>13.3f}  {d['predicted_gbps']:>14.3f}  {d['ratio']:>5.2f}  "
-            f"{d['raw_gbps']:>9.3f}"
+            f"{d['raw_gbps']:>9.3f}  {d['unexplained_ms']:>20.2f}"
         )
 
 

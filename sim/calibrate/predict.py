@@ -48,6 +48,11 @@ class Prediction:
     predicted_ms: float
 
     @property
+    def measured_ms(self) -> float:
+        """The bench's time per batch (its bytes over its GB/s)."""
+        return self.row.room_mb * self.row.inflight / self.row.measured_gbps
+
+    @property
     def ratio(self) -> float:
         """measured / predicted: above 1 the real run was faster than the simulator says."""
         return self.row.measured_gbps / self.predicted_gbps
@@ -64,7 +69,10 @@ class Prediction:
             "measured_gbps": r.measured_gbps,
             "raw_gbps": r.raw_gbps,
             "predicted_gbps": self.predicted_gbps,
+            "measured_ms": self.measured_ms,
             "predicted_ms": self.predicted_ms,
+            # What the simulation leaves out, per batch (negative: the simulation is slower).
+            "unexplained_ms": self.measured_ms - self.predicted_ms,
             "ratio": self.ratio,
         }
 
