@@ -225,6 +225,7 @@ BAD = [
     (["calibrate", TELEMETRY], "--name is required"),
     (["calibrate", TELEMETRY, "--name", "Bad Name"], "a profile name is"),
     (["calibrate", TELEMETRY, "--name", "h100"], "not a fitted profile (gpu)"),
+    (["calibrate", TELEMETRY, "--name", "h100-rdma"], "every scenario without a [fabric] profile"),
     (["calibrate", TELEMETRY, "--name", "x", "--out", "{file}"], "not a fitted profile"),
     (["calibrate", TELEMETRY, "--name", "x", "--out", "{missing_dir_file}"], "does not exist"),
     (["calibrate", TELEMETRY, "--name", "x", "--out", "{dir}/p.toml", "--compare", BENCH_ROWS], "drop --out"),

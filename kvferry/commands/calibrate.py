@@ -12,6 +12,8 @@ import typer
 
 from kvferry.commands import bad_input, check_output_file
 
+DEFAULT_FABRIC = "h100-rdma"  # sim/scenario.py's default [fabric] profile
+
 
 def register(app: typer.Typer) -> None:
     from kvferry.commands.bench import bench_app
@@ -66,6 +68,11 @@ def calibrate(
 
     if not name:
         bad_input("--name is required: the profile's name (e.g. cpu-loopback, h100-nixl)")
+    if name == DEFAULT_FABRIC:
+        bad_input(
+            f"--name {name}: every scenario without a [fabric] profile runs on it, and a fit must not "
+            "change them all silently; pick another name (e.g. h100-nixl)"
+        )
     try:
         target = out if out is not None else profile.profile_path(name)
     except CalibrationError as e:
