@@ -197,3 +197,12 @@ def test_bench_predict_puts_the_simulation_beside_each_row() -> None:
         assert g["unexplained_ms"] == pytest.approx(g["measured_ms"] - g["predicted_ms"])
         # predicted GB/s is the batch's bytes over the simulated time
         assert g["predicted_gbps"] == pytest.approx(g["room_mb"] * g["inflight"] / g["predicted_ms"])
+
+
+def test_profile_text_is_valid_toml_whatever_the_source_paths() -> None:
+    from kvferry.sim.calibrate import profile
+
+    rows = synthetic(6)
+    odd = ['a"b\\c', "x\ny\t\x1b\x7f", "é💥\u202e"]
+    text = profile.render("t", fit.fit_fabric(rows), inputs.Telemetry(tuple(rows), 0, 0, 0), odd)
+    assert tomllib.loads(text)["fit"]["sources"] == odd

@@ -74,7 +74,8 @@ def calibrate(
             "change them all silently; pick another name (e.g. h100-nixl)"
         )
     try:
-        target = out if out is not None else profile.profile_path(name)
+        named = profile.profile_path(name)  # checks the name even when --out writes elsewhere
+        target = out if out is not None else named
     except CalibrationError as e:
         bad_input(str(e))
     if out is not None:
@@ -98,7 +99,7 @@ def calibrate(
     text = profile.render(name, fab, tel, [str(p) for p in telemetry], kfit, str(kernels or ""))
     try:
         target.write_text(text)
-    except OSError as e:
+    except (OSError, UnicodeError) as e:
         bad_input(f"cannot write {target}: {e}")
     result = {
         "profile": str(target),

@@ -7,6 +7,7 @@ the MAPE on them. ``kvferry select --nic NAME`` and a scenario's ``[fabric] prof
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,7 +32,8 @@ def profile_path(name: str) -> Path:
 
 
 def _s(v: str) -> str:
-    return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A TOML basic string: JSON's escapes are TOML's (raw UTF-8, so no surrogate-pair escapes)."""
+    return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")  # DEL: JSON leaves it raw
 
 
 def _num(v: float) -> str:
