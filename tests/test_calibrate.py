@@ -178,6 +178,12 @@ def test_written_profile_loads_by_name_and_changes_the_simulated_fabric(fitted_p
     assert s.fabric.nic.bandwidth_bps == int(nic.bandwidth_gbps * 1e9)
     assert s.fabric.nic.per_desc_ns == round(nic.per_desc_us * 1000)
     assert sc.parse(sc.tomllib.loads(sc.dump(s))).fabric == s.fabric  # round trip through a file
+    # kvferry select's deployment model takes it as its NIC.
+    from kvferry.sim.deploy.spec import DeploySpec
+
+    deploy = DeploySpec(nic=name, prefill_tp=1, decode_tp=1)
+    deploy.check()
+    assert deploy.scenario_dict(256, 256)["fabric"]["bandwidth_gbps"] == pytest.approx(nic.bandwidth_gbps)
     # The same bench row predicts ~10x slower on the 10x slower fitted fabric.
     (row,) = [r for r in read_bench(TWO_ROWS) if r.flow == "direct"]
     fast = predict(row, "h100-rdma")
