@@ -518,7 +518,8 @@ def _topology(r: _Reader, model: ModelSpec) -> Topology:
 # The [fabric] keys (they map onto backends' FabricSpec, in other units): the parser accepts
 # exactly these, and the docs list them with these meanings.
 FABRIC_DOC: dict[str, str] = {
-    "profile": "Named fabric whose numbers are the defaults of the other keys of this table.",
+    "profile": "Named fabric whose numbers are the defaults of the other keys of this table (a profile "
+    "fitted by `kvferry calibrate` into sim/deploy/profiles wins over a built-in one of the same name).",
     "bandwidth_gbps": "NIC bandwidth of a node, in GB/s.",
     "latency_ns": "One-way latency of an RDMA write.",
     "jitter_ns": "Extra delay per transfer, uniform in [0, this).",
@@ -538,9 +539,45 @@ FABRIC_DOC: dict[str, str] = {
 }
 
 
+def fabric_profiles() -> tuple[str, ...]:
+    """Names ``[fabric] profile`` accepts: the built-in fabrics, then the fitted profiles
+    (``kvferry calibrate``, sim/deploy/profiles) that are not also built in."""
+    from kvferry.sim.deploy import hardware
+
+    return tuple(PROFILES) + tuple(n for n in hardware.names("fabric") if n not in PROFILES)
+
+
+def profile_fabric(name: str) -> FabricSpec:
+    """The fabric a profile name gives: a fitted profile's numbers over the built-in fabric of the
+    same name (or h100-rdma's), so a fitted profile wins over a built-in one of its name."""
+    from kvferry.sim.deploy import hardware
+
+    base = PROFILES.get(name, FabricSpec())
+    if name not in hardware.names("fabric"):
+        return base
+    fit = hardware.fitted(name)
+    k = base.kernel
+    return replace(
+        base,
+        nic=replace(
+            base.nic,
+            bandwidth_bps=int(fit.bandwidth_gbps * 1e9),
+            latency_ns=round(fit.latency_us * 1000),
+            post_cost_ns=round(fit.post_cost_us * 1000),
+            per_desc_ns=round(fit.per_desc_us * 1000),
+        ),
+        kernel=replace(
+            k,
+            launch_ns=k.launch_ns if fit.kernel_launch_us is None else round(fit.kernel_launch_us * 1000),
+            gpu_bps=k.gpu_bps if fit.copy_gpu_gbps is None else int(fit.copy_gpu_gbps * 1e9),
+            pinned_bps=k.pinned_bps if fit.copy_pinned_gbps is None else int(fit.copy_pinned_gbps * 1e9),
+        ),
+    )
+
+
 def _fabric(r: _Reader) -> tuple[str, FabricSpec]:
-    profile = r.str("profile", "h100-rdma", tuple(PROFILES))
-    base = PROFILES[profile]
+    profile = r.str("profile", "h100-rdma", fabric_profiles())
+    base = profile_fabric(profile)
     n, c = base.nic, base.control
     nic = NicSpec(
         bandwidth_bps=int(r.float("bandwidth_gbps", n.bandwidth_bps / 1e9, lo=0.001) * 1e9),
@@ -1038,7 +1075,7 @@ def _choices() -> dict[tuple[str, str], tuple[str, ...]]:
         ("[model]", "preset"): tuple(sorted(PRESETS)),
         ("[topology]", "prefill_layout"): layouts,
         ("[topology]", "decode_layout"): layouts,
-        ("[fabric]", "profile"): tuple(PROFILES),
+        ("[fabric]", "profile"): fabric_profiles(),
         ("[flows]", "flow"): FLOW_CHOICES,
         ("[[faults.event]]", "kind"): FAULT_EVENT_KINDS,
     }

@@ -88,7 +88,9 @@ def register(app: typer.Typer) -> None:
         prefill_page_size: Annotated[int, typer.Option(help="Prefill's tokens per KV page.")] = 16,
         decode_page_size: Annotated[int, typer.Option(help="Decode's tokens per KV page.")] = 16,
         gpu: Annotated[str, typer.Option(help="GPU profile: h100 or h200.")] = "h100",
-        nic: Annotated[str, typer.Option(help="NIC profile: nic-100g, nic-200g or nic-400g.")] = "nic-400g",
+        nic: Annotated[
+            str, typer.Option(help="NIC profile: nic-100g/200g/400g, or fitted (kvferry calibrate).")
+        ] = "nic-400g",
         flows: Annotated[
             str, typer.Option(help="Flows to compare, comma-separated (default: every applicable one).")
         ] = "",
