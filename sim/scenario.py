@@ -51,8 +51,10 @@ HOOKS = (
     "silent_write_failure",
     "prefix_front_trim",
     "push_lease_never_expires",
+    "suffix_strips_too_much",
 )
 FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "pull", "push", "mixed")
+PUSH_MATCH_CHOICES = ("transfer_id", "request_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +253,7 @@ class FlowSpec:
     prefill_pinned_bytes: int = 0
     fallback_direct: bool = False
     auto_chunks: int = 4
+    push_match: str = "transfer_id"
 
     DOC: ClassVar[dict[str, str]] = {
         "flow": "Which flow moves each room: policy (direct for equal TP; for unequal TP ring if "
@@ -263,6 +266,8 @@ class FlowSpec:
         "failing its room.",
         "auto_chunks": "Staging that the chosen flows need and that is left at 0 is sized to hold this "
         "many of the workload's largest chunk.",
+        "push_match": "How push registrations find their request: transfer_id (the router's id), or "
+        "request_id (no transfer id: decode names the request with a retry suffix, matched by base id).",
     }
 
 
@@ -614,6 +619,7 @@ def _flows(r: _Reader) -> FlowSpec:
         flow=r.str("flow", d.flow, FLOW_CHOICES),
         fallback_direct=r.bool("fallback_direct", d.fallback_direct),
         auto_chunks=r.int("auto_chunks", d.auto_chunks, lo=1, hi=1024),
+        push_match=r.str("push_match", d.push_match, PUSH_MATCH_CHOICES),
         **sizes,
     )
 
@@ -1077,6 +1083,7 @@ def _choices() -> dict[tuple[str, str], tuple[str, ...]]:
         ("[topology]", "decode_layout"): layouts,
         ("[fabric]", "profile"): fabric_profiles(),
         ("[flows]", "flow"): FLOW_CHOICES,
+        ("[flows]", "push_match"): PUSH_MATCH_CHOICES,
         ("[[faults.event]]", "kind"): FAULT_EVENT_KINDS,
     }
 
