@@ -604,6 +604,7 @@ class SenderEngine(StagedSender, RoomEngine):
             for c in parked:
                 self._out.append(EnqueueChunk(shard=shard, chunk=c))
             if parked and self._wants_push(r):
+                self.counters["push_computed_before_registration"] += 1  # the finish-first order
                 self._push_finish(r)
         elif st is SState.TRANSFERRING:
             self.deadlines.set(key, self._now + self.timeouts.transfer_ns)

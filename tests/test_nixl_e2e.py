@@ -203,6 +203,9 @@ def test_two_processes_flows_tp_pairs(tp, flow):
     if flow == "push":  # prefill's writes went under leases, and never without one
         assert pre.get("lease_delivered", 0) > 0, pre
         assert pre.get("push_untracked_write", 0) == 0, pre
+        # Both orders: decode registered first, and (its late rooms) prefill computed first.
+        assert pre.get("lease_matched_registration_first", 0) > 0, pre
+        assert pre.get("push_computed_before_registration", 0) > 0, pre
 
 
 @pytest.mark.parametrize(

@@ -272,6 +272,7 @@ class LeaseRegistry:
         self.leases[key] = lease
         if held:
             fin, _ = self.held.pop(held[0])
+            self._count("matched_finish_first")  # prefill held its blocks for this registration
             self._step(lease, LeaseIn.MATCH, now, fin)
         return self._drain()
 
@@ -341,6 +342,7 @@ class LeaseRegistry:
             )
             return self._drain()
         if cands:
+            self._count("matched_registration_first")  # the registration waited for this finish
             self._step(self.leases[cands[0]], LeaseIn.MATCH, now, fin)
         else:
             self.held[key] = (fin, now + self.match_ns)

@@ -73,12 +73,17 @@ def main() -> None:
     end = time.monotonic() + args.deadline_s
     announced = False
     t_killed = 0.0
+    late_due: dict[int, float] = {}  # late rooms: when decode opens them
 
     while (pending or live) and time.monotonic() < end:
         busy = False
         reclaim(waiting_fence, free_pages, free_aux)
         while pending and len(live) < wl.WINDOW and not announced:
             plan = pending[-1]
+            if plan.late_open and not args.hold:
+                due = late_due.setdefault(plan.index, time.monotonic() + wl.LATE_OPEN_S)
+                if time.monotonic() < due:
+                    break
             need = -(-plan.tokens // wl.DECODE_PAGE)
             if need > len(free_pages) or not free_aux:
                 break

@@ -17,7 +17,7 @@ both processes; every rank of a side runs in that side's process.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvferry.backends.runtime.staging import StagingConfig
@@ -33,6 +33,9 @@ PREFILL_PAGES, DECODE_PAGES = 512, 160  # decode pages are reused: the fence is 
 AUX_ROWS = 64
 WINDOW = 16  # rooms in flight per side
 MAX_TOKENS = 48
+# A controlled stall, not timing luck: a late room's chunks are all computed (and parked) by
+# prefill long before decode registers, so push runs in the finish-first order.
+LATE_SHARE, LATE_OPEN_S = 0.25, 0.1
 
 
 def timeouts() -> Timeouts:
@@ -77,6 +80,7 @@ class RoomPlan:
     cuts: tuple[int, ...]  # chunk ends, the last one == tokens
     abort: str | None
     hold: bool
+    late_open: bool = False  # decode opens the room LATE_OPEN_S after it could: prefill computes first
 
 
 def rooms(seed: int, n: int, abort_rate: float, hold: bool = False) -> list[RoomPlan]:
@@ -95,7 +99,10 @@ def rooms(seed: int, n: int, abort_rate: float, hold: bool = False) -> list[Room
         if (hold or abort in ("decode_mid", "prefill_mid")) and len(cuts) < 2:
             cuts = (tokens // 2, tokens)
         out.append(RoomPlan(i, room, f"s{seed}-{i}", tokens, cuts, abort, hold))
-    return out
+    # From a stream of its own, so every other draw of a seed stays as it was.
+    # Aborted rooms open on time: their abort kinds are defined against an on-time open.
+    late = random.Random(f"late-{seed}")
+    return [replace(p, late_open=late.random() < LATE_SHARE and p.abort is None) for p in out]
 
 
 class Memory:
