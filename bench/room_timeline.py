@@ -1,0 +1,191 @@
+"""Where a small room's time goes: a timeline of the hops of one room through the real runtime.
+
+One process, one prefill and one decode endpoint over real NIXL (DRAM, UCX loopback), TP 1 -> 1,
+rooms of a few KB so bytes do not matter. Prefill opens each room and hands over its only chunk
+first (the chunk parks until decode registers); the clock starts when decode opens the room. The
+hops are timed by wrapping the functions each one passes through (``time.perf_counter`` after
+each): decode sends its TransferInfo, prefill's control thread takes it in and the engine handles
+it, a worker starts the chunk, NIXL posts the KV write and the aux write, and decode's status
+board turns Success. The median of each hop over the rooms is printed (microseconds from decode's
+open), and the room's whole latency beside it.
+
+Run: ``KVFERRY_CONTROL_KEY=... uv run python bench/room_timeline.py [--flow direct|ring]
+[--rooms 60] [--idle-max-us 200] [--json]``. ``--idle-max-us`` is the data thread's longest idle
+sleep (``RuntimeConfig.idle_max_s``): it bounds how late a write completion or a notification is
+noticed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+HOPS = (
+    ("decode sent TransferInfo", "d.send_control"),
+    ("prefill control thread has it", "p.controls_in>"),
+    ("prefill engine handled it", "p.controls_in"),
+    ("worker starts the chunk", "p.worker_step>"),
+    ("NIXL post of the KV write begins", "p.post#1>"),
+    ("NIXL post of the KV write returns", "p.post#1"),
+    ("NIXL post of the aux write returns", "p.post#2"),
+    ("worker done", "p.worker_step"),
+    ("decode Success on its board", "d.success"),
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--flow", default="direct", choices=["direct", "ring"])
+    ap.add_argument("--rooms", type=int, default=60)
+    ap.add_argument("--idle-max-us", type=float, default=200.0)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if a.rooms < 11:
+        ap.error("--rooms must be >= 11 (the first 10 are warm-up)")
+    os.environ.setdefault("KVFERRY_CONTROL_KEY", os.urandom(32).hex())
+
+    from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
+    from kvferry.backends.runtime.staging import StagingConfig
+    from kvferry.core.deadlines import MS, SEC, Timeouts
+    from kvferry.core.geometry import ModelGeometry, PoolGeometry
+    from kvferry.core.kvpoll import KVPoll
+    from kvferry.core.messages import TransferInfo, decode_control
+
+    model = ModelGeometry("timeline", num_layers=2, num_kv_heads=4, head_dim=8)
+    t = Timeouts(
+        bootstrap_ns=10 * SEC,
+        waiting_ns=10 * SEC,
+        transfer_ns=10 * SEC,
+        heartbeat_interval_ns=200 * MS,
+        heartbeat_timeout_ns=5 * SEC,
+        fence_ns=40 * SEC,
+        tombstone_ns=60 * SEC,
+    )
+    staging = StagingConfig(worker_buffer_bytes=32 << 10, ring_bytes=64 << 10, flow=a.flow)
+    cfg = RuntimeConfig(
+        num_queues=2, aux_rows=16, timeouts=t, staging=staging, idle_max_s=a.idle_max_us * 1e-6
+    )
+    pre = PrefillEndpoint("P", PoolGeometry(model, 1, 0, 4, 64), config=cfg)
+    dec = DecodeEndpoint(
+        "D",
+        PoolGeometry(model, 1, 0, 4, 64),
+        prefill_server="P",
+        prefill_addresses=[pre.address],
+        config=cfg,
+    )
+    for ep in (pre, dec):
+        ep.start()
+
+    marks: dict[str, float] = {}
+    t0 = [0.0]
+    posts = [0]
+
+    def mark(tag: str) -> None:
+        marks.setdefault(tag, time.perf_counter() - t0[0])  # the first pass of this room
+
+    def wrap(obj: Any, name: str, tag: Callable[..., str | None]) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args: Any, **kw: Any) -> Any:
+            name_ = tag(*args, **kw)
+            if name_:
+                mark(name_ + ">")
+            out = inner(*args, **kw)
+            if name_:
+                mark(name_)
+            return out
+
+        setattr(obj, name, timed)
+
+    def post_tag(*_: Any, **__: Any) -> str:
+        posts[0] += 1
+        return f"p.post#{posts[0]}"
+
+    main_thread = threading.main_thread()
+
+    def carries_info(controls: list[bytes] | None) -> bool:  # not a heartbeat
+        return any(isinstance(decode_control(c), TransferInfo) for c in controls or ())
+
+    # Only the room's own messages: heartbeats go through the same calls from the control thread.
+    wrap(
+        dec.transport,
+        "send_control",
+        lambda *_a, **_k: "d.send_control" if threading.current_thread() is main_thread else None,
+    )
+    wrap(pre.driver, "_feed_controls", lambda now, c=None: "p.controls_in" if carries_info(c) else None)
+    wrap(pre.driver, "worker_step", lambda *_a, **_k: "p.worker_step")
+    wrap(pre.transport.agent, "post", post_tag)
+    wrap(pre.transport.agent, "post_single", post_tag)
+    board_update = dec.board.update
+
+    def on_update(room: int, tid: str, status: Any, *rest: Any) -> Any:
+        if status is KVPoll.Success:
+            mark("d.success")
+        return board_update(room, tid, status, *rest)
+
+    dec.board.update = on_update  # type: ignore[method-assign]
+
+    rows: list[dict[str, float]] = []
+    latencies: list[float] = []
+    try:
+        for i in range(a.rooms):
+            room, tid = 500 + i, f"t{i}"
+            pages = np.arange(4, dtype=np.int64) + (i % 8) * 4
+            s = pre.sender(room, tid)
+            s.write_aux(i % 16, room.to_bytes(8, "little"))
+            s.init(i % 16)
+            s.send(pages, 8, is_last=True)
+            time.sleep(0.002)  # the chunk parks: only decode's side is on the clock
+            marks.clear()
+            posts[0] = 0
+            t0[0] = time.perf_counter()
+            rv = dec.receiver(room, tid)
+            rv.init(pages, 8, i % 16)
+            status = rv.wait(10)
+            latency = time.perf_counter() - t0[0]
+            if status is not KVPoll.Success:
+                raise SystemExit(f"error: room {room} ended {status}")
+            s.wait(10)
+            s.clear()
+            rv.clear()
+            if i >= 10:
+                rows.append(dict(marks))
+                latencies.append(latency)
+    finally:
+        for ep in (pre, dec):
+            ep.close()
+
+    def med(tag: str) -> float | None:
+        vals = [r[tag] for r in rows if tag in r]
+        return statistics.median(vals) * 1e6 if vals else None
+
+    out = {
+        "flow": a.flow,
+        "rooms": len(rows),
+        "idle_max_us": a.idle_max_us,
+        "room_latency_us_p50": statistics.median(latencies) * 1e6,
+        "room_latency_us_min": min(latencies) * 1e6,
+        "hops_us": {label: med(tag) for label, tag in HOPS},
+    }
+    if a.json:
+        print(json.dumps(out))
+        return
+    print(f"{a.flow}, TP 1 -> 1, {len(rows)} rooms, data thread idle sleep <= {a.idle_max_us:.0f} us")
+    print(
+        f"room latency (decode open -> Success): p50 {out['room_latency_us_p50']:.0f} us, "
+        f"min {out['room_latency_us_min']:.0f} us"
+    )
+    for label, us in out["hops_us"].items():
+        print(f"  {'-' if us is None else f'{us:8.0f}'} us  {label}")
+
+
+if __name__ == "__main__":
+    main()
