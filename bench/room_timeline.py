@@ -33,6 +33,7 @@ HOPS = (
     ("prefill control thread has it", "p.controls_in>"),
     ("prefill engine handled it", "p.controls_in"),
     ("worker starts the chunk", "p.worker_step>"),
+    ("the engine planned it (run_chunk returns)", "p.run_chunk"),
     ("NIXL post of the KV write begins", "p.post#1>"),
     ("NIXL post of the KV write returns", "p.post#1"),
     ("NIXL post of the aux write returns", "p.post#2"),
@@ -122,6 +123,7 @@ def main() -> None:
     )
     wrap(pre.driver, "_feed_controls", lambda now, c=None: "p.controls_in" if carries_info(c) else None)
     wrap(pre.driver, "worker_step", lambda *_a, **_k: "p.worker_step")
+    wrap(pre.engine, "run_chunk", lambda *_a, **_k: "p.run_chunk")
     wrap(pre.transport.agent, "post", post_tag)
     wrap(pre.transport.agent, "post_single", post_tag)
     board_update = dec.board.update
