@@ -13,6 +13,7 @@ last. All random choices derive from ``seed``; a failure prints a replay command
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -36,6 +37,8 @@ from kvferry.core.kvpoll import KVPoll
 SEGMENT_ROOMS = 200  # rooms between two barriers (and at most between two time checks)
 DRIVER_ERRORS_OK = {"chunk_skipped", "chunk_deferred"}  # expected in any run (e2e tests' rule)
 START_TIMEOUT_S = 90.0
+# How a survivor's rooms may fail when its peer dies (tests/test_nixl_e2e.py's list).
+DEATH_MARKS = ("lost (no heartbeat)", "write failed", "ended in ERR", "REMOTE_DISCONNECT", "lease expired")
 FAILED, SUCCESS = int(KVPoll.Failed), int(KVPoll.Success)
 
 
@@ -83,8 +86,9 @@ def check_config(c: SoakConfig) -> None:
 
 def replay_command(c: SoakConfig) -> str:
     return (
-        f"kvferry soak --seed {c.seed} --rooms {c.rooms} --prefill-tp {c.prefill_tp} --decode-tp {c.decode_tp} "
-        f"--flows {','.join(c.flows)} --abort-rate {c.abort_rate} --kill-every {c.kill_every} --hold {c.hold}"
+        f"kvferry soak --seed {c.seed} --rooms {c.rooms} --prefill-tp {c.prefill_tp} "
+        f"--decode-tp {c.decode_tp} --flows {','.join(c.flows)} --abort-rate {c.abort_rate} "
+        f"--kill-every {c.kill_every} --hold {c.hold}"
     )
 
 
@@ -93,7 +97,7 @@ def segments(c: SoakConfig) -> list[tuple[int, int, bool]]:
     cuts = set(range(0, c.rooms, SEGMENT_ROOMS)) | {c.rooms}
     kills = set(range(c.kill_every, c.rooms, c.kill_every)) if c.kill_every else set()
     bounds = sorted(cuts | kills)
-    return [(a, b, b in kills) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [(a, b, b in kills) for a, b in itertools.pairwise(bounds)]
 
 
 class SideDied(RuntimeError):
@@ -120,6 +124,7 @@ class Side:
         self.started = time.monotonic()
         self.seen: dict[str, dict[str, Any]] = {}
         self.dead = False
+        self.ran = False  # it finished a segment: its RSS is sampled from then on
         threading.Thread(target=self._read, args=(events,), daemon=True).start()
 
     def _read(self, events: queue.Queue) -> None:
@@ -255,6 +260,7 @@ class Soak:
                 self.reported += who.role == "decode"
             else:
                 who.seen[msg["event"]] = msg
+                who.ran |= msg["event"] in ("segment", "inflight")
             self._tick()
         first = next(e for e in events if e in side.seen)
         return first, side.seen.pop(first)
@@ -262,7 +268,7 @@ class Soak:
     def _sample(self) -> None:
         now = time.monotonic() - self.t0
         for role, side in self.sides.items():
-            if not side.dead and side.proc.poll() is None:
+            if side.ran and not side.dead and side.proc.poll() is None:
                 kb = rss_kb(side.proc.pid)
                 track = next(t for t in reversed(self.rss) if t.side == role)
                 if kb:
@@ -274,13 +280,14 @@ class Soak:
             return
         self.last_progress = now
         el = now - self.t0
-        mb = {r: rss_kb(s.proc.pid) / 1024 for r, s in self.sides.items() if s.proc.poll() is None}
+        rss = ", ".join(
+            f"{r} {rss_kb(s.proc.pid) / 1024:.0f} MB" for r, s in self.sides.items() if s.proc.poll() is None
+        )
         o = self.outcomes
         self.progress(
-            f"soak: {self.reported}/{self.c.rooms} rooms ({o['success']} ok, {o['aborted']} aborted, "
-            f"{o['killed']} killed, {self.violation_count} violations), {self.reported / max(el, 1e-9):.0f} rooms/s, "
-            f"{len(self.kills)} kills, RSS prefill {mb.get('prefill', 0):.0f} MB decode {mb.get('decode', 0):.0f} MB, "
-            f"{el:.0f} s"
+            f"soak: {self.reported}/{self.c.rooms} rooms, {self.reported / max(el, 1e-9):.0f} rooms/s "
+            f"(judged: {o['success']} ok, {o['aborted']} aborted, {o['killed']} killed, "
+            f"{self.violation_count} violations), {len(self.kills)} kills, RSS {rss}, {el:.0f} s"
         )
 
     # ---- checks -----------------------------------------------------------------------------
@@ -302,6 +309,10 @@ class Soak:
                 self._violation("hang", side=surv, **info)
             elif set(surv["status"]) != {FAILED}:
                 self._violation("hit_by_kill_not_failed", victim=victim, status=surv["status"], **info)
+            elif not all(any(m in r for m in DEATH_MARKS) for r in surv["reason"]):
+                # The core must notice the death itself (heartbeats, a refused write, a lease),
+                # not by a room deadline.
+                self._violation("hit_by_kill_wrong_reason", victim=victim, reasons=surv["reason"], **info)
             else:
                 outcome = "killed"
         elif p is None or d is None:
