@@ -25,6 +25,7 @@ import pytest
 import typer
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from kvferry.backends.loopback import soak as loopback_soak
 from kvferry.backends.runtime import bench as runtime_bench
 from kvferry.sim.campaign import parse_seeds
 from typer.testing import CliRunner
@@ -83,10 +84,31 @@ def _fake_run_config(cfg: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     }
 
 
+def _fake_run_soak(cfg: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    loopback_soak.check_config(cfg)  # what the real one does first
+    return {
+        "ok": True,
+        "config": {**vars(cfg), "flows": list(cfg.flows)},
+        "rooms_run": 0,
+        "stopped_by_time": False,
+        "wall_s": 0.0,
+        "rooms_per_s": 0.0,
+        "outcomes": {"success": 0, "aborted": 0, "killed": 0, "violation": 0},
+        "by_flow": {},
+        "kills": [],
+        "rss": [],
+        "end_state": {},
+        "violation_count": 0,
+        "violations": [],
+        "replay": loopback_soak.replay_command(cfg),
+    }
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_real_bench() -> Iterator[None]:
     mp = pytest.MonkeyPatch()
     mp.setattr(runtime_bench, "run_config", _fake_run_config)
+    mp.setattr(loopback_soak, "run_soak", _fake_run_soak)
     yield
     mp.undo()
 
@@ -198,6 +220,25 @@ BAD = [
     (["bench", "nixl", "--config", "bogus"], "unknown configuration"),
     (["bench", "nixl", "--telemetry", "{dir}"], "is a directory"),
     (["bench", "nixl", "--telemetry", "{missing_dir_file}"], "does not exist"),
+    # soak (validation only: run_soak is a stub here)
+    (["soak", "--rooms", "0"], "--rooms must be in"),
+    (["soak", "--rooms", "-5"], "--rooms must be in"),
+    (["soak", "--rooms", str(10**9)], "--rooms must be in"),
+    (["soak", "--prefill-tp", "3"], "--prefill-tp must be 1, 2 or 4"),
+    (["soak", "--decode-tp", "0"], "--decode-tp must be 1, 2 or 4"),
+    (["soak", "--flows", "ring,rnig"], "unknown flow"),
+    (["soak", "--flows", ","], "--flows"),
+    (["soak", "--abort-rate", "1.5"], "--abort-rate"),
+    (["soak", "--abort-rate", "nan"], "--abort-rate"),
+    (["soak", "--kill-every", "3"], "--kill-every must be 0"),
+    (["soak", "--hold", "0"], "--hold must be in"),
+    (["soak", "--hold", "17"], "--hold must be in"),
+    (["soak", "--max-seconds", "0"], "--max-seconds"),
+    (["soak", "--max-seconds", "inf"], "--max-seconds"),
+    (["soak", "--rss-bound-mb", "0"], "--rss-bound-mb"),
+    (["soak", "--warmup-s", "-1"], "--warmup-s"),
+    (["soak", "--seed", "-1"], "--seed"),
+    (["soak", "--rooms", "abc"], "Invalid value for '--rooms'"),
     # the root and version
     (["bogus"], "No such command"),
     (["--bogus"], "No such option"),
@@ -244,6 +285,8 @@ def test_good_input_still_runs(files: dict[str, str]) -> None:
     assert _invoke(["replay", QUICK, "--trace", str(trace), "--json"])[0] == 0 and trace.exists()
     assert _invoke(["plan", "--model", "qwen3-8b", "--tokens", "466033", "--json"])[0] == 0
     assert _invoke(["bench", "nixl", "--mem", "dram", "--json", "--rooms", "2"])[0] == 0
+    code, out, _ = _invoke(["soak", "--rooms", "10", "--kill-every", "0"])
+    assert code == 0 and "verdict: OK" in out
     code, out, _ = _invoke(["fuzz", "--seeds", "0-0", "--jobs", "1", "--json"])
     assert code == 0 and '"seeds": 1' in out
 
@@ -283,6 +326,7 @@ BASE = {
     ("demo",): ["--json"],
     ("bench", "nixl"): ["--json"],
     ("version",): [],
+    ("soak",): ["--rooms", "1", "--json"],
     ("select",): ["--concurrency", "1", "--requests", "1", "--isl", "16", "--osl", "2", "--json"],
 }
 
@@ -302,6 +346,7 @@ def test_every_command_and_option_is_covered() -> None:
         (("fuzz",), "--jobs"),
         (("replay",), None),
         (("bench", "nixl"), "--mem"),
+        (("soak",), "--kill-every"),
     ]:
         assert must in names
 
