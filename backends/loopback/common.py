@@ -88,3 +88,21 @@ def wait_until(check: Callable[[], bool], timeout_s: float) -> bool:
 
 def empty(leaks: list[dict[str, int]]) -> bool:
     return all(v == 0 for d in leaks for v in d.values())
+
+
+def tables(ep: Any) -> dict[str, int]:
+    """``ep.leaks()`` plus the flows' own tables (the harness's ``assert_clean`` list): staging
+    slots, pinned reservations, gathers and scatters, stalled rooms, notes awaiting a watermark,
+    held staging requests, push leases. All zero once every room is settled."""
+    out = ep.leaks()
+    e = ep.engine
+    with ep.lock:  # the engine only under its endpoint's lock
+        out["staging_in_use"] = e.staging_in_use()
+        out["copy_ops"] = len(e.ops)
+        if ep.role == "prefill":
+            out["stalled"] = len(e.stalled)
+            out["unconfirmed_notes"] = sum(len(v) for v in e.unconfirmed.values())
+            out["leases"] = len(e.leases.leases)
+        else:
+            out["held_staging_reqs"] = sum(len(v) for v in e.held.values())
+    return out

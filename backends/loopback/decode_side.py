@@ -150,7 +150,7 @@ class DecodeSide:
     def finish(self) -> dict[str, Any]:
         def settled() -> bool:
             self._reclaim()
-            return not self.waiting_fence and common.empty([ep.leaks() for ep in self.eps])
+            return not self.waiting_fence and common.empty([common.tables(ep) for ep in self.eps])
 
         # A failed room of a killed prefill is fenced by its deadline: wait a little longer.
         common.wait_until(settled, sp.timeouts().fence_ns / 1e9 + 10.0)
@@ -159,7 +159,7 @@ class DecodeSide:
             with ep.lock:  # the engine only under its lock
                 counters.append(dict(ep.engine.counters))
         return {
-            "leaks": [ep.leaks() for ep in self.eps],
+            "leaks": [common.tables(ep) for ep in self.eps],
             "waiting_fence": len(self.waiting_fence),
             "pages_free": len(self.free_pages),
             "errors": [repr(e) for ep in self.eps for e in ep.errors],
