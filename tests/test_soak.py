@@ -59,6 +59,14 @@ def test_planted_corruption_is_reported_with_the_seed() -> None:
     assert "with seed 3; replay: kvferry soak --seed 3 --rooms 60" in err
 
 
+def test_max_seconds_stops_at_the_next_segment_and_reports() -> None:
+    code, r, _ = _soak("--rooms", "100000", "--kill-every", "0", "--max-seconds", "4", "--seed", "4")
+    assert code == 0 and r["ok"] and r["stopped_by_time"]
+    # Whole segments only (the limit is checked between them), far fewer than asked for.
+    assert r["rooms_run"] % soak.SEGMENT_ROOMS == 0 and r["rooms_run"] < 5000
+    assert not any(r["end_state"]["prefill_leaks"]) and not any(r["end_state"]["decode_leaks"])
+
+
 def test_segments_put_a_kill_at_every_multiple_of_kill_every() -> None:
     c = soak.SoakConfig(rooms=1050, kill_every=500)
     segs = soak.segments(c)

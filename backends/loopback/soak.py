@@ -349,14 +349,14 @@ class Soak:
             wait_s = c.segment_timeout_s + 30
             # A side that gave up on its segment (a room hung) says "segment" instead: its rooms
             # are judged (hang), and the kill still happens so the run goes on.
-            for side in self.sides.values():
-                self._wait_any(side, ("inflight", "segment"), wait_s)
+            said = {r: self._wait_any(s, ("inflight", "segment"), wait_s)[0] for r, s in self.sides.items()}
             self._sample()
             dead = self.sides[victim]
             t_kill = time.monotonic()
             dead.kill()
-            self.sides[survivor].tell(cmd="killed")
-            self._wait(self.sides[survivor], "segment", wait_s)
+            if said[survivor] == "inflight":
+                self.sides[survivor].tell(cmd="killed")
+                self._wait(self.sides[survivor], "segment", wait_s)
             t_failed = time.monotonic()
             self._drain(dead)
             dead.close()
@@ -381,7 +381,10 @@ class Soak:
     def _drain(self, dead: Side) -> None:
         """The killed side's last lines (its reader ends with None) before its results are judged."""
         while not dead.dead:
-            who, msg = self.events.get(timeout=30)
+            try:
+                who, msg = self.events.get(timeout=30)
+            except queue.Empty:
+                return  # its reader never ended: judged with what arrived
             if msg is None:
                 who.dead = True
             elif msg["event"] == "room":
