@@ -67,6 +67,15 @@ def test_max_seconds_stops_at_the_next_segment_and_reports() -> None:
     assert not any(r["end_state"]["prefill_leaks"]) and not any(r["end_state"]["decode_leaks"])
 
 
+def test_rss_is_compared_from_the_first_sample_after_warm_up() -> None:
+    t = soak.RssTrack("prefill", 0, [(1.0, 200, 100 << 10), (50.0, 5000, 120 << 10), (90.0, 9000, 190 << 10)])
+    r = t.summary(warmup_s=45.0, bound_mb=64.0)
+    assert r["checked"] and r["baseline_mb"] == 120.0 and r["growth_mb"] == 70.0 and not r["ok"]
+    assert t.summary(warmup_s=45.0, bound_mb=80.0)["ok"]
+    young = soak.RssTrack("decode", 1, [(1.0, 200, 100 << 10), (20.0, 2000, 400 << 10)])
+    assert not young.summary(warmup_s=45.0, bound_mb=64.0)["checked"]  # lived shorter than warm-up
+
+
 def test_segments_put_a_kill_at_every_multiple_of_kill_every() -> None:
     c = soak.SoakConfig(rooms=1050, kill_every=500)
     segs = soak.segments(c)
