@@ -173,14 +173,15 @@ class CudaCopyExecutor:
         heads = geometry.heads_per_rank
         pages = np.zeros(1, dtype=np.int64)
         n = 0
-        for nh in (d for d in range(1, heads + 1) if heads % d == 0):
-            for fmt in StagingFormat:
-                smap = staged_map(
-                    geometry, pages, geometry.head_start, nh, 0, min(16, geometry.page_size), fmt, 0
-                )
-                for run in (gather_map, scatter_map):
-                    run(self._pool, buf, smap, stream=self._stream, compile_only=True)
-                    n += 1
+        with self._torch.cuda.device(self._stream.device):
+            for nh in (d for d in range(1, heads + 1) if heads % d == 0):
+                for fmt in StagingFormat:
+                    smap = staged_map(
+                        geometry, pages, geometry.head_start, nh, 0, min(16, geometry.page_size), fmt, 0
+                    )
+                    for run in (gather_map, scatter_map):
+                        run(self._pool, buf, smap, stream=self._stream, compile_only=True)
+                        n += 1
         return n
 
     def submit(self, kind: str, staging_region: int, maps: Sequence[StagingMap]) -> int:
@@ -191,11 +192,13 @@ class CudaCopyExecutor:
             raise CopyRefused(f"{kind}: this rank registered no staging region {staging_region}")
         run = gather_map if kind == "gather" else scatter_map
         event = None
-        for smap in maps:  # one stream: the maps of a command run in order
-            event = run(self._pool, buf, smap, stream=self._stream) or event
-        if event is None:  # nothing to move (dummy maps): done at once
-            event = self._torch.cuda.Event()
-            event.record(self._stream)
+        # Triton launches on the current device: ranks of one process may sit on different GPUs.
+        with self._torch.cuda.device(self._stream.device):
+            for smap in maps:  # one stream: the maps of a command run in order
+                event = run(self._pool, buf, smap, stream=self._stream) or event
+            if event is None:  # nothing to move (dummy maps): done at once
+                event = self._torch.cuda.Event()
+                event.record(self._stream)
         hid = next(self._ids)
         with self._lock:
             self._events[hid] = event

@@ -94,6 +94,7 @@ from kvferry.core.resources.leases import (
     Notice,
     NoticeKind,
     PushReg,
+    strip_retry_suffix,
 )
 from kvferry.core.worker import Destination, plan_chunk, shard_of
 
@@ -162,6 +163,7 @@ class _Room:
         "parked",
         "pull_offered",
         "pull_owed",
+        "push_finished",
         "push_keys",
         "push_writes",
         "ranges",
@@ -212,7 +214,8 @@ class _Room:
         self.pull_offered: list[int] = []
         self.pull_owed: dict[m.Endpoint, set[int]] = {}
         # Push flow: lease key per decode rank, and which decode rank each write in flight goes to.
-        self.push_keys: dict[m.Endpoint, str] = {}
+        self.push_keys: dict[m.Endpoint, str] = {}  # decode rank -> tid@decodeN
+        self.push_finished: set[Finish] = set()  # finishes handed to the lease registry
         self.push_writes: dict[int, m.Endpoint] = {}
 
 
@@ -235,6 +238,7 @@ class SenderEngine(StagedSender, RoomEngine):
     side = "prefill"
     TIMEOUT = SIn.TIMEOUT
     PEER_LOST = SIn.PEER_LOST
+    push_base_id = staticmethod(strip_retry_suffix)  # request-id matching: the id retries share
 
     def __init__(
         self,
@@ -248,9 +252,16 @@ class SenderEngine(StagedSender, RoomEngine):
         worker_buffer_bytes: int = 0,
         pinned_bytes: int = 0,
         registration: m.Register | None = None,
+        push_match: str = "transfer_id",
     ) -> None:
         """``registration``: this rank's own Register (agent, regions, geometry), which the pull
-        flow hands to decode in its offers; without it a pull room fails with a reason."""
+        flow hands to decode in its offers; without it a pull room fails with a reason.
+        ``push_match``: how push registrations find their request: ``transfer_id`` (the router's
+        id), or ``request_id`` (a client that sends none: decode names the request with its retry
+        suffix, matched by the base id, ``push_base_id``)."""
+        if push_match not in ("transfer_id", "request_id"):
+            raise LocalMisuseError(f"push_match: expected transfer_id or request_id, got {push_match!r}")
+        self._push_by_request = push_match == "request_id"
         if planner is None:
             from kvferry.core.planner import plan_rank_pair as planner
         self.endpoint = endpoint
@@ -281,9 +292,11 @@ class SenderEngine(StagedSender, RoomEngine):
         self.leases = LeaseRegistry(
             t.heartbeat_timeout_ns,
             max(1, t.waiting_ns - t.heartbeat_interval_ns),
+            suffix_match=self._push_by_request,
+            base_id=self.push_base_id,
             tombstone_ns=t.tombstone_ns,
         )
-        self._push_rooms: dict[str, tuple[int, str]] = {}  # lease key -> room key
+        self._push_rooms: dict[str, tuple[int, str]] = {}  # registry key -> room key
         # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
         self._pulls = Resends(
             "pull", self.deadlines, self.counters, self.timeouts.heartbeat_interval_ns, "pull_resent"
@@ -407,7 +420,7 @@ class SenderEngine(StagedSender, RoomEngine):
             for room in msg.rooms:
                 r = self.rooms.get(room)
                 if r is not None and msg.src in r.push_keys:
-                    self.leases.renew_key(r.push_keys[msg.src], r.tid, self._now)
+                    self.leases.renew_key(*self._reg_ids(r.push_keys[msg.src]), self._now)
         elif t is m.StagingRsp:
             self._room_input(msg.room, msg.transfer_id, SIn.STAGING_RSP, msg)
         elif t is m.Watermark:
@@ -616,9 +629,9 @@ class SenderEngine(StagedSender, RoomEngine):
         if not self._wants_push(r):
             # Registered on the policy's push before the open named another flow: withdraw.
             for p, key in sorted(r.push_keys.items()):
-                if key in self.leases.leases:
-                    self.leases.abort(key, r.tid, p, self._now)
-                self._push_rooms.pop(key, None)
+                if self._reg_key(key) in self.leases.leases:
+                    self.leases.abort(*self._reg_ids(key), p, self._now)
+                self._push_rooms.pop(self._reg_key(key), None)
             r.push_keys.clear()
         for info in list(r.infos.values()):
             self._push_register(r, info)
@@ -829,10 +842,11 @@ class SenderEngine(StagedSender, RoomEngine):
             return
         key = f"{r.tid}@{info.src.server}{info.src.rank}"
         r.push_keys[info.src] = key
-        self._push_rooms[key] = r.key
+        self._push_rooms[self._reg_key(key)] = r.key
+        transfer_id, request_id = self._reg_ids(key)
         reg = PushReg(
-            transfer_id=key,
-            request_id=r.tid,
+            transfer_id=transfer_id,
+            request_id=request_id,
             decode=info.src,
             incarnation=0,  # a restarted decode rank is caught by its registration id (PEER_LOST)
             blocks=tuple(info.dst_pages),
@@ -853,17 +867,51 @@ class SenderEngine(StagedSender, RoomEngine):
         runs (a registration that arrived in between); a lease matched already is left alone,
         so the watchdog measures decode's wait for prefill, not the worker queue."""
         for _p, key in sorted(r.push_keys.items()):
-            lease = self.leases.leases.get(key)
-            if lease is not None and lease.finish is None and key not in self.leases.held:
-                self._lease_notices(self.leases.finish(Finish(key, r.tid), self._now))
+            lease = self.leases.leases.get(self._reg_key(key))
+            fin = self._finish_of(key)
+            held = LeaseRegistry.key(fin.transfer_id, fin.request_id) in self.leases.held
+            # By request id the finish may have paired with (or been refused for) another entry:
+            # it is handed over once.
+            again = self._push_by_request and fin in r.push_finished
+            if lease is not None and lease.finish is None and not held and not again:
+                r.push_finished.add(fin)
+                self._lease_notices(self.leases.finish(fin, self._now))
+
+    def _reg_ids(self, key: str) -> tuple[str, str]:
+        """(transfer_id, request_id) of the registration for ``key`` (``tid@decodeN``): the router's
+        id, or with request-id matching the request as decode names it, with its retry suffix."""
+        if self._push_by_request:
+            return "", f"{key}-1"
+        return key, key.rpartition("@")[0]
+
+    def _reg_key(self, key: str) -> str:
+        return LeaseRegistry.key(*self._reg_ids(key))
+
+    def _finish_of(self, key: str) -> Finish:
+        """Prefill's finish for ``key``: the request as prefill names it (no retry suffix)."""
+        if self._push_by_request:
+            return Finish("", key)
+        return Finish(key, key.rpartition("@")[0])
+
+    def lease_key(self, tid: str, peer: str) -> str:
+        """The registry key of room ``tid``'s registration by decode rank ``peer`` (e.g. decode0)."""
+        return self._reg_key(f"{tid}@{peer}")
 
     def _push_post(self, r: _Room, peer: m.Endpoint) -> None:
-        """One write to ``peer`` is about to be posted: only under its live lease."""
+        """One write to ``peer`` is about to be posted: only under its live lease, and only where
+        that registration was paired with this request's own finish (a wrong pairing is an error,
+        never a write into another request's blocks)."""
         key = r.push_keys.get(peer)
-        lease = self.leases.leases.get(key) if key is not None else None
-        if lease is None or lease.finish is None or self.leases.post(key, r.tid, self._now) is None:
+        lease = self.leases.leases.get(self._reg_key(key)) if key is not None else None
+        if lease is not None and lease.finish is not None and lease.finish != self._finish_of(key):
+            self.counters["push_wrong_pair"] += 1
+            raise RoomStateError(
+                f"push registration of {peer} was paired with another request's finish "
+                f"({lease.finish.transfer_id or lease.finish.request_id}): nothing is written"
+            )
+        if lease is None or lease.finish is None or self.leases.post(*self._reg_ids(key), self._now) is None:
             self._lease_notices(self.leases.drain())
-            how = self.leases.finished.get(key, None) if key is not None else None
+            how = self.leases.finished.get(self._reg_key(key), None) if key is not None else None
             why = how.value if how else "never registered"
             raise RoomStateError(f"push lease of {peer} is over ({why}): nothing is written")
 
@@ -871,7 +919,7 @@ class SenderEngine(StagedSender, RoomEngine):
         for n in notices:
             if n.kind not in (NoticeKind.EXPIRED, NoticeKind.FAILED, NoticeKind.REFUSED):
                 continue  # MATCHED, DELIVERED, RELEASED: the room's own machine tracks writes and fences
-            rk = self._push_rooms.get(n.transfer_id)
+            rk = self._push_rooms.get(LeaseRegistry.key(n.transfer_id, n.request_id))
             r = self.rooms.get(rk[0]) if rk is not None else None
             if r is None or r.key != rk or r.state is SState.FAILED:
                 continue
@@ -884,7 +932,7 @@ class SenderEngine(StagedSender, RoomEngine):
         if peer is None:
             return
         try:
-            notices = self.leases.write_done(r.push_keys[peer], r.tid, ok, self._now)
+            notices = self.leases.write_done(*self._reg_ids(r.push_keys[peer]), ok, self._now)
         except LeaseMisuseError:
             self.counters["push_untracked_write"] += 1  # posted without its lease (never in real code)
             return
@@ -962,7 +1010,7 @@ class SenderEngine(StagedSender, RoomEngine):
         if c.is_last and r.ledger.flow is Flow.PUSH:
             for key in sorted(r.push_keys.values()):
                 try:
-                    self._lease_notices(self.leases.complete(key, r.tid, self._now))
+                    self._lease_notices(self.leases.complete(*self._reg_ids(key), self._now))
                 except LeaseMisuseError:
                     self.counters["push_complete_without_lease"] += 1
         return "done" if self._quiet(r) else "running"
@@ -1049,8 +1097,8 @@ class SenderEngine(StagedSender, RoomEngine):
         for idx in r.pull_offered:
             self._pulls.cancel((r.room, r.tid, idx))
         for p, key in sorted(r.push_keys.items()):
-            if key in self.leases.leases:
-                self.leases.abort(key, r.tid, p, self._now)  # its writes in flight fence it
+            if self._reg_key(key) in self.leases.leases:
+                self.leases.abort(*self._reg_ids(key), p, self._now)  # its writes in flight fence it
         if not self._pull_fenced(r):
             # Decode may be READing our pages: they stay until it says it stopped, or this.
             self.deadlines.set(("pfence", r.room), self._now + self.timeouts.fence_ns)
@@ -1098,8 +1146,9 @@ class SenderEngine(StagedSender, RoomEngine):
         for idx in r.pull_offered:
             self._pulls.cancel((r.room, r.tid, idx))
         for key in r.push_keys.values():
-            if self._push_rooms.get(key) == r.key and key not in self.leases.leases:
-                del self._push_rooms[key]
+            rkey = self._reg_key(key)
+            if self._push_rooms.get(rkey) == r.key and rkey not in self.leases.leases:
+                del self._push_rooms[rkey]
         self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
 
     def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:

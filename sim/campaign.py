@@ -119,6 +119,9 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
         flows = replace(flows, flow="pull")
     elif Streams(seed)["swarm.flows.push"].random() < 0.25:
         flows = replace(flows, flow="push")
+    # Push registrations matched by request id (no router transfer id), from a stream of its own.
+    if Streams(seed)["swarm.flows.push_match"].random() < 0.4:
+        flows = replace(flows, push_match="request_id")
     # Prefix hits (decode holds the first tokens): a third of the seeds, for half of their rooms.
     if Streams(seed)["swarm.prefix"].random() < 0.3:
         work = replace(work, prefix_hit=0.5)

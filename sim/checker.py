@@ -81,6 +81,24 @@ def check_final(w: World) -> None:
         _length(w)
     if c.failure_notice:
         _failure_notice(w)
+    if c.lease:
+        _lease_pairing(w)
+
+
+def _lease_pairing(w: World) -> None:
+    # A push registration matched by request id pairs only with its own request's finish: the
+    # engine refuses to write under a wrong pair (push_wrong_pair). Every request id of a run is
+    # distinct, so a wrong pair, or two requests found ambiguous, is the registry's bug (suffix
+    # stripping that lets different requests meet), never a peer's fault.
+    for node, rank in sorted(w.ranks.items()):
+        if not node.startswith("prefill"):
+            continue
+        wrong = rank.engine.counters.get("push_wrong_pair", 0)
+        if wrong:
+            w.violate("lease", f"{node}: {wrong} push registration(s) paired with another request's finish")
+        ambiguous = rank.engine.leases.counters.get("ambiguous", 0)
+        if ambiguous:
+            w.violate("lease", f"{node}: {ambiguous} push match(es) met distinct requests sharing a base id")
 
 
 def _length(w: World) -> None:

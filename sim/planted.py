@@ -234,6 +234,13 @@ class _LeaseNeverExpiresSender(SenderEngine):
         self.leases = _NeverExpiringLeases(old.lease_ns, old.match_ns, tombstone_ns=old.tombstone_ns)
 
 
+class _GreedySuffixSender(SenderEngine):
+    """Request-id matching strips everything after the first dash, not only the retry suffix:
+    every request of a run shares one base id, and a finish pairs with any lone registration."""
+
+    push_base_id = staticmethod(lambda request_id: request_id.split("-")[0])
+
+
 _SENDERS = {
     "silent_truncation": _TruncatingSender,
     "late_info_revives_room": _ForgetfulSender,
@@ -242,6 +249,7 @@ _SENDERS = {
     "silent_write_failure": _SilentWriteFailureSender,
     "shared_staging_buffer": _SharedBufferSender,
     "pull_free_early": _PullFreeEarlySender,
+    "suffix_strips_too_much": _GreedySuffixSender,
 }
 
 

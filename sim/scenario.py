@@ -51,8 +51,10 @@ HOOKS = (
     "silent_write_failure",
     "prefix_front_trim",
     "push_lease_never_expires",
+    "suffix_strips_too_much",
 )
 FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "pull", "push", "mixed")
+PUSH_MATCH_CHOICES = ("transfer_id", "request_id")
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +253,7 @@ class FlowSpec:
     prefill_pinned_bytes: int = 0
     fallback_direct: bool = False
     auto_chunks: int = 4
+    push_match: str = "transfer_id"
 
     DOC: ClassVar[dict[str, str]] = {
         "flow": "Which flow moves each room: policy (direct for equal TP; for unequal TP ring if "
@@ -263,6 +266,8 @@ class FlowSpec:
         "failing its room.",
         "auto_chunks": "Staging that the chosen flows need and that is left at 0 is sized to hold this "
         "many of the workload's largest chunk.",
+        "push_match": "How push registrations find their request: transfer_id (the router's id), or "
+        "request_id (no transfer id: decode names the request with a retry suffix, matched by base id).",
     }
 
 
@@ -518,7 +523,8 @@ def _topology(r: _Reader, model: ModelSpec) -> Topology:
 # The [fabric] keys (they map onto backends' FabricSpec, in other units): the parser accepts
 # exactly these, and the docs list them with these meanings.
 FABRIC_DOC: dict[str, str] = {
-    "profile": "Named fabric whose numbers are the defaults of the other keys of this table.",
+    "profile": "Named fabric whose numbers are the defaults of the other keys of this table (a profile "
+    "fitted by `kvferry calibrate` into sim/deploy/profiles wins over a built-in one of the same name).",
     "bandwidth_gbps": "NIC bandwidth of a node, in GB/s.",
     "latency_ns": "One-way latency of an RDMA write.",
     "jitter_ns": "Extra delay per transfer, uniform in [0, this).",
@@ -538,9 +544,45 @@ FABRIC_DOC: dict[str, str] = {
 }
 
 
+def fabric_profiles() -> tuple[str, ...]:
+    """Names ``[fabric] profile`` accepts: the built-in fabrics, then the fitted profiles
+    (``kvferry calibrate``, sim/deploy/profiles) that are not also built in."""
+    from kvferry.sim.deploy import hardware
+
+    return tuple(PROFILES) + tuple(n for n in hardware.names("fabric") if n not in PROFILES)
+
+
+def profile_fabric(name: str) -> FabricSpec:
+    """The fabric a profile name gives: a fitted profile's numbers over the built-in fabric of the
+    same name (or h100-rdma's), so a fitted profile wins over a built-in one of its name."""
+    from kvferry.sim.deploy import hardware
+
+    base = PROFILES.get(name, FabricSpec())
+    if name not in hardware.names("fabric"):
+        return base
+    fit = hardware.fitted(name)
+    k = base.kernel
+    return replace(
+        base,
+        nic=replace(
+            base.nic,
+            bandwidth_bps=int(fit.bandwidth_gbps * 1e9),
+            latency_ns=round(fit.latency_us * 1000),
+            post_cost_ns=round(fit.post_cost_us * 1000),
+            per_desc_ns=round(fit.per_desc_us * 1000),
+        ),
+        kernel=replace(
+            k,
+            launch_ns=k.launch_ns if fit.kernel_launch_us is None else round(fit.kernel_launch_us * 1000),
+            gpu_bps=k.gpu_bps if fit.copy_gpu_gbps is None else int(fit.copy_gpu_gbps * 1e9),
+            pinned_bps=k.pinned_bps if fit.copy_pinned_gbps is None else int(fit.copy_pinned_gbps * 1e9),
+        ),
+    )
+
+
 def _fabric(r: _Reader) -> tuple[str, FabricSpec]:
-    profile = r.str("profile", "h100-rdma", tuple(PROFILES))
-    base = PROFILES[profile]
+    profile = r.str("profile", "h100-rdma", fabric_profiles())
+    base = profile_fabric(profile)
     n, c = base.nic, base.control
     nic = NicSpec(
         bandwidth_bps=int(r.float("bandwidth_gbps", n.bandwidth_bps / 1e9, lo=0.001) * 1e9),
@@ -577,6 +619,7 @@ def _flows(r: _Reader) -> FlowSpec:
         flow=r.str("flow", d.flow, FLOW_CHOICES),
         fallback_direct=r.bool("fallback_direct", d.fallback_direct),
         auto_chunks=r.int("auto_chunks", d.auto_chunks, lo=1, hi=1024),
+        push_match=r.str("push_match", d.push_match, PUSH_MATCH_CHOICES),
         **sizes,
     )
 
@@ -1038,8 +1081,9 @@ def _choices() -> dict[tuple[str, str], tuple[str, ...]]:
         ("[model]", "preset"): tuple(sorted(PRESETS)),
         ("[topology]", "prefill_layout"): layouts,
         ("[topology]", "decode_layout"): layouts,
-        ("[fabric]", "profile"): tuple(PROFILES),
+        ("[fabric]", "profile"): fabric_profiles(),
         ("[flows]", "flow"): FLOW_CHOICES,
+        ("[flows]", "push_match"): PUSH_MATCH_CHOICES,
         ("[[faults.event]]", "kind"): FAULT_EVENT_KINDS,
     }
 

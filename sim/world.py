@@ -219,6 +219,7 @@ class World(Chaos):
                 worker_buffer_bytes=st.worker_buffer_bytes,
                 pinned_bytes=st.prefill_pinned_bytes,
                 registration=tr.registration(),
+                push_match=self.staging.push_match,
             )
         else:
             tr.register_staging(
@@ -710,7 +711,7 @@ class World(Chaos):
         leases = getattr(eng, "leases", None)
         if leases is None or self.ranks[x.src].incarnation != req.inc.get(x.src):
             return
-        key = f"{req.tid}@{x.dst}"
+        key = eng.lease_key(req.tid, x.dst)
         live = leases.leases.get(key)
         ended = leases.expired_at.get(key)
         if live is not None and live.state.value == "matched" and live.deadline <= x.posted_ns:

@@ -12,6 +12,7 @@ that happens to be valid only exits 0.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -34,6 +35,8 @@ from kvferry.cli import _register, app
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = str(ROOT / "scenarios" / "quickstart.toml")
+TELEMETRY = str(ROOT / "tests" / "data" / "telemetry-cpu-loopback.json")
+BENCH_ROWS = str(ROOT / "tests" / "data" / "bench-nixl-two-rows.jsonl")
 _register()
 runner = CliRunner()
 
@@ -55,7 +58,20 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     (d / "binary.toml").write_bytes(bytes(range(256)) * 4)
     (d / "notes.toml").write_text("this is = = not toml\n")
     (d / "a-file").write_text("x")
+    # calibrate: a row lacking a field, and telemetry of one transfer size only
+    row = {
+        "status": "DONE",
+        "descs_requested": 1,
+        "descs_posted": 1,
+        "post_us": 1,
+        "xfer_us": 2,
+        "wall_ns": 9,
+    }
+    (d / "no-nbytes.json").write_text(json.dumps({"writes": [row]}))
+    (d / "one-size.json").write_text(json.dumps({"writes": [{**row, "nbytes": 4096}] * 3}))
     return {
+        "no_nbytes": str(d / "no-nbytes.json"),
+        "one_size": str(d / "one-size.json"),
         "dir": str(d),
         "binary": str(d / "binary.toml"),
         "not_toml": str(d / "notes.toml"),
@@ -220,6 +236,29 @@ BAD = [
     (["bench", "nixl", "--config", "bogus"], "unknown configuration"),
     (["bench", "nixl", "--telemetry", "{dir}"], "is a directory"),
     (["bench", "nixl", "--telemetry", "{missing_dir_file}"], "does not exist"),
+    # calibrate and bench predict
+    (["calibrate", "{missing}", "--name", "x"], "no such file"),
+    (["calibrate", "{dir}", "--name", "x"], "is a directory"),
+    (["calibrate", "{not_toml}", "--name", "x"], "not valid JSON"),
+    (["calibrate", "{binary}", "--name", "x"], "cannot read"),
+    (["calibrate", BENCH_ROWS, "--name", "x"], "not valid JSON"),
+    (["calibrate", "{no_nbytes}", "--name", "x"], "writes[0]: missing 'nbytes'"),
+    (["calibrate", "{one_size}", "--name", "x"], "1 distinct transfer size(s)"),
+    (["calibrate", TELEMETRY], "--name is required"),
+    (["calibrate", TELEMETRY, "--name", "Bad Name"], "a profile name is"),
+    (["calibrate", TELEMETRY, "--name", "h100"], "not a fitted profile (gpu)"),
+    (["calibrate", TELEMETRY, "--name", "h100-rdma"], "every scenario without a [fabric] profile"),
+    (["calibrate", TELEMETRY, "--name", "x", "--out", "{file}"], "not a fitted profile"),
+    (["calibrate", TELEMETRY, "--name", "x", "--out", "{missing_dir_file}"], "does not exist"),
+    (["calibrate", TELEMETRY, "--name", "x", "--out", "{dir}/p.toml", "--compare", BENCH_ROWS], "drop --out"),
+    (
+        ["calibrate", TELEMETRY, "--name", "x", "--out", "{dir}/p.toml", "--kernels", TELEMETRY],
+        "not a kernel",
+    ),
+    (["bench", "predict", "{missing}"], "no such file"),
+    (["bench", "predict", "{not_toml}"], "line 1: not valid JSON"),
+    (["bench", "predict", TELEMETRY], "missing 'tp'"),
+    (["bench", "predict", BENCH_ROWS, "--profile", "bogus"], "unknown fabric profile"),
     # soak (validation only: run_soak is a stub here)
     (["soak", "--rooms", "0"], "--rooms must be in"),
     (["soak", "--rooms", "-5"], "--rooms must be in"),
@@ -285,6 +324,11 @@ def test_good_input_still_runs(files: dict[str, str]) -> None:
     assert _invoke(["replay", QUICK, "--trace", str(trace), "--json"])[0] == 0 and trace.exists()
     assert _invoke(["plan", "--model", "qwen3-8b", "--tokens", "466033", "--json"])[0] == 0
     assert _invoke(["bench", "nixl", "--mem", "dram", "--json", "--rooms", "2"])[0] == 0
+    profile = Path(files["dir"]) / "fitted.toml"
+    assert (
+        _invoke(["calibrate", TELEMETRY, "--name", "t", "--out", str(profile)])[0] == 0 and profile.exists()
+    )
+    assert _invoke(["bench", "predict", BENCH_ROWS])[0] == 0
     code, out, _ = _invoke(["soak", "--rooms", "10", "--kill-every", "0"])
     assert code == 0 and "verdict: OK" in out
     code, out, _ = _invoke(["fuzz", "--seeds", "0-0", "--jobs", "1", "--json"])
@@ -325,6 +369,8 @@ BASE = {
     ("replay",): [QUICK, "--json"],
     ("demo",): ["--json"],
     ("bench", "nixl"): ["--json"],
+    ("bench", "predict"): [BENCH_ROWS, "--json"],
+    ("calibrate",): [TELEMETRY, "--name", "t", "--out", "p.toml", "--json"],
     ("version",): [],
     ("soak",): ["--rooms", "1", "--json"],
     ("select",): ["--concurrency", "1", "--requests", "1", "--isl", "16", "--osl", "2", "--json"],

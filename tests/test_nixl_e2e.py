@@ -30,7 +30,8 @@ from kvferry.core.kvpoll import KVPoll  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 # CPU CI runs DRAM pools; on the GPU machine KVFERRY_E2E_MEM=VRAM runs the same tests with torch
-# CUDA pools in both processes (one GPU).
+# CUDA pools in both processes (one GPU, or the GPUs named by KVFERRY_E2E_PREFILL_GPUS and
+# KVFERRY_E2E_DECODE_GPUS).
 MEM = os.environ.get("KVFERRY_E2E_MEM", "DRAM")
 
 
@@ -42,6 +43,11 @@ class Child:
             "w+", prefix=f"{script}-", suffix=".log", delete=False
         )
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "NIXL_LOG_LEVEL": "WARN"}
+        # Placement on a multi-GPU host: KVFERRY_E2E_PREFILL_GPUS=0 KVFERRY_E2E_DECODE_GPUS=1 puts
+        # each side's ranks on its own GPUs (a rank uses the first GPU it sees).
+        gpus = os.environ.get(f"KVFERRY_E2E_{script.removesuffix('_proc').upper()}_GPUS", "")
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / f"{script}.py"), *args],
             stdin=subprocess.PIPE,

@@ -153,3 +153,28 @@ def test_a_computed_chunk_matches_its_registration_before_the_worker_runs_it() -
     w.heal_and_settle()
     assert w.server_view[("decode", req.room, req.tid)] is KVPoll.Success
     assert w.violations == [] and w.internal_errors() == []
+
+
+def _by_request_id(s: sc.Scenario) -> sc.Scenario:
+    pushed = sc.with_flow(s, "push")
+    return replace(pushed, flows=replace(pushed.flows, push_match="request_id"))
+
+
+def test_registrations_matched_by_request_id_deliver_every_room() -> None:
+    res, w = run_one(_by_request_id(sc.load(HETERO)))
+    assert res.violations == [] and res.succeeded == res.rooms
+    engines = [w.ranks[f"prefill{p}"].engine for p in range(4)]
+    assert engines[0].lease_key("t7", "decode1") == "req:t7@decode1-1"  # filed by request id
+    assert sum(e.leases.counters.get("delivered", 0) for e in engines) > res.rooms
+    assert sum(w.ranks[f"prefill{p}"].engine.counters["push_wrong_pair"] for p in range(4)) == 0
+
+
+def test_campaign_catches_suffix_matching_that_pairs_the_wrong_requests(tmp_path: Path) -> None:
+    s = replace(_by_request_id(sc.load(HETERO)), hooks=("suffix_strips_too_much",))
+    res, _ = run_one(s, seed=0)
+    assert res.violated() == ["lease"]
+    assert any("sharing a base id" in str(v) or "paired with another" in str(v) for v in res.violations)
+    again, _ = run_one(sc.load(save_failure(res, tmp_path)))
+    assert again.digest == res.digest and again.violated() == ["lease"]
+    clean, _ = run_one(replace(s, hooks=()), seed=0)
+    assert clean.violations == []

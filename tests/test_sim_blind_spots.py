@@ -83,6 +83,7 @@ def test_the_campaign_draws_bursts_with_chunks_landing_out_of_order(monkeypatch:
         ("silent_truncation", range(0, 3), "length"),
         ("last_note_completes", range(3, 6), "bytes"),
         ("late_info_revives_room", [1006], "success_stable"),
+        ("suffix_strips_too_much", [18], "lease"),  # push matched by request id, first caught at 18
     ],
 )
 def test_campaign_catches_planted_blind_spot_bug(

@@ -175,8 +175,11 @@ class LeaseRegistry:
     # --- keys and lookups ------------------------------------------------------------------------
 
     @staticmethod
-    def _key(transfer_id: str, request_id: str) -> str:
+    def key(transfer_id: str, request_id: str) -> str:
+        """Where the registry files an entry: by transfer id, else by request id."""
         return transfer_id if transfer_id else f"req:{request_id}"
+
+    _key = key
 
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1

@@ -19,13 +19,14 @@ MAX_SEED = 2**63 - 1
 
 
 def register_all(app: typer.Typer) -> None:
-    from kvferry.commands import bench, plan, select, sim, soak, version
+    from kvferry.commands import bench, calibrate, plan, select, sim, soak, version
 
     version.register(app)
     plan.register(app)
     sim.register(app)
     bench.register(app)
     select.register(app)
+    calibrate.register(app)
     soak.register(app)
 
 

@@ -1,6 +1,6 @@
 """``kvferry select``: which KV transfer flow for a deployment, and what it does to TTFT.
 
-Simulates every applicable flow (direct, ring, pinned) of one prefill and one decode instance over
+Simulates every applicable flow (direct, ring, pinned, pull, push) of one prefill and one decode instance over
 a workload (a concurrency sweep, a Poisson rate or a trace file), through the real core engines
 and flows on the simulated fabric, ranks them and recommends one with its knobs.
 """
@@ -88,7 +88,9 @@ def register(app: typer.Typer) -> None:
         prefill_page_size: Annotated[int, typer.Option(help="Prefill's tokens per KV page.")] = 16,
         decode_page_size: Annotated[int, typer.Option(help="Decode's tokens per KV page.")] = 16,
         gpu: Annotated[str, typer.Option(help="GPU profile: h100 or h200.")] = "h100",
-        nic: Annotated[str, typer.Option(help="NIC profile: nic-100g, nic-200g or nic-400g.")] = "nic-400g",
+        nic: Annotated[
+            str, typer.Option(help="NIC profile: nic-100g/200g/400g, or fitted (kvferry calibrate).")
+        ] = "nic-400g",
         flows: Annotated[
             str, typer.Option(help="Flows to compare, comma-separated (default: every applicable one).")
         ] = "",
@@ -193,8 +195,12 @@ def register(app: typer.Typer) -> None:
         )
         try:
             spec.check()
-            if want and spec.prefill_tp == spec.decode_tp and set(want) - {"direct"}:
-                bad_input("--flows: equal TP moves whole token rows directly; only direct applies")
+            staged = set(want) - set(applicable_flows(spec))
+            if staged:
+                bad_input(
+                    f"--flows: equal TP moves whole token rows without staging; {', '.join(sorted(staged))} "
+                    f"does not apply (applicable: {', '.join(applicable_flows(spec))})"
+                )
             if trace is not None:
                 reqs = wl.load_trace(trace)
                 if len(reqs) > MAX_REQUESTS:

@@ -1,21 +1,24 @@
 """Hardware profiles: GPUs and NICs as data files (sim/deploy/profiles/*.toml, each number sourced
 in a comment there), and the simulated fabric they make.
 
-A profile fitted to this machine's own telemetry (``kvferry calibrate``: NIXL posting and kernel
-figures) would be one more file here; that command is another engineer's work and not built yet.
+A profile fitted to a machine's own telemetry (``kvferry calibrate``: NIXL posting and wire
+figures, and the copy kernels when their bench was given) is one more file here, of kind
+``fabric``: it serves wherever a NIC profile does (``--nic NAME``), its kernel figures replace the
+GPU profile's in the simulated fabric, and scenarios name it as ``[fabric] profile``.
 """
 
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from importlib import resources
+from importlib.resources.abc import Traversable
 from typing import Any
 
 from kvferry.backends.simfabric.spec import FabricSpec, KernelSpec, NicSpec
 from kvferry.core.errors import KvferryError
 
-__all__ = ["GpuProfile", "NicProfile", "ProfileError", "fabric_spec", "gpu", "names", "nic"]
+__all__ = ["GpuProfile", "NicProfile", "ProfileError", "fabric_spec", "fitted", "gpu", "names", "nic"]
 
 
 class ProfileError(KvferryError, ValueError):
@@ -56,6 +59,10 @@ class NicProfile:
     latency_us: float
     post_cost_us: float
     per_desc_us: float
+    # Only in fitted (kind "fabric") profiles, and only when the kernel bench was fitted too.
+    kernel_launch_us: float | None = None
+    copy_gpu_gbps: float | None = None
+    copy_pinned_gbps: float | None = None
 
 
 def names(kind: str) -> tuple[str, ...]:
@@ -65,7 +72,7 @@ def names(kind: str) -> tuple[str, ...]:
 
 def _read(name: str) -> dict[str, Any]:
     ok = bool(name) and name.replace("-", "").replace("_", "").isalnum() and name.isascii()
-    entry = resources.files("kvferry.sim.deploy").joinpath("profiles", f"{name}.toml")
+    entry = folder().joinpath(f"{name}.toml")
     if not ok or not entry.is_file():
         known = ", ".join(n[:-5] for n in sorted(_files()))
         raise ProfileError(f"unknown hardware profile {name!r} (known: {known})")
@@ -75,23 +82,39 @@ def _read(name: str) -> dict[str, Any]:
         raise ProfileError(f"profile {name}: not valid TOML: {e}") from None
 
 
+def folder() -> Traversable:
+    """The profile folder (``kvferry calibrate`` writes fitted profiles here)."""
+    return resources.files("kvferry.sim.deploy").joinpath("profiles")
+
+
 def _files() -> list[str]:
-    folder = resources.files("kvferry.sim.deploy").joinpath("profiles")
-    return [e.name for e in folder.iterdir() if e.name.endswith(".toml")]
+    return [e.name for e in folder().iterdir() if e.name.endswith(".toml")]
+
+
+# Costs a fit may find to be nil (a fitted profile may hold 0 for them); every rate stays positive.
+_MAY_BE_ZERO = frozenset({"latency_us", "post_cost_us", "per_desc_us", "kernel_launch_us"})
+# Kinds a loader accepts: a fitted fabric profile serves as a NIC profile.
+_KINDS = {"gpu": ("gpu",), "nic": ("nic", "fabric"), "fabric": ("fabric",)}
 
 
 def _load(name: str, kind: str, cls: type) -> Any:
     data = _read(name)
-    if data.get("kind") != kind:
-        known = ", ".join(names(kind))
+    if data.get("kind") not in _KINDS[kind]:
+        known = ", ".join(sorted({n for k in _KINDS[kind] for n in names(k)}))
         raise ProfileError(f"{name!r} is not a {kind} profile (known: {known})")
+    data = {k: v for k, v in data.items() if k != "fit"}  # a fitted profile's provenance table
     want = {f.name for f in fields(cls)}
-    missing, extra = want - set(data), set(data) - want - {"kind"}
+    required = {f.name for f in fields(cls) if f.default is MISSING}
+    missing, extra = required - set(data), set(data) - want - {"kind"}
     if missing or extra:
         raise ProfileError(f"profile {name}: missing {sorted(missing)}, unknown {sorted(extra)}")
     for k, v in data.items():
-        if k not in ("kind", "name") and (isinstance(v, bool) or not isinstance(v, int | float) or v <= 0):
-            raise ProfileError(f"profile {name}: {k} must be a positive number, got {v!r}")
+        if k in ("kind", "name"):
+            continue
+        low = 0 if k in _MAY_BE_ZERO else None
+        if isinstance(v, bool) or not isinstance(v, int | float) or v < 0 or (low is None and v == 0):
+            what = "a number >= 0" if low is not None else "a positive number"
+            raise ProfileError(f"profile {name}: {k} must be {what}, got {v!r}")
     return cls(**{k: (float(v) if k != "name" else v) for k, v in data.items() if k != "kind"})
 
 
@@ -100,12 +123,22 @@ def gpu(name: str) -> GpuProfile:
 
 
 def nic(name: str) -> NicProfile:
+    """A NIC profile, or a fitted fabric profile (``kvferry calibrate``) read as one."""
     return _load(name, "nic", NicProfile)
 
 
+def fitted(name: str) -> NicProfile:
+    """A fitted fabric profile only (what ``[fabric] profile`` of a scenario may name)."""
+    return _load(name, "fabric", NicProfile)
+
+
 def fabric_spec(g: GpuProfile, n: NicProfile) -> FabricSpec:
-    """The simulated fabric of one GPU + NIC per rank (control plane and the rest as h100-rdma)."""
+    """The simulated fabric of one GPU + NIC per rank (control plane and the rest as h100-rdma);
+    a fitted profile's kernel figures, where it has them, replace the GPU profile's."""
     base = FabricSpec()
+    launch = g.kernel_launch_us if n.kernel_launch_us is None else n.kernel_launch_us
+    gpu_gbps = g.copy_gpu_gbps if n.copy_gpu_gbps is None else n.copy_gpu_gbps
+    pinned_gbps = g.copy_pinned_gbps if n.copy_pinned_gbps is None else n.copy_pinned_gbps
     return replace(
         base,
         nic=replace(
@@ -119,8 +152,8 @@ def fabric_spec(g: GpuProfile, n: NicProfile) -> FabricSpec:
         ),
         kernel=replace(
             KernelSpec(),
-            launch_ns=int(g.kernel_launch_us * 1000),
-            gpu_bps=int(g.copy_gpu_gbps * 1e9),
-            pinned_bps=int(g.copy_pinned_gbps * 1e9),
+            launch_ns=int(launch * 1000),
+            gpu_bps=int(gpu_gbps * 1e9),
+            pinned_bps=int(pinned_gbps * 1e9),
         ),
     )

@@ -34,7 +34,7 @@ def staging_bytes(s: sc.Scenario) -> dict[str, int]:
     return {
         "decode_ring": f.ring_bytes if flow == "ring" else 0,
         "decode_pinned": f.pinned_bytes if flow == "pinned" else 0,
-        "prefill_worker_buffers": f.worker_buffer_bytes * s.topology.workers if flow != "direct" else 0,
+        "prefill_worker_buffers": f.worker_buffer_bytes * s.topology.workers * (flow in ("ring", "pinned")),
         "prefill_pinned": f.prefill_pinned_bytes if flow == "pinned" else 0,
     }
 

@@ -45,23 +45,30 @@ class Selection:
         }
 
 
+UNSTAGED = ("direct", "pull", "push")  # the planner's descriptors, moved by WRITE, READ or leased WRITE
+
+
 def applicable_flows(spec: DeploySpec) -> tuple[str, ...]:
-    """Direct always; the staged flows exist for unequal TP (equal TP sends whole token rows, and
-    the core's policy never stages them)."""
+    """Every flow for unequal TP; equal TP sends whole token rows, which the core's policy never
+    stages, so only the unstaged flows (register-then-write, pull, push) apply."""
     if spec.prefill_tp == spec.decode_tp:
-        return ("direct",)
+        return UNSTAGED
     return FLOWS
 
 
+TIE = 1.05  # TTFT p99s within 5% of each other rank as equal: a tail that close is noise
+
+
 def _score(rs: Sequence[DeployResult]) -> tuple[float, float, float]:
-    """Higher is better: SLO attainment, then lower TTFT p99, then lower TTFT p50 (at the
-    heaviest load point, where flows differ most)."""
+    """Higher is better: SLO attainment, then lower TTFT p99 (in 5% steps), then lower TTFT p50
+    (at the heaviest load point, where flows differ most)."""
     r = rs[-1]
     bad = any(x.failed or x.unfinished or x.violations for x in rs)
     att = -1.0 if bad else sum(x.slo_attained for x in rs) / len(rs)
     p99 = r.ttft_ms.p99 if not math.isnan(r.ttft_ms.p99) else math.inf
     p50 = r.ttft_ms.p50 if not math.isnan(r.ttft_ms.p50) else math.inf
-    return (att, -p99, -p50)
+    step = math.floor(math.log(p99) / math.log(TIE)) if 0 < p99 < math.inf else math.inf
+    return (att, -step, -p50)
 
 
 def knobs(
@@ -75,7 +82,8 @@ def knobs(
         "transfer_queues (SGLANG_DISAGGREGATION_QUEUE_SIZE, one worker each)": spec.workers,
         "chunked_prefill_size (tokens)": spec.chunk_tokens,
     }
-    if flow != "direct":
+    staged = flow not in UNSTAGED
+    if staged:
         out["staging (SGLANG_DISAGG_STAGING_BUFFER)"] = True
         out["staging_buffer_per_worker_mb"] = round(f.worker_buffer_bytes / 2**20, 1)
     if flow == "ring":
@@ -83,7 +91,7 @@ def knobs(
     if flow == "pinned":
         out["decode_pinned_pool_mb"] = round(f.pinned_bytes / 2**20, 1)
         out["prefill_pinned_pool_mb"] = round(f.prefill_pinned_bytes / 2**20, 1)
-    if flow != "direct" and results:
+    if staged and results:
         r = max(reversed(results), key=lambda x: x.staging_peak_bytes.get(flow, 0))  # ties: heaviest load
         peak = r.staging_peak_bytes.get(flow, 0)
         size = f.ring_bytes if flow == "ring" else f.pinned_bytes
@@ -104,13 +112,16 @@ def _reason(best: str, results: dict[str, list[DeployResult]], ranking: list[str
         f"{r.slo_attained:.0%} of requests within the SLOs at {r.label}"
     )
     if len(ranking) < 2:
-        return head + " (the only flow that applies: equal TP sends whole token rows directly)"
+        return head + " (the only flow asked for)"
     parts = [head]
     for name in ranking[1:]:
         other = results[name][-1]
         if other.ttft_ms.p50 > 0 and r.ttft_ms.p50 > 0:
             ratio = other.ttft_ms.p50 / r.ttft_ms.p50
-            parts.append(f"{ratio:.1f}x lower TTFT p50 than {name} ({other.ttft_ms.p50:.0f} ms)")
+            if 1 / TIE <= ratio <= TIE:
+                parts.append(f"the same TTFT p50 as {name} within 5% ({other.ttft_ms.p50:.0f} ms)")
+            else:
+                parts.append(f"{ratio:.1f}x lower TTFT p50 than {name} ({other.ttft_ms.p50:.0f} ms)")
     split = r.split_ms
     dominant = max(split, key=lambda k: split[k]) if any(split.values()) else ""
     if dominant:

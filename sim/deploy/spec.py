@@ -13,7 +13,7 @@ from kvferry.sim.deploy.compute import Roofline
 
 __all__ = ["FLOWS", "DeployError", "DeploySpec"]
 
-FLOWS = ("direct", "ring", "pinned")
+FLOWS = ("direct", "ring", "pinned", "pull", "push")
 MS = 1_000_000
 
 

@@ -110,8 +110,10 @@ class Memory:
             import numpy as np
             import torch
 
+            # Ranks spread over the GPUs this process sees (CUDA_VISIBLE_DEVICES of its side).
+            gpu = f"cuda:{pool.tp_rank % torch.cuda.device_count()}"
             self.device = {
-                r.region_id: torch.zeros(r.nbytes, dtype=torch.uint8, device="cuda") for r in pool.regions
+                r.region_id: torch.zeros(r.nbytes, dtype=torch.uint8, device=gpu) for r in pool.regions
             }
             self.host = {r.region_id: np.zeros(r.nbytes, dtype=np.uint8) for r in pool.regions}
 

@@ -1,0 +1,221 @@
+"""``kvferry calibrate``: fit the simulated fabric (and kernels) to NIXL telemetry, write a named
+profile; ``kvferry bench predict``: the simulator's GB/s beside ``bench nixl --json`` rows."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvferry.commands import bad_input, check_output_file
+
+DEFAULT_FABRIC = "h100-rdma"  # sim/scenario.py's default [fabric] profile
+
+
+def register(app: typer.Typer) -> None:
+    from kvferry.commands.bench import bench_app
+
+    app.command("calibrate")(calibrate)
+    bench_app.command("predict")(predict)
+
+
+def _mb(sizes: tuple[int, ...]) -> str:
+    return ", ".join(f"{s / 1e6:.1f}" for s in sizes) + " MB"
+
+
+def _check_target(path: Path, name: str, option: str) -> None:
+    """A fitted profile may replace a fitted one (a recalibration), never a shipped GPU/NIC profile
+    nor any other file."""
+    if not path.exists():
+        return
+    try:
+        kind = tomllib.loads(path.read_text()).get("kind")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        kind = None
+    if kind != "fabric":
+        what = kind or "unreadable"
+        bad_input(f"{option} {path}: exists and is not a fitted profile ({what}); not replacing it")
+
+
+def calibrate(
+    telemetry: Annotated[
+        list[Path], typer.Argument(help="Telemetry files of `kvferry bench nixl --telemetry` (one or more).")
+    ],
+    name: Annotated[
+        str, typer.Option(help="Profile name: sim/deploy/profiles/NAME.toml, for --nic NAME and scenarios.")
+    ] = "",
+    kernels: Annotated[
+        Path | None,
+        typer.Option(help="Kernel bench JSON (bench/kernel_bench.py --json): fit the copy kernels."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Write the profile here, not in the profile folder (not found by name)."),
+    ] = None,
+    compare: Annotated[
+        Path | None,
+        typer.Option(help="`bench nixl --json` rows: print the fitted profile's prediction beside each."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+) -> None:
+    """Fit post cost, per-descriptor cost, bandwidth and latency (and kernel launch cost and rates)
+    by non-negative least squares; report the MAPE on transfer sizes held out of the fit."""
+    from kvferry.sim.calibrate import fit, inputs, profile
+    from kvferry.sim.calibrate.inputs import CalibrationError
+
+    if not name:
+        bad_input("--name is required: the profile's name (e.g. cpu-loopback, h100-nixl)")
+    if name == DEFAULT_FABRIC:
+        bad_input(
+            f"--name {name}: every scenario without a [fabric] profile runs on it, and a fit must not "
+            "change them all silently; pick another name (e.g. h100-nixl)"
+        )
+    try:
+        named = profile.profile_path(name)  # checks the name even when --out writes elsewhere
+        target = out if out is not None else named
+    except CalibrationError as e:
+        bad_input(str(e))
+    if out is not None:
+        check_output_file(out, "--out")
+        _check_target(out, name, "--out")
+        if compare is not None:
+            bad_input("--compare simulates the profile by name: drop --out (or run `bench predict` later)")
+    else:
+        _check_target(target, name, "--name")
+    try:
+        tel = inputs.read_telemetry(telemetry)
+        fab = fit.fit_fabric(tel.rows)
+        kfit = fit.fit_kernels(inputs.read_kernels(kernels)) if kernels is not None else None
+        bench_rows = None
+        if compare is not None:
+            from kvferry.sim.calibrate.predict import read_bench
+
+            bench_rows = read_bench(compare)
+    except CalibrationError as e:
+        bad_input(str(e))
+    text = profile.render(name, fab, tel, [str(p) for p in telemetry], kfit, str(kernels or ""))
+    try:
+        target.write_text(text)
+    except (OSError, UnicodeError) as e:
+        bad_input(f"cannot write {target}: {e}")
+    result = {
+        "profile": str(target),
+        "name": name,
+        "rows_used": fab.rows_fit,
+        "rows_heldout": fab.rows_heldout,
+        "rows_failed_dropped": tel.failed,
+        "rows_descs_as_requested": tel.requested_descs,
+        "rows_wall_clock_timed": tel.wall_timed,
+        "sizes_fit_bytes": list(fab.sizes_fit),
+        "sizes_heldout_bytes": list(fab.sizes_heldout),
+        "mape_heldout_pct": fab.mape_heldout_pct,
+        "mape_fit_pct": fab.mape_fit_pct,
+        "fabric": {
+            "bandwidth_gbps": fab.bandwidth_gbps,
+            "latency_us": fab.latency_us,
+            "post_cost_us": fab.post_cost_us,
+            "per_desc_us": fab.per_desc_us,
+        },
+        "kernels": None
+        if kfit is None
+        else {
+            "launch_us": kfit.launch_us,
+            "launch_source": kfit.launch_source,
+            "gpu_gbps": kfit.gpu_gbps,
+            "pinned_gbps": kfit.pinned_gbps,
+            "rows": kfit.rows,
+            "mape_in_sample_pct": kfit.mape_pct,
+        },
+    }
+    preds = _predict_rows(bench_rows, name) if bench_rows is not None else None
+    if as_json:
+        if preds is not None:
+            result["compare"] = [p.as_dict() for p in preds]
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(
+        f"fit on {fab.rows_fit} DONE writes of {len(fab.sizes_fit)} sizes ({_mb(fab.sizes_fit)}); "
+        f"{tel.failed} failed row(s) dropped, {tel.requested_descs} charged as requested descriptors "
+        f"(no NIXL count), {tel.wall_timed} timed by our wall clock (no NIXL duration)"
+    )
+    typer.echo(
+        f"held out of the fit: {fab.rows_heldout} writes of {len(fab.sizes_heldout)} sizes "
+        f"({_mb(fab.sizes_heldout)}): MAPE {fab.mape_heldout_pct:.1f}% on them "
+        f"({fab.mape_fit_pct:.1f}% on the fit's own rows)"
+    )
+    typer.echo(
+        f"fabric: {fab.bandwidth_gbps:.3f} GB/s, latency {fab.latency_us:.2f} us, "
+        f"post {fab.post_cost_us:.1f} us + {fab.per_desc_us:.3f} us per descriptor"
+    )
+    if kfit is not None:
+        rates = ", ".join(
+            f"{k} {v:.1f} GB/s" for k, v in (("GPU", kfit.gpu_gbps), ("pinned", kfit.pinned_gbps)) if v
+        )
+        errs = ", ".join(f"{k} {v:.1f}%" for k, v in kfit.mape_pct.items())
+        typer.echo(
+            f"kernels ({kfit.rows} rows): launch {kfit.launch_us:.1f} us ({kfit.launch_source}), {rates}; "
+            f"MAPE in sample {errs}"
+        )
+    where = f'--nic {name}, [fabric] profile = "{name}"' if out is None else "not in the profile folder"
+    typer.echo(f"wrote {target} ({where})")
+    if preds is not None:
+        _print_predictions(preds, name)
+
+
+def _predict_rows(rows: list, profile: str) -> list:  # type: ignore[type-arg]
+    from kvferry.sim.calibrate.inputs import CalibrationError
+    from kvferry.sim.calibrate.predict import predict as one
+
+    try:
+        return [one(r, profile) for r in rows]
+    except CalibrationError as e:
+        bad_input(str(e))
+
+
+def _print_predictions(preds: list, profile: str) -> None:  # type: ignore[type-arg]
+    typer.echo(f"measured (bench nixl) vs simulated on profile {profile}; ratio = measured / predicted")
+    typer.echo(
+        "config        flow     tokens  inflight  measured GB/s  predicted GB/s  ratio   raw GB/s"
+        "  unexplained ms/batch"
+    )
+    for p in preds:
+        d = p.as_dict()
+        typer.echo(
+            f"{d['config']:<13} {d['flow']:<8} {d['tokens']:>6}  {d['inflight']:>8}  "
+            f"{d['measured_gbps']:>13.3f}  {d['predicted_gbps']:>14.3f}  {d['ratio']:>5.2f}  "
+            f"{d['raw_gbps']:>9.3f}  {d['unexplained_ms']:>20.2f}"
+        )
+
+
+def predict(
+    bench: Annotated[
+        Path, typer.Argument(help="Rows of `kvferry bench nixl --json` (JSON lines, or a list).")
+    ],
+    profile: Annotated[
+        str,
+        typer.Option(help="Fabric profile to simulate: a fitted one (kvferry calibrate) or built in."),
+    ] = "cpu-loopback",
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per row.")] = False,
+) -> None:
+    """Simulate each bench row (TP pair, flow, tokens, rooms in flight) over the simulated fabric
+    with a profile, through the real core and flows; print measured vs predicted GB/s."""
+    from kvferry.sim import scenario as sc
+    from kvferry.sim.calibrate.inputs import CalibrationError
+    from kvferry.sim.calibrate.predict import read_bench
+
+    known = sc.fabric_profiles()
+    if profile not in known:
+        bad_input(f"--profile {profile!r}: unknown fabric profile (known: {', '.join(known)})")
+    try:
+        rows = read_bench(bench)
+    except CalibrationError as e:
+        bad_input(str(e))
+    preds = _predict_rows(rows, profile)
+    if as_json:
+        for p in preds:
+            typer.echo(json.dumps(p.as_dict()))
+        return
+    _print_predictions(preds, profile)

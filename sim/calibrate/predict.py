@@ -1,0 +1,188 @@
+"""The simulator's prediction beside a measurement: each row of ``kvferry bench nixl --json``
+simulated with a fabric profile, through the real core and flows over the simulated fabric
+(sim/world.py, timing only: every cost charged, no byte copied).
+
+A row is one batch of ``inflight`` rooms of ``tokens`` tokens of the row's model, prefill TP P ->
+decode TP D, on the row's flow, one chunk per room (the bench's default: its rows do not carry a
+chunk size), two transfer queues per prefill rank and staging for ``max(2, inflight)`` chunks, as
+the bench configures the runtime. The bench times decode from the first ``init`` of a batch to
+its last Success; the simulation times from the batch's arrival (decode opens each room then) to
+the last decode rank's Success. Predicted GB/s = the batch's bytes over that time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvferry.core.geometry import PRESETS
+from kvferry.sim import scenario as sc
+from kvferry.sim.calibrate.inputs import CalibrationError, read_text
+
+__all__ = ["BenchRow", "Prediction", "predict", "read_bench"]
+
+FLOWS = ("direct", "ring", "pinned", "pull", "push", "policy")
+MS = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRow:
+    config: str
+    model: str
+    prefill_tp: int
+    decode_tp: int
+    tokens: int
+    inflight: int
+    flow: str
+    room_mb: float
+    measured_gbps: float
+    raw_gbps: float
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    row: BenchRow
+    predicted_gbps: float
+    predicted_ms: float
+
+    @property
+    def measured_ms(self) -> float:
+        """The bench's time per batch (its bytes over its GB/s)."""
+        return self.row.room_mb * self.row.inflight / self.row.measured_gbps
+
+    @property
+    def ratio(self) -> float:
+        """measured / predicted: above 1 the real run was faster than the simulator says."""
+        return self.row.measured_gbps / self.predicted_gbps
+
+    def as_dict(self) -> dict[str, Any]:
+        r = self.row
+        return {
+            "config": r.config,
+            "tp": f"{r.prefill_tp}->{r.decode_tp}",
+            "flow": r.flow,
+            "tokens": r.tokens,
+            "inflight": r.inflight,
+            "room_mb": r.room_mb,
+            "measured_gbps": r.measured_gbps,
+            "raw_gbps": r.raw_gbps,
+            "predicted_gbps": self.predicted_gbps,
+            "measured_ms": self.measured_ms,
+            "predicted_ms": self.predicted_ms,
+            # What the simulation leaves out, per batch (negative: the simulation is slower).
+            "unexplained_ms": self.measured_ms - self.predicted_ms,
+            "ratio": self.ratio,
+        }
+
+
+def _rows(path: Path) -> list[Any]:
+    """A JSON list or object, or JSON lines (what ``bench nixl --json`` prints, one per line)."""
+    text = read_text(path).strip()
+    try:
+        data = json.loads(text)
+        return data if isinstance(data, list) else [data]
+    except json.JSONDecodeError:
+        pass
+    out = []
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise CalibrationError(f"{path}: line {i + 1}: not valid JSON: {e}") from None
+    return out
+
+
+def _field(path: Path, i: int, row: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in row:
+        raise CalibrationError(f"{path}: row {i + 1}: missing {key!r} (a `kvferry bench nixl --json` row?)")
+    v = row[key]
+    if isinstance(v, bool) or not isinstance(v, kind):
+        raise CalibrationError(f"{path}: row {i + 1}: {key}: unexpected value {v!r}")
+    return v
+
+
+def read_bench(path: Path) -> list[BenchRow]:
+    rows = _rows(path)
+    if not rows:
+        raise CalibrationError(f"{path}: no bench rows")
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise CalibrationError(f"{path}: row {i + 1}: expected an object")
+        tp = _field(path, i, row, "tp", str)
+        try:
+            p, d = (int(x) for x in tp.split("->"))
+        except ValueError:
+            raise CalibrationError(f"{path}: row {i + 1}: tp: expected 'P->D', got {tp!r}") from None
+        model = _field(path, i, row, "model", str)
+        if model not in PRESETS:
+            raise CalibrationError(
+                f"{path}: row {i + 1}: model {model!r} is not a preset ({sorted(PRESETS)})"
+            )
+        flow = _field(path, i, row, "flow", str)
+        if flow not in FLOWS:
+            raise CalibrationError(f"{path}: row {i + 1}: flow {flow!r} is not one of {FLOWS}")
+        nums = {k: _field(path, i, row, k, (int, float)) for k in ("room_mb", "kvferry_gbps", "raw_gbps")}
+        ints = {k: _field(path, i, row, k, int) for k in ("tokens", "inflight")}
+        if min(ints.values()) < 1 or min(nums.values()) <= 0 or p < 1 or d < 1:
+            raise CalibrationError(f"{path}: row {i + 1}: sizes and rates must be positive")
+        out.append(
+            BenchRow(
+                str(row.get("config", tp)), model, p, d, ints["tokens"], ints["inflight"], flow,
+                float(nums["room_mb"]), float(nums["kvferry_gbps"]), float(nums["raw_gbps"]),
+            )
+        )  # fmt: skip
+    return out
+
+
+def scenario(row: BenchRow, profile: str) -> sc.Scenario:
+    pages = -(-row.tokens // 16) * row.inflight
+    data: dict[str, Any] = {
+        "name": f"predict-{row.config}-{row.flow}",
+        "seed": 1,
+        "move_bytes": False,
+        "model": {"preset": row.model},
+        "topology": {
+            "prefill_tp": row.prefill_tp,
+            "decode_tp": row.decode_tp,
+            "prefill_pages": pages,
+            "decode_pages": pages,
+            "workers": 2,
+            "aux_rows": max(64, row.inflight),
+        },
+        "fabric": {"profile": profile},
+        "flows": {"flow": row.flow, "auto_chunks": max(2, row.inflight)},
+        "workload": {
+            "chunk_tokens": 0,
+            "compute_ns_per_token": 0,
+            "room": [{"tokens": row.tokens, "arrival_us": 0} for _ in range(row.inflight)],
+        },
+        # Deadlines left out: derived from the room's expected time on this fabric (sim/expected.py).
+        "phases": {"fault_window_us": 0},
+        "faults": {"swarm": False},
+    }
+    try:
+        return sc.parse(data, where=f"bench row {row.config} {row.flow}")
+    except sc.ScenarioError as e:
+        raise CalibrationError(str(e)) from None
+
+
+def predict(row: BenchRow, profile: str) -> Prediction:
+    from kvferry.core.kvpoll import KVPoll
+    from kvferry.sim.world import World
+
+    w = World(scenario(row, profile))
+    w.run()
+    ends = []
+    for req in w.requests:
+        dec = {n: st for n, st in req.status.items() if n.startswith("decode")}
+        if not dec or any(st is not KVPoll.Success for st in dec.values()):
+            raise CalibrationError(f"{row.config} {row.flow}: a simulated room did not succeed: {req.reason}")
+        ends.append(max(req.terminal_ns[n] for n in dec) - req.arrival_ns)
+    t_ns = max(ends)
+    nbytes = row.room_mb * 1e6 * row.inflight
+    return Prediction(row, nbytes / t_ns, t_ns / 1e6)

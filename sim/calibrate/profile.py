@@ -1,0 +1,96 @@
+"""Writing a fit as a fitted fabric profile (kind ``fabric``) in sim/deploy/profiles/.
+
+The file holds the numbers the simulator reads (sim/deploy/hardware.py) and a ``[fit]`` table
+saying where they came from: the input files, the rows used and dropped, the held-out sizes and
+the MAPE on them. ``kvferry select --nic NAME`` and a scenario's ``[fabric] profile = NAME`` use it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+
+from kvferry.sim.calibrate.fit import FabricFit, KernelFit
+from kvferry.sim.calibrate.inputs import CalibrationError, Telemetry
+from kvferry.sim.deploy import hardware
+
+__all__ = ["NAME_RE", "profile_path", "render", "write"]
+
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+
+
+def profile_path(name: str) -> Path:
+    """Where a profile of this name lives (the installed package's profile folder)."""
+    if not NAME_RE.fullmatch(name):
+        raise CalibrationError(
+            f"--name {name!r}: a profile name is 1-64 characters of a-z, 0-9, - and _, "
+            "starting with a letter or digit"
+        )
+    return Path(str(hardware.folder().joinpath(f"{name}.toml")))
+
+
+def _s(v: str) -> str:
+    """A TOML basic string: JSON's escapes are TOML's (raw UTF-8, so no surrogate-pair escapes)."""
+    return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")  # DEL: JSON leaves it raw
+
+
+def _num(v: float) -> str:
+    return f"{v:.6g}" if "e" not in f"{v:.6g}" else repr(float(v))
+
+
+def render(
+    name: str,
+    fab: FabricFit,
+    tel: Telemetry,
+    sources: list[str],
+    kernels: KernelFit | None = None,
+    kernel_source: str = "",
+) -> str:
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"# Fitted by `kvferry calibrate` on {when} from NIXL per-write telemetry",
+        "# (`kvferry bench nixl --telemetry`); the [fit] table says from which rows and how well.",
+        'kind = "fabric"',
+        f"name = {_s(name)}",
+        "# total_us = post_cost_us + per_desc_us * descriptors + bytes / bandwidth + 2 * latency_us,",
+        "# non-negative least squares of relative error on the fit sizes (sim/calibrate/fit.py).",
+        f"bandwidth_gbps = {_num(fab.bandwidth_gbps)}",
+        f"latency_us = {_num(fab.latency_us)}",
+        f"post_cost_us = {_num(fab.post_cost_us)}",
+        f"per_desc_us = {_num(fab.per_desc_us)}",
+    ]
+    if kernels is not None:
+        lines.append(f"# Copy kernels from {kernel_source}: seconds = launch + bytes / rate per memory kind.")
+        lines.append(f"# Launch cost: {kernels.launch_source}.")
+        lines.append(f"kernel_launch_us = {_num(kernels.launch_us)}")
+        if kernels.gpu_gbps is not None:
+            lines.append(f"copy_gpu_gbps = {_num(kernels.gpu_gbps)}")
+        if kernels.pinned_gbps is not None:
+            lines.append(f"copy_pinned_gbps = {_num(kernels.pinned_gbps)}")
+    else:
+        lines.append("# No kernel bench given: the GPU profile's copy kernels apply.")
+    lines += [
+        "",
+        "[fit]",
+        f"sources = [{', '.join(_s(s) for s in sources)}]",
+        f"rows_used = {fab.rows_fit}",
+        f"rows_heldout = {fab.rows_heldout}",
+        f"rows_failed_dropped = {tel.failed}",
+        f"rows_descs_as_requested = {tel.requested_descs}",
+        f"rows_wall_clock_timed = {tel.wall_timed}",
+        f"sizes_fit_bytes = [{', '.join(str(s) for s in fab.sizes_fit)}]",
+        f"sizes_heldout_bytes = [{', '.join(str(s) for s in fab.sizes_heldout)}]",
+        f"mape_fit_pct = {fab.mape_fit_pct:.2f}",
+        f"mape_heldout_pct = {fab.mape_heldout_pct:.2f}",
+    ]
+    if kernels is not None:
+        lines.append(f"kernel_rows = {kernels.rows}")
+        for k, v in kernels.mape_pct.items():
+            lines.append(f"kernel_{k}_mape_in_sample_pct = {v:.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def write(path: Path, text: str) -> None:
+    path.write_text(text)

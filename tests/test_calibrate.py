@@ -1,0 +1,214 @@
+"""Calibration: the fit recovers known parameters from noisy synthetic telemetry, its error is
+measured on held-out sizes only, a written profile loads by name and changes the simulated
+fabric, and the prediction beside a measurement runs the real simulator."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvferry.sim import scenario as sc
+from kvferry.sim.calibrate import fit, inputs
+from kvferry.sim.calibrate.inputs import CalibrationError, KernelRow, WriteRow
+from kvferry.sim.calibrate.predict import predict, read_bench
+from kvferry.sim.deploy import hardware
+from typer.testing import CliRunner
+
+from kvferry.cli import _register, app
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = ROOT / "bench" / "calibration" / "cpu-loopback"
+TWO_ROWS = ROOT / "tests" / "data" / "bench-nixl-two-rows.jsonl"
+_register()
+runner = CliRunner()
+
+# Known fabric: 150 us per post, 2 us per descriptor, 20 GB/s, 5 us one-way latency.
+TRUE = {"post": 150.0, "desc": 2.0, "gbps": 20.0, "lat": 5.0}
+
+
+def synthetic(seed: int, noise: float = 0.03) -> list[WriteRow]:
+    """Writes timed by the simulator's own cost model, with multiplicative noise."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for nbytes in (4 << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20, 128 << 20, 256 << 20):
+        for descs in (1, 72, 2_000, 20_000):
+            for _ in range(3):
+                post = TRUE["post"] + TRUE["desc"] * descs
+                total = post + nbytes / (TRUE["gbps"] * 1e3) + 2 * TRUE["lat"]
+                e1, e2 = rng.normal(1.0, noise, 2)
+                rows.append(WriteRow(nbytes, descs, total * e1, post * e2, "synthetic"))
+    return rows
+
+
+def test_nnls_is_non_negative_and_optimal() -> None:
+    rng = np.random.default_rng(3)
+    a = rng.uniform(0, 1, (40, 3))
+    b = a @ np.array([2.0, -1.5, 0.5]) + rng.normal(0, 0.01, 40)  # the free optimum is negative
+    x = fit.nnls(a, b)
+    assert np.all(x >= 0) and x[1] == 0
+    # KKT: zero gradient on the support, a gradient >= 0 on the clamped coordinate.
+    g = a.T @ (a @ x - b)
+    assert np.allclose(g[x > 0], 0, atol=1e-8) and np.all(g[x == 0] >= -1e-8)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_fit_recovers_known_parameters_from_noisy_telemetry(seed: int) -> None:
+    f = fit.fit_fabric(synthetic(seed))
+    assert f.bandwidth_gbps == pytest.approx(TRUE["gbps"], rel=0.05)
+    assert f.per_desc_us == pytest.approx(TRUE["desc"], rel=0.05)
+    assert f.post_cost_us == pytest.approx(TRUE["post"], rel=0.1)
+    assert f.post_cost_us + 2 * f.latency_us == pytest.approx(TRUE["post"] + 2 * TRUE["lat"], rel=0.1)
+    assert f.mape_heldout_pct < 6  # 3% noise
+
+
+def test_split_holds_out_every_third_size_and_needs_three() -> None:
+    kept, held = fit.split_sizes([5, 1, 2, 2, 3, 4, 6, 7])
+    assert held == [2, 5] and kept == [1, 3, 4, 6, 7]
+    with pytest.raises(CalibrationError, match="2 distinct transfer size"):
+        fit.split_sizes([1, 1, 2])
+
+
+def test_heldout_mape_is_computed_on_heldout_sizes_only() -> None:
+    rows = synthetic(4, noise=0.0)
+    _, held = fit.split_sizes([r.nbytes for r in rows])
+    clean = fit.fit_fabric(rows)
+    # Double the held-out sizes' times: the fit must not move, and their error is then 50%.
+    off = [
+        WriteRow(r.nbytes, r.descs, 2 * r.total_us, r.post_us, r.source) if r.nbytes in held else r
+        for r in rows
+    ]
+    moved = fit.fit_fabric(off)
+    assert moved.bandwidth_gbps == pytest.approx(clean.bandwidth_gbps)
+    assert moved.mape_fit_pct == pytest.approx(clean.mape_fit_pct, abs=1e-6)
+    assert moved.mape_heldout_pct == pytest.approx(50.0, abs=0.5)
+    assert clean.mape_heldout_pct < 0.5
+
+
+def test_kernel_fit_recovers_rate_and_launch() -> None:
+    rows = [
+        KernelRow(n, {"gather_gpu": 30e-6 + n / 1400e9, "scatter_gpu": 30e-6 + n / 1400e9}, None)
+        for n in (10**7, 10**8, 10**9)
+    ]
+    k = fit.fit_kernels(rows)
+    assert k.gpu_gbps == pytest.approx(1400, rel=1e-6) and k.pinned_gbps is None
+    assert k.launch_us == pytest.approx(30, rel=1e-6)
+    with_host = fit.fit_kernels([KernelRow(r.nbytes, r.seconds, 140.0) for r in rows])
+    assert with_host.launch_us == 140.0  # the host's cost per call, as the h100 profile takes it
+
+
+def test_failed_rows_are_dropped_and_unknown_posted_counts_use_the_request(tmp_path: Path) -> None:
+    rec = {
+        "descs_requested": 9,
+        "descs_posted": 3,
+        "nbytes": 100,
+        "post_us": 5,
+        "xfer_us": 7,
+        "wall_ns": 9000,
+    }
+    writes = [
+        {**rec, "status": "DONE"},
+        {**rec, "status": "ERR", "xfer_us": 0},
+        {**rec, "status": "DONE", "descs_posted": -1, "xfer_us": 0},
+    ]
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"writes": writes}))
+    t = inputs.read_telemetry([p])
+    assert (t.failed, t.requested_descs, t.wall_timed) == (1, 1, 1)
+    assert [(r.descs, r.total_us) for r in t.rows] == [(3, 7.0), (9, 9.0)]
+
+
+def _cli(*args: str) -> tuple[int, str, str]:
+    r = runner.invoke(app, list(args))
+    return r.exit_code, r.stdout, r.stderr
+
+
+def test_cli_fits_the_checked_in_cpu_telemetry(tmp_path: Path) -> None:
+    files = sorted(str(p) for p in CPU.glob("t*.json.*"))
+    done = sum(w["status"] == "DONE" for f in files for w in json.loads(Path(f).read_text())["writes"])
+    out = tmp_path / "p.toml"
+    code, stdout, err = _cli("calibrate", *files, "--name", "t", "--out", str(out), "--json")
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["rows_used"] + res["rows_heldout"] == done
+    assert set(res["sizes_heldout_bytes"]).isdisjoint(res["sizes_fit_bytes"])
+    prof = tomllib.loads(out.read_text())
+    assert prof["kind"] == "fabric" and prof["fit"]["rows_used"] == res["rows_used"]
+    assert prof["bandwidth_gbps"] == pytest.approx(res["fabric"]["bandwidth_gbps"], rel=1e-5)
+    assert prof["fit"]["mape_heldout_pct"] == pytest.approx(res["mape_heldout_pct"], abs=0.01)
+    code, stdout, _ = _cli("calibrate", *files, "--name", "t", "--out", str(out))
+    assert code == 0 and "held out of the fit" in stdout and "MAPE" in stdout
+
+
+@pytest.fixture
+def fitted_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, fit.FabricFit]]:
+    """A 10x slow fitted profile, written by the CLI into a private copy of the profile folder
+    (this process only: tests running beside it still see the shipped folder)."""
+    for f in hardware.folder().iterdir():
+        if f.name.endswith(".toml"):
+            (tmp_path / f.name).write_text(f.read_text())
+    monkeypatch.setattr(hardware, "folder", lambda: tmp_path)
+    rows = [WriteRow(r.nbytes, r.descs, r.total_us * 10, r.post_us * 10, r.source) for r in synthetic(5)]
+    writes = [
+        {"status": "DONE", "descs_requested": r.descs, "descs_posted": r.descs, "nbytes": r.nbytes}
+        | {"post_us": round(r.post_us), "xfer_us": round(r.total_us), "wall_ns": 0}
+        for r in rows
+    ]
+    tel = tmp_path / "slow.telemetry"
+    tel.write_text(json.dumps({"writes": writes}))
+    name = "test-slow"
+    code, stdout, err = _cli("calibrate", str(tel), "--name", name, "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["profile"] == str(tmp_path / f"{name}.toml")
+    yield name, fit.fit_fabric(rows)
+
+
+def test_written_profile_loads_by_name_and_changes_the_simulated_fabric(fitted_profile: tuple) -> None:
+    name, f = fitted_profile
+    nic = hardware.nic(name)
+    assert nic.bandwidth_gbps == pytest.approx(f.bandwidth_gbps, rel=1e-5)
+    assert name in hardware.names("fabric") and name in sc.fabric_profiles()
+    spec = hardware.fabric_spec(hardware.gpu("h100"), nic)
+    assert spec.nic.bandwidth_bps == int(nic.bandwidth_gbps * 1e9)
+    assert spec.nic.per_desc_ns == int(nic.per_desc_us * 1000)
+    s = sc.parse({"fabric": {"profile": name}})
+    assert s.fabric.nic.bandwidth_bps == int(nic.bandwidth_gbps * 1e9)
+    assert s.fabric.nic.per_desc_ns == round(nic.per_desc_us * 1000)
+    assert sc.parse(sc.tomllib.loads(sc.dump(s))).fabric == s.fabric  # round trip through a file
+    # kvferry select's deployment model takes it as its NIC.
+    from kvferry.sim.deploy.spec import DeploySpec
+
+    deploy = DeploySpec(nic=name, prefill_tp=1, decode_tp=1)
+    deploy.check()
+    assert deploy.scenario_dict(256, 256)["fabric"]["bandwidth_gbps"] == pytest.approx(nic.bandwidth_gbps)
+    # The same bench row predicts ~10x slower on the 10x slower fitted fabric.
+    (row,) = [r for r in read_bench(TWO_ROWS) if r.flow == "direct"]
+    fast = predict(row, "h100-rdma")
+    slow = predict(row, name)
+    assert slow.predicted_ms > 5 * fast.predicted_ms
+
+
+def test_bench_predict_puts_the_simulation_beside_each_row() -> None:
+    code, stdout, err = _cli("bench", "predict", str(TWO_ROWS), "--profile", "cpu-loopback", "--json")
+    assert code == 0, err
+    got = [json.loads(line) for line in stdout.splitlines()]
+    want = [json.loads(line) for line in TWO_ROWS.read_text().splitlines()]
+    assert [(g["flow"], g["measured_gbps"]) for g in got] == [(w["flow"], w["kvferry_gbps"]) for w in want]
+    for g, w in zip(got, want, strict=True):
+        assert g["ratio"] == pytest.approx(g["measured_gbps"] / g["predicted_gbps"])
+        assert g["measured_ms"] == pytest.approx(w["kvferry_s"] * 1e3)  # the bench's own batch time
+        assert g["unexplained_ms"] == pytest.approx(g["measured_ms"] - g["predicted_ms"])
+        # predicted GB/s is the batch's bytes over the simulated time
+        assert g["predicted_gbps"] == pytest.approx(g["room_mb"] * g["inflight"] / g["predicted_ms"])
+
+
+def test_profile_text_is_valid_toml_whatever_the_source_paths() -> None:
+    from kvferry.sim.calibrate import profile
+
+    rows = synthetic(6)
+    odd = ['a"b\\c', "x\ny\t\x1b\x7f", "é💥\u202e"]
+    text = profile.render("t", fit.fit_fabric(rows), inputs.Telemetry(tuple(rows), 0, 0, 0), odd)
+    assert tomllib.loads(text)["fit"]["sources"] == odd
