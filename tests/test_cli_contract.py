@@ -26,6 +26,7 @@ import pytest
 import typer
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from kvferry.backends.loopback import soak as loopback_soak
 from kvferry.backends.runtime import bench as runtime_bench
 from kvferry.sim.campaign import parse_seeds
 from typer.testing import CliRunner
@@ -99,10 +100,31 @@ def _fake_run_config(cfg: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     }
 
 
+def _fake_run_soak(cfg: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    loopback_soak.check_config(cfg)  # what the real one does first
+    return {
+        "ok": True,
+        "config": {**vars(cfg), "flows": list(cfg.flows)},
+        "rooms_run": 0,
+        "stopped_by_time": False,
+        "wall_s": 0.0,
+        "rooms_per_s": 0.0,
+        "outcomes": {"success": 0, "aborted": 0, "killed": 0, "violation": 0},
+        "by_flow": {},
+        "kills": [],
+        "rss": [],
+        "end_state": {},
+        "violation_count": 0,
+        "violations": [],
+        "replay": loopback_soak.replay_command(cfg),
+    }
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_real_bench() -> Iterator[None]:
     mp = pytest.MonkeyPatch()
     mp.setattr(runtime_bench, "run_config", _fake_run_config)
+    mp.setattr(loopback_soak, "run_soak", _fake_run_soak)
     yield
     mp.undo()
 
@@ -237,6 +259,25 @@ BAD = [
     (["bench", "predict", "{not_toml}"], "line 1: not valid JSON"),
     (["bench", "predict", TELEMETRY], "missing 'tp'"),
     (["bench", "predict", BENCH_ROWS, "--profile", "bogus"], "unknown fabric profile"),
+    # soak (validation only: run_soak is a stub here)
+    (["soak", "--rooms", "0"], "--rooms must be in"),
+    (["soak", "--rooms", "-5"], "--rooms must be in"),
+    (["soak", "--rooms", str(10**9)], "--rooms must be in"),
+    (["soak", "--prefill-tp", "3"], "--prefill-tp must be 1, 2 or 4"),
+    (["soak", "--decode-tp", "0"], "--decode-tp must be 1, 2 or 4"),
+    (["soak", "--flows", "ring,rnig"], "unknown flow"),
+    (["soak", "--flows", ","], "--flows"),
+    (["soak", "--abort-rate", "1.5"], "--abort-rate"),
+    (["soak", "--abort-rate", "nan"], "--abort-rate"),
+    (["soak", "--kill-every", "3"], "--kill-every must be 0"),
+    (["soak", "--hold", "0"], "--hold must be in"),
+    (["soak", "--hold", "17"], "--hold must be in"),
+    (["soak", "--max-seconds", "0"], "--max-seconds"),
+    (["soak", "--max-seconds", "inf"], "--max-seconds"),
+    (["soak", "--rss-bound-mb", "0"], "--rss-bound-mb"),
+    (["soak", "--warmup-s", "-1"], "--warmup-s"),
+    (["soak", "--seed", "-1"], "--seed"),
+    (["soak", "--rooms", "abc"], "Invalid value for '--rooms'"),
     # the root and version
     (["bogus"], "No such command"),
     (["--bogus"], "No such option"),
@@ -288,6 +329,8 @@ def test_good_input_still_runs(files: dict[str, str]) -> None:
         _invoke(["calibrate", TELEMETRY, "--name", "t", "--out", str(profile)])[0] == 0 and profile.exists()
     )
     assert _invoke(["bench", "predict", BENCH_ROWS])[0] == 0
+    code, out, _ = _invoke(["soak", "--rooms", "10", "--kill-every", "0"])
+    assert code == 0 and "verdict: OK" in out
     code, out, _ = _invoke(["fuzz", "--seeds", "0-0", "--jobs", "1", "--json"])
     assert code == 0 and '"seeds": 1' in out
 
@@ -329,6 +372,7 @@ BASE = {
     ("bench", "predict"): [BENCH_ROWS, "--json"],
     ("calibrate",): [TELEMETRY, "--name", "t", "--out", "p.toml", "--json"],
     ("version",): [],
+    ("soak",): ["--rooms", "1", "--json"],
     ("select",): ["--concurrency", "1", "--requests", "1", "--isl", "16", "--osl", "2", "--json"],
 }
 
@@ -348,6 +392,7 @@ def test_every_command_and_option_is_covered() -> None:
         (("fuzz",), "--jobs"),
         (("replay",), None),
         (("bench", "nixl"), "--mem"),
+        (("soak",), "--kill-every"),
     ]:
         assert must in names
 

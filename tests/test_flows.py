@@ -10,9 +10,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 from kvferry.core import messages as m
-from kvferry.core.events import ControlIn
+from kvferry.core.events import ControlIn, SenderOpen
 from kvferry.core.flows import Flow, FlowError, FlowPolicy
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
@@ -274,3 +275,34 @@ def test_too_many_early_requests_are_refused_with_a_reason_not_dropped() -> None
     refusals = [c.msg for c in out if type(c.msg) is m.StagingRsp]
     assert len(refusals) == 1 and not refusals[0].ok and "unopened rooms" in refusals[0].reason
     assert eng.counters["staging_req_overflow"] == 1
+
+
+@pytest.mark.parametrize("flow", ["pinned", "direct", "pull", "push"])
+def test_the_open_names_the_flow_even_when_decode_info_arrived_first(flow: str) -> None:
+    # Found by `kvferry soak`: decode opened the room and its TransferInfo reached prefill before
+    # the local open, so the rank chose the policy's flow (ring for 2 -> 1) and ignored the
+    # open's; ranks whose open came first used the named flow, and decode saw writers disagree.
+    w = world(TINY4, 2, 1, None, space=4096)
+    held: list[tuple[object, int]] = []
+    feeds = [r.driver.feed for r in w.prefill]
+    for r in w.prefill:  # hold back every SenderOpen until decode's TransferInfo was delivered
+        r.driver.feed = lambda ev, now, f=r.driver.feed: (
+            held.append((f, ev)) if isinstance(ev, SenderOpen) else f(ev, now)
+        )
+    req = w.open_room(7, "t", 8, [4, 8])
+    assert req is not None
+    w.flush()
+    for r, f in zip(w.prefill, feeds, strict=True):
+        r.driver.feed = f
+    for f, ev in held:
+        f(msgspec.structs.replace(ev, flow=flow), w.fabric.now)
+    for _ in range(2):
+        for p in range(w.P):
+            w.chunk_ready(req, p)
+        w.flush()
+    w.heal_and_settle()
+    assert w.server_view[("decode", 7, "t")] is KVPoll.Success, w.failure_reasons
+    staged = w.decode[0].engine.counters
+    assert staged.get("scattered_ring", 0) == 0, staged
+    assert (staged.get("scattered_pinned", 0) > 0) == (flow == "pinned"), staged
+    assert_clean(w)

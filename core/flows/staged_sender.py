@@ -110,6 +110,10 @@ class StagedSender:
     def _choose_flow(self, r: Any) -> None:
         """Pick the room's flow from the policy, once a decode rank it writes to is registered
         (its Register says what it can receive)."""
+        if not r.opened:
+            # Decode's TransferInfo can arrive before the local open; the open may name the flow
+            # (SenderOpen.flow), so nothing is chosen before it (else ranks disagree on a room).
+            return
         targets = self._targets(r)
         known = [self.peers[p] for p in targets if p in self.peers]
         if not known:

@@ -1,0 +1,182 @@
+"""The soak's decode process: every decode rank over real NIXL. Every Success room's bytes are
+checked against the pattern prefill computed; a failed room's pages go back to the allocator only
+once the core says they are fenced (``pages_freed``), so a late write would corrupt a later room
+and be caught by that room's check."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+from kvferry.backends.loopback import common
+from kvferry.backends.loopback import plan as sp
+from kvferry.backends.loopback.wire import say
+from kvferry.backends.runtime import DecodeEndpoint, RuntimeConfig
+from kvferry.core.kvpoll import KVPoll
+from kvferry.sim import pattern
+
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+# The checker's self-test (tests/test_soak.py): "corrupt" flips decode's bytes under some
+# Success rooms before they are checked; the soak must report them.
+PLANT = os.environ.get("KVFERRY_SOAK_PLANT", "")
+
+
+class DecodeSide:
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        cfg = RuntimeConfig(timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging())
+        self.eps = [
+            DecodeEndpoint(
+                "decode", pool, prefill_server="prefill", prefill_addresses=args.prefill, config=cfg
+            )
+            for pool in sp.decode_pools(args.decode_tp)
+        ]
+        for ep in self.eps:
+            ep.start()
+        self.rng = np.random.default_rng([args.seed, args.incarnation])  # scattered pages
+        self.free_pages = list(range(sp.DECODE_PAGES))
+        self.free_aux = list(range(sp.AUX_ROWS))
+        # A failed room's pages and aux row (and its unfenced receivers) until every rank is fenced.
+        self.waiting_fence: dict[int, tuple[np.ndarray, int, list[Any]]] = {}
+
+    def run_segment(self, cmd: dict[str, Any]) -> None:
+        a = self.args
+        plans = sp.segment_rooms(a.seed, cmd["start"], cmd["end"], cmd["hold_from"], a.flows, a.abort_rate)
+        pending = list(reversed(plans))
+        live: dict[int, dict[str, Any]] = {}
+        holding = cmd["hold_from"] < cmd["end"]
+        end = time.monotonic() + a.segment_timeout_s
+        while (pending or live) and time.monotonic() < end:
+            self._reclaim()
+            busy = self._open(pending, live)
+            for idx in list(live):
+                busy |= self._step(live, idx)
+            if (
+                holding
+                and not pending
+                and live
+                and all(st["plan"].hold for st in live.values())
+                and all(rv.poll() is KVPoll.Transferring for st in live.values() for rv in st["rvs"])
+            ):
+                say(event="inflight", rooms=len(live))
+                common.wait_killed()
+                holding = False
+                end = time.monotonic() + a.segment_timeout_s
+            if not busy:
+                time.sleep(0.001)
+        for idx, st in live.items():  # a hang: the parent reports it
+            say(event="room", i=idx, status=[int(rv.poll()) for rv in st["rvs"]], reason=["still live"])
+
+    def _open(self, pending: list[sp.SoakRoom], live: dict[int, dict[str, Any]]) -> bool:
+        busy = False
+        while pending and len(live) < sp.WINDOW:
+            plan = pending[-1]
+            need = -(-plan.tokens // sp.DECODE_PAGE)
+            if need > len(self.free_pages) or not self.free_aux:
+                break
+            pending.pop()
+            pages = np.array(
+                [self.free_pages.pop(int(self.rng.integers(len(self.free_pages)))) for _ in range(need)]
+            )
+            aux = self.free_aux.pop()
+            rvs = [ep.receiver(plan.room, plan.tid) for ep in self.eps]
+            for rv in rvs:
+                rv.init(pages, plan.tokens, aux)
+            aborted = plan.abort == "decode_early"
+            if aborted:
+                for rv in rvs:
+                    rv.abort("soak: decode_early")
+            live[plan.index] = {"plan": plan, "pages": pages, "aux": aux, "rvs": rvs, "aborted": aborted}
+            busy = True
+        return busy
+
+    def _step(self, live: dict[int, dict[str, Any]], idx: int) -> bool:
+        st = live[idx]
+        plan, rvs = st["plan"], st["rvs"]
+        statuses = [rv.poll() for rv in rvs]
+        if plan.abort == "decode_mid" and not st["aborted"] and min(statuses) >= KVPoll.Transferring:
+            for rv in rvs:
+                rv.abort("soak: decode_mid")
+            st["aborted"] = True
+            return True
+        if not all(x in TERMINAL for x in statuses):
+            return False
+        if PLANT == "corrupt" and idx % 50 == 7 and KVPoll.Success in statuses:
+            self.eps[0].transport.region(self.eps[0].pool.regions[0].region_id)[:] ^= 0xFF
+        bad, first_bad, aux_ok = 0, None, True
+        for ep, status in zip(self.eps, statuses, strict=True):
+            if status is KVPoll.Success:
+                n, first = pattern.mismatches(
+                    ep.pool, ep.transport.region, plan.room, st["pages"], plan.tokens
+                )
+                bad += n
+                first_bad = first_bad or first
+                aux_ok &= ep.transport.read_aux_room(st["aux"]) == plan.room
+        reasons, errors = common.outcome(rvs, statuses)
+        unfenced = []
+        for rv, status in zip(rvs, statuses, strict=True):
+            if status is KVPoll.Failed and not rv.pages_freed():
+                unfenced.append(rv)  # cleared once fenced (_reclaim)
+            else:
+                rv.clear()
+        say(
+            event="room",
+            i=idx,
+            status=[int(x) for x in statuses],
+            reason=reasons,
+            error=errors,
+            bad_bytes=bad,
+            first_bad=repr(first_bad) if first_bad else None,
+            aux_ok=aux_ok,
+        )
+        self.waiting_fence[idx] = (st["pages"], st["aux"], unfenced)
+        self._reclaim()
+        del live[idx]
+        return True
+
+    def _reclaim(self) -> None:
+        """Pages of rooms whose every failed rank is now fenced go back to the allocator."""
+        for key in list(self.waiting_fence):
+            pages, aux, unfenced = self.waiting_fence[key]
+            if all(rv.pages_freed() for rv in unfenced):
+                for rv in unfenced:
+                    rv.clear()
+                del self.waiting_fence[key]
+                self.free_pages.extend(pages.tolist())
+                self.free_aux.append(aux)
+
+    def finish(self) -> dict[str, Any]:
+        def settled() -> bool:
+            self._reclaim()
+            return not self.waiting_fence and common.empty([common.tables(ep) for ep in self.eps])
+
+        # A failed room of a killed prefill is fenced by its deadline: wait a little longer.
+        common.wait_until(settled, sp.timeouts().fence_ns / 1e9 + 10.0)
+        counters = []
+        for ep in self.eps:
+            with ep.lock:  # the engine only under its lock
+                counters.append(dict(ep.engine.counters))
+        return {
+            "leaks": [common.tables(ep) for ep in self.eps],
+            "waiting_fence": len(self.waiting_fence),
+            "pages_free": len(self.free_pages),
+            "errors": [repr(e) for ep in self.eps for e in ep.errors],
+            "driver_errors": [dict(ep.driver.errors) for ep in self.eps],
+            "counters": counters,
+        }
+
+    def close(self) -> list[str]:
+        return [name for ep in self.eps for name in ep.close()]
+
+
+def main() -> None:
+    args = common.arguments("decode")
+    side = DecodeSide(args)
+    say(event="ready", address=side.eps[0].address, pid=os.getpid())
+    common.serve(side.run_segment, side.finish, side.close)
+
+
+if __name__ == "__main__":
+    main()

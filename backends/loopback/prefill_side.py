@@ -1,0 +1,173 @@
+"""The soak's prefill process: every prefill rank over real NIXL, rooms from ``plan``, commands
+from the parent (``common.serve``). Each room's outcome is printed as soon as it is terminal, so a
+kill loses nothing the parent needs."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+from kvferry.backends.loopback import common
+from kvferry.backends.loopback import plan as sp
+from kvferry.backends.loopback.wire import say
+from kvferry.backends.runtime import PrefillEndpoint, RuntimeConfig
+from kvferry.core import topology
+from kvferry.core.kvpoll import KVPoll
+from kvferry.sim import pattern
+
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+class PrefillSide:
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        cfg = RuntimeConfig(num_queues=2, timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging())
+        ports = [int(p) for p in args.ports.split(",")] if args.ports else [0] * args.prefill_tp
+        pools = sp.prefill_pools(args.prefill_tp)
+        # A restarted prefill binds its predecessor's ports: decode knows prefill by address.
+        self.eps = [
+            PrefillEndpoint("prefill", pool, config=msgspec.structs.replace(cfg, port=port))
+            for pool, port in zip(pools, ports, strict=True)
+        ]
+        for ep in self.eps:
+            ep.start()
+        self.free_pages = list(range(sp.PREFILL_PAGES))
+        self.free_aux = list(range(sp.AUX_ROWS))
+
+    def run_segment(self, cmd: dict[str, Any]) -> None:
+        a = self.args
+        plans = sp.segment_rooms(a.seed, cmd["start"], cmd["end"], cmd["hold_from"], a.flows, a.abort_rate)
+        pending = list(reversed(plans))
+        live: dict[int, dict[str, Any]] = {}
+        holding = cmd["hold_from"] < cmd["end"]
+        end = time.monotonic() + a.segment_timeout_s
+        while (pending or live) and time.monotonic() < end:
+            busy = self._open(pending, live)
+            for idx in list(live):
+                busy |= self._step(live, idx)
+            if (
+                holding
+                and not pending
+                and live
+                and all(st["plan"].hold for st in live.values())
+                and all(s.poll() is KVPoll.Transferring for st in live.values() for s in st["senders"])
+            ):
+                say(event="inflight", rooms=len(live))
+                common.wait_killed()
+                holding = False
+                end = time.monotonic() + a.segment_timeout_s
+            if not busy:
+                time.sleep(0.001)
+        for idx, st in live.items():  # a hang: the parent reports it
+            say(event="room", i=idx, status=[int(s.poll()) for s in st["senders"]], reason=["still live"])
+
+    def _open(self, pending: list[sp.SoakRoom], live: dict[int, dict[str, Any]]) -> bool:
+        busy = False
+        while pending and len(live) < sp.WINDOW:
+            plan = pending[-1]
+            need = -(-plan.tokens // sp.PREFILL_PAGE)
+            if need > len(self.free_pages) or not self.free_aux:
+                break
+            pending.pop()
+            pages = np.array([self.free_pages.pop() for _ in range(need)], dtype=np.int64)
+            aux = self.free_aux.pop()
+            senders = []
+            for ep in self.eps:
+                pattern.fill(ep.pool, ep.transport.region, plan.room, pages, 0, plan.tokens)
+                s = ep.sender(plan.room, plan.tid)
+                s.write_aux(aux, plan.room.to_bytes(8, "little", signed=True))
+                recv = topology.receiver_endpoints(
+                    sp.MODEL, self.args.prefill_tp, self.args.decode_tp, ep.pool.tp_rank
+                )
+                s.init(aux, flow=plan.flow, receivers=recv)
+                senders.append(s)
+            live[plan.index] = {"plan": plan, "pages": pages, "aux": aux, "senders": senders, "next": 0}
+            live[plan.index]["aborted"] = False
+            busy = True
+        return busy
+
+    def _step(self, live: dict[int, dict[str, Any]], idx: int) -> bool:
+        """One room's next move (abort, next chunk, or its end); True if something happened."""
+        st = live[idx]
+        plan, senders = st["plan"], st["senders"]
+        statuses = [s.poll() for s in senders]
+        busy = False
+        if plan.abort == "prefill_early" and not st["aborted"] and min(statuses) >= KVPoll.WaitingForInput:
+            for s in senders:
+                s.abort("soak: prefill_early")
+            st["aborted"] = busy = True
+        limit = len(plan.cuts)
+        if plan.hold or plan.abort in ("decode_mid", "prefill_mid"):
+            limit = 1
+        if plan.abort == "prefill_early":
+            limit = 0
+        if plan.abort == "prefill_mid" and min(statuses) < KVPoll.WaitingForInput:
+            # Abort only once decode's TransferInfo is in: a sender released before it arrives
+            # cannot tell decode, which would then fail only by its own timeout.
+            limit = 0
+        if st["next"] < limit and not st["aborted"]:
+            i = st["next"]
+            for s in senders:
+                s.send(st["pages"], plan.cuts[i], is_last=i == len(plan.cuts) - 1)
+            st["next"] += 1
+            busy = True
+            if plan.abort == "prefill_mid":
+                for s in senders:
+                    s.abort("soak: prefill_mid")
+                st["aborted"] = True
+        if not all(x in TERMINAL for x in statuses):
+            return busy
+        if plan.abort is not None and not all(x is KVPoll.Failed for x in statuses):
+            return busy  # an aborted room must end Failed everywhere: keep polling (bounded)
+        reasons, errors = common.outcome(senders, statuses)
+        for s in senders:
+            s.clear()
+        say(event="room", i=idx, status=[int(x) for x in statuses], reason=reasons, error=errors)
+        self.free_pages.extend(st["pages"].tolist())
+        self.free_aux.append(st["aux"])
+        del live[idx]
+        return True
+
+    def finish(self) -> dict[str, Any]:
+        # A dead decode's pull pages and unconfirmed notes are let go at the fence deadline.
+        wait_s = sp.timeouts().fence_ns / 1e9 + 10.0
+        common.wait_until(lambda: common.empty([common.tables(ep) for ep in self.eps]), wait_s)
+        return {
+            "leaks": [common.tables(ep) for ep in self.eps],
+            "errors": [repr(e) for ep in self.eps for e in ep.errors],
+            "driver_errors": [dict(ep.driver.errors) for ep in self.eps],
+            "copies": [_copy_tables(ep) for ep in self.eps],
+            "counters": [_counters(ep) for ep in self.eps],
+        }
+
+    def close(self) -> list[str]:
+        return [name for ep in self.eps for name in ep.close()]
+
+
+def _counters(ep: PrefillEndpoint) -> dict[str, int]:
+    with ep.lock:  # the engine only under its endpoint's lock
+        out = dict(ep.engine.counters)
+        out.update({f"lease_{k}": v for k, v in ep.engine.leases.counters.items()})
+        return out
+
+
+def _copy_tables(ep: PrefillEndpoint) -> int:
+    """Gathers the engine still waits for, plus the driver's copy handles and the executor's queue
+    (the e2e tests' check): all zero once every room is gone."""
+    with ep.lock:  # the engine and the driver's tables only under the endpoint's lock
+        n = len(ep.engine.ops) + len(ep.driver.copies)
+    return n + (ep.transport.copies.pending() if ep.transport.copies else 0)
+
+
+def main() -> None:
+    args = common.arguments("prefill")
+    side = PrefillSide(args)
+    say(event="ready", addresses=[ep.address for ep in side.eps], pid=os.getpid())
+    common.serve(side.run_segment, side.finish, side.close)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""``kvferry soak``: rooms for as long as asked over real NIXL on loopback, with aborts and peer
+kills, every room checked (``backends/loopback/soak.py``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from kvferry.commands import bad_input, check_seed
+
+
+def register(app: typer.Typer) -> None:
+    app.command("soak")(soak)
+
+
+def soak(
+    rooms: Annotated[int, typer.Option(help="Rooms to run (each checked).")] = 2000,
+    seed: Annotated[int, typer.Option(help="Seed of every random choice (rooms, flows, aborts, pages).")] = 0,
+    prefill_tp: Annotated[
+        int, typer.Option(help="Prefill TP size (1, 2 or 4), all ranks in one process.")
+    ] = 2,
+    decode_tp: Annotated[int, typer.Option(help="Decode TP size (1, 2 or 4), all ranks in one process.")] = 1,
+    flows: Annotated[
+        str, typer.Option(help="Flows the rooms are drawn from, comma-separated.")
+    ] = "direct,ring,pinned,pull,push",
+    abort_rate: Annotated[float, typer.Option(help="Share of rooms aborted (by either side).")] = 0.1,
+    kill_every: Annotated[
+        int,
+        typer.Option(help="SIGKILL and restart a side every K rooms, prefill first, then decode (0: never)."),
+    ] = 500,
+    hold: Annotated[int, typer.Option(help="Rooms in flight at each kill (they must end Failed).")] = 4,
+    max_seconds: Annotated[
+        float,
+        typer.Option(help="Stop starting rooms after this long (checked every 200 rooms), then report."),
+    ] = 3600.0,
+    rss_bound_mb: Annotated[
+        float, typer.Option(help="Fail if a process's RSS grows more than this after warm-up (MB).")
+    ] = 64.0,
+    warmup_s: Annotated[
+        float, typer.Option(help="Seconds of a process's life before its RSS baseline is taken.")
+    ] = 45.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+) -> None:
+    """A prefill process and a decode process on 127.0.0.1 (real NIXL over UCX, DRAM pools) run
+    rooms with chunked prefill, every flow, aborts by both sides and peers killed and restarted;
+    exits 1 on any lost, corrupted, hung or wrongly-succeeded room, leaked table or RSS growth."""
+    from kvferry.backends.loopback import soak as engine
+
+    check_seed(seed)
+    cfg = engine.SoakConfig(
+        rooms=rooms,
+        seed=seed,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        flows=tuple(f.strip() for f in flows.split(",") if f.strip()),
+        abort_rate=abort_rate,
+        kill_every=kill_every,
+        hold=hold,
+        max_seconds=max_seconds,
+        rss_bound_mb=rss_bound_mb,
+        warmup_s=warmup_s,
+    )
+    try:
+        engine.check_config(cfg)
+    except ValueError as e:
+        bad_input(str(e))
+    if importlib.util.find_spec("nixl") is None:
+        bad_input("soak needs NIXL: pip install 'kvferry[real]'")
+    report = engine.run_soak(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        typer.echo(summary(report))
+    if not report["ok"]:
+        print(f"soak FAILED with seed {seed}; replay: {report['replay']}", file=sys.stderr)
+        raise typer.Exit(1)
+
+
+def summary(r: dict[str, Any]) -> str:
+    c, o = r["config"], r["outcomes"]
+    kill = f"a side killed every {c['kill_every']} rooms" if c["kill_every"] else "no kills"
+    lines = [
+        f"kvferry soak: seed {c['seed']}, TP {c['prefill_tp']}->{c['decode_tp']}, "
+        f"flows {','.join(c['flows'])}, abort rate {c['abort_rate']}, {kill}",
+        f"rooms: {r['rooms_run']} of {c['rooms']} in {r['wall_s']} s ({r['rooms_per_s']} rooms/s)"
+        + (" (stopped by --max-seconds)" if r["stopped_by_time"] else ""),
+        f"  {o['success']} success (bytes and aux row checked), "
+        f"{o['aborted']} aborted (Failed on both sides), "
+        f"{o['killed']} hit by a kill (Failed on the survivor), {o['violation']} violating",
+        "  by flow: "
+        + ", ".join(f"{f} {sum(v.values())} ({v.get('success', 0)} ok)" for f, v in r["by_flow"].items()),
+    ]
+    for k in r["kills"]:
+        lines.append(
+            f"  kill {k['victim']} after room {k['after_room']}: survivor failed its {k['rooms_in_flight']} "
+            f"rooms in flight in {k['survivor_failed_them_s']} s, restarted in {k['restart_s']} s"
+        )
+    for x in r["rss"]:
+        if x["checked"]:
+            verdict = "ok" if x["ok"] else f"over the {c['rss_bound_mb']} MB bound"
+            lines.append(
+                f"  RSS {x['side']}#{x['incarnation']}: {x['baseline_mb']} MB after warm-up -> "
+                f"{x['last_mb']} MB ({x['growth_mb']:+} MB, {verdict}); first sample {x['first_mb']} MB"
+            )
+        elif x["samples"]:
+            lines.append(
+                f"  RSS {x['side']}#{x['incarnation']}: {x['first_mb']} -> {x['last_mb']} MB "
+                "(lived shorter than the warm-up: not checked)"
+            )
+    e = r["end_state"]
+    if e:
+        clean = not any(e["prefill_leaks"]) and not any(e["decode_leaks"]) and not e["stuck_threads"]
+        lines.append(
+            "  end: "
+            + ("every table empty on both sides, every thread joined" if clean else "TABLES OR THREADS LEFT")
+            + f"; driver counters {e['driver_errors']}"
+        )
+    if r["ok"]:
+        lines.append("verdict: OK, no room lost, corrupted, hung or wrongly Success")
+    else:
+        lines.append(f"verdict: FAILED, {r['violation_count']} violation(s); first ones:")
+        lines += [f"  {json.dumps(v)[:400]}" for v in r["violations"][:10]]
+        lines.append(f"replay: {r['replay']}")
+    return "\n".join(lines)
