@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from kvferry.backends.loopback import soak as loopback_soak
 from kvferry.backends.runtime import bench as runtime_bench
+from kvferry.backends.runtime import hostile
 from kvferry.sim.campaign import parse_seeds
 from typer.testing import CliRunner
 
@@ -120,11 +121,17 @@ def _fake_run_soak(cfg: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     }
 
 
+def _fake_live_fuzz(cfg: Any, *args: Any, **kwargs: Any) -> hostile.LiveFuzzResult:
+    assert not cfg.problems()  # the command validated first
+    return hostile.LiveFuzzResult(seed=cfg.seed)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _no_real_bench() -> Iterator[None]:
     mp = pytest.MonkeyPatch()
     mp.setattr(runtime_bench, "run_config", _fake_run_config)
     mp.setattr(loopback_soak, "run_soak", _fake_run_soak)
+    mp.setattr(hostile, "run_live_fuzz", _fake_live_fuzz)
     yield
     mp.undo()
 
@@ -278,6 +285,12 @@ BAD = [
     (["soak", "--warmup-s", "-1"], "--warmup-s"),
     (["soak", "--seed", "-1"], "--seed"),
     (["soak", "--rooms", "abc"], "Invalid value for '--rooms'"),
+    # fuzz-live (validation only: run_live_fuzz is a stub here)
+    (["fuzz-live", "--frames", "-1"], "--frames must be in"),
+    (["fuzz-live", "--rooms", "0"], "--rooms must be in"),
+    (["fuzz-live", "--max-seconds", "0"], "--max-seconds must be in"),
+    (["fuzz-live", "--max-seconds", "nan"], "--max-seconds must be in"),
+    (["fuzz-live", "--seed", "-1"], "--seed must be in"),
     # the root and version
     (["bogus"], "No such command"),
     (["--bogus"], "No such option"),
@@ -373,6 +386,7 @@ BASE = {
     ("calibrate",): [TELEMETRY, "--name", "t", "--out", "p.toml", "--json"],
     ("version",): [],
     ("soak",): ["--rooms", "1", "--json"],
+    ("fuzz-live",): ["--rooms", "1", "--frames", "1", "--json"],
     ("select",): ["--concurrency", "1", "--requests", "1", "--isl", "16", "--osl", "2", "--json"],
 }
 
@@ -393,6 +407,7 @@ def test_every_command_and_option_is_covered() -> None:
         (("replay",), None),
         (("bench", "nixl"), "--mem"),
         (("soak",), "--kill-every"),
+        (("fuzz-live",), "--frames"),
     ]:
         assert must in names
 

@@ -19,7 +19,7 @@ MAX_SEED = 2**63 - 1
 
 
 def register_all(app: typer.Typer) -> None:
-    from kvferry.commands import bench, calibrate, plan, select, sim, soak, version
+    from kvferry.commands import bench, calibrate, fuzz_live, plan, select, sim, soak, version
 
     version.register(app)
     plan.register(app)
@@ -28,6 +28,7 @@ def register_all(app: typer.Typer) -> None:
     select.register(app)
     calibrate.register(app)
     soak.register(app)
+    fuzz_live.register(app)
 
 
 def one_line(text: str) -> str:

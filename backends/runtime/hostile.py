@@ -1,0 +1,493 @@
+"""Hostile input at live endpoints: a bounded, seeded fuzzer of the control plane.
+
+Real endpoints (two prefill ranks, TP 2 -> 1 decode rank, NIXL over UCX on DRAM, the ZMQ control
+plane with its HMAC keys) move legitimate rooms while a fuzzer thread sends them frames of these
+kinds, each drawn from one seed:
+
+- ``random``: random multipart frames (no valid shape, no tag);
+- ``truncated``: a correctly signed frame with its payload or header cut short;
+- ``oversized``: a correctly signed 1-4 MB payload of noise;
+- ``garbage``: correctly signed msgpack that is no control message;
+- ``out_of_range``: correctly signed control messages of every type from a peer that holds the
+  key (an insider) but is no registered rank, with values drawn at and past every bound: page,
+  region and aux indices, token ranges, chunk indices, staging offsets, registration ids, and the
+  room ids of the live legitimate rooms under other transfer ids;
+- ``impostor``: the same, naming a legitimate rank as sender from another identity;
+- ``replayed``: a signed frame sent again;
+- ``stale``: a legitimate rank's identity signed under an older incarnation, or a frame older
+  than the plane's age limit.
+
+The insider does not speak as a legitimate rank under a newer incarnation: with the key that is
+a restart of that rank, and failing its rooms is then the right answer (docs/security.md).
+
+Checked at the end (``violations``): every endpoint thread still alive and no error recorded
+by a thread, every legitimate room Success on both sides with its bytes equal to the source, and
+every decode page and aux row no legitimate room was given still holding its canary bytes. The
+summary counts what each plane and engine rejected, by reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+from kvferry.core import messages as m
+
+__all__ = ["KINDS", "LiveFuzzConfig", "LiveFuzzResult", "run_live_fuzz"]
+
+KINDS = ("random", "truncated", "oversized", "garbage", "out_of_range", "impostor", "replayed", "stale")
+CANARY = 0xA5
+PAGES, PAGE, AUX_ROWS = 64, 4, 16
+LEGIT_PAGES, LEGIT_AUX = 32, 8  # legitimate rooms use only these; the rest must stay canary
+WINDOW = 4  # legitimate rooms in flight
+
+
+@dataclass(frozen=True)
+class LiveFuzzConfig:
+    seed: int = 0
+    frames: int = 2000
+    rooms: int = 40
+    max_seconds: float = 60.0
+    # Self-check of the checker: one stray byte written into a page no room owns, after the run.
+    plant_stray_write: bool = False
+
+    def problems(self) -> str:
+        if not 0 <= self.seed < 1 << 63:
+            return f"--seed must be in [0, 2**63), got {self.seed}"
+        if not 0 <= self.frames <= 10_000_000:
+            return f"--frames must be in [0, 10000000], got {self.frames}"
+        if not 1 <= self.rooms <= 1_000_000:
+            return f"--rooms must be in [1, 1000000], got {self.rooms}"
+        if not 0 < self.max_seconds <= 86_400:
+            return f"--max-seconds must be in (0, 86400], got {self.max_seconds}"
+        return ""
+
+
+@dataclass
+class LiveFuzzResult:
+    seed: int
+    frames_sent: Counter[str] = field(default_factory=Counter)
+    rooms_done: int = 0
+    rooms_success: int = 0
+    violations: list[str] = field(default_factory=list)
+    rejected: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    stopped_early: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations and not self.stopped_early
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "seed": self.seed,
+            "frames_sent": dict(self.frames_sent),
+            "frames_total": sum(self.frames_sent.values()),
+            "rooms_done": self.rooms_done,
+            "rooms_success": self.rooms_success,
+            "violations": self.violations,
+            "rejected": self.rejected,
+            "wall_s": round(self.wall_s, 3),
+            "stopped_early": self.stopped_early,
+        }
+
+
+# ---- values at and past the bounds ------------------------------------------------------------
+_EDGES = (-1, 0, 1, 3, 7, 15, 16, 31, 63, 64, 65, 255, 1 << 20, (1 << 31) - 1, 1 << 40, (1 << 63) - 1)
+
+
+def _int(rng: random.Random) -> int:
+    return rng.choice(_EDGES) if rng.random() < 0.7 else rng.randrange(-(1 << 40), 1 << 40)
+
+
+def _ints(rng: random.Random) -> list[int]:
+    return [_int(rng) for _ in range(rng.choice((0, 1, 2, 5, 64, 300)))]
+
+
+class _Forger:
+    """Builds control messages of every type with hostile values, as raw msgpack (so values past a
+    schema's bounds go on the wire too: the receiver's validation must catch them)."""
+
+    def __init__(self, rng: random.Random, live_rooms: Callable[[], list[int]]) -> None:
+        self.rng = rng
+        self.live_rooms = live_rooms
+
+    def _room(self) -> int:
+        live = self.live_rooms()
+        return self.rng.choice(live) if live and self.rng.random() < 0.6 else _int(self.rng)
+
+    def message(self, src: m.Endpoint) -> bytes:
+        rng = self.rng
+        tag = rng.choice(
+            (
+                "reg",
+                "hb",
+                "info",
+                "failed",
+                "abort",
+                "stopped",
+                "pull_offer",
+                "pulled",
+                "stg_req",
+                "stg_rsp",
+                "wm",
+                "info_ack",
+                "failed_ack",
+                "reads_stopped",
+                "reg_ack",
+            )
+        )
+        body: dict[str, Any] = {
+            "t": tag,
+            "v": m.PROTOCOL_VERSION,
+            "src": {"server": src.server, "rank": src.rank},
+        }
+        room_fields = {
+            "room": self._room(),
+            "transfer_id": rng.choice(("", "x", "t0", "fuzz-" + str(rng.randrange(1 << 30)), "é" * 40)),
+        }
+        if tag != "reg" and tag != "hb" and tag != "wm" and tag != "reg_ack":
+            body.update(room_fields)
+        per_tag: dict[str, dict[str, Any]] = {
+            "reg": {
+                "agent_name": "fuzz",
+                "agent_meta": bytes(rng.randrange(256) for _ in range(rng.choice((0, 8, 64)))),
+                "geometry": {
+                    "model_name": "x",
+                    "num_layers": _int(rng),
+                    "num_kv_heads": _int(rng),
+                    "head_dim": _int(rng),
+                    "dtype": "bf16",
+                    "is_mla": False,
+                    "tp_size": _int(rng),
+                    "tp_rank": _int(rng),
+                    "page_size": _int(rng),
+                    "num_pages": _int(rng),
+                    "layout": "sglang_nhd",
+                },
+                "regions": [
+                    {"region_id": _int(rng), "addr": _int(rng), "nbytes": _int(rng)}
+                    for _ in range(rng.choice((0, 1, 3)))
+                ],
+                "aux_addr": _int(rng),
+                "aux_row_bytes": _int(rng),
+                "aux_rows": _int(rng),
+            },
+            "hb": {"rooms": _ints(rng)},
+            "info": {
+                "reg": _int(rng),
+                "dst_pages": _ints(rng),
+                "num_tokens": _int(rng),
+                "aux_index": _int(rng),
+                "send_aux": rng.random() < 0.5,
+                "dummy": rng.random() < 0.5,
+                "expected_infos": _int(rng),
+                "token_start": _int(rng),
+            },
+            "failed": {"reason": "fuzz"},
+            "abort": {"reason": "fuzz"},
+            "pulled": {"chunk_index": _int(rng)},
+            "stg_req": {
+                "flow": rng.choice(("ring", "pinned", "bogus")),
+                "chunk_index": _int(rng),
+                "token_start": _int(rng),
+                "token_end": _int(rng),
+            },
+            "stg_rsp": {
+                "chunk_index": _int(rng),
+                "reg": _int(rng),
+                "ok": rng.random() < 0.7,
+                "alloc_id": _int(rng),
+                "round": _int(rng),
+                "start": _int(rng),
+                "end": _int(rng),
+                "offset": _int(rng),
+                "flow": rng.choice(("ring", "pinned")),
+            },
+            "wm": {
+                "reg": _int(rng),
+                "round": _int(rng),
+                "offset": _int(rng),
+                "pool": rng.choice(("ring", "pinned")),
+            },
+            "pull_offer": {
+                "chunk_index": _int(rng),
+                "token_start": _int(rng),
+                "token_end": _int(rng),
+                "is_last": rng.random() < 0.5,
+                "src_pages": _ints(rng),
+                "registration": {},
+            },
+            "failed_ack": {"known": rng.random() < 0.5},
+            "reg_ack": {"ok": rng.random() < 0.5},
+        }
+        body.update(per_tag.get(tag, {}))
+        if rng.random() < 0.1:  # a field of the wrong type
+            body[rng.choice(list(body))] = rng.choice((None, "s", 1.5, [1, 2], {"a": 1}))
+        return msgspec.msgpack.encode(body)
+
+
+class _Sender:
+    """Sends frames to the endpoints' control planes the way a peer's plane does: identity,
+    reply address, then (authenticated planes) the HMAC header and the payload."""
+
+    def __init__(self, keys: tuple[bytes, ...], targets: list[tuple[str, str]]) -> None:
+        import zmq
+        from kvferry.backends.zmqctl.auth import ControlAuth
+
+        self._zmq = zmq
+        self._ctx = zmq.Context.instance()
+        self._socks = []
+        for _identity, address in targets:
+            s = self._ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 10_000)
+            s.connect(address)
+            self._socks.append(s)
+        self.targets = targets
+        self.auth_now = ControlAuth(keys)
+        self.auth_old = ControlAuth(keys, incarnation=1)  # older than any live rank's
+        self.auth_past = ControlAuth(keys, clock_ns=lambda: time.time_ns() - 3600 * 10**9)
+        self.reply = b"tcp://127.0.0.1:9"  # nobody listens: replies to the fuzzer go nowhere
+
+    def raw(self, i: int, frames: list[bytes]) -> None:
+        # An endpoint whose inbox is full pushes back (zmq.Again): that is allowed, the frame drops.
+        with contextlib.suppress(self._zmq.Again):
+            self._socks[i].send_multipart(frames, self._zmq.NOBLOCK)
+
+    def signed(self, i: int, sender: str, payload: bytes, auth: Any = None) -> list[bytes]:
+        auth = auth or self.auth_now
+        recipient = self.targets[i][0].encode()
+        header = auth.sign(sender.encode(), self.reply, recipient, payload)
+        frames = [sender.encode(), self.reply, header, payload]
+        self.raw(i, frames)
+        return frames
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close(0)
+
+
+def _send_one(
+    kind: str,
+    rng: random.Random,
+    tx: _Sender,
+    forge: _Forger,
+    legit: list[m.Endpoint],
+    last: dict[str, list[bytes]],
+) -> None:
+    i = rng.randrange(len(tx.targets))
+    fake = m.Endpoint(server=rng.choice(("D", "P", "Z")), rank=rng.randrange(5, 9))
+    if kind == "random":
+        tx.raw(
+            i,
+            [
+                bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
+                for _ in range(rng.randrange(1, 6))
+            ],
+        )
+    elif kind == "truncated":
+        frames = [
+            str(fake).encode(),
+            tx.reply,
+            tx.auth_now.sign(str(fake).encode(), tx.reply, tx.targets[i][0].encode(), b"x"),
+            forge.message(fake),
+        ]
+        cut = rng.randrange(4)
+        frames[cut] = frames[cut][: rng.randrange(max(1, len(frames[cut])))]
+        tx.raw(i, frames if rng.random() < 0.7 else frames[: rng.randrange(1, 4)])
+    elif kind == "oversized":
+        tx.signed(i, str(fake), rng.randbytes(rng.randrange(1 << 20, 4 << 20)))
+    elif kind == "garbage":
+        junk = rng.choice(({"t": "nope"}, [1, 2, 3], "str", {"t": "info", "src": 5}, None))
+        tx.signed(i, str(fake), msgspec.msgpack.encode(junk))
+    elif kind == "out_of_range":
+        last["frame"] = tx.signed(i, str(fake), forge.message(fake))
+        last["target"] = [bytes([i])]
+    elif kind == "impostor":
+        tx.signed(i, str(fake), forge.message(rng.choice(legit)))  # names a real rank: mismatch
+    elif kind == "replayed":
+        if "frame" in last:
+            tx.raw(last["target"][0][0], last["frame"])
+    elif kind == "stale":
+        who = rng.choice(legit)
+        auth = tx.auth_old if rng.random() < 0.5 else tx.auth_past
+        tx.signed(i, str(who), forge.message(who), auth)
+
+
+def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = None) -> LiveFuzzResult:
+    from kvferry.backends.nixl.transport import AUX_REGION_ID
+    from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
+    from kvferry.backends.runtime.security import ephemeral_key
+    from kvferry.backends.zmqctl.auth import load_keys
+    from kvferry.core.deadlines import MS, SEC, Timeouts
+    from kvferry.core.geometry import ModelGeometry, PoolGeometry
+    from kvferry.core.kvpoll import KVPoll
+    from kvferry.sim import pattern
+
+    res = LiveFuzzResult(seed=cfg.seed)
+    rng = random.Random(cfg.seed)
+    key = ephemeral_key()
+    timeouts = Timeouts(
+        bootstrap_ns=10 * SEC,
+        waiting_ns=10 * SEC,
+        transfer_ns=10 * SEC,
+        heartbeat_interval_ns=200 * MS,
+        heartbeat_timeout_ns=5 * SEC,
+        fence_ns=40 * SEC,
+        tombstone_ns=60 * SEC,
+    )
+    rc = RuntimeConfig(num_queues=2, aux_rows=AUX_ROWS, timeouts=timeouts, control_keys=(key,))
+    model = ModelGeometry("fuzz-live", num_layers=2, num_kv_heads=4, head_dim=8)
+    pre = [PrefillEndpoint("P", PoolGeometry(model, 2, r, PAGE, PAGES), config=rc) for r in range(2)]
+    dec = DecodeEndpoint(
+        "D",
+        PoolGeometry(model, 1, 0, PAGE, PAGES),
+        prefill_server="P",
+        prefill_addresses=[p.address for p in pre],
+        config=rc,
+    )
+    eps = [*pre, dec]
+    for ep in eps:
+        ep.start()
+    for rid in [r.region_id for r in dec.pool.regions] + [AUX_REGION_ID]:
+        dec.transport.region(rid)[:] = CANARY
+    legit = [ep.endpoint for ep in eps]
+    live: dict[int, Any] = {}
+    forge = _Forger(random.Random(rng.random()), lambda: list(live))
+    tx = _Sender(load_keys((key,), None), [(str(ep.endpoint), ep.address) for ep in eps])
+    frng = random.Random(rng.random())
+    last: dict[str, list[bytes]] = {}
+    t0 = time.monotonic()
+    deadline = t0 + cfg.max_seconds
+    next_room, sent = 0, 0
+    free_slots = list(range(LEGIT_PAGES // 4))  # 4 pages a room (at most 16 tokens)
+    try:
+        while (next_room < cfg.rooms or live or sent < cfg.frames) and time.monotonic() < deadline:
+            while next_room < cfg.rooms and len(live) < WINDOW and free_slots:
+                slot = free_slots.pop(0)
+                room, tid = 7000 + next_room, f"legit-{cfg.seed}-{next_room}"
+                tokens = 1 + rng.randrange(16)
+                pages = np.arange(4, dtype=np.int64) + slot * 4
+                aux = slot % LEGIT_AUX
+                rv = dec.receiver(room, tid)
+                rv.init(pages, tokens, aux)
+                senders = []
+                for p in pre:
+                    pattern.fill(p.pool, p.transport.region, room, pages, 0, tokens)
+                    s = p.sender(room, tid)
+                    s.write_aux(aux, room.to_bytes(8, "little"))
+                    s.init(aux)
+                    s.send(pages, tokens, is_last=True)
+                    senders.append(s)
+                live[room] = (tid, rv, senders, pages, tokens, aux, slot)
+                next_room += 1
+            for _ in range(min(50, cfg.frames - sent)):
+                kind = frng.choice(KINDS)
+                _send_one(kind, frng, tx, forge, legit, last)
+                res.frames_sent[kind] += 1
+                sent += 1
+            for room in list(live):
+                tid, rv, senders, pages, tokens, aux, slot = live[room]
+                st = rv.poll()
+                sts = [s.poll() for s in senders]
+                if st not in (KVPoll.Success, KVPoll.Failed) or any(
+                    x not in (KVPoll.Success, KVPoll.Failed) for x in sts
+                ):
+                    continue
+                res.rooms_done += 1
+                if st is KVPoll.Success and all(x is KVPoll.Success for x in sts):
+                    bad, first = pattern.mismatches(dec.pool, dec.transport.region, room, pages, tokens)
+                    if bad or dec.transport.read_aux_room(aux) != room:
+                        res.violations.append(
+                            f"room {room}: Success with {bad} wrong bytes ({first}) or a wrong aux row"
+                        )
+                    else:
+                        res.rooms_success += 1
+                else:
+                    why = rv.ep.board.get(room, tid)
+                    res.violations.append(f"legitimate room {room} failed: {why.reason if why else '?'}")
+                rv.clear()
+                for s in senders:
+                    s.clear()
+                del live[room]
+                free_slots.append(slot)
+            if progress is not None and sent % 500 == 0:
+                progress(f"frames {sent}/{cfg.frames}, rooms {res.rooms_done}/{cfg.rooms}")
+            time.sleep(0.001)
+        if live or next_room < cfg.rooms or sent < cfg.frames:
+            res.stopped_early = True
+        time.sleep(0.3)  # let the last hostile frames reach the engines
+        for ep in eps:
+            dead = [lp.name for lp in ep._loops if not lp.thread.is_alive()]
+            if dead:
+                res.violations.append(f"{ep.endpoint}: thread(s) died: {dead}")
+            if ep.errors:
+                res.violations.append(
+                    f"{ep.endpoint}: thread errors: {[repr(e)[:200] for e in ep.errors[:3]]}"
+                )
+        if cfg.plant_stray_write:
+            region = dec.transport.region(dec.pool.regions[0].region_id)
+            region[region.size - 1] ^= 0xFF
+        _check_canaries(dec, res, AUX_REGION_ID)
+        res.rejected = _rejections(eps)
+    finally:
+        tx.close()
+        for ep in eps:
+            stuck = ep.close()
+            if stuck:
+                res.violations.append(f"{ep.endpoint}: threads did not stop: {stuck}")
+        res.wall_s = time.monotonic() - t0
+    return res
+
+
+def _check_canaries(dec: Any, res: LiveFuzzResult, aux_region: int) -> None:
+    pool = dec.pool
+    for r in pool.regions:
+        view = dec.transport.region(r.region_id)
+        per_page = view.size // pool.num_pages
+        outside = view[LEGIT_PAGES * per_page :]
+        if (outside != CANARY).any():
+            first = int(np.flatnonzero(outside != CANARY)[0]) + LEGIT_PAGES * per_page
+            res.violations.append(
+                f"region {r.region_id}: byte {first} (page {first // per_page}) written, no room owns it"
+            )
+    aux = dec.transport.region(aux_region)
+    row = aux.size // AUX_ROWS
+    if (aux[LEGIT_AUX * row :] != CANARY).any():
+        res.violations.append("an aux row no room owns was written")
+
+
+def _rejections(eps: list[Any]) -> dict[str, int]:
+    out: Counter[str] = Counter()
+    for ep in eps:
+        stats = ep.transport.control.stats
+        out["plane.malformed"] += stats.malformed
+        for why, n in stats.rejected.items():
+            out[f"auth.{why}"] += n
+        with ep.lock:
+            for k, v in ep.engine.counters.items():
+                if v and any(
+                    w in k
+                    for w in (
+                        "remote",
+                        "garbage",
+                        "unknown",
+                        "stale",
+                        "bad",
+                        "reject",
+                        "invalid",
+                        "wire",
+                        "tomb",
+                    )
+                ):
+                    out[f"engine.{k}"] += v
+    return dict(sorted(out.items()))
