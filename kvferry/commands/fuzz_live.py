@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from typing import Annotated
 
@@ -28,6 +29,8 @@ def fuzz_live(
     control plane with its keys) move rooms while random, truncated, oversized, garbage,
     out-of-range (signed by an insider), impostor, replayed and stale frames hit every endpoint;
     exits 1 if a thread died, a room failed or lost bytes, or a byte outside every room changed."""
+    # NIXL logs its agents' start to stdout at INFO: keep stdout for the report (and --json).
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from kvferry.backends.runtime.hostile import KINDS, LiveFuzzConfig, run_live_fuzz
 
     cfg = LiveFuzzConfig(seed=seed, frames=frames, rooms=rooms, max_seconds=max_seconds)
