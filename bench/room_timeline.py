@@ -53,23 +53,15 @@ def main() -> None:
         ap.error("--rooms must be >= 11 (the first 10 are warm-up)")
     os.environ.setdefault("KVFERRY_CONTROL_KEY", os.urandom(32).hex())
 
+    from kvferry.backends.loopback.plan import timeouts as loopback_timeouts
     from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
     from kvferry.backends.runtime.staging import StagingConfig
-    from kvferry.core.deadlines import MS, SEC, Timeouts
     from kvferry.core.geometry import ModelGeometry, PoolGeometry
     from kvferry.core.kvpoll import KVPoll
     from kvferry.core.messages import TransferInfo, decode_control
 
     model = ModelGeometry("timeline", num_layers=2, num_kv_heads=4, head_dim=8)
-    t = Timeouts(
-        bootstrap_ns=10 * SEC,
-        waiting_ns=10 * SEC,
-        transfer_ns=10 * SEC,
-        heartbeat_interval_ns=200 * MS,
-        heartbeat_timeout_ns=5 * SEC,
-        fence_ns=40 * SEC,
-        tombstone_ns=60 * SEC,
-    )
+    t = loopback_timeouts()  # the soak's: generous for a loaded 2-core machine
     staging = StagingConfig(worker_buffer_bytes=32 << 10, ring_bytes=64 << 10, flow=a.flow)
     cfg = RuntimeConfig(
         num_queues=2, aux_rows=16, timeouts=t, staging=staging, idle_max_s=a.idle_max_us * 1e-6

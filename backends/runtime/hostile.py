@@ -324,11 +324,11 @@ def _send_one(
 
 
 def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = None) -> LiveFuzzResult:
+    from kvferry.backends.loopback.plan import timeouts as loopback_timeouts
     from kvferry.backends.nixl.transport import AUX_REGION_ID
     from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
     from kvferry.backends.runtime.security import ephemeral_key
     from kvferry.backends.zmqctl.auth import load_keys
-    from kvferry.core.deadlines import MS, SEC, Timeouts
     from kvferry.core.geometry import ModelGeometry, PoolGeometry
     from kvferry.core.kvpoll import KVPoll
     from kvferry.sim import pattern
@@ -336,15 +336,7 @@ def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = 
     res = LiveFuzzResult(seed=cfg.seed)
     rng = random.Random(cfg.seed)
     key = ephemeral_key()
-    timeouts = Timeouts(
-        bootstrap_ns=10 * SEC,
-        waiting_ns=10 * SEC,
-        transfer_ns=10 * SEC,
-        heartbeat_interval_ns=200 * MS,
-        heartbeat_timeout_ns=5 * SEC,
-        fence_ns=40 * SEC,
-        tombstone_ns=60 * SEC,
-    )
+    timeouts = loopback_timeouts()  # the soak's: generous for a loaded 2-core machine
     rc = RuntimeConfig(num_queues=2, aux_rows=AUX_ROWS, timeouts=timeouts, control_keys=(key,))
     model = ModelGeometry("fuzz-live", num_layers=2, num_kv_heads=4, head_dim=8)
     pre = [PrefillEndpoint("P", PoolGeometry(model, 2, r, PAGE, PAGES), config=rc) for r in range(2)]
