@@ -106,3 +106,54 @@ def tables(ep: Any) -> dict[str, int]:
         else:
             out["held_staging_reqs"] = sum(len(v) for v in e.held.values())
     return out
+
+
+class SideLoop:
+    """The segment loop both sides run: open rooms up to the window, step the live ones, and when
+    the segment holds rooms for a kill, announce them once every one is Transferring and wait for
+    the parent's word. A side names its room handles (``HANDLES``) and implements ``_open`` and
+    ``_step``; ``_reclaim`` runs first each round (decode frees fenced pages there)."""
+
+    HANDLES = ""  # the key of a live room's handles: "rvs" (decode) or "senders" (prefill)
+    args: Any
+
+    def _open(self, pending: list[Any], live: dict[int, dict[str, Any]]) -> bool:
+        raise NotImplementedError
+
+    def _step(self, live: dict[int, dict[str, Any]], idx: int) -> bool:
+        raise NotImplementedError
+
+    def _reclaim(self) -> None:
+        return None
+
+    def run_segment(self, cmd: dict[str, Any]) -> None:
+        from kvferry.backends.loopback import plan as sp
+        from kvferry.backends.loopback.wire import say
+        from kvferry.core.kvpoll import KVPoll
+
+        a = self.args
+        plans = sp.segment_rooms(a.seed, cmd["start"], cmd["end"], cmd["hold_from"], a.flows, a.abort_rate)
+        pending = list(reversed(plans))
+        live: dict[int, dict[str, Any]] = {}
+        holding = cmd["hold_from"] < cmd["end"]
+        end = time.monotonic() + a.segment_timeout_s
+        while (pending or live) and time.monotonic() < end:
+            self._reclaim()
+            busy = self._open(pending, live)
+            for idx in list(live):
+                busy |= self._step(live, idx)
+            if (
+                holding
+                and not pending
+                and live
+                and all(st["plan"].hold for st in live.values())
+                and all(h.poll() is KVPoll.Transferring for st in live.values() for h in st[self.HANDLES])
+            ):
+                say(event="inflight", rooms=len(live))
+                wait_killed()
+                holding = False
+                end = time.monotonic() + a.segment_timeout_s
+            if not busy:
+                time.sleep(0.001)
+        for idx, st in live.items():  # a hang: the parent reports it
+            say(event="room", i=idx, status=[int(h.poll()) for h in st[self.HANDLES]], reason=["still live"])

@@ -6,7 +6,6 @@ and be caught by that room's check."""
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import numpy as np
@@ -23,7 +22,9 @@ TERMINAL = (KVPoll.Success, KVPoll.Failed)
 PLANT = os.environ.get("KVFERRY_SOAK_PLANT", "")
 
 
-class DecodeSide:
+class DecodeSide(common.SideLoop):
+    HANDLES = "rvs"
+
     def __init__(self, args: Any) -> None:
         self.args = args
         cfg = RuntimeConfig(timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging())
@@ -40,34 +41,6 @@ class DecodeSide:
         self.free_aux = list(range(sp.AUX_ROWS))
         # A failed room's pages and aux row (and its unfenced receivers) until every rank is fenced.
         self.waiting_fence: dict[int, tuple[np.ndarray, int, list[Any]]] = {}
-
-    def run_segment(self, cmd: dict[str, Any]) -> None:
-        a = self.args
-        plans = sp.segment_rooms(a.seed, cmd["start"], cmd["end"], cmd["hold_from"], a.flows, a.abort_rate)
-        pending = list(reversed(plans))
-        live: dict[int, dict[str, Any]] = {}
-        holding = cmd["hold_from"] < cmd["end"]
-        end = time.monotonic() + a.segment_timeout_s
-        while (pending or live) and time.monotonic() < end:
-            self._reclaim()
-            busy = self._open(pending, live)
-            for idx in list(live):
-                busy |= self._step(live, idx)
-            if (
-                holding
-                and not pending
-                and live
-                and all(st["plan"].hold for st in live.values())
-                and all(rv.poll() is KVPoll.Transferring for st in live.values() for rv in st["rvs"])
-            ):
-                say(event="inflight", rooms=len(live))
-                common.wait_killed()
-                holding = False
-                end = time.monotonic() + a.segment_timeout_s
-            if not busy:
-                time.sleep(0.001)
-        for idx, st in live.items():  # a hang: the parent reports it
-            say(event="room", i=idx, status=[int(rv.poll()) for rv in st["rvs"]], reason=["still live"])
 
     def _open(self, pending: list[sp.SoakRoom], live: dict[int, dict[str, Any]]) -> bool:
         busy = False

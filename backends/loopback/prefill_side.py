@@ -5,7 +5,6 @@ kill loses nothing the parent needs."""
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import msgspec
@@ -21,7 +20,9 @@ from kvferry.sim import pattern
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
-class PrefillSide:
+class PrefillSide(common.SideLoop):
+    HANDLES = "senders"
+
     def __init__(self, args: Any) -> None:
         self.args = args
         cfg = RuntimeConfig(num_queues=2, timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging())
@@ -36,33 +37,6 @@ class PrefillSide:
             ep.start()
         self.free_pages = list(range(sp.PREFILL_PAGES))
         self.free_aux = list(range(sp.AUX_ROWS))
-
-    def run_segment(self, cmd: dict[str, Any]) -> None:
-        a = self.args
-        plans = sp.segment_rooms(a.seed, cmd["start"], cmd["end"], cmd["hold_from"], a.flows, a.abort_rate)
-        pending = list(reversed(plans))
-        live: dict[int, dict[str, Any]] = {}
-        holding = cmd["hold_from"] < cmd["end"]
-        end = time.monotonic() + a.segment_timeout_s
-        while (pending or live) and time.monotonic() < end:
-            busy = self._open(pending, live)
-            for idx in list(live):
-                busy |= self._step(live, idx)
-            if (
-                holding
-                and not pending
-                and live
-                and all(st["plan"].hold for st in live.values())
-                and all(s.poll() is KVPoll.Transferring for st in live.values() for s in st["senders"])
-            ):
-                say(event="inflight", rooms=len(live))
-                common.wait_killed()
-                holding = False
-                end = time.monotonic() + a.segment_timeout_s
-            if not busy:
-                time.sleep(0.001)
-        for idx, st in live.items():  # a hang: the parent reports it
-            say(event="room", i=idx, status=[int(s.poll()) for s in st["senders"]], reason=["still live"])
 
     def _open(self, pending: list[sp.SoakRoom], live: dict[int, dict[str, Any]]) -> bool:
         busy = False
