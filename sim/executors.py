@@ -27,9 +27,10 @@ import concurrent.futures as cf
 import functools
 import hashlib
 import importlib.util
-import pickle
+import inspect
 import re
 import socket
+import sys
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -39,6 +40,37 @@ from typing import Any, Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)
 R = TypeVar("R")
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, _PLAIN):
+        return True
+    if isinstance(v, tuple | list | set | frozenset):
+        return all(_plain(x) for x in v)
+    return isinstance(v, dict) and all(isinstance(k, str) and _plain(x) for k, x in v.items())
+
+
+def _not_shippable(fn: Callable[..., Any]) -> str:
+    """Why ``fn`` cannot go to a worker process by reference (empty if it can): a worker imports
+    a module-level function by name, so a lambda, a nested function or a bound method cannot go,
+    and a ``functools.partial`` may only carry plain data (its results come back as bytes)."""
+    args: tuple[Any, ...] = ()
+    if isinstance(fn, functools.partial):
+        args = (*fn.args, *fn.keywords.values())
+        fn = fn.func
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    if not inspect.isfunction(fn) or "<" in name:  # '<lambda>', '<locals>'
+        return f"{name} is not a module-level function"
+    found: Any = sys.modules.get(fn.__module__)
+    for part in name.split("."):
+        found = getattr(found, part, None)
+    if found is not fn:
+        return f"{fn.__module__}.{name} cannot be imported by name"
+    bad = [a for a in args if not _plain(a)]
+    return f"a partial argument of type {type(bad[0]).__name__} is not plain data" if bad else ""
 
 
 class ExecutorError(RuntimeError):
@@ -172,10 +204,9 @@ class LocalExecutor(Executor):
                     progress(replace(ledger.stats))
                 yield it, r
             return
-        try:  # a pickling error inside the pool can hang its shutdown (CPython 3.11): fail here
-            pickle.dumps(fn)
-        except Exception as e:
-            raise TypeError(f"the function must be picklable to run in worker processes: {e}") from e
+        why = _not_shippable(fn)  # an error inside the pool can hang its shutdown (CPython 3.11)
+        if why:
+            raise TypeError(f"the function must be picklable to run in worker processes: {why}")
         n = len(ledger.order)
         # Chunks amortise the per-submit cost for cheap runs; kept small so progress stays smooth.
         size = self.chunksize or max(1, min(16, n // (self.jobs * 8) or 1))

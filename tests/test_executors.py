@@ -181,6 +181,17 @@ def test_an_unpicklable_function_is_refused_before_any_process_starts() -> None:
     with pytest.raises(TypeError, match="must be picklable"):
         list(ex.LocalExecutor(2).map(lambda x: x, range(4)))
 
+    def nested(x: int) -> int:
+        return x
+
+    for fn, why in (
+        (nested, "not a module-level function"),
+        (functools.partial(_fail_on, object()), "not plain data"),
+        (ex.LocalExecutor(1).describe, "not a module-level function"),
+    ):
+        with pytest.raises(TypeError, match=why):
+            list(ex.LocalExecutor(2).map(fn, range(4)))
+
 
 def test_seed_results_do_not_depend_on_jobs() -> None:
     seeds = list(range(8))
