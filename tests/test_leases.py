@@ -194,7 +194,7 @@ class LeaseMachine(RuleBasedStateMachine):
 
     def _check_notices(self, out: list[Any]) -> None:
         for n in out:
-            key = self.r._key(n.transfer_id, n.request_id)
+            key = self.r.key(n.transfer_id, n.request_id)
             if n.kind is NoticeKind.RELEASED and n.reason != "nothing registered":
                 assert self.inflight.get(key, 0) == 0, f"blocks of {key} released with writes in flight"
             if n.kind is NoticeKind.MATCHED:
@@ -342,7 +342,7 @@ class _GreedySuffix(LeaseRegistry):
         super().__init__(*a, **kw)
 
     def _candidates(self, transfer_id: str, request_id: str, pool: dict[str, Any], tid_of: Any) -> list[str]:
-        key = self._key(transfer_id, request_id)
+        key = self.key(transfer_id, request_id)
         if key in pool:
             return [key]
         base = self.base_id(request_id)

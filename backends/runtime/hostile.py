@@ -282,7 +282,7 @@ def _send_one(
     tx: _Sender,
     forge: _Forger,
     legit: list[m.Endpoint],
-    last: dict[str, list[bytes]],
+    last: dict[str, tuple[int, list[bytes]]],
 ) -> None:
     i = rng.randrange(len(tx.targets))
     fake = m.Endpoint(server=rng.choice(("D", "P", "Z")), rank=rng.randrange(5, 9))
@@ -310,13 +310,12 @@ def _send_one(
         junk = rng.choice(({"t": "nope"}, [1, 2, 3], "str", {"t": "info", "src": 5}, None))
         tx.signed(i, str(fake), msgspec.msgpack.encode(junk))
     elif kind == "out_of_range":
-        last["frame"] = tx.signed(i, str(fake), forge.message(fake))
-        last["target"] = [bytes([i])]
+        last["frame"] = (i, tx.signed(i, str(fake), forge.message(fake)))
     elif kind == "impostor":
         tx.signed(i, str(fake), forge.message(rng.choice(legit)))  # names a real rank: mismatch
     elif kind == "replayed":
         if "frame" in last:
-            tx.raw(last["target"][0][0], last["frame"])
+            tx.raw(*last["frame"])
     elif kind == "stale":
         who = rng.choice(legit)
         auth = tx.auth_old if rng.random() < 0.5 else tx.auth_past
@@ -357,7 +356,7 @@ def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = 
     forge = _Forger(random.Random(rng.random()), lambda: list(live))
     tx = _Sender(load_keys((key,), None), [(str(ep.endpoint), ep.address) for ep in eps])
     frng = random.Random(rng.random())
-    last: dict[str, list[bytes]] = {}
+    last: dict[str, tuple[int, list[bytes]]] = {}  # the last signed frame and its target
     t0 = time.monotonic()
     deadline = t0 + cfg.max_seconds
     next_room, sent = 0, 0

@@ -179,8 +179,6 @@ class LeaseRegistry:
         """Where the registry files an entry: by transfer id, else by request id."""
         return transfer_id if transfer_id else f"req:{request_id}"
 
-    _key = key
-
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
 
@@ -202,7 +200,7 @@ class LeaseRegistry:
     def _candidates(self, transfer_id: str, request_id: str, pool: dict[str, Any], tid_of: Any) -> list[str]:
         """Keys in ``pool`` this entry may pair with: its own transfer id, else (configured) the
         base request id, only against entries where one of the two has no transfer id."""
-        key = self._key(transfer_id, request_id)
+        key = self.key(transfer_id, request_id)
         if key in pool:
             return [key]
         if not self.suffix_match:
@@ -222,7 +220,7 @@ class LeaseRegistry:
     def register(self, reg: PushReg, now: int) -> list[Notice]:
         """Decode's PUSH_REG. Answers with notices (a refusal names its reason)."""
         self._dirty = True
-        key = self._key(reg.transfer_id, reg.request_id)
+        key = self.key(reg.transfer_id, reg.request_id)
         why = self._bad(reg)
         if why:
             self._count("refused")
@@ -303,14 +301,14 @@ class LeaseRegistry:
     def renew_key(self, transfer_id: str, request_id: str, now: int) -> None:
         """Renew one registration (decode named it in a heartbeat): a lease already over stays over."""
         self._dirty = True
-        lease = self.leases.get(self._key(transfer_id, request_id))
+        lease = self.leases.get(self.key(transfer_id, request_id))
         if lease is not None and lease.state is not _F and lease.deadline > now:
             lease.deadline = now + self.lease_ns
 
     def abort(self, transfer_id: str, request_id: str, decode: Hashable, now: int) -> list[Notice]:
         """Decode aborted after registering (gap C1): fence, then release its blocks."""
         self._dirty = True
-        lease = self.leases.get(self._key(transfer_id, request_id))
+        lease = self.leases.get(self.key(transfer_id, request_id))
         if lease is None or lease.reg.decode != decode:
             self._count("abort_unknown")
             # Nothing of ours can be writing for it: it may reuse its blocks now.
@@ -325,7 +323,7 @@ class LeaseRegistry:
 
     def finish(self, fin: Finish, now: int) -> list[Notice]:
         self._dirty = True
-        key = self._key(fin.transfer_id, fin.request_id)
+        key = self.key(fin.transfer_id, fin.request_id)
         if key in self.held or (key in self.leases and self.leases[key].finish is not None):
             raise LeaseMisuseError(f"request {key} finished twice")
         if key in self.finished:
@@ -385,7 +383,7 @@ class LeaseRegistry:
         return self._drain()
 
     def _matched(self, transfer_id: str, request_id: str) -> Lease:
-        lease = self.leases.get(self._key(transfer_id, request_id))
+        lease = self.leases.get(self.key(transfer_id, request_id))
         if lease is None or lease.finish is None:
             # The scheduler may only write a request the registry matched for it.
             raise LeaseMisuseError(f"no matched registration for {transfer_id or request_id}")
@@ -441,7 +439,7 @@ class LeaseRegistry:
     def _step(self, lease: Lease, inp: LeaseIn, now: int, *args: Any) -> None:
         fire(LEASE_TABLE, lease, inp, self, now, *args)
         if lease.state is _D:
-            key = self._key(lease.reg.transfer_id, lease.reg.request_id)
+            key = self.key(lease.reg.transfer_id, lease.reg.request_id)
             if self.leases.get(key) is lease:
                 del self.leases[key]
             assert lease.outcome is not None
@@ -497,7 +495,7 @@ def _ends_with(kind: NoticeKind, why: str) -> Callable[..., str]:
     def handler(lease: Lease, reg: LeaseRegistry, now: int, reason: str = "") -> str:
         if kind is NoticeKind.EXPIRED:
             # Writes are allowed strictly before this instant: what a checker compares them with.
-            reg.expired_at[reg._key(lease.reg.transfer_id, lease.reg.request_id)] = lease.deadline
+            reg.expired_at[reg.key(lease.reg.transfer_id, lease.reg.request_id)] = lease.deadline
         return _over(lease, reg, kind, reason or why, now)
 
     return handler
