@@ -79,20 +79,25 @@ class Tombstones:
     it is not confused with the old one.
     """
 
-    __slots__ = ("_by_key", "_heap", "_latest", "ttl")
+    __slots__ = ("_by_key", "_heap", "_latest", "_reasons", "ttl")
 
     def __init__(self, ttl: int) -> None:
         self.ttl = ttl
         self._by_key: dict[tuple[int, str], KVPoll] = {}
         self._latest: dict[int, str] = {}
+        # Why a Failed pair failed: a local open that comes after the room was failed by its peer
+        # (or by a peer the transport could not load) is told that reason, not only "finished".
+        self._reasons: dict[tuple[int, str], str] = {}
         self._heap = DeadlineHeap()
 
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def add(self, room: int, transfer_id: str, status: KVPoll, now: int) -> None:
+    def add(self, room: int, transfer_id: str, status: KVPoll, now: int, reason: str = "") -> None:
         key = (room, transfer_id)
         self._by_key[key] = status
+        if reason:
+            self._reasons[key] = reason
         self._latest[room] = transfer_id
         self._heap.set(key, now + self.ttl)
 
@@ -108,6 +113,11 @@ class Tombstones:
     def get(self, room: int, transfer_id: str) -> KVPoll | None:
         return self._by_key.get((room, transfer_id))
 
+    def finished_reason(self, room: int, transfer_id: str) -> str:
+        """What a local open of a tombstoned pair is told: it finished, and why if it failed."""
+        why = self._reasons.get((room, transfer_id))
+        return f"room already finished: {why}" if why else "room already finished"
+
     def latest(self, room: int) -> tuple[str, KVPoll] | None:
         tid = self._latest.get(room)
         if tid is None:
@@ -121,6 +131,7 @@ class Tombstones:
         for key in self._heap.pop_due(now):
             room, tid = key  # type: ignore[misc]
             self._by_key.pop(key, None)
+            self._reasons.pop(key, None)
             if self._latest.get(room) == tid:
                 del self._latest[room]
 

@@ -382,7 +382,10 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             self.counters["open_tombstoned"] += 1
             self._out.append(
                 StatusChanged(
-                    room=ev.room, transfer_id=ev.transfer_id, status=KVPoll.Failed, reason="finished"
+                    room=ev.room,
+                    transfer_id=ev.transfer_id,
+                    status=KVPoll.Failed,
+                    reason=self.tombstones.finished_reason(ev.room, ev.transfer_id),
                 )
             )
             return
@@ -711,7 +714,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         self.deadlines.cancel(("room", r.room))
         self._aborts.cancel(r.room)
         self._infos.cancel(r.room)
-        self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
+        reason = r.failure.reason if r.failure is not None else ""
+        self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now, reason)
 
     def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
         """The peer failed a room we already released: the tombstone (and the poller) learn it."""

@@ -530,7 +530,7 @@ class SenderEngine(StagedSender, RoomEngine):
                     room=ev.room,
                     transfer_id=ev.transfer_id,
                     status=KVPoll.Failed,
-                    reason="room already finished",
+                    reason=self.tombstones.finished_reason(ev.room, ev.transfer_id),
                 )
             )
             return
@@ -1150,7 +1150,8 @@ class SenderEngine(StagedSender, RoomEngine):
             rkey = self._reg_key(key)
             if self._push_rooms.get(rkey) == r.key and rkey not in self.leases.leases:
                 del self._push_rooms[rkey]
-        self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now)
+        reason = r.failure.reason if r.failure is not None else ""
+        self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now, reason)
 
     def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
         """The peer failed a room we already released: the tombstone (and the poller) learn it."""

@@ -30,6 +30,7 @@ from kvferry.core.events import (
     ControlIn,
     CopyDone,
     CopyFailed,
+    PeerUnusable,
     ReleaseRoom,
     SenderOpen,
     Tick,
@@ -433,6 +434,21 @@ def test_info_only_room_that_never_opens_is_failed_and_forgotten() -> None:
     assert e.poll(ROOM) is KVPoll.Failed  # the tombstone answers
     cmds = e.handle(SenderOpen(room=ROOM, transfer_id=TID, aux_index=1), 101)
     assert of(cmds, StatusChanged)[0].status is KVPoll.Failed and ROOM not in e.rooms
+
+
+def test_an_open_after_its_room_failed_hears_why() -> None:
+    """Decode's TransferInfo made the room, then the driver could not load decode (PeerUnusable):
+    the room failed and was forgotten before our own open. The open is told the reason, not only
+    that the room finished (the runtime's caller raised "room already finished" and lost it)."""
+    e = engine()
+    e.handle(ctl(register(D0)), 0)
+    e.handle(ctl(info()), 0)
+    e.handle(PeerUnusable(peer=D0, reason="RuntimeError: cannot describe this memory"), 1)
+    assert ROOM not in e.rooms and e.poll(ROOM) is KVPoll.Failed
+    [st_] = of(e.handle(SenderOpen(room=ROOM, transfer_id=TID, aux_index=1), 2), StatusChanged)
+    assert st_.status is KVPoll.Failed
+    assert st_.reason.startswith("room already finished: ")
+    assert "unusable here: RuntimeError: cannot describe this memory" in st_.reason
 
 
 # --- release, tombstones, reuse ------------------------------------------------------------------
