@@ -364,6 +364,59 @@ def test_board_status_monotone_failed_sticks(seq):
         assert board.get(1, "t").reason == "r0"  # the first failure's reason is kept
 
 
+_BOARD_OPS = st.one_of(
+    st.tuples(st.just("track"), st.integers(0, 3)),
+    st.tuples(st.just("drop"), st.integers(0, 3)),
+    st.tuples(st.just("update"), st.integers(0, 3), st.sampled_from(list(KVPoll))),
+)
+
+
+@settings(max_examples=200)
+@given(st.lists(_BOARD_OPS, max_size=30))
+def test_board_in_flight_counts_exactly_the_rooms_not_terminal(ops):
+    """The data thread's fast-poll hint is an O(1) count: after any sequence of track, update
+    and drop it equals a scan of the board (a drift would either spin an idle rank or slow a
+    busy one's notifications to idle_max_s)."""
+    board = StatusBoard()
+    for op in ops:
+        if op[0] == "track":
+            board.track(op[1], "t")
+        elif op[0] == "drop":
+            board.drop(op[1], "t")
+        else:
+            board.update(op[1], "t", op[2])
+        views = [board.get(r, "t") for r in range(4)]
+        scan = any(v is not None and v.status not in (KVPoll.Success, KVPoll.Failed) for v in views)
+        assert board.in_flight() is scan
+
+
+def test_loop_idle_cap_bounds_the_sleep():
+    """Idle sleeps double up to idle_max_s, but never past the cap while the cap is lower (the
+    data thread with a room in flight); run synchronously, recording each sleep."""
+    cap = {"s": 1e-4}
+
+    class Recorder:  # stands in for the stop event: records each sleep, stops after 40
+        def __init__(self) -> None:
+            self.sleeps: list[float] = []
+
+        def is_set(self) -> bool:
+            return len(self.sleeps) >= 40
+
+        def wait(self, t: float) -> bool:
+            self.sleeps.append(t)
+            if len(self.sleeps) == 20:
+                cap["s"] = 1.0  # the room finished: back off to idle_max_s
+            return False
+
+    loop = Loop("t", lambda: False, lambda e: None, idle_max_s=0.2, idle_cap=lambda: cap["s"])
+    rec = Recorder()
+    loop.stop_event = rec  # type: ignore[assignment]
+    loop._run()
+    assert max(rec.sleeps[:20]) == pytest.approx(1e-4)
+    assert rec.sleeps[0] <= 1e-4 and rec.sleeps[-1] == pytest.approx(0.2)
+    assert all(b <= 2 * a + 1e-12 for a, b in itertools.pairwise(rec.sleeps[20:]))  # doubling
+
+
 def test_malformed_control_and_notifications_are_counted_not_fatal(servers):
     import zmq
 

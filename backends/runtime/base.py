@@ -40,11 +40,15 @@ from kvferry.core.messages import Endpoint
 
 class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """``num_queues``: prefill transfer queues, one worker thread each (rooms sharded by id).
-    ``idle_max_s``: the longest the control and data threads sleep when nothing happens (latency bound)."""
+    ``idle_max_s``: the longest the data thread and waiting workers sleep when the rank has no
+    room in flight; ``active_idle_max_s``: the same while some room is in flight (it bounds how
+    late a write completion or a notification is noticed: NIXL offers no descriptor to wait on,
+    so both are polled). The control thread waits on its socket and needs neither."""
 
     num_queues: int = 4
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
     idle_max_s: float = 1e-3
+    active_idle_max_s: float = 200e-6
     join_timeout_s: float = 10.0
     aux_rows: int = 1024
     aux_row_bytes: int = 64
@@ -232,8 +236,15 @@ class EndpointBase:
                 lambda: self.driver.pump_data(now_ns()) > 0,
                 self._record_error,
                 idle_max_s=idle,
+                idle_cap=self._data_idle_cap,
             ),
         ]
+
+    def _data_idle_cap(self) -> float:
+        """Poll fast while a room of this rank is in flight (the board's count, under its own
+        lock: no engine lock on the idle path); an idle rank sleeps up to ``idle_max_s``. A failed
+        room's writes that are still landing are polled at the slow pace: nobody waits on them."""
+        return self.config.active_idle_max_s if self.board.in_flight() else self.config.idle_max_s
 
     def _control_step(self) -> bool:
         """Wait on the control plane until a message comes or the next deadline is due (at most

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvferry.core.kvpoll import KVPoll, advance
+from kvferry.core.kvpoll import KVPoll, advance, is_terminal
 
 
 @dataclass
@@ -30,10 +30,13 @@ class StatusBoard:
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._rooms: dict[tuple[int, str], RoomView] = {}
+        self._live = 0  # views not terminal yet: the data thread's "poll fast" hint, O(1)
 
     def track(self, room: int, tid: str) -> None:
         with self._cond:
-            self._rooms.setdefault((room, tid), RoomView())
+            if (room, tid) not in self._rooms:
+                self._rooms[(room, tid)] = RoomView()
+                self._live += 1
 
     def update(
         self, room: int, tid: str, status: KVPoll, reason: str = "", error: BaseException | None = None
@@ -44,6 +47,7 @@ class StatusBoard:
                 return  # the caller already cleared it: late news of a finished room
             before = view.status
             view.status = advance(before, status)
+            self._live -= is_terminal(view.status) and not is_terminal(before)
             if view.status is KVPoll.Failed and before is not KVPoll.Failed:
                 view.reason = reason or view.reason
                 view.error = view.error or error
@@ -71,7 +75,9 @@ class StatusBoard:
 
     def drop(self, room: int, tid: str) -> None:
         with self._cond:
-            self._rooms.pop((room, tid), None)
+            view = self._rooms.pop((room, tid), None)
+            if view is not None and not is_terminal(view.status):
+                self._live -= 1
 
     def wait_for(self, room: int, tid: str, statuses: set[KVPoll], timeout_s: float) -> KVPoll | None:
         """Block until the room reaches one of ``statuses`` (or the timeout); returns its status."""
@@ -87,6 +93,11 @@ class StatusBoard:
                 if left <= 0:
                     return view.status
                 self._cond.wait(left)
+
+    def in_flight(self) -> bool:
+        """Some tracked room is not terminal yet (its data may arrive any moment)."""
+        with self._cond:
+            return self._live > 0
 
     def __len__(self) -> int:
         with self._cond:

@@ -2,7 +2,10 @@
 
 A loop calls ``step()`` repeatedly. After a step that did work it goes again at once (after a
 ``sleep(0)`` yield); after idle steps it sleeps, doubling from ``idle_min_s`` up to ``idle_max_s``,
-so an idle endpoint costs a few hundred wake-ups a second and never spins. ``step`` may wait on
+so an idle endpoint costs a few hundred wake-ups a second and never spins. ``idle_cap`` (optional)
+lowers that ceiling while it returns a smaller number: a data thread with rooms in flight polls
+every ``active_idle_max_s`` (a notification is noticed that soon) and backs off to ``idle_max_s``
+only when the rank has nothing to wait for. ``step`` may wait on
 its own (a worker waits on its queue's event). An exception from ``step`` never ends the thread:
 it goes to ``on_error`` with its original type and the loop continues.
 """
@@ -23,12 +26,14 @@ class Loop:
         *,
         idle_min_s: float = 50e-6,
         idle_max_s: float = 1e-3,
+        idle_cap: Callable[[], float] | None = None,
     ) -> None:
         self.name = name
         self._step = step
         self._on_error = on_error
         self._idle_min = idle_min_s
         self._idle_max = idle_max_s
+        self._idle_cap = idle_cap
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -54,5 +59,7 @@ class Loop:
                 idle = self._idle_min
                 time.sleep(0)
             else:
+                if self._idle_cap is not None:
+                    idle = min(idle, self._idle_cap())
                 self.stop_event.wait(idle)
                 idle = min(idle * 2, self._idle_max)

@@ -141,7 +141,7 @@ class PrefillEndpoint(EndpointBase):
                 idle = 20e-6
                 continue
             time.sleep(idle)
-            idle = min(idle * 2, self.config.idle_max_s)
+            idle = min(idle * 2, self.config.active_idle_max_s)  # a write is in flight
 
 
 class KVSender:
