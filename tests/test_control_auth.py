@@ -79,6 +79,36 @@ def test_authenticated_round_trip_in_order():
         b.close()
 
 
+def test_concurrent_authenticated_senders_are_never_taken_for_replays():
+    """Signing advances one sequence per plane and the receiver wants it strictly increasing per
+    sender: threads sending at once (some on their own thread, some through the IO thread) must
+    still put the sequence numbers on the wire in order, or frames are rejected as replayed."""
+    import threading
+
+    a = ControlPlane("a", auth=ControlAuth((OLD,)))
+    b = ControlPlane("b", auth=ControlAuth((OLD,)))
+    try:
+        a.connect("b", b.address)
+        a.send("b", b"hello")
+        assert _recv(b).payload == b"hello"
+
+        def burst(t: int) -> None:
+            for i in range(200):
+                a.send("b", bytes([t]) + i.to_bytes(4, "little"))
+
+        threads = [threading.Thread(target=burst, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        got = [_recv(b).payload for _ in range(800)]
+        assert len(set(got)) == 800
+        assert not b.stats.rejected
+    finally:
+        a.close()
+        b.close()
+
+
 def test_forged_frames_are_rejected_and_counted_by_reason(receiver):
     b, raw = receiver
     good = ControlAuth((OLD,))
