@@ -87,29 +87,6 @@ def test_a_send_never_overtakes_a_queued_message(pair):
     assert [_recv(b).payload for _ in range(2)] == [b"first", b"second"]
 
 
-def test_concurrent_senders_keep_each_threads_order(pair):
-    """Four threads send to one peer at once (the runtime's API, control and worker threads do):
-    every message arrives once and each thread's messages in its own order."""
-    import threading
-
-    a, b = pair
-
-    def burst(t: int) -> None:
-        for i in range(250):
-            a.send("b", bytes([t]) + i.to_bytes(4, "little"))
-
-    threads = [threading.Thread(target=burst, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    got: dict[int, list[int]] = {t: [] for t in range(4)}
-    for _ in range(1000):
-        p = _recv(b).payload
-        got[p[0]].append(int.from_bytes(p[1:], "little"))
-    assert all(seq == list(range(250)) for seq in got.values())
-
-
 def test_malformed_frames_counted_not_delivered(pair):
     _, b = pair
     raw = zmq.Context.instance().socket(zmq.PUSH)
