@@ -238,6 +238,8 @@ BAD = [
     (["bench", "nixl", "--rooms", "1000000"], "rooms must be in"),
     (["bench", "nixl", "--inflight", "0"], "inflight must be in"),
     (["bench", "nixl", "--inflight", "65"], "inflight must be in"),
+    (["bench", "nixl", "--worker-chunks", "0"], "worker_chunks must be in"),
+    (["bench", "nixl", "--worker-chunks", "65"], "worker_chunks must be in"),
     (["bench", "nixl", "--inflight", "64", "--tokens", "131072"], "GiB"),
     (["bench", "nixl", "--chunk-tokens", "-1"], "chunk_tokens"),
     (["bench", "nixl", "--config", "bogus"], "unknown configuration"),

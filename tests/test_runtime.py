@@ -121,6 +121,60 @@ def test_rooms_succeed_and_tables_empty_after_clear(servers):
     assert tel.transfers >= 12 and tel.errors == 0 and tel.descs_posted <= tel.descs_requested
 
 
+@pytest.mark.parametrize("flow", ["direct", "ring"])
+def test_a_worker_keeps_several_chunks_in_flight_and_every_room_lands(flow):
+    """worker_chunks_in_flight=3: one worker (one queue) posts up to three chunks before it waits
+    for the oldest; rooms of three chunks each all succeed with their bytes, and every table is
+    empty after. The worker really had more than one chunk in flight (its own queue of ids)."""
+    staging = StagingConfig(worker_buffer_bytes=32 << 10, ring_bytes=128 << 10, flow=flow)
+    cfg = RuntimeConfig(
+        num_queues=1, aux_rows=16, timeouts=TIMEOUTS, staging=staging, worker_chunks_in_flight=3
+    )
+    pre = [PrefillEndpoint("P", PoolGeometry(MODEL, 2, r, 4, 64), config=cfg) for r in range(2)]
+    dec = DecodeEndpoint(
+        "D",
+        PoolGeometry(MODEL, 1, 0, 4, 64),
+        prefill_server="P",
+        prefill_addresses=[p.address for p in pre],
+        config=cfg,
+    )
+    depth: list[int] = []
+    step = pre[0].driver.worker_step
+
+    def counted(shard, now):
+        depth.append(len(pre[0]._in_flight[shard]))
+        return step(shard, now)
+
+    pre[0].driver.worker_step = counted
+    try:
+        for e in [*pre, dec]:
+            e.start()
+        rooms = []
+        for i in range(6):
+            pages = np.arange(i * 4, i * 4 + 4)
+            rooms.append((200 + i, pages, *_room(pre, dec, 200 + i, f"w{i}", pages, 13, [4, 9, 13], aux=i)))
+        for room, pages, rv, senders in rooms:
+            assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * 2)
+            assert pattern.mismatches(dec.pool, dec.transport.region, room, pages, 13)[0] == 0
+            rv.clear()
+            for s in senders:
+                s.clear()
+        assert max(depth) >= 2
+        deadline = time.monotonic() + 10
+        while any(v for e in [*pre, dec] for v in e.leaks().values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(v == 0 for e in [*pre, dec] for v in e.leaks().values())
+    finally:
+        for e in [*pre, dec]:
+            assert e.close() == []
+
+
+def test_worker_chunks_in_flight_must_be_positive():
+    cfg = RuntimeConfig(num_queues=1, timeouts=TIMEOUTS, worker_chunks_in_flight=0)
+    with pytest.raises(ValueError, match="worker_chunks_in_flight must be >= 1"):
+        PrefillEndpoint("P", PoolGeometry(MODEL, 1, 0, 4, 8), config=cfg)
+
+
 def test_core_exception_keeps_its_type_and_reaches_decode(servers):
     pre, dec = servers
     pages = np.arange(8)

@@ -56,6 +56,7 @@ class BenchConfig:
     chunk_tokens: int = 0  # 0: the whole room in one chunk
     raw_reps: int = 3
     inflight: int = 1  # rooms opened at once per batch (throughput rather than one room's latency)
+    worker_chunks: int = 1  # RuntimeConfig.worker_chunks_in_flight (1: a worker's writes one at a time)
     idle_max_s: float = 2e-4  # progress threads' longest idle sleep (latency of the control path)
     telemetry_path: str = ""  # write NIXL's per-write telemetry of the timed batches here (JSON)
     mem: str = "DRAM"  # VRAM: pools are torch CUDA tensors (one GPU shared by both processes)
@@ -174,7 +175,14 @@ def _config(cfg: BenchConfig) -> Any:
         fence_ns=120 * SEC,
     )
     staging = StagingConfig(**staging_bytes(cfg), flow=None if cfg.flow == "policy" else cfg.flow)
-    return RuntimeConfig(num_queues=2, aux_rows=64, timeouts=t, idle_max_s=cfg.idle_max_s, staging=staging)
+    return RuntimeConfig(
+        num_queues=2,
+        aux_rows=64,
+        timeouts=t,
+        idle_max_s=cfg.idle_max_s,
+        staging=staging,
+        worker_chunks_in_flight=cfg.worker_chunks,
+    )
 
 
 def child_prefill(cfg: BenchConfig) -> None:
@@ -437,6 +445,7 @@ def check_config(cfg: BenchConfig) -> None:
         ("tokens", cfg.tokens, 1, MAX_TOKENS),
         ("rooms", cfg.rooms, 1, MAX_ROOMS),
         ("inflight", cfg.inflight, 1, MAX_INFLIGHT),
+        ("worker_chunks", cfg.worker_chunks, 1, MAX_INFLIGHT),
         ("chunk_tokens", cfg.chunk_tokens, 0, None),
         ("warmup", cfg.warmup, 0, None),
         ("page_size", cfg.page_size, 1, None),
@@ -525,6 +534,7 @@ def run_config(
         "room_mb": room_bytes / cfg.inflight / 1e6,
         "rooms": cfg.rooms,
         "inflight": cfg.inflight,
+        "worker_chunks": cfg.worker_chunks,
         "kvferry_s": e2e_s,
         "kvferry_gbps": e2e,
         "raw_s": raw_s,

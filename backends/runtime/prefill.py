@@ -13,7 +13,10 @@ A worker holds the driver lock only to take its chunk's commands from the engine
 results back; it posts the chunk's writes (NIXL make_prepped_xfer + transfer) without it, so the
 N workers post in parallel and a slow post (294,912 descriptors per rank for TP 2->1) stalls
 neither the control and data threads, nor API calls, nor rooms of other shards (driver.py's header has
-the ordering argument). Everything else follows base.py.
+the ordering argument). A worker keeps the write ids of at most ``worker_chunks_in_flight`` chunks
+in ``_in_flight[shard]`` (its own: no other thread touches it) and waits for the oldest before it
+takes another chunk; the core needs no pacing for correctness (chunk notes may land in any
+order), so this is a throughput knob. Everything else follows base.py.
 
 A worker never dies: an exception from a chunk fails that chunk's room through the core (an
 AbortRoom, which tells decode with RoomFailed) and is kept on the status board, so
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,6 +63,8 @@ class PrefillEndpoint(EndpointBase):
         extra_groups: Mapping[str, Sequence[MemRegion]] | None = None,
     ) -> None:
         config = config or RuntimeConfig()
+        if config.worker_chunks_in_flight < 1:  # before any thread or registration exists
+            raise ValueError(f"worker_chunks_in_flight must be >= 1, got {config.worker_chunks_in_flight}")
         super().__init__(server, pool, buffers=buffers, aux=aux, config=config, extra_groups=extra_groups)
         n = config.num_queues
         st = config.staging
@@ -73,6 +79,7 @@ class PrefillEndpoint(EndpointBase):
             registration=self.transport.registration(),  # what a pull flow offers decode
         )
         self._wake = [threading.Event() for _ in range(n)]
+        self._in_flight: list[deque[tuple[int, ...]]] = [deque() for _ in range(n)]
         self.driver = Driver(
             self.engine,
             ErrorTap(self.transport, self.board),
@@ -106,6 +113,10 @@ class PrefillEndpoint(EndpointBase):
     def _worker_step(self, shard: int) -> bool:
         queue = self.driver.queues[shard]
         wake = self._wake[shard]
+        in_flight = self._in_flight[shard]
+        if not queue and in_flight:  # nothing new to post: see the oldest chunk's writes through
+            self._await(shard, in_flight.popleft())
+            return True
         if not queue:
             wake.wait(0.05)
             wake.clear()
@@ -129,7 +140,9 @@ class PrefillEndpoint(EndpointBase):
             )
             return True
         if ids:
-            self._await(shard, ids)
+            in_flight.append(ids)
+        while len(in_flight) >= self.config.worker_chunks_in_flight:
+            self._await(shard, in_flight.popleft())
         return True
 
     def _await(self, shard: int, ids: tuple[int, ...]) -> None:

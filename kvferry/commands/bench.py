@@ -31,6 +31,9 @@ def nixl(
     chunk_tokens: Annotated[int, typer.Option(help="Tokens per prefill chunk (0: one chunk).")] = 0,
     mem: Annotated[str, typer.Option(help="DRAM, or VRAM (torch CUDA pools, one GPU).")] = "DRAM",
     inflight: Annotated[int, typer.Option(help="Rooms in flight at once (a batch).")] = 1,
+    worker_chunks: Annotated[
+        int, typer.Option(help="Chunks whose writes a prefill worker keeps in flight (1: one at a time).")
+    ] = 1,
     telemetry: Annotated[
         str, typer.Option(help="Write NIXL's per-write telemetry (JSON) to this path (one config).")
     ] = "",
@@ -85,6 +88,7 @@ def nixl(
                 chunk_tokens=chunk_tokens,
                 mem=mem,
                 inflight=inflight,
+                worker_chunks=worker_chunks,
                 flow=f,
                 prefill_gpus=prefill_gpus,
                 decode_gpus=decode_gpus,
