@@ -139,7 +139,9 @@ def read_bench(path: Path) -> list[BenchRow]:
     return out
 
 
-def scenario(row: BenchRow, profile: str) -> sc.Scenario:
+def scenario(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) -> sc.Scenario:
+    """The row as a scenario on ``profile``; ``fabric`` overrides keys of its [fabric] table (the
+    calibration simulates a fit this way before any profile file holds it)."""
     pages = -(-row.tokens // 16) * row.inflight
     data: dict[str, Any] = {
         "name": f"predict-{row.config}-{row.flow}",
@@ -154,14 +156,17 @@ def scenario(row: BenchRow, profile: str) -> sc.Scenario:
             "workers": 2,
             "aux_rows": max(64, row.inflight),
         },
-        "fabric": {"profile": profile},
+        "fabric": {"profile": profile, **(fabric or {})},
         "flows": {"flow": row.flow, "auto_chunks": max(2, row.inflight)},
         "workload": {
             "chunk_tokens": 0,
             "compute_ns_per_token": 0,
             "room": [{"tokens": row.tokens, "arrival_us": 0} for _ in range(row.inflight)],
         },
-        # Deadlines left out: derived from the room's expected time on this fabric (sim/expected.py).
+        # Liveness as the bench runs it (backends/runtime/bench.py: the core's 1 s heartbeat, 60 s
+        # timeout), so a slow control path is not mistaken for a lost peer. The other deadlines
+        # are left out: derived from the room's expected time on this fabric (sim/expected.py).
+        "timeouts": {"heartbeat_interval_ns": 1_000_000_000, "heartbeat_timeout_ns": 60_000_000_000},
         "phases": {"fault_window_us": 0},
         "faults": {"swarm": False},
     }
@@ -171,11 +176,11 @@ def scenario(row: BenchRow, profile: str) -> sc.Scenario:
         raise CalibrationError(str(e)) from None
 
 
-def predict(row: BenchRow, profile: str) -> Prediction:
+def predict(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) -> Prediction:
     from kvferry.core.kvpoll import KVPoll
     from kvferry.sim.world import World
 
-    w = World(scenario(row, profile))
+    w = World(scenario(row, profile, fabric))
     w.run()
     ends = []
     for req in w.requests:

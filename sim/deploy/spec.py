@@ -124,6 +124,8 @@ class DeploySpec:
                 "post_cost_ns": fab.nic.post_cost_ns,
                 "per_desc_ns": fab.nic.per_desc_ns,
                 "error_timeout_ns": fab.nic.error_timeout_ns,
+                "completion_delay_ns": fab.nic.completion_delay_ns,
+                "control_latency_ns": fab.control.latency_ns,
                 "kernel_launch_ns": fab.kernel.launch_ns,
                 "gpu_copy_gbps": fab.kernel.gpu_bps / 1e9,
                 "pinned_copy_gbps": fab.kernel.pinned_bps / 1e9,
