@@ -214,6 +214,13 @@ def test_profile_text_is_valid_toml_whatever_the_source_paths() -> None:
     odd = ['a"b\\c', "x\ny\t\x1b\x7f", "é💥\u202e"]
     text = profile.render("t", fit.fit_fabric(rows), inputs.Telemetry(tuple(rows), 0, 0, 0), odd)
     assert tomllib.loads(text)["fit"]["sources"] == odd
+    rooms = fit_rooms(_noisy_rows(0, 0.0), "h100-rdma", {}, simulate=_fake_sim)
+    text = profile.render(
+        "t", fit.fit_fabric(rows), inputs.Telemetry(tuple(rows), 0, 0, 0), odd, None, "", rooms, odd[1]
+    )
+    parsed = tomllib.loads(text)
+    assert parsed["fit"]["room_sources"] == [odd[1]]
+    assert parsed["control_latency_us"] == pytest.approx(rooms.control_latency_us, rel=1e-5)
 
 
 # ---- the per-room control path (sim/calibrate/rooms.py)

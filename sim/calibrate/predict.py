@@ -25,6 +25,7 @@ __all__ = ["BenchRow", "Prediction", "predict", "read_bench"]
 
 FLOWS = ("direct", "ring", "pinned", "pull", "push", "policy")
 MS = 1_000_000
+S = 1_000_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,10 +164,15 @@ def scenario(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) 
             "compute_ns_per_token": 0,
             "room": [{"tokens": row.tokens, "arrival_us": 0} for _ in range(row.inflight)],
         },
-        # Liveness as the bench runs it (backends/runtime/bench.py: the core's 1 s heartbeat, 60 s
-        # timeout), so a slow control path is not mistaken for a lost peer. The other deadlines
-        # are left out: derived from the room's expected time on this fabric (sim/expected.py).
-        "timeouts": {"heartbeat_interval_ns": 1_000_000_000, "heartbeat_timeout_ns": 60_000_000_000},
+        # The bench's own deadlines (backends/runtime/bench.py; the core's 1 s heartbeat): none
+        # fires in a healthy row, and a slow control path is not mistaken for a lost peer.
+        "timeouts": {
+            "bootstrap_ns": 120 * S,
+            "waiting_ns": 120 * S,
+            "transfer_ns": 120 * S,
+            "heartbeat_interval_ns": S,
+            "heartbeat_timeout_ns": 60 * S,
+        },  # fence and tombstone: derived to outlive these (sim/expected.py)
         "phases": {"fault_window_us": 0},
         "faults": {"swarm": False},
     }

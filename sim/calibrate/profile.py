@@ -76,9 +76,9 @@ def render(
         lines.append("# No kernel bench given: the GPU profile's copy kernels apply.")
     if rooms is not None:
         lines += [
-            f"# The runtime's per-room control path, fitted to the ms per room of {rooms_source}",
-            "# (sim/calibrate/rooms.py): one control message's latency, and the delay before a",
-            "# notification or completion is handled.",
+            "# The runtime's per-room control path, fitted to the ms per room of the bench rows in",
+            "# [fit] room_sources (sim/calibrate/rooms.py): one control message's latency, and the",
+            "# delay before a notification or completion is handled.",
             f"control_latency_us = {_num(rooms.control_latency_us)}",
             f"completion_delay_us = {_num(rooms.completion_delay_us)}",
         ]
