@@ -268,6 +268,8 @@ BAD = [
         ["calibrate", TELEMETRY, "--name", "x", "--out", "{dir}/p.toml", "--kernels", TELEMETRY],
         "not a kernel",
     ),
+    (["select", "--control-path", "bogus"], "unknown hardware profile"),
+    (["select", "--control-path", "h100"], "not a fabric profile"),
     (["bench", "predict", "{missing}"], "no such file"),
     (["bench", "predict", "{not_toml}"], "line 1: not valid JSON"),
     (["bench", "predict", TELEMETRY], "missing 'tp'"),
