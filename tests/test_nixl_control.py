@@ -40,6 +40,53 @@ def test_round_trip_in_order(pair):
     assert a.stats.sent == 200 and b.stats.received == 200
 
 
+def test_messages_sent_before_the_peer_was_up_arrive_in_order():
+    """Sends to a peer that is not listening yet queue in the outbox (ZMQ refuses them: IMMEDIATE)
+    and are delivered, in order with the ones after, once it comes up."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    a = ControlPlane("a", send_timeout_s=5.0)
+    b = None
+    try:
+        a.connect("b", f"tcp://127.0.0.1:{port}")
+        for i in range(50):
+            a.send("b", i.to_bytes(4, "little"))
+        b = ControlPlane("b", port=port)
+        for i in range(50, 400):
+            a.send("b", i.to_bytes(4, "little"))
+        got = [int.from_bytes(_recv(b).payload, "little") for _ in range(400)]
+        assert got == list(range(400))
+        assert a.stats.sent == 400 and a.stats.send_failed == 0
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+
+
+def test_a_send_never_overtakes_a_queued_message(pair):
+    """``send`` goes out on the caller's thread only if nothing of ours is queued: with a message
+    in the outbox and the IO thread held (a controlled stall), the next send queues behind it."""
+    import threading
+
+    from kvferry.backends.zmqctl.plane import _Out
+
+    a, b = pair
+    a.send("b", b"probe")
+    assert _recv(b).payload == b"probe"  # connected: a direct send would now succeed
+    held, flush = threading.Event(), a._flush_outbound
+
+    def stalled() -> None:
+        if held.is_set():
+            flush()
+
+    a._flush_outbound = stalled  # type: ignore[method-assign]
+    a._outbox.put(_Out("b", b"first"))  # queued, as when the peer pushed back a moment ago
+    a.send("b", b"second")
+    held.set()
+    assert [_recv(b).payload for _ in range(2)] == [b"first", b"second"]
+
+
 def test_malformed_frames_counted_not_delivered(pair):
     _, b = pair
     raw = zmq.Context.instance().socket(zmq.PUSH)
