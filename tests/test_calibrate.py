@@ -336,3 +336,20 @@ def test_a_profile_with_room_costs_sets_the_fabric_and_bad_values_are_refused(
             hardware.nic("bad")
     with pytest.raises(sc.ScenarioError, match="completion_delay_ns"):
         sc.parse({"fabric": {"completion_delay_ns": -5}})
+
+
+def test_room_fit_recovers_known_costs_from_the_real_simulator_under_noise() -> None:
+    """Rows 'measured' on the simulator itself with known per-room costs, 3% noise: the fit, which
+    finds each row's counts by simulation, gets the costs back."""
+    truth = {"control_latency_ns": 800_000, "completion_delay_ns": 1_200_000}
+    rng = np.random.default_rng(7)
+    rows = []
+    for tokens in (64, 128, 256, 512, 1024):
+        for flow in ("direct", "ring"):
+            probe = _row(flow, tokens, 1.0)
+            ms = predict(probe, "h100-rdma", truth).predicted_ms * rng.normal(1.0, 0.03)
+            rows.append(_row(flow, tokens, ms))
+    f = fit_rooms(rows, "h100-rdma", {})
+    assert f.control_latency_us == pytest.approx(800, rel=0.15)
+    assert f.completion_delay_us == pytest.approx(1_200, rel=0.15)
+    assert f.mape_heldout_pct < 6.0
