@@ -532,6 +532,8 @@ FABRIC_DOC: dict[str, str] = {
     "per_desc_ns": "Cost of posting one descriptor.",
     "max_inflight": "Transfers a NIC keeps in flight before new posts queue.",
     "error_timeout_ns": "How long a write into a dead peer or over a down link takes to report ERR.",
+    "completion_delay_ns": "From a write landing (or a transfer completing) to the runtime handling its "
+    "notification (or DONE): the real runtime's next poll of NIXL.",
     "control_latency_ns": "One-way latency of a control message.",
     "control_jitter_ns": "Extra delay per control message, uniform in [0, this).",
     "kernel_launch_ns": "Host cost of one gather or scatter kernel call.",
@@ -561,7 +563,7 @@ def profile_fabric(name: str) -> FabricSpec:
     if name not in hardware.names("fabric"):
         return base
     fit = hardware.fitted(name)
-    k = base.kernel
+    k, n, c = base.kernel, base.nic, base.control
     return replace(
         base,
         nic=replace(
@@ -570,7 +572,13 @@ def profile_fabric(name: str) -> FabricSpec:
             latency_ns=round(fit.latency_us * 1000),
             post_cost_ns=round(fit.post_cost_us * 1000),
             per_desc_ns=round(fit.per_desc_us * 1000),
+            completion_delay_ns=n.completion_delay_ns
+            if fit.completion_delay_us is None
+            else round(fit.completion_delay_us * 1000),
         ),
+        control=c
+        if fit.control_latency_us is None
+        else replace(c, latency_ns=round(fit.control_latency_us * 1000)),
         kernel=replace(
             k,
             launch_ns=k.launch_ns if fit.kernel_launch_us is None else round(fit.kernel_launch_us * 1000),
@@ -592,6 +600,7 @@ def _fabric(r: _Reader) -> tuple[str, FabricSpec]:
         per_desc_ns=r.int("per_desc_ns", n.per_desc_ns),
         max_inflight=r.int("max_inflight", n.max_inflight, lo=1),
         error_timeout_ns=r.int("error_timeout_ns", n.error_timeout_ns),
+        completion_delay_ns=r.int("completion_delay_ns", n.completion_delay_ns),
     )
     control = ControlSpec(
         latency_ns=r.int("control_latency_ns", c.latency_ns),
@@ -938,6 +947,7 @@ def _fabric_values(s: Scenario) -> dict[str, Any]:
         "per_desc_ns": n.per_desc_ns,
         "max_inflight": n.max_inflight,
         "error_timeout_ns": n.error_timeout_ns,
+        "completion_delay_ns": n.completion_delay_ns,
         "control_latency_ns": c.latency_ns,
         "control_jitter_ns": c.jitter_ns,
         "kernel_launch_ns": k.launch_ns,

@@ -8,13 +8,15 @@ import json
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from kvferry.sim import scenario as sc
 from kvferry.sim.calibrate import fit, inputs
 from kvferry.sim.calibrate.inputs import CalibrationError, KernelRow, WriteRow
-from kvferry.sim.calibrate.predict import predict, read_bench
+from kvferry.sim.calibrate.predict import BenchRow, Prediction, predict, read_bench
+from kvferry.sim.calibrate.rooms import fit_rooms
 from kvferry.sim.deploy import hardware
 from typer.testing import CliRunner
 
@@ -212,3 +214,142 @@ def test_profile_text_is_valid_toml_whatever_the_source_paths() -> None:
     odd = ['a"b\\c', "x\ny\t\x1b\x7f", "é💥\u202e"]
     text = profile.render("t", fit.fit_fabric(rows), inputs.Telemetry(tuple(rows), 0, 0, 0), odd)
     assert tomllib.loads(text)["fit"]["sources"] == odd
+    rooms = fit_rooms(_noisy_rows(0, 0.0), "h100-rdma", {}, simulate=_fake_sim)
+    text = profile.render(
+        "t", fit.fit_fabric(rows), inputs.Telemetry(tuple(rows), 0, 0, 0), odd, None, "", rooms, odd[1]
+    )
+    parsed = tomllib.loads(text)
+    assert parsed["fit"]["room_sources"] == [odd[1]]
+    assert parsed["control_latency_us"] == pytest.approx(rooms.control_latency_us, rel=1e-5)
+
+
+# ---- the per-room control path (sim/calibrate/rooms.py)
+
+CTRL_TRUE_US, COMP_TRUE_US = 900.0, 1_700.0
+# Control messages and completions on a room's critical path, per flow (what the simulator finds
+# for these flows on the shipped fabrics: direct 1 and 1, ring 3 and 1, pull 2 and 1).
+PATH = {"direct": (1, 1), "ring": (3, 1), "pull": (2, 1)}
+
+
+def _row(flow: str, tokens: int, measured_ms: float) -> BenchRow:
+    mb = tokens * 0.147
+    return BenchRow("tp1->1 nhd", "qwen3-8b", 1, 1, tokens, 1, flow, mb, mb / measured_ms, 1.0)
+
+
+def _wire_ms(row: BenchRow) -> float:
+    return 0.2 + row.tokens * 0.001 * (3 if row.flow == "ring" else 1)
+
+
+def _fake_sim(row: BenchRow, fab: dict[str, Any]) -> Prediction:
+    """The simulator reduced to its linear response: wire time plus the path's counts."""
+    n_ctrl, n_comp = PATH[row.flow]
+    ms = (
+        _wire_ms(row)
+        + (n_ctrl * fab.get("control_latency_ns", 50_000) + n_comp * fab.get("completion_delay_ns", 0)) / 1e6
+    )
+    return Prediction(row, row.room_mb * row.inflight / ms, ms)
+
+
+def _noisy_rows(seed: int, noise: float) -> list[BenchRow]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for tokens in (128, 256, 512, 1024, 2048, 4096):
+        for flow, (n_ctrl, n_comp) in PATH.items():
+            truth = _wire_ms(_row(flow, tokens, 1.0)) + (n_ctrl * CTRL_TRUE_US + n_comp * COMP_TRUE_US) / 1e3
+            rows.append(_row(flow, tokens, truth * rng.normal(1.0, noise)))
+    return rows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_room_fit_recovers_known_costs_under_noise(seed: int) -> None:
+    rows = _noisy_rows(seed, 0.03)
+    f = fit_rooms(rows, "h100-rdma", {}, simulate=_fake_sim)
+    assert f.control_latency_us == pytest.approx(CTRL_TRUE_US, rel=0.15)
+    assert f.completion_delay_us == pytest.approx(COMP_TRUE_US, rel=0.15)
+    assert [c for c in f.counts] == [pytest.approx(PATH[r.flow]) for r in rows]
+    assert f.tokens_heldout == (256, 2048) and f.rows_heldout == 6
+    assert f.mape_heldout_pct < 6.0 < f.mape_heldout_without_pct
+
+
+def test_room_fit_is_not_dragged_by_a_row_the_fabric_misses_for_another_reason() -> None:
+    rows = _noisy_rows(3, 0.0)
+    rows[0] = _row(rows[0].flow, rows[0].tokens, 40 * rows[0].room_mb / rows[0].measured_gbps)
+    f = fit_rooms(rows, "h100-rdma", {}, simulate=_fake_sim)
+    assert f.control_latency_us == pytest.approx(CTRL_TRUE_US, rel=0.02)
+    assert f.completion_delay_us == pytest.approx(COMP_TRUE_US, rel=0.02)
+
+
+def test_room_fit_needs_three_room_sizes() -> None:
+    rows = [r for r in _noisy_rows(0, 0.0) if r.tokens in (128, 256)]
+    with pytest.raises(CalibrationError, match="fewer than 3 distinct --tokens"):
+        fit_rooms(rows, "h100-rdma", {}, simulate=_fake_sim)
+
+
+def test_each_room_cost_adds_its_amount_to_a_simulated_room() -> None:
+    """On the real simulator: a direct TP 1 -> 1 room has one control message (decode's
+    TransferInfo) and one completion (the KV write's notification) on its critical path, so each
+    microsecond of either adds one microsecond to the room; a staged room waits on three messages."""
+    (direct,) = [r for r in read_bench(TWO_ROWS) if r.flow == "direct"]
+    (ring,) = [r for r in read_bench(TWO_ROWS) if r.flow == "ring"]
+    quiet = {"control_latency_ns": 0, "control_jitter_ns": 0, "jitter_ns": 0}
+    for row, n_ctrl in ((direct, 1), (ring, 3)):
+        t0 = predict(row, "h100-rdma", quiet).predicted_ms
+        t_ctrl = predict(row, "h100-rdma", {**quiet, "control_latency_ns": 2_000_000}).predicted_ms
+        t_comp = predict(row, "h100-rdma", {**quiet, "completion_delay_ns": 2_000_000}).predicted_ms
+        # (the staged room's third message overlaps its gather by a few microseconds)
+        assert t_ctrl - t0 == pytest.approx(2.0 * n_ctrl, abs=0.01 * n_ctrl)
+        assert t_comp - t0 == pytest.approx(2.0, abs=0.01)
+
+
+def test_cli_fits_the_room_costs_into_the_profile(tmp_path: Path) -> None:
+    files = sorted(str(p) for p in CPU.glob("t*.json.*"))
+    out = tmp_path / "p.toml"
+    args = ("calibrate", *files, "--name", "t", "--out", str(out), "--rooms", str(CPU / "bench.jsonl"))
+    code, stdout, err = _cli(*args, "--json")
+    assert code == 0, err
+    res = json.loads(stdout)["rooms"]
+    assert res["rows_used"] + res["rows_heldout"] == len(read_bench(CPU / "bench.jsonl"))
+    prof = tomllib.loads(out.read_text())
+    assert prof["control_latency_us"] == pytest.approx(res["control_latency_us"], rel=1e-5)
+    assert prof["completion_delay_us"] == pytest.approx(res["completion_delay_us"], rel=1e-5, abs=1e-9)
+    assert prof["fit"]["room_mape_heldout_pct"] == pytest.approx(res["mape_heldout_pct"], abs=0.01)
+    # What the profile says is what it does: the held-out MAPE is lower with the room costs.
+    assert res["mape_heldout_pct"] < res["mape_heldout_without_pct"]
+
+
+def test_a_profile_with_room_costs_sets_the_fabric_and_bad_values_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hardware, "folder", lambda: tmp_path)
+    base = 'kind = "fabric"\nbandwidth_gbps = 10\nlatency_us = 1\npost_cost_us = 2\nper_desc_us = 0.5\n'
+    (tmp_path / "rc.toml").write_text(
+        base + 'name = "rc"\ncontrol_latency_us = 1500\ncompletion_delay_us = 800\n'
+    )
+    s = sc.parse({"fabric": {"profile": "rc"}})
+    assert s.fabric.control.latency_ns == 1_500_000 and s.fabric.nic.completion_delay_ns == 800_000
+    gpu = hardware.GpuProfile("g", 1.0, 1.0, 80.0, 64.0, 1440.0, 51.0, 140.0, 0.5, 0.8, 4000.0, 2000.0, 0.9)
+    spec = hardware.fabric_spec(gpu, hardware.nic("rc"))
+    assert spec.control.latency_ns == 1_500_000 and spec.nic.completion_delay_ns == 800_000
+    for bad in ("-1", "nan", "inf", '"fast"', "true"):
+        (tmp_path / "bad.toml").write_text(base + f'name = "bad"\ncontrol_latency_us = {bad}\n')
+        with pytest.raises(hardware.ProfileError, match="control_latency_us must be a number >= 0"):
+            hardware.nic("bad")
+    with pytest.raises(sc.ScenarioError, match="completion_delay_ns"):
+        sc.parse({"fabric": {"completion_delay_ns": -5}})
+
+
+def test_room_fit_recovers_known_costs_from_the_real_simulator_under_noise() -> None:
+    """Rows 'measured' on the simulator itself with known per-room costs, 3% noise: the fit, which
+    finds each row's counts by simulation, gets the costs back."""
+    truth = {"control_latency_ns": 800_000, "completion_delay_ns": 1_200_000}
+    rng = np.random.default_rng(7)
+    rows = []
+    for tokens in (64, 128, 256, 512, 1024):
+        for flow in ("direct", "ring"):
+            probe = _row(flow, tokens, 1.0)
+            ms = predict(probe, "h100-rdma", truth).predicted_ms * rng.normal(1.0, 0.03)
+            rows.append(_row(flow, tokens, ms))
+    f = fit_rooms(rows, "h100-rdma", {})
+    assert f.control_latency_us == pytest.approx(800, rel=0.15)
+    assert f.completion_delay_us == pytest.approx(1_200, rel=0.15)
+    assert f.mape_heldout_pct < 6.0

@@ -260,10 +260,18 @@ BAD = [
     (["calibrate", TELEMETRY, "--name", "x", "--out", "{file}"], "not a fitted profile"),
     (["calibrate", TELEMETRY, "--name", "x", "--out", "{missing_dir_file}"], "does not exist"),
     (["calibrate", TELEMETRY, "--name", "x", "--out", "{dir}/p.toml", "--compare", BENCH_ROWS], "drop --out"),
+    (["calibrate", TELEMETRY, "--name", "x", "--out", "{dir}/p.toml", "--rooms", BENCH_ROWS], "fewer than 3"),
+    (["calibrate", TELEMETRY, "--name", "x", "--out", "{dir}/p.toml", "--rooms", TELEMETRY], "missing 'tp'"),
+    (
+        ["calibrate", TELEMETRY, "--name", "x", "--out", "{dir}/p.toml", "--rooms", "{missing}"],
+        "no such file",
+    ),
     (
         ["calibrate", TELEMETRY, "--name", "x", "--out", "{dir}/p.toml", "--kernels", TELEMETRY],
         "not a kernel",
     ),
+    (["select", "--control-path", "bogus"], "unknown hardware profile"),
+    (["select", "--control-path", "h100"], "not a fabric profile"),
     (["bench", "predict", "{missing}"], "no such file"),
     (["bench", "predict", "{not_toml}"], "line 1: not valid JSON"),
     (["bench", "predict", TELEMETRY], "missing 'tp'"),

@@ -262,3 +262,57 @@ def test_simultaneous_requests_share_prefill_steps() -> None:
     alone = simulate(replace(SPEC, flow="ring", chunk_tokens=256), reqs)
     assert shared.completed == alone.completed == 8
     assert shared.ttft_ms.p99 < 0.75 * alone.ttft_ms.p99
+
+
+# ---- the serving runtime's control path, and bench_serving's lengths ------------------------------
+
+
+def test_random_lengths_follow_bench_serving_and_are_reproducible() -> None:
+    a = wl.random_lengths(4000, 256, 128, 0.0, seed=3)
+    assert a == wl.random_lengths(4000, 256, 128, 0.0, seed=3)
+    ins = np.array([r.input_tokens for r in a])
+    outs = np.array([r.output_tokens for r in a])
+    assert ins.min() == 1 and ins.max() == 256 and abs(ins.mean() - 128.5) < 4
+    assert outs.min() == 1 and outs.max() == 128 and abs(outs.mean() - 64.5) < 3
+    fixed = wl.random_lengths(50, 256, 128, 1.0, seed=3)
+    assert {(r.input_tokens, r.output_tokens) for r in fixed} == {(256, 128)}
+    with pytest.raises(wl.WorkloadError, match="range_ratio"):
+        wl.random_lengths(5, 256, 128, 1.5, seed=3)
+
+
+def test_a_control_path_adds_its_fitted_costs_to_every_transfer() -> None:
+    prof = hardware.fitted("h200x2-nvlink")
+    assert prof.control_latency_us and prof.completion_delay_us
+    spec = replace(SPEC, prefill_tp=1, decode_tp=1, flow="direct", gpu="h200")
+    with_path = replace(spec, control_path="h200x2-nvlink")
+    fab = with_path.scenario_dict(256, 256)["fabric"]
+    assert fab["control_latency_ns"] == round(prof.control_latency_us * 1000)
+    assert fab["completion_delay_ns"] == round(prof.completion_delay_us * 1000)
+    assert fab["bandwidth_gbps"] == spec.scenario_dict(256, 256)["fabric"]["bandwidth_gbps"]  # the NIC's wire
+    ideal = simulate(spec, *_closed(1, 3, isl=256, osl=4))
+    real = simulate(with_path, *_closed(1, 3, isl=256, osl=4))
+    # One request at a time: decode's TransferInfo (one control message) reaches prefill while it
+    # computes (4 ms of step overhead > the message's 1.5 ms), so only the completion delay (the
+    # KV write's notification) lands on the critical path, once per request.
+    added = prof.completion_delay_us / 1000
+    assert real.transfer_ms.mean - ideal.transfer_ms.mean == pytest.approx(added, abs=0.05)
+    assert real.ttft_ms.mean - ideal.ttft_ms.mean == pytest.approx(added, abs=0.05)
+
+
+def test_a_control_path_must_be_a_fitted_profile_with_room_costs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(DeployError, match="control_path: unknown hardware profile"):
+        replace(SPEC, control_path="nope").check()
+    with pytest.raises(DeployError, match="not a fabric profile"):
+        replace(SPEC, control_path="nic-400g").check()
+    for f in hardware.folder().iterdir():
+        if f.name.endswith(".toml"):
+            (tmp_path / f.name).write_text(f.read_text())
+    (tmp_path / "wire-only.toml").write_text(
+        'kind = "fabric"\nname = "wire-only"\nbandwidth_gbps = 10\nlatency_us = 1\n'
+        "post_cost_us = 2\nper_desc_us = 0.5\n"
+    )
+    monkeypatch.setattr(hardware, "folder", lambda: tmp_path)
+    with pytest.raises(DeployError, match="no per-room control path"):
+        replace(SPEC, control_path="wire-only").check()

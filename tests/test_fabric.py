@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -58,6 +59,29 @@ def test_write_moves_bytes_then_notifies_then_done() -> None:
     assert x.done_ns == x.landed_ns + 1_000
     fab.release("a", xid)
     assert fab.open_handles() == {}
+
+
+def test_completion_delay_holds_back_the_notification_and_done_by_exactly_that_much() -> None:
+    from dataclasses import replace
+
+    times = {}
+    for delay in (0, 7_000):
+        env, fab = world(replace(SPEC, nic=replace(NIC, completion_delay_ns=delay)))
+        seen: list[int] = []
+        xid = fab.post("a", "a", "b", one(0, 1000, 100), b"note")
+
+        def watch(env: simpy.Environment, fab: Fabric, seen: list[int]) -> Iterator[simpy.Event]:
+            while not fab.node("b").notifs:
+                yield env.timeout(100)
+            seen.append(int(env.now))
+
+        env.process(watch(env, fab, seen))
+        env.run()
+        x = fab.xfers[xid]
+        times[delay] = (x.landed_ns, seen[0], x.done_ns)
+    (land0, notif0, done0), (land1, notif1, done1) = times[0], times[7_000]
+    assert land1 == land0  # the wire is unchanged
+    assert notif1 - notif0 == 7_000 and done1 - done0 == 7_000
 
 
 def test_out_of_region_write_is_refused_and_moves_nothing() -> None:

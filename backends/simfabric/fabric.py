@@ -12,7 +12,8 @@ Transfer model, per post:
    transfer starts or ends.
 4. When its last byte has left, the data lands after ``latency + jitter``: bytes are copied then
    (read from the source at that moment), then the notification is delivered, and the initiator
-   sees DONE one latency later.
+   sees DONE one latency later. ``completion_delay`` (0 by default) delays both: the time a real
+   runtime takes to pick a notification or a completion up (its data thread's next poll).
 A transfer into a dead or restarted peer, or over a down link, ends in ERR after the NIC's error
 timeout and writes nothing; an injected ERR may leave a prefix of its descriptors written, as a
 real failed RDMA write may.
@@ -369,7 +370,7 @@ class Fabric:
         if not s.up:
             raise NodeDownError(f"{src} is down")
         d = self.node(dst)
-        delay = s.nic.latency_ns + self._jitter(s.nic.jitter_ns)
+        delay = s.nic.latency_ns + self._jitter(s.nic.jitter_ns) + d.nic.completion_delay_ns
         inc = d.incarnation
         self._at(delay, lambda: self._deliver_notif(src, dst, inc, payload, tag))
         self.record("notif_send", src, dst=dst, tag=tag, at=now)
@@ -561,9 +562,15 @@ class Fabric:
             return
         self.stats.bytes_landed += descs.total_bytes
         if x.notif is not None:
-            self._deliver_notif(x.initiator, x.dst if x.initiator == x.src else x.src, None, x.notif, x.tag)
+            target = x.dst if x.initiator == x.src else x.src
+            pickup = self.nodes[target].nic.completion_delay_ns
+            notif = x.notif
+            if pickup > 0:  # the target's runtime sees the notification on its next poll
+                self._at(pickup, lambda: self._deliver_notif(x.initiator, target, None, notif, x.tag))
+            else:
+                self._deliver_notif(x.initiator, target, None, notif, x.tag)
         nic = self.nodes[x.initiator].nic
-        self._at(nic.latency_ns, lambda: self._retire(x, XferState.DONE, ""))
+        self._at(nic.latency_ns + nic.completion_delay_ns, lambda: self._retire(x, XferState.DONE, ""))
 
     def _copy(self, x: Xfer, descs: DescList) -> None:
         if descs.count == 0:

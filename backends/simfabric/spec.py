@@ -34,12 +34,23 @@ class NicSpec:
     # How long a transfer into a dead peer or over a down link takes to report ERR (assumption:
     # a UCX/IB retry timeout, shortened so simulated runs stay small).
     error_timeout_ns: int = 2_000_000
+    # From a write landing (or a transfer completing) to the runtime that waits on it handling
+    # the notification (or DONE): a real runtime sees them only when its data thread next polls
+    # NIXL. 0 here (an ideal runtime); `kvferry calibrate --rooms` fits it from bench rows.
+    completion_delay_ns: int = 0
 
     def validate(self) -> None:
         for name in ("bandwidth_bps", "max_inflight"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"nic.{name} must be positive")
-        for name in ("latency_ns", "jitter_ns", "post_cost_ns", "per_desc_ns", "error_timeout_ns"):
+        for name in (
+            "latency_ns",
+            "jitter_ns",
+            "post_cost_ns",
+            "per_desc_ns",
+            "error_timeout_ns",
+            "completion_delay_ns",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"nic.{name} must be >= 0")
 

@@ -6,11 +6,14 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvferry.commands import bad_input, check_output_file
+
+if TYPE_CHECKING:  # the fit's modules import numpy: loaded only when a command runs
+    from kvferry.sim.calibrate.fit import FabricFit, KernelFit
 
 DEFAULT_FABRIC = "h100-rdma"  # sim/scenario.py's default [fabric] profile
 
@@ -59,6 +62,13 @@ def calibrate(
         Path | None,
         typer.Option(help="`bench nixl --json` rows: print the fitted profile's prediction beside each."),
     ] = None,
+    rooms: Annotated[
+        Path | None,
+        typer.Option(
+            help="`bench nixl --json` rows: fit the per-room control path (control message latency, "
+            "completion delay) to their ms per room, some room sizes held out."
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
 ) -> None:
     """Fit post cost, per-descriptor cost, bandwidth and latency (and kernel launch cost and rates)
@@ -94,9 +104,17 @@ def calibrate(
             from kvferry.sim.calibrate.predict import read_bench
 
             bench_rows = read_bench(compare)
+        rfit = None
+        if rooms is not None:
+            from kvferry.sim.calibrate.predict import read_bench
+            from kvferry.sim.calibrate.rooms import fit_rooms
+
+            rfit = fit_rooms(read_bench(rooms), DEFAULT_FABRIC, _overrides(fab, kfit))
     except CalibrationError as e:
         bad_input(str(e))
-    text = profile.render(name, fab, tel, [str(p) for p in telemetry], kfit, str(kernels or ""))
+    text = profile.render(
+        name, fab, tel, [str(p) for p in telemetry], kfit, str(kernels or ""), rfit, str(rooms or "")
+    )
     try:
         target.write_text(text)
     except (OSError, UnicodeError) as e:
@@ -129,6 +147,19 @@ def calibrate(
             "rows": kfit.rows,
             "mape_in_sample_pct": kfit.mape_pct,
         },
+        "rooms": None
+        if rfit is None
+        else {
+            "control_latency_us": rfit.control_latency_us,
+            "completion_delay_us": rfit.completion_delay_us,
+            "rows_used": rfit.rows_fit,
+            "rows_heldout": rfit.rows_heldout,
+            "tokens_fit": list(rfit.tokens_fit),
+            "tokens_heldout": list(rfit.tokens_heldout),
+            "mape_heldout_pct": rfit.mape_heldout_pct,
+            "mape_fit_pct": rfit.mape_fit_pct,
+            "mape_heldout_without_pct": rfit.mape_heldout_without_pct,
+        },
     }
     preds = _predict_rows(bench_rows, name) if bench_rows is not None else None
     if as_json:
@@ -159,10 +190,40 @@ def calibrate(
             f"kernels ({kfit.rows} rows): launch {kfit.launch_us:.1f} us ({kfit.launch_source}), {rates}; "
             f"MAPE in sample {errs}"
         )
+    if rfit is not None:
+        typer.echo(
+            f"per-room control path from {rfit.rows_fit} bench rows ({_tok(rfit.tokens_fit)}): "
+            f"control message {rfit.control_latency_us:.1f} us, "
+            f"completion delay {rfit.completion_delay_us:.1f} us; "
+            f"held out {rfit.rows_heldout} rows ({_tok(rfit.tokens_heldout)}): MAPE of ms per room "
+            f"{rfit.mape_heldout_pct:.1f}% ({rfit.mape_heldout_without_pct:.1f}% without these costs; "
+            f"{rfit.mape_fit_pct:.1f}% on the fit's own rows)"
+        )
     where = f'--nic {name}, [fabric] profile = "{name}"' if out is None else "not in the profile folder"
     typer.echo(f"wrote {target} ({where})")
     if preds is not None:
         _print_predictions(preds, name)
+
+
+def _tok(tokens: tuple[int, ...]) -> str:
+    return ", ".join(str(t) for t in tokens) + " tokens"
+
+
+def _overrides(fab: FabricFit, kfit: KernelFit | None) -> dict[str, float | int]:
+    """A fit's numbers as a scenario's [fabric] keys, to simulate it before any profile holds it."""
+    out: dict[str, float | int] = {
+        "bandwidth_gbps": fab.bandwidth_gbps,
+        "latency_ns": round(fab.latency_us * 1000),
+        "post_cost_ns": round(fab.post_cost_us * 1000),
+        "per_desc_ns": round(fab.per_desc_us * 1000),
+    }
+    if kfit is not None:
+        out["kernel_launch_ns"] = round(kfit.launch_us * 1000)
+        if kfit.gpu_gbps is not None:
+            out["gpu_copy_gbps"] = kfit.gpu_gbps
+        if kfit.pinned_gbps is not None:
+            out["pinned_copy_gbps"] = kfit.pinned_gbps
+    return out
 
 
 def _predict_rows(rows: list, profile: str) -> list:  # type: ignore[type-arg]

@@ -126,6 +126,13 @@ def register(app: typer.Typer) -> None:
         tpot_slo_ms: Annotated[float, typer.Option(help="TPOT SLO for goodput, in ms.")] = 100.0,
         fp8_weights: Annotated[bool, typer.Option(help="FP8 weights (1 byte each) instead of BF16.")] = False,
         seed: Annotated[int, typer.Option(help="Seed of the arrivals and of every simulated run.")] = 1,
+        control_path: Annotated[
+            str,
+            typer.Option(
+                help="Fitted profile (kvferry calibrate --rooms) whose per-room control path the runtime "
+                "pays over the NIC's wire; default: an ideal runtime."
+            ),
+        ] = "",
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
         plot: Annotated[Path | None, typer.Option(help="Write PNG plots here (needs matplotlib).")] = None,
     ) -> None:
@@ -192,6 +199,7 @@ def register(app: typer.Typer) -> None:
             seed=seed,
             prefill_instances=instances,
             decode_instances=instances,
+            control_path=control_path,
         )
         try:
             spec.check()

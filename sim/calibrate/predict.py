@@ -25,6 +25,7 @@ __all__ = ["BenchRow", "Prediction", "predict", "read_bench"]
 
 FLOWS = ("direct", "ring", "pinned", "pull", "push", "policy")
 MS = 1_000_000
+S = 1_000_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,9 @@ def read_bench(path: Path) -> list[BenchRow]:
     return out
 
 
-def scenario(row: BenchRow, profile: str) -> sc.Scenario:
+def scenario(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) -> sc.Scenario:
+    """The row as a scenario on ``profile``; ``fabric`` overrides keys of its [fabric] table (the
+    calibration simulates a fit this way before any profile file holds it)."""
     pages = -(-row.tokens // 16) * row.inflight
     data: dict[str, Any] = {
         "name": f"predict-{row.config}-{row.flow}",
@@ -154,14 +157,22 @@ def scenario(row: BenchRow, profile: str) -> sc.Scenario:
             "workers": 2,
             "aux_rows": max(64, row.inflight),
         },
-        "fabric": {"profile": profile},
+        "fabric": {"profile": profile, **(fabric or {})},
         "flows": {"flow": row.flow, "auto_chunks": max(2, row.inflight)},
         "workload": {
             "chunk_tokens": 0,
             "compute_ns_per_token": 0,
             "room": [{"tokens": row.tokens, "arrival_us": 0} for _ in range(row.inflight)],
         },
-        # Deadlines left out: derived from the room's expected time on this fabric (sim/expected.py).
+        # The bench's own deadlines (backends/runtime/bench.py; the core's 1 s heartbeat): none
+        # fires in a healthy row, and a slow control path is not mistaken for a lost peer.
+        "timeouts": {
+            "bootstrap_ns": 120 * S,
+            "waiting_ns": 120 * S,
+            "transfer_ns": 120 * S,
+            "heartbeat_interval_ns": S,
+            "heartbeat_timeout_ns": 60 * S,
+        },  # fence and tombstone: derived to outlive these (sim/expected.py)
         "phases": {"fault_window_us": 0},
         "faults": {"swarm": False},
     }
@@ -171,11 +182,11 @@ def scenario(row: BenchRow, profile: str) -> sc.Scenario:
         raise CalibrationError(str(e)) from None
 
 
-def predict(row: BenchRow, profile: str) -> Prediction:
+def predict(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) -> Prediction:
     from kvferry.core.kvpoll import KVPoll
     from kvferry.sim.world import World
 
-    w = World(scenario(row, profile))
+    w = World(scenario(row, profile, fabric))
     w.run()
     ends = []
     for req in w.requests:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvferry.sim.calibrate.fit import FabricFit, KernelFit
 from kvferry.sim.calibrate.inputs import CalibrationError, Telemetry
+from kvferry.sim.calibrate.rooms import RoomFit
 from kvferry.sim.deploy import hardware
 
 __all__ = ["NAME_RE", "profile_path", "render", "write"]
@@ -47,6 +48,8 @@ def render(
     sources: list[str],
     kernels: KernelFit | None = None,
     kernel_source: str = "",
+    rooms: RoomFit | None = None,
+    rooms_source: str = "",
 ) -> str:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
@@ -71,6 +74,16 @@ def render(
             lines.append(f"copy_pinned_gbps = {_num(kernels.pinned_gbps)}")
     else:
         lines.append("# No kernel bench given: the GPU profile's copy kernels apply.")
+    if rooms is not None:
+        lines += [
+            "# The runtime's per-room control path, fitted to the ms per room of the bench rows in",
+            "# [fit] room_sources (sim/calibrate/rooms.py): one control message's latency, and the",
+            "# delay before a notification or completion is handled.",
+            f"control_latency_us = {_num(rooms.control_latency_us)}",
+            f"completion_delay_us = {_num(rooms.completion_delay_us)}",
+        ]
+    else:
+        lines.append("# No bench rows given (--rooms): no per-room control path, the fabric's defaults.")
     lines += [
         "",
         "[fit]",
@@ -85,6 +98,17 @@ def render(
         f"mape_fit_pct = {fab.mape_fit_pct:.2f}",
         f"mape_heldout_pct = {fab.mape_heldout_pct:.2f}",
     ]
+    if rooms is not None:
+        lines += [
+            f"room_sources = [{_s(rooms_source)}]",
+            f"room_rows_used = {rooms.rows_fit}",
+            f"room_rows_heldout = {rooms.rows_heldout}",
+            f"room_tokens_fit = [{', '.join(str(t) for t in rooms.tokens_fit)}]",
+            f"room_tokens_heldout = [{', '.join(str(t) for t in rooms.tokens_heldout)}]",
+            f"room_mape_fit_pct = {rooms.mape_fit_pct:.2f}",
+            f"room_mape_heldout_pct = {rooms.mape_heldout_pct:.2f}",
+            f"room_mape_heldout_without_pct = {rooms.mape_heldout_without_pct:.2f}",
+        ]
     if kernels is not None:
         lines.append(f"kernel_rows = {kernels.rows}")
         for k, v in kernels.mape_pct.items():

@@ -9,6 +9,7 @@ GPU profile's in the simulated fabric, and scenarios name it as ``[fabric] profi
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import MISSING, dataclass, fields, replace
 from importlib import resources
@@ -63,6 +64,11 @@ class NicProfile:
     kernel_launch_us: float | None = None
     copy_gpu_gbps: float | None = None
     copy_pinned_gbps: float | None = None
+    # The runtime's per-room control path (``kvferry calibrate --rooms``): one control message's
+    # latency through the runtime (threads, ZMQ, engine) and the delay before a notification or
+    # completion is handled (the data thread's next poll). Absent: the fabric's ideal defaults.
+    control_latency_us: float | None = None
+    completion_delay_us: float | None = None
 
 
 def names(kind: str) -> tuple[str, ...]:
@@ -92,7 +98,10 @@ def _files() -> list[str]:
 
 
 # Costs a fit may find to be nil (a fitted profile may hold 0 for them); every rate stays positive.
-_MAY_BE_ZERO = frozenset({"latency_us", "post_cost_us", "per_desc_us", "kernel_launch_us"})
+_MAY_BE_ZERO = frozenset(
+    {"latency_us", "post_cost_us", "per_desc_us", "kernel_launch_us"}
+    | {"control_latency_us", "completion_delay_us"}
+)
 # Kinds a loader accepts: a fitted fabric profile serves as a NIC profile.
 _KINDS = {"gpu": ("gpu",), "nic": ("nic", "fabric"), "fabric": ("fabric",)}
 
@@ -112,7 +121,8 @@ def _load(name: str, kind: str, cls: type) -> Any:
         if k in ("kind", "name"):
             continue
         low = 0 if k in _MAY_BE_ZERO else None
-        if isinstance(v, bool) or not isinstance(v, int | float) or v < 0 or (low is None and v == 0):
+        bad = isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+        if bad or v < 0 or (low is None and v == 0):
             what = "a number >= 0" if low is not None else "a positive number"
             raise ProfileError(f"profile {name}: {k} must be {what}, got {v!r}")
     return cls(**{k: (float(v) if k != "name" else v) for k, v in data.items() if k != "kind"})
@@ -147,9 +157,13 @@ def fabric_spec(g: GpuProfile, n: NicProfile) -> FabricSpec:
             latency_ns=int(n.latency_us * 1000),
             post_cost_ns=int(n.post_cost_us * 1000),
             per_desc_ns=int(n.per_desc_us * 1000),
+            completion_delay_ns=0 if n.completion_delay_us is None else round(n.completion_delay_us * 1000),
             # A deployment's transfers are long; an ERR must not beat a healthy write (assumption).
             error_timeout_ns=2_000_000_000,
         ),
+        control=base.control
+        if n.control_latency_us is None
+        else replace(base.control, latency_ns=round(n.control_latency_us * 1000)),
         kernel=replace(
             KernelSpec(),
             launch_ns=int(launch * 1000),

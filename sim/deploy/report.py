@@ -22,6 +22,7 @@ def table(sel: Selection, console: Any) -> None:
     t = Table(
         title=f"flows for {sel.spec.model}, prefill TP {sel.spec.prefill_tp} -> decode TP "
         f"{sel.spec.decode_tp}, {sel.spec.gpu} + {sel.spec.nic}"
+        + (f", control path of {sel.spec.control_path}" if sel.spec.control_path else "")
     )
     for col in (
         "#",

@@ -3,7 +3,7 @@ GPU and a NIC profile), the flow that moves KV between them and its knobs, and t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvferry.core.errors import GeometryError, KvferryError
@@ -43,6 +43,10 @@ class DeploySpec:
     # a pair's NICs serve only that pair). P != D needs cross-pair routing: not modelled.
     prefill_instances: int = 1
     decode_instances: int = 1
+    # A fitted profile (``kvferry calibrate --rooms``) whose per-room control path (one control
+    # message's latency, the delay before a completion is handled) the serving runtime pays on
+    # top of the NIC's wire and posting; "" for an ideal runtime (the fabric's 50 us messages).
+    control_path: str = ""
 
     def geometry(self) -> ModelGeometry:
         try:
@@ -75,6 +79,21 @@ class DeploySpec:
             raise DeployError("SLOs must be positive")
         hardware.gpu(self.gpu)
         hardware.nic(self.nic)
+        self._control()
+
+    def _control(self) -> hardware.NicProfile | None:
+        if not self.control_path:
+            return None
+        try:
+            p = hardware.fitted(self.control_path)
+        except hardware.ProfileError as e:
+            raise DeployError(f"control_path: {e}") from None
+        if p.control_latency_us is None or p.completion_delay_us is None:
+            raise DeployError(
+                f"control_path: profile {self.control_path} has no per-room control path "
+                "(refit it with `kvferry calibrate --rooms BENCH.jsonl`)"
+            )
+        return p
 
     def roofline(self, side: str) -> Roofline:
         tp = self.prefill_tp if side == "prefill" else self.decode_tp
@@ -102,6 +121,11 @@ class DeploySpec:
     def scenario_dict(self, max_input: int, max_chunk: int) -> dict[str, Any]:
         """The scenario (sim/scenario.py) of one prefill and one decode instance running this flow."""
         gpu, nic = hardware.gpu(self.gpu), hardware.nic(self.nic)
+        ctl = self._control()
+        if ctl is not None:
+            nic = replace(
+                nic, control_latency_us=ctl.control_latency_us, completion_delay_us=ctl.completion_delay_us
+            )
         fab = hardware.fabric_spec(gpu, nic)
         return {
             "name": f"deploy-{self.model}-tp{self.prefill_tp}-tp{self.decode_tp}-{self.flow}",
@@ -124,6 +148,8 @@ class DeploySpec:
                 "post_cost_ns": fab.nic.post_cost_ns,
                 "per_desc_ns": fab.nic.per_desc_ns,
                 "error_timeout_ns": fab.nic.error_timeout_ns,
+                "completion_delay_ns": fab.nic.completion_delay_ns,
+                "control_latency_ns": fab.control.latency_ns,
                 "kernel_launch_ns": fab.kernel.launch_ns,
                 "gpu_copy_gbps": fab.kernel.gpu_bps / 1e9,
                 "pinned_copy_gbps": fab.kernel.pinned_bps / 1e9,

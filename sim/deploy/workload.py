@@ -14,9 +14,10 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from kvferry.core.errors import KvferryError
 
-__all__ = ["Arrivals", "DeployRequest", "WorkloadError", "load_trace", "poisson"]
+__all__ = ["Arrivals", "DeployRequest", "WorkloadError", "load_trace", "poisson", "random_lengths"]
 
 NS = 1_000_000_000
 
@@ -80,6 +81,19 @@ def closed_loop(
     rng = random.Random(seed)
     lengths = tuple(DeployRequest(0, _tokens(rng, isl, spread), _tokens(rng, osl, spread)) for _ in range(n))
     return Arrivals(concurrency=concurrency, total=n), lengths
+
+
+def random_lengths(n: int, isl: int, osl: int, range_ratio: float, seed: int) -> tuple[DeployRequest, ...]:
+    """Lengths as SGLang's ``bench_serving --dataset-name random`` draws them: input tokens uniform
+    over the integers [max(int(isl * range_ratio), 1), isl], output over [int(osl * range_ratio),
+    osl] (the default ratio, 0, makes that 1..isl and 0..osl: means of about isl/2 and osl/2);
+    an output of 0 is taken as 1 (a request here decodes at least its first token)."""
+    if n < 1 or isl < 1 or osl < 1 or not 0 <= range_ratio <= 1:
+        raise WorkloadError("random lengths: requests, isl and osl must be positive, range_ratio in [0, 1]")
+    rng = np.random.default_rng(seed)
+    ins = rng.integers(max(int(isl * range_ratio), 1), isl + 1, size=n)
+    outs = rng.integers(int(osl * range_ratio), osl + 1, size=n)
+    return tuple(DeployRequest(0, int(i), max(1, int(o))) for i, o in zip(ins, outs, strict=True))
 
 
 def _int_field(row: dict[str, object], key: str, where: str, required: bool = True) -> int:
