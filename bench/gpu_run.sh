@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU measurement issue 10 still needs, in one device call (device time is the scarce part):
 # the room timeline at real size, the bench rows per TP pair and flow with 1 and 8 rooms in
-# flight, and the two-process e2e and pull/push tests on VRAM. Results land in $OUT (JSON lines
+# flight (8: with 1 and 4 chunks in flight per worker), and the two-process e2e and pull/push
+# tests on VRAM. Results land in $OUT (JSON lines
 # and logs), one file per step, so a step that fails or runs out of time leaves the others.
 #
 # On the device, from the repository root, with the wheels of README "GPU runs" in .whl/:
@@ -39,9 +40,11 @@ for flow in direct ring; do
   step "timeline-$flow" python3 -P "$REPO/bench/room_timeline.py" --mem "$MEM" --model qwen3-8b \
     --tokens "$TOKENS" --rooms 25 --flow "$flow" --json
 done
-for inflight in 1 8; do
-  step "bench-x$inflight" kv bench nixl --mem "$MEM" --tokens "$TOKENS" --rooms 2 --inflight "$inflight" \
-    --flow direct,ring,pinned,pull,push --json
+step bench-x1 kv bench nixl --mem "$MEM" --tokens "$TOKENS" --rooms 2 --flow direct,ring,pinned,pull,push --json
+# Eight rooms in flight, with a worker's writes one chunk at a time (seed 000's pacing) and four.
+for chunks in 1 4; do
+  step "bench-x8-w$chunks" kv bench nixl --mem "$MEM" --tokens "$TOKENS" --rooms 2 --inflight 8 \
+    --worker-chunks "$chunks" --flow direct,ring --json
 done
 if [ "$MEM" = VRAM ]; then
   export KVFERRY_E2E_MEM=VRAM KVFERRY_TEST_DEVICE=cuda
