@@ -26,6 +26,7 @@ import pytest
 HERE = Path(__file__).resolve().parent / "nixl_procs"
 sys.path.insert(0, str(HERE))
 import workload as wl  # noqa: E402
+from kvferry.core import topology  # noqa: E402
 from kvferry.core.kvpoll import KVPoll  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -140,8 +141,11 @@ def _run_rooms(seed: int, n: int, abort_rate: float, tp: tuple[int, int], flow: 
 
 
 def _check_rooms(plans: list[wl.RoomPlan], out: dict[str, Any], tp: tuple[int, int]) -> int:
-    """Every aborted room Failed on every rank, every other room Success with its bytes right,
-    every table (the staging ring and pools included) empty; returns the Success count."""
+    """Every aborted room Failed as a whole on both sides, every other room Success with its
+    bytes right, every table (the staging ring and pools included) empty; returns the Success
+    count. A rank of an aborted room may be Success: its decode rank finished before the
+    scheduler's abort reached it (a local abort after Success is a no-op, core/receiver.py).
+    Then its peers agree and its bytes are right."""
     d, p = out["d"], out["p"]
     n = len(plans)
     assert len(d["rooms"]) == len(p["rooms"]) == n
@@ -157,9 +161,15 @@ def _check_rooms(plans: list[wl.RoomPlan], out: dict[str, Any], tp: tuple[int, i
     for plan in plans:
         dr, pr = d["rooms"][str(plan.index)], p["rooms"][str(plan.index)]
         if plan.abort:
-            assert dr["status"] == [KVPoll.Failed] * tp[1], (plan, dr)
-            assert pr["status"] == [KVPoll.Failed] * tp[0], (plan, pr)
-            assert set(dr["error"]) == {"KVTransferError"} and all(dr["reason"]), dr
+            assert KVPoll.Failed in dr["status"] and KVPoll.Failed in pr["status"], (plan, dr, pr)
+            for rank, status in enumerate(pr["status"]):
+                if status == KVPoll.Success:  # only if every decode rank it feeds finished too
+                    to = topology.receiver_endpoints(wl.MODEL, tp[0], tp[1], rank)
+                    assert all(dr["status"][e.rank] == KVPoll.Success for e in to), (plan, dr, pr)
+            failed = [i for i, st in enumerate(dr["status"]) if st == KVPoll.Failed]
+            assert {dr["error"][i] for i in failed} == {"KVTransferError"}, dr
+            assert all(dr["reason"][i] for i in failed), dr
+            assert dr["bad_bytes"] == 0, dr["first_bad"]  # the ranks that did finish
         else:
             # No faults besides the planned aborts: every other room must succeed on both sides.
             assert dr["status"] == [KVPoll.Success] * tp[1], (plan, dr)

@@ -132,7 +132,13 @@ def main() -> None:
                     st["aborted"] = True
             if all(x in (KVPoll.Success, KVPoll.Failed) for x in statuses):
                 if plan.abort is not None and not all(x is KVPoll.Failed for x in statuses):
-                    continue  # an aborted room must end Failed everywhere: keep polling (bounded)
+                    # A decode rank can finish before its scheduler's abort reaches it (a pull
+                    # READ of a small room takes well under a millisecond); the abort is then a
+                    # no-op there and its prefill ranks stay Success while the room is Failed as
+                    # a whole. Wait a little for aborts still in flight, then record what is.
+                    first = st.setdefault("terminal_at", time.monotonic())
+                    if time.monotonic() - first < ABORT_GRACE_S:
+                        continue
                 reasons, errors = [], []
                 for s in senders:
                     try:
@@ -187,6 +193,9 @@ def main() -> None:
     heard(120.0)
     stuck = [name for ep in eps for name in ep.close()]
     say(event="closed", stuck=stuck)
+
+
+ABORT_GRACE_S = 3.0
 
 
 def engine_counters(ep) -> dict:
