@@ -102,6 +102,7 @@ __all__ = ["SENDER_TABLE", "SIn", "SState", "SenderEngine"]
 
 
 class SState(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     BOOTSTRAPPING = "bootstrapping"
     WAITING = "waiting"
     TRANSFERRING = "transferring"
@@ -110,6 +111,7 @@ class SState(Enum):
 
 
 class SIn(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     OPEN = "open"  # local SenderOpen on a room a TransferInfo created first
     INFO = "info"  # TransferInfo from a decode rank
     PEER_READY = "peer_ready"  # a decode rank this room needs registered
@@ -574,6 +576,11 @@ class SenderEngine(StagedSender, RoomEngine):
                 self.counters["unknown_room"] += 1
             return
         self._dispatch(r, inp, payload)
+
+    BOOKKEEP = frozenset(
+        (SIn.RELEASE, SIn.WRITE_DONE, SIn.WRITE_FAILED, SIn.COPY_DONE, SIn.COPY_FAILED, SIn.PULLED)
+        + (SIn.READS_STOPPED,)
+    )
 
     def _bookkeep(self, r: _Room, inp: SIn, payload: Any) -> None:
         if inp is SIn.RELEASE:
