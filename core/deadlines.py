@@ -138,7 +138,7 @@ class DeadlineHeap:
     def _clean_top(self) -> None:
         heap, live = self._heap, self._live
         while heap:
-            when, seq, key = heap[0]
+            _when, seq, key = heap[0]
             entry = live.get(key)
             if entry is not None and entry[2][1] == seq:
                 if entry[1] == seq:

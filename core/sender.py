@@ -578,8 +578,15 @@ class SenderEngine(StagedSender, RoomEngine):
         self._dispatch(r, inp, payload)
 
     BOOKKEEP = frozenset(
-        (SIn.RELEASE, SIn.WRITE_DONE, SIn.WRITE_FAILED, SIn.COPY_DONE, SIn.COPY_FAILED, SIn.PULLED)
-        + (SIn.READS_STOPPED,)
+        {
+            SIn.RELEASE,
+            SIn.WRITE_DONE,
+            SIn.WRITE_FAILED,
+            SIn.COPY_DONE,
+            SIn.COPY_FAILED,
+            SIn.PULLED,
+            SIn.READS_STOPPED,
+        }
     )
 
     def _bookkeep(self, r: _Room, inp: SIn, payload: Any) -> None:
