@@ -609,12 +609,12 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             prog.done = True
 
     def _complete(self, r: _Room) -> bool:
-        return (
-            not r.scatters
-            and r.aux_ok
-            and all(p.done for p in r.progress.values())
-            and len(r.dummies_done) == len(r.senders) - len(r.data_senders)
-        )
+        if r.scatters or not r.aux_ok:
+            return False
+        for p in r.progress.values():
+            if not p.done:
+                return False
+        return len(r.dummies_done) == len(r.senders) - len(r.data_senders)
 
     def _h_on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> str:
         if r.aux_ok or not r.aux_pending:
@@ -702,19 +702,22 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             self._send(p, msg)
 
     def _maybe_finish(self, r: _Room) -> None:
-        fenced = r.fence_expired or r.fenced >= r.senders.keys()
-        if r.state is RState.FAILED:
+        st = r.state
+        if st is RState.FAILED:
             self._reads_drained(r)
-        if r.state is RState.FAILED and not r.freed and fenced and not r.scatters and not r.reads:
-            # Pages and staging space go back only when no writer can still write them (fenced)
-            # and no scatter or READ of ours is writing the pages.
-            r.freed = True
-            self._reclaim(r)
-            self.deadlines.cancel(("room", r.room))
-            self._aborts.cancel(r.room)
-            reason = "fence expired" if r.fence_expired else "every sender stopped"
-            self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
-        settled = r.state is RState.SUCCESS and not r.scatters and not r.reads
+            fenced = r.fence_expired or r.fenced >= r.senders.keys()
+            if not r.freed and fenced and not r.scatters and not r.reads:
+                # Pages and staging space go back only when no writer can still write them (fenced)
+                # and no scatter or READ of ours is writing the pages.
+                r.freed = True
+                self._reclaim(r)
+                self.deadlines.cancel(("room", r.room))
+                self._aborts.cancel(r.room)
+                reason = "fence expired" if r.fence_expired else "every sender stopped"
+                self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
+        elif st is not RState.SUCCESS:
+            return  # a live room: nothing to free or drop (``freed`` is only ever set once Failed)
+        settled = st is RState.SUCCESS and not r.scatters and not r.reads
         if r.release_requested and (settled or r.freed):
             self._remove(r)
 
