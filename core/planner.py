@@ -123,12 +123,16 @@ def as_page_ids(pages: object, pool: PoolGeometry, side: str) -> np.ndarray:
         raise PlanError(f"{side} page ids must be integers, got dtype {arr.dtype}")
     arr = arr.astype(np.int64, copy=False)
     if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
+        # The few pages of a typical room: Python's min, max and set beat numpy's per-call cost.
+        ids = arr.tolist() if arr.size <= 64 else None
+        lo, hi = (min(ids), max(ids)) if ids is not None else (int(arr.min()), int(arr.max()))
         if lo < 0 or hi >= pool.num_pages:
             bad = lo if lo < 0 else hi
             raise PlanError(f"{side} page id {bad} out of range [0, {pool.num_pages})")
         # A page table over the pool is O(n + pages); sorting is cheaper for a tiny room in a big pool.
-        if arr.size * 16 >= pool.num_pages:
+        if ids is not None:
+            repeated = len(set(ids)) != len(ids)
+        elif arr.size * 16 >= pool.num_pages:
             repeated = bool(np.bincount(arr, minlength=pool.num_pages).max() > 1)
         else:
             repeated = np.unique(arr).size != arr.size
