@@ -24,9 +24,10 @@ def _salt(room_key: int, rid: int) -> int:
 
 class _Layout:
     """What ``fill`` and ``mismatches`` need of one pool, computed once per geometry (not per
-    chunk): region ids, the per-(head, byte) offset and position terms, the per-token strides."""
+    chunk): region ids, the per-head row and per-(head, byte) position terms, the strides."""
 
-    __slots__ = ("inner_off", "inner_pos", "page_size", "page_stride", "rids", "tok_pos", "token_stride")
+    __slots__ = ("hb", "inner_pos", "inner_rows", "page_size", "page_stride", "rids", "tok_pos",
+                 "token_stride")  # fmt: skip
 
     def __init__(self, pool: PoolGeometry) -> None:
         hb = pool.head_bytes
@@ -35,11 +36,11 @@ class _Layout:
         self.page_stride = pool.page_stride
         self.token_stride = pool.token_stride
         b = np.arange(hb, dtype=np.int64)
-        # byte_offset(page, tip, head) + b = page * page_stride + tip * token_stride
-        #                                   + [head * head_stride + b]
-        self.inner_off = (
-            np.arange(pool.heads_per_rank, dtype=np.int64)[:, None] * pool.head_stride + b[None, :]
-        )
+        heads = np.arange(pool.heads_per_rank, dtype=np.int64)
+        # Every stride is a whole number of heads, so each (token, head) is one row of a region
+        # viewed as [region bytes / head bytes, head bytes]: head_bytes times fewer indices.
+        self.hb = hb
+        self.inner_rows = heads * (pool.head_stride // hb)
         # A byte's position (t * heads + g) * hb + b, times MUL, split as t * (heads * hb * MUL)
         # + [(g * hb + b) * MUL] (mod 2**64: uint64 wraps, so the bits equal the product taken whole).
         g = np.arange(pool.head_start, pool.head_end, dtype=np.uint64)
@@ -66,20 +67,32 @@ def _layout(pool: PoolGeometry) -> _Layout:
 def _room_bytes(
     pool: PoolGeometry, room_key: int, pages: np.ndarray, token_start: int, token_end: int
 ) -> tuple[_Layout, np.ndarray, np.ndarray]:
-    """The byte offsets [tokens, heads, head bytes] of the room's tokens in any region, and the
-    values [regions, tokens, heads, head bytes] they must hold (all regions in one pass)."""
+    """The rows [tokens, heads] (a row: one head of one token, ``head_bytes`` long) of the room's
+    tokens in any region, and the values [regions, tokens, heads, head bytes] they must hold
+    (all regions in one pass)."""
     lay = _layout(pool)
     tokens = np.arange(token_start, token_end, dtype=np.int64)
-    ps = lay.page_size
-    tok_off = (
-        np.asarray(pages, dtype=np.int64)[tokens // ps] * lay.page_stride + (tokens % ps) * lay.token_stride
-    )
-    off = tok_off[:, None, None] + lay.inner_off[None, :, :]
+    ps, hb = lay.page_size, lay.hb
+    page = np.asarray(pages, dtype=np.int64)[tokens // ps]
+    tok_row = page * (lay.page_stride // hb) + (tokens % ps) * (lay.token_stride // hb)
+    rows = tok_row[:, None] + lay.inner_rows[None, :]
     pos = (tokens.astype(np.uint64) * lay.tok_pos)[:, None, None] + lay.inner_pos[None, :, :]
     # Per region: salt * MUL (mod 2**64), taken in Python ints (no overflow warning).
     salts = np.array([_salt(room_key, rid) * _MUL_INT & _MASK for rid in lay.rids], dtype=np.uint64)
     values = ((pos[None] + salts[:, None, None, None]) >> np.uint64(56)).astype(np.uint8)
-    return lay, off, values
+    return lay, rows, values
+
+
+def _rows(buf: np.ndarray, hb: int) -> np.ndarray | None:
+    """``buf`` as [rows, head bytes], a view (None where it cannot be one: index per byte)."""
+    if buf.ndim == 1 and buf.flags.c_contiguous and buf.size % hb == 0:
+        return buf.reshape(-1, hb)
+    return None
+
+
+def _bytes_of(lay: _Layout, rows: np.ndarray) -> np.ndarray:
+    """Byte offsets [tokens, heads, head bytes] of ``rows``."""
+    return (rows * lay.hb)[:, :, None] + np.arange(lay.hb, dtype=np.int64)[None, None, :]
 
 
 def fill(
@@ -93,9 +106,14 @@ def fill(
     """Write the room's bytes for tokens [token_start, token_end) into this rank's pool."""
     if token_end <= token_start:
         return
-    lay, off, values = _room_bytes(pool, room_key, pages, token_start, token_end)
+    lay, rows, values = _room_bytes(pool, room_key, pages, token_start, token_end)
     for i, rid in enumerate(lay.rids):
-        region(rid)[off] = values[i]
+        buf = region(rid)
+        view = _rows(buf, lay.hb)
+        if view is not None:
+            view[rows] = values[i]
+        else:
+            buf[_bytes_of(lay, rows)] = values[i]
 
 
 def mismatches(
@@ -104,8 +122,13 @@ def mismatches(
     """(number of wrong bytes, description of the first) for the room's tokens on this rank."""
     if n_tokens <= 0:
         return 0, ""
-    lay, off, want_all = _room_bytes(pool, room_key, pages, 0, n_tokens)
-    got_all = np.stack([region(rid)[off] for rid in lay.rids])
+    lay, rows, want_all = _room_bytes(pool, room_key, pages, 0, n_tokens)
+    got = []
+    for rid in lay.rids:
+        buf = region(rid)
+        view = _rows(buf, lay.hb)
+        got.append(view[rows] if view is not None else buf[_bytes_of(lay, rows)])
+    got_all = np.stack(got)
     bad_all = got_all != want_all
     bad_total = int(np.count_nonzero(bad_all))
     if not bad_total:
