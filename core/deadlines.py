@@ -151,6 +151,12 @@ class DeadlineHeap:
             heapq.heappop(heap)
 
     def next(self) -> int | None:
+        heap = self._heap
+        if heap:
+            when, seq, key = heap[0]
+            entry = self._live.get(key)
+            if entry is not None and entry[1] == seq:
+                return when  # the top is live and current (asked on every pump: no call)
         self._clean_top()
         return self._heap[0][0] if self._heap else None
 

@@ -233,6 +233,13 @@ def region_pattern(
     return s_off[starts], d_off[starts], lengths, unmerged
 
 
+def _tile(a: np.ndarray, n: int) -> np.ndarray:
+    """``np.tile`` of a 1-D array, without its Python-level overhead (a new contiguous array)."""
+    out = np.empty((n, a.size), dtype=a.dtype)
+    out[:] = a
+    return out.reshape(-1)
+
+
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
@@ -271,14 +278,14 @@ def plan_rank_pair(
     n_regions = src.model.num_regions
     per = s_off.size
     region = _frozen(np.repeat(np.arange(n_regions, dtype=np.int64), per))
-    length_all = _frozen(np.tile(length, n_regions))
+    length_all = _frozen(_tile(length, n_regions))
     return RankPlan(
         src_rank=src.tp_rank,
         dst_rank=dst.tp_rank,
         src_region=region,
-        src_offset=_frozen(np.tile(s_off, n_regions)),
+        src_offset=_frozen(_tile(s_off, n_regions)),
         dst_region=region,
-        dst_offset=_frozen(np.tile(d_off, n_regions)),
+        dst_offset=_frozen(_tile(d_off, n_regions)),
         length=length_all,
         descriptors_unmerged=unmerged * n_regions,
         count=per * n_regions,

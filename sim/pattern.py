@@ -16,6 +16,7 @@ from kvferry.core.geometry import PoolGeometry
 _MASK = (1 << 64) - 1
 _MUL_INT = 0xD6E8FEB86659FD93
 _MUL = np.uint64(_MUL_INT)
+_POS_CACHE_ELEMENTS = 1 << 20  # uint64 positions kept per geometry (8 MiB)
 
 
 def _salt(room_key: int, rid: int) -> int:
@@ -26,8 +27,8 @@ class _Layout:
     """What ``fill`` and ``mismatches`` need of one pool, computed once per geometry (not per
     chunk): region ids, the per-head row and per-(head, byte) position terms, the strides."""
 
-    __slots__ = ("hb", "inner_pos", "inner_rows", "page_size", "page_stride", "rids", "tok_pos",
-                 "token_stride")  # fmt: skip
+    __slots__ = ("hb", "inner_pos", "inner_rows", "page_size", "page_stride", "pos_cache", "rids",
+                 "tok_pos", "token_stride")  # fmt: skip
 
     def __init__(self, pool: PoolGeometry) -> None:
         hb = pool.head_bytes
@@ -46,6 +47,21 @@ class _Layout:
         g = np.arange(pool.head_start, pool.head_end, dtype=np.uint64)
         self.inner_pos = (g[:, None] * np.uint64(hb) + b.astype(np.uint64)[None, :]) * _MUL
         self.tok_pos = np.array([pool.model.num_kv_heads * hb * _MUL_INT & _MASK], dtype=np.uint64)
+        self.pos_cache = np.empty((0, *self.inner_pos.shape), dtype=np.uint64)
+
+    def positions(self, token_start: int, token_end: int) -> np.ndarray:
+        """uint64 [tokens, heads, head bytes]: every byte's position times MUL. Positions do not
+        depend on the room: those of tokens [0, n) are kept (up to 8 MiB) and sliced per call."""
+        cache = self.pos_cache
+        if token_end > len(cache) and token_end * self.inner_pos.size <= _POS_CACHE_ELEMENTS:
+            cache = self.pos_cache = self._positions(0, max(token_end, 2 * len(cache)))
+        if token_end <= len(cache):
+            return cache[token_start:token_end]
+        return self._positions(token_start, token_end)
+
+    def _positions(self, token_start: int, token_end: int) -> np.ndarray:
+        t = np.arange(token_start, token_end, dtype=np.uint64)
+        return (t * self.tok_pos)[:, None, None] + self.inner_pos[None, :, :]
 
 
 # By id, holding the pool (so the id cannot be reused while cached): a geometry's own hash walks
@@ -76,11 +92,13 @@ def _room_bytes(
     page = np.asarray(pages, dtype=np.int64)[tokens // ps]
     tok_row = page * (lay.page_stride // hb) + (tokens % ps) * (lay.token_stride // hb)
     rows = tok_row[:, None] + lay.inner_rows[None, :]
-    pos = (tokens.astype(np.uint64) * lay.tok_pos)[:, None, None] + lay.inner_pos[None, :, :]
+    pos = lay.positions(token_start, token_end)
     # Per region: salt * MUL (mod 2**64), taken in Python ints (no overflow warning).
     salts = np.array([_salt(room_key, rid) * _MUL_INT & _MASK for rid in lay.rids], dtype=np.uint64)
-    values = ((pos[None] + salts[:, None, None, None]) >> np.uint64(56)).astype(np.uint8)
-    return lay, rows, values
+    acc = np.empty((len(salts), *pos.shape), dtype=np.uint64)
+    np.add(pos[None], salts[:, None, None, None], out=acc)
+    np.right_shift(acc, np.uint64(56), out=acc)
+    return lay, rows, acc.astype(np.uint8)
 
 
 def _rows(buf: np.ndarray, hb: int) -> np.ndarray | None:
