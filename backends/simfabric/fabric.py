@@ -50,6 +50,8 @@ def _no_record(kind: str, node: str, **attrs: Any) -> None:
 
 
 class XferState(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python
+
     PROC = "PROC"
     DONE = "DONE"
     ERR = "ERR"
