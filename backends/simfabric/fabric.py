@@ -101,6 +101,8 @@ class Node:
     queued: deque[int] = field(default_factory=deque)
     inflight: int = 0
     handles: set[int] = field(default_factory=set)
+    # Handles of this initiator that left PROC and were not released yet: what a poll must look at.
+    settled: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -218,6 +220,7 @@ class Fabric:
                 self._retire(x, XferState.ERR, "initiator crashed", silent=True)
             self.xfers.pop(xid, None)
         node.handles.clear()
+        node.settled.clear()
         node.queued.clear()
         node.inflight = 0
         old_inbox, old_waker = node.inbox, node.waker
@@ -360,6 +363,7 @@ class Fabric:
         """Forget a handle (NIXL release_xfer_handle). A PROC transfer keeps running to its end."""
         node = self.node(initiator)
         node.handles.discard(xid)
+        node.settled.discard(xid)
         x = self.xfers.get(xid)
         if x is not None and x.state is not XferState.PROC:
             del self.xfers[xid]
@@ -635,6 +639,7 @@ class Fabric:
         x.state = state
         x.err_reason = reason
         x.done_ns = int(self.env.now)
+        self.nodes[x.initiator].settled.add(x.xid)
         if x.started_ns >= 0:
             self._free_slot(x)
         if state is XferState.DONE:

@@ -259,6 +259,11 @@ class SimTransport:
             raise UnknownPeerError(f"{self.node}: unknown transfer handle {handle!r}")
         return _STATE[self.fabric.state(self.node, handle)]
 
+    def settled_handles(self) -> set[int]:
+        """Handles whose check_xfer may no longer say PROC (finished, not yet released): a poll
+        need only check these (``Driver.poll_writes``). Every other held handle is PROC."""
+        return self.fabric.node(self.node).settled
+
     def release_xfer(self, handle: XferHandle) -> None:
         self.handles.discard(handle)
         self.fabric.release(self.node, handle)
