@@ -141,24 +141,19 @@ def mismatches(
     if n_tokens <= 0:
         return 0, ""
     lay, rows, want_all = _room_bytes(pool, room_key, pages, 0, n_tokens)
-    got = []
-    for rid in lay.rids:
+    bad_total, first = 0, ""
+    for i, rid in enumerate(lay.rids):
         buf = region(rid)
         view = _rows(buf, lay.hb)
-        got.append(view[rows] if view is not None else buf[_bytes_of(lay, rows)])
-    got_all = np.stack(got)
-    bad_all = got_all != want_all
-    bad_total = int(np.count_nonzero(bad_all))
-    if not bad_total:
-        return 0, ""
-    first = ""
-    for i, rid in enumerate(lay.rids):  # the first wrong byte, region by region as before
-        bad = bad_all[i]
-        if bad.any():
+        got = view[rows] if view is not None else buf[_bytes_of(lay, rows)]
+        want = want_all[i]
+        bad = got != want
+        n = int(np.count_nonzero(bad))
+        if n and not first:
             t, h, b = (int(x[0]) for x in np.nonzero(bad))
             first = (
                 f"region {rid} token {t} head {pool.head_start + h} byte {b}: "
-                f"got {int(got_all[i, t, h, b])} want {int(want_all[i, t, h, b])}"
+                f"got {int(got[t, h, b])} want {int(want[t, h, b])}"
             )
-            break
+        bad_total += n
     return bad_total, first
