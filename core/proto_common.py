@@ -184,7 +184,8 @@ class RoomEngine:
         raise NotImplementedError
 
     def _bookkeep(self, r: Any, inp: Any, payload: Any) -> None:
-        """Per-side bookkeeping every state needs, whatever the table says about the input."""
+        """Per-side bookkeeping every state needs, whatever the table says about the input.
+        Called only for the inputs in ``BOOKKEEP``: a side that handles another here lists it."""
 
     def _guarded(self, fn: Callable[[bytes], None], data: bytes) -> None:
         """Peer input must never raise out of the engine (it would kill a driver thread): a bug
