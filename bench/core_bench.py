@@ -10,6 +10,9 @@ Figures:
   including planning, msgpack encode/decode of control messages and notifications);
 - control path: the whole loop (core + driver + fake transport + harness bookkeeping), byte
   copying excluded since it never happens.
+- stopwatch cost: the timers' own share of "core minus planning" (two process-clock reads per
+  engine call, and the planner's wrapper inside it), measured on no-op calls in the same run and
+  shown as its own row; the rows above it include it.
 Times are process CPU time (time.process_time_ns), so a busy shared machine inflates them less.
 Baseline measured in the same run: plan_rank_pair alone for the same chunks (what any transfer
 must compute), so the ratio says what the protocol adds on top of planning.
@@ -51,6 +54,24 @@ class Timer:
                 self.calls += 1
 
         return timed
+
+
+def stopwatch_cost(n: int = 50_000) -> tuple[float, float]:
+    """What the timers themselves add to ``core`` minus ``planning``, in ns: per timed engine call
+    (the part of the two clock reads inside the window), and per planner call timed inside an
+    engine call (the inner wrapper, less its own window). Measured on no-op calls, this run."""
+    outer, inner = Timer(), Timer()
+    noop = outer.wrap(lambda *a: None)
+    for _ in range(n):
+        noop(None, 0)
+    per_call = outer.ns / outer.calls
+    outer, inner = Timer(), Timer()
+    planned = inner.wrap(lambda: None)
+    nested = outer.wrap(lambda *a: planned())
+    for _ in range(n):
+        nested(None, 0)
+    per_plan = (outer.ns - inner.ns) / n - per_call
+    return per_call, per_plan
 
 
 def batch_flush(w: H.World) -> None:
@@ -149,6 +170,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             start = end
     base_ns = (time.process_time_ns() - t) / n_base
     chunks = args.rooms * args.chunks
+    per_call, per_plan = stopwatch_cost()
+    watch_ns = core.calls * per_call + planning.calls * per_plan
     return {
         "rooms": args.rooms,
         "chunks": chunks,
@@ -159,6 +182,10 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         "core_calls": core.calls,
         "protocol_us_per_chunk": (core.ns - planning.ns) / chunks / 1e3,
         "protocol_us_per_room": (core.ns - planning.ns) / args.rooms / 1e3,
+        "protocol_net_us_per_chunk": (core.ns - planning.ns - watch_ns) / chunks / 1e3,
+        "protocol_net_us_per_room": (core.ns - planning.ns - watch_ns) / args.rooms / 1e3,
+        "stopwatch_ns_per_call": per_call,
+        "stopwatch_ns_per_plan": per_plan,
         "in_engine_planner_us_per_room": planning.ns / args.rooms / 1e3,
         "planner_us_per_room": base_ns / 1e3,
         "core_over_planner": core.ns / args.rooms / base_ns,
@@ -188,10 +215,15 @@ def main() -> None:
     rows = [
         ("core (engines, planning included)", r["core_us_per_chunk"], r["core_us_per_room"]),
         ("core minus planning", r["protocol_us_per_chunk"], r["protocol_us_per_room"]),
+        ("  the same, stopwatch cost removed", r["protocol_net_us_per_chunk"], r["protocol_net_us_per_room"]),
         ("control path (no byte copies)", r["path_us_per_chunk"], r["path_us_per_room"]),
     ]
     for name, per_chunk, per_room in rows:
         print(f"  {name:36s} {per_chunk:8.1f} us/chunk {per_room:9.1f} us/room")
+    print(
+        f"  stopwatch: {r['stopwatch_ns_per_call']:.0f} ns per timed engine call, "
+        f"{r['stopwatch_ns_per_plan']:.0f} ns per timed planner call (no-op calls, this run)"
+    )
     print(
         f"  baseline: planner alone {r['planner_us_per_room']:.1f} us/room "
         f"(inside the engines: {r['in_engine_planner_us_per_room']:.1f})"

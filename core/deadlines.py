@@ -87,13 +87,18 @@ class DeadlineHeap:
 
     Replaced entries stay in the heap and are skipped when they surface (cheaper than deleting);
     the heap is rebuilt when stale entries outnumber live ones, so memory stays O(live keys).
+    A deadline moved later (a room's deadline pushed on by every message) pushes nothing: the
+    key's earlier heap entry stays as its stand-in and is re-pushed at the true time when it
+    surfaces. Keys still come out in (deadline, order of their last ``set``), as if every
+    ``set`` had pushed.
     """
 
     __slots__ = ("_heap", "_live", "_seq")
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, Hashable]] = []
-        self._live: dict[Hashable, tuple[int, int]] = {}
+        # key -> (deadline, seq of its last set, (deadline, seq) of its entry in the heap)
+        self._live: dict[Hashable, tuple[int, int, tuple[int, int]]] = {}
         self._seq = 0
 
     def __len__(self) -> int:
@@ -107,12 +112,25 @@ class DeadlineHeap:
         return None if entry is None else entry[0]
 
     def set(self, key: Hashable, when: int) -> None:
-        self._seq += 1
-        self._live[key] = (when, self._seq)
-        heapq.heappush(self._heap, (when, self._seq, key))
-        if len(self._heap) > 64 and len(self._heap) > 2 * len(self._live):
-            self._heap = [(w, s, k) for k, (w, s) in self._live.items()]
-            heapq.heapify(self._heap)
+        self._seq = seq = self._seq + 1
+        live = self._live
+        old = live.get(key)
+        if old is not None and old[2][0] <= when:
+            # The heap entry surfaces no later than ``when``: keep it as the stand-in.
+            live[key] = (when, seq, old[2])
+            return
+        live[key] = (when, seq, (when, seq))
+        heap = self._heap
+        heapq.heappush(heap, (when, seq, key))
+        if len(heap) > 64 and len(heap) > 2 * len(live):
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        live = self._live
+        for k, (w, s, _) in live.items():
+            live[k] = (w, s, (w, s))
+        self._heap = [(w, s, k) for k, (w, s, _) in live.items()]
+        heapq.heapify(self._heap)
 
     def cancel(self, key: Hashable) -> None:
         self._live.pop(key, None)
@@ -122,22 +140,36 @@ class DeadlineHeap:
         while heap:
             _when, seq, key = heap[0]
             entry = live.get(key)
-            if entry is not None and entry[1] == seq:
-                return
+            if entry is not None and entry[2][1] == seq:
+                if entry[1] == seq:
+                    return
+                # A stand-in: the deadline moved later; re-push it at its true (time, order).
+                w, s, _ = entry
+                live[key] = (w, s, (w, s))
+                heapq.heapreplace(heap, (w, s, key))
+                continue
             heapq.heappop(heap)
 
     def next(self) -> int | None:
+        heap = self._heap
+        if heap:
+            when, seq, key = heap[0]
+            entry = self._live.get(key)
+            if entry is not None and entry[1] == seq:
+                return when  # the top is live and current (asked on every pump: no call)
         self._clean_top()
         return self._heap[0][0] if self._heap else None
 
     def pop_due(self, now: int) -> list[Hashable]:
         """Keys whose deadline is <= now, earliest first; they are removed."""
         due = []
+        heap = self._heap
         while True:
             self._clean_top()
-            if not self._heap or self._heap[0][0] > now:
+            heap = self._heap
+            if not heap or heap[0][0] > now:
                 return due
-            _, _, key = heapq.heappop(self._heap)
+            _, _, key = heapq.heappop(heap)
             del self._live[key]
             due.append(key)
 

@@ -281,6 +281,9 @@ class PoolGeometry:
     num_pages: int
     layout: Layout = Layout.SGLANG_NHD
     _heads: tuple[int, int] = field(init=False, repr=False, compare=False)
+    # (head_bytes, token_bytes, token_stride, head_stride): read per chunk by the planner and the
+    # simulator, so derived once here instead of through a chain of properties on every read.
+    _sizes: tuple[int, int, int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, Layout):
@@ -294,7 +297,13 @@ class PoolGeometry:
             value = getattr(self, fname)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise GeometryError(f"{fname} must be a positive integer, got {value!r}")
-        object.__setattr__(self, "_heads", head_range(self.model, self.tp_size, self.tp_rank))
+        heads = head_range(self.model, self.tp_size, self.tp_rank)
+        object.__setattr__(self, "_heads", heads)
+        hb = self.model.head_bytes
+        tb = heads[1] * hb
+        head_major = self.layout.head_major_in_page
+        strides = (hb, tb, hb if head_major else tb, self.page_size * hb if head_major else hb)
+        object.__setattr__(self, "_sizes", strides)
 
     # --- heads ---------------------------------------------------------------------------------
 
@@ -320,17 +329,17 @@ class PoolGeometry:
 
     @property
     def head_bytes(self) -> int:
-        return self.model.head_bytes
+        return self._sizes[0]
 
     @property
     def token_bytes(self) -> int:
         """Bytes of one token of this rank in one region (all its heads)."""
-        return self.heads_per_rank * self.head_bytes
+        return self._sizes[1]
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one page in one region."""
-        return self.page_size * self.token_bytes
+        return self.page_size * self._sizes[1]
 
     @property
     def num_slots(self) -> int:
@@ -342,17 +351,17 @@ class PoolGeometry:
 
     @property
     def page_stride(self) -> int:
-        return self.page_bytes
+        return self.page_size * self._sizes[1]
 
     @property
     def token_stride(self) -> int:
         """Bytes between token i and i+1 of the same page and head."""
-        return self.head_bytes if self.layout.head_major_in_page else self.token_bytes
+        return self._sizes[2]
 
     @property
     def head_stride(self) -> int:
         """Bytes between local head j and j+1 of the same token."""
-        return self.page_size * self.head_bytes if self.layout.head_major_in_page else self.head_bytes
+        return self._sizes[3]
 
     @property
     def regions(self) -> tuple[RegionSpec, ...]:

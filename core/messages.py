@@ -72,7 +72,7 @@ def _check_version(v: int) -> None:
         raise ValueError(f"protocol version {v} not supported (this side speaks {PROTOCOL_VERSION})")
 
 
-class Endpoint(msgspec.Struct, frozen=True, order=True):
+class Endpoint(msgspec.Struct, frozen=True, order=True, gc=False):
     """Identity of one rank of one server: the key for multi-sender accounting (never a PP rank)."""
 
     server: Name
@@ -136,12 +136,15 @@ class GeometryWire(msgspec.Struct, frozen=True):
         return PoolGeometry(model, self.tp_size, self.tp_rank, self.page_size, self.num_pages, self.layout)
 
 
-class _Msg(msgspec.Struct, frozen=True, tag_field="t", kw_only=True):
+# gc=False: plain data that never forms a reference cycle, so the cycle collector need not
+# track the many short-lived instances (fewer collections on the hot path).
+class _Msg(msgspec.Struct, frozen=True, tag_field="t", kw_only=True, gc=False):
     v: int = PROTOCOL_VERSION
     src: Endpoint
 
     def __post_init__(self) -> None:
-        _check_version(self.v)
+        if self.v != PROTOCOL_VERSION:  # inline test: this runs for every message and note
+            _check_version(self.v)
 
 
 class Register(_Msg, tag="reg"):
@@ -160,7 +163,8 @@ class Register(_Msg, tag="reg"):
     pinned_bytes: Annotated[int, msgspec.Meta(ge=0, lt=1 << 48)] = 0
 
     def __post_init__(self) -> None:
-        _check_version(self.v)
+        if self.v != PROTOCOL_VERSION:  # inline test: this runs for every message and note
+            _check_version(self.v)
         if self.geometry.tp_rank != self.src.rank:
             raise ValueError(f"geometry rank {self.geometry.tp_rank} != sender rank {self.src.rank}")
         ids = [r.region_id for r in self.regions]
@@ -208,7 +212,8 @@ class TransferInfo(_Msg, tag="info"):
     token_start: Tokens = 0  # decode holds [0, token_start) already (a prefix hit): send the rest
 
     def __post_init__(self) -> None:
-        _check_version(self.v)
+        if self.v != PROTOCOL_VERSION:  # inline test: this runs for every message and note
+            _check_version(self.v)
         if self.dummy and self.send_aux:
             raise ValueError("a dummy sender cannot carry the aux row")
         if self.token_start > self.num_tokens:
@@ -279,7 +284,8 @@ class PullOffer(_Msg, tag="pull_offer"):
     src_pages: Annotated[list[PageId], msgspec.Meta(max_length=MAX_PAGES)]
 
     def __post_init__(self) -> None:
-        _check_version(self.v)
+        if self.v != PROTOCOL_VERSION:  # inline test: this runs for every message and note
+            _check_version(self.v)
         if self.token_end < self.token_start:
             raise ValueError(f"token range [{self.token_start}, {self.token_end}) is reversed")
         if self.registration.src != self.src:
@@ -320,7 +326,8 @@ class StagingReq(_Msg, tag="stg_req"):
     token_end: Tokens
 
     def __post_init__(self) -> None:
-        _check_version(self.v)
+        if self.v != PROTOCOL_VERSION:  # inline test: this runs for every message and note
+            _check_version(self.v)
         if self.token_end <= self.token_start:
             raise ValueError(f"token range [{self.token_start}, {self.token_end}) is empty or reversed")
 
@@ -377,7 +384,7 @@ Control = (
 )
 
 
-class ChunkNote(msgspec.Struct, frozen=True, kw_only=True):
+class ChunkNote(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Notification payload carried by a chunk's WRITE (``aux``: the aux-row write of the room;
     ``dummy``: sent alone by a dummy sender when it ran its last chunk)."""
 
@@ -394,7 +401,8 @@ class ChunkNote(msgspec.Struct, frozen=True, kw_only=True):
     staged: Annotated[int, msgspec.Meta(ge=-1, lt=1 << 62)] = -1  # staging allocation the bytes landed in
 
     def __post_init__(self) -> None:
-        _check_version(self.v)
+        if self.v != PROTOCOL_VERSION:  # inline test: this runs for every message and note
+            _check_version(self.v)
         if self.dummy and (self.aux or not self.is_last):
             raise ValueError("a dummy note is the last one and carries no aux row")
         if self.staged >= 0 and (self.aux or self.dummy):
@@ -433,9 +441,19 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: object, what: str) -> Any:
 
 def decode_control(data: bytes) -> Control:
     """Decode and validate one control message; WireError on anything malformed."""
+    if type(data) is bytes:  # the common case, one call shorter (same errors as ``_decode``)
+        try:
+            return _control_decoder.decode(data)
+        except Exception:
+            pass  # decode again below, which turns the error into a WireError
     return _decode(_control_decoder, data, "control message")
 
 
 def decode_note(data: bytes) -> ChunkNote:
     """Decode and validate one notification payload; WireError on anything malformed."""
+    if type(data) is bytes:
+        try:
+            return _note_decoder.decode(data)
+        except Exception:
+            pass
     return _decode(_note_decoder, data, "notification")

@@ -123,12 +123,16 @@ def as_page_ids(pages: object, pool: PoolGeometry, side: str) -> np.ndarray:
         raise PlanError(f"{side} page ids must be integers, got dtype {arr.dtype}")
     arr = arr.astype(np.int64, copy=False)
     if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
+        # The few pages of a typical room: Python's min, max and set beat numpy's per-call cost.
+        ids = arr.tolist() if arr.size <= 64 else None
+        lo, hi = (min(ids), max(ids)) if ids is not None else (int(arr.min()), int(arr.max()))
         if lo < 0 or hi >= pool.num_pages:
             bad = lo if lo < 0 else hi
             raise PlanError(f"{side} page id {bad} out of range [0, {pool.num_pages})")
         # A page table over the pool is O(n + pages); sorting is cheaper for a tiny room in a big pool.
-        if arr.size * 16 >= pool.num_pages:
+        if ids is not None:
+            repeated = len(set(ids)) != len(ids)
+        elif arr.size * 16 >= pool.num_pages:
             repeated = bool(np.bincount(arr, minlength=pool.num_pages).max() > 1)
         else:
             repeated = np.unique(arr).size != arr.size
@@ -229,6 +233,13 @@ def region_pattern(
     return s_off[starts], d_off[starts], lengths, unmerged
 
 
+def _tile(a: np.ndarray, n: int) -> np.ndarray:
+    """``np.tile`` of a 1-D array, without its Python-level overhead (a new contiguous array)."""
+    out = np.empty((n, a.size), dtype=a.dtype)
+    out[:] = a
+    return out.reshape(-1)
+
+
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
@@ -267,14 +278,14 @@ def plan_rank_pair(
     n_regions = src.model.num_regions
     per = s_off.size
     region = _frozen(np.repeat(np.arange(n_regions, dtype=np.int64), per))
-    length_all = _frozen(np.tile(length, n_regions))
+    length_all = _frozen(_tile(length, n_regions))
     return RankPlan(
         src_rank=src.tp_rank,
         dst_rank=dst.tp_rank,
         src_region=region,
-        src_offset=_frozen(np.tile(s_off, n_regions)),
+        src_offset=_frozen(_tile(s_off, n_regions)),
         dst_region=region,
-        dst_offset=_frozen(np.tile(d_off, n_regions)),
+        dst_offset=_frozen(_tile(d_off, n_regions)),
         length=length_all,
         descriptors_unmerged=unmerged * n_regions,
         count=per * n_regions,

@@ -161,6 +161,8 @@ class RoomEngine:
     """
 
     TABLE: ClassVar[Mapping[Any, Mapping[Any, Transition]]]
+    # The inputs ``_bookkeep`` acts on: the others skip the call.
+    BOOKKEEP: ClassVar[frozenset[Any]] = frozenset()
     STATUS: ClassVar[Mapping[Any, KVPoll]]
     FAILED: ClassVar[Enum]
 
@@ -182,7 +184,8 @@ class RoomEngine:
         raise NotImplementedError
 
     def _bookkeep(self, r: Any, inp: Any, payload: Any) -> None:
-        """Per-side bookkeeping every state needs, whatever the table says about the input."""
+        """Per-side bookkeeping every state needs, whatever the table says about the input.
+        Called only for the inputs in ``BOOKKEEP``: a side that handles another here lists it."""
 
     def _guarded(self, fn: Callable[[bytes], None], data: bytes) -> None:
         """Peer input must never raise out of the engine (it would kill a driver thread): a bug
@@ -228,8 +231,11 @@ class RoomEngine:
         return a if b is None else min(a, b)
 
     def _dispatch(self, r: Any, inp: Any, payload: Any) -> None:
-        self._bookkeep(r, inp, payload)
+        # The hottest function of both engines (every room input): locals over attribute lookups.
+        if inp in self.BOOKKEEP:
+            self._bookkeep(r, inp, payload)
         before = r.state
+        failed = self.FAILED
         tr = self.TABLE[before].get(inp)
         if tr is None:
             self.counters["illegal_input"] += 1
@@ -246,18 +252,20 @@ class RoomEngine:
                     self.counters["remote_violation"] += 1
                 self._fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
                 outcome = "failed"
-            if r.state is not self.FAILED:
+            state = r.state
+            if state is not failed:
                 nxt = tr.next.get(outcome)
                 if nxt is None:
                     self._fail(
                         r, RoomFailure(f"internal: {inp.value} while {before.value}: outcome {outcome!r}")
                     )
                 elif nxt is not before:
-                    if r.state is not before:
-                        self._fail(r, RoomFailure(f"internal: a handler moved the room to {r.state.value}"))
+                    if state is not before:
+                        self._fail(r, RoomFailure(f"internal: a handler moved the room to {state.value}"))
                     else:
                         r.state = nxt
-        if r.state is not before and r.state is not self.FAILED:
+        state = r.state
+        if state is not before and state is not failed:
             self._entered(r)
         self._maybe_finish(r)
 

@@ -65,6 +65,7 @@ __all__ = ["RECEIVER_TABLE", "RIn", "RState", "ReceiverEngine"]
 
 
 class RState(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     BOOTSTRAPPING = "bootstrapping"
     WAITING = "waiting"
     TRANSFERRING = "transferring"
@@ -73,6 +74,7 @@ class RState(Enum):
 
 
 class RIn(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     OPEN = "open"  # a second ReceiverOpen for a live room
     PEER_READY = "peer_ready"  # RegisterAck(ok) from a sender
     PEER_REFUSED = "peer_refused"  # RegisterAck(not ok, final) from a sender
@@ -119,6 +121,7 @@ class _Room:
         "aux_pending",
         "aux_sender",
         "data_senders",
+        "dst_list",
         "dst_pages",
         "dummies_done",
         "failure",
@@ -148,14 +151,23 @@ class _Room:
         self.key = (ev.room, ev.transfer_id)
         self.state = RState.BOOTSTRAPPING
         self.dst_pages = pages
+        self.dst_list: list[int] = []  # the page ids as a list, for every TransferInfo
         self.num_tokens = ev.num_tokens
         self.token_start = ev.token_start
         self.aux_index = ev.aux_index
-        self.senders: dict[m.Endpoint, SenderSpec] = {s.endpoint: s for s in ev.senders}
-        self.data_senders = {s.endpoint for s in ev.senders if not s.dummy}
-        aux = [s.endpoint for s in ev.senders if s.send_aux]
-        self.aux_sender = aux[0] if aux else None
-        self.progress: dict[m.Endpoint, _SenderProgress] = {p: _SenderProgress() for p in self.data_senders}
+        # One pass over the senders (this runs once per room and rank).
+        self.senders: dict[m.Endpoint, SenderSpec] = {}
+        self.data_senders: set[m.Endpoint] = set()
+        self.progress: dict[m.Endpoint, _SenderProgress] = {}
+        self.aux_sender: m.Endpoint | None = None
+        for s in ev.senders:
+            p = s.endpoint
+            self.senders[p] = s
+            if not s.dummy:
+                self.data_senders.add(p)
+                self.progress[p] = _SenderProgress()
+            if s.send_aux and self.aux_sender is None:
+                self.aux_sender = p
         self.aux_pending = False
         self.aux_ok = False
         self.dummies_done: set[m.Endpoint] = set()
@@ -409,7 +421,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         self.rooms[r.room] = r
         self.deadlines.set(("room", r.room), self._now + self.timeouts.bootstrap_ns)
         self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Bootstrapping))
-        why = self._check_open(ev, pages)
+        why = self._check_open(ev, r)
         if why is not None:
             self.counters["bad_open"] += 1
             r.fence_expired = True  # nothing was sent: nobody can be writing
@@ -441,7 +453,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             room=r.room,
             transfer_id=r.tid,
             reg=self.reg_id,
-            dst_pages=r.dst_pages.tolist(),
+            dst_pages=r.dst_list,
             num_tokens=r.num_tokens,
             aux_index=r.aux_index,
             send_aux=spec.send_aux,
@@ -457,16 +469,16 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
                 return False
         return True
 
-    def _check_open(self, ev: ReceiverOpen, pages: Any) -> str | None:
+    def _check_open(self, ev: ReceiverOpen, r: _Room) -> str | None:
         if not ev.senders:
             return "no senders"
-        if len({s.endpoint for s in ev.senders}) != len(ev.senders):
+        if len(r.senders) != len(ev.senders):
             return "a sender is listed twice"
-        data = [s for s in ev.senders if not s.dummy]
-        if not data:
+        if not r.data_senders:
             return "every sender is a dummy"
         if sum(s.send_aux for s in ev.senders) != 1 or any(s.send_aux and s.dummy for s in ev.senders):
             return "exactly one non-dummy sender must carry the aux row"
+        pages = r.dst_pages
         if pages.ndim != 1:
             return "page ids must be a 1-D array"
         ids = pages.tolist()  # small arrays: Python beats numpy's per-call overhead here
@@ -474,6 +486,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             return f"page ids out of range [0, {self.num_pages})"
         if len(set(ids)) != len(ids):
             return "a page is listed twice"
+        r.dst_list = ids  # checked: every TransferInfo carries this list (no tolist() per sender)
         if not 0 <= ev.num_tokens <= pages.size * self.page_size:
             return f"{ev.num_tokens} tokens do not fit {pages.size} pages of {self.page_size}"
         if not 0 <= ev.aux_index < self.registration.aux_rows:
@@ -498,6 +511,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             self.counters["message_from_stranger"] += 1
             return
         self._dispatch(r, inp, payload)
+
+    BOOKKEEP = frozenset((RIn.RELEASE, RIn.STOPPED, RIn.COPY_DONE, RIn.COPY_FAILED))
 
     def _bookkeep(self, r: _Room, inp: RIn, payload: Any) -> None:
         if inp is RIn.RELEASE:
@@ -594,12 +609,12 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             prog.done = True
 
     def _complete(self, r: _Room) -> bool:
-        return (
-            not r.scatters
-            and r.aux_ok
-            and all(p.done for p in r.progress.values())
-            and len(r.dummies_done) == len(r.senders) - len(r.data_senders)
-        )
+        if r.scatters or not r.aux_ok:
+            return False
+        for p in r.progress.values():
+            if not p.done:
+                return False
+        return len(r.dummies_done) == len(r.senders) - len(r.data_senders)
 
     def _h_on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> str:
         if r.aux_ok or not r.aux_pending:
@@ -687,19 +702,22 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             self._send(p, msg)
 
     def _maybe_finish(self, r: _Room) -> None:
-        fenced = r.fence_expired or r.fenced >= r.senders.keys()
-        if r.state is RState.FAILED:
+        st = r.state
+        if st is RState.FAILED:
             self._reads_drained(r)
-        if r.state is RState.FAILED and not r.freed and fenced and not r.scatters and not r.reads:
-            # Pages and staging space go back only when no writer can still write them (fenced)
-            # and no scatter or READ of ours is writing the pages.
-            r.freed = True
-            self._reclaim(r)
-            self.deadlines.cancel(("room", r.room))
-            self._aborts.cancel(r.room)
-            reason = "fence expired" if r.fence_expired else "every sender stopped"
-            self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
-        settled = r.state is RState.SUCCESS and not r.scatters and not r.reads
+            fenced = r.fence_expired or r.fenced >= r.senders.keys()
+            if not r.freed and fenced and not r.scatters and not r.reads:
+                # Pages and staging space go back only when no writer can still write them (fenced)
+                # and no scatter or READ of ours is writing the pages.
+                r.freed = True
+                self._reclaim(r)
+                self.deadlines.cancel(("room", r.room))
+                self._aborts.cancel(r.room)
+                reason = "fence expired" if r.fence_expired else "every sender stopped"
+                self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
+        elif st is not RState.SUCCESS:
+            return  # a live room: nothing to free or drop (``freed`` is only ever set once Failed)
+        settled = st is RState.SUCCESS and not r.scatters and not r.reads
         if r.release_requested and (settled or r.freed):
             self._remove(r)
 

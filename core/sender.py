@@ -98,10 +98,13 @@ from kvferry.core.resources.leases import (
 )
 from kvferry.core.worker import Destination, plan_chunk, shard_of
 
+_encode = m.encode
+
 __all__ = ["SENDER_TABLE", "SIn", "SState", "SenderEngine"]
 
 
 class SState(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     BOOTSTRAPPING = "bootstrapping"
     WAITING = "waiting"
     TRANSFERRING = "transferring"
@@ -110,6 +113,7 @@ class SState(Enum):
 
 
 class SIn(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     OPEN = "open"  # local SenderOpen on a room a TransferInfo created first
     INFO = "info"  # TransferInfo from a decode rank
     PEER_READY = "peer_ready"  # a decode rank this room needs registered
@@ -152,6 +156,7 @@ class _Room:
         "flow_override",
         "inflight",
         "infos",
+        "infos_sorted",
         "key",
         "last_enqueued",
         "last_run",
@@ -187,6 +192,7 @@ class _Room:
         self.created_by_info = False
         self.aux_index = -1
         self.infos: dict[m.Endpoint, m.TransferInfo] = {}
+        self.infos_sorted: list[tuple[m.Endpoint, m.TransferInfo]] | None = None  # cache
         self.dests: dict[m.Endpoint, Any] = {}  # peer -> dst page array
         self.expected_infos = 0
         self.num_tokens = -1
@@ -575,6 +581,18 @@ class SenderEngine(StagedSender, RoomEngine):
             return
         self._dispatch(r, inp, payload)
 
+    BOOKKEEP = frozenset(
+        {
+            SIn.RELEASE,
+            SIn.WRITE_DONE,
+            SIn.WRITE_FAILED,
+            SIn.COPY_DONE,
+            SIn.COPY_FAILED,
+            SIn.PULLED,
+            SIn.READS_STOPPED,
+        }
+    )
+
     def _bookkeep(self, r: _Room, inp: SIn, payload: Any) -> None:
         if inp is SIn.RELEASE:
             r.release_requested = True
@@ -664,6 +682,7 @@ class SenderEngine(StagedSender, RoomEngine):
         if len(r.infos) >= r.expected_infos:
             raise RoomError(f"more TransferInfos than the {r.expected_infos} expected")
         r.infos[msg.src] = msg
+        r.infos_sorted = None
         r.dests[msg.src] = np.asarray(msg.dst_pages, dtype=np.int64)
         r.stop_to.add(msg.src)
         self.rooms_by_peer.setdefault(msg.src, set()).add(r.room)
@@ -716,18 +735,27 @@ class SenderEngine(StagedSender, RoomEngine):
             self.counters["duplicate_chunk_run"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="already run"))
             return "stay"
-        if r.ledger.flow is None and r.state is not SState.BOOTSTRAPPING:
+        flow = r.ledger.flow
+        if flow is None and r.state is not SState.BOOTSTRAPPING:
             self._choose_flow(r)
+            flow = r.ledger.flow
         if c.chunk_index != r.next_run:
             raise RoomStateError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
-        if r.ledger.flow is not None and r.ledger.flow.staged:
+        if flow is Flow.RING or flow is Flow.PINNED:  # Flow.staged, without the property call
             if r.token_start:
-                raise RoomStateError(f"flow {r.ledger.flow.value} cannot skip decode's prefix hit")
+                raise RoomStateError(f"flow {flow.value} cannot skip decode's prefix hit")
             # The worker hands a staged chunk over and moves on; its lanes wait for space.
             return self._accept_staged(r, c)
-        if r.ledger.flow is Flow.PULL:
+        if flow is Flow.PULL:
             return self._run_pull(r, c)
         return self._run_direct(r, c)
+
+    @staticmethod
+    def _infos_sorted(r: _Room) -> list[tuple[m.Endpoint, m.TransferInfo]]:
+        """``sorted(r.infos.items())``, kept until the next TransferInfo (each chunk reads it)."""
+        if r.infos_sorted is None:
+            r.infos_sorted = sorted(r.infos.items())
+        return r.infos_sorted
 
     def _chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
         """Validate the chunk the room runs next against decode's allocation; its token range."""
@@ -753,25 +781,23 @@ class SenderEngine(StagedSender, RoomEngine):
         # Every note of a chunk names the same room, sender and token range; ``kind`` marks the
         # dummy "done" note, the aux write, or the staging allocation the bytes landed in.
         # ``c``: the ChunkReady, or a staged lane (same fields under other names).
-        index = c.chunk_index if isinstance(c, ChunkReady) else c.index
-        return m.encode(
-            m.ChunkNote(
-                room=r.room,
-                transfer_id=r.tid,
-                src=self.endpoint,
-                chunk_index=index,
-                token_start=start,
-                token_end=end,
-                is_last=c.is_last,
-                **kind,
-            )
+        index = c.chunk_index if type(c) is ChunkReady else c.index
+        note = m.ChunkNote(
+            room=r.room,
+            transfer_id=r.tid,
+            src=self.endpoint,
+            chunk_index=index,
+            token_start=start,
+            token_end=end,
+            is_last=c.is_last,
+            **kind,
         )
+        return _encode(note)
 
     def _run_direct(self, r: _Room, c: ChunkReady) -> str:
         start, end = self._chunk_bounds(r, c)
-        dests = [
-            Destination(p, self.peers[p].pool, r.dests[p], info.dummy) for p, info in sorted(r.infos.items())
-        ]
+        peers = self.peers
+        dests = [Destination(p, peers[p].pool, r.dests[p], info.dummy) for p, info in self._infos_sorted(r)]
         writes = plan_chunk(self.planner, self.pool, c.src_pages, dests, start, end)
         push = r.ledger.flow is Flow.PUSH
         if push and c.chunk_index == 0:
@@ -779,9 +805,10 @@ class SenderEngine(StagedSender, RoomEngine):
         self._advance(r, c, end)
         posted: list[int] = []
         note = self._chunk_note(r, c, start, end)  # identical for every data write: encode once
+        out = self._out
         for w in writes:
-            if w.count == 0:
-                self._out.append(SendNotif(peer=w.peer, room=r.room, notif=note))
+            if not len(w.length):
+                out.append(SendNotif(peer=w.peer, room=r.room, notif=note))
                 continue
             if push:
                 self._push_post(r, w.peer)
@@ -789,7 +816,7 @@ class SenderEngine(StagedSender, RoomEngine):
             if push:
                 r.push_writes[wid] = w.peer
             posted.append(wid)
-            self._out.append(
+            out.append(
                 PostWrite(
                     write_id=wid,
                     peer=w.peer,
@@ -810,7 +837,7 @@ class SenderEngine(StagedSender, RoomEngine):
             raise RoomStateError("pull flow: this prefill rank has no registration to offer")
         start, end = self._chunk_bounds(r, c)
         self._advance(r, c, end)
-        targets = [p for p, info in sorted(r.infos.items()) if not info.dummy]
+        targets = [p for p, info in self._infos_sorted(r) if not info.dummy]
         idx = c.chunk_index
         reg, room, tid = self.registration, r.room, r.tid
         pages = np.asarray(c.src_pages, dtype=np.int64).tolist()
@@ -983,7 +1010,7 @@ class SenderEngine(StagedSender, RoomEngine):
         """What every run chunk ends with: the last chunk's dummy and aux notes, the pacing hint;
         the outcome: "done" once the last chunk ran and nothing is in flight, else "running"."""
         if c.is_last:
-            for p, info in sorted(r.infos.items()):
+            for p, info in self._infos_sorted(r):
                 if info.dummy:
                     self._out.append(
                         SendNotif(peer=p, room=r.room, notif=self._chunk_note(r, c, start, end, dummy=True))
@@ -1120,16 +1147,21 @@ class SenderEngine(StagedSender, RoomEngine):
             self._send(p, msg)
 
     def _maybe_finish(self, r: _Room) -> None:
-        if r.state is SState.FAILED and not r.inflight and not r.stopped_sent:
+        st = r.state
+        if st is SState.SUCCESS:
+            if r.release_requested:
+                self._remove(r)
+            return
+        if st is not SState.FAILED:
+            return  # a live room: nothing to fence or drop
+        if not r.inflight and not r.stopped_sent:
             r.stopped_sent = True
             for p in sorted(r.stop_to):
                 self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         # A gather still running owns a staging buffer: the room stays until it returns.
-        terminal_quiet = r.state is SState.SUCCESS or (
-            r.state is SState.FAILED and not r.inflight and not r.ledger.ops and self._pull_fenced(r)
-        )
+        terminal_quiet = not r.inflight and not r.ledger.ops and self._pull_fenced(r)
         # A room only a TransferInfo ever created has no local owner to release it.
-        auto = r.created_by_info and not r.opened and r.state is SState.FAILED
+        auto = r.created_by_info and not r.opened
         if terminal_quiet and (r.release_requested or auto):
             self._remove(r)
 

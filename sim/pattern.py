@@ -16,29 +16,101 @@ from kvferry.core.geometry import PoolGeometry
 _MASK = (1 << 64) - 1
 _MUL_INT = 0xD6E8FEB86659FD93
 _MUL = np.uint64(_MUL_INT)
+_POS_CACHE_ELEMENTS = 1 << 20  # uint64 positions kept per geometry (8 MiB)
 
 
-def _positions(pool: PoolGeometry, tokens: np.ndarray) -> np.ndarray:
-    """uint64 [tokens, local heads, head bytes]: the logical position of every byte, premultiplied."""
-    heads = pool.model.num_kv_heads
-    hb = pool.head_bytes
-    g = np.arange(pool.head_start, pool.head_end, dtype=np.uint64)
-    pos = (tokens.astype(np.uint64)[:, None, None] * np.uint64(heads) + g[None, :, None]) * np.uint64(hb)
-    return (pos + np.arange(hb, dtype=np.uint64)[None, None, :]) * _MUL
+def _salt(room_key: int, rid: int) -> int:
+    return (room_key * 0x9E3779B97F4A7C15 + rid * 0xC2B2AE3D27D4EB4F) & _MASK
 
 
-def _values(pos_mul: np.ndarray, room_key: int, rid: int) -> np.ndarray:
-    """uint8 values of the room's bytes in region ``rid``: a multiplicative hash of position + salt."""
-    salt = (room_key * 0x9E3779B97F4A7C15 + rid * 0xC2B2AE3D27D4EB4F) & _MASK
-    # (pos + salt) * MUL, with the salt's product taken in Python ints (mod 2**64, no overflow warning).
-    return ((pos_mul + np.uint64(salt * _MUL_INT & _MASK)) >> np.uint64(56)).astype(np.uint8)
+class _Layout:
+    """What ``fill`` and ``mismatches`` need of one pool, computed once per geometry (not per
+    chunk): region ids, the per-head row and per-(head, byte) position terms, the strides."""
+
+    __slots__ = ("hb", "inner_pos", "inner_rows", "page_size", "page_stride", "pos_cache", "rids",
+                 "tok_pos", "token_stride")  # fmt: skip
+
+    def __init__(self, pool: PoolGeometry) -> None:
+        hb = pool.head_bytes
+        self.rids = tuple(spec.region_id for spec in pool.regions)
+        self.page_size = pool.page_size
+        self.page_stride = pool.page_stride
+        self.token_stride = pool.token_stride
+        b = np.arange(hb, dtype=np.int64)
+        heads = np.arange(pool.heads_per_rank, dtype=np.int64)
+        # Every stride is a whole number of heads, so each (token, head) is one row of a region
+        # viewed as [region bytes / head bytes, head bytes]: head_bytes times fewer indices.
+        self.hb = hb
+        self.inner_rows = heads * (pool.head_stride // hb)
+        # A byte's position (t * heads + g) * hb + b, times MUL, split as t * (heads * hb * MUL)
+        # + [(g * hb + b) * MUL] (mod 2**64: uint64 wraps, so the bits equal the product taken whole).
+        g = np.arange(pool.head_start, pool.head_end, dtype=np.uint64)
+        self.inner_pos = (g[:, None] * np.uint64(hb) + b.astype(np.uint64)[None, :]) * _MUL
+        self.tok_pos = np.array([pool.model.num_kv_heads * hb * _MUL_INT & _MASK], dtype=np.uint64)
+        self.pos_cache = np.empty((0, *self.inner_pos.shape), dtype=np.uint64)
+
+    def positions(self, token_start: int, token_end: int) -> np.ndarray:
+        """uint64 [tokens, heads, head bytes]: every byte's position times MUL. Positions do not
+        depend on the room: those of tokens [0, n) are kept (up to 8 MiB) and sliced per call."""
+        cache = self.pos_cache
+        if token_end > len(cache) and token_end * self.inner_pos.size <= _POS_CACHE_ELEMENTS:
+            cache = self.pos_cache = self._positions(0, max(token_end, 2 * len(cache)))
+        if token_end <= len(cache):
+            return cache[token_start:token_end]
+        return self._positions(token_start, token_end)
+
+    def _positions(self, token_start: int, token_end: int) -> np.ndarray:
+        t = np.arange(token_start, token_end, dtype=np.uint64)
+        return (t * self.tok_pos)[:, None, None] + self.inner_pos[None, :, :]
 
 
-def _offsets(pool: PoolGeometry, pages: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    ps = pool.page_size
-    page = pages[tokens // ps]
-    base = pool.byte_offset(page[:, None], (tokens % ps)[:, None], np.arange(pool.heads_per_rank)[None, :])
-    return base[:, :, None] + np.arange(pool.head_bytes, dtype=np.int64)[None, None, :]
+# By id, holding the pool (so the id cannot be reused while cached): a geometry's own hash walks
+# every field of the model. Bounded: a campaign draws a new geometry per seed.
+_LAYOUTS: dict[int, tuple[PoolGeometry, _Layout]] = {}
+
+
+def _layout(pool: PoolGeometry) -> _Layout:
+    hit = _LAYOUTS.get(id(pool))
+    if hit is not None and hit[0] is pool:
+        return hit[1]
+    if len(_LAYOUTS) >= 64:
+        _LAYOUTS.clear()
+    lay = _Layout(pool)
+    _LAYOUTS[id(pool)] = (pool, lay)
+    return lay
+
+
+def _room_bytes(
+    pool: PoolGeometry, room_key: int, pages: np.ndarray, token_start: int, token_end: int
+) -> tuple[_Layout, np.ndarray, np.ndarray]:
+    """The rows [tokens, heads] (a row: one head of one token, ``head_bytes`` long) of the room's
+    tokens in any region, and the values [regions, tokens, heads, head bytes] they must hold
+    (all regions in one pass)."""
+    lay = _layout(pool)
+    tokens = np.arange(token_start, token_end, dtype=np.int64)
+    ps, hb = lay.page_size, lay.hb
+    page = np.asarray(pages, dtype=np.int64)[tokens // ps]
+    tok_row = page * (lay.page_stride // hb) + (tokens % ps) * (lay.token_stride // hb)
+    rows = tok_row[:, None] + lay.inner_rows[None, :]
+    pos = lay.positions(token_start, token_end)
+    # Per region: salt * MUL (mod 2**64), taken in Python ints (no overflow warning).
+    salts = np.array([_salt(room_key, rid) * _MUL_INT & _MASK for rid in lay.rids], dtype=np.uint64)
+    acc = np.empty((len(salts), *pos.shape), dtype=np.uint64)
+    np.add(pos[None], salts[:, None, None, None], out=acc)
+    np.right_shift(acc, np.uint64(56), out=acc)
+    return lay, rows, acc.astype(np.uint8)
+
+
+def _rows(buf: np.ndarray, hb: int) -> np.ndarray | None:
+    """``buf`` as [rows, head bytes], a view (None where it cannot be one: index per byte)."""
+    if buf.ndim == 1 and buf.flags.c_contiguous and buf.size % hb == 0:
+        return buf.reshape(-1, hb)
+    return None
+
+
+def _bytes_of(lay: _Layout, rows: np.ndarray) -> np.ndarray:
+    """Byte offsets [tokens, heads, head bytes] of ``rows``."""
+    return (rows * lay.hb)[:, :, None] + np.arange(lay.hb, dtype=np.int64)[None, None, :]
 
 
 def fill(
@@ -50,34 +122,37 @@ def fill(
     token_end: int,
 ) -> None:
     """Write the room's bytes for tokens [token_start, token_end) into this rank's pool."""
-    tokens = np.arange(token_start, token_end, dtype=np.int64)
-    if tokens.size == 0:
+    if token_end <= token_start:
         return
-    off = _offsets(pool, pages, tokens)
-    pos = _positions(pool, tokens)
-    for spec in pool.regions:
-        region(spec.region_id)[off] = _values(pos, room_key, spec.region_id)
+    lay, rows, values = _room_bytes(pool, room_key, pages, token_start, token_end)
+    for i, rid in enumerate(lay.rids):
+        buf = region(rid)
+        view = _rows(buf, lay.hb)
+        if view is not None:
+            view[rows] = values[i]
+        else:
+            buf[_bytes_of(lay, rows)] = values[i]
 
 
 def mismatches(
     pool: PoolGeometry, region: Callable[[int], np.ndarray], room_key: int, pages: np.ndarray, n_tokens: int
 ) -> tuple[int, str]:
     """(number of wrong bytes, description of the first) for the room's tokens on this rank."""
-    tokens = np.arange(n_tokens, dtype=np.int64)
-    if tokens.size == 0:
+    if n_tokens <= 0:
         return 0, ""
-    off = _offsets(pool, pages, tokens)
-    pos = _positions(pool, tokens)
+    lay, rows, want_all = _room_bytes(pool, room_key, pages, 0, n_tokens)
     bad_total, first = 0, ""
-    for spec in pool.regions:
-        got = region(spec.region_id)[off]
-        want = _values(pos, room_key, spec.region_id)
+    for i, rid in enumerate(lay.rids):
+        buf = region(rid)
+        view = _rows(buf, lay.hb)
+        got = view[rows] if view is not None else buf[_bytes_of(lay, rows)]
+        want = want_all[i]
         bad = got != want
-        n = int(bad.sum())
+        n = int(np.count_nonzero(bad))
         if n and not first:
-            t, h, b = (int(i[0]) for i in np.nonzero(bad))
+            t, h, b = (int(x[0]) for x in np.nonzero(bad))
             first = (
-                f"region {spec.region_id} token {t} head {pool.head_start + h} byte {b}: "
+                f"region {rid} token {t} head {pool.head_start + h} byte {b}: "
                 f"got {int(got[t, h, b])} want {int(want[t, h, b])}"
             )
         bad_total += n

@@ -48,6 +48,9 @@ class Trace:
     def __init__(self, clock: Callable[[], int], keep: bool = False) -> None:
         self._clock = clock
         self._hash = hashlib.blake2b(digest_size=16)
+        # Event texts not hashed yet: hashed in batches (the digest of the concatenation is the
+        # digest of the pieces fed one by one), one update per batch instead of per event.
+        self._pending: list[str] = []
         self.keep = keep
         self.events: list[Event] = []
         self.count = 0
@@ -63,7 +66,10 @@ class Trace:
             text = f"{t}|{node}|{kind}|{items!r}\n"
         else:
             text = f"{t}|{node}|{kind}|{';'.join(f'{k}={_canon(v)}' for k, v in items)}\n"
-        self._hash.update(text.encode())
+        pending = self._pending
+        pending.append(text)
+        if len(pending) >= 512:
+            self._flush()
         self.count += 1
         if self.keep or self.listeners:
             ev = Event(t, node, kind, items)
@@ -72,5 +78,10 @@ class Trace:
             for fn in self.listeners:
                 fn(ev)
 
+    def _flush(self) -> None:
+        self._hash.update("".join(self._pending).encode())
+        self._pending.clear()
+
     def digest(self) -> str:
+        self._flush()
         return self._hash.hexdigest()

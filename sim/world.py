@@ -186,6 +186,7 @@ class World(Chaos):
             "prefill": tuple(f"prefill{r}" for r in range(self.P)),
             "decode": tuple(f"decode{r}" for r in range(self.D)),
         }
+        self._side_of = {n: side for side, nodes in self._sides.items() for n in nodes}
         for name in s.node_names():
             self._start_rank(name)
         self._build_workload()
@@ -507,38 +508,40 @@ class World(Chaos):
     def _mark(self, req: Request, node: str, status: KVPoll, reason: str, inc: int | None = None) -> None:
         inc = self.ranks[node].incarnation if inc is None else inc
         self.trace.record("status", node, room=req.room, key=req.key, status=status.name, reason=reason)
+        checks = self.scenario.checks
         key = (node, inc, req.key, req.tid)
-        old = self.status_log.get(key)
-        if old is not None and self.scenario.checks.monotone:
+        status_log = self.status_log
+        old = status_log.get(key)
+        if old is not None and checks.monotone:
             if old is KVPoll.Failed and status is not KVPoll.Failed:
                 self.violate("failed_absorbing", f"{node} room {req.key}: {old.name} -> {status.name}", req)
             elif status < old and status is not KVPoll.Failed:
                 self.violate("status_monotone", f"{node} room {req.key}: {old.name} -> {status.name}", req)
-        self.status_log[key] = status
+        status_log[key] = status
         if req.inc.get(node, inc) != inc:
             return  # an old incarnation's news
-        if req.success_all_ns >= 0 and status is not KVPoll.Success and self.scenario.checks.success_stable:
-            side = "prefill" if node.startswith("prefill") else "decode"
-            if req.dec_released if side == "decode" else req.pre_released:
-                self.violate(
-                    "success_stable",
-                    f"{node} room {req.key}: {status.name} ({reason}) after the room was Success on "
-                    f"every rank and released",
-                    req,
-                )
+        side = self._side_of[node]
+        released = req.dec_released if side == "decode" else req.pre_released
+        if req.success_all_ns >= 0 and status is not KVPoll.Success and checks.success_stable and released:
+            self.violate(
+                "success_stable",
+                f"{node} room {req.key}: {status.name} ({reason}) after the room was Success on "
+                f"every rank and released",
+                req,
+            )
         prev = req.status.get(node)
         if prev is KVPoll.Failed:
             return
         req.status[node] = status
         if status is KVPoll.Failed:
             req.reason[node] = reason
-        if _terminal(status):
             req.terminal_ns.setdefault(node, int(self.env.now))
-        if status is KVPoll.Success and req.success_all_ns < 0 and self._all_success(req):
-            req.success_all_ns = int(self.env.now)
-        side = "prefill" if node.startswith("prefill") else "decode"
-        if status is KVPoll.Failed and side == "decode" and "free_pages_early" in self.hooks:
-            self._free_dec_pages(req)  # planted bug: ignores the fence
+            if side == "decode" and "free_pages_early" in self.hooks:
+                self._free_dec_pages(req)  # planted bug: ignores the fence
+        elif status is KVPoll.Success:
+            req.terminal_ns.setdefault(node, int(self.env.now))
+            if req.success_all_ns < 0 and self._all_success(req):
+                req.success_all_ns = int(self.env.now)
         self._check_side(req, side)
 
     def _all_success(self, req: Request) -> bool:
@@ -560,14 +563,14 @@ class World(Chaos):
     def _check_side(self, req: Request, side: str) -> None:
         if not req.opened:
             return
-        nodes = self._side_nodes(side)
+        nodes = self._sides[side]
         inc = req.inc
         for n in nodes:
             if n not in inc:
                 return  # not opened on every rank yet
         stats = [req.status.get(n) for n in nodes]
         # One failed rank fails the room on this server: abort it on the others.
-        if any(st is KVPoll.Failed for st in stats):
+        if KVPoll.Failed in stats:
             for n in nodes:
                 if n not in req.aborted and self.alive(n, req) and not _terminal(req.status.get(n)):
                     req.aborted.add(n)
@@ -667,6 +670,11 @@ class World(Chaos):
             self._check_read_source(x, req, key)
         elif req is not None and req.flow == Flow.PUSH.value and self.scenario.checks.lease:
             self._check_lease(x, req)
+        if d.count <= 16:
+            other = self._foreign_owner_small(d, pool.page_bytes, key)
+            if other is not None:
+                self._ownership_violation(x, req, key, other)
+            return
         aux = d.dst_region == AUX_REGION
         owners = []
         if (~aux).any():
@@ -678,16 +686,36 @@ class World(Chaos):
             owners.append(self.dec_aux.owner[d.dst_offset[aux] // AUX_ROW_BYTES])
         own = np.concatenate(owners)
         if (own != key).any():
-            other = int(own[own != key][0])
-            who = "free pages" if other == FREE else f"pages of room {other}"
-            why = ""
-            opened_on = req.inc.get(x.dst) if req is not None else None
-            now_inc = self.fabric.nodes[x.dst].incarnation
-            if opened_on is not None and opened_on != now_inc:
-                why = f" (room opened on {x.dst} incarnation {opened_on}, written into incarnation {now_inc})"
-            self.violate(
-                "ownership", f"write of room {key} from {x.src} landed in {who} on {x.dst}{why}", req
-            )
+            self._ownership_violation(x, req, key, int(own[own != key][0]))
+
+    def _foreign_owner_small(self, d: Any, page_bytes: int, key: int) -> int | None:
+        """``_on_land``'s check for a few descriptors, in Python (numpy's per-call cost exceeds
+        the work): the first owner other than ``key`` of a page (every page a descriptor touches,
+        in descriptor order) or, after those, of an aux row; None if the room owns them all."""
+        regions, offsets, lengths = d.dst_region.tolist(), d.dst_offset.tolist(), d.length.tolist()
+        owner = self.dec_alloc.owner
+        for r, off, n in zip(regions, offsets, lengths, strict=True):
+            if r != AUX_REGION:
+                for page in range(off // page_bytes, (off + n - 1) // page_bytes + 1):
+                    o = int(owner[page])
+                    if o != key:
+                        return o
+        aux_owner = self.dec_aux.owner
+        for r, off in zip(regions, offsets, strict=True):
+            if r == AUX_REGION:
+                o = int(aux_owner[off // AUX_ROW_BYTES])
+                if o != key:
+                    return o
+        return None
+
+    def _ownership_violation(self, x: Xfer, req: Request | None, key: int, other: int) -> None:
+        who = "free pages" if other == FREE else f"pages of room {other}"
+        why = ""
+        opened_on = req.inc.get(x.dst) if req is not None else None
+        now_inc = self.fabric.nodes[x.dst].incarnation
+        if opened_on is not None and opened_on != now_inc:
+            why = f" (room opened on {x.dst} incarnation {opened_on}, written into incarnation {now_inc})"
+        self.violate("ownership", f"write of room {key} from {x.src} landed in {who} on {x.dst}{why}", req)
 
     def _check_read_source(self, x: Xfer, req: Request | None, key: int) -> None:
         """A pull READ copies prefill pages its room still owns: pages freed (or handed to another

@@ -282,7 +282,17 @@ class MemTransport:
         self.peer_incarnation.pop(peer, None)
 
     def _check(self, sizes: dict[int, int], region: np.ndarray, off: np.ndarray, ln: np.ndarray) -> None:
-        size = np.array([sizes.get(int(x), -1) for x in region], dtype=np.int64)
+        # Vectorised lookup of each descriptor's region size (-1: no such region); thousands of
+        # descriptors per write make a per-element Python loop the fake transport's main cost.
+        keys = np.fromiter(sizes.keys(), dtype=np.int64, count=len(sizes))
+        vals = np.fromiter(sizes.values(), dtype=np.int64, count=len(sizes))
+        order = np.argsort(keys)
+        keys, vals = keys[order], vals[order]
+        region = np.asarray(region, dtype=np.int64)
+        size = np.full(len(region), -1, dtype=np.int64)
+        if len(keys):
+            idx = np.minimum(np.searchsorted(keys, region), len(keys) - 1)
+            size = np.where(keys[idx] == region, vals[idx], size)
         bad = (size < 0) | (off < 0) | (ln <= 0) | (off + ln > size)
         if bad.any():
             k = int(np.flatnonzero(bad)[0])

@@ -77,7 +77,7 @@ class RegionSizes:
     """
 
     DENSE = 1 << 12
-    __slots__ = ("_dense", "_sparse")
+    __slots__ = ("_dense", "_dense_list", "_sparse")
 
     def __init__(self, sizes: dict[int, int]) -> None:
         small = [rid for rid in sizes if 0 <= rid < self.DENSE]
@@ -85,10 +85,21 @@ class RegionSizes:
         for rid in small:
             self._dense[rid] = sizes[rid]
         self._sparse = {rid: n for rid, n in sizes.items() if not 0 <= rid < self.DENSE}
+        self._dense_list: list[int] = self._dense.tolist()
 
     def first_violation(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> int:
         """Index of the first descriptor outside its region (or negative/empty), or -1."""
         if region.size == 0:
+            return -1
+        if region.size <= 16:
+            # A few descriptors (whole-page or coalesced plans, aux rows): numpy's per-call cost
+            # exceeds the work, so the same test in Python.
+            dense, n_dense = self._dense_list, len(self._dense_list)
+            rows = zip(region.tolist(), offset.tolist(), length.tolist(), strict=True)
+            for i, (r, o, n) in enumerate(rows):
+                size = dense[r] if 0 <= r < n_dense else self._sparse.get(r, -1)
+                if n <= 0 or o < 0 or size < 0 or o + n > size:
+                    return i
             return -1
         ends = offset + length
         bad = (length <= 0) | (offset < 0)

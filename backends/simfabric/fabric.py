@@ -51,6 +51,8 @@ def _no_record(kind: str, node: str, **attrs: Any) -> None:
 
 
 class XferState(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python
+
     PROC = "PROC"
     DONE = "DONE"
     ERR = "ERR"
@@ -100,6 +102,8 @@ class Node:
     queued: deque[int] = field(default_factory=deque)
     inflight: int = 0
     handles: set[int] = field(default_factory=set)
+    # Handles of this initiator that left PROC and were not released yet: what a poll must look at.
+    settled: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -217,6 +221,7 @@ class Fabric:
                 self._retire(x, XferState.ERR, "initiator crashed", silent=True)
             self.xfers.pop(xid, None)
         node.handles.clear()
+        node.settled.clear()
         node.queued.clear()
         node.inflight = 0
         old_inbox, old_waker = node.inbox, node.waker
@@ -359,6 +364,7 @@ class Fabric:
         """Forget a handle (NIXL release_xfer_handle). A PROC transfer keeps running to its end."""
         node = self.node(initiator)
         node.handles.discard(xid)
+        node.settled.discard(xid)
         x = self.xfers.get(xid)
         if x is not None and x.state is not XferState.PROC:
             del self.xfers[xid]
@@ -640,6 +646,7 @@ class Fabric:
         x.state = state
         x.err_reason = reason
         x.done_ns = int(self.env.now)
+        self.nodes[x.initiator].settled.add(x.xid)
         if x.started_ns >= 0:
             self._free_slot(x)
         if state is XferState.DONE:

@@ -16,6 +16,7 @@ import numpy.typing as npt
 from kvferry.backends.simfabric.descriptors import DescList, RegionSizes
 from kvferry.backends.simfabric.errors import RegionAccessError, UnknownPeerError
 from kvferry.backends.simfabric.fabric import Fabric
+from kvferry.backends.simfabric.fabric import XferState as FabricState
 from kvferry.backends.staging_copy import copy_maps, map_bytes
 from kvferry.backends.transport import XferHandle, XferState, aux_room_of
 from kvferry.core.errors import KvferryError
@@ -25,7 +26,8 @@ from kvferry.core.messages import Endpoint, GeometryWire, RegionAddr, Register
 
 # The aux buffer lives in the fake memory under an id no planner region can have.
 AUX_REGION = (1 << 20) + 1
-_STATE = {"PROC": XferState.PROC, "DONE": XferState.DONE, "ERR": XferState.ERR}
+# By member (identity hash): ``.value`` is a Python-level property, and this runs per poll.
+_STATE = {FabricState.PROC: XferState.PROC, FabricState.DONE: XferState.DONE, FabricState.ERR: XferState.ERR}
 
 
 def node_name(ep: Endpoint) -> str:
@@ -255,7 +257,12 @@ class SimTransport:
     def check_xfer(self, handle: XferHandle) -> XferState:
         if handle not in self.handles:
             raise UnknownPeerError(f"{self.node}: unknown transfer handle {handle!r}")
-        return _STATE[self.fabric.state(self.node, handle).value]
+        return _STATE[self.fabric.state(self.node, handle)]
+
+    def settled_handles(self) -> set[int]:
+        """Handles whose check_xfer may no longer say PROC (finished, not yet released): a poll
+        need only check these (``Driver.poll_writes``). Every other held handle is PROC."""
+        return self.fabric.node(self.node).settled
 
     def release_xfer(self, handle: XferHandle) -> None:
         self.handles.discard(handle)

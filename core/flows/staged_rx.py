@@ -22,6 +22,7 @@ __all__ = ["RX_TABLE", "RxChunk", "RxIn", "RxState"]
 
 
 class RxState(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     WAITING_SPACE = "waiting_space"
     GRANTED = "granted"
     LANDED = "landed"
@@ -30,6 +31,7 @@ class RxState(Enum):
 
 
 class RxIn(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     ALLOCATED = "allocated"
     NOTE = "note"
     START = "start"

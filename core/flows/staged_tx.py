@@ -26,6 +26,7 @@ __all__ = ["TX_TABLE", "StagedLedger", "TxIn", "TxLane", "TxState", "decode_allo
 
 
 class TxState(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     ASKING = "asking"
     GRANTED = "granted"
     GATHERING = "gathering"
@@ -34,6 +35,7 @@ class TxState(Enum):
 
 
 class TxIn(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     GRANT = "grant"
     START = "start"
     GATHERED = "gathered"

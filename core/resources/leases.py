@@ -107,6 +107,7 @@ class Notice:
 
 
 class LeaseState(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     WAITING = "waiting"  # registered, lease running, not matched
     MATCHED = "matched"  # paired: writes may be posted while the lease lives
     FENCING = "fencing"  # over (expired, aborted, failed): no new write; waiting for in-flight ones
@@ -114,6 +115,7 @@ class LeaseState(Enum):
 
 
 class LeaseIn(Enum):
+    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
     MATCH = "match"
     POST = "post"
     WRITE_DONE = "write_done"
