@@ -31,23 +31,18 @@ def main() -> None:
         ap.error("--rooms must be 100..1000000")
     os.environ.setdefault("KVFERRY_CONTROL_KEY", os.urandom(32).hex())
 
+    import msgspec
     import numpy as np
+    from kvferry.backends.loopback.plan import timeouts as loopback_timeouts
     from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
     from kvferry.backends.runtime.staging import StagingConfig
-    from kvferry.core.deadlines import MS, SEC, Timeouts
+    from kvferry.core.deadlines import MS
     from kvferry.core.geometry import ModelGeometry, PoolGeometry
     from kvferry.core.kvpoll import KVPoll
 
     model = ModelGeometry("census", num_layers=2, num_kv_heads=4, head_dim=8)
-    t = Timeouts(
-        bootstrap_ns=4 * SEC,
-        waiting_ns=4 * SEC,
-        transfer_ns=8 * SEC,
-        heartbeat_interval_ns=200 * MS,
-        heartbeat_timeout_ns=3 * SEC,
-        fence_ns=17 * SEC,
-        tombstone_ns=500 * MS,
-    )
+    # The soak's deadlines, with tombstones short enough that finished rooms are really forgotten.
+    t = msgspec.structs.replace(loopback_timeouts(), tombstone_ns=500 * MS)
     staging = StagingConfig(
         worker_buffer_bytes=32 << 10,
         ring_bytes=64 << 10,
