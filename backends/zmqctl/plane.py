@@ -152,8 +152,9 @@ class ControlPlane:
         self._check()
         out = _Out(peer, bytes(payload))
         with self._lock:
-            # In order only if nothing of ours waits before it: not in the outbox (filled under
-            # this lock) nor in the peer's backlog.
+            # In order only if nothing of ours waits before it: not in the outbox nor in the
+            # peer's backlog. (The outbox is filled under this lock, except by a sender waiting
+            # for room in a full one below; a thread's own sends stay in order either way.)
             sock = self._socks.get(peer)
             if sock is not None and self._outbox.empty() and not self._waiting.get(peer):
                 try:
