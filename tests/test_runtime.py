@@ -125,7 +125,8 @@ def test_rooms_succeed_and_tables_empty_after_clear(servers):
 def test_a_worker_keeps_several_chunks_in_flight_and_every_room_lands(flow):
     """worker_chunks_in_flight=3: one worker (one queue) posts up to three chunks before it waits
     for the oldest; rooms of three chunks each all succeed with their bytes, and every table is
-    empty after. The worker really had more than one chunk in flight (its own queue of ids)."""
+    empty after. Under direct the worker is held until its queue has chunks waiting (a controlled
+    start, not timing), and then really posts a second and third chunk before waiting."""
     staging = StagingConfig(worker_buffer_bytes=32 << 10, ring_bytes=128 << 10, flow=flow)
     cfg = RuntimeConfig(
         num_queues=1, aux_rows=16, timeouts=TIMEOUTS, staging=staging, worker_chunks_in_flight=3
@@ -139,13 +140,20 @@ def test_a_worker_keeps_several_chunks_in_flight_and_every_room_lands(flow):
         config=cfg,
     )
     depth: list[int] = []
+    go = threading.Event()
     step = pre[0].driver.worker_step
 
     def counted(shard, now):
+        go.wait(10)
         depth.append(len(pre[0]._in_flight[shard]))
         return step(shard, now)
 
     pre[0].driver.worker_step = counted
+
+    def queued() -> int:
+        with pre[0].lock:
+            return len(pre[0].driver.queues[0])
+
     try:
         for e in [*pre, dec]:
             e.start()
@@ -153,18 +161,25 @@ def test_a_worker_keeps_several_chunks_in_flight_and_every_room_lands(flow):
         for i in range(6):
             pages = np.arange(i * 4, i * 4 + 4)
             rooms.append((200 + i, pages, *_room(pre, dec, 200 + i, f"w{i}", pages, 13, [4, 9, 13], aux=i)))
+        deadline = time.monotonic() + 10
+        while flow == "direct" and queued() < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        go.set()
         for room, pages, rv, senders in rooms:
             assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * 2)
             assert pattern.mismatches(dec.pool, dec.transport.region, room, pages, 13)[0] == 0
             rv.clear()
             for s in senders:
                 s.clear()
-        assert max(depth) >= 2
+        if flow == "direct":  # three chunks were queued when the worker started
+            assert depth[:3] == [0, 1, 2]
+        assert max(depth) <= 2  # never a fourth chunk before the oldest finished
         deadline = time.monotonic() + 10
         while any(v for e in [*pre, dec] for v in e.leaks().values()) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert all(v == 0 for e in [*pre, dec] for v in e.leaks().values())
     finally:
+        go.set()
         for e in [*pre, dec]:
             assert e.close() == []
 
