@@ -168,7 +168,7 @@ class Driver:
         t = self.transport
         # A transport that knows which of its handles left PROC (the simulated fabric) spares a
         # check of every write in flight on every poll; the order (post order) is the same.
-        settled = t.settled_handles() if ids is None and hasattr(t, "settled_handles") else None
+        settled = t.settled_handles() if ids is None else None
         if settled is not None and not settled:
             return self._poll_copies(now)  # no write left PROC: nothing to check or feed
         with self.lock:

@@ -111,6 +111,11 @@ class Transport(Protocol):
         """Free the handle once it is DONE or ERR (a posted write cannot be cancelled)."""
         ...
 
+    def settled_handles(self) -> set[XferHandle] | None:
+        """The held handles that may have left PROC (every other one is PROC), so a poll checks
+        only these; None if this transport cannot tell (then every handle is checked)."""
+        ...
+
     def send_notif(self, peer: Endpoint, notif: bytes) -> None:
         """A notification with no data (a chunk with nothing to move to this peer)."""
         ...

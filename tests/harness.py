@@ -346,6 +346,9 @@ class MemTransport:
     def check_xfer(self, handle: int) -> XferState:
         return self.fabric.states[handle]
 
+    def settled_handles(self) -> None:
+        return None  # completions are checked one by one, as with NIXL
+
     def release_xfer(self, handle: int) -> None:
         del self.fabric.states[handle]
 
