@@ -27,7 +27,6 @@ FailedAck, which stops the sender's resending.
 from __future__ import annotations
 
 from collections import Counter
-from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -52,6 +51,7 @@ from kvferry.core.events import (
 from kvferry.core.flows.pull_rx import PullReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.flows.staged_rx import RxChunk
+from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition, step
 from kvferry.core.reliable import Resends
@@ -64,8 +64,7 @@ STAGING_ALIGN = 64
 __all__ = ["RECEIVER_TABLE", "RIn", "RState", "ReceiverEngine"]
 
 
-class RState(Enum):
-    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
+class RState(IdentityEnum):
     BOOTSTRAPPING = "bootstrapping"
     WAITING = "waiting"
     TRANSFERRING = "transferring"
@@ -73,8 +72,7 @@ class RState(Enum):
     FAILED = "failed"
 
 
-class RIn(Enum):
-    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
+class RIn(IdentityEnum):
     OPEN = "open"  # a second ReceiverOpen for a live room
     PEER_READY = "peer_ready"  # RegisterAck(ok) from a sender
     PEER_REFUSED = "peer_refused"  # RegisterAck(not ok, final) from a sender

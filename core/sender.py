@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -76,6 +75,7 @@ from kvferry.core.events import (
 from kvferry.core.flows import Flow, FlowPolicy
 from kvferry.core.flows.staged_sender import StagedSender
 from kvferry.core.flows.staged_tx import StagedLedger
+from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import (
     RoomEngine,
@@ -103,8 +103,7 @@ _encode = m.encode
 __all__ = ["SENDER_TABLE", "SIn", "SState", "SenderEngine"]
 
 
-class SState(Enum):
-    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
+class SState(IdentityEnum):
     BOOTSTRAPPING = "bootstrapping"
     WAITING = "waiting"
     TRANSFERRING = "transferring"
@@ -112,8 +111,7 @@ class SState(Enum):
     FAILED = "failed"
 
 
-class SIn(Enum):
-    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
+class SIn(IdentityEnum):
     OPEN = "open"  # local SenderOpen on a room a TransferInfo created first
     INFO = "info"  # TransferInfo from a decode rank
     PEER_READY = "peer_ready"  # a decode rank this room needs registered

@@ -32,7 +32,6 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,7 @@ from kvferry.backends.simfabric.errors import NodeDownError, UnknownPeerError
 from kvferry.backends.simfabric.faultapi import NoFaults
 from kvferry.backends.simfabric.memory import FakeMemory
 from kvferry.backends.simfabric.spec import NS_PER_S, FabricSpec, NicSpec
+from kvferry.core.identity_enum import IdentityEnum
 
 Recorder = Callable[..., None]
 
@@ -50,9 +50,7 @@ def _no_record(kind: str, node: str, **attrs: Any) -> None:
     return None
 
 
-class XferState(Enum):
-    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python
-
+class XferState(IdentityEnum):
     PROC = "PROC"
     DONE = "DONE"
     ERR = "ERR"

@@ -11,18 +11,17 @@ records the chunk only at DONE: Success means scattered, not merely written.
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any
 
 from kvferry.core import messages as m
 from kvferry.core.flows.machine import Step
 from kvferry.core.flows.policy import Flow
+from kvferry.core.identity_enum import IdentityEnum
 
 __all__ = ["RX_TABLE", "RxChunk", "RxIn", "RxState"]
 
 
-class RxState(Enum):
-    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
+class RxState(IdentityEnum):
     WAITING_SPACE = "waiting_space"
     GRANTED = "granted"
     LANDED = "landed"
@@ -30,8 +29,7 @@ class RxState(Enum):
     DONE = "done"
 
 
-class RxIn(Enum):
-    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
+class RxIn(IdentityEnum):
     ALLOCATED = "allocated"
     NOTE = "note"
     START = "start"

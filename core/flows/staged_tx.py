@@ -13,20 +13,19 @@ on every decode rank can always be written: that is the progress argument of the
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any
 
 from kvferry.core import messages as m
 from kvferry.core.flows.machine import Step
 from kvferry.core.flows.policy import Flow
 from kvferry.core.geometry import PoolGeometry
+from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.planner import find_link
 
 __all__ = ["TX_TABLE", "StagedLedger", "TxIn", "TxLane", "TxState", "decode_alloc_bytes", "writer_bytes"]
 
 
-class TxState(Enum):
-    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
+class TxState(IdentityEnum):
     ASKING = "asking"
     GRANTED = "granted"
     GATHERING = "gathering"
@@ -34,8 +33,7 @@ class TxState(Enum):
     LANDED = "landed"
 
 
-class TxIn(Enum):
-    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
+class TxIn(IdentityEnum):
     GRANT = "grant"
     START = "start"
     GATHERED = "gathered"

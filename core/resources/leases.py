@@ -35,6 +35,7 @@ from typing import Any
 from kvferry.core.deadlines import DeadlineHeap
 from kvferry.core.errors import LocalMisuseError
 from kvferry.core.flows.machine import Step, fire
+from kvferry.core.identity_enum import IdentityEnum
 
 __all__ = [
     "LEASE_TABLE",
@@ -106,16 +107,14 @@ class Notice:
         return self.decode is not None and self.kind is not NoticeKind.MATCHED
 
 
-class LeaseState(Enum):
-    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
+class LeaseState(IdentityEnum):
     WAITING = "waiting"  # registered, lease running, not matched
     MATCHED = "matched"  # paired: writes may be posted while the lease lives
     FENCING = "fencing"  # over (expired, aborted, failed): no new write; waiting for in-flight ones
     DONE = "done"  # removed from the registry
 
 
-class LeaseIn(Enum):
-    __hash__ = object.__hash__  # members are singletons; Enum hashes the name in Python (hot dict keys)
+class LeaseIn(IdentityEnum):
     MATCH = "match"
     POST = "post"
     WRITE_DONE = "write_done"
