@@ -441,19 +441,9 @@ def _decode(decoder: msgspec.msgpack.Decoder, data: object, what: str) -> Any:
 
 def decode_control(data: bytes) -> Control:
     """Decode and validate one control message; WireError on anything malformed."""
-    if type(data) is bytes:  # the common case, one call shorter (same errors as ``_decode``)
-        try:
-            return _control_decoder.decode(data)
-        except Exception:
-            pass  # decode again below, which turns the error into a WireError
     return _decode(_control_decoder, data, "control message")
 
 
 def decode_note(data: bytes) -> ChunkNote:
     """Decode and validate one notification payload; WireError on anything malformed."""
-    if type(data) is bytes:
-        try:
-            return _note_decoder.decode(data)
-        except Exception:
-            pass
     return _decode(_note_decoder, data, "notification")
