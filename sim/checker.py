@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from kvferry.core.kvpoll import KVPoll
 
 if TYPE_CHECKING:
-    from kvferry.sim.world import Request, World
+    from kvferry.sim.world import Allocator, Request, World
 
 
 def check_liveness(w: World) -> None:
@@ -120,7 +120,7 @@ def _failure_notice(w: World) -> None:
             if not node.startswith("prefill") or not reason.startswith("write failed") or node in r.lost_with:
                 continue
             failed_at = r.terminal_ns.get(node, -1)
-            for ep in w.receivers_of(node):
+            for ep in w.receivers_of(node, r):
                 rec = r.notices.get((node, ep, "RoomFailed"))
                 if rec is None or rec[0] > failed_at:
                     w.violate(
@@ -174,8 +174,8 @@ def _agreement(w: World) -> None:
     for r in w.requests:
         if not r.opened:
             continue
-        pre = [r.status.get(f"prefill{p}") for p in range(w.P)]
-        dec = [r.status.get(f"decode{d}") for d in range(w.D)]
+        pre = [r.status.get(n) for n in w.room_nodes(r, "prefill")]
+        dec = [r.status.get(n) for n in w.room_nodes(r, "decode")]
         pre_ok = all(st is KVPoll.Success for st in pre)
         dec_ok = all(st is KVPoll.Success for st in dec)
         if pre_ok != dec_ok:
@@ -186,6 +186,16 @@ def _agreement(w: World) -> None:
             side = "decode" if pre_ok else "prefill"
             why = next((f"{n}: {x}" for n, x in sorted(r.reason.items())), "")
             w.violate("agreement", f"room {r.key} Success on one side, Failed on {side} ({why})", r)
+
+
+def _server_allocs(w: World) -> list[tuple[str, tuple[Allocator, Allocator]]]:
+    """Each server's (pages, aux rows) allocators once, named by its server (``prefill``, or
+    ``prefill1.`` of several)."""
+    return [
+        (w.servers[side][i], w.allocs[nodes[0]])
+        for side in ("prefill", "decode")
+        for i, nodes in enumerate(w.instance_nodes[side])
+    ]
 
 
 def _conservation(w: World) -> None:
@@ -224,14 +234,10 @@ def _tables(w: World) -> None:
                 f"{' and '.join(missing)} after quiescence",
                 r,
             )
-    for name, alloc in (
-        ("prefill pages", w.pre_alloc),
-        ("decode pages", w.dec_alloc),
-        ("prefill aux rows", w.pre_aux),
-        ("decode aux rows", w.dec_aux),
-    ):
-        if alloc.used:
-            w.violate("tables_empty", f"{alloc.used} {name} still allocated after quiescence")
+    for server, (pages, aux) in _server_allocs(w):
+        for name, alloc in (("pages", pages), ("aux rows", aux)):
+            if alloc.used:
+                w.violate("tables_empty", f"{alloc.used} {server} {name} still allocated after quiescence")
     for node in sorted(w.ranks):
         rank = w.ranks[node]
         if rank.dead:

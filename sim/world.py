@@ -20,7 +20,7 @@ import simpy
 from kvferry.backends.simfabric.descriptors import gather_index
 from kvferry.backends.simfabric.fabric import Fabric, Xfer
 from kvferry.backends.simfabric.runtime import SimRank
-from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport
+from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport, node_name
 from kvferry.backends.transport import encode_aux_room
 from kvferry.core.commands import FreePages, StatusChanged
 from kvferry.core.deadlines import Timeouts
@@ -104,6 +104,8 @@ class Request:
     notices: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
     lost_with: set[str] = field(default_factory=set)
     flow: str | None = None  # the room's explicit flow (None: the policy's choice)
+    pre_inst: int = 0  # the prefill and decode servers the room runs between (World.servers)
+    dec_inst: int = 0
     token_start: int = 0  # decode's prefix hit: tokens [0, token_start) are already in its pages
     success_all_ns: int = -1  # when every rank of both sides was first Success (-1: not yet)
 
@@ -132,7 +134,15 @@ class Violation:
 class World(Chaos):
     """Build with a scenario and a seed, then ``run()``; the result is in ``report()``."""
 
-    def __init__(self, scenario: Scenario, seed: int | None = None, keep_trace: bool = False) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        seed: int | None = None,
+        keep_trace: bool = False,
+        instances: tuple[int, int] = (1, 1),
+    ) -> None:
+        """``instances``: how many prefill and decode servers (each of the topology's TP) share the
+        fabric; a room runs between one of each, chosen by ``_arrived`` (sim/deploy routes)."""
         self.seed = scenario.seed if seed is None else seed
         self.streams = Streams(self.seed)
         self.scenario = s = draw_personality(replace(scenario, seed=self.seed), self.streams)
@@ -152,58 +162,101 @@ class World(Chaos):
         self.model = s.model.geometry()
         t = s.topology
         self.P, self.D = t.prefill_tp, t.decode_tp
+        self._instances(instances)
         clock = self.streams["clock"]
         skew_max = s.faults.clock_skew_max_us * US
-        for name in s.node_names():
+        for name in self._node_ep:
             self.fabric.add_node(name, skew_ns=clock.randrange(skew_max + 1) if skew_max else 0)
         self.ranks: dict[str, SimRank] = {}
-        self.pre_alloc = Allocator(t.prefill_pages)
-        self.dec_alloc = Allocator(t.decode_pages)
-        self.pre_aux = Allocator(t.aux_rows)
-        self.dec_aux = Allocator(t.aux_rows)
         self.requests: list[Request] = []
         self.by_room: dict[int, Request] = {}
         self.violations: list[Violation] = []
         self.agreement_exempt: list[tuple[int, str]] = []  # (room key, why), filled by the checker
         self.awaiting_prefill: set[int] = set()
         self._deferred: list[Any] = []
-        self._admit_next = 0  # admission tickets, in arrival order
-        self._admit_now = 0
+        # Admission tickets, in arrival order, per (prefill, decode) instance pair: a request
+        # waits only behind requests that need the same servers' memory.
+        self._admit_next: dict[tuple[int, int], int] = {}
+        self._admit_now: dict[tuple[int, int], int] = {}
         self._memory_changed = self.env.event()
-        self._turns: dict[int, simpy.Event] = {}
+        self._turns: dict[tuple[tuple[int, int], int], simpy.Event] = {}
         self.status_log: dict[tuple[str, int, int, str], KVPoll] = {}
         self.rooms_started = 0
         self.phase = "faults"
         self.deadline_ns = 0
         self.quiesced_ns = -1
-        self._senders = {d: sender_specs(self.model, self.P, self.D, d) for d in range(self.D)}
-        self._receivers = {p: receiver_endpoints(self.model, self.P, self.D, p) for p in range(self.P)}
+        self._links: dict[tuple[int, int], tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
         self.staging = staging_sizes(s)
         self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
         self._flow_rng = self.streams["flows"]
         self._prefix_rng = self.streams["workload.prefix"]
-        self._sides = {
-            "prefill": tuple(f"prefill{r}" for r in range(self.P)),
-            "decode": tuple(f"decode{r}" for r in range(self.D)),
-        }
-        self._side_of = {n: side for side, nodes in self._sides.items() for n in nodes}
-        for name in s.node_names():
+        for name in self._node_ep:
             self._start_rank(name)
         self._build_workload()
         self.env.process(self._fault_schedule())
 
+    def _instances(self, instances: tuple[int, int]) -> None:
+        """Name every server's ranks and give each server its own page and aux-row allocators.
+        One server a side keeps the plain names (prefill0, decode0); instance i of several is
+        server ``prefill{i}.`` (nodes prefill{i}.0, prefill{i}.1, ...)."""
+        t = self.scenario.topology
+        if instances != (1, 1) and (self.scenario.faults.events or self.scenario.faults.swarm):
+            raise ValueError("fault schedules name nodes of one prefill and one decode server")
+        self.servers: dict[str, tuple[str, ...]] = {}
+        self.instance_nodes: dict[str, tuple[tuple[str, ...], ...]] = {}
+        self._node_ep: dict[str, Endpoint] = {}
+        self._side_of: dict[str, str] = {}
+        # node -> (pages, aux rows) of its server: a room's units come from its own servers.
+        self.allocs: dict[str, tuple[Allocator, Allocator]] = {}
+        for side, n, tp, pages in (
+            ("prefill", instances[0], self.P, t.prefill_pages),
+            ("decode", instances[1], self.D, t.decode_pages),
+        ):
+            if n < 1:
+                raise ValueError(f"{side} instances must be >= 1, got {n}")
+            self.servers[side] = (side,) if n == 1 else tuple(f"{side}{i}." for i in range(n))
+            groups = []
+            for server in self.servers[side]:
+                units = (Allocator(pages), Allocator(t.aux_rows))
+                nodes = tuple(f"{server}{r}" for r in range(tp))
+                for r, node in enumerate(nodes):
+                    self._node_ep[node] = Endpoint(server, r)
+                    self._side_of[node] = side
+                    self.allocs[node] = units
+                groups.append(nodes)
+            self.instance_nodes[side] = tuple(groups)
+        # The first server of each side's allocators under their old names (one-server worlds).
+        self.pre_alloc, self.pre_aux = self.allocs[self.instance_nodes["prefill"][0][0]]
+        self.dec_alloc, self.dec_aux = self.allocs[self.instance_nodes["decode"][0][0]]
+
+    def room_nodes(self, req: Request, side: str) -> tuple[str, ...]:
+        """The ranks of the server on ``side`` that the room runs on."""
+        return self.instance_nodes[side][req.pre_inst if side == "prefill" else req.dec_inst]
+
+    def _room_links(self, req: Request) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Per decode rank its senders, per prefill rank its receivers, for the room's two servers."""
+        pair = (req.pre_inst, req.dec_inst)
+        got = self._links.get(pair)
+        if got is None:
+            pre, dec = self.servers["prefill"][pair[0]], self.servers["decode"][pair[1]]
+            got = self._links[pair] = (
+                tuple(sender_specs(self.model, self.P, self.D, d, pre) for d in range(self.D)),
+                tuple(receiver_endpoints(self.model, self.P, self.D, p, dec) for p in range(self.P)),
+            )
+        return got
+
     # --------------------------------------------------------------------------- ranks
     def _endpoint(self, node: str) -> Endpoint:
-        side = "prefill" if node.startswith("prefill") else "decode"
-        return Endpoint(side, int(node[len(side) :]))
+        return self._node_ep[node]
 
     def _start_rank(self, node: str) -> None:
         ep = self._endpoint(node)
-        pool = self.pre_pools[ep.rank] if ep.server == "prefill" else self.dec_pools[ep.rank]
+        prefill = self._side_of[node] == "prefill"
+        pool = self.pre_pools[ep.rank] if prefill else self.dec_pools[ep.rank]
         tr = self._transport_cls(self.fabric, ep, pool)
         tr.register_regions(pool.regions, self.scenario.topology.aux_rows, AUX_ROW_BYTES)
         st = self.staging
-        if ep.server == "prefill":
+        if prefill:
             planner = None
             if "chunk_offset_own_length" in self.hooks:
                 planner = _offset_from_own_length_planner()
@@ -245,9 +298,9 @@ class World(Chaos):
             offered.append(Flow.PINNED.value)
         return offered[self._flow_rng.randrange(len(offered))]
 
-    def receivers_of(self, node: str) -> list[str]:
-        """The decode nodes a prefill node exchanges data or notes with."""
-        return [f"decode{ep.rank}" for ep in self._receivers[int(node[len("prefill") :])]]
+    def receivers_of(self, node: str, req: Request) -> list[str]:
+        """The decode nodes a prefill node exchanges data or notes with for the room."""
+        return [node_name(ep) for ep in self._room_links(req)[1][self._node_ep[node].rank]]
 
     def alive(self, node: str, req: Request) -> bool:
         r = self.ranks[node]
@@ -339,32 +392,37 @@ class World(Chaos):
     def _request(self, req: Request):  # type: ignore[no-untyped-def]
         env = self.env
         yield env.timeout(req.arrival_ns - int(env.now))  # absolute: a request may be added later
+        if not self._arrived(req):
+            return
         s = self.scenario
         t = s.topology
         n_dec = -(-req.dec_tokens // t.decode_page_size)
         n_pre = -(-req.spec.tokens // t.prefill_page_size)
+        pre_pages, pre_aux = self.allocs[self.room_nodes(req, "prefill")[0]]
+        dec_pages, dec_aux = self.allocs[self.room_nodes(req, "decode")[0]]
         # Wait for memory like a real scheduler would, first come first served: a request waits
         # until the ones that arrived before it got their memory and enough is free for it.
-        ticket = self._admit_next
-        self._admit_next += 1
-        if ticket != self._admit_now:
-            ev = self._turns[ticket] = env.event()
+        lane = (req.pre_inst, req.dec_inst)
+        ticket = self._admit_next.get(lane, 0)
+        self._admit_next[lane] = ticket + 1
+        if ticket != self._admit_now.get(lane, 0):
+            ev = self._turns[lane, ticket] = env.event()
             yield ev
         while not (
-            self.dec_alloc.used + n_dec <= t.decode_pages
-            and self.pre_alloc.used + n_pre <= t.prefill_pages
-            and self.dec_aux.used < t.aux_rows
-            and self.pre_aux.used < t.aux_rows
+            dec_pages.used + n_dec <= t.decode_pages
+            and pre_pages.used + n_pre <= t.prefill_pages
+            and dec_aux.used < t.aux_rows
+            and pre_aux.used < t.aux_rows
         ):
             yield self._memory_changed  # only the head of the line waits here
-        self._admit_now += 1
-        nxt = self._turns.pop(self._admit_now, None)
+        self._admit_now[lane] = turn = self._admit_now.get(lane, 0) + 1
+        nxt = self._turns.pop((lane, turn), None)
         if nxt is not None:
             nxt.succeed()
-        req.dec_pages = self.dec_alloc.alloc(n_dec, req.key)
-        req.pre_pages = self.pre_alloc.alloc(n_pre, req.key)
-        req.dec_aux = self.dec_aux.alloc(1, req.key)
-        req.pre_aux = self.pre_aux.alloc(1, req.key)
+        req.dec_pages = dec_pages.alloc(n_dec, req.key)
+        req.pre_pages = pre_pages.alloc(n_pre, req.key)
+        req.dec_aux = dec_aux.alloc(1, req.key)
+        req.pre_aux = pre_aux.alloc(1, req.key)
         self.rooms_started += 1
         self.trace.record(
             "room_arrive", "scheduler", room=req.room, key=req.key, tokens=req.spec.tokens, chunks=req.chunks
@@ -391,8 +449,7 @@ class World(Chaos):
         for i, n in enumerate(req.chunks):
             yield from self._compute_chunk(req, start, n)
             end = start + n
-            for p in range(self.P):
-                node = f"prefill{p}"
+            for node in self.room_nodes(req, "prefill"):
                 if not self.alive(node, req) or _terminal(req.status.get(node)):
                     continue
                 rank = self.ranks[node]
@@ -419,13 +476,18 @@ class World(Chaos):
                     rank.feed(AbortRoom(room=req.room, transfer_id=req.tid, reason=f"refused: {exc}"))
             start = end
 
+    def _arrived(self, req: Request) -> bool:
+        """The request arrived: choose its servers (``req.pre_inst``, ``req.dec_inst``); False
+        drops it (sim/deploy's router refusing it). One server a side: nothing to choose."""
+        return True
+
     def _compute_chunk(self, req: Request, start: int, tokens: int):  # type: ignore[no-untyped-def]
         """Prefill's forward pass over one chunk (sim/deploy replaces it with a roofline)."""
         yield self.env.timeout(max(1, tokens * self.scenario.workload.compute_ns_per_token))
 
     def _open_decode(self, req: Request) -> None:
-        for d in range(self.D):
-            node = f"decode{d}"
+        senders = self._room_links(req)[0]
+        for d, node in enumerate(self.room_nodes(req, "decode")):
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
             if rank.dead:
@@ -442,7 +504,7 @@ class World(Chaos):
                     dst_pages=req.dec_pages,
                     num_tokens=req.dec_tokens,
                     aux_index=int(req.dec_aux[0]),
-                    senders=self._senders[d],
+                    senders=senders[d],
                     token_start=req.token_start,
                 )
             )
@@ -454,8 +516,8 @@ class World(Chaos):
 
     def _open_prefill(self, req: Request) -> None:
         aux_row = np.frombuffer(encode_aux_room(req.room), dtype=np.uint8)
-        for p in range(self.P):
-            node = f"prefill{p}"
+        receivers = self._room_links(req)[1]
+        for p, node in enumerate(self.room_nodes(req, "prefill")):
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
             if rank.dead:
@@ -467,7 +529,7 @@ class World(Chaos):
                     room=req.room,
                     transfer_id=req.tid,
                     aux_index=int(req.pre_aux[0]),
-                    receivers=self._receivers[p],
+                    receivers=receivers[p],
                     flow=req.flow,
                 )
             )
@@ -545,7 +607,7 @@ class World(Chaos):
         self._check_side(req, side)
 
     def _all_success(self, req: Request) -> bool:
-        nodes = self._sides["prefill"] + self._sides["decode"]
+        nodes = self.room_nodes(req, "prefill") + self.room_nodes(req, "decode")
         return all(req.status.get(n) is KVPoll.Success for n in nodes)
 
     def free_pages(self, rank: SimRank, cmd: FreePages) -> None:
@@ -557,13 +619,10 @@ class World(Chaos):
         self._later(lambda: self._check_side(req, "decode"))
 
     # --------------------------------------------------------------------------- scheduler reactions
-    def _side_nodes(self, side: str) -> tuple[str, ...]:
-        return self._sides[side]
-
     def _check_side(self, req: Request, side: str) -> None:
         if not req.opened:
             return
-        nodes = self._sides[side]
+        nodes = self.room_nodes(req, side)
         inc = req.inc
         for n in nodes:
             if n not in inc:
@@ -609,14 +668,15 @@ class World(Chaos):
     def _maybe_free_prefill(self, req: Request) -> None:
         if req.pre_pages_freed or not req.pre_released:
             return
-        for n in self._side_nodes("prefill"):
+        for n in self.room_nodes(req, "prefill"):
             if self.alive(n, req) and self.ranks[n].engine.state(req.room) is not None:
                 self.awaiting_prefill.add(req.key)
                 return
         self.awaiting_prefill.discard(req.key)
         req.pre_pages_freed = True
-        self.pre_alloc.free(req.pre_pages, req.key)
-        self.pre_aux.free(req.pre_aux, req.key)
+        pages, aux = self.allocs[self.room_nodes(req, "prefill")[0]]
+        pages.free(req.pre_pages, req.key)
+        aux.free(req.pre_aux, req.key)
         self._memory_event()
 
     def _memory_event(self) -> None:
@@ -628,14 +688,15 @@ class World(Chaos):
         if req.dec_pages_freed:
             return
         req.dec_pages_freed = True
-        self.dec_alloc.free(req.dec_pages, req.key)
-        self.dec_aux.free(req.dec_aux, req.key)
+        pages, aux = self.allocs[self.room_nodes(req, "decode")[0]]
+        pages.free(req.dec_pages, req.key)
+        aux.free(req.dec_aux, req.key)
         self._memory_event()
 
     def _verify(self, req: Request) -> None:
         bad_total = 0
-        for d in range(self.D):
-            rank = self.ranks[f"decode{d}"]
+        for node in self.room_nodes(req, "decode"):
+            rank = self.ranks[node]
             bad, first = pattern.mismatches(
                 rank.transport.pool, rank.transport.region, req.key, req.dec_pages, req.dec_tokens
             )
@@ -645,9 +706,7 @@ class World(Chaos):
                 first = first or f"aux row holds room {aux}, expected {req.room}"
             if bad:
                 bad_total += bad
-                self.violate(
-                    "bytes", f"decode{d} room {req.key} Success with {bad} wrong bytes: {first}", req
-                )
+                self.violate("bytes", f"{node} room {req.key} Success with {bad} wrong bytes: {first}", req)
         req.verified_bad = bad_total
         self.trace.record("verify", "scheduler", room=req.room, bad=bad_total)
 
@@ -662,7 +721,8 @@ class World(Chaos):
         req = self.by_room.get(room)
         key = req.key if req is not None else -2
         d = x.descs
-        pool = self.dec_pools[int(x.dst[len("decode") :])]
+        pool = self.dec_pools[self._node_ep[x.dst].rank]
+        pages, aux_rows = self.allocs[x.dst]
         if d.count and is_staging_region(int(d.dst_region[0])):
             self._check_staged_land(x, req)
             return
@@ -671,7 +731,7 @@ class World(Chaos):
         elif req is not None and req.flow == Flow.PUSH.value and self.scenario.checks.lease:
             self._check_lease(x, req)
         if d.count <= 16:
-            other = self._foreign_owner_small(d, pool.page_bytes, key)
+            other = self._foreign_owner_small(d, pool.page_bytes, key, pages, aux_rows)
             if other is not None:
                 self._ownership_violation(x, req, key, other)
             return
@@ -681,26 +741,28 @@ class World(Chaos):
             first = d.dst_offset[~aux] // pool.page_bytes
             last = (d.dst_offset[~aux] + d.length[~aux] - 1) // pool.page_bytes
             # Every page a descriptor touches, not only its ends.
-            owners.append(self.dec_alloc.owner[gather_index(first, last - first + 1)])
+            owners.append(pages.owner[gather_index(first, last - first + 1)])
         if aux.any():
-            owners.append(self.dec_aux.owner[d.dst_offset[aux] // AUX_ROW_BYTES])
+            owners.append(aux_rows.owner[d.dst_offset[aux] // AUX_ROW_BYTES])
         own = np.concatenate(owners)
         if (own != key).any():
             self._ownership_violation(x, req, key, int(own[own != key][0]))
 
-    def _foreign_owner_small(self, d: Any, page_bytes: int, key: int) -> int | None:
+    def _foreign_owner_small(
+        self, d: Any, page_bytes: int, key: int, pages: Allocator, aux_rows: Allocator
+    ) -> int | None:
         """``_on_land``'s check for a few descriptors, in Python (numpy's per-call cost exceeds
         the work): the first owner other than ``key`` of a page (every page a descriptor touches,
         in descriptor order) or, after those, of an aux row; None if the room owns them all."""
         regions, offsets, lengths = d.dst_region.tolist(), d.dst_offset.tolist(), d.length.tolist()
-        owner = self.dec_alloc.owner
+        owner = pages.owner
         for r, off, n in zip(regions, offsets, lengths, strict=True):
             if r != AUX_REGION:
                 for page in range(off // page_bytes, (off + n - 1) // page_bytes + 1):
                     o = int(owner[page])
                     if o != key:
                         return o
-        aux_owner = self.dec_aux.owner
+        aux_owner = aux_rows.owner
         for r, off in zip(regions, offsets, strict=True):
             if r == AUX_REGION:
                 o = int(aux_owner[off // AUX_ROW_BYTES])
@@ -723,10 +785,10 @@ class World(Chaos):
         if not x.src.startswith("prefill"):
             return
         d = x.descs
-        pool = self.pre_pools[int(x.src[len("prefill") :])]
+        pool = self.pre_pools[self._node_ep[x.src].rank]
         first = d.src_offset // pool.page_bytes
         last = (d.src_offset + d.length - 1) // pool.page_bytes
-        own = self.pre_alloc.owner[gather_index(first, last - first + 1)]
+        own = self.allocs[x.src][0].owner[gather_index(first, last - first + 1)]
         if (own != key).any():
             other = int(own[own != key][0])
             who = "free pages" if other == FREE else f"pages of room {other}"
@@ -764,7 +826,7 @@ class World(Chaos):
             for lane in r.ledger.lanes.values():
                 if not lane.accepted or lane.state is not TxState.GRANTED or lane.flow is not Flow.RING:
                     continue
-                dec = self.ranks.get(f"decode{lane.target.rank}")
+                dec = self.ranks.get(node_name(lane.target))
                 if dec is None or dec.dead or dec.engine.ring is None:
                     continue
                 ring = dec.engine.ring
@@ -843,7 +905,7 @@ class World(Chaos):
         """
         if self.settled(req):
             return False
-        nodes = self._sides["prefill"] + self._sides["decode"]
+        nodes = self.room_nodes(req, "prefill") + self.room_nodes(req, "decode")
         if not all(_terminal(req.status.get(n)) for n in nodes):
             return True
         now = int(self.env.now)
@@ -851,8 +913,8 @@ class World(Chaos):
 
     def settled(self, req: Request) -> bool:
         """Terminal on every rank of both sides, with the same outcome on both sides."""
-        pre = [req.status.get(n) for n in self._sides["prefill"]]
-        dec = [req.status.get(n) for n in self._sides["decode"]]
+        pre = [req.status.get(n) for n in self.room_nodes(req, "prefill")]
+        dec = [req.status.get(n) for n in self.room_nodes(req, "decode")]
         if not all(_terminal(st) for st in pre + dec):
             return False
         return all(st is KVPoll.Success for st in pre) == all(st is KVPoll.Success for st in dec)
