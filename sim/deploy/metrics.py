@@ -63,6 +63,9 @@ class DeployResult:
     staging_peak_bytes: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
     seed: int = 0
+    # Per instance ("prefill0", "decode3"): requests routed there, and the share of the run
+    # (first arrival to last finish) it spent in forward steps.
+    instances: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,17 +1,18 @@
-"""Simulate one deployment under one workload: build the scenario, run the DeployWorld, collect."""
+"""Simulate one deployment under one workload: build the scenario, run the DeployWorld (every
+instance of both sides in it), collect."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
 
 from kvferry.sim import scenario as sc
 from kvferry.sim.deploy.metrics import SPLIT_KEYS, DeployResult, Percentiles, transfer_split
+from kvferry.sim.deploy.router import Router
 from kvferry.sim.deploy.spec import DeployError, DeploySpec
 from kvferry.sim.deploy.workload import Arrivals, DeployRequest
 from kvferry.sim.deploy.world import DeployWorld
 
-__all__ = ["build_scenario", "simulate", "staging_bytes"]
+__all__ = ["build_scenario", "collect", "deploy_world", "run_world", "simulate", "staging_bytes"]
 
 NS = 1_000_000_000
 MS = 1_000_000
@@ -39,87 +40,81 @@ def staging_bytes(s: sc.Scenario) -> dict[str, int]:
     }
 
 
-def _split_arrivals(arrivals: Arrivals, k: int) -> list[Arrivals]:
-    """Round-robin over ``k`` instance pairs: request i of an open loop goes to pair i % k; a
-    closed loop's users and requests are shared out as evenly as they go."""
-    if k == 1:
-        return [arrivals]
-    if arrivals.concurrency:
-        return [
-            Arrivals(
-                concurrency=arrivals.concurrency // k + (j < arrivals.concurrency % k),
-                total=arrivals.total // k + (j < arrivals.total % k),
-            )
-            for j in range(k)
-        ]
-    return [Arrivals(requests=arrivals.requests[j::k]) for j in range(k)]
+def deploy_world(
+    spec: DeploySpec,
+    arrivals: Arrivals,
+    lengths: tuple[DeployRequest, ...] = (),
+    router: Router | None = None,
+) -> DeployWorld:
+    """The deployment's world, not run yet: every instance of both sides on one fabric."""
+    pool = arrivals.requests or lengths
+    if not pool:
+        raise DeployError("the workload has no requests")
+    return DeployWorld(spec, build_scenario(spec, pool), arrivals, lengths, router)
+
+
+def run_world(w: DeployWorld, arrivals: Arrivals) -> float:
+    """Run it to the end (an hour of simulated time past the last arrival at most); the wall time."""
+    last_arrival = max((r.arrival_ns for r in arrivals.requests), default=0)
+    return w.run_deploy(last_arrival + 3600 * NS)
 
 
 def simulate(
     spec: DeploySpec, arrivals: Arrivals, lengths: tuple[DeployRequest, ...] = (), label: str = ""
 ) -> DeployResult:
     """``lengths``: the request sizes of a closed loop (ignored for open-loop arrivals)."""
-    pool = arrivals.requests or lengths
-    if not pool:
-        raise DeployError("the workload has no requests")
-    s = build_scenario(spec, pool)
-    worlds: list[DeployWorld] = []
-    wall = 0.0
-    for j, part in enumerate(_split_arrivals(arrivals, spec.prefill_instances)):
-        if part.count == 0 or (part.concurrency == 0 and not part.requests):
-            continue
-        pair = replace(spec, seed=spec.seed + j)
-        w = DeployWorld(
-            pair, replace(s, seed=pair.seed), part, lengths[j :: spec.prefill_instances] or lengths
-        )
-        last_arrival = max((r.arrival_ns for r in part.requests), default=0)
-        wall += w.run_deploy(last_arrival + 3600 * NS)  # an hour of simulated time past the last arrival
-        worlds.append(w)
+    w = deploy_world(spec, arrivals, lengths)
+    wall = run_world(w, arrivals)
+    return collect(w, arrivals, wall, label)
+
+
+def collect(w: DeployWorld, arrivals: Arrivals, wall: float = 0.0, label: str = "") -> DeployResult:
+    """The run's numbers, from its tracks, its fabric's write log and its ranks."""
+    spec, s = w.spec, w.built
     ttft, tpot, e2e, xfer = [], [], [], []
     split_sum: dict[str, float] = defaultdict(float)
     split_n = 0
     good = completed = failed = out_tokens = 0
-    first, end, sim_ns = None, 0, 0
+    first, end = None, 0
     violations: list[str] = []
     peaks = {"ring": 0, "pinned": 0}
-    for w in worlds:
-        sim_ns = max(sim_ns, int(w.env.now))
-        for name, rank in w.ranks.items():
-            got = getattr(rank.engine, "staging_peaks", None) if name.startswith("decode") else None
-            if got:
-                peaks["ring"] = max(peaks["ring"], int(got["ring_assigned"]))
-                peaks["pinned"] = max(peaks["pinned"], int(got["pinned_used"]))
-        violations += [f"{v.invariant}: {v.detail}" for v in w.violations]
-        writes: dict[int, list[tuple[int, int, int, int, int]]] = defaultdict(list)
-        for rec in w.fabric.xfer_log or ():
-            writes[rec[0]].append(rec)
-        for key, t in w.tracks.items():
-            first = t.arrival_ns if first is None else min(first, t.arrival_ns)
-            end = max(end, t.done_ns)
-            if t.failed:
-                failed += 1
-                continue
-            if t.done_ns < 0:
-                continue
-            completed += 1
-            out_tokens += t.tokens
-            ft = (t.first_token_ns - t.arrival_ns) / MS
-            tp = (t.done_ns - t.first_token_ns) / MS / max(1, t.tokens - 1)
-            ttft.append(ft)
-            tpot.append(tp)
-            e2e.append((t.done_ns - t.arrival_ns) / MS)
-            last_ready = t.chunk_ready_ns[-1] if t.chunk_ready_ns else -1
-            if t.kv_done_ns >= 0 and last_ready >= 0:
-                xfer.append((t.kv_done_ns - last_ready) / MS)
-            req = w.requests[key]
-            picked = w.picked_ns.get((req.room, len(req.chunks) - 1), -1)
-            parts = transfer_split(last_ready, t.kv_done_ns, writes.get(req.room, []), picked)
-            if parts is not None:
-                split_n += 1
-                for k, v in parts.items():
-                    split_sum[k] += v / MS
-            if ft <= spec.ttft_slo_ms and tp <= spec.tpot_slo_ms:
-                good += 1
+    sim_ns = int(w.env.now)
+    for name, rank in w.ranks.items():
+        got = getattr(rank.engine, "staging_peaks", None) if name.startswith("decode") else None
+        if got:
+            peaks["ring"] = max(peaks["ring"], int(got["ring_assigned"]))
+            peaks["pinned"] = max(peaks["pinned"], int(got["pinned_used"]))
+    violations += [f"{v.invariant}: {v.detail}" for v in w.violations]
+    writes: dict[int, list[tuple[int, int, int, int, int]]] = defaultdict(list)
+    for rec in w.fabric.xfer_log or ():
+        writes[rec[0]].append(rec)
+    for key, t in w.tracks.items():
+        first = t.arrival_ns if first is None else min(first, t.arrival_ns)
+        end = max(end, t.done_ns)
+        if t.failed:
+            failed += 1
+            continue
+        if t.done_ns < 0:
+            continue
+        completed += 1
+        out_tokens += t.tokens
+        ft = (t.first_token_ns - t.arrival_ns) / MS
+        tp = (t.done_ns - t.first_token_ns) / MS / max(1, t.tokens - 1)
+        ttft.append(ft)
+        tpot.append(tp)
+        e2e.append((t.done_ns - t.arrival_ns) / MS)
+        last_ready = t.chunk_ready_ns[-1] if t.chunk_ready_ns else -1
+        if t.kv_done_ns >= 0 and last_ready >= 0:
+            xfer.append((t.kv_done_ns - last_ready) / MS)
+        req = w.requests[key]
+        picked = w.picked_ns.get((req.room, len(req.chunks) - 1), -1)
+        parts = transfer_split(last_ready, t.kv_done_ns, writes.get(req.room, []), picked)
+        if parts is not None:
+            split_n += 1
+            for k, v in parts.items():
+                split_sum[k] += v / MS
+        if ft <= spec.ttft_slo_ms and tp <= spec.tpot_slo_ms:
+            good += 1
     span_s = max(1e-9, (end - (first or 0)) / NS)
     total = arrivals.count
     return DeployResult(
@@ -143,4 +138,9 @@ def simulate(
         staging_peak_bytes=peaks,
         violations=violations,
         seed=spec.seed,
+        instances={
+            f"{side}{i}": {"requests": n, "busy": busy / NS / span_s}
+            for side in ("prefill", "decode")
+            for i, (n, busy) in enumerate(zip(w.routed[side], w.busy_ns[side], strict=True))
+        },
     )

@@ -1,5 +1,5 @@
-"""What a deployment is: the model, one prefill and one decode instance (TP sizes, page sizes, a
-GPU and a NIC profile), the flow that moves KV between them and its knobs, and the SLOs."""
+"""What a deployment is: the model, P prefill and D decode instances (TP sizes, page sizes, a
+GPU and a per-GPU NIC profile), the flow that moves KV between them and its knobs, and the SLOs."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from kvferry.core.geometry import ModelGeometry, validate_tp
 from kvferry.sim.deploy import hardware
 from kvferry.sim.deploy.compute import Roofline
 
-__all__ = ["FLOWS", "DeployError", "DeploySpec"]
+__all__ = ["FLOWS", "MAX_INSTANCES", "DeployError", "DeploySpec"]
 
 FLOWS = ("direct", "ring", "pinned", "pull", "push")
 MS = 1_000_000
+MAX_INSTANCES = 64  # per side: a simulated deployment's ranks all live in one process
 
 
 class DeployError(KvferryError, ValueError):
@@ -39,8 +40,9 @@ class DeploySpec:
     ttft_slo_ms: float = 2000.0
     tpot_slo_ms: float = 100.0
     seed: int = 1
-    # P prefill and D decode instances, paired one to one (requests go round-robin to the pairs;
-    # a pair's NICs serve only that pair). P != D needs cross-pair routing: not modelled.
+    # P prefill and D decode instances (each of the TP above, a NIC per GPU) in one simulated
+    # deployment: a router sends each request to a prefill instance (round-robin) and a decode
+    # instance (the least loaded), sim/deploy/router.py.
     prefill_instances: int = 1
     decode_instances: int = 1
     # A fitted profile (``kvferry calibrate --rooms``) whose per-room control path (one control
@@ -70,11 +72,10 @@ class DeploySpec:
             raise DeployError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
         if self.weight_bytes not in (1, 2):
             raise DeployError(f"weight_bytes must be 1 (FP8) or 2 (BF16), got {self.weight_bytes}")
-        if not 1 <= self.prefill_instances <= 64 or self.prefill_instances != self.decode_instances:
-            raise DeployError(
-                f"instances: {self.prefill_instances} prefill and {self.decode_instances} decode; only "
-                "paired instances (the same number of each, at most 64) are modelled"
-            )
+        for name in ("prefill_instances", "decode_instances"):
+            n = getattr(self, name)
+            if type(n) is not int or not 1 <= n <= MAX_INSTANCES:
+                raise DeployError(f"{name} must be in [1, {MAX_INSTANCES}], got {n!r}")
         if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
             raise DeployError("SLOs must be positive")
         hardware.gpu(self.gpu)
@@ -119,7 +120,8 @@ class DeploySpec:
         return n
 
     def scenario_dict(self, max_input: int, max_chunk: int) -> dict[str, Any]:
-        """The scenario (sim/scenario.py) of one prefill and one decode instance running this flow."""
+        """The scenario (sim/scenario.py) of one prefill and one decode instance running this flow
+        (the world repeats it for each instance)."""
         gpu, nic = hardware.gpu(self.gpu), hardware.nic(self.nic)
         ctl = self._control()
         if ctl is not None:

@@ -1,14 +1,17 @@
 """A deployment run: the simulator's World (real core engines, real flows, the simulated fabric,
-the invariant checker) with a prefill GPU, a decode batch loop and requests that arrive over time.
+the invariant checker) with P prefill and D decode instances, each its own ranks and NICs on the
+one fabric, and requests that arrive over time.
 
-- Prefill: chunked prefill. Chunks wait first come first served (a request's next chunk queues
-  behind chunks that arrived meanwhile); each forward step takes queued chunks, of any requests,
-  up to the chunk size in tokens (SGLang's chunked_prefill_size is both), and costs the roofline
-  of the batch (weights read once). Prefix hits are not computed, still transferred. A chunk's
-  KV goes to decode as soon as its step ends.
-- Decode: a request joins the batch once its room is Success on every decode rank; each step's
-  time is the roofline over the batch and its context; decode keeps the request's pages until
-  its last token.
+- Routing: at arrival a router (sim/deploy/router.py) picks the request's prefill and decode
+  instance; the room then runs between those two servers only (its pages, its transfers).
+- Prefill (each instance on its own): chunked prefill. Chunks wait first come first served (a
+  request's next chunk queues behind chunks that arrived meanwhile); each forward step takes
+  queued chunks, of any requests, up to the chunk size in tokens (SGLang's chunked_prefill_size
+  is both), and costs the roofline of the batch (weights read once). Prefix hits are not
+  computed, still transferred. A chunk's KV goes to decode as soon as its step ends.
+- Decode (each instance its own batch loop): a request joins its instance's batch once its room
+  is Success on every decode rank; each step's time is the roofline over the batch and its
+  context; decode keeps the request's pages until its last token.
 - TTFT: arrival to the end of the request's first decode step (the first token the client gets
   from decode); TPOT: the mean gap between its later tokens.
 """
@@ -22,6 +25,7 @@ from typing import Any
 
 import simpy
 from kvferry.sim import scenario as sc
+from kvferry.sim.deploy.router import Router
 from kvferry.sim.deploy.spec import DeploySpec
 from kvferry.sim.deploy.timing import TimingFabric
 from kvferry.sim.deploy.workload import Arrivals, DeployRequest
@@ -51,24 +55,42 @@ class Track:
 
 class DeployWorld(World):
     def __init__(
-        self, spec: DeploySpec, scenario: sc.Scenario, arrivals: Arrivals, lengths: tuple[DeployRequest, ...]
+        self,
+        spec: DeploySpec,
+        scenario: sc.Scenario,
+        arrivals: Arrivals,
+        lengths: tuple[DeployRequest, ...],
+        router: Router | None = None,
     ) -> None:
-        super().__init__(replace(scenario, workload=replace(scenario.workload, rooms=0)), seed=spec.seed)
+        n_pre, n_dec = spec.prefill_instances, spec.decode_instances
+        super().__init__(
+            replace(scenario, workload=replace(scenario.workload, rooms=0)),
+            seed=spec.seed,
+            instances=(n_pre, n_dec),
+        )
         assert isinstance(self.fabric, TimingFabric)
         self.fabric.xfer_log = []
         self.spec = spec
+        self.built = scenario  # as built from the spec (staging sized for its largest room)
         self.roof_p = spec.roofline("prefill")
         self.roof_d = spec.roofline("decode")
-        self._pjobs: deque[tuple[int, int, simpy.Event]] = deque()  # (new tokens, cached, done)
-        self._pwake = self.env.event()
+        self.router = router or Router(n_pre, n_dec)
+        # Per prefill instance: queued chunks (new tokens, cached, done) and the loop's wake-up.
+        self._pjobs: list[deque[tuple[int, int, simpy.Event]]] = [deque() for _ in range(n_pre)]
+        self._pwake = [self.env.event() for _ in range(n_pre)]
         self.tracks: dict[int, Track] = {}  # by request key
         self.finished = 0
         self.total = arrivals.count
         self.all_done = self.env.event()
         self._lengths = list(lengths)
         self._next = 0
-        self._waiting: deque[int] = deque()  # keys whose KV is in, not yet in the batch
-        self._wake = self.env.event()
+        # Per decode instance: keys whose KV is in, not yet in the batch, and the loop's wake-up.
+        self._waiting: list[deque[int]] = [deque() for _ in range(n_dec)]
+        self._wake = [self.env.event() for _ in range(n_dec)]
+        self.load = [0] * n_dec  # requests routed to each decode instance and not finished
+        self.routed = {"prefill": [0] * n_pre, "decode": [0] * n_dec}
+        # Simulated ns each instance spent in forward steps (its utilisation over the run).
+        self.busy_ns = {"prefill": [0] * n_pre, "decode": [0] * n_dec}
         self._hold_dec: set[int] = set()  # keys whose decode pages wait for the last token
         self._closed = arrivals.concurrency > 0
         if self._closed:
@@ -77,8 +99,10 @@ class DeployWorld(World):
         else:
             for r in arrivals.requests:
                 self._submit(r.arrival_ns, r)
-        self.env.process(self._decode_loop())
-        self.env.process(self._prefill_loop())
+        for j in range(n_dec):
+            self.env.process(self._decode_loop(j))
+        for i in range(n_pre):
+            self.env.process(self._prefill_loop(i))
         # A deployment run is judged on its metrics, not on its trace hash: the ~50 trace records
         # of each request are not hashed (reproducibility is checked on the metrics instead).
         self.trace.record = _no_record  # type: ignore[method-assign]
@@ -127,11 +151,38 @@ class DeployWorld(World):
         self.tracks[key] = Track(r, at_ns)
         self.env.process(self._request(req))
 
+    def _arrived(self, req: Request) -> bool:
+        """Route the request (at its arrival: the decode loads are those of now). A route to an
+        instance that does not exist is the router's bug: a violation, and the request fails."""
+        if len(self.load) == 1 and len(self._pjobs) == 1:
+            self.routed["prefill"][0] += 1
+            self.routed["decode"][0] += 1
+            self.load[0] += 1
+            return True
+        p, d = self.router.route(tuple(self.load))
+        if not (0 <= p < len(self._pjobs) and 0 <= d < len(self.load)):
+            self.violate(
+                "routing",
+                f"request {req.key} routed to prefill instance {p}, decode instance {d} of "
+                f"{len(self._pjobs)}P{len(self.load)}D",
+                req,
+            )
+            self._finish(req.key, failed=True)
+            return False
+        req.pre_inst, req.dec_inst = p, d
+        self.routed["prefill"][p] += 1
+        self.routed["decode"][d] += 1
+        self.load[d] += 1
+        return True
+
     def _finish(self, key: int, failed: bool) -> None:
         t = self.tracks[key]
         t.failed = failed
         t.done_ns = int(self.env.now)
         self.finished += 1
+        req = self.requests[key]
+        if req.opened:
+            self.load[req.dec_inst] -= 1
         if self._closed and self._next < self.total:
             self._submit(int(self.env.now))
         if self.finished >= self.total and not self.all_done.triggered:
@@ -144,27 +195,32 @@ class DeployWorld(World):
         new = max(0, start + tokens - new_start)
         if new:
             done = self.env.event()
-            self._pjobs.append((new, new_start, done))
-            if not self._pwake.triggered:
-                self._pwake.succeed()
+            i = req.pre_inst
+            self._pjobs[i].append((new, new_start, done))
+            if not self._pwake[i].triggered:
+                self._pwake[i].succeed()
             yield done
         else:
             yield self.env.timeout(1)  # a cached chunk: nothing to compute
         self.tracks[req.key].chunk_ready_ns.append(int(self.env.now))
 
-    def _prefill_loop(self):  # type: ignore[no-untyped-def]
+    def _prefill_loop(self, i: int):  # type: ignore[no-untyped-def]
+        """Prefill instance ``i``'s forward steps over its own queued chunks."""
         budget = self.spec.chunk_tokens
+        jobs, busy = self._pjobs[i], self.busy_ns["prefill"]
         while True:
-            if not self._pjobs:
-                self._pwake = self.env.event()
-                yield self._pwake
+            if not jobs:
+                self._pwake[i] = self.env.event()
+                yield self._pwake[i]
                 continue
-            batch = [self._pjobs.popleft()]
+            batch = [jobs.popleft()]
             used = batch[0][0]
-            while self._pjobs and used + self._pjobs[0][0] <= budget:
-                used += self._pjobs[0][0]
-                batch.append(self._pjobs.popleft())
-            yield self.env.timeout(self.roof_p.prefill_batch_ns([(t, ctx) for t, ctx, _ in batch]))
+            while jobs and used + jobs[0][0] <= budget:
+                used += jobs[0][0]
+                batch.append(jobs.popleft())
+            step = self.roof_p.prefill_batch_ns([(t, ctx) for t, ctx, _ in batch])
+            busy[i] += step
+            yield self.env.timeout(step)
             for _, _, done in batch:
                 done.succeed()
 
@@ -178,9 +234,10 @@ class DeployWorld(World):
         if req.outcome == "success":
             t.kv_done_ns = int(self.env.now)
             self._hold_dec.add(req.key)
-            self._waiting.append(req.key)
-            if not self._wake.triggered:
-                self._wake.succeed()
+            j = req.dec_inst
+            self._waiting[j].append(req.key)
+            if not self._wake[j].triggered:
+                self._wake[j].succeed()
         else:
             self._finish(req.key, failed=True)
 
@@ -189,23 +246,42 @@ class DeployWorld(World):
             return  # decode still needs them: freed after the last token
         super()._free_dec_pages(req)
 
-    def _decode_loop(self):  # type: ignore[no-untyped-def]
-        env, tracks = self.env, self.tracks
+    def _take(self, j: int) -> int | None:
+        """The next request whose KV is in at decode instance ``j`` (None: none waiting)."""
+        waiting = self._waiting[j]
+        return waiting.popleft() if waiting else None
+
+    def _decode_loop(self, j: int):  # type: ignore[no-untyped-def]
+        """Decode instance ``j``'s batch loop: only requests routed to ``j`` may join its batch
+        (another instance's would be decoded where its KV is not: a violation)."""
+        env, tracks, requests = self.env, self.tracks, self.requests
+        busy = self.busy_ns["decode"]
         batch: list[Track] = []
         keys: list[int] = []
         ctx = 0  # tokens the batch attends to: kept as a running sum (a step is the hot loop)
         while True:
-            while self._waiting and len(batch) < self.spec.max_batch:
-                k = self._waiting.popleft()
+            while len(batch) < self.spec.max_batch:
+                k = self._take(j)
+                if k is None:
+                    break
+                if requests[k].dec_inst != j:
+                    self.violate(
+                        "routing",
+                        f"decode instance {j} batched request {k}, routed to decode instance "
+                        f"{requests[k].dec_inst}",
+                        requests[k],
+                    )
                 t = tracks[k]
                 batch.append(t)
                 keys.append(k)
                 ctx += t.req.input_tokens + t.tokens
             if not batch:
-                self._wake = env.event()
-                yield self._wake
+                self._wake[j] = env.event()
+                yield self._wake[j]
                 continue
-            yield env.timeout(self.roof_d.decode_ns(len(batch), ctx))
+            step = self.roof_d.decode_ns(len(batch), ctx)
+            busy[j] += step
+            yield env.timeout(step)
             now = int(env.now)
             ctx += len(batch)  # every sequence gained a token
             done = False
