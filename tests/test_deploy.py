@@ -203,7 +203,7 @@ def test_transfer_split_parts_sum_to_the_whole() -> None:
     assert transfer_split(100, 900, []) is None
 
 
-def test_paired_instances_share_the_load() -> None:
+def test_more_instances_share_the_load() -> None:
     reqs = wl.poisson(40.0, 40, 1000, 20, seed=5)
     one = simulate(replace(SPEC, flow="ring"), wl.Arrivals(requests=reqs))
     two = simulate(
@@ -211,8 +211,9 @@ def test_paired_instances_share_the_load() -> None:
     )
     assert two.completed == one.completed == 40 and two.violations == []
     assert two.ttft_ms.p99 <= one.ttft_ms.p99
-    with pytest.raises(DeployError, match="only paired instances"):
-        replace(SPEC, prefill_instances=2, decode_instances=1).check()
+    assert [two.instances[f"prefill{i}"]["requests"] for i in range(2)] == [20, 20]  # round-robin
+    with pytest.raises(DeployError, match="decode_instances must be in"):
+        replace(SPEC, prefill_instances=2, decode_instances=0).check()
 
 
 def test_timing_only_registrations_take_no_memory_but_keep_their_bounds() -> None:

@@ -104,6 +104,9 @@ def test_a_scenario_file_gives_the_deployment() -> None:
         (["--model", "deepseek-v3", "--prefill-tp", "8", "--decode-tp", "8"], "does not fit a h100"),
         (["--scenario", str(ROOT / "scenarios" / "quickstart.toml")], "is not a preset"),
         (["--seed", "-1"], "--seed"),
+        (["--decode-instances", "0"], "--decode-instances must be in [1, 64], got 0"),
+        (["--prefill-instances", "65"], "--prefill-instances must be in [1, 64], got 65"),
+        (["--instances", "0"], "--instances must be in [1, 64], got 0"),
     ],
 )
 def test_bad_input_is_one_error_line(extra: list[str], needle: str) -> None:
@@ -111,6 +114,21 @@ def test_bad_input_is_one_error_line(extra: list[str], needle: str) -> None:
     assert r.exit_code == 2
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+
+
+def test_unequal_instances_run_as_one_deployment() -> None:
+    out = _json([*SMALL, "--flows", "ring", "--prefill-instances", "2", "--decode-instances", "3"])
+    d = out["deployment"]
+    assert (d["prefill_instances"], d["decode_instances"]) == (2, 3)
+    for point in out["results"]["ring"]:
+        assert point["completed"] == point["requests"] and point["violations"] == []
+        assert sorted(point["instances"]) == ["decode0", "decode1", "decode2", "prefill0", "prefill1"]
+        assert sum(point["instances"][f"prefill{i}"]["requests"] for i in range(2)) == point["requests"]
+    # --instances sets both sides; a side's own option wins.
+    both = _json(
+        [*SMALL, "--flows", "ring", "--concurrency", "2", "--instances", "2", "--decode-instances", "1"]
+    )
+    assert (both["deployment"]["prefill_instances"], both["deployment"]["decode_instances"]) == (2, 1)
 
 
 def test_knobs_say_when_the_ring_was_too_small() -> None:

@@ -1,6 +1,6 @@
 """``kvferry select``: which KV transfer flow for a deployment, and what it does to TTFT.
 
-Simulates every applicable flow (direct, ring, pinned, pull, push) of one prefill and one decode instance over
+Simulates every applicable flow (direct, ring, pinned, pull, push) of P prefill and D decode instances over
 a workload (a concurrency sweep, a Poisson rate or a trace file), through the real core engines
 and flows on the simulated fabric, ranks them and recommends one with its knobs.
 """
@@ -113,8 +113,16 @@ def register(app: typer.Typer) -> None:
         ] = None,
         requests: Annotated[int, typer.Option(help="Requests per load point.")] = 64,
         instances: Annotated[
-            int, typer.Option(help="Prefill and decode instances, paired one to one (requests round-robin).")
+            int, typer.Option(help="Prefill and decode instances, as many of each (see the next two).")
         ] = 1,
+        prefill_instances: Annotated[
+            int | None,
+            typer.Option(help="Prefill instances (default: --instances); requests go round-robin."),
+        ] = None,
+        decode_instances: Annotated[
+            int | None,
+            typer.Option(help="Decode instances (default: --instances); each request to the least loaded."),
+        ] = None,
         chunk_tokens: Annotated[
             int,
             typer.Option(help="Chunked prefill size in tokens: a chunk, and a prefill step's token budget."),
@@ -142,7 +150,7 @@ def register(app: typer.Typer) -> None:
         from kvferry.core.errors import KvferryError
         from kvferry.sim.deploy import workload as wl
         from kvferry.sim.deploy.select import LoadPoint, applicable_flows, select
-        from kvferry.sim.deploy.spec import FLOWS, DeploySpec
+        from kvferry.sim.deploy.spec import FLOWS, MAX_INSTANCES, DeploySpec
 
         check_seed(seed)
         if plot is not None:
@@ -168,7 +176,11 @@ def register(app: typer.Typer) -> None:
         _bounded(isl, "--isl", 1, MAX_TOKENS)
         _bounded(osl, "--osl", 1, MAX_TOKENS)
         _bounded(requests, "--requests", 1, MAX_REQUESTS)
-        _bounded(instances, "--instances", 1, 64)
+        _bounded(instances, "--instances", 1, MAX_INSTANCES)
+        prefill_instances = instances if prefill_instances is None else prefill_instances
+        decode_instances = instances if decode_instances is None else decode_instances
+        _bounded(prefill_instances, "--prefill-instances", 1, MAX_INSTANCES)
+        _bounded(decode_instances, "--decode-instances", 1, MAX_INSTANCES)
         _bounded(chunk_tokens, "--chunk-tokens", 1, MAX_TOKENS)
         _bounded(workers, "--workers", 1, 64)
         _bounded(staging_chunks, "--staging-chunks", 1, 1024)
@@ -197,8 +209,8 @@ def register(app: typer.Typer) -> None:
             ttft_slo_ms=ttft_slo_ms,
             tpot_slo_ms=tpot_slo_ms,
             seed=seed,
-            prefill_instances=instances,
-            decode_instances=instances,
+            prefill_instances=prefill_instances,
+            decode_instances=decode_instances,
             control_path=control_path,
         )
         try:

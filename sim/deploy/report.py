@@ -19,10 +19,15 @@ class PlotError(KvferryError, RuntimeError):
 def table(sel: Selection, console: Any) -> None:
     from rich.table import Table
 
+    sp = sel.spec
+    counts = (
+        f"{sp.prefill_instances} x " if sp.prefill_instances > 1 or sp.decode_instances > 1 else "",
+        f"{sp.decode_instances} x " if sp.prefill_instances > 1 or sp.decode_instances > 1 else "",
+    )
     t = Table(
-        title=f"flows for {sel.spec.model}, prefill TP {sel.spec.prefill_tp} -> decode TP "
-        f"{sel.spec.decode_tp}, {sel.spec.gpu} + {sel.spec.nic}"
-        + (f", control path of {sel.spec.control_path}" if sel.spec.control_path else "")
+        title=f"flows for {sp.model}, {counts[0]}prefill TP {sp.prefill_tp} -> {counts[1]}decode TP "
+        f"{sp.decode_tp}, {sp.gpu} + {sp.nic}"
+        + (f", control path of {sp.control_path}" if sp.control_path else "")
     )
     for col in (
         "#",
