@@ -200,8 +200,9 @@ class World(Chaos):
         One server a side keeps the plain names (prefill0, decode0); instance i of several is
         server ``prefill{i}.`` (nodes prefill{i}.0, prefill{i}.1, ...)."""
         t = self.scenario.topology
-        if instances != (1, 1) and (self.scenario.faults.events or self.scenario.faults.swarm):
-            raise ValueError("fault schedules name nodes of one prefill and one decode server")
+        f = self.scenario.faults
+        if instances != (1, 1) and (f.events or f.swarm or f.abort):
+            raise ValueError("fault schedules and aborts name nodes of one prefill and one decode server")
         self.servers: dict[str, tuple[str, ...]] = {}
         self.instance_nodes: dict[str, tuple[tuple[str, ...], ...]] = {}
         self._node_ep: dict[str, Endpoint] = {}

@@ -165,3 +165,17 @@ def test_bad_instance_counts_are_clear_errors(p: int, d: int, needle: str) -> No
     with pytest.raises(DeployError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         _spec(p, d).check()
     _spec(3, 2).check()  # unequal counts are a deployment like any other
+
+
+def test_servers_are_named_apart_and_a_fault_schedule_needs_one_server_a_side() -> None:
+    from kvferry.sim.world import World
+
+    s = build_scenario(SPEC, _closed(1, 1)[1])
+    one = World(s)
+    assert sorted(one.ranks) == ["decode0", "decode1", "prefill0", "prefill1", "prefill2", "prefill3"]
+    many = World(s, instances=(2, 3))
+    assert len(many.ranks) == 2 * 4 + 3 * 2 and "prefill1.3" in many.ranks and "decode2.1" in many.ranks
+    # Each server its own allocators: one rank's pages are not another server's.
+    assert many.allocs["decode0.0"] is many.allocs["decode0.1"] is not many.allocs["decode1.0"]
+    with pytest.raises(ValueError, match="one prefill and one decode server"):
+        World(replace(s, faults=replace(s.faults, abort=0.1)), instances=(1, 2))
