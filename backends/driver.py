@@ -140,15 +140,18 @@ class Driver:
         another thread's post holds the data plane."""
         notifs = self.transport.drain_notifs()
         n = 0
-        with self.lock:
-            for data in notifs:
-                self._feed(NotificationIn(data=data), now)
-                n += 1
+        if notifs:  # most polls find none: no lock round trip for nothing
+            with self.lock:
+                for data in notifs:
+                    self._feed(NotificationIn(data=data), now)
+                    n += 1
         return n + self.poll_writes(now, None)
 
     def _feed_controls(self, now: int, controls: list[bytes] | None = None) -> int:
         if controls is None:
             controls = self.transport.recv_control()
+        if not controls:
+            return 0
         with self.lock:
             for data in controls:
                 self._feed(ControlIn(data=data), now)
@@ -203,6 +206,10 @@ class Driver:
 
     def _poll_copies(self, now: int) -> int:
         """Gathers and scatters that finished: fed as CopyDone/CopyFailed (checked without the lock)."""
+        if not self.copies:
+            # Nothing posted (a dict's truth is one atomic read): a copy another thread posts
+            # meanwhile is checked on the next poll, as if it had been posted just after this one.
+            return 0
         t = self.transport
         with self.lock:
             todo = list(self.copies.items())

@@ -27,6 +27,8 @@ FailedAck, which stops the sender's resending.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -91,6 +93,12 @@ class RIn(IdentityEnum):
     READ_DONE = "read_done"  # pull flow: our READ of an offered chunk finished
     READ_FAILED = "read_failed"
 
+
+# Shared empty stand-ins for a room's rarely filled tables (pull, staging, dummies, fence): a room
+# allocates its own set or dict only when it first writes one (most rooms never do), so opening a
+# room builds fewer objects. Readers need no change; the few writers replace the stand-in first.
+NO_SET: frozenset[Any] = frozenset()
+NO_DICT: Mapping[Any, Any] = MappingProxyType({})
 
 STATUS = {
     RState.BOOTSTRAPPING: KVPoll.Bootstrapping,
@@ -168,18 +176,18 @@ class _Room:
                 self.aux_sender = p
         self.aux_pending = False
         self.aux_ok = False
-        self.dummies_done: set[m.Endpoint] = set()
-        self.fenced: set[m.Endpoint] = set()
+        self.dummies_done: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
+        self.fenced: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
         self.fence_expired = False
         self.freed = False
         self.failure: RoomFailure | None = None
         self.release_requested = False
-        self.stg: dict[int, RxChunk] = {}  # staged chunks (core.flows.staged_rx)
-        self.scatters: set[int] = set()  # scatter ops in flight: the pages are being written
+        self.stg: Mapping[int, RxChunk] = NO_DICT  # staged chunks (core.flows.staged_rx)
+        self.scatters: Any = NO_SET  # scatter ops in flight: the pages are being written
         # Pull flow: READs in flight (they write the pages), chunks pulled, senders that offered.
-        self.reads: dict[int, Any] = {}
-        self.pulled: set[tuple[m.Endpoint, int]] = set()
-        self.pull_from: set[m.Endpoint] = set()
+        self.reads: Any = NO_DICT
+        self.pulled: Any = NO_SET
+        self.pull_from: Any = NO_SET
         self.reads_stopped_sent = False
 
 
@@ -258,7 +266,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
                 self.counters["unknown_read"] += 1
             else:
                 r = self.rooms.get(key[0])
-                info = r.reads.pop(event.write_id, None) if r is not None and r.tid == key[1] else None
+                mine = r is not None and r.tid == key[1] and r.reads  # a stand-in has no pop
+                info = r.reads.pop(event.write_id, None) if mine else None
                 inp = RIn.READ_DONE if t is WriteDone else RIn.READ_FAILED
                 self._room_input(key[0], key[1], inp, (event, info))
         elif t is ReceiverOpen:
@@ -516,6 +525,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         if inp is RIn.RELEASE:
             r.release_requested = True
         elif inp is RIn.STOPPED:
+            if r.fenced is NO_SET:
+                r.fenced = set()
             r.fenced.add(payload.src)
             self._aborts.answered(r.room, payload.src)
         elif inp is RIn.COPY_DONE or inp is RIn.COPY_FAILED:
@@ -544,7 +555,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         # A sender writes only after our TransferInfo: its note is as good as the InfoAck (which
         # may be lost). Resending on would hand the TransferInfo to a restarted sender, which
         # then knows the room only from it, times out, and fails a room that ended Success.
-        self._infos.answered(r.room, src)
+        if r.room in self._infos.entries:  # usually answered already by its InfoAck
+            self._infos.answered(r.room, src)
         if r.state is not RState.SUCCESS:
             self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
         if src not in r.data_senders:
@@ -554,6 +566,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
                 raise RoomError(f"notification with data from dummy sender {src}")
             if src in r.dummies_done:
                 self.counters["duplicate_notification"] += 1
+            if r.dummies_done is NO_SET:
+                r.dummies_done = set()
             r.dummies_done.add(src)
         elif note.dummy:
             raise RoomError(f"dummy notification from data sender {src}")

@@ -273,7 +273,8 @@ class SimTransport:
         self.fabric.send_notif(self.node, p.node, notif, tag=tag)
 
     def drain_notifs(self) -> list[bytes]:
-        return [payload for _src, payload in self.fabric.drain_notifs(self.node)]
+        got = self.fabric.drain_notifs(self.node)
+        return [payload for _src, payload in got] if got else []
 
     def read_aux_room(self, aux_index: int) -> int:
         return aux_room_of(self.aux_row(aux_index))
@@ -324,7 +325,8 @@ class SimTransport:
         self.fabric.send_control(self.node, node_name(peer), data, tag=tag)
 
     def recv_control(self) -> list[bytes]:
-        return [payload for _src, payload in self.fabric.drain_control(self.node)]
+        got = self.fabric.drain_control(self.node)
+        return [payload for _src, payload in got] if got else []
 
 
 def hash_node(name: str) -> int:

@@ -98,6 +98,8 @@ class PullReceiver:
         if src not in r.data_senders:
             raise RoomError(f"pull offer from {src}, which sends no data to this room")
         key = (src, offer.chunk_index)
+        if not r.pull_from:
+            r.pull_from = set()  # the room's first offer (it starts with a shared empty stand-in)
         r.pull_from.add(src)
         if key in r.pulled:
             self.counters["duplicate_offer"] += 1  # type: ignore[attr-defined]
@@ -115,6 +117,8 @@ class PullReceiver:
         rid = self._next_read
         self._next_read += 1
         self.reads[rid] = r.key
+        if not r.reads:
+            r.reads = {}
         r.reads[rid] = info
         self._out.append(  # type: ignore[attr-defined]
             PostRead(
@@ -139,6 +143,8 @@ class PullReceiver:
 
     def _chunk_read(self, r: Any, info: ReadInfo) -> str:
         self._record_chunk(r, r.progress[info.src], info.note(r.room, r.tid))  # type: ignore[attr-defined]
+        if not r.pulled:
+            r.pulled = set()
         r.pulled.add((info.src, info.chunk_index))
         self._send(  # type: ignore[attr-defined]
             info.src,
@@ -156,6 +162,8 @@ class PullReceiver:
     def _pull_after_failure(self, r: Any, offer: m.PullOffer) -> None:
         """An offer for a failed room: never read; its sender hears ReadsStopped once ours drain."""
         self.counters["offer_after_failure"] += 1  # type: ignore[attr-defined]
+        if not r.pull_from:
+            r.pull_from = set()
         r.pull_from.add(offer.src)
         if not r.reads:
             self._send(  # type: ignore[attr-defined]

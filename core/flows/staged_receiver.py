@@ -160,6 +160,8 @@ class StagedReceiver:
                     f"sender {p} has no head range; build SenderSpecs with core.topology.sender_specs"
                 )
         ch = RxChunk(req.chunk_index, req.token_start, req.token_end, flow, writers)
+        if not r.stg:
+            r.stg = {}  # the room's first staged chunk (it starts with a shared empty stand-in)
         r.stg[req.chunk_index] = ch
         if not self._allocate(r, ch):
             self.counters["pinned_wait"] += 1
@@ -295,6 +297,8 @@ class StagedReceiver:
         op = self._next_op_id
         self._next_op_id += 1
         self.ops[op] = r.key
+        if not r.scatters:
+            r.scatters = set()  # the first scatter (the room starts with a shared empty stand-in)
         r.scatters.add(op)
         fire(RX_TABLE, ch, RxIn.START, op)
         region = RING_REGION if ch.flow is Flow.RING else PINNED_REGION
@@ -302,7 +306,8 @@ class StagedReceiver:
 
     def _scatter_finished(self, r: Any, op: int) -> None:
         """Every state: the scatter's staging space has no writer left, so it is freed at once."""
-        r.scatters.discard(op)
+        if r.scatters:
+            r.scatters.discard(op)
         ch = next((x for x in r.stg.values() if x.op_id == op), None)
         if ch is None or ch.state is not RxState.SCATTERING:
             return

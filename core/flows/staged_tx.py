@@ -117,6 +117,8 @@ class StagedLedger:
 
     def quiet(self) -> bool:
         """No gather or write in flight and every accepted lane landed."""
+        if not self.lanes:  # every direct room: no generator to build
+            return not self.ops
         return not self.ops and all(x.state is TxState.LANDED for x in self.lanes.values() if x.accepted)
 
     def drop_waiting(self) -> None:
