@@ -112,6 +112,10 @@ class Driver:
         self.on_enqueue = on_enqueue
         self._followups: deque[Any] = deque()
         self.posting = 0  # writes of worker steps not yet posted and published to ``handles``
+        # Called with ("in", event) for each event fed, ("step", chunk) when a worker takes a
+        # chunk, ("run", command) before each command and ("posted", command) when a post
+        # returned: runtime.tracing.DriverTrace (kvferry bench nixl --trace).
+        self.trace: Callable[[str, Any], None] | None = None
 
     # --- entry points ----------------------------------------------------------------------------
 
@@ -252,6 +256,8 @@ class Driver:
             if not q:
                 return None
             chunk = q.popleft()
+            if self.trace is not None:
+                self.trace("step", chunk)
             cmds = self.engine.run_chunk(chunk, now)
         wait: tuple[int, ...] = ()
         pending: list[Any] = []  # follow-ups, fed after the whole list (the order _execute keeps)
@@ -306,6 +312,14 @@ class Driver:
                     self._drain(now)
 
     def _call_data_plane(self, cmd: Any) -> Any:
+        if self.trace is None:
+            return self._post(cmd)
+        self.trace("run", cmd)
+        handle = self._post(cmd)
+        self.trace("posted", cmd)
+        return handle
+
+    def _post(self, cmd: Any) -> Any:
         t = self.transport
         if type(cmd) is PostWrite:
             return t.post_write(
@@ -329,6 +343,8 @@ class Driver:
     # --- internals (lock held) ---------------------------------------------------------------------
 
     def _feed(self, event: Any, now: int) -> tuple[int, ...]:
+        if self.trace is not None:
+            self.trace("in", event)
         return self._execute(self.engine.handle(event, now), now)
 
     def _execute(self, cmds: list[Any], now: int) -> tuple[int, ...]:
@@ -347,6 +363,8 @@ class Driver:
         """Execute one command (lock held); a failure is counted and queued as a follow-up."""
         k = type(cmd)
         t = self.transport
+        if self.trace is not None and k not in _DATA_PLANE:  # _call_data_plane traces its own
+            self.trace("run", cmd)
         try:
             if k is SendControl:
                 t.send_control(cmd.peer, m.encode(cmd.msg))
@@ -365,6 +383,8 @@ class Driver:
                     cmd.length,
                     cmd.notif,
                 )
+                if self.trace is not None:
+                    self.trace("posted", cmd)
             elif k is EnqueueChunk:
                 self.queues[cmd.shard % len(self.queues)].append(cmd.chunk)
                 if self.on_enqueue is not None:
@@ -372,6 +392,8 @@ class Driver:
             elif k is Gather or k is Scatter:
                 kind = "gather" if k is Gather else "scatter"
                 self.copies[cmd.op_id] = t.post_copy(kind, cmd.staging_region, cmd.maps)
+                if self.trace is not None:
+                    self.trace("posted", cmd)
             elif k is AwaitWrites:
                 return cmd.write_ids
             elif k is ChunkDeferred:

@@ -245,6 +245,7 @@ BAD = [
     (["bench", "nixl", "--config", "bogus"], "unknown configuration"),
     (["bench", "nixl", "--telemetry", "{dir}"], "is a directory"),
     (["bench", "nixl", "--telemetry", "{missing_dir_file}"], "does not exist"),
+    (["bench", "nixl", "--trace", "{file}"], "is a file, not a folder"),
     # calibrate and bench predict
     (["calibrate", "{missing}", "--name", "x"], "no such file"),
     (["calibrate", "{dir}", "--name", "x"], "is a directory"),

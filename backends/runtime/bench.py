@@ -65,6 +65,9 @@ class BenchConfig:
     # side uses visible GPU r mod count. Empty: both processes see every GPU and use GPU 0.
     prefill_gpus: str = ""
     decode_gpus: str = ""
+    # Record every engine event and command of both processes here (runtime.tracing): the
+    # rooms' hop timeline in the result, a Perfetto trace in trace.json.
+    trace_dir: str = ""
 
 
 DEFAULT_CONFIGS = (
@@ -87,6 +90,24 @@ def _hear() -> dict[str, Any]:
     if not line:
         sys.exit(3)
     return json.loads(line)
+
+
+def _start_trace(cfg: BenchConfig, eps: list[Any], role: str) -> list[Any]:
+    from kvferry.backends.runtime.tracing import DriverTrace
+
+    if not cfg.trace_dir:
+        return []
+    traces = [DriverTrace(f"{role}{ep.pool.tp_rank}") for ep in eps]
+    for ep, tr in zip(eps, traces, strict=True):
+        ep.driver.trace = tr
+    return traces
+
+
+def _save_trace(cfg: BenchConfig, traces: list[Any], role: str) -> None:
+    if traces:
+        rows = [r for tr in traces for r in tr.rows()]
+        with open(os.path.join(cfg.trace_dir, f"{role}.rows.json"), "w") as f:
+            json.dump(rows, f)
 
 
 def _pools(cfg: BenchConfig, role: str) -> list[Any]:
@@ -198,6 +219,7 @@ def child_prefill(cfg: BenchConfig) -> None:
         raw = {"raw": [cover]}
         eps.append(PrefillEndpoint("prefill", pool, buffers=regions, config=_config(cfg), extra_groups=raw))
         bufs.append(buf)
+    traces = _start_trace(cfg, eps, "prefill")
     for ep in eps:
         ep.start()
     _say(event="ready", addresses=[ep.address for ep in eps])
@@ -284,6 +306,7 @@ def child_prefill(cfg: BenchConfig) -> None:
 
         with open(cfg.telemetry_path, "wb") as f:
             f.write(msgspec.json.encode({"config": asdict(cfg), "writes": kv_posts}))
+    _save_trace(cfg, traces, "prefill")
     _say(
         event="done",
         raw_times=raw_times[cfg.warmup :],
@@ -332,6 +355,7 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
         )
         all_regions.append(regions)
         covers.append([cover.addr, cover.nbytes, cover.dev])
+    traces = _start_trace(cfg, eps, "decode")
     for ep in eps:
         ep.start()
     _say(event="ready", raw=covers)
@@ -372,6 +396,7 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
         _say(event="batch", index=b)
         _hear()  # next: the paired raw writes are done
     check = {"ok": bool(checks) and all(checks), "rooms_checked": len(checks)}
+    _save_trace(cfg, traces, "decode")
     counters: dict[str, int] = {}
     for ep in eps:
         with ep.lock:
@@ -554,7 +579,22 @@ def run_config(
         "p2p_gbps": p2p,
         # Chunks decode scattered per flow (the flow really ran): from decode's counters.
         "scattered": {f: d["counters"].get(f"scattered_{f}", 0) for f in ("ring", "pinned")},
+        **({"hops": _trace_hops(cfg)} if cfg.trace_dir else {}),
     }
+
+
+def _trace_hops(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Merge both children's rows: trace.json (Perfetto) beside them, the timed rooms' hops back."""
+    from kvferry.backends.runtime.tracing import chrome, hops
+
+    rows: list[dict[str, Any]] = []
+    for role in ("prefill", "decode"):
+        with open(os.path.join(cfg.trace_dir, f"{role}.rows.json")) as f:
+            rows += json.load(f)
+    with open(os.path.join(cfg.trace_dir, "trace.json"), "w") as f:
+        json.dump({"traceEvents": chrome(rows)}, f)
+    warm = frozenset(range(1000, 1000 + cfg.warmup * cfg.inflight))
+    return hops(rows, skip_rooms=warm)
 
 
 _P2P = """

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from kvferry.commands import bad_input, check_output_file
+from kvferry.commands import bad_input, check_output_dir, check_output_file
 
 bench_app = typer.Typer(
     help="Benchmarks that measure their own baseline in the same run.", no_args_is_help=True
@@ -36,6 +36,13 @@ def nixl(
     ] = 1,
     telemetry: Annotated[
         str, typer.Option(help="Write NIXL's per-write telemetry (JSON) to this path (one config).")
+    ] = "",
+    trace: Annotated[
+        str,
+        typer.Option(
+            help="Record every engine event and command of both processes into this folder (a "
+            "subfolder per run: trace.json for ui.perfetto.dev) and print each room's hop timeline."
+        ),
     ] = "",
     prefill_gpus: Annotated[
         str, typer.Option(help="VRAM: CUDA_VISIBLE_DEVICES of the prefill process, e.g. '0' or '0,1'.")
@@ -99,11 +106,15 @@ def nixl(
                     c, telemetry_path=telemetry if one else f"{telemetry}.{c.prefill_tp}-{c.decode_tp}.{f}"
                 )
             c = replace(c, rooms=rooms or c.rooms)
+            if trace:
+                c = replace(c, trace_dir=str(Path(trace) / f"tp{c.prefill_tp}-{c.decode_tp}.{f}"))
             try:
                 check_config(c)
             except ValueError as e:
                 bad_input(f"{c.name}: {e}")
             runs.append(c)
+    if trace:
+        check_output_dir(Path(trace), "--trace")
     if importlib.util.find_spec("nixl") is None:
         bad_input("bench nixl needs NIXL: pip install 'kvferry[real]'")
     for i, c in enumerate(runs):
@@ -111,7 +122,11 @@ def nixl(
             f"[{i + 1}/{len(runs)}] {c.name} {c.flow} {c.mem}: {c.rooms} batch(es) of {c.inflight}",
             file=sys.stderr,
         )
+        if c.trace_dir:
+            Path(c.trace_dir).mkdir(parents=True, exist_ok=True)
         r = run_config(c)
+        for h in r.get("hops", ()):
+            print(f"  {h['median_us']:>10.1f} us  {h['label']}  ({h['count']} rooms)", file=sys.stderr)
         if as_json:
             typer.echo(json.dumps(r))
             continue
