@@ -354,6 +354,20 @@ def test_bad_arguments_rejected_before_launch(kwargs, pages, match) -> None:
     np.testing.assert_array_equal(as_bytes(stg), snapshot)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 63), min_size=1, max_size=40))
+def test_a_scatter_is_refused_exactly_when_two_tokens_share_a_slot(slots: list[int]) -> None:
+    from kvferry.backends.kernels.api import _check_pages_host
+
+    pages = np.array(slots, dtype=np.int64)
+    _check_pages_host(pages, 0, len(pages), 64, unique=False)  # a gather may read a slot twice
+    if len(set(slots)) == len(slots):
+        _check_pages_host(pages, 0, len(pages), 64, unique=True)
+    else:
+        with pytest.raises(KernelArgError, match="duplicate"):
+            _check_pages_host(pages, 0, len(pages), 64, unique=True)
+
+
 def test_other_rejections() -> None:
     pool, lay, stg = _small()
     with pytest.raises(KernelArgError, match="duplicate"):

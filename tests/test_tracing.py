@@ -114,11 +114,12 @@ def test_rows_attribute_completions_to_the_room_of_their_post_and_name_garbage()
     assert [r["t_ns"] for r in rows] == sorted(r["t_ns"] for r in rows)
 
 
-def test_hops_skip_warmup_rooms_and_rooms_decode_never_saw() -> None:
+def test_hops_count_from_decodes_open_and_skip_warmup_rooms_and_rooms_decode_never_saw() -> None:
     def row(t: int, node: str, name: str, room: int) -> dict[str, object]:
         return {"t_ns": t, "node": node, "thread": "x", "what": "in", "name": name, "room": room}
 
     rows = [
+        row(500, "decode0", "ControlIn StagingReq", 1),  # came before decode opened: not the base
         row(1_000, "decode0", "ReceiverOpen", 1),
         row(4_000, "prefill0", "WriteDone", 1),
         row(10_000, "decode0", "ReceiverOpen", 2),

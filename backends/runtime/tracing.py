@@ -8,7 +8,7 @@ system-wide, so the rows of a prefill and a decode process on one host share a t
 
 ``hops()`` turns the rows of several endpoints into a per-room timeline: for each label
 ("decode in ReceiverOpen", "prefill posted PostWrite", ...) its first time in a room, from decode's
-first row of that room, as a median over rooms; ``chrome()`` writes them for Perfetto.
+open of that room, as a median over rooms; ``chrome()`` writes them for Perfetto.
 """
 
 from __future__ import annotations
@@ -92,18 +92,20 @@ def _room(obj: Any) -> int:
 
 
 def hops(rows: list[dict[str, Any]], skip_rooms: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
-    """Median over rooms of each label's first time in the room (us from decode's first row of
-    the room), in time order; ``count``: rooms the label occurred in."""
+    """Median over rooms of each label's first time in the room (us from decode's ReceiverOpen,
+    or its first row of the room), in time order; ``count``: rooms the label occurred in."""
     per_room: dict[int, list[dict[str, Any]]] = {}
     for r in rows:
         if r["room"] >= 0 and r["room"] not in skip_rooms:
             per_room.setdefault(r["room"], []).append(r)
     firsts: dict[str, list[float]] = {}
     for rs in per_room.values():
-        starts = [r["t_ns"] for r in rs if r["node"].startswith("decode")]
-        if not starts:
+        decode = [r for r in rs if r["node"].startswith("decode")]
+        if not decode:
             continue
-        t0 = min(starts)
+        # From decode's open (a prefill's early StagingReq may reach decode before it).
+        opens = [r["t_ns"] for r in decode if r["what"] == "in" and r["name"] == "ReceiverOpen"]
+        t0 = min(opens or [r["t_ns"] for r in decode])
         seen: dict[str, float] = {}
         for r in sorted(rs, key=lambda r: r["t_ns"]):
             label = f"{r['node']} {r['what']} {r['name']}"
