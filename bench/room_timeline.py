@@ -1,9 +1,11 @@
 """Where a small room's time goes: a timeline of the hops of one room through the real runtime.
 
 One process, one prefill and one decode endpoint over real NIXL (DRAM, UCX loopback), TP 1 -> 1,
-rooms of a few KB so bytes do not matter (default), or of a preset model's real size in GPU
-memory (``--mem VRAM --model qwen3-8b --tokens 4096``: where a 604 MB room's time goes on a
-GPU). Prefill opens each room and hands over its only chunk
+rooms of a few KB so bytes do not matter (default), or of a preset model's real size
+(``--model qwen3-8b --tokens 4096``). ``--mem VRAM`` is not a GPU measurement: with both
+endpoints in one process UCX moved 604 MB rooms at 0.4 GB/s on an H100 (no cuda_ipc inside one
+process); for GPU rooms use the two-process ``kvferry bench nixl --mem VRAM --trace DIR``.
+Prefill opens each room and hands over its only chunk
 first (the chunk parks until decode registers); the clock starts when decode opens the room. The
 hops are timed by wrapping the functions each one passes through (``time.perf_counter`` after
 each): decode sends its TransferInfo, prefill's control thread takes it in and the engine handles
