@@ -780,18 +780,6 @@ class SenderEngine(StagedSender, RoomEngine):
         # dummy "done" note, the aux write, or the staging allocation the bytes landed in.
         # ``c``: the ChunkReady, or a staged lane (same fields under other names).
         index = c.chunk_index if type(c) is ChunkReady else c.index
-        if not kind:  # a data write's note (most of them): no keyword unpacking
-            return _encode(
-                m.ChunkNote(
-                    room=r.room,
-                    transfer_id=r.tid,
-                    src=self.endpoint,
-                    chunk_index=index,
-                    token_start=start,
-                    token_end=end,
-                    is_last=c.is_last,
-                )
-            )
         note = m.ChunkNote(
             room=r.room,
             transfer_id=r.tid,

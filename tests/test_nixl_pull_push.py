@@ -9,28 +9,21 @@ and the bytes are compared at decode's Success.
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
 from kvferry.backends.runtime.staging import StagingConfig
-from kvferry.core.deadlines import MS, SEC, Timeouts
 from kvferry.core.flows import Flow
-from kvferry.core.geometry import ModelGeometry, PoolGeometry
+from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.sim import pattern
 
-MODEL = ModelGeometry("rt", num_layers=2, num_kv_heads=4, head_dim=8)
-TIMEOUTS = Timeouts(
-    bootstrap_ns=10 * SEC,
-    waiting_ns=10 * SEC,
-    transfer_ns=10 * SEC,
-    heartbeat_interval_ns=200 * MS,
-    heartbeat_timeout_ns=5 * SEC,
-    fence_ns=40 * SEC,
-    tombstone_ns=60 * SEC,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_setup import MODEL, TIMEOUTS
 
 
 @pytest.fixture(params=["pull", "push"])

@@ -8,8 +8,10 @@ decode as an explicit failure) while the worker goes on, threads join on close.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,16 +36,8 @@ from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import decode_note
 from kvferry.sim import pattern
 
-MODEL = ModelGeometry("rt", num_layers=2, num_kv_heads=4, head_dim=8)
-TIMEOUTS = Timeouts(
-    bootstrap_ns=10 * SEC,
-    waiting_ns=10 * SEC,
-    transfer_ns=10 * SEC,
-    heartbeat_interval_ns=200 * MS,
-    heartbeat_timeout_ns=5 * SEC,
-    fence_ns=40 * SEC,
-    tombstone_ns=60 * SEC,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_setup import MODEL, TIMEOUTS
 
 
 def _two_to_one(cfg: RuntimeConfig, pages: int) -> tuple[list[PrefillEndpoint], DecodeEndpoint]:

@@ -4,6 +4,8 @@ real NIXL on DRAM in one process, and the row attribution on its own."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,22 +13,13 @@ from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeCon
 from kvferry.backends.runtime.staging import StagingConfig
 from kvferry.backends.runtime.tracing import DriverTrace, chrome, hops
 from kvferry.core.commands import PostWrite
-from kvferry.core.deadlines import MS, SEC, Timeouts
 from kvferry.core.events import ControlIn, WriteDone
-from kvferry.core.geometry import ModelGeometry, PoolGeometry
+from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Endpoint
 
-MODEL = ModelGeometry("rt", num_layers=2, num_kv_heads=4, head_dim=8)
-TIMEOUTS = Timeouts(
-    bootstrap_ns=10 * SEC,
-    waiting_ns=10 * SEC,
-    transfer_ns=10 * SEC,
-    heartbeat_interval_ns=200 * MS,
-    heartbeat_timeout_ns=5 * SEC,
-    fence_ns=40 * SEC,
-    tombstone_ns=60 * SEC,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runtime_setup import MODEL, TIMEOUTS
 
 
 @pytest.mark.parametrize("flow", ["push", "pull"])
