@@ -15,29 +15,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
+from kvferry.backends.runtime import RuntimeConfig
 from kvferry.backends.runtime.staging import StagingConfig
 from kvferry.core.flows import Flow
-from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.sim import pattern
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_setup import MODEL, TIMEOUTS
+from runtime_setup import TIMEOUTS, two_to_one
 
 
 @pytest.fixture(params=["pull", "push"])
 def servers(request):
     flow = Flow(request.param)
     cfg = RuntimeConfig(num_queues=2, aux_rows=16, timeouts=TIMEOUTS, staging=StagingConfig(flow=flow.value))
-    pre = [PrefillEndpoint("P", PoolGeometry(MODEL, 2, r, 4, 32), config=cfg) for r in range(2)]
-    dec = DecodeEndpoint(
-        "D",
-        PoolGeometry(MODEL, 1, 0, 4, 32),
-        prefill_server="P",
-        prefill_addresses=[p.address for p in pre],
-        config=cfg,
-    )
+    pre, dec = two_to_one(cfg, 32)
     for e in [*pre, dec]:
         e.start()
     yield flow, pre, dec

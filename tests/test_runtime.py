@@ -37,20 +37,7 @@ from kvferry.core.messages import decode_note
 from kvferry.sim import pattern
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_setup import MODEL, TIMEOUTS
-
-
-def _two_to_one(cfg: RuntimeConfig, pages: int) -> tuple[list[PrefillEndpoint], DecodeEndpoint]:
-    """Two prefill ranks and one decode rank of MODEL (4-token pages), not started."""
-    pre = [PrefillEndpoint("P", PoolGeometry(MODEL, 2, r, 4, pages), config=cfg) for r in range(2)]
-    dec = DecodeEndpoint(
-        "D",
-        PoolGeometry(MODEL, 1, 0, 4, pages),
-        prefill_server="P",
-        prefill_addresses=[p.address for p in pre],
-        config=cfg,
-    )
-    return pre, dec
+from runtime_setup import MODEL, TIMEOUTS, two_to_one
 
 
 @pytest.fixture
@@ -66,7 +53,7 @@ def servers(request):
         flow=flow,
     )
     cfg = RuntimeConfig(num_queues=2, aux_rows=16, timeouts=TIMEOUTS, staging=staging)
-    pre, dec = _two_to_one(cfg, 32)
+    pre, dec = two_to_one(cfg, 32)
     for e in [*pre, dec]:
         e.start()
     yield pre, dec
@@ -131,7 +118,7 @@ def test_a_worker_keeps_several_chunks_in_flight_and_every_room_lands(flow):
     cfg = RuntimeConfig(
         num_queues=1, aux_rows=16, timeouts=TIMEOUTS, staging=staging, worker_chunks_in_flight=3
     )
-    pre, dec = _two_to_one(cfg, 64)
+    pre, dec = two_to_one(cfg, 64)
     depth: list[int] = []
     go = threading.Event()
     step = pre[0].driver.worker_step

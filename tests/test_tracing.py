@@ -9,30 +9,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
+from kvferry.backends.runtime import RuntimeConfig
 from kvferry.backends.runtime.staging import StagingConfig
 from kvferry.backends.runtime.tracing import DriverTrace, chrome, hops
 from kvferry.core.commands import PostWrite
 from kvferry.core.events import ControlIn, WriteDone
-from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Endpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runtime_setup import MODEL, TIMEOUTS
+from runtime_setup import TIMEOUTS, two_to_one
 
 
 @pytest.mark.parametrize("flow", ["push", "pull"])
 def test_every_room_is_traced_across_both_sides_in_order(flow: str) -> None:
     cfg = RuntimeConfig(num_queues=2, aux_rows=16, timeouts=TIMEOUTS, staging=StagingConfig(flow=flow))
-    pre = [PrefillEndpoint("P", PoolGeometry(MODEL, 2, r, 4, 32), config=cfg) for r in range(2)]
-    dec = DecodeEndpoint(
-        "D",
-        PoolGeometry(MODEL, 1, 0, 4, 32),
-        prefill_server="P",
-        prefill_addresses=[p.address for p in pre],
-        config=cfg,
-    )
+    pre, dec = two_to_one(cfg, 32)
     traces = [DriverTrace(f"prefill{r}") for r in range(2)] + [DriverTrace("decode0")]
     for ep, tr in zip([*pre, dec], traces, strict=True):
         ep.driver.trace = tr

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 RAW_ID = (1 << 20) + 1  # a covering region over the whole pool, in its own group "raw"
+FIRST_ROOM = 1000  # batch b's room k is FIRST_ROOM + b * inflight + k on both sides
 
 
 @dataclass(frozen=True)
@@ -93,10 +94,10 @@ def _hear() -> dict[str, Any]:
 
 
 def _start_trace(cfg: BenchConfig, eps: list[Any], role: str) -> list[Any]:
-    from kvferry.backends.runtime.tracing import DriverTrace
-
     if not cfg.trace_dir:
         return []
+    from kvferry.backends.runtime.tracing import DriverTrace
+
     traces = [DriverTrace(f"{role}{ep.pool.tp_rank}") for ep in eps]
     for ep, tr in zip(eps, traces, strict=True):
         ep.driver.trace = tr
@@ -237,7 +238,7 @@ def child_prefill(cfg: BenchConfig) -> None:
             ep.transport.agent.telemetry.clear()
         batch = []
         for k in range(cfg.inflight):
-            room, aux = 1000 + b * cfg.inflight + k, k
+            room, aux = FIRST_ROOM + b * cfg.inflight + k, k
             pages = np.arange(n_pages, dtype=np.int64) + k * n_pages
             senders = [ep.sender(room, f"b{room}") for ep in eps]
             for s, ep in zip(senders, eps, strict=True):
@@ -374,7 +375,7 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
         rvs = []
         t0 = time.perf_counter()
         for k in range(cfg.inflight):
-            room, slot = 1000 + b * cfg.inflight + k, half * cfg.inflight + k
+            room, slot = FIRST_ROOM + b * cfg.inflight + k, half * cfg.inflight + k
             for ep in eps:
                 rv = ep.receiver(room, f"b{room}")
                 rv.init(np.arange(n_pages, dtype=np.int64) + slot * n_pages, cfg.tokens, k)
@@ -593,7 +594,7 @@ def _trace_hops(cfg: BenchConfig) -> list[dict[str, Any]]:
             rows += json.load(f)
     with open(os.path.join(cfg.trace_dir, "trace.json"), "w") as f:
         json.dump({"traceEvents": chrome(rows)}, f)
-    warm = frozenset(range(1000, 1000 + cfg.warmup * cfg.inflight))
+    warm = frozenset(range(FIRST_ROOM, FIRST_ROOM + cfg.warmup * cfg.inflight))
     return hops(rows, skip_rooms=warm)
 
 
