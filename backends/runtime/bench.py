@@ -69,6 +69,10 @@ class BenchConfig:
     # Record every engine event and command of both processes here (runtime.tracing): the
     # rooms' hop timeline in the result, a Perfetto trace in trace.json.
     trace_dir: str = ""
+    # sys.setswitchinterval of both bench processes, in microseconds (0: Python's 5 ms default).
+    # A thread woken by a hop waits up to this long for the GIL when another thread is running
+    # Python: a knob for measuring that wait, not something the runtime sets in a host process.
+    switch_interval_us: float = 0.0
 
 
 DEFAULT_CONFIGS = (
@@ -476,6 +480,7 @@ def check_config(cfg: BenchConfig) -> None:
         ("warmup", cfg.warmup, 0, None),
         ("page_size", cfg.page_size, 1, None),
         ("raw_reps", cfg.raw_reps, 1, None),
+        ("switch_interval_us", cfg.switch_interval_us, 0, 1_000_000),
     ):
         if value < lo or (hi is not None and value > hi):
             bounds = f"in [{lo}, {hi:,}]" if hi is not None else f">= {lo}"
@@ -561,6 +566,7 @@ def run_config(
         "rooms": cfg.rooms,
         "inflight": cfg.inflight,
         "worker_chunks": cfg.worker_chunks,
+        "switch_interval_us": cfg.switch_interval_us,
         "kvferry_s": e2e_s,
         "kvferry_gbps": e2e,
         "raw_s": raw_s,
@@ -651,6 +657,8 @@ def _child_main() -> None:
     ap.add_argument("prefill", nargs="*")
     a = ap.parse_args()
     cfg = BenchConfig(**json.loads(a.config))
+    if cfg.switch_interval_us > 0:
+        sys.setswitchinterval(cfg.switch_interval_us / 1e6)
     if a.role == "prefill":
         child_prefill(cfg)
     else:

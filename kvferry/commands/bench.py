@@ -34,6 +34,13 @@ def nixl(
     worker_chunks: Annotated[
         int, typer.Option(help="Chunks whose writes a prefill worker keeps in flight (1: one at a time).")
     ] = 1,
+    switch_interval_us: Annotated[
+        float,
+        typer.Option(
+            help="sys.setswitchinterval of both bench processes in microseconds (0: Python's 5 ms): "
+            "how long a woken thread may wait for the GIL."
+        ),
+    ] = 0.0,
     telemetry: Annotated[
         str, typer.Option(help="Write NIXL's per-write telemetry (JSON) to this path (one config).")
     ] = "",
@@ -96,6 +103,7 @@ def nixl(
                 mem=mem,
                 inflight=inflight,
                 worker_chunks=worker_chunks,
+                switch_interval_us=switch_interval_us,
                 flow=f,
                 prefill_gpus=prefill_gpus,
                 decode_gpus=decode_gpus,
