@@ -8,7 +8,11 @@ Each is timed as a ping-pong (round trip / 2), in four ways:
 - ``queue``: two threads, queue.Queue put / get (the control plane's inbox);
 - ``zmq``: two processes, PUSH/PULL over TCP loopback, blocking recv (the control plane's wire);
 - ``zmq_spin``: the same, the receiver polling with NOBLOCK and ``time.sleep(0)`` between polls
-  (what a spinning receiver would gain: no sleep/wake of the OS scheduler on the path).
+  (what a spinning receiver would gain: no sleep/wake of the OS scheduler on the path);
+- ``plane``: two processes, kvferry's own ControlPlane with HMAC authentication (send on the
+  caller's thread, the IO thread, the inbox), as the runtime's control threads use it;
+- ``plane_busy``: the same with one more thread per process waking every 200 us to run a little
+  Python, as a data thread with a room in flight does (what GIL contention adds to a hop).
 
     python bench/wake_probe.py [--n 2000] [--json]
 
@@ -123,6 +127,58 @@ def zmq_pingpong(n: int, spin: bool) -> dict[str, float]:
     return _stats(out)
 
 
+def _busy(stop: threading.Event) -> None:
+    while not stop.wait(200e-6):
+        sum(range(200))  # a short poll's worth of Python
+
+
+def _plane(name: str, busy: bool):  # type: ignore[no-untyped-def]
+    from kvferry.backends.zmqctl import ControlPlane
+    from kvferry.backends.zmqctl.auth import ControlAuth
+
+    stop = threading.Event()
+    if busy:
+        threading.Thread(target=_busy, args=(stop,), daemon=True).start()
+    return ControlPlane(name, auth=ControlAuth((b"k" * 32,))), stop
+
+
+def _plane_echo(conn, n: int, busy: bool) -> None:  # type: ignore[no-untyped-def]
+    plane, stop = _plane("echo", busy)
+    conn.send(plane.address)
+    plane.connect("probe", conn.recv())
+    for _ in range(n + 1):
+        msg = None
+        while msg is None:
+            msg = plane.recv(1.0)
+        plane.send("probe", msg.payload)
+    time.sleep(0.2)
+    stop.set()
+    plane.close()
+
+
+def plane_pingpong(n: int, busy: bool) -> dict[str, float]:
+    plane, stop = _plane("probe", busy)
+    ours, theirs = mp.get_context("spawn").Pipe()
+    p = mp.get_context("spawn").Process(target=_plane_echo, args=(theirs, n, busy))
+    p.start()
+    plane.connect("echo", ours.recv())
+    ours.send(plane.address)
+    out = []
+    for i in range(n + 1):
+        t0 = time.perf_counter_ns()
+        plane.send("echo", b"x" * 200)
+        msg = None
+        while msg is None:
+            msg = plane.recv(1.0)
+        if i:  # the first round trip connects
+            out.append((time.perf_counter_ns() - t0) / 2)
+        time.sleep(50e-6)
+    p.join(10)
+    stop.set()
+    plane.close()
+    return _stats(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=2000, help="round trips per probe")
@@ -135,6 +191,8 @@ def main() -> None:
         "queue": thread_queue(args.n),
         "zmq": zmq_pingpong(args.n, spin=False),
         "zmq_spin": zmq_pingpong(args.n, spin=True),
+        "plane": plane_pingpong(args.n, busy=False),
+        "plane_busy": plane_pingpong(args.n, busy=True),
     }
     if args.json:
         print(json.dumps(rows))
