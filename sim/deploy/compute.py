@@ -10,7 +10,7 @@ assumption: no communication cost is charged).
 A hybrid model's linear-attention layers (``ModelGeometry.linear_layers``) run their own token
 mixer's weights and an MLP like any layer, attend to no context, and read and write each request's
 recurrent state once a step; the recurrence's own FLOPs (about four per state element and token,
-~2% of the layer's weight FLOPs for Qwen3.5-397B-A17B) are left out. Expert parallelism (``ep``)
+~1% of the layer's weight FLOPs for Qwen3.5-397B-A17B) are left out. Expert parallelism (``ep``)
 spreads the experts over ``ep`` ranks that each run their own batch (DEP: attention data-parallel):
 a rank holds and reads ``num_experts / ep`` of them; the all-to-all between the ranks is not charged.
 """
