@@ -116,7 +116,14 @@ class ModelGeometry:
     moe_intermediate_size: int = 0  # one expert's MLP width (0: dense model)
     experts_per_token: int = 0  # experts a token runs through, shared ones included
     num_experts: int = 0  # routed + shared experts per MoE layer
+    shared_experts: int = 0  # of those, the ones every token runs (every expert-parallel rank holds them)
     dense_layers: int = 0  # leading layers with a dense MLP in a MoE model
+    # A hybrid model's linear-attention layers (Gated DeltaNet): no per-token KV, so no regions
+    # here (``num_layers`` counts only the layers that keep per-token KV), but they carry weights
+    # and a fixed-size recurrent state per request. 0: not a hybrid model.
+    linear_layers: int = 0
+    linear_attn_params: int = 0  # token-mixer weights of one linear-attention layer
+    linear_state_bytes: int = 0  # one request's recurrent state in one linear layer, all heads
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -161,6 +168,16 @@ class ModelGeometry:
         """Bytes of one token over all heads, layers and kinds (the whole model, unsharded)."""
         return self.num_regions * self.num_kv_heads * self.head_bytes
 
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one request's recurrent state over all linear layers (whole model, unsharded)."""
+        return self.linear_layers * self.linear_state_bytes
+
+    @property
+    def total_layers(self) -> int:
+        """Every layer the forward runs: those with per-token KV and the linear-attention ones."""
+        return self.num_layers + self.linear_layers
+
     def same_kv_shape(self, other: ModelGeometry) -> str | None:
         """None if ``other`` lays out identical KV bytes, else a sentence saying what differs."""
         for fname in ("num_layers", "num_kv_heads", "head_dim", "dtype", "is_mla"):
@@ -174,6 +191,26 @@ class ModelGeometry:
 # q_lora_rank 1536, kv_lora_rank 512, qk_nope 128 + qk_rope 64, v_head_dim 128):
 # q_a 7168x1536 + q_b 1536x(128x192) + kv_a 7168x(512+64) + kv_b 512x(128x(128+128)) + o (128x128)x7168.
 _DSV3_ATTN = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+
+# Qwen3.5-397B-A17B (hybrid: 60 layers, every 4th full gated attention, the other 45 Gated
+# DeltaNet), from NVIDIA/Megatron-LM examples/mimo/configs/qwen35_vlm.py (commit 1e38b879,
+# "all values match the HuggingFace text_config") and THUDM/slime
+# scripts/models/qwen3.5-397B-A17B.sh (commit aa84536b): hidden 4096, 32 query heads, 2 KV
+# heads of head_dim 256, attention output gate; 512 routed experts of width 1024, 10 per token,
+# plus one shared expert of width 1024; linear attention with 16 key heads and 64 value heads of
+# dims 128, conv kernel 4; vocab 248320 (slime).
+# Full attention layer: q with its output gate 4096 x (32 x 256 x 2), k and v 4096 x (2 x 256)
+# each, o (32 x 256) x 4096.
+_Q35_ATTN = 4096 * 32 * 256 * 2 + 2 * 4096 * 2 * 256 + 32 * 256 * 4096
+# Gated DeltaNet layer: in_proj_qkv 4096 x (2 x 16 x 128 + 64 x 128), in_proj_z 4096 x (64 x 128),
+# in_proj_b and in_proj_a 4096 x 64 each, out_proj (64 x 128) x 4096, conv1d 12288 x 4.
+_Q35_CONV_DIM = 2 * 16 * 128 + 64 * 128
+_Q35_LINEAR = 4096 * _Q35_CONV_DIM + 4096 * 64 * 128 + 2 * 4096 * 64 + 64 * 128 * 4096 + _Q35_CONV_DIM * 4
+# One request's state in one Gated DeltaNet layer, as SGLang's mamba pool keeps it (conv_state
+# [conv_dim, kernel - 1] and temporal_state [value heads, key dim, value dim], sglang PR 22263):
+# the temporal state in float32 (assumption: SGLang's default --mamba-ssm-dtype), the conv state in
+# bf16: 64 x 128 x 128 x 4 + 12288 x 3 x 2 = 4,268,032 bytes.
+_Q35_STATE = 64 * 128 * 128 * 4 + _Q35_CONV_DIM * 3 * 2
 
 PRESETS: dict[str, ModelGeometry] = {
     g.name: g
@@ -221,7 +258,29 @@ PRESETS: dict[str, ModelGeometry] = {
             moe_intermediate_size=2048,
             experts_per_token=9,
             num_experts=257,
+            shared_experts=1,
             dense_layers=3,
+        ),
+        # Only the 15 full-attention layers keep per-token KV: 15 x (K, V) = 30 regions, 2 heads of
+        # 256 in bf16 (the -FP8 checkpoint quantizes weights, not the KV cache) = 30,720 bytes a
+        # token. Experts: 10 routed + 1 shared of the same width per token, 512 + 1 per layer, every
+        # layer MoE. Active weights come to ~16.2e9 plus the 1.0e9 embedding (the published 17B).
+        ModelGeometry(
+            "qwen3.5-397b-a17b",
+            num_layers=15,
+            num_kv_heads=2,
+            head_dim=256,
+            hidden_size=4096,
+            num_attention_heads=32,
+            vocab_size=248320,
+            attn_params=_Q35_ATTN,
+            moe_intermediate_size=1024,
+            experts_per_token=11,
+            num_experts=513,
+            shared_experts=1,
+            linear_layers=45,
+            linear_attn_params=_Q35_LINEAR,
+            linear_state_bytes=_Q35_STATE,
         ),
     )
 }

@@ -142,3 +142,22 @@ def test_knobs_say_when_the_ring_was_too_small() -> None:
     assert "filled up at c=16" in tight["knobs"]["sizing"]
     assert "of the ring in use" in roomy["knobs"]["sizing"]
     assert roomy["results"]["ring"][0]["staging_peak_bytes"]["ring"] > 0
+
+
+def test_seed_003s_deployment_runs_from_the_command_line() -> None:
+    # Qwen3.5-397B-A17B on GB200, TP 4 prefill -> DEP4 decode (experts over the four ranks).
+    out = _json(
+        [
+            *SMALL,
+            *("--model", "qwen3.5-397b-a17b", "--prefill-tp", "4", "--decode-tp", "1"),
+            *("--decode-instances", "4", "--decode-ep", "4", "--gpu", "gb200", "--fp8-weights"),
+            *("--max-batch", "64", "--flows", "ring,direct"),
+        ]
+    )
+    assert out["recommendation"] == "ring"
+    for flow, points in out["results"].items():
+        assert all(p["completed"] == 6 and not p["violations"] for p in points), flow
+    r = runner.invoke(
+        app, [*SMALL, "--model", "qwen3.5-397b-a17b", "--decode-instances", "4", "--decode-ep", "3"]
+    )
+    assert r.exit_code != 0 and "decode_ep" in r.stdout + r.stderr

@@ -81,13 +81,14 @@ def register(app: typer.Typer) -> None:
     @app.command("select")
     def select_cmd(
         model: Annotated[
-            str, typer.Option(help="Model preset: qwen3-8b, llama-3.1-70b, deepseek-v3.")
+            str,
+            typer.Option(help="Model preset: qwen3-8b, llama-3.1-70b, deepseek-v3, qwen3.5-397b-a17b."),
         ] = "qwen3-8b",
         prefill_tp: Annotated[int, typer.Option("--prefill-tp", help="Prefill instance's TP size.")] = 4,
         decode_tp: Annotated[int, typer.Option("--decode-tp", help="Decode instance's TP size.")] = 2,
         prefill_page_size: Annotated[int, typer.Option(help="Prefill's tokens per KV page.")] = 16,
         decode_page_size: Annotated[int, typer.Option(help="Decode's tokens per KV page.")] = 16,
-        gpu: Annotated[str, typer.Option(help="GPU profile: h100 or h200.")] = "h100",
+        gpu: Annotated[str, typer.Option(help="GPU profile: h100, h200 or gb200.")] = "h100",
         nic: Annotated[
             str, typer.Option(help="NIC profile: nic-100g/200g/400g, or fitted (kvferry calibrate).")
         ] = "nic-400g",
@@ -123,6 +124,13 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option(help="Decode instances (default: --instances); each request to the least loaded."),
         ] = None,
+        decode_ep: Annotated[
+            int,
+            typer.Option(
+                help="Expert parallelism over the decode instances (DEP: each an attention-DP rank, "
+                "the routed experts spread over this many of them)."
+            ),
+        ] = 1,
         chunk_tokens: Annotated[
             int,
             typer.Option(help="Chunked prefill size in tokens: a chunk, and a prefill step's token budget."),
@@ -211,6 +219,7 @@ def register(app: typer.Typer) -> None:
             seed=seed,
             prefill_instances=prefill_instances,
             decode_instances=decode_instances,
+            decode_ep=decode_ep,
             control_path=control_path,
         )
         try:

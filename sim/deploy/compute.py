@@ -6,6 +6,13 @@ Per token and layer, the linear layers cost 2 FLOPs per active weight, and atten
 batch touches once (a MoE decode step touches up to batch x experts_per_token experts) and the
 KV cache of the context it attends to. TP splits both the FLOPs and the bytes evenly (an
 assumption: no communication cost is charged).
+
+A hybrid model's linear-attention layers (``ModelGeometry.linear_layers``) run their own token
+mixer's weights and an MLP like any layer, attend to no context, and read and write each request's
+recurrent state once a step; the recurrence's own FLOPs (about four per state element and token,
+~1% of the layer's weight FLOPs for Qwen3.5-397B-A17B) are left out. Expert parallelism (``ep``)
+spreads the experts over ``ep`` ranks that each run their own batch (DEP: attention data-parallel):
+a rank holds and reads ``num_experts / ep`` of them; the all-to-all between the ranks is not charged.
 """
 
 from __future__ import annotations
@@ -24,30 +31,45 @@ class Weights:
     """Per-layer weights (element counts) of a model, and the model's total."""
 
     attn: int  # attention weights per layer
+    attn_layers: int  # layers with (full) attention over the context
+    linear: int  # a linear-attention layer's token mixer (0: none)
+    linear_layers: int
     dense_mlp: int  # a dense layer's MLP
     expert: int  # one expert's MLP (0: dense model)
     experts_per_token: int
     num_experts: int
+    shared_experts: int
     dense_layers: int  # layers with a dense MLP (all of a dense model's)
     moe_layers: int
     embed: int  # embedding + LM head
 
-    def active_per_token(self) -> int:
-        """Weights one token runs through (2 FLOPs each)."""
+    def _with_experts(self, experts: int) -> int:
+        """Every token mixer, dense MLP and the LM head, plus ``experts`` experts per MoE layer."""
         return (
-            self.dense_layers * (self.attn + self.dense_mlp)
-            + self.moe_layers * (self.attn + self.experts_per_token * self.expert)
+            self.attn_layers * self.attn
+            + self.linear_layers * self.linear
+            + self.dense_layers * self.dense_mlp
+            + self.moe_layers * experts * self.expert
             + self.embed // 2  # the LM head; the embedding is a lookup
         )
 
-    def read_per_step(self, tokens: int) -> int:
-        """Weights a step over ``tokens`` tokens reads (each expert at most once)."""
-        experts = min(self.num_experts, tokens * self.experts_per_token)
-        return (
-            self.dense_layers * (self.attn + self.dense_mlp)
-            + self.moe_layers * (self.attn + experts * self.expert)
-            + self.embed // 2
-        )
+    def active_per_token(self) -> int:
+        """Weights one token runs through (2 FLOPs each)."""
+        return self._with_experts(self.experts_per_token)
+
+    def experts_held(self, ep: int = 1) -> int:
+        """Experts per MoE layer on one of ``ep`` expert-parallel ranks: the shared ones and an
+        even share of the routed ones."""
+        return self.shared_experts + (self.num_experts - self.shared_experts) // ep
+
+    def read_per_step(self, tokens: int, ep: int = 1) -> int:
+        """Weights a step over ``tokens`` tokens reads on one of ``ep`` expert-parallel ranks
+        (each of its experts at most once)."""
+        return self._with_experts(min(self.experts_held(ep), tokens * self.experts_per_token))
+
+    def held(self, ep: int = 1) -> int:
+        """Weights one of ``ep`` expert-parallel ranks holds (before TP), the embedding included."""
+        return self._with_experts(self.experts_held(ep)) + self.embed // 2
 
 
 def weights(m: ModelGeometry) -> Weights:
@@ -61,15 +83,19 @@ def weights(m: ModelGeometry) -> Weights:
         h * m.num_attention_heads * m.head_dim * 2 + h * m.num_kv_heads * m.head_dim * 2
     )  # q and o, k and v
     moe = m.moe_intermediate_size > 0
-    dense_layers = m.dense_layers if moe else m.num_layers
+    dense_layers = m.dense_layers if moe else m.total_layers
     return Weights(
         attn=attn,
+        attn_layers=m.num_layers,
+        linear=m.linear_attn_params,
+        linear_layers=m.linear_layers,
         dense_mlp=3 * h * m.intermediate_size,  # gate, up, down
         expert=3 * h * m.moe_intermediate_size,
         experts_per_token=m.experts_per_token if moe else 0,
         num_experts=m.num_experts if moe else 0,
+        shared_experts=m.shared_experts if moe else 0,
         dense_layers=dense_layers,
-        moe_layers=m.num_layers - dense_layers,
+        moe_layers=m.total_layers - dense_layers,
         embed=2 * h * m.vocab_size,
     )
 
@@ -77,11 +103,17 @@ def weights(m: ModelGeometry) -> Weights:
 class Roofline:
     """Step times of one TP group of ``gpu`` running ``model``."""
 
-    __slots__ = ("_active", "gpu", "model", "tp", "w", "weight_bytes")
+    __slots__ = ("_active", "ep", "gpu", "model", "tp", "w", "weight_bytes")
 
-    def __init__(self, model: ModelGeometry, gpu: GpuProfile, tp: int, weight_bytes: int = 2) -> None:
+    def __init__(
+        self, model: ModelGeometry, gpu: GpuProfile, tp: int, weight_bytes: int = 2, ep: int = 1
+    ) -> None:
         self.model, self.gpu, self.tp, self.weight_bytes = model, gpu, tp, weight_bytes  # BF16 weights
         self.w = weights(model)
+        routed = self.w.num_experts - self.w.shared_experts
+        if ep < 1 or (ep > 1 and (not routed or routed % ep)):
+            raise ValueError(f"expert parallelism {ep} needs a MoE model whose routed experts it divides")
+        self.ep = ep
         self._active = self.w.active_per_token()
 
     def _attn_flops(self, token_ctx: int) -> float:
@@ -92,6 +124,10 @@ class Roofline:
 
     def _kv_bytes(self, ctx_tokens: int) -> float:
         return float(ctx_tokens * self.model.token_bytes)
+
+    def _state_bytes(self, requests: int) -> float:
+        """A step reads and writes back each request's recurrent state once (hybrid models)."""
+        return 2.0 * requests * self.model.state_bytes
 
     def _time_ns(self, flops: float, nbytes: float, overhead_us: float) -> int:
         g = self.gpu
@@ -111,7 +147,11 @@ class Roofline:
         pairs = sum(t * ctx + t * (t + 1) // 2 for t, ctx in parts)
         flops = 2.0 * w.active_per_token() * tokens + self._attn_flops(pairs)
         kv = sum(ctx + t for t, ctx in parts)
-        nbytes = self.weight_bytes * w.read_per_step(tokens) + self._kv_bytes(kv)
+        nbytes = (
+            self.weight_bytes * w.read_per_step(tokens, self.ep)
+            + self._kv_bytes(kv)
+            + self._state_bytes(len(parts))
+        )
         return self._time_ns(flops, nbytes, self.gpu.prefill_step_overhead_us)
 
     def decode_ns(self, batch: int, ctx_total: int) -> int:
@@ -120,14 +160,12 @@ class Roofline:
             return 0
         w = self.w
         flops = 2.0 * self._active * batch + self._attn_flops(ctx_total)
-        nbytes = self.weight_bytes * w.read_per_step(batch) + self._kv_bytes(ctx_total)
+        nbytes = (
+            self.weight_bytes * w.read_per_step(batch, self.ep)
+            + self._kv_bytes(ctx_total)
+            + self._state_bytes(batch)
+        )
         return self._time_ns(flops, nbytes, self.gpu.decode_step_overhead_us)
 
     def weight_bytes_per_rank(self) -> int:
-        w = self.w
-        total = (
-            w.dense_layers * (w.attn + w.dense_mlp)
-            + w.moe_layers * (w.attn + w.num_experts * w.expert)
-            + w.embed
-        )
-        return self.weight_bytes * total // self.tp
+        return self.weight_bytes * self.w.held(self.ep) // self.tp

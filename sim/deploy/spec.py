@@ -45,6 +45,10 @@ class DeploySpec:
     # instance (the least loaded), sim/deploy/router.py.
     prefill_instances: int = 1
     decode_instances: int = 1
+    # Expert parallelism across decode instances (DEP: each instance an attention data-parallel
+    # rank with its own batch and KV, the experts spread over ``decode_ep`` of them): each holds
+    # and reads 1/decode_ep of the experts. 1: every decode instance holds every expert.
+    decode_ep: int = 1
     # A fitted profile (``kvferry calibrate --rooms``) whose per-room control path (one control
     # message's latency, the delay before a completion is handled) the serving runtime pays on
     # top of the NIC's wire and posting; "" for an ideal runtime (the fabric's 50 us messages).
@@ -76,6 +80,14 @@ class DeploySpec:
             n = getattr(self, name)
             if type(n) is not int or not 1 <= n <= MAX_INSTANCES:
                 raise DeployError(f"{name} must be in [1, {MAX_INSTANCES}], got {n!r}")
+        ep = self.decode_ep
+        if type(ep) is not int or ep < 1 or self.decode_instances % ep:
+            raise DeployError(f"decode_ep must divide decode_instances ({self.decode_instances}), got {ep!r}")
+        routed = g.num_experts - g.shared_experts
+        if ep > 1 and (not routed or routed % ep):
+            raise DeployError(
+                f"decode_ep {ep} needs a MoE model whose routed experts it divides ({self.model})"
+            )
         if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
             raise DeployError("SLOs must be positive")
         hardware.gpu(self.gpu)
@@ -98,20 +110,39 @@ class DeploySpec:
 
     def roofline(self, side: str) -> Roofline:
         tp = self.prefill_tp if side == "prefill" else self.decode_tp
-        return Roofline(self.geometry(), hardware.gpu(self.gpu), tp, self.weight_bytes)
+        ep = self.decode_ep if side == "decode" else 1
+        return Roofline(self.geometry(), hardware.gpu(self.gpu), tp, self.weight_bytes, ep)
+
+    def state_bytes_per_rank(self, side: str) -> int:
+        """HBM a rank sets aside for hybrid models' recurrent state: one slot per request of the
+        largest batch (SGLang sizes its mamba pool by the running-request cap), the state's heads
+        split by TP like the KV heads."""
+        tp = self.prefill_tp if side == "prefill" else self.decode_tp
+        return self.max_batch * self.geometry().state_bytes // tp
 
     def pages(self, side: str) -> int:
-        """KV pages per rank: the HBM the server gives away, less the rank's weights."""
+        """KV pages per rank: the HBM the server gives away, less the rank's weights and the
+        recurrent-state slots of a hybrid model."""
         g = self.geometry()
         tp = self.prefill_tp if side == "prefill" else self.decode_tp
         page_size = self.prefill_page_size if side == "prefill" else self.decode_page_size
         gpu = hardware.gpu(self.gpu)
-        free = gpu.hbm_gb * 1e9 * gpu.memory_fraction - self.roofline(side).weight_bytes_per_rank()
+        free = (
+            gpu.hbm_gb * 1e9 * gpu.memory_fraction
+            - self.roofline(side).weight_bytes_per_rank()
+            - self.state_bytes_per_rank(side)
+        )
         heads = g.num_kv_heads // tp if tp <= g.num_kv_heads else 1
         page_bytes = page_size * g.num_regions * heads * g.head_bytes
         n = int(free // page_bytes)
         if n < 1:
             hint = "raise the TP" + (", or use FP8 weights: --fp8-weights" if self.weight_bytes == 2 else "")
+            state = self.state_bytes_per_rank(side)
+            if state:
+                hint += (
+                    f", or lower max_batch (the recurrent state of {self.max_batch} requests "
+                    f"takes {state / 1e9:.0f} GB)"
+                )
             raise DeployError(
                 f"{self.model} at TP {tp} does not fit a {gpu.name}: its weights take "
                 f"{self.roofline(side).weight_bytes_per_rank() / 1e9:.0f} GB of a rank's "
