@@ -57,6 +57,12 @@ def parse_seeds(text: str) -> list[int]:
     return out
 
 
+# The share of drawn deployments with several servers a side, and the (prefill, decode) counts
+# they draw from: small, since every rank is a node of its own and a seed should stay quick.
+MULTI_INSTANCE_SHARE = 0.25
+INSTANCE_DRAWS = ((1, 2), (2, 1), (2, 2), (1, 3), (3, 2))
+
+
 def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, ...] = ()) -> sc.Scenario:
     """The scenario seed ``seed`` runs: ``base`` with swarm faults, or a deployment drawn too."""
     if base is not None:
@@ -122,6 +128,12 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
     # Push registrations matched by request id (no router transfer id), from a stream of its own.
     if Streams(seed)["swarm.flows.push_match"].random() < 0.4:
         flows = replace(flows, push_match="request_id")
+    # Several servers on one side or both, from a stream of their own: routing, each server's own
+    # memory, and faults and aborts that hit one server while its neighbours carry on.
+    irng = Streams(seed)["swarm.instances"]
+    if irng.random() < MULTI_INSTANCE_SHARE:
+        pre_n, dec_n = irng.choice(INSTANCE_DRAWS)
+        topo = replace(topo, prefill_instances=pre_n, decode_instances=dec_n)
     # Prefix hits (decode holds the first tokens): a third of the seeds, for half of their rooms.
     if Streams(seed)["swarm.prefix"].random() < 0.3:
         work = replace(work, prefix_hit=0.5)

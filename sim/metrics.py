@@ -75,6 +75,9 @@ class RunResult:
     staging: dict[str, Any] = field(default_factory=dict)
     scenario_toml: str = ""  # the resolved scenario, filled in for failing runs
     bytes_verified: bool = True  # false for timing-only runs (move_bytes = false) or checks.bytes off
+    # TP and server counts of each side, and per server ("prefill0", "decode2") the rooms routed
+    # there and how many of them succeeded.
+    deployment: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -96,7 +99,7 @@ def collect(w: World, wall_s: float = 0.0, detail: bool = False) -> RunResult:
     lat: list[int] = []
     reasons: Counter[str] = Counter()
     for r in w.requests:
-        dec = [f"decode{d}" for d in range(w.D)]
+        dec = w.room_nodes(r, "decode")
         ends = [r.terminal_ns.get(n, -1) for n in dec]
         latency = max(ends) - r.arrival_ns if r.opened and min(ends) >= 0 else -1
         if r.outcome == "success" and latency >= 0:
@@ -147,17 +150,37 @@ def collect(w: World, wall_s: float = 0.0, detail: bool = False) -> RunResult:
         agreement_exempt=[f"room {k}: {why}" for k, why in w.agreement_exempt],
         rooms_detail=rooms,
         staging=_staging(w),
+        deployment=_deployment(w),
     )
+
+
+def _deployment(w: World) -> dict[str, Any]:
+    t = w.scenario.topology
+    per: dict[str, dict[str, int]] = {}
+    for side, n in (("prefill", t.prefill_instances), ("decode", t.decode_instances)):
+        for i in range(n):
+            per[f"{side}{i}"] = {"rooms": 0, "succeeded": 0}
+    for r in w.requests:
+        for name in (f"prefill{r.pre_inst}", f"decode{r.dec_inst}"):
+            per[name]["rooms"] += 1
+            per[name]["succeeded"] += r.outcome == "success"
+    return {
+        "prefill_tp": t.prefill_tp,
+        "decode_tp": t.decode_tp,
+        "prefill_instances": t.prefill_instances,
+        "decode_instances": t.decode_instances,
+        "instances": per,
+    }
 
 
 def _staging(w: World) -> dict[str, Any]:
     """Staging offered and its peak use per decode rank (empty when no staged flow is offered)."""
     out: dict[str, Any] = {}
-    for d in range(w.D):
-        eng = w.ranks[f"decode{d}"].engine
+    for node in (n for nodes in w.instance_nodes["decode"] for n in nodes):
+        eng = w.ranks[node].engine
         if eng.ring is None and eng.pinned is None:
             continue
-        out[f"decode{d}"] = {
+        out[node] = {
             "ring_bytes": eng.ring.capacity if eng.ring is not None else 0,
             "pinned_bytes": eng.pinned.capacity if eng.pinned is not None else 0,
             **eng.staging_peaks,

@@ -35,6 +35,14 @@ The campaign's blind spots (issue 13), each caught only with its dimension of th
 - ``pull_free_early``: a pull room's prefill forgets what it offered as soon as it offered it, so
   it reaches Success and its pages are freed before decode's READ of them ran (ownership: the
   READ's source pages are free or another room's when it lands).
+
+Several servers a side (sim/instances.py; realised in sim/world.py ``_room_links``, not an engine):
+
+- ``links_cache_by_decode``: the scheduler caches who talks to whom per decode server instead of
+  per (prefill, decode) server pair, so a room routed to another prefill server than the first
+  one that met its decode server gets that first server's ranks as its senders: decode sends its
+  TransferInfo to a prefill server that never opened the room (isolation; the room then fails,
+  fault_free). With one prefill server it is harmless, so only multi-instance runs can catch it.
 """
 
 from __future__ import annotations

@@ -52,7 +52,12 @@ HOOKS = (
     "prefix_front_trim",
     "push_lease_never_expires",
     "suffix_strips_too_much",
+    # several servers a side (sim/instances.py)
+    "links_cache_by_decode",
 )
+# Servers of one side in a scenario: every rank is a node with its own engine and NIC, so a few
+# dozen already make a slow run; the deployment model (sim/deploy) goes further in timing only.
+MAX_INSTANCES = 16
 FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "pull", "push", "mixed")
 PUSH_MATCH_CHOICES = ("transfer_id", "request_id")
 
@@ -93,6 +98,10 @@ class Topology:
     decode_layout: str = "sglang_nhd"
     workers: int = 2  # transfer queues (one worker each) per prefill rank, as in seed 000
     aux_rows: int = 256
+    # Servers of each side on the one fabric, each with the TP above and its own memory; a router
+    # sends each room to one of each (sim/instances.py).
+    prefill_instances: int = 1
+    decode_instances: int = 1
 
     DOC: ClassVar[dict[str, str]] = {
         "prefill_tp": "Prefill ranks (tensor-parallel size): nodes prefill0, prefill1, ...",
@@ -105,7 +114,22 @@ class Topology:
         "decode_layout": "Memory layout of decode's KV buffers.",
         "workers": "Transfer queues, one worker each, per prefill rank.",
         "aux_rows": "Aux rows per rank: one per room in flight, so also a bound on rooms in flight.",
+        "prefill_instances": "Prefill servers, each of `prefill_tp` ranks with its own pages; rooms go to "
+        "them round-robin. With several, instance i's ranks are nodes prefill{i}.0, prefill{i}.1, ...",
+        "decode_instances": "Decode servers, each of `decode_tp` ranks with its own pages; each room goes "
+        "to the one with the fewest rooms in flight. With several, nodes decode{i}.0, decode{i}.1, ...",
     }
+
+    def servers(self, side: str) -> tuple[str, ...]:
+        """Name prefixes of one side's servers: ``prefill`` alone (nodes prefill0, prefill1, ...),
+        or ``prefill0.``, ``prefill1.``, ... of several (nodes prefill0.0, ...)."""
+        n = self.prefill_instances if side == "prefill" else self.decode_instances
+        return (side,) if n == 1 else tuple(f"{side}{i}." for i in range(n))
+
+    def server_nodes(self, side: str) -> tuple[tuple[str, ...], ...]:
+        """Per server of ``side``, its ranks' node names, in rank order."""
+        tp = self.prefill_tp if side == "prefill" else self.decode_tp
+        return tuple(tuple(f"{server}{r}" for r in range(tp)) for server in self.servers(side))
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +348,7 @@ class Checks:
     success_stable: bool = True
     failure_notice: bool = True
     lease: bool = True
+    isolation: bool = True
 
     DOC: ClassVar[dict[str, str]] = {
         "bytes": "A room Success on every decode rank holds exactly the source bytes (and the room id "
@@ -344,6 +369,8 @@ class Checks:
         "failure_notice": "A prefill rank whose write failed (refused or in error) tells every decode rank "
         "it serves (RoomFailed) at once.",
         "lease": "Nothing is written under an expired push registration lease.",
+        "isolation": "With several servers a side, every write, READ and control message of a room "
+        "travels between its own prefill and decode servers, and only their ranks report its status.",
     }
 
 
@@ -380,10 +407,9 @@ class Scenario:
     }
 
     def node_names(self) -> tuple[str, ...]:
+        """Every rank of every server, prefill first (what fault events may name)."""
         t = self.topology
-        return tuple(f"prefill{r}" for r in range(t.prefill_tp)) + tuple(
-            f"decode{r}" for r in range(t.decode_tp)
-        )
+        return tuple(n for side in ("prefill", "decode") for nodes in t.server_nodes(side) for n in nodes)
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -510,6 +536,8 @@ def _topology(r: _Reader, model: ModelSpec) -> Topology:
         decode_layout=r.str("decode_layout", d.decode_layout, layouts),
         workers=r.int("workers", d.workers, lo=1, hi=64),
         aux_rows=r.int("aux_rows", d.aux_rows, lo=1, hi=1 << 16),
+        prefill_instances=r.int("prefill_instances", d.prefill_instances, lo=1, hi=MAX_INSTANCES),
+        decode_instances=r.int("decode_instances", d.decode_instances, lo=1, hi=MAX_INSTANCES),
     )
     g = model.geometry()
     for key in ("prefill_tp", "decode_tp"):
@@ -711,14 +739,28 @@ def _workload(r: _Reader, topo: Topology) -> Workload:
     return w
 
 
+def _node(r: _Reader, key: str, nodes: tuple[str, ...]) -> str:
+    """A node name of the topology; with many, the error shows the pattern, not every name."""
+    if len(nodes) <= 12:
+        return r.str(key, "", nodes)
+    v = r.str(key, "")
+    if v not in nodes:
+        named = [n for n in nodes if n]
+        raise r._err(
+            key,
+            f"expected a node of the topology ({named[0]} ... {named[-1]}: server, then rank), got {v!r}",
+        )
+    return v
+
+
 def _faults(r: _Reader, nodes: tuple[str, ...]) -> Faults:
     d = Faults()
     events: list[FaultEvent] = []
     for i, raw in enumerate(r.list("event")):
         er = _Reader(f"{r.where}.event[{i}]", raw, _names(FaultEvent))
         kind = er.str("kind", "", FAULT_EVENT_KINDS)
-        node = er.str("node", "", nodes)
-        peer = er.str("peer", "", ("", *nodes))
+        node = _node(er, "node", nodes)
+        peer = _node(er, "peer", ("", *nodes))
         if kind != "crash" and not peer:
             raise ScenarioError(f"{er.where}.peer: a {kind} event needs the other end of the link")
         if peer == node:

@@ -37,6 +37,7 @@ from kvferry.sim import pattern, planted
 from kvferry.sim.chaos import Chaos
 from kvferry.sim.deploy.timing import TimingFabric, TimingTransport
 from kvferry.sim.faults import Injector, draw_personality
+from kvferry.sim.instances import Instances
 from kvferry.sim.rng import Streams
 from kvferry.sim.scenario import US, RoomSpec, Scenario, pools, staging_sizes
 from kvferry.sim.trace import Trace
@@ -131,7 +132,7 @@ class Violation:
     room: int | None = None
 
 
-class World(Chaos):
+class World(Chaos, Instances):
     """Build with a scenario and a seed, then ``run()``; the result is in ``report()``."""
 
     def __init__(
@@ -139,12 +140,18 @@ class World(Chaos):
         scenario: Scenario,
         seed: int | None = None,
         keep_trace: bool = False,
-        instances: tuple[int, int] = (1, 1),
+        instances: tuple[int, int] | None = None,
     ) -> None:
         """``instances``: how many prefill and decode servers (each of the topology's TP) share the
-        fabric; a room runs between one of each, chosen by ``_arrived`` (sim/deploy routes)."""
+        fabric (None: the scenario's ``[topology]``); a room runs between one of each, chosen by
+        ``_arrived`` (sim/instances.py routes; sim/deploy routes its own way)."""
         self.seed = scenario.seed if seed is None else seed
         self.streams = Streams(self.seed)
+        if instances is not None:
+            # Into the scenario, so a swarm draws its faults over every server's nodes and a saved
+            # failure replays with the same servers.
+            topo = replace(scenario.topology, prefill_instances=instances[0], decode_instances=instances[1])
+            scenario = replace(scenario, topology=topo)
         self.scenario = s = draw_personality(replace(scenario, seed=self.seed), self.streams)
         self.hooks = frozenset(s.hooks)
         self.env = simpy.Environment()
@@ -162,7 +169,7 @@ class World(Chaos):
         self.model = s.model.geometry()
         t = s.topology
         self.P, self.D = t.prefill_tp, t.decode_tp
-        self._instances(instances)
+        self._instances()
         clock = self.streams["clock"]
         skew_max = s.faults.clock_skew_max_us * US
         for name in self._node_ep:
@@ -186,6 +193,7 @@ class World(Chaos):
         self.deadline_ns = 0
         self.quiesced_ns = -1
         self._links: dict[tuple[int, int], tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
+        self._links_by_decode_only = "links_cache_by_decode" in self.hooks
         self.staging = staging_sizes(s)
         self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
         self._flow_rng = self.streams["flows"]
@@ -195,40 +203,36 @@ class World(Chaos):
         self._build_workload()
         self.env.process(self._fault_schedule())
 
-    def _instances(self, instances: tuple[int, int]) -> None:
+    def _instances(self) -> None:
         """Name every server's ranks and give each server its own page and aux-row allocators.
         One server a side keeps the plain names (prefill0, decode0); instance i of several is
-        server ``prefill{i}.`` (nodes prefill{i}.0, prefill{i}.1, ...)."""
+        server ``prefill{i}.`` (nodes prefill{i}.0, prefill{i}.1, ...: Topology.servers)."""
         t = self.scenario.topology
-        f = self.scenario.faults
-        if instances != (1, 1) and (f.events or f.swarm or f.abort):
-            raise ValueError("fault schedules and aborts name nodes of one prefill and one decode server")
         self.servers: dict[str, tuple[str, ...]] = {}
         self.instance_nodes: dict[str, tuple[tuple[str, ...], ...]] = {}
         self._node_ep: dict[str, Endpoint] = {}
         self._side_of: dict[str, str] = {}
         # node -> (pages, aux rows) of its server: a room's units come from its own servers.
         self.allocs: dict[str, tuple[Allocator, Allocator]] = {}
-        for side, n, tp, pages in (
-            ("prefill", instances[0], self.P, t.prefill_pages),
-            ("decode", instances[1], self.D, t.decode_pages),
+        for side, n, pages in (
+            ("prefill", t.prefill_instances, t.prefill_pages),
+            ("decode", t.decode_instances, t.decode_pages),
         ):
             if n < 1:
                 raise ValueError(f"{side} instances must be >= 1, got {n}")
-            self.servers[side] = (side,) if n == 1 else tuple(f"{side}{i}." for i in range(n))
-            groups = []
-            for server in self.servers[side]:
+            self.servers[side] = t.servers(side)
+            groups = t.server_nodes(side)
+            for server, nodes in zip(self.servers[side], groups, strict=True):
                 units = (Allocator(pages), Allocator(t.aux_rows))
-                nodes = tuple(f"{server}{r}" for r in range(tp))
                 for r, node in enumerate(nodes):
                     self._node_ep[node] = Endpoint(server, r)
                     self._side_of[node] = side
                     self.allocs[node] = units
-                groups.append(nodes)
-            self.instance_nodes[side] = tuple(groups)
+            self.instance_nodes[side] = groups
         # The first server of each side's allocators under their old names (one-server worlds).
         self.pre_alloc, self.pre_aux = self.allocs[self.instance_nodes["prefill"][0][0]]
         self.dec_alloc, self.dec_aux = self.allocs[self.instance_nodes["decode"][0][0]]
+        self._start_routing()
 
     def room_nodes(self, req: Request, side: str) -> tuple[str, ...]:
         """The ranks of the server on ``side`` that the room runs on."""
@@ -237,10 +241,12 @@ class World(Chaos):
     def _room_links(self, req: Request) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """Per decode rank its senders, per prefill rank its receivers, for the room's two servers."""
         pair = (req.pre_inst, req.dec_inst)
-        got = self._links.get(pair)
+        # Planted bug: the cache keyed by the decode server alone (isolation must catch it).
+        key = (-1, pair[1]) if self._links_by_decode_only else pair
+        got = self._links.get(key)
         if got is None:
             pre, dec = self.servers["prefill"][pair[0]], self.servers["decode"][pair[1]]
-            got = self._links[pair] = (
+            got = self._links[key] = (
                 tuple(sender_specs(self.model, self.P, self.D, d, pre) for d in range(self.D)),
                 tuple(receiver_endpoints(self.model, self.P, self.D, p, dec) for p in range(self.P)),
             )
@@ -336,6 +342,10 @@ class World(Chaos):
             specs = self._mismatch(specs, len(w.explicit))
         used: set[int] = set()
         abort_rng = self.streams["faults.abort"]
+        # An abort hits one rank of the room's own servers, known only once it is routed: drawn
+        # as (side, rank) here, from as many choices as one server a side has nodes (so a world
+        # of one server a side draws exactly what it drew when aborts named nodes).
+        ranks = [("prefill", r) for r in range(self.P)] + [("decode", r) for r in range(self.D)]
         for key, spec in enumerate(specs):
             room = rooms_rng.getrandbits(63)
             while room in used:
@@ -356,9 +366,9 @@ class World(Chaos):
             f = s.faults
             if f.abort and abort_rng.random() < f.abort:
                 at = req.arrival_ns + abort_rng.randrange(1, 3000 * US)
-                node = abort_rng.choice(s.node_names())
+                side, rank = abort_rng.choice(ranks)
                 if at < s.phases.fault_window_us * US:
-                    self.env.process(self._abort_later(req, node, at))
+                    self.env.process(self._abort_later(req, side, rank, at))
         last = max((r.arrival_ns for r in self.requests), default=0)
         self.deadline_ns = max(s.phases.fault_window_us * US, last) + s.phases.liveness_us * US
 
@@ -381,8 +391,9 @@ class World(Chaos):
                 out[i] = replace(out[i], decode_tokens=dec)
         return out
 
-    def _abort_later(self, req: Request, node: str, at: int):  # type: ignore[no-untyped-def]
+    def _abort_later(self, req: Request, side: str, rank: int, at: int):  # type: ignore[no-untyped-def]
         yield self.env.timeout(at - int(self.env.now))
+        node = self.room_nodes(req, side)[rank]
         if req.opened and self.alive(node, req) and not _terminal(req.status.get(node)):
             self.injector.counts["abort"] += 1
             self.trace.record("abort", node, room=req.room)
@@ -480,6 +491,7 @@ class World(Chaos):
     def _arrived(self, req: Request) -> bool:
         """The request arrived: choose its servers (``req.pre_inst``, ``req.dec_inst``); False
         drops it (sim/deploy's router refusing it). One server a side: nothing to choose."""
+        self._route(req)
         return True
 
     def _compute_chunk(self, req: Request, start: int, tokens: int):  # type: ignore[no-untyped-def]
@@ -540,6 +552,8 @@ class World(Chaos):
         req = self.by_room.get(cmd.room)
         if req is None or req.tid != cmd.transfer_id:
             return
+        if self.multi and self.scenario.checks.isolation:
+            self._check_status_isolation(req, rank.node)
         # React after the driver finished executing this batch of commands (no re-entry into
         # the engine from inside its own command list), at the same simulated instant.
         self._later(lambda: self._mark(req, rank.node, cmd.status, cmd.reason, rank.incarnation))
@@ -689,6 +703,7 @@ class World(Chaos):
         if req.dec_pages_freed:
             return
         req.dec_pages_freed = True
+        self._unload(req)
         pages, aux = self.allocs[self.room_nodes(req, "decode")[0]]
         pages.free(req.dec_pages, req.key)
         aux.free(req.dec_aux, req.key)
@@ -713,7 +728,11 @@ class World(Chaos):
 
     # --------------------------------------------------------------------------- fabric hook
     def _on_land(self, x: Xfer) -> None:
-        if not x.dst.startswith("decode") or x.notif is None or not self.scenario.checks.ownership:
+        if not x.dst.startswith("decode") or x.notif is None:
+            return
+        if self.multi and self.scenario.checks.isolation:
+            self._check_land_isolation(x)
+        if not self.scenario.checks.ownership:
             return
         try:
             room = decode_note(x.notif).room
@@ -867,6 +886,8 @@ class World(Chaos):
             msg = decode_control(payload)
         except WireError:
             return True
+        if self.multi and what == "sent" and self.scenario.checks.isolation:
+            self._check_message_isolation(msg, src, dst)
         t = type(msg)
         if t is not RoomFailed and t is not Abort:
             return True

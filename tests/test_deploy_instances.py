@@ -167,7 +167,7 @@ def test_bad_instance_counts_are_clear_errors(p: int, d: int, needle: str) -> No
     _spec(3, 2).check()  # unequal counts are a deployment like any other
 
 
-def test_servers_are_named_apart_and_a_fault_schedule_needs_one_server_a_side() -> None:
+def test_servers_are_named_apart_and_each_has_its_own_memory() -> None:
     from kvferry.sim.world import World
 
     s = build_scenario(SPEC, _closed(1, 1)[1])
@@ -177,5 +177,7 @@ def test_servers_are_named_apart_and_a_fault_schedule_needs_one_server_a_side() 
     assert len(many.ranks) == 2 * 4 + 3 * 2 and "prefill1.3" in many.ranks and "decode2.1" in many.ranks
     # Each server its own allocators: one rank's pages are not another server's.
     assert many.allocs["decode0.0"] is many.allocs["decode0.1"] is not many.allocs["decode1.0"]
-    with pytest.raises(ValueError, match="one prefill and one decode server"):
-        World(replace(s, faults=replace(s.faults, abort=0.1)), instances=(1, 2))
+    # The counts go into the world's scenario: a swarm or a saved failure sees the same servers.
+    assert (many.scenario.topology.prefill_instances, many.scenario.topology.decode_instances) == (2, 3)
+    with pytest.raises(ValueError, match="decode instances must be >= 1, got 0"):
+        World(s, instances=(1, 0))

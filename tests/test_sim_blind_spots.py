@@ -81,7 +81,9 @@ def test_the_campaign_draws_bursts_with_chunks_landing_out_of_order(monkeypatch:
     ("hook", "seeds", "invariant"),
     [
         ("silent_truncation", range(0, 3), "length"),
-        ("last_note_completes", range(3, 6), "bytes"),
+        # Seeds 3 and 4 draw several decode servers since campaigns draw instances (4 is then
+        # caught by tables_empty only: a chunk's staging left behind); 5 is caught by bytes.
+        ("last_note_completes", range(5, 8), "bytes"),
         ("late_info_revives_room", [1006], "success_stable"),
         ("suffix_strips_too_much", [18], "lease"),  # push matched by request id, first caught at 18
     ],

@@ -112,6 +112,24 @@ def _print_failure_reasons(reasons: dict[str, int], console, top: int = 5) -> No
         console.print(f"  ... {len(reasons) - top} more reason(s) (--json for all)")
 
 
+def _deployment_line(d: dict) -> str:
+    """``prefill 2 x TP2 -> decode 3 x TP1``, with each server's rooms (succeeded/routed) when a
+    side has several."""
+    sides = []
+    for side in ("prefill", "decode"):
+        n = d[f"{side}_instances"]
+        sides.append(f"{side} {n} x TP{d[f'{side}_tp']}" if n > 1 else f"{side} TP{d[f'{side}_tp']}")
+    line = f"deployment: {' -> '.join(sides)}"
+    if _several(d):
+        per = ", ".join(f"{k} {v['succeeded']}/{v['rooms']}" for k, v in d["instances"].items())
+        line += f"; rooms succeeded/routed per instance: {per}"
+    return line
+
+
+def _several(d: dict) -> bool:
+    return bool(d) and (d["prefill_instances"] > 1 or d["decode_instances"] > 1)
+
+
 def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[no-untyped-def]
     from rich.markup import escape
     from rich.table import Table
@@ -133,6 +151,8 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
         if res.rooms > rooms_limit:
             table.caption = f"first {rooms_limit} of {res.rooms} rooms (--json for all)"
         console.print(table)
+    if res.deployment:
+        console.print(_deployment_line(res.deployment))
     console.print(
         f"rooms: {res.rooms} submitted, [green]{res.succeeded} succeeded[/] "
         f"({'bytes verified' if res.bytes_verified else 'bytes not verified: timing only'}), "
@@ -170,7 +190,8 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
         console.print(
             "[bold green]invariants: all held[/] (status monotone, Failed absorbing, write ownership, "
             f"{checked}liveness, conservation, agreement, empty tables, "
-            "length mismatches failed, released Success rooms stable)"
+            "length mismatches failed, released Success rooms stable"
+            + (", every room's traffic on its own servers)" if _several(res.deployment) else ")")
         )
 
 
