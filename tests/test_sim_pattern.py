@@ -66,8 +66,9 @@ def _reference_byte(pool: PoolGeometry, room_key: int, rid: int, token: int, hea
     (4, 1, 0, 4, "vllm_hnd", 5, 19),
     (2, 2, 1, 8, "vllm_nhd", 7, 8),
 ])  # fmt: skip
+@pytest.mark.parametrize("scattered", [True, False])
 def test_fill_writes_the_reference_bytes_where_the_geometry_says(
-    heads, tp, rank, page_size, layout, start, end
+    heads, tp, rank, page_size, layout, start, end, scattered
 ) -> None:
     """fill's vectorised rows and values against the per-byte definition and the pool's own
     addressing; and mismatches finds none in what fill wrote, one per byte changed."""
@@ -75,7 +76,11 @@ def test_fill_writes_the_reference_bytes_where_the_geometry_says(
         ModelGeometry("t", 2, heads, 8, "bf16", False), tp, rank, page_size, 32, Layout(layout)
     )
     mem = {r.region_id: np.zeros(r.nbytes, np.uint8) for r in pool.regions}
-    pages = np.random.default_rng(page_size).permutation(32)[: -(-end // page_size)]
+    n_pages = -(-end // page_size)
+    # Scattered ids, and consecutive ones (a dense layout's rows then join across pages).
+    pages = (
+        np.random.default_rng(page_size).permutation(32)[:n_pages] if scattered else np.arange(3, 3 + n_pages)
+    )
     pattern.fill(pool, mem.__getitem__, 91, pages, start, end)
     expect = {rid: np.zeros_like(buf) for rid, buf in mem.items()}
     for rid, buf in expect.items():
