@@ -224,12 +224,15 @@ def region_pattern(
         return s_off, d_off, np.full(unmerged, piece, dtype=np.int64), unmerged
     order = np.argsort(s_off, kind="stable")
     s_off, d_off = s_off[order], d_off[order]
-    brk = np.empty(unmerged, dtype=bool)
-    brk[0] = True
-    np.not_equal(s_off[1:], s_off[:-1] + piece, out=brk[1:])
-    brk[1:] |= d_off[1:] != d_off[:-1] + piece
-    starts = np.flatnonzero(brk)
-    lengths = np.diff(np.append(starts, unmerged)) * piece
+    # brk[i]: a run starts at piece i; brk[unmerged] closes the last run, so that one
+    # flatnonzero gives every run's start and end (no append, no diff: per-call costs).
+    brk = np.empty(unmerged + 1, dtype=bool)
+    brk[0] = brk[unmerged] = True
+    np.not_equal(s_off[1:], s_off[:-1] + piece, out=brk[1:unmerged])
+    brk[1:unmerged] |= d_off[1:] != d_off[:-1] + piece
+    edges = np.flatnonzero(brk)
+    starts = edges[:-1]
+    lengths = (edges[1:] - starts) * piece
     return s_off[starts], d_off[starts], lengths, unmerged
 
 
@@ -243,6 +246,13 @@ def _tile(a: np.ndarray, n: int) -> np.ndarray:
 def _frozen(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
+
+
+@lru_cache(maxsize=1024)
+def _region_ids(n_regions: int, per: int) -> np.ndarray:
+    """Region ids of a plan with ``per`` descriptors per region: read-only, so shared by every
+    plan of that shape (a plan's arrays are frozen)."""
+    return _frozen(np.repeat(np.arange(n_regions, dtype=np.int64), per))
 
 
 def plan_rank_pair(
@@ -277,7 +287,7 @@ def plan_rank_pair(
     )
     n_regions = src.model.num_regions
     per = s_off.size
-    region = _frozen(np.repeat(np.arange(n_regions, dtype=np.int64), per))
+    region = _region_ids(n_regions, per)
     length_all = _frozen(_tile(length, n_regions))
     return RankPlan(
         src_rank=src.tp_rank,

@@ -27,8 +27,8 @@ class _Layout:
     """What ``fill`` and ``mismatches`` need of one pool, computed once per geometry (not per
     chunk): region ids, the per-head row and per-(head, byte) position terms, the strides."""
 
-    __slots__ = ("hb", "inner_pos", "inner_rows", "page_size", "page_stride", "pos_cache", "rids",
-                 "tok_pos", "token_stride")  # fmt: skip
+    __slots__ = ("dense", "hb", "heads", "inner_pos", "inner_rows", "page_rows", "page_size", "page_stride",
+                 "pos_cache", "rids", "slot_rows", "tok_pos", "token_stride")  # fmt: skip
 
     def __init__(self, pool: PoolGeometry) -> None:
         hb = pool.head_bytes
@@ -42,6 +42,14 @@ class _Layout:
         # viewed as [region bytes / head bytes, head bytes]: head_bytes times fewer indices.
         self.hb = hb
         self.inner_rows = heads * (pool.head_stride // hb)
+        # The rows of one page's slots relative to the page's first row: [page_size, heads].
+        self.page_rows = pool.page_stride // hb
+        slots = np.arange(pool.page_size, dtype=np.int64) * (pool.token_stride // hb)
+        self.slot_rows = slots[:, None] + self.inner_rows[None, :]
+        # Token-major with every head of a token side by side (SGLang's NHD): a page's tokens are
+        # one block of rows, so a room's rows are a few blocks, copied as slices (``_runs``).
+        self.heads = pool.heads_per_rank
+        self.dense = pool.head_stride == hb and pool.token_stride == self.heads * hb
         # A byte's position (t * heads + g) * hb + b, times MUL, split as t * (heads * hb * MUL)
         # + [(g * hb + b) * MUL] (mod 2**64: uint64 wraps, so the bits equal the product taken whole).
         g = np.arange(pool.head_start, pool.head_end, dtype=np.uint64)
@@ -80,25 +88,47 @@ def _layout(pool: PoolGeometry) -> _Layout:
     return lay
 
 
-def _room_bytes(
-    pool: PoolGeometry, room_key: int, pages: np.ndarray, token_start: int, token_end: int
-) -> tuple[_Layout, np.ndarray, np.ndarray]:
+def _room_rows(lay: _Layout, pages: np.ndarray, token_start: int, token_end: int) -> np.ndarray:
     """The rows [tokens, heads] (a row: one head of one token, ``head_bytes`` long) of the room's
-    tokens in any region, and the values [regions, tokens, heads, head bytes] they must hold
-    (all regions in one pass)."""
-    lay = _layout(pool)
-    tokens = np.arange(token_start, token_end, dtype=np.int64)
-    ps, hb = lay.page_size, lay.hb
-    page = np.asarray(pages, dtype=np.int64)[tokens // ps]
-    tok_row = page * (lay.page_stride // hb) + (tokens % ps) * (lay.token_stride // hb)
-    rows = tok_row[:, None] + lay.inner_rows[None, :]
+    tokens in any region."""
+    ps = lay.page_size
+    # Whole pages' rows (a page's first row plus its slots' rows), cut to the token range.
+    first, last = token_start // ps, -(-token_end // ps)
+    page_row = np.asarray(pages, dtype=np.int64)[first:last] * lay.page_rows
+    rows = (page_row[:, None, None] + lay.slot_rows[None]).reshape(-1, len(lay.inner_rows))
+    return rows[token_start - first * ps : token_end - first * ps]
+
+
+def _runs(
+    lay: _Layout, pages: np.ndarray, token_start: int, token_end: int
+) -> list[tuple[int, int, int]] | None:
+    """On a dense layout, the range as (first row, first row of the values, rows) blocks of
+    contiguous rows: one per page, pages with consecutive ids joined. None on other layouts."""
+    if not lay.dense:
+        return None
+    ps, heads, page_rows = lay.page_size, lay.heads, lay.page_rows
+    first = token_start // ps
+    runs: list[tuple[int, int, int]] = []
+    for k, page in enumerate(np.asarray(pages)[first : -(-token_end // ps)].tolist(), first):
+        a, b = max(token_start, k * ps), min(token_end, (k + 1) * ps)
+        row, n = page * page_rows + (a - k * ps) * heads, (b - a) * heads
+        if runs and runs[-1][0] + runs[-1][2] == row:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        else:
+            runs.append((row, (a - token_start) * heads, n))
+    return runs
+
+
+def _room_values(lay: _Layout, room_key: int, token_start: int, token_end: int) -> np.ndarray:
+    """The values [regions, tokens, heads, head bytes] the room's rows must hold (all regions in
+    one pass)."""
     pos = lay.positions(token_start, token_end)
     # Per region: salt * MUL (mod 2**64), taken in Python ints (no overflow warning).
     salts = np.array([_salt(room_key, rid) * _MUL_INT & _MASK for rid in lay.rids], dtype=np.uint64)
     acc = np.empty((len(salts), *pos.shape), dtype=np.uint64)
     np.add(pos[None], salts[:, None, None, None], out=acc)
     np.right_shift(acc, np.uint64(56), out=acc)
-    return lay, rows, acc.astype(np.uint8)
+    return acc.astype(np.uint8)
 
 
 def _rows(buf: np.ndarray, hb: int) -> np.ndarray | None:
@@ -124,10 +154,19 @@ def fill(
     """Write the room's bytes for tokens [token_start, token_end) into this rank's pool."""
     if token_end <= token_start:
         return
-    lay, rows, values = _room_bytes(pool, room_key, pages, token_start, token_end)
+    lay = _layout(pool)
+    values = _room_values(lay, room_key, token_start, token_end)
+    runs = _runs(lay, pages, token_start, token_end)
+    rows = None
     for i, rid in enumerate(lay.rids):
         buf = region(rid)
         view = _rows(buf, lay.hb)
+        if view is not None and runs is not None:
+            flat = values[i].reshape(-1, lay.hb)
+            for row, at, n in runs:
+                view[row : row + n] = flat[at : at + n]
+            continue
+        rows = _room_rows(lay, pages, token_start, token_end) if rows is None else rows
         if view is not None:
             view[rows] = values[i]
         else:
@@ -140,13 +179,29 @@ def mismatches(
     """(number of wrong bytes, description of the first) for the room's tokens on this rank."""
     if n_tokens <= 0:
         return 0, ""
-    lay, rows, want_all = _room_bytes(pool, room_key, pages, 0, n_tokens)
-    bad_total, first = 0, ""
+    lay = _layout(pool)
+    want_all = _room_values(lay, room_key, 0, n_tokens)
+    runs = _runs(lay, pages, 0, n_tokens)
+    rows = None
+    got_all = np.empty_like(want_all)
     for i, rid in enumerate(lay.rids):
         buf = region(rid)
         view = _rows(buf, lay.hb)
-        got = view[rows] if view is not None else buf[_bytes_of(lay, rows)]
-        want = want_all[i]
+        if view is not None and runs is not None:
+            flat = got_all[i].reshape(-1, lay.hb)
+            for row, at, n in runs:
+                flat[at : at + n] = view[row : row + n]
+            continue
+        rows = _room_rows(lay, pages, 0, n_tokens) if rows is None else rows
+        if view is not None:
+            np.take(view, rows, axis=0, out=got_all[i])
+        else:
+            got_all[i] = buf[_bytes_of(lay, rows)]
+    if got_all.tobytes() == want_all.tobytes():
+        return 0, ""  # the usual answer: every region's bytes compared at once
+    bad_total, first = 0, ""
+    for i, rid in enumerate(lay.rids):
+        got, want = got_all[i], want_all[i]
         bad = got != want
         n = int(np.count_nonzero(bad))
         if n and not first:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -204,6 +205,34 @@ def test_merge_dense_runs_is_minimal_and_byte_identical(parts: list[tuple[int, i
             and m.src_offset[i] == m.src_offset[i - 1] + m.length[i - 1]
             and m.dst_offset[i] == m.dst_offset[i - 1] + m.length[i - 1]
         )
+
+
+@settings(max_examples=60)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 1), st.integers(0, 200), st.integers(0, 1), st.integers(0, 200), st.integers(1, 40)
+        ),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_copy_lands_each_descriptor_in_order_few_or_many(rows: list[tuple[int, int, int, int, int]]) -> None:
+    """``_copy`` of a few descriptors (slice copies, in Python) or of many (grouped index copies)
+    leaves the bytes that copying each descriptor in turn leaves, overlaps included."""
+    _env, fab = world()
+    for n in ("a", "b"):
+        fab.register(n, 1, 1 << 10)
+    for rid in (0, 1):
+        src = fab.node("a").memory.region(rid)
+        src[:] = np.random.default_rng(rid).integers(0, 256, src.size, dtype=np.uint8)
+    d = DescList.of(*zip(*rows, strict=True))
+    expect = {rid: fab.node("b").memory.region(rid).copy() for rid in (0, 1)}
+    for sr, so, dr, do, n in rows:
+        expect[dr][do : do + n] = fab.node("a").memory.region(sr)[so : so + n]
+    fab._copy(SimpleNamespace(src="a", dst="b"), d)  # type: ignore[arg-type]
+    for rid in (0, 1):
+        assert (fab.node("b").memory.region(rid) == expect[rid]).all()
 
 
 def _pool(rank: int) -> PoolGeometry:

@@ -51,3 +51,51 @@ def test_pattern_survives_planned_copy_and_detects_shift(heads, ptp, dtp, pps, d
         r0[:] = np.roll(r0, d.token_bytes)
         bad, first = pattern.mismatches(d, dm.__getitem__, 77, dp, tokens)
         assert bad > 0 and "region 0" in first
+
+
+def _reference_byte(pool: PoolGeometry, room_key: int, rid: int, token: int, head: int, b: int) -> int:
+    """The pattern's definition, one byte at a time: the top byte of (position + salt) * MUL."""
+    hb = pool.head_bytes
+    position = ((token * pool.model.num_kv_heads + head) * hb + b) * pattern._MUL_INT
+    return ((position + pattern._salt(room_key, rid) * pattern._MUL_INT) & pattern._MASK) >> 56
+
+
+@pytest.mark.parametrize(("heads", "tp", "rank", "page_size", "layout", "start", "end"), [
+    (8, 2, 1, 16, "sglang_nhd", 0, 40),
+    (8, 2, 0, 16, "sglang_nhd", 21, 53),
+    (4, 1, 0, 4, "vllm_hnd", 5, 19),
+    (2, 2, 1, 8, "vllm_nhd", 7, 8),
+])  # fmt: skip
+@pytest.mark.parametrize("scattered", [True, False])
+def test_fill_writes_the_reference_bytes_where_the_geometry_says(
+    heads, tp, rank, page_size, layout, start, end, scattered
+) -> None:
+    """fill's vectorised rows and values against the per-byte definition and the pool's own
+    addressing; and mismatches finds none in what fill wrote, one per byte changed."""
+    pool = PoolGeometry(
+        ModelGeometry("t", 2, heads, 8, "bf16", False), tp, rank, page_size, 32, Layout(layout)
+    )
+    mem = {r.region_id: np.zeros(r.nbytes, np.uint8) for r in pool.regions}
+    n_pages = -(-end // page_size)
+    # Scattered ids, and consecutive ones (a dense layout's rows then join across pages).
+    pages = (
+        np.random.default_rng(page_size).permutation(32)[:n_pages] if scattered else np.arange(3, 3 + n_pages)
+    )
+    pattern.fill(pool, mem.__getitem__, 91, pages, start, end)
+    expect = {rid: np.zeros_like(buf) for rid, buf in mem.items()}
+    for rid, buf in expect.items():
+        for t in range(start, end):
+            page, tip = int(pages[t // page_size]), t % page_size
+            for h in range(pool.heads_per_rank):
+                at = page * pool.page_stride + tip * pool.token_stride + h * pool.head_stride
+                for b in range(pool.head_bytes):
+                    buf[at + b] = _reference_byte(pool, 91, rid, t, pool.head_start + h, b)
+    for rid, buf in mem.items():
+        assert np.array_equal(buf, expect[rid]), rid
+    if start == 0:
+        assert pattern.mismatches(pool, mem.__getitem__, 91, pages, end) == (0, "")
+        page1 = int(pages[1 // page_size])  # token 1, its first head's first byte
+        mem[pool.regions[-1].region_id][page1 * pool.page_stride + (1 % page_size) * pool.token_stride] ^= (
+            0xFF
+        )
+        assert pattern.mismatches(pool, mem.__getitem__, 91, pages, end)[0] == 1

@@ -14,6 +14,7 @@ import pytest
 from kvferry.core.kvpoll import KVPoll
 from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import campaign, fuzz_scenario, run_one, save_failure
+from kvferry.sim.trace import Trace
 from kvferry.sim.world import World
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,6 +96,29 @@ def test_trace_hash_does_not_depend_on_python_hash_seed() -> None:
             ).stdout
         )
     assert len(outs) == 1
+
+
+def _traced(values: list[dict], digest_at: int = -1) -> str:
+    trace = Trace(lambda: 7)
+    for i, attrs in enumerate(values):
+        if i == digest_at:
+            trace.digest()  # an early digest flushes a partial batch
+        trace.record("kind", "node", **attrs)
+    return trace.digest()
+
+
+def test_trace_hash_covers_every_event_whatever_the_batches() -> None:
+    """The hash is a function of the event stream alone: a digest taken midway (a batch flushed
+    early) changes nothing, any one changed attribute or type changes it, and attributes without
+    a stable form are refused when recorded."""
+    values = [{"room": i, "who": "x", "none": None, "flag": i % 2 == 0} for i in range(1300)]
+    base = _traced(values)
+    assert _traced(values, digest_at=700) == base
+    assert _traced([*values[:-1], {**values[-1], "room": 1300}]) != base
+    assert _traced([*values[:-1], {**values[-1], "flag": 1}]) != base  # True and 1 differ
+    assert _traced([*values[:5], {**values[5], "status": KVPoll.Success}]) != _traced(values[:6])
+    with pytest.raises(TypeError):
+        Trace(lambda: 0).record("kind", "node", bad={1, 2})
 
 
 def test_swarm_runs_differ_in_kind() -> None:

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Up to this many descriptors (whole-page or coalesced plans, aux rows), the checks run in Python:
+# numpy's per-call cost exceeds the work.
+SMALL = 16
+
 
 @dataclass(frozen=True, slots=True)
 class DescList:
@@ -23,12 +27,19 @@ class DescList:
 
     @property
     def total_bytes(self) -> int:
-        return int(self.length.sum()) if self.length.size else 0
+        n = self.length.size
+        if n <= SMALL:
+            return sum(self.length.tolist()) if n else 0
+        return int(self.length.sum())
 
     @staticmethod
     def of(src_region, src_offset, dst_region, dst_offset, length) -> DescList:
+        # The planner's arrays are already flat int64: taken as they are (asarray and reshape
+        # cost more than a few descriptors' worth of work).
         arrs = [
-            np.asarray(a, dtype=np.int64).reshape(-1)
+            a
+            if type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1
+            else np.asarray(a, dtype=np.int64).reshape(-1)
             for a in (src_region, src_offset, dst_region, dst_offset, length)
         ]
         n = arrs[0].size
@@ -46,6 +57,8 @@ def merge_dense_runs(d: DescList) -> DescList:
     n = d.count
     if n <= 1:
         return d
+    if n <= SMALL and not _joins_any(d):
+        return d  # the usual answer for a few descriptors, found without numpy's per-call cost
     joins = (
         (d.src_region[1:] == d.src_region[:-1])
         & (d.dst_region[1:] == d.dst_region[:-1])
@@ -58,6 +71,21 @@ def merge_dense_runs(d: DescList) -> DescList:
     idx = np.flatnonzero(starts)
     lengths = np.add.reduceat(d.length, idx)
     return DescList(d.src_region[idx], d.src_offset[idx], d.dst_region[idx], d.dst_offset[idx], lengths)
+
+
+def _joins_any(d: DescList) -> bool:
+    """Whether any descriptor continues its predecessor on both sides (``merge_dense_runs``'s
+    join test, in Python)."""
+    sr, so, dr, do, ln = (
+        a.tolist() for a in (d.src_region, d.src_offset, d.dst_region, d.dst_offset, d.length)
+    )
+    return any(
+        sr[i] == sr[i - 1]
+        and dr[i] == dr[i - 1]
+        and so[i] == so[i - 1] + ln[i - 1]
+        and do[i] == do[i - 1] + ln[i - 1]
+        for i in range(1, len(ln))
+    )
 
 
 def gather_index(offset: np.ndarray, length: np.ndarray) -> np.ndarray:
@@ -91,7 +119,7 @@ class RegionSizes:
         """Index of the first descriptor outside its region (or negative/empty), or -1."""
         if region.size == 0:
             return -1
-        if region.size <= 16:
+        if region.size <= SMALL:
             # A few descriptors (whole-page or coalesced plans, aux rows): numpy's per-call cost
             # exceeds the work, so the same test in Python.
             dense, n_dense = self._dense_list, len(self._dense_list)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import simpy
-from kvferry.backends.simfabric.descriptors import DescList, gather_index, merge_dense_runs
+from kvferry.backends.simfabric.descriptors import SMALL, DescList, gather_index, merge_dense_runs
 from kvferry.backends.simfabric.errors import NodeDownError, UnknownPeerError
 from kvferry.backends.simfabric.faultapi import NoFaults
 from kvferry.backends.simfabric.memory import FakeMemory
@@ -580,6 +580,9 @@ class Fabric:
         if descs.count == 0:
             return
         smem, dmem = self.nodes[x.src].memory, self.nodes[x.dst].memory
+        if descs.count <= SMALL:
+            self._copy_small(smem, dmem, descs)
+            return
         sr, dr = descs.src_region, descs.dst_region
         # Group consecutive descriptors of the same (src region, dst region) pair: planner output
         # is sorted by region, so this is one numpy copy per region, in descriptor order.
@@ -601,6 +604,27 @@ class Fabric:
             dst[gather_index(descs.dst_offset[a:b], length)] = src[
                 gather_index(descs.src_offset[a:b], length)
             ]
+
+    @staticmethod
+    def _copy_small(smem: FakeMemory, dmem: FakeMemory, descs: DescList) -> None:
+        """``_copy`` of a few descriptors: one slice copy each, in descriptor order (the same
+        bytes land as through the grouped copies; numpy's per-call cost exceeds the work)."""
+        rows = zip(
+            *(
+                a.tolist()
+                for a in (
+                    descs.src_region,
+                    descs.src_offset,
+                    descs.dst_region,
+                    descs.dst_offset,
+                    descs.length,
+                )
+            ),
+            strict=True,
+        )
+        for sr, so, dr, do, n in rows:
+            dst = dmem.region(dr)  # looked up before the source, as ``_copy`` does
+            dst[do : do + n] = smem.region(sr)[so : so + n]
 
     def _deliver_notif(self, src: str, dst: str, inc: int | None, payload: bytes, tag: Any) -> None:
         now = int(self.env.now)

@@ -1,8 +1,8 @@
 """SimPy processes that run one rank: the driver loop, and on prefill N transfer workers over N queues.
 
 The loop body (feed an event to the engine, execute its commands through the transport) is the
-shared driver; here it is scheduled by SimPy: the main process sleeps on the node's inbox (wake-up
-tokens from the fabric) or the engine's next deadline, whichever is first; worker ``i`` takes
+shared driver; here it is scheduled by SimPy: the main loop (a callback on its wake-up event) sleeps
+until the fabric wakes it or the engine's next deadline, whichever is first; worker ``i`` takes
 chunks from queue ``i`` in order and, as in seed 000, does not take its next chunk before the
 writes of the current one finished (``AwaitWrites``).
 
@@ -71,7 +71,7 @@ class SimRank:
         self._timer_at: int | None = None
         fabric.node(self.node).waker = self._on_wake  # before any process runs: nothing is missed
         self._resolved = env.event()
-        env.process(self._main())
+        env.process(self._boot())
         for i in range(workers):
             env.process(self._worker(i))
 
@@ -118,27 +118,39 @@ class SimRank:
             self._timer_at = None
             self._on_wake(None)
 
-    def _main(self):  # type: ignore[no-untyped-def]
-        # One wake-up event per sleep: the fabric's callback (message, notification, finished
-        # write), a local event that moved a deadline earlier (_rearm), or the deadline timer.
-        while True:
-            dl = self.driver.next_deadline()
-            self._sleep_until = dl
-            self._kicked = False
-            if dl is not None and dl != self._timer_at:
-                self._timer_gen += 1
-                self._timer_at = dl
-                ev = self.env.timeout(max(0, dl - self.now()))
-                ev.callbacks.append(lambda _e, g=self._timer_gen: self._timer(g))
-            yield self._wake
-            self._wake = self.env.event()
-            if self.dead:
-                return
-            before = len(self.driver.handles)
-            self.driver.pump(self.now())
-            if len(self.driver.handles) < before:
-                self._writes_resolved()
-            self.sink.after_pump(self)
+    def _boot(self):  # type: ignore[no-untyped-def]
+        """The main loop's first sleep, taken at start-up as a process's first step would be."""
+        self._sleep()
+        return
+        yield  # a generator: SimPy runs it as a process
+
+    def _sleep(self) -> None:
+        """Sleep until a wake-up: the fabric's callback (message, notification, finished write),
+        a local event that moved a deadline earlier (_rearm), or the deadline timer.
+
+        The main loop is a callback on its wake-up event, not a SimPy process: the same event at
+        the same step runs it, without a generator resumed per wake-up (one per message).
+        """
+        dl = self.driver.next_deadline()
+        self._sleep_until = dl
+        self._kicked = False
+        if dl is not None and dl != self._timer_at:
+            self._timer_gen += 1
+            self._timer_at = dl
+            ev = self.env.timeout(max(0, dl - self.now()))
+            ev.callbacks.append(lambda _e, g=self._timer_gen: self._timer(g))
+        self._wake.callbacks.append(self._woken)
+
+    def _woken(self, _ev: Any) -> None:
+        self._wake = self.env.event()
+        if self.dead:
+            return
+        before = len(self.driver.handles)
+        self.driver.pump(self.now())
+        if len(self.driver.handles) < before:
+            self._writes_resolved()
+        self.sink.after_pump(self)
+        self._sleep()
 
     def _worker(self, i: int):  # type: ignore[no-untyped-def]
         q = self.driver.queues[i]
