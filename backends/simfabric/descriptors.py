@@ -25,6 +25,10 @@ class DescList:
     def count(self) -> int:
         return int(self.length.size)
 
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The five arrays in constructor order."""
+        return (self.src_region, self.src_offset, self.dst_region, self.dst_offset, self.length)
+
     @property
     def total_bytes(self) -> int:
         n = self.length.size

@@ -544,18 +544,7 @@ class Fabric:
         if x.inject_err:
             # A failed write may have placed any prefix of its descriptors.
             keep = self.rng.randrange(descs.count + 1) if descs.count else 0
-            descs = DescList(
-                *(
-                    a[:keep]
-                    for a in (
-                        descs.src_region,
-                        descs.src_offset,
-                        descs.dst_region,
-                        descs.dst_offset,
-                        descs.length,
-                    )
-                )
-            )
+            descs = DescList(*(a[:keep] for a in descs.columns()))
         if self.on_land is not None:
             self.on_land(x)
         self._copy(x, descs)
@@ -609,19 +598,7 @@ class Fabric:
     def _copy_small(smem: FakeMemory, dmem: FakeMemory, descs: DescList) -> None:
         """``_copy`` of a few descriptors: one slice copy each, in descriptor order (the same
         bytes land as through the grouped copies; numpy's per-call cost exceeds the work)."""
-        rows = zip(
-            *(
-                a.tolist()
-                for a in (
-                    descs.src_region,
-                    descs.src_offset,
-                    descs.dst_region,
-                    descs.dst_offset,
-                    descs.length,
-                )
-            ),
-            strict=True,
-        )
+        rows = zip(*(a.tolist() for a in descs.columns()), strict=True)
         for sr, so, dr, do, n in rows:
             dst = dmem.region(dr)  # looked up before the source, as ``_copy`` does
             dst[do : do + n] = smem.region(sr)[so : so + n]
