@@ -248,10 +248,25 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
-@lru_cache(maxsize=1024)
+# Shared region-id arrays are kept only while small: a long-running rank sees many chunk sizes,
+# and a per-token plan's array is megabytes (64 x 16,384 x 8 B bounds the cache at 8 MB).
+_SHARED_REGION_IDS_MAX = 16_384
+
+
 def _region_ids(n_regions: int, per: int) -> np.ndarray:
-    """Region ids of a plan with ``per`` descriptors per region: read-only, so shared by every
-    plan of that shape (a plan's arrays are frozen)."""
+    """Region ids of a plan with ``per`` descriptors per region: read-only (a plan's arrays are
+    frozen), so small ones are shared by every plan of that shape."""
+    if n_regions * per <= _SHARED_REGION_IDS_MAX:
+        return _shared_region_ids(n_regions, per)
+    return _build_region_ids(n_regions, per)
+
+
+@lru_cache(maxsize=64)
+def _shared_region_ids(n_regions: int, per: int) -> np.ndarray:
+    return _build_region_ids(n_regions, per)
+
+
+def _build_region_ids(n_regions: int, per: int) -> np.ndarray:
     return _frozen(np.repeat(np.arange(n_regions, dtype=np.int64), per))
 
 
