@@ -103,6 +103,8 @@ class DeployWorld(World):
         self._step_end = [0] * n_dec
         self._prefilled: dict[int, simpy.Event] = {}
         self.decode_open_ns: dict[int, int] = {}
+        # Set to a list to log every decode step as (instance, start ns, end ns).
+        self.step_log: list[tuple[int, int, int]] | None = None
         self._closed = arrivals.concurrency > 0
         if self._closed:
             for _ in range(min(arrivals.concurrency, self.total)):
@@ -317,6 +319,8 @@ class DeployWorld(World):
             step = self.roof_d.decode_ns(len(batch), ctx)
             busy[j] += step
             self._step_end[j] = int(env.now) + step
+            if self.step_log is not None:
+                self.step_log.append((j, int(env.now), self._step_end[j]))
             yield env.timeout(step)
             now = int(env.now)
             ctx += len(batch)  # every sequence gained a token
