@@ -445,7 +445,7 @@ class World(Chaos, Instances):
         length = self._prefix_rng.randint(0, req.spec.tokens)
         if hit and req.flow in _PREFIX_FLOWS:
             req.token_start = min(length, req.dec_tokens)  # a hit lies inside decode's allocation
-        if req.spec.decode_lag_us:
+        if self._decode_opens_late(req):
             # Decode allocates late: prefill opens and computes first (staging requests arrive
             # before decode knows the room and must be held there).
             self._open_prefill(req)
@@ -521,6 +521,10 @@ class World(Chaos, Instances):
                     token_start=req.token_start,
                 )
             )
+
+    def _decode_opens_late(self, req: Request) -> bool:
+        """Whether prefill opens first and decode later (``_open_decode_later``)."""
+        return bool(req.spec.decode_lag_us)
 
     def _open_decode_later(self, req: Request, lag_ns: int):  # type: ignore[no-untyped-def]
         yield self.env.timeout(lag_ns)

@@ -107,6 +107,9 @@ def test_a_scenario_file_gives_the_deployment() -> None:
         (["--decode-instances", "0"], "--decode-instances must be in [1, 64], got 0"),
         (["--prefill-instances", "65"], "--prefill-instances must be in [1, 64], got 65"),
         (["--instances", "0"], "--instances must be in [1, 64], got 0"),
+        (["--pull-orchestration", "eager"], "--pull-orchestration: expected one of overlapped, serial"),
+        (["--proxy-hop-ms", "-1"], "--proxy-hop-ms must be in [0, 10000]"),
+        (["--proxy-hop-ms", "nan"], "--proxy-hop-ms must be in [0, 10000]"),
     ],
 )
 def test_bad_input_is_one_error_line(extra: list[str], needle: str) -> None:
@@ -161,3 +164,19 @@ def test_seed_003s_deployment_runs_from_the_command_line() -> None:
         app, [*SMALL, "--model", "qwen3.5-397b-a17b", "--decode-instances", "4", "--decode-ep", "3"]
     )
     assert r.exit_code != 0 and "decode_ep" in r.stdout + r.stderr
+
+
+def test_serial_pull_orchestration_reaches_the_pull_runs_and_costs_its_hop() -> None:
+    args = [*SMALL, "--prefill-tp", "2", "--decode-tp", "2", "--flows", "pull,push"]
+    base = _json(args)
+    serial = _json([*args, "--pull-orchestration", "serial", "--proxy-hop-ms", "20"])
+    d = serial["deployment"]
+    assert (d["pull_orchestration"], d["proxy_hop_ms"]) == ("serial", 20.0)
+    assert base["deployment"]["pull_orchestration"] == "overlapped"
+    for b, s in zip(base["results"]["pull"], serial["results"]["pull"], strict=True):
+        assert s["completed"] == s["requests"] and not s["violations"]
+        assert s["ttft_ms"]["mean"] >= b["ttft_ms"]["mean"] + 19.0  # at least the hop, per request
+    # Push ignores the option (wall time aside, the runs are the same).
+    assert [p["ttft_ms"] for p in serial["results"]["push"]] == [
+        p["ttft_ms"] for p in base["results"]["push"]
+    ]

@@ -149,6 +149,21 @@ def register(app: typer.Typer) -> None:
                 "pays over the NIC's wire; default: an ideal runtime."
             ),
         ] = "",
+        pull_orchestration: Annotated[
+            str,
+            typer.Option(
+                help="When the pull flow's decode side starts: overlapped (decode opens the room at "
+                "arrival, READs overlap prefill) or serial (vLLM's proxy order: after prefill finished, "
+                "--proxy-hop-ms and decode's running step)."
+            ),
+        ] = "overlapped",
+        proxy_hop_ms: Annotated[
+            float,
+            typer.Option(
+                help="Serial pull: prefill's response to the proxy plus the proxy's request to decode, "
+                "in ms (not published: sweep it)."
+            ),
+        ] = 5.0,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
         plot: Annotated[Path | None, typer.Option(help="Write PNG plots here (needs matplotlib).")] = None,
     ) -> None:
@@ -158,7 +173,13 @@ def register(app: typer.Typer) -> None:
         from kvferry.core.errors import KvferryError
         from kvferry.sim.deploy import workload as wl
         from kvferry.sim.deploy.select import LoadPoint, applicable_flows, select
-        from kvferry.sim.deploy.spec import FLOWS, MAX_INSTANCES, DeploySpec
+        from kvferry.sim.deploy.spec import (
+            FLOWS,
+            MAX_INSTANCES,
+            MAX_PROXY_HOP_MS,
+            PULL_ORCHESTRATIONS,
+            DeploySpec,
+        )
 
         check_seed(seed)
         if plot is not None:
@@ -197,6 +218,13 @@ def register(app: typer.Typer) -> None:
         _positive(tpot_slo_ms, "--tpot-slo-ms")
         if not (math.isfinite(rate) and rate >= 0):
             bad_input(f"--rate must be a number >= 0, got {rate}")
+        if pull_orchestration not in PULL_ORCHESTRATIONS:
+            bad_input(
+                f"--pull-orchestration: expected one of {', '.join(PULL_ORCHESTRATIONS)}, "
+                f"got {pull_orchestration!r}"
+            )
+        if not (math.isfinite(proxy_hop_ms) and 0 <= proxy_hop_ms <= MAX_PROXY_HOP_MS):
+            bad_input(f"--proxy-hop-ms must be in [0, {MAX_PROXY_HOP_MS:g}], got {proxy_hop_ms}")
         want = [f.strip() for f in flows.split(",") if f.strip()]
         for f in want:
             if f not in FLOWS:
@@ -221,6 +249,8 @@ def register(app: typer.Typer) -> None:
             decode_instances=decode_instances,
             decode_ep=decode_ep,
             control_path=control_path,
+            pull_orchestration=pull_orchestration,
+            proxy_hop_ms=proxy_hop_ms,
         )
         try:
             spec.check()

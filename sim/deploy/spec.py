@@ -11,11 +11,16 @@ from kvferry.core.geometry import ModelGeometry, validate_tp
 from kvferry.sim.deploy import hardware
 from kvferry.sim.deploy.compute import Roofline
 
-__all__ = ["FLOWS", "MAX_INSTANCES", "DeployError", "DeploySpec"]
+__all__ = ["FLOWS", "MAX_INSTANCES", "PULL_ORCHESTRATIONS", "DeployError", "DeploySpec"]
 
 FLOWS = ("direct", "ring", "pinned", "pull", "push")
 MS = 1_000_000
 MAX_INSTANCES = 64  # per side: a simulated deployment's ranks all live in one process
+# When decode starts a pull: "overlapped" (this project's pull: decode opens the room and
+# allocates its pages at arrival, its READs overlap prefill's compute) or "serial" (vLLM's
+# NixlConnector behind its proxy: decode hears of the request only once prefill has finished it).
+PULL_ORCHESTRATIONS = ("overlapped", "serial")
+MAX_PROXY_HOP_MS = 10_000.0
 
 
 class DeployError(KvferryError, ValueError):
@@ -53,6 +58,17 @@ class DeploySpec:
     # message's latency, the delay before a completion is handled) the serving runtime pays on
     # top of the NIC's wire and posting; "" for an ideal runtime (the fabric's 50 us messages).
     control_path: str = ""
+    # Only for flow "pull" (other flows ignore it, so one spec can compare every flow). "serial":
+    # a request's decode side (room open, its READs) starts after prefill computed its last chunk,
+    # then ``proxy_hop_ms`` (prefill's response back to the proxy and the proxy's request to
+    # decode), then the end of decode's running step (its scheduler takes new requests between
+    # steps). No hop time is published: 5 ms is a guess to be swept (docs/fidelity.md, seed 004).
+    pull_orchestration: str = "overlapped"
+    proxy_hop_ms: float = 5.0
+
+    @property
+    def serial_pull(self) -> bool:
+        return self.flow == "pull" and self.pull_orchestration == "serial"
 
     def geometry(self) -> ModelGeometry:
         try:
@@ -90,9 +106,21 @@ class DeploySpec:
             )
         if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
             raise DeployError("SLOs must be positive")
+        self._check_orchestration()
         hardware.gpu(self.gpu)
         hardware.nic(self.nic)
         self._control()
+
+    def _check_orchestration(self) -> None:
+        if self.pull_orchestration not in PULL_ORCHESTRATIONS:
+            raise DeployError(
+                f"pull_orchestration: expected one of {', '.join(PULL_ORCHESTRATIONS)}, "
+                f"got {self.pull_orchestration!r}"
+            )
+        hop = self.proxy_hop_ms
+        # ``not 0 <= hop`` also refuses NaN.
+        if isinstance(hop, bool) or not isinstance(hop, int | float) or not 0 <= hop <= MAX_PROXY_HOP_MS:
+            raise DeployError(f"proxy_hop_ms must be in [0, {MAX_PROXY_HOP_MS:g}], got {hop!r}")
 
     def _control(self) -> hardware.NicProfile | None:
         if not self.control_path:

@@ -12,6 +12,12 @@ one fabric, and requests that arrive over time.
 - Decode (each instance its own batch loop): a request joins its instance's batch once its room
   is Success on every decode rank; each step's time is the roofline over the batch and its
   context; decode keeps the request's pages until its last token.
+- Serial pull (``DeploySpec.pull_orchestration = "serial"``, flow "pull"): vLLM's order of a
+  pull behind its proxy. Prefill opens the room and computes every chunk with no decode side;
+  once the last chunk is computed, its response travels back to the proxy and the proxy sends
+  the request to decode (``proxy_hop_ms``), and decode's scheduler takes it at the end of the
+  step it is running (at once when idle). Only then does decode open the room and the pull flow
+  READ, through the same core and flow as an overlapped pull.
 - TTFT: arrival to the end of the request's first decode step (the first token the client gets
   from decode); TPOT: the mean gap between its later tokens.
 """
@@ -92,6 +98,13 @@ class DeployWorld(World):
         # Simulated ns each instance spent in forward steps (its utilisation over the run).
         self.busy_ns = {"prefill": [0] * n_pre, "decode": [0] * n_dec}
         self._hold_dec: set[int] = set()  # keys whose decode pages wait for the last token
+        # Serial pull: when each decode instance's running step ends (idle: a time already past),
+        # each request's prefill-finished event, and when its decode side opened (key -> ns).
+        self._step_end = [0] * n_dec
+        self._prefilled: dict[int, simpy.Event] = {}
+        self.decode_open_ns: dict[int, int] = {}
+        # Set to a list to log every decode step as (instance, start ns, end ns).
+        self.step_log: list[tuple[int, int, int]] | None = None
         self._closed = arrivals.concurrency > 0
         if self._closed:
             for _ in range(min(arrivals.concurrency, self.total)):
@@ -202,7 +215,10 @@ class DeployWorld(World):
             yield done
         else:
             yield self.env.timeout(1)  # a cached chunk: nothing to compute
-        self.tracks[req.key].chunk_ready_ns.append(int(self.env.now))
+        ready = self.tracks[req.key].chunk_ready_ns
+        ready.append(int(self.env.now))
+        if len(ready) == len(req.chunks) and req.key in self._prefilled:
+            self._prefilled.pop(req.key).succeed()
 
     def _prefill_loop(self, i: int):  # type: ignore[no-untyped-def]
         """Prefill instance ``i``'s forward steps over its own queued chunks."""
@@ -223,6 +239,27 @@ class DeployWorld(World):
             yield self.env.timeout(step)
             for _, _, done in batch:
                 done.succeed()
+
+    # ------------------------------------------------------------------ serial pull
+    def _decode_opens_late(self, req: Request) -> bool:
+        if self.spec.serial_pull:
+            self._prefilled[req.key] = self.env.event()
+            return True
+        return super()._decode_opens_late(req)
+
+    def _open_decode_later(self, req: Request, lag_ns: int):  # type: ignore[no-untyped-def]
+        if not self.spec.serial_pull:
+            yield from super()._open_decode_later(req, lag_ns)
+            return
+        yield self._prefilled[req.key]
+        yield self.env.timeout(round(self.spec.proxy_hop_ms * 1_000_000))
+        # The request reached decode's engine; its scheduler admits it between two steps.
+        wait = self._step_end[req.dec_inst] - int(self.env.now)
+        if wait > 0:
+            yield self.env.timeout(wait)
+        self.decode_open_ns[req.key] = int(self.env.now)
+        self._open_decode(req)
+        self._check_side(req, "decode")
 
     # ------------------------------------------------------------------ decode
     def _check_side(self, req: Request, side: str) -> None:
@@ -281,6 +318,9 @@ class DeployWorld(World):
                 continue
             step = self.roof_d.decode_ns(len(batch), ctx)
             busy[j] += step
+            self._step_end[j] = int(env.now) + step
+            if self.step_log is not None:
+                self.step_log.append((j, int(env.now), self._step_end[j]))
             yield env.timeout(step)
             now = int(env.now)
             ctx += len(batch)  # every sequence gained a token
