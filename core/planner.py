@@ -203,6 +203,8 @@ def region_pattern(
     coalesce: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(src_offset, dst_offset, length, unmerged count) of one region; identical for every region."""
+    if coalesce and _pages_are_pieces(src, dst, num_heads):
+        return _page_pattern(src, dst, sp, dp, head_start, token_start, token_end)
     tokens = np.arange(token_start, token_end, dtype=np.int64)
     s_page, s_tip = _slot_parts(sp, src.page_size, tokens)
     d_page, d_tip = _slot_parts(dp, dst.page_size, tokens)
@@ -234,6 +236,56 @@ def region_pattern(
     starts = edges[:-1]
     lengths = (edges[1:] - starts) * piece
     return s_off[starts], d_off[starts], lengths, unmerged
+
+
+def _pages_are_pieces(src: PoolGeometry, dst: PoolGeometry, num_heads: int) -> bool:
+    """A page's tokens form one contiguous piece on both sides (the link carries every head a
+    token slot holds, token-major pages, one page size): the pieces can be computed per page."""
+    if src.layout.head_major_in_page or dst.layout.head_major_in_page or src.page_size != dst.page_size:
+        return False
+    piece = num_heads * src.head_bytes
+    return piece == src.token_stride and piece == dst.token_stride
+
+
+def _page_pattern(
+    src: PoolGeometry,
+    dst: PoolGeometry,
+    sp: np.ndarray,
+    dp: np.ndarray,
+    head_start: int,
+    token_start: int,
+    token_end: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """``region_pattern`` computed per page instead of per token, for ``_pages_are_pieces`` pairs.
+
+    The per-token pieces of one page are adjacent on both sides, so they always merge: starting
+    from one piece per page (clipped to the token range) gives the same runs with arrays 16x or so
+    shorter, which is most of a 4096-token plan's cost. Same outputs as the per-token path.
+    """
+    unmerged = token_end - token_start
+    if unmerged == 0:
+        return _EMPTY, _EMPTY, _EMPTY, 0
+    size = src.page_size
+    idx = np.arange(token_start // size, (token_end - 1) // size + 1, dtype=np.int64)
+    first = idx * size
+    t0 = np.maximum(first, token_start)
+    t1 = np.minimum(first + size, token_end)
+    ts = src.token_stride
+    s_off = sp[idx] * src.page_stride + (t0 - first) * ts + (head_start - src.head_start) * src.head_stride
+    d_off = dp[idx] * dst.page_stride + (t0 - first) * ts + (head_start - dst.head_start) * dst.head_stride
+    length = (t1 - t0) * ts
+    order = np.argsort(s_off, kind="stable")
+    s_off, d_off, length = s_off[order], d_off[order], length[order]
+    n = s_off.size
+    brk = np.empty(n + 1, dtype=bool)
+    brk[0] = brk[n] = True
+    end = s_off[:-1] + length[:-1]
+    np.not_equal(s_off[1:], end, out=brk[1:n])
+    brk[1:n] |= d_off[1:] != d_off[:-1] + length[:-1]
+    edges = np.flatnonzero(brk)
+    starts = edges[:-1]
+    last = edges[1:] - 1
+    return s_off[starts], d_off[starts], s_off[last] + length[last] - s_off[starts], unmerged
 
 
 def _tile(a: np.ndarray, n: int) -> np.ndarray:

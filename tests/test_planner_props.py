@@ -14,12 +14,16 @@ and checks, against tests/refmodel.py (independent of the planner's arithmetic):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvferry.core import planner
 from kvferry.core.geometry import make_pools
 from kvferry.core.planner import plan_rank_pair, plan_room
 
@@ -72,3 +76,49 @@ def test_room_plan_equals_logical_relayout(room: dict) -> None:
                     assert plan_rank_pair(sp_pool, dp_pool, sp, dp, lo, hi).count == 0
         d_heads = [len(refmodel.ref_heads(model.num_kv_heads, room["dtp"], d)) for d in range(room["dtp"])]
         assert plan.total_bytes == (hi - lo) * n_regions * hb * sum(d_heads)
+
+
+def _runs_of_pages(rng: np.random.Generator, num_pages: int, needed: int) -> np.ndarray:
+    """Page ids in a few contiguous runs (how a real allocator hands them out), not a permutation."""
+    n_cuts = min(needed - 1, int(rng.integers(0, 4)))
+    cuts = np.sort(rng.choice(np.arange(1, needed), size=n_cuts, replace=False))
+    runs = np.split(np.arange(needed, dtype=np.int64), cuts)
+    order = rng.permutation(len(runs))
+    return np.concatenate([runs[i] for i in order]) + int(rng.integers(0, num_pages - needed + 1))
+
+
+@settings(max_examples=200)
+@given(refmodel.rooms(same_shape=True), st.booleans())
+def test_page_pieces_equal_token_pieces(room: dict, in_runs: bool) -> None:
+    """The per-page fast path of equal-shape pairs gives the per-token path's arrays exactly."""
+    model = room["model"]
+    rng = np.random.default_rng(room["seed"])
+    src_pools = make_pools(model, room["ptp"], room["ps_p"], room["pool_p"], room["layout_p"])
+    dst_pools = make_pools(model, room["dtp"], room["ps_d"], room["pool_d"], room["layout_d"])
+    pick = _runs_of_pages if in_runs else refmodel.fragmented_pages
+    sp = pick(rng, room["pool_p"], room["need_p"])
+    dp = pick(rng, room["pool_d"], room["alloc_d"])
+    for lo, hi in itertools.pairwise(room["cuts"]):
+        for s in src_pools:
+            for d in dst_pools:
+                link = planner.find_link(s, d)
+                if link is None or link.num_heads == 0:
+                    continue
+                assert planner._pages_are_pieces(s, d, link.num_heads)
+                args = (s, d, sp, dp, link.head_start, link.num_heads, lo, hi, True)
+                fast = planner.region_pattern(*args)
+                with _token_path():
+                    slow = planner.region_pattern(*args)
+                for a, b in zip(fast[:3], slow[:3], strict=True):
+                    np.testing.assert_array_equal(a, b)
+                assert fast[3] == slow[3] == hi - lo
+
+
+@contextlib.contextmanager
+def _token_path() -> Iterator[None]:
+    saved = planner._pages_are_pieces
+    planner._pages_are_pieces = lambda *a: False
+    try:
+        yield
+    finally:
+        planner._pages_are_pieces = saved
