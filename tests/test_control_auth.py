@@ -14,7 +14,7 @@ import pytest
 import zmq
 from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
 from kvferry.backends.runtime.security import control_auth, message_src
-from kvferry.backends.zmqctl import AuthConfigError, ControlAuth, ControlPlane, load_keys
+from kvferry.backends.zmqctl import AuthConfigError, ControlAuth, ControlPlane, load_keys, pack_parts
 from kvferry.backends.zmqctl.auth import ENV_KEY, HEADER
 from kvferry.core import messages as m
 from kvferry.core.deadlines import MS, SEC, Timeouts
@@ -58,7 +58,7 @@ def _frames(auth: ControlAuth, payload: bytes, sender: bytes = b"a", to: bytes =
 
 def _fence(b: ControlPlane, raw: zmq.Socket, auth: ControlAuth) -> None:
     """Send a good frame and wait for it: everything sent before it has been judged."""
-    raw.send_multipart(_frames(auth, b"fence", sender=b"fence"))
+    raw.send(pack_parts(_frames(auth, b"fence", sender=b"fence")))
     msg = _recv(b)
     assert msg.payload == b"fence", msg
 
@@ -116,16 +116,16 @@ def test_concurrent_authenticated_senders_keep_order_and_are_never_taken_for_rep
 def test_forged_frames_are_rejected_and_counted_by_reason(receiver):
     b, raw = receiver
     good = ControlAuth((OLD,))
-    raw.send_multipart([b"a", b"", b"untagged payload"])  # a plane without a key
-    raw.send_multipart([b"a", b"", b"short header", b"payload"])
-    raw.send_multipart(_frames(ControlAuth((OTHER,)), b"signed with a key b does not hold"))
+    raw.send(pack_parts([b"a", b"", b"untagged payload"]))  # a plane without a key
+    raw.send(pack_parts([b"a", b"", b"short header", b"payload"]))
+    raw.send(pack_parts(_frames(ControlAuth((OTHER,)), b"signed with a key b does not hold")))
     f = _frames(good, b"original")
-    raw.send_multipart([*f[:3], b"tampered"])
+    raw.send(pack_parts([*f[:3], b"tampered"]))
     f = _frames(good, b"relabelled")
-    raw.send_multipart([b"c", *f[1:]])  # another sender name on a's frame
-    raw.send_multipart(_frames(good, b"meant for c", to=b"c"))  # redirected to b
+    raw.send(pack_parts([b"c", *f[1:]]))  # another sender name on a's frame
+    raw.send(pack_parts(_frames(good, b"meant for c", to=b"c")))  # redirected to b
     f = _frames(good, b"bad tag")
-    raw.send_multipart([f[0], f[1], f[2][:-1] + bytes([f[2][-1] ^ 1]), f[3]])
+    raw.send(pack_parts([f[0], f[1], f[2][:-1] + bytes([f[2][-1] ^ 1]), f[3]]))
     _fence(b, raw, good)
     assert dict(b.stats.rejected) == {"untagged": 2, "unknown_key": 1, "bad_tag": 4}
     assert b.recv(0.1) is None  # none of them reached the caller
@@ -136,15 +136,15 @@ def test_replayed_and_old_incarnation_frames_are_rejected(receiver):
     b, raw = receiver
     first = ControlAuth((OLD,), incarnation=1_000)
     frame = _frames(first, b"once")
-    raw.send_multipart(frame)
+    raw.send(pack_parts(frame))
     assert _recv(b).payload == b"once"
-    raw.send_multipart(frame)  # the same frame again: a replay
+    raw.send(pack_parts(frame))  # the same frame again: a replay
     restarted = ControlAuth((OLD,), incarnation=2_000)  # the peer restarted
-    raw.send_multipart(_frames(restarted, b"new life"))
+    raw.send(pack_parts(_frames(restarted, b"new life")))
     assert _recv(b).payload == b"new life"
-    raw.send_multipart(_frames(first, b"recorded from the old life"))  # validly signed, old
+    raw.send(pack_parts(_frames(first, b"recorded from the old life")))  # validly signed, old
     stale = ControlAuth((OLD,), incarnation=3_000, clock_ns=lambda: time.time_ns() - 3600 * SEC)
-    raw.send_multipart(_frames(stale, b"sent an hour ago"))
+    raw.send(pack_parts(_frames(stale, b"sent an hour ago")))
     _fence(b, raw, ControlAuth((OLD,)))
     assert dict(b.stats.rejected) == {"replayed": 1, "old_incarnation": 1, "stale": 1}
 
@@ -190,7 +190,7 @@ def test_a_rejected_frame_teaches_no_reply_address(receiver):
         port = trap.bind_to_random_port("tcp://127.0.0.1")
         evil = f"tcp://127.0.0.1:{port}".encode()
         forged = ControlAuth((OTHER,))
-        raw.send_multipart([b"mallory", evil, forged.sign(b"mallory", evil, b"b", b"hi"), b"hi"])
+        raw.send(pack_parts([b"mallory", evil, forged.sign(b"mallory", evil, b"b", b"hi"), b"hi"]))
         _fence(b, raw, ControlAuth((OLD,)))
         b.send("mallory", b"would leak")
         msg = _recv(b)

@@ -7,7 +7,9 @@ import time
 
 import pytest
 import zmq
-from kvferry.backends.zmqctl import ControlPlane, ControlPlaneError
+from hypothesis import given
+from hypothesis import strategies as st
+from kvferry.backends.zmqctl import ControlPlane, ControlPlaneError, pack_parts, unpack_parts
 
 
 def _recv(cp: ControlPlane, timeout_s: float = 5.0):
@@ -92,15 +94,25 @@ def test_malformed_frames_counted_not_delivered(pair):
     raw = zmq.Context.instance().socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(b.address)
-    raw.send_multipart([b"only-one-frame"])
-    raw.send_multipart([b"x", b"", b"y", b"z"])
-    raw.send_multipart([b"\xff\xfe", b"", b"bad utf8 sender"])
-    raw.send_multipart([b"x", b"http://evil", b"bad reply address"])
-    raw.send_multipart([b"", b"", b"empty sender"])
-    raw.send_multipart([b"ok", b"", b"fine"])
+    for parts in (
+        [b"only-one-part"],
+        [b"x", b"", b"y", b"z"],
+        [b"\xff\xfe", b"", b"bad utf8 sender"],
+        [b"x", b"http://evil", b"bad reply address"],
+        [b"", b"", b"empty sender"],
+    ):
+        raw.send(pack_parts(parts))
+    good = pack_parts([b"x", b"", b"well formed"])
+    raw.send_multipart([b"x", b"", b"parts as separate ZMQ frames"])
+    raw.send(b"not a packed message")
+    raw.send(good[:-1])  # lengths promise more than the frame holds
+    raw.send(good + b"!")  # and less
+    raw.send(b"kf\x09" + good[3:])  # more parts than a message has
+    raw.send(b"kf")  # shorter than the count
+    raw.send(pack_parts([b"ok", b"", b"fine"]))
     msg = _recv(b)
     assert (msg.peer, msg.payload) == ("ok", b"fine")
-    assert b.stats.malformed == 5
+    assert b.stats.malformed == 11
     raw.close(0)
 
 
@@ -201,3 +213,14 @@ def test_reply_address_learned_and_followed_after_restart():
     assert _recv(client2).payload == b"ack2"
     for cp in (server, client2):
         cp.close()
+
+
+@given(st.lists(st.binary(max_size=300), max_size=4))
+def test_packed_parts_round_trip(parts: list[bytes]) -> None:
+    assert unpack_parts(pack_parts(parts)) == parts
+
+
+@given(st.binary(max_size=64))
+def test_unpacking_garbage_never_raises(frame: bytes) -> None:
+    parts = unpack_parts(frame)
+    assert parts is None or pack_parts(parts) == frame  # accepted only if it is exactly a packing

@@ -468,6 +468,7 @@ def test_loop_idle_cap_bounds_the_sleep():
 
 def test_malformed_control_and_notifications_are_counted_not_fatal(servers):
     import zmq
+    from kvferry.backends.zmqctl import pack_parts
 
     pre, dec = servers
     raw = zmq.Context.instance().socket(zmq.PUSH)
@@ -477,9 +478,9 @@ def test_malformed_control_and_notifications_are_counted_not_fatal(servers):
     from kvferry.backends.zmqctl import ControlAuth, load_keys
 
     bad = b"\x93not a control message"
-    raw.send_multipart([b"evil#0", b"", ControlAuth(load_keys()).sign(b"evil#0", b"", b"P#0", bad), bad])
-    raw.send_multipart([b"only-one-frame"])  # bad framing: dropped by the control plane
-    raw.send_multipart([b"evil#0", b"", bad])  # untagged: rejected before the engine
+    raw.send(pack_parts([b"evil#0", b"", ControlAuth(load_keys()).sign(b"evil#0", b"", b"P#0", bad), bad]))
+    raw.send(pack_parts([b"only-one-frame"]))  # bad framing: dropped by the control plane
+    raw.send(pack_parts([b"evil#0", b"", bad]))  # untagged: rejected before the engine
     rv, senders = _room(pre, dec, 77, "ok", np.arange(4), 8, [8])  # registers the peers
     assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * 2)
     pre[0].transport.send_notif(dec.endpoint, b"\xc1garbage")

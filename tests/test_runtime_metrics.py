@@ -10,6 +10,7 @@ import pytest
 import zmq
 from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
 from kvferry.backends.runtime.metrics import reason_class
+from kvferry.backends.zmqctl import pack_parts
 from kvferry.core.deadlines import MS, SEC, Timeouts
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
@@ -74,7 +75,7 @@ def test_exporter_numbers_match_the_rooms_run():
         raw.setsockopt(zmq.LINGER, 0)
         raw.connect(pre.address)
         for _ in range(3):
-            raw.send_multipart([b"mallory#0", b"", b"no tag"])
+            raw.send(pack_parts([b"mallory#0", b"", b"no tag"]))
         got = {}
         for _ in range(500):  # until the control plane has judged the three frames
             got = _scrape(pre.metrics.port)

@@ -4,7 +4,8 @@ Real endpoints (two prefill ranks, TP 2 -> 1 decode rank, NIXL over UCX on DRAM,
 plane with its HMAC keys) move legitimate rooms while a fuzzer thread sends them frames of these
 kinds, each drawn from one seed:
 
-- ``random``: random multipart frames (no valid shape, no tag);
+- ``random``: random parts, packed or as separate ZMQ frames or one unpacked frame (no valid
+  shape, no tag);
 - ``truncated``: a correctly signed frame with its payload or header cut short;
 - ``oversized``: a correctly signed 1-4 MB payload of noise;
 - ``garbage``: correctly signed msgpack that is no control message;
@@ -259,7 +260,14 @@ class _Sender:
         self.reply = b"tcp://127.0.0.1:9"  # nobody listens: replies to the fuzzer go nowhere
 
     def raw(self, i: int, frames: list[bytes]) -> None:
+        from kvferry.backends.zmqctl.plane import pack_parts
+
         # An endpoint whose inbox is full pushes back (zmq.Again): that is allowed, the frame drops.
+        with contextlib.suppress(self._zmq.Again):
+            self._socks[i].send(pack_parts(frames), self._zmq.NOBLOCK)
+
+    def unpacked(self, i: int, frames: list[bytes]) -> None:
+        """The parts as separate ZMQ frames, not packed: what an old or foreign peer sends."""
         with contextlib.suppress(self._zmq.Again):
             self._socks[i].send_multipart(frames, self._zmq.NOBLOCK)
 
@@ -287,13 +295,15 @@ def _send_one(
     i = rng.randrange(len(tx.targets))
     fake = m.Endpoint(server=rng.choice(("D", "P", "Z")), rank=rng.randrange(5, 9))
     if kind == "random":
-        tx.raw(
-            i,
-            [
-                bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
-                for _ in range(rng.randrange(1, 6))
-            ],
-        )
+        count = rng.randrange(1, 6)
+        parts = [bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64))) for _ in range(count)]
+        shape = rng.random()
+        if shape < 0.5 and len(parts) <= 4:
+            tx.raw(i, parts)  # well packed, nonsense inside
+        elif shape < 0.8:
+            tx.unpacked(i, parts)  # separate ZMQ frames
+        else:
+            tx.unpacked(i, [b"".join(parts)])  # one frame that is not a packed message
     elif kind == "truncated":
         frames = [
             str(fake).encode(),

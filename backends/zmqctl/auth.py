@@ -1,6 +1,7 @@
 """Authenticated control frames: a shared key, HMAC-SHA256 tags, incarnations, replay checks.
 
-An authenticated message is four ZMQ frames ``[sender_id, reply_address, header, payload]``.
+An authenticated message is four parts ``[sender_id, reply_address, header, payload]``, packed
+into one ZMQ frame by the control plane (``plane.pack_parts``).
 The header is fixed size (``HEADER``): a version byte, the signing key's id (a fingerprint, never
 the key), the sender's incarnation (wall-clock ns when its control plane started, so a restarted
 process has a larger one), the sender's wall clock at sending, a per-incarnation sequence number,
