@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING
 from kvferry.core.kvpoll import KVPoll
 
 if TYPE_CHECKING:
-    from kvferry.sim.world import Allocator, Request, World
+    from kvferry.sim.pages import PageAllocator
+    from kvferry.sim.world import Request, World
 
 
 def check_liveness(w: World) -> None:
@@ -188,7 +189,7 @@ def _agreement(w: World) -> None:
             w.violate("agreement", f"room {r.key} Success on one side, Failed on {side} ({why})", r)
 
 
-def _server_allocs(w: World) -> list[tuple[str, tuple[Allocator, Allocator]]]:
+def _server_allocs(w: World) -> list[tuple[str, tuple[PageAllocator, PageAllocator]]]:
     """Each server's (pages, aux rows) allocators once, named by its server (``prefill``, or
     ``prefill1.`` of several)."""
     return [

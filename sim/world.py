@@ -11,7 +11,6 @@ FreePages (the fence), prefill pages once the sender engine dropped the room (no
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,39 +37,12 @@ from kvferry.sim.chaos import Chaos
 from kvferry.sim.deploy.timing import TimingFabric, TimingTransport
 from kvferry.sim.faults import Injector, draw_personality
 from kvferry.sim.instances import Instances
+from kvferry.sim.pages import FREE, LowestFirst, PageAllocator
 from kvferry.sim.rng import Streams
 from kvferry.sim.scenario import US, RoomSpec, Scenario, pools, staging_sizes
 from kvferry.sim.trace import Trace
 
 AUX_ROW_BYTES = 64
-FREE = -1
-
-
-class Allocator:
-    """Page (or aux row) allocator of one server; remembers the owner of every unit."""
-
-    def __init__(self, n: int) -> None:
-        self.owner = np.full(n, FREE, dtype=np.int64)
-        self._free: list[int] = list(range(n))  # a heap: lowest id first, deterministic
-        heapq.heapify(self._free)
-
-    @property
-    def used(self) -> int:
-        return self.owner.size - len(self._free)
-
-    def alloc(self, count: int, key: int) -> np.ndarray | None:
-        if count > len(self._free):
-            return None
-        ids = np.array([heapq.heappop(self._free) for _ in range(count)], dtype=np.int64)
-        self.owner[ids] = key
-        return ids
-
-    def free(self, ids: np.ndarray, key: int) -> None:
-        if (self.owner[ids] != key).any():
-            raise AssertionError(f"freeing units not owned by {key}")
-        self.owner[ids] = FREE
-        for i in ids.tolist():
-            heapq.heappush(self._free, i)
 
 
 @dataclass(slots=True)
@@ -213,7 +185,7 @@ class World(Chaos, Instances):
         self._node_ep: dict[str, Endpoint] = {}
         self._side_of: dict[str, str] = {}
         # node -> (pages, aux rows) of its server: a room's units come from its own servers.
-        self.allocs: dict[str, tuple[Allocator, Allocator]] = {}
+        self.allocs: dict[str, tuple[PageAllocator, PageAllocator]] = {}
         for side, n, pages in (
             ("prefill", t.prefill_instances, t.prefill_pages),
             ("decode", t.decode_instances, t.decode_pages),
@@ -223,7 +195,7 @@ class World(Chaos, Instances):
             self.servers[side] = t.servers(side)
             groups = t.server_nodes(side)
             for server, nodes in zip(self.servers[side], groups, strict=True):
-                units = (Allocator(pages), Allocator(t.aux_rows))
+                units = (self._page_allocator(side, pages), LowestFirst(t.aux_rows))
                 for r, node in enumerate(nodes):
                     self._node_ep[node] = Endpoint(server, r)
                     self._side_of[node] = side
@@ -233,6 +205,10 @@ class World(Chaos, Instances):
         self.pre_alloc, self.pre_aux = self.allocs[self.instance_nodes["prefill"][0][0]]
         self.dec_alloc, self.dec_aux = self.allocs[self.instance_nodes["decode"][0][0]]
         self._start_routing()
+
+    def _page_allocator(self, side: str, n: int) -> PageAllocator:
+        """One server's KV page allocator (sim/deploy picks the policy; scenarios keep this one)."""
+        return LowestFirst(n)
 
     def room_nodes(self, req: Request, side: str) -> tuple[str, ...]:
         """The ranks of the server on ``side`` that the room runs on."""
@@ -773,7 +749,7 @@ class World(Chaos, Instances):
             self._ownership_violation(x, req, key, int(own[own != key][0]))
 
     def _foreign_owner_small(
-        self, d: Any, page_bytes: int, key: int, pages: Allocator, aux_rows: Allocator
+        self, d: Any, page_bytes: int, key: int, pages: PageAllocator, aux_rows: PageAllocator
     ) -> int | None:
         """``_on_land``'s check for a few descriptors, in Python (numpy's per-call cost exceeds
         the work): the first owner other than ``key`` of a page (every page a descriptor touches,

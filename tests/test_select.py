@@ -180,3 +180,13 @@ def test_serial_pull_orchestration_reaches_the_pull_runs_and_costs_its_hop() -> 
     assert [p["ttft_ms"] for p in serial["results"]["push"]] == [
         p["ttft_ms"] for p in base["results"]["push"]
     ]
+
+
+def test_page_allocator_option_reaches_the_runs() -> None:
+    args = [*SMALL, "--prefill-tp", "2", "--decode-tp", "2", "--flows", "direct"]
+    assert _json(args)["deployment"]["page_allocator"] == "sglang"
+    old = _json([*args, "--page-allocator", "lowest-first"])
+    assert old["deployment"]["page_allocator"] == "lowest-first"
+    assert all(p["completed"] == p["requests"] and not p["violations"] for p in old["results"]["direct"])
+    r = runner.invoke(app, [*args, "--page-allocator", "buddy"])
+    assert r.exit_code == 2 and "--page-allocator: expected one of sglang, lowest-first" in r.stderr

@@ -164,6 +164,13 @@ def register(app: typer.Typer) -> None:
                 "in ms (not published: sweep it)."
             ),
         ] = 5.0,
+        page_allocator: Annotated[
+            str,
+            typer.Option(
+                help="How servers hand out KV pages: sglang (SGLang's disaggregated servers: a sorted "
+                "free list, decode taking pages for generated tokens) or lowest-first (the original model)."
+            ),
+        ] = "sglang",
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
         plot: Annotated[Path | None, typer.Option(help="Write PNG plots here (needs matplotlib).")] = None,
     ) -> None:
@@ -180,6 +187,7 @@ def register(app: typer.Typer) -> None:
             PULL_ORCHESTRATIONS,
             DeploySpec,
         )
+        from kvferry.sim.pages import ALLOCATORS
 
         check_seed(seed)
         if plot is not None:
@@ -225,6 +233,8 @@ def register(app: typer.Typer) -> None:
             )
         if not (math.isfinite(proxy_hop_ms) and 0 <= proxy_hop_ms <= MAX_PROXY_HOP_MS):
             bad_input(f"--proxy-hop-ms must be in [0, {MAX_PROXY_HOP_MS:g}], got {proxy_hop_ms}")
+        if page_allocator not in ALLOCATORS:
+            bad_input(f"--page-allocator: expected one of {', '.join(ALLOCATORS)}, got {page_allocator!r}")
         want = [f.strip() for f in flows.split(",") if f.strip()]
         for f in want:
             if f not in FLOWS:
@@ -251,6 +261,7 @@ def register(app: typer.Typer) -> None:
             control_path=control_path,
             pull_orchestration=pull_orchestration,
             proxy_hop_ms=proxy_hop_ms,
+            page_allocator=page_allocator,
         )
         try:
             spec.check()

@@ -11,8 +11,17 @@ from kvferry.sim.deploy.router import Router
 from kvferry.sim.deploy.spec import DeployError, DeploySpec
 from kvferry.sim.deploy.workload import Arrivals, DeployRequest
 from kvferry.sim.deploy.world import DeployWorld
+from kvferry.sim.pages import pair_runs, runs
 
-__all__ = ["build_scenario", "collect", "deploy_world", "run_world", "simulate", "staging_bytes"]
+__all__ = [
+    "build_scenario",
+    "collect",
+    "deploy_world",
+    "page_runs",
+    "run_world",
+    "simulate",
+    "staging_bytes",
+]
 
 NS = 1_000_000_000
 MS = 1_000_000
@@ -66,6 +75,20 @@ def simulate(
     w = deploy_world(spec, arrivals, lengths)
     wall = run_world(w, arrivals)
     return collect(w, arrivals, wall, label)
+
+
+def page_runs(w: DeployWorld) -> dict[str, float]:
+    """Mean contiguous page runs per admitted request (see DeployResult.page_runs)."""
+    got = [r for r in w.requests if r.pre_pages is not None and r.dec_pages is not None]
+    if not got:
+        return {}
+    pairs = [pair_runs(r.pre_pages, r.dec_pages) for r in got]  # type: ignore[arg-type]
+    return {
+        "prefill": sum(runs(r.pre_pages) for r in got) / len(got),  # type: ignore[arg-type]
+        "decode": sum(runs(r.dec_pages) for r in got) / len(got),  # type: ignore[arg-type]
+        "pair": sum(pairs) / len(got),
+        "pair_max": float(max(pairs)),
+    }
 
 
 def collect(w: DeployWorld, arrivals: Arrivals, wall: float = 0.0, label: str = "") -> DeployResult:
@@ -143,4 +166,5 @@ def collect(w: DeployWorld, arrivals: Arrivals, wall: float = 0.0, label: str = 
             for side in ("prefill", "decode")
             for i, (n, busy) in enumerate(zip(w.routed[side], w.busy_ns[side], strict=True))
         },
+        page_runs=page_runs(w),
     )

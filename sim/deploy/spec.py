@@ -10,6 +10,7 @@ from kvferry.core.errors import GeometryError, KvferryError
 from kvferry.core.geometry import ModelGeometry, validate_tp
 from kvferry.sim.deploy import hardware
 from kvferry.sim.deploy.compute import Roofline
+from kvferry.sim.pages import ALLOCATORS
 
 __all__ = ["FLOWS", "MAX_INSTANCES", "PULL_ORCHESTRATIONS", "DeployError", "DeploySpec"]
 
@@ -65,6 +66,10 @@ class DeploySpec:
     # steps). No hop time is published: 5 ms is a guess to be swept (docs/fidelity.md, seed 004).
     pull_orchestration: str = "overlapped"
     proxy_hop_ms: float = 5.0
+    # How each server hands out KV pages (sim/pages.py): "sglang", SGLang's disaggregated servers'
+    # sorted free list, decode also taking a page per page of generated tokens; "lowest-first",
+    # the original model (lowest free ids, no pages for generated tokens).
+    page_allocator: str = "sglang"
 
     @property
     def serial_pull(self) -> bool:
@@ -107,6 +112,10 @@ class DeploySpec:
         if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
             raise DeployError("SLOs must be positive")
         self._check_orchestration()
+        if self.page_allocator not in ALLOCATORS:
+            raise DeployError(
+                f"page_allocator: expected one of {', '.join(ALLOCATORS)}, got {self.page_allocator!r}"
+            )
         hardware.gpu(self.gpu)
         hardware.nic(self.nic)
         self._control()

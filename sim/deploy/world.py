@@ -12,6 +12,11 @@ one fabric, and requests that arrive over time.
 - Decode (each instance its own batch loop): a request joins its instance's batch once its room
   is Success on every decode rank; each step's time is the roofline over the batch and its
   context; decode keeps the request's pages until its last token.
+- KV pages (``DeploySpec.page_allocator``, sim/pages.py): "sglang" (the default) allocates as
+  SGLang's disaggregated servers do: grants from the front of a lazily merged, sorted free list,
+  and decode takes a page from it each time a request's generated tokens fill one (those pages
+  count against decode's memory and are freed with the request's). "lowest-first": the original
+  model, the lowest free ids and no pages for generated tokens.
 - Serial pull (``DeploySpec.pull_orchestration = "serial"``, flow "pull"): vLLM's order of a
   pull behind its proxy. Prefill opens the room and computes every chunk with no decode side;
   once the last chunk is computed, its response travels back to the proxy and the proxy sends
@@ -29,12 +34,14 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
 import simpy
 from kvferry.sim import scenario as sc
 from kvferry.sim.deploy.router import Router
 from kvferry.sim.deploy.spec import DeploySpec
 from kvferry.sim.deploy.timing import TimingFabric
 from kvferry.sim.deploy.workload import Arrivals, DeployRequest
+from kvferry.sim.pages import PageAllocator, make_allocator
 from kvferry.sim.scenario import US, RoomSpec
 from kvferry.sim.world import Request, World, _split
 
@@ -69,6 +76,7 @@ class DeployWorld(World):
         router: Router | None = None,
     ) -> None:
         n_pre, n_dec = spec.prefill_instances, spec.decode_instances
+        self.spec = spec  # before the World builds its allocators (_page_allocator reads it)
         super().__init__(
             replace(scenario, workload=replace(scenario.workload, rooms=0)),
             seed=spec.seed,
@@ -76,7 +84,6 @@ class DeployWorld(World):
         )
         assert isinstance(self.fabric, TimingFabric)
         self.fabric.xfer_log = []
-        self.spec = spec
         self.built = scenario  # as built from the spec (staging sized for its largest room)
         self.roof_p = spec.roofline("prefill")
         self.roof_d = spec.roofline("decode")
@@ -97,7 +104,11 @@ class DeployWorld(World):
         self.routed = {"prefill": [0] * n_pre, "decode": [0] * n_dec}
         # Simulated ns each instance spent in forward steps (its utilisation over the run).
         self.busy_ns = {"prefill": [0] * n_pre, "decode": [0] * n_dec}
-        self._hold_dec: set[int] = set()  # keys whose decode pages wait for the last token
+        self._decoded: set[int] = set()  # keys past their last token: decode may free their pages
+        # Pages decode took for generated tokens (sglang allocator), by key; and the steps that
+        # found no free page for one (decode would retract a request: not modelled, counted).
+        self._grown: dict[int, list[np.ndarray]] = {}
+        self.growth_short = 0
         # Serial pull: when each decode instance's running step ends (idle: a time already past),
         # each request's prefill-finished event, and when its decode side opened (key -> ns).
         self._step_end = [0] * n_dec
@@ -139,6 +150,9 @@ class DeployWorld(World):
             record(kind, where, **attrs)
 
         return tapped
+
+    def _page_allocator(self, side: str, n: int) -> PageAllocator:
+        return make_allocator(self.spec.page_allocator, n)
 
     # ------------------------------------------------------------------ arrivals
     def _submit(self, at_ns: int, r: DeployRequest | None = None) -> None:
@@ -270,7 +284,6 @@ class DeployWorld(World):
         t = self.tracks[req.key]
         if req.outcome == "success":
             t.kv_done_ns = int(self.env.now)
-            self._hold_dec.add(req.key)
             j = req.dec_inst
             self._waiting[j].append(req.key)
             if not self._wake[j].triggered:
@@ -279,9 +292,39 @@ class DeployWorld(World):
             self._finish(req.key, failed=True)
 
     def _free_dec_pages(self, req: Request) -> None:
-        if req.key in self._hold_dec:
-            return  # decode still needs them: freed after the last token
+        # Decode still needs a delivered request's pages: freed after its last token. (Keyed on
+        # the outcome, set before the World frees, not on a set filled after: the engines may have
+        # dropped the room already, and the pages then went back at KV arrival.)
+        if req.outcome == "success" and req.key not in self._decoded:
+            return
         super()._free_dec_pages(req)
+
+    @property
+    def _grows(self) -> bool:
+        return self.spec.page_allocator == "sglang"
+
+    def _grow(self, j: int, batch: list[Track], keys: list[int]) -> None:
+        """Give every sequence of the step a page for the token it writes when its pages are
+        full, in batch order from one free list (SGLang's alloc_decode: the new pages of a step
+        are consecutive free-list entries, interleaving the requests)."""
+        ps = self.spec.decode_page_size
+        pages = self.allocs[self.instance_nodes["decode"][j][0]][0]
+        for t, k in zip(batch, keys, strict=True):
+            pos = t.req.input_tokens + t.tokens  # the token this step writes
+            if pos % ps:
+                continue  # room left in its last page
+            got = pages.alloc(1, k)
+            if got is None:
+                self.growth_short += 1
+                continue
+            self._grown.setdefault(k, []).append(got)
+
+    def _free_grown(self, req: Request) -> None:
+        grown = self._grown.pop(req.key, None)
+        if grown:
+            pages = self.allocs[self.room_nodes(req, "decode")[0]][0]
+            pages.free(np.concatenate(grown), req.key)
+            self._memory_event()
 
     def _take(self, j: int) -> int | None:
         """The next request whose KV is in at decode instance ``j`` (None: none waiting)."""
@@ -316,6 +359,8 @@ class DeployWorld(World):
                 self._wake[j] = env.event()
                 yield self._wake[j]
                 continue
+            if self._grows:
+                self._grow(j, batch, keys)
             step = self.roof_d.decode_ns(len(batch), ctx)
             busy[j] += step
             self._step_end[j] = int(env.now) + step
@@ -339,8 +384,9 @@ class DeployWorld(World):
                     still_keys.append(k)
                     continue
                 ctx -= t.req.input_tokens + t.tokens
-                self._hold_dec.discard(k)
+                self._decoded.add(k)
                 req = self.requests[k]
+                self._free_grown(req)
                 if req.dec_released:
                     self._check_side(req, "decode")  # frees the pages now
                 self._finish(k, failed=False)
