@@ -70,6 +70,10 @@ class DeployResult:
     # on each side ("prefill", "decode") and over both at once ("pair": where an equal-TP direct
     # descriptor merges), and the largest pair count ("pair_max").
     page_runs: dict[str, float] = field(default_factory=dict)
+    # Decode steps that found no free page for a request's next generated token (the sglang page
+    # allocator): SGLang would retract a request there, which is not modelled; above 0 the run's
+    # decode memory is over-committed and its TPOT and TTFT are optimistic.
+    growth_short: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

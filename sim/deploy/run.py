@@ -167,4 +167,5 @@ def collect(w: DeployWorld, arrivals: Arrivals, wall: float = 0.0, label: str = 
             for i, (n, busy) in enumerate(zip(w.routed[side], w.busy_ns[side], strict=True))
         },
         page_runs=page_runs(w),
+        growth_short=w.growth_short,
     )
