@@ -51,6 +51,13 @@ class PageAllocator(Protocol):
     def free(self, ids: np.ndarray, key: int) -> None: ...
 
 
+def _give_back(owner: np.ndarray, ids: np.ndarray, key: int) -> None:
+    """Mark ``ids`` free; they must all be ``key``'s (a double free is a simulator bug)."""
+    if (owner[ids] != key).any():
+        raise AssertionError(f"freeing units not owned by {key}")
+    owner[ids] = FREE
+
+
 class LowestFirst:
     """Lowest free id first (a heap: deterministic, no draw)."""
 
@@ -71,9 +78,7 @@ class LowestFirst:
         return ids
 
     def free(self, ids: np.ndarray, key: int) -> None:
-        if (self.owner[ids] != key).any():
-            raise AssertionError(f"freeing units not owned by {key}")
-        self.owner[ids] = FREE
+        _give_back(self.owner, ids, key)
         for i in ids.tolist():
             heapq.heappush(self._free, i)
 
@@ -112,9 +117,7 @@ class SortedFreeList:
         return ids
 
     def free(self, ids: np.ndarray, key: int) -> None:
-        if (self.owner[ids] != key).any():
-            raise AssertionError(f"freeing units not owned by {key}")
-        self.owner[ids] = FREE
+        _give_back(self.owner, ids, key)
         if len(ids):
             self._released.append(np.asarray(ids, dtype=np.int64).copy())
             self._n_released += len(ids)
