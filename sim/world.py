@@ -750,16 +750,17 @@ class World(Chaos, Instances):
         req = self.by_room.get(room)
         key = req.key if req is not None else -2
         d = x.descs
+        n = d.count
         pool = self.dec_pools[self._node_ep[x.dst].rank]
         pages, aux_rows = self.allocs[x.dst]
-        if d.count and is_staging_region(int(d.dst_region[0])):
+        if n and is_staging_region(int(d.dst_region[0])):
             self._check_staged_land(x, req)
             return
-        if x.initiator == x.dst and d.count:
+        if x.initiator == x.dst and n:
             self._check_read_source(x, req, key)
-        elif req is not None and req.flow == Flow.PUSH.value and self.scenario.checks.lease:
+        elif req is not None and req.flow == _PUSH and self.scenario.checks.lease:
             self._check_lease(x, req)
-        if d.count <= 16:
+        if n <= 16:
             other = self._foreign_owner_small(d, pool.page_bytes, key, pages, aux_rows)
             if other is not None:
                 self._ownership_violation(x, req, key, other)
@@ -988,6 +989,7 @@ class World(Chaos, Instances):
 
 
 _PREFIX_FLOWS = (Flow.DIRECT.value, Flow.PULL.value, Flow.PUSH.value)
+_PUSH = Flow.PUSH.value  # read per landing write (an enum's .value is a property call)
 
 
 def _terminal(st: KVPoll | None) -> bool:

@@ -65,6 +65,9 @@ class SimRank:
             on_free_pages=lambda cmd: sink.free_pages(self, cmd),
             on_enqueue=self._wake_worker,
         )
+        # The driver's next_deadline without its lock (SimPy runs one thing at a time: this
+        # Driver has none): asked at every sleep and local event.
+        self._next_deadline = engine.next_deadline
         self._work = [env.event() for _ in range(workers)]
         self._sleep_until: int | None = None
         self._kicked = False
@@ -94,7 +97,7 @@ class SimRank:
         """A local event may have set an earlier deadline than the one the main loop sleeps to."""
         if self._kicked:
             return  # a wake-up is already on its way: it sleeps to the new deadline anyway
-        dl = self.driver.next_deadline()
+        dl = self._next_deadline()
         if dl is not None and (self._sleep_until is None or dl < self._sleep_until):
             self._kicked = True
             self._on_wake(None)
@@ -141,7 +144,7 @@ class SimRank:
         The main loop is a scheduled call (``_on_wake``), not a SimPy process: it runs at the step
         its wake-up event would have, without a generator resumed per wake-up (one per message).
         """
-        dl = self.driver.next_deadline()
+        dl = self._next_deadline()
         self._sleep_until = dl
         self._kicked = False
         if dl is not None and dl != self._timer_at:
