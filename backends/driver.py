@@ -366,7 +366,11 @@ class Driver:
         if self.trace is not None and k not in _DATA_PLANE:  # _call_data_plane traces its own
             self.trace("run", cmd)
         try:
-            if k is SendControl:
+            # StatusChanged first: the most frequent command (several per room and rank).
+            if k is StatusChanged:
+                if self.on_status is not None:
+                    self.on_status(cmd)
+            elif k is SendControl:
                 t.send_control(cmd.peer, m.encode(cmd.msg))
             elif k in _DATA_PLANE:
                 handle = self._call_data_plane(cmd)
@@ -407,9 +411,6 @@ class Driver:
                 t.add_peer(cmd.peer, cmd.registration)
             elif k is DropPeer:
                 t.drop_peer(cmd.peer)
-            elif k is StatusChanged:
-                if self.on_status is not None:
-                    self.on_status(cmd)
             elif k is FreePages:
                 if self.on_free_pages is not None:
                     self.on_free_pages(cmd)

@@ -180,6 +180,8 @@ class ModelGeometry:
 
     def same_kv_shape(self, other: ModelGeometry) -> str | None:
         """None if ``other`` lays out identical KV bytes, else a sentence saying what differs."""
+        if other is self:
+            return None  # the usual case (both sides' pools of one model), asked per planned chunk
         for fname in ("num_layers", "num_kv_heads", "head_dim", "dtype", "is_mla"):
             a, b = getattr(self, fname), getattr(other, fname)
             if a != b:

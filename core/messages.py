@@ -428,7 +428,9 @@ def encode(msg: Control | ChunkNote) -> bytes:
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, data: object, what: str) -> Any:
-    if not isinstance(data, bytes | bytearray | memoryview):
+    if type(data) is not bytes and not isinstance(
+        data, bytes | bytearray | memoryview
+    ):  # bytes: the usual, tested first
         raise WireError(f"{what}: expected bytes, got {type(data).__name__}")
     try:
         return decoder.decode(data)

@@ -119,7 +119,8 @@ def as_page_ids(pages: object, pool: PoolGeometry, side: str) -> np.ndarray:
     arr = np.asarray(pages)
     if arr.ndim != 1:
         raise PlanError(f"{side} page ids must be a 1-D array, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    # The kinds np.issubdtype(dtype, np.integer) accepts (timedelta64 is a signed integer), minus its cost.
+    if arr.size and arr.dtype.kind not in "ium":
         raise PlanError(f"{side} page ids must be integers, got dtype {arr.dtype}")
     arr = arr.astype(np.int64, copy=False)
     if arr.size:
@@ -288,6 +289,76 @@ def _page_pattern(
     return s_off[starts], d_off[starts], s_off[last] + length[last] - s_off[starts], unmerged
 
 
+# Above this many page segments a chunk is planned by numpy (``region_pattern``), below it in
+# Python (``_dense_runs``): a typical chunk touches a few pages, where numpy's per-call cost
+# exceeds the work.
+_DENSE_RUNS_MAX_SEGMENTS = 64
+
+
+def _dense_runs(
+    src: PoolGeometry,
+    dst: PoolGeometry,
+    sp: np.ndarray,
+    dp: np.ndarray,
+    head_start: int,
+    num_heads: int,
+    token_start: int,
+    token_end: int,
+) -> tuple[list[int], list[int], list[int]] | None:
+    """``region_pattern``'s merged runs as lists, computed per page segment instead of per
+    token, where a token's piece is the whole token slot on both sides (token-major, the link
+    covering all of each side's heads); None elsewhere (the caller uses ``region_pattern``).
+
+    There, tokens with the same page on both sides (a segment) are contiguous on both; pieces lie
+    on a grid of ``piece`` bytes (pages never overlap), so segments never interleave: sorting
+    segments by source offset sorts their pieces, and two segments adjacent in that order merge
+    exactly when the numpy version would merge their boundary pieces.
+    """
+    piece = num_heads * src.head_bytes
+    if (
+        src.layout.head_major_in_page
+        or dst.layout.head_major_in_page
+        or src.token_stride != piece
+        or dst.token_stride != piece
+    ):
+        return None
+    sps, dps = src.page_size, dst.page_size
+    if (token_end - token_start) > _DENSE_RUNS_MAX_SEGMENTS * min(sps, dps):
+        return None
+    s_ps, d_ps = src.page_stride, dst.page_stride
+    s_c = (head_start - src.head_start) * src.head_stride
+    d_c = (head_start - dst.head_start) * dst.head_stride
+    s_first, d_first = token_start // sps, token_start // dps
+    s_pages = sp[s_first : (token_end - 1) // sps + 1].tolist()
+    d_pages = dp[d_first : (token_end - 1) // dps + 1].tolist()
+    segs: list[tuple[int, int, int]] = []
+    t = token_start
+    while t < token_end:
+        si, so = divmod(t, sps)
+        di, do = divmod(t, dps)
+        n = min(token_end, t + sps - so, t + dps - do) - t
+        segs.append(
+            (
+                s_pages[si - s_first] * s_ps + so * piece + s_c,
+                d_pages[di - d_first] * d_ps + do * piece + d_c,
+                n * piece,
+            )
+        )
+        t += n
+    segs.sort()  # source offsets are distinct: the same order as numpy's stable argsort
+    if not segs:
+        return [], [], []
+    s_out, d_out, n_out = [segs[0][0]], [segs[0][1]], [segs[0][2]]
+    for s, d, n in segs[1:]:
+        if s_out[-1] + n_out[-1] == s and d_out[-1] + n_out[-1] == d:
+            n_out[-1] += n
+        else:
+            s_out.append(s)
+            d_out.append(d)
+            n_out.append(n)
+    return s_out, d_out, n_out
+
+
 def _tile(a: np.ndarray, n: int) -> np.ndarray:
     """``np.tile`` of a 1-D array, without its Python-level overhead (a new contiguous array)."""
     out = np.empty((n, a.size), dtype=a.dtype)
@@ -349,24 +420,35 @@ def plan_rank_pair(
             src.tp_rank, dst.tp_rank, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, 0, 0, 0,
             head_start, num_heads, token_start, token_end, direction,
         )  # fmt: skip
-    s_off, d_off, length, unmerged = region_pattern(
-        src, dst, sp, dp, head_start, num_heads, token_start, token_end, coalesce
-    )
     n_regions = src.model.num_regions
-    per = s_off.size
+    runs = _dense_runs(src, dst, sp, dp, head_start, num_heads, token_start, token_end) if coalesce else None
+    if runs is not None:
+        s_list, d_list, n_list = runs
+        per, unmerged, nbytes = len(n_list), token_end - token_start, sum(n_list)
+        # Tiled over the regions as lists: one array built per column.
+        src_offset = _frozen(np.array(s_list * n_regions, dtype=np.int64))
+        dst_offset = _frozen(np.array(d_list * n_regions, dtype=np.int64))
+        length_all = _frozen(np.array(n_list * n_regions, dtype=np.int64))
+    else:
+        s_off, d_off, length, unmerged = region_pattern(
+            src, dst, sp, dp, head_start, num_heads, token_start, token_end, coalesce
+        )
+        per, nbytes = s_off.size, int(length.sum())
+        src_offset = _frozen(_tile(s_off, n_regions))
+        dst_offset = _frozen(_tile(d_off, n_regions))
+        length_all = _frozen(_tile(length, n_regions))
     region = _region_ids(n_regions, per)
-    length_all = _frozen(_tile(length, n_regions))
     return RankPlan(
         src_rank=src.tp_rank,
         dst_rank=dst.tp_rank,
         src_region=region,
-        src_offset=_frozen(_tile(s_off, n_regions)),
+        src_offset=src_offset,
         dst_region=region,
-        dst_offset=_frozen(_tile(d_off, n_regions)),
+        dst_offset=dst_offset,
         length=length_all,
         descriptors_unmerged=unmerged * n_regions,
         count=per * n_regions,
-        total_bytes=int(length.sum()) * n_regions,
+        total_bytes=nbytes * n_regions,
         head_start=head_start,
         num_heads=num_heads,
         token_start=token_start,

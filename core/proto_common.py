@@ -225,7 +225,8 @@ class RoomEngine:
         return None if r is None else r.failure
 
     def next_deadline(self) -> int | None:
-        a, b = self.deadlines.next(), self.tombstones.next_deadline()
+        # Asked several times per wake-up: the tombstones' heap asked directly (one call less).
+        a, b = self.deadlines.next(), self.tombstones._heap.next()
         if a is None:
             return b
         return a if b is None else min(a, b)

@@ -77,7 +77,7 @@ class Chaos(_Base):
                 req.lost_with.add(node)
         rank.crash()
         # After the status reports this incarnation made before dying (deferred, same instant).
-        self._later(lambda: self._crashed(node, rank.incarnation))
+        self._later(self._crashed, node, rank.incarnation)
 
     def _crashed(self, node: str, incarnation: int) -> None:
         """Every room this incarnation held is gone with it: Failed on that rank. On decode that

@@ -8,6 +8,7 @@ a wrong plan as well as a wrong transfer.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -17,6 +18,7 @@ _MASK = (1 << 64) - 1
 _MUL_INT = 0xD6E8FEB86659FD93
 _MUL = np.uint64(_MUL_INT)
 _POS_CACHE_ELEMENTS = 1 << 20  # uint64 positions kept per geometry (8 MiB)
+_TOP_BYTE = slice(7, None, 8) if sys.byteorder == "little" else slice(0, None, 8)  # of a uint64
 
 
 def _salt(room_key: int, rid: int) -> int:
@@ -28,7 +30,7 @@ class _Layout:
     chunk): region ids, the per-head row and per-(head, byte) position terms, the strides."""
 
     __slots__ = ("dense", "hb", "heads", "inner_pos", "inner_rows", "page_rows", "page_size", "page_stride",
-                 "pos_cache", "rids", "slot_rows", "tok_pos", "token_stride")  # fmt: skip
+                 "pos_cache", "rids", "slot_rows", "tok_pos", "token_stride", "values_key")  # fmt: skip
 
     def __init__(self, pool: PoolGeometry) -> None:
         hb = pool.head_bytes
@@ -56,6 +58,9 @@ class _Layout:
         self.inner_pos = (g[:, None] * np.uint64(hb) + b.astype(np.uint64)[None, :]) * _MUL
         self.tok_pos = np.array([pool.model.num_kv_heads * hb * _MUL_INT & _MASK], dtype=np.uint64)
         self.pos_cache = np.empty((0, *self.inner_pos.shape), dtype=np.uint64)
+        # Everything a room's values depend on besides the room (``_room_values``): pools with
+        # the same key (a prefill rank and the decode rank holding its heads) share values.
+        self.values_key = (self.rids, pool.head_start, pool.head_end, hb, pool.model.num_kv_heads)
 
     def positions(self, token_start: int, token_end: int) -> np.ndarray:
         """uint64 [tokens, heads, head bytes]: every byte's position times MUL. Positions do not
@@ -119,16 +124,56 @@ def _runs(
     return runs
 
 
+# A room's values [regions, tokens, heads, head bytes] for tokens [0, n), by (values key, room
+# key): computed at the room's first fill for its whole allocation, sliced by its other chunks
+# and by the check on the decode rank holding the same heads, which drops them. Values are a pure
+# function of the key, so an entry is right whoever reads it; entries of rooms never checked
+# (failed) are evicted oldest first. Bounded: small rooms only, 16 MiB in all.
+_VALUES: dict[tuple[tuple[object, ...], int], np.ndarray] = {}
+_VALUES_ENTRY_BYTES = 1 << 20
+_VALUES_MAX_BYTES = 16 << 20
+_values_bytes = 0
+
+
+def _values(lay: _Layout, room_key: int, token_start: int, token_end: int, whole: int) -> np.ndarray:
+    """``_room_values`` of tokens [token_start, token_end), through the cache; ``whole``: the
+    tokens the room's allocation holds (what a first call computes, when small enough)."""
+    global _values_bytes
+    key = (lay.values_key, room_key)
+    hit = _VALUES.get(key)
+    if hit is not None and hit.shape[1] >= token_end:
+        return hit[:, token_start:token_end]
+    n = max(token_end, whole)
+    if n * len(lay.rids) * lay.inner_pos.size > _VALUES_ENTRY_BYTES:
+        return _room_values(lay, room_key, token_start, token_end)
+    values = _room_values(lay, room_key, 0, n)
+    values.flags.writeable = False  # shared by every reader of the entry
+    if hit is not None:
+        _values_bytes -= _VALUES.pop(key).nbytes
+    while _VALUES and _values_bytes + values.nbytes > _VALUES_MAX_BYTES:
+        _values_bytes -= _VALUES.pop(next(iter(_VALUES))).nbytes
+    _VALUES[key] = values
+    _values_bytes += values.nbytes
+    return values[:, token_start:token_end]
+
+
+def _drop_values(lay: _Layout, room_key: int) -> None:
+    global _values_bytes
+    hit = _VALUES.pop((lay.values_key, room_key), None)
+    if hit is not None:
+        _values_bytes -= hit.nbytes
+
+
 def _room_values(lay: _Layout, room_key: int, token_start: int, token_end: int) -> np.ndarray:
     """The values [regions, tokens, heads, head bytes] the room's rows must hold (all regions in
     one pass)."""
     pos = lay.positions(token_start, token_end)
     # Per region: salt * MUL (mod 2**64), taken in Python ints (no overflow warning).
     salts = np.array([_salt(room_key, rid) * _MUL_INT & _MASK for rid in lay.rids], dtype=np.uint64)
-    acc = np.empty((len(salts), *pos.shape), dtype=np.uint64)
-    np.add(pos[None], salts[:, None, None, None], out=acc)
-    np.right_shift(acc, np.uint64(56), out=acc)
-    return acc.astype(np.uint8)
+    acc = pos[None] + salts[:, None, None, None]
+    # value >> 56 is each uint64's top byte: read through a byte view, one pass instead of a
+    # shift and a narrowing cast (and plain operators beat ``out=`` with broadcasting here).
+    return acc.view(np.uint8)[..., _TOP_BYTE].copy()
 
 
 def _rows(buf: np.ndarray, hb: int) -> np.ndarray | None:
@@ -155,7 +200,7 @@ def fill(
     if token_end <= token_start:
         return
     lay = _layout(pool)
-    values = _room_values(lay, room_key, token_start, token_end)
+    values = _values(lay, room_key, token_start, token_end, len(pages) * lay.page_size)
     runs = _runs(lay, pages, token_start, token_end)
     rows = None
     for i, rid in enumerate(lay.rids):
@@ -180,10 +225,11 @@ def mismatches(
     if n_tokens <= 0:
         return 0, ""
     lay = _layout(pool)
-    want_all = _room_values(lay, room_key, 0, n_tokens)
+    want_all = _values(lay, room_key, 0, n_tokens, 0)
+    _drop_values(lay, room_key)  # the room's last reader on these heads
     runs = _runs(lay, pages, 0, n_tokens)
     rows = None
-    got_all = np.empty_like(want_all)
+    got_all = np.empty(want_all.shape, dtype=np.uint8)  # C order: each region's rows are views
     for i, rid in enumerate(lay.rids):
         buf = region(rid)
         view = _rows(buf, lay.hb)

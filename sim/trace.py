@@ -87,9 +87,14 @@ class Trace:
                 fn(ev)
 
     def _flush(self) -> None:
-        # One C-level pass: each event encoded by msgspec, no Python frame per event.
-        self._hash.update(b"".join(map(_encode, self._pending)))
-        self._pending.clear()
+        # One C-level call: the batch encoded as a msgpack array is its array header followed by
+        # each event's own encoding, so the header cut off leaves exactly the concatenation of
+        # the events' encodings (what is hashed), without one encoder call per event.
+        pending = self._pending
+        n = len(pending)
+        if n:
+            self._hash.update(_encode(pending)[1 if n < 16 else 3 if n < 1 << 16 else 5 :])
+        pending.clear()
 
     def digest(self) -> str:
         self._flush()

@@ -11,11 +11,13 @@ FreePages (the fence), prefill pages once the sender engine dropped the room (no
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import simpy
+from kvferry.backends.simfabric.calls import call_after
 from kvferry.backends.simfabric.descriptors import gather_index
 from kvferry.backends.simfabric.fabric import Fabric, Xfer
 from kvferry.backends.simfabric.runtime import SimRank
@@ -152,7 +154,7 @@ class World(Chaos, Instances):
         self.violations: list[Violation] = []
         self.agreement_exempt: list[tuple[int, str]] = []  # (room key, why), filled by the checker
         self.awaiting_prefill: set[int] = set()
-        self._deferred: list[Any] = []
+        self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         # Admission tickets, in arrival order, per (prefill, decode) instance pair: a request
         # waits only behind requests that need the same servers' memory.
         self._admit_next: dict[tuple[int, int], int] = {}
@@ -536,7 +538,7 @@ class World(Chaos, Instances):
             self._check_status_isolation(req, rank.node)
         # React after the driver finished executing this batch of commands (no re-entry into
         # the engine from inside its own command list), at the same simulated instant.
-        self._later(lambda: self._mark(req, rank.node, cmd.status, cmd.reason, rank.incarnation))
+        self._later(self._mark, req, rank.node, cmd.status, cmd.reason, rank.incarnation)
 
     def after_pump(self, rank: SimRank) -> None:
         if rank.node.startswith("prefill") and rank.engine.stalled and self.scenario.checks.ring_progress:
@@ -545,20 +547,20 @@ class World(Chaos, Instances):
             for key in sorted(self.awaiting_prefill):
                 self._maybe_free_prefill(self.requests[key])
 
-    def _later(self, fn: Any) -> None:
-        """Run ``fn`` at this simulated instant, after the current callback, in call order.
+    def _later(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` at this simulated instant, after the current callback, in call order.
 
         One SimPy event per batch rather than per call: status changes come in bursts.
         """
-        self._deferred.append(fn)
+        self._deferred.append((fn, args))
         if len(self._deferred) == 1:
-            ev = self.env.timeout(0)
-            ev.callbacks.append(self._flush_deferred)
+            call_after(self.env, 0, self._flush_deferred)
 
-    def _flush_deferred(self, _ev: Any) -> None:
+    def _flush_deferred(self) -> None:
         i = 0
         while i < len(self._deferred):  # fns may defer more; they run in this same flush
-            self._deferred[i]()
+            fn, args = self._deferred[i]
+            fn(*args)
             i += 1
         self._deferred.clear()
 
@@ -611,7 +613,7 @@ class World(Chaos, Instances):
             return
         req.freed.add(rank.node)
         self.trace.record("free_pages", rank.node, room=req.room, reason=cmd.reason)
-        self._later(lambda: self._check_side(req, "decode"))
+        self._later(self._check_side, req, "decode")
 
     # --------------------------------------------------------------------------- scheduler reactions
     def _check_side(self, req: Request, side: str) -> None:
@@ -622,7 +624,8 @@ class World(Chaos, Instances):
         for n in nodes:
             if n not in inc:
                 return  # not opened on every rank yet
-        stats = [req.status.get(n) for n in nodes]
+        status = req.status
+        stats = [status.get(n) for n in nodes]
         # One failed rank fails the room on this server: abort it on the others.
         if KVPoll.Failed in stats:
             for n in nodes:
@@ -631,9 +634,10 @@ class World(Chaos, Instances):
                     self.ranks[n].feed(
                         AbortRoom(room=req.room, transfer_id=req.tid, reason="failed on another rank")
                     )
-            stats = [req.status.get(n) for n in nodes]
-        if not all(_terminal(st) for st in stats):
-            return
+            stats = [status.get(n) for n in nodes]
+        for st in stats:  # every rank terminal (asked on every status change: no generator)
+            if st is not KVPoll.Success and st is not KVPoll.Failed:
+                return
         if side == "decode":
             if not req.outcome:
                 req.outcome = "success" if all(st is KVPoll.Success for st in stats) else "failed"
@@ -721,16 +725,17 @@ class World(Chaos, Instances):
         req = self.by_room.get(room)
         key = req.key if req is not None else -2
         d = x.descs
+        n = d.count
         pool = self.dec_pools[self._node_ep[x.dst].rank]
         pages, aux_rows = self.allocs[x.dst]
-        if d.count and is_staging_region(int(d.dst_region[0])):
+        if n and is_staging_region(int(d.dst_region[0])):
             self._check_staged_land(x, req)
             return
-        if x.initiator == x.dst and d.count:
+        if x.initiator == x.dst and n:
             self._check_read_source(x, req, key)
-        elif req is not None and req.flow == Flow.PUSH.value and self.scenario.checks.lease:
+        elif req is not None and req.flow == _PUSH and self.scenario.checks.lease:
             self._check_lease(x, req)
-        if d.count <= 16:
+        if n <= 16:
             other = self._foreign_owner_small(d, pool.page_bytes, key, pages, aux_rows)
             if other is not None:
                 self._ownership_violation(x, req, key, other)
@@ -754,16 +759,19 @@ class World(Chaos, Instances):
         """``_on_land``'s check for a few descriptors, in Python (numpy's per-call cost exceeds
         the work): the first owner other than ``key`` of a page (every page a descriptor touches,
         in descriptor order) or, after those, of an aux row; None if the room owns them all."""
-        regions, offsets, lengths = d.dst_region.tolist(), d.dst_offset.tolist(), d.length.tolist()
+        rows = d.rows()
         owner = pages.owner
-        for r, off, n in zip(regions, offsets, lengths, strict=True):
-            if r != AUX_REGION:
-                for page in range(off // page_bytes, (off + n - 1) // page_bytes + 1):
-                    o = int(owner[page])
+        seen: set[tuple[int, int]] = set()
+        for _, _, r, off, n in rows:
+            # Every region of a plan repeats the same (offset, length) runs: pages already found
+            # owned by the room need no second look (the first foreign owner stays the same).
+            if r != AUX_REGION and (off, n) not in seen:
+                seen.add((off, n))
+                for o in owner[off // page_bytes : (off + n - 1) // page_bytes + 1].tolist():
                     if o != key:
                         return o
         aux_owner = aux_rows.owner
-        for r, off in zip(regions, offsets, strict=True):
+        for _, _, r, off, _ in rows:
             if r == AUX_REGION:
                 o = int(aux_owner[off // AUX_ROW_BYTES])
                 if o != key:
@@ -956,6 +964,7 @@ class World(Chaos, Instances):
 
 
 _PREFIX_FLOWS = (Flow.DIRECT.value, Flow.PULL.value, Flow.PUSH.value)
+_PUSH = Flow.PUSH.value  # read per landing write (an enum's .value is a property call)
 
 
 def _terminal(st: KVPoll | None) -> bool:

@@ -122,3 +122,36 @@ def _token_path() -> Iterator[None]:
         yield
     finally:
         planner._pages_are_pieces = saved
+
+
+@settings(max_examples=300)
+@given(refmodel.rooms())
+def test_page_segment_runs_equal_the_per_token_pattern(room: dict) -> None:
+    """plan_rank_pair's per-page-segment path (``_dense_runs``) gives the arrays of the per-token
+    numpy pattern (``region_pattern``) tiled over the regions, wherever it applies."""
+    model = room["model"]
+    rng = np.random.default_rng(room["seed"])
+    src_pools = make_pools(model, room["ptp"], room["ps_p"], room["pool_p"], room["layout_p"])
+    dst_pools = make_pools(model, room["dtp"], room["ps_d"], room["pool_d"], room["layout_d"])
+    sp = refmodel.fragmented_pages(rng, room["pool_p"], room["need_p"])
+    dp = refmodel.fragmented_pages(rng, room["pool_d"], room["alloc_d"])
+    if rng.random() < 0.5:  # consecutive page ids: segments that merge across pages
+        shift = min(1, room["pool_d"] - dp.size)
+        sp, dp = np.arange(sp.size, dtype=np.int64), np.arange(dp.size, dtype=np.int64) + shift
+    for lo, hi in itertools.pairwise(room["cuts"]):
+        for src in src_pools:
+            for dst in dst_pools:
+                plan = plan_rank_pair(src, dst, sp, dp, lo, hi)
+                if plan.count == 0:
+                    continue
+                s_off, d_off, length, unmerged = planner.region_pattern(
+                    src, dst, sp, dp, plan.head_start, plan.num_heads, lo, hi, True
+                )
+                n = refmodel.num_regions(model)
+                np.testing.assert_array_equal(plan.src_offset, np.tile(s_off, n))
+                np.testing.assert_array_equal(plan.dst_offset, np.tile(d_off, n))
+                np.testing.assert_array_equal(plan.length, np.tile(length, n))
+                np.testing.assert_array_equal(plan.src_region, np.repeat(np.arange(n), s_off.size))
+                assert plan.descriptors_unmerged == unmerged * n
+                assert plan.total_bytes == int(length.sum()) * n
+                assert plan.src_offset.dtype == plan.length.dtype == np.int64

@@ -99,3 +99,36 @@ def test_fill_writes_the_reference_bytes_where_the_geometry_says(
             0xFF
         )
         assert pattern.mismatches(pool, mem.__getitem__, 91, pages, end)[0] == 1
+
+
+def test_values_cache_gives_the_bytes_of_a_fresh_computation() -> None:
+    """A room's values are cached per (heads, room) and shared by its fills and checks: filled
+    chunk by chunk after a shorter entry (its first chunk's allocation), or at once, or on a pool
+    of other page size holding the same heads, the bytes are the ones of the definition; the
+    cache stays within its bound."""
+    model = ModelGeometry("t", 2, 8, 8, "bf16", False)
+    pool = PoolGeometry(model, 2, 1, 16, 32)
+    twin = PoolGeometry(model, 2, 1, 8, 64)  # the same heads: the same values key
+    pages, twin_pages = np.arange(3, 11), np.arange(40, 56)
+    chunked = {r.region_id: np.zeros(r.nbytes, np.uint8) for r in pool.regions}
+    whole = {r.region_id: np.zeros(r.nbytes, np.uint8) for r in pool.regions}
+    on_twin = {r.region_id: np.zeros(r.nbytes, np.uint8) for r in twin.regions}
+    pattern.fill(pool, chunked.__getitem__, 12, pages[:1], 0, 16)  # caches 16 tokens only
+    pattern.fill(pool, chunked.__getitem__, 12, pages, 16, 100)  # needs more: computed again
+    pattern.fill(twin, on_twin.__getitem__, 12, twin_pages, 0, 100)
+    assert pattern.mismatches(twin, on_twin.__getitem__, 12, twin_pages, 100) == (0, "")  # drops it
+    pattern.fill(pool, whole.__getitem__, 12, pages, 0, 100)  # a fresh computation
+    for rid, buf in whole.items():
+        assert np.array_equal(chunked[rid], buf), rid
+    assert pattern.mismatches(pool, chunked.__getitem__, 12, pages, 100) == (0, "")
+    rid, t, h, b = pool.regions[1].region_id, 57, 2, 5
+    at = int(pages[t // 16]) * pool.page_stride + (t % 16) * pool.token_stride + h * pool.head_stride + b
+    assert int(whole[rid][at]) == _reference_byte(pool, 12, rid, t, pool.head_start + h, b)
+    for key in range(1000, 1700):  # rooms never checked (22 MiB of values): oldest evicted
+        pattern.fill(pool, whole.__getitem__, key, pages, 0, 128)
+    assert pattern._values_bytes == sum(v.nbytes for v in pattern._VALUES.values())
+    assert (
+        pattern._values_bytes <= pattern._VALUES_MAX_BYTES
+        and (pattern._layout(pool).values_key, 1699) in pattern._VALUES
+    )
+    assert (pattern._layout(pool).values_key, 1000) not in pattern._VALUES

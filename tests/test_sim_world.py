@@ -338,3 +338,23 @@ def test_a_crash_after_the_news_crossed_does_not_excuse_a_disagreement() -> None
         r = w.requests[key]
         assert any(rec[2] > 0 for k, rec in r.notices.items() if k[2] == "RoomFailed")
         assert not r.lost_with
+
+
+def test_trace_hash_is_the_hash_of_each_events_own_encoding() -> None:
+    """Batches are encoded in one call with the array header cut off: the hashed bytes are the
+    concatenation of every event's own msgpack encoding, for batches of any size (the header is
+    1, 3 or 5 bytes long)."""
+    import hashlib
+
+    import msgspec
+
+    enc = msgspec.msgpack.Encoder().encode
+    for n in (1, 15, 16, 17, 511, 512, 513, 1300):
+        values = [{"room": i, "who": "x"} for i in range(n)]
+        want = hashlib.blake2b(digest_size=16)
+        want.update(b"".join(enc((7, "node", "kind", tuple(v.items()))) for v in values))
+        assert _traced(values) == want.hexdigest(), n
+    for n in (15, 16, (1 << 16) - 1, 1 << 16):
+        rows = [(i, "n", "k", ()) for i in range(n)]
+        cut = 1 if n < 16 else 3 if n < 1 << 16 else 5
+        assert enc(rows)[cut:] == b"".join(map(enc, rows)), n

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 # Up to this many descriptors (whole-page or coalesced plans, aux rows), the checks run in Python:
 # numpy's per-call cost exceeds the work.
 SMALL = 16
+_INT64 = np.dtype(np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,10 +21,24 @@ class DescList:
     dst_region: np.ndarray
     dst_offset: np.ndarray
     length: np.ndarray
+    # ``rows()``, made on first use: a few descriptors' bounds checks (both sides), merge test,
+    # copy and ownership check all read them, where each used to convert the arrays again.
+    _rows: list[tuple[int, int, int, int, int]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def count(self) -> int:
         return int(self.length.size)
+
+    def rows(self) -> list[tuple[int, int, int, int, int]]:
+        """(src_region, src_offset, dst_region, dst_offset, length) of each descriptor, as Python
+        ints (the arrays are taken as read-only: the planner's are)."""
+        rows = self._rows
+        if rows is None:
+            rows = list(zip(*(a.tolist() for a in self.columns()), strict=True))
+            object.__setattr__(self, "_rows", rows)
+        return rows
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The five arrays in constructor order."""
@@ -33,16 +48,18 @@ class DescList:
     def total_bytes(self) -> int:
         n = self.length.size
         if n <= SMALL:
-            return sum(self.length.tolist()) if n else 0
+            return sum(r[4] for r in self.rows()) if n else 0
         return int(self.length.sum())
 
     @staticmethod
     def of(src_region, src_offset, dst_region, dst_offset, length) -> DescList:
         # The planner's arrays are already flat int64: taken as they are (asarray and reshape
         # cost more than a few descriptors' worth of work).
+        # (``dtype is`` first: int64 arrays share numpy's one int64 dtype object, and the
+        # comparison with np.int64 costs more than the rest of the test.)
         arrs = [
             a
-            if type(a) is np.ndarray and a.dtype == np.int64 and a.ndim == 1
+            if type(a) is np.ndarray and (a.dtype is _INT64 or a.dtype == np.int64) and a.ndim == 1
             else np.asarray(a, dtype=np.int64).reshape(-1)
             for a in (src_region, src_offset, dst_region, dst_offset, length)
         ]
@@ -80,16 +97,13 @@ def merge_dense_runs(d: DescList) -> DescList:
 def _joins_any(d: DescList) -> bool:
     """Whether any descriptor continues its predecessor on both sides (``merge_dense_runs``'s
     join test, in Python)."""
-    sr, so, dr, do, ln = (
-        a.tolist() for a in (d.src_region, d.src_offset, d.dst_region, d.dst_offset, d.length)
-    )
-    return any(
-        sr[i] == sr[i - 1]
-        and dr[i] == dr[i - 1]
-        and so[i] == so[i - 1] + ln[i - 1]
-        and do[i] == do[i - 1] + ln[i - 1]
-        for i in range(1, len(ln))
-    )
+    rows = d.rows()
+    for i in range(1, len(rows)):
+        sr, so, dr, do, _ = rows[i]
+        psr, pso, pdr, pdo, pn = rows[i - 1]
+        if sr == psr and dr == pdr and so == pso + pn and do == pdo + pn:
+            return True
+    return False
 
 
 def gather_index(offset: np.ndarray, length: np.ndarray) -> np.ndarray:
@@ -142,6 +156,17 @@ class RegionSizes:
             size = np.array([self._size(int(r)) for r in region.tolist()], dtype=np.int64)
             bad |= (size < 0) | (ends > size)
         return int(np.argmax(bad)) if bad.any() else -1
+
+    def first_violation_rows(self, rows: list[tuple[int, int, int, int, int]], col: int) -> int:
+        """``first_violation`` of ``DescList.rows()``: of the source side (``col`` 0: region and
+        offset in columns 0 and 1) or the destination side (``col`` 2), for a few descriptors."""
+        dense, n_dense = self._dense_list, len(self._dense_list)
+        for i, row in enumerate(rows):
+            r, o, n = row[col], row[col + 1], row[4]
+            size = dense[r] if 0 <= r < n_dense else self._sparse.get(r, -1)
+            if n <= 0 or o < 0 or size < 0 or o + n > size:
+                return i
+        return -1
 
     def _size(self, rid: int) -> int:
         if 0 <= rid < self._dense.size:

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import simpy
+from kvferry.backends.simfabric.calls import call_after
 from kvferry.backends.simfabric.descriptors import SMALL, DescList, gather_index, merge_dense_runs
 from kvferry.backends.simfabric.errors import NodeDownError, UnknownPeerError
 from kvferry.backends.simfabric.faultapi import NoFaults
@@ -299,19 +300,10 @@ class Fabric:
         # The local side is checked against live registrations; the remote side against the
         # peer's registrations when it is the incarnation we hold metadata for (NIXL checks the
         # loaded remote metadata, which matches the peer until it restarts).
-        local_mem, local_reg, local_off = (
-            (s.memory, descs.src_region, descs.src_offset)
-            if initiator == src
-            else (d.memory, descs.dst_region, descs.dst_offset)
-        )
-        local_mem.check(local_reg, local_off, descs.length)
+        writes = initiator == src
+        (s if writes else d).memory.check_descs(descs, dst=not writes)
         if peer.up and peer.incarnation == peer_inc:
-            remote_reg, remote_off = (
-                (descs.dst_region, descs.dst_offset)
-                if initiator == src
-                else (descs.src_region, descs.src_offset)
-            )
-            peer.memory.check(remote_reg, remote_off, descs.length)
+            peer.memory.check_descs(descs, dst=writes)
         charged = merge_dense_runs(descs).count if self.spec.prepped else descs.count
         xid = self._next_xid
         self._next_xid += 1
@@ -349,7 +341,7 @@ class Fabric:
             nbytes=x.remaining,
             tag=tag,
         )
-        self._at(ready - now, lambda: self._admit(x))
+        self._at(ready - now, self._admit, x)
         return xid
 
     def state(self, initiator: str, xid: int) -> XferState:
@@ -376,7 +368,7 @@ class Fabric:
         d = self.node(dst)
         delay = s.nic.latency_ns + self._jitter(s.nic.jitter_ns) + d.nic.completion_delay_ns
         inc = d.incarnation
-        self._at(delay, lambda: self._deliver_notif(src, dst, inc, payload, tag))
+        self._at(delay, self._deliver_notif, src, dst, inc, payload, tag)
         self.record("notif_send", src, dst=dst, tag=tag, at=now)
 
     def drain_notifs(self, name: str) -> list[tuple[str, bytes]]:
@@ -413,7 +405,7 @@ class Fabric:
         spec = self.spec.control
         for extra in fate.extra_delays_ns:
             delay = spec.latency_ns + self._jitter(spec.jitter_ns) + extra
-            self._at(delay, lambda: self._deliver_control(src, dst, payload, tag))
+            self._at(delay, self._deliver_control, src, dst, payload, tag)
 
     def _deliver_control(self, src: str, dst: str, payload: bytes, tag: Any) -> None:
         d = self.nodes[dst]
@@ -431,9 +423,8 @@ class Fabric:
     def _jitter(self, jitter_ns: int) -> int:
         return self.rng.randrange(jitter_ns) if jitter_ns > 0 else 0
 
-    def _at(self, delay: int, fn: Callable[[], None]) -> None:
-        ev = self.env.timeout(max(0, int(delay)))
-        ev.callbacks.append(lambda _ev: fn())
+    def _at(self, delay: int, fn: Callable[..., None], *args: Any) -> None:
+        call_after(self.env, max(0, int(delay)), fn, *args)
 
     def _admit(self, x: Xfer) -> None:
         if x.state is not XferState.PROC:
@@ -488,7 +479,7 @@ class Fabric:
             if soonest < 0 or x.finish_at < soonest:
                 soonest = x.finish_at
         if soonest >= 0:
-            self._at(soonest - now, lambda: self._on_timer(gen))
+            self._at(soonest - now, self._on_timer, gen)
 
     def _on_timer(self, gen: int) -> None:
         if gen != self._gen:
@@ -502,7 +493,7 @@ class Fabric:
             self._deactivate(x)
             nic = self.nodes[x.initiator].nic
             delay = nic.latency_ns + self._jitter(nic.jitter_ns)
-            self._at(delay, lambda x=x: self._land(x))
+            self._at(delay, self._land, x)
         self._reschedule()
 
     def _deactivate(self, x: Xfer) -> None:
@@ -559,11 +550,11 @@ class Fabric:
             pickup = self.nodes[target].nic.completion_delay_ns
             notif = x.notif
             if pickup > 0:  # the target's runtime sees the notification on its next poll
-                self._at(pickup, lambda: self._deliver_notif(x.initiator, target, None, notif, x.tag))
+                self._at(pickup, self._deliver_notif, x.initiator, target, None, notif, x.tag)
             else:
                 self._deliver_notif(x.initiator, target, None, notif, x.tag)
         nic = self.nodes[x.initiator].nic
-        self._at(nic.latency_ns + nic.completion_delay_ns, lambda: self._retire(x, XferState.DONE, ""))
+        self._at(nic.latency_ns + nic.completion_delay_ns, self._retire, x, XferState.DONE, "")
 
     def _copy(self, x: Xfer, descs: DescList) -> None:
         if descs.count == 0:
@@ -598,8 +589,7 @@ class Fabric:
     def _copy_small(smem: FakeMemory, dmem: FakeMemory, descs: DescList) -> None:
         """``_copy`` of a few descriptors: one slice copy each, in descriptor order (the same
         bytes land as through the grouped copies; numpy's per-call cost exceeds the work)."""
-        rows = zip(*(a.tolist() for a in descs.columns()), strict=True)
-        for sr, so, dr, do, n in rows:
+        for sr, so, dr, do, n in descs.rows():
             dst = dmem.region(dr)  # looked up before the source, as ``_copy`` does
             dst[do : do + n] = smem.region(sr)[so : so + n]
 

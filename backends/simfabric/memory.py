@@ -7,7 +7,7 @@ descriptor that does not is refused before anything moves.
 from __future__ import annotations
 
 import numpy as np
-from kvferry.backends.simfabric.descriptors import RegionSizes
+from kvferry.backends.simfabric.descriptors import SMALL, DescList, RegionSizes
 from kvferry.backends.simfabric.errors import RegionAccessError
 
 
@@ -51,6 +51,19 @@ class FakeMemory:
     @property
     def registered(self) -> int:
         return len(self._regions)
+
+    def check_descs(self, descs: DescList, dst: bool) -> None:
+        """``check`` of one side of ``descs`` (the destination's if ``dst``); a few descriptors
+        are checked from their cached rows, the rest (and any refusal's message) by ``check``."""
+        if descs.count <= SMALL:
+            if self._bounds is None:
+                self._bounds = RegionSizes({rid: int(buf.size) for rid, buf in self._regions.items()})
+            if self._bounds.first_violation_rows(descs.rows(), 2 if dst else 0) < 0:
+                return
+        if dst:
+            self.check(descs.dst_region, descs.dst_offset, descs.length)
+        else:
+            self.check(descs.src_region, descs.src_offset, descs.length)
 
     def check(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray) -> None:
         """Refuse descriptors that are negative, empty or run past the end of their region."""

@@ -1,15 +1,16 @@
 """SimPy processes that run one rank: the driver loop, and on prefill N transfer workers over N queues.
 
 The loop body (feed an event to the engine, execute its commands through the transport) is the
-shared driver; here it is scheduled by SimPy: the main loop (a callback on its wake-up event) sleeps
+shared driver; here it is scheduled by SimPy: the main loop (a call scheduled on wake-up) sleeps
 until the fabric wakes it or the engine's next deadline, whichever is first; worker ``i`` takes
 chunks from queue ``i`` in order and, as in seed 000, does not take its next chunk before the
 writes of the current one finished (``AwaitWrites``).
 
 Crash: the rank is marked dead and every process exits at its next wake-up; nothing is
-interrupted. The main loop sleeps on a plain event that the fabric's wake-up callback, a local
-event or the deadline timer succeeds; arrivals themselves sit in the fabric's per-node lists, so
-nothing is carried by the wake-up and nothing can be lost with it (SimPy's lost-item pitfall).
+interrupted. The main loop runs once per wake-up, which the fabric's wake-up callback, a local
+event or the deadline timer schedules (at most one pending); arrivals themselves sit in the
+fabric's per-node lists, so nothing is carried by the wake-up and nothing can be lost with it
+(SimPy's lost-item pitfall).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import simpy
 from kvferry.backends.driver import Driver
+from kvferry.backends.simfabric.calls import call_after
 from kvferry.backends.simfabric.fabric import Fabric
 from kvferry.backends.simfabric.transport import SimTransport
 from kvferry.core.commands import FreePages, StatusChanged
@@ -63,13 +65,17 @@ class SimRank:
             on_free_pages=lambda cmd: sink.free_pages(self, cmd),
             on_enqueue=self._wake_worker,
         )
+        # The driver's next_deadline without its lock (SimPy runs one thing at a time: this
+        # Driver has none): asked at every sleep and local event.
+        self._next_deadline = engine.next_deadline
         self._work = [env.event() for _ in range(workers)]
         self._sleep_until: int | None = None
         self._kicked = False
-        self._wake = env.event()
+        self._wake_pending = False  # a wake-up is scheduled and has not run yet
         self._timer_gen = 0
         self._timer_at: int | None = None
-        fabric.node(self.node).waker = self._on_wake  # before any process runs: nothing is missed
+        self._fabric_node = fabric.node(self.node)
+        self._fabric_node.waker = self._on_wake  # before any process runs: nothing is missed
         self._resolved = env.event()
         env.process(self._boot())
         for i in range(workers):
@@ -77,7 +83,9 @@ class SimRank:
 
     # --- time and feeding ------------------------------------------------------------------------
     def now(self) -> int:
-        return self.fabric.clock(self.node)
+        # Fabric.clock of this node, without its lookup by name (the node object outlives crashes).
+        t = int(self.env.now) + self._fabric_node.skew_ns
+        return t if t > 0 else 0
 
     def feed(self, event: Any) -> None:
         """Hand one local event (open, chunk ready, abort, release) to the engine."""
@@ -87,8 +95,10 @@ class SimRank:
 
     def _rearm(self) -> None:
         """A local event may have set an earlier deadline than the one the main loop sleeps to."""
-        dl = self.driver.next_deadline()
-        if dl is not None and (self._sleep_until is None or dl < self._sleep_until) and not self._kicked:
+        if self._kicked:
+            return  # a wake-up is already on its way: it sleeps to the new deadline anyway
+        dl = self._next_deadline()
+        if dl is not None and (self._sleep_until is None or dl < self._sleep_until):
             self._kicked = True
             self._on_wake(None)
 
@@ -110,8 +120,11 @@ class SimRank:
 
     # --- processes ----------------------------------------------------------------------------------
     def _on_wake(self, _item: Any) -> None:
-        if not self._wake.triggered:
-            self._wake.succeed()
+        # Scheduled where the wake-up event's succeed() was (same step, same order); repeats
+        # before it runs are folded into it, as re-succeeding a triggered event was skipped.
+        if not self._wake_pending:
+            self._wake_pending = True
+            call_after(self.env, 0, self._woken)
 
     def _timer(self, gen: int) -> None:
         if gen == self._timer_gen:
@@ -128,21 +141,19 @@ class SimRank:
         """Sleep until a wake-up: the fabric's callback (message, notification, finished write),
         a local event that moved a deadline earlier (_rearm), or the deadline timer.
 
-        The main loop is a callback on its wake-up event, not a SimPy process: the same event at
-        the same step runs it, without a generator resumed per wake-up (one per message).
+        The main loop is a scheduled call (``_on_wake``), not a SimPy process: it runs at the step
+        its wake-up event would have, without a generator resumed per wake-up (one per message).
         """
-        dl = self.driver.next_deadline()
+        dl = self._next_deadline()
         self._sleep_until = dl
         self._kicked = False
         if dl is not None and dl != self._timer_at:
             self._timer_gen += 1
             self._timer_at = dl
-            ev = self.env.timeout(max(0, dl - self.now()))
-            ev.callbacks.append(lambda _e, g=self._timer_gen: self._timer(g))
-        self._wake.callbacks.append(self._woken)
+            call_after(self.env, max(0, dl - self.now()), self._timer, self._timer_gen)
 
-    def _woken(self, _ev: Any) -> None:
-        self._wake = self.env.event()
+    def _woken(self) -> None:
+        self._wake_pending = False
         if self.dead:
             return
         before = len(self.driver.handles)
