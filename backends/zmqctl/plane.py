@@ -2,7 +2,7 @@
 
 Every message on the wire is the parts ``[sender_id, reply_address, payload]`` packed into one ZMQ
 frame (``pack_parts``): one frame is one GIL release per send and per receive, where pyzmq's
-multipart calls release and retake the GIL once per part, which cost 30-40 us a part in a runtime
+multipart calls release and retake the GIL once per part, about 40 us a part in a runtime
 process whose other threads want the GIL (172 us p50 for a four-part send). The payload is a
 msgspec-encoded core message (no pickle anywhere); decoding and validation belong to the caller,
 this layer only checks the frame shape and counts what it drops. The reply address lets a
