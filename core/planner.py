@@ -204,8 +204,8 @@ def region_pattern(
     coalesce: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(src_offset, dst_offset, length, unmerged count) of one region; identical for every region."""
-    if coalesce and _pages_are_pieces(src, dst, num_heads):
-        return _page_pattern(src, dst, sp, dp, head_start, token_start, token_end)
+    if coalesce and _slots_are_pieces(src, dst, num_heads):
+        return _segment_pattern(src, dst, sp, dp, head_start, token_start, token_end)
     tokens = np.arange(token_start, token_end, dtype=np.int64)
     s_page, s_tip = _slot_parts(sp, src.page_size, tokens)
     d_page, d_tip = _slot_parts(dp, dst.page_size, tokens)
@@ -239,16 +239,17 @@ def region_pattern(
     return s_off[starts], d_off[starts], lengths, unmerged
 
 
-def _pages_are_pieces(src: PoolGeometry, dst: PoolGeometry, num_heads: int) -> bool:
-    """A page's tokens form one contiguous piece on both sides (the link carries every head a
-    token slot holds, token-major pages, one page size): the pieces can be computed per page."""
-    if src.layout.head_major_in_page or dst.layout.head_major_in_page or src.page_size != dst.page_size:
+def _slots_are_pieces(src: PoolGeometry, dst: PoolGeometry, num_heads: int) -> bool:
+    """A token's piece is its whole slot on both sides (token-major pages, the link carrying every
+    head the slots hold): the tokens of one page segment (one page on each side) are then one
+    contiguous piece on both sides, and a plan can be computed per segment instead of per token."""
+    if src.layout.head_major_in_page or dst.layout.head_major_in_page:
         return False
     piece = num_heads * src.head_bytes
     return piece == src.token_stride and piece == dst.token_stride
 
 
-def _page_pattern(
+def _segment_pattern(
     src: PoolGeometry,
     dst: PoolGeometry,
     sp: np.ndarray,
@@ -257,31 +258,37 @@ def _page_pattern(
     token_start: int,
     token_end: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """``region_pattern`` computed per page instead of per token, for ``_pages_are_pieces`` pairs.
+    """``region_pattern`` computed per page segment, for ``_slots_are_pieces`` pairs.
 
-    The per-token pieces of one page are adjacent on both sides, so they always merge: starting
-    from one piece per page (clipped to the token range) gives the same runs with arrays 16x or so
-    shorter, which is most of a 4096-token plan's cost. Same outputs as the per-token path.
+    A segment's per-token pieces are adjacent on both sides, so they always merge: one piece per
+    segment (a segment starts at the range's start and at every page boundary of either side)
+    gives the same runs from arrays a page size or so shorter, which is most of a 4096-token
+    plan's cost. Same outputs as the per-token path (property-tested).
     """
     unmerged = token_end - token_start
     if unmerged == 0:
         return _EMPTY, _EMPTY, _EMPTY, 0
-    size = src.page_size
-    idx = np.arange(token_start // size, (token_end - 1) // size + 1, dtype=np.int64)
-    first = idx * size
-    t0 = np.maximum(first, token_start)
-    t1 = np.minimum(first + size, token_end)
-    ts = src.token_stride
-    s_off = sp[idx] * src.page_stride + (t0 - first) * ts + (head_start - src.head_start) * src.head_stride
-    d_off = dp[idx] * dst.page_stride + (t0 - first) * ts + (head_start - dst.head_start) * dst.head_stride
-    length = (t1 - t0) * ts
+    sps, dps = src.page_size, dst.page_size
+    t0 = np.arange(-(-token_start // sps) * sps, token_end, sps, dtype=np.int64)
+    if dps != sps:  # both sides' page boundaries (a sort: only when they differ)
+        t0 = np.union1d(t0, np.arange(-(-token_start // dps) * dps, token_end, dps, dtype=np.int64))
+    if not t0.size or t0[0] != token_start:
+        t0 = np.concatenate(([token_start], t0))
+    t1 = np.empty_like(t0)
+    t1[:-1] = t0[1:]
+    t1[-1] = token_end
+    piece = src.token_stride  # == dst.token_stride for these pairs
+    s_head = (head_start - src.head_start) * src.head_stride
+    d_head = (head_start - dst.head_start) * dst.head_stride
+    s_off = sp[t0 // sps] * src.page_stride + (t0 % sps) * piece + s_head
+    d_off = dp[t0 // dps] * dst.page_stride + (t0 % dps) * piece + d_head
+    length = (t1 - t0) * piece
     order = np.argsort(s_off, kind="stable")
     s_off, d_off, length = s_off[order], d_off[order], length[order]
     n = s_off.size
     brk = np.empty(n + 1, dtype=bool)
     brk[0] = brk[n] = True
-    end = s_off[:-1] + length[:-1]
-    np.not_equal(s_off[1:], end, out=brk[1:n])
+    np.not_equal(s_off[1:], s_off[:-1] + length[:-1], out=brk[1:n])
     brk[1:n] |= d_off[1:] != d_off[:-1] + length[:-1]
     edges = np.flatnonzero(brk)
     starts = edges[:-1]
@@ -314,14 +321,9 @@ def _dense_runs(
     segments by source offset sorts their pieces, and two segments adjacent in that order merge
     exactly when the numpy version would merge their boundary pieces.
     """
-    piece = num_heads * src.head_bytes
-    if (
-        src.layout.head_major_in_page
-        or dst.layout.head_major_in_page
-        or src.token_stride != piece
-        or dst.token_stride != piece
-    ):
+    if not _slots_are_pieces(src, dst, num_heads):
         return None
+    piece = num_heads * src.head_bytes
     sps, dps = src.page_size, dst.page_size
     if (token_end - token_start) > _DENSE_RUNS_MAX_SEGMENTS * min(sps, dps):
         return None

@@ -191,10 +191,10 @@ def _tp_choices(heads: int) -> list[int]:
 
 
 @st.composite
-def rooms(draw: st.DrawFn, same_shape: bool = False) -> dict[str, Any]:
+def rooms(draw: st.DrawFn, whole_slots: bool = False) -> dict[str, Any]:
     """A room: model, TP pair, page sizes, pool sizes, layouts, token count, chunk cuts, seed.
-    ``same_shape``: one TP size, one page size and token-major layouts on both sides (the pairs
-    whose pages move as whole pieces)."""
+    ``whole_slots``: one TP size and token-major layouts on both sides (the pairs whose tokens
+    move as whole slots, planned per page segment)."""
     mla = draw(st.booleans())
     # Any head count 1-64, with extra weight on the power-of-two counts real models use (and
     # which admit the most TP pairs, so P > D and P < D get drawn often).
@@ -207,19 +207,18 @@ def rooms(draw: st.DrawFn, same_shape: bool = False) -> dict[str, Any]:
     tps = _tp_choices(heads)
     page_sizes = st.one_of(st.integers(1, 8), st.sampled_from([16, 64, 256]), st.integers(1, 256))
     tokens = draw(st.integers(1, 200))
-    ps_p = draw(page_sizes)
-    ps_d = ps_p if same_shape else draw(page_sizes)
+    ps_p, ps_d = draw(page_sizes), draw(page_sizes)
     need_p, need_d = -(-tokens // ps_p), -(-tokens // ps_d)
     # Decode sometimes allocates more pages than the room needs (a real allocator rounds up).
     alloc_d = need_d + draw(st.integers(0, 2))
     n_cuts = draw(st.integers(0, 3))
     cuts = sorted({draw(st.integers(0, tokens)) for _ in range(n_cuts)} | {0, tokens})
     ptp = draw(st.sampled_from(tps))
-    layouts = [x for x in Layout if not (same_shape and x.head_major_in_page)]
+    layouts = [x for x in Layout if not (whole_slots and x.head_major_in_page)]
     return {
         "model": model,
         "ptp": ptp,
-        "dtp": ptp if same_shape else draw(st.sampled_from(tps)),
+        "dtp": ptp if whole_slots else draw(st.sampled_from(tps)),
         "ps_p": ps_p,
         "ps_d": ps_d,
         "pool_p": need_p + draw(st.integers(0, 3)),

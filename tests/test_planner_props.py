@@ -88,9 +88,10 @@ def _runs_of_pages(rng: np.random.Generator, num_pages: int, needed: int) -> np.
 
 
 @settings(max_examples=200)
-@given(refmodel.rooms(same_shape=True), st.booleans())
-def test_page_pieces_equal_token_pieces(room: dict, in_runs: bool) -> None:
-    """The per-page fast path of equal-shape pairs gives the per-token path's arrays exactly."""
+@given(refmodel.rooms(whole_slots=True), st.booleans())
+def test_segment_pieces_equal_token_pieces(room: dict, in_runs: bool) -> None:
+    """The per-segment numpy path of whole-slot pairs gives the per-token path's arrays exactly,
+    equal page sizes or not."""
     model = room["model"]
     rng = np.random.default_rng(room["seed"])
     src_pools = make_pools(model, room["ptp"], room["ps_p"], room["pool_p"], room["layout_p"])
@@ -104,7 +105,7 @@ def test_page_pieces_equal_token_pieces(room: dict, in_runs: bool) -> None:
                 link = planner.find_link(s, d)
                 if link is None or link.num_heads == 0:
                     continue
-                assert planner._pages_are_pieces(s, d, link.num_heads)
+                assert planner._slots_are_pieces(s, d, link.num_heads)
                 args = (s, d, sp, dp, link.head_start, link.num_heads, lo, hi, True)
                 fast = planner.region_pattern(*args)
                 with _token_path():
@@ -116,12 +117,12 @@ def test_page_pieces_equal_token_pieces(room: dict, in_runs: bool) -> None:
 
 @contextlib.contextmanager
 def _token_path() -> Iterator[None]:
-    saved = planner._pages_are_pieces
-    planner._pages_are_pieces = lambda *a: False
+    saved = planner._slots_are_pieces
+    planner._slots_are_pieces = lambda *a: False
     try:
         yield
     finally:
-        planner._pages_are_pieces = saved
+        planner._slots_are_pieces = saved
 
 
 @settings(max_examples=300)
