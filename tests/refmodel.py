@@ -29,7 +29,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 # Only to *construct* drawn geometries; the checks below never use its arithmetic.
-from kvferry.core.geometry import DType, Layout, ModelGeometry
+from kvferry.core.geometry import DType, Layout, ModelGeometry, make_pools
 
 Memory = dict[int, np.ndarray]
 
@@ -235,3 +235,18 @@ def rooms(draw: st.DrawFn, whole_slots: bool = False) -> dict[str, Any]:
 
 def fragmented_pages(rng: np.random.Generator, num_pages: int, needed: int) -> np.ndarray:
     return rng.permutation(num_pages)[:needed].astype(np.int64)
+
+
+Setup = tuple[list[Any], list[Any], np.ndarray, np.ndarray, np.random.Generator]
+
+
+def room_setup(room: dict[str, Any], pick: Any = fragmented_pages) -> Setup:
+    """A drawn room's prefill and decode pools, its page ids on each side (``pick``: how they are
+    chosen, fragmented by default) and the room's generator, for whatever the test draws next."""
+    model = room["model"]
+    rng = np.random.default_rng(room["seed"])
+    src_pools = make_pools(model, room["ptp"], room["ps_p"], room["pool_p"], room["layout_p"])
+    dst_pools = make_pools(model, room["dtp"], room["ps_d"], room["pool_d"], room["layout_d"])
+    sp = pick(rng, room["pool_p"], room["need_p"])
+    dp = pick(rng, room["pool_d"], room["alloc_d"])
+    return src_pools, dst_pools, sp, dp, rng

@@ -24,7 +24,6 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvferry.core import planner
-from kvferry.core.geometry import make_pools
 from kvferry.core.planner import plan_rank_pair, plan_room
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,11 +34,7 @@ import refmodel
 @given(refmodel.rooms())
 def test_room_plan_equals_logical_relayout(room: dict) -> None:
     model = room["model"]
-    rng = np.random.default_rng(room["seed"])
-    src_pools = make_pools(model, room["ptp"], room["ps_p"], room["pool_p"], room["layout_p"])
-    dst_pools = make_pools(model, room["dtp"], room["ps_d"], room["pool_d"], room["layout_d"])
-    sp = refmodel.fragmented_pages(rng, room["pool_p"], room["need_p"])
-    dp = refmodel.fragmented_pages(rng, room["pool_d"], room["alloc_d"])
+    src_pools, dst_pools, sp, dp, _ = refmodel.room_setup(room)
     tokens, cuts = room["tokens"], room["cuts"]
 
     src_mem = [refmodel.source_memory(p, sp, tokens, salt=1) for p in src_pools]
@@ -92,13 +87,8 @@ def _runs_of_pages(rng: np.random.Generator, num_pages: int, needed: int) -> np.
 def test_segment_pieces_equal_token_pieces(room: dict, in_runs: bool) -> None:
     """The per-segment numpy path of whole-slot pairs gives the per-token path's arrays exactly,
     equal page sizes or not."""
-    model = room["model"]
-    rng = np.random.default_rng(room["seed"])
-    src_pools = make_pools(model, room["ptp"], room["ps_p"], room["pool_p"], room["layout_p"])
-    dst_pools = make_pools(model, room["dtp"], room["ps_d"], room["pool_d"], room["layout_d"])
     pick = _runs_of_pages if in_runs else refmodel.fragmented_pages
-    sp = pick(rng, room["pool_p"], room["need_p"])
-    dp = pick(rng, room["pool_d"], room["alloc_d"])
+    src_pools, dst_pools, sp, dp, _ = refmodel.room_setup(room, pick)
     for lo, hi in itertools.pairwise(room["cuts"]):
         for s in src_pools:
             for d in dst_pools:
@@ -131,11 +121,7 @@ def test_page_segment_runs_equal_the_per_token_pattern(room: dict) -> None:
     """plan_rank_pair's per-page-segment path (``_dense_runs``) gives the arrays of the per-token
     numpy pattern (``region_pattern``) tiled over the regions, wherever it applies."""
     model = room["model"]
-    rng = np.random.default_rng(room["seed"])
-    src_pools = make_pools(model, room["ptp"], room["ps_p"], room["pool_p"], room["layout_p"])
-    dst_pools = make_pools(model, room["dtp"], room["ps_d"], room["pool_d"], room["layout_d"])
-    sp = refmodel.fragmented_pages(rng, room["pool_p"], room["need_p"])
-    dp = refmodel.fragmented_pages(rng, room["pool_d"], room["alloc_d"])
+    src_pools, dst_pools, sp, dp, rng = refmodel.room_setup(room)
     if rng.random() < 0.5:  # consecutive page ids: segments that merge across pages
         shift = min(1, room["pool_d"] - dp.size)
         sp, dp = np.arange(sp.size, dtype=np.int64), np.arange(dp.size, dtype=np.int64) + shift

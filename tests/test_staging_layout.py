@@ -46,11 +46,7 @@ def _copy_to_pool(m: StagingMap, buf: np.ndarray, pool_mem: refmodel.Memory) -> 
 @given(room=refmodel.rooms(), fmt=st.sampled_from(list(StagingFormat)))
 def test_staged_room_equals_logical_relayout(room: dict, fmt: StagingFormat) -> None:
     model = room["model"]
-    rng = np.random.default_rng(room["seed"])
-    src_pools = make_pools(model, room["ptp"], room["ps_p"], room["pool_p"], room["layout_p"])
-    dst_pools = make_pools(model, room["dtp"], room["ps_d"], room["pool_d"], room["layout_d"])
-    sp = refmodel.fragmented_pages(rng, room["pool_p"], room["need_p"])
-    dp = refmodel.fragmented_pages(rng, room["pool_d"], room["alloc_d"])
+    src_pools, dst_pools, sp, dp, _ = refmodel.room_setup(room)
     src_mem = [refmodel.source_memory(p, sp, room["tokens"], salt=2) for p in src_pools]
     dst_mem = [refmodel.blank(p, 0x5A) for p in dst_pools]
     expected = [refmodel.blank(p, 0x5A) for p in dst_pools]
