@@ -428,9 +428,7 @@ def encode(msg: Control | ChunkNote) -> bytes:
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, data: object, what: str) -> Any:
-    if type(data) is not bytes and not isinstance(
-        data, bytes | bytearray | memoryview
-    ):  # bytes: the usual, tested first
+    if not isinstance(data, bytes | bytearray | memoryview):
         raise WireError(f"{what}: expected bytes, got {type(data).__name__}")
     try:
         return decoder.decode(data)

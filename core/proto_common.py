@@ -225,8 +225,7 @@ class RoomEngine:
         return None if r is None else r.failure
 
     def next_deadline(self) -> int | None:
-        # Asked several times per wake-up: the tombstones' heap asked directly (one call less).
-        a, b = self.deadlines.next(), self.tombstones._heap.next()
+        a, b = self.deadlines.next(), self.tombstones.next_deadline()
         if a is None:
             return b
         return a if b is None else min(a, b)
