@@ -189,7 +189,12 @@ class Fabric:
 
     def clock(self, name: str) -> int:
         """The node's local clock: virtual time plus its skew (never negative)."""
-        return max(0, int(self.env.now) + self.nodes[name].skew_ns)
+        return self.node_clock(self.nodes[name])
+
+    def node_clock(self, node: Node) -> int:
+        """``clock`` of a node already in hand (a rank asks at every event: no lookup by name)."""
+        t = int(self.env.now) + node.skew_ns
+        return t if t > 0 else 0
 
     def wake(self, name: str, item: Any) -> None:
         node = self.nodes[name]

@@ -83,9 +83,7 @@ class SimRank:
 
     # --- time and feeding ------------------------------------------------------------------------
     def now(self) -> int:
-        # Fabric.clock of this node, without its lookup by name (the node object outlives crashes).
-        t = int(self.env.now) + self._fabric_node.skew_ns
-        return t if t > 0 else 0
+        return self.fabric.node_clock(self._fabric_node)  # the node object outlives crashes
 
     def feed(self, event: Any) -> None:
         """Hand one local event (open, chunk ready, abort, release) to the engine."""
