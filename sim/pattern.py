@@ -9,6 +9,7 @@ a wrong plan as well as a wrong transfer.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -129,9 +130,12 @@ def _runs(
 # and by the check on the decode rank holding the same heads, which drops them. Values are a pure
 # function of the key, so an entry is right whoever reads it; entries of rooms never checked
 # (failed) are evicted oldest first. Bounded: small rooms only, 16 MiB in all.
+# Under _VALUES_LOCK: the real backends' bench and soak processes fill and check from several
+# threads.
 _VALUES: dict[tuple[tuple[object, ...], int], np.ndarray] = {}
 _VALUES_ENTRY_BYTES = 1 << 20
 _VALUES_MAX_BYTES = 16 << 20
+_VALUES_LOCK = threading.Lock()
 _values_bytes = 0
 
 
@@ -140,7 +144,8 @@ def _values(lay: _Layout, room_key: int, token_start: int, token_end: int, whole
     tokens the room's allocation holds (what a first call computes, when small enough)."""
     global _values_bytes
     key = (lay.values_key, room_key)
-    hit = _VALUES.get(key)
+    with _VALUES_LOCK:
+        hit = _VALUES.get(key)
     if hit is not None and hit.shape[1] >= token_end:
         return hit[:, token_start:token_end]
     n = max(token_end, whole)
@@ -148,20 +153,23 @@ def _values(lay: _Layout, room_key: int, token_start: int, token_end: int, whole
         return _room_values(lay, room_key, token_start, token_end)
     values = _room_values(lay, room_key, 0, n)
     values.flags.writeable = False  # shared by every reader of the entry
-    if hit is not None:
-        _values_bytes -= _VALUES.pop(key).nbytes
-    while _VALUES and _values_bytes + values.nbytes > _VALUES_MAX_BYTES:
-        _values_bytes -= _VALUES.pop(next(iter(_VALUES))).nbytes
-    _VALUES[key] = values
-    _values_bytes += values.nbytes
+    with _VALUES_LOCK:
+        old = _VALUES.pop(key, None)
+        if old is not None:
+            _values_bytes -= old.nbytes
+        while _VALUES and _values_bytes + values.nbytes > _VALUES_MAX_BYTES:
+            _values_bytes -= _VALUES.pop(next(iter(_VALUES))).nbytes
+        _VALUES[key] = values
+        _values_bytes += values.nbytes
     return values[:, token_start:token_end]
 
 
 def _drop_values(lay: _Layout, room_key: int) -> None:
     global _values_bytes
-    hit = _VALUES.pop((lay.values_key, room_key), None)
-    if hit is not None:
-        _values_bytes -= hit.nbytes
+    with _VALUES_LOCK:
+        hit = _VALUES.pop((lay.values_key, room_key), None)
+        if hit is not None:
+            _values_bytes -= hit.nbytes
 
 
 def _room_values(lay: _Layout, room_key: int, token_start: int, token_end: int) -> np.ndarray:
