@@ -399,7 +399,7 @@ class World(Chaos, Instances):
             ev = self._turns[lane, ticket] = env.event()
             yield ev
         while not (
-            dec_pages.used + n_dec <= t.decode_pages
+            self._decode_fits(req, dec_pages, n_dec)
             and pre_pages.used + n_pre <= t.prefill_pages
             and dec_aux.used < t.aux_rows
             and pre_aux.used < t.aux_rows
@@ -413,6 +413,7 @@ class World(Chaos, Instances):
         req.pre_pages = pre_pages.alloc(n_pre, req.key)
         req.dec_aux = dec_aux.alloc(1, req.key)
         req.pre_aux = pre_aux.alloc(1, req.key)
+        self._admitted(req)
         self.rooms_started += 1
         self.trace.record(
             "room_arrive", "scheduler", room=req.room, key=req.key, tokens=req.spec.tokens, chunks=req.chunks
@@ -465,6 +466,14 @@ class World(Chaos, Instances):
                     self.trace.record("chunk_refused", node, room=req.room, reason=str(exc))
                     rank.feed(AbortRoom(room=req.room, transfer_id=req.tid, reason=f"refused: {exc}"))
             start = end
+
+    def _decode_fits(self, req: Request, pages: PageAllocator, n: int) -> bool:
+        """Whether decode can give the request ``n`` pages now (sim/deploy adds SGLang's
+        reservation for the tokens decode will generate)."""
+        return pages.used + n <= self.scenario.topology.decode_pages
+
+    def _admitted(self, req: Request) -> None:
+        """The request got its pages on both sides (a hook: sim/deploy counts decode's holders)."""
 
     def _arrived(self, req: Request) -> bool:
         """The request arrived: choose its servers (``req.pre_inst``, ``req.dec_inst``); False

@@ -112,16 +112,12 @@ def test_bad_page_allocator_is_refused() -> None:
         replace(BASE, page_allocator="buddy").check()
 
 
-def test_decode_out_of_pages_is_reported_not_hidden() -> None:
-    """A decode pool that holds the prompt but not the generated tokens: each missing page is
-    counted in the result (SGLang would retract the request; the run is optimistic)."""
-    spec = replace(BASE, page_allocator="sglang")
+def test_a_request_decode_can_never_hold_is_refused() -> None:
+    """100 input + 60 output tokens on a decode pool of 7 pages of 16: SGLang would queue it
+    forever (it must fit whole), so the simulator refuses the run up front."""
+    spec = replace(BASE, page_allocator="sglang", decode_reserved_tokens=0)
     req = (wl.DeployRequest(0, 100, 60),)
     s = build_scenario(spec, req)
-    s = replace(s, topology=replace(s.topology, decode_pages=7))  # 100 tokens: exactly 7 pages of 16
-    arrivals = wl.Arrivals(concurrency=1, total=1)
-    w = DeployWorld(spec, s, arrivals, req)
-    w.run_deploy(3_600 * 10**9)
-    r = collect(w, arrivals)
-    assert r.completed == 1 and not r.violations
-    assert r.growth_short == 3 == r.as_dict()["growth_short"]  # tokens 112, 128 and 144 found no page
+    s = replace(s, topology=replace(s.topology, decode_pages=7))
+    with pytest.raises(DeployError, match="100 input and 60 output tokens never fits decode's 112 tokens"):
+        DeployWorld(spec, s, wl.Arrivals(concurrency=1, total=1), req)

@@ -70,10 +70,14 @@ class DeployResult:
     # on each side ("prefill", "decode") and over both at once ("pair": where an equal-TP direct
     # descriptor merges), and the largest pair count ("pair_max").
     page_runs: dict[str, float] = field(default_factory=dict)
-    # Decode steps that found no free page for a request's next generated token (the sglang page
-    # allocator): SGLang would retract a request there, which is not modelled; above 0 the run's
-    # decode memory is over-committed and its TPOT and TTFT are optimistic.
+    # Generated tokens that found no free decode page even after every other request of the
+    # batch was retracted (the sglang page allocator; 0 unless one request outgrows the pool:
+    # then decode memory is over-committed and TPOT and TTFT are optimistic).
     growth_short: int = 0
+    # Times decode swapped a request out to host memory to make room for generated tokens
+    # (SGLang's retraction), and the simulated ms its steps waited for swaps out and back in.
+    retractions: int = 0
+    swap_ms: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -48,6 +48,8 @@ def table(sel: Selection, console: Any) -> None:
                 if not (r.failed or r.unfinished or r.violations)
                 else f" ({r.failed} failed, {r.unfinished} unfinished, {len(r.violations)} violations)"
             )
+            if r.retractions:
+                note += f" ({r.retractions} retracted: decode out of pages)"
             if r.growth_short:
                 note += f" (decode out of pages {r.growth_short}x: optimistic)"
             t.add_row(

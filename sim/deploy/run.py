@@ -168,4 +168,6 @@ def collect(w: DeployWorld, arrivals: Arrivals, wall: float = 0.0, label: str = 
         },
         page_runs=page_runs(w),
         growth_short=w.growth_short,
+        retractions=w.retractions,
+        swap_ms=w.swap_ns / MS,
     )

@@ -22,6 +22,7 @@ MAX_INSTANCES = 64  # per side: a simulated deployment's ranks all live in one p
 # NixlConnector behind its proxy: decode hears of the request only once prefill has finished it).
 PULL_ORCHESTRATIONS = ("overlapped", "serial")
 MAX_PROXY_HOP_MS = 10_000.0
+MAX_RESERVED_TOKENS = 1 << 20
 
 
 class DeployError(KvferryError, ValueError):
@@ -70,6 +71,12 @@ class DeploySpec:
     # sorted free list, decode also taking a page per page of generated tokens; "lowest-first",
     # the original model (lowest free ids, no pages for generated tokens).
     page_allocator: str = "sglang"
+    # SGLang's --num-reserved-decode-tokens (default 512): with the "sglang" allocator, decode
+    # admits a request only if its prompt's pages plus this many tokens fit beside the same
+    # reservation for every request it already holds, and when a step still finds no page for a
+    # generated token it retracts requests (their KV swapped out to host memory and back when
+    # room returns). 0: admit on the prompt's pages alone (retraction still applies).
+    decode_reserved_tokens: int = 512
 
     @property
     def serial_pull(self) -> bool:
@@ -112,6 +119,9 @@ class DeploySpec:
         if self.ttft_slo_ms <= 0 or self.tpot_slo_ms <= 0:
             raise DeployError("SLOs must be positive")
         self._check_orchestration()
+        r = self.decode_reserved_tokens
+        if type(r) is not int or not 0 <= r <= MAX_RESERVED_TOKENS:
+            raise DeployError(f"decode_reserved_tokens must be in [0, {MAX_RESERVED_TOKENS}], got {r!r}")
         if self.page_allocator not in ALLOCATORS:
             raise DeployError(
                 f"page_allocator: expected one of {', '.join(ALLOCATORS)}, got {self.page_allocator!r}"
@@ -157,21 +167,25 @@ class DeploySpec:
         tp = self.prefill_tp if side == "prefill" else self.decode_tp
         return self.max_batch * self.geometry().state_bytes // tp
 
-    def pages(self, side: str) -> int:
-        """KV pages per rank: the HBM the server gives away, less the rank's weights and the
-        recurrent-state slots of a hybrid model."""
+    def page_bytes(self, side: str) -> int:
+        """One KV page's bytes on one rank of ``side`` (every region, the rank's heads)."""
         g = self.geometry()
         tp = self.prefill_tp if side == "prefill" else self.decode_tp
         page_size = self.prefill_page_size if side == "prefill" else self.decode_page_size
+        heads = g.num_kv_heads // tp if tp <= g.num_kv_heads else 1
+        return page_size * g.num_regions * heads * g.head_bytes
+
+    def pages(self, side: str) -> int:
+        """KV pages per rank: the HBM the server gives away, less the rank's weights and the
+        recurrent-state slots of a hybrid model."""
+        tp = self.prefill_tp if side == "prefill" else self.decode_tp
         gpu = hardware.gpu(self.gpu)
         free = (
             gpu.hbm_gb * 1e9 * gpu.memory_fraction
             - self.roofline(side).weight_bytes_per_rank()
             - self.state_bytes_per_rank(side)
         )
-        heads = g.num_kv_heads // tp if tp <= g.num_kv_heads else 1
-        page_bytes = page_size * g.num_regions * heads * g.head_bytes
-        n = int(free // page_bytes)
+        n = int(free // self.page_bytes(side))
         if n < 1:
             hint = "raise the TP" + (", or use FP8 weights: --fp8-weights" if self.weight_bytes == 2 else "")
             state = self.state_bytes_per_rank(side)

@@ -17,6 +17,11 @@ one fabric, and requests that arrive over time.
   and decode takes a page from it each time a request's generated tokens fill one (those pages
   count against decode's memory and are freed with the request's). "lowest-first": the original
   model, the lowest free ids and no pages for generated tokens.
+- Decode memory (the "sglang" allocator, sim/deploy/decode_memory.py): decode admits a request
+  only with ``decode_reserved_tokens`` to spare for it and for every request it holds; a step
+  that finds no page for a generated token retracts requests (KV swapped out to host memory at
+  the GPU's pinned copy rate, the step waiting for it), which come back, swapped in, when there
+  is room again, before any new admission.
 - Serial pull (``DeploySpec.pull_orchestration = "serial"``, flow "pull"): vLLM's order of a
   pull behind its proxy. Prefill opens the room and computes every chunk with no decode side;
   once the last chunk is computed, its response travels back to the proxy and the proxy sends
@@ -37,8 +42,10 @@ from typing import Any
 import numpy as np
 import simpy
 from kvferry.sim import scenario as sc
+from kvferry.sim.deploy import hardware
+from kvferry.sim.deploy.decode_memory import Running, admits, allocatable_tokens, never_fits, retraction_order
 from kvferry.sim.deploy.router import Router
-from kvferry.sim.deploy.spec import DeploySpec
+from kvferry.sim.deploy.spec import DeployError, DeploySpec
 from kvferry.sim.deploy.timing import TimingFabric
 from kvferry.sim.deploy.workload import Arrivals, DeployRequest
 from kvferry.sim.pages import PageAllocator, make_allocator
@@ -64,6 +71,7 @@ class Track:
     done_ns: int = -1
     tokens: int = 0
     failed: bool = False
+    retractions: int = 0  # times decode swapped it out to make room
 
 
 class DeployWorld(World):
@@ -105,10 +113,24 @@ class DeployWorld(World):
         # Simulated ns each instance spent in forward steps (its utilisation over the run).
         self.busy_ns = {"prefill": [0] * n_pre, "decode": [0] * n_dec}
         self._decoded: set[int] = set()  # keys past their last token: decode may free their pages
-        # Pages decode took for generated tokens (sglang allocator), by key; and the steps that
-        # found no free page for one (decode would retract a request: not modelled, counted).
+        # Pages decode took for generated tokens (sglang allocator), by key; and the pages a
+        # step found no free page for even after retracting every request but one.
         self._grown: dict[int, list[np.ndarray]] = {}
         self.growth_short = 0
+        # Decode's memory budget (sglang allocator), per instance: requests holding decode pages
+        # (receiving, waiting or running; not retracted), the running batch (admission reads
+        # it), and the retracted requests' keys, first in first out.
+        self._holders = [0] * n_dec
+        self._running: list[list[Track]] = [[] for _ in range(n_dec)]
+        self._retracted: list[deque[int]] = [deque() for _ in range(n_dec)]
+        self.retractions = 0
+        self.swap_ns = 0  # simulated time decode steps waited for swaps out and in
+        # One decode page's bytes on one rank over the GPU's pinned copy rate (each rank swaps
+        # its own slice at once).
+        gbps = hardware.gpu(spec.gpu).copy_pinned_gbps
+        self._swap_ns_per_page = spec.page_bytes("decode") / gbps
+        if self._grows:
+            self._refuse_what_never_fits(lengths)
         # Serial pull: when each decode instance's running step ends (idle: a time already past),
         # each request's prefill-finished event, and when its decode side opened (key -> ns).
         self._step_end = [0] * n_dec
@@ -297,18 +319,129 @@ class DeployWorld(World):
         # dropped the room already, and the pages then went back at KV arrival.)
         if req.outcome == "success" and req.key not in self._decoded:
             return
+        if self._grows and not req.dec_pages_freed:
+            j = req.dec_inst
+            self._holders[j] -= 1
+            if self._retracted[j] and not self._wake[j].triggered:
+                self._wake[j].succeed()  # room for a retracted request, maybe
         super()._free_dec_pages(req)
+
+    # ------------------------------------------------------------------ decode memory
+    def _decode_fits(self, req: Request, pages: PageAllocator, n: int) -> bool:
+        if not self._grows:
+            return super()._decode_fits(req, pages, n)
+        j, ps = req.dec_inst, self.spec.decode_page_size
+        reserved = self.spec.decode_reserved_tokens
+        running = self._running_view(j)
+        budget = allocatable_tokens(
+            self._free_tokens(pages), reserved, self._holders[j], running, self._retracted_need(j)
+        )
+        r = self.tracks[req.key].req
+        return admits(n * ps, r.input_tokens, r.output_tokens, reserved, budget, running)
+
+    def _admitted(self, req: Request) -> None:
+        if self._grows:
+            self._holders[req.dec_inst] += 1
+
+    def _refuse_what_never_fits(self, lengths: tuple[DeployRequest, ...]) -> None:
+        ps = self.spec.decode_page_size
+        pool = self.scenario.topology.decode_pages * ps
+        reserved = self.spec.decode_reserved_tokens
+        for r in {(q.input_tokens, q.output_tokens) for q in lengths}:
+            if never_fits(-(-r[0] // ps) * ps, r[0], r[1], reserved, pool):
+                raise DeployError(
+                    f"a request of {r[0]} input and {r[1]} output tokens never fits decode's "
+                    f"{pool:,} tokens a rank with {reserved} reserved (SGLang would never admit it): "
+                    "raise the decode TP or lower decode_reserved_tokens"
+                )
+
+    def _free_tokens(self, pages: PageAllocator) -> int:
+        return (self.scenario.topology.decode_pages - pages.used) * self.spec.decode_page_size
+
+    def _running_view(self, j: int) -> list[Running]:
+        return [(t.req.input_tokens, t.tokens, t.req.output_tokens) for t in self._running[j]]
+
+    def _pages_for(self, t: Track) -> int:
+        """Pages holding a request's tokens so far (its prompt and what it generated)."""
+        return -(-(t.req.input_tokens + t.tokens) // self.spec.decode_page_size)
+
+    def _retracted_need(self, j: int) -> int:
+        ps, reserved = self.spec.decode_page_size, self.spec.decode_reserved_tokens
+        return sum(self._pages_for(self.tracks[k]) * ps + reserved for k in self._retracted[j])
+
+    def _dec_pages(self, j: int) -> PageAllocator:
+        return self.allocs[self.instance_nodes["decode"][j][0]][0]
+
+    def _retract(self, j: int, t: Track, k: int) -> int:
+        """Swap request ``k`` out of decode instance ``j``: its pages go back, it queues to come
+        back. Returns the swap's ns."""
+        req = self.requests[k]
+        held = [req.dec_pages, *self._grown.pop(k, [])]
+        ids = np.concatenate(held)
+        self._dec_pages(j).free(ids, k)
+        req.dec_pages = ids[:0]  # until it comes back with new ones
+        self._holders[j] -= 1
+        self._retracted[j].append(k)
+        t.retractions += 1
+        self.retractions += 1
+        return round(len(ids) * self._swap_ns_per_page)
+
+    def _resume(self, j: int, batch: list[Track], keys: list[int]) -> tuple[int, int]:
+        """Bring retracted requests back into the batch while there is room (first in, first
+        out). Returns the swaps' ns and the tokens they add to the batch's context."""
+        q, pages = self._retracted[j], self._dec_pages(j)
+        ps, reserved = self.spec.decode_page_size, self.spec.decode_reserved_tokens
+        ns = added = 0
+        while q and len(batch) < self.spec.max_batch:
+            k = q[0]
+            t = self.tracks[k]
+            n = self._pages_for(t)
+            # SGLang resumes against the free tokens less the holders' reservation only.
+            room = allocatable_tokens(self._free_tokens(pages), reserved, self._holders[j], ())
+            if n * ps + reserved > room:
+                break
+            got = pages.alloc(n, k)
+            if got is None:
+                break
+            q.popleft()
+            self.requests[k].dec_pages = got
+            self._holders[j] += 1
+            batch.append(t)
+            keys.append(k)
+            ns += round(n * self._swap_ns_per_page)
+            added += t.req.input_tokens + t.tokens
+        return ns, added
 
     @property
     def _grows(self) -> bool:
         return self.spec.page_allocator == "sglang"
 
-    def _grow(self, j: int, batch: list[Track], keys: list[int]) -> None:
+    def _grow(self, j: int, batch: list[Track], keys: list[int]) -> tuple[int, int]:
         """Give every sequence of the step a page for the token it writes when its pages are
         full, in batch order from one free list (SGLang's alloc_decode: the new pages of a step
-        are consecutive free-list entries, interleaving the requests)."""
+        are consecutive free-list entries, interleaving the requests); first retract requests
+        if the free pages do not cover them. Returns the swaps' ns and the tokens the retracted
+        requests take out of the batch's context."""
         ps = self.spec.decode_page_size
-        pages = self.allocs[self.instance_nodes["decode"][j][0]][0]
+        pages = self._dec_pages(j)
+        ns = removed = 0
+        needy = sum(1 for t in batch if (t.req.input_tokens + t.tokens) % ps == 0)
+        short = needy - (self.scenario.topology.decode_pages - pages.used)
+        if short > 0 and len(batch) > 1:
+            order = retraction_order([(t.req.input_tokens, t.tokens) for t in batch])
+            out: set[int] = set()
+            for i in order:
+                if short <= 0 or len(out) == len(batch) - 1:
+                    break
+                t = batch[i]
+                held = len(self.requests[keys[i]].dec_pages) + sum(map(len, self._grown.get(keys[i], [])))
+                short -= held + ((t.req.input_tokens + t.tokens) % ps == 0)  # its pages, its need
+                ns += self._retract(j, t, keys[i])
+                removed += t.req.input_tokens + t.tokens
+                out.add(i)
+            batch[:] = [t for i, t in enumerate(batch) if i not in out]
+            keys[:] = [k for i, k in enumerate(keys) if i not in out]
+            self._memory_event()
         for t, k in zip(batch, keys, strict=True):
             pos = t.req.input_tokens + t.tokens  # the token this step writes
             if pos % ps:
@@ -318,6 +451,7 @@ class DeployWorld(World):
                 self.growth_short += 1
                 continue
             self._grown.setdefault(k, []).append(got)
+        return ns, removed
 
     def _free_grown(self, req: Request) -> None:
         grown = self._grown.pop(req.key, None)
@@ -336,10 +470,14 @@ class DeployWorld(World):
         (another instance's would be decoded where its KV is not: a violation)."""
         env, tracks, requests = self.env, self.tracks, self.requests
         busy = self.busy_ns["decode"]
-        batch: list[Track] = []
+        batch: list[Track] = self._running[j]  # changed in place: admission reads it
         keys: list[int] = []
         ctx = 0  # tokens the batch attends to: kept as a running sum (a step is the hot loop)
         while True:
+            swap = 0  # the step first waits for its swaps out and in
+            if self._retracted[j]:
+                swap, added = self._resume(j, batch, keys)
+                ctx += added
             while len(batch) < self.spec.max_batch:
                 k = self._take(j)
                 if k is None:
@@ -360,8 +498,11 @@ class DeployWorld(World):
                 yield self._wake[j]
                 continue
             if self._grows:
-                self._grow(j, batch, keys)
-            step = self.roof_d.decode_ns(len(batch), ctx)
+                ns, removed = self._grow(j, batch, keys)
+                swap += ns
+                ctx -= removed
+            self.swap_ns += swap
+            step = self.roof_d.decode_ns(len(batch), ctx) + swap
             busy[j] += step
             self._step_end[j] = int(env.now) + step
             if self.step_log is not None:
@@ -390,7 +531,7 @@ class DeployWorld(World):
                 if req.dec_released:
                     self._check_side(req, "decode")  # frees the pages now
                 self._finish(k, failed=False)
-            batch, keys = still, still_keys
+            batch[:], keys[:] = still, still_keys
 
     # ------------------------------------------------------------------ running
     def run_deploy(self, limit_ns: int) -> float:
