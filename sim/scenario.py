@@ -395,6 +395,9 @@ class Scenario:
     # The [timeouts] keys and "liveness_us" the file set; the others were derived from the
     # largest room's expected time (sim/expected.py). None: all given (built in code).
     deadlines_set: frozenset[str] | None = field(default=None, compare=False)
+    # [deploy]: DeploySpec fields for `kvferry select` (sim/scenario_deploy.py); replay ignores
+    # them. Left out of the hash (a dict has none), kept in ==.
+    deploy: dict[str, Any] = field(default_factory=dict, hash=False)
 
     # The top-level keys; the other fields are tables, documented by their own dataclasses.
     DOC: ClassVar[dict[str, str]] = {
@@ -856,6 +859,7 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
             "hooks",
             "move_bytes",
             "expect",
+            "deploy",
         ),
     )
     model = _model(_Reader(f"{where}: [model]", data.get("model", {}), (*_names(ModelSpec), "preset")))
@@ -869,6 +873,11 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
             (*(n for n in _names(Workload) if n != "explicit"), "room"),
         ),
         topo,
+    )
+    from kvferry.sim import scenario_deploy  # it builds on this module
+
+    deploy = scenario_deploy.read(
+        where, data.get("deploy", {}), Scenario(model=model, topology=topo, workload=work)
     )
     base = Scenario(topology=topo)
     faults = _faults(
@@ -917,6 +926,7 @@ def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
         move_bytes=top.bool("move_bytes", True),
         expect_violations=tuple(str(x) for x in expect),
         deadlines_set=given,
+        deploy=deploy,
     )
     out = with_derived_deadlines(out)
     _check_timeouts(f"{where}: [timeouts]", out)
@@ -1034,6 +1044,8 @@ def dump(s: Scenario) -> str:
     out += _table("timeouts", {x.name: getattr(s.timeouts, x.name) for x in fields(TimeoutSpec)})
     out += _table("phases", {x.name: getattr(s.phases, x.name) for x in fields(Phases)})
     out += _table("checks", {x.name: getattr(s.checks, x.name) for x in fields(Checks)})
+    if s.deploy:  # written only when set, so a file without it dumps as before
+        out += _table("deploy", s.deploy)
     if s.expect_violations:
         out += _table("expect", {"violations": s.expect_violations})
     return "\n".join(out)
@@ -1111,6 +1123,7 @@ _TABLE_FIELDS = frozenset(
         "checks",
         "expect_violations",
         "deadlines_set",
+        "deploy",
     )
 )
 # Fields read from an array of tables under another name: [[workload.room]], [[faults.event]].
@@ -1280,7 +1293,43 @@ def schema_tables() -> list[TableDoc]:
                 ),
             ),
         ),
+        _deploy_doc(),
     ]
+
+
+def _deploy_doc() -> TableDoc:
+    """[deploy]: its keys are DeploySpec's (sim/scenario_deploy.py), so is their list here."""
+    from kvferry.sim import scenario_deploy as sd
+    from kvferry.sim.deploy.spec import DeploySpec
+
+    known, spec = sd.keys(), DeploySpec()
+    stale = set(sd.DOC) - set(known)
+    if stale:
+        raise ValueError(f"scenario_deploy.DOC: not [deploy] keys {sorted(stale)}")
+    refused = ", ".join(f"`{k}`" for k in sd.REFUSED)
+    intro = (
+        "Deployment knobs for `kvferry select --scenario FILE` (replay ignores this table): the fields "
+        "of `DeploySpec` (sim/deploy/spec.py), less those the file sets elsewhere or select sets itself, "
+        f"which are refused here with where they belong: {refused}. A key given here wins over select's "
+        "option of the same name, whether given or left at its default (as the file's model and TP "
+        "already do); a key left out takes the option, or `DeploySpec`'s default where select has none. "
+        "Types are strict: an integer is a number, but `true` is not an integer. The table is checked "
+        "as one deployment when the file loads (the file's model, TP, page sizes, workers and chunk "
+        "size, these keys, `DeploySpec`'s defaults for the rest), so it needs a `[model] preset`.\n\n"
+        '```toml\n[model]\npreset = "qwen3-8b"\n\n[deploy]\ngpu = "h200"\n'
+        'page_allocator = "lowest-first"\nmax_batch = 128\n```'
+    )
+    rows = tuple(
+        KeyDoc(
+            k,
+            _TOML_TYPES[kind.__name__],
+            "none",  # left out, select's option decides
+            f"{sd.DOC.get(k, 'See `DeploySpec` in sim/deploy/spec.py.')} "
+            f"Select's default: `{_doc_default(getattr(spec, k))}`.",
+        )
+        for k, kind in known.items()
+    )
+    return TableDoc("[deploy]", ("deploy",), intro, rows)
 
 
 _PREAMBLE = """\

@@ -190,3 +190,74 @@ def test_page_allocator_option_reaches_the_runs() -> None:
     assert all(p["completed"] == p["requests"] and not p["violations"] for p in old["results"]["direct"])
     r = runner.invoke(app, [*args, "--page-allocator", "buddy"])
     assert r.exit_code == 2 and "--page-allocator: expected one of sglang, lowest-first" in r.stderr
+
+
+# A scenario's [deploy] table (sim/scenario_deploy.py): DeploySpec knobs for select.
+SCENARIO = """\
+name = "qwen3-8b-select"
+move_bytes = false
+
+[model]
+preset = "qwen3-8b"
+
+[topology]
+prefill_tp = 2
+decode_tp = 2
+
+[workload]
+rooms = 4
+tokens_min = 800
+tokens_max = 800
+chunk_tokens = 0
+"""
+
+
+def _scenario(tmp_path: Path, deploy: str = "", model: str = "") -> Path:
+    path = tmp_path / "s.toml"
+    text = SCENARIO if not model else SCENARIO.replace('preset = "qwen3-8b"', model)
+    path.write_text(text + (f"\n[deploy]\n{deploy}\n" if deploy else ""))
+    return path
+
+
+def test_a_scenarios_deploy_table_changes_what_select_simulates(tmp_path: Path) -> None:
+    args = ["--osl", "8", "--concurrency", "2", "--flows", "direct"]
+    plain = _json(["select", "--scenario", str(_scenario(tmp_path)), *args])
+    assert (plain["deployment"]["gpu"], plain["deployment"]["page_allocator"]) == ("h100", "sglang")
+    path = _scenario(tmp_path, 'gpu = "h200"\npage_allocator = "lowest-first"')
+    # The file wins over the options, given or not, as its model and TP do.
+    out = _json(["select", "--scenario", str(path), *args, "--gpu", "h100", "--page-allocator", "sglang"])
+    d = out["deployment"]
+    assert (d["gpu"], d["page_allocator"]) == ("h200", "lowest-first")
+    assert (d["model"], d["prefill_tp"], d["decode_tp"], d["chunk_tokens"]) == ("qwen3-8b", 2, 2, 800)
+    before, after = plain["results"]["direct"][0], out["results"]["direct"][0]
+    assert after["completed"] == after["requests"] == 4 and not after["violations"]
+    # H200's faster HBM makes memory-bound decode steps shorter.
+    assert after["tpot_ms"]["p50"] < before["tpot_ms"]["p50"]
+
+
+@pytest.mark.parametrize(
+    ("deploy", "needle"),
+    [
+        ('gpuu = "h200"', "[deploy].gpuu: unknown field (did you mean 'gpu'? known: gpu, nic,"),
+        ("prefill_tp = 4", "[deploy].prefill_tp: not a [deploy] key: it belongs in [topology].prefill_tp"),
+        ('flow = "ring"', "[deploy].flow: not a [deploy] key: kvferry select runs and compares every"),
+        ("max_batch = true", "[deploy].max_batch: expected an integer, got True"),
+        ("max_batch = 64.0", "[deploy].max_batch: expected an integer, got 64.0"),
+        ('ttft_slo_ms = "fast"', "[deploy].ttft_slo_ms: expected a number, got 'fast'"),
+        ("proxy_hop_ms = nan", "[deploy].proxy_hop_ms: expected a finite number, got nan"),
+        ("gpu = 200", "[deploy].gpu: expected a string, got 200"),
+        ('page_allocator = "buddy"', "[deploy]: page_allocator: expected one of sglang, lowest-first"),
+        ("decode_ep = 2", "[deploy]: decode_ep must divide decode_instances (1), got 2"),
+        ("max_batch = 100000", "[deploy].max_batch must be in [1, 65536], got 100000"),
+        ('gpu = "h200"', "[deploy]: needs a model preset"),
+    ],
+)
+def test_a_bad_deploy_table_is_one_error_line(tmp_path: Path, deploy: str, needle: str) -> None:
+    # A model given by its shape, not a preset: [deploy] has nothing to time it with.
+    custom = 'name = "tiny"\nnum_layers = 2' if "needs a model preset" in needle else ""
+    path = _scenario(tmp_path, deploy, model=custom)
+    r = runner.invoke(app, ["select", "--scenario", str(path), "--json"])
+    assert r.exit_code == 2 and r.stdout == ""
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: [deploy]"), r.stderr
+    assert needle in lines[0], r.stderr

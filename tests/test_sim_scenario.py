@@ -90,3 +90,77 @@ def test_swarm_personality_is_a_function_of_the_seed_and_round_trips(seed: int) 
     p2 = draw_personality(base, Streams(seed))
     assert p1 == p2 and not p1.faults.swarm
     assert sc.parse(tomllib.loads(sc.dump(p1))) == p1
+
+
+# [deploy]: DeploySpec knobs for `kvferry select` (sim/scenario_deploy.py).
+PRESET = {"model": {"preset": "qwen3-8b"}, "topology": {"prefill_tp": 2, "decode_tp": 2}}
+
+
+def test_a_deploy_table_loads_typed_and_round_trips() -> None:
+    deploy = {"gpu": "h200", "page_allocator": "lowest-first", "max_batch": 64, "proxy_hop_ms": 7}
+    s = sc.parse({**PRESET, "deploy": deploy})
+    assert s.deploy == {**deploy, "proxy_hop_ms": 7.0}
+    assert type(s.deploy["proxy_hop_ms"]) is float  # an integer is a number, stored as the spec's float
+    assert sc.parse(tomllib.loads(sc.dump(s))) == s
+    assert s != sc.parse(PRESET) and hash(s) == hash(sc.parse(PRESET))  # still hashable
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_a_scenario_without_deploy_loads_and_dumps_as_before(path: Path) -> None:
+    s = sc.load(path)
+    assert s.deploy == {} and "[deploy]" not in sc.dump(s)
+    data = tomllib.loads(path.read_text())
+    assert sc.parse({**data, "deploy": {}}, where=str(path)) == s
+    hash(s)  # the new field keeps a Scenario hashable
+
+
+@pytest.mark.parametrize(
+    ("deploy", "needle"),
+    [
+        ({"gpuu": "h200"}, "[deploy].gpuu: unknown field (did you mean 'gpu'? known: gpu, nic, "),
+        ({"colour": 1}, "[deploy].colour: unknown field (known: gpu, nic, staging_chunks, max_batch"),
+        ({"prefill_tp": 2}, "[deploy].prefill_tp: not a [deploy] key: it belongs in [topology].prefill_tp"),
+        ({"model": "qwen3-8b"}, "[deploy].model: not a [deploy] key: it belongs in [model]"),
+        ({"chunk_tokens": 512}, "[deploy].chunk_tokens: not a [deploy] key: it belongs in [workload]"),
+        ({"seed": 3}, "[deploy].seed: not a [deploy] key: it belongs at the top level"),
+        ({"flow": "ring"}, "[deploy].flow: not a [deploy] key: kvferry select runs and compares every"),
+        ({"max_batch": True}, "[deploy].max_batch: expected an integer, got True"),
+        ({"max_batch": 1.5}, "[deploy].max_batch: expected an integer, got 1.5"),
+        ({"gpu": 5}, "[deploy].gpu: expected a string, got 5"),
+        ({"proxy_hop_ms": "5"}, "[deploy].proxy_hop_ms: expected a number, got '5'"),
+        ({"ttft_slo_ms": False}, "[deploy].ttft_slo_ms: expected a number, got False"),
+        ({"ttft_slo_ms": float("nan")}, "[deploy].ttft_slo_ms: expected a finite number, got nan"),
+        ({"page_allocator": "buddy"}, "[deploy]: page_allocator: expected one of sglang, lowest-first"),
+        ({"gpu": "a100"}, "[deploy]: unknown hardware profile 'a100'"),
+        ({"decode_ep": 2}, "[deploy]: decode_ep must divide decode_instances (1), got 2"),
+        ({"weight_bytes": 4}, "[deploy]: weight_bytes must be 1 (FP8) or 2 (BF16), got 4"),
+    ],
+)
+def test_deploy_errors_name_the_file_and_the_key(deploy: dict, needle: str) -> None:
+    with pytest.raises(sc.ScenarioError) as e:
+        sc.parse({**PRESET, "deploy": deploy}, where="x.toml")
+    assert str(e.value).startswith("x.toml: [deploy]") and needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_deploy_needs_a_preset_model() -> None:
+    with pytest.raises(sc.ScenarioError, match=r"\[deploy\]: needs a model preset .* 'sim-tiny' is not one"):
+        sc.parse({"deploy": {"gpu": "h200"}})
+    assert sc.parse({"deploy": {}}) == sc.parse({})  # an empty table asks for nothing
+
+
+def test_a_field_added_to_deployspec_is_a_deploy_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import dataclass
+
+    from kvferry.sim import scenario_deploy
+    from kvferry.sim.deploy.spec import DeploySpec
+
+    @dataclass(frozen=True, slots=True)
+    class Wider(DeploySpec):
+        decode_reserved_tokens: int = 0
+
+    monkeypatch.setattr(scenario_deploy, "DeploySpec", Wider)
+    s = sc.parse({**PRESET, "deploy": {"decode_reserved_tokens": 512}})
+    assert s.deploy == {"decode_reserved_tokens": 512}
+    with pytest.raises(sc.ScenarioError, match=r"decode_reserved_tokens: expected an integer, got 1\.5"):
+        sc.parse({**PRESET, "deploy": {"decode_reserved_tokens": 1.5}})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,6 +24,9 @@ MAX_TOKENS = 1 << 20  # input or output tokens of a request
 MAX_CONCURRENCY = 100_000
 MAX_POINTS = 32  # load points in a sweep
 MAX_TP = 64
+# Bounds of the spec's knobs that an option or a scenario's [deploy] may set and that
+# DeploySpec.check() leaves open above.
+KNOB_BOUNDS: dict[str, tuple[int, int]] = {"staging_chunks": (1, 1024), "max_batch": (1, 65536)}
 
 
 def _ints(text: str, option: str) -> list[int]:
@@ -52,9 +56,11 @@ def _positive(value: float, option: str) -> None:
 
 def _from_scenario(path: Path) -> dict[str, Any]:
     """The deployment and workload a scenario file describes (model preset, TP, page sizes,
-    workers, chunk size, the largest room as input length, its rooms as requests)."""
+    workers, chunk size, the largest room as input length, its rooms as requests), and its
+    [deploy] knobs under "deploy" (checked by the loader, bounded here as the options are)."""
     from kvferry.core.geometry import PRESETS
     from kvferry.sim import scenario as sc
+    from kvferry.sim.scenario_deploy import spec_fields
 
     try:
         s = sc.load(path)
@@ -63,17 +69,15 @@ def _from_scenario(path: Path) -> dict[str, Any]:
     if s.model.name not in PRESETS:
         known = ", ".join(sorted(PRESETS))
         bad_input(f"--scenario {path}: model {s.model.name!r} is not a preset (compute needs one of {known})")
-    t, w = s.topology, s.workload
+    for key, (lo, hi) in KNOB_BOUNDS.items():
+        if key in s.deploy:
+            _bounded(s.deploy[key], f"{path}: [deploy].{key}", lo, hi)
+    w = s.workload
     return {
-        "model": s.model.name,
-        "prefill_tp": t.prefill_tp,
-        "decode_tp": t.decode_tp,
-        "prefill_page_size": t.prefill_page_size,
-        "decode_page_size": t.decode_page_size,
-        "workers": t.workers,
-        "chunk_tokens": w.chunk_tokens or w.tokens_max,
+        **spec_fields(s),
         "isl": max([r.tokens for r in w.explicit] or [w.tokens_max]),
         "requests": max(1, w.rooms),
+        "deploy": dict(s.deploy),
     }
 
 
@@ -109,7 +113,9 @@ def register(app: typer.Typer) -> None:
         scenario: Annotated[
             Path | None,
             typer.Option(
-                help="Take model, TP, page sizes, workers, chunk size and lengths from a scenario file."
+                help="Take model, TP, page sizes, workers, chunk size and lengths from a scenario file, "
+                "and its [deploy] table's knobs (gpu, max_batch, ...): the file's values win over "
+                "these options."
             ),
         ] = None,
         requests: Annotated[int, typer.Option(help="Requests per load point.")] = 64,
@@ -196,6 +202,7 @@ def register(app: typer.Typer) -> None:
                 import matplotlib  # noqa: F401
             except ImportError:
                 bad_input("--plot needs matplotlib: pip install 'kvferry[plots]' (or uv sync --group dev)")
+        deploy: dict[str, Any] = {}
         if scenario is not None:
             got = _from_scenario(scenario)
             model, prefill_tp, decode_tp = got["model"], got["prefill_tp"], got["decode_tp"]
@@ -206,6 +213,7 @@ def register(app: typer.Typer) -> None:
                 got["isl"],
                 got["requests"],
             )
+            deploy = got["deploy"]
         _bounded(prefill_tp, "--prefill-tp", 1, MAX_TP)
         _bounded(decode_tp, "--decode-tp", 1, MAX_TP)
         _bounded(prefill_page_size, "--prefill-page-size", 1, 1024)
@@ -220,8 +228,8 @@ def register(app: typer.Typer) -> None:
         _bounded(decode_instances, "--decode-instances", 1, MAX_INSTANCES)
         _bounded(chunk_tokens, "--chunk-tokens", 1, MAX_TOKENS)
         _bounded(workers, "--workers", 1, 64)
-        _bounded(staging_chunks, "--staging-chunks", 1, 1024)
-        _bounded(max_batch, "--max-batch", 1, 65536)
+        _bounded(staging_chunks, "--staging-chunks", *KNOB_BOUNDS["staging_chunks"])
+        _bounded(max_batch, "--max-batch", *KNOB_BOUNDS["max_batch"])
         _positive(ttft_slo_ms, "--ttft-slo-ms")
         _positive(tpot_slo_ms, "--tpot-slo-ms")
         if not (math.isfinite(rate) and rate >= 0):
@@ -263,6 +271,8 @@ def register(app: typer.Typer) -> None:
             proxy_hop_ms=proxy_hop_ms,
             page_allocator=page_allocator,
         )
+        # The file's [deploy] wins over the options, given or default, as its model and TP do.
+        spec = replace(spec, **deploy)
         try:
             spec.check()
             staged = set(want) - set(applicable_flows(spec))

@@ -1,0 +1,138 @@
+"""A scenario's optional ``[deploy]`` table: knobs of ``kvferry select``'s deployment
+(sim/deploy/spec.py ``DeploySpec``) that the file's other tables do not already set.
+
+Its keys are DeploySpec's own fields, read off the dataclass, so a field added there is accepted
+here with no change (with the type its annotation gives). Replay ignores the table; ``kvferry
+select --scenario`` lays it over the spec it builds from its options, so the file's values win.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import typing
+from dataclasses import fields
+from typing import Any
+
+from kvferry.core.errors import KvferryError
+from kvferry.core.geometry import PRESETS
+from kvferry.sim import scenario as sc  # its names looked up per call: a test may swap sc._Reader
+from kvferry.sim.deploy.spec import DeploySpec
+
+__all__ = ["DOC", "REFUSED", "keys", "read", "spec_fields"]
+
+# DeploySpec fields refused in [deploy], each with where it belongs instead. The first seven are
+# what select already reads from the other tables (spec_fields): a second place for them would
+# be a second answer. Select ignores the file's seed (--seed sets it), and it sets the flow of
+# each run itself, since it compares every applicable flow: a [deploy] flow would do nothing.
+REFUSED: dict[str, str] = {
+    "model": "it belongs in [model] (preset = ...)",
+    "prefill_tp": "it belongs in [topology].prefill_tp",
+    "decode_tp": "it belongs in [topology].decode_tp",
+    "prefill_page_size": "it belongs in [topology].prefill_page_size",
+    "decode_page_size": "it belongs in [topology].decode_page_size",
+    "workers": "it belongs in [topology].workers",
+    "chunk_tokens": "it belongs in [workload].chunk_tokens",
+    "seed": "it belongs at the top level (seed = N), and kvferry select takes --seed",
+    "flow": "kvferry select runs and compares every applicable flow (pick them with --flows); "
+    "replay's flow belongs in [flows].flow",
+}
+
+# What docs/scenarios.md says of each key; a field added to DeploySpec without a line here is
+# still accepted, and documented by a pointer to spec.py.
+DOC: dict[str, str] = {
+    "gpu": "GPU profile of every rank (sim/deploy/profiles: h100, h200, gb200).",
+    "nic": "NIC profile of every GPU: nic-100g, nic-200g, nic-400g, or one fitted by `kvferry calibrate`.",
+    "staging_chunks": "Ring and pinned staging pools hold this many of the largest chunk "
+    "(select: at most 1024).",
+    "max_batch": "Decode's largest batch (select: at most 65536).",
+    "weight_bytes": "Bytes per weight: 2 (BF16) or 1 (FP8, select's `--fp8-weights`).",
+    "ttft_slo_ms": "TTFT SLO for goodput, in ms.",
+    "tpot_slo_ms": "TPOT SLO for goodput, in ms.",
+    "prefill_instances": "Prefill instances of select's deployment (up to 64; `[topology]`'s are "
+    "replay's servers); requests go round-robin.",
+    "decode_instances": "Decode instances of select's deployment (up to 64); each request goes to "
+    "the least loaded.",
+    "decode_ep": "Expert parallelism over the decode instances: a MoE model's routed experts "
+    "spread over this many of them (it divides `decode_instances`).",
+    "control_path": "Fitted profile (`kvferry calibrate --rooms`) whose per-room control path the "
+    'runtime pays over the NIC\'s wire ("": an ideal runtime).',
+    "pull_orchestration": "When the pull flow's decode side starts: overlapped (at arrival) or "
+    "serial (vLLM's proxy order: after prefill, `proxy_hop_ms` and decode's running step).",
+    "proxy_hop_ms": "Serial pull: prefill's response to the proxy plus the proxy's request to decode, in ms.",
+    "page_allocator": "How servers hand out KV pages: sglang (SGLang's sorted free list, decode "
+    "taking pages for generated tokens) or lowest-first (the original model).",
+}
+_SCALARS = (bool, int, float, str)  # what a TOML value maps onto without conversion rules
+
+
+def keys() -> dict[str, type]:
+    """The keys [deploy] accepts, in DeploySpec's order, each with its Python type: every field
+    of a scalar type that is not in REFUSED (a field of another type has no TOML spelling yet)."""
+    hints = typing.get_type_hints(DeploySpec)
+    return {
+        f.name: hints[f.name]
+        for f in fields(DeploySpec)
+        if f.name not in REFUSED and hints[f.name] in _SCALARS
+    }
+
+
+def spec_fields(s: sc.Scenario) -> dict[str, Any]:
+    """The DeploySpec fields the scenario's other tables set (``kvferry select`` takes them)."""
+    t, w = s.topology, s.workload
+    return {
+        "model": s.model.name,
+        "prefill_tp": t.prefill_tp,
+        "decode_tp": t.decode_tp,
+        "prefill_page_size": t.prefill_page_size,
+        "decode_page_size": t.decode_page_size,
+        "workers": t.workers,
+        "chunk_tokens": w.chunk_tokens or w.tokens_max,
+    }
+
+
+def _value(r: sc._Reader, key: str, kind: type) -> Any:
+    # The reader's checks keep the other tables' messages; bool is never taken for an int or float.
+    if kind is bool:
+        return r.bool(key, False)
+    if kind is int:
+        return r.int(key, 0, lo=None)
+    if kind is float:
+        v = r.float(key, 0.0, lo=-math.inf)  # an int is a number too, as in the other tables
+        if not math.isfinite(v):  # TOML has nan and inf; the spec's range checks let NaN through
+            raise sc.ScenarioError(f"{sc._at(r.where, key)}: expected a finite number, got {v}")
+        return v
+    return r.str(key, "")
+
+
+def read(where: str, table: Any, s: sc.Scenario) -> dict[str, Any]:
+    """The [deploy] table of the file ``where``, checked: known keys of the right types, and, as
+    a whole, a deployment DeploySpec.check() accepts (with ``s``'s model, TP, page sizes, workers
+    and chunk size, and DeploySpec's defaults for the keys left out)."""
+    where = f"{where}: [deploy]"
+    known = keys()
+    if isinstance(table, dict):
+        for key in table:
+            if key in REFUSED:
+                raise sc.ScenarioError(f"{sc._at(where, key)}: not a [deploy] key: {REFUSED[key]}")
+            if key not in known:
+                # The accepted keys always listed: they come from DeploySpec, not from a fixed list.
+                hint = difflib.get_close_matches(key, list(known), n=1)
+                mean = f"did you mean {hint[0]!r}? " if hint else ""
+                raise sc.ScenarioError(
+                    f"{sc._at(where, key)}: unknown field ({mean}known: {', '.join(known)})"
+                )
+    r = sc._Reader(where, table, tuple(known))  # refuses a plain value where the table should be
+    out = {k: _value(r, k, kind) for k, kind in known.items() if k in r.table}
+    if not out:
+        return out
+    if s.model.name not in PRESETS:
+        raise sc.ScenarioError(
+            f"{where}: needs a model preset ([model] preset = ...): select times a known model's "
+            f"compute, and {s.model.name!r} is not one"
+        )
+    try:
+        DeploySpec(**spec_fields(s), **out).check()
+    except KvferryError as e:  # DeployError, or ProfileError for an unknown gpu / nic
+        raise sc.ScenarioError(f"{where}: {e}") from None
+    return out
