@@ -192,6 +192,17 @@ def test_page_allocator_option_reaches_the_runs() -> None:
     assert r.exit_code == 2 and "--page-allocator: expected one of sglang, lowest-first" in r.stderr
 
 
+def test_decode_reserved_tokens_option_reaches_the_runs() -> None:
+    args = [*SMALL, "--prefill-tp", "2", "--decode-tp", "2", "--flows", "direct"]
+    assert _json(args)["deployment"]["decode_reserved_tokens"] == 512
+    got = _json([*args, "--decode-reserved-tokens", "0"])
+    assert got["deployment"]["decode_reserved_tokens"] == 0
+    assert all(p["retractions"] == 0 and not p["violations"] for p in got["results"]["direct"])
+    for bad in ("-1", str(1 << 21)):
+        r = runner.invoke(app, [*args, "--decode-reserved-tokens", bad])
+        assert r.exit_code == 2 and "--decode-reserved-tokens must be in [0, 1048576]" in r.stderr
+
+
 # A scenario's [deploy] table (sim/scenario_deploy.py): DeploySpec knobs for select.
 SCENARIO = """\
 name = "qwen3-8b-select"

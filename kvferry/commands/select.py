@@ -177,6 +177,14 @@ def register(app: typer.Typer) -> None:
                 "free list, decode taking pages for generated tokens) or lowest-first (the original model)."
             ),
         ] = "sglang",
+        decode_reserved_tokens: Annotated[
+            int,
+            typer.Option(
+                help="SGLang's --num-reserved-decode-tokens (sglang allocator): decode admits a request "
+                "only with this many tokens to spare for it and each request it holds; when a step still "
+                "finds no page, it retracts requests (KV swapped to host)."
+            ),
+        ] = 512,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
         plot: Annotated[Path | None, typer.Option(help="Write PNG plots here (needs matplotlib).")] = None,
     ) -> None:
@@ -190,6 +198,7 @@ def register(app: typer.Typer) -> None:
             FLOWS,
             MAX_INSTANCES,
             MAX_PROXY_HOP_MS,
+            MAX_RESERVED_TOKENS,
             PULL_ORCHESTRATIONS,
             DeploySpec,
         )
@@ -241,6 +250,7 @@ def register(app: typer.Typer) -> None:
             )
         if not (math.isfinite(proxy_hop_ms) and 0 <= proxy_hop_ms <= MAX_PROXY_HOP_MS):
             bad_input(f"--proxy-hop-ms must be in [0, {MAX_PROXY_HOP_MS:g}], got {proxy_hop_ms}")
+        _bounded(decode_reserved_tokens, "--decode-reserved-tokens", 0, MAX_RESERVED_TOKENS)
         if page_allocator not in ALLOCATORS:
             bad_input(f"--page-allocator: expected one of {', '.join(ALLOCATORS)}, got {page_allocator!r}")
         want = [f.strip() for f in flows.split(",") if f.strip()]
@@ -270,6 +280,7 @@ def register(app: typer.Typer) -> None:
             pull_orchestration=pull_orchestration,
             proxy_hop_ms=proxy_hop_ms,
             page_allocator=page_allocator,
+            decode_reserved_tokens=decode_reserved_tokens,
         )
         # The file's [deploy] wins over the options, given or default, as its model and TP do.
         spec = replace(spec, **deploy)
