@@ -203,6 +203,27 @@ def test_decode_reserved_tokens_option_reaches_the_runs() -> None:
         assert r.exit_code == 2 and "--decode-reserved-tokens must be in [0, 1048576]" in r.stderr
 
 
+def test_knobs_say_when_decode_ran_out_of_pages() -> None:
+    from dataclasses import replace
+
+    from kvferry.sim.deploy import workload as wl
+    from kvferry.sim.deploy.run import build_scenario, simulate
+    from kvferry.sim.deploy.select import knobs
+    from kvferry.sim.deploy.spec import DeploySpec
+
+    spec = DeploySpec(prefill_tp=2, decode_tp=2, flow="direct")
+    lengths = (wl.DeployRequest(0, 100, 4),)
+    r = simulate(spec, wl.Arrivals(concurrency=1, total=1), lengths, label="c=1")
+    s = build_scenario(spec, lengths)
+    calm = knobs(spec, "direct", s, [r])
+    assert calm["num_reserved_decode_tokens (--num-reserved-decode-tokens)"] == 512
+    assert r.retractions == 0 and "decode_memory" not in calm
+    short = knobs(spec, "direct", s, [r, replace(r, label="c=64", retractions=7, swap_ms=12.4)])
+    assert short["decode_memory"].startswith("decode ran out of pages at c=64: 7 retractions, 12 ms")
+    old = knobs(replace(spec, page_allocator="lowest-first"), "direct", s, [r])
+    assert "num_reserved_decode_tokens (--num-reserved-decode-tokens)" not in old
+
+
 # A scenario's [deploy] table (sim/scenario_deploy.py): DeploySpec knobs for select.
 SCENARIO = """\
 name = "qwen3-8b-select"

@@ -82,6 +82,15 @@ def knobs(
         "transfer_queues (SGLANG_DISAGGREGATION_QUEUE_SIZE, one worker each)": spec.workers,
         "chunked_prefill_size (tokens)": spec.chunk_tokens,
     }
+    if spec.page_allocator == "sglang":
+        out["num_reserved_decode_tokens (--num-reserved-decode-tokens)"] = spec.decode_reserved_tokens
+        short = max(results, key=lambda x: x.retractions, default=None)
+        if short is not None and short.retractions:
+            out["decode_memory"] = (
+                f"decode ran out of pages at {short.label}: {short.retractions} retractions, "
+                f"{short.swap_ms:.0f} ms of swaps; more decode memory (TP, instances) avoids them, "
+                "a larger --decode-reserved-tokens trades them for waits at admission"
+            )
     staged = flow not in UNSTAGED
     if staged:
         out["staging (SGLANG_DISAGG_STAGING_BUFFER)"] = True
