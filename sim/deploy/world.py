@@ -19,9 +19,9 @@ one fabric, and requests that arrive over time.
   model, the lowest free ids and no pages for generated tokens.
 - Decode memory (the "sglang" allocator, sim/deploy/decode_memory.py): decode admits a request
   only with ``decode_reserved_tokens`` to spare for it and for every request it holds; a step
-  that finds no page for a generated token retracts requests (KV swapped out to host memory at
-  the GPU's pinned copy rate, the step waiting for it), which come back, swapped in, when there
-  is room again, before any new admission.
+  that finds no page for a generated token retracts requests (KV, and a hybrid model's recurrent
+  state, swapped out to host memory at the GPU's pinned copy rate, the step waiting for it),
+  which come back, swapped in, when there is room again, before any new admission.
 - Serial pull (``DeploySpec.pull_orchestration = "serial"``, flow "pull"): vLLM's order of a
   pull behind its proxy. Prefill opens the room and computes every chunk with no decode side;
   once the last chunk is computed, its response travels back to the proxy and the proxy sends
@@ -125,10 +125,12 @@ class DeployWorld(World):
         self._retracted: list[deque[int]] = [deque() for _ in range(n_dec)]
         self.retractions = 0
         self.swap_ns = 0  # simulated time decode steps waited for swaps out and in
-        # One decode page's bytes on one rank over the GPU's pinned copy rate (each rank swaps
-        # its own slice at once).
+        # A swap's ns: one decode page's bytes on one rank, and a hybrid model's recurrent state
+        # of one request on one rank (SGLang's offload_kv_cache copies both), over the GPU's
+        # pinned copy rate (each rank swaps its own slice at once).
         gbps = hardware.gpu(spec.gpu).copy_pinned_gbps
         self._swap_ns_per_page = spec.page_bytes("decode") / gbps
+        self._swap_ns_state = spec.geometry().state_bytes // spec.decode_tp / gbps
         if self._grows:
             self._refuse_what_never_fits(lengths)
         # Serial pull: when each decode instance's running step ends (idle: a time already past),
@@ -384,7 +386,7 @@ class DeployWorld(World):
         self._retracted[j].append(k)
         t.retractions += 1
         self.retractions += 1
-        return round(len(ids) * self._swap_ns_per_page)
+        return round(len(ids) * self._swap_ns_per_page + self._swap_ns_state)
 
     def _resume(self, j: int, batch: list[Track], keys: list[int]) -> tuple[int, int]:
         """Bring retracted requests back into the batch while there is room (first in, first
@@ -408,7 +410,7 @@ class DeployWorld(World):
             self._holders[j] += 1
             batch.append(t)
             keys.append(k)
-            ns += round(n * self._swap_ns_per_page)
+            ns += round(n * self._swap_ns_per_page + self._swap_ns_state)
             added += t.req.input_tokens + t.tokens
         return ns, added
 
