@@ -84,8 +84,14 @@ class Child:
 
     def tell(self, word: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(word + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(word + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            # Say why the child is gone (its exit status and its log), not only that the pipe broke.
+            raise AssertionError(
+                f"process exited (rc={self.proc.wait(10)}) before {word!r}: {self.tail()}"
+            ) from None
 
     def kill(self) -> None:
         if self.proc.poll() is None:
