@@ -458,8 +458,7 @@ class DeployWorld(World):
     def _free_grown(self, req: Request) -> None:
         grown = self._grown.pop(req.key, None)
         if grown:
-            pages = self.allocs[self.room_nodes(req, "decode")[0]][0]
-            pages.free(np.concatenate(grown), req.key)
+            self._dec_pages(req.dec_inst).free(np.concatenate(grown), req.key)
             self._memory_event()
 
     def _take(self, j: int) -> int | None:
