@@ -235,6 +235,7 @@ def child_prefill(cfg: BenchConfig) -> None:
     room_bytes = eps[0].pool.total_bytes // cfg.inflight  # a rank's share of one room
     one = np.array([RAW_ID], dtype=np.int64)
     raw_times: list[float] = []
+    planned_times: list[float] = []
     kv_posts: list[Any] = []
     kind = "VRAM" if cfg.mem == "VRAM" else "DRAM"
     for b in range(cfg.warmup + cfg.rooms):
@@ -305,6 +306,8 @@ def child_prefill(cfg: BenchConfig) -> None:
         raw_times.append(time.perf_counter() - t0)
         if any(s != "DONE" for s in states):
             raise RuntimeError(f"raw write ended {states}")
+        if cfg.flow == "direct":
+            planned_times.append(_planned_raw(cfg, eps, b, n_pages))
         _say(event="raw_done", index=b)
     if cfg.telemetry_path:  # for calibrating the simulator's cost model from real writes
         import msgspec
@@ -315,6 +318,7 @@ def child_prefill(cfg: BenchConfig) -> None:
     _say(
         event="done",
         raw_times=raw_times[cfg.warmup :],
+        planned_times=planned_times[cfg.warmup :],
         raw_bytes=room_bytes * len(eps) * cfg.inflight,
         descs_requested=max((r.descs_requested for r in kv_posts), default=0),
         descs_posted=max((r.descs_posted for r in kv_posts), default=0),
@@ -325,6 +329,42 @@ def child_prefill(cfg: BenchConfig) -> None:
     _hear()
     for ep in eps:
         ep.close()
+
+
+def _planned_raw(cfg: BenchConfig, eps: list[Any], batch: int, n_pages: int) -> float:
+    """Seconds for the direct flow's own descriptors posted straight to NIXL: per room and rank
+    pair, the planner's descriptors of the whole room as one prepared WRITE, all posted at once,
+    no notification, no control message, planned before the clock starts. What NIXL itself
+    charges for the descriptors a direct room posts, beside the single-descriptor raw write.
+    Each room moves between the pages its direct room of this batch used."""
+    from kvferry.core.messages import Endpoint
+    from kvferry.core.planner import plan_rank_pair
+
+    dst_pools = _pools(cfg, "decode")
+    work = []
+    for k in range(cfg.inflight):
+        src = np.arange(n_pages, dtype=np.int64) + k * n_pages
+        dst = np.arange(n_pages, dtype=np.int64) + ((batch % 2) * cfg.inflight + k) * n_pages
+        for ep in eps:
+            for pool in dst_pools:
+                plan = plan_rank_pair(ep.pool, pool, src, dst, 0, cfg.tokens)
+                if plan.count:
+                    work.append((ep, Endpoint(server="decode", rank=pool.tp_rank), plan))
+    t0 = time.perf_counter()
+    tickets = [
+        (
+            ep,
+            ep.transport.post_write(
+                peer, p.src_region, p.src_offset, p.dst_region, p.dst_offset, p.length, b""
+            ),
+        )
+        for ep, peer, p in work
+    ]
+    states = [ep.transport.agent.wait(t, 600.0) for ep, t in tickets]
+    took = time.perf_counter() - t0
+    if any(s != "DONE" for s in states):
+        raise RuntimeError(f"planned raw write ended {states}")
+    return took
 
 
 def _expected_counts(pool: Any, prefill_tp: int, tokens: int) -> dict[int, int]:
@@ -556,6 +596,9 @@ def run_config(
     e2e = room_bytes / e2e_s / 1e9
     raw_s = statistics.median(p["raw_times"])
     raw = p["raw_bytes"] / raw_s / 1e9
+    # Direct flow only: NIXL alone with the room's own descriptors (see _planned_raw).
+    planned_s = statistics.median(p["planned_times"]) if p["planned_times"] else None
+    planned = p["raw_bytes"] / planned_s / 1e9 if planned_s else None
     return {
         "config": cfg.name,
         "model": cfg.model,
@@ -572,6 +615,10 @@ def run_config(
         "raw_s": raw_s,
         "raw_gbps": raw,
         "ratio": e2e / raw,
+        "planned_raw_s": planned_s,
+        "planned_raw_gbps": planned,
+        "planned_of_raw": planned / raw if planned else None,  # NIXL's cost of the descriptors
+        "ratio_to_planned": e2e / planned if planned else None,  # our runtime's cost on top
         "descs_requested": p["descs_requested"],
         "descs_posted": p["descs_posted"],
         "write_post_us": p["post_us"],  # NIXL telemetry, median per kvferry write

@@ -146,3 +146,9 @@ def nixl(
             f"ratio {r['ratio']:.2f}; {r['descs_requested']} indices -> {r['descs_posted']} posted "
             f"descriptors per write; bytes {'ok' if r['bytes_ok'] else 'WRONG'}"
         )
+        if r["planned_raw_gbps"] is not None:
+            typer.echo(
+                f"{'':<12} NIXL alone with the same descriptors: {r['planned_raw_gbps']:.2f} GB/s "
+                f"({r['planned_raw_s'] * 1e3:.1f} ms), {r['planned_of_raw']:.2f} of raw; "
+                f"kvferry {r['ratio_to_planned']:.2f} of it"
+            )

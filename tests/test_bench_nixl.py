@@ -1,0 +1,25 @@
+"""``kvferry bench nixl`` for real: two processes, real NIXL on DRAM, rooms small enough for CI.
+
+The bench's numbers are not asserted (no timing in tests); what is: every row's bytes were
+checked on decode, and the direct flow's row carries the baseline of NIXL alone with the room's
+own descriptors (and only the direct flow's: staged flows post other descriptors)."""
+
+from __future__ import annotations
+
+import pytest
+from kvferry.backends.runtime.bench import BenchConfig, run_config
+
+
+@pytest.mark.parametrize("flow", ["direct", "ring"])
+def test_a_small_bench_row_checks_its_bytes_and_says_what_nixl_alone_costs(flow: str) -> None:
+    cfg = BenchConfig("tp2->1 nhd", 2, 1, tokens=32, rooms=2, inflight=2, flow=flow)
+    row = run_config(cfg, timeout_s=120.0)
+    assert row["bytes_ok"] is True
+    assert row["kvferry_gbps"] > 0 and row["raw_gbps"] > 0
+    if flow == "direct":
+        assert row["planned_raw_gbps"] > 0
+        assert row["ratio_to_planned"] == pytest.approx(row["kvferry_gbps"] / row["planned_raw_gbps"])
+        assert row["planned_of_raw"] == pytest.approx(row["planned_raw_gbps"] / row["raw_gbps"])
+    else:
+        assert row["planned_raw_gbps"] is None and row["ratio_to_planned"] is None
+        assert row["scattered"]["ring"] > 0  # the ring really ran
