@@ -45,10 +45,16 @@ def agents():
     b.close()
 
 
-def test_write_with_notification_lands_exact_bytes(agents):
+# Both ways planner descriptors reach NIXL: index runs into prepared lists, or one-shot rows.
+POSTS = ["post", "post_oneshot"]
+
+
+@pytest.mark.parametrize("how", POSTS)
+def test_write_with_notification_lands_exact_bytes(agents, how):
     a, b, name_b, src, dst = agents
+    dst[2][:], dst[0][:], dst[1][:] = 0, 0, 0
     length = np.array([1024, 4096, 256])
-    t = a.post(
+    t = getattr(a, how)(
         "WRITE",
         name_b,
         ("kv", 256),
@@ -64,18 +70,22 @@ def test_write_with_notification_lands_exact_bytes(agents):
     assert _wait_notifs(b, 1) == [(a.name, b"note-1")]
     rec = a.telemetry.records()[-1]
     assert rec.status == "DONE" and rec.nbytes == 1024 + 4096 + 256
-    assert rec.descs_requested == (1024 + 4096 + 256) // 256
-    # NIXL merges each dense index run back into one descriptor.
-    assert 0 < rec.descs_posted <= 3
+    if how == "post":
+        assert rec.descs_requested == (1024 + 4096 + 256) // 256
+        # NIXL merges each dense index run back into one descriptor.
+        assert 0 < rec.descs_posted <= 3
+    else:
+        assert rec.descs_requested == 3  # one row per run, as the planner gave them
     assert a.inflight() == 0
 
 
-def test_read_pulls_remote_bytes(agents):
+@pytest.mark.parametrize("how", POSTS)
+def test_read_pulls_remote_bytes(agents, how):
     a, b, name_b, _, dst = agents
-    dst[1][:4096] = np.arange(4096) % 251
+    dst[1][:4096] = (np.arange(4096) + len(how)) % 251
     mine = a.regions()
     # READ: local (region 0, offset 8192) <- remote (region 1, offset 0).
-    t = a.post(
+    t = getattr(a, how)(
         "READ",
         name_b,
         ("kv", 1024),
@@ -101,11 +111,12 @@ def test_read_pulls_remote_bytes(agents):
         ((0, -256), (0, 0), 256),  # negative offset
     ],
 )
-def test_bad_descriptors_rejected_before_nixl(agents, local, remote, length):
+@pytest.mark.parametrize("how", POSTS)
+def test_bad_descriptors_rejected_before_nixl(agents, local, remote, length, how):
     a, _, name_b, _, dst = agents
     before = [d.copy() for d in dst.values()]
     with pytest.raises(DescriptorError):
-        a.post(
+        getattr(a, how)(
             "WRITE",
             name_b,
             ("kv", 256),
@@ -117,13 +128,14 @@ def test_bad_descriptors_rejected_before_nixl(agents, local, remote, length):
     assert a.inflight() == 0
 
 
-def test_unknown_peer_and_granule(agents):
+@pytest.mark.parametrize("how", POSTS)
+def test_unknown_peer_and_granule(agents, how):
     a, _, name_b, _, _ = agents
     one = (np.array([0]), np.array([0]))
     with pytest.raises(NixlPeerError):
-        a.post("WRITE", "nobody", ("kv", 256), one, one, np.array([256]))
+        getattr(a, how)("WRITE", "nobody", ("kv", 256), one, one, np.array([256]))
     with pytest.raises(NixlPeerError):
-        a.post("WRITE", name_b, ("kv", 512), one, one, np.array([512]))
+        getattr(a, how)("WRITE", name_b, ("kv", 512), one, one, np.array([512]))
 
 
 def test_region_validation():
@@ -191,6 +203,10 @@ def test_index_expansion_matches_naive(sizes, data):
     # Every index points at the descriptor that holds exactly that byte range.
     for r, o, _n, start in zip(region, offset, length, np.cumsum([0, *(length // g)])[:-1], strict=True):
         assert rows[got[start], 0] == regions[r].addr + o and rows[got[start], 1] == g
+    # A one-shot post's rows cover exactly the bytes of those index runs.
+    one = table.rows_for(region, offset, length, "x")
+    assert one[:, 0].tolist() == [regions[r].addr + o for r, o in zip(region, offset, strict=True)]
+    assert one[:, 1].tolist() == length.tolist()
 
 
 # ---- error paths real NIXL cannot be made to produce on demand: a fake agent ----------------

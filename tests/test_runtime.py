@@ -164,6 +164,60 @@ def test_a_worker_keeps_several_chunks_in_flight_and_every_room_lands(flow):
             assert e.close() == []
 
 
+def _one_to_one(cfg: RuntimeConfig, pages: int) -> tuple[list[PrefillEndpoint], DecodeEndpoint]:
+    pre = [PrefillEndpoint("P", PoolGeometry(MODEL, 1, 0, 4, pages), config=cfg)]
+    dec = DecodeEndpoint(
+        "D",
+        PoolGeometry(MODEL, 1, 0, 4, pages),
+        prefill_server="P",
+        prefill_addresses=[pre[0].address],
+        config=cfg,
+    )
+    return pre, dec
+
+
+@pytest.mark.parametrize("flow", ["direct", "pull"])
+@pytest.mark.parametrize("tp", ["1->1", "2->1"])
+def test_one_shot_posts_move_the_same_bytes(flow, tp):
+    """nixl_direct_post="oneshot": planner runs reach NIXL as descriptors built per post, not as
+    index runs into prepared lists. Chunked rooms land every byte either way; the telemetry
+    says which way they went (a page-run of whole pages is many prepared indices, one row)."""
+    requested = {}
+    for how in ("prepped", "oneshot"):
+        staging = StagingConfig(flow=flow)
+        cfg = RuntimeConfig(
+            num_queues=2, aux_rows=16, timeouts=TIMEOUTS, staging=staging, nixl_direct_post=how
+        )
+        pre, dec = _one_to_one(cfg, 64) if tp == "1->1" else two_to_one(cfg, 64)
+        try:
+            for e in [*pre, dec]:
+                e.start()
+            for i in range(4):
+                pages = np.arange(i * 8, i * 8 + 8)
+                rv, senders = _room(pre, dec, 300 + i, f"o{i}", pages, 29, [16, 29], aux=i)
+                assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * len(pre))
+                assert pattern.mismatches(dec.pool, dec.transport.region, 300 + i, pages, 29)[0] == 0
+                rv.clear()
+                for s in senders:
+                    s.clear()
+            mover = dec if flow == "pull" else pre[0]
+            tel = mover.transport.agent.telemetry.totals()
+            assert tel.transfers > 0 and tel.errors == 0
+            requested[how] = (tel.descs_requested, tel.descs_posted)
+        finally:
+            for e in [*pre, dec]:
+                assert e.close() == []
+    assert requested["oneshot"][0] == requested["oneshot"][1]  # a row is a descriptor
+    if tp == "1->1":  # whole-page runs: several granules each under the prepared lists
+        assert requested["prepped"][0] > requested["oneshot"][0]
+
+
+def test_an_unknown_direct_post_is_refused():
+    cfg = RuntimeConfig(num_queues=1, timeouts=TIMEOUTS, nixl_direct_post="fast")
+    with pytest.raises(ValueError, match="direct_post must be one of"):
+        PrefillEndpoint("P", PoolGeometry(MODEL, 1, 0, 4, 8), config=cfg)
+
+
 def test_worker_chunks_in_flight_must_be_positive():
     cfg = RuntimeConfig(num_queues=1, timeouts=TIMEOUTS, worker_chunks_in_flight=0)
     with pytest.raises(ValueError, match="worker_chunks_in_flight must be >= 1"):

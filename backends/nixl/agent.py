@@ -108,15 +108,20 @@ class _RegionTable:
     first: np.ndarray = field(init=False)  # region_id -> first index, -1 if unknown
     units: np.ndarray = field(init=False)  # region_id -> descriptors in that region
     ndescs: int = field(init=False)
+    addr: np.ndarray = field(init=False)  # region_id -> base address (one-shot posts)
+    dev: np.ndarray = field(init=False)  # region_id -> device id
 
     def __post_init__(self) -> None:
         size = max(self.regions) + 1 if self.regions else 0
         self.first = np.full(size, -1, dtype=np.int64)
         self.units = np.zeros(size, dtype=np.int64)
+        self.addr = np.zeros(size, dtype=np.uint64)
+        self.dev = np.zeros(size, dtype=np.uint64)
         nxt = 0
         for rid in sorted(self.regions):
             n = self.regions[rid].nbytes // self.granule
             self.first[rid], self.units[rid] = nxt, n
+            self.addr[rid], self.dev[rid] = self.regions[rid].addr, self.regions[rid].dev
             nxt += n
         self.ndescs = nxt
         if nxt > MAX_PREP_DESCS:
@@ -141,14 +146,14 @@ class _RegionTable:
             raise RegionError(f"one prepared list cannot mix memory types {sorted(mems)}")
         return mems.pop()
 
-    def indices(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray, side: str) -> np.ndarray:
-        """Index run of every descriptor, concatenated; raises DescriptorError on any bad one."""
+    def _checked(
+        self, region: np.ndarray, offset: np.ndarray, length: np.ndarray, side: str
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The three columns as int64, or DescriptorError on any descriptor outside its region."""
         g = self.granule
         region = np.asarray(region, dtype=np.int64)
         offset = np.asarray(offset, dtype=np.int64)
         length = np.asarray(length, dtype=np.int64)
-        if region.size == 0:
-            return np.empty(0, dtype=np.int32)
         known = (region >= 0) & (region < self.first.size)
         if not known.all() or (self.first[region] < 0).any():
             raise DescriptorError(f"{side}: unknown region id in {np.unique(region).tolist()}")
@@ -156,16 +161,33 @@ class _RegionTable:
             raise DescriptorError(f"{side}: negative offset or empty length")
         if (offset % g).any() or (length % g).any():
             raise DescriptorError(f"{side}: offset/length not multiples of the {g} B granule")
-        start = offset // g
-        count = length // g
-        if ((start + count) > self.units[region]).any():
+        if ((offset + length) > self.units[region] * g).any():
             raise DescriptorError(f"{side}: descriptor runs past the end of its registered region")
-        base = self.first[region] + start
+        return region, offset, length
+
+    def indices(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray, side: str) -> np.ndarray:
+        """Index run of every descriptor, concatenated; raises DescriptorError on any bad one."""
+        if np.size(region) == 0:
+            return np.empty(0, dtype=np.int32)
+        region, offset, length = self._checked(region, offset, length, side)
+        g = self.granule
+        base = self.first[region] + offset // g
+        count = length // g
         total = int(count.sum())
         # idx[j] = base[i] + (j - first j of descriptor i), built without a Python loop.
         run_start = np.repeat(np.cumsum(count) - count, count)
         idx = np.repeat(base, count) + (np.arange(total, dtype=np.int64) - run_start)
         return idx.astype(np.int32)
+
+    def rows_for(self, region: np.ndarray, offset: np.ndarray, length: np.ndarray, side: str) -> np.ndarray:
+        """Nx3 (addr, len, dev) rows of the descriptors themselves, for a one-shot post; the same
+        checks as ``indices``."""
+        region, offset, length = self._checked(region, offset, length, side)
+        rows = np.empty((region.size, 3), dtype=np.uint64)
+        rows[:, 0] = self.addr[region] + offset.astype(np.uint64)
+        rows[:, 1] = length.astype(np.uint64)
+        rows[:, 2] = self.dev[region]
+        return rows
 
 
 @dataclass
@@ -367,6 +389,36 @@ class NixlAgent:
                 self._nixl.make_prepped_xfer, op, self._local_prepped[key], li, p.prepped[key], ri, notif
             )
             return self._start(op, peer, handle, int(li.size), nbytes, t0)
+
+    def post_oneshot(
+        self,
+        op: str,
+        peer: str,
+        key: ListKey,
+        local: tuple[np.ndarray, np.ndarray],
+        remote: tuple[np.ndarray, np.ndarray],
+        length: np.ndarray,
+        notif: bytes = b"",
+    ) -> XferTicket:
+        """``post`` without the prepared lists: the descriptors themselves, one per run, checked
+        against the same tables. A run of many granules is one descriptor here, where ``post``
+        hands NIXL one index per granule to merge back."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}")
+        with self._tables.read():
+            if self._closed:
+                raise NixlError("agent is closed")
+            p = self._peers.get(peer)
+            if p is None or key not in p.tables or key not in self._local_tables:
+                raise NixlPeerError(f"peer {peer!r} has no prepared list {key}")
+            table = self._local_tables[key]
+            lr = table.rows_for(local[0], local[1], length, "local")
+            rr = p.tables[key].rows_for(remote[0], remote[1], length, "remote")
+            t0 = time.monotonic_ns()  # like post's: from the first call that turns rows into NIXL's
+            ld = self._call(self._nixl.get_xfer_descs, lr, table.mem_type())
+            rd = self._call(self._nixl.get_xfer_descs, rr, p.tables[key].mem_type())
+            handle = self._call(self._nixl.initialize_xfer, op, ld, rd, peer, notif)
+            return self._start(op, peer, handle, int(lr.shape[0]), int(np.asarray(length).sum()), t0)
 
     def post_single(
         self, op: str, peer: str, local: MemRegion, remote: MemRegion, notif: bytes = b""

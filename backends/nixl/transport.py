@@ -79,6 +79,9 @@ def decode_blob(data: bytes) -> AgentBlob:
     return blob
 
 
+DIRECT_POSTS = ("prepped", "oneshot")
+
+
 def pair_granule(src: PoolGeometry, dst: PoolGeometry) -> int:
     """Largest descriptor size dividing every offset and length the planner emits for this pair."""
     g = 0
@@ -150,9 +153,12 @@ class NixlTransport:
         extra_groups: Mapping[str, Sequence[MemRegion]] | None = None,
         progress_thread: bool = False,
         ucx_workers: int = 1,
+        direct_post: str = "prepped",
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError("role must be prefill or decode")
+        if direct_post not in DIRECT_POSTS:
+            raise ValueError(f"direct_post must be one of {DIRECT_POSTS}, not {direct_post!r}")
         self._endpoint = endpoint
         self.role = role
         self.pool = pool
@@ -163,6 +169,7 @@ class NixlTransport:
             ucx_workers=ucx_workers,
         )
         self.control = control or ControlPlane(str(endpoint))
+        self._post_runs = self.agent.post if direct_post == "prepped" else self.agent.post_oneshot
         self._buffers = dict(buffers) if buffers is not None else None
         # More memory to register before the metadata is taken (a benchmark's covering region).
         self._extra = dict(extra_groups or {})
@@ -414,7 +421,7 @@ class NixlTransport:
             return self._post_block(
                 "WRITE", entry, src_region, src_offset, dst_region, dst_offset, length, notif
             )
-        return self.agent.post(
+        return self._post_runs(
             "WRITE",
             entry.agent,
             entry.key_for(src_offset, dst_offset, length),
@@ -455,7 +462,7 @@ class NixlTransport:
     ) -> XferTicket:
         """Pull: planner descriptors (prefill src -> decode dst) READ by the decode side."""
         entry = self._peer(peer)
-        return self.agent.post(
+        return self._post_runs(
             "READ",
             entry.agent,
             entry.key_for(src_offset, dst_offset, length),
@@ -475,7 +482,7 @@ class NixlTransport:
         if not 0 <= dst_aux_index < entry.registration.aux_rows or row > entry.registration.aux_row_bytes:
             raise DescriptorError(f"peer aux row {dst_aux_index} out of range or too small")
         one = np.array([AUX_REGION_ID], dtype=np.int64)
-        return self.agent.post(
+        return self._post_runs(
             "WRITE",
             entry.agent,
             entry.aux,

@@ -65,6 +65,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # call: a small room's post waits for a big post of another shard (bench/nixl_hol_probe.py).
     # 4 workers did not change that on the CPU machine (docs/benchmarks.md); left at 1.
     nixl_ucx_workers: int = 1
+    # How planner descriptors reach NIXL: "prepped" (index runs into lists prepared once, which
+    # NIXL merges back) or "oneshot" (each run as one descriptor, lists built per post).
+    nixl_direct_post: str = "prepped"
     # Staging memory of the ring and pinned flows (backends/runtime/staging.py).
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
     # Control-plane authentication (backends/runtime/security.py, docs/security.md): one or two
@@ -118,6 +121,7 @@ class EndpointBase:
             extra_groups=extra_groups,
             progress_thread=config.nixl_progress_thread,
             ucx_workers=config.nixl_ucx_workers,
+            direct_post=config.nixl_direct_post,
         )
         try:
             self.transport.register_regions(pool.regions, config.aux_rows, config.aux_row_bytes)

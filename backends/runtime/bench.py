@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from kvferry.backends.nixl.transport import DIRECT_POSTS
 
 RAW_ID = (1 << 20) + 1  # a covering region over the whole pool, in its own group "raw"
 FIRST_ROOM = 1000  # batch b's room k is FIRST_ROOM + b * inflight + k on both sides
@@ -73,6 +74,7 @@ class BenchConfig:
     # A thread woken by a hop waits up to this long for the GIL when another thread is running
     # Python: a knob for measuring that wait, not something the runtime sets in a host process.
     switch_interval_us: float = 0.0
+    direct_post: str = "prepped"  # RuntimeConfig.nixl_direct_post (and the planned baseline's path)
 
 
 DEFAULT_CONFIGS = (
@@ -208,6 +210,7 @@ def _config(cfg: BenchConfig) -> Any:
         idle_max_s=cfg.idle_max_s,
         staging=staging,
         worker_chunks_in_flight=cfg.worker_chunks,
+        nixl_direct_post=cfg.direct_post,
     )
 
 
@@ -529,6 +532,8 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"mem must be one of {', '.join(MEM_KINDS)}, got {cfg.mem!r}")
     if cfg.flow not in FLOWS:
         raise ValueError(f"flow must be one of {', '.join(FLOWS)}, got {cfg.flow!r}")
+    if cfg.direct_post not in DIRECT_POSTS:
+        raise ValueError(f"direct_post must be one of {', '.join(DIRECT_POSTS)}, got {cfg.direct_post!r}")
     # Prefill holds one batch of rooms, decode two (summed over ranks): all allocated up front,
     # and the staging memory of every rank.
     model = ModelGeometry.preset(cfg.model)
@@ -610,6 +615,7 @@ def run_config(
         "inflight": cfg.inflight,
         "worker_chunks": cfg.worker_chunks,
         "switch_interval_us": cfg.switch_interval_us,
+        "direct_post": cfg.direct_post,
         "kvferry_s": e2e_s,
         "kvferry_gbps": e2e,
         "raw_s": raw_s,

@@ -57,6 +57,13 @@ def nixl(
     decode_gpus: Annotated[
         str, typer.Option(help="VRAM: CUDA_VISIBLE_DEVICES of the decode process, e.g. '1'.")
     ] = "",
+    direct_post: Annotated[
+        str,
+        typer.Option(
+            help="How descriptors reach NIXL: prepped (index runs into lists prepared once) or "
+            "oneshot (one descriptor per run, built per post)."
+        ),
+    ] = "prepped",
     flow: Annotated[
         list[str] | None,
         typer.Option(
@@ -86,6 +93,10 @@ def nixl(
             bad_input(f"{name}: expected GPU indices like '0' or '0,1', got {gpus!r}")
         if gpus and mem != "VRAM":
             bad_input(f"{name} places GPU memory: use it with --mem VRAM")
+    from kvferry.backends.nixl.transport import DIRECT_POSTS
+
+    if direct_post not in DIRECT_POSTS:
+        bad_input(f"--direct-post must be one of {list(DIRECT_POSTS)}, got {direct_post!r}")
     flows = [f.strip() for item in flow or ("direct,ring,pinned",) for f in item.split(",") if f.strip()]
     bad = [f for f in flows if f not in FLOWS]
     if bad or not flows:
@@ -104,6 +115,7 @@ def nixl(
                 inflight=inflight,
                 worker_chunks=worker_chunks,
                 switch_interval_us=switch_interval_us,
+                direct_post=direct_post,
                 flow=f,
                 prefill_gpus=prefill_gpus,
                 decode_gpus=decode_gpus,
