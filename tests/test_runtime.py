@@ -178,12 +178,13 @@ def _one_to_one(cfg: RuntimeConfig, pages: int) -> tuple[list[PrefillEndpoint], 
 
 @pytest.mark.parametrize("flow", ["direct", "pull"])
 @pytest.mark.parametrize("tp", ["1->1", "2->1"])
-def test_one_shot_posts_move_the_same_bytes(flow, tp):
-    """nixl_direct_post="oneshot": planner runs reach NIXL as descriptors built per post, not as
-    index runs into prepared lists. Chunked rooms land every byte either way; the telemetry
-    says which way they went (a page-run of whole pages is many prepared indices, one row)."""
+def test_one_shot_posts_move_the_same_bytes_and_auto_picks_by_run_length(flow, tp):
+    """nixl_direct_post: "oneshot" hands NIXL each planner run as one descriptor built per post,
+    "prepped" as index runs into lists prepared once, "auto" the first when runs are long (many
+    granules each: TP 1 -> 1's page runs), the second when they are not (TP 2 -> 1's per-token
+    head slices). Chunked rooms land every byte every way; the telemetry says which way they went."""
     requested = {}
-    for how in ("prepped", "oneshot"):
+    for how in ("prepped", "oneshot", "auto"):
         staging = StagingConfig(flow=flow)
         cfg = RuntimeConfig(
             num_queues=2, aux_rows=16, timeouts=TIMEOUTS, staging=staging, nixl_direct_post=how
@@ -193,10 +194,10 @@ def test_one_shot_posts_move_the_same_bytes(flow, tp):
             for e in [*pre, dec]:
                 e.start()
             for i in range(4):
-                pages = np.arange(i * 8, i * 8 + 8)
-                rv, senders = _room(pre, dec, 300 + i, f"o{i}", pages, 29, [16, 29], aux=i)
+                pages = np.arange(i * 16, i * 16 + 16)
+                rv, senders = _room(pre, dec, 300 + i, f"o{i}", pages, 61, [40, 61], aux=i)
                 assert _settle(rv, senders) == (KVPoll.Success, [KVPoll.Success] * len(pre))
-                assert pattern.mismatches(dec.pool, dec.transport.region, 300 + i, pages, 29)[0] == 0
+                assert pattern.mismatches(dec.pool, dec.transport.region, 300 + i, pages, 61)[0] == 0
                 rv.clear()
                 for s in senders:
                     s.clear()
@@ -208,8 +209,11 @@ def test_one_shot_posts_move_the_same_bytes(flow, tp):
             for e in [*pre, dec]:
                 assert e.close() == []
     assert requested["oneshot"][0] == requested["oneshot"][1]  # a row is a descriptor
-    if tp == "1->1":  # whole-page runs: several granules each under the prepared lists
-        assert requested["prepped"][0] > requested["oneshot"][0]
+    if tp == "1->1":  # runs of 10 pages and of 21 tokens: many prepared indices each
+        assert requested["prepped"][0] > 8 * requested["oneshot"][0]
+        assert requested["auto"] == requested["oneshot"]
+    else:  # a token's head slice per run: one index each, so auto keeps the prepared lists
+        assert requested["auto"] == requested["prepped"]
 
 
 def test_an_unknown_direct_post_is_refused():

@@ -79,7 +79,12 @@ def decode_blob(data: bytes) -> AgentBlob:
     return blob
 
 
-DIRECT_POSTS = ("prepped", "oneshot")
+DIRECT_POSTS = ("auto", "prepped", "oneshot")
+# "auto" posts one-shot when the prepared path would hand NIXL at least this many indices per
+# run: on an H100 (cuda_ipc) a 4096-token TP 1 -> 1 room's 72 runs as 18,432 page indices cost
+# NIXL 0.80 of a raw write, as 72 one-shot rows 0.95-1.03; per-token runs (one index each, TP
+# 2 -> 1) posted 15% slower one-shot (docs/benchmarks.md, "Stop 25").
+ONESHOT_INDICES_PER_RUN = 8
 
 
 def pair_granule(src: PoolGeometry, dst: PoolGeometry) -> int:
@@ -153,7 +158,7 @@ class NixlTransport:
         extra_groups: Mapping[str, Sequence[MemRegion]] | None = None,
         progress_thread: bool = False,
         ucx_workers: int = 1,
-        direct_post: str = "prepped",
+        direct_post: str = "auto",
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError("role must be prefill or decode")
@@ -169,7 +174,7 @@ class NixlTransport:
             ucx_workers=ucx_workers,
         )
         self.control = control or ControlPlane(str(endpoint))
-        self._post_runs = self.agent.post if direct_post == "prepped" else self.agent.post_oneshot
+        self._direct_post = direct_post
         self._buffers = dict(buffers) if buffers is not None else None
         # More memory to register before the metadata is taken (a benchmark's covering region).
         self._extra = dict(extra_groups or {})
@@ -430,6 +435,24 @@ class NixlTransport:
             length,
             notif,
         )
+
+    def _post_runs(
+        self,
+        op: str,
+        agent: str,
+        key: ListKey,
+        local: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]],
+        remote: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]],
+        length: npt.NDArray[np.int64],
+        notif: bytes,
+    ) -> XferTicket:
+        how = self._direct_post
+        if how == "auto":
+            runs = len(length)
+            indices = int((np.asarray(length, dtype=np.int64) // key[1]).sum())
+            how = "oneshot" if indices >= ONESHOT_INDICES_PER_RUN * runs else "prepped"
+        post = self.agent.post_oneshot if how == "oneshot" else self.agent.post
+        return post(op, agent, key, local, remote, length, notif)
 
     def _post_block(
         self,

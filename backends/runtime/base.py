@@ -66,8 +66,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # 4 workers did not change that on the CPU machine (docs/benchmarks.md); left at 1.
     nixl_ucx_workers: int = 1
     # How planner descriptors reach NIXL: "prepped" (index runs into lists prepared once, which
-    # NIXL merges back) or "oneshot" (each run as one descriptor, lists built per post).
-    nixl_direct_post: str = "prepped"
+    # NIXL merges back), "oneshot" (each run as one descriptor, lists built per post), or "auto"
+    # (one-shot when runs are long: backends/nixl/transport.py ONESHOT_INDICES_PER_RUN).
+    nixl_direct_post: str = "auto"
     # Staging memory of the ring and pinned flows (backends/runtime/staging.py).
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
     # Control-plane authentication (backends/runtime/security.py, docs/security.md): one or two

@@ -74,7 +74,7 @@ class BenchConfig:
     # A thread woken by a hop waits up to this long for the GIL when another thread is running
     # Python: a knob for measuring that wait, not something the runtime sets in a host process.
     switch_interval_us: float = 0.0
-    direct_post: str = "prepped"  # RuntimeConfig.nixl_direct_post (and the planned baseline's path)
+    direct_post: str = "auto"  # RuntimeConfig.nixl_direct_post (and the planned baseline's path)
 
 
 DEFAULT_CONFIGS = (

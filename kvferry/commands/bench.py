@@ -60,10 +60,10 @@ def nixl(
     direct_post: Annotated[
         str,
         typer.Option(
-            help="How descriptors reach NIXL: prepped (index runs into lists prepared once) or "
-            "oneshot (one descriptor per run, built per post)."
+            help="How descriptors reach NIXL: prepped (index runs into lists prepared once), "
+            "oneshot (one descriptor per run, built per post), or auto (oneshot for long runs)."
         ),
-    ] = "prepped",
+    ] = "auto",
     flow: Annotated[
         list[str] | None,
         typer.Option(
