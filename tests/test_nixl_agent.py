@@ -46,7 +46,11 @@ def agents():
 
 
 # Both ways planner descriptors reach NIXL: index runs into prepared lists, or one-shot rows.
-POSTS = ["post", "post_oneshot"]
+POSTS = ["prepped", "oneshot"]
+
+
+def _post(agent, how, *args):
+    return agent.post(*args, oneshot=how == "oneshot")
 
 
 @pytest.mark.parametrize("how", POSTS)
@@ -54,7 +58,9 @@ def test_write_with_notification_lands_exact_bytes(agents, how):
     a, b, name_b, src, dst = agents
     dst[2][:], dst[0][:], dst[1][:] = 0, 0, 0
     length = np.array([1024, 4096, 256])
-    t = getattr(a, how)(
+    t = _post(
+        a,
+        how,
         "WRITE",
         name_b,
         ("kv", 256),
@@ -70,7 +76,7 @@ def test_write_with_notification_lands_exact_bytes(agents, how):
     assert _wait_notifs(b, 1) == [(a.name, b"note-1")]
     rec = a.telemetry.records()[-1]
     assert rec.status == "DONE" and rec.nbytes == 1024 + 4096 + 256
-    if how == "post":
+    if how == "prepped":
         assert rec.descs_requested == (1024 + 4096 + 256) // 256
         # NIXL merges each dense index run back into one descriptor.
         assert 0 < rec.descs_posted <= 3
@@ -85,7 +91,9 @@ def test_read_pulls_remote_bytes(agents, how):
     dst[1][:4096] = (np.arange(4096) + len(how)) % 251
     mine = a.regions()
     # READ: local (region 0, offset 8192) <- remote (region 1, offset 0).
-    t = getattr(a, how)(
+    t = _post(
+        a,
+        how,
         "READ",
         name_b,
         ("kv", 1024),
@@ -116,7 +124,9 @@ def test_bad_descriptors_rejected_before_nixl(agents, local, remote, length, how
     a, _, name_b, _, dst = agents
     before = [d.copy() for d in dst.values()]
     with pytest.raises(DescriptorError):
-        getattr(a, how)(
+        _post(
+            a,
+            how,
             "WRITE",
             name_b,
             ("kv", 256),
@@ -133,9 +143,9 @@ def test_unknown_peer_and_granule(agents, how):
     a, _, name_b, _, _ = agents
     one = (np.array([0]), np.array([0]))
     with pytest.raises(NixlPeerError):
-        getattr(a, how)("WRITE", "nobody", ("kv", 256), one, one, np.array([256]))
+        _post(a, how, "WRITE", "nobody", ("kv", 256), one, one, np.array([256]))
     with pytest.raises(NixlPeerError):
-        getattr(a, how)("WRITE", name_b, ("kv", 512), one, one, np.array([512]))
+        _post(a, how, "WRITE", name_b, ("kv", 512), one, one, np.array([512]))
 
 
 def test_region_validation():

@@ -370,9 +370,13 @@ class NixlAgent:
         remote: tuple[np.ndarray, np.ndarray],
         length: np.ndarray,
         notif: bytes = b"",
+        *,
+        oneshot: bool = False,
     ) -> XferTicket:
         """Post a WRITE (local -> remote) or READ (remote -> local) of (region, offset) runs,
-        through the prepared lists ``key`` = (group, granule) of both sides."""
+        checked against the tables of ``key`` = (group, granule) of both sides. Through the
+        prepared lists: one index per granule, which NIXL merges back into runs; ``oneshot``: the
+        runs themselves as descriptors built for this post (cheaper for runs of many granules)."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}")
         with self._tables.read():
@@ -381,44 +385,23 @@ class NixlAgent:
             p = self._peers.get(peer)
             if p is None or key not in p.prepped or key not in self._local_prepped:
                 raise NixlPeerError(f"peer {peer!r} has no prepared list {key}")
-            li = self._local_tables[key].indices(local[0], local[1], length, "local")
-            ri = p.tables[key].indices(remote[0], remote[1], length, "remote")
+            mine, theirs = self._local_tables[key], p.tables[key]
             nbytes = int(np.asarray(length, dtype=np.int64).sum())
+            if oneshot:
+                lr = mine.rows_for(local[0], local[1], length, "local")
+                rr = theirs.rows_for(remote[0], remote[1], length, "remote")
+                t0 = time.monotonic_ns()  # from the first call that hands NIXL the descriptors
+                ld = self._call(self._nixl.get_xfer_descs, lr, mine.mem_type())
+                rd = self._call(self._nixl.get_xfer_descs, rr, theirs.mem_type())
+                handle = self._call(self._nixl.initialize_xfer, op, ld, rd, peer, notif)
+                return self._start(op, peer, handle, int(lr.shape[0]), nbytes, t0)
+            li = mine.indices(local[0], local[1], length, "local")
+            ri = theirs.indices(remote[0], remote[1], length, "remote")
             t0 = time.monotonic_ns()
             handle = self._call(
                 self._nixl.make_prepped_xfer, op, self._local_prepped[key], li, p.prepped[key], ri, notif
             )
             return self._start(op, peer, handle, int(li.size), nbytes, t0)
-
-    def post_oneshot(
-        self,
-        op: str,
-        peer: str,
-        key: ListKey,
-        local: tuple[np.ndarray, np.ndarray],
-        remote: tuple[np.ndarray, np.ndarray],
-        length: np.ndarray,
-        notif: bytes = b"",
-    ) -> XferTicket:
-        """``post`` without the prepared lists: the descriptors themselves, one per run, checked
-        against the same tables. A run of many granules is one descriptor here, where ``post``
-        hands NIXL one index per granule to merge back."""
-        if op not in OPS:
-            raise ValueError(f"op must be one of {OPS}")
-        with self._tables.read():
-            if self._closed:
-                raise NixlError("agent is closed")
-            p = self._peers.get(peer)
-            if p is None or key not in p.tables or key not in self._local_tables:
-                raise NixlPeerError(f"peer {peer!r} has no prepared list {key}")
-            table = self._local_tables[key]
-            lr = table.rows_for(local[0], local[1], length, "local")
-            rr = p.tables[key].rows_for(remote[0], remote[1], length, "remote")
-            t0 = time.monotonic_ns()  # like post's: from the first call that turns rows into NIXL's
-            ld = self._call(self._nixl.get_xfer_descs, lr, table.mem_type())
-            rd = self._call(self._nixl.get_xfer_descs, rr, p.tables[key].mem_type())
-            handle = self._call(self._nixl.initialize_xfer, op, ld, rd, peer, notif)
-            return self._start(op, peer, handle, int(lr.shape[0]), int(np.asarray(length).sum()), t0)
 
     def post_single(
         self, op: str, peer: str, local: MemRegion, remote: MemRegion, notif: bytes = b""

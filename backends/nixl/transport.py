@@ -451,8 +451,7 @@ class NixlTransport:
             runs = len(length)
             indices = int((np.asarray(length, dtype=np.int64) // key[1]).sum())
             how = "oneshot" if indices >= ONESHOT_INDICES_PER_RUN * runs else "prepped"
-        post = self.agent.post_oneshot if how == "oneshot" else self.agent.post
-        return post(op, agent, key, local, remote, length, notif)
+        return self.agent.post(op, agent, key, local, remote, length, notif, oneshot=how == "oneshot")
 
     def _post_block(
         self,
