@@ -21,7 +21,7 @@ class XferRecord(msgspec.Struct, frozen=True):
     peer: str
     op: str
     status: str  # DONE or ERR
-    descs_requested: int  # index count handed to make_prepped_xfer
+    descs_requested: int  # indices handed to make_prepped_xfer, or rows of a one-shot post
     descs_posted: int  # NIXL's descCount after its dense-run merge (-1 when unavailable)
     nbytes: int
     start_us: int  # NIXL clock

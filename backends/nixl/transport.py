@@ -450,7 +450,7 @@ class NixlTransport:
         if how == "auto":
             runs = len(length)
             indices = int((np.asarray(length, dtype=np.int64) // key[1]).sum())
-            how = "oneshot" if indices >= ONESHOT_INDICES_PER_RUN * runs else "prepped"
+            how = "oneshot" if runs and indices >= ONESHOT_INDICES_PER_RUN * runs else "prepped"
         return self.agent.post(op, agent, key, local, remote, length, notif, oneshot=how == "oneshot")
 
     def _post_block(

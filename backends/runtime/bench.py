@@ -336,10 +336,11 @@ def child_prefill(cfg: BenchConfig) -> None:
 
 def _planned_raw(cfg: BenchConfig, eps: list[Any], batch: int, n_pages: int) -> float:
     """Seconds for the direct flow's own descriptors posted straight to NIXL: per room and rank
-    pair, the planner's descriptors of the whole room as one prepared WRITE, all posted at once,
-    no notification, no control message, planned before the clock starts. What NIXL itself
-    charges for the descriptors a direct room posts, beside the single-descriptor raw write.
-    Each room moves between the pages its direct room of this batch used."""
+    pair, the planner's descriptors of the whole room as one WRITE posted the way the runtime
+    posts them (``cfg.direct_post``), all at once from this thread, no notification, no control
+    message, planned before the clock starts. What NIXL itself charges for the descriptors a
+    direct room posts, beside the single-descriptor raw write. Each room moves between the pages
+    its direct room of this batch used."""
     from kvferry.core.messages import Endpoint
     from kvferry.core.planner import plan_rank_pair
 
