@@ -428,7 +428,9 @@ def encode(msg: Control | ChunkNote) -> bytes:
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, data: object, what: str) -> Any:
-    if not isinstance(data, bytes | bytearray | memoryview):
+    # ``type(...) is bytes`` first: what every transport hands over, and far cheaper than an
+    # isinstance test against a union (~150 ns on every message and note).
+    if type(data) is not bytes and not isinstance(data, bytes | bytearray | memoryview):
         raise WireError(f"{what}: expected bytes, got {type(data).__name__}")
     try:
         return decoder.decode(data)

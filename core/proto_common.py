@@ -154,8 +154,8 @@ class RoomStateError(ProtocolError):
 class RoomEngine:
     """What the sender and receiver engines share: table dispatch, queries, the tick horizon.
 
-    A subclass sets ``TABLE`` (state -> input -> Transition), ``STATUS`` (state -> KVPoll) and
-    ``FAILED`` (its absorbing state), and provides ``rooms``, ``tombstones``, ``deadlines``,
+    A subclass sets ``TABLE`` (state -> input -> Transition), ``STATUS`` (state -> KVPoll),
+    ``FAILED`` (its absorbing state) and ``SUCCESS``, and provides ``rooms``, ``tombstones``, ``deadlines``,
     ``counters``, ``_now``, ``_out``, ``_fail``, ``_entered`` and ``_maybe_finish``. Handlers are
     methods the table's ``Transition.handler`` entries point at.
     """
@@ -165,6 +165,7 @@ class RoomEngine:
     BOOKKEEP: ClassVar[frozenset[Any]] = frozenset()
     STATUS: ClassVar[Mapping[Any, KVPoll]]
     FAILED: ClassVar[Enum]
+    SUCCESS: ClassVar[Enum]  # with FAILED, the states ``_maybe_finish`` acts on
 
     rooms: dict[int, Any]
     tombstones: Tombstones
@@ -267,7 +268,11 @@ class RoomEngine:
         state = r.state
         if state is not before and state is not failed:
             self._entered(r)
-        self._maybe_finish(r)
+            state = r.state  # entering a state may fail the room (a push lease refused)
+        # ``_maybe_finish`` acts only on a settled room (both sides return at once for a live one):
+        # the call is skipped for the live rooms most inputs leave behind.
+        if state is failed or state is self.SUCCESS:
+            self._maybe_finish(r)
 
     # --- time and peers: the same rules on both sides -------------------------------------------
 

@@ -238,6 +238,7 @@ class SenderEngine(StagedSender, RoomEngine):
 
     STATUS = STATUS
     FAILED = SState.FAILED
+    SUCCESS = SState.SUCCESS
 
     side = "prefill"
     TIMEOUT = SIn.TIMEOUT

@@ -141,7 +141,9 @@ class StagedSender:
         """Create the lanes of every known chunk not yet accepted and ask for their space."""
         if r.ledger.flow is None:
             self._choose_flow(r)
-        if r.ledger.flow is None or not r.ledger.flow.staged or r.state.value == "failed":
+        flow = r.ledger.flow
+        # ``flow.staged`` without the property call: every chunk and TransferInfo of a room asks.
+        if (flow is not Flow.RING and flow is not Flow.PINNED) or r.state.value == "failed":
             return
         targets = self._targets(r)
         asked = False
