@@ -34,6 +34,7 @@ Teardown follows NIXL's order: transfer handles, prepared lists, remote agents, 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -140,7 +141,9 @@ class _RegionTable:
             parts.append(rows)
         return np.concatenate(parts) if parts else np.empty((0, 3), dtype=np.uint64)
 
+    @functools.cached_property
     def mem_type(self) -> str:
+        """The one memory kind of the regions (asked at every one-shot post: computed once)."""
         mems = {r.mem for r in self.regions.values()}
         if len(mems) != 1:
             raise RegionError(f"one prepared list cannot mix memory types {sorted(mems)}")
@@ -287,7 +290,7 @@ class NixlAgent:
             if group not in self._groups:
                 raise RegionError(f"no local regions in group {group!r}")
             table = _RegionTable({i: self._local[i] for i in self._groups[group]}, granule)
-            handle = self._call(self._nixl.prep_xfer_dlist, "NIXL_INIT_AGENT", table.rows(), table.mem_type())
+            handle = self._call(self._nixl.prep_xfer_dlist, "NIXL_INIT_AGENT", table.rows(), table.mem_type)
             self._local_tables[key], self._local_prepped[key] = table, handle
 
     def add_peer(self, metadata: bytes, groups: dict[str, tuple[Sequence[MemRegion], Sequence[int]]]) -> str:
@@ -333,9 +336,7 @@ class NixlAgent:
                 if old is not None:
                     self._quiet(old.release)
                 peer.tables[key] = table
-                peer.prepped[key] = self._call(
-                    self._nixl.prep_xfer_dlist, name, table.rows(), table.mem_type()
-                )
+                peer.prepped[key] = self._call(self._nixl.prep_xfer_dlist, name, table.rows(), table.mem_type)
 
     def has_peer(self, name: str) -> bool:
         return name in self._peers
@@ -391,8 +392,8 @@ class NixlAgent:
                 lr = mine.rows_for(local[0], local[1], length, "local")
                 rr = theirs.rows_for(remote[0], remote[1], length, "remote")
                 t0 = time.monotonic_ns()  # from the first call that hands NIXL the descriptors
-                ld = self._call(self._nixl.get_xfer_descs, lr, mine.mem_type())
-                rd = self._call(self._nixl.get_xfer_descs, rr, theirs.mem_type())
+                ld = self._call(self._nixl.get_xfer_descs, lr, mine.mem_type)
+                rd = self._call(self._nixl.get_xfer_descs, rr, theirs.mem_type)
                 handle = self._call(self._nixl.initialize_xfer, op, ld, rd, peer, notif)
                 return self._start(op, peer, handle, int(lr.shape[0]), nbytes, t0)
             li = mine.indices(local[0], local[1], length, "local")
