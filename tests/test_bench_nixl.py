@@ -23,3 +23,21 @@ def test_a_small_bench_row_checks_its_bytes_and_says_what_nixl_alone_costs(flow:
     else:
         assert row["planned_raw_gbps"] is None and row["ratio_to_planned"] is None
         assert row["scattered"]["ring"] > 0  # the ring really ran
+
+
+@pytest.mark.parametrize("poll_us", [0.0, 50.0, 5000.0])
+def test_the_active_poll_interval_reaches_the_runtime_below_the_idle_sleep(poll_us: float) -> None:
+    from kvferry.backends.runtime.bench import _config
+
+    rc = _config(BenchConfig("tp1->1 nhd", 1, 1, active_poll_us=poll_us, flow="direct"))
+    assert rc.active_idle_max_s == poll_us / 1e6
+    assert rc.idle_max_s >= rc.active_idle_max_s  # a rank with work never sleeps longer than an idle one
+
+
+def test_a_spinning_poll_still_moves_every_byte() -> None:
+    # 0 us: the data thread and a waiting worker never sleep while a room is in flight.
+    row = run_config(
+        BenchConfig("tp1->1 nhd", 1, 1, tokens=32, rooms=2, flow="direct", active_poll_us=0.0),
+        timeout_s=120.0,
+    )
+    assert row["bytes_ok"] is True and row["active_poll_us"] == 0.0

@@ -75,6 +75,9 @@ class BenchConfig:
     # Python: a knob for measuring that wait, not something the runtime sets in a host process.
     switch_interval_us: float = 0.0
     direct_post: str = "auto"  # RuntimeConfig.nixl_direct_post (and the planned baseline's path)
+    # RuntimeConfig.active_idle_max_s in microseconds: how often the data thread and a waiting
+    # worker poll NIXL while a room is in flight (0: they spin, one core each per process).
+    active_poll_us: float = 200.0
 
 
 DEFAULT_CONFIGS = (
@@ -207,7 +210,8 @@ def _config(cfg: BenchConfig) -> Any:
         num_queues=2,
         aux_rows=64,
         timeouts=t,
-        idle_max_s=cfg.idle_max_s,
+        idle_max_s=max(cfg.idle_max_s, cfg.active_poll_us / 1e6),
+        active_idle_max_s=cfg.active_poll_us / 1e6,
         staging=staging,
         worker_chunks_in_flight=cfg.worker_chunks,
         nixl_direct_post=cfg.direct_post,
@@ -525,6 +529,7 @@ def check_config(cfg: BenchConfig) -> None:
         ("page_size", cfg.page_size, 1, None),
         ("raw_reps", cfg.raw_reps, 1, None),
         ("switch_interval_us", cfg.switch_interval_us, 0, 1_000_000),
+        ("active_poll_us", cfg.active_poll_us, 0, 1_000_000),
     ):
         if value < lo or (hi is not None and value > hi):
             bounds = f"in [{lo}, {hi:,}]" if hi is not None else f">= {lo}"
@@ -617,6 +622,7 @@ def run_config(
         "worker_chunks": cfg.worker_chunks,
         "switch_interval_us": cfg.switch_interval_us,
         "direct_post": cfg.direct_post,
+        "active_poll_us": cfg.active_poll_us,
         "kvferry_s": e2e_s,
         "kvferry_gbps": e2e,
         "raw_s": raw_s,

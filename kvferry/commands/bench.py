@@ -41,6 +41,13 @@ def nixl(
             "how long a woken thread may wait for the GIL."
         ),
     ] = 0.0,
+    active_poll_us: Annotated[
+        float,
+        typer.Option(
+            help="How often (microseconds) the runtime polls NIXL while a room is in flight "
+            "(RuntimeConfig.active_idle_max_s; 0: spin, a core per process)."
+        ),
+    ] = 200.0,
     telemetry: Annotated[
         str, typer.Option(help="Write NIXL's per-write telemetry (JSON) to this path (one config).")
     ] = "",
@@ -115,6 +122,7 @@ def nixl(
                 inflight=inflight,
                 worker_chunks=worker_chunks,
                 switch_interval_us=switch_interval_us,
+                active_poll_us=active_poll_us,
                 direct_post=direct_post,
                 flow=f,
                 prefill_gpus=prefill_gpus,
