@@ -76,7 +76,8 @@ class BenchConfig:
     switch_interval_us: float = 0.0
     direct_post: str = "auto"  # RuntimeConfig.nixl_direct_post (and the planned baseline's path)
     # RuntimeConfig.active_idle_max_s in microseconds: how often the data thread and a waiting
-    # worker poll NIXL while a room is in flight (0: they spin, one core each per process).
+    # worker poll NIXL while a room is in flight (0: they spin; measured far slower on the H100
+    # machine, docs/benchmarks.md "Stop 26": the spinning threads take the GIL from the others).
     active_poll_us: float = 200.0
 
 
