@@ -84,17 +84,27 @@ def _assert_no_leaks(endpoints):
 
 @pytest.fixture
 def closer(request):
-    """``keep(obj)`` closes ``obj`` at teardown (last kept first) and checks every thread joined."""
+    """``keep(obj, *memory)`` closes ``obj`` at teardown (last kept first) and checks every thread
+    joined. ``memory``: buffers ``obj`` registered by address only (SGLang's ``kv_data_ptrs``),
+    held until after the close: NIXL needs registered memory to outlive its registration, and
+    the test's own references end when the test function returns, before this teardown."""
     before = set(threading.enumerate())
     kept = []
+    held = []
 
     def finish():
         stuck = [name for obj in reversed(kept) for name in obj.close()]
+        held.clear()
         assert stuck == []
         assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
 
+    def keep(obj, *memory):
+        kept.append(obj)
+        held.extend(memory)
+        return obj
+
     request.addfinalizer(finish)
-    return lambda obj: kept.append(obj) or obj
+    return keep
 
 
 # ---- (a) the runnable README example ----------------------------------------------------------
@@ -127,7 +137,7 @@ def test_sglang_like_engine_loop(closer):
     dec_regs = {s.region_id: np.zeros(s.nbytes, np.uint8) for s in DEC_POOL.regions}
     prefill = "prefill-sg"
     pre_mgrs = [
-        closer(sg.KVManager(_kv_args(p, r), sg.DisaggregationMode.PREFILL, p, server=prefill, config=CFG))
+        closer(sg.KVManager(_kv_args(p, r), sg.DisaggregationMode.PREFILL, p, server=prefill, config=CFG), r)
         for p, r in zip(PRE_POOLS, pre_regs, strict=True)
     ]
     dec_mgr = closer(
@@ -139,7 +149,8 @@ def test_sglang_like_engine_loop(closer):
             prefill_server=prefill,
             prefill_addresses=[m.address for m in pre_mgrs],
             config=CFG,
-        )
+        ),
+        dec_regs,
     )
     rng = np.random.default_rng(1)
     # room -> (prompt tokens, chunked-prefill size, pass num_tokens to init)

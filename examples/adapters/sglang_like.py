@@ -62,7 +62,9 @@ class DisaggregationMode(enum.Enum):
 
 @dataclass
 class KVArgs:
-    """One rank's KV memory, as SGLang's ``KVArgs`` lists it: K of layers 0..L-1, then V."""
+    """One rank's KV memory, as SGLang's ``KVArgs`` lists it: K of layers 0..L-1, then V. Only
+    addresses: the caller owns the memory and must keep it alive until the manager is closed
+    (NIXL holds a registration of it until then)."""
 
     engine_rank: int
     kv_data_ptrs: list[int]
