@@ -242,6 +242,7 @@ BAD = [
     (["bench", "nixl", "--worker-chunks", "65"], "worker_chunks must be in"),
     (["bench", "nixl", "--inflight", "64", "--tokens", "131072"], "GiB"),
     (["bench", "nixl", "--chunk-tokens", "-1"], "chunk_tokens"),
+    (["bench", "nixl", "--direct-post", "fast"], "direct_post must be one of auto, prepped, oneshot"),
     (["bench", "nixl", "--active-poll-us", "-1"], "active_poll_us must be in"),
     (["bench", "nixl", "--active-poll-us", "2e6"], "active_poll_us must be in"),
     (["bench", "nixl", "--config", "bogus"], "unknown configuration"),

@@ -101,10 +101,6 @@ def nixl(
             bad_input(f"{name}: expected GPU indices like '0' or '0,1', got {gpus!r}")
         if gpus and mem != "VRAM":
             bad_input(f"{name} places GPU memory: use it with --mem VRAM")
-    from kvferry.backends.nixl.transport import DIRECT_POSTS
-
-    if direct_post not in DIRECT_POSTS:
-        bad_input(f"--direct-post must be one of {list(DIRECT_POSTS)}, got {direct_post!r}")
     flows = [f.strip() for item in flow or ("direct,ring,pinned",) for f in item.split(",") if f.strip()]
     bad = [f for f in flows if f not in FLOWS]
     if bad or not flows:
