@@ -207,10 +207,9 @@ def register(app: typer.Typer) -> None:
         check_seed(seed)
         if plot is not None:
             check_output_file(plot, "--plot")
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                bad_input("--plot needs matplotlib: pip install 'kvferry[plots]' (or uv sync --group dev)")
+            from kvferry.commands.extras import require
+
+            require("plots", "--plot")
         deploy: dict[str, Any] = {}
         if scenario is not None:
             got = _from_scenario(scenario)

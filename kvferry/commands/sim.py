@@ -17,6 +17,7 @@ from kvferry.commands import (
     check_output_dir,
     check_output_file,
     check_seed,
+    extras,
     one_line,
 )
 from kvferry.sim.executors import MapStats
@@ -339,6 +340,7 @@ def register(app: typer.Typer) -> None:
         if not 1 <= jobs <= MAX_JOBS:
             bad_input(f"--jobs must be in [1, {MAX_JOBS}], got {jobs}")
         if ray is not None:
+            extras.require("ray", "--ray")
             if jobs != 1:
                 bad_input(
                     "--jobs and --ray do not go together: Ray spreads the seeds over its cluster's CPUs"
