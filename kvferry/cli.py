@@ -7,7 +7,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import typer
-from typer.core import TyperGroup
+
+from kvferry.commands import WholeSummaries
 
 try:  # typer >= 0.20 carries its own copy of click
     from typer._click.exceptions import UsageError
@@ -28,7 +29,7 @@ def _one_line_usage_errors() -> Iterator[None]:
         bad_input(e.format_message() + hint)
 
 
-class _OneLineErrors(TyperGroup):
+class _OneLineErrors(WholeSummaries):
     """Typer's usage errors (a wrong type, an unknown option or command) as one ``error: ...``
     line and exit status 2, like every error kvferry reports itself, instead of a usage box.
     Parsing errors arise in ``make_context`` (the root's options) and ``invoke`` (a subcommand's)."""
@@ -48,6 +49,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help text is printed as written: rich markup would swallow a "[deploy]" in an option's help.
+    rich_markup_mode=None,
     cls=_OneLineErrors,
 )
 
