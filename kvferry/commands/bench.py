@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvferry.commands import bad_input, check_output_dir, check_output_file, extras
+from kvferry.commands import bad_input, check_output_dir, check_output_file, extras, progress
 
 # The runtime bench's flows (backends/runtime/bench.py FLOWS, which imports NIXL): named here so
 # that --help lists them in an environment without the real extra; a test keeps the two equal.
@@ -148,6 +148,7 @@ def nixl(
             runs.append(c)
     if trace:
         check_output_dir(Path(trace), "--trace")
+    finished: list[str] = []
     for i, c in enumerate(runs):
         print(
             f"[{i + 1}/{len(runs)}] {c.name} {c.flow} {c.mem}: {c.rooms} batch(es) of {c.inflight}",
@@ -155,7 +156,12 @@ def nixl(
         )
         if c.trace_dir:
             Path(c.trace_dir).mkdir(parents=True, exist_ok=True)
-        r = run_config(c)
+        so_far = f"{len(finished)} of {len(runs)} configurations done" + (
+            f" ({', '.join(finished)}; their rows are printed above)" if finished else ""
+        )
+        with progress.interrupted_says(lambda so_far=so_far: so_far):
+            r = run_config(c)
+        finished.append(f"{c.name} {c.flow}")
         for h in r.get("hops", ()):
             print(f"  {h['median_us']:>10.1f} us  {h['label']}  ({h['count']} rooms)", file=sys.stderr)
         if as_json:

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from kvferry.commands import bad_input, extras
+from kvferry.commands import bad_input, extras, progress
 
 
 def register(app: typer.Typer) -> None:
@@ -37,7 +37,9 @@ def fuzz_live(
     why = cfg.problems()
     if why:
         bad_input(why)
-    res = run_live_fuzz(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    lines = progress.Lines(f"seed {seed}")
+    with progress.interrupted_says(lines.summary):
+        res = run_live_fuzz(cfg, progress=lines)
     if as_json:
         typer.echo(json.dumps(res.as_dict()))
     else:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvferry.commands import bad_input, check_seed, extras
+from kvferry.commands import bad_input, check_seed, extras, progress
 
 
 def register(app: typer.Typer) -> None:
@@ -68,7 +68,9 @@ def soak(
         engine.check_config(cfg)
     except ValueError as e:
         bad_input(str(e))
-    report = engine.run_soak(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    lines = progress.Lines(f"seed {seed}")
+    with progress.interrupted_says(lines.summary):
+        report = engine.run_soak(cfg, progress=lines)
     if as_json:
         typer.echo(json.dumps(report))
     else:
