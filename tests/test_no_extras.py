@@ -46,7 +46,7 @@ OPTION_RUNS: list[tuple[str, list[str], str]] = [
 ]
 SCRIPTS: list[tuple[str, str]] = [
     ("examples/two_endpoints.py", "real"),
-    # ENGINE_LOOP
+    ("examples/engine_loop.py", "real"),
 ]
 
 
