@@ -60,11 +60,19 @@ def _root() -> None:
     """kvferry: prefill/decode KV-cache transfer, planned, simulated and proven."""
 
 
-def _register() -> None:
-    # Imported lazily so `kvferry --help` stays fast and optional extras stay optional.
-    from kvferry.commands import register_all
+_registered = False
 
-    register_all(app)
+
+def _register() -> None:
+    # Imported lazily so `kvferry --help` stays fast and optional extras stay optional. Once only:
+    # tests build the app from several modules, and a second registration would add every command
+    # again.
+    global _registered
+    if not _registered:
+        from kvferry.commands import register_all
+
+        register_all(app)
+        _registered = True
 
 
 def main() -> None:
