@@ -96,7 +96,7 @@ class Topology:
     decode_pages: int = 1024
     prefill_layout: str = "sglang_nhd"
     decode_layout: str = "sglang_nhd"
-    workers: int = 2  # transfer queues (one worker each) per prefill rank, as in seed 000
+    workers: int = 2  # transfer queues (one worker each) per prefill rank, as in SGLang PR 20680
     aux_rows: int = 256
     # Servers of each side on the one fabric, each with the TP above and its own memory; a router
     # sends each room to one of each (sim/instances.py).

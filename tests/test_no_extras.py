@@ -83,7 +83,7 @@ def _check(r: subprocess.CompletedProcess[str], extra: str | None, what: str) ->
     assert r.returncode == 2, f"{what}: exit {r.returncode}\n{both[-2000:]}"
     assert len(lines) == 1 and lines[0].startswith("error: "), f"{what}: {r.stderr!r}"
     assert f"the '{extra}' extra" in lines[0], lines[0]
-    assert f"uv sync --no-dev --extra {extra}" in lines[0], lines[0]
+    assert f"python3 -m uv sync --locked --inexact --no-dev --extra {extra}" in lines[0], lines[0]
     assert f"pip install 'kvferry[{extra}]'" in lines[0], lines[0]
 
 

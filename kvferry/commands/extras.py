@@ -26,7 +26,8 @@ EXTRAS: dict[str, tuple[tuple[str, str], ...]] = {
 def install_hint(extra: str) -> str:
     """The commands that install ``extra``: with uv in a clone, or with pip."""
     name = "real" if extra == "real-gpu" else extra
-    return f"uv sync --no-dev --extra {name} (or pip install 'kvferry[{name}]')"
+    # --inexact: a plain `uv sync` would remove the extras installed before this one.
+    return f"python3 -m uv sync --locked --inexact --no-dev --extra {name} (or pip install 'kvferry[{name}]')"
 
 
 def missing(extra: str) -> list[str]:
