@@ -314,10 +314,12 @@ def register(app: typer.Typer) -> None:
             spec.pages("decode")
         except KvferryError as e:
             bad_input(str(e))
-        err = Console(stderr=True)
-        progress = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/]"))
+        from kvferry.commands import progress
+
+        lines = progress.Lines("kvferry select")  # on stderr, with --json too; Ctrl-C quotes the last
         try:
-            sel = select(spec, points, want or applicable_flows(spec), progress=progress)
+            with progress.interrupted_says(lines.summary):
+                sel = select(spec, points, want or applicable_flows(spec), progress=lines)
         except KvferryError as e:
             bad_input(str(e))
         if plot is not None:
