@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,8 +40,16 @@ class _OneLineErrors(WholeSummaries):
             return super().make_context(info_name, args, parent, **extra)
 
     def invoke(self, ctx: Any) -> Any:
-        with _one_line_usage_errors():
-            return super().invoke(ctx)
+        try:
+            with _one_line_usage_errors():
+                return super().invoke(ctx)
+        except KeyboardInterrupt:
+            # A command's own summary (kvferry.commands.progress) covers its long part; Ctrl-C
+            # anywhere else (start-up, checks, the report) still says so in one line.
+            from kvferry.commands.progress import EXIT_INTERRUPTED
+
+            print("\ninterrupted: before the command's work finished", file=sys.stderr, flush=True)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 app = typer.Typer(

@@ -21,15 +21,24 @@ ROOT = Path(__file__).resolve().parents[1]
 KVFERRY = str(Path(sys.executable).with_name("kvferry"))
 
 
-def _interrupt(args: list[str], after_s: float) -> subprocess.CompletedProcess[str]:
+def _interrupt(args: list[str], once: str) -> subprocess.CompletedProcess[str]:
+    """Run ``kvferry args``, send Ctrl-C to its process group once a progress line holding
+    ``once`` shows the work is under way (lines every 0.2 s here), and collect what it printed."""
+    env = dict(os.environ, KVFERRY_PROGRESS_EVERY_S="0.2")
     p = subprocess.Popen(
         [KVFERRY, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, env=env,
     )  # fmt: skip
-    time.sleep(after_s)
+    assert p.stderr is not None and p.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + 90
+    for line in p.stderr:  # the first progress line: the command is past start-up
+        seen.append(line)
+        if once in line or time.monotonic() > deadline:
+            break
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=60)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, "".join(seen) + err)
 
 
 def _said_what_finished(r: subprocess.CompletedProcess[str]) -> str:
@@ -41,13 +50,13 @@ def _said_what_finished(r: subprocess.CompletedProcess[str]) -> str:
 
 
 def test_replay_interrupted_says_how_far_the_run_got() -> None:
-    line = _said_what_finished(_interrupt(["replay", "bench/load-10k.toml", "--json"], 4.0))
+    line = _said_what_finished(_interrupt(["replay", "bench/load-10k.toml", "--json"], "rooms finished"))
     assert "of 10000 rooms finished" in line and "ms simulated" in line, line
 
 
 def test_fuzz_interrupted_on_two_workers_says_seeds_done(tmp_path: Path) -> None:
     args = ["fuzz", "--seeds", "0-999", "--jobs", "2", "--save-dir", str(tmp_path)]
-    line = _said_what_finished(_interrupt(args, 4.0))
+    line = _said_what_finished(_interrupt(args, "fuzz: "))
     assert "of 1000 seeds done" in line and "with a violation" in line, line
 
 
@@ -70,6 +79,20 @@ def test_bar_draws_on_a_terminal_and_writes_lines_to_a_file(monkeypatch: pytest.
     with progress.Bar("replay", total=1.0, unit="%", console=Console(file=log, force_terminal=False)) as bar:
         bar.update(0.5, "5/10 rooms finished")
     assert log.getvalue().startswith("replay: 50%, 5/10 rooms finished ("), log.getvalue()
+
+
+def test_an_interrupt_outside_the_long_part_still_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from kvferry.cli import _register, app
+
+    def stopped(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt
+
+    _register()
+    monkeypatch.setattr("kvferry.commands.sim._run_and_report", stopped)
+    r = CliRunner().invoke(app, ["demo"])
+    assert r.exit_code == 130 and "interrupted: before the command's work finished" in r.stderr
 
 
 def test_an_interrupt_summary_that_fails_still_exits_130() -> None:

@@ -7,6 +7,7 @@ prints one line saying what finished and exits 130 (the shell's status for SIGIN
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -17,7 +18,8 @@ from typing import Any
 import typer
 
 EXIT_INTERRUPTED = 130
-LINE_EVERY_S = 5.0  # a plain progress line this often when stderr is not a terminal
+# A plain progress line this often when stderr is not a terminal (a log file, CI, a test).
+LINE_EVERY_S = float(os.environ.get("KVFERRY_PROGRESS_EVERY_S", "5"))
 
 
 def stderr_console() -> Any:
