@@ -13,10 +13,15 @@ import sys
 import time
 
 import numpy as np
-from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
-from kvferry.backends.runtime.security import ephemeral_key
-from kvferry.core.geometry import ModelGeometry, PoolGeometry
-from kvferry.core.kvpoll import KVPoll, min_status
+
+from kvferry.commands.extras import require_for_script
+
+require_for_script("real", "examples/two_endpoints.py")  # one line and exit 2 without NIXL/pyzmq
+
+from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig  # noqa: E402
+from kvferry.backends.runtime.security import ephemeral_key  # noqa: E402
+from kvferry.core.geometry import ModelGeometry, PoolGeometry  # noqa: E402
+from kvferry.core.kvpoll import KVPoll, min_status  # noqa: E402
 
 MODEL = ModelGeometry("tiny", num_layers=2, num_kv_heads=4, head_dim=8)  # bf16: 16 bytes a head
 PAGE, PAGES, PREFILL_TP = 4, 16, 2

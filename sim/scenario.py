@@ -96,7 +96,7 @@ class Topology:
     decode_pages: int = 1024
     prefill_layout: str = "sglang_nhd"
     decode_layout: str = "sglang_nhd"
-    workers: int = 2  # transfer queues (one worker each) per prefill rank, as in seed 000
+    workers: int = 2  # transfer queues (one worker each) per prefill rank, as in SGLang PR 20680
     aux_rows: int = 256
     # Servers of each side on the one fabric, each with the TP above and its own memory; a router
     # sends each room to one of each (sim/instances.py).
@@ -432,6 +432,7 @@ class _Reader:
             raise ScenarioError(f"{where}: expected a table, got {type(table).__name__}")
         self.where = where
         self.table = table
+        self.known = known
         for key in table:
             if key not in known:
                 hint = difflib.get_close_matches(key, known, n=1)
@@ -483,7 +484,10 @@ class _Reader:
     def list(self, key: str) -> list[Any]:
         v = self.table.get(key, [])
         if not isinstance(v, list):
-            raise self._err(key, f"expected an array, got {v!r}")
+            # `room = 24` is a plain value under an array's name: most likely a near key misspelt.
+            near = difflib.get_close_matches(key, [k for k in self.known if k != key], n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise self._err(key, f"expected an array, got {v!r}{hint}")
         return v
 
 

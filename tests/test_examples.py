@@ -120,6 +120,25 @@ def test_two_endpoints_example_runs():
     assert "two_endpoints: 3/3 rooms Success, 0 wrong bytes, leaks none, stuck threads none" in run.stdout
 
 
+def test_engine_loop_example_runs():
+    """examples/engine_loop.py: a fake prefill engine (scheduler loop, chunked prefill, a client's
+    cancel) drives the SGLang-shaped adapter; decode, in a second process, checks every byte."""
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "engine_loop.py"), "--requests", "6", "--seed", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out
+    assert "summary: 6 requests, 4 Success with every byte checked by decode" in run.stdout, out
+    assert "every room ended as it should; leaks none, stuck threads none" in run.stdout, out
+    assert "client cancelled: abort on every prefill rank" in run.stdout
+    assert "decode drops room" in run.stdout
+    assert run.stdout.count(", 0 wrong bytes, first token") == 4
+
+
 # ---- (b) SGLang-shaped adapter ------------------------------------------------------------------
 def _kv_args(pool, regs):
     layers = range(pool.model.num_layers)

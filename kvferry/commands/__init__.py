@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import NoReturn
 
 import typer
+from typer.core import TyperGroup
+from typer.models import DefaultPlaceholder
 
 EXIT_BAD_INPUT = 2  # the status typer gives its own usage errors
 # Seeds are written back into scenario files (``kvferry fuzz`` saves failing runs as TOML), and
@@ -29,6 +31,27 @@ def register_all(app: typer.Typer) -> None:
     calibrate.register(app)
     soak.register(app)
     fuzz_live.register(app)
+    for group in app.registered_groups:  # sub-apps (bench ...) print their help as the root does
+        sub = group.typer_instance
+        if sub is not None:
+            sub.rich_markup_mode = None
+            if isinstance(sub.info.cls, DefaultPlaceholder) or sub.info.cls in (None, TyperGroup):
+                sub.info.cls = WholeSummaries
+
+
+class WholeSummaries(TyperGroup):
+    """A command list that gives each command's whole first sentence (wrapped), where click cuts
+    it at the terminal's width with "..."."""
+
+    def format_commands(self, ctx: typer.Context, formatter: typer.core.click.HelpFormatter) -> None:  # type: ignore[name-defined]
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit=1 << 16)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 def one_line(text: str) -> str:

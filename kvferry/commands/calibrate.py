@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvferry.commands import bad_input, check_output_file
+from kvferry.commands import bad_input, check_output_file, progress
 
 if TYPE_CHECKING:  # the fit's modules import numpy: loaded only when a command runs
     from kvferry.sim.calibrate.fit import FabricFit, KernelFit
@@ -230,10 +230,16 @@ def _predict_rows(rows: list, profile: str) -> list:  # type: ignore[type-arg]
     from kvferry.sim.calibrate.inputs import CalibrationError
     from kvferry.sim.calibrate.predict import predict as one
 
+    out: list = []  # type: ignore[type-arg]
+    so_far = lambda: f"{len(out)} of {len(rows)} bench rows simulated"  # noqa: E731
     try:
-        return [one(r, profile) for r in rows]
+        with progress.interrupted_says(so_far), progress.Bar("predict", total=len(rows)) as bar:
+            for r in rows:  # each row is a simulated run: seconds for a large room
+                out.append(one(r, profile))
+                bar.update(len(out))
     except CalibrationError as e:
         bad_input(str(e))
+    return out
 
 
 def _print_predictions(preds: list, profile: str) -> None:  # type: ignore[type-arg]

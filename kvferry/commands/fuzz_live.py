@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -11,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from kvferry.commands import bad_input
+from kvferry.commands import bad_input, extras, progress
 
 
 def register(app: typer.Typer) -> None:
@@ -31,15 +30,16 @@ def fuzz_live(
     exits 1 if a thread died, a room failed or lost bytes, or a byte outside every room changed."""
     # NIXL logs its agents' start to stdout at INFO: keep stdout for the report (and --json).
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    extras.require("real", "kvferry fuzz-live")
     from kvferry.backends.runtime.hostile import KINDS, LiveFuzzConfig, run_live_fuzz
 
     cfg = LiveFuzzConfig(seed=seed, frames=frames, rooms=rooms, max_seconds=max_seconds)
     why = cfg.problems()
     if why:
         bad_input(why)
-    if importlib.util.find_spec("nixl") is None or importlib.util.find_spec("zmq") is None:
-        bad_input("fuzz-live needs NIXL and pyzmq: pip install 'kvferry[real]'")
-    res = run_live_fuzz(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    lines = progress.Lines(f"seed {seed}")
+    with progress.interrupted_says(lines.summary):
+        res = run_live_fuzz(cfg, progress=lines)
     if as_json:
         typer.echo(json.dumps(res.as_dict()))
     else:

@@ -207,10 +207,9 @@ def register(app: typer.Typer) -> None:
         check_seed(seed)
         if plot is not None:
             check_output_file(plot, "--plot")
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                bad_input("--plot needs matplotlib: pip install 'kvferry[plots]' (or uv sync --group dev)")
+            from kvferry.commands.extras import require
+
+            require("plots", "--plot")
         deploy: dict[str, Any] = {}
         if scenario is not None:
             got = _from_scenario(scenario)
@@ -315,10 +314,12 @@ def register(app: typer.Typer) -> None:
             spec.pages("decode")
         except KvferryError as e:
             bad_input(str(e))
-        err = Console(stderr=True)
-        progress = None if as_json else (lambda msg: err.print(f"[dim]{msg}[/]"))
+        from kvferry.commands import progress
+
+        lines = progress.Lines("kvferry select")  # on stderr, with --json too; Ctrl-C quotes the last
         try:
-            sel = select(spec, points, want or applicable_flows(spec), progress=progress)
+            with progress.interrupted_says(lines.summary):
+                sel = select(spec, points, want or applicable_flows(spec), progress=lines)
         except KvferryError as e:
             bad_input(str(e))
         if plot is not None:

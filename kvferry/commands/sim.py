@@ -17,7 +17,9 @@ from kvferry.commands import (
     check_output_dir,
     check_output_file,
     check_seed,
+    extras,
     one_line,
+    progress,
 )
 from kvferry.sim.executors import MapStats
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from kvferry.sim.executors import Executor
     from kvferry.sim.metrics import RunResult
     from kvferry.sim.scenario import Scenario
+    from kvferry.sim.world import World
 
 # A job is a process running simulations; past the cores of any machine more of them only thrash.
 MAX_JOBS = 256
@@ -205,8 +208,6 @@ def _fuzz_campaign(
     console: Console,
 ) -> None:
     """Run the seeds on ``executor`` as they finish; report in seed order whatever the executor."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from kvferry.sim import campaign as cp
 
     t0 = time.perf_counter()
@@ -215,22 +216,22 @@ def _fuzz_campaign(
     violated: Counter[str] = Counter()
     failures: list[tuple[RunResult, Path]] = []
     stats = MapStats(total=len(seed_list))
-    with Progress(
-        TextColumn("fuzz"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=as_json,
-    ) as progress:
-        task = progress.add_task("seeds", total=len(seed_list), status="")
+
+    def so_far() -> str:
+        saved = f"; failing runs saved in {save_dir}/" if failures else ""
+        return (
+            f"{stats.done} of {len(seed_list)} seeds done ({rooms} rooms, {ok} succeeded), "
+            f"{len(failures)} with a violation{saved}"
+        )
+
+    # The bar is on stderr whatever the report's stream: stdout holds only the report.
+    with progress.interrupted_says(so_far), progress.Bar("fuzz", total=len(seed_list)) as bar:
 
         def show(now: MapStats) -> None:  # after each seed, and when a lost worker's seeds go again
             nonlocal stats
             stats = now
             lost = f", {now.resent} re-run after a lost worker" if now.resent else ""
-            progress.update(task, completed=now.done, status=f"{len(failures)} failing seed(s){lost}")
+            bar.update(now.done, f"{len(failures)} failing seed(s){lost}")
 
         for res in cp.run_seeds(seed_list, base=base, hooks=hooks, executor=executor, progress=show):
             rooms += res.rooms
@@ -339,6 +340,7 @@ def register(app: typer.Typer) -> None:
         if not 1 <= jobs <= MAX_JOBS:
             bad_input(f"--jobs must be in [1, {MAX_JOBS}], got {jobs}")
         if ray is not None:
+            extras.require("ray", "--ray")
             if jobs != 1:
                 bad_input(
                     "--jobs and --ray do not go together: Ray spreads the seeds over its cluster's CPUs"
@@ -434,13 +436,22 @@ def _run_and_report(
             "transfer ERR, aborts, a link flap, a slow link, a prefill crash + restart"
         )
     written = 0
-    if trace is None:
-        res, w = run_one(s, seed=seed, detail=True)
-    else:
-        taps: list[chrome.NoteTap] = []
-        res, w = run_one(
-            s, seed=seed, keep_trace=True, detail=True, before_run=lambda w: taps.append(chrome.NoteTap(w))
-        )
+    taps: list[chrome.NoteTap] = []
+    built: list[World] = []
+
+    def before_run(w: World) -> None:
+        built.append(w)
+        if trace is not None:
+            taps.append(chrome.NoteTap(w))
+
+    bar = progress.Bar("replay" if not demo else "demo", total=1.0, unit="%")
+    with (
+        progress.interrupted_says(lambda: _run_so_far(built)),
+        bar,
+        progress.sampled(lambda: _run_sample(built), bar),
+    ):
+        res, w = run_one(s, seed=seed, keep_trace=trace is not None, detail=True, before_run=before_run)
+    if trace is not None:
         meta = {"scenario": s.name, "seed": res.seed, "digest": res.digest}
         try:
             written = chrome.write(w.trace.events, trace, meta, notes=taps[0].notes)
@@ -472,3 +483,26 @@ def _run_and_report(
             )
     if unexpected:
         raise typer.Exit(1)
+
+
+def _run_sample(built: list[World]) -> tuple[float, str]:
+    """Where a running simulation is (read from another thread; the run itself is not touched):
+    the share of its virtual time to the deadline, and its rooms finished."""
+    if not built or not built[0].deadline_ns:
+        return 0.0, "building"
+    w = built[0]
+    now = int(w.env.now)
+    done = sum(1 for r in w.requests if r.done)
+    status = f"{done}/{len(w.requests)} rooms finished, {now / 1e6:.1f} ms simulated"
+    return min(now / w.deadline_ns, 1.0), status
+
+
+def _run_so_far(built: list[World]) -> str:
+    if not built:
+        return "the scenario was still being built"
+    w = built[0]
+    done = [r for r in w.requests if r.done]
+    return (
+        f"{len(done)} of {len(w.requests)} rooms finished, {int(w.env.now) / 1e6:.1f} of "
+        f"{w.deadline_ns / 1e6:.1f} ms simulated; no verdict (the invariants are checked at the end)"
+    )

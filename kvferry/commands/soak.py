@@ -3,14 +3,13 @@ kills, every room checked (``backends/loopback/soak.py``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from typing import Annotated, Any
 
 import typer
 
-from kvferry.commands import bad_input, check_seed
+from kvferry.commands import bad_input, check_seed, extras, progress
 
 
 def register(app: typer.Typer) -> None:
@@ -48,6 +47,7 @@ def soak(
     """A prefill process and a decode process on 127.0.0.1 (real NIXL over UCX, DRAM pools) run
     rooms with chunked prefill, every flow, aborts by both sides and peers killed and restarted;
     exits 1 on any lost, corrupted, hung or wrongly-succeeded room, leaked table or RSS growth."""
+    extras.require("real", "kvferry soak")
     from kvferry.backends.loopback import soak as engine
 
     check_seed(seed)
@@ -68,9 +68,9 @@ def soak(
         engine.check_config(cfg)
     except ValueError as e:
         bad_input(str(e))
-    if importlib.util.find_spec("nixl") is None:
-        bad_input("soak needs NIXL: pip install 'kvferry[real]'")
-    report = engine.run_soak(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    lines = progress.Lines(f"seed {seed}")
+    with progress.interrupted_says(lines.summary):
+        report = engine.run_soak(cfg, progress=lines)
     if as_json:
         typer.echo(json.dumps(report))
     else:
