@@ -69,6 +69,11 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # NIXL merges back), "oneshot" (each run as one descriptor, lists built per post), or "auto"
     # (one-shot when runs are long: backends/nixl/transport.py ONESHOT_INDICES_PER_RUN).
     nixl_direct_post: str = "auto"
+    # Who executes the core's NIXL commands: "python" (the reference executor: our threads call
+    # NIXL's Python API and poll it) or "native" (backends/native: one C thread per endpoint posts
+    # and polls without the interpreter, and wakes the data thread through an eventfd). "native"
+    # falls back to "python" with one log line when the engine or NIXL's C API is unavailable.
+    nixl_engine: str = "python"
     # Staging memory of the ring and pinned flows (backends/runtime/staging.py).
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
     # Control-plane authentication (backends/runtime/security.py, docs/security.md): one or two
@@ -123,6 +128,8 @@ class EndpointBase:
             progress_thread=config.nixl_progress_thread,
             ucx_workers=config.nixl_ucx_workers,
             direct_post=config.nixl_direct_post,
+            engine=config.nixl_engine,
+            engine_idle_max_s=config.active_idle_max_s,
         )
         try:
             self.transport.register_regions(pool.regions, config.aux_rows, config.aux_row_bytes)
@@ -232,6 +239,7 @@ class EndpointBase:
         alive) and the data loop (notifications, write and copy completions, which may wait on a
         UCX worker another thread's big post holds)."""
         idle = self.config.idle_max_s
+        native = self.transport.executor == "native"
         return [
             Loop(
                 f"{self.endpoint}-control",
@@ -246,6 +254,7 @@ class EndpointBase:
                 self._record_error,
                 idle_max_s=idle,
                 idle_cap=self._data_idle_cap,
+                wait=self.transport.wait_events if native else None,
             ),
         ]
 
