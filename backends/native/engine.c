@@ -10,11 +10,12 @@
  * the few functions used here are declared from its wrapper.h at the pinned version (1.5.1) and
  * every one is looked up at load; a missing one refuses the load with the list of names.
  *
- * Threads. Callers (Python threads) register memory, prepare lists and post; the progress thread
- * polls the requests it was handed and the agent's notifications. The agent is created with
- * NIXL_THREAD_SYNC_RW, so concurrent posts and polls of *different* requests are safe; a request
- * is touched by its poster until the post returns and only then handed to the progress thread
- * (under `mu`), so no request handle is ever used by two threads at once.
+ * Threads. Callers (Python threads) register memory, prepare lists and load peers directly; the
+ * data path is the engine's own thread: a caller's post queues a command (one call, its arguments
+ * copied), and the thread makes and posts the request, polls it and the agent's notifications. So
+ * a request handle only ever lives on that thread, and no poster and poller contend for the UCX
+ * worker. The agent is created with NIXL_THREAD_SYNC_RW: set-up calls from callers may still run
+ * beside the thread's data path.
  *
  * Event batch format (little endian, packed), read by kvf_drain:
  *   kind u8 (1 completion, 2 notification), then
@@ -32,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
@@ -155,20 +157,47 @@ typedef struct kvf_req {
     struct kvf_req *next;
 } kvf_req;
 
+enum { CMD_PREPPED = 1, CMD_DESCS, CMD_RELEASE_PREP, CMD_REMOVE_REMOTE, CMD_GEN_NOTIF };
+
+/* A caller's command for the engine's thread; its arguments are copies (the caller's arrays may
+ * be gone by the time it runs). */
+typedef struct kvf_cmd {
+    int kind;
+    int op;
+    uint64_t cookie;
+    uint64_t t0;
+    capi_handle local, remote; /* prepared lists (CMD_PREPPED), the list to release */
+    int *lidx, *ridx;
+    size_t nl, nr; /* indices, or one-shot rows, of each side */
+    int lmem, rmem;
+    uint64_t *lrows, *rrows; /* one-shot: addr[n], len[n], dev[n] */
+    char *agent;
+    void *notif;
+    size_t notif_len;
+    bool sync, done; /* a sync command's caller waits for `done` and reads `result` */
+    int result;
+    struct kvf_cmd *next;
+} kvf_cmd;
+
 typedef struct {
     capi_handle agent;
     capi_handle backend;
     pthread_t thread;
     bool thread_started;
     atomic_bool stop;
-    pthread_mutex_t mu; /* guards: handed, events, cond */
-    pthread_cond_t cond;
-    kvf_req *handed;    /* posted by a caller, not yet taken by the progress thread */
+    pthread_mutex_t mu; /* guards: the command queue, events, accepting */
+    pthread_cond_t cond;      /* the engine's thread waits on it: a command was queued */
+    pthread_cond_t done_cond; /* callers of sync commands wait on it */
+    kvf_cmd *cmd_head, *cmd_tail;
+    bool accepting; /* the engine's thread runs commands; else their callers do */
     uint8_t *events;
     size_t ev_len, ev_cap;
+    _Atomic size_t pending; /* == ev_len, readable without the lock (Python peeks at it) */
+    atomic_int hot;         /* the host expects notifications soon: poll without sleeping */
     int wake_fd;
     capi_handle notif_map; /* progress thread only */
     kvf_req *watched;      /* progress thread only */
+    uint64_t poll_ns; /* pace while a transfer is in flight or hot; 0: poll back to back, yielding */
     uint64_t idle_min_ns, idle_max_ns;
     int plant;
     uint8_t *prev_notif; /* planted misrouting: the previous payload */
@@ -199,6 +228,7 @@ static int reserve(kvf_engine *e, size_t more) {
 static void put(kvf_engine *e, const void *src, size_t n) {
     memcpy(e->events + e->ev_len, src, n);
     e->ev_len += n;
+    atomic_store(&e->pending, e->ev_len);
 }
 
 /* Caller holds mu. */
@@ -243,20 +273,11 @@ static void free_req(kvf_engine *e, kvf_req *r) {
 
 /* One pass of the progress thread: poll every watched request, then the notifications.
  * Returns how many events it produced. */
+static int run_cmds(kvf_engine *e);
+
 static int progress_once(kvf_engine *e) {
-    pthread_mutex_lock(&e->mu);
-    kvf_req *fresh = e->handed;
-    e->handed = NULL;
-    pthread_mutex_unlock(&e->mu);
-    while (fresh != NULL) { /* keep post order: append */
-        kvf_req *next = fresh->next;
-        fresh->next = NULL;
-        kvf_req **tail = &e->watched;
-        while (*tail != NULL)
-            tail = &(*tail)->next;
-        *tail = fresh;
-        fresh = next;
-    }
+    uint64_t emitted = atomic_load(&e->completions) + atomic_load(&e->notifs);
+    int ran = run_cmds(e); /* refused posts come back as events, counted below */
     int produced = 0;
     kvf_req **link = &e->watched;
     while (*link != NULL) {
@@ -315,9 +336,9 @@ static int progress_once(kvf_engine *e) {
             api.notif_map_clear(e->notif_map);
         }
     }
-    if (produced)
+    if (atomic_load(&e->completions) + atomic_load(&e->notifs) != emitted)
         wake(e);
-    return produced;
+    return produced + ran; /* anything done: go round again before sleeping */
 }
 
 static void *progress_main(void *arg) {
@@ -325,15 +346,22 @@ static void *progress_main(void *arg) {
     uint64_t idle = e->idle_min_ns;
     while (!atomic_load(&e->stop)) {
         int produced = progress_once(e);
-        if (produced || e->watched != NULL) {
+        bool busy = e->watched != NULL || atomic_load(&e->hot);
+        if (produced || busy) {
             idle = e->idle_min_ns; /* something in flight: keep the short pace */
         } else {
             idle = idle * 2 > e->idle_max_ns ? e->idle_max_ns : idle * 2;
         }
         if (produced)
             continue;
+        if (busy && e->poll_ns == 0) {
+            /* This thread never holds the interpreter: polling back to back costs a core while
+             * something is in flight, not the host's Python threads. Yield to anyone runnable. */
+            sched_yield();
+            continue;
+        }
         /* Sleep until the pace elapses or a caller hands over a post. */
-        uint64_t wake_at = now_ns() + (e->watched != NULL ? e->idle_min_ns : idle);
+        uint64_t wake_at = now_ns() + (busy ? e->poll_ns : idle);
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         uint64_t dl = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
@@ -341,7 +369,7 @@ static void *progress_main(void *arg) {
         ts.tv_sec = (time_t)(dl / 1000000000ull);
         ts.tv_nsec = (long)(dl % 1000000000ull);
         pthread_mutex_lock(&e->mu);
-        if (e->handed == NULL && !atomic_load(&e->stop))
+        if (e->cmd_head == NULL && !atomic_load(&e->stop))
             pthread_cond_timedwait(&e->cond, &e->mu, &ts);
         pthread_mutex_unlock(&e->mu);
     }
@@ -358,7 +386,7 @@ void kvf_destroy(kvf_engine *e);
 /* An agent with the UCX backend, no NIXL progress or listener thread (this engine's thread polls),
  * sync mode as given (2: RW, the runtime's choice: several threads post). */
 kvf_engine *kvf_create(const char *name, int sync_mode, unsigned ucx_workers, unsigned ucx_threads,
-                       uint64_t idle_min_ns, uint64_t idle_max_ns, int plant, char *err, size_t errlen) {
+                       uint64_t poll_ns, uint64_t idle_max_ns, int plant, char *err, size_t errlen) {
     if (api_lib == NULL) {
         snprintf(err, errlen, "kvf_load() first");
         return NULL;
@@ -372,8 +400,10 @@ kvf_engine *kvf_create(const char *name, int sync_mode, unsigned ucx_workers, un
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&e->cond, &ca);
     pthread_condattr_destroy(&ca);
+    pthread_cond_init(&e->done_cond, NULL);
     e->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    e->idle_min_ns = idle_min_ns ? idle_min_ns : 10000;
+    e->poll_ns = poll_ns;
+    e->idle_min_ns = poll_ns ? poll_ns : 10000;
     e->idle_max_ns = idle_max_ns > e->idle_min_ns ? idle_max_ns : e->idle_min_ns;
     e->plant = plant;
     capi_agent_config cfg = {0};
@@ -423,34 +453,44 @@ kvf_engine *kvf_create(const char *name, int sync_mode, unsigned ucx_workers, un
         return NULL;
     }
     e->thread_started = true;
+    pthread_mutex_lock(&e->mu);
+    e->accepting = true;
+    pthread_mutex_unlock(&e->mu);
     return e;
 }
 
 /* Stop the progress thread, give back every request still watched (NIXL aborts what is in
  * flight), then the agent. Prepared lists, remote agents and memory are released by the caller
  * first (NIXL's teardown order); kvf_stop before those keeps the thread off the agent. */
+static void run_cmd(kvf_engine *e, kvf_cmd *c, bool can_post);
+
 void kvf_stop(kvf_engine *e) {
     if (e == NULL || !e->thread_started)
         return;
     atomic_store(&e->stop, true);
     pthread_mutex_lock(&e->mu);
+    e->accepting = false; /* from here on, callers run their own commands */
+    kvf_cmd *left = e->cmd_head;
+    e->cmd_head = e->cmd_tail = NULL;
     pthread_cond_broadcast(&e->cond);
     pthread_mutex_unlock(&e->mu);
     pthread_join(e->thread, NULL);
     e->thread_started = false;
-    kvf_req *lists[2] = {e->watched, e->handed};
-    e->watched = e->handed = NULL;
-    for (int i = 0; i < 2; i++) {
-        for (kvf_req *r = lists[i]; r != NULL;) {
-            kvf_req *next = r->next;
-            pthread_mutex_lock(&e->mu);
-            if (!r->reported)
-                emit_done(e, r->cookie, -3, r->post_ns); /* never finished: failed at teardown */
-            pthread_mutex_unlock(&e->mu);
-            free_req(e, r);
-            r = next;
-        }
+    while (left != NULL) { /* queued when the thread stopped: posts fail unposted, the rest run */
+        kvf_cmd *next = left->next;
+        run_cmd(e, left, false);
+        left = next;
     }
+    for (kvf_req *r = e->watched; r != NULL;) {
+        kvf_req *next = r->next;
+        pthread_mutex_lock(&e->mu);
+        if (!r->reported)
+            emit_done(e, r->cookie, -3, r->post_ns); /* never finished: failed at teardown */
+        pthread_mutex_unlock(&e->mu);
+        free_req(e, r);
+        r = next;
+    }
+    e->watched = NULL;
     wake(e);
 }
 
@@ -468,12 +508,27 @@ void kvf_destroy(kvf_engine *e) {
         close(e->wake_fd);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cond);
+    pthread_cond_destroy(&e->done_cond);
     free(e->events);
     free(e->prev_notif);
     free(e);
 }
 
 int kvf_wake_fd(kvf_engine *e) { return e->wake_fd; }
+
+/* Address of the count of queued event bytes: the host reads it with a plain load and calls
+ * kvf_drain only when it is not zero (no foreign call, no interpreter hand-off, on an empty poll). */
+const _Atomic size_t *kvf_pending_addr(kvf_engine *e) { return &e->pending; }
+
+/* The host expects notifications soon (a room it receives is in flight): poll at the in-flight
+ * pace even with no transfer of its own to watch. */
+void kvf_set_hot(kvf_engine *e, int hot) {
+    if (atomic_exchange(&e->hot, hot != 0) == 0 && hot) {
+        pthread_mutex_lock(&e->mu);
+        pthread_cond_signal(&e->cond);
+        pthread_mutex_unlock(&e->mu);
+    }
+}
 
 /* Wait (without the GIL: ctypes released it) until events are pending or timeout_us passed.
  * Returns 1 when woken by events, 0 on timeout. */
@@ -514,6 +569,7 @@ size_t kvf_drain(kvf_engine *e, uint8_t *buf, size_t cap, int *more) {
     memcpy(buf, e->events, take);
     memmove(e->events, e->events + take, e->ev_len - take);
     e->ev_len -= take;
+    atomic_store(&e->pending, e->ev_len);
     *more = e->ev_len > 0;
     pthread_mutex_unlock(&e->mu);
     return take;
@@ -553,8 +609,6 @@ int kvf_load_remote(kvf_engine *e, const void *data, size_t len, char **name) {
     return api.load_remote_md(e->agent, data, len, name);
 }
 
-int kvf_remove_remote(kvf_engine *e, const char *name) { return api.invalidate_remote_md(e->agent, name); }
-
 static capi_handle xfer_dlist(int mem_type, size_t n, const uint64_t *addr, const uint64_t *len,
                               const uint64_t *dev, capi_status *st) {
     capi_handle dl = NULL;
@@ -585,13 +639,13 @@ capi_handle kvf_prep(kvf_engine *e, const char *agent, int mem_type, size_t n, c
     return h;
 }
 
-int kvf_release_prep(kvf_engine *e, capi_handle h) { return api.release_xfer_dlist_handle(e->agent, h); }
-
-int kvf_gen_notif(kvf_engine *e, const char *agent, const void *data, size_t len) {
-    return api.gen_notif(e->agent, agent, data, len, NULL);
-}
-
-/* ---- posting: one call per transfer ----------------------------------------------------------- */
+/* ---- commands: posting is one call; the engine's thread executes ---------------------------------
+ * A caller's post only copies its arguments into a command and queues it: the engine's thread makes
+ * the request, posts it and watches it, so one thread drives NIXL's data path (no contention for
+ * the UCX worker between a poster and a poller) and commands run in the order they were given. A
+ * post that NIXL refuses comes back as a failed completion. Releasing a prepared list, forgetting a
+ * peer and sending a bare notification are queued the same way (so they cannot overtake a post
+ * given before them) and the caller waits for their result. */
 static capi_handle notif_args(const void *notif, size_t notif_len, capi_status *st) {
     capi_handle args = NULL;
     *st = 0;
@@ -605,78 +659,253 @@ static capi_handle notif_args(const void *notif, size_t notif_len, capi_status *
     return args;
 }
 
-/* Post req and hand it to the progress thread. Returns 0 (posted; its completion comes as an
- * event with `cookie`) or NIXL's negative status (nothing posted, no event). */
-static int post_and_hand(kvf_engine *e, capi_handle req, capi_handle args, uint64_t cookie, uint64_t t0) {
+static void free_cmd(kvf_cmd *c) {
+    free(c->lidx);
+    free(c->ridx);
+    free(c->lrows);
+    free(c->rrows);
+    free(c->agent);
+    free(c->notif);
+    free(c);
+}
+
+/* Engine thread: post a made request and watch it (or report the refusal). */
+static void post_and_watch(kvf_engine *e, capi_handle req, capi_handle args, kvf_cmd *c) {
     capi_status st = api.post_xfer_req(e->agent, req, args);
-    if (st < 0) {
+    kvf_req *r = st < 0 ? NULL : calloc(1, sizeof *r);
+    if (r == NULL) {
+        if (st >= 0) /* no memory to watch it: see it through here rather than leak a live request */
+            while (api.get_xfer_status(e->agent, req) == 1)
+                ;
         if (api.release_xfer_req(e->agent, req) == 0)
             api.destroy_xfer_req(req);
-        return st;
+        pthread_mutex_lock(&e->mu);
+        emit_done(e, c->cookie, st < 0 ? st : -4, c->t0);
+        pthread_mutex_unlock(&e->mu);
+        return;
     }
-    kvf_req *r = calloc(1, sizeof *r);
-    if (r == NULL) { /* cannot watch it: wait for it here rather than leak a live request */
-        while (api.get_xfer_status(e->agent, req) == 1)
-            ;
-        if (api.release_xfer_req(e->agent, req) == 0)
-            api.destroy_xfer_req(req);
-        return -4;
-    }
-    r->cookie = cookie;
+    r->cookie = c->cookie;
     r->req = req;
-    r->post_ns = t0;
+    r->post_ns = c->t0;
     r->done_at_post = st == 0;
     atomic_fetch_add(&e->posts, 1);
-    pthread_mutex_lock(&e->mu);
     if (e->plant == PLANT_EARLY_DONE && !r->done_at_post) {
         /* Planted bug: the completion is reported now, before the transfer finished. */
-        emit_done(e, cookie, 0, t0);
+        pthread_mutex_lock(&e->mu);
+        emit_done(e, c->cookie, 0, c->t0);
+        pthread_mutex_unlock(&e->mu);
         r->reported = true;
-        wake(e);
     }
-    r->next = e->handed;
-    e->handed = r;
-    pthread_cond_signal(&e->cond);
-    pthread_mutex_unlock(&e->mu);
-    return 0;
+    kvf_req **tail = &e->watched;
+    while (*tail != NULL)
+        tail = &(*tail)->next;
+    *tail = r;
 }
 
-int kvf_post_prepped(kvf_engine *e, int op, capi_handle local, const int *lidx, size_t nl, capi_handle remote,
-                     const int *ridx, size_t nr, const void *notif, size_t notif_len, uint64_t cookie) {
-    uint64_t t0 = now_ns();
+static void run_post(kvf_engine *e, kvf_cmd *c) {
     capi_status st;
-    capi_handle args = notif_args(notif, notif_len, &st);
-    capi_handle req = NULL;
-    if (st == 0)
-        st = api.make_xfer_req(e->agent, op, local, lidx, nl, remote, ridx, nr, &req, args);
-    if (st == 0)
-        st = post_and_hand(e, req, args, cookie, t0);
-    if (args != NULL)
-        api.destroy_opt_args(args);
-    return st > 0 ? -2 : st;
-}
-
-int kvf_post_descs(kvf_engine *e, int op, const char *agent, int lmem, size_t n, const uint64_t *laddr,
-                   const uint64_t *llen, const uint64_t *ldev, int rmem, size_t m, const uint64_t *raddr,
-                   const uint64_t *rlen, const uint64_t *rdev, const void *notif, size_t notif_len,
-                   uint64_t cookie) {
-    uint64_t t0 = now_ns();
-    capi_status st;
-    capi_handle ld = xfer_dlist(lmem, n, laddr, llen, ldev, &st);
-    capi_handle rd = st == 0 ? xfer_dlist(rmem, m, raddr, rlen, rdev, &st) : NULL;
-    capi_handle args = st == 0 ? notif_args(notif, notif_len, &st) : NULL;
-    capi_handle req = NULL;
-    if (st == 0)
-        st = api.create_xfer_req(e->agent, op, ld, rd, agent, &req, args);
-    if (st == 0)
-        st = post_and_hand(e, req, args, cookie, t0);
+    capi_handle args = notif_args(c->notif, c->notif_len, &st);
+    capi_handle req = NULL, ld = NULL, rd = NULL;
+    if (st == 0 && c->kind == CMD_PREPPED) {
+        st = api.make_xfer_req(e->agent, c->op, c->local, c->lidx, c->nl, c->remote, c->ridx, c->nr, &req, args);
+    } else if (st == 0) {
+        ld = xfer_dlist(c->lmem, c->nl, c->lrows, c->lrows + c->nl, c->lrows + 2 * c->nl, &st);
+        rd = st == 0 ? xfer_dlist(c->rmem, c->nr, c->rrows, c->rrows + c->nr, c->rrows + 2 * c->nr, &st) : NULL;
+        if (st == 0)
+            st = api.create_xfer_req(e->agent, c->op, ld, rd, c->agent, &req, args);
+    }
+    if (st == 0) {
+        post_and_watch(e, req, args, c);
+    } else {
+        pthread_mutex_lock(&e->mu);
+        emit_done(e, c->cookie, st > 0 ? -2 : st, c->t0);
+        pthread_mutex_unlock(&e->mu);
+    }
     if (args != NULL)
         api.destroy_opt_args(args);
     if (ld != NULL)
         api.destroy_xfer_dlist(ld);
     if (rd != NULL)
         api.destroy_xfer_dlist(rd);
-    return st > 0 ? -2 : st;
+}
+
+/* Any thread (the engine's, or a caller's once the engine stopped). */
+static void run_cmd(kvf_engine *e, kvf_cmd *c, bool can_post) {
+    int result = 0;
+    switch (c->kind) {
+    case CMD_PREPPED:
+    case CMD_DESCS:
+        if (can_post) {
+            run_post(e, c);
+        } else { /* the engine stopped before posting it: failed, never posted */
+            pthread_mutex_lock(&e->mu);
+            emit_done(e, c->cookie, -3, c->t0);
+            pthread_mutex_unlock(&e->mu);
+        }
+        break;
+    case CMD_RELEASE_PREP:
+        result = api.release_xfer_dlist_handle(e->agent, c->local);
+        break;
+    case CMD_REMOVE_REMOTE:
+        result = api.invalidate_remote_md(e->agent, c->agent);
+        break;
+    case CMD_GEN_NOTIF:
+        result = api.gen_notif(e->agent, c->agent, c->notif, c->notif_len, NULL);
+        break;
+    }
+    if (!c->sync) {
+        free_cmd(c);
+        return;
+    }
+    pthread_mutex_lock(&e->mu);
+    c->result = result;
+    c->done = true;
+    pthread_cond_broadcast(&e->done_cond);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Engine thread: run every queued command, in order. Returns how many ran. */
+static int run_cmds(kvf_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    kvf_cmd *c = e->cmd_head;
+    e->cmd_head = e->cmd_tail = NULL;
+    pthread_mutex_unlock(&e->mu);
+    int n = 0;
+    while (c != NULL) {
+        kvf_cmd *next = c->next;
+        run_cmd(e, c, true);
+        c = next;
+        n++;
+    }
+    return n;
+}
+
+/* Queue c; a sync command waits for its result (the caller dropped the GIL: ctypes). Once the
+ * engine stopped, the caller runs it itself (teardown releases lists after kvf_stop). */
+static int enqueue(kvf_engine *e, kvf_cmd *c) {
+    c->t0 = now_ns();
+    pthread_mutex_lock(&e->mu);
+    if (!e->accepting) {
+        pthread_mutex_unlock(&e->mu);
+        bool sync = c->sync;
+        c->sync = true; /* keep it until its result is read */
+        run_cmd(e, c, false);
+        int result = c->result;
+        free_cmd(c);
+        return sync ? result : 0;
+    }
+    if (e->cmd_tail != NULL)
+        e->cmd_tail->next = c;
+    else
+        e->cmd_head = c;
+    e->cmd_tail = c;
+    pthread_cond_signal(&e->cond);
+    if (!c->sync) {
+        pthread_mutex_unlock(&e->mu);
+        return 0;
+    }
+    while (!c->done)
+        pthread_cond_wait(&e->done_cond, &e->mu);
+    pthread_mutex_unlock(&e->mu);
+    int result = c->result;
+    free_cmd(c);
+    return result;
+}
+
+static void *dup_bytes(const void *src, size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (p != NULL && n)
+        memcpy(p, src, n);
+    return p;
+}
+
+static uint64_t *rows_of(size_t n, const uint64_t *addr, const uint64_t *len, const uint64_t *dev) {
+    uint64_t *rows = malloc(3 * (n ? n : 1) * sizeof *rows);
+    if (rows != NULL && n) {
+        memcpy(rows, addr, n * sizeof *rows);
+        memcpy(rows + n, len, n * sizeof *rows);
+        memcpy(rows + 2 * n, dev, n * sizeof *rows);
+    }
+    return rows;
+}
+
+/* Post a transfer between prepared lists (index runs). Returns 0: queued (its end comes as an
+ * event with `cookie`), or -4: no memory (nothing queued). */
+int kvf_post_prepped(kvf_engine *e, int op, capi_handle local, const int *lidx, size_t nl, capi_handle remote,
+                     const int *ridx, size_t nr, const void *notif, size_t notif_len, uint64_t cookie) {
+    kvf_cmd *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return -4;
+    c->kind = CMD_PREPPED;
+    c->op = op;
+    c->cookie = cookie;
+    c->local = local;
+    c->remote = remote;
+    c->nl = nl;
+    c->nr = nr;
+    c->lidx = dup_bytes(lidx, nl * sizeof(int));
+    c->ridx = dup_bytes(ridx, nr * sizeof(int));
+    c->notif_len = notif_len;
+    c->notif = dup_bytes(notif, notif_len);
+    if (c->lidx == NULL || c->ridx == NULL || c->notif == NULL) {
+        free_cmd(c);
+        return -4;
+    }
+    return enqueue(e, c);
+}
+
+/* Post a transfer of descriptors given here (one-shot): same contract as kvf_post_prepped. */
+int kvf_post_descs(kvf_engine *e, int op, const char *agent, int lmem, size_t n, const uint64_t *laddr,
+                   const uint64_t *llen, const uint64_t *ldev, int rmem, size_t m, const uint64_t *raddr,
+                   const uint64_t *rlen, const uint64_t *rdev, const void *notif, size_t notif_len,
+                   uint64_t cookie) {
+    kvf_cmd *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return -4;
+    c->kind = CMD_DESCS;
+    c->op = op;
+    c->cookie = cookie;
+    c->lmem = lmem;
+    c->rmem = rmem;
+    c->nl = n;
+    c->nr = m;
+    c->lrows = rows_of(n, laddr, llen, ldev);
+    c->rrows = rows_of(m, raddr, rlen, rdev);
+    c->agent = strdup(agent);
+    c->notif_len = notif_len;
+    c->notif = dup_bytes(notif, notif_len);
+    if (c->lrows == NULL || c->rrows == NULL || c->agent == NULL || c->notif == NULL) {
+        free_cmd(c);
+        return -4;
+    }
+    return enqueue(e, c);
+}
+
+static int sync_cmd(kvf_engine *e, int kind, capi_handle h, const char *agent, const void *data, size_t len) {
+    kvf_cmd *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return -4;
+    c->kind = kind;
+    c->sync = true;
+    c->local = h;
+    c->agent = agent != NULL ? strdup(agent) : NULL;
+    c->notif_len = len;
+    c->notif = dup_bytes(data, len);
+    if ((agent != NULL && c->agent == NULL) || c->notif == NULL) {
+        free_cmd(c);
+        return -4;
+    }
+    return enqueue(e, c);
+}
+
+int kvf_release_prep(kvf_engine *e, capi_handle h) { return sync_cmd(e, CMD_RELEASE_PREP, h, NULL, NULL, 0); }
+
+int kvf_remove_remote(kvf_engine *e, const char *name) {
+    return sync_cmd(e, CMD_REMOVE_REMOTE, NULL, name, NULL, 0);
+}
+
+int kvf_gen_notif(kvf_engine *e, const char *agent, const void *data, size_t len) {
+    return sync_cmd(e, CMD_GEN_NOTIF, NULL, agent, data, len);
 }
 
 /* Counters: polls of NIXL request status, posts, completion events, notification events. */

@@ -513,11 +513,12 @@ class NixlAgent:
         cookies = settled()
         return {t for t in list(self._inflight.values()) if getattr(t.handle, "cookie", 0) in cookies}
 
-    def wait_events(self, timeout_s: float) -> bool | None:
+    def wait_events(self, timeout_s: float, hot: bool | None = None) -> bool | None:
         """Sleep until the native engine has news (True) or the timeout passed (False); None when
-        the executor has nothing to wait on (the caller sleeps its own way)."""
+        the executor has nothing to wait on (the caller sleeps its own way). ``hot``: a room this
+        rank receives is in flight (the engine polls for notifications at its in-flight pace)."""
         wait = getattr(self._nixl, "wait", None)
-        return None if wait is None else wait(timeout_s)
+        return None if wait is None else wait(timeout_s, hot)
 
     # ---- teardown -----------------------------------------------------------------------
     def close(self, settle_s: float = 2.0) -> None:

@@ -3,7 +3,8 @@
 ``NativeNixl`` has the shape of the ``nixl_agent`` methods ``NixlAgent`` calls, so the agent's
 tables, bounds checks and ticket discipline stay exactly as they are; what changes is who talks to
 NIXL and who polls:
-- posting is one native call (make the request + post it; ctypes drops the GIL for it),
+- posting is one native call (the arguments are copied and queued; the engine's thread makes the
+  request and posts it, in the order given),
 - the engine's own thread polls every posted request and the agent's notifications, never touching
   the interpreter, and queues completions and notifications as one batch behind one eventfd,
 - ``check_xfer_state``/``get_new_notifs`` only read what the batches said (``drain``), and a data
@@ -117,10 +118,22 @@ def _declare(lib: ctypes.CDLL) -> None:
             [vp, ctypes.c_int, cp, *(ctypes.c_int, sz, c_u64p, c_u64p, c_u64p) * 2, cp, sz, u64],
         ),
         "kvf_counters": (None, [vp, c_u64p]),
+        "kvf_pending_addr": (vp, [vp]),
+        "kvf_set_hot": (None, [vp, ctypes.c_int]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
+
+
+@functools.cache
+def quick() -> ctypes.PyDLL:
+    """The same library through a handle whose calls keep the GIL: for the short, non-blocking
+    calls (drain, counters, hot flag), where dropping and retaking the interpreter would cost more
+    than the call (a thread that let go of the GIL waits for it behind busy Python threads)."""
+    lib = ctypes.PyDLL(str(engine_path()))
+    _declare(lib)
+    return lib
 
 
 @functools.cache
@@ -224,10 +237,11 @@ class NativeNixl:
         sync: str = "rw",
         ucx_workers: int = 1,
         ucx_threads: int = 0,
-        idle_min_s: float = 10e-6,
+        poll_s: float = 0.0,
         idle_max_s: float = 200e-6,
     ) -> None:
         self._lib = load()
+        self._quick = quick()
         plant = os.environ.get("KVFERRY_NATIVE_PLANT", "")
         if plant not in PLANTS:
             raise ValueError(f"KVFERRY_NATIVE_PLANT must be one of {sorted(PLANTS)}, not {plant!r}")
@@ -237,7 +251,7 @@ class NativeNixl:
             SYNC[sync],
             ucx_workers,
             ucx_threads,
-            int(idle_min_s * 1e9),
+            int(poll_s * 1e9),
             int(idle_max_s * 1e9),
             PLANTS[plant],
             err,
@@ -254,6 +268,9 @@ class NativeNixl:
         self._notifs: list[tuple[str, bytes]] = []
         self._buf = ctypes.create_string_buffer(1 << 16)
         self.wake_fd = self._lib.kvf_wake_fd(eng)
+        # Queued event bytes, written by the engine: an empty poll is one memory read.
+        self._pending = ctypes.c_size_t.from_address(self._lib.kvf_pending_addr(eng))
+        self._hot = False
         self.batches = 0  # drains that found events (the core hears a batch per wake-up)
 
     # ---- memory and peers ------------------------------------------------------------------------
@@ -329,7 +346,10 @@ class NativeNixl:
         return _Xfer(op, bytes(notif), descs=(local[0], local[1], remote[0], remote[1], peer))
 
     def transfer(self, x: _Xfer) -> str:
-        """Post: one native call. "PROC" (its end comes as an event) or "ERR" (nothing posted)."""
+        """Post: one native call that copies the arguments and queues them for the engine's
+        thread (it keeps the GIL: it is a copy, and a thread that lets the GIL go waits for it
+        behind busy Python threads). "PROC" (its end, or NIXL's refusal, comes as an event) or
+        "ERR" (no memory to queue it)."""
         x.cookie = next(self._ids)
         with self._lock:
             self._xfers[x.cookie] = x  # before the post: the completion may be drained at once
@@ -337,7 +357,7 @@ class NativeNixl:
         t0 = time.monotonic_ns()
         if x.prepped is not None:
             lh, li, rh, ri = x.prepped
-            st = self._lib.kvf_post_prepped(
+            st = self._quick.kvf_post_prepped(
                 self._eng,
                 OPS[x.op],
                 lh.ptr,
@@ -354,7 +374,7 @@ class NativeNixl:
             assert x.descs is not None
             lrows, lmem, rrows, rmem, peer = x.descs
             lc, rc = _cols(lrows), _cols(rrows)
-            st = self._lib.kvf_post_descs(
+            st = self._quick.kvf_post_descs(
                 self._eng,
                 OPS[x.op],
                 peer.encode(),
@@ -401,12 +421,14 @@ class NativeNixl:
     def drain(self) -> int:
         """Read every queued event into the transfers' states and the notification list."""
         got = 0
+        if self._eng is None or not self._pending.value:
+            return got
         more = ctypes.c_int(1)
         while more.value:
             with self._lock:
                 if self._eng is None:
                     return got
-                n = self._lib.kvf_drain(self._eng, self._buf, len(self._buf), ctypes.byref(more))
+                n = self._quick.kvf_drain(self._eng, self._buf, len(self._buf), ctypes.byref(more))
                 if n == 0 and more.value:  # one event bigger than the buffer: grow it
                     self._buf = ctypes.create_string_buffer(len(self._buf) * 2)
                     continue
@@ -454,17 +476,24 @@ class NativeNixl:
         with self._lock:
             return set(self._settled)
 
-    def wait(self, timeout_s: float) -> bool:
-        """Sleep until the engine queued events (True) or the timeout passed; the GIL is free."""
+    def wait(self, timeout_s: float, hot: bool | None = None) -> bool:
+        """Sleep until the engine queued events (True) or the timeout passed; the GIL is free.
+        ``hot``: the host expects notifications (a room in flight): the engine polls for them at
+        its in-flight pace meanwhile, else at its idle pace."""
         with self._lock:
-            if self._notifs or self._settled or self._eng is None:
+            if self._eng is None:
+                return True
+            if hot is not None and hot != self._hot:
+                self._hot = hot
+                self._quick.kvf_set_hot(self._eng, int(hot))
+            if self._notifs or self._settled or self._pending.value:
                 return True
         return bool(self._lib.kvf_wait(self._eng, int(timeout_s * 1e6)))
 
     def counters(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * 4)()
         if self._eng is not None:
-            self._lib.kvf_counters(self._eng, out)
+            self._quick.kvf_counters(self._eng, out)
         return dict(zip(("status_polls", "posts", "completions", "notifications"), out, strict=True))
 
     # ---- teardown ----------------------------------------------------------------------------------
@@ -489,9 +518,12 @@ def make_native_agent(
     progress_thread: bool = False,
     ucx_workers: int = 1,
     *,
+    poll_s: float = 0.0,
     idle_max_s: float = 200e-6,
 ) -> NativeNixl:
     """``NixlAgent``'s factory for the native executor (telemetry comes from the engine's clocks;
     NIXL's own progress thread is never used: the engine's thread polls)."""
     del telemetry, progress_thread
-    return NativeNixl(name, sync, ucx_workers=ucx_workers, ucx_threads=ucx_threads, idle_max_s=idle_max_s)
+    return NativeNixl(
+        name, sync, ucx_workers=ucx_workers, ucx_threads=ucx_threads, poll_s=poll_s, idle_max_s=idle_max_s
+    )

@@ -165,6 +165,7 @@ class NixlTransport:
         ucx_workers: int = 1,
         direct_post: str = "auto",
         engine: str = "python",
+        engine_poll_s: float = 0.0,
         engine_idle_max_s: float = 200e-6,
     ) -> None:
         if role not in ("prefill", "decode"):
@@ -182,6 +183,7 @@ class NixlTransport:
             sync=sync,
             progress_thread=progress_thread,
             ucx_workers=ucx_workers,
+            poll_s=engine_poll_s,
             idle_max_s=engine_idle_max_s,
         )
         self.control = control or ControlPlane(str(endpoint))
@@ -538,9 +540,9 @@ class NixlTransport:
         NIXL reports completion only when asked (None: every handle is checked)."""
         return self.agent.settled()
 
-    def wait_events(self, timeout_s: float) -> bool | None:
+    def wait_events(self, timeout_s: float, hot: bool | None = None) -> bool | None:
         """Sleep on the native engine's wake-up until it has news (None: no such wake-up)."""
-        return self.agent.wait_events(timeout_s)
+        return self.agent.wait_events(timeout_s, hot)
 
     def release_xfer(self, handle: XferTicket) -> None:
         # poll() already released the NIXL handle on DONE/ERR; nothing is left to free.
@@ -663,7 +665,14 @@ def kernel_pool(pool: PoolGeometry, buffers: Mapping[int, Any]) -> Any:
 
 
 def _make_agent(
-    name: str, engine: str, *, sync: str, progress_thread: bool, ucx_workers: int, idle_max_s: float
+    name: str,
+    engine: str,
+    *,
+    sync: str,
+    progress_thread: bool,
+    ucx_workers: int,
+    poll_s: float,
+    idle_max_s: float,
 ) -> NixlAgent:
     """The agent on the asked executor; "native" falls back to Python with one line saying why."""
     if engine == "native":
@@ -674,7 +683,7 @@ def _make_agent(
                 name,
                 sync=sync,
                 ucx_workers=ucx_workers,
-                factory=functools.partial(native.make_native_agent, idle_max_s=idle_max_s),
+                factory=functools.partial(native.make_native_agent, poll_s=poll_s, idle_max_s=idle_max_s),
             )
         except native.NativeUnavailable as exc:
             log.warning("%s: executor python (native asked, unavailable: %s)", name, exc)

@@ -74,6 +74,11 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # and polls without the interpreter, and wakes the data thread through an eventfd). "native"
     # falls back to "python" with one log line when the engine or NIXL's C API is unavailable.
     nixl_engine: str = "python"
+    # The native engine's pace (microseconds) while a transfer is in flight or a room this rank
+    # receives is: 0 polls back to back (its thread yields the core between polls and never holds
+    # the interpreter, so it costs a core, not the host's Python threads). Idle, it backs off to
+    # active_idle_max_s.
+    nixl_engine_poll_us: float = 0.0
     # Staging memory of the ring and pinned flows (backends/runtime/staging.py).
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
     # Control-plane authentication (backends/runtime/security.py, docs/security.md): one or two
@@ -129,6 +134,7 @@ class EndpointBase:
             ucx_workers=config.nixl_ucx_workers,
             direct_post=config.nixl_direct_post,
             engine=config.nixl_engine,
+            engine_poll_s=config.nixl_engine_poll_us / 1e6,
             engine_idle_max_s=config.active_idle_max_s,
         )
         try:
@@ -254,9 +260,14 @@ class EndpointBase:
                 self._record_error,
                 idle_max_s=idle,
                 idle_cap=self._data_idle_cap,
-                wait=self.transport.wait_events if native else None,
+                wait=self._wait_native if native else None,
             ),
         ]
+
+    def _wait_native(self, timeout_s: float) -> None:
+        """The data thread's idle sleep on a native-engine rank: on the engine's wake-up, with the
+        engine polling fast while this rank has a room in flight (the board's count)."""
+        self.transport.wait_events(timeout_s, hot=self.board.in_flight() > 0)
 
     def _data_idle_cap(self) -> float:
         """Poll fast while a room of this rank is in flight (the board's count, under its own

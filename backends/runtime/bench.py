@@ -255,6 +255,7 @@ def child_prefill(cfg: BenchConfig) -> None:
     raw_times: list[float] = []
     planned_times: list[float] = []
     kv_posts: list[Any] = []
+    raw_posts: list[Any] = []
     kind = "VRAM" if cfg.mem == "VRAM" else "DRAM"
     for b in range(cfg.warmup + cfg.rooms):
         for ep in eps:  # keep only this batch's writes (not the warm-up's, not the raw ones)
@@ -303,6 +304,7 @@ def child_prefill(cfg: BenchConfig) -> None:
                 ep.transport.agent.add_lists(
                     agent, {"raw": ([MemRegion(RAW_ID, d_addr, d_bytes, kind, d_dev)], [room_bytes])}
                 )
+        seen = [len(ep.transport.agent.telemetry.records()) for ep in eps]
         t0 = time.perf_counter()
         tickets = []
         for k in range(cfg.inflight):
@@ -327,6 +329,13 @@ def child_prefill(cfg: BenchConfig) -> None:
         raw_times.append(time.perf_counter() - t0)
         if any(s != "DONE" for s in states):
             raise RuntimeError(f"raw write ended {states}")
+        if b >= cfg.warmup:  # the executor's own view of the raw writes (post call, completion seen)
+            raw_posts += [
+                r
+                for ep, n in zip(eps, seen, strict=True)
+                for r in ep.transport.agent.telemetry.records()[n:]
+                if r.nbytes == room_bytes
+            ]
         if cfg.flow == "direct":
             planned_times.append(_planned_raw(cfg, eps, b, n_pages))
         _say(event="raw_done", index=b)
@@ -347,6 +356,9 @@ def child_prefill(cfg: BenchConfig) -> None:
         post_us=statistics.median([r.post_us for r in kv_posts]) if kv_posts else 0,
         xfer_us=statistics.median([r.xfer_us for r in kv_posts]) if kv_posts else 0,
         wall_us=statistics.median([r.wall_ns / 1e3 for r in kv_posts]) if kv_posts else 0,
+        raw_post_us=statistics.median([r.post_us for r in raw_posts]) if raw_posts else 0,
+        raw_xfer_us=statistics.median([r.xfer_us for r in raw_posts]) if raw_posts else 0,
+        raw_wall_us=statistics.median([r.wall_ns / 1e3 for r in raw_posts]) if raw_posts else 0,
     )
     _hear()
     for ep in eps:
@@ -686,6 +698,11 @@ def run_config(
         "write_post_us": p["post_us"],  # NIXL telemetry, median per kvferry write
         "write_xfer_us": p["xfer_us"],
         "write_wall_us": p["wall_us"],  # post to DONE seen by our poll
+        # The raw writes the same way: NIXL's (python) or the engine's (native) post time and
+        # completion time, and post to DONE as the waiting Python thread saw it.
+        "raw_post_us": p["raw_post_us"],
+        "raw_xfer_us": p["raw_xfer_us"],
+        "raw_wall_us": p["raw_wall_us"],
         "bytes_ok": d["check"].get("ok", False),
         "ucx_tls": env.get("UCX_TLS", "(default)"),
         "mem": cfg.mem,
