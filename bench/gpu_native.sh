@@ -2,8 +2,8 @@
 # The native engine on the device, both executors in the same call (each row's baseline is
 # measured in its own run): bench nixl rows (TP 1 -> 1 direct and push, the hand-off row, 8 and 32
 # rooms in flight, ring for the heterogeneous pairs) with --engine python and --engine native,
-# traced rooms of each, and bench interference of each. PART=a (default) or PART=b (ring rows and
-# the native e2e/differential tests) split it across two device calls of at most 10 minutes.
+# traced rooms of each, and bench interference of each: PART=a (default). PART=b: the native e2e
+# and differential tests (VRAM e2e). Each part fits one device call of at most 10 minutes.
 #
 # On the device, from the repository root, with the wheels of bench/gpu_common.sh in .whl/:
 #   PART=a bash bench/gpu_native.sh
@@ -32,11 +32,11 @@ if [ "$PART" = a ]; then
   for e in python native; do
     step "interference-$e" 100 /tmp/kv bench interference --engine "$e" --reps 5 --phase-s 2 --json
   done
-else
   for e in python native; do
-    step "ring-$e" 150 "${B[@]}" --rooms 5 --config 'tp2->1 nhd' --config 'tp1->2 nhd' --config 'tp4->2 nhd' \
+    step "ring-$e" 120 "${B[@]}" --rooms 5 --config 'tp2->1 nhd' --config 'tp1->2 nhd' --config 'tp4->2 nhd' \
       --flow ring --engine "$e"
   done
+else
   export KVFERRY_E2E_MEM=$MEM KVFERRY_TEST_DEVICE=cuda
   step e2e-native 240 python3 -P -m pytest -q -n 8 -p no:cacheprovider --rootdir "$REPO" \
     "$REPO/tests/test_native_e2e.py" "$REPO/tests/test_native_differential.py" --durations=5
