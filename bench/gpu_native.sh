@@ -21,7 +21,7 @@ export KVFERRY_NATIVE_LIB=/tmp/kvf_engine.so
 step describe 60 python3 -P -c "from kvferry.backends.nixl.native import describe; print(describe())"
 cat "$R/describe.out" "$R/build.log"
 B=(/tmp/kv bench nixl --mem "$MEM" --tokens "$TOKENS" --json)
-if [ "$PART" = a ]; then
+if [ "$PART" = a ] || [ "$PART" = rows ]; then
   for e in python native; do
     step "x1-$e" 120 "${B[@]}" --rooms 10 --config 'tp1->1 nhd' --flow direct,push --engine "$e" \
       --trace "$R/trace-$e"
@@ -30,6 +30,7 @@ if [ "$PART" = a ]; then
     step "x32-$e" 90 "${B[@]}" --rooms 2 --inflight 32 --config 'tp1->1 nhd' --flow direct --engine "$e"
   done
   for e in python native; do
+    [ "$PART" = rows ] && break  # PART=rows: the bench nixl rows only
     step "interference-$e" 100 /tmp/kv bench interference --engine "$e" --reps 5 --phase-s 2 --json
   done
   for e in python native; do

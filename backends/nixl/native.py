@@ -486,7 +486,10 @@ class NativeNixl:
             if hot is not None and hot != self._hot:
                 self._hot = hot
                 self._quick.kvf_set_hot(self._eng, int(hot))
-            if self._notifs or self._settled or self._pending.value:
+            # Unread events or undelivered notifications end the wait. Settled transfers do not:
+            # they were announced already and wait for their own poller (a ticket the driver does
+            # not hold, such as a benchmark's raw write, would otherwise keep this from sleeping).
+            if self._notifs or self._pending.value:
                 return True
         return bool(self._lib.kvf_wait(self._eng, int(timeout_s * 1e6)))
 
