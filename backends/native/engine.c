@@ -120,19 +120,21 @@ int kvf_load(const char *path, char *err, size_t errlen) {
         pthread_mutex_unlock(&load_mu);
         return -1;
     }
-    size_t used = 0;
-    int missing = 0;
-    err[0] = '\0';
+    const char *names[64];
+    int missing = 0, total = 0;
 #define X(name, ret, args)                                                                         \
+    total++;                                                                                       \
     api.name = (ret(*) args)dlsym(lib, "nixl_capi_" #name);                                        \
-    if (api.name == NULL) {                                                                        \
-        missing++;                                                                                 \
-        if (used < errlen)                                                                         \
-            used += (size_t)snprintf(err + used, errlen - used, "%snixl_capi_" #name,             \
-                                     missing > 1 ? ", " : "missing ");                             \
-    }
+    if (api.name == NULL && missing < 64)                                                          \
+        names[missing++] = "nixl_capi_" #name;
     CAPI_FUNCS(X)
 #undef X
+    /* One line: how many are missing, and the first few by name. */
+    size_t used = (size_t)snprintf(err, errlen, "missing %d of the %d functions it uses:", missing, total);
+    for (int i = 0; i < missing && i < 6 && used < errlen; i++)
+        used += (size_t)snprintf(err + used, errlen - used, "%s %s", i ? "," : "", names[i]);
+    if (missing > 6 && used < errlen)
+        snprintf(err + used, errlen - used, ", ...");
     if (missing) {
         dlclose(lib);
         memset(&api, 0, sizeof api);

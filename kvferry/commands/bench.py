@@ -214,8 +214,16 @@ def interference(
 
     if engine not in ("python", "native"):
         bad_input(f"--engine must be python or native, got {engine!r}")
-    if reps < 1 or phase_s <= 0 or rate <= 0 or not 1 <= tokens <= 131_072:
-        bad_input("--reps >= 1, --phase-s > 0, --rate > 0 and --tokens in [1, 131072] please")
+    import math
+
+    for name, value, lo, hi in (
+        ("--reps", reps, 1, 1000),
+        ("--phase-s", phase_s, 0.01, 3600.0),
+        ("--rate", rate, 0.01, 10_000.0),
+        ("--tokens", tokens, 1, 131_072),
+    ):
+        if not (math.isfinite(value) and lo <= value <= hi):
+            bad_input(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
     if importlib.util.find_spec("nixl") is None:
         bad_input("bench interference needs NIXL: pip install 'kvferry[real]'")
     if engine == "native":
