@@ -831,29 +831,46 @@ static uint64_t *rows_of(size_t n, const uint64_t *addr, const uint64_t *len, co
     return rows;
 }
 
+/* A command carrying a copy of its notification (empty: none); NULL when out of memory. */
+static kvf_cmd *new_cmd(int kind, int op, uint64_t cookie, const void *notif, size_t notif_len) {
+    kvf_cmd *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return NULL;
+    c->kind = kind;
+    c->op = op;
+    c->cookie = cookie;
+    c->notif_len = notif_len;
+    c->notif = dup_bytes(notif, notif_len);
+    if (c->notif == NULL) {
+        free(c);
+        return NULL;
+    }
+    return c;
+}
+
+/* Queue c if every copy it needed was made; else -4 (no memory, nothing queued). */
+static int queue_or_drop(kvf_engine *e, kvf_cmd *c, bool copied) {
+    if (!copied) {
+        free_cmd(c);
+        return -4;
+    }
+    return enqueue(e, c);
+}
+
 /* Post a transfer between prepared lists (index runs). Returns 0: queued (its end comes as an
  * event with `cookie`), or -4: no memory (nothing queued). */
 int kvf_post_prepped(kvf_engine *e, int op, capi_handle local, const int *lidx, size_t nl, capi_handle remote,
                      const int *ridx, size_t nr, const void *notif, size_t notif_len, uint64_t cookie) {
-    kvf_cmd *c = calloc(1, sizeof *c);
+    kvf_cmd *c = new_cmd(CMD_PREPPED, op, cookie, notif, notif_len);
     if (c == NULL)
         return -4;
-    c->kind = CMD_PREPPED;
-    c->op = op;
-    c->cookie = cookie;
     c->local = local;
     c->remote = remote;
     c->nl = nl;
     c->nr = nr;
     c->lidx = dup_bytes(lidx, nl * sizeof(int));
     c->ridx = dup_bytes(ridx, nr * sizeof(int));
-    c->notif_len = notif_len;
-    c->notif = dup_bytes(notif, notif_len);
-    if (c->lidx == NULL || c->ridx == NULL || c->notif == NULL) {
-        free_cmd(c);
-        return -4;
-    }
-    return enqueue(e, c);
+    return queue_or_drop(e, c, c->lidx != NULL && c->ridx != NULL);
 }
 
 /* Post a transfer of descriptors given here (one-shot): same contract as kvf_post_prepped. */
@@ -861,12 +878,9 @@ int kvf_post_descs(kvf_engine *e, int op, const char *agent, int lmem, size_t n,
                    const uint64_t *llen, const uint64_t *ldev, int rmem, size_t m, const uint64_t *raddr,
                    const uint64_t *rlen, const uint64_t *rdev, const void *notif, size_t notif_len,
                    uint64_t cookie) {
-    kvf_cmd *c = calloc(1, sizeof *c);
+    kvf_cmd *c = new_cmd(CMD_DESCS, op, cookie, notif, notif_len);
     if (c == NULL)
         return -4;
-    c->kind = CMD_DESCS;
-    c->op = op;
-    c->cookie = cookie;
     c->lmem = lmem;
     c->rmem = rmem;
     c->nl = n;
@@ -874,30 +888,17 @@ int kvf_post_descs(kvf_engine *e, int op, const char *agent, int lmem, size_t n,
     c->lrows = rows_of(n, laddr, llen, ldev);
     c->rrows = rows_of(m, raddr, rlen, rdev);
     c->agent = strdup(agent);
-    c->notif_len = notif_len;
-    c->notif = dup_bytes(notif, notif_len);
-    if (c->lrows == NULL || c->rrows == NULL || c->agent == NULL || c->notif == NULL) {
-        free_cmd(c);
-        return -4;
-    }
-    return enqueue(e, c);
+    return queue_or_drop(e, c, c->lrows != NULL && c->rrows != NULL && c->agent != NULL);
 }
 
 static int sync_cmd(kvf_engine *e, int kind, capi_handle h, const char *agent, const void *data, size_t len) {
-    kvf_cmd *c = calloc(1, sizeof *c);
+    kvf_cmd *c = new_cmd(kind, 0, 0, data, len);
     if (c == NULL)
         return -4;
-    c->kind = kind;
     c->sync = true;
     c->local = h;
     c->agent = agent != NULL ? strdup(agent) : NULL;
-    c->notif_len = len;
-    c->notif = dup_bytes(data, len);
-    if ((agent != NULL && c->agent == NULL) || c->notif == NULL) {
-        free_cmd(c);
-        return -4;
-    }
-    return enqueue(e, c);
+    return queue_or_drop(e, c, agent == NULL || c->agent != NULL);
 }
 
 int kvf_release_prep(kvf_engine *e, capi_handle h) { return sync_cmd(e, CMD_RELEASE_PREP, h, NULL, NULL, 0); }

@@ -38,7 +38,7 @@ import os
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -224,8 +224,7 @@ class _Telemetry:
 
 @dataclass
 class _Reg:
-    ptr: int
-    keep: tuple[np.ndarray, ...] = field(default_factory=tuple)
+    ptr: int  # NIXL's registration descriptor list, kept for deregistration
 
 
 class NativeNixl:
@@ -267,7 +266,7 @@ class NativeNixl:
         self._settled: set[int] = set()  # cookies reported and not yet released
         self._notifs: list[tuple[str, bytes]] = []
         self._buf = ctypes.create_string_buffer(1 << 16)
-        self.wake_fd = self._lib.kvf_wake_fd(eng)
+        self.wake_fd = self._lib.kvf_wake_fd(eng)  # readable when events are queued (select/poll)
         # Queued event bytes, written by the engine: an empty poll is one memory read.
         self._pending = ctypes.c_size_t.from_address(self._lib.kvf_pending_addr(eng))
         self._hot = False
