@@ -541,8 +541,12 @@ int kvf_wait(kvf_engine *e, int64_t timeout_us) {
     if (pending)
         return 1;
     struct pollfd p = {.fd = e->wake_fd, .events = POLLIN};
-    int ms = timeout_us <= 0 ? 0 : (int)((timeout_us + 999) / 1000);
-    int r = poll(&p, 1, ms);
+    /* ppoll: a timeout in microseconds (poll's milliseconds would stretch a 200 us idle cap of
+     * the data thread, which still polls the staged flows' copies itself, to 1 ms). */
+    if (timeout_us < 0)
+        timeout_us = 0;
+    struct timespec ts = {.tv_sec = timeout_us / 1000000, .tv_nsec = (long)(timeout_us % 1000000) * 1000};
+    int r = ppoll(&p, 1, &ts, NULL);
     return r > 0 ? 1 : 0;
 }
 
