@@ -4,11 +4,12 @@
  *
  * What it decides: nothing about rooms. "Post this; tell me when it finished or failed" and
  * "these notifications arrived". The Python side (backends/nixl/native.py) loads this library with
- * ctypes (which drops the GIL for every call) and reads events in batches after one wake-up fd.
+ * ctypes (blocking calls through a handle that drops the GIL, short ones through one that keeps it)
+ * and reads events in batches after one wake-up fd.
  *
  * NIXL's C API (libnixl_capi.so, inside the nixl wheel) ships no header and no version contract:
  * the few functions used here are declared from its wrapper.h at the pinned version (1.5.1) and
- * every one is looked up at load; a missing one refuses the load with the list of names.
+ * every one is looked up at load; any missing refuses the load, naming how many and which.
  *
  * Threads. Callers (Python threads) register memory, prepare lists and load peers directly; the
  * data path is the engine's own thread: a caller's post queues a command (one call, its arguments
