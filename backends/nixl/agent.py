@@ -19,6 +19,11 @@ spins (about 70% of a core per agent, idle or not, measured). UCX then progresse
 (check_xfer_state, get_new_notifs): the initiator polls its writes, and a target must keep
 calling ``notifs()``/``progress()`` (the runtime's progress threads do, with an idle backoff).
 
+Executors. ``factory`` builds what talks to NIXL: NIXL's Python agent (``make_nixl_agent``, the
+reference executor), or the native engine (``native.make_native_agent``: same methods, but posts
+run and are polled on the engine's own C thread, which reports which transfers finished:
+``settled()``, ``wait_events()``). Tables, bounds checks and tickets here are the same for both.
+
 Ownership. ``_tables`` (an RWLock) guards every table here: peers, prepared lists, in-flight
 handles. Data-path calls (post, poll, notifications) take the shared side, table changes the
 exclusive side; ``_inflight`` is a dict whose single-key operations are atomic under the GIL.
