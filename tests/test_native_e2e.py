@@ -56,3 +56,15 @@ def test_native_flows(tp: tuple[int, int], flow: str) -> None:
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
 def test_native_peer_killed_mid_transfer(victim: str, tp: tuple[int, int], flow: str) -> None:
     e2e.test_peer_killed_mid_transfer_fails_rooms_on_survivor(victim, tp, flow)
+
+
+def test_native_endpoints_under_hostile_control_frames() -> None:
+    """``kvferry fuzz-live``'s run with every endpoint on the native engine: hostile frames kill no
+    thread and touch no room, and the legitimate rooms all succeed."""
+    from kvferry.backends.runtime.hostile import KINDS, LiveFuzzConfig, run_live_fuzz
+
+    res = run_live_fuzz(LiveFuzzConfig(seed=5, frames=800, rooms=16, max_seconds=60, engine="native"))
+    assert res.executor == "native"
+    assert res.violations == [] and not res.stopped_early
+    assert res.rooms_success == res.rooms_done == 16
+    assert set(res.frames_sent) == set(KINDS)
