@@ -170,3 +170,32 @@ def test_bench_engine_flags_refuse_bad_values(args: list[str], says: str) -> Non
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 2, r.output
     assert says in r.output
+
+
+def test_peer_dropped_while_its_write_is_queued_or_in_flight() -> None:
+    """The prepared lists of a dropped peer are released behind the posts queued before (one queue,
+    in order), so a write still queued or moving when its peer goes ends DONE or ERR, never
+    touches a released list, and the agent keeps working with the peer loaded again."""
+    src = {0: np.full(8 << 20, 7, dtype=np.uint8)}
+    dst = {0: np.zeros(8 << 20, dtype=np.uint8)}
+    a = NixlAgent(sync="rw", factory=native.make_native_agent)
+    b = NixlAgent(sync="rw", factory=native.make_native_agent)
+    try:
+        a.register(regions_from(src))
+        b.register(regions_from(dst))
+        one, zero = np.array([0]), np.array([0])
+        for _ in range(3):
+            name = a.add_peer(b.metadata(), {"kv": (b.regions(), [4096])})
+            tickets = [
+                a.post("WRITE", name, ("kv", 4096), (one * 0, zero), (one * 0, zero), np.array([8 << 20]))
+                for _ in range(4)
+            ]
+            a.remove_peer(name, settle_s=0.0)  # at once: some writes are still queued or moving
+            assert {_settle(a, t) for t in tickets} <= {"DONE", "ERR"}
+            assert a.inflight() == 0
+        name = a.add_peer(b.metadata(), {"kv": (b.regions(), [4096])})
+        t = a.post("WRITE", name, ("kv", 4096), (one * 0, zero), (one * 0, zero), np.array([8 << 20]))
+        assert _settle(a, t) == "DONE" and (dst[0] == 7).all()
+    finally:
+        a.close()
+        b.close()
