@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from kvferry.backends.loopback import soak as loopback_soak
 from kvferry.backends.runtime import bench as runtime_bench
-from kvferry.backends.runtime import hostile
+from kvferry.backends.runtime import hostile, interference
 from kvferry.sim.campaign import parse_seeds
 from typer.testing import CliRunner
 
@@ -121,6 +121,18 @@ def _fake_run_soak(cfg: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     }
 
 
+def _fake_interference(cfg: Any) -> dict[str, Any]:
+    return {
+        "executor": [cfg.engine],
+        "rooms_moved": 0,
+        "rooms_per_s": 0.0,
+        "rooms_failed": 0,
+        "lost_us_per_room": None,
+        **{f"{p}_{k}": 1.0 for p in ("idle", "busy") for k in ("ratio_median", "ratio_min", "ratio_max")},
+        **{f"{p}_step_us_median": 1.0 for p in ("absent", "idle", "busy")},
+    }
+
+
 def _fake_live_fuzz(cfg: Any, *args: Any, **kwargs: Any) -> hostile.LiveFuzzResult:
     assert not cfg.problems()  # the command validated first
     return hostile.LiveFuzzResult(seed=cfg.seed)
@@ -132,6 +144,7 @@ def _no_real_bench() -> Iterator[None]:
     mp.setattr(runtime_bench, "run_config", _fake_run_config)
     mp.setattr(loopback_soak, "run_soak", _fake_run_soak)
     mp.setattr(hostile, "run_live_fuzz", _fake_live_fuzz)
+    mp.setattr(interference, "run", _fake_interference)
     yield
     mp.undo()
 
@@ -397,6 +410,7 @@ BASE = {
     ("demo",): ["--json"],
     ("bench", "nixl"): ["--json"],
     ("bench", "predict"): [BENCH_ROWS, "--json"],
+    ("bench", "interference"): ["--json"],
     ("calibrate",): [TELEMETRY, "--name", "t", "--out", "p.toml", "--json"],
     ("version",): [],
     ("soak",): ["--rooms", "1", "--json"],

@@ -19,6 +19,11 @@ spins (about 70% of a core per agent, idle or not, measured). UCX then progresse
 (check_xfer_state, get_new_notifs): the initiator polls its writes, and a target must keep
 calling ``notifs()``/``progress()`` (the runtime's progress threads do, with an idle backoff).
 
+Executors. ``factory`` builds what talks to NIXL: NIXL's Python agent (``make_nixl_agent``, the
+reference executor), or the native engine (``native.make_native_agent``: same methods, but posts
+run and are polled on the engine's own C thread, which reports which transfers finished:
+``settled()``, ``wait_events()``). Tables, bounds checks and tickets here are the same for both.
+
 Ownership. ``_tables`` (an RWLock) guards every table here: peers, prepared lists, in-flight
 handles. Data-path calls (post, poll, notifications) take the shared side, table changes the
 exclusive side; ``_inflight`` is a dict whose single-key operations are atomic under the GIL.
@@ -201,7 +206,7 @@ class _Peer:
     prepped: dict[ListKey, Any] = field(default_factory=dict)  # prepared list handles
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a ticket is one transfer, and sets of them are kept
 class XferTicket:
     """A posted transfer; the caller polls it until DONE or ERR."""
 
@@ -243,6 +248,8 @@ class NixlAgent:
             raise ValueError("ucx_workers must be >= 1")
         extra = {} if ucx_workers == 1 else {"ucx_workers": ucx_workers}  # fakes need not know it
         self._nixl = factory(self.name, sync, telemetry, ucx_threads, progress_thread, **extra)
+        # The native engine (native.py) polls on its own thread and says which transfers finished.
+        self.executor = "native" if hasattr(self._nixl, "settled") else "python"
         self._stash: deque[tuple[str, bytes]] = deque()  # notifications taken by progress()
         self._capture = telemetry
         self._tables = RWLock()
@@ -502,12 +509,31 @@ class NixlAgent:
     def inflight(self) -> int:
         return len(self._inflight)
 
+    def settled(self) -> set[XferTicket] | None:
+        """Tickets whose transfer may have left PROC (None: unknown, every ticket must be polled).
+        Only the native executor knows: its thread polled them and queued the outcome."""
+        settled = getattr(self._nixl, "settled", None)
+        if settled is None:
+            return None
+        cookies = settled()
+        return {t for t in list(self._inflight.values()) if getattr(t.handle, "cookie", 0) in cookies}
+
+    def wait_events(self, timeout_s: float, hot: bool | None = None) -> bool | None:
+        """Sleep until the native engine has news (True) or the timeout passed (False); None when
+        the executor has nothing to wait on (the caller sleeps its own way). ``hot``: a room this
+        rank receives is in flight (the engine polls for notifications at its in-flight pace)."""
+        wait = getattr(self._nixl, "wait", None)
+        return None if wait is None else wait(timeout_s, hot)
+
     # ---- teardown -----------------------------------------------------------------------
     def close(self, settle_s: float = 2.0) -> None:
         """Handles, then prepared lists, then remote agents, then memory (NIXL's order)."""
         if self._closed:
             return
         self._settle(lambda t: True, settle_s)
+        stop = getattr(self._nixl, "stop", None)
+        if stop is not None:
+            stop()  # the native thread lets go of the agent before anything is released
         with self._tables.write():
             self._closed = True
             for t in list(self._inflight.values()):
@@ -526,6 +552,9 @@ class NixlAgent:
             for descs in self._reg_descs:
                 self._quiet(self._nixl.deregister_memory, descs)
             self._reg_descs.clear()
+            destroy = getattr(self._nixl, "destroy", None)
+            if destroy is not None:
+                self._quiet(destroy)
 
     def _settle(self, match: Callable[[XferTicket], bool], settle_s: float) -> None:
         """Let in-flight transfers finish before their handles go: a posted RDMA op cannot be

@@ -22,6 +22,8 @@ its IO thread.
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -42,6 +44,9 @@ from kvferry.core.flows.regions import is_staging_region
 from kvferry.core.geometry import Layout, PoolGeometry
 from kvferry.core.messages import Endpoint, GeometryWire, RegionAddr, Register
 from kvferry.core.planner import find_link
+
+log = logging.getLogger(__name__)
+ENGINES = ("python", "native")
 
 # Outside RegionAddr's id range (< 2**20), so it can never collide with a pool region.
 AUX_REGION_ID = 1 << 20
@@ -159,19 +164,27 @@ class NixlTransport:
         progress_thread: bool = False,
         ucx_workers: int = 1,
         direct_post: str = "auto",
+        engine: str = "python",
+        engine_poll_s: float = 0.0,
+        engine_idle_max_s: float = 200e-6,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError("role must be prefill or decode")
         if direct_post not in DIRECT_POSTS:
             raise ValueError(f"direct_post must be one of {DIRECT_POSTS}, not {direct_post!r}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
         self._endpoint = endpoint
         self.role = role
         self.pool = pool
-        self.agent = agent or NixlAgent(
+        self.agent = agent or _make_agent(
             f"{endpoint.server}-{endpoint.rank}-{_suffix()}",
+            engine,
             sync=sync,
             progress_thread=progress_thread,
             ucx_workers=ucx_workers,
+            poll_s=engine_poll_s,
+            idle_max_s=engine_idle_max_s,
         )
         self.control = control or ControlPlane(str(endpoint))
         self._direct_post = direct_post
@@ -517,9 +530,19 @@ class NixlTransport:
     def check_xfer(self, handle: XferTicket) -> XferState:
         return XferState(self.agent.poll(handle))
 
-    def settled_handles(self) -> None:
-        """NIXL reports completion only when asked: every handle is checked."""
-        return None
+    @property
+    def executor(self) -> str:
+        """Which executor drives NIXL here: "native" (the C engine) or "python"."""
+        return self.agent.executor
+
+    def settled_handles(self) -> set[XferTicket] | None:
+        """The native engine's thread says which transfers finished; with the Python executor
+        NIXL reports completion only when asked (None: every handle is checked)."""
+        return self.agent.settled()
+
+    def wait_events(self, timeout_s: float, hot: bool | None = None) -> bool | None:
+        """Sleep on the native engine's wake-up until it has news (None: no such wake-up)."""
+        return self.agent.wait_events(timeout_s, hot)
 
     def release_xfer(self, handle: XferTicket) -> None:
         # poll() already released the NIXL handle on DONE/ERR; nothing is left to free.
@@ -639,6 +662,35 @@ def kernel_pool(pool: PoolGeometry, buffers: Mapping[int, Any]) -> Any:
         flat = buffers[rid].reshape(-1).view(torch.uint8)[: pool.region_bytes].view(width)
         planes.append(flat.view(slots, pool.heads_per_rank, -1))
     return KVPool(planes, pool.page_size)
+
+
+def _make_agent(
+    name: str,
+    engine: str,
+    *,
+    sync: str,
+    progress_thread: bool,
+    ucx_workers: int,
+    poll_s: float,
+    idle_max_s: float,
+) -> NixlAgent:
+    """The agent on the asked executor; "native" falls back to Python with one line saying why."""
+    if engine == "native":
+        from kvferry.backends.nixl import native
+
+        try:
+            agent = NixlAgent(
+                name,
+                sync=sync,
+                ucx_workers=ucx_workers,
+                factory=functools.partial(native.make_native_agent, poll_s=poll_s, idle_max_s=idle_max_s),
+            )
+        except native.NativeUnavailable as exc:
+            log.warning("%s: executor python (native asked, unavailable: %s)", name, exc)
+        else:
+            log.info("%s: executor native (nixl %s)", name, native.nixl_version())
+            return agent
+    return NixlAgent(name, sync=sync, progress_thread=progress_thread, ucx_workers=ucx_workers)
 
 
 def _suffix() -> str:

@@ -69,6 +69,16 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # NIXL merges back), "oneshot" (each run as one descriptor, lists built per post), or "auto"
     # (one-shot when runs are long: backends/nixl/transport.py ONESHOT_INDICES_PER_RUN).
     nixl_direct_post: str = "auto"
+    # Who executes the core's NIXL commands: "python" (the reference executor: our threads call
+    # NIXL's Python API and poll it) or "native" (backends/native: one C thread per endpoint posts
+    # and polls without the interpreter, and wakes the data thread through an eventfd). "native"
+    # falls back to "python" with one log line when the engine or NIXL's C API is unavailable.
+    nixl_engine: str = "python"
+    # The native engine's pace (microseconds) while a transfer is in flight or a room this rank
+    # receives is: 0 polls back to back (its thread yields the core between polls and never holds
+    # the interpreter, so it costs a core, not the host's Python threads). Idle, it backs off to
+    # active_idle_max_s.
+    nixl_engine_poll_us: float = 0.0
     # Staging memory of the ring and pinned flows (backends/runtime/staging.py).
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
     # Control-plane authentication (backends/runtime/security.py, docs/security.md): one or two
@@ -123,6 +133,9 @@ class EndpointBase:
             progress_thread=config.nixl_progress_thread,
             ucx_workers=config.nixl_ucx_workers,
             direct_post=config.nixl_direct_post,
+            engine=config.nixl_engine,
+            engine_poll_s=config.nixl_engine_poll_us / 1e6,
+            engine_idle_max_s=config.active_idle_max_s,
         )
         try:
             self.transport.register_regions(pool.regions, config.aux_rows, config.aux_row_bytes)
@@ -232,6 +245,7 @@ class EndpointBase:
         alive) and the data loop (notifications, write and copy completions, which may wait on a
         UCX worker another thread's big post holds)."""
         idle = self.config.idle_max_s
+        native = self.transport.executor == "native"
         return [
             Loop(
                 f"{self.endpoint}-control",
@@ -246,8 +260,14 @@ class EndpointBase:
                 self._record_error,
                 idle_max_s=idle,
                 idle_cap=self._data_idle_cap,
+                wait=self._wait_native if native else None,
             ),
         ]
+
+    def _wait_native(self, timeout_s: float) -> None:
+        """The data thread's idle sleep on a native-engine rank: on the engine's wake-up, with the
+        engine polling fast while this rank has a room in flight (the board's count)."""
+        self.transport.wait_events(timeout_s, hot=self.board.in_flight() > 0)
 
     def _data_idle_cap(self) -> float:
         """Poll fast while a room of this rank is in flight (the board's count, under its own

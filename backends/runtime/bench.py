@@ -19,6 +19,12 @@ sized for ``max(2, inflight)`` chunks. For each configuration:
 Every timed room is checked on decode before the raw writes: every byte of the room's pages holds
 the value its source rank filled in.
 
+``engine`` picks the executor of both processes (RuntimeConfig.nixl_engine: python or native); the
+result says which one really ran. ``handoff`` times what serving feels instead: prefill waits until
+decode's TransferInfo reached every sender (the usual case: it arrives while prefill computes),
+then the clock runs from ``send(last chunk)`` of the batch to decode's last Success (one host,
+so both processes read the same monotonic clock).
+
 Child processes speak JSON lines on stdout/stdin (``python -m kvferry.backends.runtime.bench``).
 """
 
@@ -79,6 +85,8 @@ class BenchConfig:
     # worker poll NIXL while a room is in flight (0: they spin; measured far slower on the H100
     # machine, docs/benchmarks.md "Stop 26": the spinning threads take the GIL from the others).
     active_poll_us: float = 200.0
+    engine: str = "python"  # RuntimeConfig.nixl_engine of both processes
+    handoff: bool = False  # time send(last chunk) -> decode Success, TransferInfo already at prefill
 
 
 DEFAULT_CONFIGS = (
@@ -88,6 +96,7 @@ DEFAULT_CONFIGS = (
     BenchConfig("tp4->2 nhd", 4, 2, rooms=2),
 )
 FLOWS = ("direct", "ring", "pinned", "pull", "push", "policy")
+ENGINES = ("python", "native")
 
 
 # ---- child side ----------------------------------------------------------------------------------
@@ -216,6 +225,7 @@ def _config(cfg: BenchConfig) -> Any:
         staging=staging,
         worker_chunks_in_flight=cfg.worker_chunks,
         nixl_direct_post=cfg.direct_post,
+        nixl_engine=cfg.engine,
     )
 
 
@@ -245,6 +255,7 @@ def child_prefill(cfg: BenchConfig) -> None:
     raw_times: list[float] = []
     planned_times: list[float] = []
     kv_posts: list[Any] = []
+    raw_posts: list[Any] = []
     kind = "VRAM" if cfg.mem == "VRAM" else "DRAM"
     for b in range(cfg.warmup + cfg.rooms):
         for ep in eps:  # keep only this batch's writes (not the warm-up's, not the raw ones)
@@ -263,6 +274,9 @@ def child_prefill(cfg: BenchConfig) -> None:
                     ),
                 )
             batch.append((senders, pages))
+        if cfg.handoff:  # decode's TransferInfo first: the clock starts at the chunk, not the open
+            _wait_status(senders_of(batch), KVPoll.WaitingForInput)
+        t_send = time.monotonic_ns()
         for c, end in enumerate(cuts):
             for senders, pages in batch:
                 for s in senders:
@@ -274,7 +288,7 @@ def child_prefill(cfg: BenchConfig) -> None:
                 s.clear()
         if b >= cfg.warmup:  # NIXL's own per-write telemetry of this batch's KV writes (no aux)
             kv_posts += [r for ep in eps for r in ep.transport.agent.telemetry.records() if r.nbytes > 4096]
-        _say(event="batch_sent", index=b)
+        _say(event="batch_sent", index=b, t_send=t_send)
         # Raw, paired with this batch: one descriptor per (room, prefill rank), all posted at once,
         # the same bytes. Only after decode checked the batch: they land in the same decode buffer.
         covers = _hear()["raw"]  # per decode rank: (addr, bytes, dev) of its whole pool
@@ -290,6 +304,7 @@ def child_prefill(cfg: BenchConfig) -> None:
                 ep.transport.agent.add_lists(
                     agent, {"raw": ([MemRegion(RAW_ID, d_addr, d_bytes, kind, d_dev)], [room_bytes])}
                 )
+        seen = [len(ep.transport.agent.telemetry.records()) for ep in eps]
         t0 = time.perf_counter()
         tickets = []
         for k in range(cfg.inflight):
@@ -314,6 +329,13 @@ def child_prefill(cfg: BenchConfig) -> None:
         raw_times.append(time.perf_counter() - t0)
         if any(s != "DONE" for s in states):
             raise RuntimeError(f"raw write ended {states}")
+        if b >= cfg.warmup:  # the executor's own view of the raw writes (post call, completion seen)
+            raw_posts += [
+                r
+                for ep, n in zip(eps, seen, strict=True)
+                for r in ep.transport.agent.telemetry.records()[n:]
+                if r.nbytes == room_bytes
+            ]
         if cfg.flow == "direct":
             planned_times.append(_planned_raw(cfg, eps, b, n_pages))
         _say(event="raw_done", index=b)
@@ -325,6 +347,7 @@ def child_prefill(cfg: BenchConfig) -> None:
     _save_trace(cfg, traces, "prefill")
     _say(
         event="done",
+        executor=[ep.transport.executor for ep in eps],
         raw_times=raw_times[cfg.warmup :],
         planned_times=planned_times[cfg.warmup :],
         raw_bytes=room_bytes * len(eps) * cfg.inflight,
@@ -333,10 +356,31 @@ def child_prefill(cfg: BenchConfig) -> None:
         post_us=statistics.median([r.post_us for r in kv_posts]) if kv_posts else 0,
         xfer_us=statistics.median([r.xfer_us for r in kv_posts]) if kv_posts else 0,
         wall_us=statistics.median([r.wall_ns / 1e3 for r in kv_posts]) if kv_posts else 0,
+        raw_post_us=statistics.median([r.post_us for r in raw_posts]) if raw_posts else 0,
+        raw_xfer_us=statistics.median([r.xfer_us for r in raw_posts]) if raw_posts else 0,
+        raw_wall_us=statistics.median([r.wall_ns / 1e3 for r in raw_posts]) if raw_posts else 0,
     )
     _hear()
     for ep in eps:
         ep.close()
+
+
+def senders_of(batch: list[tuple[list[Any], Any]]) -> list[Any]:
+    return [s for senders, _ in batch for s in senders]
+
+
+def _wait_status(handles: list[Any], status: Any, timeout_s: float = 600.0) -> None:
+    """Until every room handle reports ``status`` (or later); polled, before the clock starts."""
+    from kvferry.core.kvpoll import KVPoll
+
+    end = time.monotonic() + timeout_s
+    while any((st := h.poll()) < status for h in handles):
+        if st is KVPoll.Failed:
+            for h in handles:
+                h.failure_exception()
+        if time.monotonic() > end:
+            raise RuntimeError(f"rooms did not reach {status!r} in {timeout_s} s")
+        time.sleep(50e-6)
 
 
 def _planned_raw(cfg: BenchConfig, eps: list[Any], batch: int, n_pages: int) -> float:
@@ -435,6 +479,7 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
                 rvs.append(rv)
         sts = [rv.wait(600) for rv in rvs]
         dt = time.perf_counter() - t0
+        t_done = time.monotonic_ns()
         for rv, st in zip(rvs, sts, strict=True):
             if st is not KVPoll.Success:
                 rv.failure_exception()
@@ -447,7 +492,7 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
                 for k in range(cfg.inflight)
                 for regions, want in zip(all_regions, wants, strict=True)
             ]
-        _say(event="batch", index=b)
+        _say(event="batch", index=b, t_done=t_done)
         _hear()  # next: the paired raw writes are done
     check = {"ok": bool(checks) and all(checks), "rooms_checked": len(checks)}
     _save_trace(cfg, traces, "decode")
@@ -458,6 +503,7 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
                 counters[k] = counters.get(k, 0) + v
     _say(
         event="done",
+        executor=[ep.transport.executor for ep in eps],
         durations=durations,
         room_bytes=room_bytes * cfg.inflight,
         check=check,
@@ -541,6 +587,8 @@ def check_config(cfg: BenchConfig) -> None:
         raise ValueError(f"flow must be one of {', '.join(FLOWS)}, got {cfg.flow!r}")
     if cfg.direct_post not in DIRECT_POSTS:
         raise ValueError(f"direct_post must be one of {', '.join(DIRECT_POSTS)}, got {cfg.direct_post!r}")
+    if cfg.engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {cfg.engine!r}")
     # Prefill holds one batch of rooms, decode two (summed over ranks): all allocated up front,
     # and the staging memory of every rank.
     model = ModelGeometry.preset(cfg.model)
@@ -588,9 +636,12 @@ def run_config(
         raw = dec.get(timeout_s)["raw"]
         pre.put(go=True)
         dec.put(go=True)
-        for _ in range(cfg.warmup + cfg.rooms):
-            dec.get(timeout_s)  # batch: timed and checked on decode
-            pre.get(timeout_s)  # batch_sent
+        handoffs = []
+        for b in range(cfg.warmup + cfg.rooms):
+            t_done = dec.get(timeout_s)["t_done"]  # batch: timed and checked on decode
+            t_send = pre.get(timeout_s)["t_send"]  # batch_sent
+            if b >= cfg.warmup:
+                handoffs.append((t_done - t_send) / 1e9)
             pre.put(raw=raw)
             pre.get(timeout_s)  # raw_done
             dec.put(next=True)
@@ -611,6 +662,7 @@ def run_config(
     # Direct flow only: NIXL alone with the room's own descriptors (see _planned_raw).
     planned_s = statistics.median(p["planned_times"]) if p["planned_times"] else None
     planned = p["raw_bytes"] / planned_s / 1e9 if planned_s else None
+    handoff_s = statistics.median(handoffs) if cfg.handoff else None
     return {
         "config": cfg.name,
         "model": cfg.model,
@@ -624,6 +676,14 @@ def run_config(
         "switch_interval_us": cfg.switch_interval_us,
         "direct_post": cfg.direct_post,
         "active_poll_us": cfg.active_poll_us,
+        "engine": cfg.engine,
+        # What really ran in each process (native falls back to python when it cannot load).
+        "executor": sorted(set(p["executor"]) | set(d["executor"])),
+        "handoff": cfg.handoff,
+        # send(last chunk) -> decode Success of a batch (TransferInfo already at prefill), and the
+        # raw write of the same bytes over that time (None unless ``handoff``).
+        "handoff_s": handoff_s,
+        "handoff_ratio": raw_s / handoff_s if handoff_s else None,
         "kvferry_s": e2e_s,
         "kvferry_gbps": e2e,
         "raw_s": raw_s,
@@ -638,6 +698,11 @@ def run_config(
         "write_post_us": p["post_us"],  # NIXL telemetry, median per kvferry write
         "write_xfer_us": p["xfer_us"],
         "write_wall_us": p["wall_us"],  # post to DONE seen by our poll
+        # The raw writes the same way: NIXL's (python) or the engine's (native) post time and
+        # completion time, and post to DONE as the waiting Python thread saw it.
+        "raw_post_us": p["raw_post_us"],
+        "raw_xfer_us": p["raw_xfer_us"],
+        "raw_wall_us": p["raw_wall_us"],
         "bytes_ok": d["check"].get("ok", False),
         "ucx_tls": env.get("UCX_TLS", "(default)"),
         "mem": cfg.mem,

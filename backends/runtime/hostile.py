@@ -58,6 +58,7 @@ class LiveFuzzConfig:
     max_seconds: float = 60.0
     # Self-check of the checker: one stray byte written into a page no room owns, after the run.
     plant_stray_write: bool = False
+    engine: str = "python"  # RuntimeConfig.nixl_engine of every endpoint (python or native)
 
     def problems(self) -> str:
         if not 0 <= self.seed < 1 << 63:
@@ -68,6 +69,8 @@ class LiveFuzzConfig:
             return f"--rooms must be in [1, 1000000], got {self.rooms}"
         if not 0 < self.max_seconds <= 86_400:
             return f"--max-seconds must be in (0, 86400], got {self.max_seconds}"
+        if self.engine not in ("python", "native"):
+            return f"engine must be python or native, got {self.engine!r}"
         return ""
 
 
@@ -81,6 +84,7 @@ class LiveFuzzResult:
     rejected: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
     stopped_early: bool = False
+    executor: str = ""  # what the endpoints really ran (native falls back to python)
 
     @property
     def ok(self) -> bool:
@@ -98,6 +102,7 @@ class LiveFuzzResult:
             "rejected": self.rejected,
             "wall_s": round(self.wall_s, 3),
             "stopped_early": self.stopped_early,
+            "executor": self.executor,
         }
 
 
@@ -346,7 +351,9 @@ def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = 
     rng = random.Random(cfg.seed)
     key = ephemeral_key()
     timeouts = loopback_timeouts()  # the soak's: generous for a loaded 2-core machine
-    rc = RuntimeConfig(num_queues=2, aux_rows=AUX_ROWS, timeouts=timeouts, control_keys=(key,))
+    rc = RuntimeConfig(
+        num_queues=2, aux_rows=AUX_ROWS, timeouts=timeouts, control_keys=(key,), nixl_engine=cfg.engine
+    )
     model = ModelGeometry("fuzz-live", num_layers=2, num_kv_heads=4, head_dim=8)
     pre = [PrefillEndpoint("P", PoolGeometry(model, 2, r, PAGE, PAGES), config=rc) for r in range(2)]
     dec = DecodeEndpoint(
@@ -357,6 +364,7 @@ def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = 
         config=rc,
     )
     eps = [*pre, dec]
+    res.executor = ",".join(sorted({ep.transport.executor for ep in eps}))
     for ep in eps:
         ep.start()
     for rid in [r.region_id for r in dec.pool.regions] + [AUX_REGION_ID]:

@@ -6,8 +6,10 @@ so an idle endpoint costs a few hundred wake-ups a second and never spins. ``idl
 lowers that ceiling while it returns a smaller number: a data thread with rooms in flight polls
 every ``active_idle_max_s`` (a notification is noticed that soon) and backs off to ``idle_max_s``
 only when the rank has nothing to wait for. ``step`` may wait on
-its own (a worker waits on its queue's event). An exception from ``step`` never ends the thread:
-it goes to ``on_error`` with its original type and the loop continues.
+its own (a worker waits on its queue's event). ``wait`` (optional) replaces the idle sleep: the
+data thread of a native-engine endpoint sleeps on the engine's wake-up, so a completion or a
+notification ends the sleep at once (it still sleeps at most the idle time). An exception from
+``step`` never ends the thread: it goes to ``on_error`` with its original type and the loop continues.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Loop:
         idle_min_s: float = 50e-6,
         idle_max_s: float = 1e-3,
         idle_cap: Callable[[], float] | None = None,
+        wait: Callable[[float], object] | None = None,
     ) -> None:
         self.name = name
         self._step = step
@@ -34,6 +37,7 @@ class Loop:
         self._idle_min = idle_min_s
         self._idle_max = idle_max_s
         self._idle_cap = idle_cap
+        self._wait = wait
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -61,5 +65,8 @@ class Loop:
             else:
                 if self._idle_cap is not None:
                     idle = min(idle, self._idle_cap())
-                self.stop_event.wait(idle)
+                if self._wait is not None:
+                    self._wait(idle)
+                else:
+                    self.stop_event.wait(idle)
                 idle = min(idle * 2, self._idle_max)

@@ -83,6 +83,20 @@ def nixl(
             "(policy: the runtime's own choice per room; default: direct,ring,pinned).",
         ),
     ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="Executor of the core's NIXL commands: python, or native (the C engine; falls back "
+            "to python, and says so, when it cannot load)."
+        ),
+    ] = "python",
+    handoff: Annotated[
+        bool,
+        typer.Option(
+            help="Time the hand-off instead: decode's TransferInfo already at prefill, from "
+            "send(last chunk) to decode's Success."
+        ),
+    ] = False,
 ) -> None:
     """Two processes on 127.0.0.1 (prefill ranks, one decode rank) move qwen3-8b KV rooms through
     kvferry's runtime; the same processes then WRITE the same bytes as one NIXL descriptor."""
@@ -129,6 +143,8 @@ def nixl(
                 switch_interval_us=switch_interval_us,
                 active_poll_us=active_poll_us,
                 direct_post=direct_post,
+                engine=engine,
+                handoff=handoff,
                 flow=f,
                 prefill_gpus=prefill_gpus,
                 decode_gpus=decode_gpus,
@@ -149,6 +165,10 @@ def nixl(
     if trace:
         check_output_dir(Path(trace), "--trace")
     finished: list[str] = []
+    if engine == "native":
+        from kvferry.backends.nixl.native import describe
+
+        print(f"executor: {describe()}", file=sys.stderr)
     for i, c in enumerate(runs):
         print(
             f"[{i + 1}/{len(runs)}] {c.name} {c.flow} {c.mem}: {c.rooms} batch(es) of {c.inflight}",
@@ -175,9 +195,68 @@ def nixl(
             f"ratio {r['ratio']:.2f}; {r['descs_requested']} indices -> {r['descs_posted']} posted "
             f"descriptors per write; bytes {'ok' if r['bytes_ok'] else 'WRONG'}"
         )
+        if r["handoff_s"] is not None:
+            typer.echo(
+                f"{'':<12} hand-off (send(last chunk) -> decode Success): {r['handoff_s'] * 1e3:.2f} ms, "
+                f"{r['handoff_ratio']:.2f} of the raw write"
+            )
+        typer.echo(f"{'':<12} executor: {', '.join(r['executor'])}")
         if r["planned_raw_gbps"] is not None:
             typer.echo(
                 f"{'':<12} NIXL alone with the same descriptors: {r['planned_raw_gbps']:.2f} GB/s "
                 f"({r['planned_raw_s'] * 1e3:.1f} ms), {r['planned_of_raw']:.2f} of raw; "
                 f"kvferry {r['ratio_to_planned']:.2f} of it"
             )
+
+
+@bench_app.command("interference")
+def interference(
+    engine: Annotated[str, typer.Option(help="Executor of both endpoints: python or native.")] = "python",
+    reps: Annotated[int, typer.Option(help="Repetitions of the absent/idle/busy phases (>= 5 advised).")] = 5,
+    phase_s: Annotated[float, typer.Option(help="Seconds per phase.")] = 2.0,
+    rate: Annotated[float, typer.Option(help="Rooms per second in the busy phase.")] = 20.0,
+    tokens: Annotated[int, typer.Option(help="Tokens per room (qwen3-8b KV, TP 1 -> 1, DRAM).")] = 256,
+    as_json: Annotated[bool, typer.Option("--json", help="The result as one JSON object.")] = False,
+) -> None:
+    """A scheduler-like thread shares a process with a prefill and a decode endpoint (real NIXL,
+    DRAM); its step rate with the endpoints absent, idle and moving rooms, phases alternated."""
+    import math
+    import sys
+
+    if engine not in ("python", "native"):
+        bad_input(f"--engine must be python or native, got {engine!r}")
+
+    for name, value, lo, hi in (
+        ("--reps", reps, 1, 1000),
+        ("--phase-s", phase_s, 0.01, 3600.0),
+        ("--rate", rate, 0.01, 10_000.0),
+        ("--tokens", tokens, 1, 131_072),
+    ):
+        if not (math.isfinite(value) and lo <= value <= hi):
+            bad_input(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
+    extras.require("real", "kvferry bench interference")
+    from kvferry.backends.runtime.interference import InterferenceConfig, run
+
+    if engine == "native":
+        from kvferry.backends.nixl.native import describe
+
+        print(f"executor: {describe()}", file=sys.stderr)
+    r = run(InterferenceConfig(engine=engine, reps=reps, phase_s=phase_s, rate=rate, tokens=tokens))
+    if as_json:
+        typer.echo(json.dumps(r))
+        return
+    typer.echo(
+        f"executor {', '.join(r['executor'])}: {r['rooms_moved']} rooms moved ({r['rooms_per_s']:.1f}/s, "
+        f"{r['rooms_failed']} failed) over {reps} repetitions of {phase_s:g} s phases"
+    )
+    for p in ("idle", "busy"):
+        typer.echo(
+            f"  scheduler step rate, endpoints {p}: {r[f'{p}_ratio_median']:.3f} of absent "
+            f"(spread {r[f'{p}_ratio_min']:.3f}-{r[f'{p}_ratio_max']:.3f}); median step "
+            f"{r[f'{p}_step_us_median']:.0f} us (absent {r['absent_step_us_median']:.0f} us)"
+        )
+    if r["lost_us_per_room"] is not None:
+        typer.echo(
+            f"  per room: scheduler time lost {r['lost_us_per_room']:.0f} us, endpoints' Python "
+            f"threads' CPU {r['python_cpu_us_per_room']:.0f} us"
+        )

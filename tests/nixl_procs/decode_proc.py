@@ -41,7 +41,9 @@ def main() -> None:
     args = ap.parse_args()
     wl.stall_copies_if_asked()
 
-    cfg = RuntimeConfig(timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS, staging=wl.staging(args.flow))
+    cfg = RuntimeConfig(
+        timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS, staging=wl.staging(args.flow), nixl_engine=wl.engine()
+    )
     pools = wl.decode_pools(args.decode_tp)
     mems = [wl.Memory(pool, args.mem) for pool in pools]
     eps = [
@@ -187,6 +189,7 @@ def main() -> None:
         errors=[repr(e) for ep in eps for e in ep.errors],
         driver_errors=[dict(ep.driver.errors) for ep in eps],
         counters=counters,
+        executor=[ep.transport.executor for ep in eps],
     )
     heard(120.0)
     say(event="closed", stuck=[name for ep in eps for name in ep.close()])

@@ -42,7 +42,11 @@ def main() -> None:
     wl.stall_copies_if_asked()
 
     cfg = RuntimeConfig(
-        num_queues=args.queues, timeouts=wl.timeouts(), aux_rows=wl.AUX_ROWS, staging=wl.staging(args.flow)
+        num_queues=args.queues,
+        timeouts=wl.timeouts(),
+        aux_rows=wl.AUX_ROWS,
+        staging=wl.staging(args.flow),
+        nixl_engine=wl.engine(),
     )
     pools = wl.prefill_pools(args.prefill_tp)
     mems = [wl.Memory(pool, args.mem) for pool in pools]
@@ -189,6 +193,7 @@ def main() -> None:
         # Gathers the engine waits for, and what the driver and the copy executor say of them.
         copies=[copy_tables(ep) for ep in eps],
         counters=[engine_counters(ep) for ep in eps],
+        executor=[ep.transport.executor for ep in eps],
     )
     heard(120.0)
     stuck = [name for ep in eps for name in ep.close()]

@@ -140,6 +140,13 @@ class Memory:
                 self.host[rid][:] = t.cpu().numpy()
 
 
+def engine() -> str:
+    """The executor both processes run (``KVFERRY_E2E_ENGINE``: python, the default, or native)."""
+    import os
+
+    return os.environ.get("KVFERRY_E2E_ENGINE", "python")
+
+
 def stall_copies_if_asked() -> None:
     """A controlled stall: ``KVFERRY_E2E_COPY_DELAY_S`` makes every gather/scatter of this process
     take that much longer (GPU-like orderings on a CPU: copies finish after the writes and

@@ -1,0 +1,1 @@
+"""The native transfer engine: C source (engine.c), built into ``_kvf_engine`` at install."""

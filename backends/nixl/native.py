@@ -1,0 +1,531 @@
+"""The native executor: NIXL driven by the C engine (backends/native/engine.c) through ctypes.
+
+``NativeNixl`` has the shape of the ``nixl_agent`` methods ``NixlAgent`` calls, so the agent's
+tables, bounds checks and ticket discipline stay exactly as they are; what changes is who talks to
+NIXL and who polls:
+- posting is one native call (the arguments are copied and queued; the engine's thread makes the
+  request and posts it, in the order given),
+- the engine's own thread polls every posted request and the agent's notifications, never touching
+  the interpreter, and queues completions and notifications as one batch behind one eventfd,
+- ``check_xfer_state``/``get_new_notifs`` only read what the batches said (``drain``), and a data
+  thread can sleep on the eventfd (``wait``) instead of polling NIXL on a timer.
+
+The engine decides nothing about rooms: it posts what it is given and reports when each transfer
+finished or failed, and which notifications arrived.
+
+Loading. ``load()`` finds the engine library built at install (or ``$KVFERRY_NATIVE_LIB``, e.g. an
+AddressSanitizer build) and NIXL's C API inside the nixl wheel that ``import nixl`` picks
+(``$KVFERRY_NIXL_CAPI`` overrides). Every C API function the engine uses is looked up at load;
+anything missing refuses the load with one line naming the nixl version (``NativeUnavailable``).
+
+Planted bugs (tests only, ``$KVFERRY_NATIVE_PLANT``): ``early_done`` reports a completion when the
+transfer is posted, before it finished; ``notif_prev`` delivers each notification with the
+previous one's payload (a notification counted for the wrong room). The differential and e2e
+tests prove they catch both.
+
+Ownership: ``_lock`` guards ``_xfers``, ``_notifs`` and ``_settled`` (any thread may drain); the
+engine handle is used by any thread (its C side has its own lock and NIXL's RW sync mode).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.metadata
+import importlib.util
+import itertools
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PINNED_NIXL = "1.5.1"
+MEM_TYPES = {"DRAM": 0, "VRAM": 1}
+OPS = {"READ": 0, "WRITE": 1}
+SYNC = {"none": 0, "strict": 1, "rw": 2}
+PLANTS = {"": 0, "early_done": 1, "notif_prev": 2}
+_EV_DONE, _EV_NOTIF = 1, 2
+_DONE = struct.Struct("<QiQQ")
+_NOTIF = struct.Struct("<II")
+_ERRLEN = 512
+
+c_u64p = ctypes.POINTER(ctypes.c_uint64)
+c_intp = ctypes.POINTER(ctypes.c_int)
+
+
+class NativeUnavailable(RuntimeError):
+    """The native engine cannot run here; the message is one line saying why."""
+
+
+def nixl_version() -> str:
+    try:
+        return importlib.metadata.version("nixl")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def capi_path() -> Path:
+    """libnixl_capi.so of the nixl backend package ``import nixl`` loads (nixl_cu12/nixl_cu13)."""
+    env = os.environ.get("KVFERRY_NIXL_CAPI")
+    if env:
+        return Path(env)
+    import nixl._api as api  # the meta package maps this to the backend package's module
+
+    pkg = Path(api.__file__).resolve().parent
+    return pkg.parent / f".{pkg.name}.mesonpy.libs" / "libnixl_capi.so"
+
+
+def engine_path() -> Path:
+    env = os.environ.get("KVFERRY_NATIVE_LIB")
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec("kvferry.backends.native._kvf_engine")
+    if spec is None or spec.origin is None:
+        raise NativeUnavailable("native engine not built (no kvferry.backends.native._kvf_engine)")
+    return Path(spec.origin)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    vp, sz, u64, i64, cp = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int64, ctypes.c_char_p
+    sig: dict[str, tuple[Any, list[Any]]] = {
+        "kvf_load": (ctypes.c_int, [cp, cp, sz]),
+        "kvf_create": (vp, [cp, ctypes.c_int, ctypes.c_uint, ctypes.c_uint, u64, u64, ctypes.c_int, cp, sz]),
+        "kvf_stop": (None, [vp]),
+        "kvf_destroy": (None, [vp]),
+        "kvf_wake_fd": (ctypes.c_int, [vp]),
+        "kvf_wait": (ctypes.c_int, [vp, i64]),
+        "kvf_drain": (sz, [vp, vp, sz, c_intp]),
+        "kvf_register": (vp, [vp, ctypes.c_int, sz, c_u64p, c_u64p, c_u64p, cp, sz]),
+        "kvf_deregister": (ctypes.c_int, [vp, vp]),
+        "kvf_local_md": (ctypes.c_int, [vp, ctypes.POINTER(vp), ctypes.POINTER(sz)]),
+        "kvf_free": (None, [vp]),
+        "kvf_load_remote": (ctypes.c_int, [vp, cp, sz, ctypes.POINTER(vp)]),
+        "kvf_remove_remote": (ctypes.c_int, [vp, cp]),
+        "kvf_prep": (vp, [vp, cp, ctypes.c_int, sz, c_u64p, c_u64p, c_u64p, cp, sz]),
+        "kvf_release_prep": (ctypes.c_int, [vp, vp]),
+        "kvf_gen_notif": (ctypes.c_int, [vp, cp, cp, sz]),
+        "kvf_post_prepped": (
+            ctypes.c_int,
+            [vp, ctypes.c_int, vp, c_intp, sz, vp, c_intp, sz, cp, sz, u64],
+        ),
+        "kvf_post_descs": (
+            ctypes.c_int,
+            [vp, ctypes.c_int, cp, *(ctypes.c_int, sz, c_u64p, c_u64p, c_u64p) * 2, cp, sz, u64],
+        ),
+        "kvf_counters": (None, [vp, c_u64p]),
+        "kvf_pending_addr": (vp, [vp]),
+        "kvf_set_hot": (None, [vp, ctypes.c_int]),
+    }
+    for name, (res, args) in sig.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+
+
+@functools.cache
+def quick() -> ctypes.PyDLL:
+    """The same library through a handle whose calls keep the GIL: for the short, non-blocking
+    calls (drain, counters, hot flag), where dropping and retaking the interpreter would cost more
+    than the call (a thread that let go of the GIL waits for it behind busy Python threads)."""
+    lib = ctypes.PyDLL(str(engine_path()))
+    _declare(lib)
+    return lib
+
+
+@functools.cache
+def load() -> ctypes.CDLL:
+    """The engine library with NIXL's C API loaded into it, or NativeUnavailable (one line)."""
+    version = nixl_version()
+    try:
+        path = engine_path()
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+    except (OSError, AttributeError) as exc:
+        raise NativeUnavailable(f"native engine library unusable (nixl {version}): {exc}") from None
+    try:
+        capi = capi_path()
+    except ImportError as exc:
+        raise NativeUnavailable(f"nixl {version} not importable: {exc}") from None
+    err = ctypes.create_string_buffer(_ERRLEN)
+    if lib.kvf_load(str(capi).encode(), err, _ERRLEN) != 0:
+        raise NativeUnavailable(
+            f"NIXL C API of nixl {version} does not match the engine (built for {PINNED_NIXL}): "
+            f"{err.value.decode(errors='replace')}"
+        )
+    return lib
+
+
+def describe() -> str:
+    """One line: which executor a ``--engine native`` run gets here, and why."""
+    try:
+        load()
+    except NativeUnavailable as exc:
+        return f"python (native unavailable: {exc})"
+    return f"native (nixl {nixl_version()}, {capi_path()})"
+
+
+@dataclass
+class _Cols:
+    """(addr, len, dev) rows as three C arrays; the object keeps them alive across the call."""
+
+    n: int
+    addr: Any
+    length: Any
+    dev: Any
+    keep: tuple[np.ndarray, ...]
+
+
+def _cols(rows: np.ndarray) -> _Cols:
+    rows = np.ascontiguousarray(rows, dtype=np.uint64).reshape(-1, 3)
+    a, n, d = (np.ascontiguousarray(rows[:, i]) for i in range(3))
+    ptr = [x.ctypes.data_as(c_u64p) for x in (a, n, d)]
+    return _Cols(a.size, *ptr, keep=(a, n, d))
+
+
+@dataclass
+class _Prepped:
+    owner: NativeNixl
+    ptr: int
+
+    def release(self) -> None:
+        if self.ptr:
+            self.owner._lib.kvf_release_prep(self.owner._eng, self.ptr)
+            self.ptr = 0
+
+
+@dataclass
+class _Xfer:
+    """A transfer: the arguments until posted, then its state as the engine reported it."""
+
+    op: str
+    notif: bytes
+    prepped: tuple[_Prepped, np.ndarray, _Prepped, np.ndarray] | None = None
+    descs: tuple[np.ndarray, str, np.ndarray, str, str] | None = None
+    cookie: int = 0
+    state: str = "NEW"  # NEW, PROC, DONE, ERR
+    status: int = 0  # NIXL's status code of a failure
+    post_ns: int = 0
+    post_call_ns: int = 0
+    done_ns: int = 0
+
+
+@dataclass
+class _Telemetry:
+    # The field names of NIXL's telemetry object, which NixlAgent reads.
+    startTime: int
+    postDuration: int
+    xferDuration: int
+    descCount: int = -1  # the engine does not see NIXL's merged count
+
+
+@dataclass
+class _Reg:
+    ptr: int  # NIXL's registration descriptor list, kept for deregistration
+
+
+class NativeNixl:
+    """The nixl_agent-shaped face of one native engine (one NIXL agent, one progress thread)."""
+
+    def __init__(
+        self,
+        name: str,
+        sync: str = "rw",
+        ucx_workers: int = 1,
+        ucx_threads: int = 0,
+        poll_s: float = 0.0,
+        idle_max_s: float = 200e-6,
+    ) -> None:
+        self._lib = load()
+        self._quick = quick()
+        plant = os.environ.get("KVFERRY_NATIVE_PLANT", "")
+        if plant not in PLANTS:
+            raise ValueError(f"KVFERRY_NATIVE_PLANT must be one of {sorted(PLANTS)}, not {plant!r}")
+        err = ctypes.create_string_buffer(_ERRLEN)
+        eng = self._lib.kvf_create(
+            name.encode(),
+            SYNC[sync],
+            ucx_workers,
+            ucx_threads,
+            int(poll_s * 1e9),
+            int(idle_max_s * 1e9),
+            PLANTS[plant],
+            err,
+            _ERRLEN,
+        )
+        if not eng:
+            raise NativeUnavailable(f"native engine: {err.value.decode(errors='replace')}")
+        self._eng: int | None = eng
+        self.name = name
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._xfers: dict[int, _Xfer] = {}  # posted, not yet reported
+        self._settled: set[int] = set()  # cookies reported and not yet released
+        self._notifs: list[tuple[str, bytes]] = []
+        self._buf = ctypes.create_string_buffer(1 << 16)
+        self.wake_fd = self._lib.kvf_wake_fd(eng)  # readable when events are queued (select/poll)
+        # Queued event bytes, written by the engine: an empty poll is one memory read.
+        self._pending = ctypes.c_size_t.from_address(self._lib.kvf_pending_addr(eng))
+        self._hot = False
+        self.batches = 0  # drains that found events (the core hears a batch per wake-up)
+
+    # ---- memory and peers ------------------------------------------------------------------------
+    def register_memory(self, rows: np.ndarray, mem: str) -> _Reg:
+        c = _cols(rows)
+        err = ctypes.create_string_buffer(_ERRLEN)
+        ptr = self._lib.kvf_register(self._eng, MEM_TYPES[mem], c.n, c.addr, c.length, c.dev, err, _ERRLEN)
+        if not ptr:
+            raise RuntimeError(err.value.decode(errors="replace"))
+        return _Reg(ptr)
+
+    def deregister_memory(self, reg: _Reg) -> None:
+        if reg.ptr:
+            self._lib.kvf_deregister(self._eng, reg.ptr)
+            reg.ptr = 0
+
+    def get_agent_metadata(self) -> bytes:
+        data, size = ctypes.c_void_p(), ctypes.c_size_t()
+        st = self._lib.kvf_local_md(self._eng, ctypes.byref(data), ctypes.byref(size))
+        if st != 0:
+            raise RuntimeError(f"get_local_md: status {st}")
+        try:
+            return ctypes.string_at(data.value, size.value)
+        finally:
+            self._lib.kvf_free(data)
+
+    def add_remote_agent(self, metadata: bytes) -> str:
+        name = ctypes.c_void_p()
+        st = self._lib.kvf_load_remote(self._eng, metadata, len(metadata), ctypes.byref(name))
+        if st != 0:
+            raise RuntimeError(f"load_remote_md: status {st}")
+        try:
+            return ctypes.string_at(name.value).decode()
+        finally:
+            self._lib.kvf_free(name)
+
+    def remove_remote_agent(self, name: str) -> None:
+        self._lib.kvf_remove_remote(self._eng, name.encode())
+
+    def prep_xfer_dlist(self, agent: str, rows: np.ndarray, mem: str) -> _Prepped:
+        c = _cols(rows)
+        who = b"" if agent == "NIXL_INIT_AGENT" else agent.encode()
+        err = ctypes.create_string_buffer(_ERRLEN)
+        ptr = self._lib.kvf_prep(self._eng, who, MEM_TYPES[mem], c.n, c.addr, c.length, c.dev, err, _ERRLEN)
+        if not ptr:
+            raise RuntimeError(err.value.decode(errors="replace"))
+        return _Prepped(self, ptr)
+
+    def send_notif(self, peer: str, payload: bytes) -> None:
+        st = self._lib.kvf_gen_notif(self._eng, peer.encode(), payload, len(payload))
+        if st != 0:
+            raise RuntimeError(f"gen_notif to {peer}: status {st}")
+
+    # ---- transfers ---------------------------------------------------------------------------------
+    def make_prepped_xfer(
+        self, op: str, local: _Prepped, li: np.ndarray, remote: _Prepped, ri: np.ndarray, notif: bytes = b""
+    ) -> _Xfer:
+        li = np.ascontiguousarray(li, dtype=np.intc)
+        ri = np.ascontiguousarray(ri, dtype=np.intc)
+        return _Xfer(op, bytes(notif), prepped=(local, li, remote, ri))
+
+    def get_xfer_descs(self, rows: np.ndarray, mem: str) -> tuple[np.ndarray, str]:
+        return np.ascontiguousarray(rows, dtype=np.uint64).reshape(-1, 3), mem
+
+    def initialize_xfer(
+        self,
+        op: str,
+        local: tuple[np.ndarray, str],
+        remote: tuple[np.ndarray, str],
+        peer: str,
+        notif: bytes = b"",
+    ) -> _Xfer:
+        return _Xfer(op, bytes(notif), descs=(local[0], local[1], remote[0], remote[1], peer))
+
+    def transfer(self, x: _Xfer) -> str:
+        """Post: one native call that copies the arguments and queues them for the engine's
+        thread (it keeps the GIL: it is a copy, and a thread that lets the GIL go waits for it
+        behind busy Python threads). "PROC" (its end, or NIXL's refusal, comes as an event) or
+        "ERR" (no memory to queue it)."""
+        x.cookie = next(self._ids)
+        with self._lock:
+            self._xfers[x.cookie] = x  # before the post: the completion may be drained at once
+        x.state = "PROC"
+        t0 = time.monotonic_ns()
+        if x.prepped is not None:
+            lh, li, rh, ri = x.prepped
+            st = self._quick.kvf_post_prepped(
+                self._eng,
+                OPS[x.op],
+                lh.ptr,
+                li.ctypes.data_as(c_intp),
+                li.size,
+                rh.ptr,
+                ri.ctypes.data_as(c_intp),
+                ri.size,
+                x.notif,
+                len(x.notif),
+                x.cookie,
+            )
+        else:
+            assert x.descs is not None
+            lrows, lmem, rrows, rmem, peer = x.descs
+            lc, rc = _cols(lrows), _cols(rrows)
+            st = self._quick.kvf_post_descs(
+                self._eng,
+                OPS[x.op],
+                peer.encode(),
+                MEM_TYPES[lmem],
+                lc.n,
+                lc.addr,
+                lc.length,
+                lc.dev,
+                MEM_TYPES[rmem],
+                rc.n,
+                rc.addr,
+                rc.length,
+                rc.dev,
+                x.notif,
+                len(x.notif),
+                x.cookie,
+            )
+        x.post_call_ns = time.monotonic_ns() - t0
+        if st != 0:
+            with self._lock:
+                self._xfers.pop(x.cookie, None)
+            x.state, x.status = "ERR", int(st)
+            return "ERR"
+        return "PROC"
+
+    def check_xfer_state(self, x: _Xfer) -> str:
+        if x.state == "PROC":
+            self.drain()
+        return "PROC" if x.state == "NEW" else x.state
+
+    def release_xfer_handle(self, x: _Xfer) -> None:
+        # The engine gives a request back to NIXL itself once it finished; one still in flight at
+        # teardown is given back by kvf_stop. Here only our bookkeeping goes.
+        with self._lock:
+            self._settled.discard(x.cookie)
+            self._xfers.pop(x.cookie, None)
+
+    def get_xfer_telemetry(self, x: _Xfer) -> _Telemetry:
+        if x.done_ns == 0:
+            raise RuntimeError("no telemetry for a transfer that did not finish")
+        return _Telemetry(x.post_ns // 1000, x.post_call_ns // 1000, (x.done_ns - x.post_ns) // 1000)
+
+    # ---- events ------------------------------------------------------------------------------------
+    def drain(self) -> int:
+        """Read every queued event into the transfers' states and the notification list."""
+        got = 0
+        if self._eng is None or not self._pending.value:
+            return got
+        more = ctypes.c_int(1)
+        while more.value:
+            with self._lock:
+                if self._eng is None:
+                    return got
+                n = self._quick.kvf_drain(self._eng, self._buf, len(self._buf), ctypes.byref(more))
+                if n == 0 and more.value:  # one event bigger than the buffer: grow it
+                    self._buf = ctypes.create_string_buffer(len(self._buf) * 2)
+                    continue
+                got += self._parse(ctypes.string_at(self._buf, n)) if n else 0
+        if got:
+            self.batches += 1
+        return got
+
+    def _parse(self, buf: bytes) -> int:
+        # Caller holds _lock.
+        i = count = 0
+        while i < len(buf):
+            kind = buf[i]
+            i += 1
+            if kind == _EV_DONE:
+                cookie, status, post_ns, done_ns = _DONE.unpack_from(buf, i)
+                i += _DONE.size
+                x = self._xfers.get(cookie)
+                if x is not None:
+                    x.state, x.status = ("DONE", 0) if status == 0 else ("ERR", status)
+                    x.post_ns, x.done_ns = post_ns, done_ns
+                    self._settled.add(cookie)
+            else:
+                alen, plen = _NOTIF.unpack_from(buf, i)
+                i += _NOTIF.size
+                agent = bytes(buf[i : i + alen]).decode(errors="replace")
+                i += alen
+                self._notifs.append((agent, bytes(buf[i : i + plen])))
+                i += plen
+            count += 1
+        return count
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        self.drain()
+        with self._lock:
+            got, self._notifs = self._notifs, []
+        out: dict[str, list[bytes]] = {}
+        for agent, payload in got:
+            out.setdefault(agent, []).append(payload)
+        return out
+
+    def settled(self) -> set[int]:
+        """Cookies of transfers reported finished and not yet released."""
+        self.drain()
+        with self._lock:
+            return set(self._settled)
+
+    def wait(self, timeout_s: float, hot: bool | None = None) -> bool:
+        """Sleep until the engine queued events (True) or the timeout passed; the GIL is free.
+        ``hot``: the host expects notifications (a room in flight): the engine polls for them at
+        its in-flight pace meanwhile, else at its idle pace."""
+        with self._lock:
+            if self._eng is None:
+                return True
+            if hot is not None and hot != self._hot:
+                self._hot = hot
+                self._quick.kvf_set_hot(self._eng, int(hot))
+            # Unread events or undelivered notifications end the wait. Settled transfers do not:
+            # they were announced already and wait for their own poller (a ticket the driver does
+            # not hold, such as a benchmark's raw write, would otherwise keep this from sleeping).
+            if self._notifs or self._pending.value:
+                return True
+        return bool(self._lib.kvf_wait(self._eng, int(timeout_s * 1e6)))
+
+    def counters(self) -> dict[str, int]:
+        out = (ctypes.c_uint64 * 4)()
+        if self._eng is not None:
+            self._quick.kvf_counters(self._eng, out)
+        return dict(zip(("status_polls", "posts", "completions", "notifications"), out, strict=True))
+
+    # ---- teardown ----------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop the progress thread (requests still in flight are reported failed)."""
+        if self._eng is not None:
+            self._lib.kvf_stop(self._eng)
+            self.drain()
+
+    def destroy(self) -> None:
+        with self._lock:
+            eng, self._eng = self._eng, None
+        if eng is not None:
+            self._lib.kvf_destroy(eng)
+
+
+def make_native_agent(
+    name: str,
+    sync: str,
+    telemetry: bool,
+    ucx_threads: int,
+    progress_thread: bool = False,
+    ucx_workers: int = 1,
+    *,
+    poll_s: float = 0.0,
+    idle_max_s: float = 200e-6,
+) -> NativeNixl:
+    """``NixlAgent``'s factory for the native executor (telemetry comes from the engine's clocks;
+    NIXL's own progress thread is never used: the engine's thread polls)."""
+    del telemetry, progress_thread
+    return NativeNixl(
+        name, sync, ucx_workers=ucx_workers, ucx_threads=ucx_threads, poll_s=poll_s, idle_max_s=idle_max_s
+    )

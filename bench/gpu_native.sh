@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The native engine on the device, both executors in the same call (each row's baseline is
+# measured in its own run): bench nixl rows (TP 1 -> 1 direct and push, the hand-off row, 8 and 32
+# rooms in flight, ring for the heterogeneous pairs) with --engine python and --engine native,
+# traced rooms of each, and bench interference of each: PART=a (default). PART=b: the native e2e
+# and differential tests (VRAM e2e). Each part fits one device call of at most 10 minutes.
+#
+# On the device, from the repository root, with the wheels of bench/gpu_common.sh in .whl/:
+#   PART=a bash bench/gpu_native.sh
+# The engine is built here from source (gcc), into /tmp, and found through KVFERRY_NATIVE_LIB.
+set -u
+source "$(dirname "$0")/gpu_common.sh"
+PART=${PART:-a}
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/gpu.txt"
+step build 60 python3 -P -m kvferry.backends.native.build --out /tmp/kvf_engine.so
+if [ ! -s /tmp/kvf_engine.so ] && [ -s "$REPO/build/kvf_engine.so" ]; then
+  # No compiler on the image: the same source, built on the machine that sent this checkout.
+  cp "$REPO/build/kvf_engine.so" /tmp/kvf_engine.so && echo "engine: carried build (no gcc here)" | tee -a "$R/steps.txt"
+fi
+export KVFERRY_NATIVE_LIB=/tmp/kvf_engine.so
+step describe 60 python3 -P -c "from kvferry.backends.nixl.native import describe; print(describe())"
+cat "$R/describe.out" "$R/build.log"
+B=(/tmp/kv bench nixl --mem "$MEM" --tokens "$TOKENS" --json)
+if [ "$PART" = a ] || [ "$PART" = rows ]; then
+  for e in python native; do
+    step "x1-$e" 120 "${B[@]}" --rooms 10 --config 'tp1->1 nhd' --flow direct,push --engine "$e" \
+      --trace "$R/trace-$e"
+    step "handoff-$e" 60 "${B[@]}" --rooms 10 --config 'tp1->1 nhd' --flow direct --engine "$e" --handoff
+    step "x8-$e" 60 "${B[@]}" --rooms 3 --inflight 8 --config 'tp1->1 nhd' --flow direct --engine "$e"
+    step "x32-$e" 90 "${B[@]}" --rooms 2 --inflight 32 --config 'tp1->1 nhd' --flow direct --engine "$e"
+  done
+  for e in python native; do
+    [ "$PART" = rows ] && break  # PART=rows: the bench nixl rows only
+    step "interference-$e" 100 /tmp/kv bench interference --engine "$e" --reps 5 --phase-s 2 --json
+  done
+  for e in python native; do
+    step "ring-$e" 120 "${B[@]}" --rooms 5 --config 'tp2->1 nhd' --config 'tp1->2 nhd' --config 'tp4->2 nhd' \
+      --flow ring --engine "$e"
+  done
+else
+  export KVFERRY_E2E_MEM=$MEM KVFERRY_TEST_DEVICE=cuda
+  step e2e-native 240 python3 -P -m pytest -q -n 8 -p no:cacheprovider --rootdir "$REPO" \
+    "$REPO/tests/test_native_e2e.py" "$REPO/tests/test_native_differential.py" --durations=5
+fi
+grep -h . "$R/steps.txt"

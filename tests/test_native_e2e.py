@@ -1,0 +1,70 @@
+"""The two-process e2e runs (real NIXL over UCX on DRAM, prefill and decode processes, the threaded
+runtime) with both processes on the native executor (backends/native): the same rooms, flows,
+aborts and killed peers as tests/test_nixl_e2e.py, and the same checks (every Success room's bytes,
+every aborted room Failed on both sides, every table empty, every thread joined).
+
+Each run also proves it ran on the native engine (not a silent fall-back to Python).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_nixl_e2e as e2e  # the e2e helpers, shared rather than copied
+import workload as wl  # tests/nixl_procs, on sys.path through test_nixl_e2e
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(autouse=True)
+def native_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFERRY_E2E_ENGINE", "native")
+
+
+def _ran_native(out: dict) -> None:
+    assert set(out["d"]["executor"]) == {"native"}, out["d"]["executor"]
+    assert set(out["p"]["executor"]) == {"native"}, out["p"]["executor"]
+
+
+def test_native_rooms_chunks_tp2_to_1_aborts() -> None:
+    seed, n = 11, 120
+    plans = wl.rooms(seed, n, abort_rate=0.15)
+    out = e2e._run_rooms(seed, n, 0.15, (2, 1), "direct")
+    _ran_native(out)
+    assert e2e._check_rooms(plans, out, (2, 1)) >= n // 2
+
+
+# Every flow once on the native engine (the Python file covers every TP pair of each).
+@pytest.mark.parametrize(
+    ("tp", "flow"),
+    [((2, 1), "direct"), ((2, 1), "ring"), ((4, 2), "pinned"), ((2, 1), "pull"), ((1, 2), "push")],
+    ids=["direct", "ring", "pinned", "pull", "push"],
+)
+def test_native_flows(tp: tuple[int, int], flow: str) -> None:
+    seed, n = 23, 32
+    plans = wl.rooms(seed, n, abort_rate=0.2)
+    out = e2e._run_rooms(seed, n, 0.2, tp, flow)
+    _ran_native(out)
+    assert e2e._check_rooms(plans, out, tp) >= n // 2
+
+
+@pytest.mark.parametrize(("tp", "flow"), [((2, 1), "direct"), ((2, 1), "pull")], ids=["direct", "pull"])
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_native_peer_killed_mid_transfer(victim: str, tp: tuple[int, int], flow: str) -> None:
+    e2e.test_peer_killed_mid_transfer_fails_rooms_on_survivor(victim, tp, flow)
+
+
+def test_native_endpoints_under_hostile_control_frames() -> None:
+    """``kvferry fuzz-live``'s run with every endpoint on the native engine: hostile frames kill no
+    thread and touch no room, and the legitimate rooms all succeed."""
+    from kvferry.backends.runtime.hostile import KINDS, LiveFuzzConfig, run_live_fuzz
+
+    res = run_live_fuzz(LiveFuzzConfig(seed=5, frames=800, rooms=16, max_seconds=60, engine="native"))
+    assert res.executor == "native"
+    assert res.violations == [] and not res.stopped_early
+    assert res.rooms_success == res.rooms_done == 16
+    assert set(res.frames_sent) == set(KINDS)
