@@ -93,6 +93,7 @@ DEFAULT_CONFIGS = (
     BenchConfig("tp1->1 nhd", 1, 1),
     BenchConfig("tp2->1 nhd", 2, 1, rooms=2),
     BenchConfig("tp1->2 nhd", 1, 2, rooms=2),
+    BenchConfig("tp2->2 nhd", 2, 2, rooms=2),  # TP > 1 on both sides, as one node deploys it
     BenchConfig("tp4->2 nhd", 4, 2, rooms=2),
 )
 FLOWS = ("direct", "ring", "pinned", "pull", "push", "policy")
