@@ -50,8 +50,10 @@ def _summary(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def scenario_files() -> list[Path]:
-    return sorted(ROOT.glob("scenarios/*.toml")) + sorted(ROOT.glob("scenarios/presets/*.toml")) + sorted(
-        ROOT.glob("tests/scenarios/*.toml")
+    return (
+        sorted(ROOT.glob("scenarios/*.toml"))
+        + sorted(ROOT.glob("scenarios/presets/*.toml"))
+        + sorted(ROOT.glob("tests/scenarios/*.toml"))
     )
 
 
@@ -113,7 +115,7 @@ def engine_cases() -> Iterator[dict[str, Any]]:
             h = hashlib.sha256()
             calls = [0]
 
-            def wrap(name: str, fn: Any) -> Any:
+            def wrap(name: str, fn: Any, h: Any = h, calls: list[int] = calls) -> Any:
                 def recorded(ev: Any, now: int) -> Any:
                     out = fn(ev, now)
                     calls[0] += 1

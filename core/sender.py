@@ -50,6 +50,7 @@ from kvferry.core.commands import (
     ChunkSkipped,
     DropPeer,
     EnqueueChunk,
+    Gather,
     PostAuxWrite,
     PostWrite,
     SendControl,
@@ -130,6 +131,7 @@ class SIn(IdentityEnum):
     COPY_FAILED = "copy_failed"
     PULLED = "pulled"  # pull flow: decode READ an offered chunk
     READS_STOPPED = "reads_stopped"  # pull flow: decode failed the room and reads no more
+    FAIL = "fail"  # the failure funnel (``TableEngine.fail``): the only way into FAILED
 
 
 STATUS = {
@@ -241,6 +243,7 @@ class SenderEngine(StagedSender, RoomEngine):
     SUCCESS = SState.SUCCESS
 
     side = "prefill"
+    FAIL = SIn.FAIL
     TIMEOUT = SIn.TIMEOUT
     PEER_LOST = SIn.PEER_LOST
     push_base_id = staticmethod(strip_retry_suffix)  # request-id matching: the id retries share
@@ -310,7 +313,34 @@ class SenderEngine(StagedSender, RoomEngine):
         self._out: list[Any] = []
         self._now = 0
         self.last_internal_error: BaseException | None = None
+        self._track_tables()
         self._init_staging(policy, worker_buffer_bytes, pinned_bytes)
+
+    def _track_tables(self) -> None:
+        self.track("rooms", lambda room: room in self.rooms, lambda: len(self.rooms))
+        self.track(
+            "rooms_by_peer",
+            lambda room: any(room in s for s in self.rooms_by_peer.values()),
+            lambda: sum(len(s) for s in self.rooms_by_peer.values()),
+        )
+        self.track(
+            "writes", lambda room: any(k[0] == room for k in self.writes.values()), lambda: len(self.writes)
+        )
+        self.track(
+            "deadlines",
+            lambda room: any(isinstance(k, tuple) and k[1] == room for k in self.deadlines.live_keys()),
+        )
+        self.track(
+            "pull_offers",
+            lambda room: any(k[0] == room for k in self._pulls.entries),
+            lambda: len(self._pulls.entries),
+        )
+        # Rooms of live leases only: a room's entry stays while its lease fences (by design).
+        self.track(
+            "leases",
+            lambda room: any(rk[0] == room and k in self.leases.leases for k, rk in self._push_rooms.items()),
+            lambda: sum(1 for k in self._push_rooms if k in self.leases.leases),
+        )
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -370,23 +400,6 @@ class SenderEngine(StagedSender, RoomEngine):
             self._dispatch(r, SIn.RUN_CHUNK, chunk)
         self._out = []
         return out
-
-    def references(self, room: int) -> list[str]:
-        """Names of the per-room tables that still mention ``room`` (empty once released)."""
-        refs = []
-        if room in self.rooms:
-            refs.append("rooms")
-        if any(room in s for s in self.rooms_by_peer.values()):
-            refs.append("rooms_by_peer")
-        if any(k[0] == room for k in self.writes.values()):
-            refs.append("writes")
-        if any(isinstance(k, tuple) and k[1] == room for k in self.deadlines.live_keys()):
-            refs.append("deadlines")
-        if any(k[0] == room for k in self._pulls.entries):
-            refs.append("pull_offers")
-        if any(rk[0] == room and k in self.leases.leases for k, rk in self._push_rooms.items()):
-            refs.append("leases")
-        return refs + self.staging_refs(room)
 
     # --- control messages --------------------------------------------------------------------------
 
@@ -528,16 +541,7 @@ class SenderEngine(StagedSender, RoomEngine):
         return r
 
     def _open(self, ev: SenderOpen) -> None:
-        if self.tombstones.get(ev.room, ev.transfer_id) is not None:
-            self.counters["open_tombstoned"] += 1
-            self._out.append(
-                StatusChanged(
-                    room=ev.room,
-                    transfer_id=ev.transfer_id,
-                    status=KVPoll.Failed,
-                    reason=self.tombstones.finished_reason(ev.room, ev.transfer_id),
-                )
-            )
+        if self._open_tombstoned(ev.room, ev.transfer_id):
             return
         r = self.rooms.get(ev.room)
         if r is None:
@@ -552,7 +556,7 @@ class SenderEngine(StagedSender, RoomEngine):
             # incarnation whose tombstone expired. The local scheduler is the authority on which
             # request holds the id now: the ghost fails (it never wrote) and the new room starts.
             self.counters["ghost_superseded"] += 1
-            self._fail(r, RoomFailure(f"superseded by request {ev.transfer_id}", at_ns=self._now))
+            self.fail(r, RoomFailure(f"superseded by request {ev.transfer_id}", at_ns=self._now))
             self._maybe_finish(r)
             if self.rooms.get(ev.room) is None:
                 self._open(ev)
@@ -560,25 +564,14 @@ class SenderEngine(StagedSender, RoomEngine):
         if r.tid != ev.transfer_id:
             # Same room id, another request: the old one is stale, the new one cannot start.
             self.counters["stale_transfer_id"] += 1
-            self._out.append(
-                StatusChanged(
-                    room=ev.room, transfer_id=ev.transfer_id, status=KVPoll.Failed, reason="room id in use"
-                )
-            )
+            self._refuse_open(ev.room, ev.transfer_id, "room id in use")
             return
         self._dispatch(r, SIn.OPEN, ev)
 
     def _room_input(self, room: int, tid: str, inp: SIn, payload: Any) -> None:
-        r = self.rooms.get(room)
-        if r is None or r.tid != tid:
-            if self.tombstones.get(room, tid) is not None:
-                self.counters["tombstoned"] += 1
-            elif r is not None:
-                self.counters["stale_transfer_id"] += 1
-            else:
-                self.counters["unknown_room"] += 1
-            return
-        self._dispatch(r, inp, payload)
+        r = self._live(room, tid)
+        if r is not None:
+            self._dispatch(r, inp, payload)
 
     BOOKKEEP = frozenset(
         {
@@ -610,6 +603,14 @@ class SenderEngine(StagedSender, RoomEngine):
         elif inp is SIn.READS_STOPPED:
             r.pull_owed.pop(payload.src, None)
 
+    def _forget_command(self, r: _Room, cmd: Any) -> None:
+        t = type(cmd)
+        if t is PostWrite or t is PostAuxWrite:
+            if self.writes.pop(cmd.write_id, None) is not None:
+                self._bookkeep(r, SIn.WRITE_FAILED, WriteFailed(write_id=cmd.write_id, reason="withdrawn"))
+        elif t is Gather and self.ops.pop(cmd.op_id, None) is not None:
+            self._op_finished(r, cmd.op_id)
+
     def _entered(self, r: _Room) -> None:
         st = r.state
         self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=STATUS[st]))
@@ -627,6 +628,9 @@ class SenderEngine(StagedSender, RoomEngine):
             self.deadlines.set(key, self._now + self.timeouts.transfer_ns)
         elif st is SState.SUCCESS:
             self.deadlines.cancel(key)
+
+    def _started(self, r: _Room) -> bool:
+        return r.state is not SState.BOOTSTRAPPING
 
     def _ready(self, r: _Room) -> bool:
         return (
@@ -656,15 +660,24 @@ class SenderEngine(StagedSender, RoomEngine):
         self._prefetch(r)
         return "ready" if self._ready(r) else "stay"
 
-    def _h_on_info(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> str:
+    def _duplicate_info(self, r: _Room, msg: m.TransferInfo) -> bool:
         known = r.infos.get(msg.src)
-        if known is not None:
-            if known != msg:
-                raise RoomError(f"conflicting TransferInfo from {msg.src}")
-            self.counters["duplicate_info"] += 1
+        if known is None:
+            return False
+        if known != msg:
+            raise RoomError(f"conflicting TransferInfo from {msg.src}")
+        self.counters["duplicate_info"] += 1
+        return True
+
+    def _h_on_info_late(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> str:
+        """Every expected TransferInfo arrived already: only a duplicate is fine."""
+        if self._duplicate_info(r, msg):
             return "stay"
-        if r.state is not SState.BOOTSTRAPPING:
-            raise RoomError(f"unexpected TransferInfo from {msg.src} after all {r.expected_infos} arrived")
+        raise RoomError(f"unexpected TransferInfo from {msg.src} after all {r.expected_infos} arrived")
+
+    def _h_on_info(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> str:
+        if self._duplicate_info(r, msg):
+            return "stay"
         if r.infos:
             if msg.expected_infos != r.expected_infos:
                 raise RoomError(f"decode ranks disagree on expected senders ({msg.expected_infos})")
@@ -691,13 +704,29 @@ class SenderEngine(StagedSender, RoomEngine):
 
     def _h_on_peer_ready(self, r: _Room, inp: SIn, peer: Any) -> str:
         self._prefetch(r)
-        return "ready" if r.state is SState.BOOTSTRAPPING and self._ready(r) else "stay"
+        return "ready" if self._ready(r) else "stay"
+
+    def _h_on_peer_ready_late(self, r: _Room, inp: SIn, peer: Any) -> str:
+        self._prefetch(r)
+        return "stay"
+
+    def _h_on_chunk_early(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
+        """Before the room is ready the chunk is parked: the worker never sees it early."""
+        if self._accept_chunk(r, c):
+            r.parked.append(c)
 
     def _h_on_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
+        if self._accept_chunk(r, c):
+            self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c))
+            if c.chunk_index == 0 and self._wants_push(r):
+                self._push_finish(r)
+
+    def _accept_chunk(self, r: _Room, c: ChunkReady) -> bool:
+        """Check and record a chunk the scheduler hands over; False for a duplicate (skipped)."""
         if c.chunk_index < r.next_enqueue:
             self.counters["duplicate_chunk"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="duplicate chunk"))
-            return
+            return False
         # These come from our own scheduler, not from a peer: its mistake is raised to it (the
         # room does not change), unlike a peer's garbage, which fails the room.
         if c.chunk_index != r.next_enqueue:
@@ -722,12 +751,7 @@ class SenderEngine(StagedSender, RoomEngine):
         r.ranges.append((start, int(c.token_end)))
         r.enqueue_end = max(start, int(c.token_end))
         self._prefetch(r)
-        if r.state is SState.BOOTSTRAPPING:
-            r.parked.append(c)
-        else:
-            self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c))
-            if c.chunk_index == 0 and self._wants_push(r):
-                self._push_finish(r)
+        return True
 
     def _h_on_run_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> str:
         if c.chunk_index < r.next_run:
@@ -735,7 +759,7 @@ class SenderEngine(StagedSender, RoomEngine):
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="already run"))
             return "stay"
         flow = r.ledger.flow
-        if flow is None and r.state is not SState.BOOTSTRAPPING:
+        if flow is None:  # RUN_CHUNK comes only once the room is ready (the table)
             self._choose_flow(r)
             flow = r.ledger.flow
         if c.chunk_index != r.next_run:
@@ -951,7 +975,7 @@ class SenderEngine(StagedSender, RoomEngine):
             if r is None or r.key != rk or r.state is SState.FAILED:
                 continue
             self.counters[f"push_{n.kind.value}"] += 1
-            self._fail(r, RoomFailure(f"push registration {n.kind.value}: {n.reason}", at_ns=self._now))
+            self.fail(r, RoomFailure(f"push registration {n.kind.value}: {n.reason}", at_ns=self._now))
             self._maybe_finish(r)
 
     def _push_write_finished(self, r: _Room, wid: int, ok: bool) -> None:
@@ -1079,7 +1103,7 @@ class SenderEngine(StagedSender, RoomEngine):
         else:
             reason = f"peer {payload} lost (no heartbeat)"
         tell = None if inp not in (SIn.ABORT_PEER, SIn.PEER_FAILED) else payload.src
-        self._fail(r, RoomFailure(reason, at_ns=self._now), skip=tell)
+        self.fail(r, RoomFailure(reason, at_ns=self._now), skip=tell)
         return "failed"
 
     def _h_on_failed_input(self, r: _Room, inp: SIn, payload: Any) -> None:
@@ -1111,10 +1135,11 @@ class SenderEngine(StagedSender, RoomEngine):
 
     # --- failure, fence, release -------------------------------------------------------------------
 
-    def _fail(self, r: _Room, failure: RoomFailure, skip: m.Endpoint | None = None) -> None:
-        if r.state is SState.FAILED:
-            return
-        r.state = SState.FAILED
+    def _h_fail(self, r: _Room, inp: SIn, payload: tuple[RoomFailure, dict[str, Any]]) -> str:
+        """FAIL (the funnel): record why, stop what the room has in flight, tell its decode ranks
+        (all but ``skip``, the one that told us)."""
+        failure, why = payload
+        skip = why.get("skip")
         r.failure = failure
         r.parked = []
         r.ledger.drop_waiting()
@@ -1132,9 +1157,12 @@ class SenderEngine(StagedSender, RoomEngine):
         self._out.append(
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
-        tell = {p for p in r.infos if p != skip}
-        # A decode rank may already be Success (our last write landed before we failed): it must
-        # hear this, so the notice is resent until answered, for at most fence_ns.
+        self._tell_failure(r, failure, {p for p in r.infos if p != skip})
+        return "failed"
+
+    def _tell_failure(self, r: _Room, failure: RoomFailure, tell: set[m.Endpoint]) -> None:
+        """A decode rank may already be Success (our last write landed before we failed): it must
+        hear this, so the notice is resent until answered, for at most fence_ns."""
         room, tid, reason = r.room, r.tid, failure.reason
         for p, msg in self._notices.start(
             r.key,
@@ -1165,14 +1193,6 @@ class SenderEngine(StagedSender, RoomEngine):
             self._remove(r)
 
     def _remove(self, r: _Room) -> None:
-        del self.rooms[r.room]
-        for p in r.infos:
-            s = self.rooms_by_peer.get(p)
-            if s is not None:
-                s.discard(r.room)
-                if not s:
-                    del self.rooms_by_peer[p]
-        self.deadlines.cancel(("room", r.room))
         self.deadlines.cancel(("stg", r.room))
         self.deadlines.cancel(("pfence", r.room))
         for idx in r.pull_offered:
@@ -1181,17 +1201,7 @@ class SenderEngine(StagedSender, RoomEngine):
             rkey = self._reg_key(key)
             if self._push_rooms.get(rkey) == r.key and rkey not in self.leases.leases:
                 del self._push_rooms[rkey]
-        reason = r.failure.reason if r.failure is not None else ""
-        self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now, reason)
-
-    def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
-        """The peer failed a room we already released: the tombstone (and the poller) learn it."""
-        if self.tombstones.fail(msg.room, msg.transfer_id):
-            self.counters["failed_after_release"] += 1
-            reason = f"failed on {msg.src} after release: {msg.reason}"
-            self._out.append(
-                StatusChanged(room=msg.room, transfer_id=msg.transfer_id, status=KVPoll.Failed, reason=reason)
-            )
+        self._forget(r, r.infos)
 
     def _acked(self, msg: m.FailedAck | m.Abort | m.RoomFailed) -> None:
         self._notices.answered((msg.room, msg.transfer_id), msg.src)
@@ -1235,6 +1245,7 @@ _t = step
 E = SenderEngine
 _FAIL = _t(E._h_on_fail, failed=_F)
 _LIVE_FAILURES = {
+    SIn.FAIL: _t(E._h_fail, failed=_F),
     SIn.ABORT_LOCAL: _FAIL,
     SIn.ABORT_PEER: _FAIL,
     SIn.PEER_FAILED: _FAIL,
@@ -1248,21 +1259,21 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.OPEN: _t(E._h_on_open, stay=_B, ready=_W),
         SIn.INFO: _t(E._h_on_info, stay=_B, ready=_W),
         SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_B, ready=_W),
-        SIn.CHUNK: _t(E._h_on_chunk, stay=_B),  # parked until WAITING: the worker never sees it early
+        SIn.CHUNK: _t(E._h_on_chunk_early, stay=_B),  # parked until WAITING
         SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_B),  # asked for ahead of the TransferInfos
         **_LIVE_FAILURES,
     },
     _W: {
-        SIn.INFO: _t(E._h_on_info, stay=_W, ready=_W),
-        SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_W),
+        SIn.INFO: _t(E._h_on_info_late, stay=_W),
+        SIn.PEER_READY: _t(E._h_on_peer_ready_late, stay=_W),
         SIn.CHUNK: _t(E._h_on_chunk, stay=_W),
         SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_W, running=_T, done=_S),
         SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_W),
         **_LIVE_FAILURES,
     },
     _T: {
-        SIn.INFO: _t(E._h_on_info, stay=_T, ready=_T),
-        SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_T),
+        SIn.INFO: _t(E._h_on_info_late, stay=_T),
+        SIn.PEER_READY: _t(E._h_on_peer_ready_late, stay=_T),
         SIn.CHUNK: _t(E._h_on_chunk, stay=_T),
         SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_T, running=_T, done=_S),
         SIn.WRITE_DONE: _t(E._h_on_write_done, stay=_T, done=_S),
@@ -1277,15 +1288,16 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.PULLED: _t(E._h_ignore, stay=_S),  # a duplicate answer to a resent offer
         SIn.READS_STOPPED: _t(E._h_ignore, stay=_S),  # nothing was owed; its Abort follows
         SIn.STAGING_RSP: _t(E._h_ignore, stay=_S),
-        SIn.INFO: _t(E._h_on_info, stay=_S, ready=_S),
+        SIn.INFO: _t(E._h_on_info_late, stay=_S),
         SIn.PEER_READY: _t(E._h_ignore, stay=_S),
         SIn.PEER_LOST: _t(E._h_ignore, stay=_S),  # nothing left to send; the peer's fate is its own
         SIn.ABORT_LOCAL: _t(E._h_ignore, stay=_S),  # the transfer is complete: nothing left to abort
         SIn.ABORT_PEER: _FAIL,  # decode gave up (e.g. a lost notification): agree on Failed
         SIn.PEER_FAILED: _FAIL,
         SIn.RELEASE: _t(E._h_on_release, stay=_S),
+        SIn.FAIL: _t(E._h_fail, failed=_F),  # a peer's failure after our Success (agree on Failed)
     },
-    _F: {i: _t(E._h_on_failed_input, stay=_F) for i in SIn},
+    _F: {**{i: _t(E._h_on_failed_input, stay=_F) for i in SIn}, SIn.FAIL: _t(E._h_ignore_fail, stay=_F)},
 }
 
 SenderEngine.TABLE = SENDER_TABLE

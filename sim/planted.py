@@ -183,21 +183,10 @@ class _PullFreeEarlySender(SenderEngine):
         return "done" if self._quiet(r) else "running"
 
 
-class _NoNotices:
-    def start(self, *a: Any, **kw: Any) -> list[Any]:
-        return []
-
-
 class _SilentWriteFailureSender(SenderEngine):
-    def _fail(self, r: Any, failure: Any, skip: Any = None) -> None:
+    def _tell_failure(self, r: Any, failure: Any, tell: Any) -> None:
         if not failure.reason.startswith("write failed"):
-            super()._fail(r, failure, skip)
-            return
-        notices, self._notices = self._notices, _NoNotices()  # type: ignore[assignment]
-        try:
-            super()._fail(r, failure, skip)
-        finally:
-            self._notices = notices
+            super()._tell_failure(r, failure, tell)
 
 
 class _FrontTrimSender(SenderEngine):
