@@ -180,6 +180,15 @@ class RoomEngine(TableEngine):
         ``size()`` how many entries it holds (all zero once every room settled)."""
         self.__dict__.setdefault("_tables", {})[name] = (mentions, size)
 
+    def _track_rooms(self) -> None:
+        """The tables every room machine keeps: its rooms and its rooms by peer."""
+        self.track("rooms", lambda room: room in self.rooms, lambda: len(self.rooms))
+        self.track(
+            "rooms_by_peer",
+            lambda room: any(room in s for s in self.rooms_by_peer.values()),
+            lambda: sum(len(s) for s in self.rooms_by_peer.values()),
+        )
+
     def references(self, room: int) -> list[str]:
         """Names of the per-room tables that still mention ``room`` (empty once released)."""
         return [name for name, (mentions, _) in self._tables.items() if mentions(room)]
@@ -202,6 +211,17 @@ class RoomEngine(TableEngine):
         else:
             self.counters["unknown_room"] += 1
         return None
+
+    def _completion(self, ids: dict[int, Any], done_id: int, unknown: str, inp: Any, event: Any) -> None:
+        """A completion by id (write, copy): its room's input, or counted when the id is unknown."""
+        key = ids.pop(done_id, None)
+        if key is None:
+            self.counters[unknown] += 1
+        else:
+            self._room_input(key[0], key[1], inp, event)
+
+    def _room_input(self, room: int, tid: str, inp: Any, payload: Any) -> None:
+        raise NotImplementedError
 
     def _refuse_open(self, room: int, tid: str, reason: str) -> None:
         self._out.append(StatusChanged(room=room, transfer_id=tid, status=KVPoll.Failed, reason=reason))

@@ -14,7 +14,7 @@ Room states and KVPoll:
                                     (FreePages) once every sender confirmed Stopped, or the fence
                                     deadline passed
 
-Pull flow (core/flows/pull_rx.py): a sender may offer its chunks (PullOffer) instead of writing
+Pull flow (core/flows/pull.py): a sender may offer its chunks (PullOffer) instead of writing
 them; decode READs each one and records it like a write's notification, so Success means the same.
 
 Late failures: a RoomFailed for a room that is Success here (live or tombstoned) turns it Failed
@@ -50,7 +50,7 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
-from kvferry.core.flows.pull_rx import PullReceiver
+from kvferry.core.flows.pull import PullReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.flows.staged_rx import RxChunk
 from kvferry.core.identity_enum import IdentityEnum
@@ -241,12 +241,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         self._track_tables()
 
     def _track_tables(self) -> None:
-        self.track("rooms", lambda room: room in self.rooms, lambda: len(self.rooms))
-        self.track(
-            "rooms_by_peer",
-            lambda room: any(room in s for s in self.rooms_by_peer.values()),
-            lambda: sum(len(s) for s in self.rooms_by_peer.values()),
-        )
+        self._track_rooms()
         self.track(
             "deadlines",
             lambda room: any(k in self.deadlines for k in (("room", room), ("abort", room), ("info", room))),
@@ -280,11 +275,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         elif t is AuxChecked:
             self._room_input(event.room, event.transfer_id, RIn.AUX_CHECKED, event)
         elif t is CopyDone or t is CopyFailed:
-            key = self.ops.pop(event.op_id, None)
-            if key is None:
-                self.counters["unknown_op"] += 1
-            else:
-                self._room_input(key[0], key[1], RIn.COPY_DONE if t is CopyDone else RIn.COPY_FAILED, event)
+            inp = RIn.COPY_DONE if t is CopyDone else RIn.COPY_FAILED
+            self._completion(self.ops, event.op_id, "unknown_op", inp, event)
         elif t is WriteDone or t is WriteFailed:
             # Our pull READs come back as transfers by id, like a write's completion.
             key = self.reads.pop(event.write_id, None)

@@ -179,7 +179,7 @@ _RECEIVERS = {
 class _PullFreeEarlySender(SenderEngine):
     def _run_pull(self, r: Any, c: Any) -> str:
         super()._run_pull(r, c)
-        r.pull_owed.clear()
+        self.pull.owed.pop(r.key, None)  # the pages count as free while decode still READs them
         return "done" if self._quiet(r) else "running"
 
 

@@ -26,7 +26,7 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
-from kvferry.core.flows.pull_rx import ReadInfo
+from kvferry.core.flows.pull import ReadInfo
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll, advance
 from kvferry.core.machine import RoomFailure

@@ -3,7 +3,7 @@
 Flows (DESIGN section 9): ``direct`` WRITEs the planner's descriptors; ``ring`` gathers into a
 worker's staging buffer and WRITEs one block per writer into decode's staging ring (seed 003);
 ``pinned`` bounces through pinned host memory, head-major (seed 002); ``pull`` lets decode READ
-prefill's pages (vLLM's default; core/flows/pull_rx.py), chosen only by an explicit override.
+prefill's pages (vLLM's default; core/flows/pull.py), chosen only by an explicit override.
 ``push`` writes like ``direct`` under registration leases (seed 004; core/resources/leases.py),
 also only by override.
 
