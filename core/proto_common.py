@@ -1,9 +1,9 @@
-"""Pieces both room machines share: transitions, failure records, tombstones, counters.
+"""What both room machines share beyond the table engine (core/machine.py): tombstones, queries,
+peers, heartbeats and deadlines.
 
-A machine's transition table maps ``(state, input)`` to a ``Transition``: the handler that runs and
-the states it may leave the room in. A pair absent from the table fails the room with a reason
-naming the pair; a handler that raises fails the room and keeps the exception; a handler that
-lands outside its declared targets fails the room (a bug caught, not propagated).
+A pair absent from a side's table fails the room with a reason naming the pair; a handler that
+raises fails the room and keeps the exception; an outcome the table does not list fails the room
+(a bug caught, not propagated). Failed is reached only through the table (``TableEngine.fail``).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import Any, ClassVar
 
-import msgspec
-from kvferry.core.commands import DropPeer
+from kvferry.core.commands import DropPeer, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap
-from kvferry.core.errors import LocalMisuseError, ProtocolError
+from kvferry.core.errors import ProtocolError
 from kvferry.core.kvpoll import KVPoll
+from kvferry.core.machine import RoomError, RoomFailure, RoomStateError, TableEngine, Transition, step
 
 __all__ = [
     "RoomEngine",
@@ -38,37 +38,6 @@ class UnknownRoomError(ProtocolError, KeyError):
 
 class WrongSideError(ProtocolError):
     """A message only the other side should receive (e.g. TransferInfo at a decode rank)."""
-
-
-class Transition(msgspec.Struct, frozen=True):
-    """``handler`` is the engine's handler itself (unbound: engine, room, input, payload); it
-    returns an outcome ("stay", "ready", "running", "done", "failed"), and ``next`` maps each
-    outcome it may return to the state the room moves to. The table, not the handler, decides."""
-
-    handler: Callable[..., str | None]
-    next: Mapping[str, Any]
-
-    @property
-    def targets(self) -> frozenset:
-        return frozenset(self.next.values())
-
-
-def step(handler: Callable[..., str | None], **next_state: Any) -> Transition:
-    """One table entry: ``step(handler, stay=S, ready=W)``."""
-    return Transition(handler, next_state)
-
-
-class RoomFailure(msgspec.Struct, frozen=True):
-    """Why a room failed. ``error`` is the original exception when one caused it (type and
-    message preserved for whoever polls the room)."""
-
-    reason: str
-    error: BaseException | None = None
-    at_ns: int = 0
-
-    @property
-    def error_type(self) -> str | None:
-        return None if self.error is None else type(self.error).__name__
 
 
 class Tombstones:
@@ -140,53 +109,24 @@ def new_counters() -> Counter[str]:
     return Counter()
 
 
-class RoomError(ProtocolError):
-    """A room-level protocol violation detected inside a handler (the room fails with it), in
-    what a peer sent: counted as ``remote_violation``."""
+class RoomEngine(TableEngine):
+    """What the sender and receiver engines share: table dispatch (``TableEngine``), queries, the
+    tick horizon, peers and heartbeats.
 
-
-class RoomStateError(ProtocolError):
-    """The room cannot go on for a reason of our own, found inside a handler (a chunk the
-    scheduler handed over before decode said how long the room is, that turns out too long; a
-    peer gone since its TransferInfo): the room fails with it, but no peer misbehaved."""
-
-
-class RoomEngine:
-    """What the sender and receiver engines share: table dispatch, queries, the tick horizon.
-
-    A subclass sets ``TABLE`` (state -> input -> Transition), ``STATUS`` (state -> KVPoll),
-    ``FAILED`` (its absorbing state) and ``SUCCESS``, and provides ``rooms``, ``tombstones``, ``deadlines``,
-    ``counters``, ``_now``, ``_out``, ``_fail``, ``_entered`` and ``_maybe_finish``. Handlers are
-    methods the table's ``Transition.handler`` entries point at.
+    A subclass sets the ``TableEngine`` class attributes and ``STATUS`` (state -> KVPoll), and
+    provides ``rooms``, ``tombstones``, ``deadlines``, ``counters``, ``_now``, ``_out``,
+    ``_entered`` and ``_maybe_finish``. Handlers are methods the table's ``Transition.handler``
+    entries point at.
     """
 
-    TABLE: ClassVar[Mapping[Any, Mapping[Any, Transition]]]
-    # The inputs ``_bookkeep`` acts on: the others skip the call.
-    BOOKKEEP: ClassVar[frozenset[Any]] = frozenset()
     STATUS: ClassVar[Mapping[Any, KVPoll]]
-    FAILED: ClassVar[Enum]
-    SUCCESS: ClassVar[Enum]  # with FAILED, the states ``_maybe_finish`` acts on
 
     rooms: dict[int, Any]
+    _tables: dict[str, tuple[Callable[[int], bool], Callable[[], int] | None]]
     tombstones: Tombstones
     deadlines: DeadlineHeap
     counters: Counter[str]
     last_internal_error: BaseException | None
-    _now: int
-    _out: list[Any]
-
-    def _fail(self, r: Any, failure: RoomFailure) -> None:
-        raise NotImplementedError
-
-    def _entered(self, r: Any) -> None:
-        raise NotImplementedError
-
-    def _maybe_finish(self, r: Any) -> None:
-        raise NotImplementedError
-
-    def _bookkeep(self, r: Any, inp: Any, payload: Any) -> None:
-        """Per-side bookkeeping every state needs, whatever the table says about the input.
-        Called only for the inputs in ``BOOKKEEP``: a side that handles another here lists it."""
 
     def _guarded(self, fn: Callable[[bytes], None], data: bytes) -> None:
         """Peer input must never raise out of the engine (it would kill a driver thread): a bug
@@ -231,48 +171,90 @@ class RoomEngine:
             return b
         return a if b is None else min(a, b)
 
-    def _dispatch(self, r: Any, inp: Any, payload: Any) -> None:
-        # The hottest function of both engines (every room input): locals over attribute lookups.
-        if inp in self.BOOKKEEP:
-            self._bookkeep(r, inp, payload)
-        before = r.state
-        failed = self.FAILED
-        tr = self.TABLE[before].get(inp)
-        if tr is None:
-            self.counters["illegal_input"] += 1
-            self._fail(r, RoomFailure(f"{inp.value} not allowed while {before.value}", at_ns=self._now))
+    # --- the per-room tables: every one registered, so quiescence checks miss none ------------------
+
+    def track(
+        self, name: str, mentions: Callable[[int], bool], size: Callable[[], int] | None = None
+    ) -> None:
+        """Register a per-room table: ``mentions(room)`` says whether it still names the room,
+        ``size()`` how many entries it holds (all zero once every room settled)."""
+        self.__dict__.setdefault("_tables", {})[name] = (mentions, size)
+
+    def _track_rooms(self) -> None:
+        """The tables every room machine keeps: its rooms and its rooms by peer."""
+        self.track("rooms", lambda room: room in self.rooms, lambda: len(self.rooms))
+        self.track(
+            "rooms_by_peer",
+            lambda room: any(room in s for s in self.rooms_by_peer.values()),
+            lambda: sum(len(s) for s in self.rooms_by_peer.values()),
+        )
+
+    def references(self, room: int) -> list[str]:
+        """Names of the per-room tables that still mention ``room`` (empty once released)."""
+        return [name for name, (mentions, _) in self._tables.items() if mentions(room)]
+
+    def table_sizes(self) -> dict[str, int]:
+        """Entries of every registered table that has a size (the runtime's ``leaks()``)."""
+        return {name: size() for name, (_, size) in self._tables.items() if size is not None}
+
+    # --- rooms: the same rules on both sides ---------------------------------------------------------
+
+    def _live(self, room: int, tid: str) -> Any:
+        """The live room of this incarnation, or None (counted: tombstoned, stale, unknown)."""
+        r = self.rooms.get(room)
+        if r is not None and r.tid == tid:
+            return r
+        if self.tombstones.get(room, tid) is not None:
+            self.counters["tombstoned"] += 1
+        elif r is not None:
+            self.counters["stale_transfer_id"] += 1
         else:
-            try:
-                outcome = tr.handler(self, r, inp, payload) or "stay"
-            except LocalMisuseError:
-                raise  # our own caller's mistake: theirs to handle, the room is untouched
-            except Exception as exc:
-                # One room's exception fails that room only, type and message kept for the poller.
-                self.counters["room_exception"] += 1
-                if isinstance(exc, RoomError):
-                    self.counters["remote_violation"] += 1
-                self._fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
-                outcome = "failed"
-            state = r.state
-            if state is not failed:
-                nxt = tr.next.get(outcome)
-                if nxt is None:
-                    self._fail(
-                        r, RoomFailure(f"internal: {inp.value} while {before.value}: outcome {outcome!r}")
-                    )
-                elif nxt is not before:
-                    if state is not before:
-                        self._fail(r, RoomFailure(f"internal: a handler moved the room to {state.value}"))
-                    else:
-                        r.state = nxt
-        state = r.state
-        if state is not before and state is not failed:
-            self._entered(r)
-            state = r.state  # entering a state may fail the room (a push lease refused)
-        # ``_maybe_finish`` acts only on a settled room (both sides return at once for a live one):
-        # the call is skipped for the live rooms most inputs leave behind.
-        if state is failed or state is self.SUCCESS:
-            self._maybe_finish(r)
+            self.counters["unknown_room"] += 1
+        return None
+
+    def _completion(self, ids: dict[int, Any], done_id: int, unknown: str, inp: Any, event: Any) -> None:
+        """A completion by id (write, copy): its room's input, or counted when the id is unknown."""
+        key = ids.pop(done_id, None)
+        if key is None:
+            self.counters[unknown] += 1
+        else:
+            self._room_input(key[0], key[1], inp, event)
+
+    def _room_input(self, room: int, tid: str, inp: Any, payload: Any) -> None:
+        raise NotImplementedError
+
+    def _refuse_open(self, room: int, tid: str, reason: str) -> None:
+        self._out.append(StatusChanged(room=room, transfer_id=tid, status=KVPoll.Failed, reason=reason))
+
+    def _open_tombstoned(self, room: int, tid: str) -> bool:
+        """A local open of a finished (room, transfer_id): told it finished, and why if it failed."""
+        if self.tombstones.get(room, tid) is None:
+            return False
+        self.counters["open_tombstoned"] += 1
+        self._refuse_open(room, tid, self.tombstones.finished_reason(room, tid))
+        return True
+
+    def _forget(self, r: Any, peers: Any) -> None:
+        """Drop a settled room: out of every table both sides keep, into the tombstones."""
+        del self.rooms[r.room]
+        for p in peers:
+            s = self.rooms_by_peer.get(p)
+            if s is not None:
+                s.discard(r.room)
+                if not s:
+                    del self.rooms_by_peer[p]
+        self.deadlines.cancel(("room", r.room))
+        reason = r.failure.reason if r.failure is not None else ""
+        self.tombstones.add(r.room, r.tid, self.STATUS[r.state], self._now, reason)
+
+    def _late_failure(self, msg: Any) -> None:
+        """The peer failed a room we already released: the tombstone (and the poller) learn it."""
+        if self.tombstones.fail(msg.room, msg.transfer_id):
+            self.counters["failed_after_release"] += 1
+            reason = f"failed on {msg.src} after release: {msg.reason}"
+            self._out.append(
+                StatusChanged(room=msg.room, transfer_id=msg.transfer_id, status=KVPoll.Failed, reason=reason)
+            )
 
     # --- time and peers: the same rules on both sides -------------------------------------------
 

@@ -14,7 +14,7 @@ Room states and KVPoll:
                                     (FreePages) once every sender confirmed Stopped, or the fence
                                     deadline passed
 
-Pull flow (core/flows/pull_rx.py): a sender may offer its chunks (PullOffer) instead of writing
+Pull flow (core/flows/pull.py): a sender may offer its chunks (PullOffer) instead of writing
 them; decode READs each one and records it like a write's notification, so Success means the same.
 
 Late failures: a RoomFailed for a room that is Success here (live or tombstoned) turns it Failed
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
-from kvferry.core.commands import CheckAux, FreePages, SendControl, StatusChanged
+from kvferry.core.commands import CheckAux, FreePages, PostRead, Scatter, SendControl, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import WireError
 from kvferry.core.events import (
@@ -50,18 +50,13 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
-from kvferry.core.flows.pull_rx import PullReceiver
+from kvferry.core.flows.pull import PullReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.flows.staged_rx import RxChunk
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition, step
 from kvferry.core.reliable import Resends
-
-# StagingReqs for rooms this rank has not opened yet (seed 003 prefetches them) are held, never
-# dropped: at most this many, each until the bootstrap deadline.
-MAX_HELD_STAGING = 1024
-STAGING_ALIGN = 64
 
 __all__ = ["RECEIVER_TABLE", "RIn", "RState", "ReceiverEngine"]
 
@@ -92,6 +87,7 @@ class RIn(IdentityEnum):
     OFFER = "offer"  # pull flow: a sender offers a computed chunk's pages
     READ_DONE = "read_done"  # pull flow: our READ of an offered chunk finished
     READ_FAILED = "read_failed"
+    FAIL = "fail"  # the failure funnel (``TableEngine.fail``): the only way into FAILED
 
 
 # Shared empty stand-ins for a room's rarely filled tables (pull, staging, dummies, fence): a room
@@ -211,6 +207,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
     SUCCESS = RState.SUCCESS
 
     side = "decode"
+    FAIL = RIn.FAIL
     TIMEOUT = RIn.TIMEOUT
     PEER_LOST = RIn.PEER_LOST
     STAGING_REQ = RIn.STAGING_REQ
@@ -241,6 +238,29 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         self.last_internal_error: BaseException | None = None
         self._init_staging(registration)
         self._init_pull(planner)
+        self._track_tables()
+
+    def _track_tables(self) -> None:
+        self._track_rooms()
+        self.track(
+            "deadlines",
+            lambda room: any(k in self.deadlines for k in (("room", room), ("abort", room), ("info", room))),
+        )
+        self.track("ops", lambda room: any(k[0] == room for k in self.ops.values()), lambda: len(self.ops))
+        self.track(
+            "reads", lambda room: any(k[0] == room for k in self.reads.values()), lambda: len(self.reads)
+        )
+        self.track(
+            "pinned_queue",
+            lambda room: any(q[0] == room for q in self.pinned_queue),
+            lambda: len(self.pinned_queue),
+        )
+        for name in ("ring", "pinned"):
+            res = getattr(self, name)
+            if res is not None:
+                self.track(
+                    name, lambda room, res=res: any(res.owner_of(i)[0] == room for i in res.live), res.__len__
+                )
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -255,11 +275,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         elif t is AuxChecked:
             self._room_input(event.room, event.transfer_id, RIn.AUX_CHECKED, event)
         elif t is CopyDone or t is CopyFailed:
-            key = self.ops.pop(event.op_id, None)
-            if key is None:
-                self.counters["unknown_op"] += 1
-            else:
-                self._room_input(key[0], key[1], RIn.COPY_DONE if t is CopyDone else RIn.COPY_FAILED, event)
+            inp = RIn.COPY_DONE if t is CopyDone else RIn.COPY_FAILED
+            self._completion(self.ops, event.op_id, "unknown_op", inp, event)
         elif t is WriteDone or t is WriteFailed:
             # Our pull READs come back as transfers by id, like a write's completion.
             key = self.reads.pop(event.write_id, None)
@@ -289,25 +306,6 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         """True while the room's pages must not go back to the allocator."""
         r = self.rooms.get(room)
         return r is not None and not r.freed
-
-    def references(self, room: int) -> list[str]:
-        refs = []
-        if room in self.rooms:
-            refs.append("rooms")
-        if any(room in s for s in self.rooms_by_peer.values()):
-            refs.append("rooms_by_peer")
-        if any(k in self.deadlines for k in (("room", room), ("abort", room), ("info", room))):
-            refs.append("deadlines")
-        if any(k[0] == room for k in self.ops.values()):
-            refs.append("ops")
-        if any(k[0] == room for k in self.reads.values()):
-            refs.append("reads")
-        if any(q[0] == room for q in self.pinned_queue):
-            refs.append("pinned_queue")
-        for name, res in (("ring", self.ring), ("pinned", self.pinned)):
-            if res is not None and any(res.owner_of(i)[0] == room for i in res.live):
-                refs.append(name)
-        return refs
 
     def staging_in_use(self) -> int:
         """Live staging allocations (ring and pinned); 0 once every room settled."""
@@ -398,16 +396,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
     # --- rooms -------------------------------------------------------------------------------------
 
     def _open(self, ev: ReceiverOpen) -> None:
-        if self.tombstones.get(ev.room, ev.transfer_id) is not None:
-            self.counters["open_tombstoned"] += 1
-            self._out.append(
-                StatusChanged(
-                    room=ev.room,
-                    transfer_id=ev.transfer_id,
-                    status=KVPoll.Failed,
-                    reason=self.tombstones.finished_reason(ev.room, ev.transfer_id),
-                )
-            )
+        if self._open_tombstoned(ev.room, ev.transfer_id):
             return
         live = self.rooms.get(ev.room)
         if live is not None:
@@ -415,14 +404,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
                 self._dispatch(live, RIn.OPEN, ev)
             else:
                 self.counters["stale_transfer_id"] += 1
-                self._out.append(
-                    StatusChanged(
-                        room=ev.room,
-                        transfer_id=ev.transfer_id,
-                        status=KVPoll.Failed,
-                        reason="room id in use",
-                    )
-                )
+                self._refuse_open(ev.room, ev.transfer_id, "room id in use")
             return
         pages = np.asarray(ev.dst_pages, dtype=np.int64)
         r = _Room(ev, pages)
@@ -433,7 +415,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         if why is not None:
             self.counters["bad_open"] += 1
             r.fence_expired = True  # nothing was sent: nobody can be writing
-            self._fail(r, RoomFailure(why, at_ns=self._now), abort=False)
+            self.fail(r, RoomFailure(why, at_ns=self._now), abort=False)
             self._maybe_finish(r)
             return
         # Resent each heartbeat interval until its InfoAck, while the room is live (core/reliable).
@@ -511,14 +493,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
     def _room_input(
         self, room: int, tid: str, inp: RIn, payload: Any, sender: m.Endpoint | None = None
     ) -> None:
-        r = self.rooms.get(room)
-        if r is None or r.tid != tid:
-            if self.tombstones.get(room, tid) is not None:
-                self.counters["tombstoned"] += 1
-            elif r is not None:
-                self.counters["stale_transfer_id"] += 1
-            else:
-                self.counters["unknown_room"] += 1
+        r = self._live(room, tid)
+        if r is None:
             return
         if sender is not None and sender not in r.senders:
             self.counters["message_from_stranger"] += 1
@@ -538,6 +514,14 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         elif inp is RIn.COPY_DONE or inp is RIn.COPY_FAILED:
             self._scatter_finished(r, payload.op_id)
 
+    def _forget_command(self, r: _Room, cmd: Any) -> None:
+        t = type(cmd)
+        if t is PostRead:
+            if self.reads.pop(cmd.read_id, None) is not None and r.reads:
+                r.reads.pop(cmd.read_id, None)
+        elif t is Scatter and self.ops.pop(cmd.op_id, None) is not None:
+            self._scatter_finished(r, cmd.op_id)
+
     def _entered(self, r: _Room) -> None:
         st = r.state
         self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=STATUS[st]))
@@ -552,7 +536,10 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
     # --- handlers (names referenced by RECEIVER_TABLE) -----------------------------------------
 
     def _h_on_peer_ready(self, r: _Room, inp: RIn, payload: Any) -> str:
-        return "ready" if r.state is RState.BOOTSTRAPPING and self._all_acked(r) else "stay"
+        return "ready" if self._all_acked(r) else "stay"
+
+    def _h_ignore_ready(self, r: _Room, inp: RIn, payload: Any) -> str:
+        return "stay"  # the room is past bootstrapping: a late ack changes nothing
 
     def _h_on_notify(self, r: _Room, inp: RIn, note: m.ChunkNote) -> str:
         src = note.src
@@ -563,8 +550,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         # then knows the room only from it, times out, and fails a room that ended Success.
         if r.room in self._infos.entries:  # usually answered already by its InfoAck
             self._infos.answered(r.room, src)
-        if r.state is not RState.SUCCESS:
-            self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
+        self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)  # live: the table
         if src not in r.data_senders:
             # A dummy moves no bytes; its one "done" note makes decode's Success cover every
             # sender, so a dummy that failed (and said so, or went silent) fails the room here too.
@@ -671,7 +657,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             reason = f"read failed: {payload[0].reason}"
         else:
             reason = f"peer {payload} lost (no heartbeat)"
-        self._fail(r, RoomFailure(reason, at_ns=self._now))
+        self.fail(r, RoomFailure(reason, at_ns=self._now))
         return "failed"
 
     def _h_on_failed_input(self, r: _Room, inp: RIn, payload: Any) -> None:
@@ -692,17 +678,18 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
 
     # --- failure, fence, release -------------------------------------------------------------------
 
-    def _fail(self, r: _Room, failure: RoomFailure, abort: bool = True) -> None:
-        if r.state is RState.FAILED:
-            return
-        r.state = RState.FAILED
+    def _h_fail(self, r: _Room, inp: RIn, payload: tuple[RoomFailure, dict[str, Any]]) -> str:
+        """FAIL (the funnel): record why, arm the fence deadline, abort every sender (unless
+        ``abort=False``: the senders were never told about the room)."""
+        failure, why = payload
         r.failure = failure
         self._out.append(
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
         self.deadlines.set(("room", r.room), self._now + self.timeouts.fence_ns)
-        if abort:
+        if why.get("abort", True):
             self._send_aborts(r)
+        return "failed"
 
     def _send_aborts(self, r: _Room) -> None:
         """Abort every sender that has not confirmed Stopped; resent each heartbeat interval until
@@ -740,27 +727,9 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             self._remove(r)
 
     def _remove(self, r: _Room) -> None:
-        del self.rooms[r.room]
-        for p in r.senders:
-            s = self.rooms_by_peer.get(p)
-            if s is not None:
-                s.discard(r.room)
-                if not s:
-                    del self.rooms_by_peer[p]
-        self.deadlines.cancel(("room", r.room))
         self._aborts.cancel(r.room)
         self._infos.cancel(r.room)
-        reason = r.failure.reason if r.failure is not None else ""
-        self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now, reason)
-
-    def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
-        """The peer failed a room we already released: the tombstone (and the poller) learn it."""
-        if self.tombstones.fail(msg.room, msg.transfer_id):
-            self.counters["failed_after_release"] += 1
-            reason = f"failed on {msg.src} after release: {msg.reason}"
-            self._out.append(
-                StatusChanged(room=msg.room, transfer_id=msg.transfer_id, status=KVPoll.Failed, reason=reason)
-            )
+        self._forget(r, r.senders)
 
     # --- time ----------------------------------------------------------------------------------------
 
@@ -807,6 +776,7 @@ _t = step
 E = ReceiverEngine
 _FAIL = _t(E._h_on_fail, failed=_F)
 _LIVE_FAILURES = {
+    RIn.FAIL: _t(E._h_fail, failed=_F),
     RIn.PEER_REFUSED: _FAIL,
     RIn.PEER_FAILED: _FAIL,
     RIn.ABORT_LOCAL: _FAIL,
@@ -830,14 +800,14 @@ RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
     },
     _W: {
         **_LIVE_FAILURES,
-        RIn.PEER_READY: _t(E._h_on_peer_ready, stay=_W),
+        RIn.PEER_READY: _t(E._h_ignore_ready, stay=_W),
         RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
         RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_W),
         RIn.OFFER: _t(E._h_on_offer, stay=_W, running=_T, done=_S),
     },
     _T: {
         **_LIVE_FAILURES,
-        RIn.PEER_READY: _t(E._h_on_peer_ready, stay=_T),
+        RIn.PEER_READY: _t(E._h_ignore_ready, stay=_T),
         RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
         RIn.AUX_CHECKED: _t(E._h_on_aux_checked, stay=_T, done=_S),
         RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_T),
@@ -856,8 +826,9 @@ RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
         RIn.ABORT_LOCAL: _t(E._h_ignore, stay=_S),  # every byte landed: nothing left to abort
         RIn.RELEASE: _t(E._h_ignore, stay=_S),
         RIn.OFFER: _t(E._h_on_offer_after_success, stay=_S),
+        RIn.FAIL: _t(E._h_fail, failed=_F),  # a sender's failure after our Success (agree on Failed)
     },
-    _F: {i: _t(E._h_on_failed_input, stay=_F) for i in RIn},
+    _F: {**{i: _t(E._h_on_failed_input, stay=_F) for i in RIn}, RIn.FAIL: _t(E._h_ignore_fail, stay=_F)},
 }
 
 ReceiverEngine.TABLE = RECEIVER_TABLE

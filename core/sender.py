@@ -10,21 +10,10 @@ Room states and KVPoll:
     FAILED        (Failed)         absorbing; tells every known decode rank (RoomFailed), and once
                                    no write is in flight sends the fence (Stopped)
 
-Pull flow (``Flow.PULL``): running a chunk posts no data write; it offers the chunk's pages to
-every data decode rank (``PullOffer``, resent each heartbeat interval until ``Pulled``) and the
-room stays Transferring until every offered chunk was pulled. A failed pull room keeps its pages
-(the room is not dropped, so the scheduler cannot free them) until every decode rank that was
-offered pages said ``ReadsStopped``, restarted (its READs died with it), or the fence deadline
-passed: decode may still be reading them. The aux row is still written by prefill (one small
-write, like the metadata a router carries upstream).
-
-Push flow (``Flow.PUSH``, seed 004): the direct flow's writes under registration leases
-(core/resources/leases.py). Each TransferInfo of a push room is decode's PUSH_REG: a lease per
-(room, decode rank), renewed by decode's heartbeats naming the room. The first chunk run is the
-"forward finished" that matches it (chunks that come first are held, as in every flow); every
-write (data and aux) is posted only while the lease lives; a lease that expires, or a
-registration refused or never matched (watchdog), fails the room with that reason, which reaches
-decode as RoomFailed; writes in flight are fenced (Stopped) before decode frees its pages.
+The flows' prefill halves are composed in: the staged flows (core/flows/staged_sender.py), pull
+(``PullSender``, core/flows/pull.py: offers instead of writes, pages kept until every offered
+chunk was pulled or the fence) and push (``PushSender``, core/flows/push.py: the direct flow's
+writes under registration leases). The aux row is written by prefill in every flow.
 
 Failure notices are reliable: RoomFailed is resent every heartbeat interval to each decode rank
 that has not answered (FailedAck, or its own Abort / RoomFailed, which prove it is Failed too),
@@ -32,7 +21,8 @@ for at most ``fence_ns`` after the failure. The pending notices live in ``notice
 the room: like the tombstone they outlive a released room (its pages need not wait for a peer's
 answer) and are dropped on the last answer or at the give-up deadline.
 
-``SENDER_TABLE`` lists every legal (state, input); any other pair fails the room with a reason.
+``SENDER_TABLE`` lists every legal (state, input); any other pair fails the room with a reason
+(core/machine.py runs it; FAIL is the only way into FAILED).
 The engine is not thread-safe: a threaded driver serialises calls (one lock per engine).
 """
 
@@ -50,6 +40,7 @@ from kvferry.core.commands import (
     ChunkSkipped,
     DropPeer,
     EnqueueChunk,
+    Gather,
     PostAuxWrite,
     PostWrite,
     SendControl,
@@ -73,6 +64,8 @@ from kvferry.core.events import (
     WriteFailed,
 )
 from kvferry.core.flows import Flow, FlowPolicy
+from kvferry.core.flows.pull import PullSender
+from kvferry.core.flows.push import PushSender
 from kvferry.core.flows.staged_sender import StagedSender
 from kvferry.core.flows.staged_tx import StagedLedger
 from kvferry.core.identity_enum import IdentityEnum
@@ -87,15 +80,7 @@ from kvferry.core.proto_common import (
     step,
 )
 from kvferry.core.reliable import Resends
-from kvferry.core.resources.leases import (
-    Finish,
-    LeaseMisuseError,
-    LeaseRegistry,
-    Notice,
-    NoticeKind,
-    PushReg,
-    strip_retry_suffix,
-)
+from kvferry.core.resources.leases import LeaseRegistry, NoticeKind, strip_retry_suffix
 from kvferry.core.worker import Destination, plan_chunk, shard_of
 
 _encode = m.encode
@@ -130,6 +115,7 @@ class SIn(IdentityEnum):
     COPY_FAILED = "copy_failed"
     PULLED = "pulled"  # pull flow: decode READ an offered chunk
     READS_STOPPED = "reads_stopped"  # pull flow: decode failed the room and reads no more
+    FAIL = "fail"  # the failure funnel (``TableEngine.fail``): the only way into FAILED
 
 
 STATUS = {
@@ -164,11 +150,6 @@ class _Room:
         "num_tokens",
         "opened",
         "parked",
-        "pull_offered",
-        "pull_owed",
-        "push_finished",
-        "push_keys",
-        "push_writes",
         "ranges",
         "receivers",
         "release_requested",
@@ -213,14 +194,6 @@ class _Room:
         self.ranges: list[tuple[int, int]] = []
         self.enqueue_end = 0
         self.ledger = StagedLedger()
-        # Pull flow: chunks offered, and per decode rank the offered chunks it has not pulled
-        # (it may be reading those pages: they stay ours until it says so or the fence expires).
-        self.pull_offered: list[int] = []
-        self.pull_owed: dict[m.Endpoint, set[int]] = {}
-        # Push flow: lease key per decode rank, and which decode rank each write in flight goes to.
-        self.push_keys: dict[m.Endpoint, str] = {}  # decode rank -> tid@decodeN
-        self.push_finished: set[Finish] = set()  # finishes handed to the lease registry
-        self.push_writes: dict[int, m.Endpoint] = {}
 
 
 class _Peer:
@@ -241,6 +214,7 @@ class SenderEngine(StagedSender, RoomEngine):
     SUCCESS = SState.SUCCESS
 
     side = "prefill"
+    FAIL = SIn.FAIL
     TIMEOUT = SIn.TIMEOUT
     PEER_LOST = SIn.PEER_LOST
     push_base_id = staticmethod(strip_retry_suffix)  # request-id matching: the id retries share
@@ -261,12 +235,7 @@ class SenderEngine(StagedSender, RoomEngine):
     ) -> None:
         """``registration``: this rank's own Register (agent, regions, geometry), which the pull
         flow hands to decode in its offers; without it a pull room fails with a reason.
-        ``push_match``: how push registrations find their request: ``transfer_id`` (the router's
-        id), or ``request_id`` (a client that sends none: decode names the request with its retry
-        suffix, matched by the base id, ``push_base_id``)."""
-        if push_match not in ("transfer_id", "request_id"):
-            raise LocalMisuseError(f"push_match: expected transfer_id or request_id, got {push_match!r}")
-        self._push_by_request = push_match == "request_id"
+        ``push_match``: how push registrations find their request (core/flows/push.py)."""
         if planner is None:
             from kvferry.core.planner import plan_rank_pair as planner
         self.endpoint = endpoint
@@ -282,35 +251,52 @@ class SenderEngine(StagedSender, RoomEngine):
         self.tombstones = Tombstones(self.timeouts.tombstone_ns)
         self.counters: Counter[str] = Counter()
         # Unacknowledged RoomFailed, by room key; outlives the room (like the tombstone).
+        interval = self.timeouts.heartbeat_interval_ns
         self._notices = Resends(
-            "notice",
-            self.deadlines,
-            self.counters,
-            self.timeouts.heartbeat_interval_ns,
-            resent="failure_resent",
-            gave_up="failure_notice_gave_up",
+            "notice", self.deadlines, self.counters, interval, "failure_resent", "failure_notice_gave_up"
         )
         self.registration = registration
         # Push registrations (a lease per room and decode rank); the watchdog fires just before
         # the room's own waiting deadline, so the room fails with its reason.
         t = self.timeouts
-        self.leases = LeaseRegistry(
-            t.heartbeat_timeout_ns,
-            max(1, t.waiting_ns - t.heartbeat_interval_ns),
-            suffix_match=self._push_by_request,
-            base_id=self.push_base_id,
+        self.push = PushSender(
+            lease_ns=t.heartbeat_timeout_ns,
+            match_ns=max(1, t.waiting_ns - t.heartbeat_interval_ns),
             tombstone_ns=t.tombstone_ns,
+            push_match=push_match,
+            base_id=self.push_base_id,
+            counters=self.counters,
+            on_refused=self._push_refused,
         )
-        self._push_rooms: dict[str, tuple[int, str]] = {}  # registry key -> room key
         # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
-        self._pulls = Resends(
-            "pull", self.deadlines, self.counters, self.timeouts.heartbeat_interval_ns, "pull_resent"
-        )
+        self.pull = PullSender(self.deadlines, self.counters, interval)
         self._next_write_id = 1
         self._out: list[Any] = []
         self._now = 0
         self.last_internal_error: BaseException | None = None
+        self._track_tables()
         self._init_staging(policy, worker_buffer_bytes, pinned_bytes)
+
+    def _track_tables(self) -> None:
+        self._track_rooms()
+        self.track(
+            "writes", lambda room: any(k[0] == room for k in self.writes.values()), lambda: len(self.writes)
+        )
+        self.track(
+            "deadlines",
+            lambda room: any(isinstance(k, tuple) and k[1] == room for k in self.deadlines.live_keys()),
+        )
+        self.track("pull_offers", self.pull.mentions, self.pull.size)
+        self.track("leases", self.push.mentions, self.push.size)
+
+    @property
+    def leases(self) -> LeaseRegistry:
+        """The push flow's lease registry (core/flows/push.py)."""
+        return self.push.leases
+
+    @leases.setter
+    def leases(self, registry: LeaseRegistry) -> None:
+        self.push.leases = registry
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -324,19 +310,11 @@ class SenderEngine(StagedSender, RoomEngine):
         elif t is ChunkReady:
             self._room_input(event.room, event.transfer_id, SIn.CHUNK, event)
         elif t is CopyDone or t is CopyFailed:
-            key = self.ops.pop(event.op_id, None)
-            if key is None:
-                self.counters["unknown_op"] += 1
-            else:
-                self._room_input(key[0], key[1], SIn.COPY_DONE if t is CopyDone else SIn.COPY_FAILED, event)
+            inp = SIn.COPY_DONE if t is CopyDone else SIn.COPY_FAILED
+            self._completion(self.ops, event.op_id, "unknown_op", inp, event)
         elif t is WriteDone or t is WriteFailed:
-            key = self.writes.pop(event.write_id, None)
-            if key is None:
-                self.counters["unknown_write"] += 1
-            else:
-                self._room_input(
-                    key[0], key[1], SIn.WRITE_DONE if t is WriteDone else SIn.WRITE_FAILED, event
-                )
+            inp = SIn.WRITE_DONE if t is WriteDone else SIn.WRITE_FAILED
+            self._completion(self.writes, event.write_id, "unknown_write", inp, event)
         elif t is SenderOpen:
             self._open(event)
         elif t is AbortRoom:
@@ -370,23 +348,6 @@ class SenderEngine(StagedSender, RoomEngine):
             self._dispatch(r, SIn.RUN_CHUNK, chunk)
         self._out = []
         return out
-
-    def references(self, room: int) -> list[str]:
-        """Names of the per-room tables that still mention ``room`` (empty once released)."""
-        refs = []
-        if room in self.rooms:
-            refs.append("rooms")
-        if any(room in s for s in self.rooms_by_peer.values()):
-            refs.append("rooms_by_peer")
-        if any(k[0] == room for k in self.writes.values()):
-            refs.append("writes")
-        if any(isinstance(k, tuple) and k[1] == room for k in self.deadlines.live_keys()):
-            refs.append("deadlines")
-        if any(k[0] == room for k in self._pulls.entries):
-            refs.append("pull_offers")
-        if any(rk[0] == room and k in self.leases.leases for k, rk in self._push_rooms.items()):
-            refs.append("leases")
-        return refs + self.staging_refs(room)
 
     # --- control messages --------------------------------------------------------------------------
 
@@ -424,14 +385,14 @@ class SenderEngine(StagedSender, RoomEngine):
             self.counters["heartbeat_in"] += 1
             for room in msg.rooms:
                 r = self.rooms.get(room)
-                if r is not None and msg.src in r.push_keys:
-                    self.leases.renew_key(*self._reg_ids(r.push_keys[msg.src]), self._now)
+                if r is not None:
+                    self.push.renew(r.key, msg.src, self._now)
         elif t is m.StagingRsp:
             self._room_input(msg.room, msg.transfer_id, SIn.STAGING_RSP, msg)
         elif t is m.Watermark:
             self._on_watermark(msg)
         elif t is m.Pulled:
-            self._pulls.answered((msg.room, msg.transfer_id, msg.chunk_index), msg.src)
+            self.pull.answered(msg)
             self._room_input(msg.room, msg.transfer_id, SIn.PULLED, msg)
         elif t is m.ReadsStopped:
             self._room_input(msg.room, msg.transfer_id, SIn.READS_STOPPED, msg)
@@ -471,7 +432,7 @@ class SenderEngine(StagedSender, RoomEngine):
             r = self.rooms[room]
             if r.infos[msg.src].reg != new.reg_id:
                 # The old process is gone, and its READs of our pages (pull) died with it.
-                r.pull_owed.pop(msg.src, None)
+                self.pull.released_by(r.key, msg.src)
                 # Pages named by a past incarnation: writing them would hit whoever owns them now.
                 self._dispatch(r, SIn.PEER_LOST, (msg.src, "restarted since its TransferInfo"))
             elif r.state is SState.BOOTSTRAPPING:
@@ -528,16 +489,7 @@ class SenderEngine(StagedSender, RoomEngine):
         return r
 
     def _open(self, ev: SenderOpen) -> None:
-        if self.tombstones.get(ev.room, ev.transfer_id) is not None:
-            self.counters["open_tombstoned"] += 1
-            self._out.append(
-                StatusChanged(
-                    room=ev.room,
-                    transfer_id=ev.transfer_id,
-                    status=KVPoll.Failed,
-                    reason=self.tombstones.finished_reason(ev.room, ev.transfer_id),
-                )
-            )
+        if self._open_tombstoned(ev.room, ev.transfer_id):
             return
         r = self.rooms.get(ev.room)
         if r is None:
@@ -552,7 +504,7 @@ class SenderEngine(StagedSender, RoomEngine):
             # incarnation whose tombstone expired. The local scheduler is the authority on which
             # request holds the id now: the ghost fails (it never wrote) and the new room starts.
             self.counters["ghost_superseded"] += 1
-            self._fail(r, RoomFailure(f"superseded by request {ev.transfer_id}", at_ns=self._now))
+            self.fail(r, RoomFailure(f"superseded by request {ev.transfer_id}", at_ns=self._now))
             self._maybe_finish(r)
             if self.rooms.get(ev.room) is None:
                 self._open(ev)
@@ -560,25 +512,14 @@ class SenderEngine(StagedSender, RoomEngine):
         if r.tid != ev.transfer_id:
             # Same room id, another request: the old one is stale, the new one cannot start.
             self.counters["stale_transfer_id"] += 1
-            self._out.append(
-                StatusChanged(
-                    room=ev.room, transfer_id=ev.transfer_id, status=KVPoll.Failed, reason="room id in use"
-                )
-            )
+            self._refuse_open(ev.room, ev.transfer_id, "room id in use")
             return
         self._dispatch(r, SIn.OPEN, ev)
 
     def _room_input(self, room: int, tid: str, inp: SIn, payload: Any) -> None:
-        r = self.rooms.get(room)
-        if r is None or r.tid != tid:
-            if self.tombstones.get(room, tid) is not None:
-                self.counters["tombstoned"] += 1
-            elif r is not None:
-                self.counters["stale_transfer_id"] += 1
-            else:
-                self.counters["unknown_room"] += 1
-            return
-        self._dispatch(r, inp, payload)
+        r = self._live(room, tid)
+        if r is not None:
+            self._dispatch(r, inp, payload)
 
     BOOKKEEP = frozenset(
         {
@@ -597,18 +538,24 @@ class SenderEngine(StagedSender, RoomEngine):
             r.release_requested = True
         elif inp is SIn.WRITE_DONE or inp is SIn.WRITE_FAILED:
             r.inflight.discard(payload.write_id)
-            if r.push_writes:
-                self._push_write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
+            if payload.write_id in self.push.writes:
+                self.push.write_finished(payload.write_id, inp is SIn.WRITE_DONE, self._now)
             if r.ledger.write_lane:
                 self._write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
         elif inp is SIn.COPY_DONE or inp is SIn.COPY_FAILED:
             self._op_finished(r, payload.op_id)
         elif inp is SIn.PULLED:
-            owed = r.pull_owed.get(payload.src)
-            if owed is not None:
-                owed.discard(payload.chunk_index)
+            self.pull.pulled(r.key, payload.src, payload.chunk_index)
         elif inp is SIn.READS_STOPPED:
-            r.pull_owed.pop(payload.src, None)
+            self.pull.released_by(r.key, payload.src)
+
+    def _forget_command(self, r: _Room, cmd: Any) -> None:
+        t = type(cmd)
+        if t is PostWrite or t is PostAuxWrite:
+            if self.writes.pop(cmd.write_id, None) is not None:
+                self._bookkeep(r, SIn.WRITE_FAILED, WriteFailed(write_id=cmd.write_id, reason="withdrawn"))
+        elif t is Gather and self.ops.pop(cmd.op_id, None) is not None:
+            self._op_finished(r, cmd.op_id)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -622,11 +569,14 @@ class SenderEngine(StagedSender, RoomEngine):
                 self._out.append(EnqueueChunk(shard=shard, chunk=c))
             if parked and self._wants_push(r):
                 self.counters["push_computed_before_registration"] += 1  # the finish-first order
-                self._push_finish(r)
+                self.push.finish(r.key, self._now)
         elif st is SState.TRANSFERRING:
             self.deadlines.set(key, self._now + self.timeouts.transfer_ns)
         elif st is SState.SUCCESS:
             self.deadlines.cancel(key)
+
+    def _started(self, r: _Room) -> bool:
+        return r.state is not SState.BOOTSTRAPPING
 
     def _ready(self, r: _Room) -> bool:
         return (
@@ -645,26 +595,30 @@ class SenderEngine(StagedSender, RoomEngine):
         r.aux_index = ev.aux_index
         r.receivers, r.flow_override = tuple(ev.receivers), ev.flow
         if not self._wants_push(r):
-            # Registered on the policy's push before the open named another flow: withdraw.
-            for p, key in sorted(r.push_keys.items()):
-                if self._reg_key(key) in self.leases.leases:
-                    self.leases.abort(*self._reg_ids(key), p, self._now)
-                self._push_rooms.pop(self._reg_key(key), None)
-            r.push_keys.clear()
+            self.push.withdraw(r.key, self._now)  # registered on the policy's push: another flow
         for info in list(r.infos.values()):
             self._push_register(r, info)
         self._prefetch(r)
         return "ready" if self._ready(r) else "stay"
 
-    def _h_on_info(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> str:
+    def _duplicate_info(self, r: _Room, msg: m.TransferInfo) -> bool:
         known = r.infos.get(msg.src)
-        if known is not None:
-            if known != msg:
-                raise RoomError(f"conflicting TransferInfo from {msg.src}")
-            self.counters["duplicate_info"] += 1
+        if known is None:
+            return False
+        if known != msg:
+            raise RoomError(f"conflicting TransferInfo from {msg.src}")
+        self.counters["duplicate_info"] += 1
+        return True
+
+    def _h_on_info_late(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> str:
+        """Every expected TransferInfo arrived already: only a duplicate is fine."""
+        if self._duplicate_info(r, msg):
             return "stay"
-        if r.state is not SState.BOOTSTRAPPING:
-            raise RoomError(f"unexpected TransferInfo from {msg.src} after all {r.expected_infos} arrived")
+        raise RoomError(f"unexpected TransferInfo from {msg.src} after all {r.expected_infos} arrived")
+
+    def _h_on_info(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> str:
+        if self._duplicate_info(r, msg):
+            return "stay"
         if r.infos:
             if msg.expected_infos != r.expected_infos:
                 raise RoomError(f"decode ranks disagree on expected senders ({msg.expected_infos})")
@@ -691,13 +645,29 @@ class SenderEngine(StagedSender, RoomEngine):
 
     def _h_on_peer_ready(self, r: _Room, inp: SIn, peer: Any) -> str:
         self._prefetch(r)
-        return "ready" if r.state is SState.BOOTSTRAPPING and self._ready(r) else "stay"
+        return "ready" if self._ready(r) else "stay"
+
+    def _h_on_peer_ready_late(self, r: _Room, inp: SIn, peer: Any) -> str:
+        self._prefetch(r)
+        return "stay"
+
+    def _h_on_chunk_early(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
+        """Before the room is ready the chunk is parked: the worker never sees it early."""
+        if self._accept_chunk(r, c):
+            r.parked.append(c)
 
     def _h_on_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
+        if self._accept_chunk(r, c):
+            self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c))
+            if c.chunk_index == 0 and self._wants_push(r):
+                self.push.finish(r.key, self._now)
+
+    def _accept_chunk(self, r: _Room, c: ChunkReady) -> bool:
+        """Check and record a chunk the scheduler hands over; False for a duplicate (skipped)."""
         if c.chunk_index < r.next_enqueue:
             self.counters["duplicate_chunk"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="duplicate chunk"))
-            return
+            return False
         # These come from our own scheduler, not from a peer: its mistake is raised to it (the
         # room does not change), unlike a peer's garbage, which fails the room.
         if c.chunk_index != r.next_enqueue:
@@ -722,12 +692,7 @@ class SenderEngine(StagedSender, RoomEngine):
         r.ranges.append((start, int(c.token_end)))
         r.enqueue_end = max(start, int(c.token_end))
         self._prefetch(r)
-        if r.state is SState.BOOTSTRAPPING:
-            r.parked.append(c)
-        else:
-            self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c))
-            if c.chunk_index == 0 and self._wants_push(r):
-                self._push_finish(r)
+        return True
 
     def _h_on_run_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> str:
         if c.chunk_index < r.next_run:
@@ -735,7 +700,7 @@ class SenderEngine(StagedSender, RoomEngine):
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="already run"))
             return "stay"
         flow = r.ledger.flow
-        if flow is None and r.state is not SState.BOOTSTRAPPING:
+        if flow is None:  # RUN_CHUNK comes only once the room is ready (the table)
             self._choose_flow(r)
             flow = r.ledger.flow
         if c.chunk_index != r.next_run:
@@ -800,7 +765,7 @@ class SenderEngine(StagedSender, RoomEngine):
         writes = plan_chunk(self.planner, self.pool, c.src_pages, dests, start, end)
         push = r.ledger.flow is Flow.PUSH
         if push and c.chunk_index == 0:
-            self._push_finish(r)
+            self.push.finish(r.key, self._now)
         self._advance(r, c, end)
         posted: list[int] = []
         note = self._chunk_note(r, c, start, end)  # identical for every data write: encode once
@@ -810,10 +775,10 @@ class SenderEngine(StagedSender, RoomEngine):
                 out.append(SendNotif(peer=w.peer, room=r.room, notif=note))
                 continue
             if push:
-                self._push_post(r, w.peer)
+                self.push.post(r.key, w.peer, self._now)
             wid = self._new_write(r)
             if push:
-                r.push_writes[wid] = w.peer
+                self.push.posted(wid, r.key, w.peer)
             posted.append(wid)
             out.append(
                 PostWrite(
@@ -840,9 +805,6 @@ class SenderEngine(StagedSender, RoomEngine):
         idx = c.chunk_index
         reg, room, tid = self.registration, r.room, r.tid
         pages = np.asarray(c.src_pages, dtype=np.int64).tolist()
-        for p in targets:
-            r.pull_owed.setdefault(p, set()).add(idx)
-        r.pull_offered.append(idx)
         offer = m.PullOffer(
             src=self.endpoint,
             room=room,
@@ -854,151 +816,55 @@ class SenderEngine(StagedSender, RoomEngine):
             is_last=c.is_last,
             src_pages=pages,
         )
-        for p, msg in self._pulls.start((room, tid, idx), targets, lambda p: offer, self._now):
+        for p, msg in self.pull.offer(r.key, targets, offer, self._now):
             self._send(p, msg)
         return self._finish_run(r, c, start, end, [])
 
     def _h_on_pulled(self, r: _Room, inp: SIn, msg: m.Pulled) -> str:
         return "done" if self._quiet(r) else "stay"
 
-    # --- push: registration leases -----------------------------------------------------------
+    # --- push: registration leases (core/flows/push.py) ----------------------------------------
 
     def _push_register(self, r: _Room, info: m.TransferInfo) -> None:
-        """A TransferInfo of a push room is decode's PUSH_REG: a lease for that decode rank."""
-        if not self._wants_push(r) or info.dummy or info.src in r.push_keys:
-            return
-        key = f"{r.tid}@{info.src.server}{info.src.rank}"
-        r.push_keys[info.src] = key
-        self._push_rooms[self._reg_key(key)] = r.key
-        transfer_id, request_id = self._reg_ids(key)
-        reg = PushReg(
-            transfer_id=transfer_id,
-            request_id=request_id,
-            decode=info.src,
-            incarnation=0,  # a restarted decode rank is caught by its registration id (PEER_LOST)
-            blocks=tuple(info.dst_pages),
-            token_start=info.token_start,
-            token_end=info.num_tokens,
-        )
-        self._lease_notices(self.leases.register(reg, self._now))
+        if self._wants_push(r):
+            self.push.register(r.key, info, self._now)
 
     def _wants_push(self, r: _Room) -> bool:
-        """The room will run the push flow: asked per room, or the policy's own override."""
-        if r.flow_override is not None:
-            return r.flow_override == Flow.PUSH.value
-        return self.policy.override is Flow.PUSH
-
-    def _push_finish(self, r: _Room) -> None:
-        """The room's first chunk is computed (its forward pass finished): that matches every
-        registration of the room. Called when chunk 0 is handed to its worker and again when it
-        runs (a registration that arrived in between); a lease matched already is left alone,
-        so the watchdog measures decode's wait for prefill, not the worker queue."""
-        for _p, key in sorted(r.push_keys.items()):
-            lease = self.leases.leases.get(self._reg_key(key))
-            fin = self._finish_of(key)
-            held = LeaseRegistry.key(fin.transfer_id, fin.request_id) in self.leases.held
-            # By request id the finish may have paired with (or been refused for) another entry:
-            # it is handed over once.
-            again = self._push_by_request and fin in r.push_finished
-            if lease is not None and lease.finish is None and not held and not again:
-                r.push_finished.add(fin)
-                self._lease_notices(self.leases.finish(fin, self._now))
-
-    def _reg_ids(self, key: str) -> tuple[str, str]:
-        """(transfer_id, request_id) of the registration for ``key`` (``tid@decodeN``): the router's
-        id, or with request-id matching the request as decode names it, with its retry suffix."""
-        if self._push_by_request:
-            return "", f"{key}-1"
-        return key, key.rpartition("@")[0]
-
-    def _reg_key(self, key: str) -> str:
-        return LeaseRegistry.key(*self._reg_ids(key))
-
-    def _finish_of(self, key: str) -> Finish:
-        """Prefill's finish for ``key``: the request as prefill names it (no retry suffix)."""
-        if self._push_by_request:
-            return Finish("", key)
-        return Finish(key, key.rpartition("@")[0])
+        return PushSender.wants(r.flow_override, self.policy.override)
 
     def lease_key(self, tid: str, peer: str) -> str:
         """The registry key of room ``tid``'s registration by decode rank ``peer`` (e.g. decode0)."""
-        return self._reg_key(f"{tid}@{peer}")
+        return self.push.lease_key(tid, peer)
 
-    def _push_post(self, r: _Room, peer: m.Endpoint) -> None:
-        """One write to ``peer`` is about to be posted: only under its live lease, and only where
-        that registration was paired with this request's own finish (a wrong pairing is an error,
-        never a write into another request's blocks)."""
-        key = r.push_keys.get(peer)
-        lease = self.leases.leases.get(self._reg_key(key)) if key is not None else None
-        if lease is not None and lease.finish is not None and lease.finish != self._finish_of(key):
-            self.counters["push_wrong_pair"] += 1
-            raise RoomStateError(
-                f"push registration of {peer} was paired with another request's finish "
-                f"({lease.finish.transfer_id or lease.finish.request_id}): nothing is written"
-            )
-        if lease is None or lease.finish is None or self.leases.post(*self._reg_ids(key), self._now) is None:
-            self._lease_notices(self.leases.drain())
-            how = self.leases.finished.get(self._reg_key(key), None) if key is not None else None
-            why = how.value if how else "never registered"
-            raise RoomStateError(f"push lease of {peer} is over ({why}): nothing is written")
-
-    def _lease_notices(self, notices: list[Notice]) -> None:
-        for n in notices:
-            if n.kind not in (NoticeKind.EXPIRED, NoticeKind.FAILED, NoticeKind.REFUSED):
-                continue  # MATCHED, DELIVERED, RELEASED: the room's own machine tracks writes and fences
-            rk = self._push_rooms.get(LeaseRegistry.key(n.transfer_id, n.request_id))
-            r = self.rooms.get(rk[0]) if rk is not None else None
-            if r is None or r.key != rk or r.state is SState.FAILED:
-                continue
-            self.counters[f"push_{n.kind.value}"] += 1
-            self._fail(r, RoomFailure(f"push registration {n.kind.value}: {n.reason}", at_ns=self._now))
-            self._maybe_finish(r)
-
-    def _push_write_finished(self, r: _Room, wid: int, ok: bool) -> None:
-        peer = r.push_writes.pop(wid, None)
-        if peer is None:
+    def _push_refused(self, key: tuple[int, str], kind: NoticeKind, reason: str) -> None:
+        """A lease of a live room ended badly (expired, refused, never matched): the room fails."""
+        r = self.rooms.get(key[0])
+        if r is None or r.key != key or r.state is SState.FAILED:
             return
-        try:
-            notices = self.leases.write_done(*self._reg_ids(r.push_keys[peer]), ok, self._now)
-        except LeaseMisuseError:
-            self.counters["push_untracked_write"] += 1  # posted without its lease (never in real code)
-            return
-        self._lease_notices(notices)
+        self.counters[f"push_{kind.value}"] += 1
+        self.fail(r, RoomFailure(f"push registration {kind.value}: {reason}", at_ns=self._now))
+        self._maybe_finish(r)
 
     def next_deadline(self) -> int | None:
-        a, b = RoomEngine.next_deadline(self), self.leases.next_deadline()
+        a, b = RoomEngine.next_deadline(self), self.push.next_deadline()
         if a is None:
             return b
         return a if b is None else min(a, b)
 
     def _tick(self) -> None:
         RoomEngine._tick(self)
-        self._lease_notices(self.leases.tick(self._now))
+        self.push.tick(self._now)
 
     def _pull_fence_due(self, r: _Room) -> None:
-        """The fence deadline of a failed pull room: a decode rank that vanished (heartbeat lost)
-        cannot be reading; one still alive may have READs queued behind others (a posted READ
-        cannot be cancelled), so it is asked again (RoomFailed, answered with ReadsStopped once
-        its READs drained) and the pages stay until it answers or vanishes."""
+        """The fence deadline of a failed pull room (core/flows/pull.py): the decode ranks still
+        alive that may be reading are asked again; look again in a heartbeat interval."""
         reason = r.failure.reason if r.failure else "failed"
-        alive = False
-        for p in sorted(r.pull_owed):
-            if not r.pull_owed[p]:
-                continue
-            if p in self.peers:
-                alive = True
-                self.counters["pull_fence_extended"] += 1
-                self._send(p, m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=reason))
-            else:
-                self.counters["pull_fence_expired"] += 1
-                del r.pull_owed[p]
-        if alive:
+        ask = self.pull.fence_due(r.key, self.peers.__contains__)
+        for p in ask:
+            self._send(p, m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=reason))
+        if ask:
             self.deadlines.set(("pfence", r.room), self._now + self.timeouts.heartbeat_interval_ns)
         self._maybe_finish(r)
-
-    def _pull_fenced(self, r: _Room) -> bool:
-        """No decode rank can still be READing this room's pages."""
-        return not any(r.pull_owed.values())
 
     def _advance(self, r: _Room, c: ChunkReady, end: int) -> None:
         r.next_run += 1
@@ -1017,10 +883,10 @@ class SenderEngine(StagedSender, RoomEngine):
                 if info.send_aux:
                     push = r.ledger.flow is Flow.PUSH
                     if push:
-                        self._push_post(r, p)
+                        self.push.post(r.key, p, self._now)
                     wid = self._new_write(r)
                     if push:
-                        r.push_writes[wid] = p
+                        self.push.posted(wid, r.key, p)
                     posted.append(wid)
                     self._out.append(
                         PostAuxWrite(
@@ -1035,16 +901,12 @@ class SenderEngine(StagedSender, RoomEngine):
         if posted:
             self._out.append(AwaitWrites(room=r.room, write_ids=tuple(posted)))
         if c.is_last and r.ledger.flow is Flow.PUSH:
-            for key in sorted(r.push_keys.values()):
-                try:
-                    self._lease_notices(self.leases.complete(*self._reg_ids(key), self._now))
-                except LeaseMisuseError:
-                    self.counters["push_complete_without_lease"] += 1
+            self.push.completed(r.key, self._now)
         return "done" if self._quiet(r) else "running"
 
     def _quiet(self, r: _Room) -> bool:
         """The last chunk ran and nothing of the room is in flight: writes, gathers, lanes."""
-        return r.last_run and not r.inflight and r.ledger.quiet() and not any(r.pull_owed.values())
+        return r.last_run and not r.inflight and r.ledger.quiet() and self.pull.fenced(r.key)
 
     def _new_write(self, r: _Room) -> int:
         wid = self._next_write_id
@@ -1079,7 +941,7 @@ class SenderEngine(StagedSender, RoomEngine):
         else:
             reason = f"peer {payload} lost (no heartbeat)"
         tell = None if inp not in (SIn.ABORT_PEER, SIn.PEER_FAILED) else payload.src
-        self._fail(r, RoomFailure(reason, at_ns=self._now), skip=tell)
+        self.fail(r, RoomFailure(reason, at_ns=self._now), skip=tell)
         return "failed"
 
     def _h_on_failed_input(self, r: _Room, inp: SIn, payload: Any) -> None:
@@ -1111,30 +973,31 @@ class SenderEngine(StagedSender, RoomEngine):
 
     # --- failure, fence, release -------------------------------------------------------------------
 
-    def _fail(self, r: _Room, failure: RoomFailure, skip: m.Endpoint | None = None) -> None:
-        if r.state is SState.FAILED:
-            return
-        r.state = SState.FAILED
+    def _h_fail(self, r: _Room, inp: SIn, payload: tuple[RoomFailure, dict[str, Any]]) -> str:
+        """FAIL (the funnel): record why, stop what the room has in flight, tell its decode ranks
+        (all but ``skip``, the one that told us)."""
+        failure, why = payload
+        skip = why.get("skip")
         r.failure = failure
         r.parked = []
         r.ledger.drop_waiting()
         self.stalled.discard(r.room)
         self.deadlines.cancel(("room", r.room))
         self.deadlines.cancel(("stg", r.room))
-        for idx in r.pull_offered:
-            self._pulls.cancel((r.room, r.tid, idx))
-        for p, key in sorted(r.push_keys.items()):
-            if self._reg_key(key) in self.leases.leases:
-                self.leases.abort(*self._reg_ids(key), p, self._now)  # its writes in flight fence it
-        if not self._pull_fenced(r):
+        self.pull.cancel(r.key)
+        self.push.abort(r.key, self._now)  # its writes in flight fence its leases
+        if not self.pull.fenced(r.key):
             # Decode may be READing our pages: they stay until it says it stopped, or this.
             self.deadlines.set(("pfence", r.room), self._now + self.timeouts.fence_ns)
         self._out.append(
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
-        tell = {p for p in r.infos if p != skip}
-        # A decode rank may already be Success (our last write landed before we failed): it must
-        # hear this, so the notice is resent until answered, for at most fence_ns.
+        self._tell_failure(r, failure, {p for p in r.infos if p != skip})
+        return "failed"
+
+    def _tell_failure(self, r: _Room, failure: RoomFailure, tell: set[m.Endpoint]) -> None:
+        """A decode rank may already be Success (our last write landed before we failed): it must
+        hear this, so the notice is resent until answered, for at most fence_ns."""
         room, tid, reason = r.room, r.tid, failure.reason
         for p, msg in self._notices.start(
             r.key,
@@ -1158,40 +1021,18 @@ class SenderEngine(StagedSender, RoomEngine):
             for p in sorted(r.stop_to):
                 self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         # A gather still running owns a staging buffer: the room stays until it returns.
-        terminal_quiet = not r.inflight and not r.ledger.ops and self._pull_fenced(r)
+        terminal_quiet = not r.inflight and not r.ledger.ops and self.pull.fenced(r.key)
         # A room only a TransferInfo ever created has no local owner to release it.
         auto = r.created_by_info and not r.opened
         if terminal_quiet and (r.release_requested or auto):
             self._remove(r)
 
     def _remove(self, r: _Room) -> None:
-        del self.rooms[r.room]
-        for p in r.infos:
-            s = self.rooms_by_peer.get(p)
-            if s is not None:
-                s.discard(r.room)
-                if not s:
-                    del self.rooms_by_peer[p]
-        self.deadlines.cancel(("room", r.room))
         self.deadlines.cancel(("stg", r.room))
         self.deadlines.cancel(("pfence", r.room))
-        for idx in r.pull_offered:
-            self._pulls.cancel((r.room, r.tid, idx))
-        for key in r.push_keys.values():
-            rkey = self._reg_key(key)
-            if self._push_rooms.get(rkey) == r.key and rkey not in self.leases.leases:
-                del self._push_rooms[rkey]
-        reason = r.failure.reason if r.failure is not None else ""
-        self.tombstones.add(r.room, r.tid, STATUS[r.state], self._now, reason)
-
-    def _late_failure(self, msg: m.RoomFailed | m.Abort) -> None:
-        """The peer failed a room we already released: the tombstone (and the poller) learn it."""
-        if self.tombstones.fail(msg.room, msg.transfer_id):
-            self.counters["failed_after_release"] += 1
-            reason = f"failed on {msg.src} after release: {msg.reason}"
-            self._out.append(
-                StatusChanged(room=msg.room, transfer_id=msg.transfer_id, status=KVPoll.Failed, reason=reason)
-            )
+        self.pull.forget(r.key)
+        self.push.forget(r.key)
+        self._forget(r, r.infos)
 
     def _acked(self, msg: m.FailedAck | m.Abort | m.RoomFailed) -> None:
         self._notices.answered((msg.room, msg.transfer_id), msg.src)
@@ -1211,11 +1052,11 @@ class SenderEngine(StagedSender, RoomEngine):
             for p, msg in self._notices.fire(what, self._now):
                 self._send(p, msg)
         elif kind == "pull":
-            for p, msg in self._pulls.fire(what, self._now):
+            for p, msg in self.pull.offers.fire(what, self._now):
                 self._send(p, msg)
         elif kind == "pfence":
             r = self.rooms.get(what)
-            if r is not None and r.state is SState.FAILED and not self._pull_fenced(r):
+            if r is not None and r.state is SState.FAILED and not self.pull.fenced(r.key):
                 self._pull_fence_due(r)
         elif kind == "notes":
             self._resend_notes(what)
@@ -1235,6 +1076,7 @@ _t = step
 E = SenderEngine
 _FAIL = _t(E._h_on_fail, failed=_F)
 _LIVE_FAILURES = {
+    SIn.FAIL: _t(E._h_fail, failed=_F),
     SIn.ABORT_LOCAL: _FAIL,
     SIn.ABORT_PEER: _FAIL,
     SIn.PEER_FAILED: _FAIL,
@@ -1248,21 +1090,21 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.OPEN: _t(E._h_on_open, stay=_B, ready=_W),
         SIn.INFO: _t(E._h_on_info, stay=_B, ready=_W),
         SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_B, ready=_W),
-        SIn.CHUNK: _t(E._h_on_chunk, stay=_B),  # parked until WAITING: the worker never sees it early
+        SIn.CHUNK: _t(E._h_on_chunk_early, stay=_B),  # parked until WAITING
         SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_B),  # asked for ahead of the TransferInfos
         **_LIVE_FAILURES,
     },
     _W: {
-        SIn.INFO: _t(E._h_on_info, stay=_W, ready=_W),
-        SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_W),
+        SIn.INFO: _t(E._h_on_info_late, stay=_W),
+        SIn.PEER_READY: _t(E._h_on_peer_ready_late, stay=_W),
         SIn.CHUNK: _t(E._h_on_chunk, stay=_W),
         SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_W, running=_T, done=_S),
         SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_W),
         **_LIVE_FAILURES,
     },
     _T: {
-        SIn.INFO: _t(E._h_on_info, stay=_T, ready=_T),
-        SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_T),
+        SIn.INFO: _t(E._h_on_info_late, stay=_T),
+        SIn.PEER_READY: _t(E._h_on_peer_ready_late, stay=_T),
         SIn.CHUNK: _t(E._h_on_chunk, stay=_T),
         SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_T, running=_T, done=_S),
         SIn.WRITE_DONE: _t(E._h_on_write_done, stay=_T, done=_S),
@@ -1277,15 +1119,16 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.PULLED: _t(E._h_ignore, stay=_S),  # a duplicate answer to a resent offer
         SIn.READS_STOPPED: _t(E._h_ignore, stay=_S),  # nothing was owed; its Abort follows
         SIn.STAGING_RSP: _t(E._h_ignore, stay=_S),
-        SIn.INFO: _t(E._h_on_info, stay=_S, ready=_S),
+        SIn.INFO: _t(E._h_on_info_late, stay=_S),
         SIn.PEER_READY: _t(E._h_ignore, stay=_S),
         SIn.PEER_LOST: _t(E._h_ignore, stay=_S),  # nothing left to send; the peer's fate is its own
         SIn.ABORT_LOCAL: _t(E._h_ignore, stay=_S),  # the transfer is complete: nothing left to abort
         SIn.ABORT_PEER: _FAIL,  # decode gave up (e.g. a lost notification): agree on Failed
         SIn.PEER_FAILED: _FAIL,
         SIn.RELEASE: _t(E._h_on_release, stay=_S),
+        SIn.FAIL: _t(E._h_fail, failed=_F),  # a peer's failure after our Success (agree on Failed)
     },
-    _F: {i: _t(E._h_on_failed_input, stay=_F) for i in SIn},
+    _F: {**{i: _t(E._h_on_failed_input, stay=_F) for i in SIn}, SIn.FAIL: _t(E._h_ignore_fail, stay=_F)},
 }
 
 SenderEngine.TABLE = SENDER_TABLE

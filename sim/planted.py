@@ -179,25 +179,14 @@ _RECEIVERS = {
 class _PullFreeEarlySender(SenderEngine):
     def _run_pull(self, r: Any, c: Any) -> str:
         super()._run_pull(r, c)
-        r.pull_owed.clear()
+        self.pull.owed.pop(r.key, None)  # the pages count as free while decode still READs them
         return "done" if self._quiet(r) else "running"
 
 
-class _NoNotices:
-    def start(self, *a: Any, **kw: Any) -> list[Any]:
-        return []
-
-
 class _SilentWriteFailureSender(SenderEngine):
-    def _fail(self, r: Any, failure: Any, skip: Any = None) -> None:
+    def _tell_failure(self, r: Any, failure: Any, tell: Any) -> None:
         if not failure.reason.startswith("write failed"):
-            super()._fail(r, failure, skip)
-            return
-        notices, self._notices = self._notices, _NoNotices()  # type: ignore[assignment]
-        try:
-            super()._fail(r, failure, skip)
-        finally:
-            self._notices = notices
+            super()._tell_failure(r, failure, tell)
 
 
 class _FrontTrimSender(SenderEngine):

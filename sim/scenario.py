@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from kvferry.backends.simfabric.spec import PROFILES, ControlSpec, FabricSpec, KernelSpec, NicSpec
 from kvferry.core.errors import GeometryError, KvferryError
+from kvferry.core.flows import FLOW_NAMES
 from kvferry.core.geometry import PRESETS, Layout, ModelGeometry, PoolGeometry, validate_tp
 
 US = 1_000
@@ -58,7 +59,7 @@ HOOKS = (
 # Servers of one side in a scenario: every rank is a node with its own engine and NIC, so a few
 # dozen already make a slow run; the deployment model (sim/deploy) goes further in timing only.
 MAX_INSTANCES = 16
-FLOW_CHOICES = ("policy", "direct", "ring", "pinned", "pull", "push", "mixed")
+FLOW_CHOICES = ("policy", *FLOW_NAMES, "mixed")
 PUSH_MATCH_CHOICES = ("transfer_id", "request_id")
 
 

@@ -37,7 +37,7 @@ def _clean(w: H.World) -> None:
     for r in w.decode:
         assert r.engine.reads == {}
     for r in w.prefill:
-        assert not r.engine._pulls.entries
+        assert not r.engine.pull.offers.entries
 
 
 def _room(w: H.World, room: int, tokens: int, cuts: list[int]) -> H.Request:

@@ -26,9 +26,10 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
-from kvferry.core.flows.pull_rx import ReadInfo
+from kvferry.core.flows.pull import ReadInfo
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll, advance
+from kvferry.core.machine import RoomFailure
 from kvferry.core.proto_common import UnknownRoomError
 from kvferry.core.receiver import RECEIVER_TABLE, ReceiverEngine, RIn, RState
 
@@ -510,6 +511,8 @@ PAYLOADS: dict[RIn, Any] = {
         st.builds(WriteDone, write_id=st.integers(0, 5)), st.one_of(st.none(), offers.map(ReadInfo))
     ),
     RIn.READ_FAILED: st.tuples(st.builds(WriteFailed, write_id=st.integers(0, 5)), st.none()),
+    # The failure funnel's own input (TableEngine.fail): a reason and the side's options.
+    RIn.FAIL: st.tuples(st.builds(RoomFailure, st.text(min_size=1, max_size=5)), st.just({})),
 }
 
 

@@ -39,6 +39,7 @@ from kvferry.core.events import (
 )
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll, advance
+from kvferry.core.machine import RoomFailure
 from kvferry.core.planner import plan_rank_pair
 from kvferry.core.sender import SENDER_TABLE, SenderEngine, SIn, SState
 
@@ -591,6 +592,8 @@ PAYLOADS: dict[SIn, Any] = {
         m.Pulled, src=endpoints, room=st.just(ROOM), transfer_id=st.just(TID), chunk_index=st.integers(0, 3)
     ),
     SIn.READS_STOPPED: st.builds(m.ReadsStopped, src=endpoints, room=st.just(ROOM), transfer_id=st.just(TID)),
+    # The failure funnel's own input (TableEngine.fail): a reason and the side's options.
+    SIn.FAIL: st.tuples(st.builds(RoomFailure, st.text(min_size=1, max_size=5)), st.just({})),
 }
 
 

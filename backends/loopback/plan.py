@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 from kvferry.backends.runtime.staging import StagingConfig
 from kvferry.core.deadlines import MS, SEC, Timeouts
+from kvferry.core.flows import FLOW_NAMES
 from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry
 
 ABORTS = ("decode_early", "decode_mid", "prefill_early", "prefill_mid")
-FLOWS = ("direct", "ring", "pinned", "pull", "push")
+FLOWS = FLOW_NAMES
 MODEL = ModelGeometry("soak", num_layers=2, num_kv_heads=4, head_dim=16)
 PREFILL_PAGE, DECODE_PAGE = 4, 8  # different page sizes on the two sides
 PREFILL_PAGES, DECODE_PAGES = 512, 256

@@ -306,15 +306,11 @@ class EndpointBase:
         """Sizes of every per-room or per-transfer table; all zero once every room was cleared
         and fenced. Tombstones are excluded: they expire by design."""
         with self.lock:
-            out = {
-                "engine.rooms": len(self.engine.rooms),
-                "engine.rooms_by_peer": sum(len(s) for s in self.engine.rooms_by_peer.values()),
-                "driver.handles": len(self.driver.handles),
-                "driver.posting": self.driver.posting,
-                "driver.queues": sum(len(q) for q in self.driver.queues),
-            }
-            if hasattr(self.engine, "writes"):
-                out["engine.writes"] = len(self.engine.writes)
+            # Every per-room table the engine registered (core/proto_common.RoomEngine.track).
+            out = {f"engine.{name}": n for name, n in self.engine.table_sizes().items()}
+            out["driver.handles"] = len(self.driver.handles)
+            out["driver.posting"] = self.driver.posting
+            out["driver.queues"] = sum(len(q) for q in self.driver.queues)
         out["nixl.inflight"] = self.transport.agent.inflight()
         out["board"] = len(self.board)
         return out

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.backends.nixl.transport import DIRECT_POSTS
+from kvferry.core.flows import FLOW_NAMES
 
 RAW_ID = (1 << 20) + 1  # a covering region over the whole pool, in its own group "raw"
 FIRST_ROOM = 1000  # batch b's room k is FIRST_ROOM + b * inflight + k on both sides
@@ -96,7 +97,7 @@ DEFAULT_CONFIGS = (
     BenchConfig("tp2->2 nhd", 2, 2, rooms=2),  # TP > 1 on both sides, as one node deploys it
     BenchConfig("tp4->2 nhd", 4, 2, rooms=2),
 )
-FLOWS = ("direct", "ring", "pinned", "pull", "push", "policy")
+FLOWS = (*FLOW_NAMES, "policy")
 ENGINES = ("python", "native")
 
 

@@ -4,6 +4,6 @@ The room machines (``core.sender``, ``core.receiver``) own a room's lifecycle; a
 chunk ledger and tells the room only "chunk landed" or "chunk failed, why". See DESIGN section 9.
 """
 
-from kvferry.core.flows.policy import BUILT_FLOWS, Flow, FlowError, FlowPolicy, staging_format
+from kvferry.core.flows.policy import BUILT_FLOWS, FLOW_NAMES, Flow, FlowError, FlowPolicy, staging_format
 
-__all__ = ["BUILT_FLOWS", "Flow", "FlowError", "FlowPolicy", "staging_format"]
+__all__ = ["BUILT_FLOWS", "FLOW_NAMES", "Flow", "FlowError", "FlowPolicy", "staging_format"]

@@ -3,7 +3,7 @@
 Flows (DESIGN section 9): ``direct`` WRITEs the planner's descriptors; ``ring`` gathers into a
 worker's staging buffer and WRITEs one block per writer into decode's staging ring (seed 003);
 ``pinned`` bounces through pinned host memory, head-major (seed 002); ``pull`` lets decode READ
-prefill's pages (vLLM's default; core/flows/pull_rx.py), chosen only by an explicit override.
+prefill's pages (vLLM's default; core/flows/pull.py), chosen only by an explicit override.
 ``push`` writes like ``direct`` under registration leases (seed 004; core/resources/leases.py),
 also only by override.
 
@@ -22,7 +22,7 @@ from kvferry.core.errors import KvferryError
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.staging_layout import StagingFormat
 
-__all__ = ["BUILT_FLOWS", "Flow", "FlowError", "FlowPolicy", "staging_format"]
+__all__ = ["BUILT_FLOWS", "FLOW_NAMES", "Flow", "FlowError", "FlowPolicy", "staging_format"]
 
 
 class FlowError(KvferryError, ValueError):
@@ -30,11 +30,13 @@ class FlowError(KvferryError, ValueError):
 
 
 class Flow(StrEnum):
+    """Every flow, in the order every list of flows shows them (CLI, scenarios, select, bench)."""
+
     DIRECT = "direct"
     RING = "ring"
     PINNED = "pinned"
-    PUSH = "push"
     PULL = "pull"
+    PUSH = "push"
 
     @classmethod
     def parse(cls, name: str) -> Flow:
@@ -51,7 +53,10 @@ class Flow(StrEnum):
         return self is Flow.RING or self is Flow.PINNED
 
 
-BUILT_FLOWS = (Flow.DIRECT, Flow.RING, Flow.PINNED, Flow.PULL, Flow.PUSH)
+# The only list of flows: everything that names the flows (the CLI's choices, scenario checks,
+# select's and calibrate's candidates, the benches, the loopback soak) reads these.
+BUILT_FLOWS = tuple(Flow)
+FLOW_NAMES = tuple(f.value for f in BUILT_FLOWS)
 
 
 def staging_format(flow: Flow) -> StagingFormat:

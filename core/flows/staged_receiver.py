@@ -20,16 +20,17 @@ Rules kept here:
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 from kvferry.core import messages as m
 from kvferry.core.commands import Scatter
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
-from kvferry.core.flows.machine import fire
 from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
 from kvferry.core.flows.staged_rx import RX_TABLE, RxChunk, RxIn, RxState
 from kvferry.core.flows.staged_tx import decode_alloc_bytes
+from kvferry.core.machine import fire
 from kvferry.core.proto_common import RoomError, RoomFailure
 from kvferry.core.resources import PinnedPool, PinnedRefused, RingRefused, StagingRing, Watermark
 from kvferry.core.staging_layout import staged_map
@@ -55,6 +56,7 @@ class StagedReceiver:
     reg_id: int
     _now: int
     _out: list[Any]
+    _is_failed: Callable[[Any], bool]  # the host's (core/machine.py): a flow compares no state
 
     def _send(self, peer: m.Endpoint, msg: Any) -> None:
         raise NotImplementedError
@@ -68,9 +70,6 @@ class StagedReceiver:
         raise NotImplementedError
 
     def _complete(self, r: Any) -> bool:
-        raise NotImplementedError
-
-    def _fail(self, r: Any, failure: RoomFailure, abort: bool = True) -> None:
         raise NotImplementedError
 
     def _init_staging(self, registration: m.Register) -> None:
@@ -356,7 +355,7 @@ class StagedReceiver:
         while self.pinned_queue:
             room, tid, idx = self.pinned_queue[0]
             r = self.rooms.get(room)
-            ch = r.stg.get(idx) if r is not None and r.tid == tid and r.state.value != "failed" else None
+            ch = r.stg.get(idx) if r is not None and r.tid == tid and not self._is_failed(r) else None
             if ch is None:
                 self.pinned_queue.popleft()
                 continue
@@ -364,5 +363,5 @@ class StagedReceiver:
                 if not self._allocate(r, ch):  # type: ignore[arg-type]
                     break
             except RoomError as exc:
-                self._fail(r, RoomFailure(str(exc), error=exc, at_ns=self._now))  # type: ignore[arg-type]
+                self.fail(r, RoomFailure(str(exc), error=exc, at_ns=self._now))  # type: ignore[arg-type]
             self.pinned_queue.popleft()

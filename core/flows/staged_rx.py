@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.core import messages as m
-from kvferry.core.flows.machine import Step
 from kvferry.core.flows.policy import Flow
 from kvferry.core.identity_enum import IdentityEnum
+from kvferry.core.machine import Transition
 
 __all__ = ["RX_TABLE", "RxChunk", "RxIn", "RxState"]
 
@@ -98,10 +98,16 @@ def _late_note(ch: RxChunk, note: m.ChunkNote) -> str:
 
 _WS, _G, _L, _S, _D = RxState.WAITING_SPACE, RxState.GRANTED, RxState.LANDED, RxState.SCATTERING, RxState.DONE
 
-RX_TABLE: dict[RxState, dict[RxIn, Step]] = {
-    _WS: {RxIn.ALLOCATED: Step(_allocated, {"granted": _G})},
-    _G: {RxIn.NOTE: Step(_note, {"more": _G, "landed": _L, "duplicate": _G})},
-    _L: {RxIn.NOTE: Step(_late_note, {"duplicate": _L}), RxIn.START: Step(_start, {"started": _S})},
-    _S: {RxIn.NOTE: Step(_late_note, {"duplicate": _S}), RxIn.SCATTERED: Step(_scattered, {"done": _D})},
-    _D: {RxIn.NOTE: Step(_late_note, {"duplicate": _D})},
+RX_TABLE: dict[RxState, dict[RxIn, Transition]] = {
+    _WS: {RxIn.ALLOCATED: Transition(_allocated, {"granted": _G})},
+    _G: {RxIn.NOTE: Transition(_note, {"more": _G, "landed": _L, "duplicate": _G})},
+    _L: {
+        RxIn.NOTE: Transition(_late_note, {"duplicate": _L}),
+        RxIn.START: Transition(_start, {"started": _S}),
+    },
+    _S: {
+        RxIn.NOTE: Transition(_late_note, {"duplicate": _S}),
+        RxIn.SCATTERED: Transition(_scattered, {"done": _D}),
+    },
+    _D: {RxIn.NOTE: Transition(_late_note, {"duplicate": _D})},
 }

@@ -22,6 +22,7 @@ Rules kept here:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,6 @@ from kvferry.core import messages as m
 from kvferry.core.commands import ChunkDeferred, Gather, PostWrite, SendNotif
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import ProtocolError
-from kvferry.core.flows.machine import fire
 from kvferry.core.flows.policy import Flow, FlowPolicy, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.flows.staged_tx import (
@@ -42,6 +42,7 @@ from kvferry.core.flows.staged_tx import (
     writer_bytes,
 )
 from kvferry.core.geometry import PoolGeometry
+from kvferry.core.machine import fire
 from kvferry.core.proto_common import RoomFailure
 from kvferry.core.resources import PinnedPool, PinnedRefused, RingSlot, Watermark, writable
 from kvferry.core.staging_layout import staged_map
@@ -69,14 +70,14 @@ class StagedSender:
     num_shards: int
     _now: int
     _out: list[Any]
+    _is_failed: Callable[[Any], bool]  # the host's (core/machine.py): a flow compares no state
+    track: Callable[..., None]  # the host's table registry (core/proto_common.py)
+    _started: Callable[[Any], bool]  # the host's: the room left bootstrapping
 
     def _send(self, peer: m.Endpoint, msg: Any) -> None:
         raise NotImplementedError
 
     def _new_write(self, r: Any) -> int:
-        raise NotImplementedError
-
-    def _fail(self, r: Any, failure: RoomFailure) -> None:
         raise NotImplementedError
 
     def _maybe_finish(self, r: Any) -> None:
@@ -97,6 +98,16 @@ class StagedSender:
         # pool): (slot position, note, give up at).
         self.unconfirmed: dict[tuple[m.Endpoint, str], list[tuple[Watermark, bytes, int]]] = {}
         self._next_op_id = 1
+        ops, slots, pinned = self.ops, self.slot_owner, self.pinned  # never rebound
+        self.track("ops", lambda room: any(k[0] == room for k in ops.values()), ops.__len__)
+        self.track("stalled", self.stalled.__contains__, self.stalled.__len__)
+        self.track("worker_slots", lambda room: any(k[0][0] == room for k in slots.values()), slots.__len__)
+        if pinned is not None:
+            self.track(
+                "pinned",
+                lambda room: any(pinned.owner_of(i)[0][0] == room for i in pinned.live),
+                pinned.__len__,
+            )
 
     # --- flow choice and prefetch --------------------------------------------------------------
 
@@ -117,7 +128,7 @@ class StagedSender:
         targets = self._targets(r)
         known = [self.peers[p] for p in targets if p in self.peers]
         if not known:
-            if r.state.value != "bootstrapping" and not targets:
+            if self._started(r) and not targets:
                 r.ledger.flow = Flow.DIRECT  # only dummy links: nothing to stage
             return
         reg = known[0].registration
@@ -143,7 +154,7 @@ class StagedSender:
             self._choose_flow(r)
         flow = r.ledger.flow
         # ``flow.staged`` without the property call: every chunk and TransferInfo of a room asks.
-        if (flow is not Flow.RING and flow is not Flow.PINNED) or r.state.value == "failed":
+        if (flow is not Flow.RING and flow is not Flow.PINNED) or self._is_failed(r):
             return
         targets = self._targets(r)
         asked = False
@@ -353,7 +364,7 @@ class StagedSender:
 
     def _start_ready(self, r: Any) -> None:
         """Start every accepted, granted lane of the room whose space and slot are free."""
-        if r.state.value == "failed":
+        if self._is_failed(r):
             return
         blocked = ""
         for _, lane in sorted(r.ledger.lanes.items()):
@@ -451,7 +462,7 @@ class StagedSender:
     def _op_finished(self, r: Any, op: int) -> None:
         """Every state: a failed room's gather gives its slot back and posts nothing."""
         r.ledger.ops.discard(op)
-        if r.state.value == "failed":
+        if self._is_failed(r):
             for lane in r.ledger.lanes.values():
                 if lane.op_id == op and lane.state is TxState.GATHERING:
                     self._release(r, lane)
@@ -486,14 +497,14 @@ class StagedSender:
         on news, and each room at most once per news."""
         for room in sorted(self.stalled):
             r = self.rooms.get(room)
-            if r is None or r.state.value == "failed":
+            if r is None or self._is_failed(r):
                 self.stalled.discard(room)
                 continue
             try:
                 self._start_ready(r)
             except ProtocolError as exc:  # outside a room handler: fail the room here
                 self.counters["room_exception"] += 1
-                self._fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
+                self.fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
                 self._maybe_finish(r)
 
     # --- lost notes of staged writes --------------------------------------------------------------
@@ -549,18 +560,6 @@ class StagedSender:
             self.peer_wm.pop((peer, pool), None)
             self.unconfirmed.pop((peer, pool), None)
             self.deadlines.cancel(("notes", (peer, pool)))
-
-    def staging_refs(self, room: int) -> list[str]:
-        refs = []
-        if any(k[0] == room for k in self.ops.values()):
-            refs.append("ops")
-        if room in self.stalled:
-            refs.append("stalled")
-        if any(k[0][0] == room for k in self.slot_owner.values()):
-            refs.append("worker_slots")
-        if self.pinned is not None and any(self.pinned.owner_of(i)[0][0] == room for i in self.pinned.live):
-            refs.append("pinned")
-        return refs
 
     def staging_in_use(self) -> int:
         """Staging slots, pinned reservations and gathers held; 0 once every room settled."""

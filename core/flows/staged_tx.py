@@ -16,10 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.core import messages as m
-from kvferry.core.flows.machine import Step
 from kvferry.core.flows.policy import Flow
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.identity_enum import IdentityEnum
+from kvferry.core.machine import Transition
 from kvferry.core.planner import find_link
 
 __all__ = ["TX_TABLE", "StagedLedger", "TxIn", "TxLane", "TxState", "decode_alloc_bytes", "writer_bytes"]
@@ -152,15 +152,15 @@ def _written(lane: TxLane) -> str:
 _A, _G, _GA, _W, _L = TxState.ASKING, TxState.GRANTED, TxState.GATHERING, TxState.WRITING, TxState.LANDED
 
 
-def _dup(state: TxState) -> Step:
-    return Step(_again, {"duplicate": state})
+def _dup(state: TxState) -> Transition:
+    return Transition(_again, {"duplicate": state})
 
 
-TX_TABLE: dict[TxState, dict[TxIn, Step]] = {
-    _A: {TxIn.GRANT: Step(_grant, {"granted": _G})},
-    _G: {TxIn.GRANT: _dup(_G), TxIn.START: Step(_start, {"started": _GA})},
-    _GA: {TxIn.GRANT: _dup(_GA), TxIn.GATHERED: Step(_gathered, {"writing": _W})},
-    _W: {TxIn.GRANT: _dup(_W), TxIn.WRITTEN: Step(_written, {"landed": _L})},
+TX_TABLE: dict[TxState, dict[TxIn, Transition]] = {
+    _A: {TxIn.GRANT: Transition(_grant, {"granted": _G})},
+    _G: {TxIn.GRANT: _dup(_G), TxIn.START: Transition(_start, {"started": _GA})},
+    _GA: {TxIn.GRANT: _dup(_GA), TxIn.GATHERED: Transition(_gathered, {"writing": _W})},
+    _W: {TxIn.GRANT: _dup(_W), TxIn.WRITTEN: Transition(_written, {"landed": _L})},
     _L: {TxIn.GRANT: _dup(_L)},
 }
 

@@ -34,8 +34,8 @@ from typing import Any
 
 from kvferry.core.deadlines import DeadlineHeap
 from kvferry.core.errors import LocalMisuseError
-from kvferry.core.flows.machine import Step, fire
 from kvferry.core.identity_enum import IdentityEnum
+from kvferry.core.machine import Transition, fire
 
 __all__ = [
     "LEASE_TABLE",
@@ -535,28 +535,28 @@ _ABORTED = _ends_with(NoticeKind.FAILED, "aborted by decode")
 _POST_FAILED = _ends_with(NoticeKind.FAILED, "a write could not be posted")
 _NEVER = _ends_with(NoticeKind.FAILED, "never matched (watchdog)")
 
-LEASE_TABLE: dict[LeaseState, dict[LeaseIn, Step]] = {
+LEASE_TABLE: dict[LeaseState, dict[LeaseIn, Transition]] = {
     _W: {
-        LeaseIn.MATCH: Step(_h_match, {"matched": _M}),
-        LeaseIn.EXPIRE: Step(_EXPIRED, {"done": _D}),
-        LeaseIn.ABORT: Step(_ABORTED, {"done": _D}),
-        LeaseIn.WATCHDOG: Step(_NEVER, {"done": _D}),
-        LeaseIn.SUPERSEDE: Step(_h_supersede, {"done": _D}),
+        LeaseIn.MATCH: Transition(_h_match, {"matched": _M}),
+        LeaseIn.EXPIRE: Transition(_EXPIRED, {"done": _D}),
+        LeaseIn.ABORT: Transition(_ABORTED, {"done": _D}),
+        LeaseIn.WATCHDOG: Transition(_NEVER, {"done": _D}),
+        LeaseIn.SUPERSEDE: Transition(_h_supersede, {"done": _D}),
     },
     _M: {
-        LeaseIn.POST: Step(_h_post, {"stay": _M}),
-        LeaseIn.WRITE_DONE: Step(_h_write_done, {"stay": _M, "done": _D}),
-        LeaseIn.WRITE_FAILED: Step(_h_write_failed, {"fencing": _F, "done": _D}),
-        LeaseIn.COMPLETE: Step(_h_complete, {"stay": _M, "done": _D}),
-        LeaseIn.EXPIRE: Step(_EXPIRED, {"fencing": _F, "done": _D}),
-        LeaseIn.ABORT: Step(_ABORTED, {"fencing": _F, "done": _D}),
-        LeaseIn.POST_FAILED: Step(_POST_FAILED, {"fencing": _F, "done": _D}),
-        LeaseIn.SUPERSEDE: Step(_h_supersede, {"done": _D}),
+        LeaseIn.POST: Transition(_h_post, {"stay": _M}),
+        LeaseIn.WRITE_DONE: Transition(_h_write_done, {"stay": _M, "done": _D}),
+        LeaseIn.WRITE_FAILED: Transition(_h_write_failed, {"fencing": _F, "done": _D}),
+        LeaseIn.COMPLETE: Transition(_h_complete, {"stay": _M, "done": _D}),
+        LeaseIn.EXPIRE: Transition(_EXPIRED, {"fencing": _F, "done": _D}),
+        LeaseIn.ABORT: Transition(_ABORTED, {"fencing": _F, "done": _D}),
+        LeaseIn.POST_FAILED: Transition(_POST_FAILED, {"fencing": _F, "done": _D}),
+        LeaseIn.SUPERSEDE: Transition(_h_supersede, {"done": _D}),
     },
     _F: {
-        LeaseIn.WRITE_DONE: Step(_h_fenced_write, {"fencing": _F, "done": _D}),
-        LeaseIn.WRITE_FAILED: Step(_h_fenced_write, {"fencing": _F, "done": _D}),
-        LeaseIn.SUPERSEDE: Step(_h_supersede, {"done": _D}),
+        LeaseIn.WRITE_DONE: Transition(_h_fenced_write, {"fencing": _F, "done": _D}),
+        LeaseIn.WRITE_FAILED: Transition(_h_fenced_write, {"fencing": _F, "done": _D}),
+        LeaseIn.SUPERSEDE: Transition(_h_supersede, {"done": _D}),
     },
     _D: {},
 }

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvferry.core.flows import FLOW_NAMES
 from kvferry.core.geometry import PRESETS
 from kvferry.sim import scenario as sc
 from kvferry.sim.calibrate.inputs import CalibrationError, read_text
 
 __all__ = ["BenchRow", "Prediction", "predict", "read_bench"]
 
-FLOWS = ("direct", "ring", "pinned", "pull", "push", "policy")
+FLOWS = (*FLOW_NAMES, "policy")
 MS = 1_000_000
 S = 1_000_000_000
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvferry.core.errors import GeometryError, KvferryError
+from kvferry.core.flows import FLOW_NAMES
 from kvferry.core.geometry import ModelGeometry, validate_tp
 from kvferry.sim.deploy import hardware
 from kvferry.sim.deploy.compute import Roofline
@@ -14,7 +15,7 @@ from kvferry.sim.pages import ALLOCATORS
 
 __all__ = ["FLOWS", "MAX_INSTANCES", "PULL_ORCHESTRATIONS", "DeployError", "DeploySpec"]
 
-FLOWS = ("direct", "ring", "pinned", "pull", "push")
+FLOWS = FLOW_NAMES
 MS = 1_000_000
 MAX_INSTANCES = 64  # per side: a simulated deployment's ranks all live in one process
 # When decode starts a pull: "overlapped" (this project's pull: decode opens the room and

@@ -1,5 +1,13 @@
-"""Decode side of the pull flow (mixin of ``ReceiverEngine``): READ offered chunks, answer Pulled.
+"""The pull flow, both halves: decode READs prefill's pages, then lets prefill free them.
 
+Prefill half (``PullSender``, composed into the sender room machine): running a chunk posts no
+data write; it offers the chunk's pages to every data decode rank (``PullOffer``, resent each
+heartbeat interval until ``Pulled``) and the room stays Transferring until every offered chunk
+was pulled. A failed pull room keeps its pages (the room is not dropped, so the scheduler cannot
+free them) until every decode rank that was offered pages said ``ReadsStopped``, restarted (its
+READs died with it), or the fence deadline passed: decode may still be reading them.
+
+Decode half (``PullReceiver``, mixin of ``ReceiverEngine``): READ offered chunks, answer Pulled.
 Prefill offers each computed chunk (``PullOffer``: its page ids and its own Register). Decode
 loads prefill's agent (``AddPeer``, once per incarnation), plans the chunk with the same planner
 as a write (prefill's pages are the source, its own the destination; heterogeneous TP gives
@@ -14,6 +22,7 @@ then every sender that offered hears ``ReadsStopped``: it may free its pages bef
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,8 +30,86 @@ from kvferry.core import messages as m
 from kvferry.core.commands import AddPeer, DropPeer, PostRead
 from kvferry.core.errors import KvferryError
 from kvferry.core.proto_common import RoomError
+from kvferry.core.reliable import Resends
 
-__all__ = ["PullReceiver", "ReadInfo"]
+__all__ = ["PullReceiver", "PullSender", "ReadInfo"]
+
+
+RoomKey = tuple[int, str]
+
+
+class PullSender:
+    """Every pull offer of one prefill rank: what was offered per room, what each decode rank
+    still owes (it may be reading those pages: they stay ours until it says so or the fence
+    expires), and the offers' resends."""
+
+    def __init__(self, deadlines: Any, counters: Any, interval_ns: int) -> None:
+        self.offers = Resends("pull", deadlines, counters, interval_ns, "pull_resent")
+        self.counters = counters
+        self.offered: dict[RoomKey, list[int]] = {}
+        self.owed: dict[RoomKey, dict[m.Endpoint, set[int]]] = {}
+
+    def offer(
+        self, room: RoomKey, targets: list[m.Endpoint], offer: m.PullOffer, now: int
+    ) -> list[tuple[Any, Any]]:
+        """Offer one chunk to ``targets``; the messages to send now."""
+        idx = offer.chunk_index
+        owed = self.owed.setdefault(room, {})
+        for p in targets:
+            owed.setdefault(p, set()).add(idx)
+        self.offered.setdefault(room, []).append(idx)
+        return self.offers.start((room[0], room[1], idx), targets, lambda p: offer, now)
+
+    def answered(self, msg: m.Pulled) -> None:
+        self.offers.answered((msg.room, msg.transfer_id, msg.chunk_index), msg.src)
+
+    def pulled(self, room: RoomKey, src: m.Endpoint, chunk_index: int) -> None:
+        owed = self.owed.get(room, {}).get(src)
+        if owed is not None:
+            owed.discard(chunk_index)
+
+    def released_by(self, room: RoomKey, src: m.Endpoint) -> None:
+        """``src`` reads no more (ReadsStopped), or restarted (its READs died with it)."""
+        self.owed.get(room, {}).pop(src, None)
+
+    def fenced(self, room: RoomKey) -> bool:
+        """No decode rank can still be READing this room's pages."""
+        owed = self.owed.get(room)
+        return not owed or not any(owed.values())
+
+    def cancel(self, room: RoomKey) -> None:
+        """Stop resending the room's offers (it failed or is gone)."""
+        for idx in self.offered.get(room, ()):
+            self.offers.cancel((room[0], room[1], idx))
+
+    def forget(self, room: RoomKey) -> None:
+        self.cancel(room)
+        self.offered.pop(room, None)
+        self.owed.pop(room, None)
+
+    def fence_due(self, room: RoomKey, alive: Callable[[m.Endpoint], bool]) -> list[m.Endpoint]:
+        """The fence deadline of a failed pull room: a decode rank that vanished (heartbeat lost)
+        cannot be reading; one still alive may have READs queued behind others (a posted READ
+        cannot be cancelled): returned, to be asked again (RoomFailed, answered with ReadsStopped
+        once its READs drained); the pages stay until it answers or vanishes."""
+        owed = self.owed.get(room, {})
+        ask = []
+        for p in sorted(owed):
+            if not owed[p]:
+                continue
+            if alive(p):
+                self.counters["pull_fence_extended"] += 1
+                ask.append(p)
+            else:
+                self.counters["pull_fence_expired"] += 1
+                del owed[p]
+        return ask
+
+    def mentions(self, room: int) -> bool:
+        return any(k[0] == room for k in self.offers.entries)
+
+    def size(self) -> int:
+        return len(self.offers.entries)
 
 
 class ReadInfo:
