@@ -46,7 +46,7 @@ from kvferry.sim.deploy import hardware
 from kvferry.sim.deploy.decode_memory import Running, admits, allocatable_tokens, never_fits, retraction_order
 from kvferry.sim.deploy.router import Router
 from kvferry.sim.deploy.spec import DeployError, DeploySpec
-from kvferry.sim.deploy.timing import TimingFabric
+from kvferry.sim.deploy.timing import LayerPlanner, TimingFabric
 from kvferry.sim.deploy.workload import Arrivals, DeployRequest
 from kvferry.sim.pages import PageAllocator, make_allocator
 from kvferry.sim.scenario import US, RoomSpec
@@ -92,6 +92,8 @@ class DeployWorld(World):
         )
         assert isinstance(self.fabric, TimingFabric)
         self.fabric.xfer_log = []
+        model = spec.geometry()
+        self.fabric.layers, self.fabric.kinds = model.num_layers, len(model.kinds)
         self.built = scenario  # as built from the spec (staging sized for its largest room)
         self.roof_p = spec.roofline("prefill")
         self.roof_d = spec.roofline("decode")
@@ -174,6 +176,9 @@ class DeployWorld(World):
             record(kind, where, **attrs)
 
         return tapped
+
+    def _rank_planner(self) -> Any:
+        return LayerPlanner()  # one layer's descriptors, charged for every layer (sim/deploy/timing.py)
 
     def _page_allocator(self, side: str, n: int) -> PageAllocator:
         return make_allocator(self.spec.page_allocator, n)
