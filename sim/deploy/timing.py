@@ -69,7 +69,7 @@ class TimingFabric(Fabric):
             return 1
         lo = min(int(descs.src_region.min()), int(descs.dst_region.min()))
         hi = max(int(descs.src_region.max()), int(descs.dst_region.max()))
-        return self.layers if 0 <= lo and hi < self.kinds else 1
+        return self.layers if lo >= 0 and hi < self.kinds else 1
 
     def register(self, name: str, region_id: int, nbytes: int) -> np.ndarray:
         """Aux rows are real memory; a KV or staging region is a read-only view of one byte with
