@@ -82,7 +82,10 @@ class DeployWorld(World):
         arrivals: Arrivals,
         lengths: tuple[DeployRequest, ...],
         router: Router | None = None,
+        queue_limit: int = 0,
     ) -> None:
+        """``queue_limit``: stop the run as overloaded once more requests than this wait for their
+        first token (0: run every request to its end)."""
         n_pre, n_dec = spec.prefill_instances, spec.decode_instances
         self.spec = spec  # before the World builds its allocators (_page_allocator reads it)
         super().__init__(
@@ -142,6 +145,12 @@ class DeployWorld(World):
         self.decode_open_ns: dict[int, int] = {}
         # Set to a list to log every decode step as (instance, start ns, end ns).
         self.step_log: list[tuple[int, int, int]] | None = None
+        # Requests arrived, given a first token, failed before one: the queue the monitor watches
+        # (sampled once a simulated second as (ns, waiting)), and why the run stopped early.
+        self.arrived_n = self.first_n = self.failed_early_n = 0
+        self.waiting_log: list[tuple[int, int]] = []
+        self.queue_limit = queue_limit
+        self.stopped = ""
         self._closed = arrivals.concurrency > 0
         if self._closed:
             for _ in range(min(arrivals.concurrency, self.total)):
@@ -153,6 +162,7 @@ class DeployWorld(World):
             self.env.process(self._decode_loop(j))
         for i in range(n_pre):
             self.env.process(self._prefill_loop(i))
+        self.env.process(self._monitor())
         # A deployment run is judged on its metrics, not on its trace hash: the ~50 trace records
         # of each request are not hashed (reproducibility is checked on the metrics instead).
         self.trace.record = _no_record  # type: ignore[method-assign]
@@ -207,9 +217,29 @@ class DeployWorld(World):
         self.tracks[key] = Track(r, at_ns)
         self.env.process(self._request(req))
 
+    @property
+    def waiting(self) -> int:
+        """Requests arrived and neither given a first token nor failed."""
+        return self.arrived_n - self.first_n - self.failed_early_n
+
+    def _monitor(self):  # type: ignore[no-untyped-def]
+        """Once a simulated second: log the queue; past ``queue_limit``, stop the run."""
+        while not self.all_done.triggered:
+            yield self.env.timeout(1_000_000_000)
+            now, waiting = int(self.env.now), self.waiting
+            self.waiting_log.append((now, waiting))
+            if self.queue_limit and waiting > self.queue_limit and not self.all_done.triggered:
+                self.stopped = (
+                    f"stopped at {now / 1e9:.0f} s simulated: {waiting} requests waiting for a first "
+                    f"token, more than the {self.queue_limit} a deployment meeting the TTFT SLO would "
+                    "hold at this rate"
+                )
+                self.all_done.succeed()
+
     def _arrived(self, req: Request) -> bool:
         """Route the request (at its arrival: the decode loads are those of now). A route to an
         instance that does not exist is the router's bug: a violation, and the request fails."""
+        self.arrived_n += 1
         if len(self.load) == 1 and len(self._pjobs) == 1:
             self.routed["prefill"][0] += 1
             self.routed["decode"][0] += 1
@@ -234,6 +264,8 @@ class DeployWorld(World):
     def _finish(self, key: int, failed: bool) -> None:
         t = self.tracks[key]
         t.failed = failed
+        if failed and t.first_token_ns < 0:
+            self.failed_early_n += 1
         t.done_ns = int(self.env.now)
         self.finished += 1
         req = self.requests[key]
@@ -521,6 +553,7 @@ class DeployWorld(World):
                 t.tokens += 1
                 if t.first_token_ns < 0:
                     t.first_token_ns = now
+                    self.first_n += 1
                 done = done or t.tokens >= t.req.output_tokens
             if not done:
                 continue
@@ -547,5 +580,8 @@ class DeployWorld(World):
         stop = self.env.any_of([self.all_done, self.env.timeout(limit_ns)])
         self.env.run(until=stop)
         self.deadline_ns = int(self.env.now) + 1
-        super().run()
+        if not self.stopped:
+            # A run stopped as overloaded has rooms in flight: the end-of-run checks (liveness,
+            # quiescence) do not apply to it; every check made while it ran stands.
+            super().run()
         return time.perf_counter() - t0

@@ -1,0 +1,354 @@
+"""Capacity: how many prefill and decode instances, at which TP, with which flow, serve a rate
+within the SLOs, and the most each configuration sustains.
+
+Each configuration (TP pair, flow, P prefill and D decode instances) is judged by steady-state
+runs (``steady_run``: Poisson arrivals at the rate for a duration, warm-up excluded, a run stopped
+once its queue shows it cannot keep up). A configuration meets a rate when no run of it is
+overloaded and at least the target share of its requests meet both SLOs (mean over seeds).
+
+Simulating every configuration would take minutes; two facts keep it to the few that matter:
+
+- A roofline bound per instance (``bounds``): a prefill instance cannot finish more requests per
+  second than its GPUs compute their prompts at full rate (the attention over the whole prompt
+  included, the step overhead once per chunk), and a decode instance no more than its largest
+  batch that fits its memory and keeps a step within the TPOT SLO, over the output length. P
+  prefill and D decode instances sustain at most ``min(P x prefill, D x decode)``; a configuration
+  whose bound is below the rate cannot meet it and is not simulated (its row says so).
+- Configurations are tried in order of GPUs (then instances); the first that meets the rate is the
+  answer, and only configurations of the same GPU count are tried after it (to pick among them).
+
+The most a configuration sustains (``max_rate``) is found by bisection of steady-state runs
+between what it was seen to meet and its bound.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvferry.sim.deploy import workload as wl
+from kvferry.sim.deploy.metrics import DeployResult
+from kvferry.sim.deploy.run import simulate
+from kvferry.sim.deploy.spec import DeploySpec
+from kvferry.sim.deploy.steady import Interval, queue_limit
+
+__all__ = ["Bounds", "Candidate", "Capacity", "bounds", "meets", "search", "steady_run", "steady_runs"]
+
+NS = 1_000_000_000
+MIN_REQUESTS = 16  # a steady-state run below this many requests says nothing
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    isl: int
+    osl: int
+    duration_s: float = 30.0
+    warmup_s: float = 10.0
+    spread: float = 0.0  # input and output lengths uniform within +-spread of isl, osl
+
+
+def steady_run(spec: DeploySpec, rate: float, w: Workload, label: str = "") -> DeployResult:
+    """One steady-state run: Poisson arrivals at ``rate`` for ``w.duration_s`` (at least
+    MIN_REQUESTS requests), metrics over the arrivals after the warm-up, stopped as overloaded once
+    the queue passes what meeting the TTFT SLO allows (``steady.queue_limit``)."""
+    n = max(MIN_REQUESTS, math.ceil(rate * w.duration_s))
+    reqs = wl.poisson(rate, n, w.isl, w.osl, spec.seed, w.spread)
+    return simulate(
+        spec,
+        wl.Arrivals(requests=reqs),
+        label=label or f"{rate:g} req/s",
+        warmup_ns=int(min(w.warmup_s, w.duration_s / 2) * NS),
+        queue_limit=queue_limit(rate, spec.ttft_slo_ms),
+    )
+
+
+def steady_runs(spec: DeploySpec, rate: float, w: Workload, seeds: Sequence[int]) -> list[DeployResult]:
+    return [steady_run(replace(spec, seed=s), rate, w) for s in seeds]
+
+
+def meets(rs: Sequence[DeployResult], target: float) -> bool:
+    """No run overloaded or with a violation, and the SLO attainment (mean over seeds) >= target."""
+    if any(r.overload or r.violations for r in rs):
+        return False
+    return Interval.of([r.slo_attained for r in rs]).mean >= target
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """Requests per second one instance of each side can finish at most (roofline, full use)."""
+
+    prefill_rps: float
+    decode_rps: float
+    decode_batch: int  # the largest batch that fits decode memory and the TPOT SLO
+
+    def of(self, p: int, d: int) -> float:
+        return min(p * self.prefill_rps, d * self.decode_rps)
+
+    def limit(self, p: int, d: int) -> str:
+        return "prefill" if p * self.prefill_rps <= d * self.decode_rps else "decode"
+
+
+def bounds(spec: DeploySpec, isl: int, osl: int) -> Bounds:
+    """Upper bounds per instance (see the module's docstring); every time here is a lower bound
+    of what the simulation charges, so no configuration that could meet a rate is left out."""
+    roof = spec.roofline("prefill")
+    gpu = roof.gpu
+    pairs = isl * (isl + 1) // 2  # each prompt token attends to those before it
+    flops = 2.0 * roof.w.active_per_token() * isl + roof._attn_flops(pairs)
+    chunks = -(-isl // spec.chunk_tokens)
+    # Full chunks cannot share a step; only the last, partial chunk may ride with another's.
+    overhead_s = (chunks - 1) * gpu.prefill_step_overhead_us * 1e-6
+    prefill_s = flops / (gpu.flops * spec.prefill_tp) + overhead_s
+    dec = spec.roofline("decode")
+    tokens = spec.pages("decode") * spec.decode_page_size  # every request needs its prompt's slots
+    fit = min(spec.max_batch, max(1, tokens // max(1, isl)))
+    slo_ns = spec.tpot_slo_ms * 1e6
+    best, batch = 0.0, 0
+    for b in range(1, fit + 1):
+        step = dec.decode_ns(b, b * isl)
+        if step > slo_ns:
+            break
+        rps = b / (osl * step / NS)
+        if rps > best:
+            best, batch = rps, b
+    return Bounds(1.0 / prefill_s if prefill_s > 0 else math.inf, best, batch)
+
+
+@dataclass(slots=True)
+class Candidate:
+    prefill_tp: int
+    decode_tp: int
+    flow: str
+    prefill: int  # instances
+    decode: int
+    bound_rps: float  # the roofline bound: the most it could sustain
+    limit: str  # the side that bound comes from
+    results: list[DeployResult] = field(default_factory=list)  # at the asked rate, one per seed
+    met: bool | None = None  # None: not simulated (its bound is below the rate)
+    max_rps: float | None = None  # simulated: the most it sustains within the SLOs
+    staging_bytes: int = 0
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
+
+    @property
+    def name(self) -> str:
+        return f"{self.prefill}P x TP{self.prefill_tp} + {self.decode}D x TP{self.decode_tp}"
+
+    def verdict(self, rate: float | None) -> str:
+        if rate is None:
+            return ""
+        if self.met is None:
+            return f"cannot: bound {self.bound_rps:.2f} req/s < {rate:g} ({self.limit} side)"
+        if self.met:
+            return "meets the SLOs"
+        r = self.results[0]
+        if r.overload:
+            return r.overload
+        att = Interval.of([x.slo_attained for x in self.results])
+        return f"{att.mean:.0%} within the SLOs"
+
+    def as_dict(self, rate: float | None) -> dict[str, Any]:
+        return {
+            "prefill_tp": self.prefill_tp,
+            "decode_tp": self.decode_tp,
+            "flow": self.flow,
+            "prefill_instances": self.prefill,
+            "decode_instances": self.decode,
+            "gpus": self.gpus,
+            "bound_rps": self.bound_rps,
+            "bound_side": self.limit,
+            "met": self.met,
+            "verdict": self.verdict(rate),
+            "max_rps": self.max_rps,
+            "staging_bytes_per_rank_pair": self.staging_bytes,
+            "results": [r.as_dict() for r in self.results],
+        }
+
+
+@dataclass(slots=True)
+class Capacity:
+    rate: float | None
+    target: float
+    candidates: list[Candidate]
+    answer: Candidate | None
+    reason: str
+    bounds: dict[str, dict[str, float]]  # "TP8->TP4": per-instance bounds
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rate": self.rate,
+            "attainment_target": self.target,
+            "answer": self.answer.as_dict(self.rate) if self.answer else None,
+            "reason": self.reason,
+            "per_instance_bounds": self.bounds,
+            "candidates": [c.as_dict(self.rate) for c in self.candidates],
+        }
+
+
+Progress = Callable[[str], None]
+
+
+def _staging(spec: DeploySpec, w: Workload) -> int:
+    from kvferry.sim.deploy.run import build_scenario, staging_bytes
+
+    s = build_scenario(spec, (wl.DeployRequest(0, w.isl, w.osl),))
+    return sum(staging_bytes(s).values())
+
+
+def max_rate(
+    spec: DeploySpec,
+    w: Workload,
+    seeds: Sequence[int],
+    target: float,
+    lo: float,
+    hi: float,
+    steps: int = 4,
+    progress: Progress | None = None,
+) -> float:
+    """Bisection between a rate met (``lo``, 0 for none) and one that cannot be (``hi``), to
+    within 5% (finer is below the seeds' noise)."""
+    for _ in range(steps):
+        if lo > 0 and hi - lo <= 0.05 * lo:
+            break
+        mid = (lo + hi) / 2 if lo > 0 else hi / 2
+        if progress is not None:
+            progress(
+                f"  max rate of {spec.prefill_instances}P{spec.decode_instances}D {spec.flow}: {mid:.2f}"
+            )
+        if meets(steady_runs(spec, mid, w, seeds), target):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def search(
+    base: DeploySpec,
+    tp_pairs: Sequence[tuple[int, int]],
+    flows_of: Callable[[DeploySpec], Sequence[str]],
+    w: Workload,
+    rate: float | None,
+    seeds: Sequence[int] = (1,),
+    target: float = 0.9,
+    max_instances: int = 8,
+    max_gpus: int = 1 << 30,
+    max_rate_steps: int = 4,
+    progress: Progress | None = None,
+) -> Capacity:
+    """With ``rate``: the cheapest configuration meeting it (None if none within the limits), and
+    the most it sustains. Without: the most each balanced configuration (per prefill count, the
+    fewest decode instances whose bound covers it) sustains."""
+    say = progress or (lambda _msg: None)
+    cands: list[Candidate] = []
+    per: dict[str, dict[str, float]] = {}
+    for ptp, dtp in tp_pairs:
+        spec_tp = replace(base, prefill_tp=ptp, decode_tp=dtp)
+        b = bounds(spec_tp, w.isl, w.osl)
+        per[f"TP{ptp}->TP{dtp}"] = {
+            "prefill_rps": b.prefill_rps,
+            "decode_rps": b.decode_rps,
+            "decode_batch": b.decode_batch,
+        }
+        for flow in flows_of(spec_tp):
+            mem = _staging(replace(spec_tp, flow=flow), w)
+            for p in range(1, max_instances + 1):
+                for d in range(1, max_instances + 1):
+                    if p * ptp + d * dtp > max_gpus:
+                        continue
+                    cands.append(
+                        Candidate(ptp, dtp, flow, p, d, b.of(p, d), b.limit(p, d), staging_bytes=mem)
+                    )
+    cands.sort(key=lambda c: (c.gpus, c.prefill + c.decode, c.staging_bytes))
+
+    def spec_of(c: Candidate) -> DeploySpec:
+        return replace(
+            base,
+            prefill_tp=c.prefill_tp,
+            decode_tp=c.decode_tp,
+            flow=c.flow,
+            prefill_instances=c.prefill,
+            decode_instances=c.decode,
+        )
+
+    if rate is not None:
+        found: Candidate | None = None
+        for c in cands:
+            if found is not None and c.gpus > found.gpus:
+                break
+            if c.bound_rps < rate:
+                continue
+            say(f"{c.name} {c.flow} at {rate:g} req/s (bound {c.bound_rps:.2f})")
+            c.results = steady_runs(spec_of(c), rate, w, seeds)
+            c.met = meets(c.results, target)
+            if c.met and (found is None or _better(c, found)):
+                found = c
+        if found is None:
+            return Capacity(rate, target, cands, None, _none_reason(cands, rate), per)
+        say(f"most {found.name} {found.flow} sustains")
+        found.max_rps = max_rate(
+            spec_of(found), w, seeds, target, rate, found.bound_rps, max_rate_steps, progress
+        )
+        return Capacity(rate, target, cands, found, _answer_reason(found, cands, rate), per)
+    # No rate: the most each balanced configuration sustains.
+    for c in cands:
+        b = per[f"TP{c.prefill_tp}->TP{c.decode_tp}"]
+        balanced = c.decode == min(
+            max_instances, max(1, math.ceil(c.prefill * b["prefill_rps"] / max(1e-9, b["decode_rps"])))
+        )
+        if not balanced:
+            continue
+        say(f"most {c.name} {c.flow} sustains (bound {c.bound_rps:.2f} req/s)")
+        c.max_rps = max_rate(spec_of(c), w, seeds, target, 0.0, c.bound_rps, max_rate_steps, progress)
+    best = max((c for c in cands if c.max_rps), key=lambda c: (c.max_rps or 0) / c.gpus, default=None)
+    why = (
+        f"most requests per second per GPU: {best.name} with {best.flow}, {best.max_rps:.2f} req/s"
+        if best
+        else "no configuration sustains any rate within the SLOs"
+    )
+    return Capacity(None, target, cands, best, why, per)
+
+
+def _p99(c: Candidate) -> float:
+    return Interval.of([r.ttft_ms.p99 for r in c.results]).mean
+
+
+def _better(a: Candidate, b: Candidate) -> bool:
+    """Among configurations of as many GPUs: lower TTFT p99 (beyond the seeds' interval), then
+    less staging memory."""
+    ia = Interval.of([r.ttft_ms.p99 for r in a.results])
+    ib = Interval.of([r.ttft_ms.p99 for r in b.results])
+    tie = ia.overlaps(ib) if ia.n > 1 else abs(ia.mean - ib.mean) <= 0.05 * max(ia.mean, ib.mean)
+    if not tie:
+        return ia.mean < ib.mean
+    return a.staging_bytes < b.staging_bytes
+
+
+def _answer_reason(c: Candidate, cands: Sequence[Candidate], rate: float) -> str:
+    r = c.results
+    ttft = Interval.of([x.ttft_ms.p50 for x in r]), Interval.of([x.ttft_ms.p99 for x in r])
+    tpot = Interval.of([x.tpot_ms.p50 for x in r]), Interval.of([x.tpot_ms.p99 for x in r])
+    att = Interval.of([x.slo_attained for x in r])
+    cheaper = [x for x in cands if x.gpus < c.gpus]
+    tried = sum(1 for x in cheaper if x.met is not None)
+    return (
+        f"{c.name} with {c.flow} ({c.gpus} GPUs) serves {rate:g} req/s: TTFT p50 {ttft[0].text()} ms / "
+        f"p99 {ttft[1].text()} ms, TPOT p50 {tpot[0].text('.1f')} ms / p99 {tpot[1].text('.1f')} ms, "
+        f"{att.mean:.0%} within the SLOs; sustains up to {c.max_rps:.2f} req/s. Of {len(cheaper)} "
+        f"cheaper configurations, {len(cheaper) - tried} cannot reach the rate by their roofline "
+        f"bound and {tried} missed it in simulation"
+    )
+
+
+def _none_reason(cands: Sequence[Candidate], rate: float) -> str:
+    best = max(cands, key=lambda c: c.bound_rps, default=None)
+    if best is None:
+        return "no configuration fits the GPU limit"
+    return (
+        f"no configuration within the limits meets {rate:g} req/s; the largest bound is "
+        f"{best.bound_rps:.2f} req/s ({best.name}): more instances (--max-instances, --max-gpus) or "
+        "a larger TP"
+    )
