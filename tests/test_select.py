@@ -94,7 +94,7 @@ def test_poisson_rate_and_workload_file(tmp_path: Path) -> None:
         (["--rate", "2", "--concurrency", "4"], "--rate (open loop) and --concurrency (closed loop)"),
         (["--rate", "2", "--requests", "4"], "--requests is for --concurrency"),
         (["--duration-s", "4"], "--duration-s needs --rate"),
-        (["--rate", "2", "--capacity", "--instances", "2"], "the capacity search chooses the instance counts"),
+        (["--rate", "2", "--capacity", "--instances", "2"], "the capacity search chooses the instance"),
         (["--rate", "2", "--warmup-s", "40"], "--warmup-s must be >= 0 and below --duration-s"),
         (["--seeds", "0"], "--seeds must be in"),
         (["--attainment", "1.5"], "--attainment must be in (0, 1]"),

@@ -77,17 +77,22 @@ def meets(rs: Sequence[DeployResult], target: float) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """Requests per second one instance of each side can finish at most (roofline, full use)."""
+    """Requests per second one instance of each side can finish at most (roofline and NIC at full
+    use), and which of compute or the NIC sets each."""
 
     prefill_rps: float
     decode_rps: float
     decode_batch: int  # the largest batch that fits decode memory and the TPOT SLO
+    prefill_by: str = "compute"  # "compute" or "NIC" (posting and wire of its busiest rank)
+    decode_by: str = "compute"
 
     def of(self, p: int, d: int) -> float:
         return min(p * self.prefill_rps, d * self.decode_rps)
 
     def limit(self, p: int, d: int) -> str:
-        return "prefill" if p * self.prefill_rps <= d * self.decode_rps else "decode"
+        if p * self.prefill_rps <= d * self.decode_rps:
+            return f"prefill {self.prefill_by}"
+        return f"decode {self.decode_by}"
 
 
 def bounds(spec: DeploySpec, isl: int, osl: int) -> Bounds:
@@ -113,7 +118,68 @@ def bounds(spec: DeploySpec, isl: int, osl: int) -> Bounds:
         rps = b / (osl * step / NS)
         if rps > best:
             best, batch = rps, b
-    return Bounds(1.0 / prefill_s if prefill_s > 0 else math.inf, best, batch)
+    pre_nic, dec_nic = nic_ns(spec, isl)
+    compute_p = 1.0 / prefill_s if prefill_s > 0 else math.inf
+    nic_p = NS / pre_nic if pre_nic else math.inf
+    nic_d = NS / dec_nic if dec_nic else math.inf
+    return Bounds(
+        min(compute_p, nic_p),
+        min(best, nic_d),
+        batch,
+        "compute" if compute_p <= nic_p else "NIC",
+        "compute" if best <= nic_d else "NIC",
+    )
+
+
+def nic_ns(spec: DeploySpec, isl: int) -> tuple[int, int]:
+    """The least NIC time one request takes on the busiest prefill rank and the busiest decode
+    rank under ``spec.flow``: its posting (the initiator's NIC posts serially: fixed cost per post,
+    cost per descriptor, the pages contiguous so descriptors merge the most they can) or its bytes
+    over the NIC's bandwidth, whichever is longer."""
+    from kvferry.core.geometry import links
+    from kvferry.sim.deploy.run import build_scenario
+    from kvferry.sim.deploy.select import UNSTAGED
+    from kvferry.sim.deploy.timing import LayerPlanner
+    from kvferry.sim.scenario import pools
+
+    s = build_scenario(spec, (wl.DeployRequest(0, isl, 1),))
+    pre, dec = pools(s)
+    model = pre[0].model
+    nic = s.fabric.nic
+    sizes = _chunks(isl, spec.chunk_tokens)
+    plan = LayerPlanner()
+    post_p, post_d = [0] * len(pre), [0] * len(dec)
+    out_b, in_b = [0] * len(pre), [0] * len(dec)
+    for link in links(model, len(pre), len(dec)):
+        if link.is_dummy:
+            continue
+        p, d = link.prefill_rank, link.decode_rank
+        nbytes = isl * model.num_regions * link.num_heads * model.head_bytes
+        out_b[p] += nbytes
+        in_b[d] += nbytes
+        if spec.flow in UNSTAGED:
+            sp = list(range(-(-isl // pre[p].page_size)))
+            dp = list(range(-(-isl // dec[d].page_size)))
+            n, start = 0, 0
+            for c in sizes:
+                got = plan(pre[p], dec[d], sp, dp, start, start + c)
+                n += got.count * model.num_layers
+                start += c
+        else:
+            n = len(sizes)  # one block a chunk into the staging buffer
+        cost = len(sizes) * nic.post_cost_ns + n * nic.per_desc_ns
+        if spec.flow == "pull":
+            post_d[d] += cost  # decode READs
+        else:
+            post_p[p] += cost
+    bw = nic.bandwidth_bps
+    pre_ns = max(max(post_p), max(out_b) * NS // bw)
+    dec_ns = max(max(post_d), max(in_b) * NS // bw)
+    return pre_ns, dec_ns
+
+
+def _chunks(tokens: int, chunk: int) -> list[int]:
+    return [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
 
 
 @dataclass(slots=True)
@@ -176,7 +242,7 @@ class Capacity:
     candidates: list[Candidate]
     answer: Candidate | None
     reason: str
-    bounds: dict[str, dict[str, float]]  # "TP8->TP4": per-instance bounds
+    bounds: dict[str, dict[str, Any]]  # "TP8->TP4 ring": per-instance bounds
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -244,16 +310,18 @@ def search(
     fewest decode instances whose bound covers it) sustains."""
     say = progress or (lambda _msg: None)
     cands: list[Candidate] = []
-    per: dict[str, dict[str, float]] = {}
+    per: dict[str, dict[str, Any]] = {}
     for ptp, dtp in tp_pairs:
         spec_tp = replace(base, prefill_tp=ptp, decode_tp=dtp)
-        b = bounds(spec_tp, w.isl, w.osl)
-        per[f"TP{ptp}->TP{dtp}"] = {
-            "prefill_rps": b.prefill_rps,
-            "decode_rps": b.decode_rps,
-            "decode_batch": b.decode_batch,
-        }
         for flow in flows_of(spec_tp):
+            b = bounds(replace(spec_tp, flow=flow), w.isl, w.osl)
+            per[f"TP{ptp}->TP{dtp} {flow}"] = {
+                "prefill_rps": b.prefill_rps,
+                "prefill_by": b.prefill_by,
+                "decode_rps": b.decode_rps,
+                "decode_by": b.decode_by,
+                "decode_batch": b.decode_batch,
+            }
             mem = _staging(replace(spec_tp, flow=flow), w)
             for p in range(1, max_instances + 1):
                 for d in range(1, max_instances + 1):
@@ -295,7 +363,7 @@ def search(
         return Capacity(rate, target, cands, found, _answer_reason(found, cands, rate), per)
     # No rate: the most each balanced configuration sustains.
     for c in cands:
-        b = per[f"TP{c.prefill_tp}->TP{c.decode_tp}"]
+        b = per[f"TP{c.prefill_tp}->TP{c.decode_tp} {c.flow}"]
         balanced = c.decode == min(
             max_instances, max(1, math.ceil(c.prefill * b["prefill_rps"] / max(1e-9, b["decode_rps"])))
         )

@@ -183,8 +183,8 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
     console.print(t)
     for name, b in cap.bounds.items():
         console.print(
-            f"  per instance {name}: prefill at most {b['prefill_rps']:.2f} req/s, decode at most "
-            f"{b['decode_rps']:.2f} req/s (batch {b['decode_batch']:.0f})",
+            f"  per instance, {name}: prefill at most {b['prefill_rps']:.2f} req/s ({b['prefill_by']}), "
+            f"decode at most {b['decode_rps']:.2f} req/s ({b['decode_by']}, batch {b['decode_batch']:.0f})",
             style="dim",
         )
     style = "bold" if cap.answer is not None else "bold yellow"

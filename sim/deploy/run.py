@@ -129,7 +129,7 @@ def collect(
             peaks["pinned"] = max(peaks["pinned"], int(got["pinned_used"]))
     violations += [f"{v.invariant}: {v.detail}" for v in w.violations]
     writes: dict[int, list[tuple[int, int, int, int, int]]] = defaultdict(list)
-    for rec in w.fabric.xfer_log or ():
+    for rec in getattr(w.fabric, "xfer_log", None) or ():
         writes[rec[0]].append(rec)
     reasons: dict[str, int] = defaultdict(int)
     window = 0

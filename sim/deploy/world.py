@@ -93,10 +93,10 @@ class DeployWorld(World):
             seed=spec.seed,
             instances=(n_pre, n_dec),
         )
-        assert isinstance(self.fabric, TimingFabric)
-        self.fabric.xfer_log = []
-        model = spec.geometry()
-        self.fabric.layers, self.fabric.kinds = model.num_layers, len(model.kinds)
+        if isinstance(self.fabric, TimingFabric):
+            self.fabric.xfer_log = []
+            model = spec.geometry()
+            self.fabric.layers, self.fabric.kinds = model.num_layers, len(model.kinds)
         self.built = scenario  # as built from the spec (staging sized for its largest room)
         self.roof_p = spec.roofline("prefill")
         self.roof_d = spec.roofline("decode")
@@ -188,7 +188,9 @@ class DeployWorld(World):
         return tapped
 
     def _rank_planner(self) -> Any:
-        return LayerPlanner()  # one layer's descriptors, charged for every layer (sim/deploy/timing.py)
+        # Timing only: one layer's descriptors, charged for every layer (sim/deploy/timing.py).
+        # A byte-moving run (the equivalence test's) plans and moves every layer.
+        return None if self.scenario.move_bytes else LayerPlanner()
 
     def _page_allocator(self, side: str, n: int) -> PageAllocator:
         return make_allocator(self.spec.page_allocator, n)
