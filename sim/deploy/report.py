@@ -29,7 +29,7 @@ def table(sel: Selection, console: Any) -> None:
     )
     t = Table(
         title=f"flows for {sp.model}, {counts[0]}prefill TP {sp.prefill_tp} -> {counts[1]}decode TP "
-        f"{sp.decode_tp}, {sp.gpu} + {sp.nic}"
+        f"{sp.decode_tp}, {sp.gpu} + {sp.nic} ({_transport(sp.nic)})"
         + (f", control path of {sp.control_path}" if sp.control_path else "")
     )
     for col in (
@@ -103,6 +103,14 @@ def table(sel: Selection, console: Any) -> None:
         console.print(f"  {k}: {v}")
 
 
+def _transport(nic: str) -> str:
+    from kvferry.sim.deploy import hardware
+
+    p = hardware.nic(nic)
+    est = f", estimated: {', '.join(p.estimates)}" if p.estimates else ""
+    return f"{p.transport}, {p.post_cost_us:g} us a post + {p.per_desc_us:g} us a descriptor{est}"
+
+
 def _n(x: float, fmt: str = ".0f") -> str:
     """A number, or "-" for none (a percentile of no requests)."""
     return "-" if math.isnan(x) else format(x, fmt)
@@ -138,7 +146,8 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
     title = (
         f"capacity for {rate:g} req/s" if rate is not None else "maximum sustainable rate per configuration"
     ) + (
-        f": {spec.model}, {spec.gpu} + {spec.nic}, SLOs TTFT {spec.ttft_slo_ms:g} ms / TPOT "
+        f": {spec.model}, {spec.gpu} + {spec.nic} ({_transport(spec.nic)}), "
+        f"SLOs TTFT {spec.ttft_slo_ms:g} ms / TPOT "
         f"{spec.tpot_slo_ms:g} ms for {cap.target:.0%} of requests"
     )
     t = Table(title=title)

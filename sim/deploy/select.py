@@ -49,6 +49,7 @@ class Selection:
         deployment["flow"] = self.recommendation
         return {
             "deployment": deployment,
+            "nic": nic_dict(self.spec.nic),
             "ranking": self.ranking,
             "recommendation": self.recommendation,
             "reason": self.reason,
@@ -63,6 +64,17 @@ class Selection:
             if any(len(seeds) > 1 for pts in self.runs.values() for seeds in pts)
             else {},
         }
+
+
+def nic_dict(name: str) -> dict[str, Any]:
+    """The NIC profile as run: its transport, its costs, where each comes from, which are estimates."""
+    from dataclasses import asdict
+
+    from kvferry.sim.deploy import hardware
+
+    out = asdict(hardware.nic(name))
+    out["estimates"] = list(out["estimates"])
+    return out
 
 
 def _summary(points: Sequence[Sequence[DeployResult]]) -> list[dict[str, Any]]:
