@@ -31,7 +31,8 @@ def _service_rate() -> float:
     return 1e9 / ONE_STEP.roofline("prefill").prefill_ns(ISL, 0)
 
 
-def test_the_search_finds_the_instance_count_the_rooflines_give_by_hand() -> None:
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_the_search_finds_the_instance_count_the_rooflines_give_by_hand(jobs: int) -> None:
     mu = _service_rate()
     rate = 2.5 * mu  # two prefill instances cannot keep up (2 mu < rate); three can (rho 0.83)
     b = bounds(ONE_STEP, ISL, OSL)
@@ -44,6 +45,7 @@ def test_the_search_finds_the_instance_count_the_rooflines_give_by_hand() -> Non
         rate,
         max_instances=4,
         max_rate_steps=2,
+        jobs=jobs,
     )
     assert cap.answer is not None, cap.reason
     assert (cap.answer.prefill, cap.answer.decode) == (3, 1), cap.reason

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -186,8 +187,14 @@ def register(app: typer.Typer) -> None:
             int, typer.Option(help="Capacity search: at most this many GPUs (0: no limit).")
         ] = 0,
         max_rate_steps: Annotated[
-            int, typer.Option(help="Capacity search: runs to bisect a configuration's maximum rate.")
+            int, typer.Option(help="Capacity search: rounds to narrow a configuration's maximum rate.")
         ] = 3,
+        jobs: Annotated[
+            int,
+            typer.Option(
+                help="Capacity search: runs at once, each its own process (default: CPUs, at most 4)."
+            ),
+        ] = 0,
         control_path: Annotated[
             str,
             typer.Option(
@@ -306,6 +313,8 @@ def register(app: typer.Typer) -> None:
         _bounded(max_instances, "--max-instances", 1, MAX_INSTANCES)
         _bounded(max_gpus, "--max-gpus", 0, 1 << 20)
         _bounded(max_rate_steps, "--max-rate-steps", 0, 16)
+        _bounded(jobs, "--jobs", 0, 64)
+        jobs = jobs or min(4, os.cpu_count() or 1)
         _positive(ttft_slo_ms, "--ttft-slo-ms")
         _positive(tpot_slo_ms, "--tpot-slo-ms")
         if not (math.isfinite(attainment) and 0 < attainment <= 1):
@@ -387,7 +396,7 @@ def register(app: typer.Typer) -> None:
             bad_input(str(e))
         if search:
             _capacity(spec, ptps, dtps, want, steady, rate, seed_list, attainment, max_instances,
-                      max_gpus, max_rate_steps, as_json, plot, progress)  # fmt: skip
+                      max_gpus, max_rate_steps, jobs, as_json, plot, progress)  # fmt: skip
             return
         try:
             if workload is not None:
@@ -525,6 +534,7 @@ def _capacity(
     max_instances: int,
     max_gpus: int,
     steps: int,
+    jobs: int,
     as_json: bool,
     plot: Path | None,
     progress: Any,
@@ -552,6 +562,7 @@ def _capacity(
             max_gpus or 1 << 30,
             steps,
             progress,
+            jobs,
         )
     except KvferryError as e:
         bad_input(str(e))

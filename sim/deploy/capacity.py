@@ -23,6 +23,7 @@ between what it was seen to meet and its bound.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -265,6 +266,39 @@ def _staging(spec: DeploySpec, w: Workload) -> int:
     return sum(staging_bytes(s).values())
 
 
+def _runs(job: tuple[DeploySpec, float, Workload, tuple[int, ...]]) -> list[DeployResult]:
+    spec, rate, w, seeds = job
+    return steady_runs(spec, rate, w, seeds)
+
+
+class Runner:
+    """Runs steady-state jobs, ``jobs`` at a time in forked worker processes (1: in this one).
+    Each run is one process's work, so two cores halve a search's wall time."""
+
+    def __init__(self, jobs: int = 1) -> None:
+        self.jobs = max(1, jobs)
+        self._pool: Any = None
+
+    def __enter__(self) -> Runner:
+        if self.jobs > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("fork"))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def map(
+        self, jobs: Sequence[tuple[DeploySpec, float, Workload, tuple[int, ...]]]
+    ) -> list[list[DeployResult]]:
+        if self._pool is None or len(jobs) < 2:
+            return [_runs(j) for j in jobs]
+        return list(self._pool.map(_runs, jobs))
+
+
 def max_rate(
     spec: DeploySpec,
     w: Workload,
@@ -274,21 +308,29 @@ def max_rate(
     hi: float,
     steps: int = 4,
     progress: Progress | None = None,
+    runner: Runner | None = None,
 ) -> float:
-    """Bisection between a rate met (``lo``, 0 for none) and one that cannot be (``hi``), to
-    within 5% (finer is below the seeds' noise)."""
+    """Search between a rate met (``lo``, 0 for none) and one that cannot be (``hi``), to within
+    5% (finer is below the seeds' noise): each step tries ``runner.jobs`` rates evenly inside the
+    interval at once (one: bisection) and keeps the part between the highest met and the next."""
+    runner = runner or Runner()
+    k = runner.jobs
     for _ in range(steps):
         if lo > 0 and hi - lo <= 0.05 * lo:
             break
-        mid = (lo + hi) / 2 if lo > 0 else hi / 2
+        rates = [lo + (hi - lo) * (i + 1) / (k + 1) for i in range(k)]
         if progress is not None:
-            progress(
-                f"  max rate of {spec.prefill_instances}P{spec.decode_instances}D {spec.flow}: {mid:.2f}"
-            )
-        if meets(steady_runs(spec, mid, w, seeds), target):
-            lo = mid
-        else:
-            hi = mid
+            said = ", ".join(f"{r:.2f}" for r in rates)
+            progress(f"  max rate of {spec.prefill_instances}P{spec.decode_instances}D {spec.flow}: {said}")
+        got = runner.map([(spec, r, w, tuple(seeds)) for r in rates])
+        ok = [meets(rs, target) for rs in got]
+        passed = [r for r, good in zip(rates, ok, strict=True) if good]
+        failed = [r for r, good in zip(rates, ok, strict=True) if not good]
+        if passed:
+            lo = max(passed)
+        above = [r for r in failed if r > lo]
+        if above:
+            hi = min(above)
     return lo
 
 
@@ -304,6 +346,7 @@ def search(
     max_gpus: int = 1 << 30,
     max_rate_steps: int = 4,
     progress: Progress | None = None,
+    jobs: int = 1,
 ) -> Capacity:
     """With ``rate``: the cheapest configuration meeting it (None if none within the limits), and
     the most it sustains. Without: the most each balanced configuration (per prefill count, the
@@ -342,26 +385,62 @@ def search(
             decode_instances=c.decode,
         )
 
-    if rate is not None:
-        found: Candidate | None = None
-        for c in cands:
-            if found is not None and c.gpus > found.gpus:
-                break
-            if c.bound_rps < rate:
-                continue
+    with Runner(jobs) as runner:
+        if rate is not None:
+            return _for_rate(cands, per, rate, w, seeds, target, max_rate_steps, say, spec_of, runner)
+        return _balanced(cands, per, w, seeds, target, max_instances, max_rate_steps, say, spec_of, runner)
+
+
+def _for_rate(
+    cands: list[Candidate],
+    per: dict[str, dict[str, Any]],
+    rate: float,
+    w: Workload,
+    seeds: Sequence[int],
+    target: float,
+    steps: int,
+    say: Progress,
+    spec_of: Callable[[Candidate], DeploySpec],
+    runner: Runner,
+) -> Capacity:
+    """Configurations by GPU count, those of one count at once: the first count where one meets
+    the rate answers (the best of that count's, ``_better``)."""
+    found: Candidate | None = None
+    for _gpus, group in itertools.groupby(cands, key=lambda c: c.gpus):
+        todo = [c for c in group if c.bound_rps >= rate]
+        if not todo:
+            continue
+        for c in todo:
             say(f"{c.name} {c.flow} at {rate:g} req/s (bound {c.bound_rps:.2f})")
-            c.results = steady_runs(spec_of(c), rate, w, seeds)
-            c.met = meets(c.results, target)
+        got = runner.map([(spec_of(c), rate, w, tuple(seeds)) for c in todo])
+        for c, rs in zip(todo, got, strict=True):
+            c.results = rs
+            c.met = meets(rs, target)
             if c.met and (found is None or _better(c, found)):
                 found = c
-        if found is None:
-            return Capacity(rate, target, cands, None, _none_reason(cands, rate), per)
-        say(f"most {found.name} {found.flow} sustains")
-        found.max_rps = max_rate(
-            spec_of(found), w, seeds, target, rate, found.bound_rps, max_rate_steps, progress
-        )
-        return Capacity(rate, target, cands, found, _answer_reason(found, cands, rate), per)
-    # No rate: the most each balanced configuration sustains.
+        if found is not None:
+            break
+    if found is None:
+        return Capacity(rate, target, cands, None, _none_reason(cands, rate), per)
+    say(f"most {found.name} {found.flow} sustains")
+    found.max_rps = max_rate(spec_of(found), w, seeds, target, rate, found.bound_rps, steps, say, runner)
+    return Capacity(rate, target, cands, found, _answer_reason(found, cands, rate), per)
+
+
+def _balanced(
+    cands: list[Candidate],
+    per: dict[str, dict[str, Any]],
+    w: Workload,
+    seeds: Sequence[int],
+    target: float,
+    max_instances: int,
+    steps: int,
+    say: Progress,
+    spec_of: Callable[[Candidate], DeploySpec],
+    runner: Runner,
+) -> Capacity:
+    """No rate: the most each balanced configuration sustains (per prefill count, the fewest
+    decode instances whose bound covers the prefill instances')."""
     for c in cands:
         b = per[f"TP{c.prefill_tp}->TP{c.decode_tp} {c.flow}"]
         balanced = c.decode == min(
@@ -370,7 +449,7 @@ def search(
         if not balanced:
             continue
         say(f"most {c.name} {c.flow} sustains (bound {c.bound_rps:.2f} req/s)")
-        c.max_rps = max_rate(spec_of(c), w, seeds, target, 0.0, c.bound_rps, max_rate_steps, progress)
+        c.max_rps = max_rate(spec_of(c), w, seeds, target, 0.0, c.bound_rps, steps, say, runner)
     best = max((c for c in cands if c.max_rps), key=lambda c: (c.max_rps or 0) / c.gpus, default=None)
     why = (
         f"most requests per second per GPU: {best.name} with {best.flow}, {best.max_rps:.2f} req/s"
