@@ -50,28 +50,38 @@ class Workload:
     spread: float = 0.0  # input and output lengths uniform within +-spread of isl, osl
 
 
-def steady_run(spec: DeploySpec, rate: float, w: Workload, label: str = "") -> DeployResult:
+def steady_run(
+    spec: DeploySpec, rate: float, w: Workload, label: str = "", target: float | None = None
+) -> DeployResult:
     """One steady-state run: Poisson arrivals at ``rate`` for ``w.duration_s`` (at least
     MIN_REQUESTS requests), metrics over the arrivals after the warm-up, stopped as overloaded once
-    the queue passes what meeting the TTFT SLO allows (``steady.queue_limit``)."""
+    the queue passes what meeting the TTFT SLO allows (``steady.queue_limit``), and, with a
+    ``target``, once more measured requests missed an SLO than that attainment allows (the
+    verdict is then known: the rest of the run would not change it)."""
     n = max(MIN_REQUESTS, math.ceil(rate * w.duration_s))
     reqs = wl.poisson(rate, n, w.isl, w.osl, spec.seed, w.spread)
+    warmup_ns = int(min(w.warmup_s, w.duration_s / 2) * NS)
+    measured = sum(1 for r in reqs if r.arrival_ns >= warmup_ns)
     return simulate(
         spec,
         wl.Arrivals(requests=reqs),
         label=label or f"{rate:g} req/s",
-        warmup_ns=int(min(w.warmup_s, w.duration_s / 2) * NS),
+        warmup_ns=warmup_ns,
         queue_limit=queue_limit(rate, spec.ttft_slo_ms),
+        miss_limit=-1 if target is None else math.floor((1 - target) * measured + 1e-9),
     )
 
 
-def steady_runs(spec: DeploySpec, rate: float, w: Workload, seeds: Sequence[int]) -> list[DeployResult]:
-    return [steady_run(replace(spec, seed=s), rate, w) for s in seeds]
+def steady_runs(
+    spec: DeploySpec, rate: float, w: Workload, seeds: Sequence[int], target: float | None = None
+) -> list[DeployResult]:
+    return [steady_run(replace(spec, seed=s), rate, w, target=target) for s in seeds]
 
 
 def meets(rs: Sequence[DeployResult], target: float) -> bool:
-    """No run overloaded or with a violation, and the SLO attainment (mean over seeds) >= target."""
-    if any(r.overload or r.violations for r in rs):
+    """No run overloaded, stopped or with a violation, and the SLO attainment (mean over seeds)
+    >= target."""
+    if any(r.overload or r.stopped or r.violations for r in rs):
         return False
     return Interval.of([r.slo_attained for r in rs]).mean >= target
 
@@ -215,6 +225,8 @@ class Candidate:
         r = self.results[0]
         if r.overload:
             return r.overload
+        if r.stopped:
+            return r.stopped
         att = Interval.of([x.slo_attained for x in self.results])
         return f"{att.mean:.0%} within the SLOs"
 
@@ -266,9 +278,12 @@ def _staging(spec: DeploySpec, w: Workload) -> int:
     return sum(staging_bytes(s).values())
 
 
-def _runs(job: tuple[DeploySpec, float, Workload, tuple[int, ...]]) -> list[DeployResult]:
-    spec, rate, w, seeds = job
-    return steady_runs(spec, rate, w, seeds)
+Job = tuple[DeploySpec, float, Workload, tuple[int, ...], float]  # spec, rate, workload, seeds, target
+
+
+def _runs(job: Job) -> list[DeployResult]:
+    spec, rate, w, seeds, target = job
+    return steady_runs(spec, rate, w, seeds, target)
 
 
 class Runner:
@@ -322,7 +337,7 @@ def max_rate(
         if progress is not None:
             said = ", ".join(f"{r:.2f}" for r in rates)
             progress(f"  max rate of {spec.prefill_instances}P{spec.decode_instances}D {spec.flow}: {said}")
-        got = runner.map([(spec, r, w, tuple(seeds)) for r in rates])
+        got = runner.map([(spec, r, w, tuple(seeds), target) for r in rates])
         ok = [meets(rs, target) for rs in got]
         passed = [r for r, good in zip(rates, ok, strict=True) if good]
         failed = [r for r, good in zip(rates, ok, strict=True) if not good]
@@ -412,7 +427,7 @@ def _for_rate(
             continue
         for c in todo:
             say(f"{c.name} {c.flow} at {rate:g} req/s (bound {c.bound_rps:.2f})")
-        got = runner.map([(spec_of(c), rate, w, tuple(seeds)) for c in todo])
+        got = runner.map([(spec_of(c), rate, w, tuple(seeds), target) for c in todo])
         for c, rs in zip(todo, got, strict=True):
             c.results = rs
             c.met = meets(rs, target)
@@ -481,12 +496,24 @@ def _answer_reason(c: Candidate, cands: Sequence[Candidate], rate: float) -> str
     att = Interval.of([x.slo_attained for x in r])
     cheaper = [x for x in cands if x.gpus < c.gpus]
     tried = sum(1 for x in cheaper if x.met is not None)
+    also = [x for x in cands if x is not c and x.gpus == c.gpus and x.met]
+    tie = ""
+    if also:
+        said = ", ".join(
+            f"{x.name} with {x.flow} (TTFT p99 {_p99(x):.0f} ms, {x.staging_bytes / 2**20:.0f} MiB staging)"
+            for x in also
+        )
+        tie = (
+            f". At the same cost {said} also meet the rate; the answer has the lower TTFT p99 beyond "
+            f"the noise or, within it (a tie), less staging memory ({c.staging_bytes / 2**20:.0f} MiB, "
+            f"TTFT p99 {_p99(c):.0f} ms)"
+        )
     return (
         f"{c.name} with {c.flow} ({c.gpus} GPUs) serves {rate:g} req/s: TTFT p50 {ttft[0].text()} ms / "
         f"p99 {ttft[1].text()} ms, TPOT p50 {tpot[0].text('.1f')} ms / p99 {tpot[1].text('.1f')} ms, "
         f"{att.mean:.0%} within the SLOs; sustains up to {c.max_rps:.2f} req/s. Of {len(cheaper)} "
         f"cheaper configurations, {len(cheaper) - tried} cannot reach the rate by their roofline "
-        f"bound and {tried} missed it in simulation"
+        f"bound and {tried} missed it in simulation{tie}"
     )
 
 

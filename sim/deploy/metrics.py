@@ -88,6 +88,9 @@ class DeployResult:
     overload: str = ""
     failure_reasons: dict[str, int] = field(default_factory=dict)
     stopped: str = ""
+    # Requests given a first token per simulated second over the whole run (warm-up included):
+    # what an overloaded deployment still serves, by which overloaded flows are compared.
+    served_rps: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

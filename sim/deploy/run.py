@@ -58,12 +58,16 @@ def deploy_world(
     lengths: tuple[DeployRequest, ...] = (),
     router: Router | None = None,
     queue_limit: int = 0,
+    miss_limit: int = -1,
+    warmup_ns: int = 0,
 ) -> DeployWorld:
     """The deployment's world, not run yet: every instance of both sides on one fabric."""
     pool = arrivals.requests or lengths
     if not pool:
         raise DeployError("the workload has no requests")
-    return DeployWorld(spec, build_scenario(spec, pool), arrivals, lengths, router, queue_limit)
+    return DeployWorld(
+        spec, build_scenario(spec, pool), arrivals, lengths, router, queue_limit, miss_limit, warmup_ns
+    )
 
 
 def run_world(w: DeployWorld, arrivals: Arrivals) -> float:
@@ -79,11 +83,15 @@ def simulate(
     label: str = "",
     warmup_ns: int = 0,
     queue_limit: int = 0,
+    miss_limit: int = -1,
 ) -> DeployResult:
     """``lengths``: the request sizes of a closed loop (ignored for open-loop arrivals).
     ``warmup_ns``: requests arriving before it are run, not measured (sim/deploy/steady.py);
-    ``queue_limit``: stop as overloaded past this many requests waiting for a first token."""
-    w = deploy_world(spec, arrivals, lengths, queue_limit=queue_limit)
+    ``queue_limit``: stop as overloaded past this many requests waiting for a first token;
+    ``miss_limit``: stop once more measured requests than this missed an SLO (-1: never)."""
+    w = deploy_world(
+        spec, arrivals, lengths, queue_limit=queue_limit, miss_limit=miss_limit, warmup_ns=warmup_ns
+    )
     wall = run_world(w, arrivals)
     return collect(w, arrivals, wall, label, warmup_ns)
 
@@ -183,7 +191,14 @@ def collect(
         for i, b in enumerate(w.busy_ns[side])
     }
     overload = (
-        overload_words(offered, completed_rps, log[0] if log else 0, log[-1] if log else 0, busy, w.stopped)
+        overload_words(
+            offered,
+            completed_rps,
+            log[0] if log else 0,
+            log[-1] if log else 0,
+            busy,
+            w.stopped if w.overloaded else "",
+        )
         if not arrivals.concurrency
         else ""
     )
@@ -223,4 +238,5 @@ def collect(
         overload=overload,
         failure_reasons=dict(reasons),
         stopped=w.stopped,
+        served_rps=w.first_n / max(1e-9, sim_ns / NS),
     )

@@ -123,6 +123,10 @@ def _score(rs: Sequence[DeployResult]) -> tuple[float, float, float]:
     (at the heaviest load point, where flows differ most). One seed's results."""
     r = rs[-1]
     bad = any(x.failed or x.unfinished or x.violations or x.overload for x in rs)
+    if r.overload:
+        # Overloaded: what it still serves, in 5% steps (closer is a tie).
+        served = math.floor(math.log(r.served_rps) / math.log(TIE)) if r.served_rps > 0 else -math.inf
+        return (-2.0, served, 0.0)
     att = -1.0 if bad else sum(x.slo_attained for x in rs) / len(rs)
     p99 = r.ttft_ms.p99 if not math.isnan(r.ttft_ms.p99) else math.inf
     p50 = r.ttft_ms.p50 if not math.isnan(r.ttft_ms.p50) else math.inf
@@ -147,6 +151,15 @@ def _tied(a: Sequence[Sequence[DeployResult]], b: Sequence[Sequence[DeployResult
     ba, bp, bbad = _heaviest(b)
     if abad != bbad:
         return False
+    over_a, over_b = a[-1][0].overload, b[-1][0].overload
+    if over_a or over_b:  # overloaded: compared by what they still serve
+        if not (over_a and over_b):
+            return False
+        sa = Interval.of([x.served_rps for x in a[-1]])
+        sb = Interval.of([x.served_rps for x in b[-1]])
+        if sa.n > 1:
+            return sa.overlaps(sb)
+        return max(sa.mean, sb.mean) <= TIE * min(sa.mean, sb.mean)
     if aa.n > 1:
         return aa.overlaps(ba) and ap.overlaps(bp)
     if abs(aa.mean - ba.mean) > 0.01 or math.isinf(ap.mean) or math.isinf(bp.mean):
@@ -201,10 +214,12 @@ def _reason(best: str, results: dict[str, list[DeployResult]], ranking: list[str
     r = results[best][-1]
     if all(rs[-1].overload for rs in results.values()):
         sp = r.instances
+        served = "; ".join(f"{f} {results[f][-1].served_rps:.2f}" for f in ranking)
         return (
             f"no flow keeps up at {r.label} with these instances ({', '.join(sp)}): the deployment "
-            f"is overloaded whatever moves the KV ({r.overload}); give more instances, or drop the "
-            "instance counts to search them (kvferry select --rate R)"
+            f"is overloaded whatever moves the KV ({r.overload}). Requests served a first token per "
+            f"second before the run stopped: {served}; {best} serves the most. Give more instances, "
+            "or drop the instance counts to search them (kvferry select --rate R)"
         )
     head = (
         f"{best}: TTFT p50 {r.ttft_ms.p50:.0f} ms / p99 {r.ttft_ms.p99:.0f} ms and "
@@ -285,10 +300,13 @@ def select(
         group = [ranking[0], *ties]
         by_memory = sorted(group, key=lambda f: (_memory(results[f]), ranking.index(f)))
         ranking = by_memory + [f for f in ranking if f not in group]
+        overloaded = bool(results[ranking[0]][-1].overload)
+        what = "requests served a second" if overloaded else "SLO attainment and TTFT p99"
         how = (
-            f"their SLO attainment and TTFT p99 95% intervals over {len(seeds)} seeds overlap"
+            f"their {what} 95% intervals over {len(seeds)} seeds overlap"
             if len(seeds) > 1
-            else "one seed: TTFT p99 within 5% and the same SLO attainment"
+            else f"one seed: {'served rates' if overloaded else 'TTFT p99'} within 5%"
+            + ("" if overloaded else " and the same SLO attainment")
         )
         mem = ", ".join(f"{f} {_memory(results[f]) / 2**20:.0f} MiB" for f in by_memory)
         tie_note = (

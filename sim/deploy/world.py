@@ -83,9 +83,13 @@ class DeployWorld(World):
         lengths: tuple[DeployRequest, ...],
         router: Router | None = None,
         queue_limit: int = 0,
+        miss_limit: int = -1,
+        warmup_ns: int = 0,
     ) -> None:
         """``queue_limit``: stop the run as overloaded once more requests than this wait for their
-        first token (0: run every request to its end)."""
+        first token (0: run every request to its end). ``miss_limit``: stop it once more requests
+        arriving from ``warmup_ns`` on than this have missed an SLO (-1: never): the share asked
+        for can no longer be met, so the rest of the run would change no verdict."""
         n_pre, n_dec = spec.prefill_instances, spec.decode_instances
         self.spec = spec  # before the World builds its allocators (_page_allocator reads it)
         super().__init__(
@@ -150,7 +154,10 @@ class DeployWorld(World):
         self.arrived_n = self.first_n = self.failed_early_n = 0
         self.waiting_log: list[tuple[int, int]] = []
         self.queue_limit = queue_limit
+        self.miss_limit = miss_limit
+        self.warmup_ns = warmup_ns
         self.stopped = ""
+        self.overloaded = False  # stopped because the queue outgrew the limit (not by misses)
         self._closed = arrivals.concurrency > 0
         if self._closed:
             for _ in range(min(arrivals.concurrency, self.total)):
@@ -236,7 +243,39 @@ class DeployWorld(World):
                     f"token, more than the {self.queue_limit} a deployment meeting the TTFT SLO would "
                     "hold at this rate"
                 )
+                self.overloaded = True
                 self.all_done.succeed()
+            elif self.miss_limit >= 0 and not self.all_done.triggered:
+                missed = self._missed(now)
+                if missed > self.miss_limit:
+                    self.stopped = (
+                        f"stopped at {now / 1e9:.0f} s simulated: {missed} measured requests already "
+                        f"missed an SLO, more than the {self.miss_limit} the attainment asked for allows"
+                    )
+                    self.all_done.succeed()
+
+    def _missed(self, now: int) -> int:
+        """Requests arriving from the warm-up on that can no longer meet both SLOs by ``now``:
+        failed, a first token later than the TTFT SLO (or none yet, past it), or more time per
+        token so far than the TPOT SLO allows for the tokens still to come."""
+        ttft = self.spec.ttft_slo_ms * 1e6
+        tpot = self.spec.tpot_slo_ms * 1e6
+        n = 0
+        for t in self.tracks.values():
+            if t.arrival_ns < self.warmup_ns or t.arrival_ns > now:
+                continue
+            if t.failed:
+                n += 1
+            elif t.first_token_ns < 0:
+                n += now - t.arrival_ns > ttft
+            elif t.first_token_ns - t.arrival_ns > ttft:
+                n += 1
+            elif t.tokens > 1:
+                # TPOT is the mean gap after the first token: already over the SLO for the gaps so
+                # far, and the rest cannot be shorter than nothing.
+                end = t.done_ns if t.done_ns >= 0 else now
+                n += (end - t.first_token_ns) > tpot * max(1, t.req.output_tokens - 1)
+        return n
 
     def _arrived(self, req: Request) -> bool:
         """Route the request (at its arrival: the decode loads are those of now). A route to an
