@@ -80,6 +80,11 @@ def test_an_overloaded_run_says_so_in_words_and_stops_early() -> None:
     calm = steady_run(ONE_STEP, 0.3 * mu, Workload(ISL, OSL, duration_s=6.0, warmup_s=1.0))
     assert calm.overload == "" and not calm.stopped and calm.slo_attained == 1.0
     assert calm.completed_rps == pytest.approx(calm.offered_rps, rel=0.35)
+    # Requests longer than the warm-up (400 output tokens): completions lag arrivals by a whole
+    # request, which is no overload when the queue does not grow.
+    long = steady_run(ONE_STEP, 0.3 * mu, Workload(ISL, 400, duration_s=6.0, warmup_s=1.0))
+    assert long.completed_rps < 0.9 * long.offered_rps
+    assert long.overload == "" and long.slo_attained == 1.0
 
 
 def test_the_window_leaves_the_warm_up_out() -> None:

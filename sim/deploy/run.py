@@ -185,6 +185,9 @@ def collect(
     offered = window / length_s
     completed_rps = done_in_window / length_s
     log = [n for at, n in w.waiting_log if warmup_ns <= at <= last_arrival]
+    third = max(1, len(log) // 3)
+    first_q = sum(log[:third]) / third if log else 0.0
+    last_q = sum(log[-third:]) / third if log else 0.0
     busy = {
         f"{side}{i}": min(1.0, b / max(1, sim_ns))  # a step booked past the stop counts to it
         for side in ("prefill", "decode")
@@ -194,8 +197,8 @@ def collect(
         overload_words(
             offered,
             completed_rps,
-            log[0] if log else 0,
-            log[-1] if log else 0,
+            first_q,
+            last_q,
             busy,
             w.stopped if w.overloaded else "",
         )
