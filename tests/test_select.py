@@ -26,6 +26,8 @@ def test_unequal_tp_compares_every_flow_and_recommends_staging() -> None:
     out = _json(SMALL)
     assert sorted(out["ranking"]) == ["direct", "pinned", "pull", "push", "ring"]
     assert out["recommendation"] == out["ranking"][0] in ("ring", "pinned")
+    assert out["deployment"]["flow"] == out["recommendation"]  # the JSON agrees with the table
+    assert out["nic"]["transport"] == "ib_verbs" and "per_desc_us" in out["nic"]["estimates"]
     assert out["reason"].startswith(out["recommendation"] + ":")
     for flow, points in out["results"].items():
         assert [p["label"] for p in points] == ["c=1", "c=4"]
@@ -320,3 +322,23 @@ def test_a_bad_deploy_table_is_one_error_line(tmp_path: Path, deploy: str, needl
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: [deploy]"), r.stderr
     assert needle in lines[0], r.stderr
+
+
+def test_rate_without_instance_counts_is_the_capacity_search(tmp_path: Path) -> None:
+    png = tmp_path / "cap.png"
+    args = ["select", "--rate", "30", "--isl", "2000", "--osl", "20", "--flows", "ring,direct"]
+    args += ["--max-instances", "2", "--duration-s", "3", "--warmup-s", "1", "--max-rate-steps", "1"]
+    r = runner.invoke(app, [*args, "--json", "--plot", str(png), "--jobs", "1"])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["mode"] == "capacity" and out["rate"] == 30
+    a = out["answer"]
+    assert a["met"] and a["gpus"] == a["prefill_instances"] * 4 + a["decode_instances"] * 2
+    d = out["deployment"]  # the deployment as answered
+    assert (d["flow"], d["prefill_instances"], d["decode_instances"]) == (
+        a["flow"], a["prefill_instances"], a["decode_instances"],
+    )  # fmt: skip
+    assert {c["flow"] for c in out["candidates"]} == {"ring", "direct"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = runner.invoke(app, [*args, "--jobs", "1"])
+    assert table.exit_code == 0 and "answer: " in table.stdout and "capacity for 30 req/s" in table.stdout

@@ -574,11 +574,19 @@ def _capacity(
         except OSError as e:
             bad_input(f"--plot {plot}: cannot write: {e}")
     if as_json:
-        out = {
-            "mode": "capacity",
-            "deployment": {k: getattr(spec, k) for k in spec.__slots__},
-            **cap.as_dict(),
-        }
+        from kvferry.sim.deploy.select import nic_dict
+
+        deployment = {k: getattr(spec, k) for k in spec.__slots__}
+        if cap.answer is not None:  # the deployment as answered, as the table says it
+            a = cap.answer
+            deployment.update(
+                prefill_tp=a.prefill_tp,
+                decode_tp=a.decode_tp,
+                flow=a.flow,
+                prefill_instances=a.prefill,
+                decode_instances=a.decode,
+            )
+        out = {"mode": "capacity", "deployment": deployment, "nic": nic_dict(spec.nic), **cap.as_dict()}
         sys.stdout.write(json.dumps(_nan_safe(out)) + "\n")
     else:
         from kvferry.sim.deploy.report import capacity_table
