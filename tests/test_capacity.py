@@ -57,6 +57,7 @@ def test_the_search_finds_the_instance_count_the_rooflines_give_by_hand(jobs: in
     # The most it sustains lies between the rate asked and three instances' hand capacity.
     assert cap.answer.max_rps is not None
     assert rate <= cap.answer.max_rps <= 3 * mu * 1.05
+    assert cap.answer.max_rps_below is not None and cap.answer.max_rps_below >= cap.answer.max_rps
     assert "3P x TP1 + 1D x TP1 with direct (4 GPUs) serves" in cap.reason
 
 

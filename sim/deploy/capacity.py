@@ -204,7 +204,8 @@ class Candidate:
     limit: str  # the side that bound comes from
     results: list[DeployResult] = field(default_factory=list)  # at the asked rate, one per seed
     met: bool | None = None  # None: not simulated (its bound is below the rate)
-    max_rps: float | None = None  # simulated: the most it sustains within the SLOs
+    max_rps: float | None = None  # simulated: the most it was seen to sustain within the SLOs
+    max_rps_below: float | None = None  # and the least it could not (a rate it missed, or its bound)
     staging_bytes: int = 0
 
     @property
@@ -243,6 +244,7 @@ class Candidate:
             "met": self.met,
             "verdict": self.verdict(rate),
             "max_rps": self.max_rps,
+            "max_rps_below": self.max_rps_below,
             "staging_bytes_per_rank_pair": self.staging_bytes,
             "results": [r.as_dict() for r in self.results],
         }
@@ -324,7 +326,7 @@ def max_rate(
     steps: int = 4,
     progress: Progress | None = None,
     runner: Runner | None = None,
-) -> float:
+) -> tuple[float, float]:
     """Search between a rate met (``lo``, 0 for none) and one that cannot be (``hi``), to within
     5% (finer is below the seeds' noise): each step tries ``runner.jobs`` rates evenly inside the
     interval at once (one: bisection) and keeps the part between the highest met and the next."""
@@ -346,7 +348,7 @@ def max_rate(
         above = [r for r in failed if r > lo]
         if above:
             hi = min(above)
-    return lo
+    return lo, hi
 
 
 def search(
@@ -438,7 +440,9 @@ def _for_rate(
     if found is None:
         return Capacity(rate, target, cands, None, _none_reason(cands, rate), per)
     say(f"most {found.name} {found.flow} sustains")
-    found.max_rps = max_rate(spec_of(found), w, seeds, target, rate, found.bound_rps, steps, say, runner)
+    found.max_rps, found.max_rps_below = max_rate(
+        spec_of(found), w, seeds, target, rate, found.bound_rps, steps, say, runner
+    )
     return Capacity(rate, target, cands, found, _answer_reason(found, cands, rate), per)
 
 
@@ -464,7 +468,9 @@ def _balanced(
         if not balanced:
             continue
         say(f"most {c.name} {c.flow} sustains (bound {c.bound_rps:.2f} req/s)")
-        c.max_rps = max_rate(spec_of(c), w, seeds, target, 0.0, c.bound_rps, steps, say, runner)
+        c.max_rps, c.max_rps_below = max_rate(
+            spec_of(c), w, seeds, target, 0.0, c.bound_rps, steps, say, runner
+        )
     best = max((c for c in cands if c.max_rps), key=lambda c: (c.max_rps or 0) / c.gpus, default=None)
     why = (
         f"most requests per second per GPU: {best.name} with {best.flow}, {best.max_rps:.2f} req/s"
@@ -511,10 +517,19 @@ def _answer_reason(c: Candidate, cands: Sequence[Candidate], rate: float) -> str
     return (
         f"{c.name} with {c.flow} ({c.gpus} GPUs) serves {rate:g} req/s: TTFT p50 {ttft[0].text()} ms / "
         f"p99 {ttft[1].text()} ms, TPOT p50 {tpot[0].text('.1f')} ms / p99 {tpot[1].text('.1f')} ms, "
-        f"{att.mean:.0%} within the SLOs; sustains up to {c.max_rps:.2f} req/s. Of {len(cheaper)} "
+        f"{att.mean:.0%} within the SLOs; sustains {_sustains(c)}. Of {len(cheaper)} "
         f"cheaper configurations, {len(cheaper) - tried} cannot reach the rate by their roofline "
         f"bound and {tried} missed it in simulation{tie}"
     )
+
+
+def _sustains(c: Candidate) -> str:
+    """The most a configuration sustains, as the search bracketed it."""
+    lo, hi = c.max_rps or 0.0, c.max_rps_below
+    if hi is None:
+        return f"{lo:.2f} req/s"
+    what = "its roofline bound" if hi >= c.bound_rps else "a rate it missed"
+    return f"at least {lo:.2f} req/s and less than {hi:.2f} ({what})"
 
 
 def _none_reason(cands: Sequence[Candidate], rate: float) -> str:

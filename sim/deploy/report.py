@@ -179,7 +179,9 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
             ttft,
             tpot,
             att,
-            "-" if c.max_rps is None else f"{c.max_rps:.2f}",
+            "-"
+            if c.max_rps is None
+            else f"{c.max_rps:.2f}" + ("" if c.max_rps_below is None else f"-{c.max_rps_below:.2f}"),
             c.verdict(rate),
         )
     ruled = sum(1 for c in cap.candidates if c.met is None and c.max_rps is None)
@@ -222,8 +224,12 @@ def plot_capacity(cap: Capacity, spec: Any, path: Path) -> None:
     if cap.answer is not None:
         ax.scatter([cap.answer.gpus], [cap.answer.max_rps or cap.rate or 0], marker="*", s=260,
                    color="gold", edgecolors="k", zorder=5, label=f"answer: {cap.answer.name}")  # fmt: skip
+    from matplotlib.ticker import ScalarFormatter
+
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
     ax.set_xlabel("GPUs")
     ax.set_ylabel("requests/s sustained within the SLOs")
     ax.set_title(f"{spec.model} on {spec.gpu} + {spec.nic}: capacity per configuration and flow")
