@@ -223,3 +223,21 @@ def test_timing_only_runs_match_byte_moving_runs(
     timing = _timelines(spec, reqs, move_bytes=False)
     moving = _timelines(spec, reqs, move_bytes=True)
     assert timing == moving
+
+
+def test_ctrl_c_shows_the_flows_that_finished(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvferry.sim.deploy.select as sel_mod
+
+    calls = []
+
+    def fake_simulate(spec: DeploySpec, *a: object, **k: object) -> DeployResult:
+        calls.append(spec.flow)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return replace(_fake(spec.flow, 100.0), seed=spec.seed)
+
+    monkeypatch.setattr(sel_mod, "simulate", fake_simulate)
+    point = LoadPoint("2 req/s", wl.Arrivals(requests=wl.poisson(2.0, 4, 100, 2, 1)))
+    got = select(DeploySpec(), [point], ["direct", "ring", "pinned"])
+    assert sorted(got.results) == ["direct", "ring"] and got.recommendation in ("direct", "ring")
+    assert got.interrupted == "interrupted after 2 of 3 runs: the table shows direct, ring only"

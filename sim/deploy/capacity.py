@@ -402,10 +402,18 @@ def search(
             decode_instances=c.decode,
         )
 
-    with Runner(jobs) as runner:
-        if rate is not None:
-            return _for_rate(cands, per, rate, w, seeds, target, max_rate_steps, say, spec_of, runner)
-        return _balanced(cands, per, w, seeds, target, max_instances, max_rate_steps, say, spec_of, runner)
+    try:
+        with Runner(jobs) as runner:
+            if rate is not None:
+                return _for_rate(cands, per, rate, w, seeds, target, max_rate_steps, say, spec_of, runner)
+            return _balanced(
+                cands, per, w, seeds, target, max_instances, max_rate_steps, say, spec_of, runner
+            )
+    except KeyboardInterrupt:
+        # Ctrl-C: the configurations judged so far, and no answer.
+        judged = sum(1 for c in cands if c.met is not None or c.max_rps is not None)
+        why = f"interrupted: {judged} configurations judged before Ctrl-C are listed; no answer"
+        return Capacity(rate, target, cands, None, why, per)
 
 
 def _for_rate(

@@ -96,6 +96,8 @@ def table(sel: Selection, console: Any) -> None:
             if reasons:
                 why = "; ".join(f"{n} x {k}" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
                 console.print(f"[yellow]{flow} at {rs[0].label}: failed requests: {why}[/]")
+    if sel.interrupted:
+        console.print(f"[yellow]{sel.interrupted}[/]")
     if sel.tie_note:
         console.print(f"tie: {sel.tie_note}")
     console.print(f"[bold]recommendation: {sel.recommendation}[/] -- {sel.reason}")

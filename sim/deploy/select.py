@@ -42,6 +42,7 @@ class Selection:
     runs: dict[str, list[list[DeployResult]]] = field(default_factory=dict)
     ties: list[str] = field(default_factory=list)  # flows tied with the recommendation
     tie_note: str = ""  # how the tie was called and broken ("" without one)
+    interrupted: str = ""  # Ctrl-C: which runs finished ("" when every run did)
 
     def as_dict(self) -> dict[str, Any]:
         # The deployment as recommended: its flow is the recommendation, not the spec's default.
@@ -55,6 +56,7 @@ class Selection:
             "reason": self.reason,
             "ties": self.ties,
             "tie_note": self.tie_note,
+            "interrupted": self.interrupted,
             "knobs": self.knobs,
             "summary": {f: _summary(self.runs.get(f) or [[r] for r in rs]) for f, rs in self.results.items()},
             "results": {f: [r.as_dict() for r in rs] for f, rs in self.results.items()},
@@ -270,25 +272,35 @@ def select(
     runs: dict[str, list[list[DeployResult]]] = {f: [[] for _ in points] for f in flows}
     n = len(flows) * len(points) * len(seeds)
     i = 0
-    for seed in seeds:
-        pts = points_for(seed) if points_for is not None else points
-        for flow in flows:
-            fs = replace(spec, flow=flow, seed=seed)
-            for k, p in enumerate(pts):
-                i += 1
-                if progress is not None:
-                    tail = f" seed {seed}" if len(seeds) > 1 else ""
-                    progress(f"[{i}/{n}] {flow} at {p.label}{tail}")
-                runs[flow][k].append(
-                    simulate(
-                        fs,
-                        p.arrivals,
-                        p.lengths,
-                        label=p.label,
-                        warmup_ns=p.warmup_ns,
-                        queue_limit=p.queue_limit,
+    interrupted = ""
+    try:
+        for seed in seeds:
+            pts = points_for(seed) if points_for is not None else points
+            for flow in flows:
+                fs = replace(spec, flow=flow, seed=seed)
+                for k, p in enumerate(pts):
+                    i += 1
+                    if progress is not None:
+                        tail = f" seed {seed}" if len(seeds) > 1 else ""
+                        progress(f"[{i}/{n}] {flow} at {p.label}{tail}")
+                    runs[flow][k].append(
+                        simulate(
+                            fs,
+                            p.arrivals,
+                            p.lengths,
+                            label=p.label,
+                            warmup_ns=p.warmup_ns,
+                            queue_limit=p.queue_limit,
+                        )
                     )
-                )
+    except KeyboardInterrupt:
+        # Ctrl-C: what finished is still worth showing (the flows whose every point ran once).
+        done = [f for f in flows if all(runs[f][k] for k in range(len(points)))]
+        if not done:
+            raise
+        interrupted = f"interrupted after {i - 1} of {n} runs: the table shows {', '.join(done)} only"
+        flows = tuple(done)
+        runs = {f: [rs[: min(len(x) for x in runs[f])] for rs in runs[f]] for f in done}
     results = {f: [rs[0] for rs in runs[f]] for f in flows}
     # Best first: the first seed's score orders; flows tied with the best (within the seeds'
     # noise) are then ordered by staging memory, least first.
@@ -326,6 +338,7 @@ def select(
         runs,
         [f for f in ranking[1:] if f in ties or f == group[0]] if ties else [],
         tie_note,
+        interrupted,
     )
 
 
