@@ -8,17 +8,18 @@ overloaded and at least the target share of its requests meet both SLOs (mean ov
 
 Simulating every configuration would take minutes; two facts keep it to the few that matter:
 
-- A roofline bound per instance (``bounds``): a prefill instance cannot finish more requests per
-  second than its GPUs compute their prompts at full rate (the attention over the whole prompt
-  included, the step overhead once per chunk), and a decode instance no more than its largest
-  batch that fits its memory and keeps a step within the TPOT SLO, over the output length. P
-  prefill and D decode instances sustain at most ``min(P x prefill, D x decode)``; a configuration
-  whose bound is below the rate cannot meet it and is not simulated (its row says so).
-- Configurations are tried in order of GPUs (then instances); the first that meets the rate is the
-  answer, and only configurations of the same GPU count are tried after it (to pick among them).
+- An upper bound per instance and flow (``bounds``): a prefill instance cannot finish more
+  requests per second than its GPUs compute their prompts at full rate (the attention over the
+  whole prompt included, the step overhead once per chunk), a decode instance no more than its
+  largest batch that fits its memory and keeps a step within the TPOT SLO, over the output
+  length, and neither more than its busiest NIC posts and carries (``nic_ns``). P prefill and D
+  decode instances sustain at most ``min(P x prefill, D x decode)``; a configuration whose bound
+  is below the rate cannot meet it and is not simulated (its row says so).
+- Configurations are tried in order of GPUs (then instances), those of one GPU count at once
+  (``Runner``: worker processes); the first count where one meets the rate answers.
 
-The most a configuration sustains (``max_rate``) is found by bisection of steady-state runs
-between what it was seen to meet and its bound.
+The most a configuration sustains (``max_rate``) is narrowed by steady-state runs between a rate
+it met and its bound, as many rates a round as there are workers.
 """
 
 from __future__ import annotations
@@ -35,7 +36,20 @@ from kvferry.sim.deploy.run import simulate
 from kvferry.sim.deploy.spec import DeploySpec
 from kvferry.sim.deploy.steady import Interval, queue_limit
 
-__all__ = ["Bounds", "Candidate", "Capacity", "bounds", "meets", "search", "steady_run", "steady_runs"]
+__all__ = [
+    "Bounds",
+    "Candidate",
+    "Capacity",
+    "Runner",
+    "Workload",
+    "bounds",
+    "max_rate",
+    "meets",
+    "nic_ns",
+    "search",
+    "steady_run",
+    "steady_runs",
+]
 
 NS = 1_000_000_000
 MIN_REQUESTS = 16  # a steady-state run below this many requests says nothing
