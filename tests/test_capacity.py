@@ -162,10 +162,11 @@ def test_interval_is_a_t_interval() -> None:
     assert Interval.of([5.0]).half == 0.0 and math.isnan(Interval.of([]).mean)
 
 
-def test_unequal_instance_counts_conserve_requests_and_bytes() -> None:
+@pytest.mark.parametrize("router", ["least-requests", "round-robin", "least-tokens"])
+def test_unequal_instance_counts_conserve_requests_and_bytes(router: str) -> None:
     reqs = wl.poisson(20.0, 24, 900, 4, seed=5, spread=0.5)
     arrivals = wl.Arrivals(requests=reqs)
-    spec = DeploySpec(model="qwen3-8b", prefill_tp=4, decode_tp=2, flow="ring")
+    spec = DeploySpec(model="qwen3-8b", prefill_tp=4, decode_tp=2, flow="ring", router=router)
     landed = {}
     for p, d in ((1, 1), (2, 3), (3, 1)):
         w = deploy_world(replace(spec, prefill_instances=p, decode_instances=d), arrivals)
@@ -174,6 +175,7 @@ def test_unequal_instance_counts_conserve_requests_and_bytes() -> None:
         assert sum(w.routed["prefill"]) == sum(w.routed["decode"]) == 24
         assert sum(1 for t in w.tracks.values() if t.done_ns >= 0 and not t.failed) == 24
         assert all(n > 0 for n in w.routed["decode"])  # the router spread them
+        assert w.pre_tokens == [0] * p and w.dec_tokens == [0] * d  # every routed token accounted
         landed[(p, d)] = w.fabric.stats.bytes_landed
     # Every request's KV crossed the fabric once, whichever instances it was routed to.
     assert len(set(landed.values())) == 1, landed
@@ -241,3 +243,17 @@ def test_ctrl_c_shows_the_flows_that_finished(monkeypatch: pytest.MonkeyPatch) -
     got = select(DeploySpec(), [point], ["direct", "ring", "pinned"])
     assert sorted(got.results) == ["direct", "ring"] and got.recommendation in ("direct", "ring")
     assert got.interrupted == "interrupted after 2 of 3 runs: the table shows direct, ring only"
+
+
+def test_least_tokens_sends_a_long_request_away_from_a_busy_instance() -> None:
+    from kvferry.sim.deploy.router import Router
+
+    r, plain = Router(2, 2, "least-tokens"), Router(2, 2)
+    # Decode 0 holds one long request, decode 1 two short ones: fewest requests would pick 0.
+    r.watch([0, 0], [9000, 600])
+    plain.watch([0, 0], [9000, 600])
+    assert r.route((1, 2)) == (0, 1) and plain.route((1, 2))[1] == 0
+    rr = Router(2, 3, "round-robin")
+    assert [rr.route((5, 0, 0)) for _ in range(4)] == [(0, 0), (1, 1), (0, 2), (1, 0)]
+    with pytest.raises(ValueError, match="router: expected one of"):
+        Router(1, 1, "random")

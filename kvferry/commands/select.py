@@ -155,6 +155,13 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option(help="Decode instances (default: --instances); each request to the least loaded."),
         ] = None,
+        router: Annotated[
+            str,
+            typer.Option(
+                help="How requests spread over several instances: least-requests (prefill round-robin, "
+                "decode fewest in flight), round-robin, or least-tokens (fewest tokens outstanding)."
+            ),
+        ] = "least-requests",
         decode_ep: Annotated[
             int,
             typer.Option(
@@ -367,6 +374,7 @@ def register(app: typer.Typer) -> None:
             proxy_hop_ms=proxy_hop_ms,
             page_allocator=page_allocator,
             decode_reserved_tokens=decode_reserved_tokens,
+            router=router,
         )
         # The file's [deploy] wins over the options, given or default, as its model and TP do.
         spec = replace(spec, **deploy)

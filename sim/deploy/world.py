@@ -104,7 +104,7 @@ class DeployWorld(World):
         self.built = scenario  # as built from the spec (staging sized for its largest room)
         self.roof_p = spec.roofline("prefill")
         self.roof_d = spec.roofline("decode")
-        self.router = router or Router(n_pre, n_dec)
+        self.router = router or Router(n_pre, n_dec, spec.router)
         # Per prefill instance: queued chunks (new tokens, cached, done) and the loop's wake-up.
         self._pjobs: list[deque[tuple[int, int, simpy.Event]]] = [deque() for _ in range(n_pre)]
         self._pwake = [self.env.event() for _ in range(n_pre)]
@@ -118,6 +118,12 @@ class DeployWorld(World):
         self._waiting: list[deque[int]] = [deque() for _ in range(n_dec)]
         self._wake = [self.env.event() for _ in range(n_dec)]
         self.load = [0] * n_dec  # requests routed to each decode instance and not finished
+        # Tokens routed and outstanding (the least-tokens router reads them): prompt tokens not yet
+        # computed per prefill instance; prompt plus output per decode instance, until finished.
+        self.pre_tokens = [0] * n_pre
+        self.dec_tokens = [0] * n_dec
+        self._weighed: set[int] = set()  # keys counted in those token loads
+        self.router.watch(self.pre_tokens, self.dec_tokens)
         self.routed = {"prefill": [0] * n_pre, "decode": [0] * n_dec}
         # Simulated ns each instance spent in forward steps (its utilisation over the run).
         self.busy_ns = {"prefill": [0] * n_pre, "decode": [0] * n_dec}
@@ -300,6 +306,10 @@ class DeployWorld(World):
         self.routed["prefill"][p] += 1
         self.routed["decode"][d] += 1
         self.load[d] += 1
+        r = self.tracks[req.key].req
+        self.pre_tokens[p] += r.input_tokens - r.prefix_hit_tokens
+        self.dec_tokens[d] += r.input_tokens + r.output_tokens
+        self._weighed.add(req.key)
         return True
 
     def _finish(self, key: int, failed: bool) -> None:
@@ -312,6 +322,11 @@ class DeployWorld(World):
         req = self.requests[key]
         if req.opened:
             self.load[req.dec_inst] -= 1
+        if key in self._weighed:
+            self._weighed.discard(key)
+            self.dec_tokens[req.dec_inst] -= t.req.input_tokens + t.req.output_tokens
+            if len(t.chunk_ready_ns) < len(req.chunks):  # failed before its prompt was computed
+                self.pre_tokens[req.pre_inst] -= t.req.input_tokens - t.req.prefix_hit_tokens
         if self._closed and self._next < self.total:
             self._submit(int(self.env.now))
         if self.finished >= self.total and not self.all_done.triggered:
@@ -333,6 +348,9 @@ class DeployWorld(World):
             yield self.env.timeout(1)  # a cached chunk: nothing to compute
         ready = self.tracks[req.key].chunk_ready_ns
         ready.append(int(self.env.now))
+        if len(ready) == len(req.chunks) and req.key in self._weighed:
+            r = self.tracks[req.key].req
+            self.pre_tokens[req.pre_inst] -= r.input_tokens - r.prefix_hit_tokens
         if len(ready) == len(req.chunks) and req.key in self._prefilled:
             self._prefilled.pop(req.key).succeed()
 
