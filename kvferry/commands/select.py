@@ -584,16 +584,8 @@ def _capacity(
     if as_json:
         from kvferry.sim.deploy.select import nic_dict
 
-        deployment = {k: getattr(spec, k) for k in spec.__slots__}
-        if cap.answer is not None:  # the deployment as answered, as the table says it
-            a = cap.answer
-            deployment.update(
-                prefill_tp=a.prefill_tp,
-                decode_tp=a.decode_tp,
-                flow=a.flow,
-                prefill_instances=a.prefill,
-                decode_instances=a.decode,
-            )
+        answered = cap.answer.spec(spec) if cap.answer is not None else spec  # as the table says
+        deployment = {k: getattr(answered, k) for k in answered.__slots__}
         out = {"mode": "capacity", "deployment": deployment, "nic": nic_dict(spec.nic), **cap.as_dict()}
         sys.stdout.write(json.dumps(_nan_safe(out)) + "\n")
     else:

@@ -222,6 +222,17 @@ class Candidate:
     max_rps_below: float | None = None  # and the least it could not (a rate it missed, or its bound)
     staging_bytes: int = 0
 
+    def spec(self, base: DeploySpec) -> DeploySpec:
+        """``base`` as this configuration: its TP sizes, flow and instance counts."""
+        return replace(
+            base,
+            prefill_tp=self.prefill_tp,
+            decode_tp=self.decode_tp,
+            flow=self.flow,
+            prefill_instances=self.prefill,
+            decode_instances=self.decode,
+        )
+
     @property
     def gpus(self) -> int:
         return self.prefill * self.prefill_tp + self.decode * self.decode_tp
@@ -407,14 +418,7 @@ def search(
     cands.sort(key=lambda c: (c.gpus, c.prefill + c.decode, c.staging_bytes))
 
     def spec_of(c: Candidate) -> DeploySpec:
-        return replace(
-            base,
-            prefill_tp=c.prefill_tp,
-            decode_tp=c.decode_tp,
-            flow=c.flow,
-            prefill_instances=c.prefill,
-            decode_instances=c.decode,
-        )
+        return c.spec(base)
 
     try:
         with Runner(jobs) as runner:
