@@ -2,7 +2,9 @@
 and a 10,000-request deployment replay (sim/deploy: compute, arrivals, KV through the real flows).
 
 Run: ``uv run python bench/sim_bench.py [--rooms 10000] [--seeds 60] [--deploy-requests 10000]``
-(one core, no GPU; ``--only deploy`` or ``--only replay`` runs one part).
+(one core, no GPU; ``--only deploy``, ``--only replay`` or ``--only select`` runs one part;
+``select`` times ``kvferry select``'s example question, fixed and as a capacity search, with each
+command's peak RSS).
 
 Baseline measured in the same run: a bare SimPy process doing timeouts, i.e. the fastest a SimPy
 world can advance. The simulator's cost is shown as trace events per second and as the ratio of
@@ -75,14 +77,63 @@ def deploy_replay(n: int) -> dict[str, float]:
     }
 
 
+EXAMPLE = [
+    *("select", "--model", "llama-3.1-70b", "--prefill-tp", "8", "--decode-tp", "4"),
+    *("--gpu", "h100", "--nic", "nic-400g", "--isl", "8192", "--osl", "500", "--rate", "20"),
+]
+
+
+def cli_run(args: list[str]) -> dict[str, float]:
+    """One ``kvferry`` command in a child process: its wall and CPU seconds and peak RSS (the
+    child's own, from getrusage: what a laptop must hold)."""
+    import resource
+    import subprocess
+    import sys
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("kvferry")), *args, "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"kvferry {' '.join(args)} failed: {done.stderr.strip()[-500:]}")
+    out = json.loads(done.stdout)
+    return {
+        "wall_s": round(wall, 2),
+        "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2),
+        # ru_maxrss is the largest child so far (KiB on Linux): one child per call here.
+        "peak_rss_mb": round(after.ru_maxrss / 1024, 1),
+        "answer": out.get("reason", ""),
+    }
+
+
+def select_question() -> dict[str, object]:
+    """The question users ask (README, docs/select.md): llama-3.1-70b, prefill TP 8 -> decode TP 4,
+    H100s with 400 Gb/s NICs, 8k-token prompts, 500-token outputs, 20 requests/s. First as asked of
+    one prefill and one decode instance (every flow, steady state), then the capacity search
+    (instance counts 1..8 a side, every flow)."""
+    fixed = cli_run([*EXAMPLE, "--instances", "1"])
+    search = cli_run(EXAMPLE)
+    return {"select_1p1d": fixed, "select_capacity": search}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rooms", type=int, default=10_000)
     ap.add_argument("--seeds", type=int, default=60)
     ap.add_argument("--deploy-requests", type=int, default=10_000)
-    ap.add_argument("--only", choices=("all", "replay", "deploy"), default="all")
+    ap.add_argument("--only", choices=("all", "replay", "deploy", "select"), default="all")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.only == "select":
+        q = select_question()
+        print(json.dumps(q) if args.json else "\n".join(f"{k}: {v}" for k, v in q.items()))
+        return
     if args.only == "deploy":
         d = deploy_replay(args.deploy_requests)
         print(json.dumps(d) if args.json else _deploy_line(d))

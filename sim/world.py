@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 import numpy as np
 import simpy
 from kvferry.backends.simfabric.calls import call_after
@@ -241,8 +242,8 @@ class World(Chaos, Instances):
         tr = self._transport_cls(self.fabric, ep, pool)
         tr.register_regions(pool.regions, self.scenario.topology.aux_rows, AUX_ROW_BYTES)
         st = self.staging
+        planner = self._rank_planner()
         if prefill:
-            planner = None
             if "chunk_offset_own_length" in self.hooks:
                 planner = _offset_from_own_length_planner()
             workers = self.scenario.topology.workers
@@ -264,10 +265,16 @@ class World(Chaos, Instances):
             tr.register_staging(
                 {RING_REGION: st.ring_bytes, PINNED_REGION: st.pinned_bytes}, st.ring_bytes, st.pinned_bytes
             )
-            engine = planted.receiver_class(self.hooks)(tr.registration(), timeouts=self.timeouts)
+            engine = planted.receiver_class(self.hooks)(
+                tr.registration(), timeouts=self.timeouts, planner=planner
+            )
             workers = 0
         tr.kernel_rng = self.streams[f"kernels.{node}"]
         self.ranks[node] = SimRank(self.env, self.fabric, tr, engine, self, workers, self.trace.record)
+
+    def _rank_planner(self) -> Any:
+        """The planner every rank's engine plans with (None: the core's own)."""
+        return None
 
     def room_flow(self, req: Request) -> str | None:
         """The flow a room is opened with: None lets the policy choose."""
@@ -879,15 +886,22 @@ class World(Chaos, Instances):
 
     def _on_control(self, what: str, src: str, dst: str, payload: bytes) -> bool:
         """Log every failure notice per room (what the agreement exemption is judged from)."""
+        # Every message is seen twice here (sent, delivered): its tag and room are read without
+        # building the rest (a pull offer carries a whole registration); only failure notices are
+        # decoded in full.
+        try:
+            peek = _peek_decoder.decode(payload)
+        except (msgspec.MsgspecError, ValueError, TypeError):
+            return True
+        if self.multi and what == "sent" and self.scenario.checks.isolation:
+            self._check_message_isolation(peek, src, dst)
+        if peek.t not in _NOTICE_TAGS:
+            return True
         try:
             msg = decode_control(payload)
         except WireError:
             return True
-        if self.multi and what == "sent" and self.scenario.checks.isolation:
-            self._check_message_isolation(msg, src, dst)
         t = type(msg)
-        if t is not RoomFailed and t is not Abort:
-            return True
         req = self.by_room.get(msg.room)
         if req is None or req.tid != msg.transfer_id:
             return True
@@ -978,6 +992,18 @@ _PUSH = Flow.PUSH.value  # read per landing write (an enum's .value is a propert
 
 def _terminal(st: KVPoll | None) -> bool:
     return st is KVPoll.Failed or st is KVPoll.Success
+
+
+class _Peek(msgspec.Struct):
+    """A control message's tag and room, its other fields skipped (see ``World._on_control``)."""
+
+    t: str = ""
+    room: int | None = None
+    transfer_id: str | None = None
+
+
+_peek_decoder = msgspec.msgpack.Decoder(_Peek)
+_NOTICE_TAGS = frozenset({RoomFailed.__struct_config__.tag, Abort.__struct_config__.tag})
 
 
 def _split(tokens: int, chunk: int) -> tuple[int, ...]:

@@ -30,7 +30,7 @@ def test_shipped_profiles_load() -> None:
     rates = [hardware.nic(n).bandwidth_gbps for n in ("nic-100g", "nic-200g", "nic-400g")]
     assert rates == [12.5, 25.0, 50.0]
     fab = hardware.fabric_spec(h100, hardware.nic("nic-400g"))
-    assert fab.nic.bandwidth_bps == 50_000_000_000 and fab.nic.per_desc_ns == 2430
+    assert fab.nic.bandwidth_bps == 50_000_000_000 and fab.nic.per_desc_ns == 505
 
 
 @pytest.mark.parametrize("name", ["", "nope", "../h100", "h100\0", "a/b"])
@@ -169,7 +169,10 @@ def test_per_token_direct_slices_cost_posting_and_staging_removes_it() -> None:
     direct = simulate(replace(SPEC, flow="direct"), *_closed(4, 12))
     ring = simulate(replace(SPEC, flow="ring"), *_closed(4, 12))
     assert direct.split_ms["posting"] > 10 * ring.split_ms["posting"]
-    assert direct.ttft_ms.p50 > 2 * ring.ttft_ms.p50
+    assert direct.ttft_ms.p50 > 1.5 * ring.ttft_ms.p50  # RDMA verbs: about 0.5 us a descriptor
+    # cuda_ipc costs 20x more a descriptor (10 us on our H100): there direct slices are ruinous.
+    ipc = simulate(replace(SPEC, flow="direct", nic="nvlink-cuda-ipc"), *_closed(4, 12))
+    assert ipc.ttft_ms.p50 > 20 * ring.ttft_ms.p50
     assert abs(direct.tpot_ms.p50 - ring.tpot_ms.p50) / ring.tpot_ms.p50 < 0.2  # TPOT comparable
 
 

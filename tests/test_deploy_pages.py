@@ -13,7 +13,10 @@ from kvferry.sim.deploy.spec import DeployError, DeploySpec
 from kvferry.sim.deploy.world import DeployWorld
 from kvferry.sim.pages import LowestFirst, SortedFreeList, pair_runs
 
-BASE = DeploySpec(model="qwen3-8b", prefill_tp=4, decode_tp=4, gpu="h200", nic="nic-400g", flow="direct")
+# The NIC these golden numbers were computed on (the first 400 Gb/s model: vLLM-fitted posting).
+BASE = DeploySpec(
+    model="qwen3-8b", prefill_tp=4, decode_tp=4, gpu="h200", nic="nic-400g-vllm-fit", flow="direct"
+)
 
 
 def _tight_world(spec: DeploySpec, pages: int, n: int = 60, c: int = 8) -> tuple[DeployWorld, wl.Arrivals]:

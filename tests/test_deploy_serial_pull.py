@@ -14,8 +14,15 @@ from kvferry.sim.deploy.spec import DeployError, DeploySpec
 MS = 1_000_000
 # TP 4 -> 2 pull with 512-token chunks (two chunks a request), four users: every run below is this
 # deployment, so the golden numbers and the serial runs compare like with like.
+# The NIC these golden numbers were computed on (the first 400 Gb/s model: vLLM-fitted posting).
 BASE = DeploySpec(
-    model="qwen3-8b", prefill_tp=4, decode_tp=2, gpu="h200", nic="nic-400g", flow="pull", chunk_tokens=512
+    model="qwen3-8b",
+    prefill_tp=4,
+    decode_tp=2,
+    gpu="h200",
+    nic="nic-400g-vllm-fit",
+    flow="pull",
+    chunk_tokens=512,
 )
 
 

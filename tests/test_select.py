@@ -26,6 +26,8 @@ def test_unequal_tp_compares_every_flow_and_recommends_staging() -> None:
     out = _json(SMALL)
     assert sorted(out["ranking"]) == ["direct", "pinned", "pull", "push", "ring"]
     assert out["recommendation"] == out["ranking"][0] in ("ring", "pinned")
+    assert out["deployment"]["flow"] == out["recommendation"]  # the JSON agrees with the table
+    assert out["nic"]["transport"] == "ib_verbs" and "per_desc_us" in out["nic"]["estimates"]
     assert out["reason"].startswith(out["recommendation"] + ":")
     for flow, points in out["results"].items():
         assert [p["label"] for p in points] == ["c=1", "c=4"]
@@ -57,6 +59,7 @@ def test_a_tail_within_five_percent_is_a_tie_decided_by_the_median() -> None:
             self.failed = self.unfinished = 0
             self.violations: list[str] = []
             self.slo_attained = 1.0
+            self.overload = ""
 
     assert _score([R(25, 140)]) > _score([R(45, 139)])  # p99s tie: the lower median wins
     assert _score([R(45, 100)]) > _score([R(25, 140)])  # a real tail difference wins first
@@ -71,13 +74,39 @@ def test_table_progress_and_plot(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_poisson_rate_and_trace_workloads(tmp_path: Path) -> None:
-    out = _json([*SMALL, "--flows", "ring", "--rate", "20"])
-    assert out["results"]["ring"][0]["label"] == "20 req/s"
+RATE = ["select", "--isl", "800", "--osl", "8", "--instances", "1"]
+
+
+def test_poisson_rate_and_workload_file(tmp_path: Path) -> None:
+    out = _json([*RATE, "--flows", "ring", "--rate", "20", "--duration-s", "2", "--warmup-s", "0.5"])
+    point = out["results"]["ring"][0]
+    assert point["label"] == "20 req/s" and point["warmup_s"] == 0.5
+    assert not point["overload"] and point["completed"] == point["requests"] > 0
     trace = tmp_path / "t.csv"
     trace.write_text("arrival_s,input_tokens,output_tokens,prefix_hit_tokens\n0,900,4,0\n0.01,900,4,800\n")
-    out = _json([*SMALL, "--flows", "ring", "--trace", str(trace)])
+    out = _json(["select", "--osl", "8", "--flows", "ring", "--workload", str(trace)])
     assert out["results"]["ring"][0]["completed"] == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--trace", "x.csv"], "--trace was renamed --workload"),
+        (["--workload", "x.csv", "--rate", "2"], "--workload gives the arrivals: --rate does not apply"),
+        (["--rate", "2", "--concurrency", "4"], "--rate (open loop) and --concurrency (closed loop)"),
+        (["--rate", "2", "--requests", "4"], "--requests is for --concurrency"),
+        (["--duration-s", "4"], "--duration-s needs --rate"),
+        (["--rate", "2", "--capacity", "--instances", "2"], "the capacity search chooses the instance"),
+        (["--rate", "2", "--warmup-s", "40"], "--warmup-s must be >= 0 and below --duration-s"),
+        (["--seeds", "0"], "--seeds must be in"),
+        (["--attainment", "1.5"], "--attainment must be in (0, 1]"),
+    ],
+)
+def test_conflicting_workload_options_are_one_error_line(args: list[str], needle: str) -> None:
+    r = runner.invoke(app, ["select", *args])
+    assert r.exit_code == 2
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
 
 
 def test_a_scenario_file_gives_the_deployment() -> None:
@@ -99,7 +128,7 @@ def test_a_scenario_file_gives_the_deployment() -> None:
         (["--concurrency", "0"], "--concurrency: each value must be in"),
         (["--concurrency", "1,x"], "comma-separated integers"),
         (["--requests", "1000001"], "--requests must be in"),
-        (["--rate", "nan"], "--rate must be a number >= 0"),
+        (["--rate", "nan", "--instances", "1"], "--rate must be a number >= 0"),
         (["--ttft-slo-ms", "-1"], "--ttft-slo-ms must be a positive number"),
         (["--model", "deepseek-v3", "--prefill-tp", "8", "--decode-tp", "8"], "does not fit a h100"),
         (["--scenario", str(ROOT / "scenarios" / "quickstart.toml")], "is not a preset"),
@@ -293,3 +322,23 @@ def test_a_bad_deploy_table_is_one_error_line(tmp_path: Path, deploy: str, needl
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: [deploy]"), r.stderr
     assert needle in lines[0], r.stderr
+
+
+def test_rate_without_instance_counts_is_the_capacity_search(tmp_path: Path) -> None:
+    png = tmp_path / "cap.png"
+    args = ["select", "--rate", "30", "--isl", "2000", "--osl", "20", "--flows", "ring,direct"]
+    args += ["--max-instances", "2", "--duration-s", "3", "--warmup-s", "1", "--max-rate-steps", "1"]
+    r = runner.invoke(app, [*args, "--json", "--plot", str(png), "--jobs", "1"])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["mode"] == "capacity" and out["rate"] == 30
+    a = out["answer"]
+    assert a["met"] and a["gpus"] == a["prefill_instances"] * 4 + a["decode_instances"] * 2
+    d = out["deployment"]  # the deployment as answered
+    assert (d["flow"], d["prefill_instances"], d["decode_instances"]) == (
+        a["flow"], a["prefill_instances"], a["decode_instances"],
+    )  # fmt: skip
+    assert {c["flow"] for c in out["candidates"]} == {"ring", "direct"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = runner.invoke(app, [*args, "--jobs", "1"])
+    assert table.exit_code == 0 and "answer: " in table.stdout and "capacity for 30 req/s" in table.stdout

@@ -79,6 +79,7 @@ class Xfer:
     done_ns: int = -1
     err_reason: str = ""
     active: bool = False
+    weight: int = 1  # copies of ``descs`` the post stands for (Fabric._weight)
 
 
 @dataclass(slots=True)
@@ -309,7 +310,8 @@ class Fabric:
         (s if writes else d).memory.check_descs(descs, dst=not writes)
         if peer.up and peer.incarnation == peer_inc:
             peer.memory.check_descs(descs, dst=writes)
-        charged = merge_dense_runs(descs).count if self.spec.prepped else descs.count
+        weight = self._weight(descs)
+        charged = (merge_dense_runs(descs).count if self.spec.prepped else descs.count) * weight
         xid = self._next_xid
         self._next_xid += 1
         x = Xfer(
@@ -325,12 +327,13 @@ class Fabric:
             posted_ns=now,
             charged_descs=charged,
             inject_err=self.faults.transfer_err(src, dst, now),
-            remaining=descs.total_bytes,
+            remaining=descs.total_bytes * weight,
+            weight=weight,
         )
         self.xfers[xid] = x
         ini.handles.add(xid)
         self.stats.posts += 1
-        self.stats.descriptors_posted += descs.count
+        self.stats.descriptors_posted += descs.count * weight
         self.stats.descriptors_charged += charged
         nic = ini.nic
         ready = max(now, ini.post_busy_until) + nic.post_cost_ns + nic.per_desc_ns * charged
@@ -341,13 +344,18 @@ class Fabric:
             xid=xid,
             src=src,
             dst=dst,
-            descs=descs.count,
+            descs=descs.count * weight,
             charged=charged,
             nbytes=x.remaining,
             tag=tag,
         )
         self._at(ready - now, self._admit, x)
         return xid
+
+    def _weight(self, descs: DescList) -> int:
+        """How many copies of ``descs`` one post stands for, in cost and bytes: 1 here; a
+        timing-only deployment posts one layer's descriptors for every layer (sim/deploy/timing.py)."""
+        return 1
 
     def state(self, initiator: str, xid: int) -> XferState:
         node = self.node(initiator)
@@ -549,7 +557,7 @@ class Fabric:
             self.record("xfer_err_injected", x.initiator, xid=x.xid, written=descs.count, tag=x.tag)
             self._retire(x, XferState.ERR, "injected transfer error")
             return
-        self.stats.bytes_landed += descs.total_bytes
+        self.stats.bytes_landed += descs.total_bytes * x.weight
         if x.notif is not None:
             target = x.dst if x.initiator == x.src else x.src
             pickup = self.nodes[target].nic.completion_delay_ns

@@ -1,14 +1,18 @@
-"""``kvferry select``: which KV transfer flow for a deployment, and what it does to TTFT.
+"""``kvferry select``: which KV transfer flow for a deployment, what it does to TTFT, and how many
+instances of each side serve a rate within the SLOs.
 
-Simulates every applicable flow (direct, ring, pinned, pull, push) of P prefill and D decode instances over
-a workload (a concurrency sweep, a Poisson rate or a trace file), through the real core engines
-and flows on the simulated fabric, ranks them and recommends one with its knobs.
+Simulates every applicable flow (direct, ring, pinned, pull, push) of P prefill and D decode
+instances over a workload (a concurrency sweep, a steady Poisson rate or a workload file), through
+the real core engines and flows on the simulated fabric, ranks them and recommends one with its
+knobs. With ``--rate`` and no instance counts (or ``--capacity``), it searches the instance
+counts, TP sizes and flows instead (sim/deploy/capacity.py).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +20,8 @@ from typing import Annotated, Any
 
 import typer
 
-from kvferry.commands import bad_input, check_output_file, check_seed
+from kvferry.commands import bad_input, check_output_file, check_seed, progress
+from kvferry.commands.progress import interrupted_says
 
 # Bounds that keep one run to minutes on a laptop-class machine, not to hours.
 MAX_REQUESTS = 100_000  # requests per load point
@@ -88,8 +93,12 @@ def register(app: typer.Typer) -> None:
             str,
             typer.Option(help="Model preset: qwen3-8b, llama-3.1-70b, deepseek-v3, qwen3.5-397b-a17b."),
         ] = "qwen3-8b",
-        prefill_tp: Annotated[int, typer.Option("--prefill-tp", help="Prefill instance's TP size.")] = 4,
-        decode_tp: Annotated[int, typer.Option("--decode-tp", help="Decode instance's TP size.")] = 2,
+        prefill_tp: Annotated[
+            str, typer.Option("--prefill-tp", help="Prefill instance's TP size; a list (4,8) searches them.")
+        ] = "4",
+        decode_tp: Annotated[
+            str, typer.Option("--decode-tp", help="Decode instance's TP size; a list (4,8) searches them.")
+        ] = "2",
         prefill_page_size: Annotated[int, typer.Option(help="Prefill's tokens per KV page.")] = 16,
         decode_page_size: Annotated[int, typer.Option(help="Decode's tokens per KV page.")] = 16,
         gpu: Annotated[str, typer.Option(help="GPU profile: h100, h200 or gb200.")] = "h100",
@@ -102,14 +111,29 @@ def register(app: typer.Typer) -> None:
         isl: Annotated[int, typer.Option(help="Input tokens per request.")] = 1000,
         osl: Annotated[int, typer.Option(help="Output tokens per request.")] = 100,
         concurrency: Annotated[
-            str, typer.Option(help="Closed-loop concurrency sweep, comma-separated (e.g. 1,8,64).")
-        ] = "8",
-        rate: Annotated[
-            float, typer.Option(help="Poisson arrivals per second instead of a concurrency sweep (0: off).")
-        ] = 0.0,
-        trace: Annotated[
-            Path | None, typer.Option(help="Request trace (JSONL or CSV) instead of a generated workload.")
+            str | None, typer.Option(help="Closed-loop concurrency sweep, comma-separated (default 8).")
         ] = None,
+        rate: Annotated[
+            float,
+            typer.Option(
+                help="Poisson arrivals per second, run for --duration-s in steady state (0: off). "
+                "Without instance counts: the capacity search for this rate."
+            ),
+        ] = 0.0,
+        duration_s: Annotated[
+            float | None, typer.Option("--duration-s", help="Seconds of arrivals at --rate (default 30).")
+        ] = None,
+        warmup_s: Annotated[
+            float | None,
+            typer.Option(
+                "--warmup-s", help="Arrivals not measured, from the start (default: a third, at most 10 s)."
+            ),
+        ] = None,
+        workload: Annotated[
+            Path | None,
+            typer.Option(help="Requests from a file (JSONL or CSV: arrival_s, input_tokens, output_tokens)."),
+        ] = None,
+        trace: Annotated[Path | None, typer.Option(hidden=True)] = None,
         scenario: Annotated[
             Path | None,
             typer.Option(
@@ -118,10 +142,12 @@ def register(app: typer.Typer) -> None:
                 "these options."
             ),
         ] = None,
-        requests: Annotated[int, typer.Option(help="Requests per load point.")] = 64,
+        requests: Annotated[
+            int | None, typer.Option(help="Requests per concurrency point (default 64).")
+        ] = None,
         instances: Annotated[
-            int, typer.Option(help="Prefill and decode instances, as many of each (see the next two).")
-        ] = 1,
+            int | None, typer.Option(help="Prefill and decode instances, as many of each (see the next two).")
+        ] = None,
         prefill_instances: Annotated[
             int | None,
             typer.Option(help="Prefill instances (default: --instances); requests go round-robin."),
@@ -130,6 +156,13 @@ def register(app: typer.Typer) -> None:
             int | None,
             typer.Option(help="Decode instances (default: --instances); each request to the least loaded."),
         ] = None,
+        router: Annotated[
+            str,
+            typer.Option(
+                help="How requests spread over several instances: least-requests (prefill round-robin, "
+                "decode fewest in flight), round-robin, or least-tokens (fewest tokens outstanding)."
+            ),
+        ] = "least-requests",
         decode_ep: Annotated[
             int,
             typer.Option(
@@ -148,6 +181,28 @@ def register(app: typer.Typer) -> None:
         tpot_slo_ms: Annotated[float, typer.Option(help="TPOT SLO for goodput, in ms.")] = 100.0,
         fp8_weights: Annotated[bool, typer.Option(help="FP8 weights (1 byte each) instead of BF16.")] = False,
         seed: Annotated[int, typer.Option(help="Seed of the arrivals and of every simulated run.")] = 1,
+        seeds: Annotated[
+            int, typer.Option(help="Runs per point, seeds --seed, --seed+1, ...: means with 95% intervals.")
+        ] = 1,
+        capacity: Annotated[
+            bool, typer.Option("--capacity", help="Search instance counts (and TP lists) for each flow.")
+        ] = False,
+        attainment: Annotated[
+            float, typer.Option(help="Share of requests within both SLOs a configuration must reach.")
+        ] = 0.9,
+        max_instances: Annotated[int, typer.Option(help="Capacity search: instances per side, 1..this.")] = 8,
+        max_gpus: Annotated[
+            int, typer.Option(help="Capacity search: at most this many GPUs (0: no limit).")
+        ] = 0,
+        max_rate_steps: Annotated[
+            int, typer.Option(help="Capacity search: rounds to narrow a configuration's maximum rate.")
+        ] = 3,
+        jobs: Annotated[
+            int,
+            typer.Option(
+                help="Capacity search: runs at once, each its own process (default: CPUs, at most 4)."
+            ),
+        ] = 0,
         control_path: Annotated[
             str,
             typer.Option(
@@ -188,12 +243,13 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
         plot: Annotated[Path | None, typer.Option(help="Write PNG plots here (needs matplotlib).")] = None,
     ) -> None:
-        """Simulate every applicable flow for a deployment and recommend one (ranked table, knobs)."""
-        from rich.console import Console
+        """Simulate every applicable flow for a deployment and recommend one (ranked table, knobs);
+        with --rate and no instance counts, search the instance counts that serve that rate."""
 
         from kvferry.core.errors import KvferryError
         from kvferry.sim.deploy import workload as wl
-        from kvferry.sim.deploy.select import LoadPoint, applicable_flows, select
+        from kvferry.sim.deploy.capacity import Workload
+        from kvferry.sim.deploy.select import LoadPoint, applicable_flows
         from kvferry.sim.deploy.spec import (
             FLOWS,
             MAX_INSTANCES,
@@ -202,46 +258,83 @@ def register(app: typer.Typer) -> None:
             PULL_ORCHESTRATIONS,
             DeploySpec,
         )
+        from kvferry.sim.deploy.steady import queue_limit
         from kvferry.sim.pages import ALLOCATORS
 
         check_seed(seed)
+        if trace is not None:
+            bad_input("--trace was renamed --workload (an input here; replay's --trace is an output)")
         if plot is not None:
             check_output_file(plot, "--plot")
             from kvferry.commands.extras import require
 
             require("plots", "--plot")
+        ptps = _ints(prefill_tp, "--prefill-tp")
+        dtps = _ints(decode_tp, "--decode-tp")
+        counted = [o for o, v in (("--instances", instances), ("--prefill-instances", prefill_instances),
+                                  ("--decode-instances", decode_instances)) if v is not None]  # fmt: skip
+        search = capacity or len(ptps) > 1 or len(dtps) > 1 or (rate > 0 and not counted and scenario is None)
+        _refuse_conflicts(
+            rate=rate,
+            concurrency=concurrency,
+            requests=requests,
+            workload=workload,
+            duration_s=duration_s,
+            search=search,
+            counted=counted,
+            scenario=scenario,
+        )
         deploy: dict[str, Any] = {}
+        isl_given = isl
         if scenario is not None:
             got = _from_scenario(scenario)
-            model, prefill_tp, decode_tp = got["model"], got["prefill_tp"], got["decode_tp"]
+            model = got["model"]
+            ptps, dtps = [got["prefill_tp"]], [got["decode_tp"]]
             prefill_page_size, decode_page_size = got["prefill_page_size"], got["decode_page_size"]
-            workers, chunk_tokens, isl, requests = (
-                got["workers"],
-                got["chunk_tokens"],
-                got["isl"],
-                got["requests"],
-            )
+            workers, chunk_tokens, isl_given = got["workers"], got["chunk_tokens"], got["isl"]
+            requests = requests if requests is not None else got["requests"]
             deploy = got["deploy"]
-        _bounded(prefill_tp, "--prefill-tp", 1, MAX_TP)
-        _bounded(decode_tp, "--decode-tp", 1, MAX_TP)
+        isl = isl_given
+        for t in ptps:
+            _bounded(t, "--prefill-tp", 1, MAX_TP)
+        for t in dtps:
+            _bounded(t, "--decode-tp", 1, MAX_TP)
         _bounded(prefill_page_size, "--prefill-page-size", 1, 1024)
         _bounded(decode_page_size, "--decode-page-size", 1, 1024)
         _bounded(isl, "--isl", 1, MAX_TOKENS)
         _bounded(osl, "--osl", 1, MAX_TOKENS)
-        _bounded(requests, "--requests", 1, MAX_REQUESTS)
-        _bounded(instances, "--instances", 1, MAX_INSTANCES)
-        prefill_instances = instances if prefill_instances is None else prefill_instances
-        decode_instances = instances if decode_instances is None else decode_instances
+        n_requests = 64 if requests is None else requests
+        _bounded(n_requests, "--requests", 1, MAX_REQUESTS)
+        n_inst = 1 if instances is None else instances
+        _bounded(n_inst, "--instances", 1, MAX_INSTANCES)
+        prefill_instances = n_inst if prefill_instances is None else prefill_instances
+        decode_instances = n_inst if decode_instances is None else decode_instances
         _bounded(prefill_instances, "--prefill-instances", 1, MAX_INSTANCES)
         _bounded(decode_instances, "--decode-instances", 1, MAX_INSTANCES)
         _bounded(chunk_tokens, "--chunk-tokens", 1, MAX_TOKENS)
         _bounded(workers, "--workers", 1, 64)
         _bounded(staging_chunks, "--staging-chunks", *KNOB_BOUNDS["staging_chunks"])
         _bounded(max_batch, "--max-batch", *KNOB_BOUNDS["max_batch"])
+        _bounded(seeds, "--seeds", 1, MAX_SEEDS)
+        _bounded(max_instances, "--max-instances", 1, MAX_INSTANCES)
+        _bounded(max_gpus, "--max-gpus", 0, 1 << 20)
+        _bounded(max_rate_steps, "--max-rate-steps", 0, 16)
+        _bounded(jobs, "--jobs", 0, 64)
+        jobs = jobs or min(4, os.cpu_count() or 1)
         _positive(ttft_slo_ms, "--ttft-slo-ms")
         _positive(tpot_slo_ms, "--tpot-slo-ms")
-        if not (math.isfinite(rate) and rate >= 0):
-            bad_input(f"--rate must be a number >= 0, got {rate}")
+        if not (math.isfinite(attainment) and 0 < attainment <= 1):
+            bad_input(f"--attainment must be in (0, 1], got {attainment}")
+        if not (math.isfinite(rate) and 0 <= rate <= MAX_RATE):
+            bad_input(f"--rate must be a number >= 0 and at most {MAX_RATE:g}, got {rate}")
+        duration = DEFAULT_DURATION_S if duration_s is None else duration_s
+        if not (math.isfinite(duration) and 0 < duration <= MAX_DURATION_S):
+            bad_input(f"--duration-s must be in (0, {MAX_DURATION_S:g}], got {duration}")
+        warmup = min(DEFAULT_WARMUP_S, duration / 3) if warmup_s is None else warmup_s
+        if not (math.isfinite(warmup) and 0 <= warmup < duration):
+            bad_input(f"--warmup-s must be >= 0 and below --duration-s ({duration:g}), got {warmup}")
+        if rate > 0 and math.ceil(rate * duration) > MAX_REQUESTS:
+            bad_input(f"--rate x --duration-s gives more than {MAX_REQUESTS:,} requests: shorten the run")
         if pull_orchestration not in PULL_ORCHESTRATIONS:
             bad_input(
                 f"--pull-orchestration: expected one of {', '.join(PULL_ORCHESTRATIONS)}, "
@@ -258,8 +351,8 @@ def register(app: typer.Typer) -> None:
                 bad_input(f"--flows: expected names from {', '.join(FLOWS)}, got {f!r}")
         spec = DeploySpec(
             model=model,
-            prefill_tp=prefill_tp,
-            decode_tp=decode_tp,
+            prefill_tp=ptps[0],
+            decode_tp=dtps[0],
             prefill_page_size=prefill_page_size,
             decode_page_size=decode_page_size,
             gpu=gpu,
@@ -280,66 +373,228 @@ def register(app: typer.Typer) -> None:
             proxy_hop_ms=proxy_hop_ms,
             page_allocator=page_allocator,
             decode_reserved_tokens=decode_reserved_tokens,
+            router=router,
         )
         # The file's [deploy] wins over the options, given or default, as its model and TP do.
         spec = replace(spec, **deploy)
+        steady = Workload(isl, osl, duration, warmup)
+        # Progress on stderr, with --json too; Ctrl-C quotes the last line.
+        lines = progress.Lines("kvferry select")
+
+        seed_list = [seed + i for i in range(seeds)]
         try:
-            spec.check()
-            staged = set(want) - set(applicable_flows(spec))
-            if staged:
-                bad_input(
-                    f"--flows: equal TP moves whole token rows without staging; {', '.join(sorted(staged))} "
-                    f"does not apply (applicable: {', '.join(applicable_flows(spec))})"
-                )
-            if trace is not None:
-                reqs = wl.load_trace(trace)
+            for ptp in ptps:
+                for dtp in dtps:
+                    each = replace(spec, prefill_tp=ptp, decode_tp=dtp)
+                    each.check()
+                    # Fail on an impossible deployment (weights that do not fit) before the long run.
+                    each.pages("prefill")
+                    each.pages("decode")
+                    staged = set(want) - set(applicable_flows(each))
+                    if staged and not search:
+                        bad_input(
+                            f"--flows: equal TP moves whole token rows without staging; "
+                            f"{', '.join(sorted(staged))} does not apply "
+                            f"(applicable: {', '.join(applicable_flows(each))})"
+                        )
+        except KvferryError as e:
+            bad_input(str(e))
+        if search:
+            with interrupted_says(lines.summary):
+                _capacity(spec, ptps, dtps, want, steady, rate, seed_list, attainment, max_instances,
+                          max_gpus, max_rate_steps, jobs, as_json, plot, lines)  # fmt: skip
+            return
+        try:
+            if workload is not None:
+                reqs = wl.load_trace(workload)
                 if len(reqs) > MAX_REQUESTS:
-                    bad_input(f"--trace: at most {MAX_REQUESTS:,} requests, got {len(reqs):,}")
+                    bad_input(f"--workload: at most {MAX_REQUESTS:,} requests, got {len(reqs):,}")
                 if (
                     max(r.input_tokens for r in reqs) > MAX_TOKENS
                     or max(r.output_tokens for r in reqs) > MAX_TOKENS
                 ):
-                    bad_input(f"--trace: tokens per request must be at most {MAX_TOKENS:,}")
-                points = [LoadPoint(f"trace {trace.name}", wl.Arrivals(requests=reqs))]
+                    bad_input(f"--workload: tokens per request must be at most {MAX_TOKENS:,}")
+                fixed = [LoadPoint(f"workload {workload.name}", wl.Arrivals(requests=reqs))]
+
+                def points_for(_seed: int) -> list[LoadPoint]:
+                    return fixed
             elif rate > 0:
-                reqs = wl.poisson(rate, requests, isl, osl, seed)
-                points = [LoadPoint(f"{rate:g} req/s", wl.Arrivals(requests=reqs))]
+                n = max(16, math.ceil(rate * duration))
+
+                def points_for(s: int) -> list[LoadPoint]:
+                    reqs = wl.poisson(rate, n, isl, osl, s)
+                    return [
+                        LoadPoint(
+                            f"{rate:g} req/s",
+                            wl.Arrivals(requests=reqs),
+                            warmup_ns=int(warmup * 1e9),
+                            queue_limit=queue_limit(rate, spec.ttft_slo_ms),
+                        )
+                    ]
             else:
-                points = []
-                for c in _ints(concurrency, "--concurrency"):
-                    arr, lengths = wl.closed_loop(c, requests, isl, osl, seed)
-                    points.append(LoadPoint(f"c={c}", arr, lengths, concurrency=c))
-            # Fail on an impossible deployment (weights that do not fit) before the long run.
-            spec.pages("prefill")
-            spec.pages("decode")
+                sweep = _ints(concurrency or "8", "--concurrency")
+
+                def points_for(s: int) -> list[LoadPoint]:
+                    out = []
+                    for c in sweep:
+                        arr, lengths = wl.closed_loop(c, n_requests, isl, osl, s)
+                        out.append(LoadPoint(f"c={c}", arr, lengths, concurrency=c))
+                    return out
+
+            points = points_for(seed)
         except KvferryError as e:
             bad_input(str(e))
-        from kvferry.commands import progress
+        with interrupted_says(lines.summary):
+            _flows(spec, points, points_for, want, seed_list, as_json, plot, lines)
 
-        lines = progress.Lines("kvferry select")  # on stderr, with --json too; Ctrl-C quotes the last
+
+MAX_SEEDS = 32
+MAX_RATE = 1e6  # requests per second
+DEFAULT_DURATION_S = 30.0
+DEFAULT_WARMUP_S = 10.0
+MAX_DURATION_S = 3600.0
+
+
+def _refuse_conflicts(
+    *,
+    rate: float,
+    concurrency: str | None,
+    requests: int | None,
+    workload: Path | None,
+    duration_s: float | None,
+    search: bool,
+    counted: list[str],
+    scenario: Path | None,
+) -> None:
+    """Workload options that contradict each other: one error line naming both."""
+    if workload is not None:
+        for name, given in (
+            ("--rate", rate > 0),
+            ("--concurrency", concurrency is not None),
+            ("--duration-s", duration_s is not None),
+            ("--requests", requests is not None),
+            ("--capacity", search),
+        ):
+            if given:
+                bad_input(f"--workload gives the arrivals: {name} does not apply with it")
+    if rate > 0 and concurrency is not None:
+        bad_input("--rate (open loop) and --concurrency (closed loop) are two workloads: give one")
+    if rate > 0 and requests is not None:
+        bad_input("--rate runs rate x --duration-s requests: --requests is for --concurrency")
+    if duration_s is not None and rate <= 0 and not search:
+        bad_input("--duration-s needs --rate (or --capacity)")
+    if search and concurrency is not None:
+        bad_input("the capacity search runs Poisson arrivals: --concurrency does not apply with it")
+    if search and counted:
+        bad_input(f"the capacity search chooses the instance counts: {counted[0]} does not apply with it")
+    if search and scenario is not None:
+        bad_input("the capacity search takes its deployment from the options: --scenario does not apply")
+
+
+def _flows(
+    spec: Any,
+    points: Any,
+    points_for: Any,
+    want: list[str],
+    seeds: list[int],
+    as_json: bool,
+    plot: Path | None,
+    progress: Any,
+) -> None:
+    from rich.console import Console
+
+    from kvferry.core.errors import KvferryError
+    from kvferry.sim.deploy.select import applicable_flows, select
+
+    try:
+        sel = select(spec, points, want or applicable_flows(spec), progress, seeds, points_for)
+    except KvferryError as e:
+        bad_input(str(e))
+    if plot is not None:
+        from kvferry.sim.deploy.report import plot as draw
+
         try:
-            with progress.interrupted_says(lines.summary):
-                sel = select(spec, points, want or applicable_flows(spec), progress=lines)
-        except KvferryError as e:
-            bad_input(str(e))
+            draw(sel, plot)
+        except OSError as e:
+            bad_input(f"--plot {plot}: cannot write: {e}")
+    if as_json:
+        sys.stdout.write(json.dumps(_nan_safe(sel.as_dict())) + "\n")
+    else:
+        from kvferry.sim.deploy.report import table
+
+        table(sel, Console())
         if plot is not None:
-            from kvferry.sim.deploy.report import plot as draw
+            Console().print(f"plots written to {plot}")
+    if any(r.violations for rs in sel.results.values() for r in rs):
+        raise typer.Exit(1)
 
-            try:
-                draw(sel, plot)
-            except OSError as e:
-                bad_input(f"--plot {plot}: cannot write: {e}")
-        if as_json:
-            sys.stdout.write(json.dumps(_nan_safe(sel.as_dict())) + "\n")
-        else:
-            from kvferry.sim.deploy.report import table
 
-            table(sel, Console())
-            if plot is not None:
-                Console().print(f"plots written to {plot}")
-        bad = any(r.violations for rs in sel.results.values() for r in rs)
-        if bad:
-            raise typer.Exit(1)
+def _capacity(
+    spec: Any,
+    ptps: list[int],
+    dtps: list[int],
+    want: list[str],
+    steady: Any,
+    rate: float,
+    seeds: list[int],
+    target: float,
+    max_instances: int,
+    max_gpus: int,
+    steps: int,
+    jobs: int,
+    as_json: bool,
+    plot: Path | None,
+    progress: Any,
+) -> None:
+    from rich.console import Console
+
+    from kvferry.core.errors import KvferryError
+    from kvferry.sim.deploy.capacity import search
+    from kvferry.sim.deploy.select import applicable_flows
+
+    def flows_of(s: Any) -> list[str]:
+        ok = applicable_flows(s)
+        return [f for f in want if f in ok] if want else list(ok)
+
+    try:
+        cap = search(
+            spec,
+            [(p, d) for p in ptps for d in dtps],
+            flows_of,
+            steady,
+            rate if rate > 0 else None,
+            seeds,
+            target,
+            max_instances,
+            max_gpus or 1 << 30,
+            steps,
+            progress,
+            jobs,
+        )
+    except KvferryError as e:
+        bad_input(str(e))
+    if plot is not None:
+        from kvferry.sim.deploy.report import plot_capacity
+
+        try:
+            plot_capacity(cap, spec, plot)
+        except OSError as e:
+            bad_input(f"--plot {plot}: cannot write: {e}")
+    if as_json:
+        from kvferry.sim.deploy.select import nic_dict
+
+        answered = cap.answer.spec(spec) if cap.answer is not None else spec  # as the table says
+        deployment = {k: getattr(answered, k) for k in answered.__slots__}
+        out = {"mode": "capacity", "deployment": deployment, "nic": nic_dict(spec.nic), **cap.as_dict()}
+        sys.stdout.write(json.dumps(_nan_safe(out)) + "\n")
+    else:
+        from kvferry.sim.deploy.report import capacity_table
+
+        capacity_table(cap, spec, Console())
+        if plot is not None:
+            Console().print(f"plots written to {plot}")
+    if any(r.violations for c in cap.candidates for r in c.results):
+        raise typer.Exit(1)
 
 
 def _nan_safe(x: Any) -> Any:

@@ -19,7 +19,17 @@ from typing import Any
 from kvferry.backends.simfabric.spec import FabricSpec, KernelSpec, NicSpec
 from kvferry.core.errors import KvferryError
 
-__all__ = ["GpuProfile", "NicProfile", "ProfileError", "fabric_spec", "fitted", "gpu", "names", "nic"]
+__all__ = [
+    "TRANSPORTS",
+    "GpuProfile",
+    "NicProfile",
+    "ProfileError",
+    "fabric_spec",
+    "fitted",
+    "gpu",
+    "names",
+    "nic",
+]
 
 
 class ProfileError(KvferryError, ValueError):
@@ -69,6 +79,20 @@ class NicProfile:
     # completion is handled (the data thread's next poll). Absent: the fabric's ideal defaults.
     control_latency_us: float | None = None
     completion_delay_us: float | None = None
+    # What moves the bytes (TRANSPORTS), where the two posting costs come from, and which of the
+    # profile's numbers are estimates rather than measurements.
+    transport: str = "unstated"
+    post_cost_source: str = ""
+    per_desc_source: str = ""
+    estimates: tuple[str, ...] = ()
+
+
+# The transports a profile may name: NIXL over UCX's cuda_ipc (GPUs of one host, over NVLink),
+# InfiniBand or RoCE verbs (UCX rc_x), AWS EFA (libfabric), TCP, UCX's CMA copies between
+# processes of one host (CPU memory), and "fitted" for a fit whose transport the telemetry does
+# not name.
+TRANSPORTS = ("cuda_ipc", "ib_verbs", "efa", "tcp", "cma", "fitted", "unstated")
+_TEXT = frozenset({"name", "transport", "post_cost_source", "per_desc_source"})
 
 
 def names(kind: str) -> tuple[str, ...]:
@@ -118,14 +142,29 @@ def _load(name: str, kind: str, cls: type) -> Any:
     if missing or extra:
         raise ProfileError(f"profile {name}: missing {sorted(missing)}, unknown {sorted(extra)}")
     for k, v in data.items():
-        if k in ("kind", "name"):
+        if k == "kind":
+            continue
+        if k in _TEXT:
+            if not isinstance(v, str):
+                raise ProfileError(f"profile {name}: {k} must be a string, got {v!r}")
+            if k == "transport" and v not in TRANSPORTS:
+                raise ProfileError(
+                    f"profile {name}: transport must be one of {', '.join(TRANSPORTS)}, got {v!r}"
+                )
+            continue
+        if k == "estimates":
+            if not isinstance(v, list) or any(x not in want for x in v):
+                raise ProfileError(f"profile {name}: estimates must list the profile's own fields, got {v!r}")
             continue
         low = 0 if k in _MAY_BE_ZERO else None
         bad = isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
         if bad or v < 0 or (low is None and v == 0):
             what = "a number >= 0" if low is not None else "a positive number"
             raise ProfileError(f"profile {name}: {k} must be {what}, got {v!r}")
-    return cls(**{k: (float(v) if k != "name" else v) for k, v in data.items() if k != "kind"})
+    out = {k: (float(v) if k not in _TEXT else v) for k, v in data.items() if k not in ("kind", "estimates")}
+    if "estimates" in data:
+        out["estimates"] = tuple(data["estimates"])
+    return cls(**out)
 
 
 def gpu(name: str) -> GpuProfile:

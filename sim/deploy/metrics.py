@@ -78,6 +78,19 @@ class DeployResult:
     # (SGLang's retraction), and the simulated ms its steps waited for swaps out and back in.
     retractions: int = 0
     swap_ms: float = 0.0
+    # Steady state (sim/deploy/steady.py): requests arriving before ``warmup_s`` ran but are not
+    # in the numbers above; the arrival rate offered and the completion rate achieved while
+    # requests arrived; "" or why the deployment did not keep up, in words; failed requests by
+    # reason; why the run stopped before its last request ("" if it did not).
+    warmup_s: float = 0.0
+    offered_rps: float = 0.0
+    completed_rps: float = 0.0
+    overload: str = ""
+    failure_reasons: dict[str, int] = field(default_factory=dict)
+    stopped: str = ""
+    # Requests given a first token per simulated second over the whole run (warm-up included):
+    # what an overloaded deployment still serves, by which overloaded flows are compared.
+    served_rps: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

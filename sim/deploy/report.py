@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from kvferry.core.errors import KvferryError
+from kvferry.sim.deploy.capacity import Capacity
 from kvferry.sim.deploy.metrics import SPLIT_DOC, SPLIT_KEYS
 from kvferry.sim.deploy.select import Selection
+from kvferry.sim.deploy.steady import Interval
 
-__all__ = ["PlotError", "plot", "table"]
+__all__ = ["PlotError", "capacity_table", "plot", "plot_capacity", "table"]
 
 
 class PlotError(KvferryError, RuntimeError):
@@ -26,7 +29,7 @@ def table(sel: Selection, console: Any) -> None:
     )
     t = Table(
         title=f"flows for {sp.model}, {counts[0]}prefill TP {sp.prefill_tp} -> {counts[1]}decode TP "
-        f"{sp.decode_tp}, {sp.gpu} + {sp.nic}"
+        f"{sp.decode_tp}, {sp.gpu} + {sp.nic} ({_transport(sp.nic)})"
         + (f", control path of {sp.control_path}" if sp.control_path else "")
     )
     for col in (
@@ -42,24 +45,28 @@ def table(sel: Selection, console: Any) -> None:
     ):
         t.add_column(col)
     for rank, flow in enumerate(sel.ranking, start=1):
-        for r in sel.results[flow]:
-            note = (
-                ""
-                if not (r.failed or r.unfinished or r.violations)
-                else f" ({r.failed} failed, {r.unfinished} unfinished, {len(r.violations)} violations)"
-            )
+        per_seed = sel.runs.get(flow) or [[r] for r in sel.results[flow]]
+        for r, rs in zip(sel.results[flow], per_seed, strict=True):
+            if len(rs) > 1:
+                t.add_row(*_seeded_row(rank, flow, rs))
+                continue
+            counts = ((r.failed, "failed"), (r.unfinished, "unfinished"), (len(r.violations), "violations"))
+            said = ", ".join(f"{n} {what}" for n, what in counts if n)
+            note = f" ({said})" if said else ""
             if r.retractions:
                 note += f" ({r.retractions} retracted: decode out of pages)"
             if r.growth_short:
                 note += f" (decode out of pages {r.growth_short}x: optimistic)"
+            if r.overload:
+                note += " OVERLOADED"
             t.add_row(
                 str(rank),
                 flow,
                 r.label,
-                f"{r.ttft_ms.p50:.0f} / {r.ttft_ms.p99:.0f}",
-                f"{r.tpot_ms.p50:.1f} / {r.tpot_ms.p99:.1f}",
-                f"{r.e2e_ms.p50 / 1000:.2f}",
-                f"{r.transfer_ms.p50:.1f}",
+                f"{_n(r.ttft_ms.p50)} / {_n(r.ttft_ms.p99)}",
+                f"{_n(r.tpot_ms.p50, '.1f')} / {_n(r.tpot_ms.p99, '.1f')}",
+                _n(r.e2e_ms.p50 / 1000, ".2f"),
+                _n(r.transfer_ms.p50, ".1f"),
                 f"{r.slo_attained:.0%} ({r.goodput_rps:.1f}/s){note}",
                 f"{sum(r.extra_memory_bytes.values()) / 2**20:.0f}",
             )
@@ -77,13 +84,164 @@ def table(sel: Selection, console: Any) -> None:
         s.add_row(flow, *(f"{r.split_ms[k]:.2f}" for k in SPLIT_KEYS))
     console.print(s)
     console.print("; ".join(f"{k}: {v}" for k, v in SPLIT_DOC.items()), style="dim")
+    for flow in sel.ranking:
+        for rs in sel.runs.get(flow) or [[r] for r in sel.results[flow]]:
+            said = next((r.overload for r in rs if r.overload), "")
+            if said:
+                console.print(f"[yellow]{flow} at {rs[0].label}: {said}[/]")
+            reasons: dict[str, int] = {}
+            for r in rs:
+                for k, v in r.failure_reasons.items():
+                    reasons[k] = reasons.get(k, 0) + v
+            if reasons:
+                why = "; ".join(f"{n} x {k}" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+                console.print(f"[yellow]{flow} at {rs[0].label}: failed requests: {why}[/]")
+    if sel.interrupted:
+        console.print(f"[yellow]{sel.interrupted}[/]")
+    if sel.tie_note:
+        console.print(f"tie: {sel.tie_note}")
     console.print(f"[bold]recommendation: {sel.recommendation}[/] -- {sel.reason}")
     for k, v in sel.knobs.items():
         console.print(f"  {k}: {v}")
 
 
-def plot(sel: Selection, path: Path) -> None:
-    """Two panels: TTFT p50 against the load points per flow, and the transfer time split."""
+def _transport(nic: str) -> str:
+    from kvferry.sim.deploy import hardware
+
+    p = hardware.nic(nic)
+    est = f", estimated: {', '.join(p.estimates)}" if p.estimates else ""
+    return f"{p.transport}, {p.post_cost_us:g} us a post + {p.per_desc_us:g} us a descriptor{est}"
+
+
+def _n(x: float, fmt: str = ".0f") -> str:
+    """A number, or "-" for none (a percentile of no requests)."""
+    return "-" if math.isnan(x) else format(x, fmt)
+
+
+def _seeded_row(rank: int, flow: str, rs: list[Any]) -> list[str]:
+    """A table row of one load point over several seeds: means +- 95% intervals."""
+
+    def iv(get: Any, fmt: str = ".0f") -> str:
+        return Interval.of([get(r) for r in rs]).text(fmt)
+
+    att = Interval.of([r.slo_attained for r in rs])
+    bad = " OVERLOADED" if any(r.overload for r in rs) else ""
+    return [
+        str(rank),
+        flow,
+        f"{rs[0].label} ({len(rs)} seeds)",
+        f"{iv(lambda r: r.ttft_ms.p50)} / {iv(lambda r: r.ttft_ms.p99)}",
+        f"{iv(lambda r: r.tpot_ms.p50, '.1f')} / {iv(lambda r: r.tpot_ms.p99, '.1f')}",
+        iv(lambda r: r.e2e_ms.p50 / 1000, ".2f"),
+        iv(lambda r: r.transfer_ms.p50, ".1f"),
+        f"{att.mean:.0%} +- {att.half:.0%}{bad}",
+        f"{sum(rs[0].extra_memory_bytes.values()) / 2**20:.0f}",
+    ]
+
+
+def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
+    """The configurations simulated (with their verdict at the rate, or their maximum rate), the
+    count of those whose roofline bound rules them out, and the answer."""
+    from rich.table import Table
+
+    rate = cap.rate
+    title = (
+        f"capacity for {rate:g} req/s" if rate is not None else "maximum sustainable rate per configuration"
+    ) + (
+        f": {spec.model}, {spec.gpu} + {spec.nic} ({_transport(spec.nic)}), "
+        f"SLOs TTFT {spec.ttft_slo_ms:g} ms / TPOT "
+        f"{spec.tpot_slo_ms:g} ms for {cap.target:.0%} of requests"
+    )
+    t = Table(title=title)
+    for col in ("configuration", "GPUs", "flow", "bound req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+                "SLO met", "max req/s", "verdict"):  # fmt: skip
+        t.add_column(col)
+    shown = [c for c in cap.candidates if c.met is not None or c.max_rps is not None]
+    for c in shown:
+        rs = c.results
+        ttft = (
+            f"{Interval.of([r.ttft_ms.p50 for r in rs]).text()} / "
+            f"{Interval.of([r.ttft_ms.p99 for r in rs]).text()}"
+            if rs
+            else "-"
+        )
+        tpot = (
+            f"{Interval.of([r.tpot_ms.p50 for r in rs]).text('.1f')} / "
+            f"{Interval.of([r.tpot_ms.p99 for r in rs]).text('.1f')}"
+            if rs
+            else "-"
+        )
+        att = f"{Interval.of([r.slo_attained for r in rs]).mean:.0%}" if rs else "-"
+        mark = " *" if cap.answer is c else ""
+        t.add_row(
+            c.name + mark,
+            str(c.gpus),
+            c.flow,
+            f"{c.bound_rps:.2f} ({c.limit})",
+            ttft,
+            tpot,
+            att,
+            "-"
+            if c.max_rps is None
+            else f"{c.max_rps:.2f}" + ("" if c.max_rps_below is None else f"-{c.max_rps_below:.2f}"),
+            c.verdict(rate),
+        )
+    ruled = sum(1 for c in cap.candidates if c.met is None and c.max_rps is None)
+    t.caption = (
+        f"bound: the most a configuration could finish at full use of its GPUs (roofline); "
+        f"{ruled} more configurations not simulated"
+        + (f" (bound below {rate:g} req/s, or more GPUs than the answer)" if rate is not None else "")
+        + "; max req/s: bisection of steady-state runs"
+    )
+    console.print(t)
+    for name, b in cap.bounds.items():
+        console.print(
+            f"  per instance, {name}: prefill at most {b['prefill_rps']:.2f} req/s ({b['prefill_by']}), "
+            f"decode at most {b['decode_rps']:.2f} req/s ({b['decode_by']}, batch {b['decode_batch']:.0f})",
+            style="dim",
+        )
+    style = "bold" if cap.answer is not None else "bold yellow"
+    console.print(f"[{style}]answer: {cap.reason}[/]")
+
+
+def plot_capacity(cap: Capacity, spec: Any, path: Path) -> None:
+    """Maximum sustainable rate against GPUs per flow (log axes): the roofline bound hollow, the
+    simulated maximum filled, each flow's markers offset so none hides another's."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    flows = sorted({c.flow for c in cap.candidates})
+    markers = "osD^vP"
+    for i, flow in enumerate(flows):
+        cs = [c for c in cap.candidates if c.flow == flow]
+        shift = 1 + 0.03 * (i - (len(flows) - 1) / 2)
+        m = markers[i % len(markers)]
+        ax.scatter([c.gpus * shift for c in cs], [c.bound_rps for c in cs], marker=m, facecolors="none",
+                   edgecolors=f"C{i}", alpha=0.35, s=28, label=f"{flow}: bound")  # fmt: skip
+        sim = [c for c in cs if c.max_rps]
+        if sim:
+            ax.scatter([c.gpus * shift for c in sim], [c.max_rps for c in sim], marker=m, color=f"C{i}",
+                       s=46, label=f"{flow}: simulated max")  # fmt: skip
+    if cap.rate is not None:
+        ax.axhline(cap.rate, color="k", linestyle=":", label=f"{cap.rate:g} req/s asked")
+    if cap.answer is not None:
+        ax.scatter([cap.answer.gpus], [cap.answer.max_rps or cap.rate or 0], marker="*", s=260,
+                   color="gold", edgecolors="k", zorder=5, label=f"answer: {cap.answer.name}")  # fmt: skip
+    from matplotlib.ticker import ScalarFormatter
+
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(ScalarFormatter())
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("requests/s sustained within the SLOs")
+    ax.set_title(f"{spec.model} on {spec.gpu} + {spec.nic}: capacity per configuration and flow")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, format="png")
+    plt.close(fig)
+
+
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -93,6 +251,12 @@ def plot(sel: Selection, path: Path) -> None:
         raise PlotError(
             "--plot needs matplotlib: pip install 'kvferry[plots]' (or uv sync --group dev)"
         ) from None
+    return plt
+
+
+def plot(sel: Selection, path: Path) -> None:
+    """Two panels: TTFT p50 against the load points per flow, and the transfer time split."""
+    plt = _pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for flow in sel.ranking:
         rs = sel.results[flow]

@@ -3,15 +3,18 @@ instance of both sides in it), collect."""
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 
 from kvferry.sim import scenario as sc
 from kvferry.sim.deploy.metrics import SPLIT_KEYS, DeployResult, Percentiles, transfer_split
 from kvferry.sim.deploy.router import Router
 from kvferry.sim.deploy.spec import DeployError, DeploySpec
+from kvferry.sim.deploy.steady import overload_words
 from kvferry.sim.deploy.workload import Arrivals, DeployRequest
 from kvferry.sim.deploy.world import DeployWorld
 from kvferry.sim.pages import pair_runs, runs
+from kvferry.sim.world import Request
 
 __all__ = [
     "build_scenario",
@@ -54,12 +57,17 @@ def deploy_world(
     arrivals: Arrivals,
     lengths: tuple[DeployRequest, ...] = (),
     router: Router | None = None,
+    queue_limit: int = 0,
+    miss_limit: int = -1,
+    warmup_ns: int = 0,
 ) -> DeployWorld:
     """The deployment's world, not run yet: every instance of both sides on one fabric."""
     pool = arrivals.requests or lengths
     if not pool:
         raise DeployError("the workload has no requests")
-    return DeployWorld(spec, build_scenario(spec, pool), arrivals, lengths, router)
+    return DeployWorld(
+        spec, build_scenario(spec, pool), arrivals, lengths, router, queue_limit, miss_limit, warmup_ns
+    )
 
 
 def run_world(w: DeployWorld, arrivals: Arrivals) -> float:
@@ -69,12 +77,23 @@ def run_world(w: DeployWorld, arrivals: Arrivals) -> float:
 
 
 def simulate(
-    spec: DeploySpec, arrivals: Arrivals, lengths: tuple[DeployRequest, ...] = (), label: str = ""
+    spec: DeploySpec,
+    arrivals: Arrivals,
+    lengths: tuple[DeployRequest, ...] = (),
+    label: str = "",
+    warmup_ns: int = 0,
+    queue_limit: int = 0,
+    miss_limit: int = -1,
 ) -> DeployResult:
-    """``lengths``: the request sizes of a closed loop (ignored for open-loop arrivals)."""
-    w = deploy_world(spec, arrivals, lengths)
+    """``lengths``: the request sizes of a closed loop (ignored for open-loop arrivals).
+    ``warmup_ns``: requests arriving before it are run, not measured (sim/deploy/steady.py);
+    ``queue_limit``: stop as overloaded past this many requests waiting for a first token;
+    ``miss_limit``: stop once more measured requests than this missed an SLO (-1: never)."""
+    w = deploy_world(
+        spec, arrivals, lengths, queue_limit=queue_limit, miss_limit=miss_limit, warmup_ns=warmup_ns
+    )
     wall = run_world(w, arrivals)
-    return collect(w, arrivals, wall, label)
+    return collect(w, arrivals, wall, label, warmup_ns)
 
 
 def page_runs(w: DeployWorld) -> dict[str, float]:
@@ -91,8 +110,17 @@ def page_runs(w: DeployWorld) -> dict[str, float]:
     }
 
 
-def collect(w: DeployWorld, arrivals: Arrivals, wall: float = 0.0, label: str = "") -> DeployResult:
-    """The run's numbers, from its tracks, its fabric's write log and its ranks."""
+def _reason(req: Request) -> str:
+    """Why a request failed, in a form that counts alike across requests (ids and ns dropped)."""
+    got = next((r for r in req.reason.values() if r), "") or "no reason given"
+    return re.sub(r"\d+", "N", got)[:120]
+
+
+def collect(
+    w: DeployWorld, arrivals: Arrivals, wall: float = 0.0, label: str = "", warmup_ns: int = 0
+) -> DeployResult:
+    """The run's numbers, from its tracks, its fabric's write log and its ranks: latencies and
+    SLOs over the requests that arrived from ``warmup_ns`` on (the window); whether it kept up."""
     spec, s = w.spec, w.built
     ttft, tpot, e2e, xfer = [], [], [], []
     split_sum: dict[str, float] = defaultdict(float)
@@ -109,13 +137,24 @@ def collect(w: DeployWorld, arrivals: Arrivals, wall: float = 0.0, label: str = 
             peaks["pinned"] = max(peaks["pinned"], int(got["pinned_used"]))
     violations += [f"{v.invariant}: {v.detail}" for v in w.violations]
     writes: dict[int, list[tuple[int, int, int, int, int]]] = defaultdict(list)
-    for rec in w.fabric.xfer_log or ():
+    for rec in getattr(w.fabric, "xfer_log", None) or ():
         writes[rec[0]].append(rec)
+    reasons: dict[str, int] = defaultdict(int)
+    window = 0
+    done_in_window = 0
+    # A run stopped as overloaded ends its window at the stop: later arrivals never came.
+    last_arrival = min(max((t.arrival_ns for t in w.tracks.values()), default=0), sim_ns)
     for key, t in w.tracks.items():
+        if t.done_ns >= 0 and warmup_ns <= t.done_ns <= last_arrival:
+            done_in_window += 1
+        if not warmup_ns <= t.arrival_ns <= last_arrival:
+            continue
+        window += 1
         first = t.arrival_ns if first is None else min(first, t.arrival_ns)
         end = max(end, t.done_ns)
         if t.failed:
             failed += 1
+            reasons[_reason(w.requests[key])] += 1
             continue
         if t.done_ns < 0:
             continue
@@ -139,7 +178,33 @@ def collect(w: DeployWorld, arrivals: Arrivals, wall: float = 0.0, label: str = 
         if ft <= spec.ttft_slo_ms and tp <= spec.tpot_slo_ms:
             good += 1
     span_s = max(1e-9, (end - (first or 0)) / NS)
-    total = arrivals.count
+    total = window
+    # Kept up? What completed while requests were arriving, against what arrived; the queue of
+    # requests waiting for a first token at the window's start and end.
+    length_s = max(1e-9, (last_arrival - warmup_ns) / NS)
+    offered = window / length_s
+    completed_rps = done_in_window / length_s
+    log = [n for at, n in w.waiting_log if warmup_ns <= at <= last_arrival]
+    third = max(1, len(log) // 3)
+    first_q = sum(log[:third]) / third if log else 0.0
+    last_q = sum(log[-third:]) / third if log else 0.0
+    busy = {
+        f"{side}{i}": min(1.0, b / max(1, sim_ns))  # a step booked past the stop counts to it
+        for side in ("prefill", "decode")
+        for i, b in enumerate(w.busy_ns[side])
+    }
+    overload = (
+        overload_words(
+            offered,
+            completed_rps,
+            first_q,
+            last_q,
+            busy,
+            w.stopped if w.overloaded else "",
+        )
+        if not arrivals.concurrency
+        else ""
+    )
     return DeployResult(
         flow=spec.flow,
         label=label,
@@ -170,4 +235,11 @@ def collect(w: DeployWorld, arrivals: Arrivals, wall: float = 0.0, label: str = 
         growth_short=w.growth_short,
         retractions=w.retractions,
         swap_ms=w.swap_ns / MS,
+        warmup_s=warmup_ns / NS,
+        offered_rps=offered,
+        completed_rps=completed_rps,
+        overload=overload,
+        failure_reasons=dict(reasons),
+        stopped=w.stopped,
+        served_rps=w.first_n / max(1e-9, sim_ns / NS),
     )

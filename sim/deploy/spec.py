@@ -11,6 +11,7 @@ from kvferry.core.flows import FLOW_NAMES
 from kvferry.core.geometry import ModelGeometry, validate_tp
 from kvferry.sim.deploy import hardware
 from kvferry.sim.deploy.compute import Roofline
+from kvferry.sim.deploy.router import ROUTERS
 from kvferry.sim.pages import ALLOCATORS
 
 __all__ = ["FLOWS", "MAX_INSTANCES", "PULL_ORCHESTRATIONS", "DeployError", "DeploySpec"]
@@ -78,6 +79,9 @@ class DeploySpec:
     # generated token it retracts requests (their KV swapped out to host memory and back when
     # room returns). 0: admit on the prompt's pages alone (retraction still applies).
     decode_reserved_tokens: int = 512
+    # How requests are spread over several instances a side (sim/deploy/router.py): least-requests
+    # (prefill round-robin, decode fewest in flight), round-robin, or least-tokens.
+    router: str = "least-requests"
 
     @property
     def serial_pull(self) -> bool:
@@ -127,6 +131,8 @@ class DeploySpec:
             raise DeployError(
                 f"page_allocator: expected one of {', '.join(ALLOCATORS)}, got {self.page_allocator!r}"
             )
+        if self.router not in ROUTERS:
+            raise DeployError(f"router: expected one of {', '.join(ROUTERS)}, got {self.router!r}")
         hardware.gpu(self.gpu)
         hardware.nic(self.nic)
         self._control()

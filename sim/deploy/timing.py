@@ -5,10 +5,19 @@ machine. These subclasses keep the fabric's and the kernels' timing, state and n
 exactly as the byte-moving ones and skip the copies of KV bytes (aux rows, a few bytes that
 decode reads the room id from, still move). Registrations stay
 (lazily zeroed arrays: untouched pages cost no memory), so descriptor bounds are still checked.
+
+One layer for all (``LayerPlanner``, ``TimingFabric.layers``): every KV region of a pool has the
+same layout and region ``r`` maps to region ``r`` (core/planner.py), so a chunk's descriptors are
+one layer's pattern repeated for every layer, and descriptors never merge across regions. A
+deployment run plans and posts one layer's descriptors and the fabric charges that post for every
+layer: posting cost (dense runs merged, then times the layers), bytes on the wire and the bytes
+counted land exactly as the full list's would. Bounds and ownership are still checked on the
+layer posted, which covers the others (same offsets, same pages).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -19,14 +28,48 @@ from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport
 from kvferry.backends.staging_copy import map_bytes
 from kvferry.backends.transport import XferState
 from kvferry.core.errors import WireError
+from kvferry.core.geometry import PoolGeometry
 from kvferry.core.messages import decode_note
+from kvferry.core.planner import RankPlan, plan_rank_pair
 
-__all__ = ["TimingFabric", "TimingTransport"]
+__all__ = ["LayerPlanner", "TimingFabric", "TimingTransport"]
+
+
+class LayerPlanner:
+    """The core's planner over the first layer of each pool: the descriptors of one layer, which
+    ``TimingFabric`` charges for every layer (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._one: dict[int, tuple[PoolGeometry, PoolGeometry]] = {}  # id(pool) -> (pool, one layer)
+
+    def _layer(self, pool: PoolGeometry) -> PoolGeometry:
+        got = self._one.get(id(pool))
+        if got is None:
+            one = replace(pool, model=replace(pool.model, num_layers=1))
+            got = self._one[id(pool)] = (pool, one)  # the pool kept alive: its id stays its own
+        return got[1]
+
+    def __call__(
+        self, src: PoolGeometry, dst: PoolGeometry, src_pages: Any, dst_pages: Any, start: int, end: int
+    ) -> RankPlan:
+        return plan_rank_pair(self._layer(src), self._layer(dst), src_pages, dst_pages, start, end)
 
 
 class TimingFabric(Fabric):
     # Set to a list to log every DONE write as (room, posted, started, landed, done) ns.
     xfer_log: list[tuple[int, int, int, int, int]] | None = None
+    # Set by a world whose engines plan with ``LayerPlanner``: the model's layers and KV regions
+    # per layer. A post whose descriptors all lie in the first layer's regions stands for every
+    # layer; a full plan (regions past the first layer) is charged as it is.
+    layers: int = 1
+    kinds: int = 1
+
+    def _weight(self, descs: DescList) -> int:
+        if self.layers == 1 or not descs.count:
+            return 1
+        lo = min(int(descs.src_region.min()), int(descs.dst_region.min()))
+        hi = max(int(descs.src_region.max()), int(descs.dst_region.max()))
+        return self.layers if lo >= 0 and hi < self.kinds else 1
 
     def register(self, name: str, region_id: int, nbytes: int) -> np.ndarray:
         """Aux rows are real memory; a KV or staging region is a read-only view of one byte with

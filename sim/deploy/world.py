@@ -46,7 +46,7 @@ from kvferry.sim.deploy import hardware
 from kvferry.sim.deploy.decode_memory import Running, admits, allocatable_tokens, never_fits, retraction_order
 from kvferry.sim.deploy.router import Router
 from kvferry.sim.deploy.spec import DeployError, DeploySpec
-from kvferry.sim.deploy.timing import TimingFabric
+from kvferry.sim.deploy.timing import LayerPlanner, TimingFabric
 from kvferry.sim.deploy.workload import Arrivals, DeployRequest
 from kvferry.sim.pages import PageAllocator, make_allocator
 from kvferry.sim.scenario import US, RoomSpec
@@ -82,7 +82,14 @@ class DeployWorld(World):
         arrivals: Arrivals,
         lengths: tuple[DeployRequest, ...],
         router: Router | None = None,
+        queue_limit: int = 0,
+        miss_limit: int = -1,
+        warmup_ns: int = 0,
     ) -> None:
+        """``queue_limit``: stop the run as overloaded once more requests than this wait for their
+        first token (0: run every request to its end). ``miss_limit``: stop it once more requests
+        arriving from ``warmup_ns`` on than this have missed an SLO (-1: never): the share asked
+        for can no longer be met, so the rest of the run would change no verdict."""
         n_pre, n_dec = spec.prefill_instances, spec.decode_instances
         self.spec = spec  # before the World builds its allocators (_page_allocator reads it)
         super().__init__(
@@ -90,12 +97,14 @@ class DeployWorld(World):
             seed=spec.seed,
             instances=(n_pre, n_dec),
         )
-        assert isinstance(self.fabric, TimingFabric)
-        self.fabric.xfer_log = []
+        if isinstance(self.fabric, TimingFabric):
+            self.fabric.xfer_log = []
+            model = spec.geometry()
+            self.fabric.layers, self.fabric.kinds = model.num_layers, len(model.kinds)
         self.built = scenario  # as built from the spec (staging sized for its largest room)
         self.roof_p = spec.roofline("prefill")
         self.roof_d = spec.roofline("decode")
-        self.router = router or Router(n_pre, n_dec)
+        self.router = router or Router(n_pre, n_dec, spec.router)
         # Per prefill instance: queued chunks (new tokens, cached, done) and the loop's wake-up.
         self._pjobs: list[deque[tuple[int, int, simpy.Event]]] = [deque() for _ in range(n_pre)]
         self._pwake = [self.env.event() for _ in range(n_pre)]
@@ -109,6 +118,12 @@ class DeployWorld(World):
         self._waiting: list[deque[int]] = [deque() for _ in range(n_dec)]
         self._wake = [self.env.event() for _ in range(n_dec)]
         self.load = [0] * n_dec  # requests routed to each decode instance and not finished
+        # Tokens routed and outstanding (the least-tokens router reads them): prompt tokens not yet
+        # computed per prefill instance; prompt plus output per decode instance, until finished.
+        self.pre_tokens = [0] * n_pre
+        self.dec_tokens = [0] * n_dec
+        self._weighed: set[int] = set()  # keys counted in those token loads
+        self.router.watch(self.pre_tokens, self.dec_tokens)
         self.routed = {"prefill": [0] * n_pre, "decode": [0] * n_dec}
         # Simulated ns each instance spent in forward steps (its utilisation over the run).
         self.busy_ns = {"prefill": [0] * n_pre, "decode": [0] * n_dec}
@@ -140,6 +155,15 @@ class DeployWorld(World):
         self.decode_open_ns: dict[int, int] = {}
         # Set to a list to log every decode step as (instance, start ns, end ns).
         self.step_log: list[tuple[int, int, int]] | None = None
+        # Requests arrived, given a first token, failed before one: the queue the monitor watches
+        # (sampled once a simulated second as (ns, waiting)), and why the run stopped early.
+        self.arrived_n = self.first_n = self.failed_early_n = 0
+        self.waiting_log: list[tuple[int, int]] = []
+        self.queue_limit = queue_limit
+        self.miss_limit = miss_limit
+        self.warmup_ns = warmup_ns
+        self.stopped = ""
+        self.overloaded = False  # stopped because the queue outgrew the limit (not by misses)
         self._closed = arrivals.concurrency > 0
         if self._closed:
             for _ in range(min(arrivals.concurrency, self.total)):
@@ -151,6 +175,7 @@ class DeployWorld(World):
             self.env.process(self._decode_loop(j))
         for i in range(n_pre):
             self.env.process(self._prefill_loop(i))
+        self.env.process(self._monitor())
         # A deployment run is judged on its metrics, not on its trace hash: the ~50 trace records
         # of each request are not hashed (reproducibility is checked on the metrics instead).
         self.trace.record = _no_record  # type: ignore[method-assign]
@@ -174,6 +199,11 @@ class DeployWorld(World):
             record(kind, where, **attrs)
 
         return tapped
+
+    def _rank_planner(self) -> Any:
+        # Timing only: one layer's descriptors, charged for every layer (sim/deploy/timing.py).
+        # A byte-moving run (the equivalence test's) plans and moves every layer.
+        return None if self.scenario.move_bytes else LayerPlanner()
 
     def _page_allocator(self, side: str, n: int) -> PageAllocator:
         return make_allocator(self.spec.page_allocator, n)
@@ -202,9 +232,61 @@ class DeployWorld(World):
         self.tracks[key] = Track(r, at_ns)
         self.env.process(self._request(req))
 
+    @property
+    def waiting(self) -> int:
+        """Requests arrived and neither given a first token nor failed."""
+        return self.arrived_n - self.first_n - self.failed_early_n
+
+    def _monitor(self):  # type: ignore[no-untyped-def]
+        """Once a simulated second: log the queue; past ``queue_limit``, stop the run."""
+        while not self.all_done.triggered:
+            yield self.env.timeout(1_000_000_000)
+            now, waiting = int(self.env.now), self.waiting
+            self.waiting_log.append((now, waiting))
+            if self.queue_limit and waiting > self.queue_limit and not self.all_done.triggered:
+                self.stopped = (
+                    f"stopped at {now / 1e9:.0f} s simulated: {waiting} requests waiting for a first "
+                    f"token, more than the {self.queue_limit} a deployment meeting the TTFT SLO would "
+                    "hold at this rate"
+                )
+                self.overloaded = True
+                self.all_done.succeed()
+            elif self.miss_limit >= 0 and not self.all_done.triggered:
+                missed = self._missed(now)
+                if missed > self.miss_limit:
+                    self.stopped = (
+                        f"stopped at {now / 1e9:.0f} s simulated: {missed} measured requests already "
+                        f"missed an SLO, more than the {self.miss_limit} the attainment asked for allows"
+                    )
+                    self.all_done.succeed()
+
+    def _missed(self, now: int) -> int:
+        """Requests arriving from the warm-up on that can no longer meet both SLOs by ``now``:
+        failed, a first token later than the TTFT SLO (or none yet, past it), or more time per
+        token so far than the TPOT SLO allows for the tokens still to come."""
+        ttft = self.spec.ttft_slo_ms * 1e6
+        tpot = self.spec.tpot_slo_ms * 1e6
+        n = 0
+        for t in self.tracks.values():
+            if t.arrival_ns < self.warmup_ns or t.arrival_ns > now:
+                continue
+            if t.failed:
+                n += 1
+            elif t.first_token_ns < 0:
+                n += now - t.arrival_ns > ttft
+            elif t.first_token_ns - t.arrival_ns > ttft:
+                n += 1
+            elif t.tokens > 1:
+                # TPOT is the mean gap after the first token: already over the SLO for the gaps so
+                # far, and the rest cannot be shorter than nothing.
+                end = t.done_ns if t.done_ns >= 0 else now
+                n += (end - t.first_token_ns) > tpot * max(1, t.req.output_tokens - 1)
+        return n
+
     def _arrived(self, req: Request) -> bool:
         """Route the request (at its arrival: the decode loads are those of now). A route to an
         instance that does not exist is the router's bug: a violation, and the request fails."""
+        self.arrived_n += 1
         if len(self.load) == 1 and len(self._pjobs) == 1:
             self.routed["prefill"][0] += 1
             self.routed["decode"][0] += 1
@@ -224,16 +306,27 @@ class DeployWorld(World):
         self.routed["prefill"][p] += 1
         self.routed["decode"][d] += 1
         self.load[d] += 1
+        r = self.tracks[req.key].req
+        self.pre_tokens[p] += r.input_tokens - r.prefix_hit_tokens
+        self.dec_tokens[d] += r.input_tokens + r.output_tokens
+        self._weighed.add(req.key)
         return True
 
     def _finish(self, key: int, failed: bool) -> None:
         t = self.tracks[key]
         t.failed = failed
+        if failed and t.first_token_ns < 0:
+            self.failed_early_n += 1
         t.done_ns = int(self.env.now)
         self.finished += 1
         req = self.requests[key]
         if req.opened:
             self.load[req.dec_inst] -= 1
+        if key in self._weighed:
+            self._weighed.discard(key)
+            self.dec_tokens[req.dec_inst] -= t.req.input_tokens + t.req.output_tokens
+            if len(t.chunk_ready_ns) < len(req.chunks):  # failed before its prompt was computed
+                self.pre_tokens[req.pre_inst] -= t.req.input_tokens - t.req.prefix_hit_tokens
         if self._closed and self._next < self.total:
             self._submit(int(self.env.now))
         if self.finished >= self.total and not self.all_done.triggered:
@@ -255,6 +348,9 @@ class DeployWorld(World):
             yield self.env.timeout(1)  # a cached chunk: nothing to compute
         ready = self.tracks[req.key].chunk_ready_ns
         ready.append(int(self.env.now))
+        if len(ready) == len(req.chunks) and req.key in self._weighed:
+            r = self.tracks[req.key].req
+            self.pre_tokens[req.pre_inst] -= r.input_tokens - r.prefix_hit_tokens
         if len(ready) == len(req.chunks) and req.key in self._prefilled:
             self._prefilled.pop(req.key).succeed()
 
@@ -516,6 +612,7 @@ class DeployWorld(World):
                 t.tokens += 1
                 if t.first_token_ns < 0:
                     t.first_token_ns = now
+                    self.first_n += 1
                 done = done or t.tokens >= t.req.output_tokens
             if not done:
                 continue
@@ -542,5 +639,8 @@ class DeployWorld(World):
         stop = self.env.any_of([self.all_done, self.env.timeout(limit_ns)])
         self.env.run(until=stop)
         self.deadline_ns = int(self.env.now) + 1
-        super().run()
+        if not self.stopped:
+            # A run stopped as overloaded has rooms in flight: the end-of-run checks (liveness,
+            # quiescence) do not apply to it; every check made while it ran stands.
+            super().run()
         return time.perf_counter() - t0

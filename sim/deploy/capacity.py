@@ -1,0 +1,569 @@
+"""Capacity: how many prefill and decode instances, at which TP, with which flow, serve a rate
+within the SLOs, and the most each configuration sustains.
+
+Each configuration (TP pair, flow, P prefill and D decode instances) is judged by steady-state
+runs (``steady_run``: Poisson arrivals at the rate for a duration, warm-up excluded, a run stopped
+once its queue shows it cannot keep up). A configuration meets a rate when no run of it is
+overloaded and at least the target share of its requests meet both SLOs (mean over seeds).
+
+Simulating every configuration would take minutes; two facts keep it to the few that matter:
+
+- An upper bound per instance and flow (``bounds``): a prefill instance cannot finish more
+  requests per second than its GPUs compute their prompts at full rate (the attention over the
+  whole prompt included, the step overhead once per chunk), a decode instance no more than its
+  largest batch that fits its memory and keeps a step within the TPOT SLO, over the output
+  length, and neither more than its busiest NIC posts and carries (``nic_ns``). P prefill and D
+  decode instances sustain at most ``min(P x prefill, D x decode)``; a configuration whose bound
+  is below the rate cannot meet it and is not simulated (its row says so).
+- Configurations are tried in order of GPUs (then instances), those of one GPU count at once
+  (``Runner``: worker processes); the first count where one meets the rate answers.
+
+The most a configuration sustains (``max_rate``) is narrowed by steady-state runs between a rate
+it met and its bound, as many rates a round as there are workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvferry.sim.deploy import workload as wl
+from kvferry.sim.deploy.metrics import DeployResult
+from kvferry.sim.deploy.run import simulate
+from kvferry.sim.deploy.spec import DeploySpec
+from kvferry.sim.deploy.steady import Interval, queue_limit
+
+__all__ = [
+    "Bounds",
+    "Candidate",
+    "Capacity",
+    "Runner",
+    "Workload",
+    "bounds",
+    "max_rate",
+    "meets",
+    "nic_ns",
+    "search",
+    "steady_run",
+    "steady_runs",
+]
+
+NS = 1_000_000_000
+MIN_REQUESTS = 16  # a steady-state run below this many requests says nothing
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    isl: int
+    osl: int
+    duration_s: float = 30.0
+    warmup_s: float = 10.0
+    spread: float = 0.0  # input and output lengths uniform within +-spread of isl, osl
+
+
+def steady_run(
+    spec: DeploySpec, rate: float, w: Workload, label: str = "", target: float | None = None
+) -> DeployResult:
+    """One steady-state run: Poisson arrivals at ``rate`` for ``w.duration_s`` (at least
+    MIN_REQUESTS requests), metrics over the arrivals after the warm-up, stopped as overloaded once
+    the queue passes what meeting the TTFT SLO allows (``steady.queue_limit``), and, with a
+    ``target``, once more measured requests missed an SLO than that attainment allows (the
+    verdict is then known: the rest of the run would not change it)."""
+    n = max(MIN_REQUESTS, math.ceil(rate * w.duration_s))
+    reqs = wl.poisson(rate, n, w.isl, w.osl, spec.seed, w.spread)
+    warmup_ns = int(min(w.warmup_s, w.duration_s / 2) * NS)
+    measured = sum(1 for r in reqs if r.arrival_ns >= warmup_ns)
+    return simulate(
+        spec,
+        wl.Arrivals(requests=reqs),
+        label=label or f"{rate:g} req/s",
+        warmup_ns=warmup_ns,
+        queue_limit=queue_limit(rate, spec.ttft_slo_ms),
+        miss_limit=-1 if target is None else math.floor((1 - target) * measured + 1e-9),
+    )
+
+
+def steady_runs(
+    spec: DeploySpec, rate: float, w: Workload, seeds: Sequence[int], target: float | None = None
+) -> list[DeployResult]:
+    return [steady_run(replace(spec, seed=s), rate, w, target=target) for s in seeds]
+
+
+def meets(rs: Sequence[DeployResult], target: float) -> bool:
+    """No run overloaded, stopped or with a violation, and the SLO attainment (mean over seeds)
+    >= target."""
+    if any(r.overload or r.stopped or r.violations for r in rs):
+        return False
+    return Interval.of([r.slo_attained for r in rs]).mean >= target
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """Requests per second one instance of each side can finish at most (roofline and NIC at full
+    use), and which of compute or the NIC sets each."""
+
+    prefill_rps: float
+    decode_rps: float
+    decode_batch: int  # the largest batch that fits decode memory and the TPOT SLO
+    prefill_by: str = "compute"  # "compute" or "NIC" (posting and wire of its busiest rank)
+    decode_by: str = "compute"
+
+    def of(self, p: int, d: int) -> float:
+        return min(p * self.prefill_rps, d * self.decode_rps)
+
+    def limit(self, p: int, d: int) -> str:
+        if p * self.prefill_rps <= d * self.decode_rps:
+            return f"prefill {self.prefill_by}"
+        return f"decode {self.decode_by}"
+
+
+def bounds(spec: DeploySpec, isl: int, osl: int) -> Bounds:
+    """Upper bounds per instance (see the module's docstring); every time here is a lower bound
+    of what the simulation charges, so no configuration that could meet a rate is left out."""
+    roof = spec.roofline("prefill")
+    gpu = roof.gpu
+    pairs = isl * (isl + 1) // 2  # each prompt token attends to those before it
+    flops = 2.0 * roof.w.active_per_token() * isl + roof._attn_flops(pairs)
+    chunks = -(-isl // spec.chunk_tokens)
+    # Full chunks cannot share a step; only the last, partial chunk may ride with another's.
+    overhead_s = (chunks - 1) * gpu.prefill_step_overhead_us * 1e-6
+    prefill_s = flops / (gpu.flops * spec.prefill_tp) + overhead_s
+    dec = spec.roofline("decode")
+    tokens = spec.pages("decode") * spec.decode_page_size  # every request needs its prompt's slots
+    fit = min(spec.max_batch, max(1, tokens // max(1, isl)))
+    slo_ns = spec.tpot_slo_ms * 1e6
+    best, batch = 0.0, 0
+    for b in range(1, fit + 1):
+        step = dec.decode_ns(b, b * isl)
+        if step > slo_ns:
+            break
+        rps = b / (osl * step / NS)
+        if rps > best:
+            best, batch = rps, b
+    pre_nic, dec_nic = nic_ns(spec, isl)
+    compute_p = 1.0 / prefill_s if prefill_s > 0 else math.inf
+    nic_p = NS / pre_nic if pre_nic else math.inf
+    nic_d = NS / dec_nic if dec_nic else math.inf
+    return Bounds(
+        min(compute_p, nic_p),
+        min(best, nic_d),
+        batch,
+        "compute" if compute_p <= nic_p else "NIC",
+        "compute" if best <= nic_d else "NIC",
+    )
+
+
+def nic_ns(spec: DeploySpec, isl: int) -> tuple[int, int]:
+    """The least NIC time one request takes on the busiest prefill rank and the busiest decode
+    rank under ``spec.flow``: its posting (the initiator's NIC posts serially: fixed cost per post,
+    cost per descriptor, the pages contiguous so descriptors merge the most they can) or its bytes
+    over the NIC's bandwidth, whichever is longer."""
+    from kvferry.core.geometry import links
+    from kvferry.sim.deploy.run import build_scenario
+    from kvferry.sim.deploy.select import UNSTAGED
+    from kvferry.sim.deploy.timing import LayerPlanner
+    from kvferry.sim.scenario import pools
+
+    s = build_scenario(spec, (wl.DeployRequest(0, isl, 1),))
+    pre, dec = pools(s)
+    model = pre[0].model
+    nic = s.fabric.nic
+    sizes = _chunks(isl, spec.chunk_tokens)
+    plan = LayerPlanner()
+    post_p, post_d = [0] * len(pre), [0] * len(dec)
+    out_b, in_b = [0] * len(pre), [0] * len(dec)
+    for link in links(model, len(pre), len(dec)):
+        if link.is_dummy:
+            continue
+        p, d = link.prefill_rank, link.decode_rank
+        nbytes = isl * model.num_regions * link.num_heads * model.head_bytes
+        out_b[p] += nbytes
+        in_b[d] += nbytes
+        if spec.flow in UNSTAGED:
+            sp = list(range(-(-isl // pre[p].page_size)))
+            dp = list(range(-(-isl // dec[d].page_size)))
+            n, start = 0, 0
+            for c in sizes:
+                got = plan(pre[p], dec[d], sp, dp, start, start + c)
+                n += got.count * model.num_layers
+                start += c
+        else:
+            n = len(sizes)  # one block a chunk into the staging buffer
+        cost = len(sizes) * nic.post_cost_ns + n * nic.per_desc_ns
+        if spec.flow == "pull":
+            post_d[d] += cost  # decode READs
+        else:
+            post_p[p] += cost
+    bw = nic.bandwidth_bps
+    pre_ns = max(max(post_p), max(out_b) * NS // bw)
+    dec_ns = max(max(post_d), max(in_b) * NS // bw)
+    return pre_ns, dec_ns
+
+
+def _chunks(tokens: int, chunk: int) -> list[int]:
+    return [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
+
+
+@dataclass(slots=True)
+class Candidate:
+    prefill_tp: int
+    decode_tp: int
+    flow: str
+    prefill: int  # instances
+    decode: int
+    bound_rps: float  # the roofline bound: the most it could sustain
+    limit: str  # the side that bound comes from
+    results: list[DeployResult] = field(default_factory=list)  # at the asked rate, one per seed
+    met: bool | None = None  # None: not simulated (its bound is below the rate)
+    max_rps: float | None = None  # simulated: the most it was seen to sustain within the SLOs
+    max_rps_below: float | None = None  # and the least it could not (a rate it missed, or its bound)
+    staging_bytes: int = 0
+
+    def spec(self, base: DeploySpec) -> DeploySpec:
+        """``base`` as this configuration: its TP sizes, flow and instance counts."""
+        return replace(
+            base,
+            prefill_tp=self.prefill_tp,
+            decode_tp=self.decode_tp,
+            flow=self.flow,
+            prefill_instances=self.prefill,
+            decode_instances=self.decode,
+        )
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill * self.prefill_tp + self.decode * self.decode_tp
+
+    @property
+    def name(self) -> str:
+        return f"{self.prefill}P x TP{self.prefill_tp} + {self.decode}D x TP{self.decode_tp}"
+
+    def verdict(self, rate: float | None) -> str:
+        if rate is None:
+            return ""
+        if self.met is None:
+            return f"cannot: bound {self.bound_rps:.2f} req/s < {rate:g} ({self.limit} side)"
+        if self.met:
+            return "meets the SLOs"
+        r = self.results[0]
+        if r.overload:
+            return r.overload
+        if r.stopped:
+            return r.stopped
+        att = Interval.of([x.slo_attained for x in self.results])
+        return f"{att.mean:.0%} within the SLOs"
+
+    def as_dict(self, rate: float | None) -> dict[str, Any]:
+        return {
+            "prefill_tp": self.prefill_tp,
+            "decode_tp": self.decode_tp,
+            "flow": self.flow,
+            "prefill_instances": self.prefill,
+            "decode_instances": self.decode,
+            "gpus": self.gpus,
+            "bound_rps": self.bound_rps,
+            "bound_side": self.limit,
+            "met": self.met,
+            "verdict": self.verdict(rate),
+            "max_rps": self.max_rps,
+            "max_rps_below": self.max_rps_below,
+            "staging_bytes_per_rank_pair": self.staging_bytes,
+            "results": [r.as_dict() for r in self.results],
+        }
+
+
+@dataclass(slots=True)
+class Capacity:
+    rate: float | None
+    target: float
+    candidates: list[Candidate]
+    answer: Candidate | None
+    reason: str
+    bounds: dict[str, dict[str, Any]]  # "TP8->TP4 ring": per-instance bounds
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rate": self.rate,
+            "attainment_target": self.target,
+            "answer": self.answer.as_dict(self.rate) if self.answer else None,
+            "reason": self.reason,
+            "per_instance_bounds": self.bounds,
+            "candidates": [c.as_dict(self.rate) for c in self.candidates],
+        }
+
+
+Progress = Callable[[str], None]
+
+
+def _staging(spec: DeploySpec, w: Workload) -> int:
+    from kvferry.sim.deploy.run import build_scenario, staging_bytes
+
+    s = build_scenario(spec, (wl.DeployRequest(0, w.isl, w.osl),))
+    return sum(staging_bytes(s).values())
+
+
+Job = tuple[DeploySpec, float, Workload, tuple[int, ...], float]  # spec, rate, workload, seeds, target
+
+
+def _runs(job: Job) -> list[DeployResult]:
+    spec, rate, w, seeds, target = job
+    return steady_runs(spec, rate, w, seeds, target)
+
+
+class Runner:
+    """Runs steady-state jobs, ``jobs`` at a time in forked worker processes (1: in this one).
+    Each run is one process's work, so two cores halve a search's wall time."""
+
+    def __init__(self, jobs: int = 1) -> None:
+        self.jobs = max(1, jobs)
+        self._pool: Any = None
+
+    def __enter__(self) -> Runner:
+        if self.jobs > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("fork"))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def map(
+        self, jobs: Sequence[tuple[DeploySpec, float, Workload, tuple[int, ...]]]
+    ) -> list[list[DeployResult]]:
+        if self._pool is None or len(jobs) < 2:
+            return [_runs(j) for j in jobs]
+        return list(self._pool.map(_runs, jobs))
+
+
+def max_rate(
+    spec: DeploySpec,
+    w: Workload,
+    seeds: Sequence[int],
+    target: float,
+    lo: float,
+    hi: float,
+    steps: int = 4,
+    progress: Progress | None = None,
+    runner: Runner | None = None,
+) -> tuple[float, float]:
+    """Search between a rate met (``lo``, 0 for none) and one that cannot be (``hi``), to within
+    5% (finer is below the seeds' noise): each step tries ``runner.jobs`` rates evenly inside the
+    interval at once (one: bisection) and keeps the part between the highest met and the next."""
+    runner = runner or Runner()
+    k = runner.jobs
+    for _ in range(steps):
+        if lo > 0 and hi - lo <= 0.05 * lo:
+            break
+        rates = [lo + (hi - lo) * (i + 1) / (k + 1) for i in range(k)]
+        if progress is not None:
+            said = ", ".join(f"{r:.2f}" for r in rates)
+            progress(f"  max rate of {spec.prefill_instances}P{spec.decode_instances}D {spec.flow}: {said}")
+        got = runner.map([(spec, r, w, tuple(seeds), target) for r in rates])
+        ok = [meets(rs, target) for rs in got]
+        passed = [r for r, good in zip(rates, ok, strict=True) if good]
+        failed = [r for r, good in zip(rates, ok, strict=True) if not good]
+        if passed:
+            lo = max(passed)
+        above = [r for r in failed if r > lo]
+        if above:
+            hi = min(above)
+    return lo, hi
+
+
+def search(
+    base: DeploySpec,
+    tp_pairs: Sequence[tuple[int, int]],
+    flows_of: Callable[[DeploySpec], Sequence[str]],
+    w: Workload,
+    rate: float | None,
+    seeds: Sequence[int] = (1,),
+    target: float = 0.9,
+    max_instances: int = 8,
+    max_gpus: int = 1 << 30,
+    max_rate_steps: int = 4,
+    progress: Progress | None = None,
+    jobs: int = 1,
+) -> Capacity:
+    """With ``rate``: the cheapest configuration meeting it (None if none within the limits), and
+    the most it sustains. Without: the most each balanced configuration (per prefill count, the
+    fewest decode instances whose bound covers it) sustains."""
+    say = progress or (lambda _msg: None)
+    cands: list[Candidate] = []
+    per: dict[str, dict[str, Any]] = {}
+    for ptp, dtp in tp_pairs:
+        spec_tp = replace(base, prefill_tp=ptp, decode_tp=dtp)
+        for flow in flows_of(spec_tp):
+            b = bounds(replace(spec_tp, flow=flow), w.isl, w.osl)
+            per[f"TP{ptp}->TP{dtp} {flow}"] = {
+                "prefill_rps": b.prefill_rps,
+                "prefill_by": b.prefill_by,
+                "decode_rps": b.decode_rps,
+                "decode_by": b.decode_by,
+                "decode_batch": b.decode_batch,
+            }
+            mem = _staging(replace(spec_tp, flow=flow), w)
+            for p in range(1, max_instances + 1):
+                for d in range(1, max_instances + 1):
+                    if p * ptp + d * dtp > max_gpus:
+                        continue
+                    cands.append(
+                        Candidate(ptp, dtp, flow, p, d, b.of(p, d), b.limit(p, d), staging_bytes=mem)
+                    )
+    cands.sort(key=lambda c: (c.gpus, c.prefill + c.decode, c.staging_bytes))
+
+    def spec_of(c: Candidate) -> DeploySpec:
+        return c.spec(base)
+
+    try:
+        with Runner(jobs) as runner:
+            if rate is not None:
+                return _for_rate(cands, per, rate, w, seeds, target, max_rate_steps, say, spec_of, runner)
+            return _balanced(
+                cands, per, w, seeds, target, max_instances, max_rate_steps, say, spec_of, runner
+            )
+    except KeyboardInterrupt:
+        # Ctrl-C: the configurations judged so far, and no answer.
+        judged = sum(1 for c in cands if c.met is not None or c.max_rps is not None)
+        why = f"interrupted: {judged} configurations judged before Ctrl-C are listed; no answer"
+        return Capacity(rate, target, cands, None, why, per)
+
+
+def _for_rate(
+    cands: list[Candidate],
+    per: dict[str, dict[str, Any]],
+    rate: float,
+    w: Workload,
+    seeds: Sequence[int],
+    target: float,
+    steps: int,
+    say: Progress,
+    spec_of: Callable[[Candidate], DeploySpec],
+    runner: Runner,
+) -> Capacity:
+    """Configurations by GPU count, those of one count at once: the first count where one meets
+    the rate answers (the best of that count's, ``_better``)."""
+    found: Candidate | None = None
+    for _gpus, group in itertools.groupby(cands, key=lambda c: c.gpus):
+        todo = [c for c in group if c.bound_rps >= rate]
+        if not todo:
+            continue
+        for c in todo:
+            say(f"{c.name} {c.flow} at {rate:g} req/s (bound {c.bound_rps:.2f})")
+        got = runner.map([(spec_of(c), rate, w, tuple(seeds), target) for c in todo])
+        for c, rs in zip(todo, got, strict=True):
+            c.results = rs
+            c.met = meets(rs, target)
+            if c.met and (found is None or _better(c, found)):
+                found = c
+        if found is not None:
+            break
+    if found is None:
+        return Capacity(rate, target, cands, None, _none_reason(cands, rate), per)
+    say(f"most {found.name} {found.flow} sustains")
+    found.max_rps, found.max_rps_below = max_rate(
+        spec_of(found), w, seeds, target, rate, found.bound_rps, steps, say, runner
+    )
+    return Capacity(rate, target, cands, found, _answer_reason(found, cands, rate), per)
+
+
+def _balanced(
+    cands: list[Candidate],
+    per: dict[str, dict[str, Any]],
+    w: Workload,
+    seeds: Sequence[int],
+    target: float,
+    max_instances: int,
+    steps: int,
+    say: Progress,
+    spec_of: Callable[[Candidate], DeploySpec],
+    runner: Runner,
+) -> Capacity:
+    """No rate: the most each balanced configuration sustains (per prefill count, the fewest
+    decode instances whose bound covers the prefill instances')."""
+    for c in cands:
+        b = per[f"TP{c.prefill_tp}->TP{c.decode_tp} {c.flow}"]
+        balanced = c.decode == min(
+            max_instances, max(1, math.ceil(c.prefill * b["prefill_rps"] / max(1e-9, b["decode_rps"])))
+        )
+        if not balanced:
+            continue
+        say(f"most {c.name} {c.flow} sustains (bound {c.bound_rps:.2f} req/s)")
+        c.max_rps, c.max_rps_below = max_rate(
+            spec_of(c), w, seeds, target, 0.0, c.bound_rps, steps, say, runner
+        )
+    best = max((c for c in cands if c.max_rps), key=lambda c: (c.max_rps or 0) / c.gpus, default=None)
+    why = (
+        f"most requests per second per GPU: {best.name} with {best.flow}, {best.max_rps:.2f} req/s"
+        if best
+        else "no configuration sustains any rate within the SLOs"
+    )
+    return Capacity(None, target, cands, best, why, per)
+
+
+def _p99(c: Candidate) -> float:
+    return Interval.of([r.ttft_ms.p99 for r in c.results]).mean
+
+
+def _better(a: Candidate, b: Candidate) -> bool:
+    """Among configurations of as many GPUs: lower TTFT p99 (beyond the seeds' interval), then
+    less staging memory."""
+    ia = Interval.of([r.ttft_ms.p99 for r in a.results])
+    ib = Interval.of([r.ttft_ms.p99 for r in b.results])
+    tie = ia.overlaps(ib) if ia.n > 1 else abs(ia.mean - ib.mean) <= 0.05 * max(ia.mean, ib.mean)
+    if not tie:
+        return ia.mean < ib.mean
+    return a.staging_bytes < b.staging_bytes
+
+
+def _answer_reason(c: Candidate, cands: Sequence[Candidate], rate: float) -> str:
+    r = c.results
+    ttft = Interval.of([x.ttft_ms.p50 for x in r]), Interval.of([x.ttft_ms.p99 for x in r])
+    tpot = Interval.of([x.tpot_ms.p50 for x in r]), Interval.of([x.tpot_ms.p99 for x in r])
+    att = Interval.of([x.slo_attained for x in r])
+    cheaper = [x for x in cands if x.gpus < c.gpus]
+    tried = sum(1 for x in cheaper if x.met is not None)
+    also = [x for x in cands if x is not c and x.gpus == c.gpus and x.met]
+    tie = ""
+    if also:
+        said = ", ".join(
+            f"{x.name} with {x.flow} (TTFT p99 {_p99(x):.0f} ms, {x.staging_bytes / 2**20:.0f} MiB staging)"
+            for x in also
+        )
+        tie = (
+            f". At the same cost {said} also meet the rate; the answer has the lower TTFT p99 beyond "
+            f"the noise or, within it (a tie), less staging memory ({c.staging_bytes / 2**20:.0f} MiB, "
+            f"TTFT p99 {_p99(c):.0f} ms)"
+        )
+    return (
+        f"{c.name} with {c.flow} ({c.gpus} GPUs) serves {rate:g} req/s: TTFT p50 {ttft[0].text()} ms / "
+        f"p99 {ttft[1].text()} ms, TPOT p50 {tpot[0].text('.1f')} ms / p99 {tpot[1].text('.1f')} ms, "
+        f"{att.mean:.0%} within the SLOs; sustains {_sustains(c)}. Of {len(cheaper)} "
+        f"cheaper configurations, {len(cheaper) - tried} cannot reach the rate by their roofline "
+        f"bound and {tried} missed it in simulation{tie}"
+    )
+
+
+def _sustains(c: Candidate) -> str:
+    """The most a configuration sustains, as the search bracketed it."""
+    lo, hi = c.max_rps or 0.0, c.max_rps_below
+    if hi is None:
+        return f"{lo:.2f} req/s"
+    what = "its roofline bound" if hi >= c.bound_rps else "a rate it missed"
+    return f"at least {lo:.2f} req/s and less than {hi:.2f} ({what})"
+
+
+def _none_reason(cands: Sequence[Candidate], rate: float) -> str:
+    best = max(cands, key=lambda c: c.bound_rps, default=None)
+    if best is None:
+        return "no configuration fits the GPU limit"
+    return (
+        f"no configuration within the limits meets {rate:g} req/s; the largest bound is "
+        f"{best.bound_rps:.2f} req/s ({best.name}): more instances (--max-instances, --max-gpus) or "
+        "a larger TP"
+    )
