@@ -23,6 +23,9 @@ def arguments(role: str) -> argparse.Namespace:
     ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--segment-timeout-s", type=float, default=120.0)
     ap.add_argument("--incarnation", type=int, default=0)
+    # The address every rank binds its control socket to (a network namespace's own address under
+    # ``kvferry chaos``); NIXL's UCX picks its interface from UCX_NET_DEVICES in the environment.
+    ap.add_argument("--host", default="127.0.0.1")
     if role == "prefill":
         ap.add_argument("--ports", default="", help="control ports to bind, one per rank (restart)")
     else:
@@ -132,7 +135,8 @@ class SideLoop:
         from kvferry.core.kvpoll import KVPoll
 
         a = self.args
-        plans = sp.segment_rooms(a.seed, cmd["start"], cmd["end"], cmd["hold_from"], a.flows, a.abort_rate)
+        rate = cmd.get("abort_rate", a.abort_rate)  # a segment may carry its own (a burst of aborts)
+        plans = sp.segment_rooms(a.seed, cmd["start"], cmd["end"], cmd["hold_from"], a.flows, rate)
         pending = list(reversed(plans))
         live: dict[int, dict[str, Any]] = {}
         holding = cmd["hold_from"] < cmd["end"]

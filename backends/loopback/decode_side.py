@@ -1,7 +1,8 @@
 """The soak's decode process: every decode rank over real NIXL. Every Success room's bytes are
 checked against the pattern prefill computed; a failed room's pages go back to the allocator only
 once the core says they are fenced (``pages_freed``), so a late write would corrupt a later room
-and be caught by that room's check."""
+and be caught by that room's check. Free pages and aux rows hold a canary, checked when they are
+handed out again and at the end: a write that lands while they are free is caught there."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from kvferry.core.kvpoll import KVPoll
 from kvferry.sim import pattern
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
-# The checker's self-test (tests/test_soak.py): "corrupt" flips decode's bytes under some
-# Success rooms before they are checked; the soak must report them.
+# The checkers' self-tests: "corrupt" flips decode's bytes under some Success rooms before they are
+# checked (tests/test_soak.py); "reuse_unfenced" hands a failed room's pages and aux row out again
+# without waiting for its fence, so a late write of a stalled or cut-off prefill lands in free or
+# reused pages (``kvferry chaos --plant reuse_unfenced``). The soak must report both.
 PLANT = os.environ.get("KVFERRY_SOAK_PLANT", "")
+CANARY_ROOM = 0x6B76_6665_7272_7921  # the pattern key of a free page ("kvferry!")
+CANARY_AUX = CANARY_ROOM.to_bytes(8, "little", signed=True)
 
 
 class DecodeSide(common.SideLoop):
@@ -27,7 +32,9 @@ class DecodeSide(common.SideLoop):
 
     def __init__(self, args: Any) -> None:
         self.args = args
-        cfg = RuntimeConfig(timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging())
+        cfg = RuntimeConfig(
+            timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging(), host=args.host
+        )
         self.eps = [
             DecodeEndpoint(
                 "decode", pool, prefill_server="prefill", prefill_addresses=args.prefill, config=cfg
@@ -37,10 +44,37 @@ class DecodeSide(common.SideLoop):
         for ep in self.eps:
             ep.start()
         self.rng = np.random.default_rng([args.seed, args.incarnation])  # scattered pages
-        self.free_pages = list(range(sp.DECODE_PAGES))
-        self.free_aux = list(range(sp.AUX_ROWS))
+        self.free_pages: list[int] = []
+        self.free_aux: list[int] = []
+        self._give_back(np.arange(sp.DECODE_PAGES), range(sp.AUX_ROWS))
         # A failed room's pages and aux row (and its unfenced receivers) until every rank is fenced.
         self.waiting_fence: dict[int, tuple[np.ndarray, int, list[Any]]] = {}
+        self.unfenced: list[Any] = []  # the planted bug's receivers, cleared once fenced
+
+    def _give_back(self, pages: Any, aux_rows: Any) -> None:
+        """Free pages and aux rows, each stamped with the canary first."""
+        for ep in self.eps:
+            for page in pages:
+                pattern.fill(ep.pool, ep.transport.region, CANARY_ROOM, np.array([page]), 0, sp.DECODE_PAGE)
+            for row in aux_rows:
+                ep.transport.write_aux_row(row, CANARY_AUX)
+        self.free_pages.extend(int(p) for p in pages)
+        self.free_aux.extend(aux_rows)
+
+    def _canary_bad(self, pages: Any, aux_rows: Any) -> list[str]:
+        """The free pages and aux rows among these whose canary changed: a write landed there."""
+        bad = []
+        for ep in self.eps:
+            for page in pages:
+                n, _ = pattern.mismatches(
+                    ep.pool, ep.transport.region, CANARY_ROOM, np.array([page]), sp.DECODE_PAGE
+                )
+                if n:
+                    bad.append(f"rank {ep.pool.tp_rank} page {int(page)}: {n} bytes")
+            for row in aux_rows:
+                if ep.transport.read_aux_room(row) != CANARY_ROOM:
+                    bad.append(f"rank {ep.pool.tp_rank} aux row {row}")
+        return bad
 
     def _open(self, pending: list[sp.SoakRoom], live: dict[int, dict[str, Any]]) -> bool:
         busy = False
@@ -54,6 +88,7 @@ class DecodeSide(common.SideLoop):
                 [self.free_pages.pop(int(self.rng.integers(len(self.free_pages)))) for _ in range(need)]
             )
             aux = self.free_aux.pop()
+            canary_bad = self._canary_bad(pages, [aux])
             rvs = [ep.receiver(plan.room, plan.tid) for ep in self.eps]
             for rv in rvs:
                 rv.init(pages, plan.tokens, aux)
@@ -62,6 +97,7 @@ class DecodeSide(common.SideLoop):
                 for rv in rvs:
                     rv.abort("soak: decode_early")
             live[plan.index] = {"plan": plan, "pages": pages, "aux": aux, "rvs": rvs, "aborted": aborted}
+            live[plan.index]["canary_bad"] = canary_bad
             busy = True
         return busy
 
@@ -103,8 +139,13 @@ class DecodeSide(common.SideLoop):
             bad_bytes=bad,
             first_bad=repr(first_bad) if first_bad else None,
             aux_ok=aux_ok,
+            canary_bad=st["canary_bad"][:4],
         )
-        self.waiting_fence[idx] = (st["pages"], st["aux"], unfenced)
+        if PLANT == "reuse_unfenced" and unfenced:
+            self.unfenced += unfenced  # the bug: the pages are handed out before the fence
+            self._give_back(st["pages"], [st["aux"]])
+        else:
+            self.waiting_fence[idx] = (st["pages"], st["aux"], unfenced)
         self._reclaim()
         del live[idx]
         return True
@@ -117,13 +158,19 @@ class DecodeSide(common.SideLoop):
                 for rv in unfenced:
                     rv.clear()
                 del self.waiting_fence[key]
-                self.free_pages.extend(pages.tolist())
-                self.free_aux.append(aux)
+                self._give_back(pages, [aux])
+        for rv in [rv for rv in self.unfenced if rv.pages_freed()]:
+            rv.clear()
+            self.unfenced.remove(rv)
 
     def finish(self) -> dict[str, Any]:
         def settled() -> bool:
             self._reclaim()
-            return not self.waiting_fence and common.empty([common.tables(ep) for ep in self.eps])
+            return (
+                not self.waiting_fence
+                and not self.unfenced
+                and common.empty([common.tables(ep) for ep in self.eps])
+            )
 
         # A failed room of a killed prefill is fenced by its deadline: wait a little longer.
         common.wait_until(settled, sp.timeouts().fence_ns / 1e9 + 10.0)
@@ -135,6 +182,8 @@ class DecodeSide(common.SideLoop):
             "leaks": [common.tables(ep) for ep in self.eps],
             "waiting_fence": len(self.waiting_fence),
             "pages_free": len(self.free_pages),
+            # Writes that landed in free pages after their last hand-out (none may).
+            "canary_bad": self._canary_bad(self.free_pages, self.free_aux)[:8],
             "errors": [repr(e) for ep in self.eps for e in ep.errors],
             "driver_errors": [dict(ep.driver.errors) for ep in self.eps],
             "counters": counters,

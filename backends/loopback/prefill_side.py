@@ -25,7 +25,9 @@ class PrefillSide(common.SideLoop):
 
     def __init__(self, args: Any) -> None:
         self.args = args
-        cfg = RuntimeConfig(num_queues=2, timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging())
+        cfg = RuntimeConfig(
+            num_queues=2, timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging(), host=args.host
+        )
         ports = [int(p) for p in args.ports.split(",")] if args.ports else [0] * args.prefill_tp
         pools = sp.prefill_pools(args.prefill_tp)
         # A restarted prefill binds its predecessor's ports: decode knows prefill by address.
