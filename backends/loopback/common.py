@@ -39,8 +39,10 @@ def serve(
     run_segment: Callable[[dict[str, Any]], None],
     finish: Callable[[], dict[str, Any]],
     close: Callable[[], list[str]],
+    settle: Callable[[float], None] = lambda _s: None,
 ) -> None:
-    """The command loop: ``run`` a segment, ``finish`` (report the tables), ``exit``."""
+    """The command loop: ``run`` a segment, ``settle`` its kept rooms, ``finish`` (report the
+    tables), ``exit``."""
     while True:
         cmd = heard(IDLE_WAIT_S)
         if cmd is None or cmd["cmd"] == "eof":
@@ -49,6 +51,9 @@ def serve(
         if cmd["cmd"] == "run":
             run_segment(cmd)
             say(event="segment", end=cmd["end"], rss_kb=rss_kb())
+        elif cmd["cmd"] == "settle":
+            settle(float(cmd["after_s"]))
+            say(event="settled")
         elif cmd["cmd"] == "finish":
             say(event="done", rss_kb=rss_kb(), **finish())
         elif cmd["cmd"] == "exit":
@@ -119,6 +124,35 @@ class SideLoop:
 
     HANDLES = ""  # the key of a live room's handles: "rvs" (decode) or "senders" (prefill)
     args: Any
+    # After a fault, a rank's Success can still turn Failed (the peer failed the room and its
+    # notice arrives after a heal or a thaw). A segment run with ``keep`` keeps the handles of
+    # reported rooms with a Success rank until ``settle``, which reports the ones that changed.
+    keep = False
+    settling: dict[int, tuple[list[Any], list[int]]]
+
+    def _release(self, idx: int, handles: list[Any], statuses: list[Any]) -> list[Any]:
+        """Handles to clear now; a room with a Success rank is kept to settle when ``keep``."""
+        from kvferry.core.kvpoll import KVPoll
+
+        if self.keep and KVPoll.Success in statuses:
+            self.settling[idx] = (handles, [int(x) for x in statuses])
+            return []
+        return handles
+
+    def settle(self, after_s: float) -> None:
+        """Wait ``after_s`` (late failure notices come in), report changed rooms, clear them."""
+        from kvferry.backends.loopback.wire import say
+
+        time.sleep(after_s)
+        for idx, (handles, said) in sorted(self.settling.items()):
+            now = [int(h.poll()) for h in handles]
+            if now != said:
+                reasons, errors = outcome(handles, now)
+                say(event="room_final", i=idx, status=now, reason=reasons, error=errors)
+            for h in handles:
+                h.clear()
+        self.settling = {}
+        self.keep = False
 
     def _open(self, pending: list[Any], live: dict[int, dict[str, Any]]) -> bool:
         raise NotImplementedError
@@ -135,6 +169,8 @@ class SideLoop:
         from kvferry.core.kvpoll import KVPoll
 
         a = self.args
+        self.keep = bool(cmd.get("keep"))
+        self.settling = getattr(self, "settling", {})
         rate = cmd.get("abort_rate", a.abort_rate)  # a segment may carry its own (a burst of aborts)
         plans = sp.segment_rooms(a.seed, cmd["start"], cmd["end"], cmd["hold_from"], a.flows, rate)
         pending = list(reversed(plans))

@@ -128,8 +128,9 @@ class DecodeSide(common.SideLoop):
         for rv, status in zip(rvs, statuses, strict=True):
             if status is KVPoll.Failed and not rv.pages_freed():
                 unfenced.append(rv)  # cleared once fenced (_reclaim)
-            else:
-                rv.clear()
+        done = [rv for rv in rvs if rv not in unfenced]
+        for rv in self._release(idx, done, [rv.poll() for rv in done]):
+            rv.clear()
         say(
             event="room",
             i=idx,
@@ -197,7 +198,7 @@ def main() -> None:
     args = common.arguments("decode")
     side = DecodeSide(args)
     say(event="ready", address=side.eps[0].address, pid=os.getpid())
-    common.serve(side.run_segment, side.finish, side.close)
+    common.serve(side.run_segment, side.finish, side.close, side.settle)
 
 
 if __name__ == "__main__":

@@ -272,6 +272,8 @@ class Soak:
             elif msg["event"] == "room":
                 self.results[who.role][msg["i"]] = msg
                 self.reported += who.role == "decode"
+            elif msg["event"] == "room_final":  # a kept room's status changed while settling
+                self.results[who.role].setdefault(msg["i"], {}).update(msg, event="room")
             else:
                 who.seen[msg["event"]] = msg
                 who.ran |= msg["event"] in ("segment", "inflight")

@@ -28,6 +28,10 @@ from kvferry.tools.chaos.inject import HOSTS, Injector
 from kvferry.tools.chaos.schedule import KINDS, LIVENESS_KINDS, Fault, plan
 
 PLANTS = ("reuse_unfenced",)
+# How long both sides wait, once a faulted segment's rooms are terminal and the fault is undone,
+# before their rooms' statuses count: a failure notice held up by the fault is resent every
+# heartbeat interval (0.2 s), so a Success a peer overruled has turned Failed by then.
+SETTLE_S = 1.0
 TP_PAIRS = ((1, 1), (2, 1), (1, 2))
 
 
@@ -192,7 +196,7 @@ class PairRun(Soak):
         c = self.c
         rate = f.abort_rate if f.kind == "abort_burst" else c.abort_rate
         for side in self.sides.values():
-            side.tell(cmd="run", start=start, end=end, hold_from=end, abort_rate=rate)
+            side.tell(cmd="run", start=start, end=end, hold_from=end, abort_rate=rate, keep=True)
         inj = None
         if f.kind == "abort_burst":
             self.chaos.log_fault(f, self.tp_name, start, end, time.monotonic())
@@ -212,6 +216,10 @@ class PairRun(Soak):
                 inj.stop()
                 inj.join(30)
                 self.chaos.injectors.remove(inj)
+        for side in self.sides.values():
+            side.tell(cmd="settle", after_s=SETTLE_S)
+        for side in self.sides.values():
+            self._wait(side, "settled", SETTLE_S + 60)
         if inj is not None and (inj.error or inj.applied_at is None):
             self._violation("fault_not_injected", fault=f.as_dict(), error=inj.error or "never applied")
         self._sample()

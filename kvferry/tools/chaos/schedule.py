@@ -49,7 +49,7 @@ class Fault:
 
 def draw(rng: random.Random, kind: str, heartbeat_timeout_s: float, liveness: bool) -> Fault:
     side = rng.choice(SIDES)
-    at = round(rng.uniform(0.02, 0.25), 3)
+    at = round(rng.uniform(0.0, 0.1), 3)  # early: a segment's rooms are still in flight
     hb = heartbeat_timeout_s
     if kind == "partition_short":
         top = 0.33 * hb if liveness else 0.5 * hb
@@ -77,7 +77,8 @@ def plan(
     heartbeat_timeout_s: float,
     liveness: bool = False,
 ) -> dict[int, Fault]:
-    """Segment index -> its fault. Segment 0 of the run stays clean (both sides settle first)."""
+    """Segment index -> its fault. Segment 0 of the run stays clean (both sides settle first).
+    Every kind is drawn at least once if the run has a segment for it (``share`` > 0)."""
     rng = random.Random(f"kvferry-chaos:{seed}")
     first = list(kinds)
     rng.shuffle(first)
@@ -87,4 +88,8 @@ def plan(
             continue
         kind = first.pop(0) if first else rng.choice(kinds)
         out[seg] = draw(rng, kind, heartbeat_timeout_s, liveness)
+    clean = [seg for seg in range(1, segments) if seg not in out]
+    while first and clean and share > 0:
+        seg = clean.pop(rng.randrange(len(clean)))
+        out[seg] = draw(rng, first.pop(0), heartbeat_timeout_s, liveness)
     return out
