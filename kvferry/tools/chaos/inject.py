@@ -14,19 +14,25 @@ from kvferry.tools.chaos.schedule import Fault
 HOSTS = {"prefill": 0, "decode": 1}  # which namespace each side runs in
 
 
+TRIGGER_WAIT_S = 60.0  # a segment that never reports its first rooms gets the fault anyway
+POLL_S = 0.005
+
+
 class Injector(threading.Thread):
-    """Waits ``fault.at_s``, applies the fault, waits ``fault.for_s``, undoes it. ``stop`` cuts
-    both waits short; the fault is undone whatever happens (a failing ``tc`` included)."""
+    """Waits until ``ready()`` (the segment's first rooms are in), applies the fault, waits
+    ``fault.for_s``, undoes it. ``stop`` cuts both waits short; the fault is undone whatever
+    happens (a failing ``tc`` included)."""
 
     def __init__(
         self,
         net: Network,
         fault: Fault,
         pid: Callable[[str], int | None],
+        ready: Callable[[], bool] = lambda: True,
         on_apply: Callable[[float], None] = lambda _at: None,
     ) -> None:
         super().__init__(daemon=True, name=f"chaos-{fault.kind}")
-        self.net, self.fault, self.pid, self.on_apply = net, fault, pid, on_apply
+        self.net, self.fault, self.pid, self.on_apply, self.ready = net, fault, pid, on_apply, ready
         self.stop_event = threading.Event()
         self.applied_at: float | None = None
         self.undone_at: float | None = None
@@ -37,8 +43,10 @@ class Injector(threading.Thread):
 
     def run(self) -> None:
         f = self.fault
-        if self.stop_event.wait(f.at_s):
-            return
+        end = time.monotonic() + TRIGGER_WAIT_S
+        while not self.ready() and time.monotonic() < end:
+            if self.stop_event.wait(POLL_S):
+                return
         host = HOSTS[f.side]
         pid = self.pid(f.side) if f.kind == "stall" else None
         try:

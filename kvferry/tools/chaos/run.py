@@ -201,8 +201,10 @@ class PairRun(Soak):
         if f.kind == "abort_burst":
             self.chaos.log_fault(f, self.tp_name, start, end, time.monotonic())
         else:
+            base, at = self.reported, min(f.at_room, end - start - 1)  # a room still in flight
             inj = Injector(
                 self.chaos.net, f, pid=lambda role: self.sides[role].proc.pid if role in self.sides else None,
+                ready=lambda: self.reported - base >= at,
                 on_apply=lambda at: self.chaos.log_fault(f, self.tp_name, start, end, at),
             )  # fmt: skip
             self.chaos.injectors.append(inj)
@@ -212,7 +214,7 @@ class PairRun(Soak):
                 self._wait(side, "segment", c.segment_timeout_s + 30 + f.for_s)
         finally:
             if inj is not None:
-                inj.join(f.at_s + f.for_s + 30)
+                inj.join(f.for_s + 30)
                 inj.stop()
                 inj.join(30)
                 self.chaos.injectors.remove(inj)

@@ -2,8 +2,10 @@
 
 A run is cut into segments of rooms (per TP pair, in order); a share of them gets one fault each.
 The first faulted segments take every kind once, in a seeded order, so even a short run covers
-each kind; the rest draw kinds at random. Everything follows from the seed alone; the faults'
-real times (printed as they happen) depend on the machine, not on the draw.
+each kind; the rest draw kinds at random. A fault starts once decode has reported ``at_room``
+rooms of its segment (so rooms are in flight when it hits, however fast the machine), and lasts
+``for_s``. Everything follows from the seed alone; the faults' real times (printed as they
+happen) depend on the machine, not on the draw.
 
 The heartbeat timeout sets the durations: a short partition ends before a missed heartbeat can
 fail the peer's rooms, a long one and a stall last past it (and end well before the fence, so the
@@ -21,13 +23,14 @@ KINDS = ("partition_short", "partition_long", "slow_link", "stall", "kill", "abo
 LIVENESS_KINDS = ("partition_short", "slow_link")
 SIDES = ("prefill", "decode")
 BURST_ABORT_RATE = 0.7
+MAX_AT_ROOM = 8  # of the soak's window of 16 rooms in flight: the rest are still moving
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
     side: str  # whose link or process ("kill": the soak alternates its victims itself)
-    at_s: float  # after its segment starts
+    at_room: int  # starts once decode reported this many rooms of its segment
     for_s: float = 0.0  # how long the link is down or slow, or the process stopped
     rate_kbit: int = 0  # slow_link
     abort_rate: float = 0.0  # abort_burst
@@ -44,12 +47,12 @@ class Fault:
         return f"abort_burst: {self.abort_rate:.0%} of the segment's rooms aborted"
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v or k in ("kind", "at_s")}
+        return {k: v for k, v in asdict(self).items() if v or k in ("kind", "at_room")}
 
 
 def draw(rng: random.Random, kind: str, heartbeat_timeout_s: float, liveness: bool) -> Fault:
     side = rng.choice(SIDES)
-    at = round(rng.uniform(0.0, 0.1), 3)  # early: a segment's rooms are still in flight
+    at = rng.randint(0, MAX_AT_ROOM)
     hb = heartbeat_timeout_s
     if kind == "partition_short":
         top = 0.33 * hb if liveness else 0.5 * hb
@@ -63,9 +66,9 @@ def draw(rng: random.Random, kind: str, heartbeat_timeout_s: float, liveness: bo
     if kind == "stall":
         return Fault(kind, side, at, round(rng.uniform(hb + 0.5, hb + 2.0), 2))
     if kind == "kill":
-        return Fault(kind, side, 0.0)
+        return Fault(kind, side, 0)
     if kind == "abort_burst":
-        return Fault(kind, side, 0.0, abort_rate=BURST_ABORT_RATE)
+        return Fault(kind, side, 0, abort_rate=BURST_ABORT_RATE)
     raise ValueError(f"unknown fault kind {kind!r}")
 
 
