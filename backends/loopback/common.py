@@ -39,10 +39,11 @@ def serve(
     run_segment: Callable[[dict[str, Any]], None],
     finish: Callable[[], dict[str, Any]],
     close: Callable[[], list[str]],
-    settle: Callable[[float], None] = lambda _s: None,
+    settle: Callable[[], None] = lambda: None,
+    release: Callable[[], None] = lambda: None,
 ) -> None:
-    """The command loop: ``run`` a segment, ``settle`` its kept rooms, ``finish`` (report the
-    tables), ``exit``."""
+    """The command loop: ``run`` a segment, ``settle`` (report its kept rooms that changed) and
+    ``release`` them, ``finish`` (report the tables), ``exit``."""
     while True:
         cmd = heard(IDLE_WAIT_S)
         if cmd is None or cmd["cmd"] == "eof":
@@ -52,8 +53,11 @@ def serve(
             run_segment(cmd)
             say(event="segment", end=cmd["end"], rss_kb=rss_kb())
         elif cmd["cmd"] == "settle":
-            settle(float(cmd["after_s"]))
+            settle()
             say(event="settled")
+        elif cmd["cmd"] == "release":
+            release()
+            say(event="released")
         elif cmd["cmd"] == "finish":
             say(event="done", rss_kb=rss_kb(), **finish())
         elif cmd["cmd"] == "exit":
@@ -125,8 +129,9 @@ class SideLoop:
     HANDLES = ""  # the key of a live room's handles: "rvs" (decode) or "senders" (prefill)
     args: Any
     # After a fault, a rank's Success can still turn Failed (the peer failed the room and its
-    # notice arrives after a heal or a thaw). A segment run with ``keep`` keeps the handles of
-    # reported rooms with a Success rank until ``settle``, which reports the ones that changed.
+    # notice arrives after a heal or a thaw, resent for up to the fence deadline). A segment run
+    # with ``keep`` keeps the handles of reported rooms with a Success rank: ``settle`` reports
+    # the ones that changed since (as often as the parent asks), ``release`` clears them.
     keep = False
     settling: dict[int, tuple[list[Any], list[int]]]
 
@@ -139,16 +144,19 @@ class SideLoop:
             return []
         return handles
 
-    def settle(self, after_s: float) -> None:
-        """Wait ``after_s`` (late failure notices come in), report changed rooms, clear them."""
+    def settle(self) -> None:
+        """Report every kept room whose status changed since it was last reported."""
         from kvferry.backends.loopback.wire import say
 
-        time.sleep(after_s)
         for idx, (handles, said) in sorted(self.settling.items()):
             now = [int(h.poll()) for h in handles]
             if now != said:
                 reasons, errors = outcome(handles, now)
                 say(event="room_final", i=idx, status=now, reason=reasons, error=errors)
+                self.settling[idx] = (handles, now)
+
+    def release(self) -> None:
+        for handles, _said in self.settling.values():
             for h in handles:
                 h.clear()
         self.settling = {}

@@ -44,15 +44,21 @@ class DecodeSide(common.SideLoop):
         for ep in self.eps:
             ep.start()
         self.rng = np.random.default_rng([args.seed, args.incarnation])  # scattered pages
+        self.last_owner: dict[tuple[str, int], str] = {}
         self.free_pages: list[int] = []
         self.free_aux: list[int] = []
         self._give_back(np.arange(sp.DECODE_PAGES), range(sp.AUX_ROWS))
         # A failed room's pages and aux row (and its unfenced receivers) until every rank is fenced.
-        self.waiting_fence: dict[int, tuple[np.ndarray, int, list[Any]]] = {}
+        self.waiting_fence: dict[int, tuple[np.ndarray, int, list[Any], str]] = {}
         self.unfenced: list[Any] = []  # the planted bug's receivers, cleared once fenced
 
-    def _give_back(self, pages: Any, aux_rows: Any) -> None:
-        """Free pages and aux rows, each stamped with the canary first."""
+    def _give_back(self, pages: Any, aux_rows: Any, owner: str = "") -> None:
+        """Free pages and aux rows, each stamped with the canary first; ``owner`` (the room that
+        held them) names the suspect if a canary breaks."""
+        for page in pages:
+            self.last_owner[("page", int(page))] = owner
+        for row in aux_rows:
+            self.last_owner[("aux row", row)] = owner
         for ep in self.eps:
             for page in pages:
                 pattern.fill(ep.pool, ep.transport.region, CANARY_ROOM, np.array([page]), 0, sp.DECODE_PAGE)
@@ -70,10 +76,12 @@ class DecodeSide(common.SideLoop):
                     ep.pool, ep.transport.region, CANARY_ROOM, np.array([page]), sp.DECODE_PAGE
                 )
                 if n:
-                    bad.append(f"rank {ep.pool.tp_rank} page {int(page)}: {n} bytes")
+                    was = self.last_owner.get(("page", int(page)), "")
+                    bad.append(f"rank {ep.pool.tp_rank} page {int(page)}: {n} bytes (last held by {was})")
             for row in aux_rows:
                 if ep.transport.read_aux_room(row) != CANARY_ROOM:
-                    bad.append(f"rank {ep.pool.tp_rank} aux row {row}")
+                    was = self.last_owner.get(("aux row", row), "")
+                    bad.append(f"rank {ep.pool.tp_rank} aux row {row} (last held by {was})")
         return bad
 
     def _open(self, pending: list[sp.SoakRoom], live: dict[int, dict[str, Any]]) -> bool:
@@ -142,11 +150,12 @@ class DecodeSide(common.SideLoop):
             aux_ok=aux_ok,
             canary_bad=st["canary_bad"][:4],
         )
+        owner = f"room {idx}, {plan.flow}, status {[int(x) for x in statuses]} {reasons}"[:300]
         if PLANT == "reuse_unfenced" and unfenced:
             self.unfenced += unfenced  # the bug: the pages are handed out before the fence
-            self._give_back(st["pages"], [st["aux"]])
+            self._give_back(st["pages"], [st["aux"]], owner)
         else:
-            self.waiting_fence[idx] = (st["pages"], st["aux"], unfenced)
+            self.waiting_fence[idx] = (st["pages"], st["aux"], unfenced, owner)
         self._reclaim()
         del live[idx]
         return True
@@ -154,12 +163,12 @@ class DecodeSide(common.SideLoop):
     def _reclaim(self) -> None:
         """Pages of rooms whose every failed rank is now fenced go back to the allocator."""
         for key in list(self.waiting_fence):
-            pages, aux, unfenced = self.waiting_fence[key]
+            pages, aux, unfenced, owner = self.waiting_fence[key]
             if all(rv.pages_freed() for rv in unfenced):
                 for rv in unfenced:
                     rv.clear()
                 del self.waiting_fence[key]
-                self._give_back(pages, [aux])
+                self._give_back(pages, [aux], owner)
         for rv in [rv for rv in self.unfenced if rv.pages_freed()]:
             rv.clear()
             self.unfenced.remove(rv)
@@ -198,7 +207,7 @@ def main() -> None:
     args = common.arguments("decode")
     side = DecodeSide(args)
     say(event="ready", address=side.eps[0].address, pid=os.getpid())
-    common.serve(side.run_segment, side.finish, side.close, side.settle)
+    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release)
 
 
 if __name__ == "__main__":

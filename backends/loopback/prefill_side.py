@@ -142,7 +142,7 @@ def main() -> None:
     args = common.arguments("prefill")
     side = PrefillSide(args)
     say(event="ready", addresses=[ep.address for ep in side.eps], pid=os.getpid())
-    common.serve(side.run_segment, side.finish, side.close, side.settle)
+    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release)
 
 
 if __name__ == "__main__":

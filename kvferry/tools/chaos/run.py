@@ -28,10 +28,11 @@ from kvferry.tools.chaos.inject import HOSTS, Injector
 from kvferry.tools.chaos.schedule import KINDS, LIVENESS_KINDS, Fault, plan
 
 PLANTS = ("reuse_unfenced",)
-# How long both sides wait, once a faulted segment's rooms are terminal and the fault is undone,
-# before their rooms' statuses count: a failure notice held up by the fault is resent every
-# heartbeat interval (0.2 s), so a Success a peer overruled has turned Failed by then.
-SETTLE_S = 1.0
+# Once a faulted segment's rooms are terminal and the fault is undone, the two sides must come to
+# agree on every room within the window a failure notice is resent in (the fence deadline): a
+# Success the peer overruled turns Failed when the held-up notice arrives, which after a long
+# partition waits for TCP's retransmission backoff. Asked every SETTLE_POLL_S until they agree.
+SETTLE_POLL_S = 0.5
 TP_PAIRS = ((1, 1), (2, 1), (1, 2))
 
 
@@ -218,10 +219,7 @@ class PairRun(Soak):
                 inj.stop()
                 inj.join(30)
                 self.chaos.injectors.remove(inj)
-        for side in self.sides.values():
-            side.tell(cmd="settle", after_s=SETTLE_S)
-        for side in self.sides.values():
-            self._wait(side, "settled", SETTLE_S + 60)
+        self._settle(start, end, time.monotonic() + sp.timeouts().fence_ns / 1e9 + 2.0)
         if inj is not None and (inj.error or inj.applied_at is None):
             self._violation("fault_not_injected", fault=f.as_dict(), error=inj.error or "never applied")
         self._sample()
@@ -229,6 +227,29 @@ class PairRun(Soak):
         hit = None if f.kind == "abort_burst" else f.kind
         for room in sp.segment_rooms(c.seed, start, end, end, c.flows, rate):
             self._judge(room, None, hit)
+
+    def _settle(self, start: int, end: int, until: float) -> None:
+        """Ask both sides for their kept rooms' news until every room's statuses agree (or the
+        resend window is over: the judge then reports the disagreement), then release them."""
+        while True:
+            for side in self.sides.values():
+                side.tell(cmd="settle")
+            for side in self.sides.values():
+                self._wait(side, "settled", 60)
+            if not self._disagreeing(start, end) or time.monotonic() >= until:
+                break
+            time.sleep(SETTLE_POLL_S)
+        for side in self.sides.values():
+            side.tell(cmd="release")
+        for side in self.sides.values():
+            self._wait(side, "released", 60)
+
+    def _disagreeing(self, start: int, end: int) -> bool:
+        p, d = self.results["prefill"], self.results["decode"]
+        for i in range(start, end):
+            if i in p and i in d and len({*p[i]["status"], *d[i]["status"]}) > 1:
+                return True
+        return False
 
     def _counted(self, plan: sp.SoakRoom, outcome: str, fault: str | None) -> None:
         self.chaos.coverage.add(plan.flow, self.tp_name, self.fault_kind, outcome)
