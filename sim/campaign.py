@@ -171,6 +171,14 @@ LIVENESS_RATES = {
 }
 LIVENESS_SLOW_FACTOR = 0.25  # a slow link keeps at least a quarter of its bandwidth
 LIVENESS = "liveness_class"  # the violation's name
+# What a campaign can draw, listed in its coverage even when it drew none of it.
+FLOW_NAMES = ("policy", "direct", "ring", "pinned", "pull", "push")
+TP_PAIRS = tuple(f"{p}->{d}" for p in (1, 2, 4) for d in (1, 2, 4))
+FAULT_KINDS = (
+    "ctrl_drop", "ctrl_dup", "ctrl_reorder", "ctrl_delay", "notif_drop", "notif_delay", "xfer_err", "abort",
+    "crash", "link_down", "slow_link",
+)  # fmt: skip
+LIVENESS_KINDS = (*LIVENESS_RATES, "slow_link")
 
 
 def liveness_scenario(s: sc.Scenario) -> sc.Scenario:
@@ -254,15 +262,23 @@ class CoverageTally:
         for kind in [k for k, n in res.faults.items() if n] or ["none"]:
             self.by_fault[kind].update({**cov["outcomes"], **deadline, "runs": 1})
 
-    def as_dict(self) -> dict[str, dict[str, dict[str, int]]]:
-        def rows(d: dict[str, Counter[str]]) -> dict[str, dict[str, int]]:
+    def as_dict(self, liveness: bool = False) -> dict[str, dict[str, dict[str, int]]]:
+        """Every flow, TP pair and fault kind the campaign could draw has a row (zero if never)."""
+
+        def rows(d: dict[str, Counter[str]], known: tuple[str, ...]) -> dict[str, dict[str, int]]:
             out = {}
-            for k, c in sorted(d.items()):
+            for k in [*known, *sorted(set(d) - set(known))]:
+                c = d.get(k, Counter())
                 rooms = sum(n for o, n in c.items() if o in ("success", "failed", "open"))
                 out[k] = {"rooms": rooms, **dict(sorted(c.items()))}
             return out
 
-        return {"by_flow": rows(self.by_flow), "by_tp": rows(self.by_tp), "by_fault": rows(self.by_fault)}
+        kinds = LIVENESS_KINDS if liveness else FAULT_KINDS
+        return {
+            "by_flow": rows(self.by_flow, FLOW_NAMES),
+            "by_tp": rows(self.by_tp, TP_PAIRS),
+            "by_fault": rows(self.by_fault, ("none", *kinds)),
+        }
 
 
 def run_one(
