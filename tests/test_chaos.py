@@ -206,6 +206,19 @@ def test_short_run_every_flow_tp_pair_and_fault_kind() -> None:
 
 
 @needs_netns
+def test_liveness_class_every_room_succeeds_through_short_partitions_and_slow_links() -> None:
+    code, r, _err = _chaos(
+        "--liveness", "--rooms", "125", "--tp", "1-1", "--seed", "3", "--fault-share", "0.8"
+    )
+    assert code == 0 and r["ok"], r["violations"][:5]
+    assert r["config"]["abort_rate"] == 0.0 and set(r["config"]["kinds"]) == set(LIVENESS_KINDS)
+    by_fault = r["coverage"]["by_fault"]
+    assert set(by_fault) == {"none", *LIVENESS_KINDS}
+    assert all(set(row) <= {"rooms", "success"} for row in by_fault.values()), by_fault
+    assert all(by_fault[k]["rooms"] > 0 for k in LIVENESS_KINDS)
+
+
+@needs_netns
 def test_planted_reuse_before_the_fence_is_caught_with_its_replay_line() -> None:
     # Seed 0 stops prefill three times past the heartbeat timeout: decode fails the rooms in
     # flight, and prefill's writes posted once it resumes land in their pages. The fence keeps

@@ -507,6 +507,21 @@ class Soak:
         return state
 
 
+def rss_line(x: dict[str, Any], bound_mb: float, who: str) -> str:
+    """One process's RSS verdict for a summary ("" when it was never sampled)."""
+    if x["checked"]:
+        verdict = "ok" if x["ok"] else f"over the {bound_mb} MB bound"
+        return (
+            f"  RSS {who}: {x['baseline_mb']} MB after warm-up -> {x['last_mb']} MB "
+            f"({x['growth_mb']:+} MB, {verdict}); first sample {x['first_mb']} MB"
+        )
+    if x["samples"]:
+        return (
+            f"  RSS {who}: {x['first_mb']} -> {x['last_mb']} MB (lived shorter than the warm-up: not checked)"
+        )
+    return ""
+
+
 def _by_deadline(reasons: list[str]) -> bool:
     """Every failed rank's reason is a room deadline (the core's "timed out while STATE"), not a
     failure the rank was told or saw (a lost heartbeat, a refused write, an abort)."""

@@ -132,13 +132,11 @@ def summary(r: dict[str, Any]) -> str:
         )
     if len(r["faults"]) > 12:
         lines.append(f"  ... and {len(r['faults']) - 12} more faults (--json lists them all)")
+    from kvferry.backends.loopback.soak import rss_line
+
     for x in r["rss"]:
-        if x["checked"]:
-            verdict = "ok" if x["ok"] else f"over the {c['rss_bound_mb']} MB bound"
-            lines.append(
-                f"  RSS TP {x['tp']} {x['side']}#{x['incarnation']}: {x['baseline_mb']} -> {x['last_mb']} MB "
-                f"({x['growth_mb']:+} MB, {verdict})"
-            )
+        if x["checked"]:  # short-lived processes (most of a short run) say nothing
+            lines.append(rss_line(x, c["rss_bound_mb"], f"TP {x['tp']} {x['side']}#{x['incarnation']}"))
     if r["ok"]:
         lines.append(
             "verdict: OK, every room terminal, Success bytes equal, both sides agree, canaries untouched, "
