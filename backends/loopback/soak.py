@@ -489,6 +489,9 @@ class Soak:
             "errors": pd["errors"] + dd["errors"],
             "driver_errors": _sum_counts(pd["driver_errors"] + dd["driver_errors"]),
             "stuck_threads": stuck,
+            # The cores' own account (lost peers, resends, fences that expired, transfers cut).
+            "prefill_counters": _sum_counts(pd["counters"]),
+            "decode_counters": _sum_counts(dd["counters"]),
         }
         if any(state["prefill_leaks"]) or any(state["decode_leaks"]):
             self._violation("tables_not_empty", prefill=state["prefill_leaks"], decode=state["decode_leaks"])
