@@ -7,6 +7,7 @@ handed out again and at the end: a write that lands while they are free is caugh
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -44,7 +45,7 @@ class DecodeSide(common.SideLoop):
         for ep in self.eps:
             ep.start()
         self.rng = np.random.default_rng([args.seed, args.incarnation])  # scattered pages
-        self.last_owner: dict[tuple[str, int], str] = {}
+        self.last_owner: dict[tuple[str, int], tuple[str, float]] = {}  # and when it was freed
         self.free_pages: list[int] = []
         self.free_aux: list[int] = []
         self._give_back(np.arange(sp.DECODE_PAGES), range(sp.AUX_ROWS))
@@ -55,10 +56,11 @@ class DecodeSide(common.SideLoop):
     def _give_back(self, pages: Any, aux_rows: Any, owner: str = "") -> None:
         """Free pages and aux rows, each stamped with the canary first; ``owner`` (the room that
         held them) names the suspect if a canary breaks."""
+        now = time.monotonic()
         for page in pages:
-            self.last_owner[("page", int(page))] = owner
+            self.last_owner[("page", int(page))] = (owner, now)
         for row in aux_rows:
-            self.last_owner[("aux row", row)] = owner
+            self.last_owner[("aux row", row)] = (owner, now)
         for ep in self.eps:
             for page in pages:
                 pattern.fill(ep.pool, ep.transport.region, CANARY_ROOM, np.array([page]), 0, sp.DECODE_PAGE)
@@ -66,6 +68,10 @@ class DecodeSide(common.SideLoop):
                 ep.transport.write_aux_row(row, CANARY_AUX)
         self.free_pages.extend(int(p) for p in pages)
         self.free_aux.extend(aux_rows)
+
+    def _was(self, what: tuple[str, int]) -> str:
+        owner, at = self.last_owner.get(what, ("nobody", time.monotonic()))
+        return f"freed {time.monotonic() - at:.1f} s before, last held by {owner}"
 
     def _canary_bad(self, pages: Any, aux_rows: Any) -> list[str]:
         """The free pages and aux rows among these whose canary changed: a write landed there."""
@@ -76,12 +82,11 @@ class DecodeSide(common.SideLoop):
                     ep.pool, ep.transport.region, CANARY_ROOM, np.array([page]), sp.DECODE_PAGE
                 )
                 if n:
-                    was = self.last_owner.get(("page", int(page)), "")
-                    bad.append(f"rank {ep.pool.tp_rank} page {int(page)}: {n} bytes (last held by {was})")
+                    was = self._was(("page", int(page)))
+                    bad.append(f"rank {ep.pool.tp_rank} page {int(page)}: {n} bytes ({was})")
             for row in aux_rows:
                 if ep.transport.read_aux_room(row) != CANARY_ROOM:
-                    was = self.last_owner.get(("aux row", row), "")
-                    bad.append(f"rank {ep.pool.tp_rank} aux row {row} (last held by {was})")
+                    bad.append(f"rank {ep.pool.tp_rank} aux row {row} ({self._was(('aux row', row))})")
         return bad
 
     def _open(self, pending: list[sp.SoakRoom], live: dict[int, dict[str, Any]]) -> bool:
