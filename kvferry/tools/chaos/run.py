@@ -5,7 +5,10 @@ bursts. The soak's machinery runs the rooms and checks them (``backends/loopback
 adds the hosts, the faults, the rule for rooms a fault hit, and the coverage tables.
 
 A room in a segment a network or process fault hit may end Success (bytes checked) or Failed,
-but alike on both sides; every other room is judged as the soak judges it. Canaries in free
+but alike on both sides, and so may a room of the segment right after it (the fault's aftermath:
+after a long partition TCP's retransmission backoff keeps the old connections silent for seconds
+past the heal, long enough for a heartbeat timeout); every other room is judged as the soak
+judges it. Canaries in free
 pages and aux rows catch a write that lands outside a live room (a late write after a heal or a
 thaw). In the liveness class (``liveness``) only faults the protocol rides out are drawn and
 every room that was not aborted must end Success.
@@ -164,6 +167,7 @@ class PairRun(Soak):
         super().__init__(cfg, lambda line: chaos.progress(f"[TP {self.tp_name}] {line}"))
         self.chaos, self.start_room, self.end_room = chaos, start, end
         self.fault_kind: str | None = None
+        self.aftermath: str | None = None  # the kind of the fault the last segment had
 
     def _launch(self, role: str) -> tuple[tuple[str, ...], list[str], dict[str, str]]:
         net, host = self.chaos.net, HOSTS[role]
@@ -182,26 +186,32 @@ class PairRun(Soak):
 
     def _segment(self, start: int, end: int, kill: bool) -> None:
         f = self.chaos.faults.get(start)
-        self.fault_kind = f.kind if f is not None else None
+        after, self.aftermath = self.aftermath, None
+        self.fault_kind = f.kind if f is not None else after
         try:
-            if f is None or f.kind == "kill":
+            if f is None and after is not None:
+                self._faulted_segment(start, end, None, after)
+            elif f is None or f.kind == "kill":
                 if f is not None:
                     self.chaos.log_fault(f, self.tp_name, start, end, time.monotonic())
                 super()._segment(start, end, kill)
             else:
-                self._faulted_segment(start, end, f)
+                self._faulted_segment(start, end, f, f.kind)
+                if f.kind != "abort_burst":
+                    self.aftermath = f.kind
         finally:
             self.fault_kind = None
 
-    def _faulted_segment(self, start: int, end: int, f: Fault) -> None:
+    def _faulted_segment(self, start: int, end: int, f: Fault | None, kind: str) -> None:
+        """A segment with fault ``f`` injected, or (``f`` None) in the aftermath of a ``kind``."""
         c = self.c
-        rate = f.abort_rate if f.kind == "abort_burst" else c.abort_rate
+        rate = f.abort_rate if f is not None and f.kind == "abort_burst" else c.abort_rate
         for side in self.sides.values():
             side.tell(cmd="run", start=start, end=end, hold_from=end, abort_rate=rate, keep=True)
         inj = None
-        if f.kind == "abort_burst":
+        if f is not None and f.kind == "abort_burst":
             self.chaos.log_fault(f, self.tp_name, start, end, time.monotonic())
-        else:
+        elif f is not None:
             base, at = self.reported, min(f.at_room, end - start - 1)  # a room still in flight
             inj = Injector(
                 self.chaos.net, f, pid=lambda role: self.sides[role].proc.pid if role in self.sides else None,
@@ -212,19 +222,19 @@ class PairRun(Soak):
             inj.start()
         try:
             for side in self.sides.values():
-                self._wait(side, "segment", c.segment_timeout_s + 30 + f.for_s)
+                self._wait(side, "segment", c.segment_timeout_s + 30 + (f.for_s if f else 0.0))
         finally:
-            if inj is not None:
+            if f is not None and inj is not None:
                 inj.join(f.for_s + 30)
                 inj.stop()
                 inj.join(30)
                 self.chaos.injectors.remove(inj)
         self._settle(start, end, time.monotonic() + sp.timeouts().fence_ns / 1e9 + 2.0)
-        if inj is not None and (inj.error or inj.applied_at is None):
+        if f is not None and inj is not None and (inj.error or inj.applied_at is None):
             self._violation("fault_not_injected", fault=f.as_dict(), error=inj.error or "never applied")
         self._sample()
         # A burst of aborts is no network fault: its rooms are judged as strictly as any.
-        hit = None if f.kind == "abort_burst" else f.kind
+        hit = None if kind == "abort_burst" else kind
         for room in sp.segment_rooms(c.seed, start, end, end, c.flows, rate):
             self._judge(room, None, hit)
 

@@ -80,19 +80,21 @@ def plan(
     heartbeat_timeout_s: float,
     liveness: bool = False,
 ) -> dict[int, Fault]:
-    """Segment index -> its fault. Segment 0 of the run stays clean (both sides settle first).
-    Every kind is drawn at least once if the run has a segment for it (``share`` > 0)."""
+    """Segment index -> its fault. Segment 0 of the run stays clean (both sides settle first),
+    and so does the segment after each fault (its aftermath, judged with it). Every kind is drawn
+    at least once if the run has room for it (``share`` > 0)."""
     rng = random.Random(f"kvferry-chaos:{seed}")
     first = list(kinds)
     rng.shuffle(first)
     out: dict[int, Fault] = {}
     for seg in range(1, segments):
-        if rng.random() >= share:
+        if seg - 1 in out or rng.random() >= share:
             continue
         kind = first.pop(0) if first else rng.choice(kinds)
         out[seg] = draw(rng, kind, heartbeat_timeout_s, liveness)
-    clean = [seg for seg in range(1, segments) if seg not in out]
-    while first and clean and share > 0:
-        seg = clean.pop(rng.randrange(len(clean)))
+    free = [s for s in range(1, segments) if not {s - 1, s, s + 1} & set(out)]
+    while first and free and share > 0:
+        seg = free.pop(rng.randrange(len(free)))
         out[seg] = draw(rng, first.pop(0), heartbeat_timeout_s, liveness)
+        free = [s for s in free if abs(s - seg) > 1]
     return out
