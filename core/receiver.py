@@ -136,6 +136,7 @@ class _Room:
         "pull_from",
         "pulled",
         "reads",
+        "reads_cut",
         "reads_stopped_sent",
         "release_requested",
         "room",
@@ -175,6 +176,10 @@ class _Room:
         self.dummies_done: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
         self.fenced: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
         self.fence_expired = False
+        # READs of ours in flight when their peer was lost: cut by DropPeer, yet over a transport
+        # that queues them (UCX over TCP) their data can still land after a heal, so only the
+        # fence deadline frees the pages.
+        self.reads_cut = False
         self.freed = False
         self.failure: RoomFailure | None = None
         self.release_requested = False
@@ -710,7 +715,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         st = r.state
         if st is RState.FAILED:
             self._reads_drained(r)
-            fenced = r.fence_expired or r.fenced >= r.senders.keys()
+            fenced = r.fence_expired or (r.fenced >= r.senders.keys() and not r.reads_cut)
             if not r.freed and fenced and not r.scatters and not r.reads:
                 # Pages and staging space go back only when no writer can still write them (fenced)
                 # and no scatter or READ of ours is writing the pages.
@@ -751,6 +756,11 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
                 self._send(peer, self._watermark_msg(pool))
 
     def _peer_gone(self, peer: m.Endpoint) -> None:
+        for room in self.rooms_by_peer.get(peer, ()):
+            r = self.rooms.get(room)
+            if r is not None and r.reads:
+                r.reads_cut = True
+                self.counters["reads_cut_by_peer_loss"] += 1
         self._forget_pull_peer(peer)  # the driver drops its agent with it (DropPeer)
 
     def _on_deadline(self, kind: str, what: Any) -> None:

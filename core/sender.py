@@ -250,6 +250,10 @@ class SenderEngine(StagedSender, RoomEngine):
         self.deadlines = DeadlineHeap()
         self.tombstones = Tombstones(self.timeouts.tombstone_ns)
         self.counters: Counter[str] = Counter()
+        # Rooms whose writes in flight were cut when their decode peer was lost: over a transport
+        # that queues writes (UCX over TCP) they can still land after a heal, so no Stopped may
+        # vouch for them; decode frees those pages at its fence deadline. By room key, until then.
+        self._cut: dict[tuple[int, str], int] = {}
         # Unacknowledged RoomFailed, by room key; outlives the room (like the tombstone).
         interval = self.timeouts.heartbeat_interval_ns
         self._notices = Resends(
@@ -451,7 +455,8 @@ class SenderEngine(StagedSender, RoomEngine):
                     msg.src,
                     m.RoomFailed(src=self.endpoint, room=room, transfer_id=tid, reason="failed earlier"),
                 )
-                self._send(msg.src, m.Stopped(src=self.endpoint, room=room, transfer_id=tid))
+                if (room, tid) not in self._cut:
+                    self._send(msg.src, m.Stopped(src=self.endpoint, room=room, transfer_id=tid))
             return
         r = self.rooms.get(msg.room)
         if r is None:
@@ -476,7 +481,8 @@ class SenderEngine(StagedSender, RoomEngine):
             # Nothing of ours is live for this incarnation, so nothing can be writing: fence now.
             self.counters["abort_for_unknown_room"] += 1
             self._late_failure(msg)
-            self._send(msg.src, m.Stopped(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id))
+            if (msg.room, msg.transfer_id) not in self._cut:
+                self._send(msg.src, m.Stopped(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id))
             return
         self._dispatch(r, SIn.ABORT_PEER, msg)
 
@@ -1016,7 +1022,7 @@ class SenderEngine(StagedSender, RoomEngine):
             return
         if st is not SState.FAILED:
             return  # a live room: nothing to fence or drop
-        if not r.inflight and not r.stopped_sent:
+        if not r.inflight and not r.stopped_sent and r.key not in self._cut:
             r.stopped_sent = True
             for p in sorted(r.stop_to):
                 self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
@@ -1064,9 +1070,18 @@ class SenderEngine(StagedSender, RoomEngine):
             r = self.rooms.get(what)
             if r is not None:
                 self._resend_staging(r)
+        elif kind == "cut":
+            self._cut.pop(what, None)  # decode's fence deadline has passed: it freed the pages
 
     def _peer_gone(self, peer: m.Endpoint) -> None:
         self._forget_staging_peer(peer)
+        until = self._now + self.timeouts.fence_ns
+        for room in sorted(self.rooms_by_peer.get(peer, ())):
+            r = self.rooms.get(room)
+            if r is not None and r.inflight:
+                self._cut[r.key] = until
+                self.deadlines.set(("cut", r.key), until)
+                self.counters["writes_cut_by_peer_loss"] += 1
 
 
 # --- the transition table (after the class: it holds the handlers themselves) --------------

@@ -4,12 +4,19 @@ Without a base scenario every seed also draws its deployment (TP pair, heads or 
 layouts, workers, workload), so a campaign covers topologies as well as faults. A failing seed is
 written out as a resolved scenario file: replaying it (``kvferry replay FILE``) repeats the run
 event for event, and dropping it into ``tests/scenarios/`` makes it a regression test.
+
+Campaigns say what they covered: every run counts its rooms per flow and outcome and its TP pair
+(``room_coverage``), and ``CoverageTally`` adds them up per flow, per TP pair and per fault kind
+drawn, with the rooms that failed only by a deadline, so a campaign that never drew a flow or a
+fault, or whose deadline failures drift up, shows it. The liveness class (``liveness_scenario``)
+draws only faults the protocol promises to ride out, and there every room must end Success.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +26,7 @@ import msgspec
 from kvferry.sim import executors as ex
 from kvferry.sim import scenario as sc
 from kvferry.sim.executors import Executor
+from kvferry.sim.faults import _calm as stretch_for_load
 from kvferry.sim.metrics import RunResult, collect
 from kvferry.sim.rng import Streams
 from kvferry.sim.world import World
@@ -151,20 +159,147 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
     )
 
 
+# The liveness class: control messages dropped, duplicated, reordered and delayed, notifications
+# delayed, and short slow links, at rates the resend intervals are sized for (every message that
+# matters is resent each heartbeat interval until answered, well inside a room's deadlines).
+LIVENESS_RATES = {
+    "ctrl_drop": 0.02,
+    "ctrl_dup": 0.05,
+    "ctrl_reorder": 0.05,
+    "ctrl_delay": 0.1,
+    "notif_delay": 0.1,
+}
+LIVENESS_SLOW_FACTOR = 0.25  # a slow link keeps at least a quarter of its bandwidth
+LIVENESS = "liveness_class"  # the violation's name
+# What a campaign can draw, listed in its coverage even when it drew none of it.
+FLOW_NAMES = ("policy", "direct", "ring", "pinned", "pull", "push")
+TP_PAIRS = tuple(f"{p}->{d}" for p in (1, 2, 4) for d in (1, 2, 4))
+FAULT_KINDS = (
+    "ctrl_drop", "ctrl_dup", "ctrl_reorder", "ctrl_delay", "notif_drop", "notif_delay", "xfer_err", "abort",
+    "crash", "link_down", "slow_link",
+)  # fmt: skip
+LIVENESS_KINDS = (*LIVENESS_RATES, "slow_link")
+
+
+def liveness_scenario(s: sc.Scenario) -> sc.Scenario:
+    """``s`` with its faults replaced by a draw of the liveness class (from the seed's own
+    stream): each ridable fault on or off, its rate up to ``LIVENESS_RATES``, and maybe one slow
+    link for at most a tenth of the fault window. No crash, link down, write error, lost
+    notification, abort or length mismatch: those may fail rooms by design."""
+    rng = Streams(s.seed)["liveness"]
+    rates = {
+        k: round(rng.uniform(0.0, hi), 4) if rng.random() < 0.6 else 0.0 for k, hi in LIVENESS_RATES.items()
+    }
+    events: tuple[sc.FaultEvent, ...] = ()
+    window = s.phases.fault_window_us
+    nodes = s.node_names()
+    if rng.random() < 0.5 and window > 10:
+        pre = [n for n in nodes if n.startswith("prefill")]
+        dec = [n for n in nodes if n.startswith("decode")]
+        events = (
+            sc.FaultEvent(
+                at_us=rng.randrange(window), kind="slow_link", node=rng.choice(pre), peer=rng.choice(dec),
+                duration_us=rng.randrange(1, window // 10 + 1),
+                factor=round(rng.uniform(LIVENESS_SLOW_FACTOR, 0.8), 3),
+            ),
+        )  # fmt: skip
+    faults = sc.Faults(swarm=False, events=events, clock_skew_max_us=s.faults.clock_skew_max_us, **rates)
+    work = replace(s.workload, length_mismatch=0.0)
+    # Deadlines stretched as for a calm seed: a drawn overload queues rooms past unstretched
+    # deadlines with no fault at all, which is load, not a resend gone missing.
+    return stretch_for_load(replace(s, name=f"liveness-{s.seed}", faults=faults, workload=work))
+
+
+def room_coverage(w: World) -> dict[str, Any]:
+    """This run's rooms per flow (``policy`` where the policy chose) and outcome, its TP pair,
+    and how many rooms failed only by a deadline (every reason a "timed out while" one)."""
+    by_flow: dict[str, Counter[str]] = defaultdict(Counter)
+    outcomes: Counter[str] = Counter()
+    by_deadline = 0
+    for r in w.requests:
+        outcome = r.outcome or "open"
+        by_flow[r.flow or "policy"][outcome] += 1
+        outcomes[outcome] += 1
+        reasons = [x for x in r.reason.values() if x]
+        by_deadline += outcome == "failed" and bool(reasons) and all("timed out while" in x for x in reasons)
+    t = w.scenario.topology
+    return {
+        "by_flow": {f: dict(c) for f, c in sorted(by_flow.items())},
+        "tp": f"{t.prefill_tp}->{t.decode_tp}",
+        "outcomes": dict(outcomes),
+        "failed_by_deadline": by_deadline,
+    }
+
+
+def _liveness_violations(w: World) -> list[dict[str, Any]]:
+    out = []
+    for r in w.requests:
+        if r.outcome != "success" and not r.mismatched:
+            why = next((f"{n}: {x}" for n, x in sorted(r.reason.items()) if x), "")
+            detail = f"room {r.key} {r.outcome or 'unfinished'} under faults the protocol rides out ({why})"
+            out.append({"invariant": LIVENESS, "detail": detail, "t_ns": int(w.env.now), "room": r.key})
+    return out
+
+
+class CoverageTally:
+    """A campaign's coverage: rooms per flow, per TP pair and per fault kind (the rooms of every
+    run that injected that kind; ``none``: runs that injected nothing), with their outcomes and
+    the rooms that failed only by a deadline."""
+
+    def __init__(self) -> None:
+        self.by_flow: dict[str, Counter[str]] = defaultdict(Counter)
+        self.by_tp: dict[str, Counter[str]] = defaultdict(Counter)
+        self.by_fault: dict[str, Counter[str]] = defaultdict(Counter)
+
+    def add(self, res: RunResult) -> None:
+        cov = res.coverage
+        if not cov:
+            return
+        for flow, c in cov["by_flow"].items():
+            self.by_flow[flow].update(c)
+        deadline = {"failed_by_deadline": cov["failed_by_deadline"]} if cov["failed_by_deadline"] else {}
+        self.by_tp[cov["tp"]].update({**cov["outcomes"], **deadline})
+        for kind in [k for k, n in res.faults.items() if n] or ["none"]:
+            self.by_fault[kind].update({**cov["outcomes"], **deadline, "runs": 1})
+
+    def as_dict(self, liveness: bool = False) -> dict[str, dict[str, dict[str, int]]]:
+        """Every flow, TP pair and fault kind the campaign could draw has a row (zero if never)."""
+
+        def rows(d: dict[str, Counter[str]], known: tuple[str, ...]) -> dict[str, dict[str, int]]:
+            out = {}
+            for k in [*known, *sorted(set(d) - set(known))]:
+                c = d.get(k, Counter())
+                rooms = sum(n for o, n in c.items() if o in ("success", "failed", "open"))
+                out[k] = {"rooms": rooms, **dict(sorted(c.items()))}
+            return out
+
+        kinds = LIVENESS_KINDS if liveness else FAULT_KINDS
+        return {
+            "by_flow": rows(self.by_flow, FLOW_NAMES),
+            "by_tp": rows(self.by_tp, TP_PAIRS),
+            "by_fault": rows(self.by_fault, ("none", *kinds)),
+        }
+
+
 def run_one(
     s: sc.Scenario,
     seed: int | None = None,
     keep_trace: bool = False,
     detail: bool = False,
     before_run: Callable[[World], Any] | None = None,
+    liveness: bool = False,
 ) -> tuple[RunResult, World]:
-    """One run, checked. ``before_run`` sees the built world first (a trace viewer's tap)."""
+    """One run, checked. ``before_run`` sees the built world first (a trace viewer's tap);
+    ``liveness``: a run of the liveness class, where a room that is not Success is a violation."""
     t0 = time.perf_counter()
     w = World(s, seed=seed, keep_trace=keep_trace)
     if before_run is not None:
         before_run(w)
     w.run()
     res = collect(w, wall_s=time.perf_counter() - t0, detail=detail)
+    res.coverage = room_coverage(w)
+    if liveness:
+        res.violations += _liveness_violations(w)
     if res.violations:
         res.scenario_toml = failing_scenario_toml(w, res)
     return res, w
@@ -189,10 +324,11 @@ def failing_scenario_toml(w: World, res: RunResult) -> str:
     return header + sc.dump(s)
 
 
-def _job(seed: int, base_toml: str | None, hooks: tuple[str, ...]) -> bytes:
+def _job(seed: int, base_toml: str | None, hooks: tuple[str, ...], liveness: bool = False) -> bytes:
     """One seed's run, as msgpack: results cross processes and machines as data, never pickles."""
     base = sc.parse(_loads(base_toml)) if base_toml is not None else None
-    res, _ = run_one(fuzz_scenario(seed, base, hooks))
+    s = fuzz_scenario(seed, base, hooks)
+    res, _ = run_one(liveness_scenario(s) if liveness else s, liveness=liveness)
     return msgspec.msgpack.encode(res)
 
 
@@ -202,9 +338,12 @@ def _loads(text: str) -> dict:
     return tomllib.loads(text)
 
 
-def seed_job(base: sc.Scenario | None = None, hooks: tuple[str, ...] = ()) -> Callable[[int], bytes]:
+def seed_job(
+    base: sc.Scenario | None = None, hooks: tuple[str, ...] = (), liveness: bool = False
+) -> Callable[[int], bytes]:
     """The picklable function an executor maps over seeds (the base travels as its TOML text)."""
-    return functools.partial(_job, base_toml=sc.dump(base) if base is not None else None, hooks=hooks)
+    toml = sc.dump(base) if base is not None else None
+    return functools.partial(_job, base_toml=toml, hooks=hooks, liveness=liveness)
 
 
 def decode_result(data: bytes) -> RunResult:
@@ -217,10 +356,11 @@ def run_seeds(
     hooks: tuple[str, ...] = (),
     executor: Executor | None = None,
     progress: ex.Progress | None = None,
+    liveness: bool = False,
 ) -> Iterator[RunResult]:
     """Every seed once, yielded as runs finish (any order); ``executor`` defaults to inline."""
     executor = executor or ex.LocalExecutor(1)
-    for _, data in executor.map(seed_job(base, hooks), seeds, progress=progress):
+    for _, data in executor.map(seed_job(base, hooks, liveness), seeds, progress=progress):
         yield decode_result(data)
 
 

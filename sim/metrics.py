@@ -78,6 +78,9 @@ class RunResult:
     # TP and server counts of each side, and per server ("prefill0", "decode2") the rooms routed
     # there and how many of them succeeded.
     deployment: dict[str, Any] = field(default_factory=dict)
+    # Rooms per flow with their outcomes, the TP pair, rooms failed only by a deadline
+    # (sim/campaign.py room_coverage): what a campaign adds up into its coverage tables.
+    coverage: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -415,6 +415,7 @@ BASE = {
     ("version",): [],
     ("soak",): ["--rooms", "1", "--json"],
     ("fuzz-live",): ["--rooms", "1", "--frames", "1", "--json"],
+    ("chaos",): ["--rooms", "1", "--tp", "1-1", "--fault-share", "0", "--json"],
     ("select",): ["--concurrency", "1", "--requests", "1", "--isl", "16", "--osl", "2", "--json"],
 }
 

@@ -315,7 +315,10 @@ def test_only_a_partition_longer_than_the_resend_window_exempts_a_room(duration_
         # Abort resent through the partition reaches prefill after it heals: both sides Failed.
         assert w.agreement_exempt == []
         assert any(delivered and last - first > 100_000_000 for first, last, delivered in aborts)
-        assert not w.ranks["decode0"].engine.counters.get("fence_expired")
+        # Only a room whose writes were in flight when prefill lost decode waits for its fence:
+        # no Stopped vouches for writes a lost peer's drop cut (they may land late over TCP).
+        cut = w.ranks["prefill0"].engine.counters["writes_cut_by_peer_loss"]
+        assert w.ranks["decode0"].engine.counters.get("fence_expired", 0) <= cut
     else:
         assert w.agreement_exempt
         # The core's own account agrees with the fabric log: decode gave up waiting (fence).

@@ -23,6 +23,9 @@ def arguments(role: str) -> argparse.Namespace:
     ap.add_argument("--decode-tp", type=int, default=1)
     ap.add_argument("--segment-timeout-s", type=float, default=120.0)
     ap.add_argument("--incarnation", type=int, default=0)
+    # The address every rank binds its control socket to (a network namespace's own address under
+    # ``kvferry chaos``); NIXL's UCX picks its interface from UCX_NET_DEVICES in the environment.
+    ap.add_argument("--host", default="127.0.0.1")
     if role == "prefill":
         ap.add_argument("--ports", default="", help="control ports to bind, one per rank (restart)")
     else:
@@ -36,8 +39,11 @@ def serve(
     run_segment: Callable[[dict[str, Any]], None],
     finish: Callable[[], dict[str, Any]],
     close: Callable[[], list[str]],
+    settle: Callable[[], None] = lambda: None,
+    release: Callable[[], None] = lambda: None,
 ) -> None:
-    """The command loop: ``run`` a segment, ``finish`` (report the tables), ``exit``."""
+    """The command loop: ``run`` a segment, ``settle`` (report its kept rooms that changed) and
+    ``release`` them, ``finish`` (report the tables), ``exit``."""
     while True:
         cmd = heard(IDLE_WAIT_S)
         if cmd is None or cmd["cmd"] == "eof":
@@ -46,6 +52,12 @@ def serve(
         if cmd["cmd"] == "run":
             run_segment(cmd)
             say(event="segment", end=cmd["end"], rss_kb=rss_kb())
+        elif cmd["cmd"] == "settle":
+            settle()
+            say(event="settled")
+        elif cmd["cmd"] == "release":
+            release()
+            say(event="released")
         elif cmd["cmd"] == "finish":
             say(event="done", rss_kb=rss_kb(), **finish())
         elif cmd["cmd"] == "exit":
@@ -116,6 +128,39 @@ class SideLoop:
 
     HANDLES = ""  # the key of a live room's handles: "rvs" (decode) or "senders" (prefill)
     args: Any
+    # After a fault, a rank's Success can still turn Failed (the peer failed the room and its
+    # notice arrives after a heal or a thaw, resent for up to the fence deadline). A segment run
+    # with ``keep`` keeps the handles of reported rooms with a Success rank: ``settle`` reports
+    # the ones that changed since (as often as the parent asks), ``release`` clears them.
+    keep = False
+    settling: dict[int, tuple[list[Any], list[int]]]
+
+    def _release(self, idx: int, handles: list[Any], statuses: list[Any]) -> list[Any]:
+        """Handles to clear now; a room with a Success rank is kept to settle when ``keep``."""
+        from kvferry.core.kvpoll import KVPoll
+
+        if self.keep and KVPoll.Success in statuses:
+            self.settling[idx] = (handles, [int(x) for x in statuses])
+            return []
+        return handles
+
+    def settle(self) -> None:
+        """Report every kept room whose status changed since it was last reported."""
+        from kvferry.backends.loopback.wire import say
+
+        for idx, (handles, said) in sorted(self.settling.items()):
+            now = [int(h.poll()) for h in handles]
+            if now != said:
+                reasons, errors = outcome(handles, now)
+                say(event="room_final", i=idx, status=now, reason=reasons, error=errors)
+                self.settling[idx] = (handles, now)
+
+    def release(self) -> None:
+        for handles, _said in self.settling.values():
+            for h in handles:
+                h.clear()
+        self.settling = {}
+        self.keep = False
 
     def _open(self, pending: list[Any], live: dict[int, dict[str, Any]]) -> bool:
         raise NotImplementedError
@@ -132,7 +177,10 @@ class SideLoop:
         from kvferry.core.kvpoll import KVPoll
 
         a = self.args
-        plans = sp.segment_rooms(a.seed, cmd["start"], cmd["end"], cmd["hold_from"], a.flows, a.abort_rate)
+        self.keep = bool(cmd.get("keep"))
+        self.settling = getattr(self, "settling", {})
+        rate = cmd.get("abort_rate", a.abort_rate)  # a segment may carry its own (a burst of aborts)
+        plans = sp.segment_rooms(a.seed, cmd["start"], cmd["end"], cmd["hold_from"], a.flows, rate)
         pending = list(reversed(plans))
         live: dict[int, dict[str, Any]] = {}
         holding = cmd["hold_from"] < cmd["end"]

@@ -1,11 +1,13 @@
 """The soak's decode process: every decode rank over real NIXL. Every Success room's bytes are
 checked against the pattern prefill computed; a failed room's pages go back to the allocator only
 once the core says they are fenced (``pages_freed``), so a late write would corrupt a later room
-and be caught by that room's check."""
+and be caught by that room's check. Free pages and aux rows hold a canary, checked when they are
+handed out again and at the end: a write that lands while they are free is caught there."""
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -17,9 +19,13 @@ from kvferry.core.kvpoll import KVPoll
 from kvferry.sim import pattern
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
-# The checker's self-test (tests/test_soak.py): "corrupt" flips decode's bytes under some
-# Success rooms before they are checked; the soak must report them.
+# The checkers' self-tests: "corrupt" flips decode's bytes under some Success rooms before they are
+# checked (tests/test_soak.py); "reuse_unfenced" hands a failed room's pages and aux row out again
+# without waiting for its fence, so a late write of a stalled or cut-off prefill lands in free or
+# reused pages (``kvferry chaos --plant reuse_unfenced``). The soak must report both.
 PLANT = os.environ.get("KVFERRY_SOAK_PLANT", "")
+CANARY_ROOM = 0x6B76_6665_7272_7921  # the pattern key of a free page ("kvferry!")
+CANARY_AUX = CANARY_ROOM.to_bytes(8, "little", signed=True)
 
 
 class DecodeSide(common.SideLoop):
@@ -27,7 +33,9 @@ class DecodeSide(common.SideLoop):
 
     def __init__(self, args: Any) -> None:
         self.args = args
-        cfg = RuntimeConfig(timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging())
+        cfg = RuntimeConfig(
+            timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging(), host=args.host
+        )
         self.eps = [
             DecodeEndpoint(
                 "decode", pool, prefill_server="prefill", prefill_addresses=args.prefill, config=cfg
@@ -37,10 +45,49 @@ class DecodeSide(common.SideLoop):
         for ep in self.eps:
             ep.start()
         self.rng = np.random.default_rng([args.seed, args.incarnation])  # scattered pages
-        self.free_pages = list(range(sp.DECODE_PAGES))
-        self.free_aux = list(range(sp.AUX_ROWS))
+        self.last_owner: dict[tuple[str, int], tuple[str, float]] = {}  # and when it was freed
+        self.free_pages: list[int] = []
+        self.free_aux: list[int] = []
+        self._give_back(np.arange(sp.DECODE_PAGES), range(sp.AUX_ROWS))
         # A failed room's pages and aux row (and its unfenced receivers) until every rank is fenced.
-        self.waiting_fence: dict[int, tuple[np.ndarray, int, list[Any]]] = {}
+        self.waiting_fence: dict[int, tuple[np.ndarray, int, list[Any], str]] = {}
+        self.unfenced: list[Any] = []  # the planted bug's receivers, cleared once fenced
+
+    def _give_back(self, pages: Any, aux_rows: Any, owner: str = "") -> None:
+        """Free pages and aux rows, each stamped with the canary first; ``owner`` (the room that
+        held them) names the suspect if a canary breaks."""
+        now = time.monotonic()
+        for page in pages:
+            self.last_owner[("page", int(page))] = (owner, now)
+        for row in aux_rows:
+            self.last_owner[("aux row", row)] = (owner, now)
+        for ep in self.eps:
+            for page in pages:
+                pattern.fill(ep.pool, ep.transport.region, CANARY_ROOM, np.array([page]), 0, sp.DECODE_PAGE)
+            for row in aux_rows:
+                ep.transport.write_aux_row(row, CANARY_AUX)
+        self.free_pages.extend(int(p) for p in pages)
+        self.free_aux.extend(aux_rows)
+
+    def _was(self, what: tuple[str, int]) -> str:
+        owner, at = self.last_owner.get(what, ("nobody", time.monotonic()))
+        return f"freed {time.monotonic() - at:.1f} s before, last held by {owner}"
+
+    def _canary_bad(self, pages: Any, aux_rows: Any) -> list[str]:
+        """The free pages and aux rows among these whose canary changed: a write landed there."""
+        bad = []
+        for ep in self.eps:
+            for page in pages:
+                n, _ = pattern.mismatches(
+                    ep.pool, ep.transport.region, CANARY_ROOM, np.array([page]), sp.DECODE_PAGE
+                )
+                if n:
+                    was = self._was(("page", int(page)))
+                    bad.append(f"rank {ep.pool.tp_rank} page {int(page)}: {n} bytes ({was})")
+            for row in aux_rows:
+                if ep.transport.read_aux_room(row) != CANARY_ROOM:
+                    bad.append(f"rank {ep.pool.tp_rank} aux row {row} ({self._was(('aux row', row))})")
+        return bad
 
     def _open(self, pending: list[sp.SoakRoom], live: dict[int, dict[str, Any]]) -> bool:
         busy = False
@@ -54,6 +101,7 @@ class DecodeSide(common.SideLoop):
                 [self.free_pages.pop(int(self.rng.integers(len(self.free_pages)))) for _ in range(need)]
             )
             aux = self.free_aux.pop()
+            canary_bad = self._canary_bad(pages, [aux])
             rvs = [ep.receiver(plan.room, plan.tid) for ep in self.eps]
             for rv in rvs:
                 rv.init(pages, plan.tokens, aux)
@@ -62,6 +110,7 @@ class DecodeSide(common.SideLoop):
                 for rv in rvs:
                     rv.abort("soak: decode_early")
             live[plan.index] = {"plan": plan, "pages": pages, "aux": aux, "rvs": rvs, "aborted": aborted}
+            live[plan.index]["canary_bad"] = canary_bad
             busy = True
         return busy
 
@@ -92,8 +141,9 @@ class DecodeSide(common.SideLoop):
         for rv, status in zip(rvs, statuses, strict=True):
             if status is KVPoll.Failed and not rv.pages_freed():
                 unfenced.append(rv)  # cleared once fenced (_reclaim)
-            else:
-                rv.clear()
+        done = [rv for rv in rvs if rv not in unfenced]
+        for rv in self._release(idx, done, [rv.poll() for rv in done]):
+            rv.clear()
         say(
             event="room",
             i=idx,
@@ -103,8 +153,14 @@ class DecodeSide(common.SideLoop):
             bad_bytes=bad,
             first_bad=repr(first_bad) if first_bad else None,
             aux_ok=aux_ok,
+            canary_bad=st["canary_bad"][:4],
         )
-        self.waiting_fence[idx] = (st["pages"], st["aux"], unfenced)
+        owner = f"room {idx}, {plan.flow}, status {[int(x) for x in statuses]} {reasons}"[:300]
+        if PLANT == "reuse_unfenced" and unfenced:
+            self.unfenced += unfenced  # the bug: the pages are handed out before the fence
+            self._give_back(st["pages"], [st["aux"]], owner)
+        else:
+            self.waiting_fence[idx] = (st["pages"], st["aux"], unfenced, owner)
         self._reclaim()
         del live[idx]
         return True
@@ -112,18 +168,24 @@ class DecodeSide(common.SideLoop):
     def _reclaim(self) -> None:
         """Pages of rooms whose every failed rank is now fenced go back to the allocator."""
         for key in list(self.waiting_fence):
-            pages, aux, unfenced = self.waiting_fence[key]
+            pages, aux, unfenced, owner = self.waiting_fence[key]
             if all(rv.pages_freed() for rv in unfenced):
                 for rv in unfenced:
                     rv.clear()
                 del self.waiting_fence[key]
-                self.free_pages.extend(pages.tolist())
-                self.free_aux.append(aux)
+                self._give_back(pages, [aux], owner)
+        for rv in [rv for rv in self.unfenced if rv.pages_freed()]:
+            rv.clear()
+            self.unfenced.remove(rv)
 
     def finish(self) -> dict[str, Any]:
         def settled() -> bool:
             self._reclaim()
-            return not self.waiting_fence and common.empty([common.tables(ep) for ep in self.eps])
+            return (
+                not self.waiting_fence
+                and not self.unfenced
+                and common.empty([common.tables(ep) for ep in self.eps])
+            )
 
         # A failed room of a killed prefill is fenced by its deadline: wait a little longer.
         common.wait_until(settled, sp.timeouts().fence_ns / 1e9 + 10.0)
@@ -135,6 +197,8 @@ class DecodeSide(common.SideLoop):
             "leaks": [common.tables(ep) for ep in self.eps],
             "waiting_fence": len(self.waiting_fence),
             "pages_free": len(self.free_pages),
+            # Writes that landed in free pages after their last hand-out (none may).
+            "canary_bad": self._canary_bad(self.free_pages, self.free_aux)[:8],
             "errors": [repr(e) for ep in self.eps for e in ep.errors],
             "driver_errors": [dict(ep.driver.errors) for ep in self.eps],
             "counters": counters,
@@ -148,7 +212,7 @@ def main() -> None:
     args = common.arguments("decode")
     side = DecodeSide(args)
     say(event="ready", address=side.eps[0].address, pid=os.getpid())
-    common.serve(side.run_segment, side.finish, side.close)
+    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release)
 
 
 if __name__ == "__main__":

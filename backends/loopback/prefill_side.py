@@ -25,7 +25,9 @@ class PrefillSide(common.SideLoop):
 
     def __init__(self, args: Any) -> None:
         self.args = args
-        cfg = RuntimeConfig(num_queues=2, timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging())
+        cfg = RuntimeConfig(
+            num_queues=2, timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging(), host=args.host
+        )
         ports = [int(p) for p in args.ports.split(",")] if args.ports else [0] * args.prefill_tp
         pools = sp.prefill_pools(args.prefill_tp)
         # A restarted prefill binds its predecessor's ports: decode knows prefill by address.
@@ -97,7 +99,7 @@ class PrefillSide(common.SideLoop):
         if plan.abort is not None and not all(x is KVPoll.Failed for x in statuses):
             return busy  # an aborted room must end Failed everywhere: keep polling (bounded)
         reasons, errors = common.outcome(senders, statuses)
-        for s in senders:
+        for s in self._release(idx, senders, statuses):
             s.clear()
         say(event="room", i=idx, status=[int(x) for x in statuses], reason=reasons, error=errors)
         self.free_pages.extend(st["pages"].tolist())
@@ -140,7 +142,7 @@ def main() -> None:
     args = common.arguments("prefill")
     side = PrefillSide(args)
     say(event="ready", addresses=[ep.address for ep in side.eps], pid=os.getpid())
-    common.serve(side.run_segment, side.finish, side.close)
+    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release)
 
 
 if __name__ == "__main__":

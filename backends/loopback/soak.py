@@ -108,13 +108,22 @@ class Side:
     """One side's process: JSON lines on stdout into the shared queue, stderr (NIXL and UCX logs)
     to a temporary file kept for the report when something went wrong."""
 
-    def __init__(self, role: str, incarnation: int, args: list[str], events: queue.Queue, env: dict) -> None:
+    def __init__(
+        self,
+        role: str,
+        incarnation: int,
+        args: list[str],
+        events: queue.Queue,
+        env: dict,
+        prefix: tuple[str, ...] = (),
+    ) -> None:
         self.role, self.incarnation = role, incarnation
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the process)
             "w+", prefix=f"kvferry-soak-{role}{incarnation}-", suffix=".log", delete=False
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", f"kvferry.backends.loopback.{role}_side", *args],
+            # ``prefix`` runs the side elsewhere (``ip netns exec NS``, which execs: the pid is the side's)
+            [*prefix, sys.executable, "-m", f"kvferry.backends.loopback.{role}_side", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -219,13 +228,18 @@ class Soak:
             "--segment-timeout-s", str(c.segment_timeout_s), "--incarnation", str(self.incarnations[role]),
         ]  # fmt: skip
 
+    def _launch(self, role: str) -> tuple[tuple[str, ...], list[str], dict[str, str]]:
+        """(command prefix, extra arguments, environment) of a side's process: here, this host."""
+        return (), [], self.env
+
     def _start(self, role: str) -> None:
         args = self._common(role)
         if role == "prefill":
             args += ["--ports", self.prefill_ports] if self.prefill_ports else []
         else:
             args += ["--prefill", *self.prefill_addresses]
-        side = Side(role, self.incarnations[role], args, self.events, self.env)
+        prefix, extra, env = self._launch(role)
+        side = Side(role, self.incarnations[role], args + extra, self.events, env, prefix)
         self.sides[role] = side
         self.rss.append(RssTrack(role, side.incarnation))
         ready = self._wait(side, "ready", START_TIMEOUT_S)
@@ -258,6 +272,8 @@ class Soak:
             elif msg["event"] == "room":
                 self.results[who.role][msg["i"]] = msg
                 self.reported += who.role == "decode"
+            elif msg["event"] == "room_final":  # a kept room's status changed while settling
+                self.results[who.role].setdefault(msg["i"], {}).update(msg, event="room")
             else:
                 who.seen[msg["event"]] = msg
                 who.ran |= msg["event"] in ("segment", "inflight")
@@ -296,11 +312,17 @@ class Soak:
         if len(self.violations) < 50:
             self.violations.append({"kind": kind, **detail})
 
-    def _judge(self, plan: sp.SoakRoom, victim: str | None) -> None:
+    def _judge(self, plan: sp.SoakRoom, victim: str | None, fault: str | None = None) -> None:
+        """``fault``: a network or process fault hit the room's segment, so it may end Success or
+        Failed, but alike on both sides (and an aborted room still Failed on both)."""
         p = self.results["prefill"].pop(plan.index, None)
         d = self.results["decode"].pop(plan.index, None)
         info = {"room": plan.index, "flow": plan.flow, "abort": plan.abort}
         outcome = "violation"
+        if d is not None and d.get("canary_bad"):
+            # Found when the room's pages or aux row were handed out: a write landed in them
+            # while they were free (a late write of an earlier room), whatever this room did.
+            self._violation("canary", canary=d["canary_bad"], **info)
         if plan.hold and victim is not None:
             surv = d if victim == "prefill" else p
             if surv is None:
@@ -329,12 +351,21 @@ class Soak:
                 self._violation("corrupted", bad_bytes=d["bad_bytes"], first_bad=d["first_bad"], **info)
             else:
                 outcome = "success"
+        elif fault is not None and set(p["status"]) == set(d["status"]) == {FAILED}:
+            outcome = "failed_by_deadline" if _by_deadline(p["reason"] + d["reason"]) else "failed"
+        elif fault is not None:
+            reasons = [r for r in p["reason"] + d["reason"] if r][:2]
+            self._violation("disagree", prefill=p["status"], decode=d["status"], reasons=reasons, **info)
         else:
             reasons = [r for r in p["reason"] + d["reason"] if r][:2]
             self._violation("failed", prefill=p["status"], decode=d["status"], reasons=reasons, **info)
         self.outcomes[outcome] += 1
         self.by_flow[plan.flow][outcome] += 1
         self.done += 1
+        self._counted(plan, outcome, fault)
+
+    def _counted(self, plan: sp.SoakRoom, outcome: str, fault: str | None) -> None:
+        """A judged room (coverage tables hook here)."""
 
     # ---- the run ----------------------------------------------------------------------------
     def _segment(self, start: int, end: int, kill: bool) -> None:
@@ -392,6 +423,9 @@ class Soak:
             else:
                 who.seen[msg["event"]] = msg
 
+    def _segments(self) -> list[tuple[int, int, bool]]:
+        return segments(self.c)
+
     def run(self) -> dict[str, Any]:
         c = self.c
         stopped_by_time = False
@@ -400,7 +434,7 @@ class Soak:
         try:
             self._start("prefill")
             self._start("decode")
-            for start, end, kill in segments(c):
+            for start, end, kill in self._segments():
                 if time.monotonic() - self.t0 >= c.max_seconds:
                     stopped_by_time = True
                     break
@@ -455,9 +489,14 @@ class Soak:
             "errors": pd["errors"] + dd["errors"],
             "driver_errors": _sum_counts(pd["driver_errors"] + dd["driver_errors"]),
             "stuck_threads": stuck,
+            # The cores' own account (lost peers, resends, fences that expired, transfers cut).
+            "prefill_counters": _sum_counts(pd["counters"]),
+            "decode_counters": _sum_counts(dd["counters"]),
         }
         if any(state["prefill_leaks"]) or any(state["decode_leaks"]):
             self._violation("tables_not_empty", prefill=state["prefill_leaks"], decode=state["decode_leaks"])
+        if dd.get("canary_bad"):
+            self._violation("canary", where="free pages at the end", canary=dd["canary_bad"])
         if any(pd["copies"]) or dd["waiting_fence"] or dd["pages_free"] != sp.DECODE_PAGES:
             self._violation(
                 "allocations_not_empty", copies=pd["copies"], waiting_fence=dd["waiting_fence"],
@@ -469,6 +508,28 @@ class Soak:
         if unexpected and not self.kills:  # a kill makes writes to the dead peer fail: expected
             self._violation("driver_errors", errors=unexpected)
         return state
+
+
+def rss_line(x: dict[str, Any], bound_mb: float, who: str) -> str:
+    """One process's RSS verdict for a summary ("" when it was never sampled)."""
+    if x["checked"]:
+        verdict = "ok" if x["ok"] else f"over the {bound_mb} MB bound"
+        return (
+            f"  RSS {who}: {x['baseline_mb']} MB after warm-up -> {x['last_mb']} MB "
+            f"({x['growth_mb']:+} MB, {verdict}); first sample {x['first_mb']} MB"
+        )
+    if x["samples"]:
+        return (
+            f"  RSS {who}: {x['first_mb']} -> {x['last_mb']} MB (lived shorter than the warm-up: not checked)"
+        )
+    return ""
+
+
+def _by_deadline(reasons: list[str]) -> bool:
+    """Every failed rank's reason is a room deadline (the core's "timed out while STATE"), not a
+    failure the rank was told or saw (a lost heartbeat, a refused write, an abort)."""
+    said = [r for r in reasons if r]
+    return bool(said) and all("timed out while" in r for r in said)
 
 
 def _sum_counts(dicts: list[dict[str, int]]) -> dict[str, int]:

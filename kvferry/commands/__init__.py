@@ -21,7 +21,7 @@ MAX_SEED = 2**63 - 1
 
 
 def register_all(app: typer.Typer) -> None:
-    from kvferry.commands import bench, calibrate, fuzz_live, plan, select, sim, soak, version
+    from kvferry.commands import bench, calibrate, chaos, fuzz_live, plan, select, sim, soak, version
 
     version.register(app)
     plan.register(app)
@@ -31,6 +31,7 @@ def register_all(app: typer.Typer) -> None:
     calibrate.register(app)
     soak.register(app)
     fuzz_live.register(app)
+    chaos.register(app)
     for group in app.registered_groups:  # sub-apps (bench ...) print their help as the root does
         sub = group.typer_instance
         if sub is not None:

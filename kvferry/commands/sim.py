@@ -206,6 +206,7 @@ def _fuzz_campaign(
     save_dir: Path,
     as_json: bool,
     console: Console,
+    liveness: bool = False,
 ) -> None:
     """Run the seeds on ``executor`` as they finish; report in seed order whatever the executor."""
     from kvferry.sim import campaign as cp
@@ -216,6 +217,7 @@ def _fuzz_campaign(
     violated: Counter[str] = Counter()
     failures: list[tuple[RunResult, Path]] = []
     stats = MapStats(total=len(seed_list))
+    tally = cp.CoverageTally()
 
     def so_far() -> str:
         saved = f"; failing runs saved in {save_dir}/" if failures else ""
@@ -233,7 +235,11 @@ def _fuzz_campaign(
             lost = f", {now.resent} re-run after a lost worker" if now.resent else ""
             bar.update(now.done, f"{len(failures)} failing seed(s){lost}")
 
-        for res in cp.run_seeds(seed_list, base=base, hooks=hooks, executor=executor, progress=show):
+        runs = cp.run_seeds(
+            seed_list, base=base, hooks=hooks, executor=executor, progress=show, liveness=liveness
+        )
+        for res in runs:
+            tally.add(res)
             rooms += res.rooms
             ok += res.succeeded
             failed += res.failed
@@ -272,6 +278,8 @@ def _fuzz_campaign(
         "seeds_per_minute": round(len(seed_list) / wall * 60, 1) if wall > 0 else None,
         "executor": executor.kind,
         "seeds_rerun": stats.resent,  # runs sent again because their worker was lost (each counted once)
+        "liveness_class": liveness,
+        "coverage": tally.as_dict(liveness),
     }
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")
@@ -285,6 +293,12 @@ def _fuzz_campaign(
         console.print(
             "faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none")
         )
+        from kvferry.tools.coverage import table
+
+        cov = summary["coverage"]
+        for title, key in (("flow", "by_flow"), ("TP", "by_tp"), ("fault (runs that drew it)", "by_fault")):
+            for line in table(title, cov[key]):
+                console.print(line, markup=False, highlight=False)
         if exempt:
             console.print(
                 f"agreement not required for {exempt} room(s): a node holding the room crashed "
@@ -329,6 +343,14 @@ def register(app: typer.Typer) -> None:
         plant: Annotated[
             list[str] | None, typer.Option(hidden=True, help="Plant a bug (checker self-test).")
         ] = None,
+        liveness: Annotated[
+            bool,
+            typer.Option(
+                "--liveness",
+                help="Draw only faults the protocol rides out (control drops, duplicates, reordering and "
+                "delays, short slow links); every room must end Success.",
+            ),
+        ] = False,
     ) -> None:
         """Run a seeded fault campaign; exit 1 if any invariant is violated."""
         from rich.console import Console
@@ -368,7 +390,7 @@ def register(app: typer.Typer) -> None:
             bad_input(str(e))
         try:
             with executor:
-                _fuzz_campaign(executor, seed_list, base, hooks, save_dir, as_json, console)
+                _fuzz_campaign(executor, seed_list, base, hooks, save_dir, as_json, console, liveness)
         except ex.WorkerLost as e:  # a finding, not bad input: the run of a seed kills its process
             first, *rest = sorted(e.items)  # type: ignore[type-var]
             then = f" (then {', '.join(map(str, rest))})" if rest else ""

@@ -99,18 +99,9 @@ def summary(r: dict[str, Any]) -> str:
             f"  kill {k['victim']} after room {k['after_room']}: survivor failed its {k['rooms_in_flight']} "
             f"rooms in flight in {k['survivor_failed_them_s']} s, restarted in {k['restart_s']} s"
         )
-    for x in r["rss"]:
-        if x["checked"]:
-            verdict = "ok" if x["ok"] else f"over the {c['rss_bound_mb']} MB bound"
-            lines.append(
-                f"  RSS {x['side']}#{x['incarnation']}: {x['baseline_mb']} MB after warm-up -> "
-                f"{x['last_mb']} MB ({x['growth_mb']:+} MB, {verdict}); first sample {x['first_mb']} MB"
-            )
-        elif x["samples"]:
-            lines.append(
-                f"  RSS {x['side']}#{x['incarnation']}: {x['first_mb']} -> {x['last_mb']} MB "
-                "(lived shorter than the warm-up: not checked)"
-            )
+    from kvferry.backends.loopback.soak import rss_line
+
+    lines += [s for x in r["rss"] if (s := rss_line(x, c["rss_bound_mb"], f"{x['side']}#{x['incarnation']}"))]
     e = r["end_state"]
     if e:
         clean = not any(e["prefill_leaks"]) and not any(e["decode_leaks"]) and not e["stuck_threads"]

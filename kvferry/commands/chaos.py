@@ -1,0 +1,149 @@
+"""``kvferry chaos``: the soak's processes on two hosts made of network namespaces, with seeded
+partitions, slow links, stalls, kills and abort bursts (``kvferry/tools/chaos/``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from kvferry.commands import bad_input, check_seed
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chaos")(chaos)
+
+
+def _pairs(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            p, d = (int(x) for x in part.split("-"))
+        except ValueError:
+            bad_input(f"--tp: {part!r} is not PREFILL-DECODE, e.g. 2-1")
+        out.append((p, d))
+    return tuple(out)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def chaos(
+    rooms: Annotated[int, typer.Option(help="Rooms to run (each checked), split over the TP pairs.")] = 2000,
+    seed: Annotated[int, typer.Option(help="Seed of the rooms and of the fault schedule.")] = 0,
+    tp: Annotated[str, typer.Option(help="TP pairs PREFILL-DECODE, run one after another.")] = "1-1,2-1,1-2",
+    flows: Annotated[
+        str, typer.Option(help="Flows the rooms are drawn from, comma-separated.")
+    ] = "direct,ring,pinned,pull,push",
+    abort_rate: Annotated[
+        float | None,
+        typer.Option(help="Share of rooms aborted by either side (default 0.05; 0 with --liveness)."),
+    ] = None,
+    segment_rooms: Annotated[int, typer.Option(help="Rooms per segment; a fault hits one segment.")] = 25,
+    fault_share: Annotated[float, typer.Option(help="Share of segments that get a fault.")] = 0.5,
+    faults: Annotated[
+        str | None,
+        typer.Option(
+            help="Fault kinds drawn: partition_short, partition_long, slow_link, stall, kill, abort_burst "
+            "(default all; with --liveness partition_short,slow_link)."
+        ),
+    ] = None,
+    liveness: Annotated[
+        bool,
+        typer.Option(help="Draw only faults the protocol rides out; every room must end Success."),
+    ] = False,
+    max_seconds: Annotated[
+        float, typer.Option(help="Stop starting rooms after this long, then report.")
+    ] = 3600.0,
+    rss_bound_mb: Annotated[
+        float, typer.Option(help="Fail if a process's RSS grows more than this after warm-up (MB).")
+    ] = 64.0,
+    warmup_s: Annotated[
+        float, typer.Option(help="Seconds of a process's life before its RSS baseline.")
+    ] = 45.0,
+    plant: Annotated[str, typer.Option(hidden=True, help="Plant a bug (checker self-test).")] = "",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+) -> None:
+    """Prefill and decode as processes on two hosts (network namespaces on a bridge; needs root):
+    real NIXL with UCX over TCP on their veths, the authenticated control plane on the same
+    addresses, every flow and TP pair, and a seeded schedule of faults on the real network and
+    processes. Exits 1 on any lost, hung, corrupted or disagreeing room, a write outside a live
+    room (canaries), a leaked table or RSS growth."""
+    from kvferry.tools.chaos import netns
+    from kvferry.tools.chaos import run as engine
+    from kvferry.tools.chaos.schedule import KINDS, LIVENESS_KINDS
+
+    check_seed(seed)
+    kinds = _names(faults) if faults is not None else (LIVENESS_KINDS if liveness else KINDS)
+    cfg = engine.ChaosConfig(
+        rooms=rooms, seed=seed, tp_pairs=_pairs(tp), flows=_names(flows),
+        abort_rate=abort_rate if abort_rate is not None else (0.0 if liveness else 0.05),
+        segment_rooms=segment_rooms, fault_share=fault_share, kinds=kinds, liveness=liveness, plant=plant,
+        max_seconds=max_seconds, rss_bound_mb=rss_bound_mb, warmup_s=warmup_s,
+    )  # fmt: skip
+    try:
+        engine.check_config(cfg)
+    except ValueError as e:
+        bad_input(str(e))
+    if importlib.util.find_spec("nixl") is None or importlib.util.find_spec("zmq") is None:
+        bad_input("chaos needs NIXL and pyzmq: pip install 'kvferry[real]'")
+    why = netns.why_not_available()
+    if why:
+        bad_input(f"chaos: {why}")
+    try:
+        report = engine.run_chaos(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        print("chaos: interrupted; every process, fault and namespace it made was removed", file=sys.stderr)
+        raise typer.Exit(130) from None
+    except netns.NetError as e:
+        bad_input(f"chaos: could not set up the hosts: {e}")
+    typer.echo(json.dumps(report) if as_json else summary(report))
+    if not report["ok"]:
+        print(f"chaos FAILED with seed {seed}; replay: {report['replay']}", file=sys.stderr)
+        raise typer.Exit(1)
+
+
+def summary(r: dict[str, Any]) -> str:
+    from kvferry.tools.coverage import table
+
+    c, cov = r["config"], r["coverage"]
+    net = r["network"]
+    lines = [
+        f"kvferry chaos: seed {c['seed']}, prefill host {net['hosts']['prefill']}, decode host "
+        f"{net['hosts']['decode']} (UCX {net['ucx']['UCX_TLS']} on {net['ucx']['UCX_NET_DEVICES']}), "
+        f"heartbeat timeout {net['heartbeat_timeout_s']} s" + (", liveness class" if c["liveness"] else ""),
+        f"rooms: {r['rooms_run']} of {c['rooms']} in {r['wall_s']} s ({r['rooms_per_s']} rooms/s)"
+        + (" (stopped by --max-seconds)" if r["stopped_by_time"] else ""),
+        "  outcomes: " + ", ".join(f"{k} {v}" for k, v in r["outcomes"].items()),
+        "  faults: " + ", ".join(f"{k} {v}" for k, v in cov["faults"].items()),
+        *table("flow", cov["by_flow"]),
+        *table("TP", cov["by_tp"]),
+        *table("fault", cov["by_fault"]),
+    ]
+    for f in r["faults"][:12]:
+        lines.append(
+            f"  at {f['t_s']} s, TP {f['tp']}, rooms {f['rooms'][0]}-{f['rooms'][1] - 1}: {f['kind']}"
+        )
+    if len(r["faults"]) > 12:
+        lines.append(f"  ... and {len(r['faults']) - 12} more faults (--json lists them all)")
+    from kvferry.backends.loopback.soak import rss_line
+
+    for x in r["rss"]:
+        if x["checked"]:  # short-lived processes (most of a short run) say nothing
+            lines.append(rss_line(x, c["rss_bound_mb"], f"TP {x['tp']} {x['side']}#{x['incarnation']}"))
+    if r["ok"]:
+        lines.append(
+            "verdict: OK, every room terminal, Success bytes equal, both sides agree, canaries untouched, "
+            "tables empty"
+        )
+    else:
+        lines.append(f"verdict: FAILED, {r['violation_count']} violation(s); first ones:")
+        lines += [f"  {json.dumps(v)[:400]}" for v in r["violations"][:10]]
+    lines.append(f"replay: {r['replay']}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""``kvferry chaos``: prefill and decode on separate hosts (network namespaces), real faults."""
