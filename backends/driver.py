@@ -7,7 +7,7 @@ A ``Driver`` wraps one engine (``SenderEngine`` or ``ReceiverEngine``) and one `
   ``next_deadline()`` is reached.
 - ``feed(event, now)``: hand a local event (open, chunk ready, abort, release) to the engine.
 - ``worker_step(shard, now)`` (prefill): run the next queued chunk of worker queue ``shard``;
-  returns the write ids the worker should wait for before its next chunk (seed 000's pacing).
+  returns the write ids the worker should wait for before its next chunk (SGLang PR 20680's pacing).
   ``writes_pending(ids)`` tells when they finished; ``poll_writes(now)`` makes progress on them.
 
 Every command is executed here, in order, and what it causes (a refused post becomes
@@ -23,7 +23,7 @@ single-threaded engine is never entered twice. SimPy passes nothing (no lock). W
 The callbacks (``on_status``, ``on_free_pages``, ``on_enqueue``) run with the lock held: they must
 record and return, not call back into the driver (with a plain Lock that would deadlock).
 
-Data-plane calls of a worker step run *outside* the lock (issue 5): ``worker_step`` takes the lock
+Data-plane calls of a worker step run *outside* the lock: ``worker_step`` takes the lock
 to pop the chunk and get its commands from the engine, releases it to execute each run of
 ``PostWrite``/``PostAuxWrite``/``SendNotif`` (a TP 2->1 post is ~300k descriptors; N workers must
 post in parallel, and a slow post must not stall the progress thread or other rooms), then takes

@@ -1,6 +1,6 @@
 """Re-run docs/fidelity.md's published comparisons on the current NIC profiles (transport-named
-posting costs): seed 002 (direct against pinned, TP 4 -> 2 and 2 -> 4), seed 003 (ring against
-direct at 512 and 1024 users) and seed 004 (push against pull). Prints one JSON line per point.
+posting costs): SGLang PR 18968 (direct against pinned, TP 4 -> 2 and 2 -> 4), SGLang PR 22536 (ring against
+direct at 512 and 1024 users) and vLLM PR 35264 (push against pull). Prints one JSON line per point.
 
 Run: ``python bench/fidelity_rerun.py [--nic nic-400g] [--only 002,003,004]`` (minutes on one core).
 """

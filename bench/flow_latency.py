@@ -7,7 +7,7 @@ For each deployment (equal TP, and TP 2 -> 1 where the planner emits direct slic
 placement (contiguous: pages handed out in order; fragmented: every page drawn at random), it runs
 the same rooms under each flow and reports, per room, last ChunkReady fed to prefill -> the last
 decode rank's Success, as p50 / p90. Rooms arrive far apart (no queueing) and are one chunk each:
-the whole prompt finishes at once, as in seed 004's setting. The fabric is the default H100 RDMA
+the whole prompt finishes at once, as in vLLM PR 35264's setting. The fabric is the default H100 RDMA
 profile (50 GB/s, 174 us per post, 2.43 us per descriptor, NIXL merging dense runs).
 """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU measurement issue 10 asks for, in one device call (device time is the scarce part):
+# Every GPU throughput measurement, in one device call (device time is the scarce part):
 # the two-process e2e and pull/push tests on VRAM, the bench rows per TP pair and flow with 1 and
 # 8 rooms in flight, and the hop timelines of traced rooms (bench nixl --trace). Each step has its
 # own time limit and writes its files under /tmp/r; after every step they are packed into

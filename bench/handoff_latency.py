@@ -1,6 +1,6 @@
 """Hand-off latency on the real backend: "prefill's forward pass finished" -> "decode holds the KV".
 
-Seed 004's measure, taken over real NIXL (DRAM, UCX loopback, one process) for the three flows
+vLLM PR 35264's measure, taken over real NIXL (DRAM, UCX loopback, one process) for the three flows
 that move the KV without staging: register-then-write (``direct``: decode's TransferInfo is the
 registration, prefill writes as soon as the chunk is computed), ``push`` (decode's registration
 is a lease, matched by transfer id) and ``pull`` (prefill offers its pages, decode READs them and
@@ -15,7 +15,7 @@ Every Success room's bytes are checked against what prefill holds.
     uv run python bench/handoff_latency.py --tokens 1024 --tp 1:1 --json
 
 Medians over ``--rooms`` rooms (after 2 warm-up rooms); the ratio column is each flow's median
-over push's in the same run (seed 004 reports push 1.2-3x faster than pull in TTFT).
+over push's in the same run (vLLM PR 35264 reports push 1.2-3x faster than pull in TTFT).
 """
 
 from __future__ import annotations

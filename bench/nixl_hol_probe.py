@@ -1,4 +1,4 @@
-"""Head-of-line probe for issue 5: a small room's latency while a big TP 2->1 post runs on
+"""Head-of-line probe: a small room's latency while a big TP 2->1 post runs on
 another worker shard, against the same small room with nothing else in flight (same run).
 
 One process, real runtime over real NIXL (DRAM, loopback UCX): prefill server "P" with 2 ranks

@@ -14,7 +14,7 @@ scenario's ``hooks`` (tests only). What each one breaks, and what should catch i
 - ``leak_failed_room_staging``: a failed room's staging space is never reclaimed (tables_empty,
   and the ring wedges).
 
-The campaign's blind spots (issue 13), each caught only with its dimension of the draw space:
+The campaign's blind spots, each caught only with its dimension of the draw space:
 
 - ``silent_truncation``: when the two servers disagree on a room's length, prefill clamps its
   chunks to decode's allocation and decode takes a short delivery as complete: the room ends

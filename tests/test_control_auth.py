@@ -1,4 +1,4 @@
-"""Authenticated control plane (issue 13, docs/security.md): HMAC-SHA256 tags over real ZMQ
+"""Authenticated control plane (docs/security.md): HMAC-SHA256 tags over real ZMQ
 sockets, rejections counted by reason before anything reaches the caller, key rotation, replay
 and old-incarnation rejection, sender binding, and the runtime refusing to start without a key
 (or loading a peer's NIXL metadata when its Register is not authentic)."""

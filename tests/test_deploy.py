@@ -165,7 +165,7 @@ def test_every_flow_completes_every_request_with_no_violation(flow: str) -> None
 
 
 def test_per_token_direct_slices_cost_posting_and_staging_removes_it() -> None:
-    # TP 4 -> 2: direct posts one descriptor per token, layer and K|V (seed 003's problem).
+    # TP 4 -> 2: direct posts one descriptor per token, layer and K|V (SGLang PR 22536's problem).
     direct = simulate(replace(SPEC, flow="direct"), *_closed(4, 12))
     ring = simulate(replace(SPEC, flow="ring"), *_closed(4, 12))
     assert direct.split_ms["posting"] > 10 * ring.split_ms["posting"]

@@ -1,4 +1,4 @@
-"""Every index a peer sends is bounds-checked before a byte moves (issue 13), over real NIXL.
+"""Every index a peer sends is bounds-checked before a byte moves, over real NIXL.
 
 A peer's Register gives its region ids, sizes, aux rows and aux row size; its TransferInfo gives
 page ids (which the planner turns into region offsets) and an aux row. Each test here hands the

@@ -17,7 +17,7 @@ from kvferry.sim.expected import SAFETY, estimate, flows_used, worst
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "scenarios" / "presets").glob("*.toml"))
 
-# The file of issue 12, as a new user writes it: a preset, one 4096-token room, TP 4 -> 2,
+# A slow case's file, as a new user writes it: a preset, one 4096-token room, TP 4 -> 2,
 # default timeouts, the direct flow.
 ISSUE = {
     "model": {"preset": "qwen3-8b"},

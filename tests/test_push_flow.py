@@ -1,4 +1,4 @@
-"""The push flow: direct writes under registration leases (seed 004).
+"""The push flow: direct writes under registration leases (vLLM PR 35264).
 
 Over the in-memory harness (bytes and page ownership checked at every landing and Success) and
 over the simulator (heterogeneous TP, lease expiry under a lossy control plane, the planted

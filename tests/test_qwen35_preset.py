@@ -1,4 +1,4 @@
-"""The hybrid Qwen3.5-397B-A17B preset (seed 003's model): only its full-attention layers keep
+"""The hybrid Qwen3.5-397B-A17B preset (SGLang PR 22536's model): only its full-attention layers keep
 per-token KV, its linear-attention layers add weights and a per-request recurrent state, and a
 DEP4 deployment of it (GB200, FP8 weights, experts over the four decode ranks) runs clean."""
 
@@ -18,7 +18,7 @@ from kvferry.sim.deploy.spec import DeployError, DeploySpec
 
 Q35 = PRESETS["qwen3.5-397b-a17b"]
 
-# Seed 003's deployment: TP 4 prefill, DEP4 decode (four attention-DP ranks, experts over them).
+# SGLang PR 22536's deployment: TP 4 prefill, DEP4 decode (four attention-DP ranks, experts over them).
 DEP4 = DeploySpec(
     model="qwen3.5-397b-a17b",
     prefill_tp=4,

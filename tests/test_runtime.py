@@ -354,7 +354,7 @@ def _gate_posts(monkeypatch, ep, gate):
 
 
 def test_blocked_post_stalls_no_other_room_and_abort_waits_for_it(servers, monkeypatch):
-    """Issue 5: the driver used to hold its lock through every post, so one slow post (a TP 2->1
+    """The driver used to hold its lock through every post, so one slow post (a TP 2->1
     room is ~300k descriptors) stalled every worker, the progress thread and every API call.
     Room 10 (shard 0) blocks inside its post on P#0; room 11 (shard 1) must still complete, and
     an abort of room 10 lands while that post is in flight but cannot fence decode's pages

@@ -43,7 +43,7 @@ def test_equal_tp_compares_the_unstaged_flows_and_pull_pays_its_round_trip() -> 
     assert sorted(out["ranking"]) == ["direct", "pull", "push"]
     res = {f: rs[-1] for f, rs in out["results"].items()}
     # Pull starts only once prefill's offer reaches decode, then READs: never ahead of a write
-    # posted the moment the chunk is computed (seed 004's reason for push).
+    # posted the moment the chunk is computed (vLLM PR 35264's reason for push).
     assert res["pull"]["ttft_ms"]["p50"] > res["push"]["ttft_ms"]["p50"]
     assert out["recommendation"] != "pull"
     assert "staging (SGLANG_DISAGG_STAGING_BUFFER)" not in out["knobs"]

@@ -1,4 +1,4 @@
-"""The campaign's blind spots (issue 13): decode allocations shorter or longer than what prefill
+"""The campaign's blind spots : decode allocations shorter or longer than what prefill
 sends, several chunks of a room in flight (notes out of order), and a released Success room that
 must stay Success. Each is in the campaign's draw space, checked, and proven checkable by a
 planted bug (sim/planted.py) that a campaign catches with a seed that replays it."""

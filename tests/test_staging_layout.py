@@ -1,7 +1,7 @@
 """Staging layouts: gather -> one descriptor -> scatter reproduces the logical re-layout.
 
 The staging buffers are also checked against the seeds' layouts by an independent numpy view:
-seed 002 ``[heads, layers, K|V, tokens, head_dim]`` per rank, seed 003 ``[2L, tokens, heads,
+SGLang PR 18968 ``[heads, layers, K|V, tokens, head_dim]`` per rank, SGLang PR 22536 ``[2L, tokens, heads,
 head_dim]`` per writer.
 """
 

@@ -6,9 +6,9 @@ MLA pools have one latent plane per layer. A staging buffer holds ``num_heads`` 
 elements. Strides are in elements of the staging dtype, which has the pool's element width.
 
 Two layouts are named because the two staging strategies use them:
-- ``head_major`` ``[heads, planes, tokens, head_dim]`` (seed 002's ``[heads, layers, K|V, tokens,
+- ``head_major`` ``[heads, planes, tokens, head_dim]`` (SGLang PR 18968's ``[heads, layers, K|V, tokens,
   head_dim]``): every head is one contiguous run, so a head range is one transfer descriptor.
-- ``plane_major`` ``[planes, tokens, heads, head_dim]`` (seed 003's ``[2L, tokens, heads,
+- ``plane_major`` ``[planes, tokens, heads, head_dim]`` (SGLang PR 22536's ``[2L, tokens, heads,
   head_dim]``): one plane and token keeps its heads together.
 """
 
@@ -44,7 +44,7 @@ class StagingLayout:
     def head_major(
         cls, num_heads: int, num_planes: int, num_tokens: int, head_dim: int, base: int = 0
     ) -> StagingLayout:
-        """``[heads, planes, tokens, head_dim]`` contiguous (seed 002)."""
+        """``[heads, planes, tokens, head_dim]`` contiguous (SGLang PR 18968)."""
         return cls(
             num_heads,
             num_planes,
@@ -60,7 +60,7 @@ class StagingLayout:
     def plane_major(
         cls, num_heads: int, num_planes: int, num_tokens: int, head_dim: int, base: int = 0
     ) -> StagingLayout:
-        """``[planes, tokens, heads, head_dim]`` contiguous (seed 003)."""
+        """``[planes, tokens, heads, head_dim]`` contiguous (SGLang PR 22536)."""
         return cls(
             num_heads,
             num_planes,

@@ -88,7 +88,8 @@ DIRECT_POSTS = ("auto", "prepped", "oneshot")
 # "auto" posts one-shot when the prepared path would hand NIXL at least this many indices per
 # run: on an H100 (cuda_ipc) a 4096-token TP 1 -> 1 room's 72 runs as 18,432 page indices cost
 # NIXL 0.80 of a raw write, as 72 one-shot rows 0.95-1.03; per-token runs (one index each, TP
-# 2 -> 1) posted 15% slower one-shot (docs/benchmarks.md, "Stop 25").
+# 2 -> 1) posted 15% slower one-shot (docs/benchmarks.md, "What NIXL charges for a room's
+# descriptors, and one-shot posting").
 ONESHOT_INDICES_PER_RUN = 8
 
 

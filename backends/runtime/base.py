@@ -46,7 +46,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     so both are polled). The control thread waits on its socket and needs neither."""
 
     num_queues: int = 4
-    # Chunks whose writes a worker keeps in flight before it waits for the oldest (1: seed 000's
+    # Chunks whose writes a worker keeps in flight before it waits for the oldest (1: SGLang PR 20680's
     # pacing, a chunk's writes finish before the next chunk is planned). More lets a worker plan
     # and post the next room while the NIC or copy engine still moves the last one.
     worker_chunks_in_flight: int = 1

@@ -84,7 +84,8 @@ class BenchConfig:
     direct_post: str = "auto"  # RuntimeConfig.nixl_direct_post (and the planned baseline's path)
     # RuntimeConfig.active_idle_max_s in microseconds: how often the data thread and a waiting
     # worker poll NIXL while a room is in flight (0: they spin; measured far slower on the H100
-    # machine, docs/benchmarks.md "Stop 26": the spinning threads take the GIL from the others).
+    # machine, docs/benchmarks.md, the section on three probes of "it is the threads" and the poll
+    # interval: the spinning threads take the GIL from the others).
     active_poll_us: float = 200.0
     engine: str = "python"  # RuntimeConfig.nixl_engine of both processes
     handoff: bool = False  # time send(last chunk) -> decode Success, TransferInfo already at prefill

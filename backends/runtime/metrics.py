@@ -12,8 +12,7 @@ driver's status callback, lock held):
 - state read at scrape time: bytes and descriptors posted (NIXL telemetry totals), the engine's
   counters (chunk deferrals, failure notices resent and given up) and staging occupancy (ring and
   pinned pools) read under the endpoint lock, frames the control plane rejected by reason.
-The real backend moves rooms by the direct flow only (staged flows on NIXL are issue 10), so the
-``flow`` label is ``direct`` there until they land.
+The ``flow`` label is the room's flow as its ledger records it (direct, ring, pinned, pull, push).
 """
 
 from __future__ import annotations

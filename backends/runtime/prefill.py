@@ -1,6 +1,6 @@
 """Prefill rank endpoint: the sender engine driven by real threads over NIXL + ZMQ.
 
-Threads (seed 000's design, with its progress thread split in two): a control thread (control
+Threads (SGLang PR 20680's design, with its progress thread split in two): a control thread (control
 messages, deadlines and heartbeats: never waits on the data plane), a data thread (notifications,
 write and copy completions) and ``num_queues`` worker threads. A room's chunks all go to queue
 ``room % num_queues`` (the core's ``shard_of``), so one worker runs them in order; the worker
@@ -146,7 +146,7 @@ class PrefillEndpoint(EndpointBase):
         return True
 
     def _await(self, shard: int, ids: tuple[int, ...]) -> None:
-        """Seed 000's pacing: the worker's next chunk waits for this chunk's writes."""
+        """SGLang PR 20680's pacing: the worker's next chunk waits for this chunk's writes."""
         idle = 20e-6
         stop = self._worker_loops[shard].stop_event
         while self.driver.writes_pending(ids) and not stop.is_set():

@@ -3,7 +3,7 @@
 The loop body (feed an event to the engine, execute its commands through the transport) is the
 shared driver; here it is scheduled by SimPy: the main loop (a call scheduled on wake-up) sleeps
 until the fabric wakes it or the engine's next deadline, whichever is first; worker ``i`` takes
-chunks from queue ``i`` in order and, as in seed 000, does not take its next chunk before the
+chunks from queue ``i`` in order and, as in SGLang PR 20680, does not take its next chunk before the
 writes of the current one finished (``AwaitWrites``).
 
 Crash: the rank is marked dead and every process exits at its next wake-up; nothing is

@@ -66,7 +66,7 @@ class DeploySpec:
     # a request's decode side (room open, its READs) starts after prefill computed its last chunk,
     # then ``proxy_hop_ms`` (prefill's response back to the proxy and the proxy's request to
     # decode), then the end of decode's running step (its scheduler takes new requests between
-    # steps). No hop time is published: 5 ms is a guess to be swept (docs/fidelity.md, seed 004).
+    # steps). No hop time is published: 5 ms is a guess to be swept (docs/fidelity.md, vLLM PR 35264).
     pull_orchestration: str = "overlapped"
     proxy_hop_ms: float = 5.0
     # How each server hands out KV pages (sim/pages.py): "sglang", SGLang's disaggregated servers'
