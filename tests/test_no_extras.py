@@ -38,6 +38,7 @@ RUNS: dict[str, tuple[list[str], str | None]] = {
     "fuzz-live": (["--frames", "1", "--rooms", "1"], "real"),
     "bench nixl": (["--rooms", "1", "--tokens", "64"], "real"),
     "bench interference": (["--reps", "1", "--phase-s", "0.1"], "real"),
+    "chaos": (["--rooms", "2"], "real"),
 }
 # Options that need an extra on commands that otherwise run without one.
 OPTION_RUNS: list[tuple[str, list[str], str]] = [

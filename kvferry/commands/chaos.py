@@ -3,14 +3,13 @@ partitions, slow links, stalls, kills and abort bursts (``kvferry/tools/chaos/``
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from typing import Annotated, Any
 
 import typer
 
-from kvferry.commands import bad_input, check_seed
+from kvferry.commands import bad_input, check_seed, extras
 
 
 def register(app: typer.Typer) -> None:
@@ -75,6 +74,7 @@ def chaos(
     addresses, every flow and TP pair, and a seeded schedule of faults on the real network and
     processes. Exits 1 on any lost, hung, corrupted or disagreeing room, a write outside a live
     room (canaries), a leaked table or RSS growth."""
+    extras.require("real", "kvferry chaos")
     from kvferry.tools.chaos import netns
     from kvferry.tools.chaos import run as engine
     from kvferry.tools.chaos.schedule import KINDS, LIVENESS_KINDS
@@ -91,8 +91,6 @@ def chaos(
         engine.check_config(cfg)
     except ValueError as e:
         bad_input(str(e))
-    if importlib.util.find_spec("nixl") is None or importlib.util.find_spec("zmq") is None:
-        bad_input("chaos needs NIXL and pyzmq: pip install 'kvferry[real]'")
     why = netns.why_not_available()
     if why:
         bad_input(f"chaos: {why}")
