@@ -169,7 +169,7 @@ def _seed_5_kills_its_worker(seed: int) -> bytes:
 
 
 def test_fuzz_names_a_seed_that_kills_its_worker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(cp, "seed_job", lambda base=None, hooks=(): _seed_5_kills_its_worker)
+    monkeypatch.setattr(cp, "seed_job", lambda base=None, hooks=(), liveness=False: _seed_5_kills_its_worker)
     r = runner.invoke(app, ["fuzz", "--seeds", "0-7", "--jobs", "2", "--save-dir", str(tmp_path)])
     assert r.exit_code == 1 and "Traceback" not in r.stdout + r.stderr
     (line,) = r.stderr.strip().splitlines()
