@@ -98,6 +98,7 @@ class Engine:
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KvferryConnector", kv_connector_module_path="kvferry.integrations.vllm",
                 kv_role=role, engine_id=name, kv_connector_extra_config=extra,
+                kv_load_failure_policy="recompute",  # vLLM's default, "fail", ends the request
             ),
             device_config=DeviceConfig("cpu"),
         )  # fmt: skip
@@ -121,7 +122,7 @@ class Engine:
         if handshake is not None:
             self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
         self.free_blocks_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        self.first_scheduled: dict[str, int] = {}  # request -> tokens in its first compute step
+        self.first_scheduled: dict[str, tuple[int, int]] = {}  # request -> (start, tokens) of its first step
         self.loaded_ok: dict[str, bool] = {}  # request -> its loaded rows held prefill's bytes
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> None:
@@ -162,7 +163,7 @@ class Engine:
                 n = out.num_scheduled_tokens[req_id]
                 start = req.num_computed_tokens - n  # the scheduler already advanced it
                 if req_id not in self.first_scheduled:
-                    self.first_scheduled[req_id] = n
+                    self.first_scheduled[req_id] = (start, n)
                     if start > 0:  # rows [0, start) came through the connector: check them first
                         self.loaded_ok[req_id] = self.rows_match(req_id, req.all_token_ids, start)
                 blocks = self.blocks_of(req_id)
@@ -312,7 +313,7 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
             decode.add(req_id, tokens, 2, params[req_id])
         run_decode(decode, decode.idle)
         for req_id in prompts:
-            assert decode.first_scheduled[req_id] == 1, (
+            assert decode.first_scheduled[req_id] == (len(prompts[req_id]) - 1, 1), (
                 f"{req_id} was recomputed: {decode.worker.worker_half.failures}"
             )
             assert decode.loaded_ok[req_id], f"{req_id}: decode's rows differ from prefill's"
@@ -339,7 +340,7 @@ def test_killed_prefill_ends_in_recompute(keyfile: str) -> None:
     decode = Engine("kv_consumer", "decode", {**FAST, "control_key_file": keyfile})
     decode.add("r", tokens, 2, params)
     run_decode(decode, decode.idle)
-    assert decode.first_scheduled["r"] == len(tokens), "the prompt was not recomputed"
+    assert decode.first_scheduled["r"][0] == 0, "the prompt was not recomputed from its start"
     assert "r" in decode.worker.worker_half.failures
     assert decode.free_blocks() == decode.free_blocks_at_start
     decode.worker.shutdown()
