@@ -294,7 +294,8 @@ def prompt(seed: int, n: int) -> list[int]:
 def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
     """Chunked prompts (up to 3 chunks of 32 tokens) move through kvferry; decode's scheduler then
     computes only the last token, over rows that hold prefill's exact bytes; every block is freed
-    on both sides. A prefill request aborted mid-prompt frees its blocks and returns no params."""
+    on both sides. A prefill request aborted mid-prompt frees its blocks and returns no params; a
+    decode request aborted while its load runs is never computed and its blocks come back."""
     prefill = Prefill(keyfile)
     try:
         decode = Engine("kv_consumer", "decode", {**FAST, "control_key_file": keyfile})
@@ -304,14 +305,21 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
             prefill.send(op="add", id=req_id, prompt=tokens)
         prefill.send(op="add", id="aborted", prompt=prompt(9, 90), abort_after_steps=1)
         params = {}
-        for _ in range(4):
+        prefill.send(op="add", id="decode-aborts", prompt=prompt(7, 50))
+        for _ in range(5):
             msg = prefill.expect("finished", 120)
             params[msg["id"]] = msg["params"]
         assert params["aborted"] is None
         for req_id, tokens in prompts.items():
             assert params[req_id]["do_remote_prefill"] is True
             decode.add(req_id, tokens, 2, params[req_id])
+        decode.add("decode-aborts", prompt(7, 50), 2, params["decode-aborts"])
+        decode.step()  # its room opens in this step's start_load_kv
+        from vllm.v1.request import RequestStatus
+
+        decode.scheduler.finish_requests("decode-aborts", RequestStatus.FINISHED_ABORTED)
         run_decode(decode, decode.idle)
+        assert "decode-aborts" not in decode.first_scheduled
         for req_id in prompts:
             assert decode.first_scheduled[req_id] == (len(prompts[req_id]) - 1, 1), (
                 f"{req_id} was recomputed: {decode.worker.worker_half.failures}"
@@ -347,7 +355,10 @@ def test_killed_prefill_ends_in_recompute(keyfile: str) -> None:
 
 
 def test_bad_extra_config_names_the_key() -> None:
-    from kvferry.integrations.vllm.config import parse_extra_config
+    from kvferry.integrations.vllm.config import KNOBS, parse_extra_config
+
+    doc = (Path(__file__).parent.parent / "docs" / "vllm.md").read_text()
+    assert not [key for key in KNOBS if f"| `{key}` |" not in doc], "docs/vllm.md's knob table lacks a key"
 
     with pytest.raises(ValueError, match="'bootstrap_timeout'"):
         parse_extra_config({"bootstrap_timeout": 3}, "e")
