@@ -1,0 +1,110 @@
+"""kvferry's settings inside vLLM: ``kv_transfer_config.kv_connector_extra_config``, checked here.
+
+vLLM hands the connector one free-form dict; a typo there would otherwise be ignored silently, so
+every key is known, typed and bounded, and a bad one raises ``ValueError`` naming it. No vLLM
+import: the checks run (and are tested) without vLLM installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvferry.backends.runtime import RuntimeConfig
+from kvferry.core.deadlines import SEC, Timeouts
+
+__all__ = ["KNOBS", "ConnectorSettings", "parse_extra_config"]
+
+# key -> (type, default, one line for the docs and the error message)
+KNOBS: dict[str, tuple[type, Any, str]] = {
+    "server": (str, "", "this instance's name on the control plane (default: vLLM's engine_id)"),
+    "host": (str, "127.0.0.1", "address the control plane binds and advertises to peers"),
+    "port": (int, 0, "control-plane port of TP rank 0 (rank r uses port + r; 0: any free port)"),
+    "control_key_file": (str, "", "file holding the control-plane key (else $KVFERRY_CONTROL_KEY[_FILE])"),
+    "control_insecure": (bool, False, "allow an unauthenticated control plane (tests on one host only)"),
+    "num_queues": (int, 4, "prefill transfer worker threads per rank"),
+    "worker_chunks_in_flight": (int, 1, "chunks a prefill worker keeps in flight before waiting"),
+    "aux_rows": (int, 1024, "rooms a rank can have open at once (one aux row each)"),
+    "bootstrap_timeout_s": (float, 30.0, "prefill waits this long for decode to ask for a request's KV"),
+    "transfer_timeout_s": (float, 60.0, "a room's transfer must finish within this"),
+    "heartbeat_timeout_s": (float, 10.0, "a peer silent this long is lost; its rooms fail"),
+    "fence_timeout_s": (
+        float,
+        180.0,
+        "decode frees a failed room's blocks without prefill's word after this",
+    ),
+    "metrics": (bool, False, "Prometheus metrics of the kvferry endpoints (extra 'metrics')"),
+}
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    server: str
+    host: str
+    port: int
+    control_key_file: str
+    control_insecure: bool
+    num_queues: int
+    worker_chunks_in_flight: int
+    aux_rows: int
+    bootstrap_timeout_s: float
+    transfer_timeout_s: float
+    heartbeat_timeout_s: float
+    fence_timeout_s: float
+    metrics: bool
+
+    def runtime_config(self, tp_rank: int) -> RuntimeConfig:
+        base = Timeouts()
+        timeouts = Timeouts(
+            bootstrap_ns=int(self.bootstrap_timeout_s * SEC),
+            waiting_ns=max(base.waiting_ns, int(self.bootstrap_timeout_s * SEC)),
+            transfer_ns=int(self.transfer_timeout_s * SEC),
+            heartbeat_interval_ns=min(base.heartbeat_interval_ns, int(self.heartbeat_timeout_s * SEC) // 4),
+            heartbeat_timeout_ns=int(self.heartbeat_timeout_s * SEC),
+            fence_ns=int(self.fence_timeout_s * SEC),
+            tombstone_ns=max(base.tombstone_ns, int(self.fence_timeout_s * SEC)),
+        )
+        return RuntimeConfig(
+            num_queues=self.num_queues,
+            worker_chunks_in_flight=self.worker_chunks_in_flight,
+            timeouts=timeouts,
+            aux_rows=self.aux_rows,
+            host=self.host,
+            port=self.port + tp_rank if self.port else 0,
+            control_key_file=self.control_key_file,
+            control_insecure=self.control_insecure,
+            metrics=self.metrics,
+        )
+
+
+def _check(key: str, value: Any) -> Any:
+    kind, _, what = KNOBS[key]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(
+            f"kv_connector_extra_config[{key!r}]: expected {kind.__name__}, got {value!r} ({what})"
+        )
+    if kind in (int, float) and key != "port" and value <= 0:
+        raise ValueError(f"kv_connector_extra_config[{key!r}]: must be > 0, got {value!r} ({what})")
+    if key == "port" and not 0 <= value < 65536:
+        raise ValueError(f"kv_connector_extra_config['port']: must be in [0, 65535], got {value!r}")
+    return value
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None, engine_id: str) -> ConnectorSettings:
+    """The connector's settings from vLLM's ``kv_connector_extra_config``; unknown keys and values
+    of the wrong type or range raise ``ValueError`` naming the key."""
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(KNOBS))
+    if unknown:
+        raise ValueError(
+            f"kv_connector_extra_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(KNOBS))})"
+        )
+    values = {key: _check(key, extra[key]) if key in extra else KNOBS[key][1] for key in KNOBS}
+    values["server"] = values["server"] or engine_id
+    if not values["server"]:
+        raise ValueError("kv_connector_extra_config['server']: empty, and vLLM gave no engine_id")
+    assert {f.name for f in fields(ConnectorSettings)} == set(KNOBS)
+    return ConnectorSettings(**values)

@@ -1,0 +1,264 @@
+"""The connector's worker half: vLLM's KV tensors registered with kvferry's real endpoints.
+
+Prefill ranks own one ``PrefillEndpoint`` each (created in ``register_kv_caches``, so vLLM can
+gather its address as handshake metadata). Decode ranks open one ``DecodeEndpoint`` per prefill
+instance the first time a request names it (its addresses come in ``kv_transfer_params``, as
+vLLM's NIXL connector learns its peers).
+
+Failure becomes recompute: any room that fails (peer lost, deadline passed, a refused open, an
+endpoint that cannot start) is reported as finished receiving, with its blocks in
+``get_block_ids_with_load_errors`` and its request in ``failed_recving``; vLLM then recomputes the
+prompt. Nothing here raises into vLLM's step. A failed room is reported only once its blocks are
+fenced (no prefill write can still land in them), so vLLM never reuses blocks under a write.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvferry.backends.runtime import DecodeEndpoint, KVReceiver, KVSender, PrefillEndpoint
+from kvferry.core.geometry import DType, KVKind, Layout, ModelGeometry, PoolGeometry
+from kvferry.core.kvpoll import KVPoll
+from kvferry.integrations.vllm.config import ConnectorSettings
+from kvferry.integrations.vllm.meta import KvferryConnectorMetadata, KvferryHandshake, RecvMeta
+
+log = logging.getLogger(__name__)
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+_DTYPES = {"torch.float16": DType.FP16, "torch.bfloat16": DType.BF16, "torch.float32": DType.FP32}
+
+
+def pool_from_kv_caches(kv_caches: dict[str, Any]) -> tuple[PoolGeometry, dict[int, Any]]:
+    """kvferry's pool geometry and region buffers for vLLM's per-layer KV views.
+
+    vLLM 0.33 views each layer as ``[blocks, heads, block_size, content]`` (content: the K and V
+    elements of one head and token) over one backing allocation, strided by its KV cache layout.
+    kvferry needs a layer's blocks to be one contiguous run with a token's bytes together, which is
+    the ``LBNHC`` layout (the connector asks vLLM for it). A block's token prefix is then a byte
+    prefix, so each layer is one region of ``block_size`` rows of ``heads x content`` elements
+    (kvferry's single-region form, ``is_mla``): ranks pair one to one, prefill rank r with decode
+    rank r, and each pair moves whole rows. Any other layout is refused with what was seen."""
+    first = next(iter(kv_caches.values()))
+    shape = tuple(first.shape)
+    if first.dim() != 4 or not first.permute(0, 2, 1, 3).is_contiguous():
+        raise ValueError(
+            "kvferry needs vLLM's KV cache in the LBNHC layout (VLLM_KV_CACHE_LAYOUT=LBNHC): each"
+            f" layer [blocks, heads, block_size, content] with a token's heads contiguous; got shape"
+            f" {shape}, strides {tuple(first.stride())}"
+        )
+    if str(first.dtype) not in _DTYPES:
+        raise ValueError(f"kvferry: KV cache dtype {first.dtype} is not supported")
+    num_blocks, heads, block_size, content = shape
+    model = ModelGeometry(
+        "vllm", num_layers=len(kv_caches), num_kv_heads=1, head_dim=heads * content,
+        dtype=_DTYPES[str(first.dtype)], is_mla=True,
+    )  # fmt: skip
+    pool = PoolGeometry(model, 1, 0, block_size, num_blocks, Layout.VLLM_NHD)
+    buffers: dict[int, Any] = {}
+    for layer, kv in enumerate(kv_caches.values()):
+        if tuple(kv.shape) != shape or kv.dtype != first.dtype or kv.stride() != first.stride():
+            raise ValueError(
+                f"kvferry: layers differ in KV shape, strides or dtype ({tuple(kv.shape)} vs {shape})"
+            )
+        buffers[pool.region_id(layer, KVKind.LATENT)] = kv.permute(0, 2, 1, 3)
+    return pool, buffers
+
+
+@dataclass
+class _Open:
+    handle: KVSender | KVReceiver
+    endpoint: PrefillEndpoint | DecodeEndpoint
+    aux_index: int
+    block_ids: tuple[int, ...] = ()
+    last_sent: bool = False
+
+
+@dataclass
+class _AuxRows:
+    free: list[int]
+
+    @classmethod
+    def of(cls, n: int) -> _AuxRows:
+        return cls(list(range(n - 1, -1, -1)))
+
+
+@dataclass
+class WorkerHalf:
+    settings: ConnectorSettings
+    is_producer: bool
+    tp_size: int = 1
+    tp_rank: int = 0
+    pool: PoolGeometry | None = None
+    buffers: dict[int, Any] = field(default_factory=dict)
+    prefill: PrefillEndpoint | None = None
+    decode: dict[tuple[str, tuple[str, ...]], DecodeEndpoint] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)  # request id -> why its room failed
+    _aux: dict[int, _AuxRows] = field(default_factory=dict)  # id(endpoint) -> its free aux rows
+    _open: dict[str, _Open] = field(default_factory=dict)
+    _delegated: set[str] = field(default_factory=set)  # prefill: requests a chunk went out for
+    _finished: set[str] = field(default_factory=set)  # prefill: requests the scheduler finished
+    _load_errors: set[int] = field(default_factory=set)
+    _failed_recving: set[str] = field(default_factory=set)
+    _done_recving: set[str] = field(default_factory=set)
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        self.pool, self.buffers = pool_from_kv_caches(kv_caches)
+        if self.is_producer:
+            self.prefill = PrefillEndpoint(
+                self.rank_name, self.pool, buffers=self.buffers,
+                config=self.settings.runtime_config(self.tp_rank),
+            )  # fmt: skip
+            self.prefill.start()
+
+    @property
+    def rank_name(self) -> str:
+        return f"{self.settings.server}.tp{self.tp_rank}"
+
+    def handshake(self) -> KvferryHandshake | None:
+        if self.prefill is None:
+            return None
+        return KvferryHandshake(self.settings.server, self.tp_rank, self.prefill.address)
+
+    def _aux_of(self, endpoint: Any) -> _AuxRows:
+        return self._aux.setdefault(id(endpoint), _AuxRows.of(self.settings.aux_rows))
+
+    def _decode_endpoint(self, m: RecvMeta) -> DecodeEndpoint:
+        key = (m.server, m.addresses)
+        ep = self.decode.get(key)
+        if ep is None:
+            assert self.pool is not None, "register_kv_caches was not called"
+            if len(m.addresses) != self.tp_size:
+                raise ValueError(
+                    f"prefill {m.server} has TP {len(m.addresses)}, this decode TP {self.tp_size}"
+                )
+            # Ranks pair one to one (pool_from_kv_caches): this rank reads prefill's rank of its own.
+            ep = DecodeEndpoint(
+                f"{self.rank_name}>{m.server}", self.pool, prefill_server=f"{m.server}.tp{self.tp_rank}",
+                prefill_addresses=[m.addresses[self.tp_rank]], buffers=self.buffers,
+                config=self.settings.runtime_config(self.tp_rank),
+            )  # fmt: skip
+            ep.start()
+            self.decode[key] = ep
+        return ep
+
+    # ---- decode -------------------------------------------------------------------------------
+    def start_loads(self, meta: KvferryConnectorMetadata) -> None:
+        for m in meta.reqs_to_recv:
+            try:
+                ep = self._decode_endpoint(m)
+                aux = self._aux_of(ep).free.pop()
+                rx = ep.receiver(m.room, m.transfer_id)
+                self._open[m.request_id] = _Open(rx, ep, aux, m.block_ids)
+                rx.init(np.asarray(m.block_ids, dtype=np.int64), m.num_tokens, aux)
+            except Exception as exc:  # a refused open is a load failure, never a dead engine
+                log.warning("kvferry: request %s: load not started: %s", m.request_id, exc)
+                entry = self._open.pop(m.request_id, None)
+                if entry is not None:
+                    self._drop(m.request_id, entry, clear=True)
+                self._fail_recv(m.request_id, m.block_ids, f"{type(exc).__name__}: {exc}")
+
+    def _fail_recv(self, req_id: str, block_ids: tuple[int, ...], why: str) -> None:
+        self.failures[req_id] = why
+        self._load_errors.update(block_ids)
+        self._failed_recving.add(req_id)
+        self._done_recving.add(req_id)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def save(self, meta: KvferryConnectorMetadata) -> None:
+        for m in meta.reqs_to_send:
+            self._delegated.add(m.request_id)
+            entry = self._open.get(m.request_id)
+            try:
+                if entry is None:
+                    assert self.prefill is not None, "a send on a connector that is not a producer"
+                    tx = self.prefill.sender(m.room, m.transfer_id)
+                    aux = self._aux_of(self.prefill).free.pop()
+                    entry = self._open[m.request_id] = _Open(tx, self.prefill, aux)
+                    tx.write_aux(aux, m.room.to_bytes(8, "little", signed=True))
+                    tx.init(aux)
+                if entry.handle.poll() is KVPoll.Failed or entry.last_sent:
+                    continue  # decode gave up (or a write failed): nothing more to send
+                assert isinstance(entry.handle, KVSender)
+                entry.last_sent = m.token_end == m.num_tokens
+                entry.handle.send(np.asarray(m.block_ids, dtype=np.int64), m.token_end, entry.last_sent)
+            except Exception as exc:  # the room fails; vLLM's step goes on
+                log.warning("kvferry: request %s: send failed: %s", m.request_id, exc)
+                self.failures[m.request_id] = f"{type(exc).__name__}: {exc}"
+                if entry is not None and not entry.last_sent:
+                    entry.last_sent = True
+                    try:
+                        entry.handle.abort(f"send failed: {exc}")
+                    except Exception:
+                        log.exception("kvferry: abort after a failed send")
+
+    # ---- completions --------------------------------------------------------------------------
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        sent: set[str] = set()
+        self._finished |= finished_req_ids & self._delegated
+        for req_id, entry in list(self._open.items()):
+            status = entry.handle.poll()
+            if isinstance(entry.handle, KVSender):
+                if req_id not in self._finished:
+                    continue
+                if status not in TERMINAL and not entry.last_sent:
+                    entry.handle.abort("vLLM finished the request before its prompt was sent")
+                    entry.last_sent = True  # abort once
+                    continue
+            elif req_id in finished_req_ids and status not in TERMINAL:
+                entry.handle.abort("vLLM aborted the request")  # it waits for our report
+            if status not in TERMINAL:
+                continue
+            if status is KVPoll.Failed:
+                if isinstance(entry.handle, KVReceiver) and not entry.handle.pages_freed():
+                    continue  # a prefill write may still land in these blocks
+                why = self._failure(entry)
+                if isinstance(entry.handle, KVReceiver):
+                    self._fail_recv(req_id, entry.block_ids, why)
+                else:
+                    self.failures[req_id] = why
+            elif isinstance(entry.handle, KVReceiver):
+                self._done_recving.add(req_id)
+            del self._open[req_id]
+            self._drop(req_id, entry, clear=True)
+            if isinstance(entry.handle, KVSender):
+                sent.add(req_id)
+        # Delegated requests without a room (its open failed) are done as soon as vLLM finished them.
+        for req_id in self._finished - self._open.keys():
+            sent.add(req_id)
+        self._finished -= sent
+        self._delegated -= sent
+        recving, failed = self._done_recving, self._failed_recving
+        self._done_recving, self._failed_recving = set(), set()
+        return sent, recving, failed
+
+    @staticmethod
+    def _failure(entry: _Open) -> str:
+        try:
+            entry.handle.failure_exception()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "failed"
+
+    def _drop(self, req_id: str, entry: _Open, *, clear: bool) -> None:
+        if clear:
+            try:
+                entry.handle.clear()
+            except Exception:
+                log.exception("kvferry: clearing request %s", req_id)
+        self._aux_of(entry.endpoint).free.append(entry.aux_index)
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> list[str]:
+        stuck: list[str] = []
+        for ep in [self.prefill, *self.decode.values()]:
+            if ep is not None:
+                stuck += ep.close()
+        self.prefill, self.decode = None, {}
+        return stuck

@@ -1,0 +1,373 @@
+"""KvferryConnector inside vLLM 0.33's own Scheduler, prefill and decode in two processes.
+
+Real parts: vLLM's ``Scheduler`` (chunked prefill, async loads, recompute on load failure), its
+``KVConnectorFactory`` loading the connector by module path, its KV cache planner and allocator
+(``allocate_kv_cache`` on the CPU, the LBNHC layout the connector asks for), its worker-side
+connector driver (``KVConnectorModelRunnerMixin._get_kv_connector_output``), and kvferry's real
+endpoints over NIXL (UCX on 127.0.0.1) with an authenticated ZMQ control plane. Stand-in: the
+model's forward, which writes a known pattern (a function of token id, position, layer and byte)
+into every scheduled token's KV row, so decode can check every byte it received.
+
+Needs vLLM: run in the vLLM environment (README, Tests; docs/vllm.md). Prefill runs as
+``python tests/test_vllm_connector.py prefill`` (JSON lines on stdin/stdout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if __name__ != "__main__":
+    pytest.importorskip("vllm", reason="the vLLM integration tests run in the vLLM environment")
+
+import torch
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, VOCAB = 2, 16, 16, 48, 1000
+MARK = "@kvferry-test "  # prefixes the prefill process's protocol lines
+KEY = "kvferry-vllm-test-key-0123456789"
+FAST = {
+    "heartbeat_timeout_s": 1.0,
+    "bootstrap_timeout_s": 20.0,
+    "fence_timeout_s": 3.0,
+    "transfer_timeout_s": 20.0,
+}
+
+
+def pattern(token: int, pos: int, layer: int, row_elems: int) -> torch.Tensor:
+    """What the stand-in forward writes into one token's KV row (heads x content elements)."""
+    base = torch.arange(row_elems, dtype=torch.int64)
+    return ((base * 13 + token * 7 + pos * 3 + layer * 11) % 251).to(torch.float16)
+
+
+class Engine:
+    """vLLM's scheduler and one worker's connector, stepped the way vLLM's engine core steps them."""
+
+    def __init__(self, role: str, name: str, extra: dict[str, Any], max_batched: int = 32) -> None:
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            SchedulerConfig,
+            VllmConfig,
+        )
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        model_dir = tempfile.mkdtemp(prefix="kvferry-vllm-model-")
+        hf = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": HEADS, "head_dim": HEAD_DIM,
+            "num_hidden_layers": len(LAYERS), "intermediate_size": 128, "vocab_size": VOCAB,
+            "max_position_embeddings": 2048, "torch_dtype": "float16",
+        }  # fmt: skip
+        Path(model_dir, "config.json").write_text(json.dumps(hf))
+        from kvferry.integrations.vllm import KvferryConnector
+
+        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=False)
+        cache.kv_cache_layout = KvferryConnector.get_required_kvcache_layout(
+            None
+        )  # as the engine core resolves it
+        self.config = VllmConfig(
+            model_config=ModelConfig(
+                model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=1024
+            ),
+            cache_config=cache,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=8, max_num_batched_tokens=max_batched, max_model_len=1024,
+                enable_chunked_prefill=True, is_encoder_decoder=False,
+            ),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvferryConnector", kv_connector_module_path="kvferry.integrations.vllm",
+                kv_role=role, engine_id=name, kv_connector_extra_config=extra,
+                kv_load_failure_policy="recompute",  # vLLM's default, "fail", ends the request
+            ),
+            device_config=DeviceConfig("cpu"),
+        )  # fmt: skip
+        spec = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16
+        )
+        groups = [KVCacheGroupSpec(LAYERS, spec)]
+        kv_config = get_kv_cache_config_from_groups(
+            self.config, groups, NUM_BLOCKS * spec.page_size_bytes * len(LAYERS)
+        )
+        self.config.cache_config.num_gpu_blocks = kv_config.num_blocks  # the engine core sets it so
+        self.scheduler = Scheduler(
+            self.config, kv_config, StructuredOutputManager(self.config), block_size=BLOCK
+        )
+        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_config)
+        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker  # what ensure_kv_transfer_initialized sets
+        self.kv = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout[cache.kv_cache_layout])
+        self.rows = {name: t.permute(0, 2, 1, 3) for name, t in self.kv.items()}  # [B, N, H, C]
+        self.worker.register_kv_caches(self.kv)
+        handshake = self.worker.get_handshake_metadata()
+        if handshake is not None:
+            self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+        self.free_blocks_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        self.first_scheduled: dict[str, tuple[int, int]] = {}  # request -> (start, tokens) of its first step
+        self.loaded_ok: dict[str, bool] = {}  # request -> its loaded rows held prefill's bytes
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params})
+        req = Request(req_id, prompt, sp, None)
+        req.kv_transfer_params = params
+        self.scheduler.add_request(req)
+
+    def blocks_of(self, req_id: str) -> list[int]:
+        return self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+
+    def rows_match(self, req_id: str, tokens: list[int], upto: int) -> bool:
+        blocks = self.blocks_of(req_id)
+        for layer, rows in enumerate(self.rows.values()):
+            for pos in range(upto):
+                row = rows[blocks[pos // BLOCK], pos % BLOCK].reshape(-1)
+                if not torch.equal(row, pattern(tokens[pos], pos, layer, row.numel())):
+                    return False
+        return True
+
+    def step(self) -> list[Any]:
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+        out = self.scheduler.schedule()
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        with (
+            set_forward_context(None, self.config),
+            KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_out,
+        ):
+            for req_id in req_ids:
+                req = self.scheduler.requests[req_id]
+                n = out.num_scheduled_tokens[req_id]
+                start = req.num_computed_tokens - n  # the scheduler already advanced it
+                if req_id not in self.first_scheduled:
+                    self.first_scheduled[req_id] = (start, n)
+                    if start > 0:  # rows [0, start) came through the connector: check them first
+                        self.loaded_ok[req_id] = self.rows_match(req_id, req.all_token_ids, start)
+                blocks = self.blocks_of(req_id)
+                for pos in range(start, start + n):
+                    for layer, rows in enumerate(self.rows.values()):
+                        row = rows[blocks[pos // BLOCK], pos % BLOCK]
+                        row.copy_(pattern(req.all_token_ids[pos], pos, layer, row.numel()).view(row.shape))
+                sampled.append([1 + pos % (VOCAB - 1)] if start + n >= req.num_tokens else [])
+        mro = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled, kv_connector_output=kv_out,
+        )  # fmt: skip
+        outputs = self.scheduler.update_from_output(out, mro)
+        return [o for eco in outputs.values() for o in eco.outputs]
+
+    def idle(self) -> bool:
+        return not self.scheduler.requests
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def serve_prefill() -> None:
+    """The prefill process: requests in on stdin, their kv_transfer_params out on stdout."""
+    engine = Engine("kv_producer", "prefill", {**FAST, "control_key_file": os.environ["KEYFILE"]})
+    emit = lambda **kw: print(MARK + json.dumps(kw), flush=True)  # noqa: E731
+    emit(event="ready")
+    abort_after: dict[str, int] = {}
+    commands: queue.Queue[dict[str, Any]] = queue.Queue()
+    threading.Thread(
+        target=lambda: [commands.put(json.loads(line)) for line in sys.stdin], daemon=True
+    ).start()
+    while True:
+        try:
+            cmd = commands.get(timeout=0.05) if engine.idle() else commands.get_nowait()
+        except queue.Empty:
+            cmd = {"op": "none"}
+        if cmd["op"] == "add":
+            engine.add(cmd["id"], cmd["prompt"], 1, {"do_remote_decode": True})
+            if "abort_after_steps" in cmd:
+                abort_after[cmd["id"]] = cmd["abort_after_steps"]
+        elif cmd["op"] == "exit":
+            break
+        if engine.idle():
+            continue
+        for o in engine.step():
+            if o.finish_reason is not None:
+                emit(event="finished", id=o.request_id, params=o.kv_transfer_params)
+        for req_id in list(abort_after):
+            abort_after[req_id] -= 1
+            if abort_after[req_id] == 0:
+                from vllm.v1.request import RequestStatus
+
+                del abort_after[req_id]
+                engine.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+                emit(event="finished", id=req_id, params=None)  # an abort yields no output here
+        if engine.idle():
+            emit(event="idle", free_blocks=engine.free_blocks(), at_start=engine.free_blocks_at_start)
+    engine.worker.shutdown()
+
+
+class Prefill:
+    def __init__(self, keyfile: str) -> None:
+        env = {**os.environ, "KEYFILE": keyfile, "PYTHONUNBUFFERED": "1"}
+        # The prefill process's stderr (vLLM's and kvferry's logs): a file when debugging.
+        self.log = open(os.environ.get("KVFERRY_TEST_PREFILL_LOG", os.devnull), "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "prefill"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=env, stderr=self.log,
+        )  # fmt: skip
+        self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):  # NIXL's own log lines share stdout
+                self.lines.put(json.loads(line[len(MARK) :]))
+        self.lines.put(None)
+
+    def expect(self, event: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if msg is None:
+                raise AssertionError(f"prefill process ended (rc {self.proc.poll()}) before {event!r}")
+            if msg["event"] == event:
+                return msg
+        raise AssertionError(f"no {event!r} from prefill within {timeout} s")
+
+    def close(self) -> None:
+        self.log.close()
+        if self.proc.poll() is None:
+            self.send(op="exit")
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture
+def keyfile(tmp_path: Path) -> str:
+    path = tmp_path / "control.key"
+    path.write_text(KEY)
+    return str(path)
+
+
+def run_decode(engine: Engine, until: Any, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "decode did not get there in time"
+        engine.step()
+        time.sleep(0.002)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [1 + (seed * 31 + i * 17) % (VOCAB - 1) for i in range(n)]
+
+
+def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
+    """Chunked prompts (up to 3 chunks of 32 tokens) move through kvferry; decode's scheduler then
+    computes only the last token, over rows that hold prefill's exact bytes; every block is freed
+    on both sides. A prefill request aborted mid-prompt frees its blocks and returns no params; a
+    decode request aborted while its load runs is never computed and its blocks come back."""
+    prefill = Prefill(keyfile)
+    try:
+        decode = Engine("kv_consumer", "decode", {**FAST, "control_key_file": keyfile})
+        prefill.expect("ready", 300)
+        prompts = {"r0": prompt(0, 70), "r1": prompt(1, 16), "r2": prompt(2, 33)}
+        for req_id, tokens in prompts.items():
+            prefill.send(op="add", id=req_id, prompt=tokens)
+        prefill.send(op="add", id="aborted", prompt=prompt(9, 90), abort_after_steps=1)
+        params = {}
+        prefill.send(op="add", id="decode-aborts", prompt=prompt(7, 50))
+        for _ in range(5):
+            msg = prefill.expect("finished", 120)
+            params[msg["id"]] = msg["params"]
+        assert params["aborted"] is None
+        for req_id, tokens in prompts.items():
+            assert params[req_id]["do_remote_prefill"] is True
+            decode.add(req_id, tokens, 2, params[req_id])
+        decode.add("decode-aborts", prompt(7, 50), 2, params["decode-aborts"])
+        decode.step()  # its room opens in this step's start_load_kv
+        from vllm.v1.request import RequestStatus
+
+        decode.scheduler.finish_requests("decode-aborts", RequestStatus.FINISHED_ABORTED)
+        run_decode(decode, decode.idle)
+        assert "decode-aborts" not in decode.first_scheduled
+        for req_id in prompts:
+            assert decode.first_scheduled[req_id] == (len(prompts[req_id]) - 1, 1), (
+                f"{req_id} was recomputed: {decode.worker.worker_half.failures}"
+            )
+            assert decode.loaded_ok[req_id], f"{req_id}: decode's rows differ from prefill's"
+        idle = prefill.expect("idle", 60)
+        assert idle["free_blocks"] == idle["at_start"]
+        assert decode.free_blocks() == decode.free_blocks_at_start
+        decode.worker.shutdown()
+    finally:
+        prefill.close()
+
+
+def test_killed_prefill_ends_in_recompute(keyfile: str) -> None:
+    """Prefill dies after answering; decode's load fails (peer lost), and vLLM recomputes the
+    whole prompt from the blocks the connector reported, with no exception in the step."""
+    prefill = Prefill(keyfile)
+    try:
+        prefill.expect("ready", 300)
+        tokens = prompt(5, 40)
+        prefill.send(op="add", id="r", prompt=tokens)
+        params = prefill.expect("finished", 120)["params"]
+    finally:
+        prefill.proc.kill()
+        prefill.proc.wait(30)
+    decode = Engine("kv_consumer", "decode", {**FAST, "control_key_file": keyfile})
+    decode.add("r", tokens, 2, params)
+    run_decode(decode, decode.idle)
+    assert decode.first_scheduled["r"][0] == 0, "the prompt was not recomputed from its start"
+    assert "r" in decode.worker.worker_half.failures
+    assert decode.free_blocks() == decode.free_blocks_at_start
+    decode.worker.shutdown()
+
+
+def test_bad_extra_config_names_the_key() -> None:
+    from kvferry.integrations.vllm.config import KNOBS, parse_extra_config
+
+    doc = (Path(__file__).parent.parent / "docs" / "vllm.md").read_text()
+    assert not [key for key in KNOBS if f"| `{key}` |" not in doc], "docs/vllm.md's knob table lacks a key"
+
+    with pytest.raises(ValueError, match="'bootstrap_timeout'"):
+        parse_extra_config({"bootstrap_timeout": 3}, "e")
+    with pytest.raises(ValueError, match="'num_queues'"):
+        parse_extra_config({"num_queues": "4"}, "e")
+    with pytest.raises(ValueError, match="'fence_timeout_s'"):
+        parse_extra_config({"fence_timeout_s": -1}, "e")
+    assert parse_extra_config({"port": 7000}, "e").runtime_config(2).port == 7002
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["prefill"]:
+    serve_prefill()
