@@ -50,9 +50,11 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
+from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
 from kvferry.core.flows.pull import PullReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.flows.staged_rx import RxChunk
+from kvferry.core.flows.staged_sender import STAGED_RECEIVER
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition, step
@@ -200,6 +202,25 @@ class _Peer:
         self.last_seen = now
 
 
+class ReceiverFlowContext:
+    """What a flow's decode half may use of its rank (core/flows/registry.py, ``ReceiverContext``);
+    ``staged_note`` is the staged flows' decode ledger, still a part of the engine."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: ReceiverEngine) -> None:
+        self._engine = engine
+
+    def staged_note(self, r: _Room, note: m.ChunkNote) -> None:
+        self._engine._staged_note(r, note)
+
+    def now(self) -> int:
+        return self._engine._now
+
+    def count(self, what: str) -> None:
+        self._engine.counters[what] += 1
+
+
 class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
     """All rooms of one decode rank. Feed it events, execute the commands it returns.
 
@@ -244,6 +265,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         self._init_staging(registration)
         self._init_pull(planner)
         self._track_tables()
+        self._flow_ctx = ReceiverFlowContext(self)
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -569,7 +591,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         elif note.dummy:
             raise RoomError(f"dummy notification from data sender {src}")
         elif note.staged >= 0:
-            self._staged_note(r, note)
+            # The wire names no flow: a staging allocation says staged, anything else direct's.
+            STAGED_RECEIVER.on_note(self._flow_ctx, r, r.progress[src], note)
         elif note.aux:
             if src != r.aux_sender:
                 raise RoomError(f"aux row written by {src}, expected {r.aux_sender}")
@@ -583,39 +606,9 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         return "done" if self._complete(r) else "running"
 
     def _record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> None:
-        idx, rng = note.chunk_index, (note.token_start, note.token_end)
-        seen = prog.chunks.get(idx)
-        if seen is not None:
-            if seen != rng:
-                raise RoomError(f"chunk {idx} from {note.src} arrived twice with ranges {seen} and {rng}")
-            self.counters["duplicate_notification"] += 1
-            return
-        if note.token_end > r.num_tokens:
-            raise RoomError(
-                f"chunk {idx} from {note.src} ends at token {note.token_end}, "
-                f"past the {r.num_tokens} allocated"
-            )
-        if prog.last_index >= 0 and idx > prog.last_index:
-            raise RoomError(f"chunk {idx} from {note.src} after its last chunk {prog.last_index}")
-        if note.is_last:
-            if prog.last_index >= 0:
-                raise RoomError(f"two last chunks from {note.src}")
-            if any(i > idx for i in prog.chunks):
-                raise RoomError(f"last chunk {idx} from {note.src} but a later chunk already arrived")
-            prog.last_index = idx
-        prog.chunks[idx] = rng
-        if prog.last_index >= 0 and len(prog.chunks) == prog.last_index + 1:
-            # Every chunk is in (as a set, whatever the order): the ranges must tile
-            # [token_start, num_tokens) (a prefix hit starts later; nothing is shifted to the front).
-            pos = r.token_start
-            for i in range(prog.last_index + 1):
-                start, end = prog.chunks[i]
-                if start != pos:
-                    raise RoomError(f"chunk {i} from {note.src} starts at token {start}, expected {pos}")
-                pos = end
-            if pos != r.num_tokens:
-                raise RoomError(f"{note.src} delivered {pos} tokens but decode allocated {r.num_tokens}")
-            prog.done = True
+        """A data chunk in the sender's ledger (direct's decode half; pull and the staged flows
+        record theirs here too once READ or scattered)."""
+        DIRECT_RECEIVER.on_note(self._flow_ctx, r, prog, note)
 
     def _complete(self, r: _Room) -> bool:
         if r.scatters or not r.aux_ok:

@@ -29,10 +29,13 @@ import numpy as np
 from kvferry.core import messages as m
 from kvferry.core.commands import AddPeer, DropPeer, PostRead
 from kvferry.core.errors import KvferryError
-from kvferry.core.proto_common import RoomError
+from kvferry.core.flows import registry
+from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
+from kvferry.core.flows.policy import Flow
+from kvferry.core.proto_common import RoomError, RoomStateError
 from kvferry.core.reliable import Resends
 
-__all__ = ["PullReceiver", "PullSender", "ReadInfo"]
+__all__ = ["PullChunkSender", "PullReceiver", "PullSender", "ReadInfo"]
 
 
 RoomKey = tuple[int, str]
@@ -135,6 +138,36 @@ class ReadInfo:
             token_end=self.token_end,
             is_last=self.is_last,
         )
+
+
+class PullChunkSender:
+    """Pull's prefill half of a chunk run (core/flows/registry.py): offer the chunk's pages to
+    every data decode rank; they READ, then answer Pulled. Offers and what each rank still owes
+    live in the rank's ``PullSender`` (``ctx.pull``)."""
+
+    __slots__ = ()
+
+    def run_chunk(self, ctx: Any, r: Any, c: Any) -> str:
+        reg = ctx.registration
+        if reg is None:
+            raise RoomStateError("pull flow: this prefill rank has no registration to offer")
+        start, end = ctx.chunk_bounds(r, c)
+        ctx.advance(r, c, end)
+        targets = [p for p, info in ctx.infos_sorted(r) if not info.dummy]
+        offer = m.PullOffer(
+            src=ctx.endpoint,
+            room=r.room,
+            transfer_id=r.tid,
+            registration=reg,
+            chunk_index=c.chunk_index,
+            token_start=start,
+            token_end=end,
+            is_last=c.is_last,
+            src_pages=np.asarray(c.src_pages, dtype=np.int64).tolist(),
+        )
+        for p, msg in ctx.pull.offer(r.key, targets, offer, ctx.now()):
+            ctx.send(p, msg)
+        return ctx.finish_run(r, c, start, end, [])
 
 
 class PullReceiver:
@@ -305,3 +338,6 @@ class PullReceiver:
 
     def _forget_pull_peer(self, peer: m.Endpoint) -> None:
         self.pull_peers.pop(peer, None)
+
+
+registry.register(Flow.PULL, PullChunkSender(), DIRECT_RECEIVER)  # a READ's chunk is recorded as a note

@@ -30,6 +30,7 @@ from kvferry.core import messages as m
 from kvferry.core.commands import ChunkDeferred, Gather, PostWrite, SendNotif
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import ProtocolError
+from kvferry.core.flows import registry
 from kvferry.core.flows.policy import Flow, FlowPolicy, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.flows.staged_tx import (
@@ -43,7 +44,7 @@ from kvferry.core.flows.staged_tx import (
 )
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.machine import fire
-from kvferry.core.proto_common import RoomFailure
+from kvferry.core.proto_common import RoomFailure, RoomStateError
 from kvferry.core.resources import PinnedPool, PinnedRefused, RingSlot, Watermark, writable
 from kvferry.core.staging_layout import staged_map
 from kvferry.core.worker import shard_of
@@ -564,3 +565,31 @@ class StagedSender:
     def staging_in_use(self) -> int:
         """Staging slots, pinned reservations and gathers held; 0 once every room settled."""
         return len(self.slot_owner) + (len(self.pinned) if self.pinned is not None else 0) + len(self.ops)
+
+
+class StagedChunkSender:
+    """The staged flows' prefill half of a chunk run (core/flows/registry.py): the worker hands
+    the chunk over and moves on; its lanes wait for space (``ctx.accept_staged``)."""
+
+    __slots__ = ()
+
+    def run_chunk(self, ctx: Any, r: Any, c: Any) -> str:
+        if r.token_start:
+            raise RoomStateError(f"flow {r.ledger.flow.value} cannot skip decode's prefix hit")
+        outcome: str = ctx.accept_staged(r, c)
+        return outcome
+
+
+class StagedNoteReceiver:
+    """The staged flows' decode half for a note naming its staging allocation: the decode ledger
+    (core/flows/staged_receiver.py, still a part of the receiver engine: ``ctx.staged_note``)."""
+
+    __slots__ = ()
+
+    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.ChunkNote) -> None:
+        ctx.staged_note(r, note)
+
+
+STAGED_SENDER, STAGED_RECEIVER = StagedChunkSender(), StagedNoteReceiver()
+registry.register(Flow.RING, STAGED_SENDER, STAGED_RECEIVER)
+registry.register(Flow.PINNED, STAGED_SENDER, STAGED_RECEIVER)
