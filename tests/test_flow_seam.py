@@ -1,5 +1,6 @@
 """The flow seam: a flow registered from here, with no core file naming it, runs through the room
-machines (core/flows/registry.py).
+machines (core/flows/registry.py), in the in-memory harness, one simulated run and a short
+campaign (the scenario checks read the registry).
 
 ``split`` is direct's writes under another chunk ledger: each chunk the worker hands over goes out
 as two halves, numbered 2i and 2i+1 in the notes, so decode's ledger tiles twice as many chunks as
@@ -13,7 +14,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.worker import plan_chunk
 from kvferry.sim import scenario as sc
-from kvferry.sim.campaign import run_one
+from kvferry.sim.campaign import campaign, run_one
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H
@@ -132,10 +133,18 @@ def test_split_moves_every_byte_through_the_room_machines(split: SplitSender, p:
     assert all(r.engine.rooms == {} for r in w.ranks)
 
 
-def test_split_runs_in_the_simulator(split: SplitSender) -> None:
-    base = sc.load(SCENARIO)
-    # sc.with_flow checks the name against the built-in flows; the scenario's own field does not.
-    s = replace(base, flows=replace(base.flows, flow=SPLIT))
+def test_split_runs_in_the_simulator_and_a_short_campaign(split: SplitSender) -> None:
+    s = sc.with_flow(sc.load(SCENARIO), SPLIT)  # the scenario checks read the registry
     res, _ = run_one(s, seed=1)
     assert res.violations == [] and res.succeeded == res.rooms > 0
-    assert sum(split.halves.values()) > 0
+    ran = sum(split.halves.values())
+    assert ran > 0
+    # Fault-drawing seeds: rooms may fail, the invariants (bytes, ownership, fences) may not.
+    results = list(campaign(range(4), base=s))
+    assert [r.violations for r in results] == [[]] * 4
+    assert sum(r.succeeded for r in results) > 0 and sum(split.halves.values()) > ran
+
+
+def test_scenarios_refuse_split_once_unregistered() -> None:
+    with pytest.raises(sc.ScenarioError, match="split"):
+        sc.with_flow(sc.load(SCENARIO), SPLIT)

@@ -30,6 +30,7 @@ __all__ = [
     "ReceiverContext",
     "SenderContext",
     "extra_flow",
+    "extra_names",
     "halves",
     "register",
     "unregister",
@@ -134,6 +135,11 @@ def _key(flow: Flow | ExtraFlow | str) -> Any:
 
 def halves(flow: Flow | ExtraFlow) -> FlowHalves:
     return _HALVES[flow]
+
+
+def extra_names() -> tuple[str, ...]:
+    """The registered flows outside ``Flow``, in registration order (scenario checks read it)."""
+    return tuple(str(k) for k in _HALVES if type(k) is ExtraFlow)
 
 
 def extra_flow(name: str) -> ExtraFlow | None:
