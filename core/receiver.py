@@ -214,6 +214,45 @@ class ReceiverFlowContext:
     def staged_note(self, r: _Room, note: m.ChunkNote) -> None:
         self._engine._staged_note(r, note)
 
+    @property
+    def endpoint(self) -> m.Endpoint:
+        return self._engine.endpoint
+
+    @property
+    def pool(self) -> Any:
+        return self._engine.pool
+
+    @property
+    def planner(self) -> Any:
+        return self._engine.planner
+
+    def room(self, room: int) -> _Room | None:
+        return self._engine.rooms.get(room)
+
+    def tombstone(self, room: int, tid: str) -> Any:
+        return self._engine.tombstones.get(room, tid)
+
+    def send(self, peer: m.Endpoint, msg: Any) -> None:
+        self._engine._send(peer, msg)
+
+    def emit(self, command: Any) -> None:
+        self._engine._out.append(command)
+
+    def room_alive(self, r: _Room) -> None:
+        """The room moved: its transfer deadline starts again."""
+        e = self._engine
+        e.deadlines.set(("room", r.room), e._now + e.timeouts.transfer_ns)
+
+    def record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> None:
+        self._engine._record_chunk(r, prog, note)
+
+    def complete(self, r: _Room) -> bool:
+        return self._engine._complete(r)
+
+    def offer_input(self, offer: m.PullOffer) -> None:
+        """A pull offer for a live room: the table's OFFER input."""
+        self._engine._room_input(offer.room, offer.transfer_id, RIn.OFFER, offer, sender=offer.src)
+
     def now(self) -> int:
         return self._engine._now
 
@@ -221,7 +260,7 @@ class ReceiverFlowContext:
         self._engine.counters[what] += 1
 
 
-class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
+class ReceiverEngine(StagedReceiver, RoomEngine):
     """All rooms of one decode rank. Feed it events, execute the commands it returns.
 
     ``registration``: this rank's ``Register`` message (agent, regions, geometry, aux rows), sent
@@ -237,7 +276,6 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
     TIMEOUT = RIn.TIMEOUT
     PEER_LOST = RIn.PEER_LOST
     STAGING_REQ = RIn.STAGING_REQ
-    OFFER = RIn.OFFER
 
     def __init__(
         self, registration: m.Register, *, timeouts: Timeouts | None = None, planner: Any = None
@@ -263,9 +301,15 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         self._now = 0
         self.last_internal_error: BaseException | None = None
         self._init_staging(registration)
-        self._init_pull(planner)
-        self._track_tables()
+        if planner is None:
+            from kvferry.core.planner import plan_rank_pair as planner
+        self.planner = planner
         self._flow_ctx = ReceiverFlowContext(self)
+        # Pull's decode half (core/flows/pull.py); its tables are tracked like the engine's own.
+        self.pull_rx = PullReceiver(self._flow_ctx)
+        self.reads = self.pull_rx.reads  # read id -> room key (the driver's completions name it)
+        self.pull_peers = self.pull_rx.pull_peers
+        self._track_tables()
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -389,7 +433,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         elif t is m.StagingReq:
             self._on_staging_req(msg)
         elif t is m.PullOffer:
-            self._on_offer(msg)
+            self.pull_rx.on_offer_message(msg)
         elif t is m.InfoAck:
             r = self.rooms.get(msg.room)
             if r is not None and r.tid == msg.transfer_id and msg.src in r.senders:
@@ -618,6 +662,17 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
                 return False
         return len(r.dummies_done) == len(r.senders) - len(r.data_senders)
 
+    # --- pull's decode half (core/flows/pull.py), as the table calls it -----------------------------
+
+    def _h_on_offer(self, r: _Room, inp: RIn, offer: m.PullOffer) -> str:
+        return self.pull_rx.on_offer(r, offer)
+
+    def _h_on_read_done(self, r: _Room, inp: RIn, payload: tuple[Any, Any]) -> str:
+        return self.pull_rx.on_read_done(r, payload[1])
+
+    def _h_on_offer_after_success(self, r: _Room, inp: RIn, offer: m.PullOffer) -> None:
+        self.pull_rx.offer_after_success(r, offer)
+
     def _h_on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> str:
         if r.aux_ok or not r.aux_pending:
             self.counters["duplicate_aux_check"] += 1
@@ -667,7 +722,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         elif inp is RIn.NOTIFY:
             self.counters["notification_after_failure"] += 1
         elif inp is RIn.OFFER:
-            self._pull_after_failure(r, payload)
+            self.pull_rx.after_failure(r, payload)
         elif inp is RIn.PEER_FAILED and payload.src in r.pull_from and not r.reads:
             # A pull sender still holding its pages asks again: nothing of ours reads them.
             self._send(payload.src, m.ReadsStopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
@@ -707,7 +762,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
     def _maybe_finish(self, r: _Room) -> None:
         st = r.state
         if st is RState.FAILED:
-            self._reads_drained(r)
+            self.pull_rx.reads_drained(r)
             fenced = r.fence_expired or (r.fenced >= r.senders.keys() and not r.reads_cut)
             if not r.freed and fenced and not r.scatters and not r.reads:
                 # Pages and staging space go back only when no writer can still write them (fenced)
@@ -754,7 +809,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             if r is not None and r.reads:
                 r.reads_cut = True
                 self.counters["reads_cut_by_peer_loss"] += 1
-        self._forget_pull_peer(peer)  # the driver drops its agent with it (DropPeer)
+        self.pull_rx.forget_peer(peer)  # the driver drops its agent with it (DropPeer)
 
     def _on_deadline(self, kind: str, what: Any) -> None:
         if kind == "abort":
