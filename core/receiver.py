@@ -57,7 +57,15 @@ from kvferry.core.flows.staged_rx import RxChunk
 from kvferry.core.flows.staged_sender import STAGED_RECEIVER
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
-from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition, step
+from kvferry.core.proto_common import (
+    EngineFlowContext,
+    RoomEngine,
+    RoomError,
+    RoomFailure,
+    Tombstones,
+    Transition,
+    step,
+)
 from kvferry.core.reliable import Resends
 
 __all__ = ["RECEIVER_TABLE", "RIn", "RState", "ReceiverEngine"]
@@ -202,41 +210,24 @@ class _Peer:
         self.last_seen = now
 
 
-class ReceiverFlowContext:
+class ReceiverFlowContext(EngineFlowContext):
     """What a flow's decode half may use of its rank (core/flows/registry.py, ``ReceiverContext``);
     ``staged_note`` is the staged flows' decode ledger, still a part of the engine."""
 
-    __slots__ = ("_engine",)
+    __slots__ = ()
+    _engine: ReceiverEngine
 
-    def __init__(self, engine: ReceiverEngine) -> None:
-        self._engine = engine
+    def count(self, what: str) -> None:
+        self._engine.counters[what] += 1
 
     def staged_note(self, r: _Room, note: m.ChunkNote) -> None:
         self._engine._staged_note(r, note)
-
-    @property
-    def endpoint(self) -> m.Endpoint:
-        return self._engine.endpoint
-
-    @property
-    def pool(self) -> Any:
-        return self._engine.pool
-
-    @property
-    def planner(self) -> Any:
-        return self._engine.planner
 
     def room(self, room: int) -> _Room | None:
         return self._engine.rooms.get(room)
 
     def tombstone(self, room: int, tid: str) -> Any:
         return self._engine.tombstones.get(room, tid)
-
-    def send(self, peer: m.Endpoint, msg: Any) -> None:
-        self._engine._send(peer, msg)
-
-    def emit(self, command: Any) -> None:
-        self._engine._out.append(command)
 
     def room_alive(self, r: _Room) -> None:
         """The room moved: its transfer deadline starts again."""
@@ -252,12 +243,6 @@ class ReceiverFlowContext:
     def offer_input(self, offer: m.PullOffer) -> None:
         """A pull offer for a live room: the table's OFFER input."""
         self._engine._room_input(offer.room, offer.transfer_id, RIn.OFFER, offer, sender=offer.src)
-
-    def now(self) -> int:
-        return self._engine._now
-
-    def count(self, what: str) -> None:
-        self._engine.counters[what] += 1
 
 
 class ReceiverEngine(StagedReceiver, RoomEngine):

@@ -72,6 +72,7 @@ from kvferry.core.flows.staged_tx import StagedLedger
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import (
+    EngineFlowContext,
     RoomEngine,
     RoomError,
     RoomFailure,
@@ -207,29 +208,14 @@ class _Peer:
         self.last_seen = now
 
 
-class SenderFlowContext:
+class SenderFlowContext(EngineFlowContext):
     """What a flow's prefill half may use of its rank (core/flows/registry.py, ``SenderContext``):
-    the rank's pool and planner, the room checks and bookkeeping every flow's run shares, posting
-    and sending. ``push``, ``pull`` and ``accept_staged`` are the per-rank components of the flows
-    that keep state across rooms (the staged flows' is still the engine itself). Everything is
-    read from the engine at the call: a test or a planted bug may swap the engine's parts."""
+    the room checks and bookkeeping every flow's run shares, posting and sending. ``push``,
+    ``pull`` and ``accept_staged`` are the per-rank components of the flows that keep state across
+    rooms (the staged flows' is still the engine itself)."""
 
-    __slots__ = ("_engine",)
-
-    def __init__(self, engine: SenderEngine) -> None:
-        self._engine = engine
-
-    @property
-    def endpoint(self) -> m.Endpoint:
-        return self._engine.endpoint
-
-    @property
-    def pool(self) -> Any:
-        return self._engine.pool
-
-    @property
-    def planner(self) -> Callable[..., Any]:
-        return self._engine.planner
+    __slots__ = ()
+    _engine: SenderEngine
 
     @property
     def registration(self) -> m.Register | None:
@@ -242,15 +228,6 @@ class SenderFlowContext:
     @property
     def pull(self) -> PullSender:
         return self._engine.pull
-
-    def now(self) -> int:
-        return self._engine._now
-
-    def emit(self, command: Any) -> None:
-        self._engine._out.append(command)
-
-    def send(self, peer: m.Endpoint, msg: Any) -> None:
-        self._engine._send(peer, msg)
 
     def chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
         return self._engine._chunk_bounds(r, c)
@@ -833,10 +810,6 @@ class SenderEngine(StagedSender, RoomEngine):
             **kind,
         )
         return _encode(note)
-
-    def _run_direct(self, r: _Room, c: ChunkReady) -> str:
-        """Direct's prefill half (core/flows/direct.py); the staged flows fall back to it."""
-        return flow_halves(Flow.DIRECT).sender.run_chunk(self._flow_ctx, r, c)
 
     def _h_on_pulled(self, r: _Room, inp: SIn, msg: m.Pulled) -> str:
         return "done" if self._quiet(r) else "stay"

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvferry.core.commands import PostWrite, SendNotif
+from kvferry.core.commands import SendNotif
 from kvferry.core.events import ChunkReady
 from kvferry.core.flows import Flow, FlowPolicy, registry
-from kvferry.core.flows.direct import DIRECT
+from kvferry.core.flows.direct import DIRECT, write_command
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.worker import plan_chunk
@@ -67,19 +67,7 @@ class SplitSender:
                     continue
                 wid = ctx.new_write(r)
                 posted.append(wid)
-                ctx.emit(
-                    PostWrite(
-                        write_id=wid,
-                        peer=w.peer,
-                        room=r.room,
-                        src_region=w.src_region,
-                        src_offset=w.src_offset,
-                        dst_region=w.dst_region,
-                        dst_offset=w.dst_offset,
-                        length=w.length,
-                        notif=note,
-                    )
-                )
+                ctx.emit(write_command(wid, r.room, w, note))
         return ctx.finish_run(r, c, start, end, posted)
 
 

@@ -17,9 +17,9 @@ from kvferry.core.events import ChunkReady
 from kvferry.core.flows import registry
 from kvferry.core.flows.policy import Flow
 from kvferry.core.machine import RoomError
-from kvferry.core.worker import plan_chunk
+from kvferry.core.worker import ChunkWrite, plan_chunk
 
-__all__ = ["DirectReceiver", "DirectSender"]
+__all__ = ["DirectReceiver", "DirectSender", "write_command"]
 
 
 class DirectSender:
@@ -52,20 +52,23 @@ class DirectSender:
             if push is not None:
                 push.posted(wid, r.key, w.peer)
             posted.append(wid)
-            emit(
-                PostWrite(
-                    write_id=wid,
-                    peer=w.peer,
-                    room=r.room,
-                    src_region=w.src_region,
-                    src_offset=w.src_offset,
-                    dst_region=w.dst_region,
-                    dst_offset=w.dst_offset,
-                    length=w.length,
-                    notif=note,
-                )
-            )
+            emit(write_command(wid, r.room, w, note))
         return ctx.finish_run(r, c, start, end, posted)
+
+
+def write_command(write_id: int, room: int, w: ChunkWrite, note: bytes) -> PostWrite:
+    """The WRITE of one planned descriptor set (``core.worker.ChunkWrite``), the note riding on it."""
+    return PostWrite(
+        write_id=write_id,
+        peer=w.peer,
+        room=room,
+        src_region=w.src_region,
+        src_offset=w.src_offset,
+        dst_region=w.dst_region,
+        dst_offset=w.dst_offset,
+        length=w.length,
+        notif=note,
+    )
 
 
 class DirectReceiver:
