@@ -20,6 +20,7 @@ from kvferry.core.kvpoll import KVPoll
 from kvferry.core.machine import RoomError, RoomFailure, RoomStateError, TableEngine, Transition, step
 
 __all__ = [
+    "EngineFlowContext",
     "RoomEngine",
     "RoomError",
     "RoomFailure",
@@ -107,6 +108,39 @@ class Tombstones:
 
 def new_counters() -> Counter[str]:
     return Counter()
+
+
+class EngineFlowContext:
+    """What both sides' flow contexts share (core/flows/registry.py): the rank, the pool, the
+    planner, the clock, emitting commands and sending control messages. Read from the engine at
+    each call: a test or a planted bug may swap the engine's parts."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    @property
+    def endpoint(self) -> Any:
+        return self._engine.endpoint
+
+    @property
+    def pool(self) -> Any:
+        return self._engine.pool
+
+    @property
+    def planner(self) -> Callable[..., Any]:
+        return self._engine.planner
+
+    def now(self) -> int:
+        now: int = self._engine._now
+        return now
+
+    def emit(self, command: Any) -> None:
+        self._engine._out.append(command)
+
+    def send(self, peer: Any, msg: Any) -> None:
+        self._engine._send(peer, msg)
 
 
 class RoomEngine(TableEngine):

@@ -50,12 +50,22 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
+from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
 from kvferry.core.flows.pull import PullReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.flows.staged_rx import RxChunk
+from kvferry.core.flows.staged_sender import STAGED_RECEIVER
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
-from kvferry.core.proto_common import RoomEngine, RoomError, RoomFailure, Tombstones, Transition, step
+from kvferry.core.proto_common import (
+    EngineFlowContext,
+    RoomEngine,
+    RoomError,
+    RoomFailure,
+    Tombstones,
+    Transition,
+    step,
+)
 from kvferry.core.reliable import Resends
 
 __all__ = ["RECEIVER_TABLE", "RIn", "RState", "ReceiverEngine"]
@@ -200,7 +210,42 @@ class _Peer:
         self.last_seen = now
 
 
-class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
+class ReceiverFlowContext(EngineFlowContext):
+    """What a flow's decode half may use of its rank (core/flows/registry.py, ``ReceiverContext``);
+    ``staged_note`` is the staged flows' decode ledger, still a part of the engine."""
+
+    __slots__ = ()
+    _engine: ReceiverEngine
+
+    def count(self, what: str) -> None:
+        self._engine.counters[what] += 1
+
+    def staged_note(self, r: _Room, note: m.ChunkNote) -> None:
+        self._engine._staged_note(r, note)
+
+    def room(self, room: int) -> _Room | None:
+        return self._engine.rooms.get(room)
+
+    def tombstone(self, room: int, tid: str) -> Any:
+        return self._engine.tombstones.get(room, tid)
+
+    def room_alive(self, r: _Room) -> None:
+        """The room moved: its transfer deadline starts again."""
+        e = self._engine
+        e.deadlines.set(("room", r.room), e._now + e.timeouts.transfer_ns)
+
+    def record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> None:
+        self._engine._record_chunk(r, prog, note)
+
+    def complete(self, r: _Room) -> bool:
+        return self._engine._complete(r)
+
+    def offer_input(self, offer: m.PullOffer) -> None:
+        """A pull offer for a live room: the table's OFFER input."""
+        self._engine._room_input(offer.room, offer.transfer_id, RIn.OFFER, offer, sender=offer.src)
+
+
+class ReceiverEngine(StagedReceiver, RoomEngine):
     """All rooms of one decode rank. Feed it events, execute the commands it returns.
 
     ``registration``: this rank's ``Register`` message (agent, regions, geometry, aux rows), sent
@@ -216,7 +261,6 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
     TIMEOUT = RIn.TIMEOUT
     PEER_LOST = RIn.PEER_LOST
     STAGING_REQ = RIn.STAGING_REQ
-    OFFER = RIn.OFFER
 
     def __init__(
         self, registration: m.Register, *, timeouts: Timeouts | None = None, planner: Any = None
@@ -242,7 +286,14 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         self._now = 0
         self.last_internal_error: BaseException | None = None
         self._init_staging(registration)
-        self._init_pull(planner)
+        if planner is None:
+            from kvferry.core.planner import plan_rank_pair as planner
+        self.planner = planner
+        self._flow_ctx = ReceiverFlowContext(self)
+        # Pull's decode half (core/flows/pull.py); its tables are tracked like the engine's own.
+        self.pull_rx = PullReceiver(self._flow_ctx)
+        self.reads = self.pull_rx.reads  # read id -> room key (the driver's completions name it)
+        self.pull_peers = self.pull_rx.pull_peers
         self._track_tables()
 
     def _track_tables(self) -> None:
@@ -367,7 +418,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         elif t is m.StagingReq:
             self._on_staging_req(msg)
         elif t is m.PullOffer:
-            self._on_offer(msg)
+            self.pull_rx.on_offer_message(msg)
         elif t is m.InfoAck:
             r = self.rooms.get(msg.room)
             if r is not None and r.tid == msg.transfer_id and msg.src in r.senders:
@@ -569,7 +620,8 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         elif note.dummy:
             raise RoomError(f"dummy notification from data sender {src}")
         elif note.staged >= 0:
-            self._staged_note(r, note)
+            # The wire names no flow: a staging allocation says staged, anything else direct's.
+            STAGED_RECEIVER.on_note(self._flow_ctx, r, r.progress[src], note)
         elif note.aux:
             if src != r.aux_sender:
                 raise RoomError(f"aux row written by {src}, expected {r.aux_sender}")
@@ -583,39 +635,9 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         return "done" if self._complete(r) else "running"
 
     def _record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> None:
-        idx, rng = note.chunk_index, (note.token_start, note.token_end)
-        seen = prog.chunks.get(idx)
-        if seen is not None:
-            if seen != rng:
-                raise RoomError(f"chunk {idx} from {note.src} arrived twice with ranges {seen} and {rng}")
-            self.counters["duplicate_notification"] += 1
-            return
-        if note.token_end > r.num_tokens:
-            raise RoomError(
-                f"chunk {idx} from {note.src} ends at token {note.token_end}, "
-                f"past the {r.num_tokens} allocated"
-            )
-        if prog.last_index >= 0 and idx > prog.last_index:
-            raise RoomError(f"chunk {idx} from {note.src} after its last chunk {prog.last_index}")
-        if note.is_last:
-            if prog.last_index >= 0:
-                raise RoomError(f"two last chunks from {note.src}")
-            if any(i > idx for i in prog.chunks):
-                raise RoomError(f"last chunk {idx} from {note.src} but a later chunk already arrived")
-            prog.last_index = idx
-        prog.chunks[idx] = rng
-        if prog.last_index >= 0 and len(prog.chunks) == prog.last_index + 1:
-            # Every chunk is in (as a set, whatever the order): the ranges must tile
-            # [token_start, num_tokens) (a prefix hit starts later; nothing is shifted to the front).
-            pos = r.token_start
-            for i in range(prog.last_index + 1):
-                start, end = prog.chunks[i]
-                if start != pos:
-                    raise RoomError(f"chunk {i} from {note.src} starts at token {start}, expected {pos}")
-                pos = end
-            if pos != r.num_tokens:
-                raise RoomError(f"{note.src} delivered {pos} tokens but decode allocated {r.num_tokens}")
-            prog.done = True
+        """A data chunk in the sender's ledger (direct's decode half; pull and the staged flows
+        record theirs here too once READ or scattered)."""
+        DIRECT_RECEIVER.on_note(self._flow_ctx, r, prog, note)
 
     def _complete(self, r: _Room) -> bool:
         if r.scatters or not r.aux_ok:
@@ -624,6 +646,17 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             if not p.done:
                 return False
         return len(r.dummies_done) == len(r.senders) - len(r.data_senders)
+
+    # --- pull's decode half (core/flows/pull.py), as the table calls it -----------------------------
+
+    def _h_on_offer(self, r: _Room, inp: RIn, offer: m.PullOffer) -> str:
+        return self.pull_rx.on_offer(r, offer)
+
+    def _h_on_read_done(self, r: _Room, inp: RIn, payload: tuple[Any, Any]) -> str:
+        return self.pull_rx.on_read_done(r, payload[1])
+
+    def _h_on_offer_after_success(self, r: _Room, inp: RIn, offer: m.PullOffer) -> None:
+        self.pull_rx.offer_after_success(r, offer)
 
     def _h_on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> str:
         if r.aux_ok or not r.aux_pending:
@@ -674,7 +707,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
         elif inp is RIn.NOTIFY:
             self.counters["notification_after_failure"] += 1
         elif inp is RIn.OFFER:
-            self._pull_after_failure(r, payload)
+            self.pull_rx.after_failure(r, payload)
         elif inp is RIn.PEER_FAILED and payload.src in r.pull_from and not r.reads:
             # A pull sender still holding its pages asks again: nothing of ours reads them.
             self._send(payload.src, m.ReadsStopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
@@ -714,7 +747,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
     def _maybe_finish(self, r: _Room) -> None:
         st = r.state
         if st is RState.FAILED:
-            self._reads_drained(r)
+            self.pull_rx.reads_drained(r)
             fenced = r.fence_expired or (r.fenced >= r.senders.keys() and not r.reads_cut)
             if not r.freed and fenced and not r.scatters and not r.reads:
                 # Pages and staging space go back only when no writer can still write them (fenced)
@@ -761,7 +794,7 @@ class ReceiverEngine(PullReceiver, StagedReceiver, RoomEngine):
             if r is not None and r.reads:
                 r.reads_cut = True
                 self.counters["reads_cut_by_peer_loss"] += 1
-        self._forget_pull_peer(peer)  # the driver drops its agent with it (DropPeer)
+        self.pull_rx.forget_peer(peer)  # the driver drops its agent with it (DropPeer)
 
     def _on_deadline(self, kind: str, what: Any) -> None:
         if kind == "abort":

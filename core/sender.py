@@ -66,11 +66,13 @@ from kvferry.core.events import (
 from kvferry.core.flows import Flow, FlowPolicy
 from kvferry.core.flows.pull import PullSender
 from kvferry.core.flows.push import PushSender
+from kvferry.core.flows.registry import halves as flow_halves
 from kvferry.core.flows.staged_sender import StagedSender
 from kvferry.core.flows.staged_tx import StagedLedger
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import (
+    EngineFlowContext,
     RoomEngine,
     RoomError,
     RoomFailure,
@@ -81,7 +83,7 @@ from kvferry.core.proto_common import (
 )
 from kvferry.core.reliable import Resends
 from kvferry.core.resources.leases import LeaseRegistry, NoticeKind, strip_retry_suffix
-from kvferry.core.worker import Destination, plan_chunk, shard_of
+from kvferry.core.worker import Destination, shard_of
 
 _encode = m.encode
 
@@ -206,6 +208,53 @@ class _Peer:
         self.last_seen = now
 
 
+class SenderFlowContext(EngineFlowContext):
+    """What a flow's prefill half may use of its rank (core/flows/registry.py, ``SenderContext``):
+    the room checks and bookkeeping every flow's run shares, posting and sending. ``push``,
+    ``pull`` and ``accept_staged`` are the per-rank components of the flows that keep state across
+    rooms (the staged flows' is still the engine itself)."""
+
+    __slots__ = ()
+    _engine: SenderEngine
+
+    @property
+    def registration(self) -> m.Register | None:
+        return self._engine.registration
+
+    @property
+    def push(self) -> PushSender:
+        return self._engine.push
+
+    @property
+    def pull(self) -> PullSender:
+        return self._engine.pull
+
+    def chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
+        return self._engine._chunk_bounds(r, c)
+
+    def advance(self, r: _Room, c: ChunkReady, end: int) -> None:
+        self._engine._advance(r, c, end)
+
+    def infos_sorted(self, r: _Room) -> list[tuple[m.Endpoint, m.TransferInfo]]:
+        return self._engine._infos_sorted(r)
+
+    def destinations(self, r: _Room) -> list[Destination]:
+        e = self._engine
+        return [Destination(p, e.peers[p].pool, r.dests[p], info.dummy) for p, info in e._infos_sorted(r)]
+
+    def chunk_note(self, r: _Room, c: Any, start: int, end: int, **kind: Any) -> bytes:
+        return self._engine._chunk_note(r, c, start, end, **kind)
+
+    def new_write(self, r: _Room) -> int:
+        return self._engine._new_write(r)
+
+    def finish_run(self, r: _Room, c: ChunkReady, start: int, end: int, posted: list[int]) -> str:
+        return self._engine._finish_run(r, c, start, end, posted)
+
+    def accept_staged(self, r: _Room, c: ChunkReady) -> str:
+        return self._engine._accept_staged(r, c)
+
+
 class SenderEngine(StagedSender, RoomEngine):
     """All rooms of one prefill rank. Feed it events, execute the commands it returns."""
 
@@ -280,6 +329,7 @@ class SenderEngine(StagedSender, RoomEngine):
         self.last_internal_error: BaseException | None = None
         self._track_tables()
         self._init_staging(policy, worker_buffer_bytes, pinned_bytes)
+        self._flow_ctx = SenderFlowContext(self)
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -711,14 +761,11 @@ class SenderEngine(StagedSender, RoomEngine):
             flow = r.ledger.flow
         if c.chunk_index != r.next_run:
             raise RoomStateError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
-        if flow is Flow.RING or flow is Flow.PINNED:  # Flow.staged, without the property call
-            if r.token_start:
-                raise RoomStateError(f"flow {flow.value} cannot skip decode's prefix hit")
-            # The worker hands a staged chunk over and moves on; its lanes wait for space.
-            return self._accept_staged(r, c)
-        if flow is Flow.PULL:
-            return self._run_pull(r, c)
-        return self._run_direct(r, c)
+        return self._run_flow(r, c, flow)
+
+    def _run_flow(self, r: _Room, c: ChunkReady, flow: Flow) -> str:
+        """The flow's prefill half (core/flows/registry.py) runs the chunk through the context."""
+        return flow_halves(flow).sender.run_chunk(self._flow_ctx, r, c)
 
     @staticmethod
     def _infos_sorted(r: _Room) -> list[tuple[m.Endpoint, m.TransferInfo]]:
@@ -763,68 +810,6 @@ class SenderEngine(StagedSender, RoomEngine):
             **kind,
         )
         return _encode(note)
-
-    def _run_direct(self, r: _Room, c: ChunkReady) -> str:
-        start, end = self._chunk_bounds(r, c)
-        peers = self.peers
-        dests = [Destination(p, peers[p].pool, r.dests[p], info.dummy) for p, info in self._infos_sorted(r)]
-        writes = plan_chunk(self.planner, self.pool, c.src_pages, dests, start, end)
-        push = r.ledger.flow is Flow.PUSH
-        if push and c.chunk_index == 0:
-            self.push.finish(r.key, self._now)
-        self._advance(r, c, end)
-        posted: list[int] = []
-        note = self._chunk_note(r, c, start, end)  # identical for every data write: encode once
-        out = self._out
-        for w in writes:
-            if not len(w.length):
-                out.append(SendNotif(peer=w.peer, room=r.room, notif=note))
-                continue
-            if push:
-                self.push.post(r.key, w.peer, self._now)
-            wid = self._new_write(r)
-            if push:
-                self.push.posted(wid, r.key, w.peer)
-            posted.append(wid)
-            out.append(
-                PostWrite(
-                    write_id=wid,
-                    peer=w.peer,
-                    room=r.room,
-                    src_region=w.src_region,
-                    src_offset=w.src_offset,
-                    dst_region=w.dst_region,
-                    dst_offset=w.dst_offset,
-                    length=w.length,
-                    notif=note,
-                )
-            )
-        return self._finish_run(r, c, start, end, posted)
-
-    def _run_pull(self, r: _Room, c: ChunkReady) -> str:
-        """Offer the chunk's pages to every data decode rank; they READ, then answer Pulled."""
-        if self.registration is None:
-            raise RoomStateError("pull flow: this prefill rank has no registration to offer")
-        start, end = self._chunk_bounds(r, c)
-        self._advance(r, c, end)
-        targets = [p for p, info in self._infos_sorted(r) if not info.dummy]
-        idx = c.chunk_index
-        reg, room, tid = self.registration, r.room, r.tid
-        pages = np.asarray(c.src_pages, dtype=np.int64).tolist()
-        offer = m.PullOffer(
-            src=self.endpoint,
-            room=room,
-            transfer_id=tid,
-            registration=reg,
-            chunk_index=idx,
-            token_start=start,
-            token_end=end,
-            is_last=c.is_last,
-            src_pages=pages,
-        )
-        for p, msg in self.pull.offer(r.key, targets, offer, self._now):
-            self._send(p, msg)
-        return self._finish_run(r, c, start, end, [])
 
     def _h_on_pulled(self, r: _Room, inp: SIn, msg: m.Pulled) -> str:
         return "done" if self._quiet(r) else "stay"

@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
+from kvferry.core.flows import Flow
 from kvferry.core.flows.regions import worker_region
 from kvferry.core.proto_common import RoomError
 from kvferry.core.receiver import ReceiverEngine
@@ -177,8 +178,10 @@ _RECEIVERS = {
 
 
 class _PullFreeEarlySender(SenderEngine):
-    def _run_pull(self, r: Any, c: Any) -> str:
-        super()._run_pull(r, c)
+    def _run_flow(self, r: Any, c: Any, flow: Any) -> str:
+        outcome = super()._run_flow(r, c, flow)
+        if flow is not Flow.PULL:
+            return outcome
         self.pull.owed.pop(r.key, None)  # the pages count as free while decode still READs them
         return "done" if self._quiet(r) else "running"
 
@@ -190,15 +193,16 @@ class _SilentWriteFailureSender(SenderEngine):
 
 
 class _FrontTrimSender(SenderEngine):
-    def _run_direct(self, r: Any, c: Any) -> str:
+    # Any flow's chunk run (only direct and push rooms run with a prefix hit; pull reads no dests).
+    def _run_flow(self, r: Any, c: Any, flow: Any) -> str:
         if not r.token_start:
-            return super()._run_direct(r, c)
+            return super()._run_flow(r, c, flow)
         saved = dict(r.dests)
         for p, pages in saved.items():
             shift = max(1, r.token_start // self.peers[p].pool.page_size)
             r.dests[p] = np.roll(pages, shift)  # token token_start lands near slot 0
         try:
-            return super()._run_direct(r, c)
+            return super()._run_flow(r, c, flow)
         finally:
             r.dests = saved
 

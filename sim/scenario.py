@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from kvferry.backends.simfabric.spec import PROFILES, ControlSpec, FabricSpec, KernelSpec, NicSpec
 from kvferry.core.errors import GeometryError, KvferryError
 from kvferry.core.flows import FLOW_NAMES
+from kvferry.core.flows.registry import extra_names
 from kvferry.core.geometry import PRESETS, Layout, ModelGeometry, PoolGeometry, validate_tp
 
 US = 1_000
@@ -60,6 +61,13 @@ HOOKS = (
 # dozen already make a slow run; the deployment model (sim/deploy) goes further in timing only.
 MAX_INSTANCES = 16
 FLOW_CHOICES = ("policy", *FLOW_NAMES, "mixed")
+
+
+def flow_choices() -> tuple[str, ...]:
+    """``FLOW_CHOICES`` and any flow registered outside ``Flow`` (core/flows/registry.py)."""
+    return (*FLOW_CHOICES, *extra_names())
+
+
 PUSH_MATCH_CHOICES = ("transfer_id", "request_id")
 
 
@@ -661,7 +669,7 @@ def _flows(r: _Reader) -> FlowSpec:
         for n in ("ring_bytes", "pinned_bytes", "worker_buffer_bytes", "prefill_pinned_bytes")
     }
     return FlowSpec(
-        flow=r.str("flow", d.flow, FLOW_CHOICES),
+        flow=r.str("flow", d.flow, flow_choices()),
         fallback_direct=r.bool("fallback_direct", d.fallback_direct),
         auto_chunks=r.int("auto_chunks", d.auto_chunks, lo=1, hi=1024),
         push_match=r.str("push_match", d.push_match, PUSH_MATCH_CHOICES),
@@ -1058,8 +1066,9 @@ def dump(s: Scenario) -> str:
 
 def with_flow(s: Scenario, flow: str) -> Scenario:
     """The scenario with every room on ``flow`` (sizes the flow needs are auto-sized)."""
-    if flow not in FLOW_CHOICES:
-        raise ScenarioError(f"--flow: expected one of {', '.join(FLOW_CHOICES)}, got {flow!r}")
+    choices = flow_choices()
+    if flow not in choices:
+        raise ScenarioError(f"--flow: expected one of {', '.join(choices)}, got {flow!r}")
     out = replace(s, flows=replace(s.flows, flow=flow))
     if s.deadlines_set is None:
         return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvferry.core.errors import KvferryError
+from kvferry.core.flows.registry import extra_flow
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.staging_layout import StagingFormat
 
@@ -40,9 +41,14 @@ class Flow(StrEnum):
 
     @classmethod
     def parse(cls, name: str) -> Flow:
+        """A flow by name; a name registered outside ``Flow`` (core/flows/registry.py) gives its
+        ``ExtraFlow``, which reads like a member."""
         try:
             flow = cls(name)
         except ValueError:
+            extra = extra_flow(name)
+            if extra is not None:
+                return extra  # type: ignore[return-value]
             raise FlowError(f"unknown flow {name!r} (known: {', '.join(f.value for f in cls)})") from None
         if flow not in BUILT_FLOWS:
             raise FlowError(f"flow {name!r} is not built yet (built: {', '.join(BUILT_FLOWS)})")

@@ -7,7 +7,8 @@ was pulled. A failed pull room keeps its pages (the room is not dropped, so the 
 free them) until every decode rank that was offered pages said ``ReadsStopped``, restarted (its
 READs died with it), or the fence deadline passed: decode may still be reading them.
 
-Decode half (``PullReceiver``, mixin of ``ReceiverEngine``): READ offered chunks, answer Pulled.
+Decode half (``PullReceiver``, composed into ``ReceiverEngine`` as ``pull_rx``, reaching it only
+through its ``ReceiverFlowContext``): READ offered chunks, answer Pulled.
 Prefill offers each computed chunk (``PullOffer``: its page ids and its own Register). Decode
 loads prefill's agent (``AddPeer``, once per incarnation), plans the chunk with the same planner
 as a write (prefill's pages are the source, its own the destination; heterogeneous TP gives
@@ -29,10 +30,13 @@ import numpy as np
 from kvferry.core import messages as m
 from kvferry.core.commands import AddPeer, DropPeer, PostRead
 from kvferry.core.errors import KvferryError
-from kvferry.core.proto_common import RoomError
+from kvferry.core.flows import registry
+from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
+from kvferry.core.flows.policy import Flow
+from kvferry.core.proto_common import RoomError, RoomStateError
 from kvferry.core.reliable import Resends
 
-__all__ = ["PullReceiver", "PullSender", "ReadInfo"]
+__all__ = ["PullChunkSender", "PullReceiver", "PullSender", "ReadInfo"]
 
 
 RoomKey = tuple[int, str]
@@ -137,50 +141,76 @@ class ReadInfo:
         )
 
 
+class PullChunkSender:
+    """Pull's prefill half of a chunk run (core/flows/registry.py): offer the chunk's pages to
+    every data decode rank; they READ, then answer Pulled. Offers and what each rank still owes
+    live in the rank's ``PullSender`` (``ctx.pull``)."""
+
+    __slots__ = ()
+
+    def run_chunk(self, ctx: Any, r: Any, c: Any) -> str:
+        reg = ctx.registration
+        if reg is None:
+            raise RoomStateError("pull flow: this prefill rank has no registration to offer")
+        start, end = ctx.chunk_bounds(r, c)
+        ctx.advance(r, c, end)
+        targets = [p for p, info in ctx.infos_sorted(r) if not info.dummy]
+        offer = m.PullOffer(
+            src=ctx.endpoint,
+            room=r.room,
+            transfer_id=r.tid,
+            registration=reg,
+            chunk_index=c.chunk_index,
+            token_start=start,
+            token_end=end,
+            is_last=c.is_last,
+            src_pages=np.asarray(c.src_pages, dtype=np.int64).tolist(),
+        )
+        for p, msg in ctx.pull.offer(r.key, targets, offer, ctx.now()):
+            ctx.send(p, msg)
+        return ctx.finish_run(r, c, start, end, [])
+
+
 class PullReceiver:
-    """Needs from the engine: ``endpoint``, ``pool``, ``rooms``, ``tombstones``, ``counters``,
-    ``deadlines``, ``timeouts``, ``_now``, ``_out``, ``_send``, ``_record_chunk``, ``_complete``,
-    ``_room_input``; rooms need ``reads``, ``pulled``, ``pull_from``, ``reads_stopped_sent``."""
+    """Pull's decode half, composed into the receiver engine: the READs in flight (by read id and
+    per room), the prefill agents loaded, and the rules of an offer. It reaches the engine only
+    through ``ctx`` (the receiver's ``ReceiverFlowContext``); rooms need ``reads``, ``pulled``,
+    ``pull_from``, ``reads_stopped_sent``."""
 
-    planner: Any
-    pool: Any
-    endpoint: m.Endpoint
-
-    def _init_pull(self, planner: Any) -> None:
-        if planner is None:
-            from kvferry.core.planner import plan_rank_pair as planner
-        self.planner = planner
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
         self.reads: dict[int, tuple[int, str]] = {}  # read id -> room key
         self.pull_peers: dict[m.Endpoint, int] = {}  # prefill agents loaded: registration id
         self._next_read = 1
 
     # --- messages ----------------------------------------------------------------------------------
 
-    def _on_offer(self, offer: m.PullOffer) -> None:
-        r = self.rooms.get(offer.room)  # type: ignore[attr-defined]
+    def on_offer_message(self, offer: m.PullOffer) -> None:
+        ctx = self.ctx
+        r = ctx.room(offer.room)
         if r is None or r.tid != offer.transfer_id:
-            status = self.tombstones.get(offer.room, offer.transfer_id)  # type: ignore[attr-defined]
+            status = ctx.tombstone(offer.room, offer.transfer_id)
             if status is not None and status.name == "Success":
                 # Every chunk was pulled before the room was released: this copy's Pulled was lost.
-                self._send(offer.src, self._pulled(offer))  # type: ignore[attr-defined]
+                ctx.send(offer.src, self.pulled(offer))
             else:
                 # Nothing of ours reads these pages (a finished, failed or unknown room): free them.
-                self._send(  # type: ignore[attr-defined]
+                ctx.send(
                     offer.src,
-                    m.ReadsStopped(src=self.endpoint, room=offer.room, transfer_id=offer.transfer_id),
+                    m.ReadsStopped(src=ctx.endpoint, room=offer.room, transfer_id=offer.transfer_id),
                 )
-            self.counters["offer_for_unknown_room"] += 1  # type: ignore[attr-defined]
+            ctx.count("offer_for_unknown_room")
             return
-        self._room_input(offer.room, offer.transfer_id, self.OFFER, offer, sender=offer.src)  # type: ignore[attr-defined]
+        ctx.offer_input(offer)
 
-    def _pulled(self, offer: Any) -> m.Pulled:
-        return m.Pulled(
-            src=self.endpoint, room=offer.room, transfer_id=offer.transfer_id, chunk_index=offer.chunk_index
-        )
+    def pulled(self, offer: Any) -> m.Pulled:
+        src, idx = self.ctx.endpoint, offer.chunk_index
+        return m.Pulled(src=src, room=offer.room, transfer_id=offer.transfer_id, chunk_index=idx)
 
-    # --- handlers ------------------------------------------------------------------------------------
+    # --- handlers (the receiver table's OFFER and READ_DONE entries call these) ---------------------
 
-    def _h_on_offer(self, r: Any, inp: Any, offer: m.PullOffer) -> str:
+    def on_offer(self, r: Any, offer: m.PullOffer) -> str:
+        ctx = self.ctx
         src = offer.src
         if src not in r.data_senders:
             raise RoomError(f"pull offer from {src}, which sends no data to this room")
@@ -189,13 +219,13 @@ class PullReceiver:
             r.pull_from = set()  # the room's first offer (it starts with a shared empty stand-in)
         r.pull_from.add(src)
         if key in r.pulled:
-            self.counters["duplicate_offer"] += 1  # type: ignore[attr-defined]
-            self._send(src, self._pulled(offer))  # type: ignore[attr-defined]
+            ctx.count("duplicate_offer")
+            ctx.send(src, self.pulled(offer))
             return "stay"
         if any(i.src == src and i.chunk_index == offer.chunk_index for i in r.reads.values()):
-            self.counters["duplicate_offer"] += 1  # type: ignore[attr-defined]
+            ctx.count("duplicate_offer")
             return "stay"
-        self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)  # type: ignore[attr-defined]
+        ctx.room_alive(r)
         plan = self._plan_read(r, offer)
         self._load_pull_peer(offer.registration)
         info = ReadInfo(offer)
@@ -207,7 +237,7 @@ class PullReceiver:
         if not r.reads:
             r.reads = {}
         r.reads[rid] = info
-        self._out.append(  # type: ignore[attr-defined]
+        ctx.emit(
             PostRead(
                 read_id=rid,
                 peer=src,
@@ -222,48 +252,46 @@ class PullReceiver:
         )
         return "running"
 
-    def _h_on_read_done(self, r: Any, inp: Any, payload: tuple[Any, ReadInfo | None]) -> str:
-        _ev, info = payload
+    def on_read_done(self, r: Any, info: ReadInfo | None) -> str:
         if info is None:
             return "stay"
         return self._chunk_read(r, info)
 
     def _chunk_read(self, r: Any, info: ReadInfo) -> str:
-        self._record_chunk(r, r.progress[info.src], info.note(r.room, r.tid))  # type: ignore[attr-defined]
+        ctx = self.ctx
+        ctx.record_chunk(r, r.progress[info.src], info.note(r.room, r.tid))
         if not r.pulled:
             r.pulled = set()
         r.pulled.add((info.src, info.chunk_index))
-        self._send(  # type: ignore[attr-defined]
+        ctx.send(
             info.src,
-            m.Pulled(src=self.endpoint, room=r.room, transfer_id=r.tid, chunk_index=info.chunk_index),
+            m.Pulled(src=ctx.endpoint, room=r.room, transfer_id=r.tid, chunk_index=info.chunk_index),
         )
-        return "done" if self._complete(r) else "running"  # type: ignore[attr-defined]
+        return "done" if ctx.complete(r) else "running"
 
-    def _h_on_offer_after_success(self, r: Any, inp: Any, offer: m.PullOffer) -> None:
+    def offer_after_success(self, r: Any, offer: m.PullOffer) -> None:
         if (offer.src, offer.chunk_index) in r.pulled:
-            self.counters["duplicate_offer"] += 1  # type: ignore[attr-defined]
-            self._send(offer.src, self._pulled(offer))  # type: ignore[attr-defined]
+            self.ctx.count("duplicate_offer")
+            self.ctx.send(offer.src, self.pulled(offer))
             return
         raise RoomError(f"new chunk {offer.chunk_index} offered by {offer.src} after Success")
 
-    def _pull_after_failure(self, r: Any, offer: m.PullOffer) -> None:
+    def after_failure(self, r: Any, offer: m.PullOffer) -> None:
         """An offer for a failed room: never read; its sender hears ReadsStopped once ours drain."""
-        self.counters["offer_after_failure"] += 1  # type: ignore[attr-defined]
+        self.ctx.count("offer_after_failure")
         if not r.pull_from:
             r.pull_from = set()
         r.pull_from.add(offer.src)
         if not r.reads:
-            self._send(  # type: ignore[attr-defined]
-                offer.src, m.ReadsStopped(src=self.endpoint, room=r.room, transfer_id=r.tid)
-            )
+            self.ctx.send(offer.src, m.ReadsStopped(src=self.ctx.endpoint, room=r.room, transfer_id=r.tid))
 
-    def _reads_drained(self, r: Any) -> None:
+    def reads_drained(self, r: Any) -> None:
         """A failed room with no READ in flight tells every sender that offered (once)."""
         if r.reads or r.reads_stopped_sent or not r.pull_from:
             return
         r.reads_stopped_sent = True
         for p in sorted(r.pull_from):
-            self._send(p, m.ReadsStopped(src=self.endpoint, room=r.room, transfer_id=r.tid))  # type: ignore[attr-defined]
+            self.ctx.send(p, m.ReadsStopped(src=self.ctx.endpoint, room=r.room, transfer_id=r.tid))
 
     # --- planning ------------------------------------------------------------------------------------
 
@@ -272,7 +300,8 @@ class PullReceiver:
             src_pool = offer.registration.geometry.to_pool()
         except (KvferryError, ValueError) as exc:
             raise RoomError(f"pull offer from {offer.src} with a bad geometry: {exc}") from None
-        why = self.pool.model.same_kv_shape(src_pool.model)
+        pool = self.ctx.pool
+        why = pool.model.same_kv_shape(src_pool.model)
         if why is not None:
             raise RoomError(f"pull offer from {offer.src}: incompatible KV: {why}")
         if src_pool.tp_rank != offer.src.rank:
@@ -290,7 +319,7 @@ class PullReceiver:
             )
         if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= src_pool.num_pages):
             raise RoomError(f"pull offer from {offer.src}: page ids out of range [0, {src_pool.num_pages})")
-        return self.planner(src_pool, self.pool, pages, r.dst_pages, offer.token_start, offer.token_end)
+        return self.ctx.planner(src_pool, pool, pages, r.dst_pages, offer.token_start, offer.token_end)
 
     def _load_pull_peer(self, reg: m.Register) -> None:
         rid = m.registration_id(reg)
@@ -299,9 +328,12 @@ class PullReceiver:
             return
         if known is not None:
             # Prefill restarted: its old agent's memory is gone; READs name the new one.
-            self._out.append(DropPeer(peer=reg.src, reason="prefill re-registered with a new agent"))  # type: ignore[attr-defined]
+            self.ctx.emit(DropPeer(peer=reg.src, reason="prefill re-registered with a new agent"))
         self.pull_peers[reg.src] = rid
-        self._out.append(AddPeer(peer=reg.src, registration=reg))  # type: ignore[attr-defined]
+        self.ctx.emit(AddPeer(peer=reg.src, registration=reg))
 
-    def _forget_pull_peer(self, peer: m.Endpoint) -> None:
+    def forget_peer(self, peer: m.Endpoint) -> None:
         self.pull_peers.pop(peer, None)
+
+
+registry.register(Flow.PULL, PullChunkSender(), DIRECT_RECEIVER)  # a READ's chunk is recorded as a note

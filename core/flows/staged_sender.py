@@ -30,6 +30,7 @@ from kvferry.core import messages as m
 from kvferry.core.commands import ChunkDeferred, Gather, PostWrite, SendNotif
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import ProtocolError
+from kvferry.core.flows import registry
 from kvferry.core.flows.policy import Flow, FlowPolicy, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.flows.staged_tx import (
@@ -43,7 +44,7 @@ from kvferry.core.flows.staged_tx import (
 )
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.machine import fire
-from kvferry.core.proto_common import RoomFailure
+from kvferry.core.proto_common import RoomFailure, RoomStateError
 from kvferry.core.resources import PinnedPool, PinnedRefused, RingSlot, Watermark, writable
 from kvferry.core.staging_layout import staged_map
 from kvferry.core.worker import shard_of
@@ -73,6 +74,7 @@ class StagedSender:
     _is_failed: Callable[[Any], bool]  # the host's (core/machine.py): a flow compares no state
     track: Callable[..., None]  # the host's table registry (core/proto_common.py)
     _started: Callable[[Any], bool]  # the host's: the room left bootstrapping
+    _flow_ctx: registry.SenderContext  # what every flow's run shares (core/flows/registry.py)
 
     def _send(self, peer: m.Endpoint, msg: Any) -> None:
         raise NotImplementedError
@@ -287,13 +289,14 @@ class StagedSender:
 
     def _accept_staged(self, r: Any, c: Any) -> str:
         """The worker hands over the room's next chunk: check it, then let its lanes go."""
-        start, end = self._chunk_bounds(r, c)  # type: ignore[attr-defined]
+        ctx = self._flow_ctx
+        start, end = ctx.chunk_bounds(r, c)
         idx = c.chunk_index
         if end > start and idx not in r.ledger.direct_chunks:
             self._prefetch(r)  # every decode rank is known and registered by now
         lanes = [r.ledger.lanes[(idx, p)] for p in self._targets(r) if (idx, p) in r.ledger.lanes]
         if end <= start or idx in r.ledger.direct_chunks or not lanes:
-            return self._run_direct(r, c)  # type: ignore[attr-defined,no-any-return]
+            return registry.halves(Flow.DIRECT).sender.run_chunk(ctx, r, c)  # the fallback, or no bytes
         if len(lanes) != len(self._targets(r)):
             raise StagingRoomError(
                 f"chunk {idx}: staging lanes for {len(lanes)} of {len(self._targets(r))} decode ranks"
@@ -310,8 +313,8 @@ class StagedSender:
         for lane in lanes:
             lane.accepted = True
             lane.is_last = c.is_last
-        self._advance(r, c, end)  # type: ignore[attr-defined]
-        outcome: str = self._finish_run(r, c, start, end, [])  # type: ignore[attr-defined]
+        ctx.advance(r, c, end)
+        outcome = ctx.finish_run(r, c, start, end, [])
         self._start_ready(r)
         return outcome
 
@@ -436,7 +439,7 @@ class StagedSender:
             raise StagingRoomError(f"gather {ev.op_id} finished for no lane of the room")
         g = lane.grant
         assert g is not None and lane.buffer is not None
-        note = self._chunk_note(r, lane, lane.token_start, lane.token_end, staged=g.alloc_id)  # type: ignore[attr-defined]
+        note = self._flow_ctx.chunk_note(r, lane, lane.token_start, lane.token_end, staged=g.alloc_id)
         wid = self._new_write(r)
         # Where the watermark must pass for this write to be known scattered: the ring slot, or
         # the pinned grant's sequence number.
@@ -564,3 +567,31 @@ class StagedSender:
     def staging_in_use(self) -> int:
         """Staging slots, pinned reservations and gathers held; 0 once every room settled."""
         return len(self.slot_owner) + (len(self.pinned) if self.pinned is not None else 0) + len(self.ops)
+
+
+class StagedChunkSender:
+    """The staged flows' prefill half of a chunk run (core/flows/registry.py): the worker hands
+    the chunk over and moves on; its lanes wait for space (``ctx.accept_staged``)."""
+
+    __slots__ = ()
+
+    def run_chunk(self, ctx: Any, r: Any, c: Any) -> str:
+        if r.token_start:
+            raise RoomStateError(f"flow {r.ledger.flow.value} cannot skip decode's prefix hit")
+        outcome: str = ctx.accept_staged(r, c)
+        return outcome
+
+
+class StagedNoteReceiver:
+    """The staged flows' decode half for a note naming its staging allocation: the decode ledger
+    (core/flows/staged_receiver.py, still a part of the receiver engine: ``ctx.staged_note``)."""
+
+    __slots__ = ()
+
+    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.ChunkNote) -> None:
+        ctx.staged_note(r, note)
+
+
+STAGED_SENDER, STAGED_RECEIVER = StagedChunkSender(), StagedNoteReceiver()
+registry.register(Flow.RING, STAGED_SENDER, STAGED_RECEIVER)
+registry.register(Flow.PINNED, STAGED_SENDER, STAGED_RECEIVER)

@@ -1,0 +1,148 @@
+"""The seam between the room machines and the flows: two small protocols and one registry.
+
+A flow is its prefill half (``FlowSender``: runs a chunk the worker handed over) and its decode
+half (``FlowReceiver``: takes a data note that landed). The room machines call a half only
+through a narrow context (``SenderContext``, ``ReceiverContext``): what a flow may read of the
+room and the rank, and the few things it may do (post, send, record). Each flow module registers
+its halves here under its ``Flow``; the room machines look the half up by the room's flow.
+
+A flow that is not one of ``Flow``'s members (a test's flow, an experiment) registers under an
+``ExtraFlow`` name; ``Flow.parse`` finds it here, so a room can be opened with it by name like any
+other, without a core file naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kvferry.core import messages as m
+    from kvferry.core.events import ChunkReady
+    from kvferry.core.flows.policy import Flow
+
+__all__ = [
+    "ExtraFlow",
+    "FlowHalves",
+    "FlowReceiver",
+    "FlowSender",
+    "ReceiverContext",
+    "SenderContext",
+    "extra_flow",
+    "extra_names",
+    "halves",
+    "register",
+    "unregister",
+]
+
+
+class ExtraFlow(str):
+    """The name of a flow outside ``Flow`` (what a room's ``ledger.flow`` holds for it): it reads
+    like a ``Flow`` member where the room machines and the simulator read one."""
+
+    __slots__ = ()
+    staged = False
+
+    @property
+    def value(self) -> str:
+        return str(self)
+
+
+class SenderContext(Protocol):
+    """What a flow's prefill half may use of the rank and the room it runs a chunk of."""
+
+    endpoint: m.Endpoint
+    pool: Any
+    planner: Callable[..., Any]
+    registration: m.Register | None
+
+    def now(self) -> int: ...
+
+    def chunk_bounds(self, room: Any, chunk: ChunkReady) -> tuple[int, int]:
+        """Check the chunk against decode's allocation; its token range (prefix hit clipped)."""
+        ...
+
+    def advance(self, room: Any, chunk: ChunkReady, end: int) -> None:
+        """The worker's chunk is the room's: the next one may run."""
+        ...
+
+    def destinations(self, room: Any) -> list[Any]:
+        """``core.worker.Destination`` of every decode rank of the room, in peer order."""
+        ...
+
+    def infos_sorted(self, room: Any) -> list[tuple[m.Endpoint, m.TransferInfo]]: ...
+
+    def chunk_note(self, room: Any, chunk: Any, start: int, end: int, **kind: Any) -> bytes: ...
+
+    def new_write(self, room: Any) -> int:
+        """A write id the room waits for (its completion comes back as WriteDone/WriteFailed)."""
+        ...
+
+    def emit(self, command: Any) -> None: ...
+
+    def send(self, peer: m.Endpoint, msg: Any) -> None: ...
+
+    def finish_run(self, room: Any, chunk: ChunkReady, start: int, end: int, posted: list[int]) -> str:
+        """What every run chunk ends with (last chunk's dummy and aux notes); the outcome."""
+        ...
+
+
+class FlowSender(Protocol):
+    """A flow's prefill half: run the room's next chunk; return the room's table outcome
+    ("running", or "done" when nothing is left in flight)."""
+
+    def run_chunk(self, ctx: SenderContext, room: Any, chunk: ChunkReady) -> str: ...
+
+
+class ReceiverContext(Protocol):
+    """What a flow's decode half may use of the room a note landed in."""
+
+    def now(self) -> int: ...
+
+    def count(self, what: str) -> None: ...
+
+
+class FlowReceiver(Protocol):
+    """A flow's decode half for the data notes it delivers: record one in the room's ledger
+    (raise ``RoomError`` for a note that breaks it)."""
+
+    def on_note(self, ctx: ReceiverContext, room: Any, progress: Any, note: m.ChunkNote) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FlowHalves:
+    sender: FlowSender
+    receiver: FlowReceiver
+
+
+_HALVES: dict[str, FlowHalves] = {}
+
+
+def register(flow: Flow | ExtraFlow | str, sender: FlowSender, receiver: FlowReceiver) -> None:
+    """Register ``flow``'s halves; a plain name (outside ``Flow``) becomes an ``ExtraFlow``.
+    Keys stay as given: a ``Flow`` member hashes by its enum name, not by its value."""
+    _HALVES[_key(flow)] = FlowHalves(sender, receiver)
+
+
+def unregister(flow: Flow | ExtraFlow | str) -> None:
+    _HALVES.pop(_key(flow), None)
+
+
+def _key(flow: Flow | ExtraFlow | str) -> Any:
+    return ExtraFlow(flow) if type(flow) is str else flow
+
+
+def halves(flow: Flow | ExtraFlow) -> FlowHalves:
+    return _HALVES[flow]
+
+
+def extra_names() -> tuple[str, ...]:
+    """The registered flows outside ``Flow``, in registration order (scenario checks read it)."""
+    return tuple(str(k) for k in _HALVES if type(k) is ExtraFlow)
+
+
+def extra_flow(name: str) -> ExtraFlow | None:
+    """The registered flow outside ``Flow`` called ``name``, if any."""
+    key = ExtraFlow(name)
+    return key if key in _HALVES else None
