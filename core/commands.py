@@ -15,7 +15,7 @@ Execution contract for a driver (``backends/driver.py`` implements it):
   pages, dst: ours); the peer gets ``notif`` when the bytes are read. Reported back like a write:
   WriteDone/WriteFailed(write_id=read_id) (the driver tracks every posted transfer by its id).
 - AwaitWrites: the worker that ran the chunk should not take its next chunk before these writes
-  finished (seed 000's per-queue ordering); purely a pacing hint, correctness does not need it.
+  finished (SGLang PR 20680's per-queue ordering); purely a pacing hint, correctness does not need it.
 - CheckAux: read the room id stored in local aux row ``aux_index``; answer with AuxChecked.
 - FreePages: decode pages of the room may go back to the allocator (fenced, or fence expired).
 - Gather / Scatter: copy the heads the maps name between the local KV pool and local staging

@@ -953,7 +953,7 @@ class SenderEngine(StagedSender, RoomEngine):
                 if r.stopped_sent:
                     self._send(payload.src, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         elif inp is SIn.RUN_CHUNK or inp is SIn.CHUNK:
-            # seed 000: a worker that meets a Failed room skips its remaining chunks.
+            # SGLang PR 20680: a worker that meets a Failed room skips its remaining chunks.
             self.counters["chunk_skipped_failed"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=payload.chunk_index, reason="room failed"))
         elif inp not in (SIn.RELEASE, SIn.WRITE_DONE, SIn.WRITE_FAILED, SIn.PULLED, SIn.READS_STOPPED):

@@ -1,4 +1,4 @@
-"""Head-major staging layouts for the bounce (seed 002) and staging-ring (seed 003) strategies.
+"""Head-major staging layouts for the bounce (SGLang PR 18968) and staging-ring (SGLang PR 22536) strategies.
 
 Instead of one descriptor per (token, layer, K|V), a gather kernel on the prefill side copies the
 heads a rank pair exchanges, for every layer and token of a chunk, into a staging buffer laid out
@@ -8,11 +8,11 @@ the decode side copies it into the decode rank's pages.
 Formats (``T`` = tokens of the chunk, ``R`` = regions = layers x K|V, in region-id order, so
 ``[R]`` is ``[layers, K|V]``; ``hb`` = head_dim x itemsize bytes):
 
-- ``HEAD_MAJOR`` (seed 002, pinned CPU bounce): one buffer per *rank*
+- ``HEAD_MAJOR`` (SGLang PR 18968, pinned CPU bounce): one buffer per *rank*
   ``[heads_per_rank, layers, K|V, T, head_dim]``. Every head range of the rank is contiguous, so a
   prefill rank gathers once and each decode rank it serves gets one descriptor for its slice, and
   each writer into a decode rank fills its own head slice of the decode rank's buffer.
-- ``LAYER_MAJOR`` (seed 003, GPU staging ring): one block per *writer* (rank pair)
+- ``LAYER_MAJOR`` (SGLang PR 22536, GPU staging ring): one block per *writer* (rank pair)
   ``[2L, T, heads_sent, head_dim]``, placed in the decode rank's ring at an offset the ring
   allocator chooses (``dst_base``); in a room plan, writers of one decode rank are packed in link
   order.
@@ -53,8 +53,8 @@ __all__ = [
 
 
 class StagingFormat(StrEnum):
-    HEAD_MAJOR = "head_major"  # seed 002: [heads, layers, K|V, tokens, head_dim] per rank
-    LAYER_MAJOR = "layer_major"  # seed 003: [2L, tokens, heads, head_dim] per writer
+    HEAD_MAJOR = "head_major"  # SGLang PR 18968: [heads, layers, K|V, tokens, head_dim] per rank
+    LAYER_MAJOR = "layer_major"  # SGLang PR 22536: [2L, tokens, heads, head_dim] per writer
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:

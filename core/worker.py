@@ -1,4 +1,4 @@
-"""The transfer worker's per-chunk step (seed 000's queue + worker design, minus the threads).
+"""The transfer worker's per-chunk step (SGLang PR 20680's queue + worker design, minus the threads).
 
 Rooms are sharded over N queues by room id, so every chunk of a room is handled in order by one
 worker. The step for one chunk is pure: given the chunk, the running token offset and what is

@@ -1,10 +1,10 @@
 """Which flow moves a room's bytes: a pure, configurable choice per room.
 
 Flows (DESIGN section 9): ``direct`` WRITEs the planner's descriptors; ``ring`` gathers into a
-worker's staging buffer and WRITEs one block per writer into decode's staging ring (seed 003);
-``pinned`` bounces through pinned host memory, head-major (seed 002); ``pull`` lets decode READ
+worker's staging buffer and WRITEs one block per writer into decode's staging ring (SGLang PR 22536);
+``pinned`` bounces through pinned host memory, head-major (SGLang PR 18968); ``pull`` lets decode READ
 prefill's pages (vLLM's default; core/flows/pull.py), chosen only by an explicit override.
-``push`` writes like ``direct`` under registration leases (seed 004; core/resources/leases.py),
+``push`` writes like ``direct`` under registration leases (vLLM PR 35264; core/resources/leases.py),
 also only by override.
 
 Default: ``direct`` when the two ranks hold the same heads (equal TP: whole pages coalesce into a

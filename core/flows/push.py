@@ -1,4 +1,4 @@
-"""The push flow's prefill half (seed 004): the direct flow's writes under registration leases.
+"""The push flow's prefill half (vLLM PR 35264): the direct flow's writes under registration leases.
 
 Each TransferInfo of a push room is decode's PUSH_REG: a lease per (room, decode rank) in the
 registry (core/resources/leases.py), renewed by decode's heartbeats naming the room. The room's

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 __all__ = ["PINNED_REGION", "RING_REGION", "WORKER_STAGING_BASE", "is_staging_region", "worker_region"]
 
-RING_REGION = (1 << 20) - 1  # decode: the GPU staging ring (seed 003)
-PINNED_REGION = (1 << 20) - 2  # either side: the rank's pinned bounce pool (seed 002)
+RING_REGION = (1 << 20) - 1  # decode: the GPU staging ring (SGLang PR 22536)
+PINNED_REGION = (1 << 20) - 2  # either side: the rank's pinned bounce pool (SGLang PR 18968)
 WORKER_STAGING_BASE = (1 << 20) - 256  # prefill: worker i's private staging buffer is base + i
 MAX_WORKERS = 250
 

@@ -37,7 +37,7 @@ from kvferry.core.staging_layout import staged_map
 
 __all__ = ["MAX_HELD_STAGING", "STAGING_ALIGN", "StagedReceiver"]
 
-# StagingReqs for rooms this rank has not opened yet (seed 003 prefetches them) are held, never
+# StagingReqs for rooms this rank has not opened yet (SGLang PR 22536 prefetches them) are held, never
 # dropped: at most this many, each until the bootstrap deadline.
 MAX_HELD_STAGING = 1024
 STAGING_ALIGN = 64
@@ -108,7 +108,7 @@ class StagedReceiver:
         if self.tombstones.get(req.room, req.transfer_id) is not None:
             self.counters["tombstoned"] += 1
             return
-        # Asked ahead of our open (seed 003 prefetches): hold it until the room opens, bounded.
+        # Asked ahead of our open (SGLang PR 22536 prefetches): hold it until the room opens, bounded.
         if sum(len(v) for v in self.held.values()) >= MAX_HELD_STAGING:
             self.counters["staging_req_overflow"] += 1
             self._send(
@@ -179,7 +179,7 @@ class StagedReceiver:
             if isinstance(got, RingRefused):
                 raise RoomError(f"chunk {ch.index}: {got.reason}")
             pos = got.offset
-            for p in ch.writers:  # seed 003: one block per writer, packed in sender order
+            for p in ch.writers:  # SGLang PR 22536: one block per writer, packed in sender order
                 offsets[p] = pos
                 pos += regions * tokens * r.senders[p].num_heads * hb
             self.subscribers["ring"].update(ch.writers)
@@ -190,7 +190,7 @@ class StagedReceiver:
                 raise RoomError(f"chunk {ch.index}: {res.reason}")
             if res is None:
                 return False
-            for p in ch.writers:  # seed 002: head-major, each writer at its heads
+            for p in ch.writers:  # SGLang PR 18968: head-major, each writer at its heads
                 offsets[p] = (
                     res.offset + (r.senders[p].head_start - self.pool.head_start) * regions * tokens * hb
                 )

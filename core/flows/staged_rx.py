@@ -1,7 +1,7 @@
 """Decode side of the staged flows (``ring``, ``pinned``): one ledger entry per (room, chunk).
 
 A chunk's space is allocated on the first StagingReq of any of its writers and shared by all of
-them, each at its own offset (ring: per-writer blocks packed in sender order, seed 003's layer-major
+them, each at its own offset (ring: per-writer blocks packed in sender order, SGLang PR 22536's layer-major
 format; pinned: the rank's head-major buffer, each writer at its heads). The entry goes
 WAITING_SPACE (pinned pool full; ring space is handed out at once) -> GRANTED (writers writing)
 -> LANDED (every writer's note is in) -> SCATTERING -> DONE (scattered into the room's pages; the

@@ -8,7 +8,7 @@ per worker, split into a slot per decode rank the rank writes to; the pinned poo
 workers; the last watermark heard from each decode rank; notes awaiting confirmation.
 
 Rules kept here:
-- space is asked for as soon as a chunk is known and its decode rank registered (seed 003's
+- space is asked for as soon as a chunk is known and its decode rank registered (SGLang PR 22536's
   prefetch), resent each heartbeat interval until answered;
 - a lane starts (gathers) only when it is accepted by the worker, granted, its ring space is past
   the watermark, and a slot is free; it then never waits, so slots always come back;

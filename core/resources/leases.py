@@ -1,4 +1,4 @@
-"""Push registration leases (seed 004, DESIGN sections 3 and 6): prefill's registry of decode's
+"""Push registration leases (vLLM PR 35264, DESIGN sections 3 and 6): prefill's registry of decode's
 PUSH_REGs, pure and sans-IO (time is passed in, answers are returned as notices).
 
 Decode registers its destination blocks as soon as it allocates them (``PushReg``: the router's

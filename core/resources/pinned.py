@@ -1,4 +1,4 @@
-"""Pinned host range allocator for the CPU bounce (seed 002): one pool per GPU, shared by its workers.
+"""Pinned host range allocator for the CPU bounce (SGLang PR 18968): one pool per GPU, shared by its workers.
 
 The gather kernel writes a chunk's heads into a range of pinned host memory, one WRITE moves the
 range, and the range is released when the WRITE (prefill) or the scatter (decode) is done. Ranges

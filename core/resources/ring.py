@@ -1,4 +1,4 @@
-"""Decode-side GPU staging ring (seed 003): where prefill's bulk WRITEs land before the scatter.
+"""Decode-side GPU staging ring (SGLang PR 22536): where prefill's bulk WRITEs land before the scatter.
 
 Prefill asks for ring space ahead of time (STAGING_REQ); decode answers at once with an offset and
 a round (STAGING_RSP) and never waits, because the space may still hold a chunk whose scatter has
