@@ -192,6 +192,10 @@ class RssTrack:
 
 
 class Soak:
+    # A room held in flight at a kill must fail on the survivor by the peer's death (heartbeat loss,
+    # a refused write, a lease), not by its own deadline. Chaos relaxes this (see PairRun).
+    kill_deadline_is_violation = True
+
     def __init__(self, c: SoakConfig, progress: Callable[[str], None] | None) -> None:
         self.c = c
         self.progress = progress or (lambda _line: None)
@@ -332,9 +336,12 @@ class Soak:
             elif set(surv["status"]) != {FAILED}:
                 self._violation("hit_by_kill_not_failed", victim=victim, status=surv["status"], **info)
             elif not all(any(m in r for m in DEATH_MARKS) for r in surv["reason"]):
-                # The core must notice the death itself (heartbeats, a refused write, a lease),
-                # not by a room deadline.
-                self._violation("hit_by_kill_wrong_reason", victim=victim, reasons=surv["reason"], **info)
+                if self.kill_deadline_is_violation or not _by_deadline(surv["reason"]):
+                    # The core must notice the death itself (heartbeats, a refused write, a
+                    # lease), not by a room deadline.
+                    self._violation("hit_by_kill_wrong_reason", victim=victim, reasons=surv["reason"], **info)
+                else:
+                    outcome = "killed_by_deadline"
             else:
                 outcome = "killed"
         elif p is None or d is None:
@@ -458,7 +465,10 @@ class Soak:
             "stopped_by_time": stopped_by_time,
             "wall_s": round(wall, 1),
             "rooms_per_s": round(self.done / wall, 1) if wall else 0.0,
-            "outcomes": {k: self.outcomes.get(k, 0) for k in ("success", "aborted", "killed", "violation")},
+            "outcomes": {
+                k: self.outcomes.get(k, 0)
+                for k in ("success", "aborted", "killed", "killed_by_deadline", "violation")
+            },
             "by_flow": {f: dict(v) for f, v in sorted(self.by_flow.items())},
             "kills": self.kills,
             "rss": rss,

@@ -156,6 +156,12 @@ class Coverage:
 class PairRun(Soak):
     """The soak on the chaos hosts for one TP pair: its rooms are ``[start, end)`` of the run."""
 
+    # Across namespaces on a loaded host, a room opened a second or more before the kill can reach
+    # its own deadline before the survivor's heartbeat timeout runs out: the room still ends Failed
+    # on the survivor with nothing leaked, so it is counted apart (killed_by_deadline), not judged a
+    # violation. The loopback soak keeps the strict rule.
+    kill_deadline_is_violation = False
+
     def __init__(self, chaos: Chaos, tp: tuple[int, int], start: int, end: int, max_seconds: float) -> None:
         c = chaos.c
         cfg = SoakConfig(
