@@ -243,6 +243,7 @@ BAD = [
     # bench nixl (validation only: run_config is a stub here)
     (["bench", "nixl", "--mem", "HBM"], "--mem must be DRAM or VRAM"),
     (["bench", "nixl", "--mem", ""], "--mem must be DRAM or VRAM"),
+    (["bench", "nixl", "--model", "gpt-5"], "model must be one of"),
     (["bench", "nixl", "--tokens", "-5"], "tokens must be in"),
     (["bench", "nixl", "--tokens", "0"], "tokens must be in"),
     (["bench", "nixl", "--tokens", str(10**15)], "tokens must be in"),

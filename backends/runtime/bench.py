@@ -6,10 +6,11 @@ whole room can also be moved as one descriptor. Each configuration runs one tran
 (``direct``, ``ring``, ``pinned``, or ``policy``: the runtime's own choice), with staging memory
 sized for ``max(2, inflight)`` chunks. For each configuration:
 
-1. kvferry end to end: batches of ``inflight`` rooms of ``tokens`` tokens of qwen3-8b KV, one
-   batch after the other, through the threaded runtime (TransferInfo, chunk writes with
-   notifications, aux row, Success on both sides). Timed on decode from the first
-   ``KVReceiver.init`` of a batch to its last Success; GB/s = batch bytes / that time.
+1. kvferry end to end: batches of ``inflight`` rooms of ``tokens`` tokens of a preset model's KV
+   (``model``, qwen3-8b by default), one batch after the other, through the threaded runtime
+   (TransferInfo, chunk writes with notifications, aux row, Success on both sides). Timed on
+   decode from the first ``KVReceiver.init`` of a batch to its last Success; GB/s = batch bytes
+   / that time.
 2. Raw: from every prefill rank, one NIXL WRITE per room of the same byte count as a single
    descriptor into a decode rank's buffer (the first decode rank that prefill rank sends to;
    prepared lists, no notification), all posted at once, timed
@@ -559,7 +560,7 @@ class _Proc:
 
 
 # Input bounds (check_config): the pools are allocated whole in both processes up front.
-MAX_TOKENS = 131_072  # qwen3-8b's longest context (with YaRN); a room is ~147 KB a token
+MAX_TOKENS = 131_072  # the presets' longest context (with YaRN); the memory check below bounds the rest
 MAX_ROOMS = 1000  # timed batches; each also moves its raw twin, so this is already many minutes
 MAX_INFLIGHT = 64  # one aux row per room in flight, and _config gives the runtime 64 of them
 MEM_KINDS = ("DRAM", "VRAM", "TORCH_DRAM")
@@ -567,7 +568,7 @@ MEM_KINDS = ("DRAM", "VRAM", "TORCH_DRAM")
 
 def check_config(cfg: BenchConfig) -> None:
     """Raise ValueError naming the field if ``cfg`` cannot run, before any process starts."""
-    from kvferry.core.geometry import ModelGeometry
+    from kvferry.core.geometry import PRESETS, ModelGeometry
 
     for name, value, lo, hi in (
         ("tokens", cfg.tokens, 1, MAX_TOKENS),
@@ -584,6 +585,8 @@ def check_config(cfg: BenchConfig) -> None:
         if value < lo or (hi is not None and value > hi):
             bounds = f"in [{lo}, {hi:,}]" if hi is not None else f">= {lo}"
             raise ValueError(f"{name} must be {bounds}, got {value}")
+    if cfg.model not in PRESETS:
+        raise ValueError(f"model must be one of {', '.join(sorted(PRESETS))}, got {cfg.model!r}")
     if cfg.mem not in MEM_KINDS:
         raise ValueError(f"mem must be one of {', '.join(MEM_KINDS)}, got {cfg.mem!r}")
     if cfg.flow not in FLOWS:

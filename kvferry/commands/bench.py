@@ -30,7 +30,10 @@ def nixl(
         list[str] | None, typer.Option("--config", help="Only these configurations, e.g. 'tp1->1 nhd'.")
     ] = None,
     rooms: Annotated[int, typer.Option(help="Timed rooms per configuration (0: its default).")] = 0,
-    tokens: Annotated[int, typer.Option(help="Tokens per room (qwen3-8b KV).")] = 4096,
+    tokens: Annotated[int, typer.Option(help="Tokens per room (of --model's KV).")] = 4096,
+    model: Annotated[
+        str, typer.Option(help="Model preset whose KV geometry the rooms have, e.g. llama-3.1-70b.")
+    ] = "qwen3-8b",
     chunk_tokens: Annotated[int, typer.Option(help="Tokens per prefill chunk (0: one chunk).")] = 0,
     mem: Annotated[str, typer.Option(help="DRAM, or VRAM (torch CUDA pools, one GPU).")] = "DRAM",
     inflight: Annotated[int, typer.Option(help="Rooms in flight at once (a batch).")] = 1,
@@ -98,8 +101,8 @@ def nixl(
         ),
     ] = False,
 ) -> None:
-    """Two processes on 127.0.0.1 (prefill ranks, one decode rank) move qwen3-8b KV rooms through
-    kvferry's runtime; the same processes then WRITE the same bytes as one NIXL descriptor."""
+    """Two processes on 127.0.0.1 (prefill ranks, one decode rank) move KV rooms of a preset model
+    through kvferry's runtime; the same processes then WRITE the same bytes as one NIXL descriptor."""
     import sys
     from dataclasses import replace
 
@@ -136,6 +139,7 @@ def nixl(
             c = replace(
                 base,
                 tokens=tokens,
+                model=model,
                 chunk_tokens=chunk_tokens,
                 mem=mem,
                 inflight=inflight,
