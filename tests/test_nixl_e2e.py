@@ -202,7 +202,7 @@ def test_two_processes_rooms_chunks_tp2_to_1_aborts():
 # Every staged flow, and the policy's choice, on the TP pairs of the issue: fewer rooms each (the
 # 240-room run above covers volume), every abort kind, ring wrapping (a small ring), chunking.
 @pytest.mark.parametrize("flow", ["ring", "pinned", "direct", "pull", "push"])
-@pytest.mark.parametrize("tp", [(2, 1), (1, 2), (4, 2)], ids=["tp2to1", "tp1to2", "tp4to2"])
+@pytest.mark.parametrize("tp", [(2, 1), (1, 2), (4, 2), (2, 2)], ids=["tp2to1", "tp1to2", "tp4to2", "tp2to2"])
 def test_two_processes_flows_tp_pairs(tp, flow):
     seed, n = 23, 48
     plans = wl.rooms(seed, n, abort_rate=0.2)
