@@ -9,6 +9,7 @@
 #   PART=more        llama-3.1-70b rooms (TP 2 -> 2 direct, TP 2 -> 1 ring, 8 in flight), pinned,
 #                    telemetry of direct writes at four room sizes for `kvferry calibrate`, and the
 #                    two-process e2e tests (aborts, killed peers, every flow) in each placement
+#   PART=diag        traced TP 2 -> 2 rooms (hop timelines), native TP 2 -> 2 with 16 and 32 in flight
 # With fewer than 4 GPUs it says so and stops.
 #
 # On the device, from the repository root, with the wheels of bench/gpu_common.sh in .whl/:
@@ -70,7 +71,18 @@ more)
   e2e e2e-shared 0,1 0,1 150 "${T[@]}" -k "tp2to2 or killed"
   e2e e2e-native-own 0,1 2,3 150 "$REPO/tests/test_native_e2e.py"
   ;;
-*) echo "gpu_multi: PART must be placements, rows or more, got $PART"; exit 2 ;;
+diag)
+  # Where a TP 2 -> 2 room's time goes (hop timelines of traced rooms), and the native engine's
+  # 32-in-flight TP 2 -> 2 run that hung once: bracketed by 16 in flight, and, if it hangs again,
+  # every thread's stack of both bench children (faulthandler on SIGABRT) in its log.
+  row tp22x8trace 'tp2->2 nhd' 0,1 2,3 direct "$both" --rooms 2 --inflight 8 --trace "$R/trace22"
+  row tp22x16 'tp2->2 nhd' 0,1 2,3 direct native --rooms 1 --inflight 16
+  export PYTHONFAULTHANDLER=1
+  (sleep 60; pkill -ABRT -f kvferry.backends.runtime.bench) &
+  row tp22x32 'tp2->2 nhd' 0,1 2,3 direct native --rooms 1 --inflight 32
+  unset PYTHONFAULTHANDLER
+  ;;
+*) echo "gpu_multi: PART must be placements, rows, more or diag, got $PART"; exit 2 ;;
 esac
 grep -h . "$R/steps.txt"
 cat "$R"/*.out | python3 -c '
