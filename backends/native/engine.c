@@ -535,20 +535,39 @@ void kvf_set_hot(kvf_engine *e, int hot) {
 
 /* Wait (without the GIL: ctypes released it) until events are pending or timeout_us passed.
  * Returns 1 when woken by events, 0 on timeout. */
-int kvf_wait(kvf_engine *e, int64_t timeout_us) {
+static size_t pending_events(kvf_engine *e) {
     pthread_mutex_lock(&e->mu);
     size_t pending = e->ev_len;
     pthread_mutex_unlock(&e->mu);
-    if (pending)
+    return pending;
+}
+
+int kvf_wait(kvf_engine *e, int64_t timeout_us) {
+    if (pending_events(e))
         return 1;
     struct pollfd p = {.fd = e->wake_fd, .events = POLLIN};
     /* ppoll: a timeout in microseconds (poll's milliseconds would stretch a 200 us idle cap of
      * the data thread, which still polls the staged flows' copies itself, to 1 ms). */
-    if (timeout_us < 0)
-        timeout_us = 0;
-    struct timespec ts = {.tv_sec = timeout_us / 1000000, .tv_nsec = (long)(timeout_us % 1000000) * 1000};
-    int r = ppoll(&p, 1, &ts, NULL);
-    return r > 0 ? 1 : 0;
+    uint64_t end = now_ns() + (uint64_t)(timeout_us > 0 ? timeout_us : 0) * 1000u;
+    for (;;) {
+        uint64_t now = now_ns();
+        uint64_t left = end > now ? end - now : 0;
+        struct timespec ts = {.tv_sec = (time_t)(left / 1000000000u), .tv_nsec = (long)(left % 1000000000u)};
+        if (ppoll(&p, 1, &ts, NULL) <= 0)
+            return 0;
+        if (pending_events(e))
+            return 1;
+        /* Readable with nothing queued: the events it announced were drained before the
+         * engine's write reached the fd. Reset it, or every later wait would return at once
+         * and its caller would spin until the next event. */
+        uint64_t sink;
+        ssize_t n = read(e->wake_fd, &sink, sizeof sink);
+        (void)n;
+        if (pending_events(e))
+            return 1;
+        if (left == 0)
+            return 0;
+    }
 }
 
 /* Move up to cap bytes of whole events into buf. Returns the bytes written; *more is set when

@@ -149,11 +149,15 @@ class PrefillEndpoint(EndpointBase):
         """SGLang PR 20680's pacing: the worker's next chunk waits for this chunk's writes."""
         idle = 20e-6
         stop = self._worker_loops[shard].stop_event
+        native = self.transport.executor == "native"
         while self.driver.writes_pending(ids) and not stop.is_set():
             if self.driver.poll_writes(now_ns(), ids):
                 idle = 20e-6
                 continue
-            time.sleep(idle)
+            if native:  # woken by the engine's completion, not by the next tick of a timer
+                self.transport.wait_events(idle)
+            else:
+                time.sleep(idle)
             idle = min(idle * 2, self.config.active_idle_max_s)  # a write is in flight
 
 
