@@ -469,6 +469,11 @@ class NativeNixl:
             out.setdefault(agent, []).append(payload)
         return out
 
+    def has_news(self) -> bool:
+        """Events queued by the engine or notifications drained and not yet taken (no lock: a
+        read of the engine's counter and of the list's truth, each atomic under the GIL)."""
+        return bool(self._pending.value or self._notifs)
+
     def settled(self) -> set[int]:
         """Cookies of transfers reported finished and not yet released."""
         self.drain()
