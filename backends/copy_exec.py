@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+from kvferry.backends import lockcheck
 from kvferry.backends.staging_copy import copy_maps
 from kvferry.backends.transport import XferState
 from kvferry.core.errors import KvferryError
@@ -78,8 +79,8 @@ class HostCopyExecutor:
         self._copy = copy
         self._regions = dict(regions)
         self._staging = dict(staging)
-        self._jobs: dict[int, _Job] = {}
-        self._lock = threading.Lock()
+        self._lock = lockcheck.new_lock()  # checked by its tables in the lock-check debug mode
+        self._jobs: dict[int, _Job] = lockcheck.guard_table({}, self._lock, "HostCopyExecutor._jobs")
         self._ids = itertools.count(1)
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-copy", daemon=True)

@@ -1,4 +1,4 @@
-"""Lock discipline debug mode (backends/runtime/lockcheck.py): on in the suite (tests/conftest.py),
+"""Lock discipline debug mode (backends/lockcheck.py): on in the suite (tests/conftest.py),
 every entry into an endpoint's engine asserts that the calling thread holds the endpoint lock,
 so a lock removed from the runtime (e.g. in the status sync, base.py ``_sync``) fails a test."""
 

@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
+from kvferry.backends import lockcheck
 from kvferry.backends.driver import Driver
 from kvferry.backends.nixl.memory import MemRegion
 from kvferry.backends.nixl.transport import NixlTransport
-from kvferry.backends.runtime import lockcheck
 from kvferry.backends.runtime.board import StatusBoard
 from kvferry.backends.runtime.errors import EndpointClosedError, KVTransferError
 from kvferry.backends.runtime.loops import Loop

@@ -1,0 +1,107 @@
+"""The lock-check debug mode (backends/lockcheck.py) beyond the core engine: the driver's in-flight
+tables, the native executor's transfer/settled/notification tables and the host copy executor's
+jobs check their lock on every use in the suite, so a lock dropped from any of them fails a test
+(the suite's autouse fixture fails on a violation in any thread)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvferry.backends import lockcheck
+from kvferry.backends.copy_exec import HostCopyExecutor
+from kvferry.backends.lockcheck import GuardedTable, LockDisciplineError
+from kvferry.backends.nixl import native
+from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
+from kvferry.core.geometry import ModelGeometry, PoolGeometry
+from kvferry.core.kvpoll import KVPoll
+from kvferry.sim import pattern
+
+MODEL = ModelGeometry("lkn", num_layers=1, num_kv_heads=2, head_dim=8)
+
+pytestmark = pytest.mark.skipif(native.describe().startswith("python"), reason=native.describe())
+
+
+@pytest.fixture
+def pair():
+    cfg = RuntimeConfig(num_queues=2, aux_rows=4, nixl_engine="native")
+    pre = PrefillEndpoint("P", PoolGeometry(MODEL, 1, 0, 4, 16), config=cfg)
+    dec = DecodeEndpoint(
+        "D", PoolGeometry(MODEL, 1, 0, 4, 16), prefill_server="P", prefill_addresses=[pre.address], config=cfg
+    )
+    pre.start()
+    dec.start()
+    yield pre, dec
+    assert pre.close() == [] and dec.close() == []
+
+
+def _room(pre, dec, room: int) -> tuple[KVPoll | None, KVPoll | None]:
+    pages = np.arange(4)
+    rv = dec.receiver(room, f"t{room}")
+    rv.init(pages, 10, 0)
+    pattern.fill(pre.pool, pre.transport.region, room, pages, 0, 10)
+    tx = pre.sender(room, f"t{room}")
+    tx.write_aux(0, room.to_bytes(8, "little"))
+    tx.init(0)
+    tx.send(pages, 10, is_last=True)
+    return rv.wait(15.0), tx.wait(15.0)
+
+
+def _take() -> list[str]:
+    found = list(lockcheck.VIOLATIONS)
+    del lockcheck.VIOLATIONS[:]
+    return found
+
+
+def test_native_endpoints_run_with_every_table_guarded(pair) -> None:
+    pre, dec = pair
+    for ep in (pre, dec):
+        assert ep.transport.executor == "native"
+        eng = ep.transport.agent._nixl
+        for table in (eng._xfers, eng._settled, eng._notifs, ep.driver.handles, ep.driver.copies):
+            assert isinstance(table, GuardedTable)
+    for room in range(3):
+        assert _room(pre, dec, room) == (KVPoll.Success, KVPoll.Success)
+    assert _take() == []
+
+
+def test_a_native_table_used_without_its_lock_is_a_violation(pair) -> None:
+    pre, _ = pair
+    eng = pre.transport.agent._nixl
+    assert len(eng._xfers) >= 0 and not eng._notifs  # peeks need no lock
+    with pytest.raises(LockDisciplineError, match=r"NativeNixl\._xfers\.get entered by thread"):
+        eng._xfers.get(1)
+    with pytest.raises(LockDisciplineError, match=r"NativeNixl\._settled\.iter"):
+        set(eng._settled)
+    with eng._lock:
+        assert eng._xfers.get(1) is None
+    with pytest.raises(LockDisciplineError, match=r"Driver\.handles\.in"):
+        _ = 5 in pre.driver.handles
+    assert len(_take()) == 3
+
+
+def test_a_dropped_lock_in_the_native_executor_fails_the_run(pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted: settled() reads its table without the lock, as a careless edit would; the data
+    thread's next poll records the violation."""
+    pre, dec = pair
+
+    def careless(self: native.NativeNixl) -> set[int]:
+        self.drain()
+        return set(self._settled)
+
+    monkeypatch.setattr(native.NativeNixl, "settled", careless)
+    _room(pre, dec, 7)
+    monkeypatch.undo()
+    found = _take()
+    assert found and all("NativeNixl._settled" in v for v in found)
+
+
+def test_host_copy_jobs_are_guarded() -> None:
+    ex = HostCopyExecutor({}, {0: np.zeros(16, dtype=np.uint8)}, "lk")
+    try:
+        assert isinstance(ex._jobs, GuardedTable)
+        with pytest.raises(LockDisciplineError, match=r"HostCopyExecutor\._jobs"):
+            ex._jobs.pop(1, None)
+        assert ex.pending() == 0
+    finally:
+        ex.close()
+    assert len(_take()) == 1
