@@ -5,18 +5,22 @@ jobs check their lock on every use in the suite, so a lock dropped from any of t
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
-from kvferry.backends import lockcheck
 from kvferry.backends.copy_exec import HostCopyExecutor
 from kvferry.backends.lockcheck import GuardedTable, LockDisciplineError
 from kvferry.backends.nixl import native
 from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
-from kvferry.core.geometry import ModelGeometry, PoolGeometry
+from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
-from kvferry.sim import pattern
 
-MODEL = ModelGeometry("lkn", num_layers=1, num_kv_heads=2, head_dim=8)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_lock_discipline as ld  # its room helper and violation taker, shared rather than copied
+
+MODEL = ld.MODEL
 
 pytestmark = pytest.mark.skipif(native.describe().startswith("python"), reason=native.describe())
 
@@ -34,24 +38,6 @@ def pair():
     assert pre.close() == [] and dec.close() == []
 
 
-def _room(pre, dec, room: int) -> tuple[KVPoll | None, KVPoll | None]:
-    pages = np.arange(4)
-    rv = dec.receiver(room, f"t{room}")
-    rv.init(pages, 10, 0)
-    pattern.fill(pre.pool, pre.transport.region, room, pages, 0, 10)
-    tx = pre.sender(room, f"t{room}")
-    tx.write_aux(0, room.to_bytes(8, "little"))
-    tx.init(0)
-    tx.send(pages, 10, is_last=True)
-    return rv.wait(15.0), tx.wait(15.0)
-
-
-def _take() -> list[str]:
-    found = list(lockcheck.VIOLATIONS)
-    del lockcheck.VIOLATIONS[:]
-    return found
-
-
 def test_native_endpoints_run_with_every_table_guarded(pair) -> None:
     pre, dec = pair
     for ep in (pre, dec):
@@ -60,8 +46,8 @@ def test_native_endpoints_run_with_every_table_guarded(pair) -> None:
         for table in (eng._xfers, eng._settled, eng._notifs, ep.driver.handles, ep.driver.copies):
             assert isinstance(table, GuardedTable)
     for room in range(3):
-        assert _room(pre, dec, room) == (KVPoll.Success, KVPoll.Success)
-    assert _take() == []
+        assert ld._room(pre, dec, room) == (KVPoll.Success, KVPoll.Success)
+    assert ld._take_violations() == []
 
 
 def test_a_native_table_used_without_its_lock_is_a_violation(pair) -> None:
@@ -76,7 +62,7 @@ def test_a_native_table_used_without_its_lock_is_a_violation(pair) -> None:
         assert eng._xfers.get(1) is None
     with pytest.raises(LockDisciplineError, match=r"Driver\.handles\.in"):
         _ = 5 in pre.driver.handles
-    assert len(_take()) == 3
+    assert len(ld._take_violations()) == 3
 
 
 def test_a_dropped_lock_in_the_native_executor_fails_the_run(pair, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,9 +75,9 @@ def test_a_dropped_lock_in_the_native_executor_fails_the_run(pair, monkeypatch: 
         return set(self._settled)
 
     monkeypatch.setattr(native.NativeNixl, "settled", careless)
-    _room(pre, dec, 7)
+    ld._room(pre, dec, 7)
     monkeypatch.undo()
-    found = _take()
+    found = ld._take_violations()
     assert found and all("NativeNixl._settled" in v for v in found)
 
 
@@ -104,4 +90,4 @@ def test_host_copy_jobs_are_guarded() -> None:
         assert ex.pending() == 0
     finally:
         ex.close()
-    assert len(_take()) == 1
+    assert len(ld._take_violations()) == 1
