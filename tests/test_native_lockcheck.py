@@ -13,8 +13,7 @@ import pytest
 from kvferry.backends.copy_exec import HostCopyExecutor
 from kvferry.backends.lockcheck import GuardedTable, LockDisciplineError
 from kvferry.backends.nixl import native
-from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
-from kvferry.core.geometry import PoolGeometry
+from kvferry.backends.runtime import RuntimeConfig
 from kvferry.core.kvpoll import KVPoll
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -27,15 +26,7 @@ pytestmark = pytest.mark.skipif(native.describe().startswith("python"), reason=n
 
 @pytest.fixture
 def pair():
-    cfg = RuntimeConfig(num_queues=2, aux_rows=4, nixl_engine="native")
-    pre = PrefillEndpoint("P", PoolGeometry(MODEL, 1, 0, 4, 16), config=cfg)
-    dec = DecodeEndpoint(
-        "D", PoolGeometry(MODEL, 1, 0, 4, 16), prefill_server="P", prefill_addresses=[pre.address], config=cfg
-    )
-    pre.start()
-    dec.start()
-    yield pre, dec
-    assert pre.close() == [] and dec.close() == []
+    yield from ld.endpoints(RuntimeConfig(num_queues=2, aux_rows=4, nixl_engine="native"))
 
 
 def test_native_endpoints_run_with_every_table_guarded(pair) -> None:
