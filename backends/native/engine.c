@@ -192,6 +192,7 @@ typedef struct {
     pthread_cond_t cond;      /* the engine's thread waits on it: a command was queued */
     pthread_cond_t done_cond; /* callers of sync commands wait on it */
     kvf_cmd *cmd_head, *cmd_tail;
+    atomic_bool queued; /* cmd_head != NULL, readable without the lock (the spinning thread peeks) */
     bool accepting; /* the engine's thread runs commands; else their callers do */
     uint8_t *events;
     size_t ev_len, ev_cap;
@@ -475,6 +476,7 @@ void kvf_stop(kvf_engine *e) {
     e->accepting = false; /* from here on, callers run their own commands */
     kvf_cmd *left = e->cmd_head;
     e->cmd_head = e->cmd_tail = NULL;
+    atomic_store(&e->queued, false);
     pthread_cond_broadcast(&e->cond);
     pthread_mutex_unlock(&e->mu);
     pthread_join(e->thread, NULL);
@@ -535,12 +537,8 @@ void kvf_set_hot(kvf_engine *e, int hot) {
 
 /* Wait (without the GIL: ctypes released it) until events are pending or timeout_us passed.
  * Returns 1 when woken by events, 0 on timeout. */
-static size_t pending_events(kvf_engine *e) {
-    pthread_mutex_lock(&e->mu);
-    size_t pending = e->ev_len;
-    pthread_mutex_unlock(&e->mu);
-    return pending;
-}
+/* Queued event bytes, without the lock (e->pending mirrors ev_len, stored under it). */
+static size_t pending_events(kvf_engine *e) { return atomic_load(&e->pending); }
 
 int kvf_wait(kvf_engine *e, int64_t timeout_us) {
     if (pending_events(e))
@@ -792,9 +790,15 @@ static void run_cmd(kvf_engine *e, kvf_cmd *c, bool can_post) {
 
 /* Engine thread: run every queued command, in order. Returns how many ran. */
 static int run_cmds(kvf_engine *e) {
+    /* Peek first: the thread comes here on every pass while it polls back to back, and taking the
+     * lock each time would make a caller's post wait whenever this thread is preempted holding it
+     * (on a busy host, a whole time slice with the caller's GIL held). */
+    if (!atomic_load(&e->queued))
+        return 0;
     pthread_mutex_lock(&e->mu);
     kvf_cmd *c = e->cmd_head;
     e->cmd_head = e->cmd_tail = NULL;
+    atomic_store(&e->queued, false);
     pthread_mutex_unlock(&e->mu);
     int n = 0;
     while (c != NULL) {
@@ -825,6 +829,7 @@ static int enqueue(kvf_engine *e, kvf_cmd *c) {
     else
         e->cmd_head = c;
     e->cmd_tail = c;
+    atomic_store(&e->queued, true);
     pthread_cond_signal(&e->cond);
     if (!c->sync) {
         pthread_mutex_unlock(&e->mu);
