@@ -6,6 +6,8 @@ jobs check their lock on every use in the suite, so a lock dropped from any of t
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,14 +62,32 @@ def test_a_dropped_lock_in_the_native_executor_fails_the_run(pair, monkeypatch: 
     """Planted: settled() reads its table without the lock, as a careless edit would; the data
     thread's next poll records the violation."""
     pre, dec = pair
+    honest = native.NativeNixl.settled
+    state = {"planted": True, "running": 0}  # under `count`: a call is planted or not at once
+    count = threading.Lock()
 
     def careless(self: native.NativeNixl) -> set[int]:
-        self.drain()
-        return set(self._settled)
+        with count:
+            if not state["planted"]:
+                return honest(self)
+            state["running"] += 1
+        try:
+            self.drain()
+            return set(self._settled)
+        finally:
+            with count:
+                state["running"] -= 1
 
     monkeypatch.setattr(native.NativeNixl, "settled", careless)
     ld._room(pre, dec, 7)
-    monkeypatch.undo()
+    with count:
+        state["planted"] = False
+    end = time.monotonic() + 10
+    while time.monotonic() < end:  # a data thread still inside the planted read records first
+        with count:
+            if state["running"] == 0:
+                break
+        time.sleep(0.001)
     found = ld._take_violations()
     assert found and all("NativeNixl._settled" in v for v in found)
 
