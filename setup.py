@@ -13,12 +13,13 @@ for package, folder in ROOTS.items():
     packages.append(package)
     packages += [f"{package}.{sub}" for sub in find_packages(folder)]
 
-# The native transfer engine (backends/native/engine.c): a plain C library with no Python API,
-# loaded with ctypes (backends/nixl/native.py). Built from source at install; it links nothing of
-# NIXL's (it opens NIXL's C API at run time), so it builds without the nixl wheel.
+# The native transfer engine (backends/native/engine.c) and its host gather/scatter (copy.c): a
+# plain C library with no Python API, loaded with ctypes (backends/nixl/native.py). Built from
+# source at install; it links nothing of NIXL's (it opens NIXL's C API at run time), so it builds
+# without the nixl wheel.
 native_engine = Extension(
     "kvferry.backends.native._kvf_engine",
-    sources=["backends/native/engine.c"],
+    sources=["backends/native/engine.c", "backends/native/copy.c"],
     extra_compile_args=["-std=c11", "-O2", "-Wall"],
     libraries=["dl", "pthread"],
     optional=True,  # no compiler: the Python executor runs, and says so in one line

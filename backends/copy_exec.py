@@ -7,7 +7,9 @@ must never block:
 
 - ``HostCopyExecutor`` (DRAM pools): one thread runs the copies in submission order with
   ``staging_copy.copy_maps`` (numpy; whole head rows per index, the GIL released inside the copy
-  loop), so a gather of chunk N+1 overlaps the NIXL write of chunk N. Same bytes as the kernels.
+  loop) or, on a native-engine rank, ``native.hostcopy.copy_maps`` (C memcpy of head rows, the
+  GIL released for the whole copy), so a gather of chunk N+1 overlaps the NIXL write of chunk N.
+  Same bytes as the kernels.
 - ``CudaCopyExecutor`` (VRAM pools): the Triton kernels of ``backends.kernels`` on one dedicated
   CUDA stream; completion is a CUDA event recorded after the kernel, polled with ``query()``; no
   device-wide or stream synchronize anywhere.
@@ -21,11 +23,12 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+from kvferry.backends import lockcheck
 from kvferry.backends.staging_copy import copy_maps
 from kvferry.backends.transport import XferState
 from kvferry.core.errors import KvferryError
@@ -62,16 +65,22 @@ class _Job:
 class HostCopyExecutor:
     """Copies between DRAM pool regions and DRAM staging buffers on one worker thread.
 
-    ``regions``/``staging``: region id -> flat uint8 numpy view. ``_jobs`` is shared with the copy
+    ``regions``/``staging``: region id -> flat uint8 numpy view. ``copy``: what moves the bytes
+    (``staging_copy.copy_maps``'s signature and checks). ``_jobs`` is shared with the copy
     thread: every access holds ``_lock``; the queue hands job ids over."""
 
     def __init__(
-        self, regions: Mapping[int, np.ndarray], staging: Mapping[int, np.ndarray], name: str
+        self,
+        regions: Mapping[int, np.ndarray],
+        staging: Mapping[int, np.ndarray],
+        name: str,
+        copy: Callable[[str, Mapping[int, np.ndarray], np.ndarray, Sequence[StagingMap]], int] = copy_maps,
     ) -> None:
+        self._copy = copy
         self._regions = dict(regions)
         self._staging = dict(staging)
-        self._jobs: dict[int, _Job] = {}
-        self._lock = threading.Lock()
+        self._lock = lockcheck.new_lock()  # checked by its tables in the lock-check debug mode
+        self._jobs: dict[int, _Job] = lockcheck.guard_table({}, self._lock, "HostCopyExecutor._jobs")
         self._ids = itertools.count(1)
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-copy", daemon=True)
@@ -96,7 +105,7 @@ class HostCopyExecutor:
             if job is None:
                 continue  # released before it ran (its room is gone)
             try:
-                copy_maps(job.kind, self._regions, self._staging[job.staging_region], job.maps)
+                self._copy(job.kind, self._regions, self._staging[job.staging_region], job.maps)
                 state, why = XferState.DONE, ""
             except Exception as exc:  # the thread must survive; the room learns the reason
                 state, why = XferState.ERR, f"{type(exc).__name__}: {exc}"

@@ -3,7 +3,11 @@
 # measured in its own run): bench nixl rows (TP 1 -> 1 direct and push, the hand-off row, 8 and 32
 # rooms in flight, ring for the heterogeneous pairs) with --engine python and --engine native,
 # traced rooms of each, and bench interference of each: PART=a (default). PART=b: the native e2e
-# and differential tests (VRAM e2e). Each part fits one device call of at most 10 minutes.
+# and differential tests (VRAM e2e). PART=ucx: which UCX transport a NIXL READ (the pull flow)
+# and a WRITE take with both processes on one GPU and, where the host has two, on two GPUs
+# (bench/ucx_read_probe.py and `bench nixl --flow pull,direct`, with UCX_PROTO_INFO=y and
+# UCX_LOG_LEVEL=info: UCX's selection tables land in the steps' .log files). Each part fits one
+# device call of at most 10 minutes.
 #
 # On the device, from the repository root, with the wheels of bench/gpu_common.sh in .whl/:
 #   PART=a bash bench/gpu_native.sh
@@ -37,6 +41,27 @@ if [ "$PART" = a ] || [ "$PART" = rows ]; then
     step "ring-$e" 120 "${B[@]}" --rooms 5 --config 'tp2->1 nhd' --config 'tp1->2 nhd' --config 'tp4->2 nhd' \
       --flow ring --engine "$e"
   done
+elif [ "$PART" = ucx ]; then
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  pairs=("0,0")
+  [ "$ngpu" -ge 2 ] && pairs+=("0,1")
+  for pair in "${pairs[@]}"; do
+    tag=${pair/,/-}
+    gpus=()
+    [ "$MEM" = VRAM ] && gpus=(--prefill-gpus "${pair%,*}" --decode-gpus "${pair#*,}")
+    # UCX logs to stdout unless told otherwise: a file per process keeps the JSON lines clean.
+    UCX_PROTO_INFO=y UCX_LOG_LEVEL=info UCX_LOG_FILE="$R/ucx-probe-$tag-%p.log" step "probe-$tag" 120 \
+      python3 -P "$REPO/bench/ucx_read_probe.py" --mem "$MEM" --gpus "$pair" --mb 256 --reps 5
+    UCX_PROTO_INFO=y UCX_LOG_LEVEL=info UCX_LOG_FILE="$R/ucx-pull-$tag-%p.log" step "pull-$tag" 150 \
+      "${B[@]}" --rooms 2 --config 'tp1->1 nhd' --flow pull,direct "${gpus[@]}"
+    # The transports each endpoint opened, and the selection tables of the one-sided ops.
+    for f in "$R"/ucx-*-"$tag"-*.log; do
+      echo "== $(basename "$f")"
+      grep -h "ucp_worker.c.*cfg#\|ucp_context.c.*Version" "$f"
+      grep -h -B2 -A10 "remote memory read\|remote memory write" "$f"
+    done | sed 's/^\[[^]]*\] \[[^]]*\] *//' >"$R/ucx-selected-$tag.txt"
+  done
+  cat "$R"/probe-*.out
 else
   export KVFERRY_E2E_MEM=$MEM KVFERRY_TEST_DEVICE=cuda
   step e2e-native 240 python3 -P -m pytest -q -n 8 -p no:cacheprovider --rootdir "$REPO" \

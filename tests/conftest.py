@@ -26,7 +26,7 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 # builds, and the processes tests start (they inherit the environment), share this one.
 os.environ.setdefault("KVFERRY_CONTROL_KEY", "kvferry-test-control-key-not-secret")
 
-# Lock discipline debug mode (backends/runtime/lockcheck.py): every endpoint's engine asserts that
+# Lock discipline debug mode (backends/lockcheck.py): every endpoint's engine asserts that
 # whoever enters it holds the endpoint lock; a violation in any thread fails the test it ran in.
 os.environ.setdefault("KVFERRY_LOCK_CHECK", "1")
 
@@ -35,7 +35,7 @@ os.environ.setdefault("KVFERRY_LOCK_CHECK", "1")
 def _lock_discipline():
     yield
     # Only tests that built an endpoint imported it (a pure simulation test pays nothing).
-    lockcheck = sys.modules.get("kvferry.backends.runtime.lockcheck")
+    lockcheck = sys.modules.get("kvferry.backends.lockcheck")
     if lockcheck is not None and lockcheck.VIOLATIONS:
         found = list(lockcheck.VIOLATIONS)
         del lockcheck.VIOLATIONS[:]

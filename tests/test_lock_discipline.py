@@ -1,4 +1,4 @@
-"""Lock discipline debug mode (backends/runtime/lockcheck.py): on in the suite (tests/conftest.py),
+"""Lock discipline debug mode (backends/lockcheck.py): on in the suite (tests/conftest.py),
 every entry into an endpoint's engine asserts that the calling thread holds the endpoint lock,
 so a lock removed from the runtime (e.g. in the status sync, base.py ``_sync``) fails a test."""
 
@@ -19,9 +19,8 @@ from kvferry.sim import pattern
 MODEL = ModelGeometry("lk", num_layers=1, num_kv_heads=2, head_dim=8)
 
 
-@pytest.fixture
-def pair():
-    cfg = RuntimeConfig(num_queues=2, aux_rows=4)
+def endpoints(cfg: RuntimeConfig):
+    """A started prefill and decode endpoint pair (a fixture's body: closed cleanly after)."""
     pre = PrefillEndpoint("P", PoolGeometry(MODEL, 1, 0, 4, 16), config=cfg)
     dec = DecodeEndpoint(
         "D", PoolGeometry(MODEL, 1, 0, 4, 16), prefill_server="P", prefill_addresses=[pre.address], config=cfg
@@ -30,6 +29,11 @@ def pair():
     dec.start()
     yield pre, dec
     assert pre.close() == [] and dec.close() == []
+
+
+@pytest.fixture
+def pair():
+    yield from endpoints(RuntimeConfig(num_queues=2, aux_rows=4))
 
 
 def _room(pre, dec, room: int):

@@ -68,3 +68,20 @@ def test_native_endpoints_under_hostile_control_frames() -> None:
     assert res.violations == [] and not res.stopped_early
     assert res.rooms_success == res.rooms_done == 16
     assert set(res.frames_sent) == set(KINDS)
+
+
+def test_native_short_soak_with_a_kill_of_each_side() -> None:
+    """``kvferry soak --engine native``: every flow, aborts by both sides, prefill killed after room
+    100 and decode after room 200, each restarted; every room judged, every table empty at the
+    end, and every process (restarts included) ran the native engine."""
+    import test_soak
+
+    code, r, err = test_soak._soak(
+        "--rooms", "300", "--kill-every", "100", "--seed", "11", "--warmup-s", "0", "--engine", "native",
+    )  # fmt: skip
+    assert code == 0 and r["ok"], (r["violations"], err[-2000:])
+    assert r["executors"] == ["native"]
+    assert r["rooms_run"] == 300 and r["violation_count"] == 0
+    assert [k["victim"] for k in r["kills"]] == ["prefill", "decode"]
+    assert all(v.get("success", 0) > 0 for v in r["by_flow"].values())
+    assert "--engine native" in r["replay"]

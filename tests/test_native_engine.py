@@ -5,6 +5,7 @@ UCX, DRAM). The two-process runs are tests/test_native_e2e.py and test_native_di
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import time
@@ -153,6 +154,19 @@ def test_native_bare_notification_and_batched_wakeup(agents) -> None:
     got = _notifs(b, 5)
     assert sorted(p for _, p in got) == [f"n{i}".encode() for i in range(5)]
     assert b._nixl.counters()["notifications"] >= 5
+
+
+def test_native_wait_sleeps_after_a_wakeup_whose_events_were_drained(agents) -> None:
+    """The engine writes its wake-up fd after queueing events; a host that drained those events
+    first finds the fd readable with nothing queued. A wait must then reset it and sleep, not
+    return at once (it did: every data-thread and worker wait then spun until the next event)."""
+    _, b, _, _, _ = agents
+    eng = b._nixl
+    eng.drain()
+    os.write(eng.wake_fd, (1).to_bytes(8, "little"))  # a wake-up whose events are gone
+    assert eng.wait(0.02) is False  # it slept out its timeout: no news
+    assert select.select([eng.wake_fd], [], [], 0)[0] == []  # and left the fd reset
+    assert eng.wait(0.01) is False
 
 
 _register()

@@ -34,7 +34,11 @@ class DecodeSide(common.SideLoop):
     def __init__(self, args: Any) -> None:
         self.args = args
         cfg = RuntimeConfig(
-            timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging(), host=args.host
+            timeouts=sp.timeouts(),
+            aux_rows=sp.AUX_ROWS,
+            staging=sp.staging(),
+            host=args.host,
+            nixl_engine=args.engine,
         )
         self.eps = [
             DecodeEndpoint(
@@ -211,7 +215,8 @@ class DecodeSide(common.SideLoop):
 def main() -> None:
     args = common.arguments("decode")
     side = DecodeSide(args)
-    say(event="ready", address=side.eps[0].address, pid=os.getpid())
+    executors = sorted({ep.transport.executor for ep in side.eps})
+    say(event="ready", address=side.eps[0].address, pid=os.getpid(), executors=executors)
     common.serve(side.run_segment, side.finish, side.close, side.settle, side.release)
 
 

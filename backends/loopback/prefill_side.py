@@ -26,7 +26,12 @@ class PrefillSide(common.SideLoop):
     def __init__(self, args: Any) -> None:
         self.args = args
         cfg = RuntimeConfig(
-            num_queues=2, timeouts=sp.timeouts(), aux_rows=sp.AUX_ROWS, staging=sp.staging(), host=args.host
+            num_queues=2,
+            timeouts=sp.timeouts(),
+            aux_rows=sp.AUX_ROWS,
+            staging=sp.staging(),
+            host=args.host,
+            nixl_engine=args.engine,
         )
         ports = [int(p) for p in args.ports.split(",")] if args.ports else [0] * args.prefill_tp
         pools = sp.prefill_pools(args.prefill_tp)
@@ -141,7 +146,8 @@ def _copy_tables(ep: PrefillEndpoint) -> int:
 def main() -> None:
     args = common.arguments("prefill")
     side = PrefillSide(args)
-    say(event="ready", addresses=[ep.address for ep in side.eps], pid=os.getpid())
+    executors = sorted({ep.transport.executor for ep in side.eps})
+    say(event="ready", addresses=[ep.address for ep in side.eps], pid=os.getpid(), executors=executors)
     common.serve(side.run_segment, side.finish, side.close, side.settle, side.release)
 
 

@@ -56,6 +56,7 @@ class SoakConfig:
     rss_bound_mb: float = 64.0
     warmup_s: float = 45.0  # tombstones (40 s) and allocator arenas fill up first
     segment_timeout_s: float = 120.0
+    engine: str = "python"  # RuntimeConfig.nixl_engine of both sides: python or native
 
 
 def check_config(c: SoakConfig) -> None:
@@ -82,6 +83,8 @@ def check_config(c: SoakConfig) -> None:
         raise ValueError(f"--rss-bound-mb must be in (0, 1000000], got {c.rss_bound_mb}")
     if not 0.0 <= c.warmup_s <= 86400:
         raise ValueError(f"--warmup-s must be in [0, 86400], got {c.warmup_s}")
+    if c.engine not in ("python", "native"):
+        raise ValueError(f"--engine must be python or native, got {c.engine!r}")
 
 
 def replay_command(c: SoakConfig) -> str:
@@ -89,6 +92,7 @@ def replay_command(c: SoakConfig) -> str:
         f"kvferry soak --seed {c.seed} --rooms {c.rooms} --prefill-tp {c.prefill_tp} "
         f"--decode-tp {c.decode_tp} --flows {','.join(c.flows)} --abort-rate {c.abort_rate} "
         f"--kill-every {c.kill_every} --hold {c.hold}"
+        + (f" --engine {c.engine}" if c.engine != "python" else "")
     )
 
 
@@ -222,6 +226,7 @@ class Soak:
         self.sides: dict[str, Side] = {}
         self.prefill_ports = ""
         self.prefill_addresses: list[str] = []
+        self.executors: set[str] = set()  # which executor each side's processes ran (any restart)
 
     # ---- processes --------------------------------------------------------------------------
     def _common(self, role: str) -> list[str]:
@@ -230,6 +235,7 @@ class Soak:
             "--seed", str(c.seed), "--flows", ",".join(c.flows), "--abort-rate", str(c.abort_rate),
             "--prefill-tp", str(c.prefill_tp), "--decode-tp", str(c.decode_tp),
             "--segment-timeout-s", str(c.segment_timeout_s), "--incarnation", str(self.incarnations[role]),
+            "--engine", c.engine,
         ]  # fmt: skip
 
     def _launch(self, role: str) -> tuple[tuple[str, ...], list[str], dict[str, str]]:
@@ -247,6 +253,7 @@ class Soak:
         self.sides[role] = side
         self.rss.append(RssTrack(role, side.incarnation))
         ready = self._wait(side, "ready", START_TIMEOUT_S)
+        self.executors.update(ready.get("executors", ()))
         if role == "prefill":
             self.prefill_addresses = ready["addresses"]
             self.prefill_ports = ",".join(a.rsplit(":", 1)[1] for a in ready["addresses"])
@@ -476,6 +483,7 @@ class Soak:
             "violation_count": self.violation_count,
             "violations": self.violations,
             "replay": replay_command(c),
+            "executors": sorted(self.executors),
         }
         return report
 

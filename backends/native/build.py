@@ -16,7 +16,7 @@ import sysconfig
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "engine.c"
+SOURCES = (HERE / "engine.c", HERE / "copy.c")
 FLAGS = ["-std=c11", "-O2", "-Wall", "-fPIC", "-shared", "-pthread"]
 
 
@@ -34,7 +34,7 @@ def build(out: Path, sanitize: str = "", cc: str = "gcc") -> Path:
             "-fno-omit-frame-pointer",
             f"-fsanitize={sanitize}",
         ]
-    cmd = [cc, *flags, "-o", str(out), str(SOURCE), "-ldl"]
+    cmd = [cc, *flags, "-o", str(out), *map(str, SOURCES), "-ldl"]
     subprocess.run(cmd, check=True)
     return out
 

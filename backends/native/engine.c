@@ -192,6 +192,7 @@ typedef struct {
     pthread_cond_t cond;      /* the engine's thread waits on it: a command was queued */
     pthread_cond_t done_cond; /* callers of sync commands wait on it */
     kvf_cmd *cmd_head, *cmd_tail;
+    atomic_bool queued; /* cmd_head != NULL, readable without the lock (the spinning thread peeks) */
     bool accepting; /* the engine's thread runs commands; else their callers do */
     uint8_t *events;
     size_t ev_len, ev_cap;
@@ -475,6 +476,7 @@ void kvf_stop(kvf_engine *e) {
     e->accepting = false; /* from here on, callers run their own commands */
     kvf_cmd *left = e->cmd_head;
     e->cmd_head = e->cmd_tail = NULL;
+    atomic_store(&e->queued, false);
     pthread_cond_broadcast(&e->cond);
     pthread_mutex_unlock(&e->mu);
     pthread_join(e->thread, NULL);
@@ -535,20 +537,35 @@ void kvf_set_hot(kvf_engine *e, int hot) {
 
 /* Wait (without the GIL: ctypes released it) until events are pending or timeout_us passed.
  * Returns 1 when woken by events, 0 on timeout. */
+/* Queued event bytes, without the lock (e->pending mirrors ev_len, stored under it). */
+static size_t pending_events(kvf_engine *e) { return atomic_load(&e->pending); }
+
 int kvf_wait(kvf_engine *e, int64_t timeout_us) {
-    pthread_mutex_lock(&e->mu);
-    size_t pending = e->ev_len;
-    pthread_mutex_unlock(&e->mu);
-    if (pending)
+    if (pending_events(e))
         return 1;
     struct pollfd p = {.fd = e->wake_fd, .events = POLLIN};
     /* ppoll: a timeout in microseconds (poll's milliseconds would stretch a 200 us idle cap of
      * the data thread, which still polls the staged flows' copies itself, to 1 ms). */
-    if (timeout_us < 0)
-        timeout_us = 0;
-    struct timespec ts = {.tv_sec = timeout_us / 1000000, .tv_nsec = (long)(timeout_us % 1000000) * 1000};
-    int r = ppoll(&p, 1, &ts, NULL);
-    return r > 0 ? 1 : 0;
+    uint64_t end = now_ns() + (uint64_t)(timeout_us > 0 ? timeout_us : 0) * 1000u;
+    for (;;) {
+        uint64_t now = now_ns();
+        uint64_t left = end > now ? end - now : 0;
+        struct timespec ts = {.tv_sec = (time_t)(left / 1000000000u), .tv_nsec = (long)(left % 1000000000u)};
+        if (ppoll(&p, 1, &ts, NULL) <= 0)
+            return 0;
+        if (pending_events(e))
+            return 1;
+        /* Readable with nothing queued: the events it announced were drained before the
+         * engine's write reached the fd. Reset it, or every later wait would return at once
+         * and its caller would spin until the next event. */
+        uint64_t sink;
+        ssize_t n = read(e->wake_fd, &sink, sizeof sink);
+        (void)n;
+        if (pending_events(e))
+            return 1;
+        if (left == 0)
+            return 0;
+    }
 }
 
 /* Move up to cap bytes of whole events into buf. Returns the bytes written; *more is set when
@@ -773,9 +790,15 @@ static void run_cmd(kvf_engine *e, kvf_cmd *c, bool can_post) {
 
 /* Engine thread: run every queued command, in order. Returns how many ran. */
 static int run_cmds(kvf_engine *e) {
+    /* Peek first: the thread comes here on every pass while it polls back to back, and taking the
+     * lock each time would make a caller's post wait whenever this thread is preempted holding it
+     * (on a busy host, a whole time slice with the caller's GIL held). */
+    if (!atomic_load(&e->queued))
+        return 0;
     pthread_mutex_lock(&e->mu);
     kvf_cmd *c = e->cmd_head;
     e->cmd_head = e->cmd_tail = NULL;
+    atomic_store(&e->queued, false);
     pthread_mutex_unlock(&e->mu);
     int n = 0;
     while (c != NULL) {
@@ -806,6 +829,7 @@ static int enqueue(kvf_engine *e, kvf_cmd *c) {
     else
         e->cmd_head = c;
     e->cmd_tail = c;
+    atomic_store(&e->queued, true);
     pthread_cond_signal(&e->cond);
     if (!c->sync) {
         pthread_mutex_unlock(&e->mu);

@@ -490,8 +490,13 @@ class NixlAgent:
         """Drive UCX progress on this agent (keeping any notification for ``notifs()``).
 
         Without NIXL's progress thread a rank that is the *target* of writes moves only when
-        polled: the runtime's progress thread polls every ``idle_max_s`` at most.
+        polled: the runtime's progress thread polls every ``idle_max_s`` at most. The native
+        executor's own thread makes the progress: when it queued nothing there is nothing to
+        take (one memory read, no lock).
         """
+        news = getattr(self._nixl, "has_news", None)
+        if news is not None and not news():
+            return
         with self._tables.read():
             if self._closed:
                 return
@@ -516,6 +521,8 @@ class NixlAgent:
         if settled is None:
             return None
         cookies = settled()
+        if not cookies:
+            return set()
         return {t for t in list(self._inflight.values()) if getattr(t.handle, "cookie", 0) in cookies}
 
     def wait_events(self, timeout_s: float, hot: bool | None = None) -> bool | None:

@@ -36,13 +36,13 @@ import importlib.util
 import itertools
 import os
 import struct
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kvferry.backends import lockcheck
 
 PINNED_NIXL = "1.5.1"
 MEM_TYPES = {"DRAM": 0, "VRAM": 1}
@@ -260,11 +260,13 @@ class NativeNixl:
             raise NativeUnavailable(f"native engine: {err.value.decode(errors='replace')}")
         self._eng: int | None = eng
         self.name = name
-        self._lock = threading.Lock()
+        # An OwnedLock and tables that check it in the lock-check debug mode (lockcheck.py).
+        self._lock = lockcheck.new_lock()
         self._ids = itertools.count(1)
-        self._xfers: dict[int, _Xfer] = {}  # posted, not yet reported
-        self._settled: set[int] = set()  # cookies reported and not yet released
-        self._notifs: list[tuple[str, bytes]] = []
+        guard = functools.partial(lockcheck.guard_table, lock=self._lock)
+        self._xfers: dict[int, _Xfer] = guard({}, name="NativeNixl._xfers")  # posted, not yet reported
+        self._settled: set[int] = guard(set(), name="NativeNixl._settled")  # reported, not released
+        self._notifs: list[tuple[str, bytes]] = guard([], name="NativeNixl._notifs")
         self._buf = ctypes.create_string_buffer(1 << 16)
         self.wake_fd = self._lib.kvf_wake_fd(eng)  # readable when events are queued (select/poll)
         # Queued event bytes, written by the engine: an empty poll is one memory read.
@@ -463,11 +465,17 @@ class NativeNixl:
     def get_new_notifs(self) -> dict[str, list[bytes]]:
         self.drain()
         with self._lock:
-            got, self._notifs = self._notifs, []
+            got = list(self._notifs)
+            self._notifs.clear()
         out: dict[str, list[bytes]] = {}
         for agent, payload in got:
             out.setdefault(agent, []).append(payload)
         return out
+
+    def has_news(self) -> bool:
+        """Events queued by the engine or notifications drained and not yet taken (no lock: a
+        read of the engine's counter and of the list's truth, each atomic under the GIL)."""
+        return bool(self._pending.value or self._notifs)
 
     def settled(self) -> set[int]:
         """Cookies of transfers reported finished and not yet released."""

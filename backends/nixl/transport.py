@@ -37,6 +37,7 @@ from kvferry.backends.copy_exec import CopyExecutor, CudaCopyExecutor, HostCopyE
 from kvferry.backends.nixl.agent import MAX_PREP_DESCS, ListKey, NixlAgent, XferTicket
 from kvferry.backends.nixl.errors import DescriptorError, NixlPeerError
 from kvferry.backends.nixl.memory import MemRegion, RegionError, regions_from
+from kvferry.backends.staging_copy import copy_maps
 from kvferry.backends.transport import AUX_ROOM_BYTES, XferState
 from kvferry.backends.zmqctl import ControlPlane
 from kvferry.core.errors import WireError
@@ -313,15 +314,26 @@ class NixlTransport:
             host = {rid: v for rid, v in staging.items() if v is not None}
             if len(host) != len(staging):
                 raise RegionError("a DRAM pool needs DRAM staging buffers (its copies run on the CPU)")
-            return HostCopyExecutor(
-                {k: v for k, v in views.items() if v is not None}, host, str(self._endpoint)
-            )
+            pool = {k: v for k, v in views.items() if v is not None}
+            return HostCopyExecutor(pool, host, str(self._endpoint), copy=self._host_copy())
         if not all(hasattr(b, "data_ptr") for b in [*(self._buffers or {}).values(), *buffers.values()]):
             raise RegionError(
                 "staged flows on a VRAM pool need torch tensors for the pool and staging buffers "
                 "(the kernels run on them); pass tensors, or set RuntimeConfig.staging sizes to 0"
             )
         return CudaCopyExecutor(kernel_pool(self.pool, self._buffers or {}), buffers, self.pool)
+
+    def _host_copy(self) -> Any:
+        """A native-engine rank copies host memory in C (off the GIL); the Python executor, or a
+        build without the library, with numpy (the reference)."""
+        if self.executor == "native":
+            from kvferry.backends.native import hostcopy
+
+            why = hostcopy.available()
+            if not why:
+                return hostcopy.copy_maps
+            log.warning("%s: host copies on numpy (%s)", self._endpoint, why)
+        return copy_maps
 
     def registration(self) -> Register:
         if self._registration is None:

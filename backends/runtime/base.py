@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
+from kvferry.backends import lockcheck
 from kvferry.backends.driver import Driver
 from kvferry.backends.nixl.memory import MemRegion
 from kvferry.backends.nixl.transport import NixlTransport
-from kvferry.backends.runtime import lockcheck
 from kvferry.backends.runtime.board import StatusBoard
 from kvferry.backends.runtime.errors import EndpointClosedError, KVTransferError
 from kvferry.backends.runtime.loops import Loop
@@ -272,8 +272,15 @@ class EndpointBase:
     def _data_idle_cap(self) -> float:
         """Poll fast while a room of this rank is in flight (the board's count, under its own
         lock: no engine lock on the idle path); an idle rank sleeps up to ``idle_max_s``. A failed
-        room's writes that are still landing are polled at the slow pace: nobody waits on them."""
-        return self.config.active_idle_max_s if self.board.in_flight() else self.config.idle_max_s
+        room's writes that are still landing are polled at the slow pace: nobody waits on them.
+        On a native-engine rank the engine's wake-up ends the sleep on every completion and
+        notification, so only copies in flight (the copy stream has no wake-up) need the fast
+        pace: without them the thread sleeps until the engine has news (at most ``idle_max_s``)."""
+        if not self.board.in_flight():
+            return self.config.idle_max_s
+        if self.transport.executor == "native" and not self.driver.copies:
+            return self.config.idle_max_s
+        return self.config.active_idle_max_s
 
     def _control_step(self) -> bool:
         """Wait on the control plane until a message comes or the next deadline is due (at most

@@ -41,6 +41,7 @@ class InterferenceConfig:
     tokens: int = 256
     model: str = "qwen3-8b"
     step_items: int = 3000  # size of one scheduler step's pure-Python work
+    engine_poll_us: float = 0.0  # RuntimeConfig.nixl_engine_poll_us (native engine's in-flight pace)
 
 
 def scheduler_step(items: int) -> int:
@@ -112,7 +113,11 @@ class Endpoints:
         self.pages = -(-cfg.tokens // 16)
         self.slots = 8
         rc = RuntimeConfig(
-            num_queues=2, aux_rows=self.slots, control_keys=(ephemeral_key(),), nixl_engine=cfg.engine
+            num_queues=2,
+            aux_rows=self.slots,
+            control_keys=(ephemeral_key(),),
+            nixl_engine=cfg.engine,
+            nixl_engine_poll_us=cfg.engine_poll_us,
         )
         pool = PoolGeometry(model, 1, 0, 16, self.pages * self.slots)
         self.pre = PrefillEndpoint("prefill", pool, config=rc)

@@ -149,12 +149,23 @@ class PrefillEndpoint(EndpointBase):
         """SGLang PR 20680's pacing: the worker's next chunk waits for this chunk's writes."""
         idle = 20e-6
         stop = self._worker_loops[shard].stop_event
+        # A native engine wakes the worker on its completion (the timeout only bounds a wake-up
+        # the data thread consumed first): no need to poll at the in-flight pace.
+        native = self.transport.executor == "native"
+        cap = (
+            max(self.config.idle_max_s, self.config.active_idle_max_s)
+            if native
+            else self.config.active_idle_max_s
+        )
         while self.driver.writes_pending(ids) and not stop.is_set():
             if self.driver.poll_writes(now_ns(), ids):
                 idle = 20e-6
                 continue
-            time.sleep(idle)
-            idle = min(idle * 2, self.config.active_idle_max_s)  # a write is in flight
+            if native:
+                self.transport.wait_events(idle)
+            else:
+                time.sleep(idle)
+            idle = min(idle * 2, cap)  # a write is in flight
 
 
 class KVSender:

@@ -220,6 +220,10 @@ def interference(
     phase_s: Annotated[float, typer.Option(help="Seconds per phase.")] = 2.0,
     rate: Annotated[float, typer.Option(help="Rooms per second in the busy phase.")] = 20.0,
     tokens: Annotated[int, typer.Option(help="Tokens per room (qwen3-8b KV, TP 1 -> 1, DRAM).")] = 256,
+    engine_poll_us: Annotated[
+        float,
+        typer.Option(help="Native engine: us between polls while a room is in flight (0: back to back)."),
+    ] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="The result as one JSON object.")] = False,
 ) -> None:
     """A scheduler-like thread shares a process with a prefill and a decode endpoint (real NIXL,
@@ -235,6 +239,7 @@ def interference(
         ("--phase-s", phase_s, 0.01, 3600.0),
         ("--rate", rate, 0.01, 10_000.0),
         ("--tokens", tokens, 1, 131_072),
+        ("--engine-poll-us", engine_poll_us, 0.0, 1e6),
     ):
         if not (math.isfinite(value) and lo <= value <= hi):
             bad_input(f"{name} must be in [{lo:g}, {hi:g}], got {value}")
@@ -245,7 +250,10 @@ def interference(
         from kvferry.backends.nixl.native import describe
 
         print(f"executor: {describe()}", file=sys.stderr)
-    r = run(InterferenceConfig(engine=engine, reps=reps, phase_s=phase_s, rate=rate, tokens=tokens))
+    cfg = InterferenceConfig(
+        engine=engine, reps=reps, phase_s=phase_s, rate=rate, tokens=tokens, engine_poll_us=engine_poll_us
+    )
+    r = run(cfg)
     if as_json:
         typer.echo(json.dumps(r))
         return

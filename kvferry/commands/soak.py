@@ -42,6 +42,9 @@ def soak(
     warmup_s: Annotated[
         float, typer.Option(help="Seconds of a process's life before its RSS baseline is taken.")
     ] = 45.0,
+    engine_name: Annotated[
+        str, typer.Option("--engine", help="Executor of both sides' NIXL commands: python or native.")
+    ] = "python",
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
     """A prefill process and a decode process on 127.0.0.1 (real NIXL over UCX, DRAM pools) run
@@ -63,6 +66,7 @@ def soak(
         max_seconds=max_seconds,
         rss_bound_mb=rss_bound_mb,
         warmup_s=warmup_s,
+        engine=engine_name,
     )
     try:
         engine.check_config(cfg)
@@ -85,7 +89,8 @@ def summary(r: dict[str, Any]) -> str:
     kill = f"a side killed every {c['kill_every']} rooms" if c["kill_every"] else "no kills"
     lines = [
         f"kvferry soak: seed {c['seed']}, TP {c['prefill_tp']}->{c['decode_tp']}, "
-        f"flows {','.join(c['flows'])}, abort rate {c['abort_rate']}, {kill}",
+        f"flows {','.join(c['flows'])}, abort rate {c['abort_rate']}, {kill}, "
+        f"executor {','.join(r.get('executors') or ['?'])}",
         f"rooms: {r['rooms_run']} of {c['rooms']} in {r['wall_s']} s ({r['rooms_per_s']} rooms/s)"
         + (" (stopped by --max-seconds)" if r["stopped_by_time"] else ""),
         f"  {o['success']} success (bytes and aux row checked), "
