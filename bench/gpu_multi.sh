@@ -79,7 +79,9 @@ diag)
   row tp22x16 'tp2->2 nhd' 0,1 2,3 direct native --rooms 1 --inflight 16
   export PYTHONFAULTHANDLER=1
   (sleep 60; pkill -ABRT -f kvferry.backends.runtime.bench) &
+  dog=$!
   row tp22x32 'tp2->2 nhd' 0,1 2,3 direct native --rooms 1 --inflight 32
+  kill "$dog" 2>/dev/null  # finished in time: no stacks wanted
   unset PYTHONFAULTHANDLER
   ;;
 *) echo "gpu_multi: PART must be placements, rows, more or diag, got $PART"; exit 2 ;;
