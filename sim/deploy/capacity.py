@@ -37,12 +37,14 @@ from kvferry.sim.deploy.spec import DeploySpec
 from kvferry.sim.deploy.steady import Interval, queue_limit
 
 __all__ = [
+    "MAX_RATES",
     "Bounds",
     "Candidate",
     "Capacity",
     "Runner",
     "Workload",
     "bounds",
+    "every_max_rate",
     "max_rate",
     "meets",
     "nic_ns",
@@ -52,7 +54,12 @@ __all__ = [
 ]
 
 NS = 1_000_000_000
-MIN_REQUESTS = 16  # a steady-state run below this many requests says nothing
+MIN_REQUESTS = 16
+# Which configurations' maximum sustainable rate a search narrows: "simulated" (with a rate: the
+# answer's and that of every configuration simulated at the rate; without: each balanced
+# configuration's) or "all" (every configuration within the limits, its bound ruling none out:
+# minutes a configuration on two cores).
+MAX_RATES = ("simulated", "all")  # a steady-state run below this many requests says nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +227,11 @@ class Candidate:
     met: bool | None = None  # None: not simulated (its bound is below the rate)
     max_rps: float | None = None  # simulated: the most it was seen to sustain within the SLOs
     max_rps_below: float | None = None  # and the least it could not (a rate it missed, or its bound)
+    # Where max_rps comes from when no run of its own met a higher rate: a configuration with no
+    # more instances of either side (same TP and flow) that was seen to sustain it (more instances
+    # never serve less: an assumption the bisection then narrows from). "" when its own runs did.
+    max_rps_from: str = ""
+    max_rps_runs: int = 0  # steady-state runs its bisection took
     staging_bytes: int = 0
 
     def spec(self, base: DeploySpec) -> DeploySpec:
@@ -270,6 +282,8 @@ class Candidate:
             "verdict": self.verdict(rate),
             "max_rps": self.max_rps,
             "max_rps_below": self.max_rps_below,
+            "max_rps_from": self.max_rps_from or ("simulated" if self.max_rps is not None else None),
+            "max_rps_runs": self.max_rps_runs,
             "staging_bytes_per_rank_pair": self.staging_bytes,
             "results": [r.as_dict() for r in self.results],
         }
@@ -351,10 +365,12 @@ def max_rate(
     steps: int = 4,
     progress: Progress | None = None,
     runner: Runner | None = None,
+    runs: list[int] | None = None,
 ) -> tuple[float, float]:
     """Search between a rate met (``lo``, 0 for none) and one that cannot be (``hi``), to within
     5% (finer is below the seeds' noise): each step tries ``runner.jobs`` rates evenly inside the
-    interval at once (one: bisection) and keeps the part between the highest met and the next."""
+    interval at once (one: bisection) and keeps the part between the highest met and the next.
+    ``runs``, when given, gets the number of rates tried added to its first item."""
     runner = runner or Runner()
     k = runner.jobs
     for _ in range(steps):
@@ -365,6 +381,8 @@ def max_rate(
             said = ", ".join(f"{r:.2f}" for r in rates)
             progress(f"  max rate of {spec.prefill_instances}P{spec.decode_instances}D {spec.flow}: {said}")
         got = runner.map([(spec, r, w, tuple(seeds), target) for r in rates])
+        if runs is not None:
+            runs[0] += len(rates)
         ok = [meets(rs, target) for rs in got]
         passed = [r for r, good in zip(rates, ok, strict=True) if good]
         failed = [r for r, good in zip(rates, ok, strict=True) if not good]
@@ -389,10 +407,15 @@ def search(
     max_rate_steps: int = 4,
     progress: Progress | None = None,
     jobs: int = 1,
+    max_rates: str = "simulated",
 ) -> Capacity:
     """With ``rate``: the cheapest configuration meeting it (None if none within the limits), and
     the most it sustains. Without: the most each balanced configuration (per prefill count, the
-    fewest decode instances whose bound covers it) sustains."""
+    fewest decode instances whose bound covers it) sustains. With a rate, the most each
+    configuration simulated at it sustains too; ``max_rates="all"``: the most every configuration
+    within the limits sustains (``every_max_rate``)."""
+    if max_rates not in MAX_RATES:
+        raise ValueError(f"max_rates must be one of {', '.join(MAX_RATES)}, got {max_rates!r}")
     say = progress or (lambda _msg: None)
     cands: list[Candidate] = []
     per: dict[str, dict[str, Any]] = {}
@@ -423,10 +446,19 @@ def search(
     try:
         with Runner(jobs) as runner:
             if rate is not None:
-                return _for_rate(cands, per, rate, w, seeds, target, max_rate_steps, say, spec_of, runner)
-            return _balanced(
-                cands, per, w, seeds, target, max_instances, max_rate_steps, say, spec_of, runner
-            )
+                cap = _for_rate(cands, per, rate, w, seeds, target, max_rate_steps, say, spec_of, runner)
+            elif max_rates == "all":
+                cap = Capacity(None, target, cands, None, "", per)
+            else:
+                return _balanced(
+                    cands, per, w, seeds, target, max_instances, max_rate_steps, say, spec_of, runner
+                )
+            if max_rates == "all" or rate is not None:
+                chosen = cands if max_rates == "all" else [c for c in cands if c.met is not None]
+                every_max_rate(chosen, cands, rate, w, seeds, target, max_rate_steps, say, spec_of, runner)
+                if rate is None:
+                    cap.answer, cap.reason = _best_per_gpu(cands)
+            return cap
     except KeyboardInterrupt:
         # Ctrl-C: the configurations judged so far, and no answer.
         judged = sum(1 for c in cands if c.met is not None or c.max_rps is not None)
@@ -497,13 +529,68 @@ def _balanced(
         c.max_rps, c.max_rps_below = max_rate(
             spec_of(c), w, seeds, target, 0.0, c.bound_rps, steps, say, runner
         )
+    best, why = _best_per_gpu(cands)
+    return Capacity(None, target, cands, best, why, per)
+
+
+def _best_per_gpu(cands: Sequence[Candidate]) -> tuple[Candidate | None, str]:
     best = max((c for c in cands if c.max_rps), key=lambda c: (c.max_rps or 0) / c.gpus, default=None)
     why = (
         f"most requests per second per GPU: {best.name} with {best.flow}, {best.max_rps:.2f} req/s"
         if best
         else "no configuration sustains any rate within the SLOs"
     )
-    return Capacity(None, target, cands, best, why, per)
+    return best, why
+
+
+def _same_kind(a: Candidate, b: Candidate) -> bool:
+    return (a.prefill_tp, a.decode_tp, a.flow) == (b.prefill_tp, b.decode_tp, b.flow)
+
+
+def every_max_rate(
+    chosen: Sequence[Candidate],
+    cands: Sequence[Candidate],
+    rate: float | None,
+    w: Workload,
+    seeds: Sequence[int],
+    target: float,
+    steps: int,
+    say: Progress,
+    spec_of: Callable[[Candidate], DeploySpec],
+    runner: Runner,
+) -> None:
+    """The most each ``chosen`` configuration sustains, narrowed by steady-state runs (``max_rate``) inside
+    what is already known of it: from below, the most a configuration with no more instances of
+    either side (same TP pair and flow) was seen to sustain, or the asked rate if it met it; from
+    above, its bound, the asked rate if it missed it, and the least that a configuration with no
+    fewer instances of either side could not sustain. Configurations go smallest first so each
+    starts from its smaller neighbours' results (``cands``: all of them, ``chosen`` among them);
+    an interval already within 5% takes no run."""
+    order = sorted(chosen, key=lambda c: (c.prefill_tp, c.decode_tp, c.flow, c.prefill, c.decode))
+    for c in order:
+        if c.max_rps is not None:
+            continue  # the answer's, narrowed already
+        lo, src = (rate, "") if c.met and rate is not None else (0.0, "")
+        hi = c.bound_rps if c.met is not False or rate is None else min(c.bound_rps, rate)
+        for o in cands:
+            if o is c or not _same_kind(o, c):
+                continue
+            if o.prefill <= c.prefill and o.decode <= c.decode and (o.max_rps or 0.0) > lo:
+                lo, src = o.max_rps or 0.0, o.name
+            if o.prefill >= c.prefill and o.decode >= c.decode:
+                if o.max_rps_below is not None:
+                    hi = min(hi, o.max_rps_below)
+                if o.met is False and rate is not None:
+                    hi = min(hi, rate)
+        if lo >= hi:  # the seeds' noise against the assumption: start from this one's own results
+            lo, src = (rate, "") if c.met and rate is not None else (0.0, "")
+            hi = c.bound_rps if c.met is not False or rate is None else min(c.bound_rps, rate)
+        runs = [0]
+        if lo == 0.0 or hi - lo > 0.05 * lo:
+            say(f"most {c.name} {c.flow} sustains: between {lo:.2f} and {hi:.2f} req/s")
+        got, c.max_rps_below = max_rate(spec_of(c), w, seeds, target, lo, hi, steps, None, runner, runs)
+        c.max_rps, c.max_rps_runs = got, runs[0]
+        c.max_rps_from = src if got == lo and src else ""
 
 
 def _p99(c: Candidate) -> float:
