@@ -37,8 +37,8 @@ def test_efa_and_tcp_profiles_cite_published_figures_and_say_they_are_estimates(
     efa, tcp = hardware.nic("nic-efa-400g"), hardware.nic("nic-tcp-100g")
     assert (efa.transport, tcp.transport) == ("efa", "tcp")
     # libfabric's fi_rdm_tagged_bw over EFA: 1.50 us a 64 B transfer; UCX tcp: 13.2 us a message.
-    assert efa.per_desc_us == 1.5 and "ofiwg/libfabric issue 5694" in efa.per_desc_source
-    assert tcp.per_desc_us == 13.2 and "openucx/ucx issue 7880" in tcp.per_desc_source
+    assert efa.per_desc_us == 1.5 and "ofiwg/libfabric#5694" in efa.per_desc_source
+    assert tcp.per_desc_us == 13.2 and "openucx/ucx#7880" in tcp.per_desc_source
     for p in (efa, tcp):
         assert {"latency_us", "post_cost_us", "per_desc_us"} <= set(p.estimates)
     # What a descriptor costs on each transport, as cited: verbs < EFA < cuda_ipc < TCP.
