@@ -44,7 +44,6 @@ __all__ = [
     "Runner",
     "Workload",
     "bounds",
-    "every_max_rate",
     "max_rate",
     "meets",
     "nic_ns",
@@ -413,7 +412,7 @@ def search(
     the most it sustains. Without: the most each balanced configuration (per prefill count, the
     fewest decode instances whose bound covers it) sustains. With a rate, the most each
     configuration simulated at it sustains too; ``max_rates="all"``: the most every configuration
-    within the limits sustains (``every_max_rate``)."""
+    within the limits sustains (``_every_max_rate``)."""
     if max_rates not in MAX_RATES:
         raise ValueError(f"max_rates must be one of {', '.join(MAX_RATES)}, got {max_rates!r}")
     say = progress or (lambda _msg: None)
@@ -440,22 +439,18 @@ def search(
                     )
     cands.sort(key=lambda c: (c.gpus, c.prefill + c.decode, c.staging_bytes))
 
-    def spec_of(c: Candidate) -> DeploySpec:
-        return c.spec(base)
-
     try:
         with Runner(jobs) as runner:
+            s = _Search(base, w, tuple(seeds), target, max_rate_steps, say, runner)
             if rate is not None:
-                cap = _for_rate(cands, per, rate, w, seeds, target, max_rate_steps, say, spec_of, runner)
+                cap = _for_rate(cands, per, rate, s)
             elif max_rates == "all":
                 cap = Capacity(None, target, cands, None, "", per)
             else:
-                return _balanced(
-                    cands, per, w, seeds, target, max_instances, max_rate_steps, say, spec_of, runner
-                )
+                return _balanced(cands, per, max_instances, s)
             if max_rates == "all" or rate is not None:
                 chosen = cands if max_rates == "all" else [c for c in cands if c.met is not None]
-                every_max_rate(chosen, cands, rate, w, seeds, target, max_rate_steps, say, spec_of, runner)
+                _every_max_rate(chosen, cands, rate, s)
                 if rate is None:
                     cap.answer, cap.reason = _best_per_gpu(cands)
             return cap
@@ -466,18 +461,32 @@ def search(
         return Capacity(rate, target, cands, None, why, per)
 
 
-def _for_rate(
-    cands: list[Candidate],
-    per: dict[str, dict[str, Any]],
-    rate: float,
-    w: Workload,
-    seeds: Sequence[int],
-    target: float,
-    steps: int,
-    say: Progress,
-    spec_of: Callable[[Candidate], DeploySpec],
-    runner: Runner,
-) -> Capacity:
+@dataclass(frozen=True, slots=True)
+class _Search:
+    """What every phase of one search shares: the base spec, the workload, the seeds, the
+    attainment target, the rounds a maximum rate gets, progress and the worker pool."""
+
+    base: DeploySpec
+    w: Workload
+    seeds: tuple[int, ...]
+    target: float
+    steps: int
+    say: Progress
+    runner: Runner
+
+    def job(self, c: Candidate, rate: float) -> Job:
+        return (c.spec(self.base), rate, self.w, self.seeds, self.target)
+
+    def narrow(
+        self, c: Candidate, lo: float, hi: float, quiet: bool = False, runs: list[int] | None = None
+    ) -> tuple[float, float]:
+        """``max_rate`` of configuration ``c`` between ``lo`` and ``hi``."""
+        say = None if quiet else self.say
+        return max_rate(c.spec(self.base), self.w, self.seeds, self.target, lo, hi, self.steps, say,
+                        self.runner, runs)  # fmt: skip
+
+
+def _for_rate(cands: list[Candidate], per: dict[str, dict[str, Any]], rate: float, s: _Search) -> Capacity:
     """Configurations by GPU count, those of one count at once: the first count where one meets
     the rate answers (the best of that count's, ``_better``)."""
     found: Candidate | None = None
@@ -486,35 +495,24 @@ def _for_rate(
         if not todo:
             continue
         for c in todo:
-            say(f"{c.name} {c.flow} at {rate:g} req/s (bound {c.bound_rps:.2f})")
-        got = runner.map([(spec_of(c), rate, w, tuple(seeds), target) for c in todo])
+            s.say(f"{c.name} {c.flow} at {rate:g} req/s (bound {c.bound_rps:.2f})")
+        got = s.runner.map([s.job(c, rate) for c in todo])
         for c, rs in zip(todo, got, strict=True):
             c.results = rs
-            c.met = meets(rs, target)
+            c.met = meets(rs, s.target)
             if c.met and (found is None or _better(c, found)):
                 found = c
         if found is not None:
             break
     if found is None:
-        return Capacity(rate, target, cands, None, _none_reason(cands, rate), per)
-    say(f"most {found.name} {found.flow} sustains")
-    found.max_rps, found.max_rps_below = max_rate(
-        spec_of(found), w, seeds, target, rate, found.bound_rps, steps, say, runner
-    )
-    return Capacity(rate, target, cands, found, _answer_reason(found, cands, rate), per)
+        return Capacity(rate, s.target, cands, None, _none_reason(cands, rate), per)
+    s.say(f"most {found.name} {found.flow} sustains")
+    found.max_rps, found.max_rps_below = s.narrow(found, rate, found.bound_rps)
+    return Capacity(rate, s.target, cands, found, _answer_reason(found, cands, rate), per)
 
 
 def _balanced(
-    cands: list[Candidate],
-    per: dict[str, dict[str, Any]],
-    w: Workload,
-    seeds: Sequence[int],
-    target: float,
-    max_instances: int,
-    steps: int,
-    say: Progress,
-    spec_of: Callable[[Candidate], DeploySpec],
-    runner: Runner,
+    cands: list[Candidate], per: dict[str, dict[str, Any]], max_instances: int, s: _Search
 ) -> Capacity:
     """No rate: the most each balanced configuration sustains (per prefill count, the fewest
     decode instances whose bound covers the prefill instances')."""
@@ -525,12 +523,10 @@ def _balanced(
         )
         if not balanced:
             continue
-        say(f"most {c.name} {c.flow} sustains (bound {c.bound_rps:.2f} req/s)")
-        c.max_rps, c.max_rps_below = max_rate(
-            spec_of(c), w, seeds, target, 0.0, c.bound_rps, steps, say, runner
-        )
+        s.say(f"most {c.name} {c.flow} sustains (bound {c.bound_rps:.2f} req/s)")
+        c.max_rps, c.max_rps_below = s.narrow(c, 0.0, c.bound_rps)
     best, why = _best_per_gpu(cands)
-    return Capacity(None, target, cands, best, why, per)
+    return Capacity(None, s.target, cands, best, why, per)
 
 
 def _best_per_gpu(cands: Sequence[Candidate]) -> tuple[Candidate | None, str]:
@@ -547,17 +543,8 @@ def _same_kind(a: Candidate, b: Candidate) -> bool:
     return (a.prefill_tp, a.decode_tp, a.flow) == (b.prefill_tp, b.decode_tp, b.flow)
 
 
-def every_max_rate(
-    chosen: Sequence[Candidate],
-    cands: Sequence[Candidate],
-    rate: float | None,
-    w: Workload,
-    seeds: Sequence[int],
-    target: float,
-    steps: int,
-    say: Progress,
-    spec_of: Callable[[Candidate], DeploySpec],
-    runner: Runner,
+def _every_max_rate(
+    chosen: Sequence[Candidate], cands: Sequence[Candidate], rate: float | None, s: _Search
 ) -> None:
     """The most each ``chosen`` configuration sustains, narrowed by steady-state runs (``max_rate``) inside
     what is already known of it: from below, the most a configuration with no more instances of
@@ -587,8 +574,8 @@ def every_max_rate(
             hi = c.bound_rps if c.met is not False or rate is None else min(c.bound_rps, rate)
         runs = [0]
         if lo == 0.0 or hi - lo > 0.05 * lo:
-            say(f"most {c.name} {c.flow} sustains: between {lo:.2f} and {hi:.2f} req/s")
-        got, c.max_rps_below = max_rate(spec_of(c), w, seeds, target, lo, hi, steps, None, runner, runs)
+            s.say(f"most {c.name} {c.flow} sustains: between {lo:.2f} and {hi:.2f} req/s")
+        got, c.max_rps_below = s.narrow(c, lo, hi, quiet=True, runs=runs)
         c.max_rps, c.max_rps_runs = got, runs[0]
         c.max_rps_from = src if got == lo and src else ""
 
