@@ -79,3 +79,21 @@ def test_the_cli_reports_every_maximum_in_the_json_and_refuses_an_unknown_choice
     out = json.loads(got.stdout)
     assert len(out["candidates"]) == 4
     assert all(c["max_rps"] is not None and c["max_rps_from"] for c in out["candidates"])
+
+
+def test_the_table_and_the_plot_show_every_maximum(tmp_path) -> None:
+    from kvferry.cli import _register, app
+
+    _register()
+    png = tmp_path / "cap.png"
+    args = ["select", "--model", "qwen3-8b", "--prefill-tp", "1", "--decode-tp", "1", "--flows", "direct",
+            "--isl", "2048", "--osl", "2", "--chunk-tokens", "2048", "--ttft-slo-ms", "1000",
+            "--capacity", "--max-instances", "2", "--duration-s", "6", "--warmup-s", "1.5",
+            "--max-rate-steps", "1", "--jobs", "1", "--max-rates", "all", "--plot", str(png)]  # fmt: skip
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "300"})  # one line a row
+    assert r.exit_code == 0, r.output
+    assert "maximum sustainable rate per configuration" in r.stdout
+    for name in ("1P x TP1 + 1D x TP1", "1P x TP1 + 2D x TP1", "2P x TP1 + 1D x TP1", "2P x TP1 + 2D x TP1"):
+        assert name in r.stdout
+    assert "more configurations not simulated" in r.stdout and " 0 more configurations" in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
