@@ -97,3 +97,22 @@ def test_the_table_and_the_plot_show_every_maximum(tmp_path) -> None:
         assert name in r.stdout
     assert "more configurations not simulated" in r.stdout and " 0 more configurations" in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ctrl_c_while_narrowing_the_others_keeps_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvferry.sim.deploy import capacity
+
+    real, calls = capacity.max_rate, []
+
+    def interrupted_after_the_answer(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(capacity, "max_rate", interrupted_after_the_answer)
+    cap = search(ONE_STEP, [(1, 1)], lambda s: ["direct"], W, 1.5 * _mu(), max_instances=2, max_rate_steps=1,
+                 max_rates="all")  # fmt: skip
+    assert cap.answer is not None and (cap.answer.prefill, cap.answer.decode) == (2, 1)
+    assert cap.answer.max_rps is not None
+    assert cap.reason.endswith("(interrupted: 3 maximum rates not narrowed)"), cap.reason

@@ -450,7 +450,15 @@ def search(
                 return _balanced(cands, per, max_instances, s)
             if max_rates == "all" or rate is not None:
                 chosen = cands if max_rates == "all" else [c for c in cands if c.met is not None]
-                _every_max_rate(chosen, cands, rate, s)
+                try:
+                    _every_max_rate(chosen, cands, rate, s)
+                except KeyboardInterrupt:
+                    # Ctrl-C here keeps the answer found; the maxima not narrowed yet stay empty.
+                    if rate is not None:
+                        left = sum(1 for c in chosen if c.max_rps is None)
+                        cap.reason += f" (interrupted: {left} maximum rates not narrowed)"
+                        return cap
+                    raise
                 if rate is None:
                     cap.answer, cap.reason = _best_per_gpu(cands)
             return cap
