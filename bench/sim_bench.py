@@ -19,6 +19,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import simpy
 from kvferry.sim import scenario as sc
@@ -69,6 +70,7 @@ def deploy_replay(n: int) -> dict[str, float]:
         "deploy_requests": n,
         "deploy_wall_s": round(wall, 2),
         "deploy_cpu_s": round(cpu, 2),
+        "deploy_load_average_1min": round(os.getloadavg()[0], 2),
         "deploy_simulated_s": round(r.sim_s, 1),
         "deploy_requests_per_wall_s": round(n / wall),
         "deploy_ttft_p50_ms": round(r.ttft_ms.p50, 1),
@@ -83,7 +85,7 @@ EXAMPLE = [
 ]
 
 
-def cli_run(args: list[str]) -> dict[str, float]:
+def cli_run(args: list[str]) -> dict[str, Any]:
     """One ``kvferry`` command in a child process: its wall and CPU seconds and peak RSS (the
     child's own, from getrusage: what a laptop must hold)."""
     import resource
@@ -91,6 +93,7 @@ def cli_run(args: list[str]) -> dict[str, float]:
     import sys
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     done = subprocess.run(
         [str(Path(sys.executable).with_name("kvferry")), *args, "--json"],
@@ -108,6 +111,8 @@ def cli_run(args: list[str]) -> dict[str, float]:
         "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2),
         # ru_maxrss is the largest child so far (KiB on Linux): one child per call here.
         "peak_rss_mb": round(after.ru_maxrss / 1024, 1),
+        # Wall time depends on what else runs: the 1-minute load average before and after.
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "answer": out.get("reason", ""),
     }
 

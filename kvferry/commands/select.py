@@ -203,6 +203,14 @@ def register(app: typer.Typer) -> None:
                 help="Capacity search: runs at once, each its own process (default: CPUs, at most 4)."
             ),
         ] = 0,
+        max_rates: Annotated[
+            str,
+            typer.Option(
+                help="Capacity search: whose maximum sustainable rate to narrow: simulated (with --rate, "
+                "every configuration simulated at the rate; without, each balanced configuration) or all "
+                "(every configuration within the limits: minutes each on two cores)."
+            ),
+        ] = "simulated",
         control_path: Annotated[
             str,
             typer.Option(
@@ -248,7 +256,7 @@ def register(app: typer.Typer) -> None:
 
         from kvferry.core.errors import KvferryError
         from kvferry.sim.deploy import workload as wl
-        from kvferry.sim.deploy.capacity import Workload
+        from kvferry.sim.deploy.capacity import MAX_RATES, Workload
         from kvferry.sim.deploy.select import LoadPoint, applicable_flows
         from kvferry.sim.deploy.spec import (
             FLOWS,
@@ -320,6 +328,8 @@ def register(app: typer.Typer) -> None:
         _bounded(max_gpus, "--max-gpus", 0, 1 << 20)
         _bounded(max_rate_steps, "--max-rate-steps", 0, 16)
         _bounded(jobs, "--jobs", 0, 64)
+        if max_rates not in MAX_RATES:
+            bad_input(f"--max-rates: expected one of {', '.join(MAX_RATES)}, got {max_rates!r}")
         jobs = jobs or min(4, os.cpu_count() or 1)
         _positive(ttft_slo_ms, "--ttft-slo-ms")
         _positive(tpot_slo_ms, "--tpot-slo-ms")
@@ -402,7 +412,7 @@ def register(app: typer.Typer) -> None:
         if search:
             with interrupted_says(lines.summary):
                 _capacity(spec, ptps, dtps, want, steady, rate, seed_list, attainment, max_instances,
-                          max_gpus, max_rate_steps, jobs, as_json, plot, lines)  # fmt: skip
+                          max_gpus, max_rate_steps, jobs, max_rates, as_json, plot, lines)  # fmt: skip
             return
         try:
             if workload is not None:
@@ -542,6 +552,7 @@ def _capacity(
     max_gpus: int,
     steps: int,
     jobs: int,
+    max_rates: str,
     as_json: bool,
     plot: Path | None,
     progress: Any,
@@ -570,6 +581,7 @@ def _capacity(
             steps,
             progress,
             jobs,
+            max_rates,
         )
     except KvferryError as e:
         bad_input(str(e))

@@ -37,6 +37,7 @@ from kvferry.sim.deploy.spec import DeploySpec
 from kvferry.sim.deploy.steady import Interval, queue_limit
 
 __all__ = [
+    "MAX_RATES",
     "Bounds",
     "Candidate",
     "Capacity",
@@ -52,7 +53,12 @@ __all__ = [
 ]
 
 NS = 1_000_000_000
-MIN_REQUESTS = 16  # a steady-state run below this many requests says nothing
+MIN_REQUESTS = 16
+# Which configurations' maximum sustainable rate a search narrows: "simulated" (with a rate: the
+# answer's and that of every configuration simulated at the rate; without: each balanced
+# configuration's) or "all" (every configuration within the limits, its bound ruling none out:
+# minutes a configuration on two cores).
+MAX_RATES = ("simulated", "all")  # a steady-state run below this many requests says nothing
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +226,11 @@ class Candidate:
     met: bool | None = None  # None: not simulated (its bound is below the rate)
     max_rps: float | None = None  # simulated: the most it was seen to sustain within the SLOs
     max_rps_below: float | None = None  # and the least it could not (a rate it missed, or its bound)
+    # Where max_rps comes from when no run of its own met a higher rate: a configuration with no
+    # more instances of either side (same TP and flow) that was seen to sustain it (more instances
+    # never serve less: an assumption the bisection then narrows from). "" when its own runs did.
+    max_rps_from: str = ""
+    max_rps_runs: int = 0  # steady-state runs its bisection took
     staging_bytes: int = 0
 
     def spec(self, base: DeploySpec) -> DeploySpec:
@@ -270,6 +281,8 @@ class Candidate:
             "verdict": self.verdict(rate),
             "max_rps": self.max_rps,
             "max_rps_below": self.max_rps_below,
+            "max_rps_from": self.max_rps_from or ("simulated" if self.max_rps is not None else None),
+            "max_rps_runs": self.max_rps_runs,
             "staging_bytes_per_rank_pair": self.staging_bytes,
             "results": [r.as_dict() for r in self.results],
         }
@@ -351,10 +364,12 @@ def max_rate(
     steps: int = 4,
     progress: Progress | None = None,
     runner: Runner | None = None,
+    runs: list[int] | None = None,
 ) -> tuple[float, float]:
     """Search between a rate met (``lo``, 0 for none) and one that cannot be (``hi``), to within
     5% (finer is below the seeds' noise): each step tries ``runner.jobs`` rates evenly inside the
-    interval at once (one: bisection) and keeps the part between the highest met and the next."""
+    interval at once (one: bisection) and keeps the part between the highest met and the next.
+    ``runs``, when given, gets the number of rates tried added to its first item."""
     runner = runner or Runner()
     k = runner.jobs
     for _ in range(steps):
@@ -365,6 +380,8 @@ def max_rate(
             said = ", ".join(f"{r:.2f}" for r in rates)
             progress(f"  max rate of {spec.prefill_instances}P{spec.decode_instances}D {spec.flow}: {said}")
         got = runner.map([(spec, r, w, tuple(seeds), target) for r in rates])
+        if runs is not None:
+            runs[0] += len(rates)
         ok = [meets(rs, target) for rs in got]
         passed = [r for r, good in zip(rates, ok, strict=True) if good]
         failed = [r for r, good in zip(rates, ok, strict=True) if not good]
@@ -389,10 +406,15 @@ def search(
     max_rate_steps: int = 4,
     progress: Progress | None = None,
     jobs: int = 1,
+    max_rates: str = "simulated",
 ) -> Capacity:
     """With ``rate``: the cheapest configuration meeting it (None if none within the limits), and
     the most it sustains. Without: the most each balanced configuration (per prefill count, the
-    fewest decode instances whose bound covers it) sustains."""
+    fewest decode instances whose bound covers it) sustains. With a rate, the most each
+    configuration simulated at it sustains too; ``max_rates="all"``: the most every configuration
+    within the limits sustains (``_every_max_rate``)."""
+    if max_rates not in MAX_RATES:
+        raise ValueError(f"max_rates must be one of {', '.join(MAX_RATES)}, got {max_rates!r}")
     say = progress or (lambda _msg: None)
     cands: list[Candidate] = []
     per: dict[str, dict[str, Any]] = {}
@@ -417,16 +439,29 @@ def search(
                     )
     cands.sort(key=lambda c: (c.gpus, c.prefill + c.decode, c.staging_bytes))
 
-    def spec_of(c: Candidate) -> DeploySpec:
-        return c.spec(base)
-
     try:
         with Runner(jobs) as runner:
+            s = _Search(base, w, tuple(seeds), target, max_rate_steps, say, runner)
             if rate is not None:
-                return _for_rate(cands, per, rate, w, seeds, target, max_rate_steps, say, spec_of, runner)
-            return _balanced(
-                cands, per, w, seeds, target, max_instances, max_rate_steps, say, spec_of, runner
-            )
+                cap = _for_rate(cands, per, rate, s)
+            elif max_rates == "all":
+                cap = Capacity(None, target, cands, None, "", per)
+            else:
+                return _balanced(cands, per, max_instances, s)
+            if max_rates == "all" or rate is not None:
+                chosen = cands if max_rates == "all" else [c for c in cands if c.met is not None]
+                try:
+                    _every_max_rate(chosen, cands, rate, s)
+                except KeyboardInterrupt:
+                    # Ctrl-C here keeps the answer found; the maxima not narrowed yet stay empty.
+                    if rate is not None:
+                        left = sum(1 for c in chosen if c.max_rps is None)
+                        cap.reason += f" (interrupted: {left} maximum rates not narrowed)"
+                        return cap
+                    raise
+                if rate is None:
+                    cap.answer, cap.reason = _best_per_gpu(cands)
+            return cap
     except KeyboardInterrupt:
         # Ctrl-C: the configurations judged so far, and no answer.
         judged = sum(1 for c in cands if c.met is not None or c.max_rps is not None)
@@ -434,18 +469,32 @@ def search(
         return Capacity(rate, target, cands, None, why, per)
 
 
-def _for_rate(
-    cands: list[Candidate],
-    per: dict[str, dict[str, Any]],
-    rate: float,
-    w: Workload,
-    seeds: Sequence[int],
-    target: float,
-    steps: int,
-    say: Progress,
-    spec_of: Callable[[Candidate], DeploySpec],
-    runner: Runner,
-) -> Capacity:
+@dataclass(frozen=True, slots=True)
+class _Search:
+    """What every phase of one search shares: the base spec, the workload, the seeds, the
+    attainment target, the rounds a maximum rate gets, progress and the worker pool."""
+
+    base: DeploySpec
+    w: Workload
+    seeds: tuple[int, ...]
+    target: float
+    steps: int
+    say: Progress
+    runner: Runner
+
+    def job(self, c: Candidate, rate: float) -> Job:
+        return (c.spec(self.base), rate, self.w, self.seeds, self.target)
+
+    def narrow(
+        self, c: Candidate, lo: float, hi: float, quiet: bool = False, runs: list[int] | None = None
+    ) -> tuple[float, float]:
+        """``max_rate`` of configuration ``c`` between ``lo`` and ``hi``."""
+        say = None if quiet else self.say
+        return max_rate(c.spec(self.base), self.w, self.seeds, self.target, lo, hi, self.steps, say,
+                        self.runner, runs)  # fmt: skip
+
+
+def _for_rate(cands: list[Candidate], per: dict[str, dict[str, Any]], rate: float, s: _Search) -> Capacity:
     """Configurations by GPU count, those of one count at once: the first count where one meets
     the rate answers (the best of that count's, ``_better``)."""
     found: Candidate | None = None
@@ -454,35 +503,24 @@ def _for_rate(
         if not todo:
             continue
         for c in todo:
-            say(f"{c.name} {c.flow} at {rate:g} req/s (bound {c.bound_rps:.2f})")
-        got = runner.map([(spec_of(c), rate, w, tuple(seeds), target) for c in todo])
+            s.say(f"{c.name} {c.flow} at {rate:g} req/s (bound {c.bound_rps:.2f})")
+        got = s.runner.map([s.job(c, rate) for c in todo])
         for c, rs in zip(todo, got, strict=True):
             c.results = rs
-            c.met = meets(rs, target)
+            c.met = meets(rs, s.target)
             if c.met and (found is None or _better(c, found)):
                 found = c
         if found is not None:
             break
     if found is None:
-        return Capacity(rate, target, cands, None, _none_reason(cands, rate), per)
-    say(f"most {found.name} {found.flow} sustains")
-    found.max_rps, found.max_rps_below = max_rate(
-        spec_of(found), w, seeds, target, rate, found.bound_rps, steps, say, runner
-    )
-    return Capacity(rate, target, cands, found, _answer_reason(found, cands, rate), per)
+        return Capacity(rate, s.target, cands, None, _none_reason(cands, rate), per)
+    s.say(f"most {found.name} {found.flow} sustains")
+    found.max_rps, found.max_rps_below = s.narrow(found, rate, found.bound_rps)
+    return Capacity(rate, s.target, cands, found, _answer_reason(found, cands, rate), per)
 
 
 def _balanced(
-    cands: list[Candidate],
-    per: dict[str, dict[str, Any]],
-    w: Workload,
-    seeds: Sequence[int],
-    target: float,
-    max_instances: int,
-    steps: int,
-    say: Progress,
-    spec_of: Callable[[Candidate], DeploySpec],
-    runner: Runner,
+    cands: list[Candidate], per: dict[str, dict[str, Any]], max_instances: int, s: _Search
 ) -> Capacity:
     """No rate: the most each balanced configuration sustains (per prefill count, the fewest
     decode instances whose bound covers the prefill instances')."""
@@ -493,17 +531,61 @@ def _balanced(
         )
         if not balanced:
             continue
-        say(f"most {c.name} {c.flow} sustains (bound {c.bound_rps:.2f} req/s)")
-        c.max_rps, c.max_rps_below = max_rate(
-            spec_of(c), w, seeds, target, 0.0, c.bound_rps, steps, say, runner
-        )
+        s.say(f"most {c.name} {c.flow} sustains (bound {c.bound_rps:.2f} req/s)")
+        c.max_rps, c.max_rps_below = s.narrow(c, 0.0, c.bound_rps)
+    best, why = _best_per_gpu(cands)
+    return Capacity(None, s.target, cands, best, why, per)
+
+
+def _best_per_gpu(cands: Sequence[Candidate]) -> tuple[Candidate | None, str]:
     best = max((c for c in cands if c.max_rps), key=lambda c: (c.max_rps or 0) / c.gpus, default=None)
     why = (
         f"most requests per second per GPU: {best.name} with {best.flow}, {best.max_rps:.2f} req/s"
         if best
         else "no configuration sustains any rate within the SLOs"
     )
-    return Capacity(None, target, cands, best, why, per)
+    return best, why
+
+
+def _same_kind(a: Candidate, b: Candidate) -> bool:
+    return (a.prefill_tp, a.decode_tp, a.flow) == (b.prefill_tp, b.decode_tp, b.flow)
+
+
+def _every_max_rate(
+    chosen: Sequence[Candidate], cands: Sequence[Candidate], rate: float | None, s: _Search
+) -> None:
+    """The most each ``chosen`` configuration sustains, narrowed by steady-state runs (``max_rate``) inside
+    what is already known of it: from below, the most a configuration with no more instances of
+    either side (same TP pair and flow) was seen to sustain, or the asked rate if it met it; from
+    above, its bound, the asked rate if it missed it, and the least that a configuration with no
+    fewer instances of either side could not sustain. Configurations go smallest first so each
+    starts from its smaller neighbours' results (``cands``: all of them, ``chosen`` among them);
+    an interval already within 5% takes no run."""
+    order = sorted(chosen, key=lambda c: (c.prefill_tp, c.decode_tp, c.flow, c.prefill, c.decode))
+    for c in order:
+        if c.max_rps is not None:
+            continue  # the answer's, narrowed already
+        lo, src = (rate, "") if c.met and rate is not None else (0.0, "")
+        hi = c.bound_rps if c.met is not False or rate is None else min(c.bound_rps, rate)
+        for o in cands:
+            if o is c or not _same_kind(o, c):
+                continue
+            if o.prefill <= c.prefill and o.decode <= c.decode and (o.max_rps or 0.0) > lo:
+                lo, src = o.max_rps or 0.0, o.name
+            if o.prefill >= c.prefill and o.decode >= c.decode:
+                if o.max_rps_below is not None:
+                    hi = min(hi, o.max_rps_below)
+                if o.met is False and rate is not None:
+                    hi = min(hi, rate)
+        if lo >= hi:  # the seeds' noise against the assumption: start from this one's own results
+            lo, src = (rate, "") if c.met and rate is not None else (0.0, "")
+            hi = c.bound_rps if c.met is not False or rate is None else min(c.bound_rps, rate)
+        runs = [0]
+        if lo == 0.0 or hi - lo > 0.05 * lo:
+            s.say(f"most {c.name} {c.flow} sustains: between {lo:.2f} and {hi:.2f} req/s")
+        got, c.max_rps_below = s.narrow(c, lo, hi, quiet=True, runs=runs)
+        c.max_rps, c.max_rps_runs = got, runs[0]
+        c.max_rps_from = src if got == lo and src else ""
 
 
 def _p99(c: Candidate) -> float:

@@ -183,7 +183,9 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
             att,
             "-"
             if c.max_rps is None
-            else f"{c.max_rps:.2f}" + ("" if c.max_rps_below is None else f"-{c.max_rps_below:.2f}"),
+            else f"{c.max_rps:.2f}"
+            + ("" if c.max_rps_below is None else f"-{c.max_rps_below:.2f}")
+            + (" ^" if c.max_rps_from else ""),
             c.verdict(rate),
         )
     ruled = sum(1 for c in cap.candidates if c.met is None and c.max_rps is None)
@@ -192,6 +194,12 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
         f"{ruled} more configurations not simulated"
         + (f" (bound below {rate:g} req/s, or more GPUs than the answer)" if rate is not None else "")
         + "; max req/s: bisection of steady-state runs"
+        + (
+            " (^: no run of its own met more; the lower end is what a configuration with no more "
+            "instances sustained)"
+            if any(c.max_rps_from for c in cap.candidates)
+            else ""
+        )
     )
     console.print(t)
     for name, b in cap.bounds.items():
