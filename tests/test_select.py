@@ -24,7 +24,7 @@ def _json(args: list[str]) -> dict:
 
 def test_unequal_tp_compares_every_flow_and_recommends_staging() -> None:
     out = _json(SMALL)
-    assert sorted(out["ranking"]) == ["direct", "pinned", "pull", "push", "ring"]
+    assert sorted(out["ranking"]) == ["direct", "layerwise", "pinned", "pull", "push", "ring"]
     assert out["recommendation"] == out["ranking"][0] in ("ring", "pinned")
     assert out["deployment"]["flow"] == out["recommendation"]  # the JSON agrees with the table
     assert out["nic"]["transport"] == "ib_verbs" and "per_desc_us" in out["nic"]["estimates"]
@@ -40,7 +40,7 @@ def test_unequal_tp_compares_every_flow_and_recommends_staging() -> None:
 
 def test_equal_tp_compares_the_unstaged_flows_and_pull_pays_its_round_trip() -> None:
     out = _json([*SMALL, "--prefill-tp", "2", "--decode-tp", "2"])
-    assert sorted(out["ranking"]) == ["direct", "pull", "push"]
+    assert sorted(out["ranking"]) == ["direct", "layerwise", "pull", "push"]
     res = {f: rs[-1] for f, rs in out["results"].items()}
     # Pull starts only once prefill's offer reaches decode, then READs: never ahead of a write
     # posted the moment the chunk is computed (vLLM PR 35264's reason for push).

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvferry.core.flows import Flow
 from kvferry.sim import scenario as sc
 from kvferry.sim.deploy.metrics import DeployResult
 from kvferry.sim.deploy.run import build_scenario, simulate
@@ -106,12 +107,13 @@ _METRICS: dict[str, Callable[[DeployResult], float]] = {
 }
 
 
-UNSTAGED = ("direct", "pull", "push")  # the planner's descriptors, moved by WRITE, READ or leased WRITE
+# The planner's descriptors, moved by WRITE, READ, leased WRITE or a WRITE per layer range.
+UNSTAGED = tuple(f.value for f in Flow if not f.staged)
 
 
 def applicable_flows(spec: DeploySpec) -> tuple[str, ...]:
     """Every flow for unequal TP; equal TP sends whole token rows, which the core's policy never
-    stages, so only the unstaged flows (register-then-write, pull, push) apply."""
+    stages, so only the unstaged flows (register-then-write, pull, push, layer-wise) apply."""
     if spec.prefill_tp == spec.decode_tp:
         return UNSTAGED
     return FLOWS
