@@ -776,9 +776,9 @@ class SenderEngine(StagedSender, RoomEngine):
         """Layers of a chunk computed: the room's flow streams them if it can (``LayerSender``,
         core/flows/registry.py); any other flow waits for its ChunkReady and moves nothing here."""
         flow: Any = r.ledger.flow
-        if flow is None and r.flow_override is not None:
+        if flow is None:  # chosen once a decode rank registered: the open's, else the policy's
             try:
-                flow = Flow.parse(r.flow_override)  # chosen only once a decode rank registered
+                flow = self.policy.override if r.flow_override is None else Flow.parse(r.flow_override)
             except FlowError:
                 flow = None  # the open's unknown flow fails the room where it is chosen
         on_layers = None if flow is None else getattr(flow_halves(flow).sender, "on_layers", None)
