@@ -221,6 +221,7 @@ class LayerwiseSender:
                 posted.append(wid)
                 ctx.emit(_write(wid, r.room, layer_slice(w, a, b, kinds), note))
             lane.posted |= layer_mask(a, b)
+            ctx.count("layer_ranges_posted")
         if lane.state is not LwState.POSTED:
             if posted:
                 ctx.count("layers_posted_early")  # ranges that left before the chunk's forward ended
