@@ -112,11 +112,13 @@ UNSTAGED = tuple(f.value for f in Flow if not f.staged)
 
 
 def applicable_flows(spec: DeploySpec) -> tuple[str, ...]:
-    """Every flow for unequal TP; equal TP sends whole token rows, which the core's policy never
-    stages, so only the unstaged flows (register-then-write, pull, push, layer-wise) apply."""
+    """Equal TP sends whole token rows, which the core's policy never stages, so only the unstaged
+    flows (register-then-write, pull, push, layer-wise) apply. Unequal TP: every flow but
+    layer-wise, which would post direct's per-token slices once per layer (posting-bound already)
+    and which the deployment model plans in full, every layer (too large to simulate there)."""
     if spec.prefill_tp == spec.decode_tp:
         return UNSTAGED
-    return FLOWS
+    return tuple(f for f in FLOWS if f != Flow.LAYERWISE.value)
 
 
 TIE = 1.05  # with one seed, TTFT p99s within 5% of each other rank as equal: a tail that close is noise
