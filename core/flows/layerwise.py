@@ -34,11 +34,11 @@ from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
-from kvferry.core.commands import PostWrite, SendNotif
+from kvferry.core.commands import SendNotif
 from kvferry.core.errors import LocalMisuseError
 from kvferry.core.events import ChunkReady, LayersReady
 from kvferry.core.flows import registry
-from kvferry.core.flows.direct import DIRECT
+from kvferry.core.flows.direct import DIRECT, write_command
 from kvferry.core.flows.policy import Flow
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.machine import RoomError, Transition, fire, step
@@ -219,7 +219,7 @@ class LayerwiseSender:
                     continue
                 wid = ctx.new_write(r)
                 posted.append(wid)
-                ctx.emit(_write(wid, r.room, layer_slice(w, a, b, kinds), note))
+                ctx.emit(write_command(wid, r.room, layer_slice(w, a, b, kinds), note))
             lane.posted |= layer_mask(a, b)
             ctx.count("layer_ranges_posted")
         if lane.state is not LwState.POSTED:
@@ -244,20 +244,6 @@ def _encode_layer_note(ctx: Any, r: Any, c: ChunkReady, start: int, end: int, a:
         layer_end=b,
     )
     return m.encode(note)
-
-
-def _write(write_id: int, room: int, w: ChunkWrite, note: bytes) -> PostWrite:
-    return PostWrite(
-        write_id=write_id,
-        peer=w.peer,
-        room=room,
-        src_region=w.src_region,
-        src_offset=w.src_offset,
-        dst_region=w.dst_region,
-        dst_offset=w.dst_offset,
-        length=w.length,
-        notif=note,
-    )
 
 
 class LayerwiseReceiver:
