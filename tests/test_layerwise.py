@@ -382,3 +382,34 @@ class DecodeLedger(RuleBasedStateMachine):
 
 TestDecodeLedger = DecodeLedger.TestCase
 TestDecodeLedger.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+
+
+class _LastLayerReceiver(H.ReceiverEngine):
+    """A decode half that takes a chunk's last layer note as the whole chunk's (the earlier
+    layers' writes may still be in flight)."""
+
+    def _layer_note(self, r: Any, prog: Any, note: m.LayerNote) -> None:
+        super()._layer_note(r, prog, note)
+        if note.layer_end == self.pool.model.num_layers and note.chunk_index not in prog.chunks:
+            prog.flow_state.pop(note.chunk_index, None)
+            self._record_chunk(r, prog, note)
+
+
+def test_the_byte_check_catches_a_last_layer_taken_as_the_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the simulator cannot reorder (one NIC's writes land in post order there), the harness
+    can: the last layer's write lands first, and a decode that trusts it succeeds on wrong bytes."""
+    monkeypatch.setattr(H, "ReceiverEngine", _LastLayerReceiver)
+    w = H.World(MODEL, 1, 1, flow=LW, seed=5)
+    req = w.open_room(9, "t", 12, [12])
+    assert req is not None
+    w.flush()
+    w.chunk_ready(req, 0)
+    w.flush()
+    for layer in range(MODEL.num_layers):
+        _report(w, req, 0, 0, layer, layer + 1)
+    while w.fabric.writes:
+        w.fabric.complete(len(w.fabric.writes) - 1)
+        w.pump()
+        while w.fabric.pending:
+            w.deliver(0)
+    assert any("bytes differ" in v for v in w.violations), w.violations
