@@ -5,8 +5,8 @@ integer ns, read by the driver, never by the core) and answer with a list of com
 (``core/commands.py``). Control messages and notifications arrive as raw bytes: the core decodes
 and validates them itself so that a malformed frame is counted and rejected in one place.
 
-Sender side (prefill rank): SenderOpen, ChunkReady, WriteDone, WriteFailed, CopyDone, CopyFailed,
-ControlIn, AbortRoom, ReleaseRoom, Tick. The worker step takes a ChunkReady directly
+Sender side (prefill rank): SenderOpen, ChunkReady, LayersReady, WriteDone, WriteFailed, CopyDone,
+CopyFailed, ControlIn, AbortRoom, ReleaseRoom, Tick. The worker step takes a ChunkReady directly
 (``SenderEngine.run_chunk``).
 Receiver side (decode rank): ReceiverOpen, ControlIn, NotificationIn, AuxChecked, CopyDone,
 CopyFailed, AbortRoom, ReleaseRoom, Tick.
@@ -27,6 +27,7 @@ __all__ = [
     "CopyDone",
     "CopyFailed",
     "Event",
+    "LayersReady",
     "NotificationIn",
     "ReceiverOpen",
     "ReleaseRoom",
@@ -108,6 +109,20 @@ class ChunkReady(_Event):
     token_end: int
     src_pages: Any
     is_last: bool
+
+
+class LayersReady(_Event):
+    """Layers ``[first_layer, end_layer)`` of chunk ``chunk_index`` are computed on this rank (the
+    layer-wise flow, core/flows/layerwise.py): their KV may leave now, before the forward pass
+    ends. For a room opened with that flow the chunk's ChunkReady comes when its forward starts
+    (pages and token range known), and every layer of chunk N is reported before chunk N+1's
+    ChunkReady. Any other flow counts it and moves nothing (its ChunkReady means computed)."""
+
+    room: int
+    transfer_id: str
+    chunk_index: int
+    first_layer: int
+    end_layer: int
 
 
 class WriteDone(_Event):

@@ -32,6 +32,7 @@ __all__ = [
     "GeometryWire",
     "Heartbeat",
     "InfoAck",
+    "LayerNote",
     "PullOffer",
     "Pulled",
     "ReadsStopped",
@@ -45,6 +46,7 @@ __all__ = [
     "TransferInfo",
     "Watermark",
     "decode_control",
+    "decode_layer_note",
     "decode_note",
     "encode",
     "registration_id",
@@ -411,6 +413,22 @@ class ChunkNote(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             raise ValueError(f"token range [{self.token_start}, {self.token_end}) is reversed")
 
 
+class LayerNote(ChunkNote, frozen=True, kw_only=True, gc=False):
+    """A chunk note that may name the layers its WRITE carried (the layer-wise flow: one WRITE
+    per reported layer range). ``layer_end == 0``: a whole-chunk note. A subclass, so that every
+    other flow's notes encode exactly as before; decode reads every note as one."""
+
+    layer_start: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] = 0
+    layer_end: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+
+    def __post_init__(self) -> None:
+        ChunkNote.__post_init__(self)
+        if self.layer_end and (self.aux or self.dummy or self.staged >= 0):
+            raise ValueError("aux, dummy and staged notes name no layers")
+        if self.layer_end and self.layer_start >= self.layer_end:
+            raise ValueError(f"layer range [{self.layer_start}, {self.layer_end}) is empty")
+
+
 def registration_id(reg: Register) -> int:
     """A 63-bit digest of a Register: equal for a resent Register, different after a restart
     (a new agent brings new metadata)."""
@@ -421,9 +439,10 @@ def registration_id(reg: Register) -> int:
 _encoder = msgspec.msgpack.Encoder()
 _control_decoder = msgspec.msgpack.Decoder(Control)
 _note_decoder = msgspec.msgpack.Decoder(ChunkNote)
+_layer_note_decoder = msgspec.msgpack.Decoder(LayerNote)
 
 
-def encode(msg: Control | ChunkNote) -> bytes:
+def encode(msg: Control | ChunkNote) -> bytes:  # a LayerNote is a ChunkNote
     return _encoder.encode(msg)
 
 
@@ -449,3 +468,8 @@ def decode_control(data: bytes) -> Control:
 def decode_note(data: bytes) -> ChunkNote:
     """Decode and validate one notification payload; WireError on anything malformed."""
     return _decode(_note_decoder, data, "notification")
+
+
+def decode_layer_note(data: bytes) -> LayerNote:
+    """``decode_note`` for decode's engine: the layer range too (0, 0 for a whole-chunk note)."""
+    return _decode(_layer_note_decoder, data, "notification")

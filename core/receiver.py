@@ -51,6 +51,7 @@ from kvferry.core.events import (
     WriteFailed,
 )
 from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
+from kvferry.core.flows.layerwise import LAYERWISE as LAYERWISE_RECEIVER
 from kvferry.core.flows.pull import PullReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.flows.staged_rx import RxChunk
@@ -118,12 +119,13 @@ _B, _W, _T, _S, _F = RState.BOOTSTRAPPING, RState.WAITING, RState.TRANSFERRING, 
 
 
 class _SenderProgress:
-    __slots__ = ("chunks", "done", "last_index")
+    __slots__ = ("chunks", "done", "flow_state", "last_index")
 
     def __init__(self) -> None:
         self.chunks: dict[int, tuple[int, int]] = {}
         self.last_index = -1
         self.done = False
+        self.flow_state: Any = None  # a flow's own per-sender ledger (layer-wise: layers landed)
 
 
 class _Room:
@@ -374,7 +376,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
 
     def _on_notification(self, data: bytes) -> None:
         try:
-            note = m.decode_note(data)
+            note = m.decode_layer_note(data)
         except WireError:
             self.counters["wire_error"] += 1
             return
@@ -622,6 +624,10 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         elif note.staged >= 0:
             # The wire names no flow: a staging allocation says staged, anything else direct's.
             STAGED_RECEIVER.on_note(self._flow_ctx, r, r.progress[src], note)
+        elif note.layer_end:
+            # A layer range says layer-wise (core/flows/layerwise.py): the chunk is recorded once
+            # every layer of it landed.
+            self._layer_note(r, r.progress[src], note)
         elif note.aux:
             if src != r.aux_sender:
                 raise RoomError(f"aux row written by {src}, expected {r.aux_sender}")
@@ -638,6 +644,9 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         """A data chunk in the sender's ledger (direct's decode half; pull and the staged flows
         record theirs here too once READ or scattered)."""
         DIRECT_RECEIVER.on_note(self._flow_ctx, r, prog, note)
+
+    def _layer_note(self, r: _Room, prog: _SenderProgress, note: m.LayerNote) -> None:
+        LAYERWISE_RECEIVER.on_note(self._flow_ctx, r, prog, note)
 
     def _complete(self, r: _Room) -> bool:
         if r.scatters or not r.aux_ok:

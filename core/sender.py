@@ -55,6 +55,7 @@ from kvferry.core.events import (
     ControlIn,
     CopyDone,
     CopyFailed,
+    LayersReady,
     NotificationIn,
     PeerUnusable,
     ReleaseRoom,
@@ -63,7 +64,7 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
-from kvferry.core.flows import Flow, FlowPolicy
+from kvferry.core.flows import Flow, FlowError, FlowPolicy, layerwise  # noqa: F401 (layerwise registers)
 from kvferry.core.flows.pull import PullSender
 from kvferry.core.flows.push import PushSender
 from kvferry.core.flows.registry import halves as flow_halves
@@ -103,6 +104,7 @@ class SIn(IdentityEnum):
     INFO = "info"  # TransferInfo from a decode rank
     PEER_READY = "peer_ready"  # a decode rank this room needs registered
     CHUNK = "chunk"  # local ChunkReady
+    LAYERS = "layers"  # local LayersReady (a flow that streams layers, core/flows/layerwise.py)
     RUN_CHUNK = "run_chunk"  # the worker step
     WRITE_DONE = "write_done"
     WRITE_FAILED = "write_failed"
@@ -140,6 +142,7 @@ class _Room:
         "expected_infos",
         "failure",
         "flow_override",
+        "flow_state",
         "inflight",
         "infos",
         "infos_sorted",
@@ -196,6 +199,7 @@ class _Room:
         self.ranges: list[tuple[int, int]] = []
         self.enqueue_end = 0
         self.ledger = StagedLedger()
+        self.flow_state: Any = None  # a flow's own per-room ledger (the layer-wise flow's lanes)
 
 
 class _Peer:
@@ -231,6 +235,9 @@ class SenderFlowContext(EngineFlowContext):
 
     def chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
         return self._engine._chunk_bounds(r, c)
+
+    def count(self, what: str) -> None:
+        self._engine.counters[what] += 1
 
     def advance(self, r: _Room, c: ChunkReady, end: int) -> None:
         self._engine._advance(r, c, end)
@@ -363,6 +370,8 @@ class SenderEngine(StagedSender, RoomEngine):
             self._guarded(self._on_control, event.data)
         elif t is ChunkReady:
             self._room_input(event.room, event.transfer_id, SIn.CHUNK, event)
+        elif t is LayersReady:
+            self._room_input(event.room, event.transfer_id, SIn.LAYERS, event)
         elif t is CopyDone or t is CopyFailed:
             inp = SIn.COPY_DONE if t is CopyDone else SIn.COPY_FAILED
             self._completion(self.ops, event.op_id, "unknown_op", inp, event)
@@ -763,6 +772,22 @@ class SenderEngine(StagedSender, RoomEngine):
             raise RoomStateError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
         return self._run_flow(r, c, flow)
 
+    def _h_on_layers(self, r: _Room, inp: SIn, ev: LayersReady) -> str:
+        """Layers of a chunk computed: the room's flow streams them if it can (``LayerSender``,
+        core/flows/registry.py); any other flow waits for its ChunkReady and moves nothing here."""
+        flow: Any = r.ledger.flow
+        if flow is None:  # chosen once a decode rank registered: the open's, else the policy's
+            try:
+                flow = self.policy.override if r.flow_override is None else Flow.parse(r.flow_override)
+            except FlowError:
+                flow = None  # the open's unknown flow fails the room where it is chosen
+        on_layers = None if flow is None else getattr(flow_halves(flow).sender, "on_layers", None)
+        if on_layers is None:
+            self.counters["layers_ignored"] += 1
+            return "stay"
+        outcome: str = on_layers(self._flow_ctx, r, ev)
+        return outcome
+
     def _run_flow(self, r: _Room, c: ChunkReady, flow: Flow) -> str:
         """The flow's prefill half (core/flows/registry.py) runs the chunk through the context."""
         return flow_halves(flow).sender.run_chunk(self._flow_ctx, r, c)
@@ -1091,6 +1116,7 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.INFO: _t(E._h_on_info, stay=_B, ready=_W),
         SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_B, ready=_W),
         SIn.CHUNK: _t(E._h_on_chunk_early, stay=_B),  # parked until WAITING
+        SIn.LAYERS: _t(E._h_on_layers, stay=_B),  # recorded; posted once the chunk runs
         SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_B),  # asked for ahead of the TransferInfos
         **_LIVE_FAILURES,
     },
@@ -1098,6 +1124,7 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.INFO: _t(E._h_on_info_late, stay=_W),
         SIn.PEER_READY: _t(E._h_on_peer_ready_late, stay=_W),
         SIn.CHUNK: _t(E._h_on_chunk, stay=_W),
+        SIn.LAYERS: _t(E._h_on_layers, stay=_W),
         SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_W, running=_T, done=_S),
         SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_W),
         **_LIVE_FAILURES,
@@ -1106,6 +1133,7 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.INFO: _t(E._h_on_info_late, stay=_T),
         SIn.PEER_READY: _t(E._h_on_peer_ready_late, stay=_T),
         SIn.CHUNK: _t(E._h_on_chunk, stay=_T),
+        SIn.LAYERS: _t(E._h_on_layers, stay=_T, running=_T, done=_S),
         SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_T, running=_T, done=_S),
         SIn.WRITE_DONE: _t(E._h_on_write_done, stay=_T, done=_S),
         SIn.WRITE_FAILED: _FAIL,
@@ -1121,6 +1149,7 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.STAGING_RSP: _t(E._h_ignore, stay=_S),
         SIn.INFO: _t(E._h_on_info_late, stay=_S),
         SIn.PEER_READY: _t(E._h_ignore, stay=_S),
+        SIn.LAYERS: _t(E._h_ignore, stay=_S),  # a report repeated after every layer was posted
         SIn.PEER_LOST: _t(E._h_ignore, stay=_S),  # nothing left to send; the peer's fate is its own
         SIn.ABORT_LOCAL: _t(E._h_ignore, stay=_S),  # the transfer is complete: nothing left to abort
         SIn.ABORT_PEER: _FAIL,  # decode gave up (e.g. a lost notification): agree on Failed

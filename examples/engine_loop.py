@@ -12,6 +12,8 @@ request, checks every byte of a Success room against what prefill computed (a pa
 can recompute) and reads the first output token from the aux row.
 
     python examples/engine_loop.py [--requests 8] [--seed 0]   # exit 0 when every room ended right
+    python examples/engine_loop.py --layerwise   # the layer-wise flow: each layer's KV leaves as
+                                                 # soon as that layer is computed (layers_ready)
 
 The two processes talk JSON lines over the child's stdin/stdout (the router's messages); the KV
 bytes and the control messages go through kvferry (NIXL over UCX, ZMQ on 127.0.0.1).
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "adapters"))
 import sglang_like as sg  # noqa: E402
 from kvferry.backends.runtime import RuntimeConfig  # noqa: E402
 from kvferry.backends.runtime.security import ephemeral_key  # noqa: E402
+from kvferry.backends.runtime.staging import StagingConfig  # noqa: E402
 from kvferry.core.geometry import KVKind, ModelGeometry, PoolGeometry  # noqa: E402
 from kvferry.core.kvpoll import KVPoll, min_status  # noqa: E402
 
@@ -168,8 +171,9 @@ class Decode:
             return None
 
 
-def run_prefill(n: int, seed: int) -> int:
-    config = RuntimeConfig(num_queues=2, control_keys=(key := ephemeral_key(),))
+def run_prefill(n: int, seed: int, layerwise: bool = False) -> int:
+    staging = StagingConfig(flow="layerwise") if layerwise else StagingConfig()
+    config = RuntimeConfig(num_queues=2, control_keys=(key := ephemeral_key(),), staging=staging)
     pools = [PoolGeometry(MODEL, PREFILL_TP, r, PAGE, PAGES) for r in range(PREFILL_TP)]
     regs = [regions(p) for p in pools]  # kept alive until the managers close (NIXL registered them)
     mgrs = [
@@ -183,7 +187,13 @@ def run_prefill(n: int, seed: int) -> int:
     )
     requests = draw_requests(n, seed)
     try:
-        ok = _schedule(requests, mgrs, pools, regs, decode)
+        ok = _schedule(requests, mgrs, pools, regs, decode, layerwise)
+        if layerwise:
+            streamed = 0
+            for m in mgrs:
+                with m.endpoint.lock:  # the engine only under its endpoint's lock
+                    streamed += m.endpoint.engine.counters["layer_ranges_posted"]
+            print(f"layer-wise: {streamed} layer writes posted as their layers were computed")
         decode.send(op="end")
         closed = _wait_for(decode, "closed", 30.0)
     finally:
@@ -221,6 +231,7 @@ def _schedule(
     pools: list[PoolGeometry],
     regs: list[dict[int, np.ndarray]],
     decode: Decode,
+    layerwise: bool,
 ) -> bool:
     """The scheduler loop: arrivals, admission, one chunked-prefill forward pass, aborts, polls."""
     free = list(range(PAGES))
@@ -244,7 +255,7 @@ def _schedule(
                 s.init(len(r.src), aux_index=r.aux, num_tokens=r.tokens)
             running.append(r)
             print(f"step {step:>3}: admit room {r.room} ({r.tokens} tokens, {len(r.src)} pages)")
-        _forward(step, running, pools, regs, decode)
+        _forward(step, running, pools, regs, decode, layerwise)
         for r in list(running):  # poll every rank; the room's status is the minimum
             status = min_status([s.poll() for s in r.senders])
             if status in TERMINAL:
@@ -283,6 +294,7 @@ def _forward(
     pools: list[PoolGeometry],
     regs: list[dict[int, np.ndarray]],
     decode: Decode,
+    layerwise: bool,
 ) -> None:
     """One forward pass: up to BUDGET tokens of the running requests' prompts, oldest first."""
     budget = BUDGET
@@ -299,23 +311,25 @@ def _forward(
             continue
         start, end = r.computed, min(r.tokens, r.computed + budget)
         budget -= end - start
-        for pool, rr in zip(pools, regs, strict=True):  # every rank computes its heads
-            for layer in range(MODEL.num_layers):
+        last = end == r.tokens
+        # SGLang's send_kv_chunk: full pages only until the last chunk; an empty one is skipped.
+        end_page = len(r.src) if last else end // PAGE
+        pages, r.sent_pages = r.src[r.sent_pages : end_page], end_page
+        if layerwise and len(pages):
+            _send(r, pages, last)  # layer-wise: the chunk is handed over as its forward starts
+        for layer in range(MODEL.num_layers):
+            for pool, rr in zip(pools, regs, strict=True):  # every rank computes its heads
                 for kind in KINDS:
                     view = heads(pool, rr[pool.region_id(layer, kind)])
                     view[slots(pool, r.src, start, end)] = pattern(
                         r.room, start, end, layer, KINDS.index(kind), pool.head_start, pool.head_end
                     )
-        r.computed, last = end, end == r.tokens
-        # SGLang's send_kv_chunk: full pages only until the last chunk; an empty one is skipped.
-        end_page = len(r.src) if last else end // PAGE
-        pages, r.sent_pages = r.src[r.sent_pages : end_page], end_page
-        if len(pages):
-            for s in r.senders:
-                if last:
-                    s.aux_payload = first_token(r.room).to_bytes(4, "little")
-                s.send(pages)
-            r.chunks += 1
+            if layerwise and len(pages):
+                for s in r.senders:
+                    s.layers_ready(layer, layer + 1)  # this layer's KV leaves now
+        r.computed = end
+        if not layerwise and len(pages):
+            _send(r, pages, last)
         print(
             f"step {step:>3}: room {r.room} prefill tokens [{start}, {end}) of {r.tokens}: "
             f"sent {len(pages)} page(s)" + (" (last chunk, aux row with the first token)" if last else "")
@@ -329,6 +343,14 @@ def _forward(
             decode.send(op="abort", room=r.room)
             r.decode_drops_after_chunks, r.held = 0, True
             print(f"step {step:>3}: decode drops room {r.room} (its client went away there)")
+
+
+def _send(r: Request, pages: np.ndarray, last: bool) -> None:
+    for s in r.senders:
+        if last:
+            s.aux_payload = first_token(r.room).to_bytes(4, "little")
+        s.send(pages)
+    r.chunks += 1
 
 
 def _describe(ev: dict[str, Any]) -> str:
@@ -444,6 +466,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=8, help="requests to serve (3 to 32)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the requests' lengths and arrivals")
+    ap.add_argument("--layerwise", action="store_true", help="stream each layer's KV as it is computed")
     ap.add_argument("--decode-side", metavar="ADDRESSES", help=argparse.SUPPRESS)
     ap.add_argument("--aux-rows", type=int, default=32, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -455,7 +478,7 @@ def main() -> int:
     if a.seed < 0:
         print(f"error: --seed must be >= 0, got {a.seed}", file=sys.stderr)
         return 2
-    return run_prefill(a.requests, a.seed)
+    return run_prefill(a.requests, a.seed, a.layerwise)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from kvferry.core.flows import FLOW_NAMES as CORE_FLOW_NAMES
 from kvferry.sim import executors as ex
 from kvferry.sim import scenario as sc
 from kvferry.sim.executors import Executor
@@ -133,6 +134,15 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
         flows = replace(flows, flow="pull")
     elif Streams(seed)["swarm.flows.push"].random() < 0.25:
         flows = replace(flows, flow="push")
+    elif not burst:
+        # Layer-wise from a stream of its own, where the forward is slow enough (a long
+        # prompt's) that layers leave one by one while the next ones compute (a burst hands
+        # every chunk over at once: its draws stay as they were), with at least two layers.
+        lrng = Streams(seed)["swarm.flows.layerwise"]
+        if lrng.random() < 0.25:
+            flows = replace(flows, flow="layerwise")
+            model = replace(model, num_layers=max(model.num_layers, lrng.randint(2, 4)))
+            work = replace(work, compute_ns_per_token=lrng.choice((2_000, 20_000)))
     # Push registrations matched by request id (no router transfer id), from a stream of its own.
     if Streams(seed)["swarm.flows.push_match"].random() < 0.4:
         flows = replace(flows, push_match="request_id")
@@ -172,7 +182,7 @@ LIVENESS_RATES = {
 LIVENESS_SLOW_FACTOR = 0.25  # a slow link keeps at least a quarter of its bandwidth
 LIVENESS = "liveness_class"  # the violation's name
 # What a campaign can draw, listed in its coverage even when it drew none of it.
-FLOW_NAMES = ("policy", "direct", "ring", "pinned", "pull", "push")
+FLOW_NAMES = ("policy", *CORE_FLOW_NAMES)
 TP_PAIRS = tuple(f"{p}->{d}" for p in (1, 2, 4) for d in (1, 2, 4))
 FAULT_KINDS = (
     "ctrl_drop", "ctrl_dup", "ctrl_reorder", "ctrl_delay", "notif_drop", "notif_delay", "xfer_err", "abort",

@@ -36,6 +36,11 @@ The campaign's blind spots, each caught only with its dimension of the draw spac
   it reaches Success and its pages are freed before decode's READ of them ran (ownership: the
   READ's source pages are free or another room's when it lands).
 
+- ``last_layer_write_only``: a layer-wise prefill rank waits only for each chunk's last layer
+  write (the last layer's completion taken as the chunk's, and so the room's): an earlier
+  layer's write that fails goes unnoticed, and a failed room's fence (Stopped) leaves while
+  earlier layers are still in flight, so decode frees pages they then land in (ownership).
+
 Several servers a side (sim/instances.py; realised in sim/world.py ``_room_links``, not an engine):
 
 - ``links_cache_by_decode``: the scheduler caches who talks to whom per decode server instead of
@@ -51,6 +56,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
+from kvferry.core.commands import PostWrite
 from kvferry.core.flows import Flow
 from kvferry.core.flows.regions import worker_region
 from kvferry.core.proto_common import RoomError
@@ -186,6 +192,23 @@ class _PullFreeEarlySender(SenderEngine):
         return "done" if self._quiet(r) else "running"
 
 
+class _LastLayerOnlySender(SenderEngine):
+    def _untrack_early_layers(self, r: Any, outcome: str) -> str:
+        last = self.pool.model.num_layers
+        for cmd in self._out:  # the step's commands so far (held by the table engine)
+            early = type(cmd) is PostWrite and 0 < m.decode_layer_note(cmd.notif).layer_end < last
+            if early and cmd.write_id in r.inflight:
+                r.inflight.discard(cmd.write_id)
+                self.writes.pop(cmd.write_id, None)  # its completion is an unknown write
+        return "done" if outcome == "running" and self._quiet(r) else outcome
+
+    def _run_flow(self, r: Any, c: Any, flow: Any) -> str:
+        return self._untrack_early_layers(r, super()._run_flow(r, c, flow))
+
+    def _h_on_layers(self, r: Any, inp: Any, ev: Any) -> str:
+        return self._untrack_early_layers(r, super()._h_on_layers(r, inp, ev))
+
+
 class _SilentWriteFailureSender(SenderEngine):
     def _tell_failure(self, r: Any, failure: Any, tell: Any) -> None:
         if not failure.reason.startswith("write failed"):
@@ -251,6 +274,7 @@ _SENDERS = {
     "shared_staging_buffer": _SharedBufferSender,
     "pull_free_early": _PullFreeEarlySender,
     "suffix_strips_too_much": _GreedySuffixSender,
+    "last_layer_write_only": _LastLayerOnlySender,
 }
 
 

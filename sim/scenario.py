@@ -54,6 +54,8 @@ HOOKS = (
     "prefix_front_trim",
     "push_lease_never_expires",
     "suffix_strips_too_much",
+    # layer-wise flow (sim/planted.py)
+    "last_layer_write_only",
     # several servers a side (sim/instances.py)
     "links_cache_by_decode",
 )

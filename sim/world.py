@@ -27,7 +27,7 @@ from kvferry.backends.transport import encode_aux_room
 from kvferry.core.commands import FreePages, StatusChanged
 from kvferry.core.deadlines import Timeouts
 from kvferry.core.errors import LocalMisuseError, WireError
-from kvferry.core.events import AbortRoom, ChunkReady, ReceiverOpen, ReleaseRoom, SenderOpen
+from kvferry.core.events import AbortRoom, ChunkReady, LayersReady, ReceiverOpen, ReleaseRoom, SenderOpen
 from kvferry.core.flows import Flow, FlowPolicy
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, is_staging_region, worker_region
 from kvferry.core.flows.staged_tx import TxState
@@ -445,34 +445,61 @@ class World(Chaos, Instances):
         self._check_side(req, "prefill")
         start = 0
         for i, n in enumerate(req.chunks):
-            yield from self._compute_chunk(req, start, n)
             end = start + n
-            for node in self.room_nodes(req, "prefill"):
-                if not self.alive(node, req) or _terminal(req.status.get(node)):
-                    continue
-                rank = self.ranks[node]
-                if s.move_bytes:
-                    pattern.fill(
-                        rank.transport.pool, rank.transport.region, req.key, req.pre_pages, start, end
-                    )
-                chunk = ChunkReady(
-                    room=req.room,
-                    transfer_id=req.tid,
-                    chunk_index=i,
-                    token_end=end,
-                    src_pages=req.pre_pages,
-                    is_last=i == len(req.chunks) - 1,
+            if req.flow == _LAYERWISE:
+                # The layer-wise flow: the chunk is handed over when its forward starts, each
+                # layer the moment it is computed (core/flows/layerwise.py).
+                self._hand_over(req, i, start, end)
+                yield from self._compute_chunk(
+                    req, start, n, lambda layer, i=i: self._layer_done(req, i, layer)
                 )
-                try:
-                    rank.feed(chunk)
-                except LocalMisuseError as exc:
-                    if not req.mismatched:
-                        raise
-                    # The sender knows decode's length and refuses a chunk past it, to us, its
-                    # caller: a real scheduler would abort the room, and so do we.
-                    self.trace.record("chunk_refused", node, room=req.room, reason=str(exc))
-                    rank.feed(AbortRoom(room=req.room, transfer_id=req.tid, reason=f"refused: {exc}"))
+            else:
+                yield from self._compute_chunk(req, start, n)
+                self._hand_over(req, i, start, end)
             start = end
+
+    def _hand_over(self, req: Request, i: int, start: int, end: int) -> None:
+        """Chunk ``i`` (tokens [start, end)) to every prefill rank of the room still in it."""
+        s = self.scenario
+        for node in self.room_nodes(req, "prefill"):
+            if not self.alive(node, req) or _terminal(req.status.get(node)):
+                continue
+            rank = self.ranks[node]
+            if s.move_bytes:
+                pattern.fill(rank.transport.pool, rank.transport.region, req.key, req.pre_pages, start, end)
+            chunk = ChunkReady(
+                room=req.room,
+                transfer_id=req.tid,
+                chunk_index=i,
+                token_end=end,
+                src_pages=req.pre_pages,
+                is_last=i == len(req.chunks) - 1,
+            )
+            try:
+                rank.feed(chunk)
+            except LocalMisuseError as exc:
+                if not req.mismatched:
+                    raise
+                # The sender knows decode's length and refuses a chunk past it, to us, its
+                # caller: a real scheduler would abort the room, and so do we.
+                self.trace.record("chunk_refused", node, room=req.room, reason=str(exc))
+                rank.feed(AbortRoom(room=req.room, transfer_id=req.tid, reason=f"refused: {exc}"))
+
+    def _layer_done(self, req: Request, i: int, layer: int) -> None:
+        """Layer ``layer`` of chunk ``i`` computed on every prefill rank of the room still in it."""
+        ev = LayersReady(
+            room=req.room, transfer_id=req.tid, chunk_index=i, first_layer=layer, end_layer=layer + 1
+        )
+        for node in self.room_nodes(req, "prefill"):
+            if self.alive(node, req) and not _terminal(req.status.get(node)):
+                self.ranks[node].feed(ev)
+
+    def _layers(self, total_ns: int, on_layer: Callable[[int], None]):  # type: ignore[no-untyped-def]
+        """A forward pass of ``total_ns`` layer by layer (equal shares), ``on_layer`` after each."""
+        n = self.model.num_layers
+        for layer in range(n):
+            yield self.env.timeout(total_ns * (layer + 1) // n - total_ns * layer // n)
+            on_layer(layer)
 
     def _decode_fits(self, req: Request, pages: PageAllocator, n: int) -> bool:
         """Whether decode can give the request ``n`` pages now (sim/deploy adds SGLang's
@@ -488,9 +515,16 @@ class World(Chaos, Instances):
         self._route(req)
         return True
 
-    def _compute_chunk(self, req: Request, start: int, tokens: int):  # type: ignore[no-untyped-def]
-        """Prefill's forward pass over one chunk (sim/deploy replaces it with a roofline)."""
-        yield self.env.timeout(max(1, tokens * self.scenario.workload.compute_ns_per_token))
+    def _compute_chunk(  # type: ignore[no-untyped-def]
+        self, req: Request, start: int, tokens: int, on_layer: Callable[[int], None] | None = None
+    ):
+        """Prefill's forward pass over one chunk (sim/deploy replaces it with a roofline);
+        ``on_layer(layer)`` as each layer finishes, for a flow that streams layers."""
+        total = max(1, tokens * self.scenario.workload.compute_ns_per_token)
+        if on_layer is None:
+            yield self.env.timeout(total)
+        else:
+            yield from self._layers(total, on_layer)
 
     def _open_decode(self, req: Request) -> None:
         senders = self._room_links(req)[0]
@@ -986,7 +1020,8 @@ class World(Chaos, Instances):
         )
 
 
-_PREFIX_FLOWS = (Flow.DIRECT.value, Flow.PULL.value, Flow.PUSH.value)
+_PREFIX_FLOWS = (Flow.DIRECT.value, Flow.PULL.value, Flow.PUSH.value, Flow.LAYERWISE.value)
+_LAYERWISE = Flow.LAYERWISE.value
 _PUSH = Flow.PUSH.value  # read per landing write (an enum's .value is a property call)
 
 

@@ -163,7 +163,7 @@ class MemFabric:
             # The target process died: like a WRITE to a stale remote agent, it ends in ERR.
             self.states[w.handle] = XferState.ERR
             return
-        note = m.decode_note(w.notif)
+        note = m.decode_layer_note(w.notif)
         if self.on_land is not None:
             self.on_land(w, note)
         src, dst = self.transports[w.src], self.transports[w.dst]
@@ -615,7 +615,8 @@ class World:
 
     def _on_land(self, w: PendingWrite, note: m.ChunkNote) -> None:
         key = (note.room, note.transfer_id)
-        kind = "aux" if note.aux else "kv"
+        # A layer-wise chunk is written once per layer range (the note names it).
+        kind = "aux" if note.aux else f"kv{note.layer_start}-{note.layer_end}"
         self.effects[(key, w.src, w.dst, note.chunk_index, kind)] += 1
         if self.effects[(key, w.src, w.dst, note.chunk_index, kind)] > 1:
             self.violations.append(f"chunk {note.chunk_index} of {key} written twice {w.src}->{w.dst}")

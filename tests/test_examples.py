@@ -6,6 +6,7 @@ after clear."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 import threading
@@ -120,11 +121,13 @@ def test_two_endpoints_example_runs():
     assert "two_endpoints: 3/3 rooms Success, 0 wrong bytes, leaks none, stuck threads none" in run.stdout
 
 
-def test_engine_loop_example_runs():
+@pytest.mark.parametrize("mode", [[], ["--layerwise"]], ids=["chunks", "layerwise"])
+def test_engine_loop_example_runs(mode):
     """examples/engine_loop.py: a fake prefill engine (scheduler loop, chunked prefill, a client's
-    cancel) drives the SGLang-shaped adapter; decode, in a second process, checks every byte."""
+    cancel) drives the SGLang-shaped adapter; decode, in a second process, checks every byte.
+    ``--layerwise``: each chunk is handed over as its forward starts, each layer reported."""
     run = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "engine_loop.py"), "--requests", "6", "--seed", "3"],
+        [sys.executable, str(ROOT / "examples" / "engine_loop.py"), "--requests", "6", "--seed", "3", *mode],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -137,6 +140,9 @@ def test_engine_loop_example_runs():
     assert "client cancelled: abort on every prefill rank" in run.stdout
     assert "decode drops room" in run.stdout
     assert run.stdout.count(", 0 wrong bytes, first token") == 4
+    if mode:
+        streamed = re.search(r"layer-wise: (\d+) layer writes posted", run.stdout)
+        assert streamed and int(streamed.group(1)) > 0, out
 
 
 # ---- (b) SGLang-shaped adapter ------------------------------------------------------------------
@@ -359,12 +365,14 @@ class _DecodeEngine:
             del self.reports[rid]
 
 
-def test_vllm_like_engine_loop(closer):
+@pytest.mark.parametrize("layerwise", [False, True], ids=["chunks", "layerwise"])
+def test_vllm_like_engine_loop(closer, layerwise):
     rng = np.random.default_rng(2)
     prefill = "prefill-vl"
     pre_caches = [_kv_caches(p) for p in PRE_POOLS]
     pre_workers = [
-        closer(vl.KVFerryConnectorWorker(vl.KV_PRODUCER, p, server=prefill, config=CFG)) for p in PRE_POOLS
+        closer(vl.KVFerryConnectorWorker(vl.KV_PRODUCER, p, server=prefill, config=CFG, layerwise=layerwise))
+        for p in PRE_POOLS
     ]
     for w, c in zip(pre_workers, pre_caches, strict=True):
         w.register_kv_caches(c)
@@ -411,3 +419,8 @@ def test_vllm_like_engine_loop(closer):
     assert dec_workers[0].get_block_ids_with_load_errors() == set()
     assert sorted(pe.free) == list(range(PAGES))  # every prefill block came back
     _assert_no_leaks([w.endpoint for w in [*pre_workers, *dec_workers]])
+    posted = 0
+    for w in pre_workers:
+        with w.endpoint.lock:  # the engine only under its endpoint's lock
+            posted += w.endpoint.engine.counters["layer_ranges_posted"]
+    assert (posted > 0) == layerwise  # save_kv_layer's reports moved the layer-wise rooms' KV

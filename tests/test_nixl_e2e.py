@@ -226,8 +226,15 @@ def test_two_processes_flows_tp_pairs(tp, flow):
 
 @pytest.mark.parametrize(
     ("tp", "flow"),
-    [((2, 1), "direct"), ((2, 1), "ring"), ((4, 2), "pinned"), ((2, 1), "pull"), ((1, 2), "push")],
-    ids=["direct", "ring", "pinned", "pull", "push"],
+    [
+        ((2, 1), "direct"),
+        ((2, 1), "ring"),
+        ((4, 2), "pinned"),
+        ((2, 1), "pull"),
+        ((1, 2), "push"),
+        ((2, 1), "layerwise"),  # a held room: its first chunk's first layer only, then the kill
+    ],
+    ids=["direct", "ring", "pinned", "pull", "push", "layerwise"],
 )
 @pytest.mark.parametrize("victim", ["prefill", "decode"])
 def test_peer_killed_mid_transfer_fails_rooms_on_survivor(victim, tp, flow):

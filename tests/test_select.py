@@ -40,7 +40,7 @@ def test_unequal_tp_compares_every_flow_and_recommends_staging() -> None:
 
 def test_equal_tp_compares_the_unstaged_flows_and_pull_pays_its_round_trip() -> None:
     out = _json([*SMALL, "--prefill-tp", "2", "--decode-tp", "2"])
-    assert sorted(out["ranking"]) == ["direct", "pull", "push"]
+    assert sorted(out["ranking"]) == ["direct", "layerwise", "pull", "push"]
     res = {f: rs[-1] for f, rs in out["results"].items()}
     # Pull starts only once prefill's offer reaches decode, then READs: never ahead of a write
     # posted the moment the chunk is computed (vLLM PR 35264's reason for push).

@@ -30,6 +30,7 @@ from kvferry.core.events import (
     ControlIn,
     CopyDone,
     CopyFailed,
+    LayersReady,
     PeerUnusable,
     ReleaseRoom,
     SenderOpen,
@@ -560,6 +561,14 @@ PAYLOADS: dict[SIn, Any] = {
     SIn.PEER_READY: endpoints,
     SIn.CHUNK: chunks,
     SIn.RUN_CHUNK: chunks,
+    SIn.LAYERS: st.builds(
+        LayersReady,
+        room=st.just(ROOM),
+        transfer_id=st.just(TID),
+        chunk_index=st.integers(0, 3),
+        first_layer=st.integers(0, 2),
+        end_layer=st.integers(1, 3),
+    ),
     SIn.WRITE_DONE: st.builds(WriteDone, write_id=st.integers(0, 5)),
     SIn.WRITE_FAILED: st.builds(WriteFailed, write_id=st.integers(0, 5)),
     SIn.ABORT_LOCAL: st.builds(AbortRoom, room=st.just(ROOM), transfer_id=st.just(TID)),
@@ -606,7 +615,7 @@ def test_every_state_input_pair(state: SState, inp: SIn, data: st.DataObject) ->
     try:
         e.apply(ROOM, inp, payload, 1)  # must not raise, except to a local caller's own mistake
     except LocalMisuseError:
-        assert inp is SIn.CHUNK and e.poll(ROOM) is before
+        assert inp in (SIn.CHUNK, SIn.LAYERS) and e.poll(ROOM) is before
         return
     if ROOM not in e.rooms:  # released (a release before terminal fails the room first)
         assert inp is SIn.RELEASE

@@ -93,6 +93,10 @@ class PrefillSide(common.SideLoop):
             i = st["next"]
             for s in senders:
                 s.send(st["pages"], plan.cuts[i], is_last=i == len(plan.cuts) - 1)
+            if plan.flow == "layerwise":  # the chunk's forward "ran" at once: every layer computed
+                for layer in range(sp.MODEL.num_layers):
+                    for s in senders:
+                        s.layers_ready(layer, layer + 1)
             st["next"] += 1
             busy = True
             if plan.abort == "prefill_mid":

@@ -285,6 +285,8 @@ def child_prefill(cfg: BenchConfig) -> None:
             for senders, pages in batch:
                 for s in senders:
                     s.send(pages, end, is_last=c == len(cuts) - 1)
+                    if cfg.flow == "layerwise":  # no forward here: every layer is computed already
+                        s.layers_ready(0, eps[0].pool.model.num_layers)
         for senders, _ in batch:
             for s in senders:
                 if s.wait(600) is not KVPoll.Success:

@@ -38,7 +38,7 @@ from kvferry.backends.runtime.base import EndpointBase, RuntimeConfig, now_ns
 from kvferry.backends.runtime.errortap import ErrorTap
 from kvferry.backends.runtime.loops import Loop
 from kvferry.core.errors import LocalMisuseError
-from kvferry.core.events import AbortRoom, ChunkReady, ReleaseRoom, SenderOpen
+from kvferry.core.events import AbortRoom, ChunkReady, LayersReady, ReleaseRoom, SenderOpen
 from kvferry.core.flows import Flow
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
@@ -182,9 +182,9 @@ class KVSender:
 
     def init(self, aux_index: int, *, flow: str | None = None, receivers: Sequence[Endpoint] = ()) -> None:
         """The scheduler has this room (its aux row is ``aux_index``). ``flow`` forces this room's
-        transfer flow ("direct", "ring", "pinned"); ``receivers``: the decode ranks this rank
-        sends to (``core.topology.receiver_endpoints``), if known, so staging space is asked for
-        before decode's TransferInfo arrives."""
+        transfer flow ("direct", "ring", "pinned", "layerwise", ...); ``receivers``: the decode
+        ranks this rank sends to (``core.topology.receiver_endpoints``), if known, so staging
+        space is asked for before decode's TransferInfo arrives."""
         self._usable()
         self.ep._check_open()
         if flow is not None:
@@ -202,7 +202,8 @@ class KVSender:
 
     def send(self, src_pages: Any, token_end: int, is_last: bool) -> None:
         """A chunk is computed: tokens up to ``token_end`` are in ``src_pages`` (the room's page
-        ids from token 0). Returns at once; a worker posts the writes."""
+        ids from token 0). Returns at once; a worker posts the writes. A "layerwise" room calls
+        it when the chunk's forward starts, then ``layers_ready`` as its layers finish."""
         self._usable()
         self.ep._check_open()
         chunk = ChunkReady(
@@ -215,6 +216,26 @@ class KVSender:
         )
         self.ep.driver.feed(chunk, now_ns())  # a chunk refused as our own mistake keeps its index
         self._chunks += 1
+
+    def layers_ready(self, first_layer: int, end_layer: int, chunk_index: int | None = None) -> None:
+        """Layers ``[first_layer, end_layer)`` of a chunk are computed (the "layerwise" flow:
+        core/flows/layerwise.py): their KV leaves at once. ``chunk_index``: the chunk the last
+        ``send`` handed over, unless given. Every layer of a chunk is reported before the next
+        chunk's ``send``. A room on another flow ignores it (its ``send`` means computed)."""
+        self._usable()
+        self.ep._check_open()
+        if chunk_index is None:
+            if not self._chunks:
+                raise LocalMisuseError(f"room {self.room}: layers reported before the chunk's send")
+            chunk_index = self._chunks - 1
+        ev = LayersReady(
+            room=self.room,
+            transfer_id=self.transfer_id,
+            chunk_index=int(chunk_index),
+            first_layer=int(first_layer),
+            end_layer=int(end_layer),
+        )
+        self.ep.driver.feed(ev, now_ns())
 
     def write_aux(self, aux_index: int, row: bytes) -> None:
         """Fill the room's aux row (first 8 bytes: the room id, the landing check)."""

@@ -5,7 +5,9 @@ worker's staging buffer and WRITEs one block per writer into decode's staging ri
 ``pinned`` bounces through pinned host memory, head-major (SGLang PR 18968); ``pull`` lets decode READ
 prefill's pages (vLLM's default; core/flows/pull.py), chosen only by an explicit override.
 ``push`` writes like ``direct`` under registration leases (vLLM PR 35264; core/resources/leases.py),
-also only by override.
+also only by override. ``layerwise`` writes each layer range the moment the engine reports it
+computed (core/flows/layerwise.py), so only the last layer's write remains after the forward
+pass; also only by override (the engine must report layers).
 
 Default: ``direct`` when the two ranks hold the same heads (equal TP: whole pages coalesce into a
 few descriptors); otherwise ``ring`` when decode registered a ring, else ``pinned`` when it
@@ -38,6 +40,7 @@ class Flow(StrEnum):
     PINNED = "pinned"
     PULL = "pull"
     PUSH = "push"
+    LAYERWISE = "layerwise"
 
     @classmethod
     def parse(cls, name: str) -> Flow:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvferry.core import messages as m
-    from kvferry.core.events import ChunkReady
+    from kvferry.core.events import ChunkReady, LayersReady
     from kvferry.core.flows.policy import Flow
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "FlowHalves",
     "FlowReceiver",
     "FlowSender",
+    "LayerSender",
     "ReceiverContext",
     "SenderContext",
     "extra_flow",
@@ -93,6 +94,14 @@ class FlowSender(Protocol):
     ("running", or "done" when nothing is left in flight)."""
 
     def run_chunk(self, ctx: SenderContext, room: Any, chunk: ChunkReady) -> str: ...
+
+
+class LayerSender(Protocol):
+    """Optional on a prefill half that streams layers (core/flows/layerwise.py): record the
+    engine's ``LayersReady`` and post what it can; the room's table outcome ("stay", "running"
+    or "done"). A half without it ignores layer reports (its ChunkReady means computed)."""
+
+    def on_layers(self, ctx: SenderContext, room: Any, layers: LayersReady) -> str: ...
 
 
 class ReceiverContext(Protocol):

@@ -179,6 +179,12 @@ class KVSender:
             self.handle.write_aux(self._aux_index, row)
         self.handle.send(np.asarray(self._pages, dtype=np.int64), token_end, is_last)
 
+    def layers_ready(self, first_layer: int, end_layer: int) -> None:
+        """Layers ``[first_layer, end_layer)`` of the chunk the last ``send`` handed over are
+        computed. Only for the layer-wise flow (``StagingConfig(flow="layerwise")``), where
+        ``send`` comes as the chunk's forward starts; the layers' KV leaves at once."""
+        self.handle.layers_ready(first_layer, end_layer)
+
     def poll(self) -> KVPoll:
         return self.handle.poll()
 

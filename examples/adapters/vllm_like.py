@@ -25,11 +25,14 @@ Worker side, ``KVFerryConnectorWorker`` (``KVConnectorBase_V1`` in the WORKER ro
 - ``bind_connector_metadata(meta)`` / ``clear_connector_metadata()``: around every step, as vLLM.
 - ``start_load_kv(forward_context)``: decode opens a ``KVReceiver`` per new receive (the
   register that lets prefill write).
-- ``wait_for_layer_load(layer_name)``, ``save_kv_layer(...)``: nothing: a load is a whole request
-  (vLLM does not schedule it before ``get_finished`` reports it), and kvferry moves every layer of a
-  chunk at once.
+- ``wait_for_layer_load(layer_name)``: nothing: a load is a whole request (vLLM does not schedule
+  it before ``get_finished`` reports it).
 - ``wait_for_save()``: prefill posts this step's chunks (``KVSender.init`` on the first, then
   ``send``). It does not block: the writes run on kvferry's workers.
+- Layer-wise (``layerwise=True``, kvferry's "layerwise" flow): prefill hands this step's chunks
+  over in ``start_load_kv`` (the forward starts), and ``save_kv_layer(layer_name)`` reports that
+  layer of every chunk of the step computed (``KVSender.layers_ready``): its KV leaves while the
+  next layers compute, and ``wait_for_save()`` has nothing left to do.
 - ``get_finished(finished_req_ids) -> (finished_sending, finished_recving)``: rooms that reached a
   terminal state, cleared. Prefill reports a request only after the scheduler finished it; a
   finished request whose prompt was not all sent is aborted. Decode reports a Failed room only once
@@ -48,7 +51,7 @@ Simplified, or different from vLLM:
   prefill (``num_computed_tokens`` must be 0).
 - Aux rows (kvferry's landing check, first 8 bytes the room id) are allocated by each worker.
 - Per-rank results: vLLM aggregates ``get_finished`` over TP workers; so must the caller.
-- No ``update_connector_output``, no layer-wise pipelining, no host-buffer offload, no MLA layout.
+- No ``update_connector_output``, no host-buffer offload, no MLA layout.
 """
 
 from __future__ import annotations
@@ -205,8 +208,12 @@ class KVFerryConnectorWorker:
         prefill_server: str = "",
         prefill_addresses: Sequence[str] = (),
         config: RuntimeConfig | None = None,
+        layerwise: bool = False,
     ) -> None:
         assert kv_role in (KV_PRODUCER, KV_CONSUMER)
+        self.layerwise = layerwise
+        self._layer_of: dict[str, int] = {}  # layer name -> index (register_kv_caches' order)
+        self._step: list[KVSender] = []  # layer-wise: the senders of this step's chunks
         self.kv_role, self.pool, self.server = kv_role, pool, server
         self.prefill_server, self.prefill_addresses = prefill_server, list(prefill_addresses)
         self.config = config or RuntimeConfig()
@@ -222,7 +229,8 @@ class KVFerryConnectorWorker:
         if len(kv_caches) != self.pool.model.num_layers:
             raise ValueError(f"expected {self.pool.model.num_layers} layers, got {len(kv_caches)}")
         buffers = {}
-        for layer, kv in enumerate(kv_caches.values()):
+        for layer, (name, kv) in enumerate(kv_caches.items()):
+            self._layer_of[name] = layer
             buffers[self.pool.region_id(layer, KVKind.K)] = kv[0]
             buffers[self.pool.region_id(layer, KVKind.V)] = kv[1]
         if self.kv_role == KV_PRODUCER:
@@ -246,6 +254,8 @@ class KVFerryConnectorWorker:
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         assert self._meta is not None
+        if self.layerwise and self.kv_role == KV_PRODUCER:
+            self._step = self._send_step()  # the forward starts: its layers are reported as they end
         for m in self._meta.reqs_to_recv:
             assert isinstance(self.endpoint, DecodeEndpoint)
             rx = self.endpoint.receiver(m.room, m.transfer_id)
@@ -257,10 +267,19 @@ class KVFerryConnectorWorker:
         pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        pass
+        if self.layerwise and self.kv_role == KV_PRODUCER:
+            layer = self._layer_of[layer_name]
+            for tx in self._step:
+                tx.layers_ready(layer, layer + 1)
 
     def wait_for_save(self) -> None:
+        if not self.layerwise:
+            self._send_step()
+
+    def _send_step(self) -> list[KVSender]:
+        """Hand this step's chunks over (``init`` on a request's first); their senders."""
         assert self._meta is not None
+        sent: list[KVSender] = []
         for m in self._meta.reqs_to_send:
             assert isinstance(self.endpoint, PrefillEndpoint)
             entry = self._open.get(m.request_id)
@@ -268,12 +287,14 @@ class KVFerryConnectorWorker:
                 tx = self.endpoint.sender(m.room, m.transfer_id)
                 entry = self._open[m.request_id] = _Open(tx, self._aux_free.pop())
                 tx.write_aux(entry.aux_index, m.room.to_bytes(8, "little", signed=True))
-                tx.init(entry.aux_index)
+                tx.init(entry.aux_index, flow="layerwise" if self.layerwise else None)
             if entry.handle.poll() is KVPoll.Failed:
                 continue  # decode gave up (or a write failed): nothing more to send
             assert isinstance(entry.handle, KVSender)
             entry.last_sent = m.token_end == m.num_tokens
             entry.handle.send(np.asarray(m.block_ids, dtype=np.int64), m.token_end, entry.last_sent)
+            sent.append(entry.handle)
+        return sent
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done: set[str] = set()

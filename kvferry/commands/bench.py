@@ -12,7 +12,7 @@ from kvferry.commands import bad_input, check_output_dir, check_output_file, ext
 
 # The runtime bench's flows (backends/runtime/bench.py FLOWS, which imports NIXL): named here so
 # that --help lists them in an environment without the real extra; a test keeps the two equal.
-BENCH_FLOWS = ("direct", "ring", "pinned", "pull", "push", "policy")
+BENCH_FLOWS = ("direct", "ring", "pinned", "pull", "push", "layerwise", "policy")
 
 bench_app = typer.Typer(
     help="Benchmarks that measure their own baseline in the same run.", no_args_is_help=True

@@ -403,9 +403,9 @@ def register(app: typer.Typer) -> None:
                     staged = set(want) - set(applicable_flows(each))
                     if staged and not search:
                         bad_input(
-                            f"--flows: equal TP moves whole token rows without staging; "
-                            f"{', '.join(sorted(staged))} does not apply "
-                            f"(applicable: {', '.join(applicable_flows(each))})"
+                            f"--flows: {', '.join(sorted(staged))} does not apply to TP{ptp} -> TP{dtp} "
+                            f"(applicable: {', '.join(applicable_flows(each))}; equal TP moves whole "
+                            "token rows without staging, unequal TP is not simulated layer-wise)"
                         )
         except KvferryError as e:
             bad_input(str(e))

@@ -408,7 +408,9 @@ def register(app: typer.Typer) -> None:
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
         flow: Annotated[
             str | None,
-            typer.Option(help="Every room on this flow: policy, direct, ring, pinned, pull, push or mixed."),
+            typer.Option(
+                help="Every room on this flow: policy, direct, ring, pinned, pull, push, layerwise or mixed."
+            ),
         ] = None,
     ) -> None:
         """Run one scenario and report per-room outcomes, latencies, bytes and the invariant verdict."""

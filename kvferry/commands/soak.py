@@ -25,7 +25,7 @@ def soak(
     decode_tp: Annotated[int, typer.Option(help="Decode TP size (1, 2 or 4), all ranks in one process.")] = 1,
     flows: Annotated[
         str, typer.Option(help="Flows the rooms are drawn from, comma-separated.")
-    ] = "direct,ring,pinned,pull,push",
+    ] = "direct,ring,pinned,pull,push,layerwise",
     abort_rate: Annotated[float, typer.Option(help="Share of rooms aborted (by either side).")] = 0.1,
     kill_every: Annotated[
         int,

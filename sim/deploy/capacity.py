@@ -198,7 +198,9 @@ def nic_ns(spec: DeploySpec, isl: int) -> tuple[int, int]:
                 start += c
         else:
             n = len(sizes)  # one block a chunk into the staging buffer
-        cost = len(sizes) * nic.post_cost_ns + n * nic.per_desc_ns
+        # Layer-wise posts one WRITE per layer of every chunk (the same descriptors in all).
+        posts = len(sizes) * (model.num_layers if spec.flow == "layerwise" else 1)
+        cost = posts * nic.post_cost_ns + n * nic.per_desc_ns
         if spec.flow == "pull":
             post_d[d] += cost  # decode READs
         else:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvferry.core.flows import Flow
 from kvferry.sim import scenario as sc
 from kvferry.sim.deploy.metrics import DeployResult
 from kvferry.sim.deploy.run import build_scenario, simulate
@@ -106,15 +107,18 @@ _METRICS: dict[str, Callable[[DeployResult], float]] = {
 }
 
 
-UNSTAGED = ("direct", "pull", "push")  # the planner's descriptors, moved by WRITE, READ or leased WRITE
+# The planner's descriptors, moved by WRITE, READ, leased WRITE or a WRITE per layer range.
+UNSTAGED = tuple(f.value for f in Flow if not f.staged)
 
 
 def applicable_flows(spec: DeploySpec) -> tuple[str, ...]:
-    """Every flow for unequal TP; equal TP sends whole token rows, which the core's policy never
-    stages, so only the unstaged flows (register-then-write, pull, push) apply."""
+    """Equal TP sends whole token rows, which the core's policy never stages, so only the unstaged
+    flows (register-then-write, pull, push, layer-wise) apply. Unequal TP: every flow but
+    layer-wise, which would post direct's per-token slices once per layer (posting-bound already)
+    and which the deployment model plans in full, every layer (too large to simulate there)."""
     if spec.prefill_tp == spec.decode_tp:
         return UNSTAGED
-    return FLOWS
+    return tuple(f for f in FLOWS if f != Flow.LAYERWISE.value)
 
 
 TIE = 1.05  # with one seed, TTFT p99s within 5% of each other rank as equal: a tail that close is noise

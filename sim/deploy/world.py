@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import simpy
+from kvferry.core.flows import Flow
 from kvferry.sim import scenario as sc
 from kvferry.sim.deploy import hardware
 from kvferry.sim.deploy.decode_memory import Running, admits, allocatable_tokens, never_fits, retraction_order
@@ -100,13 +102,15 @@ class DeployWorld(World):
         if isinstance(self.fabric, TimingFabric):
             self.fabric.xfer_log = []
             model = spec.geometry()
-            self.fabric.layers, self.fabric.kinds = model.num_layers, len(model.kinds)
+            if not self._full_plans():  # a full plan is charged as it is
+                self.fabric.layers, self.fabric.kinds = model.num_layers, len(model.kinds)
         self.built = scenario  # as built from the spec (staging sized for its largest room)
         self.roof_p = spec.roofline("prefill")
         self.roof_d = spec.roofline("decode")
         self.router = router or Router(n_pre, n_dec, spec.router)
         # Per prefill instance: queued chunks (new tokens, cached, done) and the loop's wake-up.
-        self._pjobs: list[deque[tuple[int, int, simpy.Event]]] = [deque() for _ in range(n_pre)]
+        # (tokens, context start, done, layer-wise): a layer-wise job's done fires as it starts.
+        self._pjobs: list[deque[tuple[int, int, simpy.Event, bool]]] = [deque() for _ in range(n_pre)]
         self._pwake = [self.env.event() for _ in range(n_pre)]
         self.tracks: dict[int, Track] = {}  # by request key
         self.finished = 0
@@ -203,7 +207,12 @@ class DeployWorld(World):
     def _rank_planner(self) -> Any:
         # Timing only: one layer's descriptors, charged for every layer (sim/deploy/timing.py).
         # A byte-moving run (the equivalence test's) plans and moves every layer.
-        return None if self.scenario.move_bytes else LayerPlanner()
+        return None if self._full_plans() else LayerPlanner()
+
+    def _full_plans(self) -> bool:
+        """Plan every layer: a byte-moving run, or the layer-wise flow (it posts each layer's
+        slice of the plan, so one layer cannot stand for the others)."""
+        return self.scenario.move_bytes or self.scenario.flows.flow == Flow.LAYERWISE.value
 
     def _page_allocator(self, side: str, n: int) -> PageAllocator:
         return make_allocator(self.spec.page_allocator, n)
@@ -333,19 +342,25 @@ class DeployWorld(World):
             self.all_done.succeed()
 
     # ------------------------------------------------------------------ prefill
-    def _compute_chunk(self, req: Request, start: int, tokens: int):  # type: ignore[no-untyped-def]
+    def _compute_chunk(  # type: ignore[no-untyped-def]
+        self, req: Request, start: int, tokens: int, on_layer: Callable[[int], None] | None = None
+    ):
         hit = self.tracks[req.key].req.prefix_hit_tokens
         new_start = max(start, hit)
         new = max(0, start + tokens - new_start)
         if new:
             done = self.env.event()
             i = req.pre_inst
-            self._pjobs[i].append((new, new_start, done))
+            self._pjobs[i].append((new, new_start, done, on_layer is not None))
             if not self._pwake[i].triggered:
                 self._pwake[i].succeed()
-            yield done
+            step = yield done  # a layer-wise job hears its forward step's length as it starts
+            if on_layer is not None:
+                yield from self._layers(step, on_layer)
         else:
             yield self.env.timeout(1)  # a cached chunk: nothing to compute
+            for layer in range(self.model.num_layers if on_layer is not None else 0):
+                on_layer(layer)  # type: ignore[misc]
         ready = self.tracks[req.key].chunk_ready_ns
         ready.append(int(self.env.now))
         if len(ready) == len(req.chunks) and req.key in self._weighed:
@@ -368,11 +383,15 @@ class DeployWorld(World):
             while jobs and used + jobs[0][0] <= budget:
                 used += jobs[0][0]
                 batch.append(jobs.popleft())
-            step = self.roof_p.prefill_batch_ns([(t, ctx) for t, ctx, _ in batch])
+            step = self.roof_p.prefill_batch_ns([(t, ctx) for t, ctx, _, _ in batch])
             busy[i] += step
+            for _, _, done, layered in batch:
+                if layered:
+                    done.succeed(step)  # its room reports the step's layers as they finish
             yield self.env.timeout(step)
-            for _, _, done in batch:
-                done.succeed()
+            for _, _, done, layered in batch:
+                if not layered:
+                    done.succeed()
 
     # ------------------------------------------------------------------ serial pull
     def _decode_opens_late(self, req: Request) -> bool:

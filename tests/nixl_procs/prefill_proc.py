@@ -128,6 +128,13 @@ def main() -> None:
                 i = st["next"]
                 for s in senders:
                     s.send(st["pages"], plan.cuts[i], is_last=i == len(plan.cuts) - 1)
+                if args.flow == "layerwise":
+                    # The chunk's forward "starts" at its send; each layer is reported as it
+                    # finishes (a held room reports only its first: the rest is never computed).
+                    for layer in range(1 if plan.hold else wl.MODEL.num_layers):
+                        time.sleep(0.002)
+                        for s in senders:
+                            s.layers_ready(layer, layer + 1)
                 st["next"] += 1
                 busy = True
                 if plan.abort == "prefill_mid":

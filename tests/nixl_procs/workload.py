@@ -27,7 +27,7 @@ from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry
 ABORTS = ("decode_early", "decode_mid", "prefill_early", "prefill_mid")
 MODEL = ModelGeometry("e2e", num_layers=2, num_kv_heads=4, head_dim=16)
 PREFILL_TP, DECODE_TP = 2, 1  # the default pair
-FLOWS = ("policy", "direct", "ring", "pinned", "pull", "push")
+FLOWS = ("policy", "direct", "ring", "pinned", "pull", "push", "layerwise")
 PREFILL_PAGE, DECODE_PAGE = 4, 8
 PREFILL_PAGES, DECODE_PAGES = 512, 160  # decode pages are reused: the fence is exercised
 AUX_ROWS = 64
