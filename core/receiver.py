@@ -725,6 +725,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
         self.deadlines.set(("room", r.room), self._now + self.timeouts.fence_ns)
+        self._quarantine(r)
         if why.get("abort", True):
             self._send_aborts(r)
         return "failed"

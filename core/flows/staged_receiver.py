@@ -14,7 +14,8 @@ Rules kept here:
   it at once);
 - the scatter starts when every writer's note is in; the space is freed when it ends (nothing can
   write it any more), and the chunk is counted for Success only then;
-- a failed room's space is reclaimed only once its writers are fenced and no scatter runs.
+- a failed room's space is reclaimed only once its writers are fenced and no scatter runs; until
+  then its ring space is quarantined: still taken, but no longer holding back the rooms behind it.
 """
 
 from __future__ import annotations
@@ -344,14 +345,24 @@ class StagedReceiver:
         if freed:
             self._space_freed()
 
-    def _space_freed(self) -> None:
-        """Broadcast the ring's new watermark; grant pinned chunks that waited, in order."""
+    def _quarantine(self, r: Any) -> None:
+        """A failed room's ring space stays taken until its writers are fenced, which can outlast
+        every room behind it; it stops holding their watermark now (core/resources/ring.py)."""
+        if self.ring is not None and self.ring.quarantine(r.key):
+            self.counters["ring_quarantined"] += 1
+            self._broadcast_watermarks()
+
+    def _broadcast_watermarks(self) -> None:
         for pool in ("ring", "pinned"):
             wm = self._watermark(pool)
             if wm != self._last_wm.get(pool):
                 self._last_wm[pool] = wm
                 for p in sorted(self.subscribers[pool]):
                     self._send(p, self._watermark_msg(pool))
+
+    def _space_freed(self) -> None:
+        """Broadcast the ring's new watermark; grant pinned chunks that waited, in order."""
+        self._broadcast_watermarks()
         while self.pinned_queue:
             room, tid, idx = self.pinned_queue[0]
             r = self.rooms.get(room)
