@@ -54,7 +54,6 @@ from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
 from kvferry.core.flows.pull import PullReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.flows.staged_rx import RxChunk
-from kvferry.core.flows.staged_sender import STAGED_RECEIVER
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import (
@@ -620,8 +619,9 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         elif note.dummy:
             raise RoomError(f"dummy notification from data sender {src}")
         elif note.staged >= 0:
-            # The wire names no flow: a staging allocation says staged, anything else direct's.
-            STAGED_RECEIVER.on_note(self._flow_ctx, r, r.progress[src], note)
+            # A note names no flow; one naming a staging allocation lands in space a StagingReq
+            # asked for, and that request named its flow: that flow's decode half takes it.
+            self._staged_half(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
         elif note.aux:
             if src != r.aux_sender:
                 raise RoomError(f"aux row written by {src}, expected {r.aux_sender}")

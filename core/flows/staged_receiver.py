@@ -27,9 +27,12 @@ from typing import Any
 from kvferry.core import messages as m
 from kvferry.core.commands import Scatter
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
+from kvferry.core.flows import registry
 from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
+from kvferry.core.flows.registry import FlowReceiver
 from kvferry.core.flows.staged_rx import RX_TABLE, RxChunk, RxIn, RxState
+from kvferry.core.flows.staged_sender import STAGED_RECEIVER
 from kvferry.core.flows.staged_tx import decode_alloc_bytes
 from kvferry.core.machine import fire
 from kvferry.core.proto_common import RoomError, RoomFailure
@@ -256,6 +259,12 @@ class StagedReceiver:
     def _watermark_msg(self, pool: str) -> m.Watermark:
         wm = self._watermark(pool)
         return m.Watermark(src=self.endpoint, reg=self.reg_id, round=wm.round, offset=wm.offset, pool=pool)  # type: ignore[arg-type]
+
+    def _staged_half(self, r: Any, note: m.ChunkNote) -> FlowReceiver:
+        """The decode half of the flow whose space ``note`` names (its StagingReq said which);
+        a note naming no space of the room goes to the staged ledger, which refuses it."""
+        ch = r.stg.get(note.chunk_index)
+        return registry.halves(ch.flow).receiver if ch is not None else STAGED_RECEIVER
 
     def _staged_note(self, r: Any, note: m.ChunkNote) -> None:
         ch = r.stg.get(note.chunk_index)
