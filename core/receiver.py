@@ -53,7 +53,6 @@ from kvferry.core.events import (
 from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
 from kvferry.core.flows.pull import PullReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
-from kvferry.core.flows.staged_rx import RxChunk
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import (
@@ -149,10 +148,8 @@ class _Room:
         "reads_stopped_sent",
         "release_requested",
         "room",
-        "scatters",
         "senders",
         "state",
-        "stg",
         "tid",
         "token_start",
     )
@@ -192,8 +189,6 @@ class _Room:
         self.freed = False
         self.failure: RoomFailure | None = None
         self.release_requested = False
-        self.stg: Mapping[int, RxChunk] = NO_DICT  # staged chunks (core.flows.staged_rx)
-        self.scatters: Any = NO_SET  # scatter ops in flight: the pages are being written
         # Pull flow: READs in flight (they write the pages), chunks pulled, senders that offered.
         self.reads: Any = NO_DICT
         self.pulled: Any = NO_SET
@@ -640,7 +635,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         DIRECT_RECEIVER.on_note(self._flow_ctx, r, prog, note)
 
     def _complete(self, r: _Room) -> bool:
-        if r.scatters or not r.aux_ok:
+        if not r.aux_ok or self.scatters_running(r):
             return False
         for p in r.progress.values():
             if not p.done:
@@ -750,7 +745,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         if st is RState.FAILED:
             self.pull_rx.reads_drained(r)
             fenced = r.fence_expired or (r.fenced >= r.senders.keys() and not r.reads_cut)
-            if not r.freed and fenced and not r.scatters and not r.reads:
+            if not r.freed and fenced and not r.reads and not self.scatters_running(r):
                 # Pages and staging space go back only when no writer can still write them (fenced)
                 # and no scatter or READ of ours is writing the pages.
                 r.freed = True
@@ -761,13 +756,14 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
                 self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
         elif st is not RState.SUCCESS:
             return  # a live room: nothing to free or drop (``freed`` is only ever set once Failed)
-        settled = st is RState.SUCCESS and not r.scatters and not r.reads
+        settled = st is RState.SUCCESS and not r.reads and not self.scatters_running(r)
         if r.release_requested and (settled or r.freed):
             self._remove(r)
 
     def _remove(self, r: _Room) -> None:
         self._aborts.cancel(r.room)
         self._infos.cancel(r.room)
+        self.forget_staged(r)
         self._forget(r, r.senders)
 
     # --- time ----------------------------------------------------------------------------------------

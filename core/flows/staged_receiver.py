@@ -56,6 +56,7 @@ class StagedReceiver:
     deadlines: DeadlineHeap
     counters: Counter[str]
     tombstones: Any
+    track: Callable[..., None]  # the host's table registry (core/proto_common.py)
     endpoint: m.Endpoint
     reg_id: int
     _now: int
@@ -90,6 +91,13 @@ class StagedReceiver:
         self.pinned_queue: deque[tuple[int, str, int]] = deque()  # (room, tid, chunk) waiting for space
         self.held: dict[tuple[int, str], list[m.StagingReq]] = {}
         self.ops: dict[int, tuple[int, str]] = {}  # scatter op id -> room key
+        # The flow's per-room ledger, apart from the room: its staged chunks, and the scatters in
+        # flight (they write the room's pages). Entries only for rooms that staged anything.
+        self.staged_chunks: dict[tuple[int, str], dict[int, RxChunk]] = {}
+        self.scattering: dict[tuple[int, str], set[int]] = {}
+        chunks, scattering = self.staged_chunks, self.scattering  # never rebound
+        self.track("staged_chunks", lambda room: any(k[0] == room for k in chunks), chunks.__len__)
+        self.track("scattering", lambda room: any(k[0] == room for k in scattering), scattering.__len__)
         # Peaks over the rank's life (what sizing a ring or a pinned pool needs to know).
         # ring_assigned: bytes handed out and not yet freed, laps ahead of the watermark included,
         # so it can exceed the ring (those chunks wait for the watermark on prefill).
@@ -145,7 +153,8 @@ class StagedReceiver:
                 f"staging request for chunk {req.chunk_index} up to token {req.token_end}, "
                 f"past the {r.num_tokens} allocated"
             )
-        ch = r.stg.get(req.chunk_index)
+        stg = self.staged_chunks.get(r.key)
+        ch = stg.get(req.chunk_index) if stg is not None else None
         if ch is not None:
             if (ch.token_start, ch.token_end, ch.flow) != (req.token_start, req.token_end, flow):
                 raise RoomError(
@@ -163,9 +172,7 @@ class StagedReceiver:
                     f"sender {p} has no head range; build SenderSpecs with core.topology.sender_specs"
                 )
         ch = RxChunk(req.chunk_index, req.token_start, req.token_end, flow, writers)
-        if not r.stg:
-            r.stg = {}  # the room's first staged chunk (it starts with a shared empty stand-in)
-        r.stg[req.chunk_index] = ch
+        self.staged_chunks.setdefault(r.key, {})[req.chunk_index] = ch
         if not self._allocate(r, ch):
             self.counters["pinned_wait"] += 1
             self.pinned_queue.append((r.room, r.tid, ch.index))
@@ -263,11 +270,23 @@ class StagedReceiver:
     def _staged_half(self, r: Any, note: m.ChunkNote) -> FlowReceiver:
         """The decode half of the flow whose space ``note`` names (its StagingReq said which);
         a note naming no space of the room goes to the staged ledger, which refuses it."""
-        ch = r.stg.get(note.chunk_index)
+        ch = self._chunk(r, note.chunk_index)
         return registry.halves(ch.flow).receiver if ch is not None else STAGED_RECEIVER
 
+    def _chunk(self, r: Any, index: int) -> RxChunk | None:
+        stg = self.staged_chunks.get(r.key)
+        return stg.get(index) if stg is not None else None
+
+    def scatters_running(self, r: Any) -> bool:
+        """A scatter of the room is writing its pages (the room machine waits for it)."""
+        return r.key in self.scattering
+
+    def forget_staged(self, r: Any) -> None:
+        """The room is gone: so is the flow's ledger of it."""
+        self.staged_chunks.pop(r.key, None)
+
     def _staged_note(self, r: Any, note: m.ChunkNote) -> None:
-        ch = r.stg.get(note.chunk_index)
+        ch = self._chunk(r, note.chunk_index)
         if ch is None or ch.state is RxState.WAITING_SPACE or ch.alloc_id != note.staged:
             raise RoomError(
                 f"chunk {note.chunk_index} from {note.src} landed in staging space "
@@ -306,18 +325,20 @@ class StagedReceiver:
         op = self._next_op_id
         self._next_op_id += 1
         self.ops[op] = r.key
-        if not r.scatters:
-            r.scatters = set()  # the first scatter (the room starts with a shared empty stand-in)
-        r.scatters.add(op)
+        self.scattering.setdefault(r.key, set()).add(op)
         fire(RX_TABLE, ch, RxIn.START, op)
         region = RING_REGION if ch.flow is Flow.RING else PINNED_REGION
         self._out.append(Scatter(op_id=op, room=r.room, staging_region=region, maps=tuple(maps)))
 
     def _scatter_finished(self, r: Any, op: int) -> None:
         """Every state: the scatter's staging space has no writer left, so it is freed at once."""
-        if r.scatters:
-            r.scatters.discard(op)
-        ch = next((x for x in r.stg.values() if x.op_id == op), None)
+        running = self.scattering.get(r.key)
+        if running is not None:
+            running.discard(op)
+            if not running:
+                del self.scattering[r.key]
+        stg = self.staged_chunks.get(r.key, {})
+        ch = next((x for x in stg.values() if x.op_id == op), None)
         if ch is None or ch.state is not RxState.SCATTERING:
             return
         fire(RX_TABLE, ch, RxIn.SCATTERED)
@@ -333,7 +354,7 @@ class StagedReceiver:
             self._pinned_live.pop(ch.alloc.res_id, None)
 
     def _h_on_copy_done(self, r: Any, inp: Any, ev: Any) -> str:
-        for ch in r.stg.values():
+        for ch in self.staged_chunks.get(r.key, {}).values():
             if ch.op_id == ev.op_id:
                 for p in ch.writers:
                     self._record_chunk(r, r.progress[p], ch.notes[p])
@@ -375,7 +396,7 @@ class StagedReceiver:
         while self.pinned_queue:
             room, tid, idx = self.pinned_queue[0]
             r = self.rooms.get(room)
-            ch = r.stg.get(idx) if r is not None and r.tid == tid and not self._is_failed(r) else None
+            ch = self._chunk(r, idx) if r is not None and r.tid == tid and not self._is_failed(r) else None
             if ch is None:
                 self.pinned_queue.popleft()
                 continue
