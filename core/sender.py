@@ -248,16 +248,9 @@ class SenderFlowContext(EngineFlowContext):
     def new_write(self, r: _Room) -> int:
         return self._engine._new_write(r)
 
-    def finish_run(
-        self,
-        r: _Room,
-        c: ChunkReady,
-        start: int,
-        end: int,
-        posted: list[int],
-        lease: PushSender | None = None,
-    ) -> str:
-        return self._engine._finish_run(r, c, start, end, posted, lease)
+    @property
+    def finish_run(self) -> Callable[..., str]:
+        return self._engine._finish_run
 
     def accept_staged(self, r: _Room, c: ChunkReady) -> str:
         return self._engine._accept_staged(r, c)

@@ -14,13 +14,10 @@ from typing import Any
 import pytest
 from kvferry.core import messages as m
 from kvferry.core.flows import Flow, registry
-from kvferry.core.geometry import ModelGeometry
 from kvferry.core.kvpoll import KVPoll
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness as H
-
-TINY4 = ModelGeometry("tiny4", num_layers=2, num_kv_heads=4, head_dim=4)
+from test_flows import TINY4, run_rooms, world
 
 
 class CountingReceiver:
@@ -55,30 +52,11 @@ def test_staged_notes_go_to_the_half_of_their_flow(
     other = Flow.PINNED if flow is Flow.RING else Flow.RING
     cuts = [3, 6, 10]
     for name in (flow.value, other.value):
-        w = H.World(
-            TINY4,
-            p,
-            d,
-            flow=name,
-            ring_bytes=512,
-            pinned_bytes=512,
-            worker_buffer_bytes=512,
-            prefill_pinned_bytes=512,
-            seed=p * 10 + d,
-        )
+        w = world(TINY4, p, d, name, space=512)
         room0 = 100 if name == flow.value else 200
-        reqs = [w.open_room(room0 + i, f"t{i}", 10, cuts) for i in range(3)]
-        w.flush()
-        for _ in cuts:
-            for req in reqs:
-                for rank in range(p):
-                    w.chunk_ready(req, rank)  # type: ignore[arg-type]
-            w.flush()
-        w.heal_and_settle()
-        assert w.violations == [] and w.internal_errors() == []
-        for req in reqs:
-            assert req is not None
+        for req in run_rooms(w, 3, 10, cuts, room0=room0):
             assert w.server_view[("decode", req.room, req.tid)] is KVPoll.Success
+        assert w.violations == [] and w.internal_errors() == []
     # Every chunk of every room of the counted flow: one note per writer and decode rank.
     assert sorted(counting.notes) == [100, 101, 102]
     assert all(n == len(cuts) * p * d for n in counting.notes.values()), counting.notes
