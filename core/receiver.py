@@ -301,6 +301,9 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             "reads", lambda room: any(k[0] == room for k in self.reads.values()), lambda: len(self.reads)
         )
         self.track(
+            "ring_queue", lambda room: any(q[0] == room for q in self.ring_queue), self.ring_queue.__len__
+        )
+        self.track(
             "pinned_queue",
             lambda room: any(q[0] == room for q in self.pinned_queue),
             lambda: len(self.pinned_queue),

@@ -6,7 +6,8 @@ timeout, prefill withholds Stopped for rooms whose writes the loss cut (they may
 decode frees their ring space only at the fence deadline, which outlives every room's own
 deadline; the ring's watermark stayed on that space and every ring room behind it on the rank
 timed out with "ring space not drained yet". The simulator reproduces it (below); the stateful
-test checks the quarantine keeps the ring's safety and progress rules, and a planted ring that
+test checks the quarantine keeps the ring's safety and progress rules (a request no gap fits
+waits, and only then), and a planted ring that
 lets a quarantined allocation go while a later one still overlaps it must be caught.
 """
 
@@ -106,13 +107,13 @@ class QuarantineRingMachine(RingMachine):
     def _assign(self, n: int, owner: str) -> RingSlot | RingRefused:
         span = -(-n // self.ring.align) * self.ring.align
         got = self.ring.assign(n, owner)
-        if isinstance(got, RingRefused) and span <= self.ring.capacity:
-            assert self._quarantined(), "refused with nothing quarantined"
-            assert not self._gap_fits(span), f"refused {span} bytes though a gap fits"
-            return got
         if isinstance(got, RingRefused):
-            assert got.reason
+            assert span > self.ring.capacity and got.reason
             return got
+        if got is None:  # waits until some quarantined space is freed
+            assert self._quarantined(), "no space though nothing is quarantined"
+            assert not self._gap_fits(span), f"no space for {span} bytes though a gap fits"
+            return RingRefused("waiting")
         assert got.size == n and got.end == got.offset + span <= self.ring.capacity
         assert got.offset % self.ring.align == 0
         assert got.position > self.last_position, "allocations are handed out in ring order"
@@ -199,7 +200,7 @@ def test_quarantine_example() -> None:
     assert not writable(c, ring.watermark())  # b still holds its lap
     ring.free(b.alloc_id)
     assert writable(c, ring.watermark())
-    assert isinstance(ring.assign(70, "too big"), RingRefused)  # a's 40 bytes leave no 70-byte gap
+    assert ring.assign(70, "waits") is None  # a's 40 bytes leave no 70-byte gap: wait for its fence
     ring.free_owner("failed")
     ring.free(c.alloc_id)
     assert len(ring) == 0 and ring.watermark() == ring.head

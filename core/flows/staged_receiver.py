@@ -89,6 +89,8 @@ class StagedReceiver:
         self._pinned_next = 0  # grant sequence numbers of pinned reservations (their watermark)
         self._pinned_live: dict[int, int] = {}  # reservation id -> grant number
         self.pinned_queue: deque[tuple[int, str, int]] = deque()  # (room, tid, chunk) waiting for space
+        # Ring chunks that no gap clear of failed rooms' quarantined space fits, until one is freed.
+        self.ring_queue: deque[tuple[int, str, int]] = deque()
         self.held: dict[tuple[int, str], list[m.StagingReq]] = {}
         self.ops: dict[int, tuple[int, str]] = {}  # scatter op id -> room key
         # The flow's per-room ledger, apart from the room: its staged chunks, and the scatters in
@@ -174,8 +176,8 @@ class StagedReceiver:
         ch = RxChunk(req.chunk_index, req.token_start, req.token_end, flow, writers)
         self.staged_chunks.setdefault(r.key, {})[req.chunk_index] = ch
         if not self._allocate(r, ch):
-            self.counters["pinned_wait"] += 1
-            self.pinned_queue.append((r.room, r.tid, ch.index))
+            self.counters[f"{flow.value}_wait"] += 1
+            (self.ring_queue if flow is Flow.RING else self.pinned_queue).append((r.room, r.tid, ch.index))
             self._note_peaks()
 
     def _allocate(self, r: Any, ch: RxChunk) -> bool:
@@ -187,6 +189,8 @@ class StagedReceiver:
         if ch.flow is Flow.RING:
             assert self.ring is not None
             got = self.ring.assign(need, r.key)
+            if got is None:
+                return False  # no gap clear of quarantined space: wait for a fence to free some
             if isinstance(got, RingRefused):
                 raise RoomError(f"chunk {ch.index}: {got.reason}")
             pos = got.offset
@@ -370,8 +374,11 @@ class StagedReceiver:
             for i in ids:
                 self._pinned_live.pop(i, None)
             freed += len(ids)
-        if any(q[0] == r.room and q[1] == r.tid for q in self.pinned_queue):
-            self.pinned_queue = deque(q for q in self.pinned_queue if (q[0], q[1]) != r.key)
+        for queue in (self.ring_queue, self.pinned_queue):
+            if any(q[0] == r.room and q[1] == r.tid for q in queue):
+                kept = [q for q in queue if (q[0], q[1]) != r.key]
+                queue.clear()
+                queue.extend(kept)
         if freed:
             self._space_freed()
 
@@ -391,18 +398,23 @@ class StagedReceiver:
                     self._send(p, self._watermark_msg(pool))
 
     def _space_freed(self) -> None:
-        """Broadcast the ring's new watermark; grant pinned chunks that waited, in order."""
+        """Broadcast the ring's new watermark; grant the chunks that waited for space, in order."""
         self._broadcast_watermarks()
-        while self.pinned_queue:
-            room, tid, idx = self.pinned_queue[0]
+        self._grant_waiting(self.ring_queue)
+        self._grant_waiting(self.pinned_queue)
+
+    def _grant_waiting(self, queue: deque[tuple[int, str, int]]) -> None:
+        """Allocate the chunks that waited for space, in order, until one still does not fit."""
+        while queue:
+            room, tid, idx = queue[0]
             r = self.rooms.get(room)
             ch = self._chunk(r, idx) if r is not None and r.tid == tid and not self._is_failed(r) else None
             if ch is None:
-                self.pinned_queue.popleft()
+                queue.popleft()
                 continue
             try:
                 if not self._allocate(r, ch):  # type: ignore[arg-type]
                     break
             except RoomError as exc:
                 self.fail(r, RoomFailure(str(exc), error=exc, at_ns=self._now))  # type: ignore[arg-type]
-            self.pinned_queue.popleft()
+            queue.popleft()

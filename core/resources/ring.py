@@ -24,6 +24,7 @@ under the plain rule they would hold the watermark, and every room queued behind
 would time out waiting for it. So a failed room's allocations are *quarantined*: their bytes stay
 taken (no later allocation is placed over them) but they stop holding the watermark as soon as no
 other live allocation overlaps them, so the ring keeps going around them until the fence frees them.
+A request that no gap clear of them fits waits (``assign`` returns None) until one is freed.
 """
 
 from __future__ import annotations
@@ -174,12 +175,13 @@ class StagingRing:
 
     # -- operations ------------------------------------------------------------------------------
 
-    def assign(self, n: int, owner: Hashable) -> RingSlot | RingRefused:
+    def assign(self, n: int, owner: Hashable) -> RingSlot | RingRefused | None:
         """Hand out the next ``n`` bytes in ring order, wrapping to a new round rather than splitting.
 
         Never waits: the space may still be live from an earlier round, and the producer checks
         ``writable`` against the watermark before writing. ResourceError if ``n <= 0``; a
-        RingRefused if the (aligned) size exceeds the capacity, since it could never be written.
+        RingRefused if the (aligned) size exceeds the capacity, since it could never be written;
+        None if no gap of the ring is clear of quarantined space (ask again once some is freed).
         """
         positive_int("n", n)
         span = round_up(n, self.align)
@@ -193,10 +195,7 @@ class StagingRing:
         if self._quarantined:
             placed = self._place_around_quarantine(rnd, offset, span)
             if placed is None:
-                return RingRefused(
-                    f"no {span} contiguous bytes of the ring are clear of the space failed rooms "
-                    "hold until their fence"
-                )
+                return None
             rnd, offset = placed
         slot = RingSlot(alloc_id=self._next_id, offset=offset, round=rnd, end=offset + span, size=n)
         self._next_id += 1
