@@ -54,8 +54,6 @@ from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
 from kvferry.core.flows.layerwise import LAYERWISE as LAYERWISE_RECEIVER
 from kvferry.core.flows.pull import PullReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
-from kvferry.core.flows.staged_rx import RxChunk
-from kvferry.core.flows.staged_sender import STAGED_RECEIVER
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import (
@@ -152,10 +150,8 @@ class _Room:
         "reads_stopped_sent",
         "release_requested",
         "room",
-        "scatters",
         "senders",
         "state",
-        "stg",
         "tid",
         "token_start",
     )
@@ -195,8 +191,6 @@ class _Room:
         self.freed = False
         self.failure: RoomFailure | None = None
         self.release_requested = False
-        self.stg: Mapping[int, RxChunk] = NO_DICT  # staged chunks (core.flows.staged_rx)
-        self.scatters: Any = NO_SET  # scatter ops in flight: the pages are being written
         # Pull flow: READs in flight (they write the pages), chunks pulled, senders that offered.
         self.reads: Any = NO_DICT
         self.pulled: Any = NO_SET
@@ -307,6 +301,9 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         self.track("ops", lambda room: any(k[0] == room for k in self.ops.values()), lambda: len(self.ops))
         self.track(
             "reads", lambda room: any(k[0] == room for k in self.reads.values()), lambda: len(self.reads)
+        )
+        self.track(
+            "ring_queue", lambda room: any(q[0] == room for q in self.ring_queue), self.ring_queue.__len__
         )
         self.track(
             "pinned_queue",
@@ -622,8 +619,9 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         elif note.dummy:
             raise RoomError(f"dummy notification from data sender {src}")
         elif note.staged >= 0:
-            # The wire names no flow: a staging allocation says staged, anything else direct's.
-            STAGED_RECEIVER.on_note(self._flow_ctx, r, r.progress[src], note)
+            # A note names no flow; one naming a staging allocation lands in space a StagingReq
+            # asked for, and that request named its flow: that flow's decode half takes it.
+            self._staged_half(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
         elif note.layer_end:
             # A layer range says layer-wise (core/flows/layerwise.py): the chunk is recorded once
             # every layer of it landed.
@@ -649,7 +647,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         LAYERWISE_RECEIVER.on_note(self._flow_ctx, r, prog, note)
 
     def _complete(self, r: _Room) -> bool:
-        if r.scatters or not r.aux_ok:
+        if not r.aux_ok or self.scatters_running(r):
             return False
         for p in r.progress.values():
             if not p.done:
@@ -734,6 +732,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
         self.deadlines.set(("room", r.room), self._now + self.timeouts.fence_ns)
+        self._quarantine(r)
         if why.get("abort", True):
             self._send_aborts(r)
         return "failed"
@@ -758,7 +757,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         if st is RState.FAILED:
             self.pull_rx.reads_drained(r)
             fenced = r.fence_expired or (r.fenced >= r.senders.keys() and not r.reads_cut)
-            if not r.freed and fenced and not r.scatters and not r.reads:
+            if not r.freed and fenced and not r.reads and not self.scatters_running(r):
                 # Pages and staging space go back only when no writer can still write them (fenced)
                 # and no scatter or READ of ours is writing the pages.
                 r.freed = True
@@ -769,13 +768,14 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
                 self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
         elif st is not RState.SUCCESS:
             return  # a live room: nothing to free or drop (``freed`` is only ever set once Failed)
-        settled = st is RState.SUCCESS and not r.scatters and not r.reads
+        settled = st is RState.SUCCESS and not r.reads and not self.scatters_running(r)
         if r.release_requested and (settled or r.freed):
             self._remove(r)
 
     def _remove(self, r: _Room) -> None:
         self._aborts.cancel(r.room)
         self._infos.cancel(r.room)
+        self.forget_staged(r)
         self._forget(r, r.senders)
 
     # --- time ----------------------------------------------------------------------------------------

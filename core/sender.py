@@ -255,8 +255,9 @@ class SenderFlowContext(EngineFlowContext):
     def new_write(self, r: _Room) -> int:
         return self._engine._new_write(r)
 
-    def finish_run(self, r: _Room, c: ChunkReady, start: int, end: int, posted: list[int]) -> str:
-        return self._engine._finish_run(r, c, start, end, posted)
+    @property
+    def finish_run(self) -> Callable[..., str]:
+        return self._engine._finish_run
 
     def accept_staged(self, r: _Room, c: ChunkReady) -> str:
         return self._engine._accept_staged(r, c)
@@ -887,9 +888,18 @@ class SenderEngine(StagedSender, RoomEngine):
         r.tokens_done = int(c.token_end)  # what prefill computed, not the prefix-clipped ``end``
         r.last_run = c.is_last
 
-    def _finish_run(self, r: _Room, c: ChunkReady, start: int, end: int, posted: list[int]) -> str:
+    def _finish_run(
+        self,
+        r: _Room,
+        c: ChunkReady,
+        start: int,
+        end: int,
+        posted: list[int],
+        lease: PushSender | None = None,
+    ) -> str:
         """What every run chunk ends with: the last chunk's dummy and aux notes, the pacing hint;
-        the outcome: "done" once the last chunk ran and nothing is in flight, else "running"."""
+        the outcome: "done" once the last chunk ran and nothing is in flight, else "running".
+        ``lease``: the flow posts under registration leases (push): the aux write too."""
         if c.is_last:
             for p, info in self._infos_sorted(r):
                 if info.dummy:
@@ -897,12 +907,11 @@ class SenderEngine(StagedSender, RoomEngine):
                         SendNotif(peer=p, room=r.room, notif=self._chunk_note(r, c, start, end, dummy=True))
                     )
                 if info.send_aux:
-                    push = r.ledger.flow is Flow.PUSH
-                    if push:
-                        self.push.post(r.key, p, self._now)
+                    if lease is not None:
+                        lease.post(r.key, p, self._now)
                     wid = self._new_write(r)
-                    if push:
-                        self.push.posted(wid, r.key, p)
+                    if lease is not None:
+                        lease.posted(wid, r.key, p)
                     posted.append(wid)
                     self._out.append(
                         PostAuxWrite(
@@ -916,8 +925,8 @@ class SenderEngine(StagedSender, RoomEngine):
                     )
         if posted:
             self._out.append(AwaitWrites(room=r.room, write_ids=tuple(posted)))
-        if c.is_last and r.ledger.flow is Flow.PUSH:
-            self.push.completed(r.key, self._now)
+        if c.is_last and lease is not None:
+            lease.completed(r.key, self._now)
         return "done" if self._quiet(r) else "running"
 
     def _quiet(self, r: _Room) -> bool:

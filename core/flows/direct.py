@@ -53,7 +53,7 @@ class DirectSender:
                 push.posted(wid, r.key, w.peer)
             posted.append(wid)
             emit(write_command(wid, r.room, w, note))
-        return ctx.finish_run(r, c, start, end, posted)
+        return ctx.finish_run(r, c, start, end, posted, lease=push)
 
 
 def write_command(write_id: int, room: int, w: ChunkWrite, note: bytes) -> PostWrite:

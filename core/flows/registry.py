@@ -84,8 +84,12 @@ class SenderContext(Protocol):
 
     def send(self, peer: m.Endpoint, msg: Any) -> None: ...
 
-    def finish_run(self, room: Any, chunk: ChunkReady, start: int, end: int, posted: list[int]) -> str:
-        """What every run chunk ends with (last chunk's dummy and aux notes); the outcome."""
+    def finish_run(
+        self, room: Any, chunk: ChunkReady, start: int, end: int, posted: list[int], lease: Any = None
+    ) -> str:
+        """What every run chunk ends with (last chunk's dummy and aux notes); the outcome.
+        ``lease``: a flow that posts under registration leases (push) passes them, so the room's
+        aux write goes under them too."""
         ...
 
 

@@ -14,7 +14,8 @@ Rules kept here:
   it at once);
 - the scatter starts when every writer's note is in; the space is freed when it ends (nothing can
   write it any more), and the chunk is counted for Success only then;
-- a failed room's space is reclaimed only once its writers are fenced and no scatter runs.
+- a failed room's space is reclaimed only once its writers are fenced and no scatter runs; until
+  then its ring space is quarantined: still taken, but no longer holding back the rooms behind it.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ from typing import Any
 from kvferry.core import messages as m
 from kvferry.core.commands import Scatter
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
+from kvferry.core.flows import registry
 from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
+from kvferry.core.flows.registry import FlowReceiver
 from kvferry.core.flows.staged_rx import RX_TABLE, RxChunk, RxIn, RxState
+from kvferry.core.flows.staged_sender import STAGED_RECEIVER
 from kvferry.core.flows.staged_tx import decode_alloc_bytes
 from kvferry.core.machine import fire
 from kvferry.core.proto_common import RoomError, RoomFailure
@@ -52,6 +56,7 @@ class StagedReceiver:
     deadlines: DeadlineHeap
     counters: Counter[str]
     tombstones: Any
+    track: Callable[..., None]  # the host's table registry (core/proto_common.py)
     endpoint: m.Endpoint
     reg_id: int
     _now: int
@@ -84,8 +89,17 @@ class StagedReceiver:
         self._pinned_next = 0  # grant sequence numbers of pinned reservations (their watermark)
         self._pinned_live: dict[int, int] = {}  # reservation id -> grant number
         self.pinned_queue: deque[tuple[int, str, int]] = deque()  # (room, tid, chunk) waiting for space
+        # Ring chunks that no gap clear of failed rooms' quarantined space fits, until one is freed.
+        self.ring_queue: deque[tuple[int, str, int]] = deque()
         self.held: dict[tuple[int, str], list[m.StagingReq]] = {}
         self.ops: dict[int, tuple[int, str]] = {}  # scatter op id -> room key
+        # The flow's per-room ledger, apart from the room: its staged chunks, and the scatters in
+        # flight (they write the room's pages). Entries only for rooms that staged anything.
+        self.staged_chunks: dict[tuple[int, str], dict[int, RxChunk]] = {}
+        self.scattering: dict[tuple[int, str], set[int]] = {}
+        chunks, scattering = self.staged_chunks, self.scattering  # never rebound
+        self.track("staged_chunks", lambda room: any(k[0] == room for k in chunks), chunks.__len__)
+        self.track("scattering", lambda room: any(k[0] == room for k in scattering), scattering.__len__)
         # Peaks over the rank's life (what sizing a ring or a pinned pool needs to know).
         # ring_assigned: bytes handed out and not yet freed, laps ahead of the watermark included,
         # so it can exceed the ring (those chunks wait for the watermark on prefill).
@@ -141,7 +155,8 @@ class StagedReceiver:
                 f"staging request for chunk {req.chunk_index} up to token {req.token_end}, "
                 f"past the {r.num_tokens} allocated"
             )
-        ch = r.stg.get(req.chunk_index)
+        stg = self.staged_chunks.get(r.key)
+        ch = stg.get(req.chunk_index) if stg is not None else None
         if ch is not None:
             if (ch.token_start, ch.token_end, ch.flow) != (req.token_start, req.token_end, flow):
                 raise RoomError(
@@ -159,12 +174,10 @@ class StagedReceiver:
                     f"sender {p} has no head range; build SenderSpecs with core.topology.sender_specs"
                 )
         ch = RxChunk(req.chunk_index, req.token_start, req.token_end, flow, writers)
-        if not r.stg:
-            r.stg = {}  # the room's first staged chunk (it starts with a shared empty stand-in)
-        r.stg[req.chunk_index] = ch
+        self.staged_chunks.setdefault(r.key, {})[req.chunk_index] = ch
         if not self._allocate(r, ch):
-            self.counters["pinned_wait"] += 1
-            self.pinned_queue.append((r.room, r.tid, ch.index))
+            self.counters[f"{flow.value}_wait"] += 1
+            (self.ring_queue if flow is Flow.RING else self.pinned_queue).append((r.room, r.tid, ch.index))
             self._note_peaks()
 
     def _allocate(self, r: Any, ch: RxChunk) -> bool:
@@ -176,6 +189,8 @@ class StagedReceiver:
         if ch.flow is Flow.RING:
             assert self.ring is not None
             got = self.ring.assign(need, r.key)
+            if got is None:
+                return False  # no gap clear of quarantined space: wait for a fence to free some
             if isinstance(got, RingRefused):
                 raise RoomError(f"chunk {ch.index}: {got.reason}")
             pos = got.offset
@@ -256,8 +271,26 @@ class StagedReceiver:
         wm = self._watermark(pool)
         return m.Watermark(src=self.endpoint, reg=self.reg_id, round=wm.round, offset=wm.offset, pool=pool)  # type: ignore[arg-type]
 
+    def _staged_half(self, r: Any, note: m.ChunkNote) -> FlowReceiver:
+        """The decode half of the flow whose space ``note`` names (its StagingReq said which);
+        a note naming no space of the room goes to the staged ledger, which refuses it."""
+        ch = self._chunk(r, note.chunk_index)
+        return registry.halves(ch.flow).receiver if ch is not None else STAGED_RECEIVER
+
+    def _chunk(self, r: Any, index: int) -> RxChunk | None:
+        stg = self.staged_chunks.get(r.key)
+        return stg.get(index) if stg is not None else None
+
+    def scatters_running(self, r: Any) -> bool:
+        """A scatter of the room is writing its pages (the room machine waits for it)."""
+        return r.key in self.scattering
+
+    def forget_staged(self, r: Any) -> None:
+        """The room is gone: so is the flow's ledger of it."""
+        self.staged_chunks.pop(r.key, None)
+
     def _staged_note(self, r: Any, note: m.ChunkNote) -> None:
-        ch = r.stg.get(note.chunk_index)
+        ch = self._chunk(r, note.chunk_index)
         if ch is None or ch.state is RxState.WAITING_SPACE or ch.alloc_id != note.staged:
             raise RoomError(
                 f"chunk {note.chunk_index} from {note.src} landed in staging space "
@@ -296,18 +329,20 @@ class StagedReceiver:
         op = self._next_op_id
         self._next_op_id += 1
         self.ops[op] = r.key
-        if not r.scatters:
-            r.scatters = set()  # the first scatter (the room starts with a shared empty stand-in)
-        r.scatters.add(op)
+        self.scattering.setdefault(r.key, set()).add(op)
         fire(RX_TABLE, ch, RxIn.START, op)
         region = RING_REGION if ch.flow is Flow.RING else PINNED_REGION
         self._out.append(Scatter(op_id=op, room=r.room, staging_region=region, maps=tuple(maps)))
 
     def _scatter_finished(self, r: Any, op: int) -> None:
         """Every state: the scatter's staging space has no writer left, so it is freed at once."""
-        if r.scatters:
-            r.scatters.discard(op)
-        ch = next((x for x in r.stg.values() if x.op_id == op), None)
+        running = self.scattering.get(r.key)
+        if running is not None:
+            running.discard(op)
+            if not running:
+                del self.scattering[r.key]
+        stg = self.staged_chunks.get(r.key, {})
+        ch = next((x for x in stg.values() if x.op_id == op), None)
         if ch is None or ch.state is not RxState.SCATTERING:
             return
         fire(RX_TABLE, ch, RxIn.SCATTERED)
@@ -323,7 +358,7 @@ class StagedReceiver:
             self._pinned_live.pop(ch.alloc.res_id, None)
 
     def _h_on_copy_done(self, r: Any, inp: Any, ev: Any) -> str:
-        for ch in r.stg.values():
+        for ch in self.staged_chunks.get(r.key, {}).values():
             if ch.op_id == ev.op_id:
                 for p in ch.writers:
                     self._record_chunk(r, r.progress[p], ch.notes[p])
@@ -339,29 +374,47 @@ class StagedReceiver:
             for i in ids:
                 self._pinned_live.pop(i, None)
             freed += len(ids)
-        if any(q[0] == r.room and q[1] == r.tid for q in self.pinned_queue):
-            self.pinned_queue = deque(q for q in self.pinned_queue if (q[0], q[1]) != r.key)
+        for queue in (self.ring_queue, self.pinned_queue):
+            if any(q[0] == r.room and q[1] == r.tid for q in queue):
+                kept = [q for q in queue if (q[0], q[1]) != r.key]
+                queue.clear()
+                queue.extend(kept)
         if freed:
             self._space_freed()
 
-    def _space_freed(self) -> None:
-        """Broadcast the ring's new watermark; grant pinned chunks that waited, in order."""
+    def _quarantine(self, r: Any) -> None:
+        """A failed room's ring space stays taken until its writers are fenced, which can outlast
+        every room behind it; it stops holding their watermark now (core/resources/ring.py)."""
+        if self.ring is not None and self.ring.quarantine(r.key):
+            self.counters["ring_quarantined"] += 1
+            self._broadcast_watermarks()
+
+    def _broadcast_watermarks(self) -> None:
         for pool in ("ring", "pinned"):
             wm = self._watermark(pool)
             if wm != self._last_wm.get(pool):
                 self._last_wm[pool] = wm
                 for p in sorted(self.subscribers[pool]):
                     self._send(p, self._watermark_msg(pool))
-        while self.pinned_queue:
-            room, tid, idx = self.pinned_queue[0]
+
+    def _space_freed(self) -> None:
+        """Broadcast the ring's new watermark; grant the chunks that waited for space, in order."""
+        self._broadcast_watermarks()
+        self._grant_waiting(self.ring_queue)
+        self._grant_waiting(self.pinned_queue)
+
+    def _grant_waiting(self, queue: deque[tuple[int, str, int]]) -> None:
+        """Allocate the chunks that waited for space, in order, until one still does not fit."""
+        while queue:
+            room, tid, idx = queue[0]
             r = self.rooms.get(room)
-            ch = r.stg.get(idx) if r is not None and r.tid == tid and not self._is_failed(r) else None
+            ch = self._chunk(r, idx) if r is not None and r.tid == tid and not self._is_failed(r) else None
             if ch is None:
-                self.pinned_queue.popleft()
+                queue.popleft()
                 continue
             try:
                 if not self._allocate(r, ch):  # type: ignore[arg-type]
                     break
             except RoomError as exc:
                 self.fail(r, RoomFailure(str(exc), error=exc, at_ns=self._now))  # type: ignore[arg-type]
-            self.pinned_queue.popleft()
+            queue.popleft()

@@ -17,6 +17,14 @@ Two rules keep that deadlock-free:
 
 The oldest live allocation is always writable under the current watermark, which is what
 guarantees progress: the consumer can always drain the ring one scatter at a time.
+
+A failed room's allocations cannot be freed until its writers are fenced (a write cut by a lost
+peer may still land until the fence deadline, which outlives every room's own deadline), yet
+under the plain rule they would hold the watermark, and every room queued behind them on the rank
+would time out waiting for it. So a failed room's allocations are *quarantined*: their bytes stay
+taken (no later allocation is placed over them) but they stop holding the watermark as soon as no
+other live allocation overlaps them, so the ring keeps going around them until the fence frees them.
+A request that no gap clear of them fits waits (``assign`` returns None) until one is freed.
 """
 
 from __future__ import annotations
@@ -101,6 +109,9 @@ class StagingRing:
         # left lazily, so the oldest live allocation is always order[0] in amortised O(1).
         self._order: deque[int] = deque()
         self._used = 0
+        # Allocations of failed rooms awaiting their fence: never overlapped by a later one, and
+        # out of the watermark once nothing live overlaps them (see the module docstring).
+        self._quarantined: dict[int, None] = {}
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -135,18 +146,42 @@ class StagingRing:
         allocation, assignments land at or after the head, and emptying moves the head to a new
         round, past everything that was ever live.
         """
-        if self._order:
-            return self._live[self._order[0]].position
+        if not self._quarantined:
+            if self._order:
+                return self._live[self._order[0]].position
+            return self._head
+        for alloc_id in self._order:
+            slot = self._live.get(alloc_id)
+            if slot is not None and not self._skippable(alloc_id, slot):
+                return slot.position
         return self._head
+
+    def _skippable(self, alloc_id: int, slot: RingSlot) -> bool:
+        """A quarantined allocation that no other live one overlaps holds no writer back."""
+        if alloc_id not in self._quarantined:
+            return False
+        return not any(
+            o.offset < slot.end and slot.offset < o.end for i, o in self._live.items() if i != alloc_id
+        )
+
+    def _clear_of_quarantine(self, offset: int, end: int) -> int:
+        """``offset`` if ``[offset, end)`` overlaps no quarantined allocation, else the end of the
+        first one it overlaps (where the next try starts)."""
+        for alloc_id in self._quarantined:
+            q = self._live[alloc_id]
+            if q.offset < end and offset < q.end:
+                return q.end
+        return offset
 
     # -- operations ------------------------------------------------------------------------------
 
-    def assign(self, n: int, owner: Hashable) -> RingSlot | RingRefused:
+    def assign(self, n: int, owner: Hashable) -> RingSlot | RingRefused | None:
         """Hand out the next ``n`` bytes in ring order, wrapping to a new round rather than splitting.
 
         Never waits: the space may still be live from an earlier round, and the producer checks
         ``writable`` against the watermark before writing. ResourceError if ``n <= 0``; a
-        RingRefused if the (aligned) size exceeds the capacity, since it could never be written.
+        RingRefused if the (aligned) size exceeds the capacity, since it could never be written;
+        None if no gap of the ring is clear of quarantined space (ask again once some is freed).
         """
         positive_int("n", n)
         span = round_up(n, self.align)
@@ -157,6 +192,11 @@ class StagingRing:
         rnd, offset = self._head
         if offset + span > self.capacity:
             rnd, offset = rnd + 1, 0
+        if self._quarantined:
+            placed = self._place_around_quarantine(rnd, offset, span)
+            if placed is None:
+                return None
+            rnd, offset = placed
         slot = RingSlot(alloc_id=self._next_id, offset=offset, round=rnd, end=offset + span, size=n)
         self._next_id += 1
         self._head = Watermark(rnd, slot.end)
@@ -166,6 +206,27 @@ class StagingRing:
         self._order.append(slot.alloc_id)
         self._used += n
         return slot
+
+    def _place_around_quarantine(self, rnd: int, offset: int, span: int) -> tuple[int, int] | None:
+        """The first position at or after ``(rnd, offset)`` whose span overlaps no quarantined
+        allocation; None if no gap of a whole lap fits it."""
+        for _ in range(2 * len(self._quarantined) + 2):
+            if offset + span > self.capacity:
+                rnd, offset = rnd + 1, 0
+            clear = self._clear_of_quarantine(offset, offset + span)
+            if clear == offset:
+                return rnd, offset
+            offset = clear
+        return None
+
+    def quarantine(self, owner: Hashable) -> int:
+        """``owner`` (a room) failed: its live allocations keep their bytes until freed, but stop
+        holding back writers they do not overlap (the watermark may move: broadcast it). Returns
+        how many allocations it holds."""
+        ids = self._by_owner.get(owner, {})
+        for alloc_id in ids:
+            self._quarantined[alloc_id] = None
+        return len(ids)
 
     def free(self, alloc_id: int) -> None:
         """Release an allocation once its scatter finished; any order. ResourceError if not live.
@@ -183,6 +244,7 @@ class StagingRing:
         if not ids:
             del self._by_owner[owner]
         self._used -= slot.size
+        self._quarantined.pop(alloc_id, None)
         while self._order and self._order[0] not in self._live:
             self._order.popleft()
         if not self._live:
