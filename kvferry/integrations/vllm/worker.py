@@ -15,6 +15,7 @@ fenced (no prefill write can still land in them), so vLLM never reuses blocks un
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,15 @@ from kvferry.integrations.vllm.meta import KvferryConnectorMetadata, KvferryHand
 log = logging.getLogger(__name__)
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 _DTYPES = {"torch.float16": DType.FP16, "torch.bfloat16": DType.BF16, "torch.float32": DType.FP32}
+
+
+def new_stats() -> dict[str, Any]:
+    """One interval's counts: rooms and bytes by side and outcome, and each successful room's
+    seconds from its open to its last byte (plain types: vLLM ships them between processes)."""
+    return {
+        "rooms_sent": 0, "rooms_received": 0, "rooms_send_failed": 0, "rooms_recv_failed": 0,
+        "bytes_sent": 0, "bytes_received": 0, "transfer_s": [],
+    }  # fmt: skip
 
 
 def pool_from_kv_caches(kv_caches: dict[str, Any]) -> tuple[PoolGeometry, dict[int, Any]]:
@@ -74,6 +84,8 @@ class _Open:
     aux_index: int
     block_ids: tuple[int, ...] = ()
     last_sent: bool = False
+    num_tokens: int = 0
+    opened: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -103,6 +115,8 @@ class WorkerHalf:
     _load_errors: set[int] = field(default_factory=set)
     _failed_recving: set[str] = field(default_factory=set)
     _done_recving: set[str] = field(default_factory=set)
+    # What get_kv_connector_stats reports since its last call (connector/stats.py reads the keys).
+    stats: dict[str, Any] = field(default_factory=lambda: new_stats())
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         self.pool, self.buffers = pool_from_kv_caches(kv_caches)
@@ -151,13 +165,14 @@ class WorkerHalf:
                 ep = self._decode_endpoint(m)
                 aux = self._aux_of(ep).free.pop()
                 rx = ep.receiver(m.room, m.transfer_id)
-                self._open[m.request_id] = _Open(rx, ep, aux, m.block_ids)
+                self._open[m.request_id] = _Open(rx, ep, aux, m.block_ids, num_tokens=m.num_tokens)
                 rx.init(np.asarray(m.block_ids, dtype=np.int64), m.num_tokens, aux)
             except Exception as exc:  # a refused open is a load failure, never a dead engine
                 log.warning("kvferry: request %s: load not started: %s", m.request_id, exc)
                 entry = self._open.pop(m.request_id, None)
                 if entry is not None:
                     self._drop(m.request_id, entry, clear=True)
+                self.stats["rooms_recv_failed"] += 1
                 self._fail_recv(m.request_id, m.block_ids, f"{type(exc).__name__}: {exc}")
 
     def _fail_recv(self, req_id: str, block_ids: tuple[int, ...], why: str) -> None:
@@ -176,9 +191,9 @@ class WorkerHalf:
                     assert self.prefill is not None, "a send on a connector that is not a producer"
                     tx = self.prefill.sender(m.room, m.transfer_id)
                     aux = self._aux_of(self.prefill).free.pop()
-                    entry = self._open[m.request_id] = _Open(tx, self.prefill, aux)
+                    entry = self._open[m.request_id] = _Open(tx, self.prefill, aux, num_tokens=m.num_tokens)
                     tx.write_aux(aux, m.room.to_bytes(8, "little", signed=True))
-                    tx.init(aux)
+                    tx.init(aux, flow=m.flow)
                 if entry.handle.poll() is KVPoll.Failed or entry.last_sent:
                     continue  # decode gave up (or a write failed): nothing more to send
                 assert isinstance(entry.handle, KVSender)
@@ -187,7 +202,9 @@ class WorkerHalf:
             except Exception as exc:  # the room fails; vLLM's step goes on
                 log.warning("kvferry: request %s: send failed: %s", m.request_id, exc)
                 self.failures[m.request_id] = f"{type(exc).__name__}: {exc}"
-                if entry is not None and not entry.last_sent:
+                if entry is None:
+                    self.stats["rooms_send_failed"] += 1  # no room to report it later
+                elif not entry.last_sent:
                     entry.last_sent = True
                     try:
                         entry.handle.abort(f"send failed: {exc}")
@@ -215,13 +232,16 @@ class WorkerHalf:
             if status is KVPoll.Failed:
                 if isinstance(entry.handle, KVReceiver) and not entry.handle.pages_freed():
                     continue  # a prefill write may still land in these blocks
+                self._count(entry, ok=False)
                 why = self._failure(entry)
                 if isinstance(entry.handle, KVReceiver):
                     self._fail_recv(req_id, entry.block_ids, why)
                 else:
                     self.failures[req_id] = why
-            elif isinstance(entry.handle, KVReceiver):
-                self._done_recving.add(req_id)
+            else:
+                self._count(entry, ok=True)
+                if isinstance(entry.handle, KVReceiver):
+                    self._done_recving.add(req_id)
             del self._open[req_id]
             self._drop(req_id, entry, clear=True)
             if isinstance(entry.handle, KVSender):
@@ -234,6 +254,20 @@ class WorkerHalf:
         recving, failed = self._done_recving, self._failed_recving
         self._done_recving, self._failed_recving = set(), set()
         return sent, recving, failed
+
+    def _count(self, entry: _Open, *, ok: bool) -> None:
+        side = "sent" if isinstance(entry.handle, KVSender) else "received"
+        if not ok:
+            self.stats["rooms_send_failed" if side == "sent" else "rooms_recv_failed"] += 1
+            return
+        assert self.pool is not None
+        self.stats[f"rooms_{side}"] += 1
+        self.stats[f"bytes_{side}"] += entry.num_tokens * self.pool.model.token_bytes
+        self.stats["transfer_s"].append(time.monotonic() - entry.opened)
+
+    def take_stats(self) -> dict[str, Any]:
+        stats, self.stats = self.stats, new_stats()
+        return stats
 
     @staticmethod
     def _failure(entry: _Open) -> str:
