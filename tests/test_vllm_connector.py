@@ -43,31 +43,44 @@ FAST = {
     "bootstrap_timeout_s": 20.0,
     "fence_timeout_s": 3.0,
     "transfer_timeout_s": 20.0,
+    "num_queues": 2,  # threads per prefill rank: the tests run several ranks on 2 cores
 }
 
 
-def pattern(token: int, pos: int, layer: int, row_elems: int) -> torch.Tensor:
-    """What the stand-in forward writes into one token's KV row (heads x content elements)."""
+def pattern(token: int, pos: int, layer: int, rank: int, row_elems: int) -> torch.Tensor:
+    """What the stand-in forward writes into one token's KV row (one TP rank's heads x content
+    elements); the rank is in it, so a row from another rank would not match."""
     base = torch.arange(row_elems, dtype=torch.int64)
-    return ((base * 13 + token * 7 + pos * 3 + layer * 11) % 251).to(torch.float16)
+    return ((base * 13 + token * 7 + pos * 3 + layer * 11 + rank * 5) % 251).to(torch.float16)
 
 
 class Engine:
-    """vLLM's scheduler and one worker's connector, stepped the way vLLM's engine core steps them."""
+    """vLLM's scheduler and a worker connector per TP rank, stepped the way vLLM's engine core
+    and its executor step them (each rank's connector output merged by vLLM's aggregator)."""
 
     def __init__(
-        self, role: str, name: str, extra: dict[str, Any], max_batched: int = 32, block: int = BLOCK
+        self,
+        role: str,
+        name: str,
+        extra: dict[str, Any],
+        max_batched: int = 32,
+        block: int = BLOCK,
+        tp: int = 1,
     ) -> None:
+        from unittest import mock
+
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
             KVTransferConfig,
             ModelConfig,
+            ParallelConfig,
             SchedulerConfig,
             VllmConfig,
         )
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -106,9 +119,10 @@ class Engine:
                 kv_load_failure_policy="recompute",  # vLLM's default, "fail", ends the request
             ),
             device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp),
         )  # fmt: skip
         spec = FullAttentionSpec(
-            block_size=block, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16
+            block_size=block, num_kv_heads=HEADS // tp, head_size=HEAD_DIM, dtype=torch.float16
         )
         groups = [KVCacheGroupSpec(LAYERS, spec)]
         kv_config = get_kv_cache_config_from_groups(
@@ -118,14 +132,23 @@ class Engine:
         self.scheduler = Scheduler(
             self.config, kv_config, StructuredOutputManager(self.config), block_size=block, log_stats=True
         )
-        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_config)
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker  # what ensure_kv_transfer_initialized sets
-        self.kv = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout[cache.kv_cache_layout])
-        self.rows = {name: t.permute(0, 2, 1, 3) for name, t in self.kv.items()}  # [B, N, H, C]
-        self.worker.register_kv_caches(self.kv)
-        handshake = self.worker.get_handshake_metadata()
-        if handshake is not None:
-            self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+        # One worker connector per rank, each over its own KV tensors (its heads). Without
+        # torch.distributed, the rank a worker process would read from vLLM's parallel state is
+        # handed to the connector here.
+        self.workers, self.rows = [], []
+        for rank in range(tp):
+            with mock.patch("kvferry.integrations.vllm.connector._tp_rank", lambda _, r=rank: r):
+                worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_config)
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker  # what ensure_kv_transfer_initialized sets
+            kv = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout[cache.kv_cache_layout])
+            self.rows.append({n: t.permute(0, 2, 1, 3) for n, t in kv.items()})  # [B, N, H, C]
+            worker.register_kv_caches(kv)
+            self.workers.append(worker)
+        self.worker = self.workers[0]
+        self.aggregator = KVOutputAggregator.from_connector(self.worker, tp)
+        handshakes = {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)}
+        if handshakes[0, 0] is not None:
+            self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(handshakes)
         self.free_blocks_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         self.first_scheduled: dict[str, tuple[int, int]] = {}  # request -> (start, tokens) of its first step
         self.loaded_ok: dict[str, bool] = {}  # request -> its loaded rows held prefill's bytes
@@ -146,12 +169,36 @@ class Engine:
 
     def rows_match(self, req_id: str, tokens: list[int], upto: int) -> bool:
         blocks = self.blocks_of(req_id)
-        for layer, rows in enumerate(self.rows.values()):
-            for pos in range(upto):
-                row = rows[blocks[pos // self.block], pos % self.block].reshape(-1)
-                if not torch.equal(row, pattern(tokens[pos], pos, layer, row.numel())):
-                    return False
+        for rank, layers in enumerate(self.rows):
+            for layer, rows in enumerate(layers.values()):
+                for pos in range(upto):
+                    row = rows[blocks[pos // self.block], pos % self.block].reshape(-1)
+                    if not torch.equal(row, pattern(tokens[pos], pos, layer, rank, row.numel())):
+                        return False
         return True
+
+    def forward(self, out: Any, rank: int) -> list[list[int]]:
+        """The stand-in model on one rank: each scheduled token's known row, one sampled token
+        for each request whose prompt is complete."""
+        sampled = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            start = req.num_computed_tokens - n  # the scheduler already advanced it
+            blocks = self.blocks_of(req_id)
+            for pos in range(start, start + n):
+                for layer, rows in enumerate(self.rows[rank].values()):
+                    row = rows[blocks[pos // self.block], pos % self.block]
+                    row.copy_(pattern(req.all_token_ids[pos], pos, layer, rank, row.numel()).view(row.shape))
+            sampled.append([1 + pos % (VOCAB - 1)] if start + n >= req.num_tokens else [])
+        return sampled
+
+    def failures(self) -> dict[str, str]:
+        """Request -> why its room failed, on any rank."""
+        return {r: why for w in self.workers for r, why in w.worker_half.failures.items()}
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
 
     def step(self) -> list[Any]:
         from vllm.distributed.kv_transfer import kv_transfer_state
@@ -159,32 +206,32 @@ class Engine:
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker  # a test may step several engines
         out = self.scheduler.schedule()
         req_ids = list(out.num_scheduled_tokens)
-        sampled = []
-        with (
-            set_forward_context(None, self.config),
-            KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_out,
-        ):
-            for req_id in req_ids:
+        for req_id, n in out.num_scheduled_tokens.items():
+            if req_id not in self.first_scheduled:
                 req = self.scheduler.requests[req_id]
-                n = out.num_scheduled_tokens[req_id]
-                start = req.num_computed_tokens - n  # the scheduler already advanced it
-                if req_id not in self.first_scheduled:
-                    self.first_scheduled[req_id] = (start, n)
-                    if start > 0:  # rows [0, start) came through the connector: check them first
-                        self.loaded_ok[req_id] = self.rows_match(req_id, req.all_token_ids, start)
-                blocks = self.blocks_of(req_id)
-                for pos in range(start, start + n):
-                    for layer, rows in enumerate(self.rows.values()):
-                        row = rows[blocks[pos // self.block], pos % self.block]
-                        row.copy_(pattern(req.all_token_ids[pos], pos, layer, row.numel()).view(row.shape))
-                sampled.append([1 + pos % (VOCAB - 1)] if start + n >= req.num_tokens else [])
-        mro = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled, kv_connector_output=kv_out,
-        )  # fmt: skip
+                start = req.num_computed_tokens - n
+                self.first_scheduled[req_id] = (start, n)
+                if start > 0:  # rows [0, start) came through the connector: check them first
+                    self.loaded_ok[req_id] = self.rows_match(req_id, req.all_token_ids, start)
+        outputs = []
+        for rank, worker in enumerate(self.workers):
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker  # this rank's (a test steps several engines)
+            with (
+                set_forward_context(None, self.config),
+                KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_out,
+            ):
+                sampled = self.forward(out, rank)
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=kv_out,
+                )
+            )
+        mro = self.aggregator.aggregate(outputs)
         outputs = self.scheduler.update_from_output(out, mro)
         for eco in outputs.values():
             if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
@@ -203,7 +250,7 @@ class Engine:
 def serve_prefill() -> None:
     """The prefill process: requests in on stdin, their kv_transfer_params out on stdout."""
     extra = {**FAST, "control_key_file": os.environ["KEYFILE"], **json.loads(os.environ["EXTRA"])}
-    engine = Engine("kv_producer", "prefill", extra)
+    engine = Engine("kv_producer", "prefill", extra, tp=int(os.environ["TP"]))
     emit = lambda **kw: print(MARK + json.dumps(kw), flush=True)  # noqa: E731
     emit(event="ready")
     abort_after: dict[str, int] = {}
@@ -225,6 +272,7 @@ def serve_prefill() -> None:
             break
         if engine.idle():
             continue
+        time.sleep(0.002)  # as an engine's loop leaves the GIL to kvferry's threads between steps
         for o in engine.step():
             if o.finish_reason is not None:
                 emit(event="finished", id=o.request_id, params=o.kv_transfer_params)
@@ -242,12 +290,15 @@ def serve_prefill() -> None:
                 event="idle", free_blocks=engine.free_blocks(), at_start=engine.free_blocks_at_start,
                 stats=engine.stats.data, refused_flows=refused,
             )  # fmt: skip
-    engine.worker.shutdown()
+    engine.shutdown()
 
 
 class Prefill:
-    def __init__(self, keyfile: str, **extra: Any) -> None:
-        env = {**os.environ, "KEYFILE": keyfile, "PYTHONUNBUFFERED": "1", "EXTRA": json.dumps(extra)}
+    def __init__(self, keyfile: str, tp: int = 1, **extra: Any) -> None:
+        env = {
+            **os.environ, "KEYFILE": keyfile, "PYTHONUNBUFFERED": "1", "EXTRA": json.dumps(extra),
+            "TP": str(tp),
+        }  # fmt: skip
         # The prefill process's stderr (vLLM's and kvferry's logs): a file when debugging.
         self.log = open(os.environ.get("KVFERRY_TEST_PREFILL_LOG", os.devnull), "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -315,18 +366,23 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
     """Chunked prompts (up to 3 chunks of 32 tokens) move through kvferry by each flow that fits
-    vLLM (direct, pull, push), into a decode engine of prefill's block size and one of twice it;
-    decode's scheduler then computes only the last token, over rows that hold prefill's exact
-    bytes; every block is freed on both sides, and vLLM's stats hooks carry the counts. A prefill
-    request aborted mid-prompt frees its blocks and returns no params, as does one naming an
-    unknown flow; decode requests aborted while their loads run (one per flow) are never computed
-    and their blocks come back on both sides."""
+    vLLM (direct, pull, push), TP 2 on both sides (rank r to rank r), into a decode engine of
+    prefill's block size and one of twice it that runs the native executor; decode's scheduler
+    then computes only the last token, over rows that hold prefill's exact bytes; every block is
+    freed on both sides, and vLLM's stats hooks carry the counts. A prefill request aborted
+    mid-prompt frees its blocks and returns no params, as does one naming an unknown flow; decode
+    requests aborted while their loads run (one per flow) are never computed and their blocks come
+    back on both sides."""
     from vllm.v1.request import RequestStatus
 
-    prefill = Prefill(keyfile)
+    tp = 2
+    # No peer dies here: a longer heartbeat timeout keeps a starved 2-core host from losing one.
+    steady = {**FAST, "heartbeat_timeout_s": 5.0}
+    prefill = Prefill(keyfile, tp=tp, **steady)
     try:
-        decode = Engine("kv_consumer", "decode", {**FAST, "control_key_file": keyfile})
-        wide = Engine("kv_consumer", "decode-b32", {**FAST, "control_key_file": keyfile}, block=2 * BLOCK)
+        decode = Engine("kv_consumer", "decode", {**steady, "control_key_file": keyfile}, tp=tp)
+        native = {**steady, "control_key_file": keyfile, "nixl_engine": "native"}
+        wide = Engine("kv_consumer", "decode-b32", native, block=2 * BLOCK, tp=tp)
         prefill.expect("ready", 300)
         moves = {  # request -> (prompt, flow, decode engine)
             "r0": (prompt(0, 70), "direct", decode),
@@ -362,7 +418,7 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
         run_decode(decode, wide)
         for req_id, (tokens, flow, engine) in moves.items():
             assert engine.first_scheduled[req_id] == (len(tokens) - 1, 1), (
-                f"{req_id} ({flow}) was recomputed: {engine.worker.worker_half.failures}"
+                f"{req_id} ({flow}) was recomputed: {engine.failures()}"
             )
             assert engine.loaded_ok[req_id], f"{req_id} ({flow}): decode's rows differ from prefill's"
         assert not set(decode_aborts) & set(decode.first_scheduled)
@@ -371,21 +427,25 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
         assert idle["refused_flows"] == 1
         for engine in (decode, wide):
             assert engine.free_blocks() == engine.free_blocks_at_start
-        # vLLM's stats hooks: every room and byte, as vLLM's scheduler reported them.
-        token_bytes = decode.worker.worker_half.pool.model.token_bytes
+        assert {ep.transport.executor for w in wide.workers for ep in w.worker_half.decode.values()} == {
+            "native"
+        }
+        # vLLM's stats hooks: every room (one per rank) and byte, as vLLM's scheduler reported them.
+        token_bytes = tp * decode.worker.worker_half.pool.model.token_bytes
         sent = idle["stats"]
-        assert sent["rooms_sent"] >= len(moves)
-        assert sent["rooms_sent"] + sent["rooms_send_failed"] == len(moves) + len(decode_aborts) + 1
+        assert sent["rooms_sent"] >= tp * len(moves)
+        assert sent["rooms_sent"] + sent["rooms_send_failed"] == tp * (len(moves) + len(decode_aborts) + 1)
         assert sent["bytes_sent"] >= token_bytes * sum(len(t) for t, _, _ in moves.values())
         for engine, aborted in ((decode, len(decode_aborts)), (wide, 0)):
             mine = [len(t) for t, _, e in moves.values() if e is engine]
             got = engine.stats.data
             # An aborted request's room counts once: failed, or received if its load beat the abort.
-            assert got["rooms_received"] + got["rooms_recv_failed"] == len(mine) + aborted
-            assert len(mine) <= got["rooms_received"] == len(got["transfer_s"])
-            assert got["bytes_received"] - token_bytes * sum(mine) in range(0, token_bytes * 50 * aborted + 1)
-        decode.worker.shutdown()
-        wide.worker.shutdown()
+            assert got["rooms_received"] + got["rooms_recv_failed"] == tp * (len(mine) + aborted)
+            assert tp * len(mine) <= got["rooms_received"] == len(got["transfer_s"])
+            extra = got["bytes_received"] - token_bytes * sum(mine)
+            assert extra in range(0, token_bytes * 50 * aborted + 1)
+        decode.shutdown()
+        wide.shutdown()
     finally:
         prefill.close()
 
@@ -431,12 +491,12 @@ def test_failed_rooms_end_in_recompute(keyfile: str, tmp_path: Path) -> None:
     for engine, req_ids in ((stranger, ["r-key"]), (decode, ["tp", "r", "r-pull"])):
         for req_id in req_ids:
             assert engine.first_scheduled[req_id][0] == 0, f"{req_id}: the prompt was not recomputed"
-            assert req_id in engine.worker.worker_half.failures
+            assert req_id in engine.failures()
         assert engine.free_blocks() == engine.free_blocks_at_start
         assert engine.stats.data["rooms_recv_failed"] == len(req_ids)
         assert engine.stats.data["rooms_received"] == 0
-        print({r: engine.worker.worker_half.failures[r] for r in req_ids})
-        engine.worker.shutdown()
+        print({r: engine.failures()[r] for r in req_ids})
+        engine.shutdown()
 
 
 def test_bad_extra_config_names_the_key() -> None:

@@ -1,10 +1,11 @@
 """The connector's scheduler half: which requests move, into and out of which blocks.
 
-One flow, fitted to vLLM's default disaggregated life cycle (a router sends the request to
-prefill with ``max_tokens=1``, then to decode with the ``kv_transfer_params`` prefill returned):
+Fitted to vLLM's default disaggregated life cycle (a router sends the request to prefill with
+``max_tokens=1``, then to decode with the ``kv_transfer_params`` prefill returned), whatever flow
+moves the bytes (direct, pull or push: the server's ``flow``, or the request's ``kvferry_flow``):
 
 - Prefill: every step that computes part of a ``do_remote_decode`` request's prompt becomes a
-  chunk its worker hands to kvferry (written to decode as soon as decode has asked for the room).
+  chunk its worker hands to kvferry (moved to decode once decode has asked for the room).
   ``request_finished`` keeps the blocks (vLLM frees them when the workers report the room done)
   and returns the room, the transfer id and the prefill ranks' addresses.
 - Decode: a request carrying those params loads its whole prompt asynchronously;
