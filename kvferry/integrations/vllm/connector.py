@@ -155,14 +155,9 @@ class KvferryConnector(KVConnectorBase_V1):
         return KvferryStats(dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KvferryPromMetrics:
-        return KvferryPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    def build_prom_metrics(cls, *args: Any) -> KvferryPromMetrics:
+        """vLLM's (vllm_config, metric_types, labelnames, per_engine_labelvalues), passed on."""
+        return KvferryPromMetrics(*args)
 
     def shutdown(self) -> None:
         if self.worker_half is not None:
