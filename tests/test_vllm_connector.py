@@ -367,7 +367,8 @@ def prompt(seed: int, n: int) -> list[int]:
 def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
     """Chunked prompts (up to 3 chunks of 32 tokens) move through kvferry by each flow that fits
     vLLM (direct, pull, push), TP 2 on both sides (rank r to rank r), into a decode engine of
-    prefill's block size and one of twice it that runs the native executor; decode's scheduler
+    prefill's block size and layout (NHD blocks) and one of twice it in HND blocks that runs the
+    native executor; decode's scheduler
     then computes only the last token, over rows that hold prefill's exact bytes; every block is
     freed on both sides, and vLLM's stats hooks carry the counts. A prefill request aborted
     mid-prompt frees its blocks and returns no params, as does one naming an unknown flow; decode
@@ -382,7 +383,7 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
     try:
         decode = Engine("kv_consumer", "decode", {**steady, "control_key_file": keyfile}, tp=tp)
         native = {**steady, "control_key_file": keyfile, "nixl_engine": "native"}
-        wide = Engine("kv_consumer", "decode-b32", native, block=2 * BLOCK, tp=tp)
+        wide = Engine("kv_consumer", "decode-hnd", native, block=2 * BLOCK, tp=tp, layout="LBHNC")
         prefill.expect("ready", 300)
         moves = {  # request -> (prompt, flow, decode engine)
             "r0": (prompt(0, 70), "direct", decode),
@@ -499,12 +500,11 @@ def test_failed_rooms_end_in_recompute(keyfile: str, tmp_path: Path) -> None:
         engine.shutdown()
 
 
-def test_a_kv_layout_other_than_lbnhc_is_refused_with_the_shape_seen() -> None:
-    """vLLM's HND blocks (LBHNC) keep a token's heads apart; the connector cannot describe them
-    yet (docs/vllm.md) and says so at start-up, in register_kv_caches, instead of moving bytes
-    wrong."""
-    with pytest.raises(ValueError, match=r"LBNHC layout .* got shape \(\d+, 2, 16, 32\)"):
-        Engine("kv_consumer", "hnd", {**FAST, "control_insecure": True}, layout="LBHNC")
+def test_a_kv_layout_kvferry_cannot_describe_is_refused_with_the_shape_seen() -> None:
+    """A layout whose blocks are not one byte run each (LHBNC: a head's blocks together) is
+    refused at start-up, in register_kv_caches, instead of moving bytes wrong."""
+    with pytest.raises(ValueError, match=r"LBNHC or LBHNC layout .* got shape \(\d+, 2, 16, 32\)"):
+        Engine("kv_consumer", "lhbnc", {**FAST, "control_insecure": True}, layout="LHBNC")
 
 
 def test_bad_extra_config_names_the_key() -> None:

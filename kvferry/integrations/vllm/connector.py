@@ -65,7 +65,7 @@ class KvferryConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return "LBNHC"  # a token's bytes together in each block (worker.pool_from_kv_caches)
+        return "LBNHC"  # NHD blocks; LBHNC (HND) works too, forced by VLLM_KV_CACHE_LAYOUT (worker.py)
 
     @property
     def _sched(self) -> SchedulerHalf:

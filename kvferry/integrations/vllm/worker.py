@@ -46,34 +46,40 @@ def pool_from_kv_caches(kv_caches: dict[str, Any]) -> tuple[PoolGeometry, dict[i
 
     vLLM 0.33 views each layer as ``[blocks, heads, block_size, content]`` (content: the K and V
     elements of one head and token) over one backing allocation, strided by its KV cache layout.
-    kvferry needs a layer's blocks to be one contiguous run with a token's bytes together, which is
-    the ``LBNHC`` layout (the connector asks vLLM for it). A block's token prefix is then a byte
-    prefix, so each layer is one region of ``block_size`` rows of ``heads x content`` elements
-    (kvferry's single-region form, ``is_mla``): ranks pair one to one, prefill rank r with decode
-    rank r, and each pair moves whole rows. Any other layout is refused with what was seen."""
+    kvferry describes each layer as one region of fused K and V heads (``fused_kv``: a head is
+    ``content`` wide), in either of vLLM's layer-compact block layouts: ``LBNHC`` (NHD blocks, a
+    token's heads together) or ``LBHNC`` (HND blocks, a head's tokens together); the planner maps
+    tokens between the two sides' layouts and block sizes. Each rank is its own server of TP 1
+    holding its heads: prefill rank r pairs with decode rank r. Any other layout is refused with
+    what was seen."""
     first = next(iter(kv_caches.values()))
     shape = tuple(first.shape)
-    if first.dim() != 4 or not first.permute(0, 2, 1, 3).is_contiguous():
+    if first.dim() == 4 and first.permute(0, 2, 1, 3).is_contiguous():
+        layout = Layout.VLLM_NHD
+    elif first.dim() == 4 and first.is_contiguous():
+        layout = Layout.VLLM_HND
+    else:
         raise ValueError(
-            "kvferry needs vLLM's KV cache in the LBNHC layout (VLLM_KV_CACHE_LAYOUT=LBNHC): each"
-            f" layer [blocks, heads, block_size, content] with a token's heads contiguous; got shape"
+            "kvferry needs vLLM's KV cache in the LBNHC or LBHNC layout (VLLM_KV_CACHE_LAYOUT): each"
+            f" layer [blocks, heads, block_size, content] with a block's bytes together; got shape"
             f" {shape}, strides {tuple(first.stride())}"
         )
     if str(first.dtype) not in _DTYPES:
         raise ValueError(f"kvferry: KV cache dtype {first.dtype} is not supported")
     num_blocks, heads, block_size, content = shape
     model = ModelGeometry(
-        "vllm", num_layers=len(kv_caches), num_kv_heads=1, head_dim=heads * content,
-        dtype=_DTYPES[str(first.dtype)], is_mla=True,
+        "vllm", num_layers=len(kv_caches), num_kv_heads=heads, head_dim=content,
+        dtype=_DTYPES[str(first.dtype)], fused_kv=True,
     )  # fmt: skip
-    pool = PoolGeometry(model, 1, 0, block_size, num_blocks, Layout.VLLM_NHD)
+    pool = PoolGeometry(model, 1, 0, block_size, num_blocks, layout)
     buffers: dict[int, Any] = {}
     for layer, kv in enumerate(kv_caches.values()):
         if tuple(kv.shape) != shape or kv.dtype != first.dtype or kv.stride() != first.stride():
             raise ValueError(
                 f"kvferry: layers differ in KV shape, strides or dtype ({tuple(kv.shape)} vs {shape})"
             )
-        buffers[pool.region_id(layer, KVKind.LATENT)] = kv.permute(0, 2, 1, 3)
+        view = kv.permute(0, 2, 1, 3) if layout is Layout.VLLM_NHD else kv  # memory order
+        buffers[pool.region_id(layer, KVKind.LATENT)] = view
     return pool, buffers
 
 
