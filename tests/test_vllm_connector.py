@@ -47,11 +47,13 @@ FAST = {
 }
 
 
-def pattern(token: int, pos: int, layer: int, rank: int, row_elems: int) -> torch.Tensor:
-    """What the stand-in forward writes into one token's KV row (one TP rank's heads x content
-    elements); the rank is in it, so a row from another rank would not match."""
-    base = torch.arange(row_elems, dtype=torch.int64)
-    return ((base * 13 + token * 7 + pos * 3 + layer * 11 + rank * 5) % 251).to(torch.float16)
+def pattern(token: int, pos: int, layer: int, heads: range, content: int) -> torch.Tensor:
+    """What the stand-in forward writes into one token's KV row on a rank holding ``heads``
+    (``[heads, content]``): a function of the global head, so a head landing in another head's
+    place, or on a rank that does not hold it, would not match."""
+    head = torch.tensor(list(heads), dtype=torch.int64)[:, None]
+    elem = torch.arange(content, dtype=torch.int64)[None, :]
+    return ((elem * 13 + head * 29 + token * 7 + pos * 3 + layer * 11) % 251).to(torch.float16)
 
 
 class Engine:
@@ -167,13 +169,18 @@ class Engine:
     def blocks_of(self, req_id: str) -> list[int]:
         return self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
 
+    def heads(self, rank: int) -> range:
+        """The model's KV heads TP rank ``rank`` holds."""
+        per_rank = HEADS // len(self.workers)
+        return range(rank * per_rank, (rank + 1) * per_rank)
+
     def rows_match(self, req_id: str, tokens: list[int], upto: int) -> bool:
         blocks = self.blocks_of(req_id)
         for rank, layers in enumerate(self.rows):
             for layer, rows in enumerate(layers.values()):
                 for pos in range(upto):
-                    row = rows[blocks[pos // self.block], pos % self.block].reshape(-1)
-                    if not torch.equal(row, pattern(tokens[pos], pos, layer, rank, row.numel())):
+                    row = rows[blocks[pos // self.block], pos % self.block]
+                    if not torch.equal(row, pattern(tokens[pos], pos, layer, self.heads(rank), row.shape[1])):
                         return False
         return True
 
@@ -188,7 +195,7 @@ class Engine:
             for pos in range(start, start + n):
                 for layer, rows in enumerate(self.rows[rank].values()):
                     row = rows[blocks[pos // self.block], pos % self.block]
-                    row.copy_(pattern(req.all_token_ids[pos], pos, layer, rank, row.numel()).view(row.shape))
+                    row.copy_(pattern(req.all_token_ids[pos], pos, layer, self.heads(rank), row.shape[1]))
             sampled.append([1 + pos % (VOCAB - 1)] if start + n >= req.num_tokens else [])
         return sampled
 
@@ -366,9 +373,9 @@ def prompt(seed: int, n: int) -> list[int]:
 
 def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
     """Chunked prompts (up to 3 chunks of 32 tokens) move through kvferry by each flow that fits
-    vLLM (direct, pull, push), TP 2 on both sides (rank r to rank r), into a decode engine of
-    prefill's block size and layout (NHD blocks) and one of twice it in HND blocks that runs the
-    native executor; decode's scheduler
+    vLLM (direct, pull, push) from a prefill of TP 2 into a decode engine of TP 1 (each prefill
+    rank writes its heads) of prefill's block size and layout (NHD blocks), and one of TP 2 with
+    blocks twice as large in HND that runs the native executor; decode's scheduler
     then computes only the last token, over rows that hold prefill's exact bytes; every block is
     freed on both sides, and vLLM's stats hooks carry the counts. A prefill request aborted
     mid-prompt frees its blocks and returns no params, as does one naming an unknown flow; decode
@@ -381,7 +388,7 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
     steady = {**FAST, "heartbeat_timeout_s": 5.0}
     prefill = Prefill(keyfile, tp=tp, **steady)
     try:
-        decode = Engine("kv_consumer", "decode", {**steady, "control_key_file": keyfile}, tp=tp)
+        decode = Engine("kv_consumer", "decode", {**steady, "control_key_file": keyfile}, tp=1)
         native = {**steady, "control_key_file": keyfile, "nixl_engine": "native"}
         wide = Engine("kv_consumer", "decode-hnd", native, block=2 * BLOCK, tp=tp, layout="LBHNC")
         prefill.expect("ready", 300)
@@ -432,17 +439,17 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
             "native"
         }
         # vLLM's stats hooks: every room (one per rank) and byte, as vLLM's scheduler reported them.
-        token_bytes = tp * decode.worker.worker_half.pool.model.token_bytes
+        token_bytes = decode.worker.worker_half.pool.model.token_bytes  # all heads, all layers
         sent = idle["stats"]
         assert sent["rooms_sent"] >= tp * len(moves)
         assert sent["rooms_sent"] + sent["rooms_send_failed"] == tp * (len(moves) + len(decode_aborts) + 1)
         assert sent["bytes_sent"] >= token_bytes * sum(len(t) for t, _, _ in moves.values())
         for engine, aborted in ((decode, len(decode_aborts)), (wide, 0)):
             mine = [len(t) for t, _, e in moves.values() if e is engine]
-            got = engine.stats.data
+            got, ranks = engine.stats.data, len(engine.workers)
             # An aborted request's room counts once: failed, or received if its load beat the abort.
-            assert got["rooms_received"] + got["rooms_recv_failed"] == tp * (len(mine) + aborted)
-            assert tp * len(mine) <= got["rooms_received"] == len(got["transfer_s"])
+            assert got["rooms_received"] + got["rooms_recv_failed"] == ranks * (len(mine) + aborted)
+            assert ranks * len(mine) <= got["rooms_received"] == len(got["transfer_s"])
             extra = got["bytes_received"] - token_bytes * sum(mine)
             assert extra in range(0, token_bytes * 50 * aborted + 1)
         decode.shutdown()
@@ -454,9 +461,10 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
 def test_failed_rooms_end_in_recompute(keyfile: str, tmp_path: Path) -> None:
     """Every way a room fails ends in vLLM's recompute, never an exception in a step: prefill
     frees the blocks of requests decode never asks for (bootstrap deadline, direct and pull);
-    decode with another control key is refused by prefill; decode asked for a prefill of another
-    TP size refuses the request itself; prefill dies after answering (peer lost, direct and pull).
-    Each failed request is recomputed from token 0 and every block comes back."""
+    decode with another control key is refused by prefill; decode asked for a prefill whose TP
+    size cannot split the model's heads refuses the request itself; prefill dies after answering
+    (peer lost, direct and pull). Each failed request is recomputed from token 0 and every block
+    comes back."""
     stranger_key = tmp_path / "stranger.key"
     stranger_key.write_text("another-kvferry-test-key-987654321")
     prefill = Prefill(keyfile, bootstrap_timeout_s=4.0)
@@ -479,8 +487,9 @@ def test_failed_rooms_end_in_recompute(keyfile: str, tmp_path: Path) -> None:
             params[msg["id"]] = msg["params"]
         stranger.add("r-key", tokens["r-key"], 2, params["r-key"])
         run_decode(stranger)  # while prefill lives: refused, not lost
-        two_ranks = {**params["r-key"], "kvferry_addresses": params["r-key"]["kvferry_addresses"] * 2}
-        decode.add("tp", tokens["r-key"], 2, two_ranks)
+        # A prefill of 3 ranks over the model's 2 KV heads cannot exist: the open is refused.
+        three_ranks = {**params["r-key"], "kvferry_addresses": params["r-key"]["kvferry_addresses"] * 3}
+        decode.add("tp", tokens["r-key"], 2, three_ranks)
         run_decode(decode)
     finally:
         prefill.proc.kill()

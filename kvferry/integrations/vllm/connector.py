@@ -61,6 +61,7 @@ class KvferryConnector(KVConnectorBase_V1):
                 is_producer=transfer.is_kv_producer,
                 tp_size=tp_size,
                 tp_rank=_tp_rank(tp_size),
+                total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
             )
 
     @classmethod

@@ -41,7 +41,9 @@ def new_stats() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def pool_from_kv_caches(kv_caches: dict[str, Any]) -> tuple[PoolGeometry, dict[int, Any]]:
+def pool_from_kv_caches(
+    kv_caches: dict[str, Any], tp_size: int = 1, tp_rank: int = 0, total_kv_heads: int = 0
+) -> tuple[PoolGeometry, dict[int, Any]]:
     """kvferry's pool geometry and region buffers for vLLM's per-layer KV views.
 
     vLLM 0.33 views each layer as ``[blocks, heads, block_size, content]`` (content: the K and V
@@ -49,9 +51,10 @@ def pool_from_kv_caches(kv_caches: dict[str, Any]) -> tuple[PoolGeometry, dict[i
     kvferry describes each layer as one region of fused K and V heads (``fused_kv``: a head is
     ``content`` wide), in either of vLLM's layer-compact block layouts: ``LBNHC`` (NHD blocks, a
     token's heads together) or ``LBHNC`` (HND blocks, a head's tokens together); the planner maps
-    tokens between the two sides' layouts and block sizes. Each rank is its own server of TP 1
-    holding its heads: prefill rank r pairs with decode rank r. Any other layout is refused with
-    what was seen."""
+    tokens between the two sides' layouts and block sizes. The pool is rank ``tp_rank`` of
+    ``tp_size`` over the model's ``total_kv_heads`` (0: this rank's heads times ``tp_size``), so
+    each decode rank pairs with the prefill ranks holding its heads, whatever the two TP sizes.
+    Any other layout is refused with what was seen."""
     first = next(iter(kv_caches.values()))
     shape = tuple(first.shape)
     if first.dim() == 4 and first.permute(0, 2, 1, 3).is_contiguous():
@@ -68,10 +71,15 @@ def pool_from_kv_caches(kv_caches: dict[str, Any]) -> tuple[PoolGeometry, dict[i
         raise ValueError(f"kvferry: KV cache dtype {first.dtype} is not supported")
     num_blocks, heads, block_size, content = shape
     model = ModelGeometry(
-        "vllm", num_layers=len(kv_caches), num_kv_heads=heads, head_dim=content,
-        dtype=_DTYPES[str(first.dtype)], fused_kv=True,
+        "vllm", num_layers=len(kv_caches), num_kv_heads=total_kv_heads or heads * tp_size,
+        head_dim=content, dtype=_DTYPES[str(first.dtype)], fused_kv=True,
     )  # fmt: skip
-    pool = PoolGeometry(model, 1, 0, block_size, num_blocks, layout)
+    pool = PoolGeometry(model, tp_size, tp_rank, block_size, num_blocks, layout)
+    if pool.heads_per_rank != heads:
+        raise ValueError(
+            f"kvferry: TP rank {tp_rank} of {tp_size} over {model.num_kv_heads} KV heads should hold"
+            f" {pool.heads_per_rank} heads; vLLM's KV cache holds {heads}"
+        )
     buffers: dict[int, Any] = {}
     for layer, kv in enumerate(kv_caches.values()):
         if tuple(kv.shape) != shape or kv.dtype != first.dtype or kv.stride() != first.stride():
@@ -109,6 +117,7 @@ class WorkerHalf:
     is_producer: bool
     tp_size: int = 1
     tp_rank: int = 0
+    total_kv_heads: int = 0  # the model's (0: this rank's times tp_size)
     pool: PoolGeometry | None = None
     buffers: dict[int, Any] = field(default_factory=dict)
     prefill: PrefillEndpoint | None = None
@@ -125,17 +134,16 @@ class WorkerHalf:
     stats: dict[str, Any] = field(default_factory=lambda: new_stats())
 
     def register(self, kv_caches: dict[str, Any]) -> None:
-        self.pool, self.buffers = pool_from_kv_caches(kv_caches)
+        self.pool, self.buffers = pool_from_kv_caches(
+            kv_caches, self.tp_size, self.tp_rank, self.total_kv_heads
+        )
         if self.is_producer:
+            # One server of tp_size ranks (its control-plane identity: server name, TP rank).
             self.prefill = PrefillEndpoint(
-                self.rank_name, self.pool, buffers=self.buffers,
+                self.settings.server, self.pool, buffers=self.buffers,
                 config=self.settings.runtime_config(self.tp_rank),
             )  # fmt: skip
             self.prefill.start()
-
-    @property
-    def rank_name(self) -> str:
-        return f"{self.settings.server}.tp{self.tp_rank}"
 
     def handshake(self) -> KvferryHandshake | None:
         if self.prefill is None:
@@ -150,14 +158,11 @@ class WorkerHalf:
         ep = self.decode.get(key)
         if ep is None:
             assert self.pool is not None, "register_kv_caches was not called"
-            if len(m.addresses) != self.tp_size:
-                raise ValueError(
-                    f"prefill {m.server} has TP {len(m.addresses)}, this decode TP {self.tp_size}"
-                )
-            # Ranks pair one to one (pool_from_kv_caches): this rank reads prefill's rank of its own.
+            # This rank asks the prefill ranks that hold its heads (core.topology); decode's ranks
+            # are one server of tp_size ranks towards each prefill server, as prefill's are.
             ep = DecodeEndpoint(
-                f"{self.rank_name}>{m.server}", self.pool, prefill_server=f"{m.server}.tp{self.tp_rank}",
-                prefill_addresses=[m.addresses[self.tp_rank]], buffers=self.buffers,
+                f"{self.settings.server}>{m.server}", self.pool, prefill_server=m.server,
+                prefill_addresses=list(m.addresses), buffers=self.buffers,
                 config=self.settings.runtime_config(self.tp_rank),
             )  # fmt: skip
             ep.start()
@@ -268,7 +273,7 @@ class WorkerHalf:
             return
         assert self.pool is not None
         self.stats[f"rooms_{side}"] += 1
-        self.stats[f"bytes_{side}"] += entry.num_tokens * self.pool.model.token_bytes
+        self.stats[f"bytes_{side}"] += entry.num_tokens * self.pool.token_bytes * self.pool.model.num_regions
         self.stats["transfer_s"].append(time.monotonic() - entry.opened)
 
     def take_stats(self) -> dict[str, Any]:
