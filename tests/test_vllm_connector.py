@@ -438,6 +438,14 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
         assert {ep.transport.executor for w in wide.workers for ep in w.worker_half.decode.values()} == {
             "native"
         }
+        # No staging memory taken from the KV cache's device (the connector's flows need none).
+        assert not [
+            ep
+            for e in (decode, wide)
+            for w in e.workers
+            for ep in w.worker_half.decode.values()
+            if ep.staging_buffers
+        ]
         # vLLM's stats hooks: every room (one per rank) and byte, as vLLM's scheduler reported them.
         token_bytes = decode.worker.worker_half.pool.model.token_bytes  # all heads, all layers
         sent = idle["stats"]

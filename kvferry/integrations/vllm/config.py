@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvferry.backends.runtime import RuntimeConfig
+from kvferry.backends.runtime.staging import StagingConfig
 from kvferry.core.deadlines import SEC, Timeouts
 
 __all__ = ["FLOWS", "KNOBS", "ConnectorSettings", "parse_extra_config"]
@@ -38,6 +39,8 @@ KNOBS: dict[str, tuple[type, Any, str]] = {
     "flow": (str, "direct", "prefill's transfer flow: direct, pull or push (a request may override it)"),
     "nixl_engine": (str, "python", "who executes NIXL's transfers: python or native (backends/native)"),
 }
+
+NO_STAGING = StagingConfig(worker_buffer_bytes=0, ring_bytes=0, pinned_bytes=0, prefill_pinned_bytes=0)
 
 # Flows that fit vLLM's life cycle with the connector's pools (see docs/vllm.md): the staged flows
 # (ring, pinned) move head slices for unequal TP, which this connector's pool does not split.
@@ -85,6 +88,10 @@ class ConnectorSettings:
             control_insecure=self.control_insecure,
             metrics=self.metrics,
             nixl_engine=self.nixl_engine,
+            # No staging memory: the connector's flows move bytes between vLLM's own blocks, and
+            # the runtime's defaults (a 1 GiB ring per decode endpoint, 256 MiB per prefill queue,
+            # in the pool's device memory) would take GPU memory from vLLM's KV cache.
+            staging=NO_STAGING,
         )
 
 
