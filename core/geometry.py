@@ -124,6 +124,10 @@ class ModelGeometry:
     linear_layers: int = 0
     linear_attn_params: int = 0  # token-mixer weights of one linear-attention layer
     linear_state_bytes: int = 0  # one request's recurrent state in one linear layer, all heads
+    # K and V side by side per head and token (vLLM's per-layer KV view: its content axis holds
+    # both), so one region per layer whose heads are ``head_dim`` wide (K then V), split across
+    # TP ranks by heads as K and V are. Not with ``is_mla``.
+    fused_kv: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, DType):
@@ -137,6 +141,8 @@ class ModelGeometry:
             value = getattr(self, fname)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise GeometryError(f"{fname} must be a positive integer, got {value!r}")
+        if self.is_mla and self.fused_kv:
+            raise GeometryError("is_mla and fused_kv exclude each other (one latent, or fused K and V)")
         if self.is_mla and self.num_kv_heads != 1:
             raise GeometryError(
                 f"MLA keeps one latent per token (num_kv_heads == 1), got {self.num_kv_heads}"
@@ -152,7 +158,7 @@ class ModelGeometry:
     @property
     def kinds(self) -> tuple[KVKind, ...]:
         """Region kinds per layer, in region order."""
-        return (KVKind.LATENT,) if self.is_mla else (KVKind.K, KVKind.V)
+        return (KVKind.LATENT,) if self.is_mla or self.fused_kv else (KVKind.K, KVKind.V)
 
     @property
     def num_regions(self) -> int:
@@ -182,7 +188,7 @@ class ModelGeometry:
         """None if ``other`` lays out identical KV bytes, else a sentence saying what differs."""
         if other is self:
             return None  # the usual case (both sides' pools of one model), asked per planned chunk
-        for fname in ("num_layers", "num_kv_heads", "head_dim", "dtype", "is_mla"):
+        for fname in ("num_layers", "num_kv_heads", "head_dim", "dtype", "is_mla", "fused_kv"):
             a, b = getattr(self, fname), getattr(other, fname)
             if a != b:
                 return f"{fname} differs: {a!r} vs {b!r}"

@@ -106,6 +106,7 @@ class GeometryWire(msgspec.Struct, frozen=True):
     page_size: Annotated[int, msgspec.Meta(ge=1, lt=1 << 16)]
     num_pages: Annotated[int, msgspec.Meta(ge=1, lt=1 << 31)]
     layout: Annotated[str, msgspec.Meta(max_length=32)]
+    fused_kv: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_rank >= self.tp_size:
@@ -126,6 +127,7 @@ class GeometryWire(msgspec.Struct, frozen=True):
             page_size=pool.page_size,
             num_pages=pool.num_pages,
             layout=str(pool.layout.value),
+            fused_kv=m.fused_kv,
         )
 
     def to_pool(self) -> Any:
@@ -133,8 +135,9 @@ class GeometryWire(msgspec.Struct, frozen=True):
         from kvferry.core.geometry import ModelGeometry, PoolGeometry
 
         model = ModelGeometry(
-            self.model_name, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.is_mla
-        )
+            self.model_name, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.is_mla,
+            fused_kv=self.fused_kv,
+        )  # fmt: skip
         return PoolGeometry(model, self.tp_size, self.tp_rank, self.page_size, self.num_pages, self.layout)
 
 

@@ -46,7 +46,7 @@ def ref_heads(num_heads: int, tp: int, rank: int) -> range:
 
 
 def num_regions(model: Any) -> int:
-    return model.num_layers * (1 if model.is_mla else 2)
+    return model.num_layers * (1 if model.is_mla or getattr(model, "fused_kv", False) else 2)
 
 
 def head_bytes(model: Any) -> int:

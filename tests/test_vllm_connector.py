@@ -32,6 +32,8 @@ if __name__ != "__main__":
 
 import torch
 
+from kvferry.integrations.vllm.config import FLOWS
+
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, VOCAB = 2, 16, 16, 48, 1000
 MARK = "@kvferry-test "  # prefixes the prefill process's protocol lines
@@ -41,29 +43,47 @@ FAST = {
     "bootstrap_timeout_s": 20.0,
     "fence_timeout_s": 3.0,
     "transfer_timeout_s": 20.0,
+    "num_queues": 2,  # threads per prefill rank: the tests run several ranks on 2 cores
 }
 
 
-def pattern(token: int, pos: int, layer: int, row_elems: int) -> torch.Tensor:
-    """What the stand-in forward writes into one token's KV row (heads x content elements)."""
-    base = torch.arange(row_elems, dtype=torch.int64)
-    return ((base * 13 + token * 7 + pos * 3 + layer * 11) % 251).to(torch.float16)
+def pattern(token: int, pos: int, layer: int, heads: range, content: int) -> torch.Tensor:
+    """What the stand-in forward writes into one token's KV row on a rank holding ``heads``
+    (``[heads, content]``): a function of the global head, so a head landing in another head's
+    place, or on a rank that does not hold it, would not match."""
+    head = torch.tensor(list(heads), dtype=torch.int64)[:, None]
+    elem = torch.arange(content, dtype=torch.int64)[None, :]
+    return ((elem * 13 + head * 29 + token * 7 + pos * 3 + layer * 11) % 251).to(torch.float16)
 
 
 class Engine:
-    """vLLM's scheduler and one worker's connector, stepped the way vLLM's engine core steps them."""
+    """vLLM's scheduler and a worker connector per TP rank, stepped the way vLLM's engine core
+    and its executor step them (each rank's connector output merged by vLLM's aggregator)."""
 
-    def __init__(self, role: str, name: str, extra: dict[str, Any], max_batched: int = 32) -> None:
+    def __init__(
+        self,
+        role: str,
+        name: str,
+        extra: dict[str, Any],
+        max_batched: int = 32,
+        block: int = BLOCK,
+        tp: int = 1,
+        layout: str | None = None,
+    ) -> None:
+        from unittest import mock
+
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
             KVTransferConfig,
             ModelConfig,
+            ParallelConfig,
             SchedulerConfig,
             VllmConfig,
         )
         from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
         from vllm.v1.core.sched.scheduler import Scheduler
@@ -82,10 +102,10 @@ class Engine:
         Path(model_dir, "config.json").write_text(json.dumps(hf))
         from kvferry.integrations.vllm import KvferryConnector
 
-        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=False)
-        cache.kv_cache_layout = KvferryConnector.get_required_kvcache_layout(
-            None
-        )  # as the engine core resolves it
+        self.block = block
+        cache = CacheConfig(block_size=block, enable_prefix_caching=False)
+        # As the engine core resolves it (a test may force another, as VLLM_KV_CACHE_LAYOUT would).
+        cache.kv_cache_layout = layout or KvferryConnector.get_required_kvcache_layout(None)
         self.config = VllmConfig(
             model_config=ModelConfig(
                 model=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=1024
@@ -101,34 +121,46 @@ class Engine:
                 kv_load_failure_policy="recompute",  # vLLM's default, "fail", ends the request
             ),
             device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp),
         )  # fmt: skip
         spec = FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16
+            block_size=block, num_kv_heads=HEADS // tp, head_size=HEAD_DIM, dtype=torch.float16
         )
         groups = [KVCacheGroupSpec(LAYERS, spec)]
         kv_config = get_kv_cache_config_from_groups(
-            self.config, groups, NUM_BLOCKS * spec.page_size_bytes * len(LAYERS)
+            self.config, groups, NUM_BLOCKS * BLOCK // block * spec.page_size_bytes * len(LAYERS)
         )
         self.config.cache_config.num_gpu_blocks = kv_config.num_blocks  # the engine core sets it so
         self.scheduler = Scheduler(
-            self.config, kv_config, StructuredOutputManager(self.config), block_size=BLOCK
+            self.config, kv_config, StructuredOutputManager(self.config), block_size=block, log_stats=True
         )
-        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_config)
-        kv_transfer_state._KV_CONNECTOR_AGENT = self.worker  # what ensure_kv_transfer_initialized sets
-        self.kv = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout[cache.kv_cache_layout])
-        self.rows = {name: t.permute(0, 2, 1, 3) for name, t in self.kv.items()}  # [B, N, H, C]
-        self.worker.register_kv_caches(self.kv)
-        handshake = self.worker.get_handshake_metadata()
-        if handshake is not None:
-            self.scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+        # One worker connector per rank, each over its own KV tensors (its heads). Without
+        # torch.distributed, the rank a worker process would read from vLLM's parallel state is
+        # handed to the connector here.
+        self.workers, self.rows = [], []
+        for rank in range(tp):
+            with mock.patch("kvferry.integrations.vllm.connector._tp_rank", lambda _, r=rank: r):
+                worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_config)
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker  # what ensure_kv_transfer_initialized sets
+            kv = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout[cache.kv_cache_layout])
+            self.rows.append({n: t.permute(0, 2, 1, 3) for n, t in kv.items()})  # [B, N, H, C]
+            worker.register_kv_caches(kv)
+            self.workers.append(worker)
+        self.worker = self.workers[0]
+        self.aggregator = KVOutputAggregator.from_connector(self.worker, tp)
+        handshakes = {(0, r): w.get_handshake_metadata() for r, w in enumerate(self.workers)}
+        if handshakes[0, 0] is not None:
+            self.scheduler.connector.set_xfer_handshake_metadata_pp_aware(handshakes)
         self.free_blocks_at_start = self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
         self.first_scheduled: dict[str, tuple[int, int]] = {}  # request -> (start, tokens) of its first step
         self.loaded_ok: dict[str, bool] = {}  # request -> its loaded rows held prefill's bytes
+        self.stats = self.worker.build_kv_connector_stats()  # what vLLM's stats loggers were handed
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> None:
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
+        params = dict(params) if params else None  # each request its own, as vLLM deserialises them
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params})
         req = Request(req_id, prompt, sp, None)
         req.kv_transfer_params = params
@@ -137,46 +169,82 @@ class Engine:
     def blocks_of(self, req_id: str) -> list[int]:
         return self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
 
+    def heads(self, rank: int) -> range:
+        """The model's KV heads TP rank ``rank`` holds."""
+        per_rank = HEADS // len(self.workers)
+        return range(rank * per_rank, (rank + 1) * per_rank)
+
     def rows_match(self, req_id: str, tokens: list[int], upto: int) -> bool:
         blocks = self.blocks_of(req_id)
-        for layer, rows in enumerate(self.rows.values()):
-            for pos in range(upto):
-                row = rows[blocks[pos // BLOCK], pos % BLOCK].reshape(-1)
-                if not torch.equal(row, pattern(tokens[pos], pos, layer, row.numel())):
-                    return False
+        for rank, layers in enumerate(self.rows):
+            for layer, rows in enumerate(layers.values()):
+                for pos in range(upto):
+                    row = rows[blocks[pos // self.block], pos % self.block]
+                    if not torch.equal(row, pattern(tokens[pos], pos, layer, self.heads(rank), row.shape[1])):
+                        return False
         return True
 
+    def forward(self, out: Any, rank: int) -> list[list[int]]:
+        """The stand-in model on one rank: each scheduled token's known row, one sampled token
+        for each request whose prompt is complete."""
+        sampled = []
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            start = req.num_computed_tokens - n  # the scheduler already advanced it
+            blocks = self.blocks_of(req_id)
+            for pos in range(start, start + n):
+                for layer, rows in enumerate(self.rows[rank].values()):
+                    row = rows[blocks[pos // self.block], pos % self.block]
+                    row.copy_(pattern(req.all_token_ids[pos], pos, layer, self.heads(rank), row.shape[1]))
+            sampled.append([1 + pos % (VOCAB - 1)] if start + n >= req.num_tokens else [])
+        return sampled
+
+    def failures(self) -> dict[str, str]:
+        """Request -> why its room failed, on any rank."""
+        return {r: why for w in self.workers for r, why in w.worker_half.failures.items()}
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+
     def step(self) -> list[Any]:
+        from vllm.distributed.kv_transfer import kv_transfer_state
         from vllm.forward_context import set_forward_context
         from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
         out = self.scheduler.schedule()
         req_ids = list(out.num_scheduled_tokens)
-        sampled = []
-        with (
-            set_forward_context(None, self.config),
-            KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_out,
-        ):
-            for req_id in req_ids:
+        for req_id, n in out.num_scheduled_tokens.items():
+            if req_id not in self.first_scheduled:
                 req = self.scheduler.requests[req_id]
-                n = out.num_scheduled_tokens[req_id]
-                start = req.num_computed_tokens - n  # the scheduler already advanced it
-                if req_id not in self.first_scheduled:
-                    self.first_scheduled[req_id] = (start, n)
-                    if start > 0:  # rows [0, start) came through the connector: check them first
-                        self.loaded_ok[req_id] = self.rows_match(req_id, req.all_token_ids, start)
-                blocks = self.blocks_of(req_id)
-                for pos in range(start, start + n):
-                    for layer, rows in enumerate(self.rows.values()):
-                        row = rows[blocks[pos // BLOCK], pos % BLOCK]
-                        row.copy_(pattern(req.all_token_ids[pos], pos, layer, row.numel()).view(row.shape))
-                sampled.append([1 + pos % (VOCAB - 1)] if start + n >= req.num_tokens else [])
-        mro = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled, kv_connector_output=kv_out,
-        )  # fmt: skip
+                start = req.num_computed_tokens - n
+                self.first_scheduled[req_id] = (start, n)
+                if start > 0:  # rows [0, start) came through the connector: check them first
+                    self.loaded_ok[req_id] = self.rows_match(req_id, req.all_token_ids, start)
+        outputs = []
+        for rank, worker in enumerate(self.workers):
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker  # this rank's (a test steps several engines)
+            with (
+                set_forward_context(None, self.config),
+                KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_out,
+            ):
+                sampled = self.forward(out, rank)
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=kv_out,
+                )
+            )
+        mro = self.aggregator.aggregate(outputs)
         outputs = self.scheduler.update_from_output(out, mro)
+        for eco in outputs.values():
+            if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
+                self.stats.aggregate(
+                    self.worker.build_kv_connector_stats(eco.scheduler_stats.kv_connector_stats)
+                )
         return [o for eco in outputs.values() for o in eco.outputs]
 
     def idle(self) -> bool:
@@ -188,7 +256,8 @@ class Engine:
 
 def serve_prefill() -> None:
     """The prefill process: requests in on stdin, their kv_transfer_params out on stdout."""
-    engine = Engine("kv_producer", "prefill", {**FAST, "control_key_file": os.environ["KEYFILE"]})
+    extra = {**FAST, "control_key_file": os.environ["KEYFILE"], **json.loads(os.environ["EXTRA"])}
+    engine = Engine("kv_producer", "prefill", extra, tp=int(os.environ["TP"]))
     emit = lambda **kw: print(MARK + json.dumps(kw), flush=True)  # noqa: E731
     emit(event="ready")
     abort_after: dict[str, int] = {}
@@ -202,13 +271,15 @@ def serve_prefill() -> None:
         except queue.Empty:
             cmd = {"op": "none"}
         if cmd["op"] == "add":
-            engine.add(cmd["id"], cmd["prompt"], 1, {"do_remote_decode": True})
+            flow = {"kvferry_flow": cmd["flow"]} if "flow" in cmd else {}
+            engine.add(cmd["id"], cmd["prompt"], 1, {"do_remote_decode": True, **flow})
             if "abort_after_steps" in cmd:
                 abort_after[cmd["id"]] = cmd["abort_after_steps"]
         elif cmd["op"] == "exit":
             break
         if engine.idle():
             continue
+        time.sleep(0.002)  # as an engine's loop leaves the GIL to kvferry's threads between steps
         for o in engine.step():
             if o.finish_reason is not None:
                 emit(event="finished", id=o.request_id, params=o.kv_transfer_params)
@@ -221,13 +292,20 @@ def serve_prefill() -> None:
                 engine.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
                 emit(event="finished", id=req_id, params=None)  # an abort yields no output here
         if engine.idle():
-            emit(event="idle", free_blocks=engine.free_blocks(), at_start=engine.free_blocks_at_start)
-    engine.worker.shutdown()
+            refused = engine.scheduler.connector.scheduler_half.refused_flows
+            emit(
+                event="idle", free_blocks=engine.free_blocks(), at_start=engine.free_blocks_at_start,
+                stats=engine.stats.data, refused_flows=refused,
+            )  # fmt: skip
+    engine.shutdown()
 
 
 class Prefill:
-    def __init__(self, keyfile: str) -> None:
-        env = {**os.environ, "KEYFILE": keyfile, "PYTHONUNBUFFERED": "1"}
+    def __init__(self, keyfile: str, tp: int = 1, **extra: Any) -> None:
+        env = {
+            **os.environ, "KEYFILE": keyfile, "PYTHONUNBUFFERED": "1", "EXTRA": json.dumps(extra),
+            "TP": str(tp),
+        }  # fmt: skip
         # The prefill process's stderr (vLLM's and kvferry's logs): a file when debugging.
         self.log = open(os.environ.get("KVFERRY_TEST_PREFILL_LOG", os.devnull), "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
@@ -279,11 +357,13 @@ def keyfile(tmp_path: Path) -> str:
     return str(path)
 
 
-def run_decode(engine: Engine, until: Any, timeout: float = 120) -> None:
+def run_decode(*engines: Engine, timeout: float = 120) -> None:
+    """Step the decode engines until none has a request left."""
     deadline = time.monotonic() + timeout
-    while not until():
+    while not all(e.idle() for e in engines):
         assert time.monotonic() < deadline, "decode did not get there in time"
-        engine.step()
+        for engine in engines:
+            engine.step()
         time.sleep(0.002)
 
 
@@ -292,66 +372,156 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
-    """Chunked prompts (up to 3 chunks of 32 tokens) move through kvferry; decode's scheduler then
-    computes only the last token, over rows that hold prefill's exact bytes; every block is freed
-    on both sides. A prefill request aborted mid-prompt frees its blocks and returns no params; a
-    decode request aborted while its load runs is never computed and its blocks come back."""
-    prefill = Prefill(keyfile)
+    """Chunked prompts (up to 3 chunks of 32 tokens) move through kvferry by each flow that fits
+    vLLM (direct, pull, push) from a prefill of TP 2 into a decode engine of TP 1 (each prefill
+    rank writes its heads) of prefill's block size and layout (NHD blocks), and one of TP 2 with
+    blocks twice as large in HND that runs the native executor; decode's scheduler
+    then computes only the last token, over rows that hold prefill's exact bytes; every block is
+    freed on both sides, and vLLM's stats hooks carry the counts. A prefill request aborted
+    mid-prompt frees its blocks and returns no params, as does one naming an unknown flow; decode
+    requests aborted while their loads run (one per flow) are never computed and their blocks come
+    back on both sides."""
+    from vllm.v1.request import RequestStatus
+
+    tp = 2
+    # No peer dies here: a longer heartbeat timeout keeps a starved 2-core host from losing one.
+    steady = {**FAST, "heartbeat_timeout_s": 5.0}
+    prefill = Prefill(keyfile, tp=tp, **steady)
     try:
-        decode = Engine("kv_consumer", "decode", {**FAST, "control_key_file": keyfile})
+        decode = Engine("kv_consumer", "decode", {**steady, "control_key_file": keyfile}, tp=1)
+        native = {**steady, "control_key_file": keyfile, "nixl_engine": "native"}
+        wide = Engine("kv_consumer", "decode-hnd", native, block=2 * BLOCK, tp=tp, layout="LBHNC")
         prefill.expect("ready", 300)
-        prompts = {"r0": prompt(0, 70), "r1": prompt(1, 16), "r2": prompt(2, 33)}
-        for req_id, tokens in prompts.items():
-            prefill.send(op="add", id=req_id, prompt=tokens)
+        moves = {  # request -> (prompt, flow, decode engine)
+            "r0": (prompt(0, 70), "direct", decode),
+            "r1": (prompt(1, 16), "pull", decode),
+            "r2": (prompt(2, 33), "push", decode),
+            "r3": (prompt(3, 70), "pull", decode),
+            "r4": (prompt(4, 50), "push", decode),
+            "w0": (prompt(10, 45), "direct", wide),
+            "w1": (prompt(11, 70), "pull", wide),
+            "w2": (prompt(12, 40), "push", wide),
+        }
+        decode_aborts = {f"abort-{flow}": (prompt(20 + i, 50), flow) for i, flow in enumerate(FLOWS)}
+        # First, so that prefill's first step computes its first chunk (a room) before the abort.
         prefill.send(op="add", id="aborted", prompt=prompt(9, 90), abort_after_steps=1)
+        for req_id, (tokens, flow, _) in moves.items():
+            prefill.send(op="add", id=req_id, prompt=tokens, flow=flow)
+        for req_id, (tokens, flow) in decode_aborts.items():
+            prefill.send(op="add", id=req_id, prompt=tokens, flow=flow)
+        prefill.send(op="add", id="typo", prompt=prompt(8, 20), flow="pul")
         params = {}
-        prefill.send(op="add", id="decode-aborts", prompt=prompt(7, 50))
-        for _ in range(5):
+        for _ in range(len(moves) + len(decode_aborts) + 2):
             msg = prefill.expect("finished", 120)
             params[msg["id"]] = msg["params"]
-        assert params["aborted"] is None
-        for req_id, tokens in prompts.items():
+        assert params["aborted"] is None and params["typo"] is None
+        for req_id, (tokens, _, engine) in moves.items():
             assert params[req_id]["do_remote_prefill"] is True
+            engine.add(req_id, tokens, 2, params[req_id])
+        for req_id, (tokens, _) in decode_aborts.items():
             decode.add(req_id, tokens, 2, params[req_id])
-        decode.add("decode-aborts", prompt(7, 50), 2, params["decode-aborts"])
-        decode.step()  # its room opens in this step's start_load_kv
-        from vllm.v1.request import RequestStatus
-
-        decode.scheduler.finish_requests("decode-aborts", RequestStatus.FINISHED_ABORTED)
-        run_decode(decode, decode.idle)
-        assert "decode-aborts" not in decode.first_scheduled
-        for req_id in prompts:
-            assert decode.first_scheduled[req_id] == (len(prompts[req_id]) - 1, 1), (
-                f"{req_id} was recomputed: {decode.worker.worker_half.failures}"
+        decode.step()  # their rooms open in this step's start_load_kv
+        for req_id in decode_aborts:
+            decode.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+        run_decode(decode, wide)
+        for req_id, (tokens, flow, engine) in moves.items():
+            assert engine.first_scheduled[req_id] == (len(tokens) - 1, 1), (
+                f"{req_id} ({flow}) was recomputed: {engine.failures()}"
             )
-            assert decode.loaded_ok[req_id], f"{req_id}: decode's rows differ from prefill's"
+            assert engine.loaded_ok[req_id], f"{req_id} ({flow}): decode's rows differ from prefill's"
+        assert not set(decode_aborts) & set(decode.first_scheduled)
         idle = prefill.expect("idle", 60)
         assert idle["free_blocks"] == idle["at_start"]
-        assert decode.free_blocks() == decode.free_blocks_at_start
-        decode.worker.shutdown()
+        assert idle["refused_flows"] == 1
+        for engine in (decode, wide):
+            assert engine.free_blocks() == engine.free_blocks_at_start
+        assert {ep.transport.executor for w in wide.workers for ep in w.worker_half.decode.values()} == {
+            "native"
+        }
+        # No staging memory taken from the KV cache's device (the connector's flows need none).
+        assert not [
+            ep
+            for e in (decode, wide)
+            for w in e.workers
+            for ep in w.worker_half.decode.values()
+            if ep.staging_buffers
+        ]
+        # vLLM's stats hooks: every room (one per rank) and byte, as vLLM's scheduler reported them.
+        token_bytes = decode.worker.worker_half.pool.model.token_bytes  # all heads, all layers
+        sent = idle["stats"]
+        assert sent["rooms_sent"] >= tp * len(moves)
+        assert sent["rooms_sent"] + sent["rooms_send_failed"] == tp * (len(moves) + len(decode_aborts) + 1)
+        assert sent["bytes_sent"] >= token_bytes * sum(len(t) for t, _, _ in moves.values())
+        for engine, aborted in ((decode, len(decode_aborts)), (wide, 0)):
+            mine = [len(t) for t, _, e in moves.values() if e is engine]
+            got, ranks = engine.stats.data, len(engine.workers)
+            # An aborted request's room counts once: failed, or received if its load beat the abort.
+            assert got["rooms_received"] + got["rooms_recv_failed"] == ranks * (len(mine) + aborted)
+            assert ranks * len(mine) <= got["rooms_received"] == len(got["transfer_s"])
+            extra = got["bytes_received"] - token_bytes * sum(mine)
+            assert extra in range(0, token_bytes * 50 * aborted + 1)
+        decode.shutdown()
+        wide.shutdown()
     finally:
         prefill.close()
 
 
-def test_killed_prefill_ends_in_recompute(keyfile: str) -> None:
-    """Prefill dies after answering; decode's load fails (peer lost), and vLLM recomputes the
-    whole prompt from the blocks the connector reported, with no exception in the step."""
-    prefill = Prefill(keyfile)
+def test_failed_rooms_end_in_recompute(keyfile: str, tmp_path: Path) -> None:
+    """Every way a room fails ends in vLLM's recompute, never an exception in a step: prefill
+    frees the blocks of requests decode never asks for (bootstrap deadline, direct and pull);
+    decode with another control key is refused by prefill; decode asked for a prefill whose TP
+    size cannot split the model's heads refuses the request itself; prefill dies after answering
+    (peer lost, direct and pull). Each failed request is recomputed from token 0 and every block
+    comes back."""
+    stranger_key = tmp_path / "stranger.key"
+    stranger_key.write_text("another-kvferry-test-key-987654321")
+    prefill = Prefill(keyfile, bootstrap_timeout_s=4.0)
     try:
+        decode = Engine("kv_consumer", "decode", {**FAST, "control_key_file": keyfile})
+        stranger = Engine("kv_consumer", "stranger", {**FAST, "control_key_file": str(stranger_key)})
         prefill.expect("ready", 300)
-        tokens = prompt(5, 40)
-        prefill.send(op="add", id="r", prompt=tokens)
-        params = prefill.expect("finished", 120)["params"]
+        for req_id, flow in (("orphan", "direct"), ("orphan-pull", "pull")):
+            prefill.send(op="add", id=req_id, prompt=prompt(30, 40), flow=flow)
+            assert prefill.expect("finished", 120)["params"] is not None
+        idle = prefill.expect("idle", 60)  # by the bootstrap deadline: nobody asked
+        assert idle["free_blocks"] == idle["at_start"]
+        assert idle["stats"]["rooms_send_failed"] == 2 and idle["stats"]["rooms_sent"] == 0
+        tokens = {"r": prompt(5, 40), "r-pull": prompt(6, 40), "r-key": prompt(7, 40)}
+        for req_id, tok in tokens.items():
+            prefill.send(op="add", id=req_id, prompt=tok, flow="pull" if req_id == "r-pull" else "direct")
+        params = {}
+        for _ in tokens:
+            msg = prefill.expect("finished", 120)
+            params[msg["id"]] = msg["params"]
+        stranger.add("r-key", tokens["r-key"], 2, params["r-key"])
+        run_decode(stranger)  # while prefill lives: refused, not lost
+        # A prefill of 3 ranks over the model's 2 KV heads cannot exist: the open is refused.
+        three_ranks = {**params["r-key"], "kvferry_addresses": params["r-key"]["kvferry_addresses"] * 3}
+        decode.add("tp", tokens["r-key"], 2, three_ranks)
+        run_decode(decode)
     finally:
         prefill.proc.kill()
         prefill.proc.wait(30)
-    decode = Engine("kv_consumer", "decode", {**FAST, "control_key_file": keyfile})
-    decode.add("r", tokens, 2, params)
-    run_decode(decode, decode.idle)
-    assert decode.first_scheduled["r"][0] == 0, "the prompt was not recomputed from its start"
-    assert "r" in decode.worker.worker_half.failures
-    assert decode.free_blocks() == decode.free_blocks_at_start
-    decode.worker.shutdown()
+        prefill.close()
+    for req_id in ("r", "r-pull"):
+        decode.add(req_id, tokens[req_id], 2, params[req_id])
+    run_decode(decode)
+    for engine, req_ids in ((stranger, ["r-key"]), (decode, ["tp", "r", "r-pull"])):
+        for req_id in req_ids:
+            assert engine.first_scheduled[req_id][0] == 0, f"{req_id}: the prompt was not recomputed"
+            assert req_id in engine.failures()
+        assert engine.free_blocks() == engine.free_blocks_at_start
+        assert engine.stats.data["rooms_recv_failed"] == len(req_ids)
+        assert engine.stats.data["rooms_received"] == 0
+        print({r: engine.failures()[r] for r in req_ids})
+        engine.shutdown()
+
+
+def test_a_kv_layout_kvferry_cannot_describe_is_refused_with_the_shape_seen() -> None:
+    """A layout whose blocks are not one byte run each (LHBNC: a head's blocks together) is
+    refused at start-up, in register_kv_caches, instead of moving bytes wrong."""
+    with pytest.raises(ValueError, match=r"LBNHC or LBHNC layout .* got shape \(\d+, 2, 16, 32\)"):
+        Engine("kv_consumer", "lhbnc", {**FAST, "control_insecure": True}, layout="LHBNC")
 
 
 def test_bad_extra_config_names_the_key() -> None:
@@ -366,7 +536,54 @@ def test_bad_extra_config_names_the_key() -> None:
         parse_extra_config({"num_queues": "4"}, "e")
     with pytest.raises(ValueError, match="'fence_timeout_s'"):
         parse_extra_config({"fence_timeout_s": -1}, "e")
+    with pytest.raises(ValueError, match=r"'flow'.*direct, pull, push"):
+        parse_extra_config({"flow": "ring"}, "e")
+    with pytest.raises(ValueError, match="'nixl_engine'"):
+        parse_extra_config({"nixl_engine": "c"}, "e")
     assert parse_extra_config({"port": 7000}, "e").runtime_config(2).port == 7002
+    assert parse_extra_config({"nixl_engine": "native"}, "e").runtime_config(0).nixl_engine == "native"
+
+
+def test_stats_reach_prometheus_through_vllms_metrics_classes() -> None:
+    """The payload a worker hands vLLM, summed over two workers by the connector's stats class
+    (as vLLM's output aggregator does), and observed by vLLM's own ``KVConnectorProm``, which
+    finds kvferry's metrics through the connector class it loads by module path."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
+
+    from kvferry.integrations.vllm import KvferryConnector
+
+    transfer = KVTransferConfig(
+        kv_connector="KvferryConnector", kv_connector_module_path="kvferry.integrations.vllm",
+        kv_role="kv_consumer",
+    )  # fmt: skip
+    rank0 = {"rooms_received": 2, "bytes_received": 4096, "transfer_s": [0.002, 0.004]}
+    rank1 = {"rooms_received": 2, "rooms_recv_failed": 1, "bytes_received": 4096, "transfer_s": [0.003, 0.2]}
+    both = KvferryConnector.build_kv_connector_stats(rank0).aggregate(
+        KvferryConnector.build_kv_connector_stats(rank1)
+    )
+    assert both.reduce() == {
+        "rooms_sent": 0, "rooms_received": 4, "rooms_send_failed": 0, "rooms_recv_failed": 1,
+        "bytes_sent": 0, "bytes_received": 8192, "avg_transfer_ms": 52.25,
+    }  # fmt: skip
+    logging = KVConnectorLogging(transfer)
+    logging.observe(both.to_dict())
+    lines: list[str] = []
+    logging.log(lambda fmt, *args: lines.append(fmt % args))
+    assert lines and "rooms_recv_failed=1" in lines[0]
+
+    vllm_config = SimpleNamespace(kv_transfer_config=transfer)  # all KVConnectorProm reads of it
+    prom = KVConnectorProm(vllm_config, ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(both.to_dict(), 0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert REGISTRY.get_sample_value("vllm:kvferry_rooms_received_total", labels) == 4
+    assert REGISTRY.get_sample_value("vllm:kvferry_rooms_recv_failed_total", labels) == 1
+    assert REGISTRY.get_sample_value("vllm:kvferry_bytes_received_total", labels) == 8192
+    assert REGISTRY.get_sample_value("vllm:kvferry_transfer_seconds_count", labels) == 4
+    assert REGISTRY.get_sample_value("vllm:kvferry_transfer_seconds_bucket", {**labels, "le": "0.005"}) == 3
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["prefill"]:

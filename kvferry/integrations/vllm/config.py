@@ -12,9 +12,10 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvferry.backends.runtime import RuntimeConfig
+from kvferry.backends.runtime.staging import StagingConfig
 from kvferry.core.deadlines import SEC, Timeouts
 
-__all__ = ["KNOBS", "ConnectorSettings", "parse_extra_config"]
+__all__ = ["FLOWS", "KNOBS", "ConnectorSettings", "parse_extra_config"]
 
 # key -> (type, default, one line for the docs and the error message)
 KNOBS: dict[str, tuple[type, Any, str]] = {
@@ -35,7 +36,16 @@ KNOBS: dict[str, tuple[type, Any, str]] = {
         "decode frees a failed room's blocks without prefill's word after this",
     ),
     "metrics": (bool, False, "Prometheus metrics of the kvferry endpoints (extra 'metrics')"),
+    "flow": (str, "direct", "prefill's transfer flow: direct, pull or push (a request may override it)"),
+    "nixl_engine": (str, "python", "who executes NIXL's transfers: python or native (backends/native)"),
 }
+
+NO_STAGING = StagingConfig(worker_buffer_bytes=0, ring_bytes=0, pinned_bytes=0, prefill_pinned_bytes=0)
+
+# Flows that fit vLLM's life cycle with the connector's pools (see docs/vllm.md): the staged flows
+# (ring, pinned) move head slices for unequal TP, which this connector's pool does not split.
+FLOWS = ("direct", "pull", "push")
+CHOICES: dict[str, tuple[str, ...]] = {"flow": FLOWS, "nixl_engine": ("python", "native")}
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,8 @@ class ConnectorSettings:
     heartbeat_timeout_s: float
     fence_timeout_s: float
     metrics: bool
+    flow: str
+    nixl_engine: str
 
     def runtime_config(self, tp_rank: int) -> RuntimeConfig:
         base = Timeouts()
@@ -75,6 +87,11 @@ class ConnectorSettings:
             control_key_file=self.control_key_file,
             control_insecure=self.control_insecure,
             metrics=self.metrics,
+            nixl_engine=self.nixl_engine,
+            # No staging memory: the connector's flows move bytes between vLLM's own blocks, and
+            # the runtime's defaults (a 1 GiB ring per decode endpoint, 256 MiB per prefill queue,
+            # in the pool's device memory) would take GPU memory from vLLM's KV cache.
+            staging=NO_STAGING,
         )
 
 
@@ -88,6 +105,10 @@ def _check(key: str, value: Any) -> Any:
         )
     if kind in (int, float) and key != "port" and value <= 0:
         raise ValueError(f"kv_connector_extra_config[{key!r}]: must be > 0, got {value!r} ({what})")
+    if key in CHOICES and value not in CHOICES[key]:
+        raise ValueError(
+            f"kv_connector_extra_config[{key!r}]: expected one of {', '.join(CHOICES[key])}, got {value!r}"
+        )
     if key == "port" and not 0 <= value < 65536:
         raise ValueError(f"kv_connector_extra_config['port']: must be in [0, 65535], got {value!r}")
     return value

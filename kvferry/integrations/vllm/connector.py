@@ -22,6 +22,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from kvferry.integrations.vllm.config import parse_extra_config
 from kvferry.integrations.vllm.meta import KvferryConnectorMetadata, KvferryHandshake
 from kvferry.integrations.vllm.scheduler import SchedulerHalf
+from kvferry.integrations.vllm.stats import KvferryPromMetrics, KvferryStats
 from kvferry.integrations.vllm.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -50,7 +51,9 @@ class KvferryConnector(KVConnectorBase_V1):
         self.scheduler_half: SchedulerHalf | None = None
         self.worker_half: WorkerHalf | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self.scheduler_half = SchedulerHalf(self.settings.server, vllm_config.cache_config.block_size)
+            self.scheduler_half = SchedulerHalf(
+                self.settings.server, vllm_config.cache_config.block_size, self.settings.flow
+            )
         else:
             tp_size = vllm_config.parallel_config.tensor_parallel_size
             self.worker_half = WorkerHalf(
@@ -58,11 +61,12 @@ class KvferryConnector(KVConnectorBase_V1):
                 is_producer=transfer.is_kv_producer,
                 tp_size=tp_size,
                 tp_rank=_tp_rank(tp_size),
+                total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
             )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return "LBNHC"  # a token's bytes together in each block (worker.pool_from_kv_caches)
+        return "LBNHC"  # NHD blocks; LBHNC (HND) works too, forced by VLLM_KV_CACHE_LAYOUT (worker.py)
 
     @property
     def _sched(self) -> SchedulerHalf:
@@ -139,6 +143,22 @@ class KvferryConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()
+
+    # ---- stats ----------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KvferryStats | None:
+        if self.worker_half is None:
+            return None  # the counts live on the workers
+        stats = KvferryStats(self.worker_half.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvferryStats:
+        return KvferryStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, *args: Any) -> KvferryPromMetrics:
+        """vLLM's (vllm_config, metric_types, labelnames, per_engine_labelvalues), passed on."""
+        return KvferryPromMetrics(*args)
 
     def shutdown(self) -> None:
         if self.worker_half is not None:

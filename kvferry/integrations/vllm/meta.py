@@ -21,6 +21,8 @@ ROOM, TRANSFER_ID, SERVER, ADDRESSES = (
     "kvferry_server",
     "kvferry_addresses",
 )
+# A key the router may put in prefill's request: this request's flow (else the server's ``flow``).
+FLOW = "kvferry_flow"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class SendMeta:
     block_ids: tuple[int, ...]
     num_tokens: int
     token_end: int
+    flow: str = "direct"
 
 
 @dataclass

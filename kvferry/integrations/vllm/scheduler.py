@@ -1,10 +1,11 @@
 """The connector's scheduler half: which requests move, into and out of which blocks.
 
-One flow, fitted to vLLM's default disaggregated life cycle (a router sends the request to
-prefill with ``max_tokens=1``, then to decode with the ``kv_transfer_params`` prefill returned):
+Fitted to vLLM's default disaggregated life cycle (a router sends the request to prefill with
+``max_tokens=1``, then to decode with the ``kv_transfer_params`` prefill returned), whatever flow
+moves the bytes (direct, pull or push: the server's ``flow``, or the request's ``kvferry_flow``):
 
 - Prefill: every step that computes part of a ``do_remote_decode`` request's prompt becomes a
-  chunk its worker hands to kvferry (written to decode as soon as decode has asked for the room).
+  chunk its worker hands to kvferry (moved to decode once decode has asked for the room).
   ``request_finished`` keeps the blocks (vLLM frees them when the workers report the room done)
   and returns the room, the transfer id and the prefill ranks' addresses.
 - Decode: a request carrying those params loads its whole prompt asynchronously;
@@ -15,12 +16,15 @@ prefill with ``max_tokens=1``, then to decode with the ``kv_transfer_params`` pr
 
 from __future__ import annotations
 
+import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvferry.integrations.vllm.config import FLOWS
 from kvferry.integrations.vllm.meta import (
     ADDRESSES,
+    FLOW,
     ROOM,
     SERVER,
     TRANSFER_ID,
@@ -30,6 +34,7 @@ from kvferry.integrations.vllm.meta import (
     SendMeta,
 )
 
+log = logging.getLogger(__name__)
 FINISHED_WITH_OUTPUT = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
@@ -38,6 +43,7 @@ class _Send:
     request: Any
     room: int
     transfer_id: str
+    flow: str
     chunks: int = 0
     done: bool = False  # the prompt's last chunk was handed to the worker
 
@@ -46,9 +52,11 @@ class _Send:
 class SchedulerHalf:
     server: str
     block_size: int
+    flow: str = "direct"  # the server's default; a request's kv_transfer_params may name another
     kv_cache_manager: Any = None
     addresses: dict[int, str] = field(default_factory=dict)  # prefill: tp rank -> control address
     skipped_local_hits: int = 0
+    refused_flows: int = 0  # requests naming an unknown flow: prefilled here, never delegated
     _to_recv: list[RecvMeta] = field(default_factory=list)
     _sending: dict[str, _Send] = field(default_factory=dict)
 
@@ -86,7 +94,15 @@ class SchedulerHalf:
         elif params.get("do_remote_decode") and request.request_id not in self._sending:
             # Random room ids: decode meets rooms of many prefill instances, none of which knows
             # the others' counters; 62 bits make a collision negligible.
-            self._sending[request.request_id] = _Send(request, secrets.randbits(62), request.request_id)
+            flow = params.get(FLOW, self.flow)
+            if flow not in FLOWS:
+                # A router's typo must not fail the engine: the request is served without
+                # kvferry (no kv_transfer_params back, so decode computes its prompt).
+                log.warning("kvferry: request %s names flow %r (known: %s); not delegated",
+                            request.request_id, flow, ", ".join(FLOWS))  # fmt: skip
+                self.refused_flows += 1
+                return
+            self._sending[request.request_id] = _Send(request, secrets.randbits(62), request.request_id, flow)
 
     # ---- both ---------------------------------------------------------------------------------
     def build_meta(self, scheduler_output: Any) -> KvferryConnectorMetadata:
@@ -102,7 +118,9 @@ class SchedulerHalf:
             n = send.request.num_prompt_tokens
             end = min(computed[req_id] + n_scheduled, n)
             blocks = self.kv_cache_manager.get_block_ids(req_id)[0][: -(-end // self.block_size)]
-            meta.reqs_to_send.append(SendMeta(req_id, send.room, send.transfer_id, tuple(blocks), n, end))
+            meta.reqs_to_send.append(
+                SendMeta(req_id, send.room, send.transfer_id, tuple(blocks), n, end, send.flow)
+            )
             send.chunks += 1
             send.done = end == n
         return meta

@@ -15,6 +15,7 @@ fenced (no prefill write can still land in them), so vLLM never reuses blocks un
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,39 +32,62 @@ TERMINAL = (KVPoll.Success, KVPoll.Failed)
 _DTYPES = {"torch.float16": DType.FP16, "torch.bfloat16": DType.BF16, "torch.float32": DType.FP32}
 
 
-def pool_from_kv_caches(kv_caches: dict[str, Any]) -> tuple[PoolGeometry, dict[int, Any]]:
+def new_stats() -> dict[str, Any]:
+    """One interval's counts: rooms and bytes by side and outcome, and each successful room's
+    seconds from its open to its last byte (plain types: vLLM ships them between processes)."""
+    return {
+        "rooms_sent": 0, "rooms_received": 0, "rooms_send_failed": 0, "rooms_recv_failed": 0,
+        "bytes_sent": 0, "bytes_received": 0, "transfer_s": [],
+    }  # fmt: skip
+
+
+def pool_from_kv_caches(
+    kv_caches: dict[str, Any], tp_size: int = 1, tp_rank: int = 0, total_kv_heads: int = 0
+) -> tuple[PoolGeometry, dict[int, Any]]:
     """kvferry's pool geometry and region buffers for vLLM's per-layer KV views.
 
     vLLM 0.33 views each layer as ``[blocks, heads, block_size, content]`` (content: the K and V
     elements of one head and token) over one backing allocation, strided by its KV cache layout.
-    kvferry needs a layer's blocks to be one contiguous run with a token's bytes together, which is
-    the ``LBNHC`` layout (the connector asks vLLM for it). A block's token prefix is then a byte
-    prefix, so each layer is one region of ``block_size`` rows of ``heads x content`` elements
-    (kvferry's single-region form, ``is_mla``): ranks pair one to one, prefill rank r with decode
-    rank r, and each pair moves whole rows. Any other layout is refused with what was seen."""
+    kvferry describes each layer as one region of fused K and V heads (``fused_kv``: a head is
+    ``content`` wide), in either of vLLM's layer-compact block layouts: ``LBNHC`` (NHD blocks, a
+    token's heads together) or ``LBHNC`` (HND blocks, a head's tokens together); the planner maps
+    tokens between the two sides' layouts and block sizes. The pool is rank ``tp_rank`` of
+    ``tp_size`` over the model's ``total_kv_heads`` (0: this rank's heads times ``tp_size``), so
+    each decode rank pairs with the prefill ranks holding its heads, whatever the two TP sizes.
+    Any other layout is refused with what was seen."""
     first = next(iter(kv_caches.values()))
     shape = tuple(first.shape)
-    if first.dim() != 4 or not first.permute(0, 2, 1, 3).is_contiguous():
+    if first.dim() == 4 and first.permute(0, 2, 1, 3).is_contiguous():
+        layout = Layout.VLLM_NHD
+    elif first.dim() == 4 and first.is_contiguous():
+        layout = Layout.VLLM_HND
+    else:
         raise ValueError(
-            "kvferry needs vLLM's KV cache in the LBNHC layout (VLLM_KV_CACHE_LAYOUT=LBNHC): each"
-            f" layer [blocks, heads, block_size, content] with a token's heads contiguous; got shape"
+            "kvferry needs vLLM's KV cache in the LBNHC or LBHNC layout (VLLM_KV_CACHE_LAYOUT): each"
+            f" layer [blocks, heads, block_size, content] with a block's bytes together; got shape"
             f" {shape}, strides {tuple(first.stride())}"
         )
     if str(first.dtype) not in _DTYPES:
         raise ValueError(f"kvferry: KV cache dtype {first.dtype} is not supported")
     num_blocks, heads, block_size, content = shape
     model = ModelGeometry(
-        "vllm", num_layers=len(kv_caches), num_kv_heads=1, head_dim=heads * content,
-        dtype=_DTYPES[str(first.dtype)], is_mla=True,
+        "vllm", num_layers=len(kv_caches), num_kv_heads=total_kv_heads or heads * tp_size,
+        head_dim=content, dtype=_DTYPES[str(first.dtype)], fused_kv=True,
     )  # fmt: skip
-    pool = PoolGeometry(model, 1, 0, block_size, num_blocks, Layout.VLLM_NHD)
+    pool = PoolGeometry(model, tp_size, tp_rank, block_size, num_blocks, layout)
+    if pool.heads_per_rank != heads:
+        raise ValueError(
+            f"kvferry: TP rank {tp_rank} of {tp_size} over {model.num_kv_heads} KV heads should hold"
+            f" {pool.heads_per_rank} heads; vLLM's KV cache holds {heads}"
+        )
     buffers: dict[int, Any] = {}
     for layer, kv in enumerate(kv_caches.values()):
         if tuple(kv.shape) != shape or kv.dtype != first.dtype or kv.stride() != first.stride():
             raise ValueError(
                 f"kvferry: layers differ in KV shape, strides or dtype ({tuple(kv.shape)} vs {shape})"
             )
-        buffers[pool.region_id(layer, KVKind.LATENT)] = kv.permute(0, 2, 1, 3)
+        view = kv.permute(0, 2, 1, 3) if layout is Layout.VLLM_NHD else kv  # memory order
+        buffers[pool.region_id(layer, KVKind.LATENT)] = view
     return pool, buffers
 
 
@@ -74,6 +98,8 @@ class _Open:
     aux_index: int
     block_ids: tuple[int, ...] = ()
     last_sent: bool = False
+    num_tokens: int = 0
+    opened: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -91,6 +117,7 @@ class WorkerHalf:
     is_producer: bool
     tp_size: int = 1
     tp_rank: int = 0
+    total_kv_heads: int = 0  # the model's (0: this rank's times tp_size)
     pool: PoolGeometry | None = None
     buffers: dict[int, Any] = field(default_factory=dict)
     prefill: PrefillEndpoint | None = None
@@ -103,19 +130,20 @@ class WorkerHalf:
     _load_errors: set[int] = field(default_factory=set)
     _failed_recving: set[str] = field(default_factory=set)
     _done_recving: set[str] = field(default_factory=set)
+    # What get_kv_connector_stats reports since its last call (connector/stats.py reads the keys).
+    stats: dict[str, Any] = field(default_factory=lambda: new_stats())
 
     def register(self, kv_caches: dict[str, Any]) -> None:
-        self.pool, self.buffers = pool_from_kv_caches(kv_caches)
+        self.pool, self.buffers = pool_from_kv_caches(
+            kv_caches, self.tp_size, self.tp_rank, self.total_kv_heads
+        )
         if self.is_producer:
+            # One server of tp_size ranks (its control-plane identity: server name, TP rank).
             self.prefill = PrefillEndpoint(
-                self.rank_name, self.pool, buffers=self.buffers,
+                self.settings.server, self.pool, buffers=self.buffers,
                 config=self.settings.runtime_config(self.tp_rank),
             )  # fmt: skip
             self.prefill.start()
-
-    @property
-    def rank_name(self) -> str:
-        return f"{self.settings.server}.tp{self.tp_rank}"
 
     def handshake(self) -> KvferryHandshake | None:
         if self.prefill is None:
@@ -130,14 +158,11 @@ class WorkerHalf:
         ep = self.decode.get(key)
         if ep is None:
             assert self.pool is not None, "register_kv_caches was not called"
-            if len(m.addresses) != self.tp_size:
-                raise ValueError(
-                    f"prefill {m.server} has TP {len(m.addresses)}, this decode TP {self.tp_size}"
-                )
-            # Ranks pair one to one (pool_from_kv_caches): this rank reads prefill's rank of its own.
+            # This rank asks the prefill ranks that hold its heads (core.topology); decode's ranks
+            # are one server of tp_size ranks towards each prefill server, as prefill's are.
             ep = DecodeEndpoint(
-                f"{self.rank_name}>{m.server}", self.pool, prefill_server=f"{m.server}.tp{self.tp_rank}",
-                prefill_addresses=[m.addresses[self.tp_rank]], buffers=self.buffers,
+                f"{self.settings.server}>{m.server}", self.pool, prefill_server=m.server,
+                prefill_addresses=list(m.addresses), buffers=self.buffers,
                 config=self.settings.runtime_config(self.tp_rank),
             )  # fmt: skip
             ep.start()
@@ -151,13 +176,14 @@ class WorkerHalf:
                 ep = self._decode_endpoint(m)
                 aux = self._aux_of(ep).free.pop()
                 rx = ep.receiver(m.room, m.transfer_id)
-                self._open[m.request_id] = _Open(rx, ep, aux, m.block_ids)
+                self._open[m.request_id] = _Open(rx, ep, aux, m.block_ids, num_tokens=m.num_tokens)
                 rx.init(np.asarray(m.block_ids, dtype=np.int64), m.num_tokens, aux)
             except Exception as exc:  # a refused open is a load failure, never a dead engine
                 log.warning("kvferry: request %s: load not started: %s", m.request_id, exc)
                 entry = self._open.pop(m.request_id, None)
                 if entry is not None:
                     self._drop(m.request_id, entry, clear=True)
+                self.stats["rooms_recv_failed"] += 1
                 self._fail_recv(m.request_id, m.block_ids, f"{type(exc).__name__}: {exc}")
 
     def _fail_recv(self, req_id: str, block_ids: tuple[int, ...], why: str) -> None:
@@ -176,9 +202,9 @@ class WorkerHalf:
                     assert self.prefill is not None, "a send on a connector that is not a producer"
                     tx = self.prefill.sender(m.room, m.transfer_id)
                     aux = self._aux_of(self.prefill).free.pop()
-                    entry = self._open[m.request_id] = _Open(tx, self.prefill, aux)
+                    entry = self._open[m.request_id] = _Open(tx, self.prefill, aux, num_tokens=m.num_tokens)
                     tx.write_aux(aux, m.room.to_bytes(8, "little", signed=True))
-                    tx.init(aux)
+                    tx.init(aux, flow=m.flow)
                 if entry.handle.poll() is KVPoll.Failed or entry.last_sent:
                     continue  # decode gave up (or a write failed): nothing more to send
                 assert isinstance(entry.handle, KVSender)
@@ -187,7 +213,9 @@ class WorkerHalf:
             except Exception as exc:  # the room fails; vLLM's step goes on
                 log.warning("kvferry: request %s: send failed: %s", m.request_id, exc)
                 self.failures[m.request_id] = f"{type(exc).__name__}: {exc}"
-                if entry is not None and not entry.last_sent:
+                if entry is None:
+                    self.stats["rooms_send_failed"] += 1  # no room to report it later
+                elif not entry.last_sent:
                     entry.last_sent = True
                     try:
                         entry.handle.abort(f"send failed: {exc}")
@@ -215,13 +243,16 @@ class WorkerHalf:
             if status is KVPoll.Failed:
                 if isinstance(entry.handle, KVReceiver) and not entry.handle.pages_freed():
                     continue  # a prefill write may still land in these blocks
+                self._count(entry, ok=False)
                 why = self._failure(entry)
                 if isinstance(entry.handle, KVReceiver):
                     self._fail_recv(req_id, entry.block_ids, why)
                 else:
                     self.failures[req_id] = why
-            elif isinstance(entry.handle, KVReceiver):
-                self._done_recving.add(req_id)
+            else:
+                self._count(entry, ok=True)
+                if isinstance(entry.handle, KVReceiver):
+                    self._done_recving.add(req_id)
             del self._open[req_id]
             self._drop(req_id, entry, clear=True)
             if isinstance(entry.handle, KVSender):
@@ -234,6 +265,20 @@ class WorkerHalf:
         recving, failed = self._done_recving, self._failed_recving
         self._done_recving, self._failed_recving = set(), set()
         return sent, recving, failed
+
+    def _count(self, entry: _Open, *, ok: bool) -> None:
+        side = "sent" if isinstance(entry.handle, KVSender) else "received"
+        if not ok:
+            self.stats["rooms_send_failed" if side == "sent" else "rooms_recv_failed"] += 1
+            return
+        assert self.pool is not None
+        self.stats[f"rooms_{side}"] += 1
+        self.stats[f"bytes_{side}"] += entry.num_tokens * self.pool.token_bytes * self.pool.model.num_regions
+        self.stats["transfer_s"].append(time.monotonic() - entry.opened)
+
+    def take_stats(self) -> dict[str, Any]:
+        stats, self.stats = self.stats, new_stats()
+        return stats
 
     @staticmethod
     def _failure(entry: _Open) -> str:
