@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvferry.core.kvpoll import KVPoll
-from kvferry.sim.scenario import US
+from kvferry.sim.scenario_schema import US
 
 if TYPE_CHECKING:
     from kvferry.sim.world import World

@@ -42,7 +42,7 @@ from kvferry.sim.faults import Injector, draw_personality
 from kvferry.sim.instances import Instances
 from kvferry.sim.pages import FREE, LowestFirst, PageAllocator
 from kvferry.sim.rng import Streams
-from kvferry.sim.scenario import US, RoomSpec, Scenario, pools, staging_sizes
+from kvferry.sim.scenario_schema import US, RoomSpec, Scenario, pools, staging_sizes
 from kvferry.sim.trace import Trace
 
 AUX_ROW_BYTES = 64
