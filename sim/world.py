@@ -3,7 +3,7 @@ them rooms, the fault schedule, and the bookkeeping the invariant checker reads.
 
 The scheduler plays both LLM servers: decode allocates pages and an aux row and opens the room on
 each decode rank; prefill allocates its own pages, "computes" each chunk (writes the room's
-recognisable bytes, sim/pattern.py) and hands it to each prefill rank. It reacts to status
+recognisable bytes, backends/pattern.py) and hands it to each prefill rank. It reacts to status
 changes like a real scheduler: a room Failed on one rank of a server is aborted on the others;
 once terminal everywhere on a side it is released; decode pages go back to the allocator only on
 FreePages (the fence), prefill pages once the sender engine dropped the room (no write in flight).
@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import simpy
+from kvferry.backends import pattern
 from kvferry.backends.simfabric.calls import call_after
 from kvferry.backends.simfabric.descriptors import gather_index
 from kvferry.backends.simfabric.fabric import Fabric, Xfer
@@ -35,7 +36,7 @@ from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control, decode_note
 from kvferry.core.resources import writable
 from kvferry.core.topology import receiver_endpoints, sender_specs
-from kvferry.sim import pattern, planted
+from kvferry.sim import planted
 from kvferry.sim.chaos import Chaos
 from kvferry.sim.deploy.timing import TimingFabric, TimingTransport
 from kvferry.sim.faults import Injector, draw_personality

@@ -338,6 +338,7 @@ def _send_one(
 
 
 def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = None) -> LiveFuzzResult:
+    from kvferry.backends import pattern
     from kvferry.backends.loopback.plan import timeouts as loopback_timeouts
     from kvferry.backends.nixl.transport import AUX_REGION_ID
     from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
@@ -345,7 +346,6 @@ def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = 
     from kvferry.backends.zmqctl.auth import load_keys
     from kvferry.core.geometry import ModelGeometry, PoolGeometry
     from kvferry.core.kvpoll import KVPoll
-    from kvferry.sim import pattern
 
     res = LiveFuzzResult(seed=cfg.seed)
     rng = random.Random(cfg.seed)
