@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from kvferry.core import messages as m
 
 __all__ = ["KINDS", "LiveFuzzConfig", "LiveFuzzResult", "run_live_fuzz"]
@@ -247,6 +248,7 @@ class _Sender:
 
     def __init__(self, keys: tuple[bytes, ...], targets: list[tuple[str, str]]) -> None:
         import zmq
+
         from kvferry.backends.zmqctl.auth import ControlAuth
 
         self._zmq = zmq
