@@ -38,6 +38,7 @@ from kvferry.core.resources import writable
 from kvferry.core.topology import receiver_endpoints, sender_specs
 from kvferry.sim import planted
 from kvferry.sim.chaos import Chaos
+from kvferry.sim.checker import check_final, check_liveness
 from kvferry.sim.deploy.timing import TimingFabric, TimingTransport
 from kvferry.sim.faults import Injector, draw_personality
 from kvferry.sim.instances import Instances
@@ -246,7 +247,7 @@ class World(Chaos, Instances):
         planner = self._rank_planner()
         if prefill:
             if "chunk_offset_own_length" in self.hooks:
-                planner = _offset_from_own_length_planner()
+                planner = planted.offset_from_own_length_planner()
             workers = self.scenario.topology.workers
             buffers = {worker_region(i): st.worker_buffer_bytes for i in range(workers)}
             tr.register_staging({**buffers, PINNED_REGION: st.prefill_pinned_bytes})
@@ -961,8 +962,6 @@ class World(Chaos, Instances):
         self.trace.record("violation", "checker", invariant=invariant, detail=detail)
 
     def run(self) -> None:
-        from kvferry.sim.checker import check_final, check_liveness
-
         self.env.run(until=self.deadline_ns)
         self.phase = "liveness"
         check_liveness(self)
@@ -1014,20 +1013,3 @@ def _split(tokens: int, chunk: int) -> tuple[int, ...]:
     if tokens % chunk:
         out.append(tokens % chunk)
     return tuple(out)
-
-
-def _offset_from_own_length_planner() -> Any:
-    """Planted bug: a chunk's destination offset computed from its own length, not the running total.
-
-    Chunk N then lands one chunk-length early, on top of chunk N-1 (the upstream bug). Realised by
-    rotating the destination page list, so the real planner places tokens ``n`` tokens too early.
-    """
-    from kvferry.core.planner import plan_rank_pair
-
-    def planner(src_pool: Any, dst_pool: Any, src_pages: Any, dst_pages: Any, start: int, end: int) -> Any:
-        dp = np.asarray(dst_pages, dtype=np.int64)
-        if start > 0 and end > start:
-            dp = np.roll(dp, max(1, (end - start) // dst_pool.page_size))
-        return plan_rank_pair(src_pool, dst_pool, src_pages, dp, start, end)
-
-    return planner
