@@ -45,7 +45,8 @@ from kvferry.core.kvpoll import KVPoll
 
 if TYPE_CHECKING:
     from kvferry.sim.pages import PageAllocator
-    from kvferry.sim.world import Request, World
+    from kvferry.sim.rooms import Request
+    from kvferry.sim.world import World
 
 
 def check_liveness(w: World) -> None:

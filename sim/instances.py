@@ -17,7 +17,8 @@ from kvferry.core.messages import decode_note
 from kvferry.sim.deploy.router import Router
 
 if TYPE_CHECKING:
-    from kvferry.sim.world import Request, World
+    from kvferry.sim.rooms import Request
+    from kvferry.sim.world import World
 
     _Base = World
 else:

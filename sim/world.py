@@ -12,7 +12,7 @@ FreePages (the fence), prefill pages once the sender engine dropped the room (no
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -44,69 +44,9 @@ from kvferry.sim.faults import Injector, draw_personality
 from kvferry.sim.instances import Instances
 from kvferry.sim.pages import FREE, LowestFirst, PageAllocator
 from kvferry.sim.rng import Streams
+from kvferry.sim.rooms import AUX_ROW_BYTES, Request, Violation, split_chunks
 from kvferry.sim.scenario_schema import US, RoomSpec, Scenario, pools, staging_sizes
 from kvferry.sim.trace import Trace
-
-AUX_ROW_BYTES = 64
-
-
-@dataclass(slots=True)
-class Request:
-    key: int
-    room: int
-    tid: str
-    spec: RoomSpec
-    chunks: tuple[int, ...]
-    arrival_ns: int
-    dec_pages: np.ndarray | None = None
-    pre_pages: np.ndarray | None = None
-    dec_aux: np.ndarray | None = None
-    pre_aux: np.ndarray | None = None
-    inc: dict[str, int] = field(default_factory=dict)  # incarnation of each node the room was opened on
-    status: dict[str, KVPoll] = field(default_factory=dict)
-    reason: dict[str, str] = field(default_factory=dict)
-    terminal_ns: dict[str, int] = field(default_factory=dict)
-    freed: set[str] = field(default_factory=set)  # decode nodes that said FreePages (or died)
-    removed: set[str] = field(default_factory=set)  # prefill nodes whose engine dropped the room
-    aborted: set[str] = field(default_factory=set)
-    dec_released: bool = False
-    pre_released: bool = False
-    dec_pages_freed: bool = False
-    pre_pages_freed: bool = False
-    outcome: str = ""  # "success" / "failed" once decode is terminal everywhere
-    verified_bad: int = -1
-    opened: bool = False
-    # Facts for the agreement check. Failure notices (RoomFailed / Abort) per (src, dst, kind):
-    # [first sent ns, last sent ns, copies delivered, first delivery ns or -1]; and the nodes
-    # whose process died (crash) while the room could still settle (sim/chaos.py).
-    notices: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
-    lost_with: set[str] = field(default_factory=set)
-    flow: str | None = None  # the room's explicit flow (None: the policy's choice)
-    pre_inst: int = 0  # the prefill and decode servers the room runs between (World.servers)
-    dec_inst: int = 0
-    token_start: int = 0  # decode's prefix hit: tokens [0, token_start) are already in its pages
-    success_all_ns: int = -1  # when every rank of both sides was first Success (-1: not yet)
-
-    @property
-    def dec_tokens(self) -> int:
-        """Tokens decode allocates; differs from ``spec.tokens`` in a length-mismatch room."""
-        return self.spec.dec_tokens
-
-    @property
-    def mismatched(self) -> bool:
-        return self.spec.dec_tokens != self.spec.tokens
-
-    @property
-    def done(self) -> bool:
-        return self.dec_pages_freed and self.pre_pages_freed
-
-
-@dataclass(slots=True)
-class Violation:
-    invariant: str
-    detail: str
-    t_ns: int
-    room: int | None = None
 
 
 class World(Chaos, Instances):
@@ -338,7 +278,7 @@ class World(Chaos, Instances):
             while room in used:
                 room = rooms_rng.getrandbits(63)
             used.add(room)
-            chunks = spec.chunks or _split(spec.tokens, w.chunk_tokens)
+            chunks = spec.chunks or split_chunks(spec.tokens, w.chunk_tokens)
             req = Request(
                 key=key,
                 room=room,
@@ -1004,12 +944,3 @@ class _Peek(msgspec.Struct):
 
 _peek_decoder = msgspec.msgpack.Decoder(_Peek)
 _NOTICE_TAGS = frozenset({RoomFailed.__struct_config__.tag, Abort.__struct_config__.tag})
-
-
-def _split(tokens: int, chunk: int) -> tuple[int, ...]:
-    if chunk <= 0 or chunk >= tokens:
-        return (tokens,)
-    out = [chunk] * (tokens // chunk)
-    if tokens % chunk:
-        out.append(tokens % chunk)
-    return tuple(out)
