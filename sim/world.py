@@ -34,6 +34,7 @@ from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control
 from kvferry.core.topology import receiver_endpoints, sender_specs
 from kvferry.sim import planted
+from kvferry.sim.admission import Admission
 from kvferry.sim.chaos import Chaos
 from kvferry.sim.checker import check_final, check_liveness
 from kvferry.sim.deploy.timing import TimingFabric, TimingTransport
@@ -97,12 +98,7 @@ class World(Chaos, Instances):
         self.agreement_exempt: list[tuple[int, str]] = []  # (room key, why), filled by the checker
         self.awaiting_prefill: set[int] = set()
         self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
-        # Admission tickets, in arrival order, per (prefill, decode) instance pair: a request
-        # waits only behind requests that need the same servers' memory.
-        self._admit_next: dict[tuple[int, int], int] = {}
-        self._admit_now: dict[tuple[int, int], int] = {}
-        self._memory_changed = self.env.event()
-        self._turns: dict[tuple[tuple[int, int], int], simpy.Event] = {}
+        self.admission = Admission(self.env)  # memory, first come first served per server pair
         self.status_log: dict[tuple[str, int, int, str], KVPoll] = {}
         self.rooms_started = 0
         self.phase = "faults"
@@ -112,8 +108,6 @@ class World(Chaos, Instances):
         self._links_by_decode_only = "links_cache_by_decode" in self.hooks
         self.staging = staging_sizes(s)
         self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
-        self._flow_rng = self.streams["flows"]
-        self._prefix_rng = self.streams["workload.prefix"]
         for name in self._node_ep:
             self._start_rank(name)
         self._build_workload()
@@ -229,7 +223,7 @@ class World(Chaos, Instances):
             offered.append(Flow.RING.value)
         if self.staging.pinned_bytes and self.staging.prefill_pinned_bytes:
             offered.append(Flow.PINNED.value)
-        return offered[self._flow_rng.randrange(len(offered))]
+        return offered[self.streams["flows"].randrange(len(offered))]
 
     def receivers_of(self, node: str, req: Request) -> list[str]:
         """The decode nodes a prefill node exchanges data or notes with for the room."""
@@ -341,22 +335,17 @@ class World(Chaos, Instances):
         # Wait for memory like a real scheduler would, first come first served: a request waits
         # until the ones that arrived before it got their memory and enough is free for it.
         lane = (req.pre_inst, req.dec_inst)
-        ticket = self._admit_next.get(lane, 0)
-        self._admit_next[lane] = ticket + 1
-        if ticket != self._admit_now.get(lane, 0):
-            ev = self._turns[lane, ticket] = env.event()
-            yield ev
+        turn = self.admission.ticket(lane)
+        if turn is not None:
+            yield turn
         while not (
             self._decode_fits(req, dec_pages, n_dec)
             and pre_pages.used + n_pre <= t.prefill_pages
             and dec_aux.used < t.aux_rows
             and pre_aux.used < t.aux_rows
         ):
-            yield self._memory_changed  # only the head of the line waits here
-        self._admit_now[lane] = turn = self._admit_now.get(lane, 0) + 1
-        nxt = self._turns.pop((lane, turn), None)
-        if nxt is not None:
-            nxt.succeed()
+            yield self.admission.changed  # only the head of the line waits here
+        self.admission.admitted(lane)
         req.dec_pages = dec_pages.alloc(n_dec, req.key)
         req.pre_pages = pre_pages.alloc(n_pre, req.key)
         req.dec_aux = dec_aux.alloc(1, req.key)
@@ -368,8 +357,9 @@ class World(Chaos, Instances):
         )
         req.opened = True
         req.flow = self.room_flow(req)
-        hit = self._prefix_rng.random() < s.workload.prefix_hit  # drawn for every room: stable streams
-        length = self._prefix_rng.randint(0, req.spec.tokens)
+        prefix_rng = self.streams["workload.prefix"]
+        hit = prefix_rng.random() < s.workload.prefix_hit  # drawn for every room: stable streams
+        length = prefix_rng.randint(0, req.spec.tokens)
         if hit and req.flow in _PREFIX_FLOWS:
             req.token_start = min(length, req.dec_tokens)  # a hit lies inside decode's allocation
         if self._decode_opens_late(req):
@@ -637,8 +627,7 @@ class World(Chaos, Instances):
 
     def _memory_event(self) -> None:
         """Wake the requests waiting for memory (admission order is kept by their tickets)."""
-        ev, self._memory_changed = self._memory_changed, self.env.event()
-        ev.succeed()
+        self.admission.memory_freed()
 
     def _free_dec_pages(self, req: Request) -> None:
         if req.dec_pages_freed:
