@@ -60,8 +60,8 @@ class LiveChecks:
     def on_land(self, x: Xfer) -> None:
         if not x.dst.startswith("decode") or x.notif is None:
             return
-        if self.w.multi and self.w.scenario.checks.isolation:
-            self.w._check_land_isolation(x)
+        if self.w.routing.multi and self.w.scenario.checks.isolation:
+            self.w.routing.check_land(x)
         if not self.w.scenario.checks.ownership:
             return
         try:

@@ -39,7 +39,7 @@ from kvferry.sim.chaos import Chaos
 from kvferry.sim.checker import check_final, check_liveness
 from kvferry.sim.deploy.timing import TimingFabric, TimingTransport
 from kvferry.sim.faults import Injector, draw_personality
-from kvferry.sim.instances import Instances
+from kvferry.sim.instances import Routing
 from kvferry.sim.live_checks import LiveChecks
 from kvferry.sim.pages import LowestFirst, PageAllocator
 from kvferry.sim.rng import Streams
@@ -48,7 +48,7 @@ from kvferry.sim.scenario_schema import US, RoomSpec, Scenario, pools, staging_s
 from kvferry.sim.trace import Trace
 
 
-class World(Chaos, Instances):
+class World(Chaos):
     """Build with a scenario and a seed, then ``run()``; the result is in ``report()``."""
 
     def __init__(
@@ -86,6 +86,7 @@ class World(Chaos, Instances):
         self.model = s.model.geometry()
         t = s.topology
         self.P, self.D = t.prefill_tp, t.decode_tp
+        self.by_room: dict[int, Request] = {}  # before the servers: routing reads it
         self._instances()
         clock = self.streams["clock"]
         skew_max = s.faults.clock_skew_max_us * US
@@ -93,7 +94,6 @@ class World(Chaos, Instances):
             self.fabric.add_node(name, skew_ns=clock.randrange(skew_max + 1) if skew_max else 0)
         self.ranks: dict[str, SimRank] = {}
         self.requests: list[Request] = []
-        self.by_room: dict[int, Request] = {}
         self.violations: list[Violation] = []
         self.agreement_exempt: list[tuple[int, str]] = []  # (room key, why), filled by the checker
         self.awaiting_prefill: set[int] = set()
@@ -142,7 +142,9 @@ class World(Chaos, Instances):
         # The first server of each side's allocators under their old names (one-server worlds).
         self.pre_alloc, self.pre_aux = self.allocs[self.instance_nodes["prefill"][0][0]]
         self.dec_alloc, self.dec_aux = self.allocs[self.instance_nodes["decode"][0][0]]
-        self._start_routing()
+        self.routing = Routing(
+            self.servers, self.instance_nodes, self.by_room, self.trace.record, self.violate
+        )
 
     def _page_allocator(self, side: str, n: int) -> PageAllocator:
         """One server's KV page allocator (sim/deploy picks the policy; scenarios keep this one)."""
@@ -416,7 +418,7 @@ class World(Chaos, Instances):
     def _arrived(self, req: Request) -> bool:
         """The request arrived: choose its servers (``req.pre_inst``, ``req.dec_inst``); False
         drops it (sim/deploy's router refusing it). One server a side: nothing to choose."""
-        self._route(req)
+        self.routing.route(req)
         return True
 
     def _compute_chunk(self, req: Request, start: int, tokens: int):  # type: ignore[no-untyped-def]
@@ -481,8 +483,8 @@ class World(Chaos, Instances):
         req = self.by_room.get(cmd.room)
         if req is None or req.tid != cmd.transfer_id:
             return
-        if self.multi and self.scenario.checks.isolation:
-            self._check_status_isolation(req, rank.node)
+        if self.routing.multi and self.scenario.checks.isolation:
+            self.routing.check_status(req, rank.node)
         # React after the driver finished executing this batch of commands (no re-entry into
         # the engine from inside its own command list), at the same simulated instant.
         self._later(self._mark, req, rank.node, cmd.status, cmd.reason, rank.incarnation)
@@ -633,7 +635,7 @@ class World(Chaos, Instances):
         if req.dec_pages_freed:
             return
         req.dec_pages_freed = True
-        self._unload(req)
+        self.routing.unload(req)
         pages, aux = self.allocs[self.room_nodes(req, "decode")[0]]
         pages.free(req.dec_pages, req.key)
         aux.free(req.dec_aux, req.key)
@@ -648,8 +650,8 @@ class World(Chaos, Instances):
             peek = _peek_decoder.decode(payload)
         except (msgspec.MsgspecError, ValueError, TypeError):
             return True
-        if self.multi and what == "sent" and self.scenario.checks.isolation:
-            self._check_message_isolation(peek, src, dst)
+        if self.routing.multi and what == "sent" and self.scenario.checks.isolation:
+            self.routing.check_message(peek, src, dst)
         if peek.t not in _NOTICE_TAGS:
             return True
         try:
