@@ -72,8 +72,8 @@ class LiveChecks:
         key = req.key if req is not None else -2
         d = x.descs
         n = d.count
-        pool = self.w.dec_pools[self.w._node_ep[x.dst].rank]
-        pages, aux_rows = self.w.allocs[x.dst]
+        pool = self.w.dec_pools[self.w.fleet.endpoint[x.dst].rank]
+        pages, aux_rows = self.w.fleet.allocs[x.dst]
         if n and is_staging_region(int(d.dst_region[0])):
             self._check_staged_land(x, req)
             return
@@ -139,10 +139,10 @@ class LiveChecks:
         if not x.src.startswith("prefill"):
             return
         d = x.descs
-        pool = self.w.pre_pools[self.w._node_ep[x.src].rank]
+        pool = self.w.pre_pools[self.w.fleet.endpoint[x.src].rank]
         first = d.src_offset // pool.page_bytes
         last = (d.src_offset + d.length - 1) // pool.page_bytes
-        own = self.w.allocs[x.src][0].owner[gather_index(first, last - first + 1)]
+        own = self.w.fleet.allocs[x.src][0].owner[gather_index(first, last - first + 1)]
         if (own != key).any():
             other = int(own[own != key][0])
             who = "free pages" if other == FREE else f"pages of room {other}"

@@ -32,7 +32,6 @@ from kvferry.core.flows import Flow, FlowPolicy
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control
-from kvferry.core.topology import receiver_endpoints, sender_specs
 from kvferry.sim import planted
 from kvferry.sim.admission import Admission
 from kvferry.sim.chaos import Chaos
@@ -45,6 +44,7 @@ from kvferry.sim.pages import LowestFirst, PageAllocator
 from kvferry.sim.rng import Streams
 from kvferry.sim.rooms import AUX_ROW_BYTES, Request, Violation, split_chunks
 from kvferry.sim.scenario_schema import US, RoomSpec, Scenario, pools, staging_sizes
+from kvferry.sim.servers import Servers
 from kvferry.sim.trace import Trace
 
 
@@ -90,7 +90,7 @@ class World(Chaos):
         self._instances()
         clock = self.streams["clock"]
         skew_max = s.faults.clock_skew_max_us * US
-        for name in self._node_ep:
+        for name in self.fleet.endpoint:
             self.fabric.add_node(name, skew_ns=clock.randrange(skew_max + 1) if skew_max else 0)
         self.ranks: dict[str, SimRank] = {}
         self.requests: list[Request] = []
@@ -104,47 +104,36 @@ class World(Chaos):
         self.phase = "faults"
         self.deadline_ns = 0
         self.quiesced_ns = -1
-        self._links: dict[tuple[int, int], tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
-        self._links_by_decode_only = "links_cache_by_decode" in self.hooks
         self.staging = staging_sizes(s)
         self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
-        for name in self._node_ep:
+        for name in self.fleet.endpoint:
             self._start_rank(name)
         self._build_workload()
         self.env.process(self._fault_schedule())
 
     def _instances(self) -> None:
-        """Name every server's ranks and give each server its own page and aux-row allocators.
-        One server a side keeps the plain names (prefill0, decode0); instance i of several is
-        server ``prefill{i}.`` (nodes prefill{i}.0, prefill{i}.1, ...: Topology.servers)."""
-        t = self.scenario.topology
-        self.servers: dict[str, tuple[str, ...]] = {}
-        self.instance_nodes: dict[str, tuple[tuple[str, ...], ...]] = {}
-        self._node_ep: dict[str, Endpoint] = {}
-        self._side_of: dict[str, str] = {}
-        # node -> (pages, aux rows) of its server: a room's units come from its own servers.
-        self.allocs: dict[str, tuple[PageAllocator, PageAllocator]] = {}
-        for side, n, pages in (
-            ("prefill", t.prefill_instances, t.prefill_pages),
-            ("decode", t.decode_instances, t.decode_pages),
-        ):
-            if n < 1:
-                raise ValueError(f"{side} instances must be >= 1, got {n}")
-            self.servers[side] = t.servers(side)
-            groups = t.server_nodes(side)
-            for server, nodes in zip(self.servers[side], groups, strict=True):
-                units = (self._page_allocator(side, pages), LowestFirst(t.aux_rows))
-                for r, node in enumerate(nodes):
-                    self._node_ep[node] = Endpoint(server, r)
-                    self._side_of[node] = side
-                    self.allocs[node] = units
-            self.instance_nodes[side] = groups
-        # The first server of each side's allocators under their old names (one-server worlds).
-        self.pre_alloc, self.pre_aux = self.allocs[self.instance_nodes["prefill"][0][0]]
-        self.dec_alloc, self.dec_aux = self.allocs[self.instance_nodes["decode"][0][0]]
+        """Name every server's ranks and give each server its own page and aux-row allocators
+        (sim/servers.py), and route rooms to them (sim/instances.py)."""
+        self.fleet = Servers(
+            self.scenario.topology, self.model, self._page_allocator, "links_cache_by_decode" in self.hooks
+        )
         self.routing = Routing(
             self.servers, self.instance_nodes, self.by_room, self.trace.record, self.violate
         )
+
+    # Read by the checkers, metrics and sim/deploy: the servers of each side, their rank nodes, and
+    # each node's allocators (sim/servers.py).
+    @property
+    def servers(self) -> dict[str, tuple[str, ...]]:
+        return self.fleet.names
+
+    @property
+    def instance_nodes(self) -> dict[str, tuple[tuple[str, ...], ...]]:
+        return self.fleet.nodes
+
+    @property
+    def allocs(self) -> dict[str, tuple[PageAllocator, PageAllocator]]:
+        return self.fleet.allocs
 
     def _page_allocator(self, side: str, n: int) -> PageAllocator:
         """One server's KV page allocator (sim/deploy picks the policy; scenarios keep this one)."""
@@ -152,29 +141,15 @@ class World(Chaos):
 
     def room_nodes(self, req: Request, side: str) -> tuple[str, ...]:
         """The ranks of the server on ``side`` that the room runs on."""
-        return self.instance_nodes[side][req.pre_inst if side == "prefill" else req.dec_inst]
-
-    def _room_links(self, req: Request) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """Per decode rank its senders, per prefill rank its receivers, for the room's two servers."""
-        pair = (req.pre_inst, req.dec_inst)
-        # Planted bug: the cache keyed by the decode server alone (isolation must catch it).
-        key = (-1, pair[1]) if self._links_by_decode_only else pair
-        got = self._links.get(key)
-        if got is None:
-            pre, dec = self.servers["prefill"][pair[0]], self.servers["decode"][pair[1]]
-            got = self._links[key] = (
-                tuple(sender_specs(self.model, self.P, self.D, d, pre) for d in range(self.D)),
-                tuple(receiver_endpoints(self.model, self.P, self.D, p, dec) for p in range(self.P)),
-            )
-        return got
+        return self.fleet.nodes[side][req.pre_inst if side == "prefill" else req.dec_inst]
 
     # --------------------------------------------------------------------------- ranks
     def _endpoint(self, node: str) -> Endpoint:
-        return self._node_ep[node]
+        return self.fleet.endpoint[node]
 
     def _start_rank(self, node: str) -> None:
         ep = self._endpoint(node)
-        prefill = self._side_of[node] == "prefill"
+        prefill = self.fleet.side_of[node] == "prefill"
         pool = self.pre_pools[ep.rank] if prefill else self.dec_pools[ep.rank]
         tr = self._transport_cls(self.fabric, ep, pool)
         tr.register_regions(pool.regions, self.scenario.topology.aux_rows, AUX_ROW_BYTES)
@@ -229,7 +204,7 @@ class World(Chaos):
 
     def receivers_of(self, node: str, req: Request) -> list[str]:
         """The decode nodes a prefill node exchanges data or notes with for the room."""
-        return [node_name(ep) for ep in self._room_links(req)[1][self._node_ep[node].rank]]
+        return [node_name(ep) for ep in self.fleet.links(req)[1][self.fleet.endpoint[node].rank]]
 
     def alive(self, node: str, req: Request) -> bool:
         r = self.ranks[node]
@@ -332,8 +307,8 @@ class World(Chaos):
         t = s.topology
         n_dec = -(-req.dec_tokens // t.decode_page_size)
         n_pre = -(-req.spec.tokens // t.prefill_page_size)
-        pre_pages, pre_aux = self.allocs[self.room_nodes(req, "prefill")[0]]
-        dec_pages, dec_aux = self.allocs[self.room_nodes(req, "decode")[0]]
+        pre_pages, pre_aux = self.fleet.allocs[self.room_nodes(req, "prefill")[0]]
+        dec_pages, dec_aux = self.fleet.allocs[self.room_nodes(req, "decode")[0]]
         # Wait for memory like a real scheduler would, first come first served: a request waits
         # until the ones that arrived before it got their memory and enough is free for it.
         lane = (req.pre_inst, req.dec_inst)
@@ -426,7 +401,7 @@ class World(Chaos):
         yield self.env.timeout(max(1, tokens * self.scenario.workload.compute_ns_per_token))
 
     def _open_decode(self, req: Request) -> None:
-        senders = self._room_links(req)[0]
+        senders = self.fleet.links(req)[0]
         for d, node in enumerate(self.room_nodes(req, "decode")):
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
@@ -460,7 +435,7 @@ class World(Chaos):
 
     def _open_prefill(self, req: Request) -> None:
         aux_row = np.frombuffer(encode_aux_room(req.room), dtype=np.uint8)
-        receivers = self._room_links(req)[1]
+        receivers = self.fleet.links(req)[1]
         for p, node in enumerate(self.room_nodes(req, "prefill")):
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
@@ -528,7 +503,7 @@ class World(Chaos):
         status_log[key] = status
         if req.inc.get(node, inc) != inc:
             return  # an old incarnation's news
-        side = self._side_of[node]
+        side = self.fleet.side_of[node]
         released = req.dec_released if side == "decode" else req.pre_released
         if req.success_all_ns >= 0 and status is not KVPoll.Success and checks.success_stable and released:
             self.violate(
@@ -622,7 +597,7 @@ class World(Chaos):
                 return
         self.awaiting_prefill.discard(req.key)
         req.pre_pages_freed = True
-        pages, aux = self.allocs[self.room_nodes(req, "prefill")[0]]
+        pages, aux = self.fleet.allocs[self.room_nodes(req, "prefill")[0]]
         pages.free(req.pre_pages, req.key)
         aux.free(req.pre_aux, req.key)
         self._memory_event()
@@ -636,7 +611,7 @@ class World(Chaos):
             return
         req.dec_pages_freed = True
         self.routing.unload(req)
-        pages, aux = self.allocs[self.room_nodes(req, "decode")[0]]
+        pages, aux = self.fleet.allocs[self.room_nodes(req, "decode")[0]]
         pages.free(req.dec_pages, req.key)
         aux.free(req.dec_aux, req.key)
         self._memory_event()
