@@ -16,7 +16,7 @@ from kvferry.core.messages import Endpoint
 from kvferry.core.topology import receiver_endpoints, sender_specs
 from kvferry.sim.pages import LowestFirst, PageAllocator
 from kvferry.sim.rooms import Request
-from kvferry.sim.scenario_schema import Topology
+from kvferry.sim.scenario_schema import Scenario, pools
 
 __all__ = ["Servers"]
 
@@ -24,19 +24,20 @@ Links = tuple[tuple[Any, ...], tuple[Any, ...]]
 
 
 class Servers:
-    __slots__ = ("D", "P", "_links", "_links_by_decode_only", "allocs", "endpoint", "model", "names", "nodes",
-                 "side_of")  # fmt: skip
+    __slots__ = ("D", "P", "_links", "_links_by_decode_only", "allocs", "dec_pools", "endpoint", "model",
+                 "names", "nodes", "pre_pools", "side_of")  # fmt: skip
 
     def __init__(
         self,
-        t: Topology,
-        model: ModelGeometry,
+        s: Scenario,
         page_allocator: Callable[[str, int], PageAllocator],
         links_by_decode_only: bool = False,
     ) -> None:
         """``page_allocator(side, pages)``: one server's KV page allocator (sim/deploy picks the
         policy); ``links_by_decode_only``: the planted bug ``links_cache_by_decode``."""
-        self.model = model
+        self.pre_pools, self.dec_pools = pools(s)  # per rank, the same on every server of a side
+        self.model: ModelGeometry = s.model.geometry()
+        t = s.topology
         self.P, self.D = t.prefill_tp, t.decode_tp
         self.names: dict[str, tuple[str, ...]] = {}
         self.nodes: dict[str, tuple[tuple[str, ...], ...]] = {}

@@ -30,6 +30,7 @@ from kvferry.core.errors import LocalMisuseError, WireError
 from kvferry.core.events import AbortRoom, ChunkReady, ReceiverOpen, ReleaseRoom, SenderOpen
 from kvferry.core.flows import Flow, FlowPolicy
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
+from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control
 from kvferry.sim import planted
@@ -43,7 +44,7 @@ from kvferry.sim.live_checks import LiveChecks
 from kvferry.sim.pages import LowestFirst, PageAllocator
 from kvferry.sim.rng import Streams
 from kvferry.sim.rooms import AUX_ROW_BYTES, Request, Violation, split_chunks
-from kvferry.sim.scenario_schema import US, RoomSpec, Scenario, pools, staging_sizes
+from kvferry.sim.scenario_schema import US, RoomSpec, Scenario, staging_sizes
 from kvferry.sim.servers import Servers
 from kvferry.sim.trace import Trace
 
@@ -82,10 +83,6 @@ class World(Chaos):
         self.fabric.on_land = self.live_checks.on_land
         self.fabric.on_control = self._on_control
         self.timeouts = Timeouts(**{f: getattr(s.timeouts, f) for f in s.timeouts.__slots__})
-        self.pre_pools, self.dec_pools = pools(s)
-        self.model = s.model.geometry()
-        t = s.topology
-        self.P, self.D = t.prefill_tp, t.decode_tp
         self.by_room: dict[int, Request] = {}  # before the servers: routing reads it
         self._instances()
         clock = self.streams["clock"]
@@ -114,15 +111,32 @@ class World(Chaos):
     def _instances(self) -> None:
         """Name every server's ranks and give each server its own page and aux-row allocators
         (sim/servers.py), and route rooms to them (sim/instances.py)."""
-        self.fleet = Servers(
-            self.scenario.topology, self.model, self._page_allocator, "links_cache_by_decode" in self.hooks
-        )
-        self.routing = Routing(
-            self.servers, self.instance_nodes, self.by_room, self.trace.record, self.violate
-        )
+        s = self.scenario
+        self.fleet = f = Servers(s, self._page_allocator, "links_cache_by_decode" in self.hooks)
+        self.routing = Routing(f.names, f.nodes, self.by_room, self.trace.record, self.violate)
 
-    # Read by the checkers, metrics and sim/deploy: the servers of each side, their rank nodes, and
-    # each node's allocators (sim/servers.py).
+    # Read by the checkers, metrics and sim/deploy: the geometry, each side's TP and pools, the
+    # servers of each side, their rank nodes, and each node's allocators (sim/servers.py).
+    @property
+    def model(self) -> ModelGeometry:
+        return self.fleet.model
+
+    @property
+    def P(self) -> int:
+        return self.fleet.P
+
+    @property
+    def D(self) -> int:
+        return self.fleet.D
+
+    @property
+    def pre_pools(self) -> tuple[PoolGeometry, ...]:
+        return self.fleet.pre_pools
+
+    @property
+    def dec_pools(self) -> tuple[PoolGeometry, ...]:
+        return self.fleet.dec_pools
+
     @property
     def servers(self) -> dict[str, tuple[str, ...]]:
         return self.fleet.names
