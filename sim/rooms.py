@@ -9,7 +9,7 @@ import numpy as np
 from kvferry.core.kvpoll import KVPoll
 from kvferry.sim.scenario_schema import RoomSpec
 
-__all__ = ["AUX_ROW_BYTES", "Request", "Violation", "split_chunks"]
+__all__ = ["AUX_ROW_BYTES", "Findings", "Progress", "Request", "RoomTable", "Violation", "split_chunks"]
 
 AUX_ROW_BYTES = 64
 
@@ -80,3 +80,35 @@ def split_chunks(tokens: int, chunk: int) -> tuple[int, ...]:
     if tokens % chunk:
         out.append(tokens % chunk)
     return tuple(out)
+
+
+@dataclass(slots=True)
+class RoomTable:
+    """Every room of a run, in arrival order (a room's key is its index) and by room id, and the
+    rooms released on prefill whose pages wait for an engine still holding the room."""
+
+    requests: list[Request] = field(default_factory=list)
+    by_room: dict[int, Request] = field(default_factory=dict)
+    awaiting_prefill: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Findings:
+    """What the checks found: the violations, the rooms exempt from the agreement check (room key,
+    why; sim/checker.py), and the last status each rank incarnation reported per room (what the
+    monotonicity checks compare with)."""
+
+    violations: list[Violation] = field(default_factory=list)
+    agreement_exempt: list[tuple[int, str]] = field(default_factory=list)
+    status_log: dict[tuple[str, int, int, str], KVPoll] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Progress:
+    """Where a run stands: its phase ("faults", then "heal", then "liveness"), the rooms that got
+    their memory, the instant every room should be done by, and when it went quiet (-1: not yet)."""
+
+    phase: str = "faults"
+    rooms_started: int = 0
+    deadline_ns: int = 0
+    quiesced_ns: int = -1

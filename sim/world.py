@@ -43,7 +43,7 @@ from kvferry.sim.instances import Routing
 from kvferry.sim.live_checks import LiveChecks
 from kvferry.sim.pages import LowestFirst, PageAllocator
 from kvferry.sim.rng import Streams
-from kvferry.sim.rooms import AUX_ROW_BYTES, Request, Violation, split_chunks
+from kvferry.sim.rooms import AUX_ROW_BYTES, Findings, Progress, Request, RoomTable, Violation, split_chunks
 from kvferry.sim.scenario_schema import US, RoomSpec, Scenario, staging_sizes
 from kvferry.sim.servers import Servers
 from kvferry.sim.trace import Trace
@@ -62,45 +62,36 @@ class World(Chaos):
         """``instances``: how many prefill and decode servers (each of the topology's TP) share the
         fabric (None: the scenario's ``[topology]``); a room runs between one of each, chosen by
         ``_arrived`` (sim/instances.py routes; sim/deploy routes its own way)."""
-        self.seed = scenario.seed if seed is None else seed
-        self.streams = Streams(self.seed)
+        seed = scenario.seed if seed is None else seed
+        self.streams = Streams(seed)
         if instances is not None:
             # Into the scenario, so a swarm draws its faults over every server's nodes and a saved
             # failure replays with the same servers.
             topo = replace(scenario.topology, prefill_instances=instances[0], decode_instances=instances[1])
             scenario = replace(scenario, topology=topo)
-        self.scenario = s = draw_personality(replace(scenario, seed=self.seed), self.streams)
+        self.scenario = s = draw_personality(replace(scenario, seed=seed), self.streams)
         self.hooks = frozenset(s.hooks)
         self.env = simpy.Environment()
         self.trace = Trace(lambda: self.env.now, keep=keep_trace)
         self.injector = Injector(s.faults, s.phases.fault_window_us * US, self.streams)
         # Timing only (deployment-sized models): the same costs, no byte copied (sim/deploy/timing.py).
-        fabric_cls, self._transport_cls = (
-            (Fabric, SimTransport) if s.move_bytes else (TimingFabric, TimingTransport)
-        )
+        fabric_cls = Fabric if s.move_bytes else TimingFabric
         self.fabric = fabric_cls(self.env, s.fabric, self.streams["fabric"], self.injector, self.trace.record)
         self.live_checks = LiveChecks(self)
         self.fabric.on_land = self.live_checks.on_land
         self.fabric.on_control = self._on_control
         self.timeouts = Timeouts(**{f: getattr(s.timeouts, f) for f in s.timeouts.__slots__})
-        self.by_room: dict[int, Request] = {}  # before the servers: routing reads it
+        self.rooms = RoomTable()  # before the servers: routing reads it
         self._instances()
         clock = self.streams["clock"]
         skew_max = s.faults.clock_skew_max_us * US
         for name in self.fleet.endpoint:
             self.fabric.add_node(name, skew_ns=clock.randrange(skew_max + 1) if skew_max else 0)
         self.ranks: dict[str, SimRank] = {}
-        self.requests: list[Request] = []
-        self.violations: list[Violation] = []
-        self.agreement_exempt: list[tuple[int, str]] = []  # (room key, why), filled by the checker
-        self.awaiting_prefill: set[int] = set()
+        self.findings = Findings()
         self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self.admission = Admission(self.env)  # memory, first come first served per server pair
-        self.status_log: dict[tuple[str, int, int, str], KVPoll] = {}
-        self.rooms_started = 0
-        self.phase = "faults"
-        self.deadline_ns = 0
-        self.quiesced_ns = -1
+        self.progress = Progress()
         self.staging = staging_sizes(s)
         self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
         for name in self.fleet.endpoint:
@@ -113,10 +104,39 @@ class World(Chaos):
         (sim/servers.py), and route rooms to them (sim/instances.py)."""
         s = self.scenario
         self.fleet = f = Servers(s, self._page_allocator, "links_cache_by_decode" in self.hooks)
-        self.routing = Routing(f.names, f.nodes, self.by_room, self.trace.record, self.violate)
+        self.routing = Routing(f.names, f.nodes, self.rooms.by_room, self.trace.record, self.violate)
 
     # Read by the checkers, metrics and sim/deploy: the geometry, each side's TP and pools, the
     # servers of each side, their rank nodes, and each node's allocators (sim/servers.py).
+    @property
+    def seed(self) -> int:
+        return self.scenario.seed
+
+    # The run's rooms and findings, read by the checkers, metrics, the CLI, sim/deploy and tests.
+    @property
+    def requests(self) -> list[Request]:
+        return self.rooms.requests
+
+    @property
+    def by_room(self) -> dict[int, Request]:
+        return self.rooms.by_room
+
+    @property
+    def violations(self) -> list[Violation]:
+        return self.findings.violations
+
+    @property
+    def agreement_exempt(self) -> list[tuple[int, str]]:
+        return self.findings.agreement_exempt
+
+    @property
+    def deadline_ns(self) -> int:
+        return self.progress.deadline_ns
+
+    @deadline_ns.setter
+    def deadline_ns(self, ns: int) -> None:  # sim/deploy ends a run early
+        self.progress.deadline_ns = ns
+
     @property
     def model(self) -> ModelGeometry:
         return self.fleet.model
@@ -165,7 +185,7 @@ class World(Chaos):
         ep = self._endpoint(node)
         prefill = self.fleet.side_of[node] == "prefill"
         pool = self.pre_pools[ep.rank] if prefill else self.dec_pools[ep.rank]
-        tr = self._transport_cls(self.fabric, ep, pool)
+        tr = (SimTransport if self.scenario.move_bytes else TimingTransport)(self.fabric, ep, pool)
         tr.register_regions(pool.regions, self.scenario.topology.aux_rows, AUX_ROW_BYTES)
         st = self.staging
         planner = self._rank_planner()
@@ -271,8 +291,8 @@ class World(Chaos):
                 chunks=chunks,
                 arrival_ns=spec.arrival_us * US,
             )
-            self.requests.append(req)
-            self.by_room[room] = req
+            self.rooms.requests.append(req)
+            self.rooms.by_room[room] = req
             self.env.process(self._request(req))
             f = s.faults
             if f.abort and abort_rng.random() < f.abort:
@@ -280,8 +300,8 @@ class World(Chaos):
                 side, rank = abort_rng.choice(ranks)
                 if at < s.phases.fault_window_us * US:
                     self.env.process(self._abort_later(req, side, rank, at))
-        last = max((r.arrival_ns for r in self.requests), default=0)
-        self.deadline_ns = max(s.phases.fault_window_us * US, last) + s.phases.liveness_us * US
+        last = max((r.arrival_ns for r in self.rooms.requests), default=0)
+        self.progress.deadline_ns = max(s.phases.fault_window_us * US, last) + s.phases.liveness_us * US
 
     def _mismatch(self, specs: list[RoomSpec], first: int) -> list[RoomSpec]:
         """Give a share of the drawn rooms a decode allocation shorter or longer than prefill's
@@ -342,7 +362,7 @@ class World(Chaos):
         req.dec_aux = dec_aux.alloc(1, req.key)
         req.pre_aux = pre_aux.alloc(1, req.key)
         self._admitted(req)
-        self.rooms_started += 1
+        self.progress.rooms_started += 1
         self.trace.record(
             "room_arrive", "scheduler", room=req.room, key=req.key, tokens=req.spec.tokens, chunks=req.chunks
         )
@@ -469,7 +489,7 @@ class World(Chaos):
 
     # --------------------------------------------------------------------------- sink (from ranks)
     def status(self, rank: SimRank, cmd: StatusChanged) -> None:
-        req = self.by_room.get(cmd.room)
+        req = self.rooms.by_room.get(cmd.room)
         if req is None or req.tid != cmd.transfer_id:
             return
         if self.routing.multi and self.scenario.checks.isolation:
@@ -481,9 +501,10 @@ class World(Chaos):
     def after_pump(self, rank: SimRank) -> None:
         if rank.node.startswith("prefill") and rank.engine.stalled and self.scenario.checks.ring_progress:
             self.live_checks.ring_progress(rank)
-        if self.awaiting_prefill and rank.node.startswith("prefill"):
-            for key in sorted(self.awaiting_prefill):
-                self._maybe_free_prefill(self.requests[key])
+        waiting = self.rooms.awaiting_prefill
+        if waiting and rank.node.startswith("prefill"):
+            for key in sorted(waiting):
+                self._maybe_free_prefill(self.rooms.requests[key])
 
     def _later(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` at this simulated instant, after the current callback, in call order.
@@ -507,7 +528,7 @@ class World(Chaos):
         self.trace.record("status", node, room=req.room, key=req.key, status=status.name, reason=reason)
         checks = self.scenario.checks
         key = (node, inc, req.key, req.tid)
-        status_log = self.status_log
+        status_log = self.findings.status_log
         old = status_log.get(key)
         if old is not None and checks.monotone:
             if old is KVPoll.Failed and status is not KVPoll.Failed:
@@ -546,7 +567,7 @@ class World(Chaos):
         return all(req.status.get(n) is KVPoll.Success for n in nodes)
 
     def free_pages(self, rank: SimRank, cmd: FreePages) -> None:
-        req = self.by_room.get(cmd.room)
+        req = self.rooms.by_room.get(cmd.room)
         if req is None or req.tid != cmd.transfer_id or req.inc.get(rank.node) != rank.incarnation:
             return
         req.freed.add(rank.node)
@@ -607,9 +628,9 @@ class World(Chaos):
             return
         for n in self.room_nodes(req, "prefill"):
             if self.alive(n, req) and self.ranks[n].engine.state(req.room) is not None:
-                self.awaiting_prefill.add(req.key)
+                self.rooms.awaiting_prefill.add(req.key)
                 return
-        self.awaiting_prefill.discard(req.key)
+        self.rooms.awaiting_prefill.discard(req.key)
         req.pre_pages_freed = True
         pages, aux = self.fleet.allocs[self.room_nodes(req, "prefill")[0]]
         pages.free(req.pre_pages, req.key)
@@ -648,7 +669,7 @@ class World(Chaos):
         except WireError:
             return True
         t = type(msg)
-        req = self.by_room.get(msg.room)
+        req = self.rooms.by_room.get(msg.room)
         if req is None or req.tid != msg.transfer_id:
             return True
         now = int(self.env.now)
@@ -700,23 +721,23 @@ class World(Chaos):
 
     # --------------------------------------------------------------------------- running
     def violate(self, invariant: str, detail: str, req: Request | None = None) -> None:
-        self.violations.append(
+        self.findings.violations.append(
             Violation(invariant, detail, int(self.env.now), None if req is None else req.key)
         )
         self.trace.record("violation", "checker", invariant=invariant, detail=detail)
 
     def run(self) -> None:
-        self.env.run(until=self.deadline_ns)
-        self.phase = "liveness"
+        self.env.run(until=self.progress.deadline_ns)
+        self.progress.phase = "liveness"
         check_liveness(self)
         # Quiescence: every room released and its memory back, or give up after the fence.
-        limit = self.deadline_ns + self.timeouts.fence_ns + self.timeouts.heartbeat_timeout_ns * 4
+        limit = self.progress.deadline_ns + self.timeouts.fence_ns + self.timeouts.heartbeat_timeout_ns * 4
         step = max(self.timeouts.heartbeat_interval_ns, 1_000_000)
         while self.env.now < limit and not (
-            all(r.done for r in self.requests) and not self._notices_pending()
+            all(r.done for r in self.rooms.requests) and not self._notices_pending()
         ):
             self.env.run(until=int(self.env.now) + step)
-        self.quiesced_ns = int(self.env.now)
+        self.progress.quiesced_ns = int(self.env.now)
         # Let in-flight transfers and messages drain (bounded: nothing new is started).
         self.env.run(until=int(self.env.now) + self.fabric.spec.nic.error_timeout_ns + step)
         check_final(self)
