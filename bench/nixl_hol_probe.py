@@ -20,12 +20,12 @@ import time
 
 import msgspec
 import numpy as np
+from kvferry.backends import pattern
 from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
 from kvferry.core.deadlines import SEC, Timeouts
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import decode_note
-from kvferry.sim import pattern
 
 PAGE = 16
 

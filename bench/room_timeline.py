@@ -67,11 +67,12 @@ def main() -> None:
 
     from kvferry.backends.loopback.plan import timeouts as loopback_timeouts
     from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
-    from kvferry.backends.runtime.bench import _buffers
     from kvferry.backends.runtime.staging import StagingConfig
     from kvferry.core.geometry import ModelGeometry, PoolGeometry
     from kvferry.core.kvpoll import KVPoll
     from kvferry.core.messages import TransferInfo, decode_control
+
+    from kvferry.tools.runtime_bench import _buffers
 
     if a.model == "tiny":
         model = ModelGeometry("timeline", num_layers=2, num_kv_heads=4, head_dim=8)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvferry.core.kvpoll import KVPoll
-from kvferry.sim.scenario import US
+from kvferry.sim.scenario_schema import US
 
 if TYPE_CHECKING:
     from kvferry.sim.world import World
@@ -104,7 +104,7 @@ class Chaos(_Base):
                 self._check_side(req, "prefill" if node.startswith("prefill") else "decode")
 
     def _heal(self) -> None:
-        self.phase = "heal"
+        self.progress.phase = "heal"
         self.trace.record("heal", "scheduler")
         for (a, b), link in sorted(self.fabric.links.items()):
             if not link.up:

@@ -45,7 +45,8 @@ from kvferry.core.kvpoll import KVPoll
 
 if TYPE_CHECKING:
     from kvferry.sim.pages import PageAllocator
-    from kvferry.sim.world import Request, World
+    from kvferry.sim.rooms import Request
+    from kvferry.sim.world import World
 
 
 def check_liveness(w: World) -> None:
@@ -103,10 +104,13 @@ def _lease_pairing(w: World) -> None:
 
 
 def _length(w: World) -> None:
-    ever_success = {key[2] for key, st in w.status_log.items() if st is KVPoll.Success}
+    log = w.findings.status_log
+    ever_success = {key[2] for key, st in log.items() if st is KVPoll.Success}
     for r in w.requests:
         if r.opened and r.mismatched and r.key in ever_success:
-            nodes = sorted(k[0] for k, st in w.status_log.items() if k[2] == r.key and st is KVPoll.Success)
+            nodes = sorted(
+                k[0] for k, st in w.findings.status_log.items() if k[2] == r.key and st is KVPoll.Success
+            )
             w.violate(
                 "length",
                 f"room {r.key}: decode allocated {r.dec_tokens} tokens, prefill sent {r.spec.tokens}, "

@@ -14,7 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvferry.core.geometry import PoolGeometry, links
-from kvferry.sim.scenario import US, Scenario, TimeoutSpec, pools, staging_sizes
+from kvferry.sim.scenario_schema import (
+    REORDER_MAX_NS,
+    US,
+    WRITE_SLACK_NS,
+    Scenario,
+    TimeoutSpec,
+    pools,
+    staging_sizes,
+)
 
 __all__ = ["SAFETY", "RoomEstimate", "derive", "estimate", "flows_used", "worst"]
 
@@ -173,8 +181,6 @@ def _ceil_ms(ns: int) -> int:
 def derive(s: Scenario, given_timeouts: frozenset[str], given_phases: frozenset[str]) -> Scenario:
     """``s`` with every deadline it does not set (names not in ``given_*``) long enough for its
     largest room: unchanged where the defaults already allow ``SAFETY`` times that room."""
-    from kvferry.sim.scenario import REORDER_MAX_NS, WRITE_SLACK_NS
-
     est = worst(s)
     need = _ceil_ms(SAFETY * est.total_ns)
     vals = {n: getattr(s.timeouts, n) for n in TimeoutSpec.__slots__}

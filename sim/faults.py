@@ -17,7 +17,7 @@ from dataclasses import replace
 from kvferry.backends.simfabric.faultapi import DELIVER, NOTIF_OK, ControlFate, NotifFate
 from kvferry.sim.expected import worst
 from kvferry.sim.rng import Streams
-from kvferry.sim.scenario import US, FaultEvent, Faults, Scenario
+from kvferry.sim.scenario_schema import US, FaultEvent, Faults, Scenario
 
 CALM_SHARE = 0.1
 CALM_STRETCH = 10

@@ -41,6 +41,11 @@ The campaign's blind spots, each caught only with its dimension of the draw spac
   layer's write that fails goes unnoticed, and a failed room's fence (Stopped) leaves while
   earlier layers are still in flight, so decode frees pages they then land in (ownership).
 
+The planner (``offset_from_own_length_planner`` below, given to every prefill rank):
+
+- ``chunk_offset_own_length``: a chunk's destination offset computed from its own length, not
+  the running total, so chunk N lands on top of chunk N-1 (bytes).
+
 Several servers a side (sim/instances.py; realised in sim/world.py ``_room_links``, not an engine):
 
 - ``links_cache_by_decode``: the scheduler caches who talks to whom per decode server instead of
@@ -59,13 +64,14 @@ from kvferry.core import messages as m
 from kvferry.core.commands import PostWrite
 from kvferry.core.flows import Flow
 from kvferry.core.flows.regions import worker_region
+from kvferry.core.planner import plan_rank_pair
 from kvferry.core.proto_common import RoomError
 from kvferry.core.receiver import ReceiverEngine
 from kvferry.core.resources import StagingRing, Watermark
 from kvferry.core.resources.leases import LeaseIn, LeaseRegistry, LeaseState
 from kvferry.core.sender import SenderEngine
 
-__all__ = ["receiver_class", "sender_class"]
+__all__ = ["offset_from_own_length_planner", "receiver_class", "sender_class"]
 
 
 class _StaleTailRing(StagingRing):
@@ -290,3 +296,19 @@ def receiver_class(hooks: frozenset[str]) -> type[ReceiverEngine]:
     if len(picked) > 1:
         raise ValueError(f"one planted decode bug at a time, got {sorted(hooks)}")
     return picked[0] if picked else ReceiverEngine
+
+
+def offset_from_own_length_planner() -> Any:
+    """Planted bug: a chunk's destination offset computed from its own length, not the running total.
+
+    Chunk N then lands one chunk-length early, on top of chunk N-1 (the upstream bug). Realised by
+    rotating the destination page list, so the real planner places tokens ``n`` tokens too early.
+    """
+
+    def planner(src_pool: Any, dst_pool: Any, src_pages: Any, dst_pages: Any, start: int, end: int) -> Any:
+        dp = np.asarray(dst_pages, dtype=np.int64)
+        if start > 0 and end > start:
+            dp = np.roll(dp, max(1, (end - start) // dst_pool.page_size))
+        return plan_rank_pair(src_pool, dst_pool, src_pages, dp, start, end)
+
+    return planner

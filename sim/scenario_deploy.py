@@ -16,8 +16,9 @@ from typing import Any
 
 from kvferry.core.errors import KvferryError
 from kvferry.core.geometry import PRESETS
-from kvferry.sim import scenario as sc  # its names looked up per call: a test may swap sc._Reader
+from kvferry.sim import scenario_fields as sf  # looked up per call: a test records the keys read
 from kvferry.sim.deploy.spec import DeploySpec
+from kvferry.sim.scenario_schema import Scenario, ScenarioError
 
 __all__ = ["DOC", "REFUSED", "keys", "read", "spec_fields"]
 
@@ -79,7 +80,7 @@ def keys() -> dict[str, type]:
     }
 
 
-def spec_fields(s: sc.Scenario) -> dict[str, Any]:
+def spec_fields(s: Scenario) -> dict[str, Any]:
     """The DeploySpec fields the scenario's other tables set (``kvferry select`` takes them)."""
     t, w = s.topology, s.workload
     return {
@@ -93,7 +94,7 @@ def spec_fields(s: sc.Scenario) -> dict[str, Any]:
     }
 
 
-def _value(r: sc._Reader, key: str, kind: type) -> Any:
+def _value(r: sf.Reader, key: str, kind: type) -> Any:
     # The reader's checks keep the other tables' messages; bool is never taken for an int or float.
     if kind is bool:
         return r.bool(key, False)
@@ -102,12 +103,12 @@ def _value(r: sc._Reader, key: str, kind: type) -> Any:
     if kind is float:
         v = r.float(key, 0.0, lo=-math.inf)  # an int is a number too, as in the other tables
         if not math.isfinite(v):  # TOML has nan and inf; the spec's range checks let NaN through
-            raise sc.ScenarioError(f"{sc._at(r.where, key)}: expected a finite number, got {v}")
+            raise ScenarioError(f"{sf.at(r.where, key)}: expected a finite number, got {v}")
         return v
     return r.str(key, "")
 
 
-def read(where: str, table: Any, s: sc.Scenario) -> dict[str, Any]:
+def read(where: str, table: Any, s: Scenario) -> dict[str, Any]:
     """The [deploy] table of the file ``where``, checked: known keys of the right types, and, as
     a whole, a deployment DeploySpec.check() accepts (with ``s``'s model, TP, page sizes, workers
     and chunk size, and DeploySpec's defaults for the keys left out)."""
@@ -116,25 +117,23 @@ def read(where: str, table: Any, s: sc.Scenario) -> dict[str, Any]:
     if isinstance(table, dict):
         for key in table:
             if key in REFUSED:
-                raise sc.ScenarioError(f"{sc._at(where, key)}: not a [deploy] key: {REFUSED[key]}")
+                raise ScenarioError(f"{sf.at(where, key)}: not a [deploy] key: {REFUSED[key]}")
             if key not in known:
                 # The accepted keys always listed: they come from DeploySpec, not from a fixed list.
                 hint = difflib.get_close_matches(key, list(known), n=1)
                 mean = f"did you mean {hint[0]!r}? " if hint else ""
-                raise sc.ScenarioError(
-                    f"{sc._at(where, key)}: unknown field ({mean}known: {', '.join(known)})"
-                )
-    r = sc._Reader(where, table, tuple(known))  # refuses a plain value where the table should be
+                raise ScenarioError(f"{sf.at(where, key)}: unknown field ({mean}known: {', '.join(known)})")
+    r = sf.Reader(where, table, tuple(known))  # refuses a plain value where the table should be
     out = {k: _value(r, k, kind) for k, kind in known.items() if k in r.table}
     if not out:
         return out
     if s.model.name not in PRESETS:
-        raise sc.ScenarioError(
+        raise ScenarioError(
             f"{where}: needs a model preset ([model] preset = ...): select times a known model's "
             f"compute, and {s.model.name!r} is not one"
         )
     try:
         DeploySpec(**spec_fields(s), **out).check()
     except KvferryError as e:  # DeployError, or ProfileError for an unknown gpu / nic
-        raise sc.ScenarioError(f"{where}: {e}") from None
+        raise ScenarioError(f"{where}: {e}") from None
     return out

@@ -3,7 +3,7 @@ them rooms, the fault schedule, and the bookkeeping the invariant checker reads.
 
 The scheduler plays both LLM servers: decode allocates pages and an aux row and opens the room on
 each decode rank; prefill allocates its own pages, "computes" each chunk (writes the room's
-recognisable bytes, sim/pattern.py) and hands it to each prefill rank. It reacts to status
+recognisable bytes, backends/pattern.py) and hands it to each prefill rank. It reacts to status
 changes like a real scheduler: a room Failed on one rank of a server is aborted on the others;
 once terminal everywhere on a side it is released; decode pages go back to the allocator only on
 FreePages (the fence), prefill pages once the sender engine dropped the room (no write in flight).
@@ -12,102 +12,44 @@ FreePages (the fence), prefill pages once the sender engine dropped the room (no
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
 import numpy as np
 import simpy
+from kvferry.backends import pattern
 from kvferry.backends.simfabric.calls import call_after
-from kvferry.backends.simfabric.descriptors import gather_index
-from kvferry.backends.simfabric.fabric import Fabric, Xfer
+from kvferry.backends.simfabric.fabric import Fabric
 from kvferry.backends.simfabric.runtime import SimRank
-from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport, node_name
+from kvferry.backends.simfabric.transport import SimTransport, node_name
 from kvferry.backends.transport import encode_aux_room
 from kvferry.core.commands import FreePages, StatusChanged
 from kvferry.core.deadlines import Timeouts
 from kvferry.core.errors import LocalMisuseError, WireError
 from kvferry.core.events import AbortRoom, ChunkReady, LayersReady, ReceiverOpen, ReleaseRoom, SenderOpen
 from kvferry.core.flows import Flow, FlowPolicy
-from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, is_staging_region, worker_region
-from kvferry.core.flows.staged_tx import TxState
+from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
+from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
-from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control, decode_note
-from kvferry.core.resources import writable
-from kvferry.core.topology import receiver_endpoints, sender_specs
-from kvferry.sim import pattern, planted
+from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control
+from kvferry.sim import planted
+from kvferry.sim.admission import Admission
 from kvferry.sim.chaos import Chaos
+from kvferry.sim.checker import check_final, check_liveness
 from kvferry.sim.deploy.timing import TimingFabric, TimingTransport
 from kvferry.sim.faults import Injector, draw_personality
-from kvferry.sim.instances import Instances
-from kvferry.sim.pages import FREE, LowestFirst, PageAllocator
+from kvferry.sim.instances import Routing
+from kvferry.sim.live_checks import LiveChecks
+from kvferry.sim.pages import LowestFirst, PageAllocator
 from kvferry.sim.rng import Streams
-from kvferry.sim.scenario import US, RoomSpec, Scenario, pools, staging_sizes
+from kvferry.sim.rooms import AUX_ROW_BYTES, Findings, Progress, Request, RoomTable, Violation, split_chunks
+from kvferry.sim.scenario_schema import US, RoomSpec, Scenario, staging_sizes
+from kvferry.sim.servers import Servers
 from kvferry.sim.trace import Trace
 
-AUX_ROW_BYTES = 64
 
-
-@dataclass(slots=True)
-class Request:
-    key: int
-    room: int
-    tid: str
-    spec: RoomSpec
-    chunks: tuple[int, ...]
-    arrival_ns: int
-    dec_pages: np.ndarray | None = None
-    pre_pages: np.ndarray | None = None
-    dec_aux: np.ndarray | None = None
-    pre_aux: np.ndarray | None = None
-    inc: dict[str, int] = field(default_factory=dict)  # incarnation of each node the room was opened on
-    status: dict[str, KVPoll] = field(default_factory=dict)
-    reason: dict[str, str] = field(default_factory=dict)
-    terminal_ns: dict[str, int] = field(default_factory=dict)
-    freed: set[str] = field(default_factory=set)  # decode nodes that said FreePages (or died)
-    removed: set[str] = field(default_factory=set)  # prefill nodes whose engine dropped the room
-    aborted: set[str] = field(default_factory=set)
-    dec_released: bool = False
-    pre_released: bool = False
-    dec_pages_freed: bool = False
-    pre_pages_freed: bool = False
-    outcome: str = ""  # "success" / "failed" once decode is terminal everywhere
-    verified_bad: int = -1
-    opened: bool = False
-    # Facts for the agreement check. Failure notices (RoomFailed / Abort) per (src, dst, kind):
-    # [first sent ns, last sent ns, copies delivered, first delivery ns or -1]; and the nodes
-    # whose process died (crash) while the room could still settle (sim/chaos.py).
-    notices: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
-    lost_with: set[str] = field(default_factory=set)
-    flow: str | None = None  # the room's explicit flow (None: the policy's choice)
-    pre_inst: int = 0  # the prefill and decode servers the room runs between (World.servers)
-    dec_inst: int = 0
-    token_start: int = 0  # decode's prefix hit: tokens [0, token_start) are already in its pages
-    success_all_ns: int = -1  # when every rank of both sides was first Success (-1: not yet)
-
-    @property
-    def dec_tokens(self) -> int:
-        """Tokens decode allocates; differs from ``spec.tokens`` in a length-mismatch room."""
-        return self.spec.dec_tokens
-
-    @property
-    def mismatched(self) -> bool:
-        return self.spec.dec_tokens != self.spec.tokens
-
-    @property
-    def done(self) -> bool:
-        return self.dec_pages_freed and self.pre_pages_freed
-
-
-@dataclass(slots=True)
-class Violation:
-    invariant: str
-    detail: str
-    t_ns: int
-    room: int | None = None
-
-
-class World(Chaos, Instances):
+class World(Chaos):
     """Build with a scenario and a seed, then ``run()``; the result is in ``report()``."""
 
     def __init__(
@@ -120,94 +62,112 @@ class World(Chaos, Instances):
         """``instances``: how many prefill and decode servers (each of the topology's TP) share the
         fabric (None: the scenario's ``[topology]``); a room runs between one of each, chosen by
         ``_arrived`` (sim/instances.py routes; sim/deploy routes its own way)."""
-        self.seed = scenario.seed if seed is None else seed
-        self.streams = Streams(self.seed)
+        seed = scenario.seed if seed is None else seed
+        self.streams = Streams(seed)
         if instances is not None:
             # Into the scenario, so a swarm draws its faults over every server's nodes and a saved
             # failure replays with the same servers.
             topo = replace(scenario.topology, prefill_instances=instances[0], decode_instances=instances[1])
             scenario = replace(scenario, topology=topo)
-        self.scenario = s = draw_personality(replace(scenario, seed=self.seed), self.streams)
+        self.scenario = s = draw_personality(replace(scenario, seed=seed), self.streams)
         self.hooks = frozenset(s.hooks)
         self.env = simpy.Environment()
         self.trace = Trace(lambda: self.env.now, keep=keep_trace)
         self.injector = Injector(s.faults, s.phases.fault_window_us * US, self.streams)
         # Timing only (deployment-sized models): the same costs, no byte copied (sim/deploy/timing.py).
-        fabric_cls, self._transport_cls = (
-            (Fabric, SimTransport) if s.move_bytes else (TimingFabric, TimingTransport)
-        )
+        fabric_cls = Fabric if s.move_bytes else TimingFabric
         self.fabric = fabric_cls(self.env, s.fabric, self.streams["fabric"], self.injector, self.trace.record)
-        self.fabric.on_land = self._on_land
+        self.live_checks = LiveChecks(self)
+        self.fabric.on_land = self.live_checks.on_land
         self.fabric.on_control = self._on_control
         self.timeouts = Timeouts(**{f: getattr(s.timeouts, f) for f in s.timeouts.__slots__})
-        self.pre_pools, self.dec_pools = pools(s)
-        self.model = s.model.geometry()
-        t = s.topology
-        self.P, self.D = t.prefill_tp, t.decode_tp
+        self.rooms = RoomTable()  # before the servers: routing reads it
         self._instances()
         clock = self.streams["clock"]
         skew_max = s.faults.clock_skew_max_us * US
-        for name in self._node_ep:
+        for name in self.fleet.endpoint:
             self.fabric.add_node(name, skew_ns=clock.randrange(skew_max + 1) if skew_max else 0)
         self.ranks: dict[str, SimRank] = {}
-        self.requests: list[Request] = []
-        self.by_room: dict[int, Request] = {}
-        self.violations: list[Violation] = []
-        self.agreement_exempt: list[tuple[int, str]] = []  # (room key, why), filled by the checker
-        self.awaiting_prefill: set[int] = set()
+        self.findings = Findings()
         self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
-        # Admission tickets, in arrival order, per (prefill, decode) instance pair: a request
-        # waits only behind requests that need the same servers' memory.
-        self._admit_next: dict[tuple[int, int], int] = {}
-        self._admit_now: dict[tuple[int, int], int] = {}
-        self._memory_changed = self.env.event()
-        self._turns: dict[tuple[tuple[int, int], int], simpy.Event] = {}
-        self.status_log: dict[tuple[str, int, int, str], KVPoll] = {}
-        self.rooms_started = 0
-        self.phase = "faults"
-        self.deadline_ns = 0
-        self.quiesced_ns = -1
-        self._links: dict[tuple[int, int], tuple[tuple[Any, ...], tuple[Any, ...]]] = {}
-        self._links_by_decode_only = "links_cache_by_decode" in self.hooks
+        self.admission = Admission(self.env)  # memory, first come first served per server pair
+        self.progress = Progress()
         self.staging = staging_sizes(s)
         self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
-        self._flow_rng = self.streams["flows"]
-        self._prefix_rng = self.streams["workload.prefix"]
-        for name in self._node_ep:
+        for name in self.fleet.endpoint:
             self._start_rank(name)
         self._build_workload()
         self.env.process(self._fault_schedule())
 
     def _instances(self) -> None:
-        """Name every server's ranks and give each server its own page and aux-row allocators.
-        One server a side keeps the plain names (prefill0, decode0); instance i of several is
-        server ``prefill{i}.`` (nodes prefill{i}.0, prefill{i}.1, ...: Topology.servers)."""
-        t = self.scenario.topology
-        self.servers: dict[str, tuple[str, ...]] = {}
-        self.instance_nodes: dict[str, tuple[tuple[str, ...], ...]] = {}
-        self._node_ep: dict[str, Endpoint] = {}
-        self._side_of: dict[str, str] = {}
-        # node -> (pages, aux rows) of its server: a room's units come from its own servers.
-        self.allocs: dict[str, tuple[PageAllocator, PageAllocator]] = {}
-        for side, n, pages in (
-            ("prefill", t.prefill_instances, t.prefill_pages),
-            ("decode", t.decode_instances, t.decode_pages),
-        ):
-            if n < 1:
-                raise ValueError(f"{side} instances must be >= 1, got {n}")
-            self.servers[side] = t.servers(side)
-            groups = t.server_nodes(side)
-            for server, nodes in zip(self.servers[side], groups, strict=True):
-                units = (self._page_allocator(side, pages), LowestFirst(t.aux_rows))
-                for r, node in enumerate(nodes):
-                    self._node_ep[node] = Endpoint(server, r)
-                    self._side_of[node] = side
-                    self.allocs[node] = units
-            self.instance_nodes[side] = groups
-        # The first server of each side's allocators under their old names (one-server worlds).
-        self.pre_alloc, self.pre_aux = self.allocs[self.instance_nodes["prefill"][0][0]]
-        self.dec_alloc, self.dec_aux = self.allocs[self.instance_nodes["decode"][0][0]]
-        self._start_routing()
+        """Name every server's ranks and give each server its own page and aux-row allocators
+        (sim/servers.py), and route rooms to them (sim/instances.py)."""
+        s = self.scenario
+        self.fleet = f = Servers(s, self._page_allocator, "links_cache_by_decode" in self.hooks)
+        self.routing = Routing(f.names, f.nodes, self.rooms.by_room, self.trace.record, self.violate)
+
+    # Read by the checkers, metrics and sim/deploy: the geometry, each side's TP and pools, the
+    # servers of each side, their rank nodes, and each node's allocators (sim/servers.py).
+    @property
+    def seed(self) -> int:
+        return self.scenario.seed
+
+    # The run's rooms and findings, read by the checkers, metrics, the CLI, sim/deploy and tests.
+    @property
+    def requests(self) -> list[Request]:
+        return self.rooms.requests
+
+    @property
+    def by_room(self) -> dict[int, Request]:
+        return self.rooms.by_room
+
+    @property
+    def violations(self) -> list[Violation]:
+        return self.findings.violations
+
+    @property
+    def agreement_exempt(self) -> list[tuple[int, str]]:
+        return self.findings.agreement_exempt
+
+    @property
+    def deadline_ns(self) -> int:
+        return self.progress.deadline_ns
+
+    @deadline_ns.setter
+    def deadline_ns(self, ns: int) -> None:  # sim/deploy ends a run early
+        self.progress.deadline_ns = ns
+
+    @property
+    def model(self) -> ModelGeometry:
+        return self.fleet.model
+
+    @property
+    def P(self) -> int:
+        return self.fleet.P
+
+    @property
+    def D(self) -> int:
+        return self.fleet.D
+
+    @property
+    def pre_pools(self) -> tuple[PoolGeometry, ...]:
+        return self.fleet.pre_pools
+
+    @property
+    def dec_pools(self) -> tuple[PoolGeometry, ...]:
+        return self.fleet.dec_pools
+
+    @property
+    def servers(self) -> dict[str, tuple[str, ...]]:
+        return self.fleet.names
+
+    @property
+    def instance_nodes(self) -> dict[str, tuple[tuple[str, ...], ...]]:
+        return self.fleet.nodes
+
+    @property
+    def allocs(self) -> dict[str, tuple[PageAllocator, PageAllocator]]:
+        return self.fleet.allocs
 
     def _page_allocator(self, side: str, n: int) -> PageAllocator:
         """One server's KV page allocator (sim/deploy picks the policy; scenarios keep this one)."""
@@ -215,37 +175,23 @@ class World(Chaos, Instances):
 
     def room_nodes(self, req: Request, side: str) -> tuple[str, ...]:
         """The ranks of the server on ``side`` that the room runs on."""
-        return self.instance_nodes[side][req.pre_inst if side == "prefill" else req.dec_inst]
-
-    def _room_links(self, req: Request) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        """Per decode rank its senders, per prefill rank its receivers, for the room's two servers."""
-        pair = (req.pre_inst, req.dec_inst)
-        # Planted bug: the cache keyed by the decode server alone (isolation must catch it).
-        key = (-1, pair[1]) if self._links_by_decode_only else pair
-        got = self._links.get(key)
-        if got is None:
-            pre, dec = self.servers["prefill"][pair[0]], self.servers["decode"][pair[1]]
-            got = self._links[key] = (
-                tuple(sender_specs(self.model, self.P, self.D, d, pre) for d in range(self.D)),
-                tuple(receiver_endpoints(self.model, self.P, self.D, p, dec) for p in range(self.P)),
-            )
-        return got
+        return self.fleet.nodes[side][req.pre_inst if side == "prefill" else req.dec_inst]
 
     # --------------------------------------------------------------------------- ranks
     def _endpoint(self, node: str) -> Endpoint:
-        return self._node_ep[node]
+        return self.fleet.endpoint[node]
 
     def _start_rank(self, node: str) -> None:
         ep = self._endpoint(node)
-        prefill = self._side_of[node] == "prefill"
+        prefill = self.fleet.side_of[node] == "prefill"
         pool = self.pre_pools[ep.rank] if prefill else self.dec_pools[ep.rank]
-        tr = self._transport_cls(self.fabric, ep, pool)
+        tr = (SimTransport if self.scenario.move_bytes else TimingTransport)(self.fabric, ep, pool)
         tr.register_regions(pool.regions, self.scenario.topology.aux_rows, AUX_ROW_BYTES)
         st = self.staging
         planner = self._rank_planner()
         if prefill:
             if "chunk_offset_own_length" in self.hooks:
-                planner = _offset_from_own_length_planner()
+                planner = planted.offset_from_own_length_planner()
             workers = self.scenario.topology.workers
             buffers = {worker_region(i): st.worker_buffer_bytes for i in range(workers)}
             tr.register_staging({**buffers, PINNED_REGION: st.prefill_pinned_bytes})
@@ -288,11 +234,11 @@ class World(Chaos, Instances):
             offered.append(Flow.RING.value)
         if self.staging.pinned_bytes and self.staging.prefill_pinned_bytes:
             offered.append(Flow.PINNED.value)
-        return offered[self._flow_rng.randrange(len(offered))]
+        return offered[self.streams["flows"].randrange(len(offered))]
 
     def receivers_of(self, node: str, req: Request) -> list[str]:
         """The decode nodes a prefill node exchanges data or notes with for the room."""
-        return [node_name(ep) for ep in self._room_links(req)[1][self._node_ep[node].rank]]
+        return [node_name(ep) for ep in self.fleet.links(req)[1][self.fleet.endpoint[node].rank]]
 
     def alive(self, node: str, req: Request) -> bool:
         r = self.ranks[node]
@@ -336,7 +282,7 @@ class World(Chaos, Instances):
             while room in used:
                 room = rooms_rng.getrandbits(63)
             used.add(room)
-            chunks = spec.chunks or _split(spec.tokens, w.chunk_tokens)
+            chunks = spec.chunks or split_chunks(spec.tokens, w.chunk_tokens)
             req = Request(
                 key=key,
                 room=room,
@@ -345,8 +291,8 @@ class World(Chaos, Instances):
                 chunks=chunks,
                 arrival_ns=spec.arrival_us * US,
             )
-            self.requests.append(req)
-            self.by_room[room] = req
+            self.rooms.requests.append(req)
+            self.rooms.by_room[room] = req
             self.env.process(self._request(req))
             f = s.faults
             if f.abort and abort_rng.random() < f.abort:
@@ -354,8 +300,8 @@ class World(Chaos, Instances):
                 side, rank = abort_rng.choice(ranks)
                 if at < s.phases.fault_window_us * US:
                     self.env.process(self._abort_later(req, side, rank, at))
-        last = max((r.arrival_ns for r in self.requests), default=0)
-        self.deadline_ns = max(s.phases.fault_window_us * US, last) + s.phases.liveness_us * US
+        last = max((r.arrival_ns for r in self.rooms.requests), default=0)
+        self.progress.deadline_ns = max(s.phases.fault_window_us * US, last) + s.phases.liveness_us * US
 
     def _mismatch(self, specs: list[RoomSpec], first: int) -> list[RoomSpec]:
         """Give a share of the drawn rooms a decode allocation shorter or longer than prefill's
@@ -395,40 +341,36 @@ class World(Chaos, Instances):
         t = s.topology
         n_dec = -(-req.dec_tokens // t.decode_page_size)
         n_pre = -(-req.spec.tokens // t.prefill_page_size)
-        pre_pages, pre_aux = self.allocs[self.room_nodes(req, "prefill")[0]]
-        dec_pages, dec_aux = self.allocs[self.room_nodes(req, "decode")[0]]
+        pre_pages, pre_aux = self.fleet.allocs[self.room_nodes(req, "prefill")[0]]
+        dec_pages, dec_aux = self.fleet.allocs[self.room_nodes(req, "decode")[0]]
         # Wait for memory like a real scheduler would, first come first served: a request waits
         # until the ones that arrived before it got their memory and enough is free for it.
         lane = (req.pre_inst, req.dec_inst)
-        ticket = self._admit_next.get(lane, 0)
-        self._admit_next[lane] = ticket + 1
-        if ticket != self._admit_now.get(lane, 0):
-            ev = self._turns[lane, ticket] = env.event()
-            yield ev
+        turn = self.admission.ticket(lane)
+        if turn is not None:
+            yield turn
         while not (
             self._decode_fits(req, dec_pages, n_dec)
             and pre_pages.used + n_pre <= t.prefill_pages
             and dec_aux.used < t.aux_rows
             and pre_aux.used < t.aux_rows
         ):
-            yield self._memory_changed  # only the head of the line waits here
-        self._admit_now[lane] = turn = self._admit_now.get(lane, 0) + 1
-        nxt = self._turns.pop((lane, turn), None)
-        if nxt is not None:
-            nxt.succeed()
+            yield self.admission.changed  # only the head of the line waits here
+        self.admission.admitted(lane)
         req.dec_pages = dec_pages.alloc(n_dec, req.key)
         req.pre_pages = pre_pages.alloc(n_pre, req.key)
         req.dec_aux = dec_aux.alloc(1, req.key)
         req.pre_aux = pre_aux.alloc(1, req.key)
         self._admitted(req)
-        self.rooms_started += 1
+        self.progress.rooms_started += 1
         self.trace.record(
             "room_arrive", "scheduler", room=req.room, key=req.key, tokens=req.spec.tokens, chunks=req.chunks
         )
         req.opened = True
         req.flow = self.room_flow(req)
-        hit = self._prefix_rng.random() < s.workload.prefix_hit  # drawn for every room: stable streams
-        length = self._prefix_rng.randint(0, req.spec.tokens)
+        prefix_rng = self.streams["workload.prefix"]
+        hit = prefix_rng.random() < s.workload.prefix_hit  # drawn for every room: stable streams
+        length = prefix_rng.randint(0, req.spec.tokens)
         if hit and req.flow in _PREFIX_FLOWS:
             req.token_start = min(length, req.dec_tokens)  # a hit lies inside decode's allocation
         if self._decode_opens_late(req):
@@ -512,7 +454,7 @@ class World(Chaos, Instances):
     def _arrived(self, req: Request) -> bool:
         """The request arrived: choose its servers (``req.pre_inst``, ``req.dec_inst``); False
         drops it (sim/deploy's router refusing it). One server a side: nothing to choose."""
-        self._route(req)
+        self.routing.route(req)
         return True
 
     def _compute_chunk(  # type: ignore[no-untyped-def]
@@ -527,7 +469,7 @@ class World(Chaos, Instances):
             yield from self._layers(total, on_layer)
 
     def _open_decode(self, req: Request) -> None:
-        senders = self._room_links(req)[0]
+        senders = self.fleet.links(req)[0]
         for d, node in enumerate(self.room_nodes(req, "decode")):
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
@@ -561,7 +503,7 @@ class World(Chaos, Instances):
 
     def _open_prefill(self, req: Request) -> None:
         aux_row = np.frombuffer(encode_aux_room(req.room), dtype=np.uint8)
-        receivers = self._room_links(req)[1]
+        receivers = self.fleet.links(req)[1]
         for p, node in enumerate(self.room_nodes(req, "prefill")):
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
@@ -581,21 +523,22 @@ class World(Chaos, Instances):
 
     # --------------------------------------------------------------------------- sink (from ranks)
     def status(self, rank: SimRank, cmd: StatusChanged) -> None:
-        req = self.by_room.get(cmd.room)
+        req = self.rooms.by_room.get(cmd.room)
         if req is None or req.tid != cmd.transfer_id:
             return
-        if self.multi and self.scenario.checks.isolation:
-            self._check_status_isolation(req, rank.node)
+        if self.routing.multi and self.scenario.checks.isolation:
+            self.routing.check_status(req, rank.node)
         # React after the driver finished executing this batch of commands (no re-entry into
         # the engine from inside its own command list), at the same simulated instant.
         self._later(self._mark, req, rank.node, cmd.status, cmd.reason, rank.incarnation)
 
     def after_pump(self, rank: SimRank) -> None:
         if rank.node.startswith("prefill") and rank.engine.stalled and self.scenario.checks.ring_progress:
-            self._check_ring_progress(rank)
-        if self.awaiting_prefill and rank.node.startswith("prefill"):
-            for key in sorted(self.awaiting_prefill):
-                self._maybe_free_prefill(self.requests[key])
+            self.live_checks.ring_progress(rank)
+        waiting = self.rooms.awaiting_prefill
+        if waiting and rank.node.startswith("prefill"):
+            for key in sorted(waiting):
+                self._maybe_free_prefill(self.rooms.requests[key])
 
     def _later(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` at this simulated instant, after the current callback, in call order.
@@ -619,7 +562,7 @@ class World(Chaos, Instances):
         self.trace.record("status", node, room=req.room, key=req.key, status=status.name, reason=reason)
         checks = self.scenario.checks
         key = (node, inc, req.key, req.tid)
-        status_log = self.status_log
+        status_log = self.findings.status_log
         old = status_log.get(key)
         if old is not None and checks.monotone:
             if old is KVPoll.Failed and status is not KVPoll.Failed:
@@ -629,7 +572,7 @@ class World(Chaos, Instances):
         status_log[key] = status
         if req.inc.get(node, inc) != inc:
             return  # an old incarnation's news
-        side = self._side_of[node]
+        side = self.fleet.side_of[node]
         released = req.dec_released if side == "decode" else req.pre_released
         if req.success_all_ns >= 0 and status is not KVPoll.Success and checks.success_stable and released:
             self.violate(
@@ -658,7 +601,7 @@ class World(Chaos, Instances):
         return all(req.status.get(n) is KVPoll.Success for n in nodes)
 
     def free_pages(self, rank: SimRank, cmd: FreePages) -> None:
-        req = self.by_room.get(cmd.room)
+        req = self.rooms.by_room.get(cmd.room)
         if req is None or req.tid != cmd.transfer_id or req.inc.get(rank.node) != rank.incarnation:
             return
         req.freed.add(rank.node)
@@ -692,7 +635,7 @@ class World(Chaos, Instances):
             if not req.outcome:
                 req.outcome = "success" if all(st is KVPoll.Success for st in stats) else "failed"
                 if req.outcome == "success" and self.scenario.checks.bytes and self.scenario.move_bytes:
-                    self._verify(req)
+                    self.live_checks.verify(req)
             if not req.dec_released:
                 req.dec_released = True
                 if "keep_room_tables" not in self.hooks:
@@ -719,204 +662,28 @@ class World(Chaos, Instances):
             return
         for n in self.room_nodes(req, "prefill"):
             if self.alive(n, req) and self.ranks[n].engine.state(req.room) is not None:
-                self.awaiting_prefill.add(req.key)
+                self.rooms.awaiting_prefill.add(req.key)
                 return
-        self.awaiting_prefill.discard(req.key)
+        self.rooms.awaiting_prefill.discard(req.key)
         req.pre_pages_freed = True
-        pages, aux = self.allocs[self.room_nodes(req, "prefill")[0]]
+        pages, aux = self.fleet.allocs[self.room_nodes(req, "prefill")[0]]
         pages.free(req.pre_pages, req.key)
         aux.free(req.pre_aux, req.key)
         self._memory_event()
 
     def _memory_event(self) -> None:
         """Wake the requests waiting for memory (admission order is kept by their tickets)."""
-        ev, self._memory_changed = self._memory_changed, self.env.event()
-        ev.succeed()
+        self.admission.memory_freed()
 
     def _free_dec_pages(self, req: Request) -> None:
         if req.dec_pages_freed:
             return
         req.dec_pages_freed = True
-        self._unload(req)
-        pages, aux = self.allocs[self.room_nodes(req, "decode")[0]]
+        self.routing.unload(req)
+        pages, aux = self.fleet.allocs[self.room_nodes(req, "decode")[0]]
         pages.free(req.dec_pages, req.key)
         aux.free(req.dec_aux, req.key)
         self._memory_event()
-
-    def _verify(self, req: Request) -> None:
-        bad_total = 0
-        for node in self.room_nodes(req, "decode"):
-            rank = self.ranks[node]
-            bad, first = pattern.mismatches(
-                rank.transport.pool, rank.transport.region, req.key, req.dec_pages, req.dec_tokens
-            )
-            aux = rank.transport.read_aux_room(int(req.dec_aux[0]))
-            if aux != req.room:
-                bad += 1
-                first = first or f"aux row holds room {aux}, expected {req.room}"
-            if bad:
-                bad_total += bad
-                self.violate("bytes", f"{node} room {req.key} Success with {bad} wrong bytes: {first}", req)
-        req.verified_bad = bad_total
-        self.trace.record("verify", "scheduler", room=req.room, bad=bad_total)
-
-    # --------------------------------------------------------------------------- fabric hook
-    def _on_land(self, x: Xfer) -> None:
-        if not x.dst.startswith("decode") or x.notif is None:
-            return
-        if self.multi and self.scenario.checks.isolation:
-            self._check_land_isolation(x)
-        if not self.scenario.checks.ownership:
-            return
-        try:
-            room = decode_note(x.notif).room
-        except WireError:
-            room = -1
-        req = self.by_room.get(room)
-        key = req.key if req is not None else -2
-        d = x.descs
-        n = d.count
-        pool = self.dec_pools[self._node_ep[x.dst].rank]
-        pages, aux_rows = self.allocs[x.dst]
-        if n and is_staging_region(int(d.dst_region[0])):
-            self._check_staged_land(x, req)
-            return
-        if x.initiator == x.dst and n:
-            self._check_read_source(x, req, key)
-        elif req is not None and req.flow == _PUSH and self.scenario.checks.lease:
-            self._check_lease(x, req)
-        if n <= 16:
-            other = self._foreign_owner_small(d, pool.page_bytes, key, pages, aux_rows)
-            if other is not None:
-                self._ownership_violation(x, req, key, other)
-            return
-        aux = d.dst_region == AUX_REGION
-        owners = []
-        if (~aux).any():
-            first = d.dst_offset[~aux] // pool.page_bytes
-            last = (d.dst_offset[~aux] + d.length[~aux] - 1) // pool.page_bytes
-            # Every page a descriptor touches, not only its ends.
-            owners.append(pages.owner[gather_index(first, last - first + 1)])
-        if aux.any():
-            owners.append(aux_rows.owner[d.dst_offset[aux] // AUX_ROW_BYTES])
-        own = np.concatenate(owners)
-        if (own != key).any():
-            self._ownership_violation(x, req, key, int(own[own != key][0]))
-
-    def _foreign_owner_small(
-        self, d: Any, page_bytes: int, key: int, pages: PageAllocator, aux_rows: PageAllocator
-    ) -> int | None:
-        """``_on_land``'s check for a few descriptors, in Python (numpy's per-call cost exceeds
-        the work): the first owner other than ``key`` of a page (every page a descriptor touches,
-        in descriptor order) or, after those, of an aux row; None if the room owns them all."""
-        rows = d.rows()
-        owner = pages.owner
-        seen: set[tuple[int, int]] = set()
-        for _, _, r, off, n in rows:
-            # Every region of a plan repeats the same (offset, length) runs: pages already found
-            # owned by the room need no second look (the first foreign owner stays the same).
-            if r != AUX_REGION and (off, n) not in seen:
-                seen.add((off, n))
-                for o in owner[off // page_bytes : (off + n - 1) // page_bytes + 1].tolist():
-                    if o != key:
-                        return o
-        aux_owner = aux_rows.owner
-        for _, _, r, off, _ in rows:
-            if r == AUX_REGION:
-                o = int(aux_owner[off // AUX_ROW_BYTES])
-                if o != key:
-                    return o
-        return None
-
-    def _ownership_violation(self, x: Xfer, req: Request | None, key: int, other: int) -> None:
-        who = "free pages" if other == FREE else f"pages of room {other}"
-        why = ""
-        opened_on = req.inc.get(x.dst) if req is not None else None
-        now_inc = self.fabric.nodes[x.dst].incarnation
-        if opened_on is not None and opened_on != now_inc:
-            why = f" (room opened on {x.dst} incarnation {opened_on}, written into incarnation {now_inc})"
-        self.violate("ownership", f"write of room {key} from {x.src} landed in {who} on {x.dst}{why}", req)
-
-    def _check_read_source(self, x: Xfer, req: Request | None, key: int) -> None:
-        """A pull READ copies prefill pages its room still owns: pages freed (or handed to another
-        room) before decode's READ of them finished would give decode someone else's bytes."""
-        if not x.src.startswith("prefill"):
-            return
-        d = x.descs
-        pool = self.pre_pools[self._node_ep[x.src].rank]
-        first = d.src_offset // pool.page_bytes
-        last = (d.src_offset + d.length - 1) // pool.page_bytes
-        own = self.allocs[x.src][0].owner[gather_index(first, last - first + 1)]
-        if (own != key).any():
-            other = int(own[own != key][0])
-            who = "free pages" if other == FREE else f"pages of room {other}"
-            self.violate("ownership", f"READ of room {key} by {x.dst} copied {who} of {x.src}", req)
-
-    def _check_lease(self, x: Xfer, req: Request) -> None:
-        """Nothing is written under an expired push lease: a write posted at or after the instant
-        its registration's lease ran out (or that it could have, unrenewed) is a violation."""
-        eng = self.ranks[x.src].engine
-        leases = getattr(eng, "leases", None)
-        if leases is None or self.ranks[x.src].incarnation != req.inc.get(x.src):
-            return
-        key = eng.lease_key(req.tid, x.dst)
-        live = leases.leases.get(key)
-        ended = leases.expired_at.get(key)
-        if live is not None and live.state.value == "matched" and live.deadline <= x.posted_ns:
-            ended = live.deadline
-        if ended is not None and x.posted_ns >= ended:
-            self.violate(
-                "lease",
-                f"write of room {req.key} from {x.src} to {x.dst} posted at {x.posted_ns} ns, "
-                f"after its lease ended at {ended} ns",
-                req,
-            )
-
-    def _check_ring_progress(self, rank: SimRank) -> None:
-        """A producer waiting on a watermark resumes once the consumer drains: a lane whose slot
-        is the oldest live one of its decode ring, and that has heard that ring's current
-        watermark, must be writable. A lane blocked there is a wedge (the upstream stale tail)."""
-        eng = rank.engine
-        for room in sorted(eng.stalled):
-            r = eng.rooms.get(room)
-            if r is None:
-                continue
-            for lane in r.ledger.lanes.values():
-                if not lane.accepted or lane.state is not TxState.GRANTED or lane.flow is not Flow.RING:
-                    continue
-                dec = self.ranks.get(node_name(lane.target))
-                if dec is None or dec.dead or dec.engine.ring is None:
-                    continue
-                ring = dec.engine.ring
-                oldest = next(iter(ring.live.values()), None)
-                g = lane.grant
-                heard = eng.peer_wm.get((lane.target, "ring"))
-                if oldest is None or g is None or oldest.alloc_id != g.alloc_id or heard != ring.watermark():
-                    continue
-                if not writable(oldest, heard):
-                    req = self.by_room.get(room)
-                    self.violate(
-                        "ring_progress",
-                        f"{rank.node} room {req.key if req else room} chunk {lane.index}: the oldest slot "
-                        f"of {lane.target}'s ring (round {oldest.round}, [{oldest.offset}, {oldest.end})) is "
-                        f"not writable under the ring's own watermark {tuple(heard)}",
-                        req,
-                    )
-
-    def _check_staged_land(self, x: Xfer, req: Request | None) -> None:
-        """A staged write lands only inside a live allocation its own room holds there."""
-        d = x.descs
-        key = (req.room, req.tid) if req is not None else None
-        lo, hi = int(d.dst_offset.min()), int((d.dst_offset + d.length).max())
-        if self.ranks[x.dst].engine.staging_holds(key, int(d.dst_region[0]), lo, hi):
-            return
-        who = req.key if req is not None else "unknown"
-        where = f"[{lo}, {hi}) of region {int(d.dst_region[0])} on {x.dst}"
-        self.violate(
-            "ownership",
-            f"staged write of room {who} from {x.src} into {where}, outside its live allocations",
-            req,
-        )
 
     def _on_control(self, what: str, src: str, dst: str, payload: bytes) -> bool:
         """Log every failure notice per room (what the agreement exemption is judged from)."""
@@ -927,8 +694,8 @@ class World(Chaos, Instances):
             peek = _peek_decoder.decode(payload)
         except (msgspec.MsgspecError, ValueError, TypeError):
             return True
-        if self.multi and what == "sent" and self.scenario.checks.isolation:
-            self._check_message_isolation(peek, src, dst)
+        if self.routing.multi and what == "sent" and self.scenario.checks.isolation:
+            self.routing.check_message(peek, src, dst)
         if peek.t not in _NOTICE_TAGS:
             return True
         try:
@@ -936,7 +703,7 @@ class World(Chaos, Instances):
         except WireError:
             return True
         t = type(msg)
-        req = self.by_room.get(msg.room)
+        req = self.rooms.by_room.get(msg.room)
         if req is None or req.tid != msg.transfer_id:
             return True
         now = int(self.env.now)
@@ -988,25 +755,23 @@ class World(Chaos, Instances):
 
     # --------------------------------------------------------------------------- running
     def violate(self, invariant: str, detail: str, req: Request | None = None) -> None:
-        self.violations.append(
+        self.findings.violations.append(
             Violation(invariant, detail, int(self.env.now), None if req is None else req.key)
         )
         self.trace.record("violation", "checker", invariant=invariant, detail=detail)
 
     def run(self) -> None:
-        from kvferry.sim.checker import check_final, check_liveness
-
-        self.env.run(until=self.deadline_ns)
-        self.phase = "liveness"
+        self.env.run(until=self.progress.deadline_ns)
+        self.progress.phase = "liveness"
         check_liveness(self)
         # Quiescence: every room released and its memory back, or give up after the fence.
-        limit = self.deadline_ns + self.timeouts.fence_ns + self.timeouts.heartbeat_timeout_ns * 4
+        limit = self.progress.deadline_ns + self.timeouts.fence_ns + self.timeouts.heartbeat_timeout_ns * 4
         step = max(self.timeouts.heartbeat_interval_ns, 1_000_000)
         while self.env.now < limit and not (
-            all(r.done for r in self.requests) and not self._notices_pending()
+            all(r.done for r in self.rooms.requests) and not self._notices_pending()
         ):
             self.env.run(until=int(self.env.now) + step)
-        self.quiesced_ns = int(self.env.now)
+        self.progress.quiesced_ns = int(self.env.now)
         # Let in-flight transfers and messages drain (bounded: nothing new is started).
         self.env.run(until=int(self.env.now) + self.fabric.spec.nic.error_timeout_ns + step)
         check_final(self)
@@ -1022,7 +787,6 @@ class World(Chaos, Instances):
 
 _PREFIX_FLOWS = (Flow.DIRECT.value, Flow.PULL.value, Flow.PUSH.value, Flow.LAYERWISE.value)
 _LAYERWISE = Flow.LAYERWISE.value
-_PUSH = Flow.PUSH.value  # read per landing write (an enum's .value is a property call)
 
 
 def _terminal(st: KVPoll | None) -> bool:
@@ -1039,29 +803,3 @@ class _Peek(msgspec.Struct):
 
 _peek_decoder = msgspec.msgpack.Decoder(_Peek)
 _NOTICE_TAGS = frozenset({RoomFailed.__struct_config__.tag, Abort.__struct_config__.tag})
-
-
-def _split(tokens: int, chunk: int) -> tuple[int, ...]:
-    if chunk <= 0 or chunk >= tokens:
-        return (tokens,)
-    out = [chunk] * (tokens // chunk)
-    if tokens % chunk:
-        out.append(tokens % chunk)
-    return tuple(out)
-
-
-def _offset_from_own_length_planner() -> Any:
-    """Planted bug: a chunk's destination offset computed from its own length, not the running total.
-
-    Chunk N then lands one chunk-length early, on top of chunk N-1 (the upstream bug). Realised by
-    rotating the destination page list, so the real planner places tokens ``n`` tokens too early.
-    """
-    from kvferry.core.planner import plan_rank_pair
-
-    def planner(src_pool: Any, dst_pool: Any, src_pages: Any, dst_pages: Any, start: int, end: int) -> Any:
-        dp = np.asarray(dst_pages, dtype=np.int64)
-        if start > 0 and end > start:
-            dp = np.roll(dp, max(1, (end - start) // dst_pool.page_size))
-        return plan_rank_pair(src_pool, dst_pool, src_pages, dp, start, end)
-
-    return planner

@@ -7,7 +7,8 @@ own descriptors (and only the direct flow's: staged flows post other descriptors
 from __future__ import annotations
 
 import pytest
-from kvferry.backends.runtime.bench import BenchConfig, run_config
+
+from kvferry.tools.runtime_bench import BenchConfig, run_config
 
 
 @pytest.mark.parametrize("flow", ["direct", "ring"])
@@ -27,7 +28,7 @@ def test_a_small_bench_row_checks_its_bytes_and_says_what_nixl_alone_costs(flow:
 
 @pytest.mark.parametrize("poll_us", [0.0, 50.0, 5000.0])
 def test_the_active_poll_interval_reaches_the_runtime_below_the_idle_sleep(poll_us: float) -> None:
-    from kvferry.backends.runtime.bench import _config
+    from kvferry.tools.runtime_bench import _config
 
     rc = _config(BenchConfig("tp1->1 nhd", 1, 1, active_poll_us=poll_us, flow="direct"))
     assert rc.active_idle_max_s == poll_us / 1e6

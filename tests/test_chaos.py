@@ -19,12 +19,12 @@ import time
 
 import pytest
 from kvferry.backends.loopback import plan as sp
-from kvferry.backends.loopback.soak import _by_deadline
 
 from kvferry.tools.chaos import netns
 from kvferry.tools.chaos import run as chaos
 from kvferry.tools.chaos.schedule import KINDS, LIVENESS_KINDS, plan
 from kvferry.tools.coverage import table
+from kvferry.tools.soak import _by_deadline
 
 pytestmark = pytest.mark.timeout(300)
 HB_S = sp.timeouts().heartbeat_timeout_ns / 1e9

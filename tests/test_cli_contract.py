@@ -26,13 +26,13 @@ import pytest
 import typer
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from kvferry.backends.loopback import soak as loopback_soak
-from kvferry.backends.runtime import bench as runtime_bench
-from kvferry.backends.runtime import hostile, interference
+from kvferry.backends.runtime import interference
 from kvferry.sim.campaign import parse_seeds
 from typer.testing import CliRunner
 
 from kvferry.cli import _register, app
+from kvferry.tools import hostile, runtime_bench
+from kvferry.tools import soak as loopback_soak
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = str(ROOT / "scenarios" / "quickstart.toml")

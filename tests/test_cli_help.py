@@ -78,9 +78,8 @@ def _option_help(path: str, option: str) -> str:
 
 
 def test_bench_nixl_flow_help_names_every_flow() -> None:
-    from kvferry.backends.runtime.bench import FLOWS
-
     from kvferry.commands.bench import BENCH_FLOWS
+    from kvferry.tools.runtime_bench import FLOWS
 
     assert BENCH_FLOWS == FLOWS
     text = _option_help("bench nixl", "--flow")

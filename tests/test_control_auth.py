@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from kvferry.backends import pattern
 from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
 from kvferry.backends.runtime.security import control_auth, message_src
 from kvferry.backends.zmqctl import AuthConfigError, ControlAuth, ControlPlane, load_keys, pack_parts
@@ -20,7 +21,6 @@ from kvferry.core import messages as m
 from kvferry.core.deadlines import MS, SEC, Timeouts
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
-from kvferry.sim import pattern
 
 OLD = b"old-key-0123456789abcdef"
 NEW = b"new-key-0123456789abcdef"

@@ -1,10 +1,11 @@
-"""``kvferry fuzz-live`` (backends/runtime/hostile.py): hostile control frames at live endpoints
+"""``kvferry fuzz-live`` (kvferry/tools/hostile.py): hostile control frames at live endpoints
 over real NIXL (DRAM) while legitimate rooms run; and the checker's own ability to fail."""
 
 from __future__ import annotations
 
 import pytest
-from kvferry.backends.runtime.hostile import KINDS, LiveFuzzConfig, run_live_fuzz
+
+from kvferry.tools.hostile import KINDS, LiveFuzzConfig, run_live_fuzz
 
 pytestmark = pytest.mark.timeout(120)
 

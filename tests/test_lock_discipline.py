@@ -9,12 +9,12 @@ import threading
 
 import numpy as np
 import pytest
+from kvferry.backends import pattern
 from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig, lockcheck
 from kvferry.backends.runtime.base import EndpointBase
 from kvferry.backends.runtime.lockcheck import GuardedEngine, LockDisciplineError, OwnedLock
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
-from kvferry.sim import pattern
 
 MODEL = ModelGeometry("lk", num_layers=1, num_kv_heads=2, head_dim=8)
 

@@ -61,7 +61,7 @@ def test_native_peer_killed_mid_transfer(victim: str, tp: tuple[int, int], flow:
 def test_native_endpoints_under_hostile_control_frames() -> None:
     """``kvferry fuzz-live``'s run with every endpoint on the native engine: hostile frames kill no
     thread and touch no room, and the legitimate rooms all succeed."""
-    from kvferry.backends.runtime.hostile import KINDS, LiveFuzzConfig, run_live_fuzz
+    from kvferry.tools.hostile import KINDS, LiveFuzzConfig, run_live_fuzz
 
     res = run_live_fuzz(LiveFuzzConfig(seed=5, frames=800, rooms=16, max_seconds=60, engine="native"))
     assert res.executor == "native"

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from kvferry.backends import pattern
 from kvferry.backends.runtime import RuntimeConfig
 from kvferry.backends.runtime.staging import StagingConfig
 from kvferry.core.flows import Flow
 from kvferry.core.kvpoll import KVPoll
-from kvferry.sim import pattern
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_setup import TIMEOUTS, two_to_one

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from kvferry.backends import pattern
 from kvferry.backends.copy_exec import CopyRefused, HostCopyExecutor
 from kvferry.backends.nixl import transport as nt
 from kvferry.backends.nixl.errors import DescriptorError
@@ -21,7 +22,6 @@ from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.messages import Endpoint
 from kvferry.core.staging_layout import StagingFormat, staged_map
-from kvferry.sim import pattern
 
 MODEL = ModelGeometry("st", num_layers=2, num_kv_heads=4, head_dim=8)
 

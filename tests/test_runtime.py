@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvferry.backends import pattern
 from kvferry.backends.nixl.errors import NixlXferError
 from kvferry.backends.runtime import (
     DecodeEndpoint,
@@ -34,7 +35,6 @@ from kvferry.core.errors import LocalMisuseError, ProtocolError
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import decode_note
-from kvferry.sim import pattern
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runtime_setup import MODEL, TIMEOUTS, two_to_one

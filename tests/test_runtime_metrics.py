@@ -8,6 +8,7 @@ import urllib.request
 import numpy as np
 import pytest
 import zmq
+from kvferry.backends import pattern
 from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
 from kvferry.backends.runtime.metrics import reason_class
 from kvferry.backends.zmqctl import pack_parts
@@ -15,7 +16,6 @@ from kvferry.core.deadlines import MS, SEC, Timeouts
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.planner import plan_rank_pair
-from kvferry.sim import pattern
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

@@ -1,10 +1,10 @@
-"""docs/scenarios.md is generated from sim/scenario.py and cannot drift from it.
+"""docs/scenarios.md is generated from sim/scenario_schema.py (sim/scenario_docs.py) and cannot drift from it.
 
 The checked-in file equals ``schema_markdown()``; the keys it lists per table are exactly the ones
 the parser accepts, with the defaults the parser applies; and every table refuses a key it does
 not know. Regenerate the docs with:
 
-    python -m kvferry.sim.scenario --markdown > docs/scenarios.md
+    python -m kvferry.sim.scenario_docs --markdown > docs/scenarios.md
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 from kvferry.sim import scenario as sc
+from kvferry.sim import scenario_docs, scenario_fields
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "scenarios.md"
-REGENERATE = "python -m kvferry.sim.scenario --markdown > docs/scenarios.md"
+REGENERATE = "python -m kvferry.sim.scenario_docs --markdown > docs/scenarios.md"
 TABLES = sc.schema_tables()
 
 
@@ -35,7 +36,7 @@ def test_checked_in_docs_are_the_generated_text() -> None:
 
 def test_the_regeneration_command_prints_the_docs() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvferry.sim.scenario", "--markdown"],
+        [sys.executable, "-m", "kvferry.sim.scenario_docs", "--markdown"],
         capture_output=True,
         text=True,
         check=True,
@@ -63,18 +64,18 @@ def _table_in(doc: dict[str, Any], t: sc.TableDoc) -> dict[str, Any]:
 
 
 def _minimal() -> dict[str, Any]:
-    return copy.deepcopy(sc._MINIMAL_ENTRIES)
+    return copy.deepcopy(scenario_docs._MINIMAL_ENTRIES)
 
 
 def test_docs_list_exactly_the_keys_the_parser_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
     known: dict[str, set[str]] = {}
 
-    class Recording(sc._Reader):
+    class Recording(scenario_fields.Reader):
         def __init__(self, where: str, table: Any, keys: tuple[str, ...]) -> None:
             known[where] = set(keys)
             super().__init__(where, table, keys)
 
-    monkeypatch.setattr(sc, "_Reader", Recording)
+    monkeypatch.setattr(scenario_fields, "Reader", Recording)
     sc.parse(_minimal())
     tables = {t.path[0] for t in TABLES if t.path}
     for t in TABLES:

@@ -155,7 +155,7 @@ def test_fault_free_multi_instance_runs_succeed_on_their_own_servers(
     assert res.succeeded == res.rooms == 8
     for r in w.requests:
         assert set(r.inc) == _own_nodes(w, r)  # opened on its own servers' ranks only
-    assert w.dec_load == [0] * d  # every room's decode memory came back to its own server
+    assert w.routing.dec_load == [0] * d  # every room's decode memory came back to its own server
     # The same seed, the same run, event for event.
     again, _ = run_one(s, seed=seed)
     assert again.digest == res.digest

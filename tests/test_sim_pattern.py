@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvferry.backends import pattern
 from kvferry.backends.simfabric.descriptors import gather_index
 from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry
 from kvferry.core.planner import plan_rank_pair
-from kvferry.sim import pattern
 
 CASES = [
     # heads, prefill tp, decode tp, prefill page size, decode page size, mla, decode layout

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 from kvferry.backends.loopback import plan as sp
-from kvferry.backends.loopback import soak
+
+from kvferry.tools import soak
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -11,12 +11,12 @@ import time
 from typing import Any
 
 import numpy as np
+from kvferry.backends import pattern
 from kvferry.backends.loopback import common
 from kvferry.backends.loopback import plan as sp
 from kvferry.backends.loopback.wire import say
 from kvferry.backends.runtime import DecodeEndpoint, RuntimeConfig
 from kvferry.core.kvpoll import KVPoll
-from kvferry.sim import pattern
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 # The checkers' self-tests: "corrupt" flips decode's bytes under some Success rooms before they are

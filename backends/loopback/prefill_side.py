@@ -9,13 +9,13 @@ from typing import Any
 
 import msgspec
 import numpy as np
+from kvferry.backends import pattern
 from kvferry.backends.loopback import common
 from kvferry.backends.loopback import plan as sp
 from kvferry.backends.loopback.wire import say
 from kvferry.backends.runtime import PrefillEndpoint, RuntimeConfig
 from kvferry.core import topology
 from kvferry.core.kvpoll import KVPoll
-from kvferry.sim import pattern
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 

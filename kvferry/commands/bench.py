@@ -10,7 +10,7 @@ import typer
 
 from kvferry.commands import bad_input, check_output_dir, check_output_file, extras, progress
 
-# The runtime bench's flows (backends/runtime/bench.py FLOWS, which imports NIXL): named here so
+# The runtime bench's flows (kvferry/tools/runtime_bench.py FLOWS, which imports NIXL): named here so
 # that --help lists them in an environment without the real extra; a test keeps the two equal.
 BENCH_FLOWS = ("direct", "ring", "pinned", "pull", "push", "layerwise", "policy")
 
@@ -109,7 +109,7 @@ def nixl(
     extras.require("real", "kvferry bench nixl")
     if mem.upper() == "VRAM":
         extras.require("real-gpu", "kvferry bench nixl --mem VRAM")
-    from kvferry.backends.runtime.bench import DEFAULT_CONFIGS, FLOWS, check_config, run_config
+    from kvferry.tools.runtime_bench import DEFAULT_CONFIGS, FLOWS, check_config, run_config
 
     # Everything is checked before the first configuration starts: a run is minutes long.
     known = [c.name for c in DEFAULT_CONFIGS]

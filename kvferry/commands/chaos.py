@@ -130,7 +130,7 @@ def summary(r: dict[str, Any]) -> str:
         )
     if len(r["faults"]) > 12:
         lines.append(f"  ... and {len(r['faults']) - 12} more faults (--json lists them all)")
-    from kvferry.backends.loopback.soak import rss_line
+    from kvferry.tools.soak import rss_line
 
     for x in r["rss"]:
         if x["checked"]:  # short-lived processes (most of a short run) say nothing

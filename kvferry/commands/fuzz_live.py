@@ -1,5 +1,5 @@
 """``kvferry fuzz-live``: hostile control frames at live endpoints while real rooms run
-(``backends/runtime/hostile.py``)."""
+(``kvferry/tools/hostile.py``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def fuzz_live(
     # NIXL logs its agents' start to stdout at INFO: keep stdout for the report (and --json).
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     extras.require("real", "kvferry fuzz-live")
-    from kvferry.backends.runtime.hostile import KINDS, LiveFuzzConfig, run_live_fuzz
+    from kvferry.tools.hostile import KINDS, LiveFuzzConfig, run_live_fuzz
 
     cfg = LiveFuzzConfig(seed=seed, frames=frames, rooms=rooms, max_seconds=max_seconds)
     why = cfg.problems()

@@ -1,5 +1,5 @@
 """``kvferry soak``: rooms for as long as asked over real NIXL on loopback, with aborts and peer
-kills, every room checked (``backends/loopback/soak.py``)."""
+kills, every room checked (``kvferry/tools/soak.py``)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def soak(
     rooms with chunked prefill, every flow, aborts by both sides and peers killed and restarted;
     exits 1 on any lost, corrupted, hung or wrongly-succeeded room, leaked table or RSS growth."""
     extras.require("real", "kvferry soak")
-    from kvferry.backends.loopback import soak as engine
+    from kvferry.tools import soak as engine
 
     check_seed(seed)
     cfg = engine.SoakConfig(
@@ -104,7 +104,7 @@ def summary(r: dict[str, Any]) -> str:
             f"  kill {k['victim']} after room {k['after_room']}: survivor failed its {k['rooms_in_flight']} "
             f"rooms in flight in {k['survivor_failed_them_s']} s, restarted in {k['restart_s']} s"
         )
-    from kvferry.backends.loopback.soak import rss_line
+    from kvferry.tools.soak import rss_line
 
     lines += [s for x in r["rss"] if (s := rss_line(x, c["rss_bound_mb"], f"{x['side']}#{x['incarnation']}"))]
     e = r["end_state"]

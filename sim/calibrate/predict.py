@@ -165,7 +165,7 @@ def scenario(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) 
             "compute_ns_per_token": 0,
             "room": [{"tokens": row.tokens, "arrival_us": 0} for _ in range(row.inflight)],
         },
-        # The bench's own deadlines (backends/runtime/bench.py; the core's 1 s heartbeat): none
+        # The bench's own deadlines (kvferry/tools/runtime_bench.py; the core's 1 s heartbeat): none
         # fires in a healthy row, and a slow control path is not mistaken for a lost peer.
         "timeouts": {
             "bootstrap_ns": 120 * S,

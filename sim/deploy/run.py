@@ -14,7 +14,7 @@ from kvferry.sim.deploy.steady import overload_words
 from kvferry.sim.deploy.workload import Arrivals, DeployRequest
 from kvferry.sim.deploy.world import DeployWorld
 from kvferry.sim.pages import pair_runs, runs
-from kvferry.sim.world import Request
+from kvferry.sim.rooms import Request
 
 __all__ = [
     "build_scenario",

@@ -51,8 +51,9 @@ from kvferry.sim.deploy.spec import DeployError, DeploySpec
 from kvferry.sim.deploy.timing import LayerPlanner, TimingFabric
 from kvferry.sim.deploy.workload import Arrivals, DeployRequest
 from kvferry.sim.pages import PageAllocator, make_allocator
+from kvferry.sim.rooms import Request, split_chunks
 from kvferry.sim.scenario import US, RoomSpec
-from kvferry.sim.world import Request, World, _split
+from kvferry.sim.world import World
 
 __all__ = ["DeployWorld", "Track"]
 
@@ -233,7 +234,7 @@ class DeployWorld(World):
             room=room,
             tid=f"t{self.seed}-{key}",
             spec=spec,
-            chunks=_split(r.input_tokens, self.spec.chunk_tokens),
+            chunks=split_chunks(r.input_tokens, self.spec.chunk_tokens),
             arrival_ns=at_ns,
         )
         self.requests.append(req)

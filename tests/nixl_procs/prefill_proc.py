@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np
 import workload as wl
+from kvferry.backends import pattern
 from kvferry.backends.runtime import PrefillEndpoint, RuntimeConfig
 from kvferry.core import topology
 from kvferry.core.kvpoll import KVPoll
-from kvferry.sim import pattern
 from wire import heard, say
 
 

@@ -1,7 +1,7 @@
 """``kvferry chaos``: the soak's prefill and decode processes on two hosts (network namespaces on
 one bridge), real NIXL with UCX over TCP on their veths and the authenticated ZMQ control plane on
 the same addresses, with a seeded schedule of partitions, slow links, stalls, kills and abort
-bursts. The soak's machinery runs the rooms and checks them (``backends/loopback/soak.py``); this
+bursts. The soak's machinery runs the rooms and checks them (``kvferry/tools/soak.py``); this
 adds the hosts, the faults, the rule for rooms a fault hit, and the coverage tables.
 
 A room in a segment a network or process fault hit may end Success (bytes checked) or Failed,
@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvferry.backends.loopback import plan as sp
-from kvferry.backends.loopback.soak import Soak, SoakConfig
 from kvferry.tools.chaos import netns
 from kvferry.tools.chaos.inject import HOSTS, Injector
 from kvferry.tools.chaos.schedule import KINDS, LIVENESS_KINDS, Fault, plan
+from kvferry.tools.soak import Soak, SoakConfig
 
 PLANTS = ("reuse_unfenced",)
 # Once a faulted segment's rooms are terminal and the fault is undone, the two sides must come to
@@ -63,7 +63,7 @@ def check_config(c: ChaosConfig) -> None:
         rooms=c.rooms, seed=c.seed, flows=c.flows, abort_rate=c.abort_rate, kill_every=0,
         max_seconds=c.max_seconds, rss_bound_mb=c.rss_bound_mb, warmup_s=c.warmup_s,
     )  # fmt: skip
-    from kvferry.backends.loopback.soak import check_config as check_soak
+    from kvferry.tools.soak import check_config as check_soak
 
     check_soak(soak_like)
     for p, d in c.tp_pairs:

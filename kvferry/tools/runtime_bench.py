@@ -26,7 +26,7 @@ decode's TransferInfo reached every sender (the usual case: it arrives while pre
 then the clock runs from ``send(last chunk)`` of the batch to decode's last Success (one host,
 so both processes read the same monotonic clock).
 
-Child processes speak JSON lines on stdout/stdin (``python -m kvferry.backends.runtime.bench``).
+Child processes speak JSON lines on stdout/stdin (``python -m kvferry.tools.runtime_bench``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+
 from kvferry.backends.nixl.transport import DIRECT_POSTS
 from kvferry.core.flows import FLOW_NAMES
 
@@ -525,7 +526,7 @@ class _Proc:
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the child's stderr, kept for errors)
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "kvferry.backends.runtime.bench", *args],
+            [sys.executable, "-m", "kvferry.tools.runtime_bench", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,

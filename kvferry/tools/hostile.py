@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from kvferry.core import messages as m
 
 __all__ = ["KINDS", "LiveFuzzConfig", "LiveFuzzResult", "run_live_fuzz"]
@@ -247,6 +248,7 @@ class _Sender:
 
     def __init__(self, keys: tuple[bytes, ...], targets: list[tuple[str, str]]) -> None:
         import zmq
+
         from kvferry.backends.zmqctl.auth import ControlAuth
 
         self._zmq = zmq
@@ -338,6 +340,7 @@ def _send_one(
 
 
 def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = None) -> LiveFuzzResult:
+    from kvferry.backends import pattern
     from kvferry.backends.loopback.plan import timeouts as loopback_timeouts
     from kvferry.backends.nixl.transport import AUX_REGION_ID
     from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
@@ -345,7 +348,6 @@ def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = 
     from kvferry.backends.zmqctl.auth import load_keys
     from kvferry.core.geometry import ModelGeometry, PoolGeometry
     from kvferry.core.kvpoll import KVPoll
-    from kvferry.sim import pattern
 
     res = LiveFuzzResult(seed=cfg.seed)
     rng = random.Random(cfg.seed)

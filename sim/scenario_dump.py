@@ -1,0 +1,102 @@
+"""Writing a scenario back as TOML, which is how a failing fuzz seed becomes a regression file:
+``parse(tomllib.loads(dump(s)))`` gives ``s`` back."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from kvferry.sim.scenario_schema import (
+    Checks,
+    FaultEvent,
+    Faults,
+    FlowSpec,
+    ModelSpec,
+    Phases,
+    Scenario,
+    TimeoutSpec,
+    Topology,
+    Workload,
+)
+
+
+def toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(v, tuple | list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _table(name: str, values: dict[str, Any]) -> list[str]:
+    lines = [f"[{name}]"]
+    lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+    return [*lines, ""]
+
+
+def fabric_values(s: Scenario) -> dict[str, Any]:
+    """The [fabric] table of a scenario, in the file's keys and units."""
+    n, c, k = s.fabric.nic, s.fabric.control, s.fabric.kernel
+    return {
+        "profile": s.fabric_profile,
+        "bandwidth_gbps": n.bandwidth_bps / 1e9,
+        "latency_ns": n.latency_ns,
+        "jitter_ns": n.jitter_ns,
+        "post_cost_ns": n.post_cost_ns,
+        "per_desc_ns": n.per_desc_ns,
+        "max_inflight": n.max_inflight,
+        "error_timeout_ns": n.error_timeout_ns,
+        "completion_delay_ns": n.completion_delay_ns,
+        "control_latency_ns": c.latency_ns,
+        "control_jitter_ns": c.jitter_ns,
+        "kernel_launch_ns": k.launch_ns,
+        "kernel_busy_mean_ns": k.busy_mean_ns,
+        "gpu_copy_gbps": k.gpu_bps / 1e9,
+        "pinned_copy_gbps": k.pinned_bps / 1e9,
+        "prepped": s.fabric.prepped,
+    }
+
+
+def dump(s: Scenario) -> str:
+    """The scenario as TOML; ``parse(tomllib.loads(dump(s)))`` gives ``s`` back."""
+    out = [f"name = {toml_value(s.name)}", f"description = {toml_value(s.description)}", f"seed = {s.seed}"]
+    if s.hooks:
+        out.append(f"hooks = {toml_value(s.hooks)}")
+    if not s.move_bytes:
+        out.append("move_bytes = false")
+    out.append("")
+    m = s.model
+    out += _table("model", {f.name: getattr(m, f.name) for f in fields(ModelSpec)})
+    out += _table("topology", {f.name: getattr(s.topology, f.name) for f in fields(Topology)})
+    out += _table("fabric", fabric_values(s))
+    out += _table("flows", {f.name: getattr(s.flows, f.name) for f in fields(FlowSpec)})
+    w = s.workload
+    out += _table("workload", {f.name: getattr(w, f.name) for f in fields(Workload) if f.name != "explicit"})
+    for room in w.explicit:
+        out += _table(
+            "[workload.room]",
+            {
+                "tokens": room.tokens,
+                "arrival_us": room.arrival_us,
+                "chunks": room.chunks,
+                "prefill_delay_us": room.prefill_delay_us,
+                "decode_lag_us": room.decode_lag_us,
+                "decode_tokens": room.decode_tokens,
+            },
+        )
+    f = s.faults
+    out += _table("faults", {x.name: getattr(f, x.name) for x in fields(Faults) if x.name != "events"})
+    for ev in f.events:
+        out += _table("[faults.event]", {x.name: getattr(ev, x.name) for x in fields(FaultEvent)})
+    out += _table("timeouts", {x.name: getattr(s.timeouts, x.name) for x in fields(TimeoutSpec)})
+    out += _table("phases", {x.name: getattr(s.phases, x.name) for x in fields(Phases)})
+    out += _table("checks", {x.name: getattr(s.checks, x.name) for x in fields(Checks)})
+    if s.deploy:  # written only when set, so a file without it dumps as before
+        out += _table("deploy", s.deploy)
+    if s.expect_violations:
+        out += _table("expect", {"violations": s.expect_violations})
+    return "\n".join(out)

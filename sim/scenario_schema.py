@@ -1,0 +1,494 @@
+"""The scenario format's schema: one frozen dataclass per TOML table, each key documented in its
+``DOC`` (docs/scenarios.md is generated from them, sim/scenario_docs.py), and the values derived
+from a scenario alone (its pools, its staging sizes).
+
+Reading a file is sim/scenario_read.py, writing one sim/scenario_dump.py; sim/scenario.py gathers
+the public names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+from kvferry.backends.simfabric.spec import FabricSpec
+from kvferry.core.errors import KvferryError
+from kvferry.core.flows import FLOW_NAMES
+from kvferry.core.flows.registry import extra_names
+from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry
+
+US = 1_000
+
+
+class ScenarioError(KvferryError, ValueError):
+    """A scenario file that cannot be run; the message names the field."""
+
+
+FAULT_EVENT_KINDS = ("crash", "link_down", "slow_link")
+NODE_EVENT_KINDS = ("crash",)
+HOOKS = (
+    "free_pages_early",
+    "chunk_offset_own_length",
+    "keep_room_tables",
+    "decode_ignores_room_failed",
+    # staged flows (sim/planted.py)
+    "ring_keeps_old_head",
+    "drop_early_staging_req",
+    "shared_staging_buffer",
+    "free_staging_before_scatter",
+    "leak_failed_room_staging",
+    # campaign blind spots (sim/planted.py)
+    "silent_truncation",
+    "last_note_completes",
+    "late_info_revives_room",
+    # pull flow, failure notices (sim/planted.py)
+    "pull_free_early",
+    "silent_write_failure",
+    "prefix_front_trim",
+    "push_lease_never_expires",
+    "suffix_strips_too_much",
+    # layer-wise flow (sim/planted.py)
+    "last_layer_write_only",
+    # several servers a side (sim/instances.py)
+    "links_cache_by_decode",
+)
+# Servers of one side in a scenario: every rank is a node with its own engine and NIC, so a few
+# dozen already make a slow run; the deployment model (sim/deploy) goes further in timing only.
+MAX_INSTANCES = 16
+FLOW_CHOICES = ("policy", *FLOW_NAMES, "mixed")
+
+
+def flow_choices() -> tuple[str, ...]:
+    """``FLOW_CHOICES`` and any flow registered outside ``Flow`` (core/flows/registry.py)."""
+    return (*FLOW_CHOICES, *extra_names())
+
+
+PUSH_MATCH_CHOICES = ("transfer_id", "request_id")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str = "sim-tiny"
+    num_layers: int = 2
+    num_kv_heads: int = 8
+    head_dim: int = 8
+    dtype: str = "bf16"
+    is_mla: bool = False
+
+    DOC: ClassVar[dict[str, str]] = {
+        "name": "A label for the model, shown in plans and summaries.",
+        "num_layers": "Transformer layers: each has its own K and V buffers (one latent buffer under MLA).",
+        "num_kv_heads": "KV heads of the whole model, split or replicated across TP ranks (1 under MLA).",
+        "head_dim": "Elements per head per token.",
+        "dtype": "Element type of the KV cache.",
+        "is_mla": "Multi-head latent attention: one latent buffer per layer instead of K and V.",
+    }
+
+    def geometry(self) -> ModelGeometry:
+        return ModelGeometry(
+            self.name, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, self.is_mla
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    prefill_tp: int = 2
+    decode_tp: int = 1
+    prefill_page_size: int = 16
+    decode_page_size: int = 16
+    prefill_pages: int = 1024
+    decode_pages: int = 1024
+    prefill_layout: str = "sglang_nhd"
+    decode_layout: str = "sglang_nhd"
+    workers: int = 2  # transfer queues (one worker each) per prefill rank, as in SGLang PR 20680
+    aux_rows: int = 256
+    # Servers of each side on the one fabric, each with the TP above and its own memory; a router
+    # sends each room to one of each (sim/instances.py).
+    prefill_instances: int = 1
+    decode_instances: int = 1
+
+    DOC: ClassVar[dict[str, str]] = {
+        "prefill_tp": "Prefill ranks (tensor-parallel size): nodes prefill0, prefill1, ...",
+        "decode_tp": "Decode ranks (tensor-parallel size): nodes decode0, decode1, ...",
+        "prefill_page_size": "Tokens per KV page on prefill.",
+        "decode_page_size": "Tokens per KV page on decode.",
+        "prefill_pages": "KV pages in each prefill rank's pool; arriving rooms wait while it is full.",
+        "decode_pages": "KV pages in each decode rank's pool; arriving rooms wait while it is full.",
+        "prefill_layout": "Memory layout of prefill's KV buffers.",
+        "decode_layout": "Memory layout of decode's KV buffers.",
+        "workers": "Transfer queues, one worker each, per prefill rank.",
+        "aux_rows": "Aux rows per rank: one per room in flight, so also a bound on rooms in flight.",
+        "prefill_instances": "Prefill servers, each of `prefill_tp` ranks with its own pages; rooms go to "
+        "them round-robin. With several, instance i's ranks are nodes prefill{i}.0, prefill{i}.1, ...",
+        "decode_instances": "Decode servers, each of `decode_tp` ranks with its own pages; each room goes "
+        "to the one with the fewest rooms in flight. With several, nodes decode{i}.0, decode{i}.1, ...",
+    }
+
+    def servers(self, side: str) -> tuple[str, ...]:
+        """Name prefixes of one side's servers: ``prefill`` alone (nodes prefill0, prefill1, ...),
+        or ``prefill0.``, ``prefill1.``, ... of several (nodes prefill0.0, ...)."""
+        n = self.prefill_instances if side == "prefill" else self.decode_instances
+        return (side,) if n == 1 else tuple(f"{side}{i}." for i in range(n))
+
+    def server_nodes(self, side: str) -> tuple[tuple[str, ...], ...]:
+        """Per server of ``side``, its ranks' node names, in rank order."""
+        tp = self.prefill_tp if side == "prefill" else self.decode_tp
+        return tuple(tuple(f"{server}{r}" for r in range(tp)) for server in self.servers(side))
+
+
+@dataclass(frozen=True, slots=True)
+class RoomSpec:
+    tokens: int
+    arrival_us: int
+    chunks: tuple[int, ...] = ()  # explicit chunk lengths; empty: split by workload.chunk_tokens
+    prefill_delay_us: int = 0  # prefill compute starts this long after decode allocates
+    # Decode allocates this long after prefill opened the room (decode short of memory): prefill
+    # then asks for staging space before decode knows the room.
+    decode_lag_us: int = 0
+    # Decode allocates this many tokens (0: ``tokens``); a different count is a length mismatch
+    # between the two servers, which must fail the room on both sides, never truncate or pad it.
+    decode_tokens: int = 0
+
+    @property
+    def dec_tokens(self) -> int:
+        return self.decode_tokens or self.tokens
+
+    DOC: ClassVar[dict[str, str]] = {
+        "tokens": "Prompt tokens of the room.",
+        "arrival_us": "When the room arrives, in us from the start.",
+        "chunks": "Chunk lengths, summing to tokens (empty: split by `[workload].chunk_tokens`).",
+        "prefill_delay_us": "Prefill starts computing this long after decode allocated, in us.",
+        "decode_lag_us": "Decode allocates this long after prefill opened the room, in us "
+        "(prefill then asks for staging space before decode knows the room).",
+        "decode_tokens": "Tokens decode allocates for the room (0: `tokens`); any other count must "
+        "fail the room on both sides.",
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    rooms: int = 32
+    tokens_min: int = 16
+    tokens_max: int = 256
+    chunk_tokens: int = 64
+    arrival_mean_us: int = 100
+    # Time to "compute" one chunk on prefill (forward pass), per token.
+    compute_ns_per_token: int = 200
+    decode_lag_us_max: int = 0  # each drawn room's decode_lag_us is uniform in [0, this]
+    length_mismatch: float = 0.0  # share of drawn rooms whose decode allocates another length
+    prefix_hit: float = 0.0  # share of rooms whose decode already holds a prefix (direct/pull/push)
+    explicit: tuple[RoomSpec, ...] = ()
+
+    DOC: ClassVar[dict[str, str]] = {
+        "rooms": "Rooms (requests) in the run, drawn at random; with `[[workload.room]]` entries, "
+        "their number (it may be left out).",
+        "tokens_min": "Fewest tokens of a drawn room.",
+        "tokens_max": "Most tokens of a drawn room.",
+        "chunk_tokens": "Tokens per chunk: prefill sends a room in chunks of this size (0: one chunk).",
+        "arrival_mean_us": "Mean gap between drawn rooms' arrivals (exponential), in us.",
+        "compute_ns_per_token": "Prefill compute per token of a chunk before it can be sent, in ns.",
+        "decode_lag_us_max": "Each drawn room's decode allocates a uniform [0, this] us after prefill "
+        "opened it (0: decode first).",
+        "length_mismatch": "Share of drawn rooms whose decode allocation is shorter or longer than "
+        "what prefill sends (each must end Failed on both sides).",
+        "prefix_hit": "Share of rooms (of those on the direct, pull or push flow) whose decode already "
+        "holds a prefix of uniform length: it asks only for the rest, which must land at its own slots.",
+        "explicit": "Rooms given one by one: see `[[workload.room]]`.",
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class FaultEvent:
+    at_us: int
+    kind: str
+    node: str
+    peer: str = ""
+    duration_us: int = 0  # crash: restart after; link_down: up after; slow_link: restore after
+    factor: float = 1.0  # slow_link bandwidth multiplier
+
+    DOC: ClassVar[dict[str, str]] = {
+        "at_us": "When it happens, in us from the start (ignored from `[phases].fault_window_us` on).",
+        "kind": "What happens.",
+        "node": "The node that crashes, or one end of the link (prefill0, ..., decode0, ...).",
+        "peer": "The other end of the link (link_down and slow_link only).",
+        "duration_us": "crash: restart after; link_down: up after; slow_link: restore after, in us "
+        "(0: until the heal).",
+        "factor": "slow_link: bandwidth multiplier, in (0, 1].",
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    swarm: bool = False  # draw a fault personality from the seed for everything unset below
+    ctrl_drop: float = 0.0
+    ctrl_dup: float = 0.0
+    ctrl_reorder: float = 0.0
+    ctrl_delay: float = 0.0
+    ctrl_delay_max_us: int = 500
+    xfer_err: float = 0.0
+    abort: float = 0.0  # probability that the scheduler aborts a room, on a random side
+    notif_drop: float = 0.0
+    notif_delay: float = 0.0
+    notif_delay_max_us: int = 500
+    clock_skew_max_us: int = 0
+    events: tuple[FaultEvent, ...] = ()
+
+    DOC: ClassVar[dict[str, str]] = {
+        "swarm": "Draw a fault personality from the seed for every rate and event left unset.",
+        "ctrl_drop": "Probability that a control message is lost.",
+        "ctrl_dup": "Probability that a control message is delivered twice.",
+        "ctrl_reorder": "Probability that a control message is held back a while, so later ones overtake it.",
+        "ctrl_delay": "Probability that a control message is delayed up to `ctrl_delay_max_us`.",
+        "ctrl_delay_max_us": "Longest extra delay of a delayed control message, in us.",
+        "xfer_err": "Probability that a write fails (ERR) after placing any prefix of its descriptors.",
+        "abort": "Probability that the scheduler aborts a room, on a random side.",
+        "notif_drop": "Probability that a write's notification is lost.",
+        "notif_delay": "Probability that a notification is delayed up to `notif_delay_max_us`.",
+        "notif_delay_max_us": "Longest extra delay of a delayed notification, in us.",
+        "clock_skew_max_us": "Each node's clock is off by a uniform [0, this] us.",
+        "events": "Timed faults: see `[[faults.event]]`.",
+    }
+
+    def injects_nothing(self) -> bool:
+        """No fault rate and no timed event (clock skew is not a fault: clocks always differ)."""
+        rates = (
+            self.ctrl_drop,
+            self.ctrl_dup,
+            self.ctrl_reorder,
+            self.ctrl_delay,
+            self.xfer_err,
+            self.abort,
+            self.notif_drop,
+            self.notif_delay,
+        )
+        return not (self.swarm or any(rates) or self.events)
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSpec:
+    """Which flow moves each room (core.flows) and the staging memory each rank registers.
+
+    ``flow``: "policy" (the default policy: direct for equal TP, ring for unequal TP when a ring
+    is offered, else pinned, else direct), one flow for every room, or "mixed" (one drawn per room
+    from those offered). Sizes in bytes; 0 = not offered. ``auto_size``: a flow named here gets
+    room for ``auto_chunks`` of the workload's largest chunk wherever its size is left at 0.
+    """
+
+    flow: str = "policy"
+    ring_bytes: int = 0
+    pinned_bytes: int = 0
+    worker_buffer_bytes: int = 0
+    prefill_pinned_bytes: int = 0
+    fallback_direct: bool = False
+    auto_chunks: int = 4
+    push_match: str = "transfer_id"
+
+    DOC: ClassVar[dict[str, str]] = {
+        "flow": "Which flow moves each room: policy (direct for equal TP; for unequal TP ring if "
+        "offered, else pinned, else direct), one flow for every room, or mixed (one drawn per room).",
+        "ring_bytes": "Decode's staging ring per rank (0: not offered, unless auto-sized).",
+        "pinned_bytes": "Decode's pinned host staging pool per rank.",
+        "worker_buffer_bytes": "Prefill's staging buffer per transfer worker (ring and pinned flows).",
+        "prefill_pinned_bytes": "Prefill's pinned host staging pool per rank (pinned flow).",
+        "fallback_direct": "A chunk too large for decode's ring or pinned pool goes direct instead of "
+        "failing its room.",
+        "auto_chunks": "Staging that the chosen flows need and that is left at 0 is sized to hold this "
+        "many of the workload's largest chunk.",
+        "push_match": "How push registrations find their request: transfer_id (the router's id), or "
+        "request_id (no transfer id: decode names the request with a retry suffix, matched by base id).",
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutSpec:
+    """The core's deadlines, scaled to simulated runs (the real defaults are tens of seconds)."""
+
+    bootstrap_ns: int = 50_000_000
+    waiting_ns: int = 50_000_000
+    transfer_ns: int = 50_000_000
+    heartbeat_interval_ns: int = 2_000_000
+    heartbeat_timeout_ns: int = 10_000_000
+    fence_ns: int = 200_000_000
+    tombstone_ns: int = 250_000_000
+
+    DOC: ClassVar[dict[str, str]] = {
+        "bootstrap_ns": "Room created until every TransferInfo and registration it needs is in.",
+        "waiting_ns": "WaitingForInput until the first chunk (prefill) or first notification (decode).",
+        "transfer_ns": "Transferring until done (prefill: from entering it, never renewed; decode: "
+        "renewed by every notification).",
+        "heartbeat_interval_ns": "Between two heartbeats to a peer.",
+        "heartbeat_timeout_ns": "A peer silent this long is lost, and its live rooms fail.",
+        "fence_ns": "Decode frees a failed room's pages without the peer's Stopped after this long; "
+        "also how long a failure notice is resent.",
+        "tombstone_ns": "How long a finished (room, transfer_id) keeps rejecting late messages.",
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Phases:
+    fault_window_us: int = 20_000  # faults injected until then; afterwards the network heals
+    # After the heal (and the last arrival), every room must be terminal within this.
+    liveness_us: int = 300_000
+
+    DOC: ClassVar[dict[str, str]] = {
+        "fault_window_us": "Faults are injected until then, in us; then the network heals (links up, "
+        "full speed, crashed nodes restarted).",
+        "liveness_us": "After the heal and the last arrival, every room must be terminal within this, in us.",
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Checks:
+    bytes: bool = True
+    ownership: bool = True
+    monotone: bool = True
+    agreement: bool = True
+    liveness: bool = True
+    conservation: bool = True
+    tables_empty: bool = True
+    fault_free: bool = True
+    ring_progress: bool = True
+    length: bool = True
+    success_stable: bool = True
+    failure_notice: bool = True
+    lease: bool = True
+    isolation: bool = True
+
+    DOC: ClassVar[dict[str, str]] = {
+        "bytes": "A room Success on every decode rank holds exactly the source bytes (and the room id "
+        "in its aux row).",
+        "ownership": "Every write into decode memory lands in pages the writing room owns at that moment.",
+        "monotone": "Statuses only move forward, and Failed is absorbing.",
+        "agreement": "Both sides of a room end alike: Success on all ranks, or Failed on both sides.",
+        "liveness": "By the deadline, every room is terminal on every rank that opened it.",
+        "conservation": "Rooms submitted = succeeded + failed; transfers posted = DONE + ERR.",
+        "tables_empty": "After quiescence all memory is back and every per-room table, handle and "
+        "staging allocation is gone.",
+        "fault_free": "A run that injects no fault ends with every room Success and no ring request resent.",
+        "ring_progress": "A producer waiting on a decode ring's watermark resumes once the ring drains.",
+        "length": "A room whose decode allocation differs from what prefill sends ends Failed on "
+        "every rank (never truncated or padded into Success).",
+        "success_stable": "A room Success on every rank of both sides, once released, stays Success "
+        "(no late message revives or fails it).",
+        "failure_notice": "A prefill rank whose write failed (refused or in error) tells every decode rank "
+        "it serves (RoomFailed) at once.",
+        "lease": "Nothing is written under an expired push registration lease.",
+        "isolation": "With several servers a side, every write, READ and control message of a room "
+        "travels between its own prefill and decode servers, and only their ranks report its status.",
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str = "unnamed"
+    description: str = ""
+    seed: int = 0
+    model: ModelSpec = field(default_factory=ModelSpec)
+    topology: Topology = field(default_factory=Topology)
+    fabric_profile: str = "h100-rdma"
+    fabric: FabricSpec = field(default_factory=FabricSpec)
+    flows: FlowSpec = field(default_factory=FlowSpec)
+    workload: Workload = field(default_factory=Workload)
+    faults: Faults = field(default_factory=Faults)
+    timeouts: TimeoutSpec = field(default_factory=TimeoutSpec)
+    phases: Phases = field(default_factory=Phases)
+    checks: Checks = field(default_factory=Checks)
+    hooks: tuple[str, ...] = ()  # planted bugs (tests only)
+    move_bytes: bool = True
+    expect_violations: tuple[str, ...] = ()  # invariants a regression file is known to break
+    # The [timeouts] keys and "liveness_us" the file set; the others were derived from the
+    # largest room's expected time (sim/expected.py). None: all given (built in code).
+    deadlines_set: frozenset[str] | None = field(default=None, compare=False)
+    # [deploy]: DeploySpec fields for `kvferry select` (sim/scenario_deploy.py); replay ignores
+    # them. Left out of the hash (a dict has none), kept in ==.
+    deploy: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    # The top-level keys; the other fields are tables, documented by their own dataclasses.
+    DOC: ClassVar[dict[str, str]] = {
+        "name": "Scenario name, shown in summaries and in saved fuzz failures.",
+        "description": "One line that replay prints under the name.",
+        "seed": "Seed of every random choice of the run (replay --seed overrides it).",
+        "hooks": "Planted bugs, to test the checker itself.",
+        "move_bytes": "Write, copy and verify every KV byte. false: timing only (every cost charged, "
+        "no byte copied, the bytes check off), for deployment-sized models.",
+    }
+
+    def node_names(self) -> tuple[str, ...]:
+        """Every rank of every server, prefill first (what fault events may name)."""
+        t = self.topology
+        return tuple(n for side in ("prefill", "decode") for nodes in t.server_nodes(side) for n in nodes)
+
+
+# The [fabric] keys (they map onto backends' FabricSpec, in other units): the parser accepts
+# exactly these, and the docs list them with these meanings.
+FABRIC_DOC: dict[str, str] = {
+    "profile": "Named fabric whose numbers are the defaults of the other keys of this table (a profile "
+    "fitted by `kvferry calibrate` into sim/deploy/profiles wins over a built-in one of the same name).",
+    "bandwidth_gbps": "NIC bandwidth of a node, in GB/s.",
+    "latency_ns": "One-way latency of an RDMA write.",
+    "jitter_ns": "Extra delay per transfer, uniform in [0, this).",
+    "post_cost_ns": "Fixed cost of posting one transfer.",
+    "per_desc_ns": "Cost of posting one descriptor.",
+    "max_inflight": "Transfers a NIC keeps in flight before new posts queue.",
+    "error_timeout_ns": "How long a write into a dead peer or over a down link takes to report ERR.",
+    "completion_delay_ns": "From a write landing (or a transfer completing) to the runtime handling its "
+    "notification (or DONE): the real runtime's next poll of NIXL.",
+    "control_latency_ns": "One-way latency of a control message.",
+    "control_jitter_ns": "Extra delay per control message, uniform in [0, this).",
+    "kernel_launch_ns": "Host cost of one gather or scatter kernel call.",
+    "kernel_busy_mean_ns": "Mean wait (exponential) for the model step in progress before a kernel runs "
+    "(0: an idle GPU).",
+    "gpu_copy_gbps": "GPU-to-GPU gather and scatter rate, in GB/s.",
+    "pinned_copy_gbps": "Gather to and scatter from pinned host memory rate, in GB/s.",
+    "prepped": "Prepared descriptor lists: dense runs merge into one descriptor, as NIXL's prepped "
+    "transfers do.",
+}
+
+# Longest a write may take to finish or fail on the simulated fabric, beyond the NIC's error
+# timeout: generous room for posts queued behind others (assumption).
+WRITE_SLACK_NS = 10_000_000
+REORDER_MAX_NS = 200 * US  # sim/faults.py's reorder delay bound
+
+
+def pools(s: Scenario) -> tuple[tuple[PoolGeometry, ...], tuple[PoolGeometry, ...]]:
+    g = s.model.geometry()
+    t = s.topology
+    pre = tuple(
+        PoolGeometry(g, t.prefill_tp, r, t.prefill_page_size, t.prefill_pages, Layout(t.prefill_layout))
+        for r in range(t.prefill_tp)
+    )
+    dec = tuple(
+        PoolGeometry(g, t.decode_tp, r, t.decode_page_size, t.decode_pages, Layout(t.decode_layout))
+        for r in range(t.decode_tp)
+    )
+    return pre, dec
+
+
+def staging_sizes(s: Scenario) -> FlowSpec:
+    """The sizes a run registers: those given, and for a flow the scenario names (or "mixed",
+    or the policy under unequal TP) the ones left at 0 sized to ``auto_chunks`` of its largest
+    chunk, so that naming a flow is enough to run it."""
+    f = s.flows
+    pre, dec = pools(s)
+    w = s.workload
+    chunk = max(
+        [min(w.chunk_tokens or w.tokens_max, w.tokens_max)]
+        + [c for room in w.explicit for c in (room.chunks or (room.tokens,))]
+    )
+    regions = pre[0].model.num_regions
+    dec_chunk = regions * chunk * dec[0].token_bytes
+    pre_chunk = regions * chunk * pre[0].token_bytes * max(1, len(dec) // len(pre))
+    want_ring = f.flow in ("ring", "mixed") or (f.flow == "policy" and len(pre) != len(dec))
+    want_pinned = f.flow in ("pinned", "mixed")
+    n = f.auto_chunks
+
+    def size(given: int, wanted: bool, per_chunk: int, chunks: int) -> int:
+        return given if given or not wanted else per_chunk * chunks
+
+    return replace(
+        f,
+        ring_bytes=size(f.ring_bytes, want_ring, dec_chunk, n),
+        worker_buffer_bytes=size(f.worker_buffer_bytes, want_ring or want_pinned, pre_chunk, 1),
+        pinned_bytes=size(f.pinned_bytes, want_pinned, dec_chunk, n),
+        prefill_pinned_bytes=size(f.prefill_pinned_bytes, want_pinned, pre_chunk, n),
+    )
