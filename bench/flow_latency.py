@@ -23,12 +23,13 @@ import numpy as np
 from kvferry.core.events import ChunkReady
 from kvferry.core.kvpoll import KVPoll
 from kvferry.sim import scenario as sc
-from kvferry.sim.world import Allocator, World
+from kvferry.sim.pages import FREE, LowestFirst
+from kvferry.sim.world import World
 
 FLOWS = ("direct", "push", "pull")
 
 
-class _Fragmented(Allocator):
+class _Fragmented(LowestFirst):
     """Hands out free pages in a random order (a long-running server's pool)."""
 
     def __init__(self, n: int, rng: random.Random) -> None:
@@ -46,7 +47,7 @@ class _Fragmented(Allocator):
     def free(self, ids: np.ndarray, key: int) -> None:
         if (self.owner[ids] != key).any():
             raise AssertionError(f"freeing units not owned by {key}")
-        self.owner[ids] = -1
+        self.owner[ids] = FREE
         self._free.extend(ids.tolist())
 
 
@@ -79,11 +80,15 @@ def scenario(prefill_tp: int, rooms: int, tokens: int) -> sc.Scenario:
     )
 
 
+class _FragmentedWorld(World):
+    """Every server's KV pages handed out scattered (seeded per side)."""
+
+    def _page_allocator(self, side: str, n: int) -> Any:
+        return _Fragmented(n, random.Random(7 if side == "prefill" else 8))
+
+
 def measure(s: sc.Scenario, flow: str, fragmented: bool) -> dict[str, Any]:
-    w = World(sc.with_flow(s, flow))
-    if fragmented:
-        w.pre_alloc = _Fragmented(s.topology.prefill_pages, random.Random(7))
-        w.dec_alloc = _Fragmented(s.topology.decode_pages, random.Random(8))
+    w = (_FragmentedWorld if fragmented else World)(sc.with_flow(s, flow))
     finished: dict[int, int] = {}
     for rank in w.ranks.values():
         orig = rank.feed

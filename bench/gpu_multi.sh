@@ -78,7 +78,7 @@ diag)
   row tp22x8trace 'tp2->2 nhd' 0,1 2,3 direct "$both" --rooms 2 --inflight 8 --trace "$R/trace22"
   row tp22x16 'tp2->2 nhd' 0,1 2,3 direct native --rooms 1 --inflight 16
   export PYTHONFAULTHANDLER=1
-  (sleep 60; pkill -ABRT -f kvferry.backends.runtime.bench) &
+  (sleep 60; pkill -ABRT -f kvferry.tools.runtime_bench) &
   dog=$!
   row tp22x32 'tp2->2 nhd' 0,1 2,3 direct native --rooms 1 --inflight 32
   kill "$dog" 2>/dev/null  # finished in time: no stacks wanted
