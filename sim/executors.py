@@ -28,6 +28,7 @@ import functools
 import hashlib
 import importlib.util
 import inspect
+import multiprocessing as mp
 import re
 import socket
 import sys
@@ -177,6 +178,13 @@ class Executor(ABC):
         self.close()
 
 
+# Workers forked from a clean server process, not from the caller: a caller with threads (a NIXL
+# agent's progress threads, ZMQ's, a test runner's) forks children that can deadlock on a lock one
+# of those threads held, or crash collecting the caller's garbage (a NIXL agent's destructor run in
+# a child). Both were seen under pytest-xdist; the function and items are pickled either way.
+_WORKER_CONTEXT = mp.get_context("forkserver")
+
+
 class LocalExecutor(Executor):
     """``jobs`` worker processes on this machine (today's ``kvferry fuzz --jobs``)."""
 
@@ -212,7 +220,7 @@ class LocalExecutor(Executor):
         size = self.chunksize or max(1, min(16, n // (self.jobs * 8) or 1))
         todo: deque[list[T]] = deque(_chunks(ledger.order, size))
         window = self.jobs * 4
-        pool = cf.ProcessPoolExecutor(max_workers=self.jobs)
+        pool = cf.ProcessPoolExecutor(max_workers=self.jobs, mp_context=_WORKER_CONTEXT)
         running: dict[cf.Future[list[R]], list[T]] = {}
         finished = False
         try:
@@ -245,7 +253,7 @@ class LocalExecutor(Executor):
                     todo.extendleft(reversed(list(_chunks(again, size))))
                     if progress:
                         progress(replace(ledger.stats))
-                    pool = cf.ProcessPoolExecutor(max_workers=self.jobs)
+                    pool = cf.ProcessPoolExecutor(max_workers=self.jobs, mp_context=_WORKER_CONTEXT)
             finished = True
         finally:
             # Stopped early (an error, the caller breaking off): do not wait for runs in flight.
