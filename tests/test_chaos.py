@@ -235,6 +235,24 @@ def test_a_released_write_still_lands_after_the_heal() -> None:
 
 
 @needs_netns
+def test_a_lost_peers_write_is_reported_ended_only_after_its_bytes_landed() -> None:
+    """The writer's side of the fence: prefill's agent drops decode (as on a heartbeat loss) with a
+    WRITE queued behind the partition. It keeps the transfer until it ends on its own, so the core
+    sees it end (and may answer Stopped) only once the bytes are in, after the heal; an agent that
+    releases at the drop reports it failed before the heal while the bytes land after it."""
+    from kvferry.tools.chaos.released_write import fenced_probe
+
+    r = fenced_probe()
+    assert r["state_after_drop"] == "PROC" and r["draining_after_drop"] == ["decode"], r
+    assert r["bytes"] == 64 << 10 and r["ended_state"] == "DONE", r
+    assert r["ended_after_heal_s"] > 0, r  # not while the bytes were still queued
+    # DONE over TCP waits for the target's acknowledgement, so the bytes were in by then; the
+    # slack is decode's watcher thread being scheduled (it polls the buffer every millisecond).
+    assert r["landed_after_heal_s"] <= r["ended_after_heal_s"] + 0.5, r
+    assert r["left"] == {"inflight": 0, "draining": [], "peers": []}, r
+
+
+@needs_netns
 def test_liveness_class_every_room_succeeds_through_short_partitions_and_slow_links() -> None:
     code, r, _err = _chaos(
         "--liveness", "--rooms", "125", "--tp", "1-1", "--seed", "3", "--fault-share", "0.8"
