@@ -56,6 +56,7 @@ class SoakConfig:
     rss_bound_mb: float = 64.0
     warmup_s: float = 45.0  # tombstones (40 s) and allocator arenas fill up first
     segment_timeout_s: float = 120.0
+    deadline_scale: float = 1.0  # rooms' own deadlines stretched (plan.timeouts) on a loaded host
 
 
 def check_config(c: SoakConfig) -> None:
@@ -82,6 +83,9 @@ def check_config(c: SoakConfig) -> None:
         raise ValueError(f"--rss-bound-mb must be in (0, 1000000], got {c.rss_bound_mb}")
     if not 0.0 <= c.warmup_s <= 86400:
         raise ValueError(f"--warmup-s must be in [0, 86400], got {c.warmup_s}")
+    if not 1.0 <= c.deadline_scale <= sp.MAX_DEADLINE_SCALE:
+        top = f"{sp.MAX_DEADLINE_SCALE:g}"
+        raise ValueError(f"--deadline-scale must be in [1, {top}], got {c.deadline_scale}")
 
 
 def replay_command(c: SoakConfig) -> str:
@@ -230,6 +234,7 @@ class Soak:
             "--seed", str(c.seed), "--flows", ",".join(c.flows), "--abort-rate", str(c.abort_rate),
             "--prefill-tp", str(c.prefill_tp), "--decode-tp", str(c.decode_tp),
             "--segment-timeout-s", str(c.segment_timeout_s), "--incarnation", str(self.incarnations[role]),
+            "--deadline-scale", str(c.deadline_scale),
         ]  # fmt: skip
 
     def _launch(self, role: str) -> tuple[tuple[str, ...], list[str], dict[str, str]]:
