@@ -10,7 +10,9 @@ test wants (real NIXL does so only for as long as a partition lasts).
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,28 +20,19 @@ from kvferry.backends.nixl.agent import NixlAgent
 from kvferry.backends.nixl.errors import NixlPeerError
 from kvferry.backends.nixl.memory import MemRegion
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ (importlib mode)
+from test_nixl_agent import _FakeNixl  # the agent tests' fake NIXL
+
 ONE = (np.array([0]), np.array([0]))
 KEY = ("kv", 256)
 
 
-class _FakeNixl:
-    """Transfers stay PROC until ``state`` changes; every teardown step is recorded in order."""
+class _Fake(_FakeNixl):
+    """Transfers stay PROC until ``state`` changes; a peer's list release is told apart."""
 
     def __init__(self) -> None:
+        super().__init__(fail="")
         self.state = "PROC"
-        self.order: list[str] = []
-
-    def register_memory(self, rows, mem):
-        return object()
-
-    def deregister_memory(self, descs):
-        self.order.append("dereg")
-
-    def add_remote_agent(self, md):
-        return b"peer"
-
-    def remove_remote_agent(self, name):
-        self.order.append("remove_remote")
 
     def prep_xfer_dlist(self, agent, rows, mem):
         outer = self
@@ -50,27 +43,12 @@ class _FakeNixl:
 
         return H()
 
-    def make_prepped_xfer(self, *args):
-        return object()
-
-    def transfer(self, h):
-        return "PROC"
-
     def check_xfer_state(self, h):
         return self.state
 
-    def get_xfer_telemetry(self, h):
-        raise RuntimeError("no telemetry")
 
-    def release_xfer_handle(self, h):
-        self.order.append("release_xfer")
-
-    def get_new_notifs(self):
-        return {}
-
-
-def _agent(drain_s: float = 30.0) -> tuple[NixlAgent, _FakeNixl, str]:
-    fake = _FakeNixl()
+def _agent(drain_s: float = 30.0) -> tuple[NixlAgent, _Fake, str]:
+    fake = _Fake()
     agent = NixlAgent("fake", factory=lambda *a: fake, drain_s=drain_s)
     agent.register([MemRegion(0, 1 << 20, 4096)])
     peer = agent.add_peer(b"md", {"kv": ([MemRegion(0, 1 << 21, 4096)], [256])})
