@@ -37,8 +37,12 @@ from kvferry.core.kvpoll import KVPoll
 SEGMENT_ROOMS = 200  # rooms between two barriers (and at most between two time checks)
 DRIVER_ERRORS_OK = {"chunk_skipped", "chunk_deferred"}  # expected in any run (e2e tests' rule)
 START_TIMEOUT_S = 90.0
-# How a survivor's rooms may fail when its peer dies (tests/test_nixl_e2e.py's list).
-DEATH_MARKS = ("lost (no heartbeat)", "write failed", "ended in ERR", "REMOTE_DISCONNECT", "lease expired")
+# How a survivor's rooms may fail when its peer dies (tests/test_nixl_e2e.py's list, and a pull
+# room's READ of the dead peer failing).
+DEATH_MARKS = (
+    "lost (no heartbeat)", "write failed", "read failed", "ended in ERR", "REMOTE_DISCONNECT",
+    "lease expired",
+)  # fmt: skip
 FAILED, SUCCESS = int(KVPoll.Failed), int(KVPoll.Success)
 
 
