@@ -24,6 +24,7 @@ def arguments(role: str) -> argparse.Namespace:
     ap.add_argument("--segment-timeout-s", type=float, default=120.0)
     ap.add_argument("--incarnation", type=int, default=0)
     ap.add_argument("--engine", default="python", choices=("python", "native"))
+    ap.add_argument("--deadline-scale", type=float, default=1.0)
     # The address every rank binds its control socket to (a network namespace's own address under
     # ``kvferry chaos``); NIXL's UCX picks its interface from UCX_NET_DEVICES in the environment.
     ap.add_argument("--host", default="127.0.0.1")

@@ -34,7 +34,7 @@ class DecodeSide(common.SideLoop):
     def __init__(self, args: Any) -> None:
         self.args = args
         cfg = RuntimeConfig(
-            timeouts=sp.timeouts(),
+            timeouts=sp.timeouts(args.deadline_scale),
             aux_rows=sp.AUX_ROWS,
             staging=sp.staging(),
             host=args.host,
@@ -192,7 +192,7 @@ class DecodeSide(common.SideLoop):
             )
 
         # A failed room of a killed prefill is fenced by its deadline: wait a little longer.
-        common.wait_until(settled, sp.timeouts().fence_ns / 1e9 + 10.0)
+        common.wait_until(settled, sp.timeouts(self.args.deadline_scale).fence_ns / 1e9 + 10.0)
         counters = []
         for ep in self.eps:
             with ep.lock:  # the engine only under its lock

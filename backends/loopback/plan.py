@@ -29,18 +29,26 @@ MAX_TOKENS = 48
 MAX_TP = 4  # the model has 4 KV heads
 
 
-def timeouts() -> Timeouts:
+def timeouts(deadline_scale: float = 1.0) -> Timeouts:
     """Short enough that a kill costs seconds, generous enough for a loaded 2-core machine (a
-    missed heartbeat fails every room of the peer, which the soak reports as a violation)."""
+    missed heartbeat fails every room of the peer, which the soak reports as a violation).
+
+    ``deadline_scale`` stretches the rooms' own deadlines (and the fence and tombstones after
+    them) for a host too loaded to meet them; the heartbeat, which the fault schedule's durations
+    are drawn around, stays as it is."""
+    k = deadline_scale
     return Timeouts(
-        bootstrap_ns=4 * SEC,
-        waiting_ns=4 * SEC,
-        transfer_ns=8 * SEC,
+        bootstrap_ns=int(4 * SEC * k),
+        waiting_ns=int(4 * SEC * k),
+        transfer_ns=int(8 * SEC * k),
         heartbeat_interval_ns=200 * MS,
         heartbeat_timeout_ns=3 * SEC,
-        fence_ns=17 * SEC,  # > bootstrap + waiting + transfer (Timeouts.problems)
-        tombstone_ns=40 * SEC,
+        fence_ns=int(17 * SEC * k),  # > bootstrap + waiting + transfer (Timeouts.problems)
+        tombstone_ns=int(40 * SEC * k),
     )
+
+
+MAX_DEADLINE_SCALE = 10.0
 
 
 def prefill_pools(tp: int) -> list[PoolGeometry]:

@@ -27,7 +27,7 @@ class PrefillSide(common.SideLoop):
         self.args = args
         cfg = RuntimeConfig(
             num_queues=2,
-            timeouts=sp.timeouts(),
+            timeouts=sp.timeouts(args.deadline_scale),
             aux_rows=sp.AUX_ROWS,
             staging=sp.staging(),
             host=args.host,
@@ -118,7 +118,7 @@ class PrefillSide(common.SideLoop):
 
     def finish(self) -> dict[str, Any]:
         # A dead decode's pull pages and unconfirmed notes are let go at the fence deadline.
-        wait_s = sp.timeouts().fence_ns / 1e9 + 10.0
+        wait_s = sp.timeouts(self.args.deadline_scale).fence_ns / 1e9 + 10.0
         common.wait_until(lambda: common.empty([common.tables(ep) for ep in self.eps]), wait_s)
         return {
             "leaks": [common.tables(ep) for ep in self.eps],

@@ -35,6 +35,15 @@ What NIXL does not make safe is one request handle used by two threads at once (
 ticket's ``lock`` is held while it is posted and while it is polled, so a settle (peer removal,
 teardown) polling ``_inflight`` from another thread waits for a post in progress to return.
 Teardown follows NIXL's order: transfer handles, prepared lists, remote agents, memory.
+
+A lost peer's transfers. Releasing a handle does not cancel a transfer: over UCX's TCP transport a
+WRITE queued during a partition still lands after the heal (the target checks no registration),
+so a transfer reported failed at the drop would let the core answer ``Stopped`` (or free a READ's
+pages) while bytes are still on their way. A dropped peer with transfers in flight is therefore
+*draining*: it takes no new posts, but its handles, prepared lists and remote agent stay until
+each transfer ends on its own (DONE: the bytes landed and were acknowledged; ERR: the connection
+failed), which pollers see as usual. Past ``drain_s`` a transfer still in flight is released as
+failed with a warning and counted in ``abandoned``: nothing fences it any more.
 """
 
 from __future__ import annotations
@@ -63,6 +72,9 @@ ListKey = tuple[str, int]  # (region group, granule in bytes)
 # A prepared list is a C++ vector of descriptors; beyond this a pool would need a coarser granule.
 MAX_PREP_DESCS = 1 << 23
 OPS = ("WRITE", "READ")
+# How long a lost peer's transfers may stay in flight before they are released unfenced: past a
+# partition's heal plus TCP's retransmission backoff (seconds), well short of a stuck connect.
+DRAIN_S = 30.0
 
 
 def _nixl_api() -> Any:
@@ -238,6 +250,7 @@ class NixlAgent:
         progress_thread: bool = False,
         ucx_workers: int = 1,
         factory: Callable[..., Any] = make_nixl_agent,
+        drain_s: float = DRAIN_S,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}")
@@ -259,6 +272,10 @@ class NixlAgent:
         self._local_tables: dict[ListKey, _RegionTable] = {}
         self._local_prepped: dict[ListKey, Any] = {}
         self._peers: dict[str, _Peer] = {}
+        # Dropped peers whose transfers have not ended yet: name -> (peer, release deadline).
+        self._draining: dict[str, tuple[_Peer, float]] = {}
+        self.drain_s = drain_s
+        self.abandoned = 0  # a lost peer's transfers released still in flight (past drain_s)
         self._inflight: dict[int, XferTicket] = {}
         self._ids = itertools.count(1)
         self.telemetry = Telemetry()
@@ -310,6 +327,8 @@ class NixlAgent:
         with self._tables.write():
             name = self._call(self._nixl.add_remote_agent, metadata)
             name = name.decode() if isinstance(name, bytes) else str(name)
+            if name in self._draining:  # the same agent again: its old transfers are moot
+                self._forget_draining_locked(name, invalidate=False)
             if name in self._peers:
                 self._drop_peer_locked(name, invalidate=False)
             self._peers[name] = _Peer(name, {})
@@ -352,21 +371,65 @@ class NixlAgent:
         return list(self._peers)
 
     def remove_peer(self, name: str, settle_s: float = 2.0) -> None:
-        """Forget a peer: settle its transfers, release its lists, disconnect."""
+        """Forget a peer: settle its transfers, release its lists, disconnect. Transfers still in
+        flight after ``settle_s`` keep the peer draining until they end (see the module doc)."""
         self._settle(lambda t: t.peer == name, settle_s)
         with self._tables.write():
-            self._drop_peer_locked(name, invalidate=True)
+            self._drop_peer_locked(name, invalidate=True, drain=True)
 
-    def _drop_peer_locked(self, name: str, invalidate: bool) -> None:
+    def draining(self) -> list[str]:
+        """Dropped peers whose transfers are still in flight."""
+        return list(self._draining)
+
+    def _drop_peer_locked(self, name: str, invalidate: bool, drain: bool = False) -> None:
         peer = self._peers.pop(name, None)
         if peer is None:
             return
-        for t in [t for t in self._inflight.values() if t.peer == name]:
+        live = [t for t in self._inflight.values() if t.peer == name]
+        if drain and live:
+            self._draining[name] = (peer, time.monotonic() + self.drain_s)
+            return
+        for t in live:
             self._release(t, "ERR")
+        self._forget_locked(name, peer, invalidate)
+
+    def _forget_locked(self, name: str, peer: _Peer, invalidate: bool) -> None:
         for h in peer.prepped.values():
             self._quiet(h.release)
+        peer.prepped.clear()
         if invalidate:
             self._quiet(self._nixl.remove_remote_agent, name)
+
+    def _forget_draining_locked(self, name: str, invalidate: bool) -> None:
+        peer, _ = self._draining.pop(name)
+        for t in [t for t in self._inflight.values() if t.peer == name]:
+            self._release(t, "ERR")
+        self._forget_locked(name, peer, invalidate)
+
+    def _after_poll(self, ticket: XferTicket, state: str) -> None:
+        """A draining peer's last transfer ended: release its lists and disconnect. One of its
+        transfers past the drain deadline: released, unfenced, with a warning."""
+        entry = self._draining.get(ticket.peer)
+        if entry is None:
+            return
+        if state == "PROC" and time.monotonic() >= entry[1]:
+            with self._tables.read(), ticket.lock:
+                if ticket.final is None:
+                    self.abandoned += 1
+                    log.warning(
+                        "transfer %d (%s) to lost peer %s still in flight %.0f s after the drop: "
+                        "released unfenced, its bytes may still land",
+                        ticket.xid, ticket.op, ticket.peer, self.drain_s,
+                    )  # fmt: skip
+                    self._release(ticket, "ERR")
+        if any(t.peer == ticket.peer for t in list(self._inflight.values())):
+            return
+        with self._tables.write():
+            if ticket.peer in self._draining and not any(
+                t.peer == ticket.peer for t in self._inflight.values()
+            ):
+                peer, _ = self._draining.pop(ticket.peer)
+                self._forget_locked(ticket.peer, peer, invalidate=True)
 
     # ---- data path ----------------------------------------------------------------------
     def post(
@@ -467,7 +530,10 @@ class NixlAgent:
                 state = "ERR"
             if state != "PROC":
                 self._release(ticket, state)
-            return state
+        if self._draining:
+            self._after_poll(ticket, state)
+            state = ticket.final or state
+        return state
 
     def wait(self, ticket: XferTicket, timeout_s: float, idle_s: float = 0.0) -> str:
         """Poll until DONE/ERR or the timeout; yields the CPU between polls (no busy spin)."""
@@ -550,6 +616,10 @@ class NixlAgent:
                 for h in peer.prepped.values():
                     self._quiet(h.release)
                 peer.prepped.clear()
+            for name, (peer, _) in list(self._draining.items()):
+                self._forget_locked(name, peer, invalidate=False)
+                self._peers.setdefault(name, peer)  # disconnected below with the others
+            self._draining.clear()
             for h in self._local_prepped.values():
                 self._quiet(h.release)
             self._local_prepped.clear()

@@ -66,6 +66,13 @@ def chaos(
     warmup_s: Annotated[
         float, typer.Option(help="Seconds of a process's life before its RSS baseline.")
     ] = 45.0,
+    deadline_scale: Annotated[
+        float,
+        typer.Option(
+            help="Stretch the rooms' own deadlines (and the fence) by this factor, for a loaded host; "
+            "the heartbeat timeout stays."
+        ),
+    ] = 1.0,
     plant: Annotated[str, typer.Option(hidden=True, help="Plant a bug (checker self-test).")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
 ) -> None:
@@ -86,6 +93,7 @@ def chaos(
         abort_rate=abort_rate if abort_rate is not None else (0.0 if liveness else 0.05),
         segment_rooms=segment_rooms, fault_share=fault_share, kinds=kinds, liveness=liveness, plant=plant,
         max_seconds=max_seconds, rss_bound_mb=rss_bound_mb, warmup_s=warmup_s,
+        deadline_scale=deadline_scale,
     )  # fmt: skip
     try:
         engine.check_config(cfg)

@@ -37,8 +37,12 @@ from kvferry.core.kvpoll import KVPoll
 SEGMENT_ROOMS = 200  # rooms between two barriers (and at most between two time checks)
 DRIVER_ERRORS_OK = {"chunk_skipped", "chunk_deferred"}  # expected in any run (e2e tests' rule)
 START_TIMEOUT_S = 90.0
-# How a survivor's rooms may fail when its peer dies (tests/test_nixl_e2e.py's list).
-DEATH_MARKS = ("lost (no heartbeat)", "write failed", "ended in ERR", "REMOTE_DISCONNECT", "lease expired")
+# How a survivor's rooms may fail when its peer dies (tests/test_nixl_e2e.py's list, and a pull
+# room's READ of the dead peer failing).
+DEATH_MARKS = (
+    "lost (no heartbeat)", "write failed", "read failed", "ended in ERR", "REMOTE_DISCONNECT",
+    "lease expired",
+)  # fmt: skip
 FAILED, SUCCESS = int(KVPoll.Failed), int(KVPoll.Success)
 
 
@@ -57,6 +61,7 @@ class SoakConfig:
     warmup_s: float = 45.0  # tombstones (40 s) and allocator arenas fill up first
     segment_timeout_s: float = 120.0
     engine: str = "python"  # RuntimeConfig.nixl_engine of both sides: python or native
+    deadline_scale: float = 1.0  # rooms' own deadlines stretched (plan.timeouts) on a loaded host
 
 
 def check_config(c: SoakConfig) -> None:
@@ -85,6 +90,9 @@ def check_config(c: SoakConfig) -> None:
         raise ValueError(f"--warmup-s must be in [0, 86400], got {c.warmup_s}")
     if c.engine not in ("python", "native"):
         raise ValueError(f"--engine must be python or native, got {c.engine!r}")
+    if not 1.0 <= c.deadline_scale <= sp.MAX_DEADLINE_SCALE:
+        top = f"{sp.MAX_DEADLINE_SCALE:g}"
+        raise ValueError(f"--deadline-scale must be in [1, {top}], got {c.deadline_scale}")
 
 
 def replay_command(c: SoakConfig) -> str:
@@ -236,6 +244,7 @@ class Soak:
             "--prefill-tp", str(c.prefill_tp), "--decode-tp", str(c.decode_tp),
             "--segment-timeout-s", str(c.segment_timeout_s), "--incarnation", str(self.incarnations[role]),
             "--engine", c.engine,
+            "--deadline-scale", str(c.deadline_scale),
         ]  # fmt: skip
 
     def _launch(self, role: str) -> tuple[tuple[str, ...], list[str], dict[str, str]]:

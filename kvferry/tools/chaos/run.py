@@ -55,6 +55,7 @@ class ChaosConfig:
     rss_bound_mb: float = 64.0
     warmup_s: float = 45.0
     segment_timeout_s: float = 60.0
+    deadline_scale: float = 1.0  # rooms' own deadlines stretched on a loaded host (plan.timeouts)
 
 
 def check_config(c: ChaosConfig) -> None:
@@ -62,6 +63,7 @@ def check_config(c: ChaosConfig) -> None:
     soak_like = SoakConfig(
         rooms=c.rooms, seed=c.seed, flows=c.flows, abort_rate=c.abort_rate, kill_every=0,
         max_seconds=c.max_seconds, rss_bound_mb=c.rss_bound_mb, warmup_s=c.warmup_s,
+        deadline_scale=c.deadline_scale,
     )  # fmt: skip
     from kvferry.tools.soak import check_config as check_soak
 
@@ -102,6 +104,7 @@ def replay_command(c: ChaosConfig) -> str:
         f"--abort-rate {c.abort_rate} --segment-rooms {c.segment_rooms} --fault-share {c.fault_share} "
         f"--faults {','.join(c.kinds)}"
     )
+    line += f" --deadline-scale {c.deadline_scale:g}" if c.deadline_scale != 1.0 else ""
     return line + (" --liveness" if c.liveness else "") + (f" --plant {c.plant}" if c.plant else "")
 
 
@@ -167,7 +170,7 @@ class PairRun(Soak):
         cfg = SoakConfig(
             rooms=end - start, seed=c.seed, prefill_tp=tp[0], decode_tp=tp[1], flows=c.flows,
             abort_rate=c.abort_rate, kill_every=0, max_seconds=max_seconds, rss_bound_mb=c.rss_bound_mb,
-            warmup_s=c.warmup_s, segment_timeout_s=c.segment_timeout_s,
+            warmup_s=c.warmup_s, segment_timeout_s=c.segment_timeout_s, deadline_scale=c.deadline_scale,
         )  # fmt: skip
         self.tp_name = f"{tp[0]}->{tp[1]}"
         super().__init__(cfg, lambda line: chaos.progress(f"[TP {self.tp_name}] {line}"))
@@ -235,7 +238,7 @@ class PairRun(Soak):
                 inj.stop()
                 inj.join(30)
                 self.chaos.injectors.remove(inj)
-        self._settle(start, end, time.monotonic() + sp.timeouts().fence_ns / 1e9 + 2.0)
+        self._settle(start, end, time.monotonic() + sp.timeouts(c.deadline_scale).fence_ns / 1e9 + 2.0)
         if f is not None and inj is not None and (inj.error or inj.applied_at is None):
             self._violation("fault_not_injected", fault=f.as_dict(), error=inj.error or "never applied")
         self._sample()
