@@ -10,6 +10,7 @@
 #                    telemetry of direct writes at four room sizes for `kvferry calibrate`, and the
 #                    two-process e2e tests (aborts, killed peers, every flow) in each placement
 #   PART=diag        traced TP 2 -> 2 rooms (hop timelines), native TP 2 -> 2 with 16 and 32 in flight
+#   PART=final       layer-wise rows (1 and 8 in flight) and the VRAM e2e tests of both executors
 # With fewer than 4 GPUs it says so and stops.
 #
 # On the device, from the repository root, with the wheels of bench/gpu_common.sh in .whl/:
@@ -84,7 +85,16 @@ diag)
   kill "$dog" 2>/dev/null  # finished in time: no stacks wanted
   unset PYTHONFAULTHANDLER
   ;;
-*) echo "gpu_multi: PART must be placements, rows, more or diag, got $PART"; exit 2 ;;
+final)
+  # The layer-wise flow's rows, and the VRAM e2e tests (python and native executors, layer-wise
+  # included) on the code as finally merged, prefill on 0,1 and decode on 2,3.
+  row tp22x8 'tp2->2 nhd' 0,1 2,3 layerwise "$both" --rooms 2 --inflight 8
+  row tp22x1 'tp2->2 nhd' 0,1 2,3 layerwise python --rooms 5
+  e2e e2e-final 0,1 2,3 150 "$REPO/tests/test_nixl_e2e.py" "$REPO/tests/test_nixl_pull_push.py" \
+    "$REPO/tests/test_layerwise_nixl.py" -k "tp2to2 or tp2to1 or tp1to2 or killed or over_nixl or layerwise"
+  e2e e2e-native-final 0,1 2,3 100 "$REPO/tests/test_native_e2e.py" "$REPO/tests/test_native_differential.py"
+  ;;
+*) echo "gpu_multi: PART must be placements, rows, more, diag or final, got $PART"; exit 2 ;;
 esac
 grep -h . "$R/steps.txt"
 cat "$R"/*.out | python3 -c '
