@@ -9,10 +9,10 @@ import threading
 
 import numpy as np
 import pytest
-from kvferry.backends import pattern
-from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig, lockcheck
+from kvferry.backends import lockcheck, pattern
+from kvferry.backends.lockcheck import GuardedEngine, LockDisciplineError, OwnedLock
+from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
 from kvferry.backends.runtime.base import EndpointBase
-from kvferry.backends.runtime.lockcheck import GuardedEngine, LockDisciplineError, OwnedLock
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 
