@@ -52,6 +52,9 @@ elif [ "$PART" = ucx ]; then
     # UCX logs to stdout unless told otherwise: a file per process keeps the JSON lines clean.
     UCX_PROTO_INFO=y UCX_LOG_LEVEL=info UCX_LOG_FILE="$R/ucx-probe-$tag-%p.log" step "probe-$tag" 120 \
       python3 -P "$REPO/bench/ucx_read_probe.py" --mem "$MEM" --gpus "$pair" --mb 256 --reps 5
+    # UCX's own default for cuda_ipc GETs (kvferry sets "y" unless told otherwise: ucx_env.py).
+    UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto step "probe-ucx-auto-$tag" 120 \
+      python3 -P "$REPO/bench/ucx_read_probe.py" --mem "$MEM" --gpus "$pair" --mb 256 --reps 5
     UCX_PROTO_INFO=y UCX_LOG_LEVEL=info UCX_LOG_FILE="$R/ucx-pull-$tag-%p.log" step "pull-$tag" 150 \
       "${B[@]}" --rooms 2 --config 'tp1->1 nhd' --flow pull,direct "${gpus[@]}"
     # The transports each endpoint opened, and the selection tables of the one-sided ops.

@@ -64,6 +64,7 @@ from kvferry.backends.nixl.errors import DescriptorError, NixlError, NixlPeerErr
 from kvferry.backends.nixl.memory import MemRegion, RegionError, check_disjoint
 from kvferry.backends.nixl.rwlock import RWLock
 from kvferry.backends.nixl.telemetry import Telemetry, XferRecord
+from kvferry.backends.nixl.ucx_env import apply_ucx_defaults
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ def make_nixl_agent(
     ucx_workers: int = 1,
 ) -> Any:
     api = _nixl_api()
+    apply_ucx_defaults()
     modes = {
         "none": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE,
         "strict": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.backends import lockcheck
+from kvferry.backends.nixl.ucx_env import apply_ucx_defaults
 
 PINNED_NIXL = "1.5.1"
 MEM_TYPES = {"DRAM": 0, "VRAM": 1}
@@ -244,6 +245,7 @@ class NativeNixl:
         plant = os.environ.get("KVFERRY_NATIVE_PLANT", "")
         if plant not in PLANTS:
             raise ValueError(f"KVFERRY_NATIVE_PLANT must be one of {sorted(PLANTS)}, not {plant!r}")
+        apply_ucx_defaults()
         err = ctypes.create_string_buffer(_ERRLEN)
         eng = self._lib.kvf_create(
             name.encode(),
