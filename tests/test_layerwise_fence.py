@@ -86,7 +86,8 @@ def test_a_room_failed_by_decode_posts_no_layer_reported_after_the_notice(
     hook: str | None, posted_after: int
 ) -> None:
     """The engine goes on computing the chunk after decode failed the room: prefill's Failed
-    room takes those reports and posts nothing (the planted bug posts them)."""
+    room takes those reports and posts nothing (the planted bug posts them, and the harness's
+    ownership check catches the writes)."""
     w = H.World(MODEL, 1, 1, flow="layerwise", seed=6)
     prefill = w.prefill[0]
     if hook is not None:
@@ -112,3 +113,8 @@ def test_a_room_failed_by_decode_posts_no_layer_reported_after_the_notice(
     w.flush()
     assert prefill.engine.counters["layer_ranges_posted"] - before == posted_after
     assert prefill.engine.counters["ignored_failed_layers"] == MODEL.num_layers - 1 - posted_after
+    w.heal_and_settle()
+    # Prefill's Stopped left when nothing was in flight, and decode freed the pages on it: a
+    # layer posted after that lands in pages the room no longer owns.
+    owned = [v for v in w.violations if "it does not own" in v]
+    assert (owned != []) == (hook is not None), w.violations[:2]
