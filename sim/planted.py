@@ -43,7 +43,9 @@ The campaign's blind spots, each caught only with its dimension of the draw spac
 - ``layers_after_failure``: a layer-wise prefill rank whose room failed (decode's failure notice,
   its own deadline, a lost peer) still posts the layers its engine goes on reporting for the
   chunk in its forward: a write posted after its Stopped lands in pages decode freed on that
-  Stopped (ownership).
+  Stopped (ownership). Caught in the in-memory harness (tests/test_layerwise_fence.py); the
+  campaign's forwards end before a failed room's queued writes drain, so its Stopped comes after
+  the last layer and no campaign seed of 0-3999 catches it.
 
 The planner (``offset_from_own_length_planner`` below, given to every prefill rank):
 

@@ -81,13 +81,14 @@ def test_the_campaign_draws_only_deadlines_a_saved_file_replays_with(seed: int) 
 MODEL = ModelGeometry("tiny4l", num_layers=4, num_kv_heads=4, head_dim=4)
 
 
+@pytest.mark.parametrize("cause", ["decode_abort", "own_deadline"])
 @pytest.mark.parametrize(("hook", "posted_after"), [(None, 0), ("layers_after_failure", 3)])
-def test_a_room_failed_by_decode_posts_no_layer_reported_after_the_notice(
-    hook: str | None, posted_after: int
+def test_a_failed_room_posts_no_layer_reported_after_it_failed(
+    cause: str, hook: str | None, posted_after: int
 ) -> None:
-    """The engine goes on computing the chunk after decode failed the room: prefill's Failed
-    room takes those reports and posts nothing (the planted bug posts them, and the harness's
-    ownership check catches the writes)."""
+    """The engine goes on computing the chunk after the room failed (decode's failure notice,
+    or prefill's own transfer deadline): prefill's Failed room takes those reports and posts
+    nothing (the planted bug posts them, and the harness's ownership check catches the writes)."""
     w = H.World(MODEL, 1, 1, flow="layerwise", seed=6)
     prefill = w.prefill[0]
     if hook is not None:
@@ -104,9 +105,13 @@ def test_a_room_failed_by_decode_posts_no_layer_reported_after_the_notice(
 
     report(0)
     w.flush()
-    w.abort(req, "decode", 0)
-    w.flush()
-    assert w.rank_status(prefill, req) is KVPoll.Failed  # decode's notice arrived
+    if cause == "decode_abort":
+        w.abort(req, "decode", 0)
+        w.flush()
+    else:
+        w.advance(w.timeouts.transfer_ns + 1)  # the forward is slow: no layer within the deadline
+        w.flush()
+    assert w.rank_status(prefill, req) is KVPoll.Failed
     before = prefill.engine.counters["layer_ranges_posted"]
     for layer in range(1, MODEL.num_layers):
         report(layer)
