@@ -24,7 +24,18 @@ from kvferry.sim.scenario_schema import (
     staging_sizes,
 )
 
-__all__ = ["SAFETY", "RoomEstimate", "derive", "estimate", "flows_used", "worst"]
+__all__ = [
+    "SAFETY",
+    "RoomEstimate",
+    "derive",
+    "estimate",
+    "flows_used",
+    "max_msg_ns",
+    "max_write_ns",
+    "rooms_together",
+    "valid_deadlines",
+    "worst",
+]
 
 MS = 1_000_000
 # A derived deadline allows this many times the largest room's expected time: room for rooms
@@ -63,7 +74,7 @@ def flows_used(s: Scenario) -> tuple[str, ...]:
     f = staging_sizes(s)
     ring = bool(f.ring_bytes and f.worker_buffer_bytes)
     pinned = bool(f.pinned_bytes and f.prefill_pinned_bytes)
-    if f.flow in ("direct", "ring", "pinned"):
+    if f.flow in ("direct", "ring", "pinned", "layerwise"):
         out = [f.flow]
     elif f.flow in ("pull", "push"):  # the planner's descriptors, as direct posts them
         out = ["direct"]
@@ -114,6 +125,12 @@ def _direct_descriptors(
     return min(sum(chunks), runs) * regions
 
 
+def _writes_per_chunk(flow: str, num_layers: int) -> int:
+    """WRITEs one rank pair posts per chunk: layer-wise posts every layer on its own (the engine
+    reports them one by one; core/flows/layerwise.py), the others one per chunk."""
+    return num_layers if flow == "layerwise" else 1
+
+
 def estimate(s: Scenario, flow: str) -> RoomEstimate:
     """The largest room of ``s`` alone on its fabric, moved by ``flow``."""
     pre, dec = pools(s)
@@ -134,14 +151,15 @@ def estimate(s: Scenario, flow: str) -> RoomEstimate:
         nbytes = tokens * regions * link.num_heads * model.head_bytes
         out_bytes[p] += nbytes
         in_bytes[d] += nbytes
-        if flow == "direct":
+        if flow in ("direct", "layerwise"):  # a layer's slice of a plan: that layer's descriptors
             n = _direct_descriptors(s, chunks, link.num_heads, pre[p], dec[d], head_major)
         else:  # staged: one block per writer and chunk
             n = len(chunks)
         descs[p] += n + 1  # + the aux row
-        post[p] += (len(chunks) + 1) * nic.post_cost_ns + (n + 1) * nic.per_desc_ns
+        post[p] += (_writes_per_chunk(flow, model.num_layers) * len(chunks) + 1) * nic.post_cost_ns
+        post[p] += (n + 1) * nic.per_desc_ns
     kernel_ns = 0
-    if flow != "direct":
+    if flow in ("ring", "pinned"):
         pinned = flow == "pinned"
         launches = 2 * len(chunks) * kern.launch_ns  # a gather and a scatter per chunk
         kernel_ns = launches + kern.cost_ns(max(out_bytes), pinned) + kern.cost_ns(max(in_bytes), pinned)
@@ -174,6 +192,31 @@ def worst(s: Scenario) -> RoomEstimate:
     return max((estimate(s, f) for f in flows_used(s)), key=lambda e: e.total_ns)
 
 
+def rooms_together(s: Scenario) -> int:
+    """The most rooms in flight at once: every room the workload has, up to one per aux row."""
+    return max(1, min(s.workload.rooms, s.topology.aux_rows))
+
+
+def max_msg_ns(s: Scenario) -> int:
+    """The longest a control message (a failure notice among them) may take to arrive."""
+    c = s.fabric.control
+    return c.latency_ns + c.jitter_ns + s.faults.ctrl_delay_max_us * US + REORDER_MAX_NS
+
+
+def max_write_ns(s: Scenario, est: RoomEstimate) -> int:
+    """The longest a WRITE may take from its post to landing or failing (``Timeouts.problems``'
+    ``max_write_ns``: the fence must outlive it).
+
+    A NIC posts one transfer at a time (backends/simfabric), so a write waits behind everything
+    posted on that NIC before it: at most the posting and the bytes of every room in flight with
+    it, each no more than the largest (``est``). A flow that posts more WRITEs per chunk queues
+    deeper: layer-wise posts each layer of a chunk on its own, so its queue is ``num_layers``
+    times direct's, and a write posted before decode failed the room may land long after it.
+    """
+    backlog = rooms_together(s) * (est.post_ns + est.wire_ns)
+    return s.fabric.nic.error_timeout_ns + WRITE_SLACK_NS + backlog
+
+
 def _ceil_ms(ns: int) -> int:
     return -(-ns // MS) * MS
 
@@ -189,10 +232,8 @@ def derive(s: Scenario, given_timeouts: frozenset[str], given_phases: frozenset[
         if n not in given_timeouts and vals[n] < need:
             vals[n] = need
             changed = True
-    c = s.fabric.control
-    max_msg = c.latency_ns + c.jitter_ns + s.faults.ctrl_delay_max_us * US + REORDER_MAX_NS
-    max_write = s.fabric.nic.error_timeout_ns + WRITE_SLACK_NS + est.total_ns
-    life = max_msg + vals["bootstrap_ns"] + vals["waiting_ns"] + vals["transfer_ns"] + max_write
+    max_msg = max_msg_ns(s)
+    life = max_msg + vals["bootstrap_ns"] + vals["waiting_ns"] + vals["transfer_ns"] + max_write_ns(s, est)
     # Only where the core's rules (Timeouts.problems) need it: a fence outliving the writer.
     if "fence_ns" not in given_timeouts and vals["fence_ns"] <= life:
         vals["fence_ns"] = _ceil_ms(life + life // 4)
@@ -205,7 +246,17 @@ def derive(s: Scenario, given_timeouts: frozenset[str], given_phases: frozenset[
     phases = s.phases
     if "liveness_us" not in given_phases:
         # After the last arrival the backlog (at most the rooms admitted together) must drain.
-        backlog = max(1, min(s.workload.rooms, s.topology.aux_rows)) * est.total_ns
+        backlog = rooms_together(s) * est.total_ns
         live_ns = max(phases.liveness_us * US, vals["waiting_ns"] + vals["transfer_ns"] + backlog)
         phases = replace(phases, liveness_us=_ceil_ms(live_ns) // US)
     return replace(s, timeouts=TimeoutSpec(**vals), phases=phases)
+
+
+def valid_deadlines(s: Scenario) -> Scenario:
+    """``s`` with every deadline the scenario reader would refuse derived, the others as they are:
+    a fence (and its tombstone) the peers' writes may outlive, a waiting or transfer deadline
+    shorter than the largest room. What a campaign draws then replays from its saved file."""
+    est = worst(s)
+    short = {n for n in ("waiting_ns", "transfer_ns") if getattr(s.timeouts, n) <= est.total_ns}
+    keep = frozenset(TimeoutSpec.__slots__) - short - {"fence_ns", "tombstone_ns"}
+    return derive(s, keep, frozenset() if short else frozenset({"liveness_us"}))

@@ -40,6 +40,12 @@ The campaign's blind spots, each caught only with its dimension of the draw spac
   write (the last layer's completion taken as the chunk's, and so the room's): an earlier
   layer's write that fails goes unnoticed, and a failed room's fence (Stopped) leaves while
   earlier layers are still in flight, so decode frees pages they then land in (ownership).
+- ``layers_after_failure``: a layer-wise prefill rank whose room failed (decode's failure notice,
+  its own deadline, a lost peer) still posts the layers its engine goes on reporting for the
+  chunk in its forward: a write posted after its Stopped lands in pages decode freed on that
+  Stopped (ownership). Caught in the in-memory harness (tests/test_layerwise_fence.py); the
+  campaign's forwards end before a failed room's queued writes drain, so its Stopped comes after
+  the last layer and no campaign seed of 0-3999 catches it.
 
 The planner (``offset_from_own_length_planner`` below, given to every prefill rank):
 
@@ -63,13 +69,15 @@ import numpy as np
 from kvferry.core import messages as m
 from kvferry.core.commands import PostWrite
 from kvferry.core.flows import Flow
+from kvferry.core.flows.layerwise import LayerwiseSender
 from kvferry.core.flows.regions import worker_region
+from kvferry.core.machine import step
 from kvferry.core.planner import plan_rank_pair
 from kvferry.core.proto_common import RoomError
 from kvferry.core.receiver import ReceiverEngine
 from kvferry.core.resources import StagingRing, Watermark
 from kvferry.core.resources.leases import LeaseIn, LeaseRegistry, LeaseState
-from kvferry.core.sender import SenderEngine
+from kvferry.core.sender import SENDER_TABLE, SenderEngine, SIn, SState
 
 __all__ = ["offset_from_own_length_planner", "receiver_class", "sender_class"]
 
@@ -215,6 +223,23 @@ class _LastLayerOnlySender(SenderEngine):
         return self._untrack_early_layers(r, super()._h_on_layers(r, inp, ev))
 
 
+class _LayersAfterFailureSender(SenderEngine):
+    def _h_post_failed_layers(self, r: Any, inp: Any, payload: Any) -> str:
+        if r.ledger.flow is Flow.LAYERWISE:
+            LayerwiseSender().on_layers(self._flow_ctx, r, payload)  # posted as if the room lived
+        return "stay"
+
+
+# The table's Failed row takes layer reports as a live room's does.
+_LayersAfterFailureSender.TABLE = {
+    **SENDER_TABLE,
+    SState.FAILED: {
+        **SENDER_TABLE[SState.FAILED],
+        SIn.LAYERS: step(_LayersAfterFailureSender._h_post_failed_layers, stay=SState.FAILED),
+    },
+}
+
+
 class _SilentWriteFailureSender(SenderEngine):
     def _tell_failure(self, r: Any, failure: Any, tell: Any) -> None:
         if not failure.reason.startswith("write failed"):
@@ -281,6 +306,7 @@ _SENDERS = {
     "pull_free_early": _PullFreeEarlySender,
     "suffix_strips_too_much": _GreedySuffixSender,
     "last_layer_write_only": _LastLayerOnlySender,
+    "layers_after_failure": _LayersAfterFailureSender,
 }
 
 

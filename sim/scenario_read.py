@@ -17,16 +17,13 @@ from kvferry.core.geometry import PRESETS, Layout, ModelGeometry, validate_tp
 from kvferry.sim import scenario_deploy
 from kvferry.sim import scenario_fields as sf  # looked up per call: a test records the keys read
 from kvferry.sim.deploy import hardware
-from kvferry.sim.expected import derive, worst
+from kvferry.sim.expected import derive, max_msg_ns, max_write_ns, worst
 from kvferry.sim.scenario_schema import (
     FABRIC_DOC,
     FAULT_EVENT_KINDS,
     HOOKS,
     MAX_INSTANCES,
     PUSH_MATCH_CHOICES,
-    REORDER_MAX_NS,
-    US,
-    WRITE_SLACK_NS,
     Checks,
     FaultEvent,
     Faults,
@@ -291,17 +288,10 @@ def _check_timeouts(where: str, s: Scenario) -> None:
     """Refuse deadlines the core itself calls unsafe for this fabric (a fence shorter than a
     peer may still write would let the checker blame the core for the scenario's settings), or
     shorter than the scenario's own largest room takes to move."""
-    fabric, t = s.fabric, s.timeouts
-    max_msg = (
-        fabric.control.latency_ns
-        + fabric.control.jitter_ns
-        + s.faults.ctrl_delay_max_us * US
-        + REORDER_MAX_NS
-    )
+    t = s.timeouts
     est = worst(s)
-    max_write = fabric.nic.error_timeout_ns + WRITE_SLACK_NS + est.total_ns
     probs = Timeouts(**{n: getattr(t, n) for n in sf.field_names(TimeoutSpec)}).problems(
-        max_msg, max_write, expected_transfer_ns=est.total_ns, transfer_what=est.describe()
+        max_msg_ns(s), max_write_ns(s, est), expected_transfer_ns=est.total_ns, transfer_what=est.describe()
     )
     if probs:
         raise ScenarioError(f"{where}: {'; '.join(probs)}")

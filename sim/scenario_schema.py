@@ -49,6 +49,7 @@ HOOKS = (
     "suffix_strips_too_much",
     # layer-wise flow (sim/planted.py)
     "last_layer_write_only",
+    "layers_after_failure",
     # several servers a side (sim/instances.py)
     "links_cache_by_decode",
 )

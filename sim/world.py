@@ -391,18 +391,20 @@ class World(Chaos):
             if req.flow == _LAYERWISE:
                 # The layer-wise flow: the chunk is handed over when its forward starts, each
                 # layer the moment it is computed (core/flows/layerwise.py).
-                self._hand_over(req, i, start, end)
+                fed = self._hand_over(req, i, start, end)
                 yield from self._compute_chunk(
-                    req, start, n, lambda layer, i=i: self._layer_done(req, i, layer)
+                    req, start, n, lambda layer, i=i, fed=fed: self._layer_done(req, i, layer, fed)
                 )
             else:
                 yield from self._compute_chunk(req, start, n)
                 self._hand_over(req, i, start, end)
             start = end
 
-    def _hand_over(self, req: Request, i: int, start: int, end: int) -> None:
-        """Chunk ``i`` (tokens [start, end)) to every prefill rank of the room still in it."""
+    def _hand_over(self, req: Request, i: int, start: int, end: int) -> list[str]:
+        """Chunk ``i`` (tokens [start, end)) to every prefill rank of the room still in it; the
+        ranks that took it."""
         s = self.scenario
+        fed = []
         for node in self.room_nodes(req, "prefill"):
             if not self.alive(node, req) or _terminal(req.status.get(node)):
                 continue
@@ -426,14 +428,20 @@ class World(Chaos):
                 # caller: a real scheduler would abort the room, and so do we.
                 self.trace.record("chunk_refused", node, room=req.room, reason=str(exc))
                 rank.feed(AbortRoom(room=req.room, transfer_id=req.tid, reason=f"refused: {exc}"))
+            else:
+                fed.append(node)
+        return fed
 
-    def _layer_done(self, req: Request, i: int, layer: int) -> None:
-        """Layer ``layer`` of chunk ``i`` computed on every prefill rank of the room still in it."""
+    def _layer_done(self, req: Request, i: int, layer: int, nodes: list[str]) -> None:
+        """Layer ``layer`` of chunk ``i`` computed on the prefill ranks that took the chunk. A
+        forward, once started, runs to its end whatever became of the room (an engine reports
+        every layer of its batch): a rank whose room failed meanwhile hears the rest too, and its
+        Failed room must post none of them (core/sender.py)."""
         ev = LayersReady(
             room=req.room, transfer_id=req.tid, chunk_index=i, first_layer=layer, end_layer=layer + 1
         )
-        for node in self.room_nodes(req, "prefill"):
-            if self.alive(node, req) and not _terminal(req.status.get(node)):
+        for node in nodes:
+            if self.alive(node, req):
                 self.ranks[node].feed(ev)
 
     def _layers(self, total_ns: int, on_layer: Callable[[int], None]):  # type: ignore[no-untyped-def]
