@@ -132,6 +132,20 @@ class EngineFlowContext:
     def planner(self) -> Callable[..., Any]:
         return self._engine.planner
 
+    @property
+    def counters(self) -> Counter[str]:
+        return self._engine.counters
+
+    @property
+    def deadlines(self) -> DeadlineHeap:
+        """The rank's deadline heap: a flow arms and cancels its own kinds of deadline there (the
+        room machine hands each due one back to the flow)."""
+        return self._engine.deadlines
+
+    @property
+    def timeouts(self) -> Any:
+        return self._engine.timeouts
+
     def now(self) -> int:
         now: int = self._engine._now
         return now
@@ -141,6 +155,28 @@ class EngineFlowContext:
 
     def send(self, peer: Any, msg: Any) -> None:
         self._engine._send(peer, msg)
+
+    def count(self, what: str) -> None:
+        self._engine.counters[what] += 1
+
+    def track(
+        self, name: str, mentions: Callable[[int], bool], size: Callable[[], int] | None = None
+    ) -> None:
+        """Register a flow's per-room table with the engine (``RoomEngine.track``)."""
+        self._engine.track(name, mentions, size)
+
+    def room(self, room: int) -> Any:
+        """The live room of that id, if any."""
+        return self._engine.rooms.get(room)
+
+    def is_failed(self, r: Any) -> bool:
+        """For a flow's code, which knows no room state: is the room Failed?"""
+        failed: bool = r.state is self._engine.FAILED
+        return failed
+
+    def fail_room(self, r: Any, failure: RoomFailure) -> None:
+        """Fail a room outside its own step (the table's funnel, ``TableEngine.fail``)."""
+        self._engine.fail(r, failure)
 
 
 class RoomEngine(TableEngine):
