@@ -13,11 +13,12 @@ from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import Any, ClassVar
 
-from kvferry.core.commands import DropPeer, StatusChanged
+from kvferry.core.commands import DropPeer, SendControl, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap
-from kvferry.core.errors import ProtocolError
+from kvferry.core.errors import ProtocolError, WireError
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.machine import RoomError, RoomFailure, RoomStateError, TableEngine, Transition, step
+from kvferry.core.messages import decode_control
 
 __all__ = [
     "EngineFlowContext",
@@ -206,6 +207,22 @@ class RoomEngine(TableEngine):
         except Exception as exc:
             self.counters["internal_error"] += 1
             self.last_internal_error = exc
+
+    def _send(self, peer: Any, msg: Any) -> None:
+        self._out.append(SendControl(peer=peer, msg=msg))
+
+    def _control_in(self, data: bytes) -> Any:
+        """A control message off the wire, or None (garbage is counted, never raised); any
+        message from a known peer proves it alive."""
+        try:
+            msg = decode_control(data)
+        except WireError:
+            self.counters["wire_error"] += 1
+            return None
+        peer = self.peers.get(msg.src)
+        if peer is not None:
+            peer.last_seen = self._now
+        return msg
 
     def apply(self, room: int, inp: Any, payload: Any, now: int) -> list[Any]:
         """Table-level entry: feed ``inp`` straight to a live room (tests and tools; runtimes use

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
-from kvferry.core.commands import CheckAux, FreePages, PostRead, Scatter, SendControl, StatusChanged
+from kvferry.core.commands import CheckAux, FreePages, PostRead, Scatter, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import WireError
 from kvferry.core.events import (
@@ -364,9 +364,6 @@ class ReceiverEngine(RoomEngine):
 
     # --- messages --------------------------------------------------------------------------------
 
-    def _send(self, peer: m.Endpoint, msg: Any) -> None:
-        self._out.append(SendControl(peer=peer, msg=msg))
-
     def _on_notification(self, data: bytes) -> None:
         try:
             note = m.decode_layer_note(data)
@@ -379,14 +376,9 @@ class ReceiverEngine(RoomEngine):
         self._room_input(note.room, note.transfer_id, RIn.NOTIFY, note)
 
     def _on_control(self, data: bytes) -> None:
-        try:
-            msg = m.decode_control(data)
-        except WireError:
-            self.counters["wire_error"] += 1
+        msg = self._control_in(data)
+        if msg is None:
             return
-        peer = self.peers.get(msg.src)
-        if peer is not None:
-            peer.last_seen = self._now
         t = type(msg)
         if t is m.Stopped:
             self._room_input(msg.room, msg.transfer_id, RIn.STOPPED, msg, sender=msg.src)

@@ -44,12 +44,11 @@ from kvferry.core.commands import (
     Gather,
     PostAuxWrite,
     PostWrite,
-    SendControl,
     SendNotif,
     StatusChanged,
 )
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
-from kvferry.core.errors import KvferryError, LocalMisuseError, WireError
+from kvferry.core.errors import KvferryError, LocalMisuseError
 from kvferry.core.events import (
     AbortRoom,
     ChunkReady,
@@ -337,18 +336,7 @@ class SenderEngine(RoomEngine):
             "notice", self.deadlines, self.counters, interval, "failure_resent", "failure_notice_gave_up"
         )
         self.registration = registration
-        # Push registrations (a lease per room and decode rank); the watchdog fires just before
-        # the room's own waiting deadline, so the room fails with its reason.
-        t = self.timeouts
-        self.push = PushSender(
-            lease_ns=t.heartbeat_timeout_ns,
-            match_ns=max(1, t.waiting_ns - t.heartbeat_interval_ns),
-            tombstone_ns=t.tombstone_ns,
-            push_match=push_match,
-            base_id=self.push_base_id,
-            counters=self.counters,
-            on_refused=self._push_refused,
-        )
+        self.push = self._new_push(push_match)
         # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
         self.pull = PullSender(self.deadlines, self.counters, interval)
         self._next_write_id = 1
@@ -360,6 +348,20 @@ class SenderEngine(RoomEngine):
         self._flow_ctx = SenderFlowContext(self)
         # The staged flows' prefill half (ring and pinned); it registers its own tables.
         self.staged = self.staged_class(self._flow_ctx, worker_buffer_bytes, pinned_bytes)
+
+    def _new_push(self, push_match: str) -> PushSender:
+        """Push registrations (a lease per room and decode rank); the watchdog fires just before
+        the room's own waiting deadline, so the room fails with its reason."""
+        t = self.timeouts
+        return PushSender(
+            lease_ns=t.heartbeat_timeout_ns,
+            match_ns=max(1, t.waiting_ns - t.heartbeat_interval_ns),
+            tombstone_ns=t.tombstone_ns,
+            push_match=push_match,
+            base_id=self.push_base_id,
+            counters=self.counters,
+            on_refused=self._push_refused,
+        )
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -441,18 +443,10 @@ class SenderEngine(RoomEngine):
 
     # --- control messages --------------------------------------------------------------------------
 
-    def _send(self, peer: m.Endpoint, msg: Any) -> None:
-        self._out.append(SendControl(peer=peer, msg=msg))
-
     def _on_control(self, data: bytes) -> None:
-        try:
-            msg = m.decode_control(data)
-        except WireError:
-            self.counters["wire_error"] += 1
+        msg = self._control_in(data)
+        if msg is None:
             return
-        peer = self.peers.get(msg.src)
-        if peer is not None:
-            peer.last_seen = self._now
         t = type(msg)
         if t is m.TransferInfo:
             self._on_info(msg)
