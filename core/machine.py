@@ -142,10 +142,6 @@ class TableEngine:
             raise IllegalStep(f"{self.FAIL.value} while {r.state.value}: no next state")
         r.state = nxt
 
-    def _is_failed(self, r: Any) -> bool:
-        """For a flow's code, which knows no room state: is the room Failed?"""
-        return r.state is self.FAILED
-
     def _h_ignore_fail(self, r: Any, inp: Any, payload: Any) -> str:
         return "stay"  # FAILED absorbs another failure: the first reason stands
 

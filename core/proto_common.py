@@ -13,11 +13,12 @@ from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import Any, ClassVar
 
-from kvferry.core.commands import DropPeer, StatusChanged
+from kvferry.core.commands import DropPeer, SendControl, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap
-from kvferry.core.errors import ProtocolError
+from kvferry.core.errors import ProtocolError, WireError
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.machine import RoomError, RoomFailure, RoomStateError, TableEngine, Transition, step
+from kvferry.core.messages import decode_control
 
 __all__ = [
     "EngineFlowContext",
@@ -132,6 +133,20 @@ class EngineFlowContext:
     def planner(self) -> Callable[..., Any]:
         return self._engine.planner
 
+    @property
+    def counters(self) -> Counter[str]:
+        return self._engine.counters
+
+    @property
+    def deadlines(self) -> DeadlineHeap:
+        """The rank's deadline heap: a flow arms and cancels its own kinds of deadline there (the
+        room machine hands each due one back to the flow)."""
+        return self._engine.deadlines
+
+    @property
+    def timeouts(self) -> Any:
+        return self._engine.timeouts
+
     def now(self) -> int:
         now: int = self._engine._now
         return now
@@ -141,6 +156,28 @@ class EngineFlowContext:
 
     def send(self, peer: Any, msg: Any) -> None:
         self._engine._send(peer, msg)
+
+    def count(self, what: str) -> None:
+        self._engine.counters[what] += 1
+
+    def track(
+        self, name: str, mentions: Callable[[int], bool], size: Callable[[], int] | None = None
+    ) -> None:
+        """Register a flow's per-room table with the engine (``RoomEngine.track``)."""
+        self._engine.track(name, mentions, size)
+
+    def room(self, room: int) -> Any:
+        """The live room of that id, if any."""
+        return self._engine.rooms.get(room)
+
+    def is_failed(self, r: Any) -> bool:
+        """For a flow's code, which knows no room state: is the room Failed?"""
+        failed: bool = r.state is self._engine.FAILED
+        return failed
+
+    def fail_room(self, r: Any, failure: RoomFailure) -> None:
+        """Fail a room outside its own step (the table's funnel, ``TableEngine.fail``)."""
+        self._engine.fail(r, failure)
 
 
 class RoomEngine(TableEngine):
@@ -170,6 +207,22 @@ class RoomEngine(TableEngine):
         except Exception as exc:
             self.counters["internal_error"] += 1
             self.last_internal_error = exc
+
+    def _send(self, peer: Any, msg: Any) -> None:
+        self._out.append(SendControl(peer=peer, msg=msg))
+
+    def _control_in(self, data: bytes) -> Any:
+        """A control message off the wire, or None (garbage is counted, never raised); any
+        message from a known peer proves it alive."""
+        try:
+            msg = decode_control(data)
+        except WireError:
+            self.counters["wire_error"] += 1
+            return None
+        peer = self.peers.get(msg.src)
+        if peer is not None:
+            peer.last_seen = self._now
+        return msg
 
     def apply(self, room: int, inp: Any, payload: Any, now: int) -> list[Any]:
         """Table-level entry: feed ``inp`` straight to a live room (tests and tools; runtimes use

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
-from kvferry.core.commands import CheckAux, FreePages, PostRead, Scatter, SendControl, StatusChanged
+from kvferry.core.commands import CheckAux, FreePages, PostRead, Scatter, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import WireError
 from kvferry.core.events import (
@@ -207,20 +207,24 @@ class _Peer:
 
 
 class ReceiverFlowContext(EngineFlowContext):
-    """What a flow's decode half may use of its rank (core/flows/registry.py, ``ReceiverContext``);
-    ``staged_note`` is the staged flows' decode ledger, still a part of the engine."""
+    """What a flow's decode half may use of its rank (core/flows/registry.py, ``ReceiverContext``).
+    ``staged`` and the engine's ``pull_rx`` are the per-rank components of the flows that keep
+    state across rooms."""
 
     __slots__ = ()
     _engine: ReceiverEngine
 
-    def count(self, what: str) -> None:
-        self._engine.counters[what] += 1
+    @property
+    def staged(self) -> StagedReceiver:
+        return self._engine.staged
 
-    def staged_note(self, r: _Room, note: m.ChunkNote) -> None:
-        self._engine._staged_note(r, note)
+    @property
+    def reg_id(self) -> int:
+        return self._engine.reg_id
 
-    def room(self, room: int) -> _Room | None:
-        return self._engine.rooms.get(room)
+    def staging_input(self, req: m.StagingReq) -> None:
+        """A StagingReq for a live room: the table's STAGING_REQ input."""
+        self._engine._room_input(req.room, req.transfer_id, RIn.STAGING_REQ, req, sender=req.src)
 
     def tombstone(self, room: int, tid: str) -> Any:
         return self._engine.tombstones.get(room, tid)
@@ -241,7 +245,7 @@ class ReceiverFlowContext(EngineFlowContext):
         self._engine._room_input(offer.room, offer.transfer_id, RIn.OFFER, offer, sender=offer.src)
 
 
-class ReceiverEngine(StagedReceiver, RoomEngine):
+class ReceiverEngine(RoomEngine):
     """All rooms of one decode rank. Feed it events, execute the commands it returns.
 
     ``registration``: this rank's ``Register`` message (agent, regions, geometry, aux rows), sent
@@ -256,7 +260,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
     FAIL = RIn.FAIL
     TIMEOUT = RIn.TIMEOUT
     PEER_LOST = RIn.PEER_LOST
-    STAGING_REQ = RIn.STAGING_REQ
+    staged_class: type[StagedReceiver] = StagedReceiver  # the staged flows' decode half
 
     def __init__(
         self, registration: m.Register, *, timeouts: Timeouts | None = None, planner: Any = None
@@ -264,6 +268,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         self.registration = registration
         self.reg_id = m.registration_id(registration)
         self.endpoint = registration.src
+        self.pool = registration.geometry.to_pool()
         self.page_size = registration.geometry.page_size
         self.num_pages = registration.geometry.num_pages
         self.timeouts = timeouts or Timeouts()
@@ -281,16 +286,20 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         self._out: list[Any] = []
         self._now = 0
         self.last_internal_error: BaseException | None = None
-        self._init_staging(registration)
         if planner is None:
             from kvferry.core.planner import plan_rank_pair as planner
         self.planner = planner
         self._flow_ctx = ReceiverFlowContext(self)
+        self._track_tables()
+        # The staged flows' decode half (ring and pinned); it registers its own tables.
+        self.staged = self.staged_class(self._flow_ctx, registration)
         # Pull's decode half (core/flows/pull.py); its tables are tracked like the engine's own.
         self.pull_rx = PullReceiver(self._flow_ctx)
         self.reads = self.pull_rx.reads  # read id -> room key (the driver's completions name it)
         self.pull_peers = self.pull_rx.pull_peers
-        self._track_tables()
+        self.track(
+            "reads", lambda room: any(k[0] == room for k in self.reads.values()), lambda: len(self.reads)
+        )
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -298,24 +307,6 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             "deadlines",
             lambda room: any(k in self.deadlines for k in (("room", room), ("abort", room), ("info", room))),
         )
-        self.track("ops", lambda room: any(k[0] == room for k in self.ops.values()), lambda: len(self.ops))
-        self.track(
-            "reads", lambda room: any(k[0] == room for k in self.reads.values()), lambda: len(self.reads)
-        )
-        self.track(
-            "ring_queue", lambda room: any(q[0] == room for q in self.ring_queue), self.ring_queue.__len__
-        )
-        self.track(
-            "pinned_queue",
-            lambda room: any(q[0] == room for q in self.pinned_queue),
-            lambda: len(self.pinned_queue),
-        )
-        for name in ("ring", "pinned"):
-            res = getattr(self, name)
-            if res is not None:
-                self.track(
-                    name, lambda room, res=res: any(res.owner_of(i)[0] == room for i in res.live), res.__len__
-                )
 
     # --- public API ------------------------------------------------------------------------------
 
@@ -331,7 +322,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             self._room_input(event.room, event.transfer_id, RIn.AUX_CHECKED, event)
         elif t is CopyDone or t is CopyFailed:
             inp = RIn.COPY_DONE if t is CopyDone else RIn.COPY_FAILED
-            self._completion(self.ops, event.op_id, "unknown_op", inp, event)
+            self._completion(self.staged.ops, event.op_id, "unknown_op", inp, event)
         elif t is WriteDone or t is WriteFailed:
             # Our pull READs come back as transfers by id, like a write's completion.
             key = self.reads.pop(event.write_id, None)
@@ -364,12 +355,14 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
 
     def staging_in_use(self) -> int:
         """Live staging allocations (ring and pinned); 0 once every room settled."""
-        return sum(len(x) for x in (self.ring, self.pinned) if x is not None)
+        return self.staged.in_use()
+
+    def staging_holds(self, key: Any, region_id: int, lo: int, hi: int) -> bool:
+        """Whether bytes ``[lo, hi)`` of staging region ``region_id`` lie inside one live
+        allocation that room ``key`` holds (what a staged write may touch; the checkers ask)."""
+        return self.staged.staging_holds(key, region_id, lo, hi)
 
     # --- messages --------------------------------------------------------------------------------
-
-    def _send(self, peer: m.Endpoint, msg: Any) -> None:
-        self._out.append(SendControl(peer=peer, msg=msg))
 
     def _on_notification(self, data: bytes) -> None:
         try:
@@ -383,14 +376,9 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         self._room_input(note.room, note.transfer_id, RIn.NOTIFY, note)
 
     def _on_control(self, data: bytes) -> None:
-        try:
-            msg = m.decode_control(data)
-        except WireError:
-            self.counters["wire_error"] += 1
+        msg = self._control_in(data)
+        if msg is None:
             return
-        peer = self.peers.get(msg.src)
-        if peer is not None:
-            peer.last_seen = self._now
         t = type(msg)
         if t is m.Stopped:
             self._room_input(msg.room, msg.transfer_id, RIn.STOPPED, msg, sender=msg.src)
@@ -415,7 +403,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         elif t is m.RegisterAck:
             self._on_register_ack(msg)
         elif t is m.StagingReq:
-            self._on_staging_req(msg)
+            self.staged.on_staging_req(msg)
         elif t is m.PullOffer:
             self.pull_rx.on_offer_message(msg)
         elif t is m.InfoAck:
@@ -485,11 +473,8 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             self._send(p, infos[p])  # after the Register, as a new peer must hear them
         if self._all_acked(r):
             self._dispatch(r, RIn.PEER_READY, None)
-        held = self.held.pop(r.key, None)
-        if held:
-            self.deadlines.cancel(("held", r.key))
-            for req in held:
-                self._room_input(req.room, req.transfer_id, RIn.STAGING_REQ, req, sender=req.src)
+        for req in self.staged.take_held(r.key):
+            self._room_input(req.room, req.transfer_id, RIn.STAGING_REQ, req, sender=req.src)
 
     def _transfer_info(self, r: _Room, p: m.Endpoint) -> m.TransferInfo:
         spec = r.senders[p]
@@ -567,15 +552,15 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             r.fenced.add(payload.src)
             self._aborts.answered(r.room, payload.src)
         elif inp is RIn.COPY_DONE or inp is RIn.COPY_FAILED:
-            self._scatter_finished(r, payload.op_id)
+            self.staged.scatter_finished(r, payload.op_id)
 
     def _forget_command(self, r: _Room, cmd: Any) -> None:
         t = type(cmd)
         if t is PostRead:
             if self.reads.pop(cmd.read_id, None) is not None and r.reads:
                 r.reads.pop(cmd.read_id, None)
-        elif t is Scatter and self.ops.pop(cmd.op_id, None) is not None:
-            self._scatter_finished(r, cmd.op_id)
+        elif t is Scatter:
+            self.staged.withdrawn_scatter(r, cmd.op_id)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -621,7 +606,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         elif note.staged >= 0:
             # A note names no flow; one naming a staging allocation lands in space a StagingReq
             # asked for, and that request named its flow: that flow's decode half takes it.
-            self._staged_half(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
+            self.staged.half_for(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
         elif note.layer_end:
             # A layer range says layer-wise (core/flows/layerwise.py): the chunk is recorded once
             # every layer of it landed.
@@ -647,12 +632,20 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         LAYERWISE_RECEIVER.on_note(self._flow_ctx, r, prog, note)
 
     def _complete(self, r: _Room) -> bool:
-        if not r.aux_ok or self.scatters_running(r):
+        if not r.aux_ok or self.staged.scatters_running(r):
             return False
         for p in r.progress.values():
             if not p.done:
                 return False
         return len(r.dummies_done) == len(r.senders) - len(r.data_senders)
+
+    # --- the staged flows' decode half (core/flows/staged_receiver.py), as the table calls it ---------
+
+    def _h_on_staging_req(self, r: _Room, inp: RIn, req: m.StagingReq) -> None:
+        self.staged.on_room_req(r, req)
+
+    def _h_on_copy_done(self, r: _Room, inp: RIn, ev: CopyDone) -> str:
+        return self.staged.on_copy_done(r, ev)
 
     # --- pull's decode half (core/flows/pull.py), as the table calls it -----------------------------
 
@@ -732,7 +725,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
         self.deadlines.set(("room", r.room), self._now + self.timeouts.fence_ns)
-        self._quarantine(r)
+        self.staged.quarantine(r)
         if why.get("abort", True):
             self._send_aborts(r)
         return "failed"
@@ -757,25 +750,25 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
         if st is RState.FAILED:
             self.pull_rx.reads_drained(r)
             fenced = r.fence_expired or (r.fenced >= r.senders.keys() and not r.reads_cut)
-            if not r.freed and fenced and not r.reads and not self.scatters_running(r):
+            if not r.freed and fenced and not r.reads and not self.staged.scatters_running(r):
                 # Pages and staging space go back only when no writer can still write them (fenced)
                 # and no scatter or READ of ours is writing the pages.
                 r.freed = True
-                self._reclaim(r)
+                self.staged.reclaim(r)
                 self.deadlines.cancel(("room", r.room))
                 self._aborts.cancel(r.room)
                 reason = "fence expired" if r.fence_expired else "every sender stopped"
                 self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
         elif st is not RState.SUCCESS:
             return  # a live room: nothing to free or drop (``freed`` is only ever set once Failed)
-        settled = st is RState.SUCCESS and not r.reads and not self.scatters_running(r)
+        settled = st is RState.SUCCESS and not r.reads and not self.staged.scatters_running(r)
         if r.release_requested and (settled or r.freed):
             self._remove(r)
 
     def _remove(self, r: _Room) -> None:
         self._aborts.cancel(r.room)
         self._infos.cancel(r.room)
-        self.forget_staged(r)
+        self.staged.forget(r)
         self._forget(r, r.senders)
 
     # --- time ----------------------------------------------------------------------------------------
@@ -792,10 +785,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
             self._send(peer, m.Heartbeat(src=self.endpoint, rooms=waiting))
         else:
             self._send(peer, self.registration)
-        for pool in ("ring", "pinned"):
-            if peer in self.subscribers[pool]:
-                # A lost broadcast must not leave a writer waiting: repeat it.
-                self._send(peer, self._watermark_msg(pool))
+        self.staged.heartbeat(peer)
 
     def _peer_gone(self, peer: m.Endpoint) -> None:
         for room in self.rooms_by_peer.get(peer, ()):
@@ -817,8 +807,7 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
                 for p, msg in self._infos.fire(what, self._now):
                     self._send(p, msg)
         elif kind == "held":
-            dropped = self.held.pop(what, [])
-            self.counters["staging_req_expired"] += len(dropped)
+            self.staged.held_expired(what)
 
 
 # --- the transition table (after the class: it holds the handlers themselves) --------------

@@ -10,7 +10,8 @@ Room states and KVPoll:
     FAILED        (Failed)         absorbing; tells every known decode rank (RoomFailed), and once
                                    no write is in flight sends the fence (Stopped)
 
-The flows' prefill halves are composed in: the staged flows (core/flows/staged_sender.py), pull
+The flows' prefill halves are composed in: the staged flows (``StagedSender``,
+core/flows/staged_sender.py: lanes, grants, gathers, watermarks; its ledgers apart from the room), pull
 (``PullSender``, core/flows/pull.py: offers instead of writes, pages kept until every offered
 chunk was pulled or the fence) and push (``PushSender``, core/flows/push.py: the direct flow's
 writes under registration leases). The aux row is written by prefill in every flow.
@@ -43,12 +44,11 @@ from kvferry.core.commands import (
     Gather,
     PostAuxWrite,
     PostWrite,
-    SendControl,
     SendNotif,
     StatusChanged,
 )
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
-from kvferry.core.errors import KvferryError, LocalMisuseError, WireError
+from kvferry.core.errors import KvferryError, LocalMisuseError
 from kvferry.core.events import (
     AbortRoom,
     ChunkReady,
@@ -69,7 +69,6 @@ from kvferry.core.flows.pull import PullSender
 from kvferry.core.flows.push import PushSender
 from kvferry.core.flows.registry import halves as flow_halves
 from kvferry.core.flows.staged_sender import StagedSender
-from kvferry.core.flows.staged_tx import StagedLedger
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import (
@@ -141,6 +140,7 @@ class _Room:
         "enqueue_end",
         "expected_infos",
         "failure",
+        "flow",
         "flow_override",
         "flow_state",
         "inflight",
@@ -149,7 +149,6 @@ class _Room:
         "key",
         "last_enqueued",
         "last_run",
-        "ledger",
         "next_enqueue",
         "next_run",
         "num_tokens",
@@ -192,13 +191,14 @@ class _Room:
         self.stop_to: set[m.Endpoint] = set()
         self.stopped_sent = False
         self.release_requested = False
-        # Flows: what the scheduler asked for, the token range of every enqueued chunk (the room
-        # machine's), and the flow's own ledger (core.flows.staged_tx.StagedLedger).
+        # Flows: what the scheduler asked for, the flow chosen (the key of its halves in
+        # core/flows/registry.py), and the token range of every enqueued chunk. A flow keeps its
+        # own per-room ledger in its own table (core/flows/staged_sender.py ``ledgers``).
         self.receivers: tuple[m.Endpoint, ...] = ()
         self.flow_override: str | None = None
+        self.flow: Any = None  # a Flow or an ExtraFlow, chosen once a decode rank registered
         self.ranges: list[tuple[int, int]] = []
         self.enqueue_end = 0
-        self.ledger = StagedLedger()
         self.flow_state: Any = None  # a flow's own per-room ledger (the layer-wise flow's lanes)
 
 
@@ -214,9 +214,9 @@ class _Peer:
 
 class SenderFlowContext(EngineFlowContext):
     """What a flow's prefill half may use of its rank (core/flows/registry.py, ``SenderContext``):
-    the room checks and bookkeeping every flow's run shares, posting and sending. ``push``,
-    ``pull`` and ``accept_staged`` are the per-rank components of the flows that keep state across
-    rooms (the staged flows' is still the engine itself)."""
+    the room checks and bookkeeping every flow's run shares, posting and sending, the decode peers
+    and the deadline heap. ``push``, ``pull`` and ``staged`` are the per-rank components of the
+    flows that keep state across rooms."""
 
     __slots__ = ()
     _engine: SenderEngine
@@ -224,6 +224,30 @@ class SenderFlowContext(EngineFlowContext):
     @property
     def registration(self) -> m.Register | None:
         return self._engine.registration
+
+    @property
+    def staged(self) -> StagedSender:
+        return self._engine.staged
+
+    @property
+    def policy(self) -> FlowPolicy:
+        return self._engine.policy
+
+    @property
+    def num_shards(self) -> int:
+        return self._engine.num_shards
+
+    @property
+    def peers(self) -> dict[m.Endpoint, _Peer]:
+        """The registered decode ranks (read only: registration, pool, reg_id)."""
+        return self._engine.peers
+
+    def targets(self, r: _Room) -> tuple[m.Endpoint, ...]:
+        return self._engine._targets(r)
+
+    def settle(self, r: _Room) -> None:
+        """After failing a room outside its own step: fence it or drop it if it is done."""
+        self._engine._maybe_finish(r)
 
     @property
     def push(self) -> PushSender:
@@ -235,9 +259,6 @@ class SenderFlowContext(EngineFlowContext):
 
     def chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
         return self._engine._chunk_bounds(r, c)
-
-    def count(self, what: str) -> None:
-        self._engine.counters[what] += 1
 
     def advance(self, r: _Room, c: ChunkReady, end: int) -> None:
         self._engine._advance(r, c, end)
@@ -259,11 +280,8 @@ class SenderFlowContext(EngineFlowContext):
     def finish_run(self) -> Callable[..., str]:
         return self._engine._finish_run
 
-    def accept_staged(self, r: _Room, c: ChunkReady) -> str:
-        return self._engine._accept_staged(r, c)
 
-
-class SenderEngine(StagedSender, RoomEngine):
+class SenderEngine(RoomEngine):
     """All rooms of one prefill rank. Feed it events, execute the commands it returns."""
 
     STATUS = STATUS
@@ -275,6 +293,7 @@ class SenderEngine(StagedSender, RoomEngine):
     TIMEOUT = SIn.TIMEOUT
     PEER_LOST = SIn.PEER_LOST
     push_base_id = staticmethod(strip_retry_suffix)  # request-id matching: the id retries share
+    staged_class: type[StagedSender] = StagedSender  # the staged flows' prefill half
 
     def __init__(
         self,
@@ -317,10 +336,24 @@ class SenderEngine(StagedSender, RoomEngine):
             "notice", self.deadlines, self.counters, interval, "failure_resent", "failure_notice_gave_up"
         )
         self.registration = registration
-        # Push registrations (a lease per room and decode rank); the watchdog fires just before
-        # the room's own waiting deadline, so the room fails with its reason.
+        self.push = self._new_push(push_match)
+        # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
+        self.pull = PullSender(self.deadlines, self.counters, interval)
+        self._next_write_id = 1
+        self._out: list[Any] = []
+        self._now = 0
+        self.last_internal_error: BaseException | None = None
+        self.policy = policy or FlowPolicy()
+        self._track_tables()
+        self._flow_ctx = SenderFlowContext(self)
+        # The staged flows' prefill half (ring and pinned); it registers its own tables.
+        self.staged = self.staged_class(self._flow_ctx, worker_buffer_bytes, pinned_bytes)
+
+    def _new_push(self, push_match: str) -> PushSender:
+        """Push registrations (a lease per room and decode rank); the watchdog fires just before
+        the room's own waiting deadline, so the room fails with its reason."""
         t = self.timeouts
-        self.push = PushSender(
+        return PushSender(
             lease_ns=t.heartbeat_timeout_ns,
             match_ns=max(1, t.waiting_ns - t.heartbeat_interval_ns),
             tombstone_ns=t.tombstone_ns,
@@ -329,15 +362,6 @@ class SenderEngine(StagedSender, RoomEngine):
             counters=self.counters,
             on_refused=self._push_refused,
         )
-        # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
-        self.pull = PullSender(self.deadlines, self.counters, interval)
-        self._next_write_id = 1
-        self._out: list[Any] = []
-        self._now = 0
-        self.last_internal_error: BaseException | None = None
-        self._track_tables()
-        self._init_staging(policy, worker_buffer_bytes, pinned_bytes)
-        self._flow_ctx = SenderFlowContext(self)
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -350,6 +374,10 @@ class SenderEngine(StagedSender, RoomEngine):
         )
         self.track("pull_offers", self.pull.mentions, self.pull.size)
         self.track("leases", self.push.mentions, self.push.size)
+
+    def staging_in_use(self) -> int:
+        """Staging slots, pinned reservations and gathers held; 0 once every room settled."""
+        return self.staged.in_use()
 
     @property
     def leases(self) -> LeaseRegistry:
@@ -375,7 +403,7 @@ class SenderEngine(StagedSender, RoomEngine):
             self._room_input(event.room, event.transfer_id, SIn.LAYERS, event)
         elif t is CopyDone or t is CopyFailed:
             inp = SIn.COPY_DONE if t is CopyDone else SIn.COPY_FAILED
-            self._completion(self.ops, event.op_id, "unknown_op", inp, event)
+            self._completion(self.staged.ops, event.op_id, "unknown_op", inp, event)
         elif t is WriteDone or t is WriteFailed:
             inp = SIn.WRITE_DONE if t is WriteDone else SIn.WRITE_FAILED
             self._completion(self.writes, event.write_id, "unknown_write", inp, event)
@@ -415,18 +443,10 @@ class SenderEngine(StagedSender, RoomEngine):
 
     # --- control messages --------------------------------------------------------------------------
 
-    def _send(self, peer: m.Endpoint, msg: Any) -> None:
-        self._out.append(SendControl(peer=peer, msg=msg))
-
     def _on_control(self, data: bytes) -> None:
-        try:
-            msg = m.decode_control(data)
-        except WireError:
-            self.counters["wire_error"] += 1
+        msg = self._control_in(data)
+        if msg is None:
             return
-        peer = self.peers.get(msg.src)
-        if peer is not None:
-            peer.last_seen = self._now
         t = type(msg)
         if t is m.TransferInfo:
             self._on_info(msg)
@@ -454,7 +474,7 @@ class SenderEngine(StagedSender, RoomEngine):
         elif t is m.StagingRsp:
             self._room_input(msg.room, msg.transfer_id, SIn.STAGING_RSP, msg)
         elif t is m.Watermark:
-            self._on_watermark(msg)
+            self.staged.on_watermark(msg)
         elif t is m.Pulled:
             self.pull.answered(msg)
             self._room_input(msg.room, msg.transfer_id, SIn.PULLED, msg)
@@ -485,7 +505,7 @@ class SenderEngine(StagedSender, RoomEngine):
                 # The decode rank restarted (new agent, maybe the same page ids): forget the old
                 # incarnation before loading the new one.
                 self.counters["peer_restarted"] += 1
-                self._forget_staging_peer(msg.src)
+                self.staged.forget_peer(msg.src)
                 self._out.append(DropPeer(peer=msg.src, reason="re-registered with a new agent"))
             self.peers[msg.src] = new
             self._out.append(AddPeer(peer=msg.src, registration=msg))
@@ -606,10 +626,9 @@ class SenderEngine(StagedSender, RoomEngine):
             r.inflight.discard(payload.write_id)
             if payload.write_id in self.push.writes:
                 self.push.write_finished(payload.write_id, inp is SIn.WRITE_DONE, self._now)
-            if r.ledger.write_lane:
-                self._write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
+            self.staged.write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
         elif inp is SIn.COPY_DONE or inp is SIn.COPY_FAILED:
-            self._op_finished(r, payload.op_id)
+            self.staged.op_finished(r, payload.op_id)
         elif inp is SIn.PULLED:
             self.pull.pulled(r.key, payload.src, payload.chunk_index)
         elif inp is SIn.READS_STOPPED:
@@ -620,8 +639,8 @@ class SenderEngine(StagedSender, RoomEngine):
         if t is PostWrite or t is PostAuxWrite:
             if self.writes.pop(cmd.write_id, None) is not None:
                 self._bookkeep(r, SIn.WRITE_FAILED, WriteFailed(write_id=cmd.write_id, reason="withdrawn"))
-        elif t is Gather and self.ops.pop(cmd.op_id, None) is not None:
-            self._op_finished(r, cmd.op_id)
+        elif t is Gather:
+            self.staged.withdrawn_gather(r, cmd.op_id)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -664,7 +683,7 @@ class SenderEngine(StagedSender, RoomEngine):
             self.push.withdraw(r.key, self._now)  # registered on the policy's push: another flow
         for info in list(r.infos.values()):
             self._push_register(r, info)
-        self._prefetch(r)
+        self._prepare(r)
         return "ready" if self._ready(r) else "stay"
 
     def _duplicate_info(self, r: _Room, msg: m.TransferInfo) -> bool:
@@ -706,15 +725,15 @@ class SenderEngine(StagedSender, RoomEngine):
         r.stop_to.add(msg.src)
         self.rooms_by_peer.setdefault(msg.src, set()).add(r.room)
         self._push_register(r, msg)
-        self._prefetch(r)
+        self._prepare(r)
         return "ready" if self._ready(r) else "stay"
 
     def _h_on_peer_ready(self, r: _Room, inp: SIn, peer: Any) -> str:
-        self._prefetch(r)
+        self._prepare(r)
         return "ready" if self._ready(r) else "stay"
 
     def _h_on_peer_ready_late(self, r: _Room, inp: SIn, peer: Any) -> str:
-        self._prefetch(r)
+        self._prepare(r)
         return "stay"
 
     def _h_on_chunk_early(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
@@ -757,7 +776,7 @@ class SenderEngine(StagedSender, RoomEngine):
         start = r.enqueue_end
         r.ranges.append((start, int(c.token_end)))
         r.enqueue_end = max(start, int(c.token_end))
-        self._prefetch(r)
+        self._prepare(r)
         return True
 
     def _h_on_run_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> str:
@@ -765,10 +784,10 @@ class SenderEngine(StagedSender, RoomEngine):
             self.counters["duplicate_chunk_run"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=c.chunk_index, reason="already run"))
             return "stay"
-        flow = r.ledger.flow
+        flow = r.flow
         if flow is None:  # RUN_CHUNK comes only once the room is ready (the table)
             self._choose_flow(r)
-            flow = r.ledger.flow
+            flow = r.flow
         if c.chunk_index != r.next_run:
             raise RoomStateError(f"worker got chunk {c.chunk_index} before chunk {r.next_run}")
         return self._run_flow(r, c, flow)
@@ -776,7 +795,7 @@ class SenderEngine(StagedSender, RoomEngine):
     def _h_on_layers(self, r: _Room, inp: SIn, ev: LayersReady) -> str:
         """Layers of a chunk computed: the room's flow streams them if it can (``LayerSender``,
         core/flows/registry.py); any other flow waits for its ChunkReady and moves nothing here."""
-        flow: Any = r.ledger.flow
+        flow: Any = r.flow
         if flow is None:  # chosen once a decode rank registered: the open's, else the policy's
             try:
                 flow = self.policy.override if r.flow_override is None else Flow.parse(r.flow_override)
@@ -788,6 +807,53 @@ class SenderEngine(StagedSender, RoomEngine):
             return "stay"
         outcome: str = on_layers(self._flow_ctx, r, ev)
         return outcome
+
+    # --- the room's flow: chosen once, then its halves (core/flows/registry.py) -----------------------
+
+    def _targets(self, r: _Room) -> tuple[m.Endpoint, ...]:
+        """Decode ranks this rank writes data to: from the TransferInfos once all are in, before
+        that from the topology the scheduler passed at open."""
+        if r.expected_infos and len(r.infos) == r.expected_infos:
+            return tuple(sorted(p for p, i in r.infos.items() if not i.dummy))
+        return r.receivers
+
+    def _choose_flow(self, r: _Room) -> None:
+        """Pick the room's flow from the policy, once a decode rank it writes to is registered
+        (its Register says what it can receive); the flow's prefill half may refuse the ranks."""
+        if not r.opened:
+            # Decode's TransferInfo can arrive before the local open; the open may name the flow
+            # (SenderOpen.flow), so nothing is chosen before it (else ranks disagree on a room).
+            return
+        targets = self._targets(r)
+        known = [self.peers[p] for p in targets if p in self.peers]
+        if not known:
+            if self._started(r) and not targets:
+                r.flow = Flow.DIRECT  # only dummy links: nothing to stage
+            return
+        reg = known[0].registration
+        r.flow = self.policy.choose(
+            self.pool, known[0].pool, reg.ring_bytes, reg.pinned_bytes, r.flow_override
+        )
+        check = getattr(flow_halves(r.flow).sender, "check_peers", None)
+        if check is not None:
+            check(r.flow, [p.registration for p in known])
+
+    def _prepare(self, r: _Room) -> None:
+        """The room learned of chunks or decode ranks: choose its flow if it can, and let a flow
+        that works ahead of the worker (the staged flows ask for space) do so."""
+        if r.flow is None:
+            self._choose_flow(r)
+            if r.flow is None:
+                return
+        prepare = getattr(flow_halves(r.flow).sender, "prepare", None)
+        if prepare is not None:
+            prepare(self._flow_ctx, r)
+
+    def _h_on_staging_rsp(self, r: _Room, inp: SIn, rsp: m.StagingRsp) -> None:
+        self.staged.on_staging_rsp(r, rsp)
+
+    def _h_on_copy_done(self, r: _Room, inp: SIn, ev: CopyDone) -> None:
+        self.staged.on_copy_done(r, ev)
 
     def _run_flow(self, r: _Room, c: ChunkReady, flow: Flow) -> str:
         """The flow's prefill half (core/flows/registry.py) runs the chunk through the context."""
@@ -931,7 +997,7 @@ class SenderEngine(StagedSender, RoomEngine):
 
     def _quiet(self, r: _Room) -> bool:
         """The last chunk ran and nothing of the room is in flight: writes, gathers, lanes."""
-        return r.last_run and not r.inflight and r.ledger.quiet() and self.pull.fenced(r.key)
+        return r.last_run and not r.inflight and self.staged.quiet(r.key) and self.pull.fenced(r.key)
 
     def _new_write(self, r: _Room) -> int:
         wid = self._next_write_id
@@ -955,8 +1021,9 @@ class SenderEngine(StagedSender, RoomEngine):
             reason = f"failed on {payload.src}: {payload.reason}"
         elif inp is SIn.TIMEOUT:
             reason = f"timed out while {r.state.value}"
-            if r.ledger.blocked:
-                reason += f" ({r.ledger.blocked})"
+            blocked = self.staged.blocked(r.key)
+            if blocked:
+                reason += f" ({blocked})"
         elif inp is SIn.COPY_FAILED:
             reason = f"gather failed: {payload.reason}"
         elif inp is SIn.READS_STOPPED:
@@ -1005,10 +1072,8 @@ class SenderEngine(StagedSender, RoomEngine):
         skip = why.get("skip")
         r.failure = failure
         r.parked = []
-        r.ledger.drop_waiting()
-        self.stalled.discard(r.room)
+        self.staged.room_failed(r)
         self.deadlines.cancel(("room", r.room))
-        self.deadlines.cancel(("stg", r.room))
         self.pull.cancel(r.key)
         self.push.abort(r.key, self._now)  # its writes in flight fence its leases
         if not self.pull.fenced(r.key):
@@ -1046,14 +1111,14 @@ class SenderEngine(StagedSender, RoomEngine):
             for p in sorted(r.stop_to):
                 self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         # A gather still running owns a staging buffer: the room stays until it returns.
-        terminal_quiet = not r.inflight and not r.ledger.ops and self.pull.fenced(r.key)
+        terminal_quiet = not r.inflight and not self.staged.gathering(r.key) and self.pull.fenced(r.key)
         # A room only a TransferInfo ever created has no local owner to release it.
         auto = r.created_by_info and not r.opened
         if terminal_quiet and (r.release_requested or auto):
             self._remove(r)
 
     def _remove(self, r: _Room) -> None:
-        self.deadlines.cancel(("stg", r.room))
+        self.staged.forget(r)
         self.deadlines.cancel(("pfence", r.room))
         self.pull.forget(r.key)
         self.push.forget(r.key)
@@ -1084,16 +1149,14 @@ class SenderEngine(StagedSender, RoomEngine):
             if r is not None and r.state is SState.FAILED and not self.pull.fenced(r.key):
                 self._pull_fence_due(r)
         elif kind == "notes":
-            self._resend_notes(what)
+            self.staged.resend_notes(what)
         elif kind == "stg":
-            r = self.rooms.get(what)
-            if r is not None:
-                self._resend_staging(r)
+            self.staged.resend_staging(what)
         elif kind == "cut":
             self._cut.pop(what, None)  # decode's fence deadline has passed: it freed the pages
 
     def _peer_gone(self, peer: m.Endpoint) -> None:
-        self._forget_staging_peer(peer)
+        self.staged.forget_peer(peer)
         until = self._now + self.timeouts.fence_ns
         for room in sorted(self.rooms_by_peer.get(peer, ())):
             r = self.rooms.get(room)

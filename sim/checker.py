@@ -282,22 +282,25 @@ def _tables(w: World) -> None:
 def _staging_leftovers(eng: object) -> list[str]:
     """Staging state of a rank's engine that should be gone once every room settled."""
     from kvferry.core.receiver import ReceiverEngine
+    from kvferry.core.sender import SenderEngine
 
     out = []
     if isinstance(eng, ReceiverEngine):
-        if eng.staging_in_use():
-            out.append(f"{eng.staging_in_use()} staging allocations")
-        if eng.held:
-            out.append(f"held StagingReqs for {len(eng.held)} rooms")
-        if eng.pinned_queue:
-            out.append(f"{len(eng.pinned_queue)} chunks waiting for pinned space")
-        if eng.ops:
-            out.append(f"{len(eng.ops)} scatters")
-    else:
-        if eng.slot_owner:  # type: ignore[attr-defined]
-            out.append(f"{len(eng.slot_owner)} worker staging buffers held")  # type: ignore[attr-defined]
-        if eng.pinned is not None and len(eng.pinned):  # type: ignore[attr-defined]
-            out.append(f"{len(eng.pinned)} pinned reservations")  # type: ignore[attr-defined]
-        if eng.ops or eng.stalled:  # type: ignore[attr-defined]
+        st = eng.staged
+        if st.in_use():
+            out.append(f"{st.in_use()} staging allocations")
+        if st.held:
+            out.append(f"held StagingReqs for {len(st.held)} rooms")
+        if st.pinned_queue:
+            out.append(f"{len(st.pinned_queue)} chunks waiting for pinned space")
+        if st.ops:
+            out.append(f"{len(st.ops)} scatters")
+    elif isinstance(eng, SenderEngine):
+        tx = eng.staged
+        if tx.slot_owner:
+            out.append(f"{len(tx.slot_owner)} worker staging buffers held")
+        if tx.pinned is not None and len(tx.pinned):
+            out.append(f"{len(tx.pinned)} pinned reservations")
+        if tx.ops or tx.stalled:
             out.append("gathers or stalled rooms")
     return out

@@ -173,20 +173,20 @@ class LiveChecks:
         is the oldest live one of its decode ring, and that has heard that ring's current
         watermark, must be writable. A lane blocked there is a wedge (the upstream stale tail)."""
         eng = rank.engine
-        for room in sorted(eng.stalled):
+        for room in sorted(eng.staged.stalled):
             r = eng.rooms.get(room)
             if r is None:
                 continue
-            for lane in r.ledger.lanes.values():
+            for lane in eng.staged.lanes(r.key):
                 if not lane.accepted or lane.state is not TxState.GRANTED or lane.flow is not Flow.RING:
                     continue
                 dec = self.w.ranks.get(node_name(lane.target))
-                if dec is None or dec.dead or dec.engine.ring is None:
+                if dec is None or dec.dead or dec.engine.staged.ring is None:
                     continue
-                ring = dec.engine.ring
+                ring = dec.engine.staged.ring
                 oldest = next(iter(ring.live.values()), None)
                 g = lane.grant
-                heard = eng.peer_wm.get((lane.target, "ring"))
+                heard = eng.staged.peer_wm.get((lane.target, "ring"))
                 if oldest is None or g is None or oldest.alloc_id != g.alloc_id or heard != ring.watermark():
                     continue
                 if not writable(oldest, heard):

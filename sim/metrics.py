@@ -181,12 +181,12 @@ def _staging(w: World) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for node in (n for nodes in w.instance_nodes["decode"] for n in nodes):
         eng = w.ranks[node].engine
-        if eng.ring is None and eng.pinned is None:
+        if eng.staged.ring is None and eng.staged.pinned is None:
             continue
         out[node] = {
-            "ring_bytes": eng.ring.capacity if eng.ring is not None else 0,
-            "pinned_bytes": eng.pinned.capacity if eng.pinned is not None else 0,
-            **eng.staging_peaks,
+            "ring_bytes": eng.staged.ring.capacity if eng.staged.ring is not None else 0,
+            "pinned_bytes": eng.staged.pinned.capacity if eng.staged.pinned is not None else 0,
+            **eng.staged.staging_peaks,
         }
     return out
 

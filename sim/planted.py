@@ -1,7 +1,9 @@
 """Planted bugs of the staged flows, for proving that the campaign's checks can fail.
 
-Each is a subclass overriding one small method of the real engines or allocators, selected by a
-scenario's ``hooks`` (tests only). What each one breaks, and what should catch it:
+Each is a subclass overriding one small method of the real engines, of a flow's component (the
+staged flows' halves, core/flows/staged_sender.py and staged_receiver.py, which an engine subclass
+composes through its ``staged_class``) or of an allocator, selected by a scenario's ``hooks``
+(tests only). What each one breaks, and what should catch it:
 
 - ``ring_keeps_old_head``: an emptied ring keeps its head instead of restarting at 0 in a new
   round, and the watermark is a tail moved only by frees (the upstream ring): after "free
@@ -71,6 +73,8 @@ from kvferry.core.commands import PostWrite
 from kvferry.core.flows import Flow
 from kvferry.core.flows.layerwise import LayerwiseSender
 from kvferry.core.flows.regions import worker_region
+from kvferry.core.flows.staged_receiver import StagedReceiver
+from kvferry.core.flows.staged_sender import StagedSender
 from kvferry.core.machine import step
 from kvferry.core.planner import plan_rank_pair
 from kvferry.core.proto_common import RoomError
@@ -101,23 +105,22 @@ class _StaleTailRing(StagingRing):
         return self._tail
 
 
-class _StaleHeadReceiver(ReceiverEngine):
-    def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        if self.ring is not None:
-            self.ring = _StaleTailRing(self.ring.capacity, self.ring.align)
+class _StaleHeadStaged(StagedReceiver):
+    def _new_ring(self, capacity: int) -> StagingRing:
+        ring = super()._new_ring(capacity)
+        return _StaleTailRing(ring.capacity, ring.align)
 
 
-class _DropEarlyReceiver(ReceiverEngine):
-    def _on_staging_req(self, req: m.StagingReq) -> None:
-        r = self.rooms.get(req.room)
+class _DropEarlyStaged(StagedReceiver):
+    def on_staging_req(self, req: m.StagingReq) -> None:
+        r = self.ctx.room(req.room)
         if r is None or r.tid != req.transfer_id:
             self.counters["planted_dropped_staging_req"] += 1
             return
-        super()._on_staging_req(req)
+        super().on_staging_req(req)
 
 
-class _EarlyFreeReceiver(ReceiverEngine):
+class _EarlyFreeStaged(StagedReceiver):
     def _start_scatter(self, r: Any, ch: Any) -> None:
         super()._start_scatter(r, ch)
         self._free_alloc(ch)
@@ -129,14 +132,24 @@ class _EarlyFreeReceiver(ReceiverEngine):
             super()._free_alloc(ch)
 
 
-class _LeakyReceiver(ReceiverEngine):
-    def _reclaim(self, r: Any) -> None:
+class _LeakyStaged(StagedReceiver):
+    def reclaim(self, r: Any) -> None:
         pass
 
 
-class _SharedBufferSender(SenderEngine):
-    def _buffer_region(self, buffer: tuple[str, int]) -> int:
+class _SharedBufferStaged(StagedSender):
+    def _buffer_region(self, buffer: tuple[Any, ...]) -> int:
         return worker_region(0) if buffer[0] == "slot" else super()._buffer_region(buffer)
+
+
+def _receiver_with(staged: type[StagedReceiver]) -> type[ReceiverEngine]:
+    """The real decode engine composing a planted staged half."""
+    return type(f"Planted{staged.__name__}Receiver", (ReceiverEngine,), {"staged_class": staged})
+
+
+def _sender_with(staged: type[StagedSender]) -> type[SenderEngine]:
+    """The real prefill engine composing a planted staged half."""
+    return type(f"Planted{staged.__name__}Sender", (SenderEngine,), {"staged_class": staged})
 
 
 class _TruncatingSender(SenderEngine):
@@ -188,10 +201,10 @@ class _ForgetfulSender(SenderEngine):
 
 
 _RECEIVERS = {
-    "ring_keeps_old_head": _StaleHeadReceiver,
-    "drop_early_staging_req": _DropEarlyReceiver,
-    "free_staging_before_scatter": _EarlyFreeReceiver,
-    "leak_failed_room_staging": _LeakyReceiver,
+    "ring_keeps_old_head": _receiver_with(_StaleHeadStaged),
+    "drop_early_staging_req": _receiver_with(_DropEarlyStaged),
+    "free_staging_before_scatter": _receiver_with(_EarlyFreeStaged),
+    "leak_failed_room_staging": _receiver_with(_LeakyStaged),
     "silent_truncation": _TruncatingReceiver,
     "last_note_completes": _LastNoteReceiver,
 }
@@ -225,7 +238,7 @@ class _LastLayerOnlySender(SenderEngine):
 
 class _LayersAfterFailureSender(SenderEngine):
     def _h_post_failed_layers(self, r: Any, inp: Any, payload: Any) -> str:
-        if r.ledger.flow is Flow.LAYERWISE:
+        if r.flow is Flow.LAYERWISE:
             LayerwiseSender().on_layers(self._flow_ctx, r, payload)  # posted as if the room lived
         return "stay"
 
@@ -302,7 +315,7 @@ _SENDERS = {
     "push_lease_never_expires": _LeaseNeverExpiresSender,
     "prefix_front_trim": _FrontTrimSender,
     "silent_write_failure": _SilentWriteFailureSender,
-    "shared_staging_buffer": _SharedBufferSender,
+    "shared_staging_buffer": _sender_with(_SharedBufferStaged),
     "pull_free_early": _PullFreeEarlySender,
     "suffix_strips_too_much": _GreedySuffixSender,
     "last_layer_write_only": _LastLayerOnlySender,

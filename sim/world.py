@@ -541,7 +541,11 @@ class World(Chaos):
         self._later(self._mark, req, rank.node, cmd.status, cmd.reason, rank.incarnation)
 
     def after_pump(self, rank: SimRank) -> None:
-        if rank.node.startswith("prefill") and rank.engine.stalled and self.scenario.checks.ring_progress:
+        if (
+            rank.node.startswith("prefill")
+            and rank.engine.staged.stalled
+            and self.scenario.checks.ring_progress
+        ):
             self.live_checks.ring_progress(rank)
         waiting = self.rooms.awaiting_prefill
         if waiting and rank.node.startswith("prefill"):

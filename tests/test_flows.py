@@ -58,9 +58,11 @@ def run_rooms(w: H.World, n: int, tokens: int, cuts: list[int], room0: int = 100
 def assert_clean(w: H.World) -> None:
     assert w.violations == [] and w.internal_errors() == []
     for r in w.prefill:
-        assert r.engine.staging_in_use() == 0 and not r.engine.stalled and not r.engine.unconfirmed
+        assert (
+            r.engine.staging_in_use() == 0 and not r.engine.staged.stalled and not r.engine.staged.unconfirmed
+        )
     for r in w.decode:
-        assert r.engine.staging_in_use() == 0 and r.engine.ops == {} and r.engine.held == {}
+        assert r.engine.staging_in_use() == 0 and r.engine.staged.ops == {} and r.engine.staged.held == {}
     for r in w.ranks:
         assert r.engine.rooms == {} and r.driver.copies == {}
 
@@ -85,7 +87,7 @@ def test_default_policy_picks_ring_for_unequal_tp_and_direct_for_equal() -> None
         w = world(TINY4, p, d, None, space=4096)
         req = w.open_room(7, "t", 4, [4])
         w.flush()
-        assert w.prefill[0].engine.rooms[7].ledger.flow is want
+        assert w.prefill[0].engine.rooms[7].flow is want
         assert req is not None
         for i in range(p):
             w.chunk_ready(req, i)
@@ -157,7 +159,7 @@ def test_staging_request_before_decode_opens_is_held_then_answered() -> None:
         w.chunk_ready(req, p)
     w.flush()
     assert w.decode[0].engine.counters["staging_req_held"] == 2
-    assert w.decode[0].engine.held
+    assert w.decode[0].engine.staged.held
     w.open_decode(req)
     for p in range(2):
         w.chunk_ready(req, p)
@@ -173,9 +175,9 @@ def test_held_requests_expire_at_the_bootstrap_deadline() -> None:
     assert req is not None
     w.chunk_ready(req, 0)
     w.flush()
-    assert w.decode[0].engine.held
+    assert w.decode[0].engine.staged.held
     w.advance(w.timeouts.bootstrap_ns + 1)
-    assert w.decode[0].engine.held == {}
+    assert w.decode[0].engine.staged.held == {}
     assert w.decode[0].engine.counters["staging_req_expired"] >= 1
 
 
@@ -204,7 +206,7 @@ def test_abort_with_a_chunk_in_staging_reclaims_space_after_the_fence(flow: str,
     assert eng.staging_in_use() == 1
     # What the checkers ask of every staged write: inside a live allocation of its own room.
     region = RING_REGION if flow == "ring" else PINNED_REGION
-    (a,) = (eng.ring if flow == "ring" else eng.pinned).live.values()
+    (a,) = (eng.staged.ring if flow == "ring" else eng.staged.pinned).live.values()
     assert eng.staging_holds((5, "t"), region, a.offset, a.end)
     assert not eng.staging_holds((6, "t"), region, a.offset, a.end)  # another room's write
     assert not eng.staging_holds((5, "t"), region, a.offset, a.end + 1)  # runs past the allocation
@@ -271,7 +273,7 @@ def test_too_many_early_requests_are_refused_with_a_reason_not_dropped() -> None
             src=src, room=1000 + i, transfer_id="x", flow="ring", chunk_index=0, token_start=0, token_end=4
         )
         out += eng.handle(ControlIn(data=m.encode(req)), 0)
-    assert sum(len(v) for v in eng.held.values()) == MAX_HELD_STAGING
+    assert sum(len(v) for v in eng.staged.held.values()) == MAX_HELD_STAGING
     refusals = [c.msg for c in out if type(c.msg) is m.StagingRsp]
     assert len(refusals) == 1 and not refusals[0].ok and "unopened rooms" in refusals[0].reason
     assert eng.counters["staging_req_overflow"] == 1

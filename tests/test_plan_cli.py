@@ -96,7 +96,10 @@ def test_flows_section_counts_what_the_flows_post(app: typer.Typer) -> None:
         w.chunk_ready(req, p)
     w.flush()
     lanes = [
-        lane for r in w.prefill for room in r.engine.rooms.values() for lane in room.ledger.lanes.values()
+        lane
+        for r in w.prefill
+        for room in r.engine.rooms.values()
+        for lane in r.engine.staged.lanes(room.key)
     ]
     assert len(lanes) == 4 and all(lane.length == 40 * q.token_bytes // 4 for lane in lanes)
 

@@ -317,11 +317,15 @@ class ProtocolMachine(RuleBasedStateMachine):
             if rank.side == "prefill":
                 assert rank.engine.writes == {}
                 assert rank.engine.notices == {}, rank.engine.notices
-                assert rank.engine.staging_in_use() == 0 and not rank.engine.stalled
-                assert not rank.engine.unconfirmed
+                assert rank.engine.staging_in_use() == 0 and not rank.engine.staged.stalled
+                assert not rank.engine.staged.unconfirmed
             else:
                 assert rank.engine.staging_in_use() == 0, "staging space leaked"
-                assert rank.engine.ops == {} and not rank.engine.pinned_queue and rank.engine.held == {}
+                assert (
+                    rank.engine.staged.ops == {}
+                    and not rank.engine.staged.pinned_queue
+                    and rank.engine.staged.held == {}
+                )
             assert rank.driver.handles == {} and rank.driver.copies == {}
         assert not w.fabric.writes and not w.fabric.copies
 

@@ -26,7 +26,7 @@ def test_heterogeneous_deployment_under_each_flow(flow: str) -> None:
     for d in range(2):
         eng = w.ranks[f"decode{d}"].engine
         assert eng.staging_in_use() == 0
-        assert bool(eng.subscribers["ring"]) is (flow in ("ring", "mixed"))
+        assert bool(eng.staged.subscribers["ring"]) is (flow in ("ring", "mixed"))
 
 
 def test_staged_flows_scenario_moves_every_room_with_waits() -> None:

@@ -112,13 +112,13 @@ def tables(ep: Any) -> dict[str, int]:
     e = ep.engine
     with ep.lock:  # the engine only under its endpoint's lock
         out["staging_in_use"] = e.staging_in_use()
-        out["copy_ops"] = len(e.ops)
+        out["copy_ops"] = len(e.staged.ops)
         if ep.role == "prefill":
-            out["stalled"] = len(e.stalled)
-            out["unconfirmed_notes"] = sum(len(v) for v in e.unconfirmed.values())
+            out["stalled"] = len(e.staged.stalled)
+            out["unconfirmed_notes"] = sum(len(v) for v in e.staged.unconfirmed.values())
             out["leases"] = len(e.leases.leases)
         else:
-            out["held_staging_reqs"] = sum(len(v) for v in e.held.values())
+            out["held_staging_reqs"] = sum(len(v) for v in e.staged.held.values())
     return out
 
 

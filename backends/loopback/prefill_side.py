@@ -143,7 +143,7 @@ def _copy_tables(ep: PrefillEndpoint) -> int:
     """Gathers the engine still waits for, plus the driver's copy handles and the executor's queue
     (the e2e tests' check): all zero once every room is gone."""
     with ep.lock:  # the engine and the driver's tables only under the endpoint's lock
-        n = len(ep.engine.ops) + len(ep.driver.copies)
+        n = len(ep.engine.staged.ops) + len(ep.driver.copies)
     return n + (ep.transport.copies.pending() if ep.transport.copies else 0)
 
 

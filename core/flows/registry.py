@@ -39,7 +39,7 @@ __all__ = [
 
 
 class ExtraFlow(str):
-    """The name of a flow outside ``Flow`` (what a room's ``ledger.flow`` holds for it): it reads
+    """The name of a flow outside ``Flow`` (what a room's ``flow`` holds for it): it reads
     like a ``Flow`` member where the room machines and the simulator read one."""
 
     __slots__ = ()
@@ -95,7 +95,12 @@ class SenderContext(Protocol):
 
 class FlowSender(Protocol):
     """A flow's prefill half: run the room's next chunk; return the room's table outcome
-    ("running", or "done" when nothing is left in flight)."""
+    ("running", or "done" when nothing is left in flight).
+
+    Optional, looked up by the room machine: ``prepare(ctx, room)``, called whenever the room
+    learns of chunks or decode ranks (the staged flows ask for staging space ahead of the worker),
+    and ``check_peers(flow, registrations)``, called once the flow is chosen, raising to refuse
+    decode ranks that cannot receive it (a staged flow needs their staging region)."""
 
     def run_chunk(self, ctx: SenderContext, room: Any, chunk: ChunkReady) -> str: ...
 

@@ -1,10 +1,13 @@
-"""The staged flows inside the decode room machine (``core.receiver.ReceiverEngine``).
+"""The staged flows' decode half (``ring``, ``pinned``): a component the decode room machine
+(``core.receiver.ReceiverEngine``) composes as ``staged`` and calls through its flow context.
 
-A mixin, so the room machine stays about rooms: decode's side of ``ring`` and ``pinned``. It owns
-the rank's staging ring and pinned pool (offered to prefill in the Register), StagingReqs held
-for rooms not opened yet, one ``RxChunk`` per staged (room, chunk) (``core.flows.staged_rx``),
-the scatters in flight, and the watermarks. The room machine calls ``_on_staging_req`` and
-``_staged_note`` on input, ``_reclaim`` when a failed room is fenced, and reads ``staging_in_use``.
+Ring and pinned share every rule here but the allocator and the staging layout (one module, told
+apart by the chunk's ``flow``, as on prefill: core/flows/staged_sender.py). It owns the rank's
+staging ring and pinned pool (offered to prefill in the Register), StagingReqs held for rooms not
+opened yet, one ``RxChunk`` per staged (room, chunk) (``core.flows.staged_rx``), the scatters in
+flight, and the watermarks; each per-room table is registered with the engine. The room machine
+hands it StagingReqs and staged notes, asks it whether a room's scatters still run, and tells it
+when a failed room is fenced (``reclaim``) or gone (``forget``).
 
 Rules kept here:
 - a request for a room this rank has not opened is held (bounded, until the bootstrap deadline),
@@ -20,13 +23,11 @@ Rules kept here:
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import deque
 from typing import Any
 
 from kvferry.core import messages as m
 from kvferry.core.commands import Scatter
-from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.flows import registry
 from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
@@ -34,8 +35,7 @@ from kvferry.core.flows.registry import FlowReceiver
 from kvferry.core.flows.staged_rx import RX_TABLE, RxChunk, RxIn, RxState
 from kvferry.core.flows.staged_sender import STAGED_RECEIVER
 from kvferry.core.flows.staged_tx import decode_alloc_bytes
-from kvferry.core.machine import fire
-from kvferry.core.proto_common import RoomError, RoomFailure
+from kvferry.core.machine import RoomError, RoomFailure, fire
 from kvferry.core.resources import PinnedPool, PinnedRefused, RingRefused, StagingRing, Watermark
 from kvferry.core.staging_layout import staged_map
 
@@ -47,40 +47,19 @@ MAX_HELD_STAGING = 1024
 STAGING_ALIGN = 64
 
 
+RoomKey = tuple[int, str]
+
+
 class StagedReceiver:
-    """Mixin of ``ReceiverEngine``; see the module docstring."""
+    """The rank's staged flows, decode half; see the module docstring. ``ctx`` is the room
+    machine's flow context (``core.receiver.ReceiverFlowContext``)."""
 
-    STAGING_REQ: Any  # the room machine's input for a StagingReq
-    rooms: dict[int, Any]
-    timeouts: Timeouts
-    deadlines: DeadlineHeap
-    counters: Counter[str]
-    tombstones: Any
-    track: Callable[..., None]  # the host's table registry (core/proto_common.py)
-    endpoint: m.Endpoint
-    reg_id: int
-    _now: int
-    _out: list[Any]
-    _is_failed: Callable[[Any], bool]  # the host's (core/machine.py): a flow compares no state
-
-    def _send(self, peer: m.Endpoint, msg: Any) -> None:
-        raise NotImplementedError
-
-    def _room_input(
-        self, room: int, tid: str, inp: Any, payload: Any, sender: m.Endpoint | None = None
-    ) -> None:
-        raise NotImplementedError
-
-    def _record_chunk(self, r: Any, prog: Any, note: m.ChunkNote) -> None:
-        raise NotImplementedError
-
-    def _complete(self, r: Any) -> bool:
-        raise NotImplementedError
-
-    def _init_staging(self, registration: m.Register) -> None:
+    def __init__(self, ctx: Any, registration: m.Register) -> None:
+        self.ctx = ctx
+        self.counters = ctx.counters
+        self.pool = ctx.pool
         # What this rank offers in its Register, and who hears its watermarks.
-        self.pool = registration.geometry.to_pool()
-        self.ring = StagingRing(registration.ring_bytes, STAGING_ALIGN) if registration.ring_bytes else None
+        self.ring = self._new_ring(registration.ring_bytes) if registration.ring_bytes else None
         self.pinned = (
             PinnedPool(registration.pinned_bytes, STAGING_ALIGN) if registration.pinned_bytes else None
         )
@@ -91,15 +70,12 @@ class StagedReceiver:
         self.pinned_queue: deque[tuple[int, str, int]] = deque()  # (room, tid, chunk) waiting for space
         # Ring chunks that no gap clear of failed rooms' quarantined space fits, until one is freed.
         self.ring_queue: deque[tuple[int, str, int]] = deque()
-        self.held: dict[tuple[int, str], list[m.StagingReq]] = {}
-        self.ops: dict[int, tuple[int, str]] = {}  # scatter op id -> room key
+        self.held: dict[RoomKey, list[m.StagingReq]] = {}
+        self.ops: dict[int, RoomKey] = {}  # scatter op id -> room key
         # The flow's per-room ledger, apart from the room: its staged chunks, and the scatters in
         # flight (they write the room's pages). Entries only for rooms that staged anything.
-        self.staged_chunks: dict[tuple[int, str], dict[int, RxChunk]] = {}
-        self.scattering: dict[tuple[int, str], set[int]] = {}
-        chunks, scattering = self.staged_chunks, self.scattering  # never rebound
-        self.track("staged_chunks", lambda room: any(k[0] == room for k in chunks), chunks.__len__)
-        self.track("scattering", lambda room: any(k[0] == room for k in scattering), scattering.__len__)
+        self.staged_chunks: dict[RoomKey, dict[int, RxChunk]] = {}
+        self.scattering: dict[RoomKey, set[int]] = {}
         # Peaks over the rank's life (what sizing a ring or a pinned pool needs to know).
         # ring_assigned: bytes handed out and not yet freed, laps ahead of the watermark included,
         # so it can exceed the ring (those chunks wait for the watermark on prefill).
@@ -110,29 +86,57 @@ class StagedReceiver:
             "pinned_waiting": 0,
         }
         self._next_op_id = 1
+        self._track(ctx.track)
 
-    # --- staged flows (ring, pinned) ---------------------------------------------------------------
+    def _new_ring(self, capacity: int) -> StagingRing:
+        return StagingRing(capacity, STAGING_ALIGN)
 
-    def _on_staging_req(self, req: m.StagingReq) -> None:
+    def _track(self, track: Any) -> None:
+        chunks, scattering, ops = self.staged_chunks, self.scattering, self.ops  # never rebound
+        ring_queue, pinned_queue = self.ring_queue, self.pinned_queue
+        track("staged_chunks", lambda room: any(k[0] == room for k in chunks), chunks.__len__)
+        track("scattering", lambda room: any(k[0] == room for k in scattering), scattering.__len__)
+        track("ops", lambda room: any(k[0] == room for k in ops.values()), ops.__len__)
+        track("ring_queue", lambda room: any(q[0] == room for q in ring_queue), ring_queue.__len__)
+        track("pinned_queue", lambda room: any(q[0] == room for q in pinned_queue), pinned_queue.__len__)
+        track(
+            "held_staging_reqs",
+            lambda room: any(k[0] == room for k in self.held),
+            lambda: sum(len(v) for v in self.held.values()),
+        )
+        for name, res in (("ring", self.ring), ("pinned", self.pinned)):
+            if res is not None:
+                track(
+                    name, lambda room, res=res: any(res.owner_of(i)[0] == room for i in res.live), res.__len__
+                )
+
+    def in_use(self) -> int:
+        """Live staging allocations (ring and pinned); 0 once every room settled."""
+        return sum(len(x) for x in (self.ring, self.pinned) if x is not None)
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def on_staging_req(self, req: m.StagingReq) -> None:
+        ctx = self.ctx
         key = (req.room, req.transfer_id)
-        r = self.rooms.get(req.room)
+        r = ctx.room(req.room)
         if r is not None and r.tid == req.transfer_id:
-            self._room_input(req.room, req.transfer_id, self.STAGING_REQ, req, sender=req.src)
+            ctx.staging_input(req)
             return
-        if self.tombstones.get(req.room, req.transfer_id) is not None:
+        if ctx.tombstone(req.room, req.transfer_id) is not None:
             self.counters["tombstoned"] += 1
             return
         # Asked ahead of our open (SGLang PR 22536 prefetches): hold it until the room opens, bounded.
         if sum(len(v) for v in self.held.values()) >= MAX_HELD_STAGING:
             self.counters["staging_req_overflow"] += 1
-            self._send(
+            ctx.send(
                 req.src,
                 m.StagingRsp(
-                    src=self.endpoint,
+                    src=ctx.endpoint,
                     room=req.room,
                     transfer_id=req.transfer_id,
                     chunk_index=req.chunk_index,
-                    reg=self.reg_id,
+                    reg=ctx.reg_id,
                     ok=False,
                     reason=f"more than {MAX_HELD_STAGING} requests for unopened rooms",
                 ),
@@ -140,10 +144,22 @@ class StagedReceiver:
             return
         self.counters["staging_req_held"] += 1
         self.held.setdefault(key, []).append(req)
-        if ("held", key) not in self.deadlines:
-            self.deadlines.set(("held", key), self._now + self.timeouts.bootstrap_ns)
+        if ("held", key) not in ctx.deadlines:
+            ctx.deadlines.set(("held", key), ctx.now() + ctx.timeouts.bootstrap_ns)
 
-    def _h_on_staging_req(self, r: Any, inp: Any, req: m.StagingReq) -> None:
+    def take_held(self, key: RoomKey) -> list[m.StagingReq]:
+        """The requests held for a room that just opened (they go to it in order)."""
+        held = self.held.pop(key, None)
+        if held:
+            self.ctx.deadlines.cancel(("held", key))
+        return held or []
+
+    def held_expired(self, key: RoomKey) -> None:
+        dropped = self.held.pop(key, [])
+        self.counters["staging_req_expired"] += len(dropped)
+
+    def on_room_req(self, r: Any, req: m.StagingReq) -> None:
+        """A StagingReq for a live room (the room machine's STAGING_REQ input)."""
         spec = r.senders[req.src]
         if spec.dummy:
             raise RoomError(f"staging request from dummy sender {req.src}")
@@ -248,14 +264,14 @@ class StagedReceiver:
         a = ch.alloc
         rnd, start, end = (a.round, a.offset, a.end) if ch.flow is Flow.RING else (ch.seq, a.offset, a.end)
         for p in to:
-            self._send(
+            self.ctx.send(
                 p,
                 m.StagingRsp(
-                    src=self.endpoint,
+                    src=self.ctx.endpoint,
                     room=r.room,
                     transfer_id=r.tid,
                     chunk_index=ch.index,
-                    reg=self.reg_id,
+                    reg=self.ctx.reg_id,
                     alloc_id=ch.alloc_id,
                     round=rnd,
                     start=start,
@@ -269,9 +285,10 @@ class StagedReceiver:
 
     def _watermark_msg(self, pool: str) -> m.Watermark:
         wm = self._watermark(pool)
-        return m.Watermark(src=self.endpoint, reg=self.reg_id, round=wm.round, offset=wm.offset, pool=pool)  # type: ignore[arg-type]
+        ctx = self.ctx
+        return m.Watermark(src=ctx.endpoint, reg=ctx.reg_id, round=wm.round, offset=wm.offset, pool=pool)  # type: ignore[arg-type]
 
-    def _staged_half(self, r: Any, note: m.ChunkNote) -> FlowReceiver:
+    def half_for(self, r: Any, note: m.ChunkNote) -> FlowReceiver:
         """The decode half of the flow whose space ``note`` names (its StagingReq said which);
         a note naming no space of the room goes to the staged ledger, which refuses it."""
         ch = self._chunk(r, note.chunk_index)
@@ -285,11 +302,11 @@ class StagedReceiver:
         """A scatter of the room is writing its pages (the room machine waits for it)."""
         return r.key in self.scattering
 
-    def forget_staged(self, r: Any) -> None:
+    def forget(self, r: Any) -> None:
         """The room is gone: so is the flow's ledger of it."""
         self.staged_chunks.pop(r.key, None)
 
-    def _staged_note(self, r: Any, note: m.ChunkNote) -> None:
+    def note(self, r: Any, note: m.ChunkNote) -> None:
         ch = self._chunk(r, note.chunk_index)
         if ch is None or ch.state is RxState.WAITING_SPACE or ch.alloc_id != note.staged:
             raise RoomError(
@@ -332,9 +349,9 @@ class StagedReceiver:
         self.scattering.setdefault(r.key, set()).add(op)
         fire(RX_TABLE, ch, RxIn.START, op)
         region = RING_REGION if ch.flow is Flow.RING else PINNED_REGION
-        self._out.append(Scatter(op_id=op, room=r.room, staging_region=region, maps=tuple(maps)))
+        self.ctx.emit(Scatter(op_id=op, room=r.room, staging_region=region, maps=tuple(maps)))
 
-    def _scatter_finished(self, r: Any, op: int) -> None:
+    def scatter_finished(self, r: Any, op: int) -> None:
         """Every state: the scatter's staging space has no writer left, so it is freed at once."""
         running = self.scattering.get(r.key)
         if running is not None:
@@ -357,14 +374,14 @@ class StagedReceiver:
             self.pinned.free(ch.alloc.res_id)  # type: ignore[union-attr]
             self._pinned_live.pop(ch.alloc.res_id, None)
 
-    def _h_on_copy_done(self, r: Any, inp: Any, ev: Any) -> str:
+    def on_copy_done(self, r: Any, ev: Any) -> str:
         for ch in self.staged_chunks.get(r.key, {}).values():
             if ch.op_id == ev.op_id:
                 for p in ch.writers:
-                    self._record_chunk(r, r.progress[p], ch.notes[p])
-        return "done" if self._complete(r) else "stay"
+                    self.ctx.record_chunk(r, r.progress[p], ch.notes[p])
+        return "done" if self.ctx.complete(r) else "stay"
 
-    def _reclaim(self, r: Any) -> None:
+    def reclaim(self, r: Any) -> None:
         """A failed room's staging space, once its writers are fenced and no scatter runs."""
         freed = 0
         if self.ring is not None:
@@ -382,7 +399,7 @@ class StagedReceiver:
         if freed:
             self._space_freed()
 
-    def _quarantine(self, r: Any) -> None:
+    def quarantine(self, r: Any) -> None:
         """A failed room's ring space stays taken until its writers are fenced, which can outlast
         every room behind it; it stops holding their watermark now (core/resources/ring.py)."""
         if self.ring is not None and self.ring.quarantine(r.key):
@@ -395,7 +412,7 @@ class StagedReceiver:
             if wm != self._last_wm.get(pool):
                 self._last_wm[pool] = wm
                 for p in sorted(self.subscribers[pool]):
-                    self._send(p, self._watermark_msg(pool))
+                    self.ctx.send(p, self._watermark_msg(pool))
 
     def _space_freed(self) -> None:
         """Broadcast the ring's new watermark; grant the chunks that waited for space, in order."""
@@ -407,14 +424,25 @@ class StagedReceiver:
         """Allocate the chunks that waited for space, in order, until one still does not fit."""
         while queue:
             room, tid, idx = queue[0]
-            r = self.rooms.get(room)
-            ch = self._chunk(r, idx) if r is not None and r.tid == tid and not self._is_failed(r) else None
+            r = self.ctx.room(room)
+            ch = self._chunk(r, idx) if r is not None and r.tid == tid and not self.ctx.is_failed(r) else None
             if ch is None:
                 queue.popleft()
                 continue
             try:
-                if not self._allocate(r, ch):  # type: ignore[arg-type]
+                if not self._allocate(r, ch):
                     break
             except RoomError as exc:
-                self.fail(r, RoomFailure(str(exc), error=exc, at_ns=self._now))  # type: ignore[arg-type]
+                self.ctx.fail_room(r, RoomFailure(str(exc), error=exc, at_ns=self.ctx.now()))
             queue.popleft()
+
+    def heartbeat(self, peer: m.Endpoint) -> None:
+        """A lost broadcast must not leave a writer waiting: repeat it with each heartbeat."""
+        for pool in ("ring", "pinned"):
+            if peer in self.subscribers[pool]:
+                self.ctx.send(peer, self._watermark_msg(pool))
+
+    def withdrawn_scatter(self, r: Any, op: int) -> None:
+        """A Scatter command the table withdrew (its step failed): it never runs."""
+        if self.ops.pop(op, None) is not None:
+            self.scatter_finished(r, op)

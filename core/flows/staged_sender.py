@@ -1,11 +1,15 @@
-"""The staged flows inside the prefill room machine (``core.sender.SenderEngine``).
+"""The staged flows' prefill half (``ring``, ``pinned``): a component the prefill room machine
+(``core.sender.SenderEngine``) composes as ``staged`` and calls through its flow context.
 
-A mixin, so the room machine stays about rooms: it calls ``_prefetch`` when it learns of chunks
-or decode ranks, ``_accept_staged`` from the worker step, and hands over the flow's inputs
-(StagingRsp, Watermark, a finished gather or write). The lanes (``core.flows.staged_tx``) hold
-the per-chunk state; this module owns the rank's staging resources: one private staging buffer
-per worker, split into a slot per decode rank the rank writes to; the pinned pool shared by the
-workers; the last watermark heard from each decode rank; notes awaiting confirmation.
+Ring and pinned share every rule but the staging resources (ring: a worker's private slot and
+decode's ring; pinned: a reservation in the rank's pinned pool and decode's pinned pool) and the
+staging layout (core/staging_layout.py), so both are this one module, told apart by the lane's
+``flow``. The lanes (``core.flows.staged_tx``) hold the per-chunk state; each room's lanes, grants
+and gathers are its ``StagedLedger`` in ``ledgers`` (by room key, registered with the engine like
+every per-room table), never a field of the room. This component also owns the rank's staging
+resources: one private staging buffer per worker, split into a slot per decode rank the rank
+writes to; the pinned pool shared by the workers; the last watermark heard from each decode rank;
+notes awaiting confirmation.
 
 Rules kept here:
 - space is asked for as soon as a chunk is known and its decode rank registered (SGLang PR 22536's
@@ -21,20 +25,18 @@ Rules kept here:
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
 from kvferry.core.commands import ChunkDeferred, Gather, PostWrite, SendNotif
-from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import ProtocolError
 from kvferry.core.flows import registry
-from kvferry.core.flows.policy import Flow, FlowPolicy, staging_format
+from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.flows.staged_tx import (
     TX_TABLE,
+    StagedLedger,
     TxIn,
     TxLane,
     TxState,
@@ -43,13 +45,14 @@ from kvferry.core.flows.staged_tx import (
     writer_bytes,
 )
 from kvferry.core.geometry import PoolGeometry
-from kvferry.core.machine import fire
-from kvferry.core.proto_common import RoomFailure, RoomStateError
+from kvferry.core.machine import RoomFailure, RoomStateError, fire
 from kvferry.core.resources import PinnedPool, PinnedRefused, RingSlot, Watermark, writable
 from kvferry.core.staging_layout import staged_map
 from kvferry.core.worker import shard_of
 
-__all__ = ["StagedSender"]
+__all__ = ["STAGED_RECEIVER", "STAGED_SENDER", "StagedChunkSender", "StagedNoteReceiver", "StagedSender"]
+
+RoomKey = tuple[int, str]
 
 
 class StagingRoomError(ProtocolError):
@@ -57,147 +60,136 @@ class StagingRoomError(ProtocolError):
 
 
 class StagedSender:
-    """Mixin of ``SenderEngine``; see the module docstring. Uses the engine's ``pool``,
-    ``peers``, ``rooms``, ``timeouts``, ``deadlines``, ``counters``, ``endpoint``, ``num_shards``,
-    ``_now``, ``_out``, ``_send`` and ``_new_write``."""
+    """The rank's staged flows, prefill half; see the module docstring. ``ctx`` is the room
+    machine's flow context (``core.sender.SenderFlowContext``): the rank, its decode peers, the
+    deadline heap, the room's topology and the few room actions a flow may take."""
 
-    pool: PoolGeometry
-    peers: dict[m.Endpoint, Any]
-    rooms: dict[int, Any]
-    timeouts: Timeouts
-    deadlines: DeadlineHeap
-    counters: Counter[str]
-    endpoint: m.Endpoint
-    num_shards: int
-    _now: int
-    _out: list[Any]
-    _is_failed: Callable[[Any], bool]  # the host's (core/machine.py): a flow compares no state
-    track: Callable[..., None]  # the host's table registry (core/proto_common.py)
-    _started: Callable[[Any], bool]  # the host's: the room left bootstrapping
-    _flow_ctx: registry.SenderContext  # what every flow's run shares (core/flows/registry.py)
-
-    def _send(self, peer: m.Endpoint, msg: Any) -> None:
-        raise NotImplementedError
-
-    def _new_write(self, r: Any) -> int:
-        raise NotImplementedError
-
-    def _maybe_finish(self, r: Any) -> None:
-        raise NotImplementedError
-
-    def _init_staging(self, policy: FlowPolicy | None, worker_buffer_bytes: int, pinned_bytes: int) -> None:
-        self.policy = policy or FlowPolicy()
+    def __init__(self, ctx: Any, worker_buffer_bytes: int, pinned_bytes: int) -> None:
+        self.ctx = ctx
+        self.counters = ctx.counters
         self.worker_buffer_bytes = worker_buffer_bytes
         # (worker, target index, half) -> (room key, lane key). Each worker's buffer holds one slot
         # per decode rank it writes to, split in two halves: two lanes that fit in a half run at
         # once (gather chunk N+1 while chunk N is written); a bigger lane holds both halves.
-        self.slot_owner: dict[tuple[int, int, int], tuple[tuple[int, str], tuple[int, m.Endpoint]]] = {}
+        self.slot_owner: dict[tuple[int, int, int], tuple[RoomKey, tuple[int, m.Endpoint]]] = {}
         self.pinned = PinnedPool(pinned_bytes) if pinned_bytes > 0 else None
         self.peer_wm: dict[tuple[m.Endpoint, str], Watermark] = {}  # (decode rank, "ring"|"pinned")
-        self.ops: dict[int, tuple[int, str]] = {}  # gather op id -> room key
+        self.ops: dict[int, RoomKey] = {}  # gather op id -> room key
         self.stalled: set[int] = set()  # rooms with an accepted lane that could not start
         # Notes of DONE staged writes the watermark has not confirmed yet, per (decode rank,
         # pool): (slot position, note, give up at).
         self.unconfirmed: dict[tuple[m.Endpoint, str], list[tuple[Watermark, bytes, int]]] = {}
+        # Each staged room's ledger (lanes, grants, gathers), apart from the room.
+        self.ledgers: dict[RoomKey, StagedLedger] = {}
         self._next_op_id = 1
-        ops, slots, pinned = self.ops, self.slot_owner, self.pinned  # never rebound
-        self.track("ops", lambda room: any(k[0] == room for k in ops.values()), ops.__len__)
-        self.track("stalled", self.stalled.__contains__, self.stalled.__len__)
-        self.track("worker_slots", lambda room: any(k[0][0] == room for k in slots.values()), slots.__len__)
+        ops, slots, pinned, ledgers = self.ops, self.slot_owner, self.pinned, self.ledgers  # never rebound
+        track = ctx.track
+        track("ops", lambda room: any(k[0] == room for k in ops.values()), ops.__len__)
+        track("stalled", self.stalled.__contains__, self.stalled.__len__)
+        track("worker_slots", lambda room: any(k[0][0] == room for k in slots.values()), slots.__len__)
+        track("staged_ledgers", lambda room: any(k[0] == room for k in ledgers), ledgers.__len__)
         if pinned is not None:
-            self.track(
+            track(
                 "pinned",
                 lambda room: any(pinned.owner_of(i)[0][0] == room for i in pinned.live),
                 pinned.__len__,
             )
 
-    # --- flow choice and prefetch --------------------------------------------------------------
+    # --- what the room machine asks of a room ----------------------------------------------------
 
-    def _targets(self, r: Any) -> tuple[m.Endpoint, ...]:
-        """Decode ranks this rank writes data to: from the TransferInfos once all are in, before
-        that from the topology the scheduler passed at open."""
-        if r.expected_infos and len(r.infos) == r.expected_infos:
-            return tuple(sorted(p for p, i in r.infos.items() if not i.dummy))
-        return r.receivers
+    def quiet(self, key: RoomKey) -> bool:
+        """No gather or write of the room in flight and every accepted lane landed."""
+        led = self.ledgers.get(key)
+        return led is None or led.quiet()
 
-    def _choose_flow(self, r: Any) -> None:
-        """Pick the room's flow from the policy, once a decode rank it writes to is registered
-        (its Register says what it can receive)."""
-        if not r.opened:
-            # Decode's TransferInfo can arrive before the local open; the open may name the flow
-            # (SenderOpen.flow), so nothing is chosen before it (else ranks disagree on a room).
-            return
-        targets = self._targets(r)
-        known = [self.peers[p] for p in targets if p in self.peers]
-        if not known:
-            if self._started(r) and not targets:
-                r.ledger.flow = Flow.DIRECT  # only dummy links: nothing to stage
-            return
-        reg = known[0].registration
-        r.ledger.flow = self.policy.choose(
-            self.pool, known[0].pool, reg.ring_bytes, reg.pinned_bytes, r.flow_override
-        )
-        if r.ledger.flow.staged:
-            for peer in known:
-                have = (
-                    peer.registration.ring_bytes
-                    if r.ledger.flow is Flow.RING
-                    else peer.registration.pinned_bytes
-                )
-                if not have:
-                    raise StagingRoomError(
-                        f"flow {r.ledger.flow.value}: decode rank {peer.registration.src} registered no "
-                        f"{r.ledger.flow.value} region"
-                    )
+    def gathering(self, key: RoomKey) -> bool:
+        """A gather of the room runs: it owns a staging buffer, so the room stays."""
+        led = self.ledgers.get(key)
+        return led is not None and bool(led.ops)
 
-    def _prefetch(self, r: Any) -> None:
+    def blocked(self, key: RoomKey) -> str:
+        """Why the room's first waiting lane waits ("" if none): for its timeout's reason."""
+        led = self.ledgers.get(key)
+        return led.blocked if led is not None else ""
+
+    def lanes(self, key: RoomKey) -> list[TxLane]:
+        """The room's lanes (the simulator's ring-progress check reads them)."""
+        led = self.ledgers.get(key)
+        return list(led.lanes.values()) if led is not None else []
+
+    def room_failed(self, r: Any) -> None:
+        """The room failed: nothing not yet started will start, nothing is asked again."""
+        led = self.ledgers.get(r.key)
+        if led is not None:
+            led.drop_waiting()
+        self.stalled.discard(r.room)
+        self.ctx.deadlines.cancel(("stg", r.room))
+
+    def forget(self, r: Any) -> None:
+        """The room is gone: so is its ledger."""
+        self.ctx.deadlines.cancel(("stg", r.room))
+        self.ledgers.pop(r.key, None)
+
+    def _ledger(self, r: Any) -> StagedLedger:
+        led = self.ledgers.get(r.key)
+        if led is None:
+            led = self.ledgers[r.key] = StagedLedger()
+        return led
+
+    # --- prefetch --------------------------------------------------------------------------------
+
+    def prepare(self, r: Any) -> None:
         """Create the lanes of every known chunk not yet accepted and ask for their space."""
-        if r.ledger.flow is None:
-            self._choose_flow(r)
-        flow = r.ledger.flow
-        # ``flow.staged`` without the property call: every chunk and TransferInfo of a room asks.
-        if (flow is not Flow.RING and flow is not Flow.PINNED) or self._is_failed(r):
+        ctx = self.ctx
+        if ctx.is_failed(r):
             return
-        targets = self._targets(r)
+        led = self._ledger(r)
+        targets = ctx.targets(r)
+        peers = ctx.peers
         asked = False
         for idx in range(r.next_run, len(r.ranges)):
             ts, te = r.ranges[idx]
-            if te <= ts or idx in r.ledger.direct_chunks:
+            if te <= ts or idx in led.direct_chunks:
                 continue  # nothing to stage: it runs direct (notes only, or the fallback)
             for p in targets:
-                lane = r.ledger.lanes.get((idx, p))
+                lane = led.lanes.get((idx, p))
                 if lane is None:
-                    if p not in self.peers:
+                    if p not in peers:
                         continue
-                    lane = self._new_lane(r, idx, p, ts, te, len(targets))
+                    lane = self._new_lane(r, led, idx, p, ts, te, len(targets))
                     if lane is None:
                         break  # the chunk falls back to direct
-                if lane.state is TxState.ASKING and not r.ledger.asked.get(lane.key):
-                    r.ledger.asked[lane.key] = True
+                if lane.state is TxState.ASKING and not led.asked.get(lane.key):
+                    led.asked[lane.key] = True
                     asked = True
-                    self._send(p, self._staging_req(r, lane))
-        if asked and ("stg", r.room) not in self.deadlines:
-            self.deadlines.set(("stg", r.room), self._now + self.timeouts.heartbeat_interval_ns)
+                    ctx.send(p, self._staging_req(r, lane))
+        deadlines = ctx.deadlines
+        if asked and ("stg", r.room) not in deadlines:
+            deadlines.set(("stg", r.room), ctx.now() + ctx.timeouts.heartbeat_interval_ns)
 
-    def _new_lane(self, r: Any, idx: int, p: m.Endpoint, ts: int, te: int, n_targets: int) -> TxLane | None:
-        assert r.ledger.flow is not None
-        dst = self.peers[p].pool
-        g0, n = lane_heads(self.pool, dst)
-        lane = TxLane(idx, p, ts, te, r.ledger.flow, g0, n)
+    def _new_lane(
+        self, r: Any, led: StagedLedger, idx: int, p: m.Endpoint, ts: int, te: int, n_targets: int
+    ) -> TxLane | None:
+        pool = self.ctx.pool
+        dst = self.ctx.peers[p].pool
+        g0, n = lane_heads(pool, dst)
+        lane = TxLane(idx, p, ts, te, r.flow, g0, n)
         why = self._too_big(lane, dst, n_targets)
         if why:
-            if not self.policy.fallback_direct:
+            if not self.ctx.policy.fallback_direct:
                 raise StagingRoomError(f"chunk {idx}: {why}")
             self.counters["chunk_fallback_direct"] += 1
-            r.ledger.direct_chunks.add(idx)
+            led.direct_chunks.add(idx)
             return None
-        r.ledger.lanes[lane.key] = lane
-        for rsp in r.ledger.early_grants.pop(lane.key, []):
+        led.lanes[lane.key] = lane
+        for rsp in led.early_grants.pop(lane.key, []):
             fire(TX_TABLE, lane, TxIn.GRANT, rsp)
         return lane
 
     def _lane_bytes(self, lane: TxLane) -> int:
-        return writer_bytes(self.pool, self.peers[lane.target].pool, lane.token_end - lane.token_start)
+        return writer_bytes(
+            self.ctx.pool, self.ctx.peers[lane.target].pool, lane.token_end - lane.token_start
+        )
 
     def _slot_bytes(self, n_targets: int) -> int:
         return self.worker_buffer_bytes // max(1, n_targets)
@@ -213,7 +205,7 @@ class StagedSender:
             have, knob = (self.pinned.capacity if self.pinned is not None else 0), "prefill pinned pool"
         if need > have:
             return f"needs {need} bytes of {knob}, which holds {have}"
-        reg = self.peers[lane.target].registration
+        reg = self.ctx.peers[lane.target].registration
         cap = reg.ring_bytes if lane.flow is Flow.RING else reg.pinned_bytes
         need = decode_alloc_bytes(dst, lane.token_end - lane.token_start)
         if need > cap:
@@ -222,7 +214,7 @@ class StagedSender:
 
     def _staging_req(self, r: Any, lane: TxLane) -> m.StagingReq:
         return m.StagingReq(
-            src=self.endpoint,
+            src=self.ctx.endpoint,
             room=r.room,
             transfer_id=r.tid,
             flow=lane.flow.value,  # type: ignore[arg-type]
@@ -231,38 +223,45 @@ class StagedSender:
             token_end=lane.token_end,
         )
 
-    def _resend_staging(self, r: Any) -> None:
+    def resend_staging(self, room: int) -> None:
         """StagingReq (or its answer) may be lost: ask again each heartbeat interval until every
         lane is answered; decode answers a repeat with the same allocation."""
+        ctx = self.ctx
+        r = ctx.room(room)
+        if r is None:
+            return
+        led = self.ledgers.get(r.key)
         pending = False
-        for key, lane in sorted(r.ledger.lanes.items()):
-            if lane.state is TxState.ASKING and r.ledger.asked.get(key) and lane.target in self.peers:
+        for key, lane in sorted(led.lanes.items()) if led is not None else ():
+            if lane.state is TxState.ASKING and led.asked.get(key) and lane.target in ctx.peers:
                 pending = True
                 # Per flow: a ring answers at once, so a ring resend means a lost message; a full
                 # pinned pool answers only when space frees, so pinned resends are routine.
                 self.counters[f"staging_req_resent_{lane.flow.value}"] += 1
-                self._send(lane.target, self._staging_req(r, lane))
+                ctx.send(lane.target, self._staging_req(r, lane))
         if pending:
-            self.deadlines.set(("stg", r.room), self._now + self.timeouts.heartbeat_interval_ns)
+            ctx.deadlines.set(("stg", r.room), ctx.now() + ctx.timeouts.heartbeat_interval_ns)
 
     # --- grants and watermarks ------------------------------------------------------------------
 
-    def _h_on_staging_rsp(self, r: Any, inp: Any, rsp: m.StagingRsp) -> None:
-        peer = self.peers.get(rsp.src)
+    def on_staging_rsp(self, r: Any, rsp: m.StagingRsp) -> None:
+        ctx = self.ctx
+        peer = ctx.peers.get(rsp.src)
         if peer is None or peer.reg_id != rsp.reg:
             self.counters["staging_rsp_stale"] += 1
             return
         if not rsp.ok:
             raise StagingRoomError(f"staging refused by {rsp.src}: {rsp.reason}")
-        if rsp.src not in self._targets(r) and rsp.src not in r.receivers:
+        if rsp.src not in ctx.targets(r) and rsp.src not in r.receivers:
             raise StagingRoomError(f"staging space from {rsp.src}, which is not a decode rank of the room")
         self._heard_wm((rsp.src, rsp.flow), Watermark(rsp.wm_round, rsp.wm_offset))
-        lane = r.ledger.lanes.get((rsp.chunk_index, rsp.src))
+        led = self._ledger(r)
+        lane = led.lanes.get((rsp.chunk_index, rsp.src))
         if lane is None:
             if rsp.chunk_index < r.next_run:
                 self.counters["staging_rsp_late"] += 1
             else:
-                r.ledger.early_grants.setdefault((rsp.chunk_index, rsp.src), []).append(rsp)
+                led.early_grants.setdefault((rsp.chunk_index, rsp.src), []).append(rsp)
             return
         if fire(TX_TABLE, lane, TxIn.GRANT, rsp) == "duplicate":
             self.counters["staging_rsp_duplicate"] += 1
@@ -270,8 +269,8 @@ class StagedSender:
         self._start_ready(r)
         self._wake_stalled()
 
-    def _on_watermark(self, msg: m.Watermark) -> None:
-        peer = self.peers.get(msg.src)
+    def on_watermark(self, msg: m.Watermark) -> None:
+        peer = self.ctx.peers.get(msg.src)
         if peer is None or peer.reg_id != msg.reg:
             self.counters["watermark_stale"] += 1
             return
@@ -287,19 +286,21 @@ class StagedSender:
 
     # --- the worker step and the lanes ------------------------------------------------------------
 
-    def _accept_staged(self, r: Any, c: Any) -> str:
+    def accept(self, r: Any, c: Any) -> str:
         """The worker hands over the room's next chunk: check it, then let its lanes go."""
-        ctx = self._flow_ctx
+        ctx = self.ctx
         start, end = ctx.chunk_bounds(r, c)
         idx = c.chunk_index
-        if end > start and idx not in r.ledger.direct_chunks:
-            self._prefetch(r)  # every decode rank is known and registered by now
-        lanes = [r.ledger.lanes[(idx, p)] for p in self._targets(r) if (idx, p) in r.ledger.lanes]
-        if end <= start or idx in r.ledger.direct_chunks or not lanes:
+        led = self._ledger(r)
+        if end > start and idx not in led.direct_chunks:
+            self.prepare(r)  # every decode rank is known and registered by now
+        targets = ctx.targets(r)
+        lanes = [led.lanes[(idx, p)] for p in targets if (idx, p) in led.lanes]
+        if end <= start or idx in led.direct_chunks or not lanes:
             return registry.halves(Flow.DIRECT).sender.run_chunk(ctx, r, c)  # the fallback, or no bytes
-        if len(lanes) != len(self._targets(r)):
+        if len(lanes) != len(targets):
             raise StagingRoomError(
-                f"chunk {idx}: staging lanes for {len(lanes)} of {len(self._targets(r))} decode ranks"
+                f"chunk {idx}: staging lanes for {len(lanes)} of {len(targets)} decode ranks"
             )
         if (lanes[0].token_start, lanes[0].token_end) != (start, end):
             raise StagingRoomError(
@@ -307,14 +308,14 @@ class StagedSender:
                 f"[{lanes[0].token_start}, {lanes[0].token_end})"
             )
         pages = np.asarray(c.src_pages, dtype=np.int64)
-        if pages.size * self.pool.page_size < end:
+        if pages.size * ctx.pool.page_size < end:
             raise StagingRoomError(f"chunk {idx}: {pages.size} source pages do not cover token {end}")
-        r.ledger.pages = pages
+        led.pages = pages
         for lane in lanes:
             lane.accepted = True
             lane.is_last = c.is_last
         ctx.advance(r, c, end)
-        outcome = ctx.finish_run(r, c, start, end, [])
+        outcome: str = ctx.finish_run(r, c, start, end, [])
         self._start_ready(r)
         return outcome
 
@@ -338,10 +339,11 @@ class StagedSender:
                 return f"worker staging slot busy (held by {self._describe_lane(*owner)})"
         return ""
 
-    def _describe_lane(self, room_key: tuple[int, str], lane_key: tuple[int, m.Endpoint]) -> str:
+    def _describe_lane(self, room_key: RoomKey, lane_key: tuple[int, m.Endpoint]) -> str:
         """For a blocked room's reason: who holds what it waits for, and in which state."""
-        holder = self.rooms.get(room_key[0])
-        lane = holder.ledger.lanes.get(lane_key) if holder is not None and holder.tid == room_key[1] else None
+        holder = self.ctx.room(room_key[0])
+        led = self.ledgers.get(room_key) if holder is not None and holder.tid == room_key[1] else None
+        lane = led.lanes.get(lane_key) if led is not None else None
         if lane is None:
             return f"room {room_key[0]} chunk {lane_key[0]} (gone)"
         return f"room {room_key[0]} chunk {lane_key[0]}, {lane.state.name}, {holder.state.value}"
@@ -351,15 +353,15 @@ class StagedSender:
         one free half if the lane fits in half a slot, else both; None if they are not free."""
         shard, ti = self._worker_of(r), self._target_index(r, lane.target)
         free = [k for k in (0, 1) if (shard, ti, k) not in self.slot_owner]
-        if self._lane_bytes(lane) <= self._slot_bytes(len(self._targets(r))) // 2:
+        if self._lane_bytes(lane) <= self._slot_bytes(len(self.ctx.targets(r))) // 2:
             return (free[0],) if free else None
         return (0, 1) if len(free) == 2 else None
 
     def _worker_of(self, r: Any) -> int:
-        return shard_of(r.room, self.num_shards)  # the worker whose queue runs the room's chunks
+        return shard_of(r.room, self.ctx.num_shards)  # the worker whose queue runs the room's chunks
 
     def _target_index(self, r: Any, target: m.Endpoint) -> int:
-        return self._targets(r).index(target)
+        return self.ctx.targets(r).index(target)
 
     def _buffer_region(self, buffer: tuple[Any, ...]) -> int:
         """Staging region of a lane's buffer: its worker's private one, or the pinned pool."""
@@ -367,40 +369,42 @@ class StagedSender:
 
     def _start_ready(self, r: Any) -> None:
         """Start every accepted, granted lane of the room whose space and slot are free."""
-        if self._is_failed(r):
+        if self.ctx.is_failed(r):
             return
+        led = self._ledger(r)
         blocked = ""
-        for _, lane in sorted(r.ledger.lanes.items()):
+        for _, lane in sorted(led.lanes.items()):
             if not lane.accepted or lane.state not in (TxState.ASKING, TxState.GRANTED):
                 continue
             why = self._blocker(r, lane)
             if not why:
-                why = self._start_lane(r, lane)
+                why = self._start_lane(r, led, lane)
             if why:
                 blocked = blocked or f"chunk {lane.index} to {lane.target}: {why}"
-                if lane.index not in r.ledger.deferred:
-                    r.ledger.deferred.add(lane.index)
+                if lane.index not in led.deferred:
+                    led.deferred.add(lane.index)
                     self.counters["chunk_deferred"] += 1
-                    self._out.append(ChunkDeferred(room=r.room, chunk_index=lane.index, reason=why))
-        r.ledger.blocked = blocked
+                    self.ctx.emit(ChunkDeferred(room=r.room, chunk_index=lane.index, reason=why))
+        led.blocked = blocked
         if blocked:
             self.stalled.add(r.room)
         else:
             self.stalled.discard(r.room)
 
-    def _start_lane(self, r: Any, lane: TxLane) -> str:
+    def _start_lane(self, r: Any, led: StagedLedger, lane: TxLane) -> str:
         """Take a slot and launch the lane's gather; the reason if no slot is free."""
         n = self._lane_bytes(lane)
+        pool = self.ctx.pool
         T = lane.token_end - lane.token_start
-        hb, regions = self.pool.head_bytes, self.pool.model.num_regions
+        hb, regions = pool.head_bytes, pool.model.num_regions
         if lane.flow is Flow.RING:
-            targets = self._targets(r)
+            targets = self.ctx.targets(r)
             shard = self._worker_of(r)
             ti, slot = self._target_index(r, lane.target), self._slot_bytes(len(targets))
             halves = self._free_halves(r, lane)
             assert halves is not None  # _blocker said a slot is free
             base = ti * slot + halves[0] * (slot // 2)
-            buffer = ("slot", shard, *halves)
+            buffer: tuple[Any, ...] = ("slot", shard, *halves)
             for k in halves:
                 self.slot_owner[(shard, ti, k)] = (r.key, lane.key)
         else:
@@ -412,10 +416,10 @@ class StagedSender:
                 return "prefill pinned pool full"
             buffer = ("pinned", res.res_id)
             # Head-major: the lane's heads sit at their offset in a rank buffer starting at base.
-            base = res.offset - (lane.head_start - self.pool.head_start) * regions * T * hb
+            base = res.offset - (lane.head_start - pool.head_start) * regions * T * hb
         smap = staged_map(
-            self.pool,
-            r.ledger.pages,
+            pool,
+            led.pages,
             lane.head_start,
             lane.num_heads,
             lane.token_start,
@@ -426,27 +430,27 @@ class StagedSender:
         op = self._next_op_id
         self._next_op_id += 1
         self.ops[op] = r.key
-        r.ledger.ops.add(op)
+        led.ops.add(op)
         fire(TX_TABLE, lane, TxIn.START, op, buffer, smap.staging_base, smap.nbytes)
-        self._out.append(
-            Gather(op_id=op, room=r.room, staging_region=self._buffer_region(buffer), maps=(smap,))
-        )
+        self.ctx.emit(Gather(op_id=op, room=r.room, staging_region=self._buffer_region(buffer), maps=(smap,)))
         return ""
 
-    def _h_on_copy_done(self, r: Any, inp: Any, ev: Any) -> None:
-        lane = next((x for x in r.ledger.lanes.values() if x.op_id == ev.op_id), None)
+    def on_copy_done(self, r: Any, ev: Any) -> None:
+        led = self._ledger(r)
+        lane = next((x for x in led.lanes.values() if x.op_id == ev.op_id), None)
         if lane is None:
             raise StagingRoomError(f"gather {ev.op_id} finished for no lane of the room")
         g = lane.grant
         assert g is not None and lane.buffer is not None
-        note = self._flow_ctx.chunk_note(r, lane, lane.token_start, lane.token_end, staged=g.alloc_id)
-        wid = self._new_write(r)
+        ctx = self.ctx
+        note = ctx.chunk_note(r, lane, lane.token_start, lane.token_end, staged=g.alloc_id)
+        wid = ctx.new_write(r)
         # Where the watermark must pass for this write to be known scattered: the ring slot, or
         # the pinned grant's sequence number.
         position = Watermark(g.round, g.start) if lane.flow is Flow.RING else Watermark(g.round, 0)
-        r.ledger.write_lane[wid] = (lane.key, note, position)
+        led.write_lane[wid] = (lane.key, note, position)
         fire(TX_TABLE, lane, TxIn.GATHERED, wid)
-        self._out.append(
+        ctx.emit(
             PostWrite(
                 write_id=wid,
                 peer=lane.target,
@@ -462,20 +466,29 @@ class StagedSender:
             )
         )
 
-    def _op_finished(self, r: Any, op: int) -> None:
+    def op_finished(self, r: Any, op: int) -> None:
         """Every state: a failed room's gather gives its slot back and posts nothing."""
-        r.ledger.ops.discard(op)
-        if self._is_failed(r):
-            for lane in r.ledger.lanes.values():
+        led = self.ledgers.get(r.key)
+        if led is None:
+            return
+        led.ops.discard(op)
+        if self.ctx.is_failed(r):
+            for lane in led.lanes.values():
                 if lane.op_id == op and lane.state is TxState.GATHERING:
                     self._release(r, lane)
 
-    def _write_finished(self, r: Any, wid: int, done: bool) -> None:
-        entry = r.ledger.write_lane.pop(wid, None)
+    def withdrawn_gather(self, r: Any, op: int) -> None:
+        """A Gather command the table withdrew (its step failed): it never runs."""
+        if self.ops.pop(op, None) is not None:
+            self.op_finished(r, op)
+
+    def write_finished(self, r: Any, wid: int, done: bool) -> None:
+        led = self.ledgers.get(r.key)
+        entry = led.write_lane.pop(wid, None) if led is not None and led.write_lane else None
         if entry is None:
             return
         key, note, position = entry
-        lane = r.ledger.lanes[key]
+        lane = led.lanes[key]  # type: ignore[union-attr]
         if done:
             self._await_scatter((lane.target, lane.flow.value), position, note)
         fire(TX_TABLE, lane, TxIn.WRITTEN)
@@ -498,17 +511,18 @@ class StagedSender:
     def _wake_stalled(self) -> None:
         """A grant, a watermark or a freed slot: let stalled rooms try again. Not a spin: only
         on news, and each room at most once per news."""
+        ctx = self.ctx
         for room in sorted(self.stalled):
-            r = self.rooms.get(room)
-            if r is None or self._is_failed(r):
+            r = ctx.room(room)
+            if r is None or ctx.is_failed(r):
                 self.stalled.discard(room)
                 continue
             try:
                 self._start_ready(r)
             except ProtocolError as exc:  # outside a room handler: fail the room here
                 self.counters["room_exception"] += 1
-                self.fail(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=self._now))
-                self._maybe_finish(r)
+                ctx.fail_room(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=ctx.now()))
+                ctx.settle(r)
 
     # --- lost notes of staged writes --------------------------------------------------------------
 
@@ -520,9 +534,11 @@ class StagedSender:
         wm = self.peer_wm.get(key)
         if wm is not None and wm > position:
             return
-        self.unconfirmed.setdefault(key, []).append((position, note, self._now + self.timeouts.fence_ns))
-        if ("notes", key) not in self.deadlines:
-            self.deadlines.set(("notes", key), self._now + self.timeouts.heartbeat_interval_ns)
+        ctx = self.ctx
+        now, t = ctx.now(), ctx.timeouts
+        self.unconfirmed.setdefault(key, []).append((position, note, now + t.fence_ns))
+        if ("notes", key) not in ctx.deadlines:
+            ctx.deadlines.set(("notes", key), now + t.heartbeat_interval_ns)
 
     def _confirm_notes(self, key: tuple[m.Endpoint, str]) -> None:
         wm = self.peer_wm.get(key)
@@ -534,62 +550,76 @@ class StagedSender:
             self.unconfirmed[key] = left
         else:
             del self.unconfirmed[key]
-            self.deadlines.cancel(("notes", key))
+            self.ctx.deadlines.cancel(("notes", key))
 
-    def _resend_notes(self, key: tuple[m.Endpoint, str]) -> None:
+    def resend_notes(self, key: tuple[m.Endpoint, str]) -> None:
         self._confirm_notes(key)
         pending = self.unconfirmed.get(key)
         peer = key[0]
-        if not pending or peer not in self.peers:
+        ctx = self.ctx
+        if not pending or peer not in ctx.peers:
             self.unconfirmed.pop(key, None)
             return
+        now = ctx.now()
         keep = []
         for position, note, give_up_at in pending:
-            if self._now >= give_up_at:
+            if now >= give_up_at:
                 self.counters["staged_note_gave_up"] += 1
                 continue
             keep.append((position, note, give_up_at))
             self.counters["staged_note_resent"] += 1
-            self._out.append(SendNotif(peer=peer, room=-1, notif=note))
+            ctx.emit(SendNotif(peer=peer, room=-1, notif=note))
         if keep:
             self.unconfirmed[key] = keep
-            self.deadlines.set(("notes", key), self._now + self.timeouts.heartbeat_interval_ns)
+            ctx.deadlines.set(("notes", key), now + ctx.timeouts.heartbeat_interval_ns)
         else:
             del self.unconfirmed[key]
 
-    def _forget_staging_peer(self, peer: m.Endpoint) -> None:
+    def forget_peer(self, peer: m.Endpoint) -> None:
         """A decode rank lost or restarted: its pools start over; old notes mean nothing there."""
         for pool in ("ring", "pinned"):
             self.peer_wm.pop((peer, pool), None)
             self.unconfirmed.pop((peer, pool), None)
-            self.deadlines.cancel(("notes", (peer, pool)))
+            self.ctx.deadlines.cancel(("notes", (peer, pool)))
 
-    def staging_in_use(self) -> int:
+    def in_use(self) -> int:
         """Staging slots, pinned reservations and gathers held; 0 once every room settled."""
         return len(self.slot_owner) + (len(self.pinned) if self.pinned is not None else 0) + len(self.ops)
 
 
 class StagedChunkSender:
     """The staged flows' prefill half of a chunk run (core/flows/registry.py): the worker hands
-    the chunk over and moves on; its lanes wait for space (``ctx.accept_staged``)."""
+    the chunk over and moves on; its lanes wait for space (the rank's ``StagedSender``)."""
 
     __slots__ = ()
 
     def run_chunk(self, ctx: Any, r: Any, c: Any) -> str:
         if r.token_start:
-            raise RoomStateError(f"flow {r.ledger.flow.value} cannot skip decode's prefix hit")
-        outcome: str = ctx.accept_staged(r, c)
+            raise RoomStateError(f"flow {r.flow.value} cannot skip decode's prefix hit")
+        outcome: str = ctx.staged.accept(r, c)
         return outcome
+
+    def prepare(self, ctx: Any, r: Any) -> None:
+        """The room learned of chunks or decode ranks: ask for their space ahead of the worker."""
+        ctx.staged.prepare(r)
+
+    def check_peers(self, flow: Flow, registrations: list[m.Register]) -> None:
+        """Every decode rank the room writes to must offer this flow's staging region."""
+        for reg in registrations:
+            if not (reg.ring_bytes if flow is Flow.RING else reg.pinned_bytes):
+                raise StagingRoomError(
+                    f"flow {flow.value}: decode rank {reg.src} registered no {flow.value} region"
+                )
 
 
 class StagedNoteReceiver:
-    """The staged flows' decode half for a note naming its staging allocation: the decode ledger
-    (core/flows/staged_receiver.py, still a part of the receiver engine: ``ctx.staged_note``)."""
+    """The staged flows' decode half for a note naming its staging allocation: the rank's
+    decode ledger (core/flows/staged_receiver.py, ``ctx.staged``)."""
 
     __slots__ = ()
 
     def on_note(self, ctx: Any, r: Any, prog: Any, note: m.ChunkNote) -> None:
-        ctx.staged_note(r, note)
+        ctx.staged.note(r, note)
 
 
 STAGED_SENDER, STAGED_RECEIVER = StagedChunkSender(), StagedNoteReceiver()

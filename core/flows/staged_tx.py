@@ -96,14 +96,13 @@ class TxLane:
 
 
 class StagedLedger:
-    """Everything the flow keeps about one room, owned by the flow: the room machine reads only
-    ``flow``, ``quiet()`` and ``blocked`` (for a timeout's reason), and never writes here."""
+    """Everything the flow keeps about one room, in the flow's own table (``StagedSender.ledgers``),
+    never on the room; the room machine asks the flow, not the ledger."""
 
-    __slots__ = ("asked", "blocked", "deferred", "direct_chunks", "early_grants", "flow", "lanes", "ops",
-                 "pages", "write_lane")  # fmt: skip
+    __slots__ = ("asked", "blocked", "deferred", "direct_chunks", "early_grants", "lanes", "ops", "pages",
+                 "write_lane")  # fmt: skip
 
     def __init__(self) -> None:
-        self.flow: Flow | None = None  # chosen once a decode rank of the room is registered
         self.lanes: dict[tuple[int, m.Endpoint], TxLane] = {}
         self.asked: dict[tuple[int, m.Endpoint], bool] = {}
         self.early_grants: dict[tuple[int, m.Endpoint], list[m.StagingRsp]] = {}

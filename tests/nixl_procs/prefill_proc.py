@@ -220,7 +220,7 @@ def engine_counters(ep) -> dict:
 def copy_tables(ep) -> dict:
     """Gathers the engine waits for, and what the driver and the copy executor say of them."""
     with ep.lock:  # the engine and the driver's tables only under the endpoint's lock
-        ops, handles = sorted(ep.engine.ops), dict(ep.driver.copies)
+        ops, handles = sorted(ep.engine.staged.ops), dict(ep.driver.copies)
     return {
         "engine_ops": ops,
         "driver": {str(op): ep.transport.check_copy(h).value for op, h in handles.items()},
