@@ -19,6 +19,7 @@ import time
 
 import pytest
 from kvferry.backends.loopback import plan as sp
+from kvferry.core.kvpoll import KVPoll
 
 from kvferry.tools.chaos import netns
 from kvferry.tools.chaos import run as chaos
@@ -84,6 +85,66 @@ def test_a_failure_counts_as_by_deadline_only_if_every_reason_is_a_deadline() ->
     assert _by_deadline(["room 1: timed out while waiting", ""])
     assert not _by_deadline(["room 1: timed out while waiting", "peer prefill#0 lost (no heartbeat)"])
     assert not _by_deadline(["", ""])
+
+
+class _Rank:
+    """A decode rank's receiver as the soak's decode process sees it: polled, never fenced."""
+
+    def __init__(self, status: KVPoll, reason: str = "") -> None:
+        self.status, self.reason, self.cleared = status, reason, False
+
+    def poll(self) -> KVPoll:
+        return self.status
+
+    def failure_exception(self) -> None:
+        if self.status is KVPoll.Failed:
+            raise RuntimeError(self.reason)
+
+    def pages_freed(self) -> bool:
+        return False
+
+    def clear(self) -> None:
+        self.cleared = True
+
+
+def test_a_rank_failed_while_its_bytes_are_checked_is_settled_not_reported_success(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stall's disagreement (pull, TP 1->2: decode#0 Success, decode#1 and prefill Failed):
+    after a thaw, decode#0's READ completes (Success) and prefill's RoomFailed lands right
+    behind it (Failed, as the protocol says: Failed overrides a Success). The decode process
+    reported the room from one poll but decided to keep it for settling from a second one: a rank
+    Failed by then was cleared, its report said Success, and settling never told the change."""
+    from kvferry.backends.loopback import decode_side
+
+    plan_ = sp.room_plan(0, 7, ("pull",), 0.0, False)
+    notice = "failed on prefill#0: peer decode#0 lost (no heartbeat)"
+    rank0, rank1 = _Rank(KVPoll.Success), _Rank(KVPoll.Failed, notice)
+
+    def bytes_check(*_a: object) -> tuple[int, None]:
+        rank0.status, rank0.reason = KVPoll.Failed, notice  # the notice lands meanwhile
+        return 0, None
+
+    monkeypatch.setattr(decode_side.pattern, "mismatches", bytes_check)
+    side = object.__new__(decode_side.DecodeSide)
+    transport = type("T", (), {"region": None, "read_aux_room": staticmethod(lambda _row: plan_.room)})
+    side.eps = [type("E", (), {"pool": None, "transport": transport})() for _ in range(2)]
+    side.keep, side.settling, side.waiting_fence, side.unfenced = True, {}, {}, []
+    live = {7: {"plan": plan_, "pages": [1, 2], "aux": 3, "rvs": [rank0, rank1], "canary_bad": []}}
+    assert side._step(live, 7)
+    side.settle()
+    said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert said[0]["event"] == "room" and said[0]["status"] == [int(KVPoll.Success), int(KVPoll.Failed)]
+    assert not rank0.cleared, "a rank reported Success was cleared before settling"
+    assert said[1:] == [
+        {
+            "event": "room_final",
+            "i": 7,
+            "status": [int(KVPoll.Failed)],
+            "reason": [notice],
+            "error": ["RuntimeError"],
+        }
+    ]
 
 
 @pytest.mark.parametrize(

@@ -145,8 +145,11 @@ class DecodeSide(common.SideLoop):
         for rv, status in zip(rvs, statuses, strict=True):
             if status is KVPoll.Failed and not rv.pages_freed():
                 unfenced.append(rv)  # cleared once fenced (_reclaim)
-        done = [rv for rv in rvs if rv not in unfenced]
-        for rv in self._release(idx, done, [rv.poll() for rv in done]):
+        # Kept or cleared by the statuses this report names, not a second poll: a rank that turned
+        # Failed since (a failure notice landing right behind its last READ, after a thaw) would
+        # be cleared while reported Success, and settling would never report the change.
+        done = [(rv, s) for rv, s in zip(rvs, statuses, strict=True) if rv not in unfenced]
+        for rv in self._release(idx, [rv for rv, _ in done], [s for _, s in done]):
             rv.clear()
         say(
             event="room",
