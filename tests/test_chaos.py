@@ -147,6 +147,41 @@ def test_a_rank_failed_while_its_bytes_are_checked_is_settled_not_reported_succe
     ]
 
 
+def test_abandoned_transfers_are_summed_over_every_incarnation() -> None:
+    """Each process reports its agents' running count with every segment's end; a killed one's
+    last report still counts, and its successor starts again from zero."""
+    from types import SimpleNamespace
+
+    from kvferry.tools.soak import Soak, SoakConfig
+
+    soak = Soak(SoakConfig(rooms=100, kill_every=0), None)
+    first, second = SimpleNamespace(role="decode", abandoned=0), SimpleNamespace(role="decode", abandoned=0)
+    for who, n in ((first, 1), (first, 1), (first, 3), (second, 0), (second, 2)):
+        soak._count(who, {"event": "segment", "abandoned": n})  # type: ignore[arg-type]
+    soak._count(first, {"event": "segment"})  # type: ignore[arg-type]  # an older side: no count
+    assert dict(soak.abandoned) == {"decode": 5}
+
+
+def test_an_rss_baseline_taken_while_the_peer_was_lost_does_not_read_as_growth() -> None:
+    """The long run's two rss_growth violations (TP 2->1, both sides' second incarnation at once):
+    a process that loses its peer (a long partition, a stall, the peer killed) releases what it
+    held for it and takes it again when the peer is back; the baseline was one sample, taken in
+    such a dip (97 MB, below the process's own first sample of 109 MB), and the run's end (173 MB)
+    sat in the band every other incarnation of that process held (164-183 MB)."""
+    from kvferry.tools.soak import RssTrack
+
+    mb = 1024
+    dip = RssTrack(
+        "prefill", 2, [(5, 0, 109 * mb), (46, 180, 97 * mb), (52, 210, 165 * mb), (200, 720, 173 * mb)]
+    )
+    r = dip.summary(warmup_s=45.0, bound_mb=64.0)
+    assert r["checked"] and r["baseline_mb"] == 165.0 and r["growth_mb"] == 8.0 and r["ok"]
+    # A leak still shows: it outgrows every sample of the baseline window.
+    leak = RssTrack("prefill", 0, [(t, t, (100 + t // 10) * mb) for t in range(5, 1200, 5)])
+    r = leak.summary(warmup_s=45.0, bound_mb=64.0)
+    assert r["checked"] and r["growth_mb"] > 64 and not r["ok"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -269,6 +304,7 @@ def test_short_run_every_flow_tp_pair_and_fault_kind() -> None:
     assert code == (1 if by_deadline else 0), err[-2000:]
     cov = r["coverage"]
     assert r["rooms_run"] == 500
+    assert set(r["abandoned"]) == {"prefill", "decode"}, r["abandoned"]
     assert all(v["rooms"] > 0 for v in cov["by_flow"].values()), cov["by_flow"]
     assert all(v["rooms"] > 0 for v in cov["by_tp"].values()), cov["by_tp"]
     assert set(cov["faults"]) == set(KINDS) and all(n >= 1 for n in cov["faults"].values()), cov["faults"]

@@ -47,6 +47,8 @@ class DecodeSide(common.SideLoop):
             for pool in sp.decode_pools(args.decode_tp)
         ]
         for ep in self.eps:
+            with ep.lock:  # the engine only under its lock
+                ep.engine.quarantine_ns = int(args.quarantine_s * 1e9)
             ep.start()
         self.rng = np.random.default_rng([args.seed, args.incarnation])  # scattered pages
         self.last_owner: dict[tuple[str, int], tuple[str, float]] = {}  # and when it was freed
@@ -220,7 +222,7 @@ def main() -> None:
     side = DecodeSide(args)
     executors = sorted({ep.transport.executor for ep in side.eps})
     say(event="ready", address=side.eps[0].address, pid=os.getpid(), executors=executors)
-    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release)
+    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release, side.counts)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ def main() -> None:
     side = PrefillSide(args)
     executors = sorted({ep.transport.executor for ep in side.eps})
     say(event="ready", addresses=[ep.address for ep in side.eps], pid=os.getpid(), executors=executors)
-    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release)
+    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release, side.counts)
 
 
 if __name__ == "__main__":
