@@ -249,13 +249,13 @@ class ReceiverEngine(StagedReceiver, RoomEngine):
     ``registration``: this rank's ``Register`` message (agent, regions, geometry, aux rows), sent
     to every prefill rank it pairs with.
 
-    ``quarantine_ns``: how long past the fence deadline a failed room's pages still wait for the
-    ``Stopped`` of a sender that never gave it (its Abort is resent meanwhile). 0 (the default)
-    frees them at the fence, which suffices where a cut-off writer's transfer can no longer land
-    (RDMA: a failed queue pair delivers nothing). Over UCX's TCP transport a WRITE queued during a
-    partition lands whenever the connection comes back, so a writer that answers only after the
-    heal (its write ended, or it restarted and never wrote) frees the pages; set it to the
-    transport's own bound (TCP gives a silent connection up after about 15 minutes).
+    ``quarantine_ns``: how long past the fence deadline a failed room's pages (and staging space)
+    still wait for the ``Stopped`` of a sender that never gave it (its Abort is resent meanwhile).
+    0 (the default) frees them at the fence, which suffices where a cut-off writer's transfer can
+    no longer land (RDMA: a failed queue pair delivers nothing). Over UCX's TCP transport a WRITE
+    queued during a partition lands whenever the connection comes back, so a writer that answers
+    only after the heal (its write ended, or it restarted and never wrote) frees the pages; set it
+    to the transport's own bound (TCP gives a silent connection up after about 15 minutes).
     """
 
     STATUS = STATUS

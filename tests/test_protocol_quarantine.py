@@ -37,11 +37,7 @@ def _partition_past_the_fence(
     TCP keeps them."""
     w = H.World(H.TINY, 1, 1, seed=3, flow=flow)
     w.decode[0].engine.quarantine_ns = quarantine_ns
-    req = w.open_room(7, "late", 6, [6])
-    assert req is not None
-    _deliver_all(w)  # Register, TransferInfo, RegisterAck, InfoAck
-    assert w.chunk_ready(req, 0)
-    assert w.run_worker(0, 7 % 2)
+    req = w.first_chunk_run(7, "late", 6)
     if flow == "pull":
         _deliver_all(w)  # the offer reaches decode, which posts its READ
         assert any(pw.read for pw in w.fabric.writes)

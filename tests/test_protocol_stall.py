@@ -41,11 +41,7 @@ def _freeze_decode(w: H.World, for_ns: int) -> None:
 @pytest.mark.parametrize("first", ["read", "notice"])
 def test_a_read_that_completes_after_prefill_failed_the_room_ends_failed(first: str) -> None:
     w = H.World(H.TINY, 1, 2, seed=5, flow="pull")
-    req = w.open_room(11, "stall", 6, [6])
-    assert req is not None
-    _deliver_all(w)  # Register, TransferInfo, RegisterAck, InfoAck
-    assert w.chunk_ready(req, 0)
-    assert w.run_worker(0, 11 % 2)
+    req = w.first_chunk_run(11, "stall", 6)
     for _ in range(5):  # the offers reach both decode ranks, which post their READs
         _deliver_all(w)
         if sum(pw.read for pw in w.fabric.writes) == 2:
