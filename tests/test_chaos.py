@@ -162,6 +162,20 @@ def test_abandoned_transfers_are_summed_over_every_incarnation() -> None:
     assert dict(soak.abandoned) == {"decode": 5}
 
 
+def test_a_disagreement_names_every_ranks_reason() -> None:
+    from kvferry.tools.soak import Soak, SoakConfig
+
+    soak = Soak(SoakConfig(rooms=100, kill_every=0), None)
+    plan_ = sp.room_plan(0, 3, ("pull",), 0.0, False)
+    lost = "peer decode#0 lost (no heartbeat)"
+    soak.results["prefill"][3] = {"status": [0], "reason": [lost]}
+    soak.results["decode"][3] = {"status": [4, 0], "reason": ["", f"failed on prefill#0: {lost}"]}
+    soak._judge(plan_, None, "stall")
+    [v] = soak.violations
+    assert v["kind"] == "disagree" and v["decode_reasons"] == ["", f"failed on prefill#0: {lost}"]
+    assert v["prefill_reasons"] == [lost]
+
+
 def test_an_rss_baseline_taken_while_the_peer_was_lost_does_not_read_as_growth() -> None:
     """The long run's two rss_growth violations (TP 2->1, both sides' second incarnation at once):
     a process that loses its peer (a long partition, a stall, the peer killed) releases what it

@@ -392,7 +392,12 @@ class Soak:
             outcome = "failed_by_deadline" if _by_deadline(p["reason"] + d["reason"]) else "failed"
         elif fault is not None:
             reasons = [r for r in p["reason"] + d["reason"] if r][:2]
-            self._violation("disagree", prefill=p["status"], decode=d["status"], reasons=reasons, **info)
+            # Every rank's reason, in rank order ("" for a rank that did not fail): which rank
+            # said what is the first thing a disagreement's diagnosis needs.
+            by_rank = {"prefill_reasons": p["reason"], "decode_reasons": d["reason"]}
+            self._violation(
+                "disagree", prefill=p["status"], decode=d["status"], reasons=reasons, **by_rank, **info
+            )
         else:
             reasons = [r for r in p["reason"] + d["reason"] if r][:2]
             self._violation("failed", prefill=p["status"], decode=d["status"], reasons=reasons, **info)
