@@ -28,6 +28,9 @@ def arguments(role: str) -> argparse.Namespace:
     # The address every rank binds its control socket to (a network namespace's own address under
     # ``kvferry chaos``); NIXL's UCX picks its interface from UCX_NET_DEVICES in the environment.
     ap.add_argument("--host", default="127.0.0.1")
+    # How long a lost peer's transfer may stay in flight before the agent releases it unfenced
+    # (NixlAgent.drain_s; 0: the agent's default): over TCP, as long as decode's quarantine.
+    ap.add_argument("--drain-s", type=float, default=0.0)
     if role == "prefill":
         ap.add_argument("--ports", default="", help="control ports to bind, one per rank (restart)")
     else:
@@ -170,6 +173,11 @@ class SideLoop:
                 h.clear()
         self.settling = {}
         self.keep = False
+
+    def _set_drain(self) -> None:
+        if self.args.drain_s:
+            for ep in self.eps:
+                ep.transport.agent.drain_s = self.args.drain_s
 
     def counts(self) -> dict[str, int]:
         """``abandoned``: transfers of lost peers the agents released still in flight, past their

@@ -46,6 +46,7 @@ class DecodeSide(common.SideLoop):
             )
             for pool in sp.decode_pools(args.decode_tp)
         ]
+        self._set_drain()
         for ep in self.eps:
             with ep.lock:  # the engine only under its lock
                 ep.engine.quarantine_ns = int(args.quarantine_s * 1e9)

@@ -40,6 +40,7 @@ class PrefillSide(common.SideLoop):
             PrefillEndpoint("prefill", pool, config=msgspec.structs.replace(cfg, port=port))
             for pool, port in zip(pools, ports, strict=True)
         ]
+        self._set_drain()
         for ep in self.eps:
             ep.start()
         self.free_pages = list(range(sp.PREFILL_PAGES))

@@ -40,7 +40,9 @@ TP_PAIRS = ((1, 1), (2, 1), (1, 2))
 # Over UCX's TCP transport a write held through a partition lands whenever the connection comes
 # back: decode keeps a failed room's pages past the fence until its writer says Stopped (which it
 # does once its writes ended), for up to TCP's own bound on a silent connection (tcp_retries2 = 15:
-# about 924 s). A writer that never answers shows as pages still held at the end (a leak).
+# about 924 s). A writer that never answers shows as pages still held at the end (a leak). The
+# agents keep a lost peer's transfers as long before releasing them unfenced (``abandoned``), so
+# a writer's Stopped never vouches for a transfer TCP may still deliver.
 QUARANTINE_S = 900.0
 
 
@@ -186,7 +188,7 @@ class PairRun(Soak):
     def _launch(self, role: str) -> tuple[tuple[str, ...], list[str], dict[str, str]]:
         net, host = self.chaos.net, HOSTS[role]
         env = {**self.env, **net.ucx_env()}
-        extra = ["--host", net.address(host)]
+        extra = ["--host", net.address(host), "--drain-s", str(QUARANTINE_S)]
         if role == "decode":
             extra += ["--quarantine-s", str(QUARANTINE_S)]
             if self.chaos.c.plant:
