@@ -177,7 +177,7 @@ def test_a_disagreement_names_every_ranks_reason() -> None:
 
 
 def test_an_rss_baseline_taken_while_the_peer_was_lost_does_not_read_as_growth() -> None:
-    """The long run's two rss_growth violations (TP 2->1, both sides' second incarnation at once):
+    """The rss_growth violations of long chaos runs (e.g. TP 2->1, both sides at once):
     a process that loses its peer (a long partition, a stall, the peer killed) releases what it
     held for it and takes it again when the peer is back; the baseline was one sample, taken in
     such a dip (97 MB, below the process's own first sample of 109 MB), and the run's end (173 MB)
