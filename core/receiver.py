@@ -145,6 +145,7 @@ class _Room:
         "progress",
         "pull_from",
         "pulled",
+        "quarantined",
         "reads",
         "reads_cut",
         "reads_stopped_sent",
@@ -188,6 +189,7 @@ class _Room:
         # that queues them (UCX over TCP) their data can still land after a heal, so only the
         # fence deadline frees the pages.
         self.reads_cut = False
+        self.quarantined = False  # past the fence, still waiting for a Stopped (quarantine_ns)
         self.freed = False
         self.failure: RoomFailure | None = None
         self.release_requested = False
@@ -250,6 +252,14 @@ class ReceiverEngine(RoomEngine):
 
     ``registration``: this rank's ``Register`` message (agent, regions, geometry, aux rows), sent
     to every prefill rank it pairs with.
+
+    ``quarantine_ns``: how long past the fence deadline a failed room's pages (and staging space)
+    still wait for the ``Stopped`` of a sender that never gave it (its Abort is resent meanwhile).
+    0 (the default) frees them at the fence, which suffices where a cut-off writer's transfer can
+    no longer land (RDMA: a failed queue pair delivers nothing). Over UCX's TCP transport a WRITE
+    queued during a partition lands whenever the connection comes back, so a writer that answers
+    only after the heal (its write ended, or it restarted and never wrote) frees the pages; set it
+    to the transport's own bound (TCP gives a silent connection up after about 15 minutes).
     """
 
     STATUS = STATUS
@@ -263,7 +273,12 @@ class ReceiverEngine(RoomEngine):
     staged_class: type[StagedReceiver] = StagedReceiver  # the staged flows' decode half
 
     def __init__(
-        self, registration: m.Register, *, timeouts: Timeouts | None = None, planner: Any = None
+        self,
+        registration: m.Register,
+        *,
+        timeouts: Timeouts | None = None,
+        planner: Any = None,
+        quarantine_ns: int = 0,
     ) -> None:
         self.registration = registration
         self.reg_id = m.registration_id(registration)
@@ -272,6 +287,7 @@ class ReceiverEngine(RoomEngine):
         self.page_size = registration.geometry.page_size
         self.num_pages = registration.geometry.num_pages
         self.timeouts = timeouts or Timeouts()
+        self.quarantine_ns = quarantine_ns
         self.rooms: dict[int, _Room] = {}
         self.peers: dict[m.Endpoint, _Peer] = {}
         self.rooms_by_peer: dict[m.Endpoint, set[int]] = {}
@@ -700,8 +716,15 @@ class ReceiverEngine(RoomEngine):
 
     def _h_on_failed_input(self, r: _Room, inp: RIn, payload: Any) -> None:
         if inp is RIn.TIMEOUT:
-            # The fence deadline: stop waiting for Stopped from senders that never answered.
-            if not r.freed:
+            # The fence deadline: stop waiting for Stopped from senders that never answered, or
+            # (``quarantine_ns``) wait that much longer for a sender whose writes may still land.
+            if r.freed:
+                pass
+            elif self.quarantine_ns and not r.quarantined and not r.fenced >= r.senders.keys():
+                r.quarantined = True
+                self.counters["fence_quarantined"] += 1
+                self.deadlines.set(("room", r.room), self._now + self.quarantine_ns)
+            else:
                 self.counters["fence_expired"] += 1
                 r.fence_expired = True
         elif inp is RIn.NOTIFY:
@@ -749,7 +772,8 @@ class ReceiverEngine(RoomEngine):
         st = r.state
         if st is RState.FAILED:
             self.pull_rx.reads_drained(r)
-            fenced = r.fence_expired or (r.fenced >= r.senders.keys() and not r.reads_cut)
+            # READs of ours a lost peer cut wait for the fence deadline, which a quarantine is past.
+            fenced = r.fence_expired or (r.fenced >= r.senders.keys() and (not r.reads_cut or r.quarantined))
             if not r.freed and fenced and not r.reads and not self.staged.scatters_running(r):
                 # Pages and staging space go back only when no writer can still write them (fenced)
                 # and no scatter or READ of ours is writing the pages.

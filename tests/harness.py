@@ -891,3 +891,14 @@ class World:
         # interval): settling must keep time moving in heartbeat steps until that stream ends,
         # or one big jump past fence_ns would give up without a single resend.
         return any(r.engine.rooms or (r.side == "prefill" and r.engine.notices) for r in self.ranks)
+
+    def first_chunk_run(self, room: int, tid: str, num_tokens: int) -> Request:
+        """A one-chunk room opened on every rank, its handshake delivered, and its chunk run by
+        prefill rank 0's worker: the writes (or, pull, the offers) are on the fabric."""
+        req = self.open_room(room, tid, num_tokens, [num_tokens])
+        assert req is not None
+        while self.fabric.pending:  # Register, TransferInfo, RegisterAck, InfoAck
+            self.deliver(0)
+        assert self.chunk_ready(req, 0)
+        assert self.run_worker(0, room % len(self.prefill[0].driver.queues))
+        return req

@@ -19,6 +19,7 @@ import time
 
 import pytest
 from kvferry.backends.loopback import plan as sp
+from kvferry.core.kvpoll import KVPoll
 
 from kvferry.tools.chaos import netns
 from kvferry.tools.chaos import run as chaos
@@ -84,6 +85,115 @@ def test_a_failure_counts_as_by_deadline_only_if_every_reason_is_a_deadline() ->
     assert _by_deadline(["room 1: timed out while waiting", ""])
     assert not _by_deadline(["room 1: timed out while waiting", "peer prefill#0 lost (no heartbeat)"])
     assert not _by_deadline(["", ""])
+
+
+class _Rank:
+    """A decode rank's receiver as the soak's decode process sees it: polled, never fenced."""
+
+    def __init__(self, status: KVPoll, reason: str = "") -> None:
+        self.status, self.reason, self.cleared = status, reason, False
+
+    def poll(self) -> KVPoll:
+        return self.status
+
+    def failure_exception(self) -> None:
+        if self.status is KVPoll.Failed:
+            raise RuntimeError(self.reason)
+
+    def pages_freed(self) -> bool:
+        return False
+
+    def clear(self) -> None:
+        self.cleared = True
+
+
+def test_a_rank_failed_while_its_bytes_are_checked_is_settled_not_reported_success(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stall's disagreement (pull, TP 1->2: decode#0 Success, decode#1 and prefill Failed):
+    after a thaw, decode#0's READ completes (Success) and prefill's RoomFailed lands right
+    behind it (Failed, as the protocol says: Failed overrides a Success). The decode process
+    reported the room from one poll but decided to keep it for settling from a second one: a rank
+    Failed by then was cleared, its report said Success, and settling never told the change."""
+    from kvferry.backends.loopback import decode_side
+
+    plan_ = sp.room_plan(0, 7, ("pull",), 0.0, False)
+    notice = "failed on prefill#0: peer decode#0 lost (no heartbeat)"
+    rank0, rank1 = _Rank(KVPoll.Success), _Rank(KVPoll.Failed, notice)
+
+    def bytes_check(*_a: object) -> tuple[int, None]:
+        rank0.status, rank0.reason = KVPoll.Failed, notice  # the notice lands meanwhile
+        return 0, None
+
+    monkeypatch.setattr(decode_side.pattern, "mismatches", bytes_check)
+    side = object.__new__(decode_side.DecodeSide)
+    transport = type("T", (), {"region": None, "read_aux_room": staticmethod(lambda _row: plan_.room)})
+    side.eps = [type("E", (), {"pool": None, "transport": transport})() for _ in range(2)]
+    side.keep, side.settling, side.waiting_fence, side.unfenced = True, {}, {}, []
+    live = {7: {"plan": plan_, "pages": [1, 2], "aux": 3, "rvs": [rank0, rank1], "canary_bad": []}}
+    assert side._step(live, 7)
+    side.settle()
+    said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert said[0]["event"] == "room" and said[0]["status"] == [int(KVPoll.Success), int(KVPoll.Failed)]
+    assert not rank0.cleared, "a rank reported Success was cleared before settling"
+    assert said[1:] == [
+        {
+            "event": "room_final",
+            "i": 7,
+            "status": [int(KVPoll.Failed)],
+            "reason": [notice],
+            "error": ["RuntimeError"],
+        }
+    ]
+
+
+def test_abandoned_transfers_are_summed_over_every_incarnation() -> None:
+    """Each process reports its agents' running count with every segment's end; a killed one's
+    last report still counts, and its successor starts again from zero."""
+    from types import SimpleNamespace
+
+    from kvferry.tools.soak import Soak, SoakConfig
+
+    soak = Soak(SoakConfig(rooms=100, kill_every=0), None)
+    first, second = SimpleNamespace(role="decode", abandoned=0), SimpleNamespace(role="decode", abandoned=0)
+    for who, n in ((first, 1), (first, 1), (first, 3), (second, 0), (second, 2)):
+        soak._count(who, {"event": "segment", "abandoned": n})  # type: ignore[arg-type]
+    soak._count(first, {"event": "segment"})  # type: ignore[arg-type]  # an older side: no count
+    assert dict(soak.abandoned) == {"decode": 5}
+
+
+def test_a_disagreement_names_every_ranks_reason() -> None:
+    from kvferry.tools.soak import Soak, SoakConfig
+
+    soak = Soak(SoakConfig(rooms=100, kill_every=0), None)
+    plan_ = sp.room_plan(0, 3, ("pull",), 0.0, False)
+    lost = "peer decode#0 lost (no heartbeat)"
+    soak.results["prefill"][3] = {"status": [0], "reason": [lost]}
+    soak.results["decode"][3] = {"status": [4, 0], "reason": ["", f"failed on prefill#0: {lost}"]}
+    soak._judge(plan_, None, "stall")
+    [v] = soak.violations
+    assert v["kind"] == "disagree" and v["decode_reasons"] == ["", f"failed on prefill#0: {lost}"]
+    assert v["prefill_reasons"] == [lost]
+
+
+def test_an_rss_baseline_taken_while_the_peer_was_lost_does_not_read_as_growth() -> None:
+    """The rss_growth violations of long chaos runs (e.g. TP 2->1, both sides at once):
+    a process that loses its peer (a long partition, a stall, the peer killed) releases what it
+    held for it and takes it again when the peer is back; the baseline was one sample, taken in
+    such a dip (97 MB, below the process's own first sample of 109 MB), and the run's end (173 MB)
+    sat in the band every other incarnation of that process held (164-183 MB)."""
+    from kvferry.tools.soak import RssTrack
+
+    mb = 1024
+    dip = RssTrack(
+        "prefill", 2, [(5, 0, 109 * mb), (46, 180, 97 * mb), (52, 210, 165 * mb), (200, 720, 173 * mb)]
+    )
+    r = dip.summary(warmup_s=45.0, bound_mb=64.0)
+    assert r["checked"] and r["baseline_mb"] == 165.0 and r["growth_mb"] == 8.0 and r["ok"]
+    # A leak still shows: it outgrows every sample of the baseline window.
+    leak = RssTrack("prefill", 0, [(t, t, (100 + t // 10) * mb) for t in range(5, 1200, 5)])
+    r = leak.summary(warmup_s=45.0, bound_mb=64.0)
+    assert r["checked"] and r["growth_mb"] > 64 and not r["ok"]
 
 
 @pytest.mark.parametrize(
@@ -208,6 +318,7 @@ def test_short_run_every_flow_tp_pair_and_fault_kind() -> None:
     assert code == (1 if by_deadline else 0), err[-2000:]
     cov = r["coverage"]
     assert r["rooms_run"] == 500
+    assert set(r["abandoned"]) == {"prefill", "decode"}, r["abandoned"]
     assert all(v["rooms"] > 0 for v in cov["by_flow"].values()), cov["by_flow"]
     assert all(v["rooms"] > 0 for v in cov["by_tp"].values()), cov["by_tp"]
     assert set(cov["faults"]) == set(KINDS) and all(n >= 1 for n in cov["faults"].values()), cov["faults"]

@@ -28,10 +28,16 @@ def arguments(role: str) -> argparse.Namespace:
     # The address every rank binds its control socket to (a network namespace's own address under
     # ``kvferry chaos``); NIXL's UCX picks its interface from UCX_NET_DEVICES in the environment.
     ap.add_argument("--host", default="127.0.0.1")
+    # How long a lost peer's transfer may stay in flight before the agent releases it unfenced
+    # (NixlAgent.drain_s; 0: the agent's default): over TCP, as long as decode's quarantine.
+    ap.add_argument("--drain-s", type=float, default=0.0)
     if role == "prefill":
         ap.add_argument("--ports", default="", help="control ports to bind, one per rank (restart)")
     else:
         ap.add_argument("--prefill", nargs="+", required=True)
+        # How long past the fence a failed room's pages wait for a writer's Stopped (over TCP a
+        # write held through a partition lands after the heal): ReceiverEngine.quarantine_ns.
+        ap.add_argument("--quarantine-s", type=float, default=0.0)
     args = ap.parse_args()
     args.flows = tuple(f for f in args.flows.split(",") if f)
     return args
@@ -43,9 +49,12 @@ def serve(
     close: Callable[[], list[str]],
     settle: Callable[[], None] = lambda: None,
     release: Callable[[], None] = lambda: None,
+    counts: Callable[[], dict[str, int]] = dict,
 ) -> None:
     """The command loop: ``run`` a segment, ``settle`` (report its kept rooms that changed) and
-    ``release`` them, ``finish`` (report the tables), ``exit``."""
+    ``release`` them, ``finish`` (report the tables), ``exit``. ``counts``: running totals of
+    the process, sent with every segment's end and the final report (a killed process's last
+    segment still counts)."""
     while True:
         cmd = heard(IDLE_WAIT_S)
         if cmd is None or cmd["cmd"] == "eof":
@@ -53,7 +62,7 @@ def serve(
             sys.exit(3)
         if cmd["cmd"] == "run":
             run_segment(cmd)
-            say(event="segment", end=cmd["end"], rss_kb=rss_kb())
+            say(event="segment", end=cmd["end"], rss_kb=rss_kb(), **counts())
         elif cmd["cmd"] == "settle":
             settle()
             say(event="settled")
@@ -61,7 +70,7 @@ def serve(
             release()
             say(event="released")
         elif cmd["cmd"] == "finish":
-            say(event="done", rss_kb=rss_kb(), **finish())
+            say(event="done", rss_kb=rss_kb(), **counts(), **finish())
         elif cmd["cmd"] == "exit":
             say(event="closed", stuck=close())
             return
@@ -130,6 +139,7 @@ class SideLoop:
 
     HANDLES = ""  # the key of a live room's handles: "rvs" (decode) or "senders" (prefill)
     args: Any
+    eps: list[Any]  # the side's endpoints, one per rank
     # After a fault, a rank's Success can still turn Failed (the peer failed the room and its
     # notice arrives after a heal or a thaw, resent for up to the fence deadline). A segment run
     # with ``keep`` keeps the handles of reported rooms with a Success rank: ``settle`` reports
@@ -163,6 +173,16 @@ class SideLoop:
                 h.clear()
         self.settling = {}
         self.keep = False
+
+    def _set_drain(self) -> None:
+        if self.args.drain_s:
+            for ep in self.eps:
+                ep.transport.agent.drain_s = self.args.drain_s
+
+    def counts(self) -> dict[str, int]:
+        """``abandoned``: transfers of lost peers the agents released still in flight, past their
+        drain bound (backends/nixl/agent.py): their bytes may land after any fence."""
+        return {"abandoned": sum(ep.transport.agent.abandoned for ep in self.eps)}
 
     def _open(self, pending: list[Any], live: dict[int, dict[str, Any]]) -> bool:
         raise NotImplementedError

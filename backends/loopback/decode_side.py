@@ -46,7 +46,10 @@ class DecodeSide(common.SideLoop):
             )
             for pool in sp.decode_pools(args.decode_tp)
         ]
+        self._set_drain()
         for ep in self.eps:
+            with ep.lock:  # the engine only under its lock
+                ep.engine.quarantine_ns = int(args.quarantine_s * 1e9)
             ep.start()
         self.rng = np.random.default_rng([args.seed, args.incarnation])  # scattered pages
         self.last_owner: dict[tuple[str, int], tuple[str, float]] = {}  # and when it was freed
@@ -145,8 +148,11 @@ class DecodeSide(common.SideLoop):
         for rv, status in zip(rvs, statuses, strict=True):
             if status is KVPoll.Failed and not rv.pages_freed():
                 unfenced.append(rv)  # cleared once fenced (_reclaim)
-        done = [rv for rv in rvs if rv not in unfenced]
-        for rv in self._release(idx, done, [rv.poll() for rv in done]):
+        # Kept or cleared by the statuses this report names, not a second poll: a rank that turned
+        # Failed since (a failure notice landing right behind its last READ, after a thaw) would
+        # be cleared while reported Success, and settling would never report the change.
+        done = [(rv, s) for rv, s in zip(rvs, statuses, strict=True) if rv not in unfenced]
+        for rv in self._release(idx, [rv for rv, _ in done], [s for _, s in done]):
             rv.clear()
         say(
             event="room",
@@ -217,7 +223,7 @@ def main() -> None:
     side = DecodeSide(args)
     executors = sorted({ep.transport.executor for ep in side.eps})
     say(event="ready", address=side.eps[0].address, pid=os.getpid(), executors=executors)
-    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release)
+    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release, side.counts)
 
 
 if __name__ == "__main__":

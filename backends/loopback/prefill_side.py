@@ -40,6 +40,7 @@ class PrefillSide(common.SideLoop):
             PrefillEndpoint("prefill", pool, config=msgspec.structs.replace(cfg, port=port))
             for pool, port in zip(pools, ports, strict=True)
         ]
+        self._set_drain()
         for ep in self.eps:
             ep.start()
         self.free_pages = list(range(sp.PREFILL_PAGES))
@@ -152,7 +153,7 @@ def main() -> None:
     side = PrefillSide(args)
     executors = sorted({ep.transport.executor for ep in side.eps})
     say(event="ready", addresses=[ep.address for ep in side.eps], pid=os.getpid(), executors=executors)
-    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release)
+    common.serve(side.run_segment, side.finish, side.close, side.settle, side.release, side.counts)
 
 
 if __name__ == "__main__":

@@ -128,6 +128,8 @@ def summary(r: dict[str, Any]) -> str:
         + (" (stopped by --max-seconds)" if r["stopped_by_time"] else ""),
         "  outcomes: " + ", ".join(f"{k} {v}" for k, v in r["outcomes"].items()),
         "  faults: " + ", ".join(f"{k} {v}" for k, v in cov["faults"].items()),
+        "  transfers abandoned unfenced (a lost peer's, past the agent's drain bound): "
+        + ", ".join(f"{k} {v}" for k, v in r["abandoned"].items()),
         *table("flow", cov["by_flow"]),
         *table("TP", cov["by_tp"]),
         *table("fault", cov["by_fault"]),

@@ -146,6 +146,7 @@ class Side:
         self.seen: dict[str, dict[str, Any]] = {}
         self.dead = False
         self.ran = False  # it finished a segment: its RSS is sampled from then on
+        self.abandoned = 0  # its agents' abandoned transfers, as it last reported them
         threading.Thread(target=self._read, args=(events,), daemon=True).start()
 
     def _read(self, events: queue.Queue) -> None:
@@ -175,6 +176,9 @@ class Side:
         os.unlink(self.log.name)
 
 
+BASELINE_WINDOW_S = 30.0  # longer than a peer's loss and return (heartbeat timeout, re-register)
+
+
 @dataclass
 class RssTrack:
     side: str
@@ -183,8 +187,14 @@ class RssTrack:
 
     def summary(self, warmup_s: float, bound_mb: float) -> dict[str, Any]:
         s = self.samples
-        # The baseline: the first sample after warm-up that follows at least one segment.
-        base = next((x for x in s[1:] if x[0] >= warmup_s), None)
+        # The baseline: the highest sample in the first BASELINE_WINDOW_S after warm-up (samples
+        # that follow at least one segment, the last one left to compare). Not a single sample:
+        # a process that lost its peer (a partition, a stall, the peer killed) has released what
+        # it held for it (remote agent, prepared lists, UCX endpoints: 20-70 MB here) and takes
+        # it again when the peer is back, so one sample taken in such a dip reads as growth.
+        post = [x for x in s[1:-1] if x[0] >= warmup_s]
+        window = [x for x in post if x[0] < post[0][0] + BASELINE_WINDOW_S] if post else []
+        base = max(window, key=lambda x: x[2]) if window else None
         last = s[-1] if s else None
         out: dict[str, Any] = {
             "side": self.side,
@@ -235,6 +245,9 @@ class Soak:
         self.prefill_ports = ""
         self.prefill_addresses: list[str] = []
         self.executors: set[str] = set()  # which executor each side's processes ran (any restart)
+        # Transfers of lost peers released still in flight (past the agent's drain bound), over
+        # every incarnation of each side: nothing fences those, so a run shows how many there were.
+        self.abandoned: Counter[str] = Counter()
 
     # ---- processes --------------------------------------------------------------------------
     def _common(self, role: str) -> list[str]:
@@ -295,6 +308,7 @@ class Soak:
             elif msg["event"] == "room_final":  # a kept room's status changed while settling
                 self.results[who.role].setdefault(msg["i"], {}).update(msg, event="room")
             else:
+                self._count(who, msg)
                 who.seen[msg["event"]] = msg
                 who.ran |= msg["event"] in ("segment", "inflight")
             self._tick()
@@ -378,7 +392,12 @@ class Soak:
             outcome = "failed_by_deadline" if _by_deadline(p["reason"] + d["reason"]) else "failed"
         elif fault is not None:
             reasons = [r for r in p["reason"] + d["reason"] if r][:2]
-            self._violation("disagree", prefill=p["status"], decode=d["status"], reasons=reasons, **info)
+            # Every rank's reason, in rank order ("" for a rank that did not fail): which rank
+            # said what is the first thing a disagreement's diagnosis needs.
+            by_rank = {"prefill_reasons": p["reason"], "decode_reasons": d["reason"]}
+            self._violation(
+                "disagree", prefill=p["status"], decode=d["status"], reasons=reasons, **by_rank, **info
+            )
         else:
             reasons = [r for r in p["reason"] + d["reason"] if r][:2]
             self._violation("failed", prefill=p["status"], decode=d["status"], reasons=reasons, **info)
@@ -444,7 +463,15 @@ class Soak:
             elif msg["event"] == "room":
                 self.results[who.role][msg["i"]] = msg
             else:
+                self._count(who, msg)
                 who.seen[msg["event"]] = msg
+
+    def _count(self, who: Side, msg: dict[str, Any]) -> None:
+        """A side's running totals (segment ends, its final report) into the run's."""
+        n = msg.get("abandoned")
+        if n is not None and n > who.abandoned:
+            self.abandoned[who.role] += n - who.abandoned
+            who.abandoned = n
 
     def _segments(self) -> list[tuple[int, int, bool]]:
         return segments(self.c)
@@ -488,6 +515,7 @@ class Soak:
             "by_flow": {f: dict(v) for f, v in sorted(self.by_flow.items())},
             "kills": self.kills,
             "rss": rss,
+            "abandoned": {role: self.abandoned[role] for role in ("prefill", "decode")},
             "end_state": end_state,
             "violation_count": self.violation_count,
             "violations": self.violations,

@@ -37,6 +37,13 @@ PLANTS = ("reuse_unfenced",)
 # partition waits for TCP's retransmission backoff. Asked every SETTLE_POLL_S until they agree.
 SETTLE_POLL_S = 0.5
 TP_PAIRS = ((1, 1), (2, 1), (1, 2))
+# Over UCX's TCP transport a write held through a partition lands whenever the connection comes
+# back: decode keeps a failed room's pages past the fence until its writer says Stopped (which it
+# does once its writes ended), for up to TCP's own bound on a silent connection (tcp_retries2 = 15:
+# about 924 s). A writer that never answers shows as pages still held at the end (a leak). The
+# agents keep a lost peer's transfers as long before releasing them unfenced (``abandoned``), so
+# a writer's Stopped never vouches for a transfer TCP may still deliver.
+QUARANTINE_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -181,9 +188,12 @@ class PairRun(Soak):
     def _launch(self, role: str) -> tuple[tuple[str, ...], list[str], dict[str, str]]:
         net, host = self.chaos.net, HOSTS[role]
         env = {**self.env, **net.ucx_env()}
-        if role == "decode" and self.chaos.c.plant:
-            env["KVFERRY_SOAK_PLANT"] = self.chaos.c.plant
-        return net.exec_prefix(host), ["--host", net.address(host)], env
+        extra = ["--host", net.address(host), "--drain-s", str(QUARANTINE_S)]
+        if role == "decode":
+            extra += ["--quarantine-s", str(QUARANTINE_S)]
+            if self.chaos.c.plant:
+                env["KVFERRY_SOAK_PLANT"] = self.chaos.c.plant
+        return net.exec_prefix(host), extra, env
 
     def _segments(self) -> list[tuple[int, int, bool]]:
         faults = self.chaos.faults
@@ -335,6 +345,9 @@ class Chaos:
             count += 1
             violations.append({"kind": "namespaces_left", "names": left})
         rooms = sum(r["rooms_run"] for _run, r in reports)
+        abandoned: Counter[str] = Counter()
+        for run, _r in reports:
+            abandoned.update(run.abandoned)
         tps = [f"{p}->{d}" for p, d in c.tp_pairs]
         return {
             "ok": count == 0,
@@ -354,6 +367,9 @@ class Chaos:
             "faults": self.fault_log,
             "kills": [{"tp": run.tp_name, **k} for run, r in reports for k in r["kills"]],
             "rss": [{"tp": run.tp_name, **x} for run, r in reports for x in r["rss"]],
+            # Transfers of lost peers released still in flight past the agent's drain bound (every
+            # incarnation): nothing fences them, so a late write they make is the canaries' to catch.
+            "abandoned": {role: abandoned[role] for role in ("prefill", "decode")},
             "end_state": {run.tp_name: r["end_state"] for run, r in reports},
             "violation_count": count,
             "violations": violations[:50],
