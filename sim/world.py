@@ -12,7 +12,6 @@ FreePages (the fence), prefill pages once the sender engine dropped the room (no
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -47,6 +46,7 @@ from kvferry.sim.rooms import AUX_ROW_BYTES, Findings, Progress, Request, RoomTa
 from kvferry.sim.scenario_schema import US, RoomSpec, Scenario, staging_sizes
 from kvferry.sim.servers import Servers
 from kvferry.sim.trace import Trace
+from msgspec.structs import replace
 
 
 class World(Chaos):
@@ -80,7 +80,7 @@ class World(Chaos):
         self.live_checks = LiveChecks(self)
         self.fabric.on_land = self.live_checks.on_land
         self.fabric.on_control = self._on_control
-        self.timeouts = Timeouts(**{f: getattr(s.timeouts, f) for f in s.timeouts.__slots__})
+        self.timeouts = Timeouts(**{f: getattr(s.timeouts, f) for f in s.timeouts.__struct_fields__})
         self.rooms = RoomTable()  # before the servers: routing reads it
         self._instances()
         clock = self.streams["clock"]

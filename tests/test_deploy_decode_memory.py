@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -73,7 +74,7 @@ def _world(
     spec: DeploySpec, pages: int, lengths: tuple[wl.DeployRequest, ...], c: int
 ) -> tuple[DeployWorld, wl.Arrivals]:
     s = build_scenario(spec, lengths)
-    s = replace(s, topology=replace(s.topology, decode_pages=pages))
+    s = msgspec.structs.replace(s, topology=msgspec.structs.replace(s.topology, decode_pages=pages))
     arrivals = wl.Arrivals(concurrency=c, total=len(lengths))
     return DeployWorld(spec, s, arrivals, lengths), arrivals
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
 import numpy as np
 import pytest
 from kvferry.sim.deploy import workload as wl
@@ -24,7 +25,9 @@ def _tight_world(spec: DeploySpec, pages: int, n: int = 60, c: int = 8) -> tuple
     (1-256 input, 0-64 output tokens) churn them, so the sorted free list merges many times."""
     lengths = wl.random_lengths(n, 256, 64, 0.0, seed=5)
     s = build_scenario(spec, lengths)
-    s = replace(s, topology=replace(s.topology, prefill_pages=pages, decode_pages=pages))
+    s = msgspec.structs.replace(
+        s, topology=msgspec.structs.replace(s.topology, prefill_pages=pages, decode_pages=pages)
+    )
     arrivals = wl.Arrivals(concurrency=c, total=n)
     return DeployWorld(spec, s, arrivals, lengths), arrivals
 
@@ -121,6 +124,6 @@ def test_a_request_decode_can_never_hold_is_refused() -> None:
     spec = replace(BASE, page_allocator="sglang", decode_reserved_tokens=0)
     req = (wl.DeployRequest(0, 100, 60),)
     s = build_scenario(spec, req)
-    s = replace(s, topology=replace(s.topology, decode_pages=7))
+    s = msgspec.structs.replace(s, topology=msgspec.structs.replace(s.topology, decode_pages=7))
     with pytest.raises(DeployError, match="100 input and 60 output tokens never fits decode's 112 tokens"):
         DeployWorld(spec, s, wl.Arrivals(concurrency=1, total=1), req)

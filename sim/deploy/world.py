@@ -37,9 +37,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import simpy
 from kvferry.core.flows import Flow
@@ -96,7 +97,7 @@ class DeployWorld(World):
         n_pre, n_dec = spec.prefill_instances, spec.decode_instances
         self.spec = spec  # before the World builds its allocators (_page_allocator reads it)
         super().__init__(
-            replace(scenario, workload=replace(scenario.workload, rooms=0)),
+            msgspec.structs.replace(scenario, workload=msgspec.structs.replace(scenario.workload, rooms=0)),
             seed=spec.seed,
             instances=(n_pre, n_dec),
         )
