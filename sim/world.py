@@ -49,7 +49,7 @@ from kvferry.sim.trace import Trace
 from msgspec.structs import replace
 
 
-class World(Chaos):
+class World:
     """Build with a scenario and a seed, then ``run()``; the result is in ``report()``."""
 
     def __init__(
@@ -95,9 +95,10 @@ class World(Chaos):
         self.staging = staging_sizes(s)
         self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
         for name in self.fleet.endpoint:
-            self._start_rank(name)
+            self.start_rank(name)
         self._build_workload()
-        self.env.process(self._fault_schedule())
+        self.chaos = Chaos(self)  # crashes, restarts, link faults and the heal
+        self.env.process(self.chaos.schedule())
 
     def _instances(self) -> None:
         """Name every server's ranks and give each server its own page and aux-row allocators
@@ -181,7 +182,7 @@ class World(Chaos):
     def _endpoint(self, node: str) -> Endpoint:
         return self.fleet.endpoint[node]
 
-    def _start_rank(self, node: str) -> None:
+    def start_rank(self, node: str) -> None:
         ep = self._endpoint(node)
         prefill = self.fleet.side_of[node] == "prefill"
         pool = self.pre_pools[ep.rank] if prefill else self.dec_pools[ep.rank]
@@ -383,8 +384,8 @@ class World(Chaos):
             if req.spec.prefill_delay_us:
                 yield env.timeout(req.spec.prefill_delay_us * US)
             self._open_prefill(req)
-        self._check_side(req, "decode")
-        self._check_side(req, "prefill")
+        self.check_side(req, "decode")
+        self.check_side(req, "prefill")
         start = 0
         for i, n in enumerate(req.chunks):
             end = start + n
@@ -474,7 +475,7 @@ class World(Chaos):
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
             if rank.dead:
-                self._mark(req, node, KVPoll.Failed, "node down at open")
+                self.mark(req, node, KVPoll.Failed, "node down at open")
                 continue
             if req.token_start and self.scenario.move_bytes:
                 # The prefix cache: decode's own copy of the first tokens, already in its pages.
@@ -499,7 +500,7 @@ class World(Chaos):
     def _open_decode_later(self, req: Request, lag_ns: int):  # type: ignore[no-untyped-def]
         yield self.env.timeout(lag_ns)
         self._open_decode(req)
-        self._check_side(req, "decode")
+        self.check_side(req, "decode")
 
     def _open_prefill(self, req: Request) -> None:
         aux_row = np.frombuffer(encode_aux_room(req.room), dtype=np.uint8)
@@ -508,7 +509,7 @@ class World(Chaos):
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
             if rank.dead:
-                self._mark(req, node, KVPoll.Failed, "node down at open")
+                self.mark(req, node, KVPoll.Failed, "node down at open")
                 continue
             rank.transport.aux_row(int(req.pre_aux[0]))[: aux_row.size] = aux_row
             rank.feed(
@@ -530,7 +531,7 @@ class World(Chaos):
             self.routing.check_status(req, rank.node)
         # React after the driver finished executing this batch of commands (no re-entry into
         # the engine from inside its own command list), at the same simulated instant.
-        self._later(self._mark, req, rank.node, cmd.status, cmd.reason, rank.incarnation)
+        self.later(self.mark, req, rank.node, cmd.status, cmd.reason, rank.incarnation)
 
     def after_pump(self, rank: SimRank) -> None:
         if rank.node.startswith("prefill") and rank.engine.stalled and self.scenario.checks.ring_progress:
@@ -540,7 +541,7 @@ class World(Chaos):
             for key in sorted(waiting):
                 self._maybe_free_prefill(self.rooms.requests[key])
 
-    def _later(self, fn: Callable[..., None], *args: Any) -> None:
+    def later(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` at this simulated instant, after the current callback, in call order.
 
         One SimPy event per batch rather than per call: status changes come in bursts.
@@ -557,7 +558,7 @@ class World(Chaos):
             i += 1
         self._deferred.clear()
 
-    def _mark(self, req: Request, node: str, status: KVPoll, reason: str, inc: int | None = None) -> None:
+    def mark(self, req: Request, node: str, status: KVPoll, reason: str, inc: int | None = None) -> None:
         inc = self.ranks[node].incarnation if inc is None else inc
         self.trace.record("status", node, room=req.room, key=req.key, status=status.name, reason=reason)
         checks = self.scenario.checks
@@ -594,7 +595,7 @@ class World(Chaos):
             req.terminal_ns.setdefault(node, int(self.env.now))
             if req.success_all_ns < 0 and self._all_success(req):
                 req.success_all_ns = int(self.env.now)
-        self._check_side(req, side)
+        self.check_side(req, side)
 
     def _all_success(self, req: Request) -> bool:
         nodes = self.room_nodes(req, "prefill") + self.room_nodes(req, "decode")
@@ -606,10 +607,10 @@ class World(Chaos):
             return
         req.freed.add(rank.node)
         self.trace.record("free_pages", rank.node, room=req.room, reason=cmd.reason)
-        self._later(self._check_side, req, "decode")
+        self.later(self.check_side, req, "decode")
 
     # --------------------------------------------------------------------------- scheduler reactions
-    def _check_side(self, req: Request, side: str) -> None:
+    def check_side(self, req: Request, side: str) -> None:
         if not req.opened:
             return
         nodes = self.room_nodes(req, side)

@@ -414,12 +414,12 @@ class DeployWorld(World):
             yield self.env.timeout(wait)
         self.decode_open_ns[req.key] = int(self.env.now)
         self._open_decode(req)
-        self._check_side(req, "decode")
+        self.check_side(req, "decode")
 
     # ------------------------------------------------------------------ decode
-    def _check_side(self, req: Request, side: str) -> None:
+    def check_side(self, req: Request, side: str) -> None:
         had = req.outcome
-        super()._check_side(req, side)
+        super().check_side(req, side)
         if side != "decode" or had or not req.outcome:
             return
         t = self.tracks[req.key]
@@ -648,7 +648,7 @@ class DeployWorld(World):
                 req = self.requests[k]
                 self._free_grown(req)
                 if req.dec_released:
-                    self._check_side(req, "decode")  # frees the pages now
+                    self.check_side(req, "decode")  # frees the pages now
                 self._finish(k, failed=False)
             batch[:], keys[:] = still, still_keys
 
