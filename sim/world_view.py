@@ -1,12 +1,13 @@
 """What the parts a world composes read of it: the invariant checker (sim/checker.py), the live
-checks (sim/live_checks.py) and the fault schedule (sim/chaos.py) each take a ``WorldView``, never
-``sim.world.World`` itself, so none of them imports the world and the world imports them with no
-cycle, not even a type-only one. ``World`` is one; a test may hand them any other.
+checks (sim/live_checks.py), the fault schedule (sim/chaos.py) and the servers (sim/serving.py)
+each take a ``WorldView``, never ``sim.world.World`` itself, so none of them imports the world and
+the world imports them with no cycle, not even a type-only one. ``World`` is one; a test may hand
+them any other.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
 import simpy
@@ -90,4 +91,16 @@ class WorldView(Protocol):
 
     def start_rank(self, node: str) -> None:
         """Start (or restart) the engine and transport of ``node``."""
+        ...
+
+    def open_decode(self, req: Request) -> None:
+        """Open the room on every decode rank of its server."""
+        ...
+
+    def layers(self, total_ns: int, on_layer: Callable[[int], None]) -> Generator[simpy.Event, Any, None]:
+        """A forward pass of ``total_ns`` layer by layer, ``on_layer`` after each."""
+        ...
+
+    def release_dec_pages(self, req: Request) -> None:
+        """Decode's pages and aux row of the room back to its server."""
         ...

@@ -82,7 +82,7 @@ def _world(
 def _memory_problems(w: DeployWorld) -> list[str]:
     """What a finished run's decode memory must satisfy; each line a broken rule."""
     out = []
-    dec = w.allocs["decode0"][0]
+    dec = w.world.allocs["decode0"][0]
     if dec.used:
         out.append(f"{dec.used} decode pages still held")
     if w._holders != [0] or any(w._retracted) or any(w._grown.values()):
@@ -127,13 +127,13 @@ def test_the_reservation_bounds_how_many_requests_decode_holds() -> None:
     spec = replace(BASE, decode_reserved_tokens=288)
     w, _ = _world(spec, pages=100, lengths=TIGHT, c=8)
     seen: list[int] = []
-    admitted = w._admitted
+    admitted = w.admitted
 
     def spy(req) -> None:  # type: ignore[no-untyped-def]
         admitted(req)
         seen.append(w._holders[0])
 
-    w._admitted = spy  # type: ignore[method-assign]
+    w.admitted = spy  # type: ignore[method-assign]
     w.run_deploy(3_600 * 10**9)
     assert not w.violations and not _memory_problems(w)
     assert max(seen) == 4 and len(seen) == 8  # resumptions are not admissions

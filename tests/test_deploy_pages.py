@@ -57,7 +57,7 @@ def test_fault_free_run_on_fragmented_pages_ends_every_request_success(flow: str
     r = collect(w, arrivals)
     assert [q.outcome for q in w.requests] == ["success"] * 60
     assert not w.violations and r.completed == 60 and r.failed == 0
-    pre, dec = w.allocs["prefill0"][0], w.allocs["decode0"][0]
+    pre, dec = w.world.allocs["prefill0"][0], w.world.allocs["decode0"][0]
     assert isinstance(pre, SortedFreeList) and isinstance(dec, SortedFreeList)
     assert pre.merges > 1 and dec.merges > 1
     # The pages really were scattered, and everything (generated tokens' pages too) came back.
@@ -88,7 +88,7 @@ def _one_request(kind: str) -> tuple[DeployWorld, int, list[int]]:
     spec = replace(BASE, page_allocator=kind)
     req = (wl.DeployRequest(0, 100, 60),)
     w = DeployWorld(spec, build_scenario(spec, req), wl.Arrivals(concurrency=1, total=1), req)
-    dec = w.allocs["decode0"][0]
+    dec = w.world.allocs["decode0"][0]
     free = dec.free
     peak, when = [0], []
 
@@ -108,7 +108,7 @@ def test_decode_takes_a_page_per_page_of_generated_tokens(kind: str, pages: int)
     # 100 input tokens hold 7 pages of 16; writing tokens 100..159 needs pages for 112, 128, 144.
     w, peak, when = _one_request(kind)
     assert peak == pages
-    assert isinstance(w.allocs["decode0"][0], SortedFreeList if kind == "sglang" else LowestFirst)
+    assert isinstance(w.world.allocs["decode0"][0], SortedFreeList if kind == "sglang" else LowestFirst)
     # Held until the last token, not given back when the KV arrived.
     assert min(when) == w.tracks[0].done_ns > w.tracks[0].first_token_ns
 
