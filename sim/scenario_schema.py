@@ -387,17 +387,13 @@ class Checks(Table):
     }
 
 
-class Scenario(msgspec.Struct, frozen=True, kw_only=True):
-    """What a run takes: the file's tables, with ``[fabric]`` resolved against its profile and
-    the deadlines the file left out derived (sim/scenario_read.py)."""
+class Shared(msgspec.Struct, frozen=True, kw_only=True):
+    """The keys and tables a scenario file and a run take alike."""
 
     name: str = "unnamed"
     description: str = ""
-    seed: int = 0
-    model: ModelSpec = msgspec.field(default_factory=ModelSpec)
+    seed: Count = 0
     topology: Topology = msgspec.field(default_factory=Topology)
-    fabric_profile: str = "h100-rdma"
-    fabric: FabricSpec = msgspec.field(default_factory=FabricSpec)
     flows: FlowSpec = msgspec.field(default_factory=FlowSpec)
     workload: Workload = msgspec.field(default_factory=Workload)
     faults: Faults = msgspec.field(default_factory=Faults)
@@ -406,6 +402,15 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
     checks: Checks = msgspec.field(default_factory=Checks)
     hooks: tuple[str, ...] = ()  # planted bugs (tests only)
     move_bytes: bool = True
+
+
+class Scenario(Shared, frozen=True, kw_only=True):
+    """What a run takes: the file's tables, with ``[fabric]`` resolved against its profile and
+    the deadlines the file left out derived (sim/scenario_read.py)."""
+
+    model: ModelSpec = msgspec.field(default_factory=ModelSpec)
+    fabric_profile: str = "h100-rdma"
+    fabric: FabricSpec = msgspec.field(default_factory=FabricSpec)
     expect_violations: tuple[str, ...] = ()  # invariants a regression file is known to break
     # The [timeouts] keys and "liveness_us" the file set; the others were derived from the
     # largest room's expected time (sim/expected.py). None: all given (built in code). Left out
@@ -497,24 +502,12 @@ class Expect(Table):
     violations: tuple[str, ...] = ()
 
 
-class ScenarioFile(Table):
+class ScenarioFile(Shared, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A scenario file as msgspec decodes it: every table typed, every key checked on its own.
     Checks across keys, and the deadlines left out, are sim/scenario_read.py's."""
 
-    name: str = "unnamed"
-    description: str = ""
-    seed: Count = 0
     model: ModelTable = msgspec.field(default_factory=ModelTable)
-    topology: Topology = msgspec.field(default_factory=Topology)
     fabric: FabricTable = msgspec.field(default_factory=FabricTable)
-    flows: FlowSpec = msgspec.field(default_factory=FlowSpec)
-    workload: Workload = msgspec.field(default_factory=Workload)
-    faults: Faults = msgspec.field(default_factory=Faults)
-    timeouts: TimeoutSpec = msgspec.field(default_factory=TimeoutSpec)
-    phases: Phases = msgspec.field(default_factory=Phases)
-    checks: Checks = msgspec.field(default_factory=Checks)
-    hooks: tuple[str, ...] = ()
-    move_bytes: bool = True
     expect: Expect = msgspec.field(default_factory=Expect)
     deploy: dict[str, Any] = msgspec.field(default_factory=dict)  # typed by sim/scenario_deploy.py
 
