@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +24,7 @@ from kvferry.core.kvpoll import KVPoll
 from kvferry.sim import scenario as sc
 from kvferry.sim.pages import FREE, LowestFirst
 from kvferry.sim.world import World
+from msgspec.structs import replace
 
 FLOWS = ("direct", "push", "pull")
 

@@ -17,13 +17,13 @@ import argparse
 import json
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import simpy
 from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import campaign, run_one
+from msgspec.structs import replace
 
 
 def bare_simpy_rate(n: int = 300_000) -> float:

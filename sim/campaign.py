@@ -14,11 +14,11 @@ draws only faults the protocol promises to ride out, and there every room must e
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from kvferry.sim.faults import _calm as stretch_for_load
 from kvferry.sim.metrics import RunResult, collect
 from kvferry.sim.rng import Streams
 from kvferry.sim.world import World
+from msgspec.structs import replace
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -122,7 +123,7 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
         length_mismatch=mismatch,
     )
     fabric = sc.Scenario().fabric
-    fabric = replace(fabric, nic=replace(fabric.nic, jitter_ns=jitter_ns))
+    fabric = dataclasses.replace(fabric, nic=dataclasses.replace(fabric.nic, jitter_ns=jitter_ns))
     # Flows from their own stream, so adding them left every other draw of a seed as it was.
     frng = Streams(seed)["swarm.flows"]
     flows = sc.FlowSpec(

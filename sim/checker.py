@@ -46,10 +46,10 @@ from kvferry.core.kvpoll import KVPoll
 if TYPE_CHECKING:
     from kvferry.sim.pages import PageAllocator
     from kvferry.sim.rooms import Request
-    from kvferry.sim.world import World
+    from kvferry.sim.world_view import WorldView
 
 
-def check_liveness(w: World) -> None:
+def check_liveness(w: WorldView) -> None:
     if not w.scenario.checks.liveness:
         return
     for req in w.requests:
@@ -69,7 +69,7 @@ def check_liveness(w: World) -> None:
                 )
 
 
-def check_final(w: World) -> None:
+def check_final(w: WorldView) -> None:
     c = w.scenario.checks
     if c.conservation:
         _conservation(w)
@@ -87,7 +87,7 @@ def check_final(w: World) -> None:
         _lease_pairing(w)
 
 
-def _lease_pairing(w: World) -> None:
+def _lease_pairing(w: WorldView) -> None:
     # A push registration matched by request id pairs only with its own request's finish: the
     # engine refuses to write under a wrong pair (push_wrong_pair). Every request id of a run is
     # distinct, so a wrong pair, or two requests found ambiguous, is the registry's bug (suffix
@@ -103,7 +103,7 @@ def _lease_pairing(w: World) -> None:
             w.violate("lease", f"{node}: {ambiguous} push match(es) met distinct requests sharing a base id")
 
 
-def _length(w: World) -> None:
+def _length(w: WorldView) -> None:
     log = w.findings.status_log
     ever_success = {key[2] for key, st in log.items() if st is KVPoll.Success}
     for r in w.requests:
@@ -119,7 +119,7 @@ def _length(w: World) -> None:
             )
 
 
-def _failure_notice(w: World) -> None:
+def _failure_notice(w: WorldView) -> None:
     for r in w.requests:
         for node, reason in sorted(r.reason.items()):
             if not node.startswith("prefill") or not reason.startswith("write failed") or node in r.lost_with:
@@ -135,7 +135,7 @@ def _failure_notice(w: World) -> None:
                     )
 
 
-def _fault_free(w: World) -> None:
+def _fault_free(w: WorldView) -> None:
     # Calm by construction, not by luck: a run that drew fault rates but happened to inject
     # nothing keeps deadlines sized for faults, and may time out under its own load.
     if not w.scenario.faults.injects_nothing() or sum(w.injector.counts.values()):
@@ -156,7 +156,7 @@ def _fault_free(w: World) -> None:
         w.violate("fault_free", f"{resent} ring StagingReq resent though no message was lost")
 
 
-def agreement_exemption(w: World, r: Request) -> str:
+def agreement_exemption(w: WorldView, r: Request) -> str:
     """Why room ``r`` may legitimately end with different outcomes on the two sides ("" if not).
 
     Judged from what the world recorded for this room alone: the core resends RoomFailed until
@@ -174,7 +174,7 @@ def agreement_exemption(w: World, r: Request) -> str:
     return ""
 
 
-def _agreement(w: World) -> None:
+def _agreement(w: WorldView) -> None:
     """Both sides end with the same outcome for every room (Failed on one side reached the other)."""
     for r in w.requests:
         if not r.opened:
@@ -193,7 +193,7 @@ def _agreement(w: World) -> None:
             w.violate("agreement", f"room {r.key} Success on one side, Failed on {side} ({why})", r)
 
 
-def _server_allocs(w: World) -> list[tuple[str, tuple[PageAllocator, PageAllocator]]]:
+def _server_allocs(w: WorldView) -> list[tuple[str, tuple[PageAllocator, PageAllocator]]]:
     """Each server's (pages, aux rows) allocators once, named by its server (``prefill``, or
     ``prefill1.`` of several)."""
     return [
@@ -203,7 +203,7 @@ def _server_allocs(w: World) -> list[tuple[str, tuple[PageAllocator, PageAllocat
     ]
 
 
-def _conservation(w: World) -> None:
+def _conservation(w: WorldView) -> None:
     ok = sum(1 for r in w.requests if r.outcome == "success")
     failed = sum(1 for r in w.requests if r.outcome == "failed")
     open_ = len(w.requests) - ok - failed
@@ -225,7 +225,7 @@ def _conservation(w: World) -> None:
         )
 
 
-def _tables(w: World) -> None:
+def _tables(w: WorldView) -> None:
     for r in w.requests:
         if not r.done:
             missing = []

@@ -11,7 +11,7 @@ kernels and compute added up rather than overlapped: an upper bound of what one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvferry.core.geometry import PoolGeometry, links
 from kvferry.sim.scenario_schema import (
@@ -23,6 +23,7 @@ from kvferry.sim.scenario_schema import (
     pools,
     staging_sizes,
 )
+from msgspec.structs import replace
 
 __all__ = [
     "SAFETY",

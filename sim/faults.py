@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import replace
 
 from kvferry.backends.simfabric.faultapi import DELIVER, NOTIF_OK, ControlFate, NotifFate
 from kvferry.sim.expected import worst
 from kvferry.sim.rng import Streams
 from kvferry.sim.scenario_schema import US, FaultEvent, Faults, Scenario
+from msgspec.structs import replace
 
 CALM_SHARE = 0.1
 CALM_STRETCH = 10

@@ -3,8 +3,8 @@ end): as each write lands, that it lands only in memory its own room holds (page
 staging allocations; a pull READ's source pages too), and under a live push lease; a stalled ring
 producer that must be writable; and, when a room ends Success on decode, every byte of it.
 
-``World`` builds one ``LiveChecks`` and hands ``on_land`` to the fabric; each finding goes through
-``World.violate``.
+``World`` builds one ``LiveChecks`` (it reads the world as a ``WorldView``, sim/world_view.py) and
+hands ``on_land`` to the fabric; each finding goes through ``violate``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kvferry.sim.pages import FREE, PageAllocator
 from kvferry.sim.rooms import AUX_ROW_BYTES, Request
 
 if TYPE_CHECKING:
-    from kvferry.sim.world import World
+    from kvferry.sim.world_view import WorldView
 
 __all__ = ["LiveChecks"]
 
@@ -37,7 +37,7 @@ _PUSH = Flow.PUSH.value  # read per landing write (an enum's .value is a propert
 class LiveChecks:
     """The checks of one world's run, reading its rooms, ranks and allocators."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: WorldView) -> None:
         self.w = world
 
     def verify(self, req: Request) -> None:

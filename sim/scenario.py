@@ -1,11 +1,12 @@
 """Scenario files: TOML describing topology, geometry, fabric, workload, faults, phases and checks.
 
 The public names of the format, gathered from the modules that each do one job:
-sim/scenario_schema.py (the tables as dataclasses, each key documented), sim/scenario_fields.py
-(the typed-field reader naming ``FILE: [table].key`` in every error), sim/scenario_read.py
-(``load``/``parse``, validation, derived deadlines, ``with_flow``), sim/scenario_dump.py (``dump``:
-a scenario back as TOML) and sim/scenario_docs.py (docs/scenarios.md). Nothing under sim/
-that those modules import imports this one, so it closes no cycle.
+sim/scenario_schema.py (the tables as typed msgspec Structs, each key documented),
+sim/scenario_read.py (``load``/``parse``: msgspec decodes the TOML, then the checks across keys,
+derived deadlines, ``with_flow``), sim/scenario_errors.py (msgspec's errors as ``FILE:
+[table].key: ...`` with a "did you mean"), sim/scenario_dump.py (``dump``: a scenario back as
+TOML) and sim/scenario_docs.py (docs/scenarios.md). Nothing under sim/ that those modules
+import imports this one, so it closes no cycle.
 """
 
 from __future__ import annotations

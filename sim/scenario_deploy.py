@@ -14,10 +14,11 @@ import typing
 from dataclasses import fields
 from typing import Any
 
+import msgspec
 from kvferry.core.errors import KvferryError
 from kvferry.core.geometry import PRESETS
-from kvferry.sim import scenario_fields as sf  # looked up per call: a test records the keys read
 from kvferry.sim.deploy.spec import DeploySpec
+from kvferry.sim.scenario_errors import at, scenario_error
 from kvferry.sim.scenario_schema import Scenario, ScenarioError
 
 __all__ = ["DOC", "REFUSED", "keys", "read", "spec_fields"]
@@ -94,37 +95,42 @@ def spec_fields(s: Scenario) -> dict[str, Any]:
     }
 
 
-def _value(r: sf.Reader, key: str, kind: type) -> Any:
-    # The reader's checks keep the other tables' messages; bool is never taken for an int or float.
-    if kind is bool:
-        return r.bool(key, False)
-    if kind is int:
-        return r.int(key, 0, lo=None)
-    if kind is float:
-        v = r.float(key, 0.0, lo=-math.inf)  # an int is a number too, as in the other tables
-        if not math.isfinite(v):  # TOML has nan and inf; the spec's range checks let NaN through
-            raise ScenarioError(f"{sf.at(r.where, key)}: expected a finite number, got {v}")
-        return v
-    return r.str(key, "")
+def _table(known: dict[str, type]) -> type:
+    """The [deploy] table as a Struct: every key optional (UNSET: select's option decides)."""
+    return msgspec.defstruct(
+        "DeployTable",
+        [(k, kind | msgspec.UnsetType, msgspec.UNSET) for k, kind in known.items()],
+        frozen=True,
+        forbid_unknown_fields=True,
+    )
 
 
-def read(where: str, table: Any, s: Scenario) -> dict[str, Any]:
+def read(file: str, table: Any, s: Scenario) -> dict[str, Any]:
     """The [deploy] table of the file ``where``, checked: known keys of the right types, and, as
     a whole, a deployment DeploySpec.check() accepts (with ``s``'s model, TP, page sizes, workers
     and chunk size, and DeploySpec's defaults for the keys left out)."""
-    where = f"{where}: [deploy]"
+    where = f"{file}: [deploy]"
     known = keys()
     if isinstance(table, dict):
         for key in table:
             if key in REFUSED:
-                raise ScenarioError(f"{sf.at(where, key)}: not a [deploy] key: {REFUSED[key]}")
+                raise ScenarioError(f"{at(where, key)}: not a [deploy] key: {REFUSED[key]}")
             if key not in known:
                 # The accepted keys always listed: they come from DeploySpec, not from a fixed list.
                 hint = difflib.get_close_matches(key, list(known), n=1)
                 mean = f"did you mean {hint[0]!r}? " if hint else ""
-                raise ScenarioError(f"{sf.at(where, key)}: unknown field ({mean}known: {', '.join(known)})")
-    r = sf.Reader(where, table, tuple(known))  # refuses a plain value where the table should be
-    out = {k: _value(r, k, kind) for k, kind in known.items() if k in r.table}
+                raise ScenarioError(f"{at(where, key)}: unknown field ({mean}known: {', '.join(known)})")
+    kind = _table(known)
+    try:
+        decoded = msgspec.convert(table, kind)
+    except msgspec.ValidationError as e:
+        raise scenario_error(e, table, kind, file, base=("deploy",)) from None
+    out = {k: getattr(decoded, k) for k in known if getattr(decoded, k) is not msgspec.UNSET}
+    for k, v in out.items():
+        if isinstance(v, float) and not math.isfinite(
+            v
+        ):  # TOML has nan and inf; the spec's checks let NaN through
+            raise ScenarioError(f"{at(where, k)}: expected a finite number, got {v}")
     if not out:
         return out
     if s.model.name not in PRESETS:

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from kvferry.core.geometry import PRESETS, DType, Layout
@@ -22,6 +22,7 @@ from kvferry.sim.scenario_schema import (
     HOOKS,
     PUSH_MATCH_CHOICES,
     Checks,
+    FabricTable,
     FaultEvent,
     Faults,
     FlowSpec,
@@ -33,6 +34,7 @@ from kvferry.sim.scenario_schema import (
     Topology,
     Workload,
 )
+from msgspec import inspect as mi
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +56,12 @@ class TableDoc:
 
 
 _TOML_TYPES = {
-    "int": "integer",
-    "float": "number",
-    "bool": "boolean",
-    "str": "string",
-    "tuple[int, ...]": "array of integers",
-    "tuple[str, ...]": "array of strings",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    str: "string",
 }
+_TYPE_NAMES = {mi.IntType: "integer", mi.FloatType: "number", mi.BoolType: "boolean", mi.StrType: "string"}
 # Scenario fields that are tables, not top-level keys (each documented by its own dataclass).
 _TABLE_FIELDS = frozenset(
     (
@@ -79,8 +80,6 @@ _TABLE_FIELDS = frozenset(
         "deploy",
     )
 )
-# Fields read from an array of tables under another name: [[workload.room]], [[faults.event]].
-_ARRAY_KEYS = {"explicit": "room", "events": "event"}
 # The smallest valid entry of each array of tables: its keys are the required ones, and parsing it
 # gives the defaults of the others.
 _MINIMAL_ENTRIES: dict[str, Any] = {
@@ -111,24 +110,35 @@ def _doc_default(v: Any) -> str:
 
 
 def _value_type(v: Any) -> str:
-    return _TOML_TYPES[type(v).__name__]
+    return _TOML_TYPES[type(v)]
+
+
+def _toml_type(t: mi.Type) -> str:
+    """A key's type in TOML's words, from the type msgspec decodes it as."""
+    if isinstance(t, mi.VarTupleType):
+        return f"array of {_toml_type(t.item_type)}s"
+    if isinstance(t, mi.LiteralType):
+        return "string"
+    return _TYPE_NAMES[type(t)]
 
 
 def _field_keys(
     cls: type, values: Any, skip: tuple[str, ...] = (), required: tuple[str, ...] = ()
 ) -> list[KeyDoc]:
     doc: dict[str, str] = cls.DOC  # type: ignore[attr-defined]
-    names = [f.name for f in fields(cls) if f.name not in skip]
-    missing, extra = set(names) - set(doc), set(doc) - {f.name for f in fields(cls)}
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType)
+    names = [f.name for f in info.fields if f.name not in skip]
+    missing, extra = set(names) - set(doc), set(doc) - {f.name for f in info.fields}
     if missing or extra:
         raise ValueError(f"{cls.__name__}.DOC: undocumented {sorted(missing)}, not fields {sorted(extra)}")
-    types = {f.name: f.type for f in fields(cls)}
+    types = {f.name: f for f in info.fields}
     return [
-        KeyDoc(_ARRAY_KEYS[n], "array of tables", "[]", doc[n])
-        if n in _ARRAY_KEYS
+        KeyDoc(types[n].encode_name, "array of tables", "[]", doc[n])
+        if isinstance(types[n].type, mi.VarTupleType) and isinstance(types[n].type.item_type, mi.StructType)
         else KeyDoc(
             n,
-            _TOML_TYPES[str(types[n])],
+            _toml_type(types[n].type),
             "required" if n in required else _doc_default(getattr(values, n)),
             doc[n],
         )
@@ -136,8 +146,14 @@ def _field_keys(
     ]
 
 
+def _fabric_doc() -> dict[str, str]:
+    if tuple(FABRIC_DOC) != FabricTable.__struct_fields__:
+        raise ValueError(f"FABRIC_DOC: keys {list(FABRIC_DOC)}, [fabric] has {FabricTable.__struct_fields__}")
+    return FABRIC_DOC
+
+
 def _top_keys(s: Scenario) -> list[KeyDoc]:
-    stray = {f.name for f in fields(Scenario)} - set(Scenario.DOC) - _TABLE_FIELDS
+    stray = set(Scenario.__struct_fields__) - set(Scenario.DOC) - _TABLE_FIELDS
     if stray:
         raise ValueError(f"Scenario: fields neither in Scenario.DOC nor tables: {sorted(stray)}")
     return _field_keys(Scenario, s, skip=tuple(_TABLE_FIELDS))
@@ -174,7 +190,7 @@ def schema_tables() -> list[TableDoc]:
             "another `profile` changes them.",
             tuple(
                 KeyDoc(k, _value_type(fabric[k]), _doc_default(fabric[k]), meaning)
-                for k, meaning in FABRIC_DOC.items()
+                for k, meaning in _fabric_doc().items()
             ),
         ),
         TableDoc(
@@ -270,7 +286,7 @@ def _deploy_doc() -> TableDoc:
     rows = tuple(
         KeyDoc(
             k,
-            _TOML_TYPES[kind.__name__],
+            _TOML_TYPES[kind],
             "none",  # left out, select's option decides
             f"{sd.DOC.get(k, 'See `DeploySpec` in sim/deploy/spec.py.')} "
             f"Select's default: `{_doc_default(getattr(spec, k))}`.",

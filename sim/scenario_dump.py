@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 from kvferry.sim.scenario_schema import (
@@ -13,6 +12,7 @@ from kvferry.sim.scenario_schema import (
     FlowSpec,
     ModelSpec,
     Phases,
+    RoomSpec,
     Scenario,
     TimeoutSpec,
     Topology,
@@ -70,31 +70,21 @@ def dump(s: Scenario) -> str:
         out.append("move_bytes = false")
     out.append("")
     m = s.model
-    out += _table("model", {f.name: getattr(m, f.name) for f in fields(ModelSpec)})
-    out += _table("topology", {f.name: getattr(s.topology, f.name) for f in fields(Topology)})
+    out += _table("model", {n: getattr(m, n) for n in ModelSpec.__struct_fields__})
+    out += _table("topology", {n: getattr(s.topology, n) for n in Topology.__struct_fields__})
     out += _table("fabric", fabric_values(s))
-    out += _table("flows", {f.name: getattr(s.flows, f.name) for f in fields(FlowSpec)})
+    out += _table("flows", {n: getattr(s.flows, n) for n in FlowSpec.__struct_fields__})
     w = s.workload
-    out += _table("workload", {f.name: getattr(w, f.name) for f in fields(Workload) if f.name != "explicit"})
+    out += _table("workload", {n: getattr(w, n) for n in Workload.__struct_fields__ if n != "explicit"})
     for room in w.explicit:
-        out += _table(
-            "[workload.room]",
-            {
-                "tokens": room.tokens,
-                "arrival_us": room.arrival_us,
-                "chunks": room.chunks,
-                "prefill_delay_us": room.prefill_delay_us,
-                "decode_lag_us": room.decode_lag_us,
-                "decode_tokens": room.decode_tokens,
-            },
-        )
+        out += _table("[workload.room]", {n: getattr(room, n) for n in RoomSpec.__struct_fields__})
     f = s.faults
-    out += _table("faults", {x.name: getattr(f, x.name) for x in fields(Faults) if x.name != "events"})
+    out += _table("faults", {n: getattr(f, n) for n in Faults.__struct_fields__ if n != "events"})
     for ev in f.events:
-        out += _table("[faults.event]", {x.name: getattr(ev, x.name) for x in fields(FaultEvent)})
-    out += _table("timeouts", {x.name: getattr(s.timeouts, x.name) for x in fields(TimeoutSpec)})
-    out += _table("phases", {x.name: getattr(s.phases, x.name) for x in fields(Phases)})
-    out += _table("checks", {x.name: getattr(s.checks, x.name) for x in fields(Checks)})
+        out += _table("[faults.event]", {n: getattr(ev, n) for n in FaultEvent.__struct_fields__})
+    out += _table("timeouts", {n: getattr(s.timeouts, n) for n in TimeoutSpec.__struct_fields__})
+    out += _table("phases", {n: getattr(s.phases, n) for n in Phases.__struct_fields__})
+    out += _table("checks", {n: getattr(s.checks, n) for n in Checks.__struct_fields__})
     if s.deploy:  # written only when set, so a file without it dumps as before
         out += _table("deploy", s.deploy)
     if s.expect_violations:

@@ -1,103 +1,95 @@
-"""Reading a scenario file: ``load(path)`` parses and validates; every error names the file and
-the offending field (``[faults].ctrl_drop: expected a probability in [0, 1], got 1.5``). Deadlines a
-file leaves out are derived for its largest room (sim/expected.py), and ``with_flow`` re-derives
-them for another flow."""
+"""Reading a scenario file: ``load(path)`` decodes its TOML with msgspec into the typed tables of
+sim/scenario_schema.py (unknown keys, wrong types and out-of-range values refused there, each
+error naming the file and the key: ``[faults].ctrl_drop: expected a probability in [0, 1], got
+1.5``), then checks what spans keys and tables: presets, TP against the model, node names, room
+sizes against the pools, and the deadlines. Deadlines a file leaves out are derived for its
+largest room (sim/expected.py), and ``with_flow`` re-derives them for another flow."""
 
 from __future__ import annotations
 
-import tomllib
-from dataclasses import replace
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from kvferry.backends.simfabric.spec import PROFILES, ControlSpec, FabricSpec, KernelSpec, NicSpec
 from kvferry.core.deadlines import Timeouts
 from kvferry.core.errors import GeometryError
 from kvferry.core.geometry import PRESETS, Layout, ModelGeometry, validate_tp
 from kvferry.sim import scenario_deploy
-from kvferry.sim import scenario_fields as sf  # looked up per call: a test records the keys read
 from kvferry.sim.deploy import hardware
 from kvferry.sim.expected import derive, max_msg_ns, max_write_ns, worst
+from kvferry.sim.scenario_errors import place, scenario_error
 from kvferry.sim.scenario_schema import (
-    FABRIC_DOC,
-    FAULT_EVENT_KINDS,
     HOOKS,
-    MAX_INSTANCES,
-    PUSH_MATCH_CHOICES,
-    Checks,
+    FabricTable,
     FaultEvent,
     Faults,
-    FlowSpec,
     ModelSpec,
+    ModelTable,
     Phases,
-    RoomSpec,
     Scenario,
     ScenarioError,
+    ScenarioFile,
     TimeoutSpec,
     Topology,
     Workload,
     flow_choices,
 )
+from msgspec.structs import replace
+
+TIMEOUT_KEYS = TimeoutSpec.__struct_fields__
 
 
-def _model(r: sf.Reader) -> ModelSpec:
-    if "preset" in r.table:
-        name = r.str("preset", "")
-        extra = [k for k in r.table if k != "preset"]
+def _choice(where: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ScenarioError(f"{where}: expected one of {', '.join(choices)}, got {value!r}")
+
+
+def _model(m: ModelTable, given: dict[str, Any], file: str) -> ModelSpec:
+    if "preset" in given:
+        extra = [k for k in given if k != "preset"]
         if extra:
-            raise ScenarioError(f"{r.where}.{extra[0]}: give either preset or explicit fields, not both")
+            raise ScenarioError(
+                f"{place(file, ('model', extra[0]))}: give either preset or explicit fields, not both"
+            )
         try:
-            g = ModelGeometry.preset(name)
+            g = ModelGeometry.preset(m.preset)
         except GeometryError as e:
-            raise ScenarioError(f"{r.where}.preset: {e}") from None
-        return ModelSpec(g.name, g.num_layers, g.num_kv_heads, g.head_dim, g.dtype.value, g.is_mla)
-    d = ModelSpec()
-    spec = ModelSpec(
-        name=r.str("name", d.name),
-        num_layers=r.int("num_layers", d.num_layers, lo=1),
-        num_kv_heads=r.int("num_kv_heads", d.num_kv_heads, lo=1),
-        head_dim=r.int("head_dim", d.head_dim, lo=1),
-        dtype=r.str("dtype", d.dtype),
-        is_mla=r.bool("is_mla", d.is_mla),
-    )
+            raise ScenarioError(f"{place(file, ('model', 'preset'))}: {e}") from None
+        return ModelSpec(
+            name=g.name,
+            num_layers=g.num_layers,
+            num_kv_heads=g.num_kv_heads,
+            head_dim=g.head_dim,
+            dtype=g.dtype.value,
+            is_mla=g.is_mla,
+        )
+    spec = ModelSpec(**{n: getattr(m, n) for n in ModelSpec.__struct_fields__})
     try:
         g = spec.geometry()
     except GeometryError as e:
-        raise ScenarioError(f"{r.where}: {e}") from None
+        raise ScenarioError(f"{place(file, ('model',))}: {e}") from None
     if spec.name in PRESETS and PRESETS[spec.name].same_kv_shape(g) is not None:
         # A preset's name alone used to run the tiny default geometry under that name (the
         # preset's own fields written out, as dump() does, are fine).
         raise ScenarioError(
-            f"{sf.at(r.where, 'name')}: {spec.name!r} is a preset: write preset = {spec.name!r} (a name "
-            "alone does not set the geometry; give another name for a custom model)"
+            f"{place(file, ('model', 'name'))}: {spec.name!r} is a preset: write preset = {spec.name!r} (a "
+            "name alone does not set the geometry; give another name for a custom model)"
         )
     return spec
 
 
-def _topology(r: sf.Reader, model: ModelSpec) -> Topology:
-    d = Topology()
+def _check_topology(t: Topology, model: ModelSpec, file: str) -> None:
     layouts = tuple(x.value for x in Layout)
-    t = Topology(
-        prefill_tp=r.int("prefill_tp", d.prefill_tp, lo=1, hi=64),
-        decode_tp=r.int("decode_tp", d.decode_tp, lo=1, hi=64),
-        prefill_page_size=r.int("prefill_page_size", d.prefill_page_size, lo=1, hi=1024),
-        decode_page_size=r.int("decode_page_size", d.decode_page_size, lo=1, hi=1024),
-        prefill_pages=r.int("prefill_pages", d.prefill_pages, lo=1, hi=1 << 20),
-        decode_pages=r.int("decode_pages", d.decode_pages, lo=1, hi=1 << 20),
-        prefill_layout=r.str("prefill_layout", d.prefill_layout, layouts),
-        decode_layout=r.str("decode_layout", d.decode_layout, layouts),
-        workers=r.int("workers", d.workers, lo=1, hi=64),
-        aux_rows=r.int("aux_rows", d.aux_rows, lo=1, hi=1 << 16),
-        prefill_instances=r.int("prefill_instances", d.prefill_instances, lo=1, hi=MAX_INSTANCES),
-        decode_instances=r.int("decode_instances", d.decode_instances, lo=1, hi=MAX_INSTANCES),
-    )
+    for side in ("prefill", "decode"):
+        _choice(place(file, ("topology", f"{side}_layout")), getattr(t, f"{side}_layout"), layouts)
     g = model.geometry()
     for key in ("prefill_tp", "decode_tp"):
         try:
             validate_tp(g, getattr(t, key))
         except GeometryError as e:
-            raise ScenarioError(f"{r.where}.{key}: {e}") from None
-    return t
+            raise ScenarioError(f"{place(file, ('topology', key))}: {e}") from None
 
 
 def fabric_profiles() -> tuple[str, ...]:
@@ -114,9 +106,9 @@ def profile_fabric(name: str) -> FabricSpec:
         return base
     fit = hardware.fitted(name)
     k, n, c = base.kernel, base.nic, base.control
-    return replace(
+    return dataclasses.replace(
         base,
-        nic=replace(
+        nic=dataclasses.replace(
             base.nic,
             bandwidth_bps=int(fit.bandwidth_gbps * 1e9),
             latency_ns=round(fit.latency_us * 1000),
@@ -128,8 +120,8 @@ def profile_fabric(name: str) -> FabricSpec:
         ),
         control=c
         if fit.control_latency_us is None
-        else replace(c, latency_ns=round(fit.control_latency_us * 1000)),
-        kernel=replace(
+        else dataclasses.replace(c, latency_ns=round(fit.control_latency_us * 1000)),
+        kernel=dataclasses.replace(
             k,
             launch_ns=k.launch_ns if fit.kernel_launch_us is None else round(fit.kernel_launch_us * 1000),
             gpu_bps=k.gpu_bps if fit.copy_gpu_gbps is None else int(fit.copy_gpu_gbps * 1e9),
@@ -138,150 +130,95 @@ def profile_fabric(name: str) -> FabricSpec:
     )
 
 
-def _fabric(r: sf.Reader) -> tuple[str, FabricSpec]:
-    profile = r.str("profile", "h100-rdma", fabric_profiles())
-    base = profile_fabric(profile)
-    n, c = base.nic, base.control
+def _fabric(f: FabricTable, file: str) -> FabricSpec:
+    """The fabric of a ``[fabric]`` table: its profile's numbers, less the keys the table gives."""
+    _choice(place(file, ("fabric", "profile")), f.profile, fabric_profiles())
+    base = profile_fabric(f.profile)
+
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    n, c, k = base.nic, base.control, base.kernel
+    gbps = f.bandwidth_gbps
     nic = NicSpec(
-        bandwidth_bps=int(r.float("bandwidth_gbps", n.bandwidth_bps / 1e9, lo=0.001) * 1e9),
-        latency_ns=r.int("latency_ns", n.latency_ns),
-        jitter_ns=r.int("jitter_ns", n.jitter_ns),
-        post_cost_ns=r.int("post_cost_ns", n.post_cost_ns),
-        per_desc_ns=r.int("per_desc_ns", n.per_desc_ns),
-        max_inflight=r.int("max_inflight", n.max_inflight, lo=1),
-        error_timeout_ns=r.int("error_timeout_ns", n.error_timeout_ns),
-        completion_delay_ns=r.int("completion_delay_ns", n.completion_delay_ns),
+        bandwidth_bps=n.bandwidth_bps if gbps is None else int(gbps * 1e9),
+        latency_ns=given(f.latency_ns, n.latency_ns),
+        jitter_ns=given(f.jitter_ns, n.jitter_ns),
+        post_cost_ns=given(f.post_cost_ns, n.post_cost_ns),
+        per_desc_ns=given(f.per_desc_ns, n.per_desc_ns),
+        max_inflight=given(f.max_inflight, n.max_inflight),
+        error_timeout_ns=given(f.error_timeout_ns, n.error_timeout_ns),
+        completion_delay_ns=given(f.completion_delay_ns, n.completion_delay_ns),
     )
     control = ControlSpec(
-        latency_ns=r.int("control_latency_ns", c.latency_ns),
-        jitter_ns=r.int("control_jitter_ns", c.jitter_ns),
+        latency_ns=given(f.control_latency_ns, c.latency_ns),
+        jitter_ns=given(f.control_jitter_ns, c.jitter_ns),
     )
-    k = base.kernel
     kernel = KernelSpec(
-        launch_ns=r.int("kernel_launch_ns", k.launch_ns),
-        gpu_bps=int(r.float("gpu_copy_gbps", k.gpu_bps / 1e9, lo=0.001) * 1e9),
-        pinned_bps=int(r.float("pinned_copy_gbps", k.pinned_bps / 1e9, lo=0.001) * 1e9),
-        busy_mean_ns=r.int("kernel_busy_mean_ns", k.busy_mean_ns),
+        launch_ns=given(f.kernel_launch_ns, k.launch_ns),
+        gpu_bps=k.gpu_bps if f.gpu_copy_gbps is None else int(f.gpu_copy_gbps * 1e9),
+        pinned_bps=k.pinned_bps if f.pinned_copy_gbps is None else int(f.pinned_copy_gbps * 1e9),
+        busy_mean_ns=given(f.kernel_busy_mean_ns, k.busy_mean_ns),
     )
-    return profile, FabricSpec(
-        nic=nic, control=control, kernel=kernel, prepped=r.bool("prepped", base.prepped)
-    )
+    return FabricSpec(nic=nic, control=control, kernel=kernel, prepped=given(f.prepped, base.prepped))
 
 
-def _flows(r: sf.Reader) -> FlowSpec:
-    d = FlowSpec()
-    sizes = {
-        n: r.int(n, getattr(d, n), hi=1 << 40)
-        for n in ("ring_bytes", "pinned_bytes", "worker_buffer_bytes", "prefill_pinned_bytes")
-    }
-    return FlowSpec(
-        flow=r.str("flow", d.flow, flow_choices()),
-        fallback_direct=r.bool("fallback_direct", d.fallback_direct),
-        auto_chunks=r.int("auto_chunks", d.auto_chunks, lo=1, hi=1024),
-        push_match=r.str("push_match", d.push_match, PUSH_MATCH_CHOICES),
-        **sizes,
-    )
-
-
-def _workload(r: sf.Reader, topo: Topology) -> Workload:
-    d = Workload()
-    rooms: list[RoomSpec] = []
-    for i, raw in enumerate(r.list("room")):
-        rr = sf.Reader(f"{r.where}.room[{i}]", raw, sf.field_names(RoomSpec))
-        tokens = rr.int("tokens", 0, lo=1)
-        chunks = rr.list("chunks")
-        if any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in chunks):
-            raise ScenarioError(f"{rr.where}.chunks: expected positive integers, got {chunks!r}")
-        if chunks and sum(chunks) != tokens:
-            raise ScenarioError(f"{rr.where}.chunks: lengths sum to {sum(chunks)}, room has {tokens} tokens")
-        rooms.append(
-            RoomSpec(
-                tokens,
-                rr.int("arrival_us", 0),
-                tuple(chunks),
-                rr.int("prefill_delay_us", 0),
-                rr.int("decode_lag_us", 0),
-                rr.int("decode_tokens", 0),
+def _workload(w: Workload, given: dict[str, Any], topo: Topology, file: str) -> Workload:
+    rooms = w.explicit
+    for i, room in enumerate(rooms):
+        if room.chunks and sum(room.chunks) != room.tokens:
+            raise ScenarioError(
+                f"{place(file, ('workload', 'room', i, 'chunks'))}: lengths sum to {sum(room.chunks)}, "
+                f"room has {room.tokens} tokens"
             )
-        )
-    w = Workload(
-        rooms=r.int("rooms", len(rooms) if rooms else d.rooms, lo=0, hi=1_000_000),
-        tokens_min=r.int("tokens_min", d.tokens_min, lo=1),
-        tokens_max=r.int("tokens_max", d.tokens_max, lo=1),
-        chunk_tokens=r.int("chunk_tokens", d.chunk_tokens, lo=0),
-        arrival_mean_us=r.int("arrival_mean_us", d.arrival_mean_us),
-        compute_ns_per_token=r.int("compute_ns_per_token", d.compute_ns_per_token),
-        decode_lag_us_max=r.int("decode_lag_us_max", d.decode_lag_us_max, hi=10_000_000),
-        length_mismatch=r.prob("length_mismatch", d.length_mismatch),
-        prefix_hit=r.float("prefix_hit", d.prefix_hit, hi=1.0),
-        explicit=tuple(rooms),
-    )
+    if rooms and "rooms" not in given:
+        w = replace(w, rooms=len(rooms))
     if rooms and w.rooms != len(rooms):
-        raise ScenarioError(f"{r.where}.rooms: {w.rooms} but {len(rooms)} [[workload.room]] entries")
+        raise ScenarioError(
+            f"{place(file, ('workload', 'rooms'))}: {w.rooms} but {len(rooms)} [[workload.room]] entries"
+        )
     if w.tokens_min > w.tokens_max:
-        raise ScenarioError(f"{r.where}.tokens_min: {w.tokens_min} > tokens_max {w.tokens_max}")
+        raise ScenarioError(
+            f"{place(file, ('workload', 'tokens_min'))}: {w.tokens_min} > tokens_max {w.tokens_max}"
+        )
     for side in ("prefill", "decode"):
         # A drawn mismatched room's decode length is capped at the pool (sim/world.py).
         longest = max([x.dec_tokens if side == "decode" else x.tokens for x in rooms] or [w.tokens_max])
         cap = getattr(topo, f"{side}_pages") * getattr(topo, f"{side}_page_size")
         if longest > cap:
             raise ScenarioError(
-                f"{r.where}: a room of {longest} tokens does not fit the {side} pool ({cap} tokens)"
+                f"{place(file, ('workload',))}: a room of {longest} tokens does not fit the {side} pool "
+                f"({cap} tokens)"
             )
     return w
 
 
-def _node(r: sf.Reader, key: str, nodes: tuple[str, ...]) -> str:
+def _node(where: str, value: str, nodes: tuple[str, ...]) -> None:
     """A node name of the topology; with many, the error shows the pattern, not every name."""
     if len(nodes) <= 12:
-        return r.str(key, "", nodes)
-    v = r.str(key, "")
-    if v not in nodes:
+        _choice(where, value, nodes)
+    elif value not in nodes:
         named = [n for n in nodes if n]
-        raise r._err(
-            key,
-            f"expected a node of the topology ({named[0]} ... {named[-1]}: server, then rank), got {v!r}",
+        raise ScenarioError(
+            f"{where}: expected a node of the topology ({named[0]} ... {named[-1]}: server, then rank), "
+            f"got {value!r}"
         )
-    return v
 
 
-def _faults(r: sf.Reader, nodes: tuple[str, ...]) -> Faults:
-    d = Faults()
-    events: list[FaultEvent] = []
-    for i, raw in enumerate(r.list("event")):
-        er = sf.Reader(f"{r.where}.event[{i}]", raw, sf.field_names(FaultEvent))
-        kind = er.str("kind", "", FAULT_EVENT_KINDS)
-        node = _node(er, "node", nodes)
-        peer = _node(er, "peer", ("", *nodes))
-        if kind != "crash" and not peer:
-            raise ScenarioError(f"{er.where}.peer: a {kind} event needs the other end of the link")
-        if peer == node:
-            raise ScenarioError(f"{er.where}.peer: a link joins two different nodes")
-        events.append(
-            FaultEvent(
-                at_us=er.int("at_us", 0),
-                kind=kind,
-                node=node,
-                peer=peer,
-                duration_us=er.int("duration_us", 0),
-                factor=er.float("factor", 1.0, lo=1e-6, hi=1.0),
-            )
-        )
-    return Faults(
-        swarm=r.bool("swarm", d.swarm),
-        ctrl_drop=r.prob("ctrl_drop", d.ctrl_drop),
-        ctrl_dup=r.prob("ctrl_dup", d.ctrl_dup),
-        ctrl_reorder=r.prob("ctrl_reorder", d.ctrl_reorder),
-        ctrl_delay=r.prob("ctrl_delay", d.ctrl_delay),
-        ctrl_delay_max_us=r.int("ctrl_delay_max_us", d.ctrl_delay_max_us),
-        xfer_err=r.prob("xfer_err", d.xfer_err),
-        abort=r.prob("abort", d.abort),
-        notif_drop=r.prob("notif_drop", d.notif_drop),
-        notif_delay=r.prob("notif_delay", d.notif_delay),
-        notif_delay_max_us=r.int("notif_delay_max_us", d.notif_delay_max_us),
-        clock_skew_max_us=r.int("clock_skew_max_us", d.clock_skew_max_us),
-        events=tuple(sorted(events, key=lambda e: (e.at_us, e.kind, e.node, e.peer))),
-    )
+def _faults(f: Faults, nodes: tuple[str, ...], file: str) -> Faults:
+    for i, ev in enumerate(f.events):
+        _node(place(file, ("faults", "event", i, "node")), ev.node, nodes)
+        _node(place(file, ("faults", "event", i, "peer")), ev.peer, ("", *nodes))
+        peer = place(file, ("faults", "event", i, "peer"))
+        if ev.kind != "crash" and not ev.peer:
+            raise ScenarioError(f"{peer}: a {ev.kind} event needs the other end of the link")
+        if ev.peer == ev.node:
+            raise ScenarioError(f"{peer}: a link joins two different nodes")
+    return replace(f, events=tuple(sorted(f.events, key=_event_order)))
+
+
+def _event_order(e: FaultEvent) -> tuple[int, str, str, str]:
+    return (e.at_us, e.kind, e.node, e.peer)
 
 
 def _check_timeouts(where: str, s: Scenario) -> None:
@@ -290,7 +227,7 @@ def _check_timeouts(where: str, s: Scenario) -> None:
     shorter than the scenario's own largest room takes to move."""
     t = s.timeouts
     est = worst(s)
-    probs = Timeouts(**{n: getattr(t, n) for n in sf.field_names(TimeoutSpec)}).problems(
+    probs = Timeouts(**{n: getattr(t, n) for n in TIMEOUT_KEYS}).problems(
         max_msg_ns(s), max_write_ns(s, est), expected_transfer_ns=est.total_ns, transfer_what=est.describe()
     )
     if probs:
@@ -311,93 +248,45 @@ def with_derived_deadlines(s: Scenario) -> Scenario:
 
 
 def parse(data: dict[str, Any], where: str = "scenario") -> Scenario:
-    top = sf.Reader(
-        where,
-        data,
-        (
-            "name",
-            "description",
-            "seed",
-            "model",
-            "topology",
-            "fabric",
-            "flows",
-            "workload",
-            "faults",
-            "timeouts",
-            "phases",
-            "checks",
-            "hooks",
-            "move_bytes",
-            "expect",
-            "deploy",
-        ),
-    )
-    model = _model(
-        sf.Reader(f"{where}: [model]", data.get("model", {}), (*sf.field_names(ModelSpec), "preset"))
-    )
-    topo = _topology(
-        sf.Reader(f"{where}: [topology]", data.get("topology", {}), sf.field_names(Topology)), model
-    )
-    profile, fabric = _fabric(sf.Reader(f"{where}: [fabric]", data.get("fabric", {}), tuple(FABRIC_DOC)))
-    flows = _flows(sf.Reader(f"{where}: [flows]", data.get("flows", {}), sf.field_names(FlowSpec)))
-    work = _workload(
-        sf.Reader(
-            f"{where}: [workload]",
-            data.get("workload", {}),
-            (*(n for n in sf.field_names(Workload) if n != "explicit"), "room"),
-        ),
-        topo,
-    )
-    deploy = scenario_deploy.read(
-        where, data.get("deploy", {}), Scenario(model=model, topology=topo, workload=work)
-    )
-    base = Scenario(topology=topo)
-    faults = _faults(
-        sf.Reader(
-            f"{where}: [faults]",
-            data.get("faults", {}),
-            (*(n for n in sf.field_names(Faults) if n != "events"), "event"),
-        ),
-        base.node_names(),
-    )
-    tr = sf.Reader(f"{where}: [timeouts]", data.get("timeouts", {}), sf.field_names(TimeoutSpec))
-    td = TimeoutSpec()
-    timeouts = TimeoutSpec(**{n: tr.int(n, getattr(td, n), lo=1) for n in sf.field_names(TimeoutSpec)})
-    pr = sf.Reader(f"{where}: [phases]", data.get("phases", {}), sf.field_names(Phases))
-    phases = Phases(
-        pr.int("fault_window_us", Phases().fault_window_us), pr.int("liveness_us", Phases().liveness_us, lo=1)
-    )
-    cr = sf.Reader(f"{where}: [checks]", data.get("checks", {}), sf.field_names(Checks))
-    checks = Checks(**{n: cr.bool(n, True) for n in sf.field_names(Checks)})
-    hooks = top.list("hooks")
-    for h in hooks:
+    """A scenario from a decoded TOML document; errors name ``where`` (the file) and the key."""
+    try:
+        f = msgspec.convert(data, ScenarioFile)
+    except msgspec.ValidationError as e:
+        raise scenario_error(e, data, ScenarioFile, where) from None
+    for h in f.hooks:
         if h not in HOOKS:
             raise ScenarioError(
-                f"{sf.at(where, 'hooks')}: unknown planted bug {h!r} (known: {', '.join(HOOKS)})"
+                f"{place(where, ('hooks',))}: unknown planted bug {h!r} (known: {', '.join(HOOKS)})"
             )
-    er = sf.Reader(f"{where}: [expect]", data.get("expect", {}), ("violations",))
-    expect = er.list("violations")
-    given = frozenset(n for n in sf.field_names(TimeoutSpec) if n in tr.table) | frozenset(
-        n for n in ("liveness_us",) if n in pr.table
+    model = _model(f.model, data.get("model", {}), where)
+    _check_topology(f.topology, model, where)
+    _choice(place(where, ("flows", "flow")), f.flows.flow, flow_choices())
+    work = _workload(f.workload, data.get("workload", {}), f.topology, where)
+    deploy = scenario_deploy.read(
+        where, data.get("deploy", {}), Scenario(model=model, topology=f.topology, workload=work)
+    )
+    faults = _faults(f.faults, Scenario(topology=f.topology).node_names(), where)
+    # The deadlines the file sets; with_derived_deadlines derives the others.
+    given = frozenset(n for n in TIMEOUT_KEYS if n in data.get("timeouts", {})) | frozenset(
+        n for n in ("liveness_us",) if n in data.get("phases", {})
     )
     out = Scenario(
-        name=top.str("name", "unnamed"),
-        description=top.str("description", ""),
-        seed=top.int("seed", 0),
+        name=f.name,
+        description=f.description,
+        seed=f.seed,
         model=model,
-        topology=topo,
-        fabric_profile=profile,
-        fabric=fabric,
-        flows=flows,
+        topology=f.topology,
+        fabric_profile=f.fabric.profile,
+        fabric=_fabric(f.fabric, where),
+        flows=f.flows,
         workload=work,
         faults=faults,
-        timeouts=timeouts,
-        phases=phases,
-        checks=checks,
-        hooks=tuple(hooks),
-        move_bytes=top.bool("move_bytes", True),
-        expect_violations=tuple(str(x) for x in expect),
+        timeouts=f.timeouts,
+        phases=f.phases,
+        checks=f.checks,
+        hooks=f.hooks,
+        move_bytes=f.move_bytes,
+        expect_violations=f.expect.violations,
         deadlines_set=given,
         deploy=deploy,
     )
@@ -419,8 +308,10 @@ def load(path: str | Path) -> Scenario:
     except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
         raise ScenarioError(f"{p}: cannot read: {e}") from None
     try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
+        # The document as plain TOML first: parse() reads which keys the file gave (deadlines
+        # left out are derived) and quotes a refused value from it.
+        data = msgspec.toml.decode(text)
+    except msgspec.DecodeError as e:
         raise ScenarioError(f"{p}: not valid TOML: {e}") from None
     return parse(data, where=str(p))
 
@@ -438,9 +329,7 @@ def with_flow(s: Scenario, flow: str) -> Scenario:
     td, pd = TimeoutSpec(), Phases()
     base = replace(
         out,
-        timeouts=TimeoutSpec(
-            **{n: getattr(s.timeouts if n in given else td, n) for n in sf.field_names(TimeoutSpec)}
-        ),
+        timeouts=TimeoutSpec(**{n: getattr(s.timeouts if n in given else td, n) for n in TIMEOUT_KEYS}),
         phases=replace(
             s.phases, liveness_us=s.phases.liveness_us if "liveness_us" in given else pd.liveness_us
         ),

@@ -1,21 +1,25 @@
-"""The scenario format's schema: one frozen dataclass per TOML table, each key documented in its
-``DOC`` (docs/scenarios.md is generated from them, sim/scenario_docs.py), and the values derived
-from a scenario alone (its pools, its staging sizes).
+"""The scenario format's schema: one frozen msgspec Struct per TOML table, each key typed (with its
+range as a ``Meta`` constraint) and documented in its ``DOC`` (docs/scenarios.md is generated from
+them, sim/scenario_docs.py), and the values derived from a scenario alone (its pools, its staging
+sizes).
 
-Reading a file is sim/scenario_read.py, writing one sim/scenario_dump.py; sim/scenario.py gathers
-the public names.
+msgspec decodes a file into ``ScenarioFile`` (sim/scenario_read.py), refusing unknown keys and
+values of the wrong type or range; ``Scenario`` is what a run takes. Writing one back is
+sim/scenario_dump.py; sim/scenario.py gathers the public names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
+import msgspec
 from kvferry.backends.simfabric.spec import FabricSpec
 from kvferry.core.errors import KvferryError
 from kvferry.core.flows import FLOW_NAMES
 from kvferry.core.flows.registry import extra_names
 from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry
+from msgspec import Meta
+from msgspec.structs import replace
 
 US = 1_000
 
@@ -24,7 +28,8 @@ class ScenarioError(KvferryError, ValueError):
     """A scenario file that cannot be run; the message names the field."""
 
 
-FAULT_EVENT_KINDS = ("crash", "link_down", "slow_link")
+FaultKind = Literal["crash", "link_down", "slow_link"]
+FAULT_EVENT_KINDS: tuple[str, ...] = get_args(FaultKind)
 NODE_EVENT_KINDS = ("crash",)
 HOOKS = (
     "free_pages_early",
@@ -64,15 +69,24 @@ def flow_choices() -> tuple[str, ...]:
     return (*FLOW_CHOICES, *extra_names())
 
 
-PUSH_MATCH_CHOICES = ("transfer_id", "request_id")
+PushMatch = Literal["transfer_id", "request_id"]
+PUSH_MATCH_CHOICES: tuple[str, ...] = get_args(PushMatch)
+
+# Value types of the format; msgspec checks them on decode, and an error names the bound broken.
+Count = Annotated[int, Meta(ge=0)]  # a count, a size or a time: never negative
+Positive = Annotated[int, Meta(ge=1)]
+Share = Annotated[float, Meta(ge=0.0, le=1.0)]  # a probability or a share of rooms
 
 
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
+class Table(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One table of the format: immutable, and refusing a key it does not have."""
+
+
+class ModelSpec(Table):
     name: str = "sim-tiny"
-    num_layers: int = 2
-    num_kv_heads: int = 8
-    head_dim: int = 8
+    num_layers: Positive = 2
+    num_kv_heads: Positive = 8
+    head_dim: Positive = 8
     dtype: str = "bf16"
     is_mla: bool = False
 
@@ -91,22 +105,23 @@ class ModelSpec:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class Topology:
-    prefill_tp: int = 2
-    decode_tp: int = 1
-    prefill_page_size: int = 16
-    decode_page_size: int = 16
-    prefill_pages: int = 1024
-    decode_pages: int = 1024
+class Topology(Table):
+    prefill_tp: Annotated[int, Meta(ge=1, le=64)] = 2
+    decode_tp: Annotated[int, Meta(ge=1, le=64)] = 1
+    prefill_page_size: Annotated[int, Meta(ge=1, le=1024)] = 16
+    decode_page_size: Annotated[int, Meta(ge=1, le=1024)] = 16
+    prefill_pages: Annotated[int, Meta(ge=1, le=1 << 20)] = 1024
+    decode_pages: Annotated[int, Meta(ge=1, le=1 << 20)] = 1024
     prefill_layout: str = "sglang_nhd"
     decode_layout: str = "sglang_nhd"
-    workers: int = 2  # transfer queues (one worker each) per prefill rank, as in SGLang PR 20680
-    aux_rows: int = 256
+    workers: Annotated[int, Meta(ge=1, le=64)] = (
+        2  # transfer queues (one worker each) per prefill rank, as in SGLang PR 20680
+    )
+    aux_rows: Annotated[int, Meta(ge=1, le=1 << 16)] = 256
     # Servers of each side on the one fabric, each with the TP above and its own memory; a router
     # sends each room to one of each (sim/instances.py).
-    prefill_instances: int = 1
-    decode_instances: int = 1
+    prefill_instances: Annotated[int, Meta(ge=1, le=MAX_INSTANCES)] = 1
+    decode_instances: Annotated[int, Meta(ge=1, le=MAX_INSTANCES)] = 1
 
     DOC: ClassVar[dict[str, str]] = {
         "prefill_tp": "Prefill ranks (tensor-parallel size): nodes prefill0, prefill1, ...",
@@ -137,18 +152,17 @@ class Topology:
         return tuple(tuple(f"{server}{r}" for r in range(tp)) for server in self.servers(side))
 
 
-@dataclass(frozen=True, slots=True)
-class RoomSpec:
-    tokens: int
-    arrival_us: int
-    chunks: tuple[int, ...] = ()  # explicit chunk lengths; empty: split by workload.chunk_tokens
-    prefill_delay_us: int = 0  # prefill compute starts this long after decode allocates
+class RoomSpec(Table):
+    tokens: Positive
+    arrival_us: Count = 0
+    chunks: tuple[Positive, ...] = ()  # explicit chunk lengths; empty: split by workload.chunk_tokens
+    prefill_delay_us: Count = 0  # prefill compute starts this long after decode allocates
     # Decode allocates this long after prefill opened the room (decode short of memory): prefill
     # then asks for staging space before decode knows the room.
-    decode_lag_us: int = 0
+    decode_lag_us: Count = 0
     # Decode allocates this many tokens (0: ``tokens``); a different count is a length mismatch
     # between the two servers, which must fail the room on both sides, never truncate or pad it.
-    decode_tokens: int = 0
+    decode_tokens: Count = 0
 
     @property
     def dec_tokens(self) -> int:
@@ -166,19 +180,20 @@ class RoomSpec:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class Workload:
-    rooms: int = 32
-    tokens_min: int = 16
-    tokens_max: int = 256
-    chunk_tokens: int = 64
-    arrival_mean_us: int = 100
+class Workload(Table):
+    rooms: Annotated[int, Meta(ge=0, le=1_000_000)] = 32
+    tokens_min: Positive = 16
+    tokens_max: Positive = 256
+    chunk_tokens: Count = 64
+    arrival_mean_us: Count = 100
     # Time to "compute" one chunk on prefill (forward pass), per token.
-    compute_ns_per_token: int = 200
-    decode_lag_us_max: int = 0  # each drawn room's decode_lag_us is uniform in [0, this]
-    length_mismatch: float = 0.0  # share of drawn rooms whose decode allocates another length
-    prefix_hit: float = 0.0  # share of rooms whose decode already holds a prefix (direct/pull/push)
-    explicit: tuple[RoomSpec, ...] = ()
+    compute_ns_per_token: Count = 200
+    decode_lag_us_max: Annotated[int, Meta(ge=0, le=10_000_000)] = (
+        0  # each drawn room's decode_lag_us is uniform in [0, this]
+    )
+    length_mismatch: Share = 0.0  # share of drawn rooms whose decode allocates another length
+    prefix_hit: Share = 0.0  # share of rooms whose decode already holds a prefix (direct/pull/push)
+    explicit: tuple[RoomSpec, ...] = msgspec.field(default=(), name="room")
 
     DOC: ClassVar[dict[str, str]] = {
         "rooms": "Rooms (requests) in the run, drawn at random; with `[[workload.room]]` entries, "
@@ -198,14 +213,13 @@ class Workload:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class FaultEvent:
-    at_us: int
-    kind: str
+class FaultEvent(Table, kw_only=True):
+    at_us: Count = 0
+    kind: FaultKind
     node: str
     peer: str = ""
-    duration_us: int = 0  # crash: restart after; link_down: up after; slow_link: restore after
-    factor: float = 1.0  # slow_link bandwidth multiplier
+    duration_us: Count = 0  # crash: restart after; link_down: up after; slow_link: restore after
+    factor: Annotated[float, Meta(ge=1e-6, le=1.0)] = 1.0  # slow_link bandwidth multiplier
 
     DOC: ClassVar[dict[str, str]] = {
         "at_us": "When it happens, in us from the start (ignored from `[phases].fault_window_us` on).",
@@ -218,21 +232,20 @@ class FaultEvent:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class Faults:
+class Faults(Table):
     swarm: bool = False  # draw a fault personality from the seed for everything unset below
-    ctrl_drop: float = 0.0
-    ctrl_dup: float = 0.0
-    ctrl_reorder: float = 0.0
-    ctrl_delay: float = 0.0
-    ctrl_delay_max_us: int = 500
-    xfer_err: float = 0.0
-    abort: float = 0.0  # probability that the scheduler aborts a room, on a random side
-    notif_drop: float = 0.0
-    notif_delay: float = 0.0
-    notif_delay_max_us: int = 500
-    clock_skew_max_us: int = 0
-    events: tuple[FaultEvent, ...] = ()
+    ctrl_drop: Share = 0.0
+    ctrl_dup: Share = 0.0
+    ctrl_reorder: Share = 0.0
+    ctrl_delay: Share = 0.0
+    ctrl_delay_max_us: Count = 500
+    xfer_err: Share = 0.0
+    abort: Share = 0.0  # probability that the scheduler aborts a room, on a random side
+    notif_drop: Share = 0.0
+    notif_delay: Share = 0.0
+    notif_delay_max_us: Count = 500
+    clock_skew_max_us: Count = 0
+    events: tuple[FaultEvent, ...] = msgspec.field(default=(), name="event")
 
     DOC: ClassVar[dict[str, str]] = {
         "swarm": "Draw a fault personality from the seed for every rate and event left unset.",
@@ -265,8 +278,7 @@ class Faults:
         return not (self.swarm or any(rates) or self.events)
 
 
-@dataclass(frozen=True, slots=True)
-class FlowSpec:
+class FlowSpec(Table):
     """Which flow moves each room (core.flows) and the staging memory each rank registers.
 
     ``flow``: "policy" (the default policy: direct for equal TP, ring for unequal TP when a ring
@@ -276,13 +288,13 @@ class FlowSpec:
     """
 
     flow: str = "policy"
-    ring_bytes: int = 0
-    pinned_bytes: int = 0
-    worker_buffer_bytes: int = 0
-    prefill_pinned_bytes: int = 0
+    ring_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 0
+    pinned_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 0
+    worker_buffer_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 0
+    prefill_pinned_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 0
     fallback_direct: bool = False
-    auto_chunks: int = 4
-    push_match: str = "transfer_id"
+    auto_chunks: Annotated[int, Meta(ge=1, le=1024)] = 4
+    push_match: PushMatch = "transfer_id"
 
     DOC: ClassVar[dict[str, str]] = {
         "flow": "Which flow moves each room: policy (direct for equal TP; for unequal TP ring if "
@@ -300,17 +312,16 @@ class FlowSpec:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class TimeoutSpec:
+class TimeoutSpec(Table):
     """The core's deadlines, scaled to simulated runs (the real defaults are tens of seconds)."""
 
-    bootstrap_ns: int = 50_000_000
-    waiting_ns: int = 50_000_000
-    transfer_ns: int = 50_000_000
-    heartbeat_interval_ns: int = 2_000_000
-    heartbeat_timeout_ns: int = 10_000_000
-    fence_ns: int = 200_000_000
-    tombstone_ns: int = 250_000_000
+    bootstrap_ns: Positive = 50_000_000
+    waiting_ns: Positive = 50_000_000
+    transfer_ns: Positive = 50_000_000
+    heartbeat_interval_ns: Positive = 2_000_000
+    heartbeat_timeout_ns: Positive = 10_000_000
+    fence_ns: Positive = 200_000_000
+    tombstone_ns: Positive = 250_000_000
 
     DOC: ClassVar[dict[str, str]] = {
         "bootstrap_ns": "Room created until every TransferInfo and registration it needs is in.",
@@ -325,11 +336,10 @@ class TimeoutSpec:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class Phases:
-    fault_window_us: int = 20_000  # faults injected until then; afterwards the network heals
+class Phases(Table):
+    fault_window_us: Count = 20_000  # faults injected until then; afterwards the network heals
     # After the heal (and the last arrival), every room must be terminal within this.
-    liveness_us: int = 300_000
+    liveness_us: Positive = 300_000
 
     DOC: ClassVar[dict[str, str]] = {
         "fault_window_us": "Faults are injected until then, in us; then the network heals (links up, "
@@ -338,8 +348,7 @@ class Phases:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class Checks:
+class Checks(Table):
     bytes: bool = True
     ownership: bool = True
     monotone: bool = True
@@ -379,32 +388,40 @@ class Checks:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class Scenario:
+class Shared(msgspec.Struct, frozen=True, kw_only=True):
+    """The keys and tables a scenario file and a run take alike."""
+
     name: str = "unnamed"
     description: str = ""
-    seed: int = 0
-    model: ModelSpec = field(default_factory=ModelSpec)
-    topology: Topology = field(default_factory=Topology)
-    fabric_profile: str = "h100-rdma"
-    fabric: FabricSpec = field(default_factory=FabricSpec)
-    flows: FlowSpec = field(default_factory=FlowSpec)
-    workload: Workload = field(default_factory=Workload)
-    faults: Faults = field(default_factory=Faults)
-    timeouts: TimeoutSpec = field(default_factory=TimeoutSpec)
-    phases: Phases = field(default_factory=Phases)
-    checks: Checks = field(default_factory=Checks)
+    seed: Count = 0
+    topology: Topology = msgspec.field(default_factory=Topology)
+    flows: FlowSpec = msgspec.field(default_factory=FlowSpec)
+    workload: Workload = msgspec.field(default_factory=Workload)
+    faults: Faults = msgspec.field(default_factory=Faults)
+    timeouts: TimeoutSpec = msgspec.field(default_factory=TimeoutSpec)
+    phases: Phases = msgspec.field(default_factory=Phases)
+    checks: Checks = msgspec.field(default_factory=Checks)
     hooks: tuple[str, ...] = ()  # planted bugs (tests only)
     move_bytes: bool = True
+
+
+class Scenario(Shared, frozen=True, kw_only=True):
+    """What a run takes: the file's tables, with ``[fabric]`` resolved against its profile and
+    the deadlines the file left out derived (sim/scenario_read.py)."""
+
+    model: ModelSpec = msgspec.field(default_factory=ModelSpec)
+    fabric_profile: str = "h100-rdma"
+    fabric: FabricSpec = msgspec.field(default_factory=FabricSpec)
     expect_violations: tuple[str, ...] = ()  # invariants a regression file is known to break
     # The [timeouts] keys and "liveness_us" the file set; the others were derived from the
-    # largest room's expected time (sim/expected.py). None: all given (built in code).
-    deadlines_set: frozenset[str] | None = field(default=None, compare=False)
+    # largest room's expected time (sim/expected.py). None: all given (built in code). Left out
+    # of == and the hash: it records how the values came, not what they are.
+    deadlines_set: frozenset[str] | None = None
     # [deploy]: DeploySpec fields for `kvferry select` (sim/scenario_deploy.py); replay ignores
     # them. Left out of the hash (a dict has none), kept in ==.
-    deploy: dict[str, Any] = field(default_factory=dict, hash=False)
+    deploy: dict[str, Any] = msgspec.field(default_factory=dict)
 
-    # The top-level keys; the other fields are tables, documented by their own dataclasses.
+    # The top-level keys; the other fields are tables, documented by their own Structs.
     DOC: ClassVar[dict[str, str]] = {
         "name": "Scenario name, shown in summaries and in saved fuzz failures.",
         "description": "One line that replay prints under the name.",
@@ -418,6 +435,17 @@ class Scenario:
         """Every rank of every server, prefill first (what fault events may name)."""
         t = self.topology
         return tuple(n for side in ("prefill", "decode") for nodes in t.server_nodes(side) for n in nodes)
+
+    def _compared(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, n) for n in self.__struct_fields__ if n != "deadlines_set")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._compared() == other._compared()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(
+            tuple(getattr(self, n) for n in self.__struct_fields__ if n not in ("deadlines_set", "deploy"))
+        )
 
 
 # The [fabric] keys (they map onto backends' FabricSpec, in other units): the parser accepts
@@ -444,6 +472,46 @@ FABRIC_DOC: dict[str, str] = {
     "prepped": "Prepared descriptor lists: dense runs merge into one descriptor, as NIXL's prepped "
     "transfers do.",
 }
+
+
+# The tables a file has but a run does not take as they are: [model] may name a preset, [fabric]
+# leaves to its profile every key it does not give (None), [expect] lists violations.
+class ModelTable(ModelSpec):
+    preset: str = ""  # a known model instead of the keys above (sim/scenario_read.py)
+
+
+class FabricTable(Table):
+    profile: str = "h100-rdma"
+    bandwidth_gbps: Annotated[float, Meta(ge=0.001)] | None = None
+    latency_ns: Count | None = None
+    jitter_ns: Count | None = None
+    post_cost_ns: Count | None = None
+    per_desc_ns: Count | None = None
+    max_inflight: Positive | None = None
+    error_timeout_ns: Count | None = None
+    completion_delay_ns: Count | None = None
+    control_latency_ns: Count | None = None
+    control_jitter_ns: Count | None = None
+    kernel_launch_ns: Count | None = None
+    kernel_busy_mean_ns: Count | None = None
+    gpu_copy_gbps: Annotated[float, Meta(ge=0.001)] | None = None
+    pinned_copy_gbps: Annotated[float, Meta(ge=0.001)] | None = None
+    prepped: bool | None = None
+
+
+class Expect(Table):
+    violations: tuple[str, ...] = ()
+
+
+class ScenarioFile(Shared, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A scenario file as msgspec decodes it: every table typed, every key checked on its own.
+    Checks across keys, and the deadlines left out, are sim/scenario_read.py's."""
+
+    model: ModelTable = msgspec.field(default_factory=ModelTable)
+    fabric: FabricTable = msgspec.field(default_factory=FabricTable)
+    expect: Expect = msgspec.field(default_factory=Expect)
+    deploy: dict[str, Any] = msgspec.field(default_factory=dict)  # typed by sim/scenario_deploy.py
+
 
 # Longest a write may take to finish or fail on the simulated fabric, beyond the NIC's error
 # timeout: generous room for posts queued behind others (assumption).

@@ -12,7 +12,6 @@ FreePages (the fence), prefill pages once the sender engine dropped the room (no
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -41,15 +40,17 @@ from kvferry.sim.deploy.timing import TimingFabric, TimingTransport
 from kvferry.sim.faults import Injector, draw_personality
 from kvferry.sim.instances import Routing
 from kvferry.sim.live_checks import LiveChecks
-from kvferry.sim.pages import LowestFirst, PageAllocator
+from kvferry.sim.pages import PageAllocator
 from kvferry.sim.rng import Streams
 from kvferry.sim.rooms import AUX_ROW_BYTES, Findings, Progress, Request, RoomTable, Violation, split_chunks
 from kvferry.sim.scenario_schema import US, RoomSpec, Scenario, staging_sizes
 from kvferry.sim.servers import Servers
+from kvferry.sim.serving import Serving
 from kvferry.sim.trace import Trace
+from msgspec.structs import replace
 
 
-class World(Chaos):
+class World:
     """Build with a scenario and a seed, then ``run()``; the result is in ``report()``."""
 
     def __init__(
@@ -58,10 +59,14 @@ class World(Chaos):
         seed: int | None = None,
         keep_trace: bool = False,
         instances: tuple[int, int] | None = None,
+        serving: Serving | None = None,
     ) -> None:
         """``instances``: how many prefill and decode servers (each of the topology's TP) share the
         fabric (None: the scenario's ``[topology]``); a room runs between one of each, chosen by
-        ``_arrived`` (sim/instances.py routes; sim/deploy routes its own way)."""
+        ``serving.arrived`` (sim/instances.py routes; sim/deploy routes its own way).
+        ``serving``: the servers around the room process (sim/serving.py; None: a scenario's)."""
+        self.serving = serving or Serving()
+        self.serving.attach(self)  # before anything below asks it
         seed = scenario.seed if seed is None else seed
         self.streams = Streams(seed)
         if instances is not None:
@@ -80,7 +85,7 @@ class World(Chaos):
         self.live_checks = LiveChecks(self)
         self.fabric.on_land = self.live_checks.on_land
         self.fabric.on_control = self._on_control
-        self.timeouts = Timeouts(**{f: getattr(s.timeouts, f) for f in s.timeouts.__slots__})
+        self.timeouts = Timeouts(**{f: getattr(s.timeouts, f) for f in s.timeouts.__struct_fields__})
         self.rooms = RoomTable()  # before the servers: routing reads it
         self._instances()
         clock = self.streams["clock"]
@@ -95,15 +100,16 @@ class World(Chaos):
         self.staging = staging_sizes(s)
         self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
         for name in self.fleet.endpoint:
-            self._start_rank(name)
+            self.start_rank(name)
         self._build_workload()
-        self.env.process(self._fault_schedule())
+        self.chaos = Chaos(self)  # crashes, restarts, link faults and the heal
+        self.env.process(self.chaos.schedule())
 
     def _instances(self) -> None:
         """Name every server's ranks and give each server its own page and aux-row allocators
         (sim/servers.py), and route rooms to them (sim/instances.py)."""
         s = self.scenario
-        self.fleet = f = Servers(s, self._page_allocator, "links_cache_by_decode" in self.hooks)
+        self.fleet = f = Servers(s, self.serving.page_allocator, "links_cache_by_decode" in self.hooks)
         self.routing = Routing(f.names, f.nodes, self.rooms.by_room, self.trace.record, self.violate)
 
     # Read by the checkers, metrics and sim/deploy: the geometry, each side's TP and pools, the
@@ -169,10 +175,6 @@ class World(Chaos):
     def allocs(self) -> dict[str, tuple[PageAllocator, PageAllocator]]:
         return self.fleet.allocs
 
-    def _page_allocator(self, side: str, n: int) -> PageAllocator:
-        """One server's KV page allocator (sim/deploy picks the policy; scenarios keep this one)."""
-        return LowestFirst(n)
-
     def room_nodes(self, req: Request, side: str) -> tuple[str, ...]:
         """The ranks of the server on ``side`` that the room runs on."""
         return self.fleet.nodes[side][req.pre_inst if side == "prefill" else req.dec_inst]
@@ -181,14 +183,14 @@ class World(Chaos):
     def _endpoint(self, node: str) -> Endpoint:
         return self.fleet.endpoint[node]
 
-    def _start_rank(self, node: str) -> None:
+    def start_rank(self, node: str) -> None:
         ep = self._endpoint(node)
         prefill = self.fleet.side_of[node] == "prefill"
         pool = self.pre_pools[ep.rank] if prefill else self.dec_pools[ep.rank]
         tr = (SimTransport if self.scenario.move_bytes else TimingTransport)(self.fabric, ep, pool)
         tr.register_regions(pool.regions, self.scenario.topology.aux_rows, AUX_ROW_BYTES)
         st = self.staging
-        planner = self._rank_planner()
+        planner = self.serving.rank_planner()
         if prefill:
             if "chunk_offset_own_length" in self.hooks:
                 planner = planted.offset_from_own_length_planner()
@@ -217,10 +219,6 @@ class World(Chaos):
             workers = 0
         tr.kernel_rng = self.streams[f"kernels.{node}"]
         self.ranks[node] = SimRank(self.env, self.fabric, tr, engine, self, workers, self.trace.record)
-
-    def _rank_planner(self) -> Any:
-        """The planner every rank's engine plans with (None: the core's own)."""
-        return None
 
     def room_flow(self, req: Request) -> str | None:
         """The flow a room is opened with: None lets the policy choose."""
@@ -293,7 +291,7 @@ class World(Chaos):
             )
             self.rooms.requests.append(req)
             self.rooms.by_room[room] = req
-            self.env.process(self._request(req))
+            self.env.process(self.request_process(req))
             f = s.faults
             if f.abort and abort_rng.random() < f.abort:
                 at = req.arrival_ns + abort_rng.randrange(1, 3000 * US)
@@ -332,10 +330,12 @@ class World(Chaos):
                 AbortRoom(room=req.room, transfer_id=req.tid, reason="scheduler abort (fault)")
             )
 
-    def _request(self, req: Request):  # type: ignore[no-untyped-def]
+    def request_process(self, req: Request):  # type: ignore[no-untyped-def]
+        """The room's life from its arrival: memory, opening both sides, its chunks."""
+        serving = self.serving
         env = self.env
         yield env.timeout(req.arrival_ns - int(env.now))  # absolute: a request may be added later
-        if not self._arrived(req):
+        if not serving.arrived(req):
             return
         s = self.scenario
         t = s.topology
@@ -350,7 +350,7 @@ class World(Chaos):
         if turn is not None:
             yield turn
         while not (
-            self._decode_fits(req, dec_pages, n_dec)
+            serving.decode_fits(req, dec_pages, n_dec)
             and pre_pages.used + n_pre <= t.prefill_pages
             and dec_aux.used < t.aux_rows
             and pre_aux.used < t.aux_rows
@@ -361,7 +361,7 @@ class World(Chaos):
         req.pre_pages = pre_pages.alloc(n_pre, req.key)
         req.dec_aux = dec_aux.alloc(1, req.key)
         req.pre_aux = pre_aux.alloc(1, req.key)
-        self._admitted(req)
+        serving.admitted(req)
         self.progress.rooms_started += 1
         self.trace.record(
             "room_arrive", "scheduler", room=req.room, key=req.key, tokens=req.spec.tokens, chunks=req.chunks
@@ -373,18 +373,18 @@ class World(Chaos):
         length = prefix_rng.randint(0, req.spec.tokens)
         if hit and req.flow in _PREFIX_FLOWS:
             req.token_start = min(length, req.dec_tokens)  # a hit lies inside decode's allocation
-        if self._decode_opens_late(req):
+        if serving.decode_opens_late(req):
             # Decode allocates late: prefill opens and computes first (staging requests arrive
             # before decode knows the room and must be held there).
             self._open_prefill(req)
-            env.process(self._open_decode_later(req, req.spec.decode_lag_us * US))
+            env.process(serving.open_decode_later(req, req.spec.decode_lag_us * US))
         else:
-            self._open_decode(req)
+            self.open_decode(req)
             if req.spec.prefill_delay_us:
                 yield env.timeout(req.spec.prefill_delay_us * US)
             self._open_prefill(req)
-        self._check_side(req, "decode")
-        self._check_side(req, "prefill")
+        self.check_side(req, "decode")
+        self.check_side(req, "prefill")
         start = 0
         for i, n in enumerate(req.chunks):
             end = start + n
@@ -392,11 +392,11 @@ class World(Chaos):
                 # The layer-wise flow: the chunk is handed over when its forward starts, each
                 # layer the moment it is computed (core/flows/layerwise.py).
                 fed = self._hand_over(req, i, start, end)
-                yield from self._compute_chunk(
+                yield from serving.compute_chunk(
                     req, start, n, lambda layer, i=i, fed=fed: self._layer_done(req, i, layer, fed)
                 )
             else:
-                yield from self._compute_chunk(req, start, n)
+                yield from serving.compute_chunk(req, start, n)
                 self._hand_over(req, i, start, end)
             start = end
 
@@ -444,45 +444,20 @@ class World(Chaos):
             if self.alive(node, req):
                 self.ranks[node].feed(ev)
 
-    def _layers(self, total_ns: int, on_layer: Callable[[int], None]):  # type: ignore[no-untyped-def]
+    def layers(self, total_ns: int, on_layer: Callable[[int], None]):  # type: ignore[no-untyped-def]
         """A forward pass of ``total_ns`` layer by layer (equal shares), ``on_layer`` after each."""
         n = self.model.num_layers
         for layer in range(n):
             yield self.env.timeout(total_ns * (layer + 1) // n - total_ns * layer // n)
             on_layer(layer)
 
-    def _decode_fits(self, req: Request, pages: PageAllocator, n: int) -> bool:
-        """Whether decode can give the request ``n`` pages now (sim/deploy adds SGLang's
-        reservation for the tokens decode will generate)."""
-        return pages.used + n <= self.scenario.topology.decode_pages
-
-    def _admitted(self, req: Request) -> None:
-        """The request got its pages on both sides (a hook: sim/deploy counts decode's holders)."""
-
-    def _arrived(self, req: Request) -> bool:
-        """The request arrived: choose its servers (``req.pre_inst``, ``req.dec_inst``); False
-        drops it (sim/deploy's router refusing it). One server a side: nothing to choose."""
-        self.routing.route(req)
-        return True
-
-    def _compute_chunk(  # type: ignore[no-untyped-def]
-        self, req: Request, start: int, tokens: int, on_layer: Callable[[int], None] | None = None
-    ):
-        """Prefill's forward pass over one chunk (sim/deploy replaces it with a roofline);
-        ``on_layer(layer)`` as each layer finishes, for a flow that streams layers."""
-        total = max(1, tokens * self.scenario.workload.compute_ns_per_token)
-        if on_layer is None:
-            yield self.env.timeout(total)
-        else:
-            yield from self._layers(total, on_layer)
-
-    def _open_decode(self, req: Request) -> None:
+    def open_decode(self, req: Request) -> None:
         senders = self.fleet.links(req)[0]
         for d, node in enumerate(self.room_nodes(req, "decode")):
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
             if rank.dead:
-                self._mark(req, node, KVPoll.Failed, "node down at open")
+                self.mark(req, node, KVPoll.Failed, "node down at open")
                 continue
             if req.token_start and self.scenario.move_bytes:
                 # The prefix cache: decode's own copy of the first tokens, already in its pages.
@@ -500,15 +475,6 @@ class World(Chaos):
                 )
             )
 
-    def _decode_opens_late(self, req: Request) -> bool:
-        """Whether prefill opens first and decode later (``_open_decode_later``)."""
-        return bool(req.spec.decode_lag_us)
-
-    def _open_decode_later(self, req: Request, lag_ns: int):  # type: ignore[no-untyped-def]
-        yield self.env.timeout(lag_ns)
-        self._open_decode(req)
-        self._check_side(req, "decode")
-
     def _open_prefill(self, req: Request) -> None:
         aux_row = np.frombuffer(encode_aux_room(req.room), dtype=np.uint8)
         receivers = self.fleet.links(req)[1]
@@ -516,7 +482,7 @@ class World(Chaos):
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
             if rank.dead:
-                self._mark(req, node, KVPoll.Failed, "node down at open")
+                self.mark(req, node, KVPoll.Failed, "node down at open")
                 continue
             rank.transport.aux_row(int(req.pre_aux[0]))[: aux_row.size] = aux_row
             rank.feed(
@@ -538,7 +504,7 @@ class World(Chaos):
             self.routing.check_status(req, rank.node)
         # React after the driver finished executing this batch of commands (no re-entry into
         # the engine from inside its own command list), at the same simulated instant.
-        self._later(self._mark, req, rank.node, cmd.status, cmd.reason, rank.incarnation)
+        self.later(self.mark, req, rank.node, cmd.status, cmd.reason, rank.incarnation)
 
     def after_pump(self, rank: SimRank) -> None:
         if (
@@ -552,7 +518,7 @@ class World(Chaos):
             for key in sorted(waiting):
                 self._maybe_free_prefill(self.rooms.requests[key])
 
-    def _later(self, fn: Callable[..., None], *args: Any) -> None:
+    def later(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` at this simulated instant, after the current callback, in call order.
 
         One SimPy event per batch rather than per call: status changes come in bursts.
@@ -569,7 +535,7 @@ class World(Chaos):
             i += 1
         self._deferred.clear()
 
-    def _mark(self, req: Request, node: str, status: KVPoll, reason: str, inc: int | None = None) -> None:
+    def mark(self, req: Request, node: str, status: KVPoll, reason: str, inc: int | None = None) -> None:
         inc = self.ranks[node].incarnation if inc is None else inc
         self.trace.record("status", node, room=req.room, key=req.key, status=status.name, reason=reason)
         checks = self.scenario.checks
@@ -601,12 +567,12 @@ class World(Chaos):
             req.reason[node] = reason
             req.terminal_ns.setdefault(node, int(self.env.now))
             if side == "decode" and "free_pages_early" in self.hooks:
-                self._free_dec_pages(req)  # planted bug: ignores the fence
+                self.serving.free_dec_pages(req)  # planted bug: ignores the fence
         elif status is KVPoll.Success:
             req.terminal_ns.setdefault(node, int(self.env.now))
             if req.success_all_ns < 0 and self._all_success(req):
                 req.success_all_ns = int(self.env.now)
-        self._check_side(req, side)
+        self.check_side(req, side)
 
     def _all_success(self, req: Request) -> bool:
         nodes = self.room_nodes(req, "prefill") + self.room_nodes(req, "decode")
@@ -618,10 +584,17 @@ class World(Chaos):
             return
         req.freed.add(rank.node)
         self.trace.record("free_pages", rank.node, room=req.room, reason=cmd.reason)
-        self._later(self._check_side, req, "decode")
+        self.later(self.check_side, req, "decode")
 
     # --------------------------------------------------------------------------- scheduler reactions
-    def _check_side(self, req: Request, side: str) -> None:
+    def check_side(self, req: Request, side: str) -> None:
+        """React to the room's state on one side (abort its other ranks, settle its outcome,
+        release it, free its memory); then the servers hear of it."""
+        had = req.outcome
+        self._settle_side(req, side)
+        self.serving.side_checked(req, side, had)
+
+    def _settle_side(self, req: Request, side: str) -> None:
         if not req.opened:
             return
         nodes = self.room_nodes(req, side)
@@ -660,7 +633,7 @@ class World(Chaos):
                 n in req.freed or not self.alive(n, req) or not self.ranks[n].engine.pages_in_use(req.room)
                 for n in nodes
             ):
-                self._free_dec_pages(req)
+                self.serving.free_dec_pages(req)
         else:
             if not req.pre_released:
                 req.pre_released = True
@@ -681,13 +654,14 @@ class World(Chaos):
         pages, aux = self.fleet.allocs[self.room_nodes(req, "prefill")[0]]
         pages.free(req.pre_pages, req.key)
         aux.free(req.pre_aux, req.key)
-        self._memory_event()
+        self.memory_event()
 
-    def _memory_event(self) -> None:
+    def memory_event(self) -> None:
         """Wake the requests waiting for memory (admission order is kept by their tickets)."""
         self.admission.memory_freed()
 
-    def _free_dec_pages(self, req: Request) -> None:
+    def release_dec_pages(self, req: Request) -> None:
+        """Decode's pages and aux row of the room back to its server (once)."""
         if req.dec_pages_freed:
             return
         req.dec_pages_freed = True
@@ -695,7 +669,7 @@ class World(Chaos):
         pages, aux = self.fleet.allocs[self.room_nodes(req, "decode")[0]]
         pages.free(req.dec_pages, req.key)
         aux.free(req.dec_aux, req.key)
-        self._memory_event()
+        self.memory_event()
 
     def _on_control(self, what: str, src: str, dst: str, payload: bytes) -> bool:
         """Log every failure notice per room (what the agreement exemption is judged from)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -190,7 +191,11 @@ def _timelines(spec: DeploySpec, reqs: tuple[wl.DeployRequest, ...], move_bytes:
 
     s = build_scenario(spec, reqs)
     # A few pages a rank: a byte-moving run registers (and may touch) every page it has.
-    s = replace(s, move_bytes=move_bytes, topology=replace(s.topology, prefill_pages=160, decode_pages=160))
+    s = msgspec.structs.replace(
+        s,
+        move_bytes=move_bytes,
+        topology=msgspec.structs.replace(s.topology, prefill_pages=160, decode_pages=160),
+    )
     arrivals = wl.Arrivals(requests=reqs)
     w = DeployWorld(spec, s, arrivals, ())
     run_world(w, arrivals)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -73,7 +74,7 @@ def _world(
     spec: DeploySpec, pages: int, lengths: tuple[wl.DeployRequest, ...], c: int
 ) -> tuple[DeployWorld, wl.Arrivals]:
     s = build_scenario(spec, lengths)
-    s = replace(s, topology=replace(s.topology, decode_pages=pages))
+    s = msgspec.structs.replace(s, topology=msgspec.structs.replace(s.topology, decode_pages=pages))
     arrivals = wl.Arrivals(concurrency=c, total=len(lengths))
     return DeployWorld(spec, s, arrivals, lengths), arrivals
 
@@ -81,7 +82,7 @@ def _world(
 def _memory_problems(w: DeployWorld) -> list[str]:
     """What a finished run's decode memory must satisfy; each line a broken rule."""
     out = []
-    dec = w.allocs["decode0"][0]
+    dec = w.world.allocs["decode0"][0]
     if dec.used:
         out.append(f"{dec.used} decode pages still held")
     if w._holders != [0] or any(w._retracted) or any(w._grown.values()):
@@ -126,13 +127,13 @@ def test_the_reservation_bounds_how_many_requests_decode_holds() -> None:
     spec = replace(BASE, decode_reserved_tokens=288)
     w, _ = _world(spec, pages=100, lengths=TIGHT, c=8)
     seen: list[int] = []
-    admitted = w._admitted
+    admitted = w.admitted
 
     def spy(req) -> None:  # type: ignore[no-untyped-def]
         admitted(req)
         seen.append(w._holders[0])
 
-    w._admitted = spy  # type: ignore[method-assign]
+    w.admitted = spy  # type: ignore[method-assign]
     w.run_deploy(3_600 * 10**9)
     assert not w.violations and not _memory_problems(w)
     assert max(seen) == 4 and len(seen) == 8  # resumptions are not admissions

@@ -72,7 +72,7 @@ def test_every_request_completes_on_its_own_two_instances(p: int, d: int, flow: 
     assert all(x["requests"] > 0 and 0 < x["busy"] <= 1 for x in r.instances.values()), r.instances
     for req in w.requests:
         # The room was opened on its own servers' ranks and nowhere else.
-        own = w.room_nodes(req, "prefill") + w.room_nodes(req, "decode")
+        own = w.world.room_nodes(req, "prefill") + w.world.room_nodes(req, "decode")
         assert set(req.inc) == set(own)
         assert own[0].startswith("prefill") and own[-1].startswith("decode")
 

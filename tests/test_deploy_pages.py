@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
 import numpy as np
 import pytest
 from kvferry.sim.deploy import workload as wl
@@ -24,7 +25,9 @@ def _tight_world(spec: DeploySpec, pages: int, n: int = 60, c: int = 8) -> tuple
     (1-256 input, 0-64 output tokens) churn them, so the sorted free list merges many times."""
     lengths = wl.random_lengths(n, 256, 64, 0.0, seed=5)
     s = build_scenario(spec, lengths)
-    s = replace(s, topology=replace(s.topology, prefill_pages=pages, decode_pages=pages))
+    s = msgspec.structs.replace(
+        s, topology=msgspec.structs.replace(s.topology, prefill_pages=pages, decode_pages=pages)
+    )
     arrivals = wl.Arrivals(concurrency=c, total=n)
     return DeployWorld(spec, s, arrivals, lengths), arrivals
 
@@ -54,7 +57,7 @@ def test_fault_free_run_on_fragmented_pages_ends_every_request_success(flow: str
     r = collect(w, arrivals)
     assert [q.outcome for q in w.requests] == ["success"] * 60
     assert not w.violations and r.completed == 60 and r.failed == 0
-    pre, dec = w.allocs["prefill0"][0], w.allocs["decode0"][0]
+    pre, dec = w.world.allocs["prefill0"][0], w.world.allocs["decode0"][0]
     assert isinstance(pre, SortedFreeList) and isinstance(dec, SortedFreeList)
     assert pre.merges > 1 and dec.merges > 1
     # The pages really were scattered, and everything (generated tokens' pages too) came back.
@@ -85,7 +88,7 @@ def _one_request(kind: str) -> tuple[DeployWorld, int, list[int]]:
     spec = replace(BASE, page_allocator=kind)
     req = (wl.DeployRequest(0, 100, 60),)
     w = DeployWorld(spec, build_scenario(spec, req), wl.Arrivals(concurrency=1, total=1), req)
-    dec = w.allocs["decode0"][0]
+    dec = w.world.allocs["decode0"][0]
     free = dec.free
     peak, when = [0], []
 
@@ -105,7 +108,7 @@ def test_decode_takes_a_page_per_page_of_generated_tokens(kind: str, pages: int)
     # 100 input tokens hold 7 pages of 16; writing tokens 100..159 needs pages for 112, 128, 144.
     w, peak, when = _one_request(kind)
     assert peak == pages
-    assert isinstance(w.allocs["decode0"][0], SortedFreeList if kind == "sglang" else LowestFirst)
+    assert isinstance(w.world.allocs["decode0"][0], SortedFreeList if kind == "sglang" else LowestFirst)
     # Held until the last token, not given back when the KV arrived.
     assert min(when) == w.tracks[0].done_ns > w.tracks[0].first_token_ns
 
@@ -121,6 +124,6 @@ def test_a_request_decode_can_never_hold_is_refused() -> None:
     spec = replace(BASE, page_allocator="sglang", decode_reserved_tokens=0)
     req = (wl.DeployRequest(0, 100, 60),)
     s = build_scenario(spec, req)
-    s = replace(s, topology=replace(s.topology, decode_pages=7))
+    s = msgspec.structs.replace(s, topology=msgspec.structs.replace(s.topology, decode_pages=7))
     with pytest.raises(DeployError, match="100 input and 60 output tokens never fits decode's 112 tokens"):
         DeployWorld(spec, s, wl.Arrivals(concurrency=1, total=1), req)

@@ -2,7 +2,9 @@
 
 The simulator and the core have no import cycle (a cycle hidden behind a function-local import
 still counts: every import statement of a module is an edge, wherever it sits, and importing
-``a.b.c`` is an edge to the packages ``a.b`` and ``a`` too, whose ``__init__`` runs first), the core
+``a.b.c`` is an edge to the packages ``a.b`` and ``a`` too, whose ``__init__`` runs first; and so
+does a type-only one, under ``if TYPE_CHECKING:``: two modules that name each other's types are
+one design split in two, whichever import runs), the core
 imports nothing outside itself, and nothing under backends/ imports the simulator. Run as a script
 it prints every cycle and every backends -> sim import it finds.
 """
@@ -50,36 +52,41 @@ def _targets(node: ast.AST, name: str, is_package: bool) -> Iterator[str]:
             yield f"{mod}.{alias.name}"
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the package modules it imports: every import statement, at the top or inside a
-    function (``TYPE_CHECKING`` blocks left out: they never run)."""
+def edges(
+    tree: ast.Module, name: str, is_package: bool, mods: set[str] | dict[str, Path], types: bool
+) -> set[str]:
+    """The package modules that module ``name`` imports: every import statement, at the top or
+    inside a function, and with ``types`` those under ``if TYPE_CHECKING:`` too."""
+    nodes: list[ast.AST] = []
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if not types and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            nodes.append(node)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+    out = set()
+    for node in nodes:
+        for target in _targets(node, name, is_package):
+            parts = target.split(".")
+            # Importing a.b.c runs the packages a.b and a first: each is an edge too.
+            for n in range(len(parts), 0, -1):
+                mod = ".".join(parts[:n])
+                if mod in mods and mod != name and not name.startswith(mod + "."):
+                    out.add(mod)
+    return out
+
+
+def import_graph(types: bool = True) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (``types``: type-only imports count too)."""
     mods = modules()
-    graph: dict[str, set[str]] = {}
-    for name, path in mods.items():
-        tree = ast.parse(path.read_text(), str(path))
-        is_package = path.name == "__init__.py"
-        nodes: list[ast.AST] = []
-        stack: list[ast.AST] = list(tree.body)
-        while stack:
-            node = stack.pop()
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                stack.extend(node.orelse)
-                continue
-            if isinstance(node, ast.Import | ast.ImportFrom):
-                nodes.append(node)
-            else:
-                stack.extend(ast.iter_child_nodes(node))
-        edges = set()
-        for node in nodes:
-            for target in _targets(node, name, is_package):
-                parts = target.split(".")
-                # Importing a.b.c runs the packages a.b and a first: each is an edge too.
-                for n in range(len(parts), 0, -1):
-                    mod = ".".join(parts[:n])
-                    if mod in mods and mod != name and not name.startswith(mod + "."):
-                        edges.add(mod)
-        graph[name] = edges
-    return graph
+    return {
+        name: edges(ast.parse(path.read_text(), str(path)), name, path.name == "__init__.py", mods, types)
+        for name, path in mods.items()
+    }
 
 
 def cycles(graph: dict[str, set[str]], prefixes: tuple[str, ...]) -> list[list[str]]:
@@ -130,6 +137,14 @@ LAYERED = ("kvferry.core", "kvferry.sim")
 def test_no_import_cycle_in_the_core_or_the_simulator() -> None:
     found = cycles(import_graph(), LAYERED)
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_a_type_only_import_is_an_edge() -> None:
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvferry.sim.world import World\n"
+    mods = {"kvferry.sim.chaos", "kvferry.sim.world", "kvferry.sim"}
+    tree = ast.parse(source)
+    assert edges(tree, "kvferry.sim.chaos", False, mods, types=True) == {"kvferry.sim.world"}
+    assert edges(tree, "kvferry.sim.chaos", False, mods, types=False) == set()
 
 
 def test_backends_never_import_the_simulator() -> None:

@@ -4,11 +4,11 @@ a seed that replays it."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import campaign, fuzz_scenario, run_one, save_failure
+from msgspec.structs import replace
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ROOT / "scenarios" / "quickstart.toml"

@@ -8,7 +8,6 @@ planted early free caught with a seed that replays it).
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from kvferry.core.kvpoll import KVPoll
 from kvferry.core.sender import SState
 from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import campaign, run_one, save_failure
+from msgspec.structs import replace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H

@@ -8,7 +8,6 @@ never-expiring lease caught by a seed that replays it).
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from kvferry.core.geometry import ModelGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import run_one, save_failure
+from msgspec.structs import replace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness as H

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import tomllib
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from kvferry.core.kvpoll import KVPoll
 from kvferry.core.receiver import ReceiverEngine
 from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import campaign, fuzz_scenario, run_one, save_failure
+from msgspec.structs import replace
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ROOT / "scenarios" / "quickstart.toml"

@@ -118,11 +118,10 @@ def test_a_seed_that_draws_no_fault_is_stretched_like_a_calm_seed() -> None:
 
 
 def test_calm_stretch_covers_the_backlog_of_rooms_admitted_together() -> None:
-    from dataclasses import replace
-
     from kvferry.sim.campaign import fuzz_scenario
     from kvferry.sim.expected import worst
     from kvferry.sim.faults import CALM_STRETCH, calm_stretch
+    from msgspec.structs import replace
 
     s = fuzz_scenario(2040)
     few, many = replace(s.workload, rooms=1), replace(s.workload, rooms=64)

@@ -3,12 +3,12 @@ scenario, and planted staged-flow bugs caught by campaigns with a seed that repl
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import campaign, run_one, save_failure
+from msgspec.structs import replace
 
 ROOT = Path(__file__).resolve().parent.parent
 HETERO = ROOT / "scenarios" / "heterogeneous-tp.toml"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from kvferry.sim.campaign import MULTI_INSTANCE_SHARE, fuzz_scenario, run_one
 from kvferry.sim.faults import draw_personality
 from kvferry.sim.rng import Streams
 from kvferry.sim.world import World
+from msgspec.structs import replace
 from typer.testing import CliRunner
 
 from kvferry.cli import _register, app

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import tomllib
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import campaign, fuzz_scenario, run_one, save_failure
 from kvferry.sim.trace import Trace
 from kvferry.sim.world import World
+from msgspec.structs import replace
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "scenarios").glob("*.toml"))

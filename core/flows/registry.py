@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from kvferry.core import messages as m
     from kvferry.core.events import ChunkReady, LayersReady
-    from kvferry.core.flows.policy import Flow
 
 __all__ = [
     "ExtraFlow",
@@ -136,22 +135,26 @@ class FlowHalves:
 
 _HALVES: dict[str, FlowHalves] = {}
 
+# A flow's key: a ``Flow`` member (a StrEnum, so a str: policy.py imports this module, and this
+# one names no type of policy.py's, so the two make no cycle), an ``ExtraFlow``, or a plain name.
+FlowName = str
 
-def register(flow: Flow | ExtraFlow | str, sender: FlowSender, receiver: FlowReceiver) -> None:
+
+def register(flow: FlowName, sender: FlowSender, receiver: FlowReceiver) -> None:
     """Register ``flow``'s halves; a plain name (outside ``Flow``) becomes an ``ExtraFlow``.
     Keys stay as given: a ``Flow`` member hashes by its enum name, not by its value."""
     _HALVES[_key(flow)] = FlowHalves(sender, receiver)
 
 
-def unregister(flow: Flow | ExtraFlow | str) -> None:
+def unregister(flow: FlowName) -> None:
     _HALVES.pop(_key(flow), None)
 
 
-def _key(flow: Flow | ExtraFlow | str) -> Any:
+def _key(flow: FlowName) -> Any:
     return ExtraFlow(flow) if type(flow) is str else flow
 
 
-def halves(flow: Flow | ExtraFlow) -> FlowHalves:
+def halves(flow: FlowName) -> FlowHalves:
     return _HALVES[flow]
 
 

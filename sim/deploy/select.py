@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 from kvferry.core.flows import Flow
 from kvferry.sim import scenario as sc
 from kvferry.sim.deploy.metrics import DeployResult
@@ -178,7 +179,7 @@ def knobs(
 ) -> dict[str, Any]:
     """The settings the flow ran with, named as the seeds' servers name them, and how much of
     its staging the heaviest load point used."""
-    f = sc.staging_sizes(replace(s, flows=replace(s.flows, flow=flow)))
+    f = sc.staging_sizes(msgspec.structs.replace(s, flows=msgspec.structs.replace(s.flows, flow=flow)))
     out: dict[str, Any] = {
         "flow": flow,
         "transfer_queues (SGLANG_DISAGGREGATION_QUEUE_SIZE, one worker each)": spec.workers,

@@ -37,12 +37,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import simpy
+from kvferry.backends.simfabric.fabric import Fabric
+from kvferry.backends.simfabric.runtime import SimRank
 from kvferry.core.flows import Flow
+from kvferry.core.geometry import ModelGeometry
 from kvferry.sim import scenario as sc
 from kvferry.sim.deploy import hardware
 from kvferry.sim.deploy.decode_memory import Running, admits, allocatable_tokens, never_fits, retraction_order
@@ -51,8 +55,11 @@ from kvferry.sim.deploy.spec import DeployError, DeploySpec
 from kvferry.sim.deploy.timing import LayerPlanner, TimingFabric
 from kvferry.sim.deploy.workload import Arrivals, DeployRequest
 from kvferry.sim.pages import PageAllocator, make_allocator
-from kvferry.sim.rooms import Request, split_chunks
+from kvferry.sim.rng import Streams
+from kvferry.sim.rooms import Request, Violation, split_chunks
 from kvferry.sim.scenario import US, RoomSpec
+from kvferry.sim.serving import Serving
+from kvferry.sim.trace import Trace
 from kvferry.sim.world import World
 
 __all__ = ["DeployWorld", "Track"]
@@ -77,7 +84,11 @@ class Track:
     retractions: int = 0  # times decode swapped it out to make room
 
 
-class DeployWorld(World):
+class DeployWorld(Serving):
+    """A deployment's servers around a ``World`` it composes (``self.world``) and serves."""
+
+    world: World
+
     def __init__(
         self,
         spec: DeploySpec,
@@ -94,11 +105,14 @@ class DeployWorld(World):
         arriving from ``warmup_ns`` on than this have missed an SLO (-1: never): the share asked
         for can no longer be met, so the rest of the run would change no verdict."""
         n_pre, n_dec = spec.prefill_instances, spec.decode_instances
-        self.spec = spec  # before the World builds its allocators (_page_allocator reads it)
-        super().__init__(
-            replace(scenario, workload=replace(scenario.workload, rooms=0)),
+        self.spec = spec  # before the World builds its allocators (page_allocator reads it)
+        # The World attaches itself as self.world first thing: it asks page_allocator and
+        # rank_planner while it builds.
+        self.world = World(
+            msgspec.structs.replace(scenario, workload=msgspec.structs.replace(scenario.workload, rooms=0)),
             seed=spec.seed,
             instances=(n_pre, n_dec),
+            serving=self,
         )
         if isinstance(self.fabric, TimingFabric):
             self.fabric.xfer_log = []
@@ -191,6 +205,51 @@ class DeployWorld(World):
         for name, rank in self.ranks.items():
             rank.record = self._tap(_no_record) if name.startswith("prefill") else _no_record
 
+    # What the deployment reads of its world (and what its callers read: sim/deploy/run.py).
+    @property
+    def env(self) -> simpy.Environment:
+        return self.world.env
+
+    @property
+    def fabric(self) -> Fabric:
+        return self.world.fabric
+
+    @property
+    def trace(self) -> Trace:
+        return self.world.trace
+
+    @property
+    def streams(self) -> Streams:
+        return self.world.streams
+
+    @property
+    def ranks(self) -> dict[str, SimRank]:
+        return self.world.ranks
+
+    @property
+    def scenario(self) -> sc.Scenario:
+        return self.world.scenario
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.world.requests
+
+    @property
+    def by_room(self) -> dict[int, Request]:
+        return self.world.by_room
+
+    @property
+    def violations(self) -> list[Violation]:
+        return self.world.violations
+
+    @property
+    def seed(self) -> int:
+        return self.world.seed
+
+    @property
+    def model(self) -> ModelGeometry:
+        return self.world.model
+
     def _tap(self, record: Any) -> Any:
         first: set[tuple[int, int]] = set()
 
@@ -205,7 +264,7 @@ class DeployWorld(World):
 
         return tapped
 
-    def _rank_planner(self) -> Any:
+    def rank_planner(self) -> Any:
         # Timing only: one layer's descriptors, charged for every layer (sim/deploy/timing.py).
         # A byte-moving run (the equivalence test's) plans and moves every layer.
         return None if self._full_plans() else LayerPlanner()
@@ -215,7 +274,7 @@ class DeployWorld(World):
         slice of the plan, so one layer cannot stand for the others)."""
         return self.scenario.move_bytes or self.scenario.flows.flow == Flow.LAYERWISE.value
 
-    def _page_allocator(self, side: str, n: int) -> PageAllocator:
+    def page_allocator(self, side: str, n: int) -> PageAllocator:
         return make_allocator(self.spec.page_allocator, n)
 
     # ------------------------------------------------------------------ arrivals
@@ -240,7 +299,7 @@ class DeployWorld(World):
         self.requests.append(req)
         self.by_room[room] = req
         self.tracks[key] = Track(r, at_ns)
-        self.env.process(self._request(req))
+        self.env.process(self.world.request_process(req))
 
     @property
     def waiting(self) -> int:
@@ -293,7 +352,7 @@ class DeployWorld(World):
                 n += (end - t.first_token_ns) > tpot * max(1, t.req.output_tokens - 1)
         return n
 
-    def _arrived(self, req: Request) -> bool:
+    def arrived(self, req: Request) -> bool:
         """Route the request (at its arrival: the decode loads are those of now). A route to an
         instance that does not exist is the router's bug: a violation, and the request fails."""
         self.arrived_n += 1
@@ -304,7 +363,7 @@ class DeployWorld(World):
             return True
         p, d = self.router.route(tuple(self.load))
         if not (0 <= p < len(self._pjobs) and 0 <= d < len(self.load)):
-            self.violate(
+            self.world.violate(
                 "routing",
                 f"request {req.key} routed to prefill instance {p}, decode instance {d} of "
                 f"{len(self._pjobs)}P{len(self.load)}D",
@@ -343,7 +402,7 @@ class DeployWorld(World):
             self.all_done.succeed()
 
     # ------------------------------------------------------------------ prefill
-    def _compute_chunk(  # type: ignore[no-untyped-def]
+    def compute_chunk(  # type: ignore[no-untyped-def]
         self, req: Request, start: int, tokens: int, on_layer: Callable[[int], None] | None = None
     ):
         hit = self.tracks[req.key].req.prefix_hit_tokens
@@ -357,7 +416,7 @@ class DeployWorld(World):
                 self._pwake[i].succeed()
             step = yield done  # a layer-wise job hears its forward step's length as it starts
             if on_layer is not None:
-                yield from self._layers(step, on_layer)
+                yield from self.world.layers(step, on_layer)
         else:
             yield self.env.timeout(1)  # a cached chunk: nothing to compute
             for layer in range(self.model.num_layers if on_layer is not None else 0):
@@ -395,15 +454,15 @@ class DeployWorld(World):
                     done.succeed()
 
     # ------------------------------------------------------------------ serial pull
-    def _decode_opens_late(self, req: Request) -> bool:
+    def decode_opens_late(self, req: Request) -> bool:
         if self.spec.serial_pull:
             self._prefilled[req.key] = self.env.event()
             return True
-        return super()._decode_opens_late(req)
+        return super().decode_opens_late(req)
 
-    def _open_decode_later(self, req: Request, lag_ns: int):  # type: ignore[no-untyped-def]
+    def open_decode_later(self, req: Request, lag_ns: int):  # type: ignore[no-untyped-def]
         if not self.spec.serial_pull:
-            yield from super()._open_decode_later(req, lag_ns)
+            yield from super().open_decode_later(req, lag_ns)
             return
         yield self._prefilled[req.key]
         yield self.env.timeout(round(self.spec.proxy_hop_ms * 1_000_000))
@@ -412,13 +471,11 @@ class DeployWorld(World):
         if wait > 0:
             yield self.env.timeout(wait)
         self.decode_open_ns[req.key] = int(self.env.now)
-        self._open_decode(req)
-        self._check_side(req, "decode")
+        self.world.open_decode(req)
+        self.world.check_side(req, "decode")
 
     # ------------------------------------------------------------------ decode
-    def _check_side(self, req: Request, side: str) -> None:
-        had = req.outcome
-        super()._check_side(req, side)
+    def side_checked(self, req: Request, side: str, had: str) -> None:
         if side != "decode" or had or not req.outcome:
             return
         t = self.tracks[req.key]
@@ -431,7 +488,7 @@ class DeployWorld(World):
         else:
             self._finish(req.key, failed=True)
 
-    def _free_dec_pages(self, req: Request) -> None:
+    def free_dec_pages(self, req: Request) -> None:
         # Decode still needs a delivered request's pages: freed after its last token. (Keyed on
         # the outcome, set before the World frees, not on a set filled after: the engines may have
         # dropped the room already, and the pages then went back at KV arrival.)
@@ -442,12 +499,12 @@ class DeployWorld(World):
             self._holders[j] -= 1
             if self._retracted[j] and not self._wake[j].triggered:
                 self._wake[j].succeed()  # room for a retracted request, maybe
-        super()._free_dec_pages(req)
+        super().free_dec_pages(req)
 
     # ------------------------------------------------------------------ decode memory
-    def _decode_fits(self, req: Request, pages: PageAllocator, n: int) -> bool:
+    def decode_fits(self, req: Request, pages: PageAllocator, n: int) -> bool:
         if not self._grows:
-            return super()._decode_fits(req, pages, n)
+            return super().decode_fits(req, pages, n)
         j, ps = req.dec_inst, self.spec.decode_page_size
         reserved = self.spec.decode_reserved_tokens
         running = self._running_view(j)
@@ -457,7 +514,7 @@ class DeployWorld(World):
         r = self.tracks[req.key].req
         return admits(n * ps, r.input_tokens, r.output_tokens, reserved, budget, running)
 
-    def _admitted(self, req: Request) -> None:
+    def admitted(self, req: Request) -> None:
         if self._grows:
             self._holders[req.dec_inst] += 1
 
@@ -488,7 +545,8 @@ class DeployWorld(World):
         return sum(self._pages_for(self.tracks[k]) * ps + reserved for k in self._retracted[j])
 
     def _dec_pages(self, j: int) -> PageAllocator:
-        return self.allocs[self.instance_nodes["decode"][j][0]][0]
+        w = self.world
+        return w.allocs[w.instance_nodes["decode"][j][0]][0]
 
     def _retract(self, j: int, t: Track, k: int) -> int:
         """Swap request ``k`` out of decode instance ``j``: its pages go back, it queues to come
@@ -559,7 +617,7 @@ class DeployWorld(World):
                 out.add(i)
             batch[:] = [t for i, t in enumerate(batch) if i not in out]
             keys[:] = [k for i, k in enumerate(keys) if i not in out]
-            self._memory_event()
+            self.world.memory_event()
         for t, k in zip(batch, keys, strict=True):
             pos = t.req.input_tokens + t.tokens  # the token this step writes
             if pos % ps:
@@ -575,7 +633,7 @@ class DeployWorld(World):
         grown = self._grown.pop(req.key, None)
         if grown:
             self._dec_pages(req.dec_inst).free(np.concatenate(grown), req.key)
-            self._memory_event()
+            self.world.memory_event()
 
     def _take(self, j: int) -> int | None:
         """The next request whose KV is in at decode instance ``j`` (None: none waiting)."""
@@ -600,7 +658,7 @@ class DeployWorld(World):
                 if k is None:
                     break
                 if requests[k].dec_inst != j:
-                    self.violate(
+                    self.world.violate(
                         "routing",
                         f"decode instance {j} batched request {k}, routed to decode instance "
                         f"{requests[k].dec_inst}",
@@ -647,7 +705,7 @@ class DeployWorld(World):
                 req = self.requests[k]
                 self._free_grown(req)
                 if req.dec_released:
-                    self._check_side(req, "decode")  # frees the pages now
+                    self.world.check_side(req, "decode")  # frees the pages now
                 self._finish(k, failed=False)
             batch[:], keys[:] = still, still_keys
 
@@ -658,9 +716,9 @@ class DeployWorld(World):
         t0 = time.perf_counter()
         stop = self.env.any_of([self.all_done, self.env.timeout(limit_ns)])
         self.env.run(until=stop)
-        self.deadline_ns = int(self.env.now) + 1
+        self.world.deadline_ns = int(self.env.now) + 1
         if not self.stopped:
             # A run stopped as overloaded has rooms in flight: the end-of-run checks (liveness,
             # quiescence) do not apply to it; every check made while it ran stands.
-            super().run()
+            self.world.run()
         return time.perf_counter() - t0
