@@ -39,9 +39,11 @@ from kvferry.core.commands import (
     AwaitWrites,
     ChunkSkipped,
     DropPeer,
+    DropPrepared,
     EnqueueChunk,
     Gather,
     PostAuxWrite,
+    PostPrepared,
     PostWrite,
     SendControl,
     SendNotif,
@@ -51,6 +53,7 @@ from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import KvferryError, LocalMisuseError, WireError
 from kvferry.core.events import (
     AbortRoom,
+    ChunkAhead,
     ChunkReady,
     ControlIn,
     CopyDone,
@@ -65,6 +68,7 @@ from kvferry.core.events import (
     WriteFailed,
 )
 from kvferry.core.flows import Flow, FlowError, FlowPolicy, layerwise  # noqa: F401 (layerwise registers)
+from kvferry.core.flows.ahead import AheadPlan, AheadPlans
 from kvferry.core.flows.pull import PullSender
 from kvferry.core.flows.push import PushSender
 from kvferry.core.flows.registry import halves as flow_halves
@@ -262,6 +266,23 @@ class SenderFlowContext(EngineFlowContext):
     def accept_staged(self, r: _Room, c: ChunkReady) -> str:
         return self._engine._accept_staged(r, c)
 
+    # Chunks planned ahead (core/flows/ahead.py).
+    def plans_ahead(self, r: _Room) -> bool:
+        """The room is ready and its flow is direct: a chunk named ahead can be planned now."""
+        if r.state is not SState.WAITING and r.state is not SState.TRANSFERRING:
+            return False
+        if r.ledger.flow is None:
+            self._engine._choose_flow(r)
+        return r.ledger.flow is Flow.DIRECT
+
+    def decode_peers(self, r: _Room) -> tuple[Any, ...]:
+        """The registration records of the room's decode ranks (a new record: a new agent)."""
+        peers = self._engine.peers
+        return tuple(peers.get(p) for p, _ in self._engine._infos_sorted(r))
+
+    def take_ahead(self, r: _Room, c: ChunkReady, start: int, end: int) -> AheadPlan | None:
+        return self._engine.ahead.take(self, r, c, start, end)
+
 
 class SenderEngine(StagedSender, RoomEngine):
     """All rooms of one prefill rank. Feed it events, execute the commands it returns."""
@@ -335,6 +356,7 @@ class SenderEngine(StagedSender, RoomEngine):
         self._out: list[Any] = []
         self._now = 0
         self.last_internal_error: BaseException | None = None
+        self.ahead = AheadPlans(self.counters)  # chunks named and planned ahead (flows/ahead.py)
         self._track_tables()
         self._init_staging(policy, worker_buffer_bytes, pinned_bytes)
         self._flow_ctx = SenderFlowContext(self)
@@ -350,6 +372,7 @@ class SenderEngine(StagedSender, RoomEngine):
         )
         self.track("pull_offers", self.pull.mentions, self.pull.size)
         self.track("leases", self.push.mentions, self.push.size)
+        self.track("ahead", self.ahead.mentions, self.ahead.size)
 
     @property
     def leases(self) -> LeaseRegistry:
@@ -373,6 +396,12 @@ class SenderEngine(StagedSender, RoomEngine):
             self._room_input(event.room, event.transfer_id, SIn.CHUNK, event)
         elif t is LayersReady:
             self._room_input(event.room, event.transfer_id, SIn.LAYERS, event)
+        elif t is ChunkAhead:
+            r = self.rooms.get(event.room)
+            if r is None or r.tid != event.transfer_id or r.state is SState.FAILED:
+                self.counters["ahead_for_unknown_room"] += 1
+            else:
+                self.ahead.name(self._flow_ctx, r, event)
         elif t is CopyDone or t is CopyFailed:
             inp = SIn.COPY_DONE if t is CopyDone else SIn.COPY_FAILED
             self._completion(self.ops, event.op_id, "unknown_op", inp, event)
@@ -617,7 +646,9 @@ class SenderEngine(StagedSender, RoomEngine):
 
     def _forget_command(self, r: _Room, cmd: Any) -> None:
         t = type(cmd)
-        if t is PostWrite or t is PostAuxWrite:
+        if t is PostPrepared:  # a write prepared ahead, never posted: given back
+            self._out.append(DropPrepared(prep_id=cmd.prep_id, room=r.room))
+        if t is PostWrite or t is PostAuxWrite or t is PostPrepared:
             if self.writes.pop(cmd.write_id, None) is not None:
                 self._bookkeep(r, SIn.WRITE_FAILED, WriteFailed(write_id=cmd.write_id, reason="withdrawn"))
         elif t is Gather and self.ops.pop(cmd.op_id, None) is not None:
@@ -636,6 +667,7 @@ class SenderEngine(StagedSender, RoomEngine):
             if parked and self._wants_push(r):
                 self.counters["push_computed_before_registration"] += 1  # the finish-first order
                 self.push.finish(r.key, self._now)
+            self.ahead.plan(self._flow_ctx, r)  # a chunk named before decode's TransferInfo
         elif st is SState.TRANSFERRING:
             self.deadlines.set(key, self._now + self.timeouts.transfer_ns)
         elif st is SState.SUCCESS:
@@ -724,7 +756,8 @@ class SenderEngine(StagedSender, RoomEngine):
 
     def _h_on_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
         if self._accept_chunk(r, c):
-            self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c))
+            ready = self.ahead.ready(r.key, c.chunk_index)
+            self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c, prepared=ready))
             if c.chunk_index == 0 and self._wants_push(r):
                 self.push.finish(r.key, self._now)
 
@@ -1057,6 +1090,7 @@ class SenderEngine(StagedSender, RoomEngine):
         self.deadlines.cancel(("pfence", r.room))
         self.pull.forget(r.key)
         self.push.forget(r.key)
+        self.ahead.forget(self._flow_ctx, r.key)
         self._forget(r, r.infos)
 
     def _acked(self, msg: m.FailedAck | m.Abort | m.RoomFailed) -> None:

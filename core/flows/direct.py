@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.core import messages as m
-from kvferry.core.commands import PostWrite, SendNotif
+from kvferry.core.commands import PostPrepared, PostWrite, SendNotif
 from kvferry.core.events import ChunkReady
 from kvferry.core.flows import registry
 from kvferry.core.flows.policy import Flow
@@ -33,6 +33,9 @@ class DirectSender:
 
     def run_chunk(self, ctx: Any, r: Any, c: ChunkReady) -> str:
         start, end = ctx.chunk_bounds(r, c)
+        ahead = None if self.leased else ctx.take_ahead(r, c, start, end)
+        if ahead is not None:
+            return self._post_ahead(ctx, r, c, start, end, ahead)
         writes = plan_chunk(ctx.planner, ctx.pool, c.src_pages, ctx.destinations(r), start, end)
         push = ctx.push if self.leased else None
         now = ctx.now()
@@ -54,6 +57,21 @@ class DirectSender:
             posted.append(wid)
             emit(write_command(wid, r.room, w, note))
         return ctx.finish_run(r, c, start, end, posted, lease=push)
+
+    @staticmethod
+    def _post_ahead(ctx: Any, r: Any, c: ChunkReady, start: int, end: int, ahead: Any) -> str:
+        """The chunk was planned ahead (core/flows/ahead.py) and matches: post what was prepared."""
+        ctx.advance(r, c, end)
+        posted: list[int] = []
+        emit = ctx.emit
+        for peer, prep_id in ahead.writes:
+            if not prep_id:
+                emit(SendNotif(peer=peer, room=r.room, notif=ahead.note))
+                continue
+            wid = ctx.new_write(r)
+            posted.append(wid)
+            emit(PostPrepared(prep_id=prep_id, write_id=wid, peer=peer, room=r.room))
+        return ctx.finish_run(r, c, start, end, posted)
 
 
 def write_command(write_id: int, room: int, w: ChunkWrite, note: bytes) -> PostWrite:

@@ -1,0 +1,219 @@
+"""Chunks planned ahead (core/flows/ahead.py): a chunk named before it is computed (ChunkAhead) is
+planned once the room is ready (PrepareWrite) and its run posts what was prepared (PostPrepared).
+
+The property: whatever is named ahead (the right pages, other pages, another range, before or
+after decode's TransferInfo), the writes that leave, resolved through a reference executor that
+remembers each PrepareWrite, are exactly those of the same room run without any ChunkAhead, and
+every prepared write is posted or given back exactly once by the time the room is released.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvferry.core.commands import (
+    DropPrepared,
+    EnqueueChunk,
+    PostAuxWrite,
+    PostPrepared,
+    PostWrite,
+    PrepareWrite,
+    SendNotif,
+)
+from kvferry.core.events import AbortRoom, ChunkAhead, ReleaseRoom, SenderOpen, WriteDone
+from kvferry.core.sender import SenderEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_sender import D0, ME, PAGES, ROOM, SRC, TID, T, chunk, ctl, info, register
+
+
+def engine() -> SenderEngine:
+    return SenderEngine(ME, SRC, timeouts=T)
+
+
+def ahead(i: int, end: int, pages: Any = PAGES) -> ChunkAhead:
+    return ChunkAhead(
+        room=ROOM, transfer_id=TID, chunk_index=i, token_end=end, src_pages=pages, is_last=end == 6
+    )
+
+
+class Executor:
+    """The reference executor's view of the contract: PrepareWrite remembered, PostPrepared posted
+    as the PostWrite it remembered, DropPrepared forgotten; every write that leaves is recorded."""
+
+    def __init__(self) -> None:
+        self.prepared: dict[int, PrepareWrite] = {}
+        self.writes: list[tuple[Any, ...]] = []
+        self.ids: list[int] = []
+        self.errors: list[str] = []
+
+    def run(self, cmds: list[Any]) -> list[Any]:
+        chunks = []
+        for c in cmds:
+            t = type(c)
+            if t is PrepareWrite:
+                if c.prep_id in self.prepared:
+                    self.errors.append(f"prep id {c.prep_id} prepared twice")
+                self.prepared[c.prep_id] = c
+            elif t is DropPrepared:
+                if self.prepared.pop(c.prep_id, None) is None:
+                    self.errors.append(f"drop of unknown prep id {c.prep_id}")
+            elif t is PostPrepared:
+                p = self.prepared.pop(c.prep_id, None)
+                if p is None:
+                    self.errors.append(f"post of unknown prep id {c.prep_id}")
+                    continue
+                self._record(c.write_id, p)
+            elif t is PostWrite:
+                self._record(c.write_id, c)
+            elif t is PostAuxWrite:
+                self.ids.append(c.write_id)
+                self.writes.append(("aux", c.peer, c.dst_aux_index, c.notif))
+            elif t is SendNotif:
+                self.writes.append(("notif", c.peer, c.notif))
+            elif t is EnqueueChunk:
+                chunks.append(c)
+        return chunks
+
+    def _record(self, write_id: int, w: Any) -> None:
+        self.ids.append(write_id)
+        descs = tuple(
+            tuple(np.asarray(a).tolist())
+            for a in (w.src_region, w.src_offset, w.dst_region, w.dst_offset, w.length)
+        )
+        self.writes.append(("write", w.peer, descs, w.notif))
+
+
+Named = dict[int, tuple[int, int]]
+
+
+def drive(
+    e: SenderEngine, x: Executor, cuts: list[int], named: dict[int, tuple[int, int]], info_after: int
+) -> None:
+    """Open, register, TransferInfo (after chunk ``info_after`` was named, -1: first), then every
+    chunk; ``named[i]`` = (token_end, page shift) of chunk i's ChunkAhead, sent just before chunk
+    i-1's ChunkReady is run (chunk 0's: before the TransferInfo, if info_after >= 0)."""
+    now = 0
+    x.run(e.handle(SenderOpen(room=ROOM, transfer_id=TID, aux_index=1), now))
+    x.run(e.handle(ctl(register(D0)), now))
+
+    def name(i: int) -> None:
+        if i in named:
+            end, shift = named[i]
+            x.run(e.handle(ahead(i, end, PAGES + shift), now))
+
+    if info_after >= 0:
+        name(0)
+    x.run(e.handle(ctl(info(num_tokens=6)), now))
+    if info_after < 0:
+        name(0)
+    for i, end in enumerate(cuts):
+        for q in x.run(e.handle(chunk(i, end, i == len(cuts) - 1), now)):
+            name(i + 1)  # the next chunk's pages, known while this one runs
+            x.run(e.run_chunk(q.chunk, now))
+    for wid in list(x.ids):
+        x.run(e.handle(WriteDone(write_id=wid), now))
+    x.run(e.handle(ReleaseRoom(room=ROOM, transfer_id=TID), now))
+
+
+@st.composite
+def schedules(draw: Any) -> tuple[list[int], dict[int, tuple[int, int]], int]:
+    n = draw(st.integers(1, 3))
+    inner = sorted(draw(st.sets(st.integers(1, 5), min_size=n - 1, max_size=n - 1)))
+    cuts = [*inner, 6]
+    named = {}
+    for i, end in enumerate(cuts):
+        kind = draw(st.sampled_from(["none", "same", "other_end", "other_pages"]))
+        if kind == "same":
+            named[i] = (end, 0)
+        elif kind == "other_end":
+            named[i] = (draw(st.integers(0, 6).filter(lambda v, end=end: v != end)), 0)
+        elif kind == "other_pages":
+            named[i] = (end, draw(st.integers(1, 3)))
+    return cuts, named, draw(st.sampled_from([-1, 0]))
+
+
+def same_as_plain(cuts: list[int], named: Named, info_after: int) -> SenderEngine:
+    plain, planned = Executor(), Executor()
+    e_plain, e_ahead = engine(), engine()
+    drive(e_plain, plain, cuts, {}, info_after)
+    drive(e_ahead, planned, cuts, named, info_after)
+    assert planned.errors == []
+    assert planned.writes == plain.writes
+    assert planned.prepared == {}, "a prepared write was neither posted nor given back"
+    assert e_ahead.table_sizes() == e_plain.table_sizes()
+    assert e_ahead.counters["internal_error"] == 0
+    return e_ahead
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules())
+def test_ahead_moves_exactly_what_the_plain_run_moves(schedule: Any) -> None:
+    same_as_plain(*schedule)
+
+
+def test_every_kind_of_ahead_is_exercised() -> None:
+    e = same_as_plain([2, 4, 6], {0: (2, 0), 1: (4, 2), 2: (5, 0)}, -1)
+    assert (e.counters["ahead_posted"], e.counters["ahead_mismatch"]) == (1, 2)
+    e = same_as_plain([6], {0: (6, 0)}, 0)  # named before decode's TransferInfo
+    assert e.counters["ahead_posted"] == 1
+
+
+def test_planted_plan_that_ignores_the_pages_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan posted for a chunk whose pages moved sends bytes from the wrong pages: caught."""
+    from kvferry.core.flows import ahead as module
+
+    def matches(self: Any, c: Any, start: int, end: int, peers: Any) -> bool:
+        return (self.start, self.end) == (start, end) and self.chunk.is_last == c.is_last
+
+    monkeypatch.setattr(module.AheadPlan, "matches", matches)
+    with pytest.raises(AssertionError):
+        same_as_plain([6], {0: (6, 1)}, -1)
+
+
+def test_a_named_chunk_is_prepared_at_transfer_info_and_only_posted_when_it_runs() -> None:
+    e, x = engine(), Executor()
+    x.run(e.handle(SenderOpen(room=ROOM, transfer_id=TID, aux_index=1), 0))
+    x.run(e.handle(ctl(register(D0)), 0))
+    assert not any(type(c) is PrepareWrite for c in e.handle(ahead(0, 6), 0))  # decode's pages unknown yet
+    cmds = e.handle(ctl(info(num_tokens=6)), 0)
+    prepared = [c for c in cmds if type(c) is PrepareWrite]
+    assert len(prepared) == 1 and prepared[0].peer == D0
+    x.run(cmds)
+    (q,) = x.run(e.handle(chunk(0, 6, True), 0))
+    assert q.prepared
+    run = e.run_chunk(q.chunk, 0)
+    assert [type(c) for c in run if type(c) in (PostWrite, PostPrepared)] == [PostPrepared]
+    assert run[[type(c) for c in run].index(PostPrepared)].prep_id == prepared[0].prep_id
+    assert e.counters["ahead_posted"] == 1
+
+
+def test_a_chunk_that_differs_gives_its_prepared_writes_back_and_is_planned_as_ever() -> None:
+    e, x = engine(), Executor()
+    x.run(e.handle(SenderOpen(room=ROOM, transfer_id=TID, aux_index=1), 0))
+    x.run(e.handle(ctl(register(D0)), 0))
+    x.run(e.handle(ctl(info(num_tokens=6)), 0))
+    x.run(e.handle(ahead(0, 6, PAGES + 1), 0))
+    (q,) = x.run(e.handle(chunk(0, 6, True), 0))
+    kinds = [type(c) for c in e.run_chunk(q.chunk, 0)]
+    assert DropPrepared in kinds and PostWrite in kinds and PostPrepared not in kinds
+    assert e.counters["ahead_mismatch"] == 1
+
+
+def test_a_released_room_gives_its_prepared_writes_back() -> None:
+    e, x = engine(), Executor()
+    x.run(e.handle(SenderOpen(room=ROOM, transfer_id=TID, aux_index=1), 0))
+    x.run(e.handle(ctl(register(D0)), 0))
+    x.run(e.handle(ctl(info(num_tokens=6)), 0))
+    x.run(e.handle(ahead(0, 6), 0))
+    assert x.prepared and e.table_sizes()["ahead"] == 1
+    x.run(e.handle(AbortRoom(room=ROOM, transfer_id=TID, reason="test"), 0))
+    x.run(e.handle(ReleaseRoom(room=ROOM, transfer_id=TID), 0))
+    assert x.prepared == {} and x.errors == []
+    assert e.table_sizes()["ahead"] == 0
