@@ -95,7 +95,7 @@ class DropPeer(_Cmd):
     reason: str
 
 
-class EnqueueChunk(_Cmd):
+class EnqueueChunk(_Cmd, omit_defaults=True):  # encoded as before unless ``prepared``
     shard: int
     chunk: Any  # events.ChunkReady (Any: commands must not import events for a cycle's sake)
     # The chunk's writes are prepared (core/flows/ahead.py): its run only posts them, so the
