@@ -217,3 +217,60 @@ def test_a_released_room_gives_its_prepared_writes_back() -> None:
     x.run(e.handle(ReleaseRoom(room=ROOM, transfer_id=TID), 0))
     assert x.prepared == {} and x.errors == []
     assert e.table_sizes()["ahead"] == 0
+
+
+class _PlainTransport:
+    """A transport that cannot prepare (as the simulated fabric): posts are recorded, done at once."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[Any, ...]] = []
+
+    def post_write(self, peer: Any, sr: Any, so: Any, dr: Any, do: Any, ln: Any, notif: bytes) -> int:
+        self.posted.append((peer, tuple(sr), tuple(so), tuple(dr), tuple(do), tuple(ln), notif))
+        return len(self.posted)
+
+    def check_xfer(self, handle: Any) -> Any:
+        from kvferry.backends.transport import XferState
+
+        return XferState.DONE
+
+    def release_xfer(self, handle: Any) -> None:
+        pass
+
+    def settled_handles(self) -> None:
+        return None
+
+
+def test_a_driver_over_a_transport_that_cannot_prepare_posts_what_was_remembered() -> None:
+    """The reference executor's fallback (the simulator's path): PrepareWrite remembered,
+    PostPrepared posted as that PostWrite, DropPrepared forgotten, an unknown id a WriteFailed."""
+    from kvferry.backends.driver import Driver
+    from kvferry.core.events import WriteFailed
+
+    class Script:
+        def __init__(self) -> None:
+            self.heard: list[Any] = []
+
+        def handle(self, ev: Any, now: int) -> list[Any]:
+            if isinstance(ev, list):
+                return ev
+            self.heard.append(ev)
+            return []
+
+        def next_deadline(self) -> None:
+            return None
+
+    arr = np.array([1], dtype=np.int64)
+    prep = {k: arr for k in ("src_region", "src_offset", "dst_region", "dst_offset", "length")}
+    t, core = _PlainTransport(), Script()
+    d = Driver(core, t)
+    d.feed([PrepareWrite(prep_id=1, peer=D0, room=ROOM, notif=b"a", **prep)], 0)
+    d.feed([PrepareWrite(prep_id=2, peer=D0, room=ROOM, notif=b"b", **prep)], 0)
+    assert t.posted == []  # nothing moves at preparation
+    d.feed([DropPrepared(prep_id=2, room=ROOM), PostPrepared(prep_id=1, write_id=10, peer=D0, room=ROOM)], 0)
+    d.feed([PostPrepared(prep_id=2, write_id=11, peer=D0, room=ROOM)], 0)
+    d.poll_writes(0)
+    assert [p[-1] for p in t.posted] == [b"a"]
+    assert [type(e) for e in core.heard] == [WriteFailed, WriteDone]
+    assert core.heard[0].write_id == 11 and core.heard[1].write_id == 10
+    assert d.prepared == {}

@@ -11,6 +11,12 @@ indices ``[offset/granule, (offset+length)/granule)`` of its region, checked aga
 sizes on both sides before anything is posted: a bad descriptor raises DescriptorError and
 never reaches NIXL, so nothing is written outside a registered region.
 
+Prepared transfers. ``prepare`` runs ``post``'s checks and makes the transfer ready without
+posting it (a write planned ahead of its chunk: core/flows/ahead.py); ``post_prepared`` posts it
+once, ``release_prepared`` gives it back. A peer's removal (or its lists being replaced) gives its
+prepared transfers back first, so a later post of one is refused (NixlPeerError), never sent with
+a stale list; teardown gives back every one before the lists.
+
 Thread-sync. The agent is created with an explicit NIXL sync mode: NONE when one thread touches it,
 RW when several do (the runtime posts from N workers and drains notifications from another).
 

@@ -4,7 +4,8 @@
 tables, bounds checks and ticket discipline stay exactly as they are; what changes is who talks to
 NIXL and who polls:
 - posting is one native call (the arguments are copied and queued; the engine's thread makes the
-  request and posts it, in the order given),
+  request and posts it, in the order given); a transfer prepared ahead (``prepare``: the engine's
+  thread makes NIXL's request then) is posted by naming it, one call that releases the GIL,
 - the engine's own thread polls every posted request and the agent's notifications, never touching
   the interpreter, and queues completions and notifications as one batch behind one eventfd,
 - ``check_xfer_state``/``get_new_notifs`` only read what the batches said (``drain``), and a data
