@@ -339,18 +339,10 @@ class Driver:
             if isinstance(entry, Exception):
                 raise entry
             if type(entry) is PrepareWrite:  # prepared as "remember": today's PostWrite
-                return self._post(_as_write(entry, cmd.write_id), taken)
+                return t.post_write(*_write_args(entry))
             return t.post_prepared(entry)
         if type(cmd) is PostWrite:
-            return t.post_write(
-                cmd.peer,
-                cmd.src_region,
-                cmd.src_offset,
-                cmd.dst_region,
-                cmd.dst_offset,
-                cmd.length,
-                cmd.notif,
-            )
+            return t.post_write(*_write_args(cmd))
         if type(cmd) is PostAuxWrite:
             return t.post_aux_write(cmd.peer, cmd.src_aux_index, cmd.dst_aux_index, cmd.notif)
         t.send_notif(cmd.peer, cmd.notif)
@@ -422,19 +414,7 @@ class Driver:
                     self.trace("posted", cmd)
             elif k is PrepareWrite:
                 prepare = getattr(t, "prepare_write", None)
-                self.prepared[cmd.prep_id] = (
-                    cmd
-                    if prepare is None
-                    else prepare(
-                        cmd.peer,
-                        cmd.src_region,
-                        cmd.src_offset,
-                        cmd.dst_region,
-                        cmd.dst_offset,
-                        cmd.length,
-                        cmd.notif,
-                    )
-                )
+                self.prepared[cmd.prep_id] = cmd if prepare is None else prepare(*_write_args(cmd))
             elif k is DropPrepared:
                 entry = self.prepared.pop(cmd.prep_id, None)
                 if entry is not None and type(entry) is not PrepareWrite and not isinstance(entry, Exception):
@@ -483,18 +463,9 @@ class Driver:
             followups.append(PeerUnusable(peer=cmd.peer, reason=f"{type(exc).__name__}: {exc}"))
 
 
-def _as_write(prep: PrepareWrite, write_id: int) -> PostWrite:
-    return PostWrite(
-        write_id=write_id,
-        peer=prep.peer,
-        room=prep.room,
-        src_region=prep.src_region,
-        src_offset=prep.src_offset,
-        dst_region=prep.dst_region,
-        dst_offset=prep.dst_offset,
-        length=prep.length,
-        notif=prep.notif,
-    )
+def _write_args(cmd: PostWrite | PrepareWrite) -> tuple[Any, ...]:
+    """A write's arguments to ``post_write``/``prepare_write``, in their order."""
+    return (cmd.peer, cmd.src_region, cmd.src_offset, cmd.dst_region, cmd.dst_offset, cmd.length, cmd.notif)
 
 
 # Executed outside the driver lock by a worker step (they touch only the transport).

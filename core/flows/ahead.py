@@ -23,8 +23,9 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-from kvferry.core.commands import DropPrepared, PrepareWrite
+from kvferry.core.commands import DropPrepared
 from kvferry.core.events import ChunkAhead, ChunkReady
+from kvferry.core.flows.direct import prepare_command
 from kvferry.core.worker import plan_chunk
 
 __all__ = ["AheadPlan", "AheadPlans"]
@@ -125,19 +126,7 @@ class AheadPlans:
                 continue
             pid = self._next_prep
             self._next_prep += 1
-            ctx.emit(
-                PrepareWrite(
-                    prep_id=pid,
-                    peer=w.peer,
-                    room=r.room,
-                    src_region=w.src_region,
-                    src_offset=w.src_offset,
-                    dst_region=w.dst_region,
-                    dst_offset=w.dst_offset,
-                    length=w.length,
-                    notif=note,
-                )
-            )
+            ctx.emit(prepare_command(pid, r.room, w, note))
             made.append((w.peer, pid))
         plan = AheadPlan(c, start, end, ctx.decode_peers(r), tuple(made), note)
         self.plans.setdefault(r.key, {})[ev.chunk_index] = plan

@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.core import messages as m
-from kvferry.core.commands import PostPrepared, PostWrite, SendNotif
+from kvferry.core.commands import PostPrepared, PostWrite, PrepareWrite, SendNotif
 from kvferry.core.events import ChunkReady
 from kvferry.core.flows import registry
 from kvferry.core.flows.policy import Flow
 from kvferry.core.machine import RoomError
 from kvferry.core.worker import ChunkWrite, plan_chunk
 
-__all__ = ["DirectReceiver", "DirectSender", "write_command"]
+__all__ = ["DirectReceiver", "DirectSender", "prepare_command", "write_command"]
 
 
 class DirectSender:
@@ -76,17 +76,25 @@ class DirectSender:
 
 def write_command(write_id: int, room: int, w: ChunkWrite, note: bytes) -> PostWrite:
     """The WRITE of one planned descriptor set (``core.worker.ChunkWrite``), the note riding on it."""
-    return PostWrite(
-        write_id=write_id,
-        peer=w.peer,
-        room=room,
-        src_region=w.src_region,
-        src_offset=w.src_offset,
-        dst_region=w.dst_region,
-        dst_offset=w.dst_offset,
-        length=w.length,
-        notif=note,
-    )
+    return PostWrite(write_id=write_id, **_write_fields(room, w, note))
+
+
+def prepare_command(prep_id: int, room: int, w: ChunkWrite, note: bytes) -> PrepareWrite:
+    """The same WRITE made ready ahead of its chunk (core/flows/ahead.py), posted later by id."""
+    return PrepareWrite(prep_id=prep_id, **_write_fields(room, w, note))
+
+
+def _write_fields(room: int, w: ChunkWrite, note: bytes) -> dict[str, Any]:
+    return {
+        "peer": w.peer,
+        "room": room,
+        "src_region": w.src_region,
+        "src_offset": w.src_offset,
+        "dst_region": w.dst_region,
+        "dst_offset": w.dst_offset,
+        "length": w.length,
+        "notif": note,
+    }
 
 
 class DirectReceiver:
