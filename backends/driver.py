@@ -70,6 +70,7 @@ from kvferry.core.commands import (
     PostPrepared,
     PostRead,
     PostWrite,
+    PrepareAuxWrite,
     PrepareWrite,
     Scatter,
     SendControl,
@@ -340,11 +341,13 @@ class Driver:
                 raise entry
             if type(entry) is PrepareWrite:  # prepared as "remember": today's PostWrite
                 return t.post_write(*_write_args(entry))
+            if type(entry) is PrepareAuxWrite:
+                return t.post_aux_write(*_aux_args(entry))
             return t.post_prepared(entry)
         if type(cmd) is PostWrite:
             return t.post_write(*_write_args(cmd))
         if type(cmd) is PostAuxWrite:
-            return t.post_aux_write(cmd.peer, cmd.src_aux_index, cmd.dst_aux_index, cmd.notif)
+            return t.post_aux_write(*_aux_args(cmd))
         t.send_notif(cmd.peer, cmd.notif)
         return None
 
@@ -415,9 +418,13 @@ class Driver:
             elif k is PrepareWrite:
                 prepare = getattr(t, "prepare_write", None)
                 self.prepared[cmd.prep_id] = cmd if prepare is None else prepare(*_write_args(cmd))
+            elif k is PrepareAuxWrite:
+                prepare = getattr(t, "prepare_aux_write", None)
+                self.prepared[cmd.prep_id] = cmd if prepare is None else prepare(*_aux_args(cmd))
             elif k is DropPrepared:
                 entry = self.prepared.pop(cmd.prep_id, None)
-                if entry is not None and type(entry) is not PrepareWrite and not isinstance(entry, Exception):
+                remembered = type(entry) is PrepareWrite or type(entry) is PrepareAuxWrite
+                if entry is not None and not remembered and not isinstance(entry, Exception):
                     t.release_prepared(entry)
             elif k is AwaitWrites:
                 return cmd.write_ids
@@ -449,7 +456,7 @@ class Driver:
         if k is PostWrite or k is PostAuxWrite or k is PostPrepared:
             # Refused before anything moved: only this room fails, as a failed write.
             followups.append(WriteFailed(write_id=cmd.write_id, reason=f"post refused: {exc}"))
-        elif k is PrepareWrite:
+        elif k is PrepareWrite or k is PrepareAuxWrite:
             self.prepared[cmd.prep_id] = exc  # its post is refused with this reason
         elif k is PostRead:
             followups.append(WriteFailed(write_id=cmd.read_id, reason=f"read refused: {exc}"))
@@ -466,6 +473,11 @@ class Driver:
 def _write_args(cmd: PostWrite | PrepareWrite) -> tuple[Any, ...]:
     """A write's arguments to ``post_write``/``prepare_write``, in their order."""
     return (cmd.peer, cmd.src_region, cmd.src_offset, cmd.dst_region, cmd.dst_offset, cmd.length, cmd.notif)
+
+
+def _aux_args(cmd: PostAuxWrite | PrepareAuxWrite) -> tuple[Any, ...]:
+    """An aux write's arguments to ``post_aux_write``/``prepare_aux_write``, in their order."""
+    return (cmd.peer, cmd.src_aux_index, cmd.dst_aux_index, cmd.notif)
 
 
 # Executed outside the driver lock by a worker step (they touch only the transport).

@@ -12,8 +12,9 @@ Execution contract for a driver (``backends/driver.py`` implements it):
   ``src_aux_index`` into the peer's row ``dst_aux_index``) with ``notif`` as its notification, or
   send the notification alone. Report DONE/ERR back as WriteDone/WriteFailed(write_id). A
   SendNotif has no write id and no completion.
-- PrepareWrite / PostPrepared / DropPrepared: a write planned ahead of its chunk. PrepareWrite
-  carries a PostWrite's descriptors and notification under ``prep_id``: the executor checks them
+- PrepareWrite / PrepareAuxWrite / PostPrepared / DropPrepared: a write planned ahead of its
+  chunk. PrepareWrite carries a PostWrite's descriptors and notification under ``prep_id``
+  (PrepareAuxWrite a PostAuxWrite's rows): the executor checks them
   (the same bounds checks as a post) and makes the transfer ready (the native engine makes NIXL's
   request ahead), moving nothing and answering nothing. PostPrepared(prep_id, write_id) posts it
   and is reported like a PostWrite (WriteDone/WriteFailed(write_id)); a prep_id never prepared,
@@ -131,8 +132,20 @@ class PrepareWrite(_Cmd):
     notif: bytes
 
 
+class PrepareAuxWrite(_Cmd):
+    """A PostAuxWrite's rows and notification, made ready under ``prep_id``; nothing moves."""
+
+    prep_id: int
+    peer: Endpoint
+    room: int
+    src_aux_index: int
+    dst_aux_index: int
+    notif: bytes
+
+
 class PostPrepared(_Cmd):
-    """Post the write prepared under ``prep_id``; reported as WriteDone/WriteFailed(write_id)."""
+    """Post the write prepared under ``prep_id`` (a PrepareWrite's or a PrepareAuxWrite's);
+    reported as WriteDone/WriteFailed(write_id)."""
 
     prep_id: int
     write_id: int
@@ -240,6 +253,7 @@ Command = (
     | PostWrite
     | PostAuxWrite
     | PrepareWrite
+    | PrepareAuxWrite
     | PostPrepared
     | DropPrepared
     | PostRead

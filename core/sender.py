@@ -929,10 +929,12 @@ class SenderEngine(StagedSender, RoomEngine):
         end: int,
         posted: list[int],
         lease: PushSender | None = None,
+        prepared_aux: dict[m.Endpoint, int] | None = None,
     ) -> str:
         """What every run chunk ends with: the last chunk's dummy and aux notes, the pacing hint;
         the outcome: "done" once the last chunk ran and nothing is in flight, else "running".
-        ``lease``: the flow posts under registration leases (push): the aux write too."""
+        ``lease``: the flow posts under registration leases (push): the aux write too.
+        ``prepared_aux``: aux writes made ready ahead (core/flows/ahead.py), by decode rank."""
         if c.is_last:
             for p, info in self._infos_sorted(r):
                 if info.dummy:
@@ -946,6 +948,10 @@ class SenderEngine(StagedSender, RoomEngine):
                     if lease is not None:
                         lease.posted(wid, r.key, p)
                     posted.append(wid)
+                    pid = prepared_aux.get(p, 0) if prepared_aux else 0
+                    if pid:
+                        self._out.append(PostPrepared(prep_id=pid, write_id=wid, peer=p, room=r.room))
+                        continue
                     self._out.append(
                         PostAuxWrite(
                             write_id=wid,

@@ -23,6 +23,7 @@ from kvferry.core.commands import (
     PostAuxWrite,
     PostPrepared,
     PostWrite,
+    PrepareAuxWrite,
     PrepareWrite,
     SendNotif,
 )
@@ -57,7 +58,7 @@ class Executor:
         chunks = []
         for c in cmds:
             t = type(c)
-            if t is PrepareWrite:
+            if t is PrepareWrite or t is PrepareAuxWrite:
                 if c.prep_id in self.prepared:
                     self.errors.append(f"prep id {c.prep_id} prepared twice")
                 self.prepared[c.prep_id] = c
@@ -69,17 +70,23 @@ class Executor:
                 if p is None:
                     self.errors.append(f"post of unknown prep id {c.prep_id}")
                     continue
-                self._record(c.write_id, p)
+                if type(p) is PrepareAuxWrite:
+                    self._aux(c.write_id, p)
+                else:
+                    self._record(c.write_id, p)
             elif t is PostWrite:
                 self._record(c.write_id, c)
             elif t is PostAuxWrite:
-                self.ids.append(c.write_id)
-                self.writes.append(("aux", c.peer, c.dst_aux_index, c.notif))
+                self._aux(c.write_id, c)
             elif t is SendNotif:
                 self.writes.append(("notif", c.peer, c.notif))
             elif t is EnqueueChunk:
                 chunks.append(c)
         return chunks
+
+    def _aux(self, write_id: int, w: Any) -> None:
+        self.ids.append(write_id)
+        self.writes.append(("aux", w.peer, w.src_aux_index, w.dst_aux_index, w.notif))
 
     def _record(self, write_id: int, w: Any) -> None:
         self.ids.append(write_id)
@@ -185,12 +192,17 @@ def test_a_named_chunk_is_prepared_at_transfer_info_and_only_posted_when_it_runs
     cmds = e.handle(ctl(info(num_tokens=6)), 0)
     prepared = [c for c in cmds if type(c) is PrepareWrite]
     assert len(prepared) == 1 and prepared[0].peer == D0
+    aux = [c for c in cmds if type(c) is PrepareAuxWrite]  # the last chunk: its aux row's write too
+    assert [(c.peer, c.src_aux_index, c.dst_aux_index) for c in aux] == [(D0, 1, 2)]
     x.run(cmds)
     (q,) = x.run(e.handle(chunk(0, 6, True), 0))
     assert q.prepared
     run = e.run_chunk(q.chunk, 0)
-    assert [type(c) for c in run if type(c) in (PostWrite, PostPrepared)] == [PostPrepared]
-    assert run[[type(c) for c in run].index(PostPrepared)].prep_id == prepared[0].prep_id
+    posts = [c for c in run if type(c) in (PostWrite, PostAuxWrite, PostPrepared)]
+    assert [(type(c), c.prep_id) for c in posts] == [
+        (PostPrepared, prepared[0].prep_id),
+        (PostPrepared, aux[0].prep_id),
+    ]
     assert e.counters["ahead_posted"] == 1
 
 
@@ -227,6 +239,10 @@ class _PlainTransport:
 
     def post_write(self, peer: Any, sr: Any, so: Any, dr: Any, do: Any, ln: Any, notif: bytes) -> int:
         self.posted.append((peer, tuple(sr), tuple(so), tuple(dr), tuple(do), tuple(ln), notif))
+        return len(self.posted)
+
+    def post_aux_write(self, peer: Any, src: int, dst: int, notif: bytes) -> int:
+        self.posted.append((peer, src, dst, notif))
         return len(self.posted)
 
     def check_xfer(self, handle: Any) -> Any:
@@ -269,8 +285,13 @@ def test_a_driver_over_a_transport_that_cannot_prepare_posts_what_was_remembered
     assert t.posted == []  # nothing moves at preparation
     d.feed([DropPrepared(prep_id=2, room=ROOM), PostPrepared(prep_id=1, write_id=10, peer=D0, room=ROOM)], 0)
     d.feed([PostPrepared(prep_id=2, write_id=11, peer=D0, room=ROOM)], 0)
+    d.feed([PrepareAuxWrite(prep_id=3, peer=D0, room=ROOM, src_aux_index=1, dst_aux_index=2, notif=b"x")], 0)
+    d.feed([PostPrepared(prep_id=3, write_id=12, peer=D0, room=ROOM)], 0)
     d.poll_writes(0)
-    assert [p[-1] for p in t.posted] == [b"a"]
-    assert [type(e) for e in core.heard] == [WriteFailed, WriteDone]
-    assert core.heard[0].write_id == 11 and core.heard[1].write_id == 10
+    assert [p[-1] for p in t.posted] == [b"a", b"x"] and t.posted[1][:3] == (D0, 1, 2)
+    assert [(type(e), e.write_id) for e in core.heard] == [
+        (WriteFailed, 11),
+        (WriteDone, 10),
+        (WriteDone, 12),
+    ]
     assert d.prepared == {}

@@ -6,7 +6,7 @@ AuxChecked, per step) and the same bytes.
 The sequence covers prepared and one-shot writes with notifications, an aux-row write and its
 check, a bare notification, a READ (pull) with its notification, a descriptor outside its region
 (refused before NIXL), writes prepared ahead and posted later (prepared lists and one-shot
-descriptors; one refused at its preparation, one never prepared, one dropped, one whose peer was
+descriptors, an aux row; one refused at its preparation, one never prepared, one dropped, one whose peer was
 dropped before its post), a write after the peer was dropped, and a 16 MiB write whose completion is
 posted while the target process is stopped (SIGSTOP): UCX over loopback cannot finish it before
 the target resumes, so no completion may be reported until then, and its bytes must be there once
@@ -175,8 +175,11 @@ def trace(monkeypatch: pytest.MonkeyPatch, engine: str, plant: str = "") -> list
         steps.append(["bytes", _digest(dec, 0), _digest(dec, 1)])
         a, b = ({**writes[0], "kind": "prepare", "prep": 5 + i, "notif": _hex(f"room5-{i}")} for i in (0, 1))
         post_a = {"kind": "post_prepared", "prep": 5, "id": 54}
-        steps.append(_run(pre, [a, b, post_a, {"kind": "drop_prepared", "prep": 6}]))
-        steps.append(_run(dec, [], notifs=1))
+        aux = {"kind": "prepare_aux", "prep": 8, "src": 1, "dst": 3, "notif": _hex("room5-aux")}
+        post_aux = {"kind": "post_prepared", "prep": 8, "id": 57}
+        steps.append(_run(pre, [a, b, aux, post_a, post_aux, {"kind": "drop_prepared", "prep": 6}]))
+        steps.append(_run(dec, [], notifs=2))
+        steps.append(_run(dec, [{"kind": "check_aux", "room": 1, "index": 3}]))
         steps.append(_run(pre, [{"kind": "post_prepared", "prep": 6, "id": 55}]))
         steps.append(_run(pre, [{**writes[0], "kind": "prepare", "prep": 7}]))
         dropped = {"kind": "post_prepared", "prep": 7, "id": 56}
@@ -213,11 +216,12 @@ def test_reference_sequence_is_what_the_contract_says(reference: list[Any]) -> N
     assert reference[13] == [["done", 50], ["done", 51], ["failed", 52], ["failed", 53]]
     assert reference[14] == sorted(["notif", _hex(s)] for s in ("room4-prep0", "room4-prep1"))
     assert reference[15][1:] != reference[8][1:]  # the prepared writes changed the target's bytes
-    assert reference[16] == [["done", 54]]
-    assert reference[17] == [["notif", _hex("room5-0")]]
-    assert reference[18] == [["failed", 55]]  # dropped before its post
-    assert reference[19] == []
-    assert reference[20] == [["failed", 40], ["failed", 56]]  # its peer dropped before its post
+    assert reference[16] == [["done", 54], ["done", 57]]
+    assert reference[17] == sorted(["notif", _hex(s)] for s in ("room5-0", "room5-aux"))
+    assert reference[18] == [["aux", 77]]  # the prepared aux row's write landed
+    assert reference[19] == [["failed", 55]]  # dropped before its post
+    assert reference[20] == []
+    assert reference[21] == [["failed", 40], ["failed", 56]]  # its peer dropped before its post
 
 
 def test_native_engine_gives_the_same_events(reference: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -558,6 +558,18 @@ class NixlTransport:
     def post_aux_write(
         self, peer: Endpoint, src_aux_index: int, dst_aux_index: int, notif: bytes
     ) -> XferTicket:
+        return self._post_runs("WRITE", *self._aux_runs(peer, src_aux_index, dst_aux_index), notif)
+
+    def prepare_aux_write(
+        self, peer: Endpoint, src_aux_index: int, dst_aux_index: int, notif: bytes
+    ) -> PreparedXfer:
+        """``post_aux_write``'s checks, and the transfer made ready (posted by ``post_prepared``)."""
+        agent, key, local, remote, length = self._aux_runs(peer, src_aux_index, dst_aux_index)
+        oneshot = self._how(key, length) == "oneshot"
+        return self.agent.prepare("WRITE", agent, key, local, remote, length, notif, oneshot=oneshot)
+
+    def _aux_runs(self, peer: Endpoint, src_aux_index: int, dst_aux_index: int) -> tuple[Any, ...]:
+        """Agent, list key, local and remote runs and length of an aux row's write, checked."""
         entry = self._peer(peer)
         row = self.aux_row_bytes
         if not 0 <= src_aux_index < self.aux_rows:
@@ -565,14 +577,12 @@ class NixlTransport:
         if not 0 <= dst_aux_index < entry.registration.aux_rows or row > entry.registration.aux_row_bytes:
             raise DescriptorError(f"peer aux row {dst_aux_index} out of range or too small")
         one = np.array([AUX_REGION_ID], dtype=np.int64)
-        return self._post_runs(
-            "WRITE",
+        return (
             entry.agent,
             entry.aux,
             (one, np.array([src_aux_index * row], dtype=np.int64)),
             (one, np.array([dst_aux_index * entry.registration.aux_row_bytes], dtype=np.int64)),
             np.array([row], dtype=np.int64),
-            notif,
         )
 
     def check_xfer(self, handle: XferTicket) -> XferState:

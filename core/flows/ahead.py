@@ -3,8 +3,9 @@
 The scheduler may name a chunk's pages and token range before computing it (``ChunkAhead``: it
 allocated them). Once the room is ready (every TransferInfo in, its flow direct) the chunk is
 planned at once: one ``PrepareWrite`` per decode rank with bytes to receive, carrying the
-descriptors and the chunk's note, so the executor checks them and makes each transfer ready (the
-native engine makes NIXL's request then) while the chunk computes. When the chunk is handed over
+descriptors and the chunk's note (and for the last chunk a ``PrepareAuxWrite`` per aux row), so
+the executor checks them and makes each transfer ready (the native engine makes NIXL's request
+then) while the chunk computes. When the chunk is handed over
 (``ChunkReady``) and runs, a plan that matches it exactly (the same index, pages, token range and
 last flag, the same start, the same decode registrations) is posted as it is (``PostPrepared``):
 no planning, no checks, no descriptor work between "chunk ready" and the post.
@@ -23,7 +24,7 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-from kvferry.core.commands import DropPrepared
+from kvferry.core.commands import DropPrepared, PrepareAuxWrite
 from kvferry.core.events import ChunkAhead, ChunkReady
 from kvferry.core.flows.direct import prepare_command
 from kvferry.core.worker import plan_chunk
@@ -34,7 +35,7 @@ __all__ = ["AheadPlan", "AheadPlans"]
 class AheadPlan:
     """One chunk's writes, prepared: what its ChunkReady must carry for them to be posted."""
 
-    __slots__ = ("chunk", "end", "note", "peers", "start", "writes")
+    __slots__ = ("aux", "chunk", "end", "note", "peers", "start", "writes")
 
     def __init__(
         self,
@@ -44,15 +45,17 @@ class AheadPlan:
         peers: tuple[Any, ...],
         writes: tuple[tuple[Any, int], ...],
         note: bytes,
+        aux: dict[Any, int],
     ) -> None:
         self.chunk = chunk
         self.start, self.end = start, end
         self.peers = peers  # the decode ranks' registration records the plan used (by identity)
         self.writes = writes  # (decode rank, prep id); prep id 0: nothing to move, a bare note
         self.note = note
+        self.aux = aux  # the last chunk's aux row writes: decode rank -> prep id
 
     def prep_ids(self) -> list[int]:
-        return [pid for _, pid in self.writes if pid]
+        return [pid for _, pid in self.writes if pid] + list(self.aux.values())
 
     def matches(self, c: ChunkReady, start: int, end: int, peers: tuple[Any, ...]) -> bool:
         a = self.chunk
@@ -128,7 +131,24 @@ class AheadPlans:
             self._next_prep += 1
             ctx.emit(prepare_command(pid, r.room, w, note))
             made.append((w.peer, pid))
-        plan = AheadPlan(c, start, end, ctx.decode_peers(r), tuple(made), note)
+        aux: dict[Any, int] = {}
+        if ev.is_last:  # the aux row's write rides after the last chunk's (the flow's finish_run)
+            aux_note = ctx.chunk_note(r, c, start, end, aux=True)
+            for p, info in ctx.infos_sorted(r):
+                if info.send_aux:
+                    aux[p] = pid = self._next_prep
+                    self._next_prep += 1
+                    ctx.emit(
+                        PrepareAuxWrite(
+                            prep_id=pid,
+                            peer=p,
+                            room=r.room,
+                            src_aux_index=r.aux_index,
+                            dst_aux_index=info.aux_index,
+                            notif=aux_note,
+                        )
+                    )
+        plan = AheadPlan(c, start, end, ctx.decode_peers(r), tuple(made), note, aux)
         self.plans.setdefault(r.key, {})[ev.chunk_index] = plan
         self.counters["ahead_planned"] += 1
 

@@ -71,7 +71,7 @@ class DirectSender:
             wid = ctx.new_write(r)
             posted.append(wid)
             emit(PostPrepared(prep_id=prep_id, write_id=wid, peer=peer, room=r.room))
-        return ctx.finish_run(r, c, start, end, posted)
+        return ctx.finish_run(r, c, start, end, posted, prepared_aux=ahead.aux)
 
 
 def write_command(write_id: int, room: int, w: ChunkWrite, note: bytes) -> PostWrite:
