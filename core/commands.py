@@ -19,7 +19,8 @@ Execution contract for a driver (``backends/driver.py`` implements it):
   request ahead), moving nothing and answering nothing. PostPrepared(prep_id, write_id) posts it
   and is reported like a PostWrite (WriteDone/WriteFailed(write_id)); a prep_id never prepared,
   refused at PrepareWrite, already posted or dropped (its peer was dropped since) is a
-  WriteFailed. DropPrepared gives an unposted one back. An executor may implement PrepareWrite
+  WriteFailed. DropPrepared gives an unposted one back (an id already posted, dropped or never
+  prepared: nothing to do). An executor may implement PrepareWrite
   as "remember" and PostPrepared as the PostWrite it remembered (the simulator does).
 - PostRead (pull flow, decode side): ``transport.post_read(peer, src_region, src_offset,
   dst_region, dst_offset, length, notif)``: READ the planner's descriptors (src: the peer's

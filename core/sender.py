@@ -648,6 +648,8 @@ class SenderEngine(StagedSender, RoomEngine):
         t = type(cmd)
         if t is PostPrepared:  # a write prepared ahead, never posted: given back
             self._out.append(DropPrepared(prep_id=cmd.prep_id, room=r.room))
+        elif t is DropPrepared:  # giving back moves nothing: it leaves even from a failed step
+            self._out.append(cmd)
         if t is PostWrite or t is PostAuxWrite or t is PostPrepared:
             if self.writes.pop(cmd.write_id, None) is not None:
                 self._bookkeep(r, SIn.WRITE_FAILED, WriteFailed(write_id=cmd.write_id, reason="withdrawn"))

@@ -49,7 +49,8 @@ class Executor:
     as the PostWrite it remembered, DropPrepared forgotten; every write that leaves is recorded."""
 
     def __init__(self) -> None:
-        self.prepared: dict[int, PrepareWrite] = {}
+        self.prepared: dict[int, Any] = {}
+        self.dropped: set[int] = set()
         self.writes: list[tuple[Any, ...]] = []
         self.ids: list[int] = []
         self.errors: list[str] = []
@@ -62,13 +63,13 @@ class Executor:
                 if c.prep_id in self.prepared:
                     self.errors.append(f"prep id {c.prep_id} prepared twice")
                 self.prepared[c.prep_id] = c
-            elif t is DropPrepared:
-                if self.prepared.pop(c.prep_id, None) is None:
-                    self.errors.append(f"drop of unknown prep id {c.prep_id}")
+            elif t is DropPrepared:  # of an id gone already: nothing to do (the contract)
+                self.prepared.pop(c.prep_id, None)
+                self.dropped.add(c.prep_id)
             elif t is PostPrepared:
                 p = self.prepared.pop(c.prep_id, None)
-                if p is None:
-                    self.errors.append(f"post of unknown prep id {c.prep_id}")
+                if p is None or c.prep_id in self.dropped:
+                    self.errors.append(f"post of unknown or dropped prep id {c.prep_id}")
                     continue
                 if type(p) is PrepareAuxWrite:
                     self._aux(c.write_id, p)
@@ -295,3 +296,27 @@ def test_a_driver_over_a_transport_that_cannot_prepare_posts_what_was_remembered
         (WriteDone, 12),
     ]
     assert d.prepared == {}
+
+
+def test_a_step_that_fails_after_taking_its_plan_gives_every_prepared_write_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run of a prepared chunk fails midway (the last chunk's finish, after the data post was
+    emitted): the room fails, and the data and aux writes prepared for it are all given back."""
+    e, x = engine(), Executor()
+    x.run(e.handle(SenderOpen(room=ROOM, transfer_id=TID, aux_index=1), 0))
+    x.run(e.handle(ctl(register(D0)), 0))
+    x.run(e.handle(ctl(info(num_tokens=6)), 0))
+    x.run(e.handle(ahead(0, 6), 0))
+    assert len(x.prepared) == 2  # the data write and the aux row's
+
+    def broken(*args: Any, **kw: Any) -> str:
+        raise RuntimeError("planted: the finish of a run breaks")
+
+    monkeypatch.setattr(e, "_finish_run", broken)
+    (q,) = x.run(e.handle(chunk(0, 6, True), 0))
+    x.run(e.run_chunk(q.chunk, 0))
+    assert e.counters["room_exception"] == 1
+    assert x.prepared == {} and x.errors == [] and x.writes == []
+    x.run(e.handle(ReleaseRoom(room=ROOM, transfer_id=TID), 0))
+    assert e.table_sizes()["ahead"] == 0

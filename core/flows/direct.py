@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.core import messages as m
-from kvferry.core.commands import PostPrepared, PostWrite, PrepareWrite, SendNotif
+from kvferry.core.commands import DropPrepared, PostPrepared, PostWrite, PrepareWrite, SendNotif
 from kvferry.core.events import ChunkReady
 from kvferry.core.flows import registry
 from kvferry.core.flows.policy import Flow
@@ -60,18 +60,25 @@ class DirectSender:
 
     @staticmethod
     def _post_ahead(ctx: Any, r: Any, c: ChunkReady, start: int, end: int, ahead: Any) -> str:
-        """The chunk was planned ahead (core/flows/ahead.py) and matches: post what was prepared."""
+        """The chunk was planned ahead (core/flows/ahead.py) and matches: post what was prepared.
+        A step that fails midway gives every prepared write back (its commands are withdrawn; a
+        DropPrepared leaves anyway, and one of an id already given back is a no-op)."""
         ctx.advance(r, c, end)
         posted: list[int] = []
         emit = ctx.emit
-        for peer, prep_id in ahead.writes:
-            if not prep_id:
-                emit(SendNotif(peer=peer, room=r.room, notif=ahead.note))
-                continue
-            wid = ctx.new_write(r)
-            posted.append(wid)
-            emit(PostPrepared(prep_id=prep_id, write_id=wid, peer=peer, room=r.room))
-        return ctx.finish_run(r, c, start, end, posted, prepared_aux=ahead.aux)
+        try:
+            for peer, prep_id in ahead.writes:
+                if not prep_id:
+                    emit(SendNotif(peer=peer, room=r.room, notif=ahead.note))
+                    continue
+                wid = ctx.new_write(r)
+                posted.append(wid)
+                emit(PostPrepared(prep_id=prep_id, write_id=wid, peer=peer, room=r.room))
+            return ctx.finish_run(r, c, start, end, posted, prepared_aux=ahead.aux)
+        except Exception:
+            for prep_id in ahead.prep_ids():
+                emit(DropPrepared(prep_id=prep_id, room=r.room))
+            raise
 
 
 def write_command(write_id: int, room: int, w: ChunkWrite, note: bytes) -> PostWrite:
