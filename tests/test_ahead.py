@@ -4,7 +4,7 @@ planned once the room is ready (PrepareWrite) and its run posts what was prepare
 The property: whatever is named ahead (the right pages, other pages, another range, before or
 after decode's TransferInfo), the writes that leave, resolved through a reference executor that
 remembers each PrepareWrite, are exactly those of the same room run without any ChunkAhead, and
-every prepared write is posted or given back exactly once by the time the room is released.
+every prepared write is posted or given back (never both) by the time the room is released.
 """
 
 from __future__ import annotations
