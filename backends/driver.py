@@ -20,8 +20,8 @@ Threads: pass ``lock=threading.Lock()``. The lock guards the engine, ``queues``,
 ``errors``, ``posting`` and the follow-up queue: every entry point takes it, so the
 single-threaded engine is never entered twice. SimPy passes nothing (no lock). Waiting
 (``time.sleep(0)`` between polls, or ``yield env.timeout(...)``) belongs to the runtime, not here.
-The callbacks (``on_status``, ``on_free_pages``, ``on_enqueue``) run with the lock held: they must
-record and return, not call back into the driver (with a plain Lock that would deadlock).
+The callbacks (``on_status``, ``on_free_pages``, ``on_enqueue``, ``on_prepared``) run with the lock
+held: they must record and return, not call back into the driver (with a plain Lock that would deadlock).
 
 Data-plane calls of a worker step run *outside* the lock: ``worker_step`` takes the lock
 to pop the chunk and get its commands from the engine, releases it to execute each run of
@@ -62,12 +62,16 @@ from kvferry.core.commands import (
     ChunkDeferred,
     ChunkSkipped,
     DropPeer,
+    DropPrepared,
     EnqueueChunk,
     FreePages,
     Gather,
     PostAuxWrite,
+    PostPrepared,
     PostRead,
     PostWrite,
+    PrepareAuxWrite,
+    PrepareWrite,
     Scatter,
     SendControl,
     SendNotif,
@@ -99,6 +103,7 @@ class Driver:
         on_status: Callable[[StatusChanged], None] | None = None,
         on_free_pages: Callable[[FreePages], None] | None = None,
         on_enqueue: Callable[[int], None] | None = None,
+        on_prepared: Callable[[int], None] | None = None,
     ) -> None:
         self.engine = engine
         self.transport = transport
@@ -106,10 +111,14 @@ class Driver:
         self.queues: list[deque[Any]] = [deque() for _ in range(num_shards)]
         self.handles: dict[int, Any] = {}  # write id -> transport handle, in post order
         self.copies: dict[int, Any] = {}  # gather/scatter op id -> transport handle
+        # prep id -> what PrepareWrite made: the transport's prepared transfer, the command itself
+        # (a transport that cannot prepare: posted as a PostWrite), or the exception that refused it.
+        self.prepared: dict[int, Any] = {}
         self.errors: Counter[str] = Counter()
         self.on_status = on_status
         self.on_free_pages = on_free_pages
         self.on_enqueue = on_enqueue
+        self.on_prepared = on_prepared  # a queued chunk whose run only posts prepared writes
         self._followups: deque[Any] = deque()
         self.posting = 0  # writes of worker steps not yet posted and published to ``handles``
         # Called with ("in", event) for each event fed, ("step", chunk) when a worker takes a
@@ -286,11 +295,12 @@ class Driver:
         ids = [c.write_id for c in cmds if type(c) is not SendNotif]
         with self.lock:
             self.posting += len(ids)
+            taken = {c.prep_id: self.prepared.pop(c.prep_id, None) for c in cmds if type(c) is PostPrepared}
         done: list[tuple[Any, Any, Exception | None]] = []
         try:
             for cmd in cmds:
                 try:
-                    done.append((cmd, self._call_data_plane(cmd), None))
+                    done.append((cmd, self._call_data_plane(cmd, taken), None))
                 except Exception as exc:
                     done.append((cmd, None, exc))
         finally:
@@ -311,28 +321,33 @@ class Driver:
                     pending.clear()
                     self._drain(now)
 
-    def _call_data_plane(self, cmd: Any) -> Any:
+    def _call_data_plane(self, cmd: Any, taken: dict[int, Any] | None = None) -> Any:
         if self.trace is None:
-            return self._post(cmd)
+            return self._post(cmd, taken)
         self.trace("run", cmd)
-        handle = self._post(cmd)
+        handle = self._post(cmd, taken)
         self.trace("posted", cmd)
         return handle
 
-    def _post(self, cmd: Any) -> Any:
+    def _post(self, cmd: Any, taken: dict[int, Any] | None) -> Any:
+        """Post one data-plane command. ``taken``: the prepared entries a worker step popped under
+        the lock (None: the lock is held here, pop now)."""
         t = self.transport
+        if type(cmd) is PostPrepared:
+            entry = self.prepared.pop(cmd.prep_id, None) if taken is None else taken.get(cmd.prep_id)
+            if entry is None:
+                raise KeyError(f"write {cmd.prep_id} was never prepared, or was dropped or posted")
+            if isinstance(entry, Exception):
+                raise entry
+            if type(entry) is PrepareWrite:  # prepared as "remember": today's PostWrite
+                return t.post_write(*_write_args(entry))
+            if type(entry) is PrepareAuxWrite:
+                return t.post_aux_write(*_aux_args(entry))
+            return t.post_prepared(entry)
         if type(cmd) is PostWrite:
-            return t.post_write(
-                cmd.peer,
-                cmd.src_region,
-                cmd.src_offset,
-                cmd.dst_region,
-                cmd.dst_offset,
-                cmd.length,
-                cmd.notif,
-            )
+            return t.post_write(*_write_args(cmd))
         if type(cmd) is PostAuxWrite:
-            return t.post_aux_write(cmd.peer, cmd.src_aux_index, cmd.dst_aux_index, cmd.notif)
+            return t.post_aux_write(*_aux_args(cmd))
         t.send_notif(cmd.peer, cmd.notif)
         return None
 
@@ -393,11 +408,24 @@ class Driver:
                 self.queues[cmd.shard % len(self.queues)].append(cmd.chunk)
                 if self.on_enqueue is not None:
                     self.on_enqueue(cmd.shard % len(self.queues))
+                if cmd.prepared and self.on_prepared is not None:
+                    self.on_prepared(cmd.shard % len(self.queues))
             elif k is Gather or k is Scatter:
                 kind = "gather" if k is Gather else "scatter"
                 self.copies[cmd.op_id] = t.post_copy(kind, cmd.staging_region, cmd.maps)
                 if self.trace is not None:
                     self.trace("posted", cmd)
+            elif k is PrepareWrite:
+                prepare = getattr(t, "prepare_write", None)
+                self.prepared[cmd.prep_id] = cmd if prepare is None else prepare(*_write_args(cmd))
+            elif k is PrepareAuxWrite:
+                prepare = getattr(t, "prepare_aux_write", None)
+                self.prepared[cmd.prep_id] = cmd if prepare is None else prepare(*_aux_args(cmd))
+            elif k is DropPrepared:
+                entry = self.prepared.pop(cmd.prep_id, None)
+                remembered = type(entry) is PrepareWrite or type(entry) is PrepareAuxWrite
+                if entry is not None and not remembered and not isinstance(entry, Exception):
+                    t.release_prepared(entry)
             elif k is AwaitWrites:
                 return cmd.write_ids
             elif k is ChunkDeferred:
@@ -425,9 +453,11 @@ class Driver:
     def _on_failure(self, cmd: Any, exc: Exception, followups: Any) -> None:
         k = type(cmd)
         self.errors[f"{k.__name__}: {type(exc).__name__}"] += 1
-        if k is PostWrite or k is PostAuxWrite:
+        if k is PostWrite or k is PostAuxWrite or k is PostPrepared:
             # Refused before anything moved: only this room fails, as a failed write.
             followups.append(WriteFailed(write_id=cmd.write_id, reason=f"post refused: {exc}"))
+        elif k is PrepareWrite or k is PrepareAuxWrite:
+            self.prepared[cmd.prep_id] = exc  # its post is refused with this reason
         elif k is PostRead:
             followups.append(WriteFailed(write_id=cmd.read_id, reason=f"read refused: {exc}"))
         elif k is CheckAux:
@@ -440,5 +470,15 @@ class Driver:
             followups.append(PeerUnusable(peer=cmd.peer, reason=f"{type(exc).__name__}: {exc}"))
 
 
+def _write_args(cmd: PostWrite | PrepareWrite) -> tuple[Any, ...]:
+    """A write's arguments to ``post_write``/``prepare_write``, in their order."""
+    return (cmd.peer, cmd.src_region, cmd.src_offset, cmd.dst_region, cmd.dst_offset, cmd.length, cmd.notif)
+
+
+def _aux_args(cmd: PostAuxWrite | PrepareAuxWrite) -> tuple[Any, ...]:
+    """An aux write's arguments to ``post_aux_write``/``prepare_aux_write``, in their order."""
+    return (cmd.peer, cmd.src_aux_index, cmd.dst_aux_index, cmd.notif)
+
+
 # Executed outside the driver lock by a worker step (they touch only the transport).
-_DATA_PLANE = (PostWrite, PostAuxWrite, SendNotif)
+_DATA_PLANE = (PostWrite, PostPrepared, PostAuxWrite, SendNotif)

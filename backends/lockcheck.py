@@ -179,3 +179,4 @@ def guard(endpoint: Any) -> None:
     driver = endpoint.driver
     driver.handles = guard_table(driver.handles, endpoint.lock, "Driver.handles")
     driver.copies = guard_table(driver.copies, endpoint.lock, "Driver.copies")
+    driver.prepared = guard_table(driver.prepared, endpoint.lock, "Driver.prepared")

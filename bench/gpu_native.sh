@@ -2,7 +2,10 @@
 # The native engine on the device, both executors in the same call (each row's baseline is
 # measured in its own run): bench nixl rows (TP 1 -> 1 direct and push, the hand-off row, 8 and 32
 # rooms in flight, ring for the heterogeneous pairs) with --engine python and --engine native,
-# traced rooms of each, and bench interference of each: PART=a (default). PART=b: the native e2e
+# traced rooms of each, and bench interference of each: PART=a (default). PART=ahead: the TP 1 -> 1
+# direct rows (hand-off, open-to-Success, 8 and 32 in flight) and push, each engine without and
+# with --ahead (every chunk's pages named before its send: planned and made ready at TransferInfo,
+# posted by send; both variants in the same call), the hand-off ones traced. PART=b: the native e2e
 # and differential tests (VRAM e2e). PART=ucx: which UCX transport a NIXL READ (the pull flow)
 # and a WRITE take with both processes on one GPU and, where the host has two, on two GPUs
 # (bench/ucx_read_probe.py and `bench nixl --flow pull,direct`, with UCX_PROTO_INFO=y and
@@ -40,6 +43,16 @@ if [ "$PART" = a ] || [ "$PART" = rows ]; then
   for e in python native; do
     step "ring-$e" 120 "${B[@]}" --rooms 5 --config 'tp2->1 nhd' --config 'tp1->2 nhd' --config 'tp4->2 nhd' \
       --flow ring --engine "$e"
+  done
+elif [ "$PART" = ahead ]; then
+  for e in python native; do
+    for a in no-ahead ahead; do
+      step "handoff-$e-$a" 60 "${B[@]}" --rooms 10 --config 'tp1->1 nhd' --flow direct --engine "$e" --handoff \
+        --"$a" --trace "$R/trace-handoff-$e-$a"
+      step "x1-$e-$a" 90 "${B[@]}" --rooms 10 --config 'tp1->1 nhd' --flow direct,push --engine "$e" --"$a"
+      step "x8-$e-$a" 60 "${B[@]}" --rooms 3 --inflight 8 --config 'tp1->1 nhd' --flow direct --engine "$e" --"$a"
+      step "x32-$e-$a" 90 "${B[@]}" --rooms 2 --inflight 32 --config 'tp1->1 nhd' --flow direct --engine "$e" --"$a"
+    done
   done
 elif [ "$PART" = ucx ]; then
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)

@@ -4,7 +4,7 @@ endpoints (``backends/runtime/interference.Endpoints``: TP 1 -> 1, real NIXL on 
 one after another. Both counts grow with a room's wall time (idle waits end on timeouts): compare
 executors alternately on a quiet host.
 
-    python bench/room_calls.py --engine native --rooms 100 [--top 25]
+    python bench/room_calls.py --engine native --rooms 100 [--top 25] [--ahead]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--rooms", type=int, default=100)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=0, help="also list the most called functions")
+    ap.add_argument("--ahead", action="store_true", help="name each room's pages before its send")
     a = ap.parse_args()
     profiles: list[cProfile.Profile] = []
     run = loops.Loop._run
@@ -36,7 +37,7 @@ def main() -> None:
         p.runcall(run, self)
 
     loops.Loop._run = profiled  # every endpoint thread is a Loop
-    eps = Endpoints(InterferenceConfig(engine=a.engine, tokens=a.tokens))
+    eps = Endpoints(InterferenceConfig(engine=a.engine, tokens=a.tokens, ahead=a.ahead))
     eps.move_room()  # connect the pair first
     threads = eps.python_threads()
     cpu0, t0 = _thread_cpu_s(threads), time.perf_counter()

@@ -6,10 +6,22 @@ Execution contract for a driver (``backends/driver.py`` implements it):
 - AddPeer / DropPeer: load or forget a peer's agent metadata and region table.
 - EnqueueChunk: append the chunk to worker queue ``shard``; a worker later calls
   ``SenderEngine.run_chunk(chunk, now)``. All chunks of one room go to the same shard, in order.
+  ``prepared``: its run only posts writes prepared ahead; the executor may run the queue's step
+  on the calling thread (still one step of the shard at a time, in queue order).
 - PostWrite / PostAuxWrite / SendNotif: post a WRITE of the descriptors (or of aux row
   ``src_aux_index`` into the peer's row ``dst_aux_index``) with ``notif`` as its notification, or
   send the notification alone. Report DONE/ERR back as WriteDone/WriteFailed(write_id). A
   SendNotif has no write id and no completion.
+- PrepareWrite / PrepareAuxWrite / PostPrepared / DropPrepared: a write planned ahead of its
+  chunk. PrepareWrite carries a PostWrite's descriptors and notification under ``prep_id``
+  (PrepareAuxWrite a PostAuxWrite's rows): the executor checks them
+  (the same bounds checks as a post) and makes the transfer ready (the native engine makes NIXL's
+  request ahead), moving nothing and answering nothing. PostPrepared(prep_id, write_id) posts it
+  and is reported like a PostWrite (WriteDone/WriteFailed(write_id)); a prep_id never prepared,
+  refused at PrepareWrite, already posted or dropped (its peer was dropped since) is a
+  WriteFailed. DropPrepared gives an unposted one back (an id already posted, dropped or never
+  prepared: nothing to do). An executor may implement PrepareWrite
+  as "remember" and PostPrepared as the PostWrite it remembered (the simulator does).
 - PostRead (pull flow, decode side): ``transport.post_read(peer, src_region, src_offset,
   dst_region, dst_offset, length, notif)``: READ the planner's descriptors (src: the peer's
   pages, dst: ours); the peer gets ``notif`` when the bytes are read. Reported back like a write:
@@ -44,12 +56,15 @@ __all__ = [
     "ChunkSkipped",
     "Command",
     "DropPeer",
+    "DropPrepared",
     "EnqueueChunk",
     "FreePages",
     "Gather",
     "PostAuxWrite",
+    "PostPrepared",
     "PostRead",
     "PostWrite",
+    "PrepareWrite",
     "Scatter",
     "SendControl",
     "SendNotif",
@@ -82,9 +97,12 @@ class DropPeer(_Cmd):
     reason: str
 
 
-class EnqueueChunk(_Cmd):
+class EnqueueChunk(_Cmd, omit_defaults=True):  # encoded as before unless ``prepared``
     shard: int
     chunk: Any  # events.ChunkReady (Any: commands must not import events for a cycle's sake)
+    # The chunk's writes are prepared (core/flows/ahead.py): its run only posts them, so the
+    # executor may run it at once on the thread that handed it over instead of waking a worker.
+    prepared: bool = False
 
 
 class PostWrite(_Cmd):
@@ -99,6 +117,48 @@ class PostWrite(_Cmd):
     dst_offset: Any
     length: Any
     notif: bytes
+
+
+class PrepareWrite(_Cmd):
+    """A PostWrite's descriptors and notification, made ready under ``prep_id``; nothing moves."""
+
+    prep_id: int
+    peer: Endpoint
+    room: int
+    src_region: Any
+    src_offset: Any
+    dst_region: Any
+    dst_offset: Any
+    length: Any
+    notif: bytes
+
+
+class PrepareAuxWrite(_Cmd):
+    """A PostAuxWrite's rows and notification, made ready under ``prep_id``; nothing moves."""
+
+    prep_id: int
+    peer: Endpoint
+    room: int
+    src_aux_index: int
+    dst_aux_index: int
+    notif: bytes
+
+
+class PostPrepared(_Cmd):
+    """Post the write prepared under ``prep_id`` (a PrepareWrite's or a PrepareAuxWrite's);
+    reported as WriteDone/WriteFailed(write_id)."""
+
+    prep_id: int
+    write_id: int
+    peer: Endpoint
+    room: int
+
+
+class DropPrepared(_Cmd):
+    """Give back a write prepared under ``prep_id`` that will not be posted."""
+
+    prep_id: int
+    room: int
 
 
 class PostRead(_Cmd):
@@ -193,6 +253,10 @@ Command = (
     | EnqueueChunk
     | PostWrite
     | PostAuxWrite
+    | PrepareWrite
+    | PrepareAuxWrite
+    | PostPrepared
+    | DropPrepared
     | PostRead
     | SendNotif
     | AwaitWrites

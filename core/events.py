@@ -22,6 +22,7 @@ from kvferry.core.messages import Endpoint
 __all__ = [
     "AbortRoom",
     "AuxChecked",
+    "ChunkAhead",
     "ChunkReady",
     "ControlIn",
     "CopyDone",
@@ -102,6 +103,21 @@ class ChunkReady(_Event):
     0 up to at least ``token_end``. The token start is *not* given: the machine keeps the running
     total, so a chunk can never be written at the previous chunk's offset.
     """
+
+    room: int
+    transfer_id: str
+    chunk_index: int
+    token_end: int
+    src_pages: Any
+    is_last: bool
+
+
+class ChunkAhead(_Event):
+    """The pages and token range of chunk ``chunk_index`` are known before it is computed (the
+    scheduler allocated them): the fields its ChunkReady will carry. A direct room plans the chunk
+    now, or once decode's TransferInfo is in, and its executor makes the writes ready
+    (PrepareWrite); the ChunkReady that matches then only posts them. Optional: a chunk named
+    by no ChunkAhead, or whose ChunkReady differs, is planned when it runs, as ever."""
 
     room: int
     transfer_id: str
@@ -213,6 +229,7 @@ Event = (
     | Tick
     | SenderOpen
     | ChunkReady
+    | ChunkAhead
     | WriteDone
     | WriteFailed
     | ReceiverOpen

@@ -40,9 +40,11 @@ from kvferry.core.commands import (
     AwaitWrites,
     ChunkSkipped,
     DropPeer,
+    DropPrepared,
     EnqueueChunk,
     Gather,
     PostAuxWrite,
+    PostPrepared,
     PostWrite,
     SendNotif,
     StatusChanged,
@@ -51,6 +53,7 @@ from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import KvferryError, LocalMisuseError
 from kvferry.core.events import (
     AbortRoom,
+    ChunkAhead,
     ChunkReady,
     ControlIn,
     CopyDone,
@@ -65,6 +68,7 @@ from kvferry.core.events import (
     WriteFailed,
 )
 from kvferry.core.flows import Flow, FlowError, FlowPolicy, layerwise  # noqa: F401 (layerwise registers)
+from kvferry.core.flows.ahead import AheadPlan, AheadPlans
 from kvferry.core.flows.pull import PullSender
 from kvferry.core.flows.push import PushSender
 from kvferry.core.flows.registry import halves as flow_halves
@@ -281,6 +285,24 @@ class SenderFlowContext(EngineFlowContext):
         return self._engine._finish_run
 
 
+    # Chunks planned ahead (core/flows/ahead.py).
+    def plans_ahead(self, r: _Room) -> bool:
+        """The room is ready and its flow is direct: a chunk named ahead can be planned now."""
+        if r.state is not SState.WAITING and r.state is not SState.TRANSFERRING:
+            return False
+        if r.flow is None:
+            self._engine._choose_flow(r)
+        return r.flow is Flow.DIRECT
+
+    def decode_peers(self, r: _Room) -> tuple[Any, ...]:
+        """The registration records of the room's decode ranks (a new record: a new agent)."""
+        peers = self._engine.peers
+        return tuple(peers.get(p) for p, _ in self._engine._infos_sorted(r))
+
+    def take_ahead(self, r: _Room, c: ChunkReady, start: int, end: int) -> AheadPlan | None:
+        return self._engine.ahead.take(self, r, c, start, end)
+
+
 class SenderEngine(RoomEngine):
     """All rooms of one prefill rank. Feed it events, execute the commands it returns."""
 
@@ -344,6 +366,7 @@ class SenderEngine(RoomEngine):
         self._now = 0
         self.last_internal_error: BaseException | None = None
         self.policy = policy or FlowPolicy()
+        self.ahead = AheadPlans(self.counters)  # chunks named and planned ahead (flows/ahead.py)
         self._track_tables()
         self._flow_ctx = SenderFlowContext(self)
         # The staged flows' prefill half (ring and pinned); it registers its own tables.
@@ -374,6 +397,7 @@ class SenderEngine(RoomEngine):
         )
         self.track("pull_offers", self.pull.mentions, self.pull.size)
         self.track("leases", self.push.mentions, self.push.size)
+        self.track("ahead", self.ahead.mentions, self.ahead.size)
 
     def staging_in_use(self) -> int:
         """Staging slots, pinned reservations and gathers held; 0 once every room settled."""
@@ -401,6 +425,12 @@ class SenderEngine(RoomEngine):
             self._room_input(event.room, event.transfer_id, SIn.CHUNK, event)
         elif t is LayersReady:
             self._room_input(event.room, event.transfer_id, SIn.LAYERS, event)
+        elif t is ChunkAhead:
+            r = self.rooms.get(event.room)
+            if r is None or r.tid != event.transfer_id or r.state is SState.FAILED:
+                self.counters["ahead_for_unknown_room"] += 1
+            else:
+                self.ahead.name(self._flow_ctx, r, event)
         elif t is CopyDone or t is CopyFailed:
             inp = SIn.COPY_DONE if t is CopyDone else SIn.COPY_FAILED
             self._completion(self.staged.ops, event.op_id, "unknown_op", inp, event)
@@ -636,7 +666,11 @@ class SenderEngine(RoomEngine):
 
     def _forget_command(self, r: _Room, cmd: Any) -> None:
         t = type(cmd)
-        if t is PostWrite or t is PostAuxWrite:
+        if t is PostPrepared:  # a write prepared ahead, never posted: given back
+            self._out.append(DropPrepared(prep_id=cmd.prep_id, room=r.room))
+        elif t is DropPrepared:  # giving back moves nothing: it leaves even from a failed step
+            self._out.append(cmd)
+        if t is PostWrite or t is PostAuxWrite or t is PostPrepared:
             if self.writes.pop(cmd.write_id, None) is not None:
                 self._bookkeep(r, SIn.WRITE_FAILED, WriteFailed(write_id=cmd.write_id, reason="withdrawn"))
         elif t is Gather:
@@ -655,6 +689,7 @@ class SenderEngine(RoomEngine):
             if parked and self._wants_push(r):
                 self.counters["push_computed_before_registration"] += 1  # the finish-first order
                 self.push.finish(r.key, self._now)
+            self.ahead.plan(self._flow_ctx, r)  # a chunk named before decode's TransferInfo
         elif st is SState.TRANSFERRING:
             self.deadlines.set(key, self._now + self.timeouts.transfer_ns)
         elif st is SState.SUCCESS:
@@ -743,7 +778,8 @@ class SenderEngine(RoomEngine):
 
     def _h_on_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
         if self._accept_chunk(r, c):
-            self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c))
+            ready = self.ahead.ready(r.key, c.chunk_index)
+            self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c, prepared=ready))
             if c.chunk_index == 0 and self._wants_push(r):
                 self.push.finish(r.key, self._now)
 
@@ -962,10 +998,12 @@ class SenderEngine(RoomEngine):
         end: int,
         posted: list[int],
         lease: PushSender | None = None,
+        prepared_aux: dict[m.Endpoint, int] | None = None,
     ) -> str:
         """What every run chunk ends with: the last chunk's dummy and aux notes, the pacing hint;
         the outcome: "done" once the last chunk ran and nothing is in flight, else "running".
-        ``lease``: the flow posts under registration leases (push): the aux write too."""
+        ``lease``: the flow posts under registration leases (push): the aux write too.
+        ``prepared_aux``: aux writes made ready ahead (core/flows/ahead.py), by decode rank."""
         if c.is_last:
             for p, info in self._infos_sorted(r):
                 if info.dummy:
@@ -979,6 +1017,10 @@ class SenderEngine(RoomEngine):
                     if lease is not None:
                         lease.posted(wid, r.key, p)
                     posted.append(wid)
+                    pid = prepared_aux.get(p, 0) if prepared_aux else 0
+                    if pid:
+                        self._out.append(PostPrepared(prep_id=pid, write_id=wid, peer=p, room=r.room))
+                        continue
                     self._out.append(
                         PostAuxWrite(
                             write_id=wid,
@@ -1122,6 +1164,7 @@ class SenderEngine(RoomEngine):
         self.deadlines.cancel(("pfence", r.room))
         self.pull.forget(r.key)
         self.push.forget(r.key)
+        self.ahead.forget(self._flow_ctx, r.key)
         self._forget(r, r.infos)
 
     def _acked(self, msg: m.FailedAck | m.Abort | m.RoomFailed) -> None:

@@ -5,14 +5,17 @@ AuxChecked, per step) and the same bytes.
 
 The sequence covers prepared and one-shot writes with notifications, an aux-row write and its
 check, a bare notification, a READ (pull) with its notification, a descriptor outside its region
-(refused before NIXL), a write after the peer was dropped, and a 16 MiB write whose completion is
+(refused before NIXL), writes prepared ahead and posted later (prepared lists and one-shot
+descriptors, an aux row; one refused at its preparation, one never prepared, one dropped, one whose peer was
+dropped before its post), a write after the peer was dropped, and a 16 MiB write whose completion is
 posted while the target process is stopped (SIGSTOP): UCX over loopback cannot finish it before
 the target resumes, so no completion may be reported until then, and its bytes must be there once
 it is ("landed").
 
 Planted engine bugs (``KVFERRY_NATIVE_PLANT``) prove the comparison can fail: a completion reported
 before the transfer finished (the landed check fails), and each notification delivered with the
-previous one's payload (a notification counted for the wrong room).
+previous one's payload (a notification counted for the wrong room), and a post of a prepared
+write that posts the one prepared last instead (a prepared chunk posted for another).
 """
 
 from __future__ import annotations
@@ -92,6 +95,34 @@ def trace(monkeypatch: pytest.MonkeyPatch, engine: str, plant: str = "") -> list
             {"kind": "notif", "notif": _hex("room2-empty")},
         ]
         steps.append(_run(pre, writes))
+        prepared = [  # made ready now, posted in a later step (the decode side is the same)
+            {  # page runs: indices into the prepared lists
+                "prep": 1,
+                "src_region": [0, 1],
+                "src_offset": [10 * pg, 30 * pg],
+                "dst_region": [0, 1],
+                "dst_offset": [60 * pg, 70 * pg],
+                "length": [2 * pg, pg],
+                "notif": _hex("room4-prep0"),
+            },
+            {  # one long run: one-shot descriptors (the "auto" choice)
+                "prep": 2,
+                "src_region": [1],
+                "src_offset": [100 * pg],
+                "dst_region": [0],
+                "dst_offset": [200 * pg],
+                "length": [40 * pg],
+                "notif": _hex("room4-prep1"),
+            },
+            {  # past the end of the peer's region: refused when prepared, failed when posted
+                "prep": 3,
+                "src_region": [0],
+                "src_offset": [0],
+                "dst_region": [1],
+                "dst_offset": [region - pg],
+                "length": [2 * pg],
+            },
+        ]
         steps.append(_run(dec, [], notifs=4))
         steps.append(_run(dec, [{"kind": "check_aux", "room": 1, "index": 2}]))
         read = {
@@ -137,7 +168,22 @@ def trace(monkeypatch: pytest.MonkeyPatch, engine: str, plant: str = "") -> list
             os.kill(dec.proc.pid, signal.SIGCONT)
         steps.append(_run(pre, []))
         steps.append(["landed", _digest(dec, 0) == want])
-        steps.append(_run(pre, [{"kind": "drop_peer"}, {**writes[0], "id": 40}]))
+        steps.append(_run(pre, [{**p, "kind": "prepare"} for p in prepared]))
+        posts = [{"kind": "post_prepared", "prep": p["prep"], "id": 50 + i} for i, p in enumerate(prepared)]
+        steps.append(_run(pre, [*posts, {"kind": "post_prepared", "prep": 99, "id": 53}]))
+        steps.append(_run(dec, [], notifs=2))
+        steps.append(["bytes", _digest(dec, 0), _digest(dec, 1)])
+        a, b = ({**writes[0], "kind": "prepare", "prep": 5 + i, "notif": _hex(f"room5-{i}")} for i in (0, 1))
+        post_a = {"kind": "post_prepared", "prep": 5, "id": 54}
+        aux = {"kind": "prepare_aux", "prep": 8, "src": 1, "dst": 3, "notif": _hex("room5-aux")}
+        post_aux = {"kind": "post_prepared", "prep": 8, "id": 57}
+        steps.append(_run(pre, [a, b, aux, post_a, post_aux, {"kind": "drop_prepared", "prep": 6}]))
+        steps.append(_run(dec, [], notifs=2))
+        steps.append(_run(dec, [{"kind": "check_aux", "room": 1, "index": 3}]))
+        steps.append(_run(pre, [{"kind": "post_prepared", "prep": 6, "id": 55}]))
+        steps.append(_run(pre, [{**writes[0], "kind": "prepare", "prep": 7}]))
+        dropped = {"kind": "post_prepared", "prep": 7, "id": 56}
+        steps.append(_run(pre, [{"kind": "drop_peer"}, {**writes[0], "id": 40}, dropped]))
         pre.tell("exit")
         dec.tell("exit")
         pre.expect("closed")
@@ -166,7 +212,16 @@ def test_reference_sequence_is_what_the_contract_says(reference: list[Any]) -> N
     assert reference[9] == []  # the target stopped: no completion yet
     assert reference[10] == [["done", 30]]
     assert reference[11] == ["landed", True]
-    assert reference[12] == [["failed", 40]]
+    assert reference[12] == []  # prepared: nothing moves, nothing answers
+    assert reference[13] == [["done", 50], ["done", 51], ["failed", 52], ["failed", 53]]
+    assert reference[14] == sorted(["notif", _hex(s)] for s in ("room4-prep0", "room4-prep1"))
+    assert reference[15][1:] != reference[8][1:]  # the prepared writes changed the target's bytes
+    assert reference[16] == [["done", 54], ["done", 57]]
+    assert reference[17] == sorted(["notif", _hex(s)] for s in ("room5-0", "room5-aux"))
+    assert reference[18] == [["aux", 77]]  # the prepared aux row's write landed
+    assert reference[19] == [["failed", 55]]  # dropped before its post
+    assert reference[20] == []
+    assert reference[21] == [["failed", 40], ["failed", 56]]  # its peer dropped before its post
 
 
 def test_native_engine_gives_the_same_events(reference: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,8 +230,8 @@ def test_native_engine_gives_the_same_events(reference: list[Any], monkeypatch: 
 
 @pytest.mark.parametrize(
     ("plant", "step"),
-    [("early_done", 9), ("notif_prev", 3)],
-    ids=["completion-before-landing", "notification-for-wrong-room"],
+    [("early_done", 9), ("notif_prev", 3), ("ready_lifo", 17)],
+    ids=["completion-before-landing", "notification-for-wrong-room", "prepared-posted-for-another"],
 )
 def test_planted_engine_bug_is_caught(
     reference: list[Any], monkeypatch: pytest.MonkeyPatch, plant: str, step: int

@@ -149,7 +149,7 @@ int kvf_load(const char *path, char *err, size_t errlen) {
 
 /* ---- engine ---------------------------------------------------------------------------------- */
 enum { EV_DONE = 1, EV_NOTIF = 2 };
-enum { PLANT_NONE = 0, PLANT_EARLY_DONE = 1, PLANT_NOTIF_PREV = 2 };
+enum { PLANT_NONE = 0, PLANT_EARLY_DONE = 1, PLANT_NOTIF_PREV = 2, PLANT_READY_LIFO = 3 };
 
 typedef struct kvf_req {
     uint64_t cookie;
@@ -160,14 +160,35 @@ typedef struct kvf_req {
     struct kvf_req *next;
 } kvf_req;
 
-enum { CMD_PREPPED = 1, CMD_DESCS, CMD_RELEASE_PREP, CMD_REMOVE_REMOTE, CMD_GEN_NOTIF };
+enum {
+    CMD_PREPPED = 1,
+    CMD_DESCS,
+    CMD_RELEASE_PREP,
+    CMD_REMOVE_REMOTE,
+    CMD_GEN_NOTIF,
+    CMD_READY,      /* make a request now, post it later (its `how`: CMD_PREPPED or CMD_DESCS) */
+    CMD_POST_READY, /* post a made request */
+    CMD_DROP_READY, /* give a made request back unposted */
+};
+
+/* A request made ahead of its post (CMD_READY), kept by id until posted or dropped. Lives on the
+ * engine's thread only (and on the caller's once the thread stopped). */
+typedef struct kvf_ready {
+    uint64_t id;
+    capi_handle req;  /* NULL: NIXL refused to make it; `status` says why */
+    capi_handle args; /* its notification, passed again at the post */
+    int status;
+    struct kvf_ready *next;
+} kvf_ready;
 
 /* A caller's command for the engine's thread; its arguments are copies (the caller's arrays may
  * be gone by the time it runs). */
 typedef struct kvf_cmd {
     int kind;
+    int how; /* CMD_READY: which kind of request to make */
     int op;
-    uint64_t cookie;
+    uint64_t cookie; /* the transfer's cookie; CMD_READY and CMD_DROP_READY: the ready id */
+    uint64_t ready;  /* CMD_POST_READY: the ready id */
     uint64_t t0;
     capi_handle local, remote; /* prepared lists (CMD_PREPPED), the list to release */
     int *lidx, *ridx;
@@ -201,6 +222,7 @@ typedef struct {
     int wake_fd;
     capi_handle notif_map; /* progress thread only */
     kvf_req *watched;      /* progress thread only */
+    kvf_ready *ready;      /* progress thread only: requests made ahead, not yet posted */
     uint64_t poll_ns; /* pace while a transfer is in flight or hot; 0: poll back to back, yielding */
     uint64_t idle_min_ns, idle_max_ns;
     int plant;
@@ -467,6 +489,7 @@ kvf_engine *kvf_create(const char *name, int sync_mode, unsigned ucx_workers, un
  * flight), then the agent. Prepared lists, remote agents and memory are released by the caller
  * first (NIXL's teardown order); kvf_stop before those keeps the thread off the agent. */
 static void run_cmd(kvf_engine *e, kvf_cmd *c, bool can_post);
+static void free_ready(kvf_engine *e, kvf_ready *r);
 
 void kvf_stop(kvf_engine *e) {
     if (e == NULL || !e->thread_started)
@@ -496,6 +519,11 @@ void kvf_stop(kvf_engine *e) {
         r = next;
     }
     e->watched = NULL;
+    while (e->ready != NULL) { /* made ahead, never posted: given back before the agent goes */
+        kvf_ready *r = e->ready;
+        e->ready = r->next;
+        free_ready(e, r);
+    }
     wake(e);
 }
 
@@ -726,18 +754,30 @@ static void post_and_watch(kvf_engine *e, capi_handle req, capi_handle args, kvf
     *tail = r;
 }
 
-static void run_post(kvf_engine *e, kvf_cmd *c) {
+/* Engine thread: make c's request (kind `how`) and its notification arguments. */
+static capi_status make_req(kvf_engine *e, kvf_cmd *c, int how, capi_handle *req, capi_handle *args) {
     capi_status st;
-    capi_handle args = notif_args(c->notif, c->notif_len, &st);
-    capi_handle req = NULL, ld = NULL, rd = NULL;
-    if (st == 0 && c->kind == CMD_PREPPED) {
-        st = api.make_xfer_req(e->agent, c->op, c->local, c->lidx, c->nl, c->remote, c->ridx, c->nr, &req, args);
+    capi_handle ld = NULL, rd = NULL;
+    *req = NULL;
+    *args = notif_args(c->notif, c->notif_len, &st);
+    if (st == 0 && how == CMD_PREPPED) {
+        st = api.make_xfer_req(e->agent, c->op, c->local, c->lidx, c->nl, c->remote, c->ridx, c->nr, req, *args);
     } else if (st == 0) {
         ld = xfer_dlist(c->lmem, c->nl, c->lrows, c->lrows + c->nl, c->lrows + 2 * c->nl, &st);
         rd = st == 0 ? xfer_dlist(c->rmem, c->nr, c->rrows, c->rrows + c->nr, c->rrows + 2 * c->nr, &st) : NULL;
         if (st == 0)
-            st = api.create_xfer_req(e->agent, c->op, ld, rd, c->agent, &req, args);
+            st = api.create_xfer_req(e->agent, c->op, ld, rd, c->agent, req, *args);
     }
+    if (ld != NULL)
+        api.destroy_xfer_dlist(ld);
+    if (rd != NULL)
+        api.destroy_xfer_dlist(rd);
+    return st;
+}
+
+static void run_post(kvf_engine *e, kvf_cmd *c) {
+    capi_handle req, args;
+    capi_status st = make_req(e, c, c->kind, &req, &args);
     if (st == 0) {
         post_and_watch(e, req, args, c);
     } else {
@@ -747,10 +787,62 @@ static void run_post(kvf_engine *e, kvf_cmd *c) {
     }
     if (args != NULL)
         api.destroy_opt_args(args);
-    if (ld != NULL)
-        api.destroy_xfer_dlist(ld);
-    if (rd != NULL)
-        api.destroy_xfer_dlist(rd);
+}
+
+static void free_ready(kvf_engine *e, kvf_ready *r) {
+    if (r->req != NULL && api.release_xfer_req(e->agent, r->req) == 0)
+        api.destroy_xfer_req(r->req);
+    if (r->args != NULL)
+        api.destroy_opt_args(r->args);
+    free(r);
+}
+
+/* Unlink the ready request `id` (NULL: none). */
+static kvf_ready *take_ready(kvf_engine *e, uint64_t id) {
+    for (kvf_ready **link = &e->ready; *link != NULL; link = &(*link)->next) {
+        kvf_ready *r = *link;
+        if (r->id == id) {
+            *link = r->next;
+            return r;
+        }
+    }
+    return NULL;
+}
+
+/* Engine thread: make the request now; NIXL's refusal is kept and reported at the post. */
+static void run_ready(kvf_engine *e, kvf_cmd *c) {
+    kvf_ready *r = calloc(1, sizeof *r);
+    if (r == NULL)
+        return; /* not kept: its post reports it unknown (-5) */
+    r->id = c->cookie;
+    capi_status st = make_req(e, c, c->how, &r->req, &r->args);
+    if (st != 0) {
+        if (r->req != NULL && api.release_xfer_req(e->agent, r->req) == 0)
+            api.destroy_xfer_req(r->req);
+        r->req = NULL;
+        r->status = st > 0 ? -2 : st;
+    }
+    r->next = e->ready;
+    e->ready = r;
+}
+
+/* Engine thread: post a request made ahead (unknown id: -5; refused when made: its status). */
+static void run_post_ready(kvf_engine *e, kvf_cmd *c) {
+    uint64_t id = c->ready;
+    if (e->plant == PLANT_READY_LIFO && e->ready != NULL)
+        id = e->ready->id; /* planted bug: the request made last is posted, whichever was named */
+    kvf_ready *r = take_ready(e, id);
+    if (r == NULL || r->req == NULL) {
+        pthread_mutex_lock(&e->mu);
+        emit_done(e, c->cookie, r == NULL ? -5 : r->status, c->t0);
+        pthread_mutex_unlock(&e->mu);
+    } else {
+        capi_handle req = r->req;
+        r->req = NULL; /* watched from here on: post_and_watch owns it */
+        post_and_watch(e, req, r->args, c);
+    }
+    if (r != NULL)
+        free_ready(e, r);
 }
 
 /* Any thread (the engine's, or a caller's once the engine stopped). */
@@ -767,6 +859,25 @@ static void run_cmd(kvf_engine *e, kvf_cmd *c, bool can_post) {
             pthread_mutex_unlock(&e->mu);
         }
         break;
+    case CMD_READY:
+        if (can_post)
+            run_ready(e, c);
+        break;
+    case CMD_POST_READY:
+        if (can_post) {
+            run_post_ready(e, c);
+        } else {
+            pthread_mutex_lock(&e->mu);
+            emit_done(e, c->cookie, -3, c->t0);
+            pthread_mutex_unlock(&e->mu);
+        }
+        break;
+    case CMD_DROP_READY: {
+        kvf_ready *r = take_ready(e, c->cookie);
+        if (r != NULL)
+            free_ready(e, r);
+        break;
+    }
     case CMD_RELEASE_PREP:
         result = api.release_xfer_dlist_handle(e->agent, c->local);
         break;
@@ -886,30 +997,31 @@ static int queue_or_drop(kvf_engine *e, kvf_cmd *c, bool copied) {
     return enqueue(e, c);
 }
 
-/* Post a transfer between prepared lists (index runs). Returns 0: queued (its end comes as an
- * event with `cookie`), or -4: no memory (nothing queued). */
-int kvf_post_prepped(kvf_engine *e, int op, capi_handle local, const int *lidx, size_t nl, capi_handle remote,
-                     const int *ridx, size_t nr, const void *notif, size_t notif_len, uint64_t cookie) {
-    kvf_cmd *c = new_cmd(CMD_PREPPED, op, cookie, notif, notif_len);
+static kvf_cmd *prepped_cmd(int kind, int op, capi_handle local, const int *lidx, size_t nl, capi_handle remote,
+                            const int *ridx, size_t nr, const void *notif, size_t notif_len, uint64_t cookie,
+                            bool *copied) {
+    kvf_cmd *c = new_cmd(kind, op, cookie, notif, notif_len);
     if (c == NULL)
-        return -4;
+        return NULL;
+    c->how = CMD_PREPPED;
     c->local = local;
     c->remote = remote;
     c->nl = nl;
     c->nr = nr;
     c->lidx = dup_bytes(lidx, nl * sizeof(int));
     c->ridx = dup_bytes(ridx, nr * sizeof(int));
-    return queue_or_drop(e, c, c->lidx != NULL && c->ridx != NULL);
+    *copied = c->lidx != NULL && c->ridx != NULL;
+    return c;
 }
 
-/* Post a transfer of descriptors given here (one-shot): same contract as kvf_post_prepped. */
-int kvf_post_descs(kvf_engine *e, int op, const char *agent, int lmem, size_t n, const uint64_t *laddr,
-                   const uint64_t *llen, const uint64_t *ldev, int rmem, size_t m, const uint64_t *raddr,
-                   const uint64_t *rlen, const uint64_t *rdev, const void *notif, size_t notif_len,
-                   uint64_t cookie) {
-    kvf_cmd *c = new_cmd(CMD_DESCS, op, cookie, notif, notif_len);
+static kvf_cmd *descs_cmd(int kind, int op, const char *agent, int lmem, size_t n, const uint64_t *laddr,
+                          const uint64_t *llen, const uint64_t *ldev, int rmem, size_t m, const uint64_t *raddr,
+                          const uint64_t *rlen, const uint64_t *rdev, const void *notif, size_t notif_len,
+                          uint64_t cookie, bool *copied) {
+    kvf_cmd *c = new_cmd(kind, op, cookie, notif, notif_len);
     if (c == NULL)
-        return -4;
+        return NULL;
+    c->how = CMD_DESCS;
     c->lmem = lmem;
     c->rmem = rmem;
     c->nl = n;
@@ -917,7 +1029,63 @@ int kvf_post_descs(kvf_engine *e, int op, const char *agent, int lmem, size_t n,
     c->lrows = rows_of(n, laddr, llen, ldev);
     c->rrows = rows_of(m, raddr, rlen, rdev);
     c->agent = strdup(agent);
-    return queue_or_drop(e, c, c->lrows != NULL && c->rrows != NULL && c->agent != NULL);
+    *copied = c->lrows != NULL && c->rrows != NULL && c->agent != NULL;
+    return c;
+}
+
+/* Post a transfer between prepared lists (index runs). Returns 0: queued (its end comes as an
+ * event with `cookie`), or -4: no memory (nothing queued). */
+int kvf_post_prepped(kvf_engine *e, int op, capi_handle local, const int *lidx, size_t nl, capi_handle remote,
+                     const int *ridx, size_t nr, const void *notif, size_t notif_len, uint64_t cookie) {
+    bool copied = false;
+    kvf_cmd *c = prepped_cmd(CMD_PREPPED, op, local, lidx, nl, remote, ridx, nr, notif, notif_len, cookie, &copied);
+    return c == NULL ? -4 : queue_or_drop(e, c, copied);
+}
+
+/* Post a transfer of descriptors given here (one-shot): same contract as kvf_post_prepped. */
+int kvf_post_descs(kvf_engine *e, int op, const char *agent, int lmem, size_t n, const uint64_t *laddr,
+                   const uint64_t *llen, const uint64_t *ldev, int rmem, size_t m, const uint64_t *raddr,
+                   const uint64_t *rlen, const uint64_t *rdev, const void *notif, size_t notif_len,
+                   uint64_t cookie) {
+    bool copied = false;
+    kvf_cmd *c = descs_cmd(CMD_DESCS, op, agent, lmem, n, laddr, llen, ldev, rmem, m, raddr, rlen, rdev, notif,
+                           notif_len, cookie, &copied);
+    return c == NULL ? -4 : queue_or_drop(e, c, copied);
+}
+
+/* Make ahead: the same arguments as kvf_post_prepped / kvf_post_descs, with `id` for the cookie.
+ * The engine's thread makes the request now (NIXL's make/create) and keeps it under `id`;
+ * kvf_post_ready posts it, kvf_drop_ready gives it back. 0 queued, -4 no memory. */
+int kvf_ready_prepped(kvf_engine *e, int op, capi_handle local, const int *lidx, size_t nl, capi_handle remote,
+                      const int *ridx, size_t nr, const void *notif, size_t notif_len, uint64_t id) {
+    bool copied = false;
+    kvf_cmd *c = prepped_cmd(CMD_READY, op, local, lidx, nl, remote, ridx, nr, notif, notif_len, id, &copied);
+    return c == NULL ? -4 : queue_or_drop(e, c, copied);
+}
+
+int kvf_ready_descs(kvf_engine *e, int op, const char *agent, int lmem, size_t n, const uint64_t *laddr,
+                    const uint64_t *llen, const uint64_t *ldev, int rmem, size_t m, const uint64_t *raddr,
+                    const uint64_t *rlen, const uint64_t *rdev, const void *notif, size_t notif_len, uint64_t id) {
+    bool copied = false;
+    kvf_cmd *c = descs_cmd(CMD_READY, op, agent, lmem, n, laddr, llen, ldev, rmem, m, raddr, rlen, rdev, notif,
+                           notif_len, id, &copied);
+    return c == NULL ? -4 : queue_or_drop(e, c, copied);
+}
+
+/* Post the request made ahead under `id`: one small command, no argument copied. Its end comes
+ * as an event with `cookie` (an id never made or already posted: status -5). 0 queued, -4. */
+int kvf_post_ready(kvf_engine *e, uint64_t id, uint64_t cookie) {
+    kvf_cmd *c = new_cmd(CMD_POST_READY, 0, cookie, NULL, 0);
+    if (c == NULL)
+        return -4;
+    c->ready = id;
+    return enqueue(e, c);
+}
+
+/* Give back the request made ahead under `id`, unposted (queued: it cannot overtake its make). */
+int kvf_drop_ready(kvf_engine *e, uint64_t id) {
+    kvf_cmd *c = new_cmd(CMD_DROP_READY, 0, id, NULL, 0);
+    return c == NULL ? -4 : enqueue(e, c);
 }
 
 static int sync_cmd(kvf_engine *e, int kind, capi_handle h, const char *agent, const void *data, size_t len) {

@@ -11,6 +11,12 @@ indices ``[offset/granule, (offset+length)/granule)`` of its region, checked aga
 sizes on both sides before anything is posted: a bad descriptor raises DescriptorError and
 never reaches NIXL, so nothing is written outside a registered region.
 
+Prepared transfers. ``prepare`` runs ``post``'s checks and makes the transfer ready without
+posting it (a write planned ahead of its chunk: core/flows/ahead.py); ``post_prepared`` posts it
+once, ``release_prepared`` gives it back. A peer's removal (or its lists being replaced) gives its
+prepared transfers back first, so a later post of one is refused (NixlPeerError), never sent with
+a stale list; teardown gives back every one before the lists.
+
 Thread-sync. The agent is created with an explicit NIXL sync mode: NONE when one thread touches it,
 RW when several do (the runtime posts from N workers and drains notifications from another).
 
@@ -220,6 +226,19 @@ class _Peer:
     prepped: dict[ListKey, Any] = field(default_factory=dict)  # prepared list handles
 
 
+@dataclass(eq=False)
+class PreparedXfer:
+    """A transfer checked and made ready ahead of its post (``NixlAgent.prepare``): posted once by
+    ``post_prepared`` or given back by ``release_prepared``; its peer's removal gives it back."""
+
+    pid: int
+    peer: str
+    op: str
+    handle: Any
+    descs: int
+    nbytes: int
+
+
 @dataclass(eq=False)  # identity: a ticket is one transfer, and sets of them are kept
 class XferTicket:
     """A posted transfer; the caller polls it until DONE or ERR."""
@@ -279,6 +298,7 @@ class NixlAgent:
         self.drain_s = drain_s
         self.abandoned = 0  # a lost peer's transfers released still in flight (past drain_s)
         self._inflight: dict[int, XferTicket] = {}
+        self._prepared: dict[int, PreparedXfer] = {}  # made ready, not yet posted or given back
         self._ids = itertools.count(1)
         self.telemetry = Telemetry()
         self._closed = False
@@ -362,6 +382,7 @@ class NixlAgent:
                 table = _RegionTable({r.region_id: r for r in regions}, g)
                 old = peer.prepped.pop(key, None)
                 if old is not None:
+                    self._drop_prepared_locked(name)  # made from the list that goes
                     self._quiet(old.release)
                 peer.tables[key] = table
                 peer.prepped[key] = self._call(self._nixl.prep_xfer_dlist, name, table.rows(), table.mem_type)
@@ -396,6 +417,7 @@ class NixlAgent:
         self._forget_locked(name, peer, invalidate)
 
     def _forget_locked(self, name: str, peer: _Peer, invalidate: bool) -> None:
+        self._drop_prepared_locked(name)
         for h in peer.prepped.values():
             self._quiet(h.release)
         peer.prepped.clear()
@@ -450,31 +472,99 @@ class NixlAgent:
         checked against the tables of ``key`` = (group, granule) of both sides. Through the
         prepared lists: one index per granule, which NIXL merges back into runs; ``oneshot``: the
         runs themselves as descriptors built for this post (cheaper for runs of many granules)."""
-        if op not in OPS:
-            raise ValueError(f"op must be one of {OPS}")
+        with self._tables.read():
+            handle, descs, nbytes, t0 = self._make(op, peer, key, local, remote, length, notif, oneshot)
+            return self._start(op, peer, handle, descs, nbytes, t0)
+
+    def prepare(
+        self,
+        op: str,
+        peer: str,
+        key: ListKey,
+        local: tuple[np.ndarray, np.ndarray],
+        remote: tuple[np.ndarray, np.ndarray],
+        length: np.ndarray,
+        notif: bytes = b"",
+        *,
+        oneshot: bool = False,
+    ) -> PreparedXfer:
+        """``post`` without the post: the same checks (DescriptorError before NIXL sees an index),
+        and the transfer made ready (NIXL's Python agent makes the request here; the native engine
+        makes it on its thread, ahead). ``post_prepared`` posts it."""
+        with self._tables.read():
+            handle, descs, nbytes, _ = self._make(op, peer, key, local, remote, length, notif, oneshot)
+            ready = getattr(self._nixl, "prepare", None)
+            if ready is not None:
+                self._call(ready, handle)
+            prep = PreparedXfer(next(self._ids), peer, op, handle, descs, nbytes)
+            self._prepared[prep.pid] = prep
+            return prep
+
+    def post_prepared(self, prep: PreparedXfer) -> XferTicket:
+        """Post a prepared transfer (NixlPeerError if it was given back: its peer went away)."""
         with self._tables.read():
             if self._closed:
                 raise NixlError("agent is closed")
-            p = self._peers.get(peer)
-            if p is None or key not in p.prepped or key not in self._local_prepped:
-                raise NixlPeerError(f"peer {peer!r} has no prepared list {key}")
-            mine, theirs = self._local_tables[key], p.tables[key]
-            nbytes = int(np.asarray(length, dtype=np.int64).sum())
-            if oneshot:
-                lr = mine.rows_for(local[0], local[1], length, "local")
-                rr = theirs.rows_for(remote[0], remote[1], length, "remote")
-                t0 = time.monotonic_ns()  # from the first call that hands NIXL the descriptors
-                ld = self._call(self._nixl.get_xfer_descs, lr, mine.mem_type)
-                rd = self._call(self._nixl.get_xfer_descs, rr, theirs.mem_type)
-                handle = self._call(self._nixl.initialize_xfer, op, ld, rd, peer, notif)
-                return self._start(op, peer, handle, int(lr.shape[0]), nbytes, t0)
-            li = mine.indices(local[0], local[1], length, "local")
-            ri = theirs.indices(remote[0], remote[1], length, "remote")
-            t0 = time.monotonic_ns()
-            handle = self._call(
-                self._nixl.make_prepped_xfer, op, self._local_prepped[key], li, p.prepped[key], ri, notif
-            )
-            return self._start(op, peer, handle, int(li.size), nbytes, t0)
+            if self._prepared.pop(prep.pid, None) is None:
+                raise NixlPeerError(f"prepared {prep.op} to {prep.peer} was given back or posted already")
+            if prep.peer not in self._peers:  # dropped, its transfers draining: no new post
+                self._quiet(self._nixl.release_xfer_handle, prep.handle)
+                raise NixlPeerError(f"peer {prep.peer!r} not registered")
+            return self._start(prep.op, prep.peer, prep.handle, prep.descs, prep.nbytes, time.monotonic_ns())
+
+    def release_prepared(self, prep: PreparedXfer) -> None:
+        """Give back a prepared transfer that will not be posted (no-op if it is gone)."""
+        with self._tables.read():
+            if self._prepared.pop(prep.pid, None) is not None:
+                self._quiet(self._nixl.release_xfer_handle, prep.handle)
+
+    def prepared(self) -> int:
+        return len(self._prepared)
+
+    def _drop_prepared_locked(self, name: str | None) -> None:
+        # Caller holds the exclusive side: the peer's (or every, for None) prepared transfers.
+        for pid, prep in list(self._prepared.items()):
+            if name is None or prep.peer == name:
+                del self._prepared[pid]
+                self._quiet(self._nixl.release_xfer_handle, prep.handle)
+
+    def _make(
+        self,
+        op: str,
+        peer: str,
+        key: ListKey,
+        local: tuple[np.ndarray, np.ndarray],
+        remote: tuple[np.ndarray, np.ndarray],
+        length: np.ndarray,
+        notif: bytes,
+        oneshot: bool,
+    ) -> tuple[Any, int, int, int]:
+        """The checked transfer's handle, descriptor count, bytes and start time. Caller holds
+        the shared side."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}")
+        if self._closed:
+            raise NixlError("agent is closed")
+        p = self._peers.get(peer)
+        if p is None or key not in p.prepped or key not in self._local_prepped:
+            raise NixlPeerError(f"peer {peer!r} has no prepared list {key}")
+        mine, theirs = self._local_tables[key], p.tables[key]
+        nbytes = int(np.asarray(length, dtype=np.int64).sum())
+        if oneshot:
+            lr = mine.rows_for(local[0], local[1], length, "local")
+            rr = theirs.rows_for(remote[0], remote[1], length, "remote")
+            t0 = time.monotonic_ns()  # from the first call that hands NIXL the descriptors
+            ld = self._call(self._nixl.get_xfer_descs, lr, mine.mem_type)
+            rd = self._call(self._nixl.get_xfer_descs, rr, theirs.mem_type)
+            handle = self._call(self._nixl.initialize_xfer, op, ld, rd, peer, notif)
+            return handle, int(lr.shape[0]), nbytes, t0
+        li = mine.indices(local[0], local[1], length, "local")
+        ri = theirs.indices(remote[0], remote[1], length, "remote")
+        t0 = time.monotonic_ns()
+        handle = self._call(
+            self._nixl.make_prepped_xfer, op, self._local_prepped[key], li, p.prepped[key], ri, notif
+        )
+        return handle, int(li.size), nbytes, t0
 
     def post_single(
         self, op: str, peer: str, local: MemRegion, remote: MemRegion, notif: bytes = b""
@@ -613,6 +703,7 @@ class NixlAgent:
             self._closed = True
             for t in list(self._inflight.values()):
                 self._release(t, "ERR")
+            self._drop_prepared_locked(None)
             for name in list(self._peers):
                 peer = self._peers[name]
                 for h in peer.prepped.values():

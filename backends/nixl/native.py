@@ -4,7 +4,8 @@
 tables, bounds checks and ticket discipline stay exactly as they are; what changes is who talks to
 NIXL and who polls:
 - posting is one native call (the arguments are copied and queued; the engine's thread makes the
-  request and posts it, in the order given),
+  request and posts it, in the order given); a transfer prepared ahead (``prepare``: the engine's
+  thread makes NIXL's request then) is posted by naming it, one call that releases the GIL,
 - the engine's own thread polls every posted request and the agent's notifications, never touching
   the interpreter, and queues completions and notifications as one batch behind one eventfd,
 - ``check_xfer_state``/``get_new_notifs`` only read what the batches said (``drain``), and a data
@@ -20,8 +21,9 @@ anything missing refuses the load with one line naming the nixl version (``Nativ
 
 Planted bugs (tests only, ``$KVFERRY_NATIVE_PLANT``): ``early_done`` reports a completion when the
 transfer is posted, before it finished; ``notif_prev`` delivers each notification with the
-previous one's payload (a notification counted for the wrong room). The differential and e2e
-tests prove they catch both.
+previous one's payload (a notification counted for the wrong room); ``ready_lifo`` posts the
+request made ahead last instead of the one named (a prepared chunk posted for another). The
+differential and e2e tests prove they catch them.
 
 Ownership: ``_lock`` guards ``_xfers``, ``_notifs`` and ``_settled`` (any thread may drain); the
 engine handle is used by any thread (its C side has its own lock and NIXL's RW sync mode).
@@ -49,7 +51,7 @@ PINNED_NIXL = "1.5.1"
 MEM_TYPES = {"DRAM": 0, "VRAM": 1}
 OPS = {"READ": 0, "WRITE": 1}
 SYNC = {"none": 0, "strict": 1, "rw": 2}
-PLANTS = {"": 0, "early_done": 1, "notif_prev": 2}
+PLANTS = {"": 0, "early_done": 1, "notif_prev": 2, "ready_lifo": 3}
 _EV_DONE, _EV_NOTIF = 1, 2
 _DONE = struct.Struct("<QiQQ")
 _NOTIF = struct.Struct("<II")
@@ -118,6 +120,16 @@ def _declare(lib: ctypes.CDLL) -> None:
             ctypes.c_int,
             [vp, ctypes.c_int, cp, *(ctypes.c_int, sz, c_u64p, c_u64p, c_u64p) * 2, cp, sz, u64],
         ),
+        "kvf_ready_prepped": (
+            ctypes.c_int,
+            [vp, ctypes.c_int, vp, c_intp, sz, vp, c_intp, sz, cp, sz, u64],
+        ),
+        "kvf_ready_descs": (
+            ctypes.c_int,
+            [vp, ctypes.c_int, cp, *(ctypes.c_int, sz, c_u64p, c_u64p, c_u64p) * 2, cp, sz, u64],
+        ),
+        "kvf_post_ready": (ctypes.c_int, [vp, u64, u64]),
+        "kvf_drop_ready": (ctypes.c_int, [vp, u64]),
         "kvf_counters": (None, [vp, c_u64p]),
         "kvf_pending_addr": (vp, [vp]),
         "kvf_set_hot": (None, [vp, ctypes.c_int]),
@@ -207,6 +219,7 @@ class _Xfer:
     prepped: tuple[_Prepped, np.ndarray, _Prepped, np.ndarray] | None = None
     descs: tuple[np.ndarray, str, np.ndarray, str, str] | None = None
     cookie: int = 0
+    ready: int = 0  # the engine made its request ahead under this id (prepare); 0: not made
     state: str = "NEW"  # NEW, PROC, DONE, ERR
     status: int = 0  # NIXL's status code of a failure
     post_ns: int = 0
@@ -348,9 +361,18 @@ class NativeNixl:
     ) -> _Xfer:
         return _Xfer(op, bytes(notif), descs=(local[0], local[1], remote[0], remote[1], peer))
 
+    def prepare(self, x: _Xfer) -> None:
+        """Have the engine's thread make the request now (NIXL's make/create, its notification
+        set), so that ``transfer`` only posts it. Nothing moves; NIXL's refusal comes at the post.
+        Without memory to queue it, the request is made at the post instead, as before."""
+        x.ready = next(self._ids)
+        if self._submit(x, self._quick.kvf_ready_prepped, self._quick.kvf_ready_descs, x.ready) != 0:
+            x.ready = 0
+
     def transfer(self, x: _Xfer) -> str:
-        """Post: one native call that copies the arguments and queues them for the engine's
-        thread (it keeps the GIL: it is a copy, and a thread that lets the GIL go waits for it
+        """Post: one native call. A prepared transfer's call names the request the engine made
+        ahead and releases the GIL; any other copies its arguments and queues them for the
+        engine's thread (it keeps the GIL: a copy, and a thread that lets the GIL go waits for it
         behind busy Python threads). "PROC" (its end, or NIXL's refusal, comes as an event) or
         "ERR" (no memory to queue it)."""
         x.cookie = next(self._ids)
@@ -358,26 +380,43 @@ class NativeNixl:
             self._xfers[x.cookie] = x  # before the post: the completion may be drained at once
         x.state = "PROC"
         t0 = time.monotonic_ns()
+        if x.ready:
+            st = self._lib.kvf_post_ready(self._eng, x.ready, x.cookie)
+            x.ready = 0  # the engine's now: posted, or reported failed
+        else:
+            st = self._submit(x, self._quick.kvf_post_prepped, self._quick.kvf_post_descs, x.cookie)
+        x.post_call_ns = time.monotonic_ns() - t0
+        if st != 0:
+            with self._lock:
+                self._xfers.pop(x.cookie, None)
+            x.state, x.status = "ERR", int(st)
+            return "ERR"
+        return "PROC"
+
+    def _submit(self, x: _Xfer, prepped: Any, descs: Any, ident: int) -> int:
+        """Hand the transfer's arguments to ``prepped`` or ``descs`` (post or make ahead)."""
         if x.prepped is not None:
             lh, li, rh, ri = x.prepped
-            st = self._quick.kvf_post_prepped(
-                self._eng,
-                OPS[x.op],
-                lh.ptr,
-                li.ctypes.data_as(c_intp),
-                li.size,
-                rh.ptr,
-                ri.ctypes.data_as(c_intp),
-                ri.size,
-                x.notif,
-                len(x.notif),
-                x.cookie,
+            return int(
+                prepped(
+                    self._eng,
+                    OPS[x.op],
+                    lh.ptr,
+                    li.ctypes.data_as(c_intp),
+                    li.size,
+                    rh.ptr,
+                    ri.ctypes.data_as(c_intp),
+                    ri.size,
+                    x.notif,
+                    len(x.notif),
+                    ident,
+                )
             )
-        else:
-            assert x.descs is not None
-            lrows, lmem, rrows, rmem, peer = x.descs
-            lc, rc = _cols(lrows), _cols(rrows)
-            st = self._quick.kvf_post_descs(
+        assert x.descs is not None
+        lrows, lmem, rrows, rmem, peer = x.descs
+        lc, rc = _cols(lrows), _cols(rrows)
+        return int(
+            descs(
                 self._eng,
                 OPS[x.op],
                 peer.encode(),
@@ -393,15 +432,9 @@ class NativeNixl:
                 rc.dev,
                 x.notif,
                 len(x.notif),
-                x.cookie,
+                ident,
             )
-        x.post_call_ns = time.monotonic_ns() - t0
-        if st != 0:
-            with self._lock:
-                self._xfers.pop(x.cookie, None)
-            x.state, x.status = "ERR", int(st)
-            return "ERR"
-        return "PROC"
+        )
 
     def check_xfer_state(self, x: _Xfer) -> str:
         if x.state == "PROC":
@@ -410,7 +443,11 @@ class NativeNixl:
 
     def release_xfer_handle(self, x: _Xfer) -> None:
         # The engine gives a request back to NIXL itself once it finished; one still in flight at
-        # teardown is given back by kvf_stop. Here only our bookkeeping goes.
+        # teardown is given back by kvf_stop. A request made ahead and never posted goes back
+        # through the engine's queue (after its make). Else only our bookkeeping goes.
+        if x.ready and self._eng is not None:
+            self._quick.kvf_drop_ready(self._eng, x.ready)
+            x.ready = 0
         with self._lock:
             self._settled.discard(x.cookie)
             self._xfers.pop(x.cookie, None)

@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 from kvferry.backends.copy_exec import CopyExecutor, CudaCopyExecutor, HostCopyExecutor
-from kvferry.backends.nixl.agent import MAX_PREP_DESCS, ListKey, NixlAgent, XferTicket
+from kvferry.backends.nixl.agent import MAX_PREP_DESCS, ListKey, NixlAgent, PreparedXfer, XferTicket
 from kvferry.backends.nixl.errors import DescriptorError, NixlPeerError
 from kvferry.backends.nixl.memory import MemRegion, RegionError, regions_from
 from kvferry.backends.staging_copy import copy_maps
@@ -462,6 +462,45 @@ class NixlTransport:
             notif,
         )
 
+    def prepare_write(
+        self,
+        peer: Endpoint,
+        src_region: npt.NDArray[np.int64],
+        src_offset: npt.NDArray[np.int64],
+        dst_region: npt.NDArray[np.int64],
+        dst_offset: npt.NDArray[np.int64],
+        length: npt.NDArray[np.int64],
+        notif: bytes,
+    ) -> PreparedXfer | tuple[Any, ...]:
+        """``post_write``'s checks, and the transfer made ready (``NixlAgent.prepare``); a staged
+        block (one descriptor, no prepared list) is only remembered and posted as a write."""
+        entry = self._peer(peer)
+        args = (peer, src_region, src_offset, dst_region, dst_offset, length, notif)
+        if len(dst_region) == 1 and is_staging_region(int(dst_region[0])):
+            return args
+        key = entry.key_for(src_offset, dst_offset, length)
+        how = self._how(key, length)
+        local, remote = (src_region, src_offset), (dst_region, dst_offset)
+        oneshot = how == "oneshot"
+        return self.agent.prepare("WRITE", entry.agent, key, local, remote, length, notif, oneshot=oneshot)
+
+    def post_prepared(self, prepared: PreparedXfer | tuple[Any, ...]) -> XferTicket:
+        if isinstance(prepared, tuple):
+            return self.post_write(*prepared)
+        return self.agent.post_prepared(prepared)
+
+    def release_prepared(self, prepared: PreparedXfer | tuple[Any, ...]) -> None:
+        if not isinstance(prepared, tuple):
+            self.agent.release_prepared(prepared)
+
+    def _how(self, key: ListKey, length: npt.NDArray[np.int64]) -> str:
+        how = self._direct_post
+        if how == "auto":
+            runs = len(length)
+            indices = int((np.asarray(length, dtype=np.int64) // key[1]).sum())
+            how = "oneshot" if runs and indices >= ONESHOT_INDICES_PER_RUN * runs else "prepped"
+        return how
+
     def _post_runs(
         self,
         op: str,
@@ -472,11 +511,7 @@ class NixlTransport:
         length: npt.NDArray[np.int64],
         notif: bytes,
     ) -> XferTicket:
-        how = self._direct_post
-        if how == "auto":
-            runs = len(length)
-            indices = int((np.asarray(length, dtype=np.int64) // key[1]).sum())
-            how = "oneshot" if runs and indices >= ONESHOT_INDICES_PER_RUN * runs else "prepped"
+        how = self._how(key, length)
         return self.agent.post(op, agent, key, local, remote, length, notif, oneshot=how == "oneshot")
 
     def _post_block(
@@ -523,6 +558,18 @@ class NixlTransport:
     def post_aux_write(
         self, peer: Endpoint, src_aux_index: int, dst_aux_index: int, notif: bytes
     ) -> XferTicket:
+        return self._post_runs("WRITE", *self._aux_runs(peer, src_aux_index, dst_aux_index), notif)
+
+    def prepare_aux_write(
+        self, peer: Endpoint, src_aux_index: int, dst_aux_index: int, notif: bytes
+    ) -> PreparedXfer:
+        """``post_aux_write``'s checks, and the transfer made ready (posted by ``post_prepared``)."""
+        agent, key, local, remote, length = self._aux_runs(peer, src_aux_index, dst_aux_index)
+        oneshot = self._how(key, length) == "oneshot"
+        return self.agent.prepare("WRITE", agent, key, local, remote, length, notif, oneshot=oneshot)
+
+    def _aux_runs(self, peer: Endpoint, src_aux_index: int, dst_aux_index: int) -> tuple[Any, ...]:
+        """Agent, list key, local and remote runs and length of an aux row's write, checked."""
         entry = self._peer(peer)
         row = self.aux_row_bytes
         if not 0 <= src_aux_index < self.aux_rows:
@@ -530,14 +577,12 @@ class NixlTransport:
         if not 0 <= dst_aux_index < entry.registration.aux_rows or row > entry.registration.aux_row_bytes:
             raise DescriptorError(f"peer aux row {dst_aux_index} out of range or too small")
         one = np.array([AUX_REGION_ID], dtype=np.int64)
-        return self._post_runs(
-            "WRITE",
+        return (
             entry.agent,
             entry.aux,
             (one, np.array([src_aux_index * row], dtype=np.int64)),
             (one, np.array([dst_aux_index * entry.registration.aux_row_bytes], dtype=np.int64)),
             np.array([row], dtype=np.int64),
-            notif,
         )
 
     def check_xfer(self, handle: XferTicket) -> XferState:

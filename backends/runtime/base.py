@@ -79,6 +79,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the interpreter, so it costs a core, not the host's Python threads). Idle, it backs off to
     # active_idle_max_s.
     nixl_engine_poll_us: float = 0.0
+    # Native engine: a chunk planned ahead (KVSender.plan_ahead) is posted by the thread that
+    # calls send(), not handed to a worker (backends/runtime/prefill.py). False: always the worker.
+    nixl_post_on_send: bool = True
     # Staging memory of the ring and pinned flows (backends/runtime/staging.py).
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
     # Control-plane authentication (backends/runtime/security.py, docs/security.md): one or two
@@ -319,5 +322,6 @@ class EndpointBase:
             out["driver.posting"] = self.driver.posting
             out["driver.queues"] = sum(len(q) for q in self.driver.queues)
         out["nixl.inflight"] = self.transport.agent.inflight()
+        out["nixl.prepared"] = self.transport.agent.prepared()  # made ready, never posted
         out["board"] = len(self.board)
         return out

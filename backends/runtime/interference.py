@@ -42,6 +42,9 @@ class InterferenceConfig:
     model: str = "qwen3-8b"
     step_items: int = 3000  # size of one scheduler step's pure-Python work
     engine_poll_us: float = 0.0  # RuntimeConfig.nixl_engine_poll_us (native engine's in-flight pace)
+    # Each room's pages named ahead (KVSender.plan_ahead) and decode's TransferInfo awaited before
+    # the send: the hand-off order of serving, the chunk's writes prepared before it is ready.
+    ahead: bool = False
 
 
 def scheduler_step(items: int) -> int:
@@ -142,7 +145,11 @@ class Endpoints:
         s = self.pre.sender(room, tid)
         s.write_aux(slot, room.to_bytes(8, "little"))
         s.init(slot)
+        if self.cfg.ahead:
+            s.plan_ahead(pages, self.cfg.tokens, is_last=True)
         rv.init(pages, self.cfg.tokens, slot)
+        if self.cfg.ahead:
+            self.pre.board.wait_for(room, tid, {KVPoll.WaitingForInput, KVPoll.Failed}, 30)
         s.send(pages, self.cfg.tokens, is_last=True)
         ok = rv.wait(30) is KVPoll.Success and s.wait(30) is KVPoll.Success
         self.moved += ok

@@ -6,17 +6,27 @@ write and copy completions) and ``num_queues`` worker threads. A room's chunks a
 ``room % num_queues`` (the core's ``shard_of``), so one worker runs them in order; the worker
 posts a chunk's writes and waits for them before taking its next chunk.
 
-Ownership: each worker is the only consumer of its queue in ``driver.queues`` (the driver appends
-under its lock; the worker peeks the head without it, which is safe for a sole consumer of a
-deque); its wake-up Event is set by the driver's ``on_enqueue`` and cleared only by the worker.
+Ownership: a shard's queue in ``driver.queues`` is consumed by whoever holds that shard's step
+lock (its worker, or a ``send`` posting a prepared chunk, below); the driver appends under its
+lock, and the stepper peeks the head without it, safe while it is the sole consumer; its wake-up
+Event is set by the driver's ``on_enqueue`` and cleared only by the worker.
 A worker holds the driver lock only to take its chunk's commands from the engine and to feed
 results back; it posts the chunk's writes (NIXL make_prepped_xfer + transfer) without it, so the
 N workers post in parallel and a slow post (294,912 descriptors per rank for TP 2->1) stalls
 neither the control and data threads, nor API calls, nor rooms of other shards (driver.py's header has
 the ordering argument). A worker keeps the write ids of at most ``worker_chunks_in_flight`` chunks
-in ``_in_flight[shard]`` (its own: no other thread touches it) and waits for the oldest before it
-takes another chunk; the core needs no pacing for correctness (chunk notes may land in any
-order), so this is a throughput knob. Everything else follows base.py.
+in ``_in_flight[shard]`` and waits for the oldest before it takes another chunk (a ``send`` that
+stepped the chunk itself appends there too, under the step lock; deque appends and pops are
+atomic); the core needs no pacing for correctness (chunk notes may land in any order), so this is
+a throughput knob. Everything else follows base.py.
+
+Chunks planned ahead (``KVSender.plan_ahead``, core/flows/ahead.py): when the core says a queued
+chunk's run only posts writes made ready before (``EnqueueChunk.prepared``) and the rank runs the
+native engine, ``send`` runs that step itself on the caller's thread (one native post per write,
+the GIL released) instead of waking the worker: no thread hand-off between "chunk ready" and the
+post. A shard's steps stay one at a time and in queue order: a step takes ``_step_locks[shard]``,
+and the caller only steps when the lock is free and the worker keeps fewer chunks in flight than
+its cap (else the worker runs it, as ever); the worker then sees the chunk's writes through.
 
 A worker never dies: an exception from a chunk fails that chunk's room through the core (an
 AbortRoom, which tells decode with RoomFailed) and is kept on the status board, so
@@ -38,7 +48,7 @@ from kvferry.backends.runtime.base import EndpointBase, RuntimeConfig, now_ns
 from kvferry.backends.runtime.errortap import ErrorTap
 from kvferry.backends.runtime.loops import Loop
 from kvferry.core.errors import LocalMisuseError
-from kvferry.core.events import AbortRoom, ChunkReady, LayersReady, ReleaseRoom, SenderOpen
+from kvferry.core.events import AbortRoom, ChunkAhead, ChunkReady, LayersReady, ReleaseRoom, SenderOpen
 from kvferry.core.flows import Flow
 from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
@@ -80,6 +90,11 @@ class PrefillEndpoint(EndpointBase):
         )
         self._wake = [threading.Event() for _ in range(n)]
         self._in_flight: list[deque[tuple[int, ...]]] = [deque() for _ in range(n)]
+        self._step_locks = [threading.Lock() for _ in range(n)]  # one step of a shard at a time
+        # Native engine: a prepared chunk is posted by the thread that handed it over (its feed
+        # marks the shard here; thread-local, since the driver's callback runs in that thread).
+        self._post_on_send = config.nixl_post_on_send and self.transport.executor == "native"
+        self._prepared_shard = threading.local()
         self.driver = Driver(
             self.engine,
             ErrorTap(self.transport, self.board),
@@ -88,6 +103,7 @@ class PrefillEndpoint(EndpointBase):
             on_status=self._on_status,
             on_free_pages=self._on_free_pages,
             on_enqueue=lambda shard: self._wake[shard].set(),
+            on_prepared=self._mark_prepared if self._post_on_send else None,
         )
         self._loops.extend(self._progress_loops())
         self._worker_loops = []
@@ -115,14 +131,30 @@ class PrefillEndpoint(EndpointBase):
         wake = self._wake[shard]
         in_flight = self._in_flight[shard]
         if not queue and in_flight:  # nothing new to post: see the oldest chunk's writes through
-            self._await(shard, in_flight.popleft())
+            self._await_oldest(shard)
             return True
         if not queue:
             wake.wait(0.05)
             wake.clear()
             if not queue:
                 return True  # the wait was the idle sleep
-        head: ChunkReady = queue[0]  # sole consumer: the head cannot change under us
+        with self._step_locks[shard]:
+            if queue:  # a send may have stepped it meanwhile
+                self._step(shard)
+        while len(in_flight) >= self.config.worker_chunks_in_flight:
+            self._await_oldest(shard)
+        return True
+
+    def _await_oldest(self, shard: int) -> None:
+        # Popped once seen through: while it is awaited it still counts against the cap a send
+        # checks before stepping a chunk itself.
+        in_flight = self._in_flight[shard]
+        self._await(shard, in_flight[0])
+        in_flight.popleft()
+
+    def _step(self, shard: int) -> None:
+        """Run the head chunk of ``shard`` (caller holds its step lock: the head cannot change)."""
+        head: ChunkReady = self.driver.queues[shard][0]
         try:
             ids = self.driver.worker_step(shard, now_ns())
         except Exception as exc:
@@ -138,12 +170,31 @@ class PrefillEndpoint(EndpointBase):
                 ),
                 now_ns(),
             )
-            return True
+            return
         if ids:
-            in_flight.append(ids)
-        while len(in_flight) >= self.config.worker_chunks_in_flight:
-            self._await(shard, in_flight.popleft())
-        return True
+            self._in_flight[shard].append(ids)
+
+    def _mark_prepared(self, shard: int) -> None:
+        # Driver callback (lock held): the chunk just queued only posts prepared writes.
+        self._prepared_shard.value = shard
+
+    def _step_on_send(self) -> None:
+        """After a send: step the prepared chunk it queued here, if its shard is free (else the
+        worker runs it); the worker is woken either way, to see its writes through."""
+        shard = getattr(self._prepared_shard, "value", None)
+        if shard is None:
+            return
+        self._prepared_shard.value = None
+        lock = self._step_locks[shard]
+        if not lock.acquire(blocking=False):
+            return  # the worker is stepping this shard: it takes the chunk next
+        try:
+            room = len(self._in_flight[shard]) < self.config.worker_chunks_in_flight
+            if self.driver.queues[shard] and room:
+                self._step(shard)
+        finally:
+            lock.release()
+        self._wake[shard].set()
 
     def _await(self, shard: int, ids: tuple[int, ...]) -> None:
         """SGLang PR 20680's pacing: the worker's next chunk waits for this chunk's writes."""
@@ -214,8 +265,28 @@ class KVSender:
             src_pages=np.asarray(src_pages, dtype=np.int64),
             is_last=bool(is_last),
         )
-        self.ep.driver.feed(chunk, now_ns())  # a chunk refused as our own mistake keeps its index
+        ep = self.ep
+        ep.driver.feed(chunk, now_ns())  # a chunk refused as our own mistake keeps its index
         self._chunks += 1
+        if ep._post_on_send:
+            ep._step_on_send()
+
+    def plan_ahead(self, src_pages: Any, token_end: int, is_last: bool) -> None:
+        """The pages and token range the next ``send`` will carry, known before the chunk is
+        computed (the scheduler allocated them). A direct room then plans the chunk's writes and
+        has them made ready once decode's TransferInfo is in, so that ``send`` only posts them
+        (core/flows/ahead.py). Optional; a ``send`` that differs is planned as ever."""
+        self._usable()
+        self.ep._check_open()
+        ev = ChunkAhead(
+            room=self.room,
+            transfer_id=self.transfer_id,
+            chunk_index=self._chunks,
+            token_end=int(token_end),
+            src_pages=np.asarray(src_pages, dtype=np.int64),
+            is_last=bool(is_last),
+        )
+        self.ep.driver.feed(ev, now_ns())
 
     def layers_ready(self, first_layer: int, end_layer: int, chunk_index: int | None = None) -> None:
         """Layers ``[first_layer, end_layer)`` of a chunk are computed (the "layerwise" flow:

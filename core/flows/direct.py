@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvferry.core import messages as m
-from kvferry.core.commands import PostWrite, SendNotif
+from kvferry.core.commands import DropPrepared, PostPrepared, PostWrite, PrepareWrite, SendNotif
 from kvferry.core.events import ChunkReady
 from kvferry.core.flows import registry
 from kvferry.core.flows.policy import Flow
 from kvferry.core.machine import RoomError
 from kvferry.core.worker import ChunkWrite, plan_chunk
 
-__all__ = ["DirectReceiver", "DirectSender", "write_command"]
+__all__ = ["DirectReceiver", "DirectSender", "prepare_command", "write_command"]
 
 
 class DirectSender:
@@ -33,6 +33,9 @@ class DirectSender:
 
     def run_chunk(self, ctx: Any, r: Any, c: ChunkReady) -> str:
         start, end = ctx.chunk_bounds(r, c)
+        ahead = None if self.leased else ctx.take_ahead(r, c, start, end)
+        if ahead is not None:
+            return self._post_ahead(ctx, r, c, start, end, ahead)
         writes = plan_chunk(ctx.planner, ctx.pool, c.src_pages, ctx.destinations(r), start, end)
         push = ctx.push if self.leased else None
         now = ctx.now()
@@ -55,20 +58,50 @@ class DirectSender:
             emit(write_command(wid, r.room, w, note))
         return ctx.finish_run(r, c, start, end, posted, lease=push)
 
+    @staticmethod
+    def _post_ahead(ctx: Any, r: Any, c: ChunkReady, start: int, end: int, ahead: Any) -> str:
+        """The chunk was planned ahead (core/flows/ahead.py) and matches: post what was prepared.
+        A step that fails midway gives every prepared write back (its commands are withdrawn; a
+        DropPrepared leaves anyway, and one of an id already given back is a no-op)."""
+        ctx.advance(r, c, end)
+        posted: list[int] = []
+        emit = ctx.emit
+        try:
+            for peer, prep_id in ahead.writes:
+                if not prep_id:
+                    emit(SendNotif(peer=peer, room=r.room, notif=ahead.note))
+                    continue
+                wid = ctx.new_write(r)
+                posted.append(wid)
+                emit(PostPrepared(prep_id=prep_id, write_id=wid, peer=peer, room=r.room))
+            return ctx.finish_run(r, c, start, end, posted, prepared_aux=ahead.aux)
+        except Exception:
+            for prep_id in ahead.prep_ids():
+                emit(DropPrepared(prep_id=prep_id, room=r.room))
+            raise
+
 
 def write_command(write_id: int, room: int, w: ChunkWrite, note: bytes) -> PostWrite:
     """The WRITE of one planned descriptor set (``core.worker.ChunkWrite``), the note riding on it."""
-    return PostWrite(
-        write_id=write_id,
-        peer=w.peer,
-        room=room,
-        src_region=w.src_region,
-        src_offset=w.src_offset,
-        dst_region=w.dst_region,
-        dst_offset=w.dst_offset,
-        length=w.length,
-        notif=note,
-    )
+    return PostWrite(write_id=write_id, **_write_fields(room, w, note))
+
+
+def prepare_command(prep_id: int, room: int, w: ChunkWrite, note: bytes) -> PrepareWrite:
+    """The same WRITE made ready ahead of its chunk (core/flows/ahead.py), posted later by id."""
+    return PrepareWrite(prep_id=prep_id, **_write_fields(room, w, note))
+
+
+def _write_fields(room: int, w: ChunkWrite, note: bytes) -> dict[str, Any]:
+    return {
+        "peer": w.peer,
+        "room": room,
+        "src_region": w.src_region,
+        "src_offset": w.src_offset,
+        "dst_region": w.dst_region,
+        "dst_offset": w.dst_offset,
+        "length": w.length,
+        "notif": note,
+    }
 
 
 class DirectReceiver:

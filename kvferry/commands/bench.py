@@ -100,6 +100,13 @@ def nixl(
             "send(last chunk) to decode's Success."
         ),
     ] = False,
+    ahead: Annotated[
+        bool,
+        typer.Option(
+            help="Name every chunk's pages before its send (KVSender.plan_ahead): a direct room's "
+            "writes are planned and made ready once decode's TransferInfo is in, and send() posts them."
+        ),
+    ] = False,
 ) -> None:
     """Two processes on 127.0.0.1 (prefill ranks, one decode rank) move KV rooms of a preset model
     through kvferry's runtime; the same processes then WRITE the same bytes as one NIXL descriptor."""
@@ -149,6 +156,7 @@ def nixl(
                 direct_post=direct_post,
                 engine=engine,
                 handoff=handoff,
+                ahead=ahead,
                 flow=f,
                 prefill_gpus=prefill_gpus,
                 decode_gpus=decode_gpus,

@@ -91,6 +91,7 @@ class BenchConfig:
     active_poll_us: float = 200.0
     engine: str = "python"  # RuntimeConfig.nixl_engine of both processes
     handoff: bool = False  # time send(last chunk) -> decode Success, TransferInfo already at prefill
+    ahead: bool = False  # name each chunk's pages before its send (KVSender.plan_ahead)
 
 
 DEFAULT_CONFIGS = (
@@ -279,6 +280,10 @@ def child_prefill(cfg: BenchConfig) -> None:
                     ),
                 )
             batch.append((senders, pages))
+        if cfg.ahead:  # the scheduler knows a chunk's pages before its forward: named first
+            for senders, pages in batch:
+                for s in senders:
+                    s.plan_ahead(pages, cuts[0], is_last=len(cuts) == 1)
         if cfg.handoff:  # decode's TransferInfo first: the clock starts at the chunk, not the open
             _wait_status(senders_of(batch), KVPoll.WaitingForInput)
         t_send = time.monotonic_ns()
@@ -286,6 +291,8 @@ def child_prefill(cfg: BenchConfig) -> None:
             for senders, pages in batch:
                 for s in senders:
                     s.send(pages, end, is_last=c == len(cuts) - 1)
+                    if cfg.ahead and c + 1 < len(cuts):  # the next chunk's pages, before its forward
+                        s.plan_ahead(pages, cuts[c + 1], is_last=c + 2 == len(cuts))
                     if cfg.flow == "layerwise":  # no forward here: every layer is computed already
                         s.layers_ready(0, eps[0].pool.model.num_layers)
         for senders, _ in batch:
@@ -689,6 +696,7 @@ def run_config(
         # What really ran in each process (native falls back to python when it cannot load).
         "executor": sorted(set(p["executor"]) | set(d["executor"])),
         "handoff": cfg.handoff,
+        "ahead": cfg.ahead,
         # send(last chunk) -> decode Success of a batch (TransferInfo already at prefill), and the
         # raw write of the same bytes over that time (None unless ``handoff``).
         "handoff_s": handoff_s,

@@ -2,7 +2,8 @@
 
 A real ``Driver`` over a real ``NixlTransport`` (DRAM, UCX) on the executor named by
 ``KVFERRY_E2E_ENGINE``, with a scripted engine in place of the protocol core: the test sends core
-commands (PostWrite, PostRead, PostAuxWrite, SendNotif, CheckAux, AddPeer, DropPeer) as JSON
+commands (PostWrite, PostRead, PostAuxWrite, SendNotif, CheckAux, AddPeer, DropPeer, and a write
+prepared ahead: PrepareWrite, PrepareAuxWrite, PostPrepared, DropPrepared) as JSON
 lines, the driver executes them exactly as it does for the real core, and every event the driver
 feeds back (WriteDone, WriteFailed, NotificationIn, AuxChecked) is reported, in order.
 """
@@ -26,9 +27,13 @@ from kvferry.core.commands import (
     AddPeer,
     CheckAux,
     DropPeer,
+    DropPrepared,
     PostAuxWrite,
+    PostPrepared,
     PostRead,
     PostWrite,
+    PrepareAuxWrite,
+    PrepareWrite,
     SendNotif,
 )
 from kvferry.core.events import AuxChecked, NotificationIn, WriteDone, WriteFailed
@@ -81,6 +86,21 @@ def build(spec: dict[str, Any], role: str, registrations: dict[str, Register]) -
     notif = bytes.fromhex(spec.get("notif", ""))
     if kind == "write":
         return PostWrite(write_id=spec["id"], peer=peer, room=spec.get("room", 1), notif=notif, **arrays)
+    if kind == "prepare":
+        return PrepareWrite(prep_id=spec["prep"], peer=peer, room=spec.get("room", 1), notif=notif, **arrays)
+    if kind == "prepare_aux":
+        return PrepareAuxWrite(
+            prep_id=spec["prep"],
+            peer=peer,
+            room=1,
+            src_aux_index=spec["src"],
+            dst_aux_index=spec["dst"],
+            notif=notif,
+        )
+    if kind == "post_prepared":
+        return PostPrepared(prep_id=spec["prep"], write_id=spec["id"], peer=peer, room=spec.get("room", 1))
+    if kind == "drop_prepared":
+        return DropPrepared(prep_id=spec["prep"], room=spec.get("room", 1))
     if kind == "read":
         return PostRead(read_id=spec["id"], peer=peer, room=spec.get("room", 1), notif=notif, **arrays)
     if kind == "aux":
