@@ -284,7 +284,6 @@ class SenderFlowContext(EngineFlowContext):
     def finish_run(self) -> Callable[..., str]:
         return self._engine._finish_run
 
-
     # Chunks planned ahead (core/flows/ahead.py).
     def plans_ahead(self, r: _Room) -> bool:
         """The room is ready and its flow is direct: a chunk named ahead can be planned now."""
