@@ -66,8 +66,8 @@ class SimRank:
             on_enqueue=self._wake_worker,
         )
         # The driver's next_deadline without its lock (SimPy runs one thing at a time: this
-        # Driver has none): asked at every sleep and local event.
-        self._next_deadline = engine.next_deadline
+        # Driver has none): asked at every sleep and local event, computed once per engine call.
+        self._next_deadline = self.driver.cached_deadline
         self._work = [env.event() for _ in range(workers)]
         self._sleep_until: int | None = None
         self._kicked = False
