@@ -279,10 +279,7 @@ class SimTransport:
 
     def drain_notifs(self) -> list[bytes]:
         node = self._fnode  # Fabric.drain_notifs without the lookup by name (asked at every poll)
-        got = node.notifs
-        if not got:
-            return []
-        node.notifs = []
+        got, node.notifs = node.notifs, []
         return [payload for _src, payload in got]
 
     def read_aux_room(self, aux_index: int) -> int:
@@ -342,10 +339,7 @@ class SimTransport:
 
     def recv_control(self) -> list[bytes]:
         node = self._fnode  # Fabric.drain_control without the lookup by name (asked at every poll)
-        got = node.control
-        if not got:
-            return []
-        node.control = []
+        got, node.control = node.control, []
         return [payload for _src, payload in got]
 
 
