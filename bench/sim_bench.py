@@ -5,7 +5,7 @@ Run: ``uv run python bench/sim_bench.py [--rooms 10000] [--seeds 60] [--deploy-r
 (one core, no GPU; ``--only deploy``, ``--only replay`` or ``--only select`` runs one part;
 ``select`` times ``kvferry select``'s example question, fixed and as a capacity search, with each
 command's peak RSS; ``--only counts`` counts what each replay does per room or request: SimPy
-steps, engine calls, posts and control messages, the figures its CPU time scales with).
+steps, engine calls, rank wake-ups, posts and control messages, the figures its CPU time scales with).
 
 Baseline measured in the same run: a bare SimPy process doing timeouts, i.e. the fastest a SimPy
 world can advance. The simulator's cost is shown as trace events per second and as the ratio of
@@ -94,9 +94,11 @@ def _counted(env: simpy.Environment) -> list[int]:
 
 
 def _per(n: int, steps: list[int], ranks: Any, stats: Any) -> dict[str, float]:
+    ranks = list(ranks)
     return {
         "simpy_steps": round(steps[0] / n, 1),
         "engine_calls": round(sum(r.driver.engine_calls for r in ranks) / n, 1),
+        "rank_wakeups": round(sum(r.wakeups for r in ranks) / n, 1),
         "fabric_posts": round(stats.posts / n, 1),
         "control_messages": round(stats.control_sent / n, 1),
     }
