@@ -121,6 +121,10 @@ class Driver:
         self.on_prepared = on_prepared  # a queued chunk whose run only posts prepared writes
         self._followups: deque[Any] = deque()
         self.posting = 0  # writes of worker steps not yet posted and published to ``handles``
+        # Engine calls so far. The engine's next deadline changes only with one, so it is asked
+        # once per call, not at every poll and sleep (a simulated rank asks several times a wake-up).
+        self.engine_calls = 0
+        self._deadline: tuple[int, int | None] = (-1, None)  # (engine_calls, next_deadline)
         # Called with ("in", event) for each event fed, ("step", chunk) when a worker takes a
         # chunk, ("run", command) before each command and ("posted", command) when a post
         # returned: runtime.tracing.DriverTrace (kvferry bench nixl --trace).
@@ -172,7 +176,7 @@ class Driver:
 
     def _tick_if_due(self, now: int) -> int:
         with self.lock:
-            dl = self.engine.next_deadline()
+            dl = self.cached_deadline()
             if dl is not None and dl <= now:
                 self._feed(Tick(), now)
                 return 1
@@ -267,6 +271,7 @@ class Driver:
             chunk = q.popleft()
             if self.trace is not None:
                 self.trace("step", chunk)
+            self.engine_calls += 1
             cmds = self.engine.run_chunk(chunk, now)
         wait: tuple[int, ...] = ()
         pending: list[Any] = []  # follow-ups, fed after the whole list (the order _execute keeps)
@@ -353,13 +358,23 @@ class Driver:
 
     def next_deadline(self) -> int | None:
         with self.lock:
-            return self.engine.next_deadline()
+            return self.cached_deadline()
 
     # --- internals (lock held) ---------------------------------------------------------------------
+
+    def cached_deadline(self) -> int | None:
+        """``next_deadline`` with the lock held (or no lock, as in SimPy): the engine is asked
+        only if it was called since the last answer."""
+        calls, dl = self._deadline
+        if calls != self.engine_calls:
+            dl = self.engine.next_deadline()
+            self._deadline = (self.engine_calls, dl)
+        return dl
 
     def _feed(self, event: Any, now: int) -> tuple[int, ...]:
         if self.trace is not None:
             self.trace("in", event)
+        self.engine_calls += 1
         return self._execute(self.engine.handle(event, now), now)
 
     def _execute(self, cmds: list[Any], now: int) -> tuple[int, ...]:
@@ -372,6 +387,7 @@ class Driver:
 
     def _drain(self, now: int) -> None:
         while self._followups:
+            self.engine_calls += 1
             self._execute(self.engine.handle(self._followups.popleft(), now), now)
 
     def _run(self, cmd: Any) -> tuple[int, ...] | None:

@@ -4,7 +4,8 @@ and a 10,000-request deployment replay (sim/deploy: compute, arrivals, KV throug
 Run: ``uv run python bench/sim_bench.py [--rooms 10000] [--seeds 60] [--deploy-requests 10000]``
 (one core, no GPU; ``--only deploy``, ``--only replay`` or ``--only select`` runs one part;
 ``select`` times ``kvferry select``'s example question, fixed and as a capacity search, with each
-command's peak RSS).
+command's peak RSS; ``--only counts`` counts what each replay does per room or request: SimPy
+steps, engine calls, rank wake-ups, posts and control messages, the figures its CPU time scales with).
 
 Baseline measured in the same run: a bare SimPy process doing timeouts, i.e. the fastest a SimPy
 world can advance. The simulator's cost is shown as trace events per second and as the ratio of
@@ -79,6 +80,49 @@ def deploy_replay(n: int) -> dict[str, float]:
     }
 
 
+def _counted(env: simpy.Environment) -> list[int]:
+    """Count ``env``'s steps (every scheduled call, delivery, timer and process resume)."""
+    steps = [0]
+    step = env.step
+
+    def counting() -> None:
+        steps[0] += 1
+        step()
+
+    env.step = counting  # type: ignore[method-assign]
+    return steps
+
+
+def _per(n: int, steps: list[int], ranks: Any, stats: Any) -> dict[str, float]:
+    ranks = list(ranks)
+    return {
+        "simpy_steps": round(steps[0] / n, 1),
+        "engine_calls": round(sum(r.driver.engine_calls for r in ranks) / n, 1),
+        "rank_wakeups": round(sum(r.wakeups for r in ranks) / n, 1),
+        "fabric_posts": round(stats.posts / n, 1),
+        "control_messages": round(stats.control_sent / n, 1),
+    }
+
+
+def event_counts(rooms: int, requests: int) -> dict[str, dict[str, float]]:
+    """Per room of the transfer replay and per request of the deployment replay: the work each
+    one is made of (deterministic: the same on any machine)."""
+    from kvferry.sim.deploy import workload as wl
+    from kvferry.sim.deploy.run import deploy_world, run_world
+    from kvferry.sim.deploy.spec import DeploySpec
+
+    box: list[list[int]] = []
+    _res, w = run_one(big_scenario(rooms), before_run=lambda w: box.append(_counted(w.env)))
+    replay = _per(rooms, box[0], w.ranks.values(), w.fabric.stats)
+    spec = DeploySpec(model="qwen3-8b", prefill_tp=4, decode_tp=2, flow="ring")
+    arrivals = wl.Arrivals(requests=wl.poisson(20.0, requests, 1000, 100, seed=1, spread=0.5))
+    dw = deploy_world(spec, arrivals)
+    steps = _counted(dw.env)
+    run_world(dw, arrivals)
+    deploy = _per(requests, steps, dw.ranks.values(), dw.fabric.stats)
+    return {f"replay_per_room ({rooms} rooms)": replay, f"deploy_per_request ({requests} requests)": deploy}
+
+
 EXAMPLE = [
     *("select", "--model", "llama-3.1-70b", "--prefill-tp", "8", "--decode-tp", "4"),
     *("--gpu", "h100", "--nic", "nic-400g", "--isl", "8192", "--osl", "500", "--rate", "20"),
@@ -132,12 +176,16 @@ def main() -> None:
     ap.add_argument("--rooms", type=int, default=10_000)
     ap.add_argument("--seeds", type=int, default=60)
     ap.add_argument("--deploy-requests", type=int, default=10_000)
-    ap.add_argument("--only", choices=("all", "replay", "deploy", "select"), default="all")
+    ap.add_argument("--only", choices=("all", "replay", "deploy", "select", "counts"), default="all")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.only == "select":
         q = select_question()
         print(json.dumps(q) if args.json else "\n".join(f"{k}: {v}" for k, v in q.items()))
+        return
+    if args.only == "counts":
+        c = event_counts(min(args.rooms, 2000), min(args.deploy_requests, 1000))
+        print(json.dumps(c) if args.json else "\n".join(f"{k}: {v}" for k, v in c.items()))
         return
     if args.only == "deploy":
         d = deploy_replay(args.deploy_requests)

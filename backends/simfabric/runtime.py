@@ -66,14 +66,15 @@ class SimRank:
             on_enqueue=self._wake_worker,
         )
         # The driver's next_deadline without its lock (SimPy runs one thing at a time: this
-        # Driver has none): asked at every sleep and local event.
-        self._next_deadline = engine.next_deadline
+        # Driver has none): asked at every sleep and local event, computed once per engine call.
+        self._next_deadline = self.driver.cached_deadline
         self._work = [env.event() for _ in range(workers)]
         self._sleep_until: int | None = None
         self._kicked = False
         self._wake_pending = False  # a wake-up is scheduled and has not run yet
         self._timer_gen = 0
         self._timer_at: int | None = None
+        self.wakeups = 0  # main-loop runs (bench/sim_bench.py --only counts)
         self._fabric_node = fabric.node(self.node)
         self._fabric_node.waker = self._on_wake  # before any process runs: nothing is missed
         self._resolved = env.event()
@@ -152,6 +153,7 @@ class SimRank:
 
     def _woken(self) -> None:
         self._wake_pending = False
+        self.wakeups += 1
         if self.dead:
             return
         before = len(self.driver.handles)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from kvferry.backends.simfabric.calls import call_after
 from kvferry.backends.simfabric.descriptors import SMALL, DescList, RegionSizes
 from kvferry.backends.simfabric.errors import RegionAccessError, UnknownPeerError
 from kvferry.backends.simfabric.fabric import Fabric
@@ -68,7 +69,9 @@ class SimTransport:
         self._endpoint = endpoint
         self.node = node_name(endpoint)
         self.pool = pool
-        self.incarnation = fabric.node(self.node).incarnation
+        # The fabric's record of this node: it outlives crashes and restarts (asked at every poll).
+        self._fnode = fabric.node(self.node)
+        self.incarnation = self._fnode.incarnation
         self.peers: dict[Endpoint, _Peer] = {}
         self.aux_rows = 0
         self.aux_row_bytes = 0
@@ -114,7 +117,7 @@ class SimTransport:
         self.ring_bytes, self.pinned_bytes = ring_bytes, pinned_bytes
 
     def region(self, region_id: int) -> np.ndarray:
-        return self.fabric.node(self.node).memory.region(region_id)
+        return self._fnode.memory.region(region_id)
 
     def aux_row(self, index: int) -> np.ndarray:
         if not 0 <= index < self.aux_rows:
@@ -264,7 +267,7 @@ class SimTransport:
     def settled_handles(self) -> set[int]:
         """Handles whose check_xfer may no longer say PROC (finished, not yet released): a poll
         need only check these (``Driver.poll_writes``). Every other held handle is PROC."""
-        return self.fabric.node(self.node).settled
+        return self._fnode.settled
 
     def release_xfer(self, handle: XferHandle) -> None:
         self.handles.discard(handle)
@@ -275,8 +278,9 @@ class SimTransport:
         self.fabric.send_notif(self.node, p.node, notif, tag=tag)
 
     def drain_notifs(self) -> list[bytes]:
-        got = self.fabric.drain_notifs(self.node)
-        return [payload for _src, payload in got] if got else []
+        node = self._fnode  # Fabric.drain_notifs without the lookup by name (asked at every poll)
+        got, node.notifs = node.notifs, []
+        return [payload for _src, payload in got]
 
     def read_aux_room(self, aux_index: int) -> int:
         return aux_room_of(self.aux_row(aux_index))
@@ -297,8 +301,15 @@ class SimTransport:
             busy = int(self.kernel_rng.expovariate(1.0 / k.busy_mean_ns))
         start = max(now + busy, self._stream_free_at)
         self._stream_free_at = start + k.cost_ns(map_bytes(maps), pinned=staging_region == PINNED_REGION)
-        ev = self.fabric.env.timeout(self._stream_free_at - now)
-        ev.callbacks.append(lambda _e: self._copy_done(cid, kind, staging_region, tuple(maps)))
+        call_after(
+            self.fabric.env,
+            self._stream_free_at - now,
+            self._copy_done,
+            cid,
+            kind,
+            staging_region,
+            tuple(maps),
+        )
         return cid
 
     def _copy_done(self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...]) -> None:
@@ -327,8 +338,9 @@ class SimTransport:
         self.fabric.send_control(self.node, node_name(peer), data, tag=tag)
 
     def recv_control(self) -> list[bytes]:
-        got = self.fabric.drain_control(self.node)
-        return [payload for _src, payload in got] if got else []
+        node = self._fnode  # Fabric.drain_control without the lookup by name (asked at every poll)
+        got, node.control = node.control, []
+        return [payload for _src, payload in got]
 
 
 def hash_node(name: str) -> int:
