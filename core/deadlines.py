@@ -24,7 +24,8 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
     waiting_ns: WaitingForInput until the first chunk (prefill) or first notification (decode).
     transfer_ns: Transferring until done. On prefill it is counted from entering Transferring and
         never renewed, so a prefill room's life is bounded (the fence relies on it); on decode it
-        is renewed by every notification (decode's own liveness, no safety role).
+        is renewed by every notification or offer that brings news, never by a resent one
+        (decode's own liveness, no safety role).
     heartbeat_interval_ns / heartbeat_timeout_ns: peer liveness; the timeout fails its live rooms.
     fence_ns: decode frees a failed room's pages without the peer's Stopped after this long; it
         also bounds the resending of a failure notice (decode's Abort, prefill's RoomFailed).

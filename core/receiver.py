@@ -606,7 +606,7 @@ class ReceiverEngine(RoomEngine):
         # then knows the room only from it, times out, and fails a room that ended Success.
         if r.room in self._infos.entries:  # usually answered already by its InfoAck
             self._infos.answered(r.room, src)
-        self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)  # live: the table
+        duplicates = self.counters["duplicate_notification"]
         if src not in r.data_senders:
             # A dummy moves no bytes; its one "done" note makes decode's Success cover every
             # sender, so a dummy that failed (and said so, or went silent) fails the room here too.
@@ -637,6 +637,13 @@ class ReceiverEngine(RoomEngine):
                 self._out.append(CheckAux(room=r.room, transfer_id=r.tid, aux_index=r.aux_index))
         else:
             self._record_chunk(r, r.progress[src], note)
+        if self.counters["duplicate_notification"] == duplicates:
+            # Only news renews the transfer deadline (as only a new pull offer does). A staged
+            # writer resends its note until our watermark passes it, for up to the fence; while
+            # the chunk waits for another writer that never writes (it restarted and forgot the
+            # room), each resend would push the deadline on and keep the room Transferring for
+            # the whole fence. News is finite (chunks, layers, aux, dummies), so this bounds it.
+            self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
         return "done" if self._complete(r) else "running"
 
     def _record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> None:

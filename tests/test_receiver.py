@@ -352,6 +352,22 @@ def test_transfer_deadline_is_renewed_by_notifications() -> None:
     assert "transferring" in e.failure(ROOM).reason
 
 
+def test_a_resent_note_does_not_renew_the_transfer_deadline() -> None:
+    """Only news renews it. A sender resending its notes (a staged writer does, until decode's
+    watermark passes them) while the room waits for a sender that never writes (it restarted and
+    forgot the room) must not keep the room Transferring past its deadline."""
+    e = waiting()
+    heard = [FULL[0], FULL[2], FULL[4]]  # a chunk, the aux row, the dummy's "done"
+    for n in heard:
+        e.handle(n, 0)
+    for t in (100, 200, 299):
+        for n in heard:
+            e.handle(n, t)
+    assert e.counters["duplicate_notification"] == 9
+    e.handle(Tick(), 300)
+    assert e.poll(ROOM) is KVPoll.Failed and "transferring" in e.failure(ROOM).reason
+
+
 def test_heartbeat_loss_fails_rooms() -> None:
     e = ReceiverEngine(registration(), timeouts=Timeouts(heartbeat_interval_ns=10, heartbeat_timeout_ns=50))
     e.handle(open_ev(), 0)
