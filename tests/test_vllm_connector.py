@@ -6,10 +6,13 @@ Real parts: vLLM's ``Scheduler`` (chunked prefill, async loads, recompute on loa
 connector driver (``KVConnectorModelRunnerMixin._get_kv_connector_output``), and kvferry's real
 endpoints over NIXL (UCX on 127.0.0.1) with an authenticated ZMQ control plane. Stand-in: the
 model's forward, which writes a known pattern (a function of token id, position, layer and byte)
-into every scheduled token's KV row, so decode can check every byte it received.
+into every scheduled token's KV row layer by layer, each layer through vLLM's own
+``maybe_transfer_kv_layer`` (which calls the connector's ``save_kv_layer``), so decode can check
+every byte it received.
 
 Needs vLLM: run in the vLLM environment (README, Tests; docs/vllm.md). Prefill runs as
-``python tests/test_vllm_connector.py prefill`` (JSON lines on stdin/stdout).
+``python tests/test_vllm_connector.py prefill``, a decode a test kills as ``... decode`` (JSON
+lines on stdin/stdout).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -331,16 +335,58 @@ def serve_prefill() -> None:
     engine.shutdown()
 
 
+def serve_decode() -> None:
+    """A decode process (one a test can stop or kill): requests with prefill's kv_transfer_params
+    in on stdin; "opened" once a request's room is open on every rank, "idle" with what vLLM's
+    scheduler did with each request once none is left."""
+    extra = {**FAST, "control_key_file": os.environ["KEYFILE"], **json.loads(os.environ["EXTRA"])}
+    engine = Engine("kv_consumer", "decode-proc", extra, tp=int(os.environ["TP"]))
+    emit = lambda **kw: print(MARK + json.dumps(kw), flush=True)  # noqa: E731
+    emit(event="ready")
+    commands: queue.Queue[dict[str, Any]] = queue.Queue()
+    threading.Thread(
+        target=lambda: [commands.put(json.loads(line)) for line in sys.stdin], daemon=True
+    ).start()
+    opening: set[str] = set()
+    while True:
+        try:
+            cmd = commands.get(timeout=0.05) if engine.idle() else commands.get_nowait()
+        except queue.Empty:
+            cmd = {"op": "none"}
+        if cmd["op"] == "add":
+            engine.add(cmd["id"], cmd["prompt"], 2, cmd["params"])
+            opening.add(cmd["id"])
+        elif cmd["op"] == "exit":
+            break
+        if engine.idle():
+            continue
+        engine.step()
+        for req_id in sorted(opening):
+            if all(req_id in w.worker_half._open for w in engine.workers):
+                opening.discard(req_id)
+                emit(event="opened", id=req_id)
+        if engine.idle():
+            emit(
+                event="idle", free_blocks=engine.free_blocks(), at_start=engine.free_blocks_at_start,
+                first_scheduled=engine.first_scheduled, failures=engine.failures(),
+            )  # fmt: skip
+    engine.shutdown()
+
+
 class Prefill:
-    def __init__(self, keyfile: str, tp: int = 1, **extra: Any) -> None:
+    """A prefill engine (``role="prefill"``) or a decode engine (``role="decode"``) in a process
+    of its own, driven by JSON lines."""
+
+    def __init__(self, keyfile: str, tp: int = 1, role: str = "prefill", **extra: Any) -> None:
         env = {
             **os.environ, "KEYFILE": keyfile, "PYTHONUNBUFFERED": "1", "EXTRA": json.dumps(extra),
             "TP": str(tp),
         }  # fmt: skip
-        # The prefill process's stderr (vLLM's and kvferry's logs): a file when debugging.
-        self.log = open(os.environ.get("KVFERRY_TEST_PREFILL_LOG", os.devnull), "w")  # noqa: SIM115
+        # The process's stderr (vLLM's and kvferry's logs): a file when debugging.
+        log = os.environ.get(f"KVFERRY_TEST_{role.upper()}_LOG", os.devnull)
+        self.log = open(log, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "prefill"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, __file__, role], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, env=env, stderr=self.log,
         )  # fmt: skip
         self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -378,9 +424,16 @@ class Prefill:
             self.send(op="status")
             raise AssertionError(f"{exc}; prefill holds {self.expect('status', 10)}") from None
 
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def close(self) -> None:
         self.log.close()
         if self.proc.poll() is None:
+            self.resume()
             self.send(op="exit")
             try:
                 self.proc.wait(30)
@@ -571,6 +624,61 @@ def test_failed_rooms_end_in_recompute(keyfile: str, tmp_path: Path) -> None:
         engine.shutdown()
 
 
+def test_a_decode_killed_after_asking_frees_prefills_blocks(keyfile: str) -> None:
+    """A decode process dies after its rooms opened (its push registration and its pull ask
+    sent to a prefill it already knows), before prefill wrote or offered a byte (prefill is held
+    stopped meanwhile): prefill's rooms fail, vLLM frees every block through finished_sending, and
+    prefill goes on serving: a request after the kill moves into another decode, bytes checked."""
+    # A decode silent longer than this is lost; long enough that the stopped prefill's silence
+    # (while decode opens its rooms) does not lose prefill first on a starved 2-core host.
+    steady = {**FAST, "heartbeat_timeout_s": 4.0, "bootstrap_timeout_s": 20.0}
+    prefill = Prefill(keyfile, **steady)
+    doomed = Prefill(keyfile, role="decode", **steady)
+    try:
+        fresh = Engine("kv_consumer", "decode-fresh", {**steady, "control_key_file": keyfile})
+        prefill.expect("ready", 300)
+        doomed.expect("ready", 300)
+        tokens = {"warm": prompt(43, 20), "killed-push": prompt(40, 50), "killed-pull": prompt(41, 40)}
+        for req_id, tok in tokens.items():
+            prefill.send(op="add", id=req_id, prompt=tok, flow="pull" if req_id == "killed-pull" else "push")
+        params = {}
+        for _ in tokens:
+            msg = prefill.expect("finished", 120)
+            params[msg["id"]] = msg["params"]
+        # A first request makes the two known to each other (decode's endpoint, its registration).
+        doomed.send(op="add", id="warm", prompt=tokens["warm"], params=params["warm"])
+        assert doomed.expect("idle", 60)["first_scheduled"]["warm"] == [19, 1]
+        prefill.pause()  # decode's registration and ask wait in its socket, unanswered
+        try:
+            for req_id in ("killed-push", "killed-pull"):
+                doomed.send(op="add", id=req_id, prompt=tokens[req_id], params=params[req_id])
+            for _ in range(2):
+                doomed.expect("opened", 60)
+            time.sleep(0.5)  # decode's control thread sends what its rooms' opens queued
+            doomed.proc.kill()
+            doomed.proc.wait(30)
+        finally:
+            prefill.resume()
+        idle = prefill.expect_idle(60)
+        assert idle["free_blocks"] == idle["at_start"]
+        # Decode had asked (no bootstrap deadline): the push write and the pull offer found the
+        # peer gone (NIXL: remote disconnect), and only the warm-up room was sent.
+        assert set(idle["failures"]) == {"killed-push", "killed-pull"}, idle["failures"]
+        assert "bootstrapping" not in str(idle["failures"]), idle["failures"]
+        assert (idle["stats"]["rooms_sent"], idle["stats"]["rooms_send_failed"]) == (1, 2)
+        prefill.send(op="add", id="after", prompt=prompt(42, 40), flow="push")
+        after = prefill.expect("finished", 120)["params"]
+        fresh.add("after", prompt(42, 40), 2, after)
+        run_decode(fresh)
+        assert fresh.first_scheduled["after"] == (39, 1), fresh.failures()
+        assert fresh.loaded_ok["after"]
+        assert prefill.expect_idle(60)["free_blocks"] == idle["at_start"]
+        fresh.shutdown()
+    finally:
+        doomed.close()
+        prefill.close()
+
+
 def test_a_kv_layout_kvferry_cannot_describe_is_refused_with_the_shape_seen() -> None:
     """A layout whose blocks are not one byte run each (LHBNC: a head's blocks together) is
     refused at start-up, in register_kv_caches, instead of moving bytes wrong."""
@@ -657,3 +765,5 @@ def test_stats_reach_prometheus_through_vllms_metrics_classes() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["prefill"]:
     serve_prefill()
+if __name__ == "__main__" and sys.argv[1:] == ["decode"]:
+    serve_decode()
