@@ -473,7 +473,8 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
     A ring room into the decode that registered no ring fails and is recomputed. A prefill request
     aborted mid-prompt frees its blocks and returns no params, as does one naming an unknown flow;
     decode requests aborted while their loads run (one per flow) are never computed and their
-    blocks come back on both sides."""
+    blocks come back on both sides. Then a decode process dies after asking
+    (``decode_killed_after_asking``)."""
     from vllm.v1.request import RequestStatus
 
     tp = 2
@@ -481,6 +482,7 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
     # host (prefill computes all 22 requests before decode asks for the first) from losing one.
     steady = {**FAST, "heartbeat_timeout_s": 5.0, "bootstrap_timeout_s": 60.0}
     prefill = Prefill(keyfile, tp=tp, **steady, **STAGING_PREFILL)
+    doomed = Prefill(keyfile, role="decode", **steady)  # starts while the rest runs
     try:
         decode = Engine("kv_consumer", "decode", {**steady, "control_key_file": keyfile, **STAGING_DECODE})
         native = {**steady, "control_key_file": keyfile, "nixl_engine": "native"}
@@ -567,10 +569,60 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
             assert ranks * len(mine) <= got["rooms_received"] == len(got["transfer_s"])
             extra = got["bytes_received"] - token_bytes * sum(mine)
             assert extra in range(0, token_bytes * 50 * aborted + 1)
-        decode.shutdown()
         wide.shutdown()
+        decode_killed_after_asking(prefill, doomed, decode, idle, tp)
+        decode.shutdown()
     finally:
+        doomed.close()
         prefill.close()
+
+
+def decode_killed_after_asking(
+    prefill: Prefill, doomed: Prefill, fresh: Engine, before: dict[str, Any], tp: int
+) -> None:
+    """A decode process dies after its rooms opened (its push registration and its pull ask
+    reached a prefill it already knows), before prefill wrote or offered a byte (prefill is held
+    stopped meanwhile): prefill's rooms fail, vLLM frees every block through finished_sending, and
+    prefill goes on serving: a request after the kill moves into another decode, bytes checked.
+    ``before``: prefill's last idle report."""
+    doomed.expect("ready", 300)
+    tokens = {"warm": prompt(43, 20), "killed-push": prompt(40, 50), "killed-pull": prompt(41, 40)}
+    for req_id, tok in tokens.items():
+        prefill.send(op="add", id=req_id, prompt=tok, flow="pull" if req_id == "killed-pull" else "push")
+    params = {}
+    for _ in tokens:
+        msg = prefill.expect("finished", 120)
+        params[msg["id"]] = msg["params"]
+    # A first request makes the two known to each other (decode's endpoint, its registration).
+    doomed.send(op="add", id="warm", prompt=tokens["warm"], params=params["warm"])
+    assert doomed.expect("idle", 60)["first_scheduled"]["warm"] == [19, 1]
+    prefill.pause()  # decode's registration and ask wait in its socket, unanswered
+    try:
+        for req_id in ("killed-push", "killed-pull"):
+            doomed.send(op="add", id=req_id, prompt=tokens[req_id], params=params[req_id])
+        for _ in range(2):
+            doomed.expect("opened", 60)
+        time.sleep(0.5)  # decode's control thread sends what its rooms' opens queued
+        doomed.proc.kill()
+        doomed.proc.wait(30)
+    finally:
+        prefill.resume()
+    idle = prefill.expect_idle(60)
+    assert idle["free_blocks"] == idle["at_start"]
+    # Decode had asked (no bootstrap deadline): the push write and the pull offer found the peer
+    # gone (NIXL: remote disconnect), and only the warm-up room was sent (a room per prefill rank).
+    failed = {r: why for r, why in idle["failures"].items() if r not in before["failures"]}
+    assert set(failed) == {"killed-push", "killed-pull"}, failed
+    assert "bootstrapping" not in str(failed), failed
+    sent = {k: idle["stats"][k] - before["stats"][k] for k in ("rooms_sent", "rooms_send_failed")}
+    assert sent == {"rooms_sent": tp, "rooms_send_failed": 2 * tp}, sent
+    prefill.send(op="add", id="after", prompt=prompt(42, 40), flow="push")
+    after = prefill.expect("finished", 120)["params"]
+    fresh.add("after", prompt(42, 40), 2, after)
+    run_decode(fresh)
+    assert fresh.first_scheduled["after"] == (39, 1), fresh.failures()
+    assert fresh.loaded_ok["after"]
+    assert prefill.expect_idle(60)["free_blocks"] == idle["at_start"]
 
 
 def test_failed_rooms_end_in_recompute(keyfile: str, tmp_path: Path) -> None:
@@ -622,61 +674,6 @@ def test_failed_rooms_end_in_recompute(keyfile: str, tmp_path: Path) -> None:
         assert engine.stats.data["rooms_received"] == 0
         print({r: engine.failures()[r] for r in req_ids})
         engine.shutdown()
-
-
-def test_a_decode_killed_after_asking_frees_prefills_blocks(keyfile: str) -> None:
-    """A decode process dies after its rooms opened (its push registration and its pull ask
-    sent to a prefill it already knows), before prefill wrote or offered a byte (prefill is held
-    stopped meanwhile): prefill's rooms fail, vLLM frees every block through finished_sending, and
-    prefill goes on serving: a request after the kill moves into another decode, bytes checked."""
-    # A decode silent longer than this is lost; long enough that the stopped prefill's silence
-    # (while decode opens its rooms) does not lose prefill first on a starved 2-core host.
-    steady = {**FAST, "heartbeat_timeout_s": 4.0, "bootstrap_timeout_s": 20.0}
-    prefill = Prefill(keyfile, **steady)
-    doomed = Prefill(keyfile, role="decode", **steady)
-    try:
-        fresh = Engine("kv_consumer", "decode-fresh", {**steady, "control_key_file": keyfile})
-        prefill.expect("ready", 300)
-        doomed.expect("ready", 300)
-        tokens = {"warm": prompt(43, 20), "killed-push": prompt(40, 50), "killed-pull": prompt(41, 40)}
-        for req_id, tok in tokens.items():
-            prefill.send(op="add", id=req_id, prompt=tok, flow="pull" if req_id == "killed-pull" else "push")
-        params = {}
-        for _ in tokens:
-            msg = prefill.expect("finished", 120)
-            params[msg["id"]] = msg["params"]
-        # A first request makes the two known to each other (decode's endpoint, its registration).
-        doomed.send(op="add", id="warm", prompt=tokens["warm"], params=params["warm"])
-        assert doomed.expect("idle", 60)["first_scheduled"]["warm"] == [19, 1]
-        prefill.pause()  # decode's registration and ask wait in its socket, unanswered
-        try:
-            for req_id in ("killed-push", "killed-pull"):
-                doomed.send(op="add", id=req_id, prompt=tokens[req_id], params=params[req_id])
-            for _ in range(2):
-                doomed.expect("opened", 60)
-            time.sleep(0.5)  # decode's control thread sends what its rooms' opens queued
-            doomed.proc.kill()
-            doomed.proc.wait(30)
-        finally:
-            prefill.resume()
-        idle = prefill.expect_idle(60)
-        assert idle["free_blocks"] == idle["at_start"]
-        # Decode had asked (no bootstrap deadline): the push write and the pull offer found the
-        # peer gone (NIXL: remote disconnect), and only the warm-up room was sent.
-        assert set(idle["failures"]) == {"killed-push", "killed-pull"}, idle["failures"]
-        assert "bootstrapping" not in str(idle["failures"]), idle["failures"]
-        assert (idle["stats"]["rooms_sent"], idle["stats"]["rooms_send_failed"]) == (1, 2)
-        prefill.send(op="add", id="after", prompt=prompt(42, 40), flow="push")
-        after = prefill.expect("finished", 120)["params"]
-        fresh.add("after", prompt(42, 40), 2, after)
-        run_decode(fresh)
-        assert fresh.first_scheduled["after"] == (39, 1), fresh.failures()
-        assert fresh.loaded_ok["after"]
-        assert prefill.expect_idle(60)["free_blocks"] == idle["at_start"]
-        fresh.shutdown()
-    finally:
-        doomed.close()
-        prefill.close()
 
 
 def test_a_kv_layout_kvferry_cannot_describe_is_refused_with_the_shape_seen() -> None:
