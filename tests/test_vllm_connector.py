@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -280,22 +281,36 @@ class Engine:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
-def serve_prefill() -> None:
-    """The prefill process: requests in on stdin, their kv_transfer_params out on stdout."""
+def served(role: str, name: str) -> tuple[Engine, Callable[..., None], Callable[[], dict[str, Any]]]:
+    """A process's engine (its settings from the environment), how it emits a protocol line, and
+    its next command from stdin (waiting a little only while the engine is idle)."""
     extra = {**FAST, "control_key_file": os.environ["KEYFILE"], **json.loads(os.environ["EXTRA"])}
-    engine = Engine("kv_producer", "prefill", extra, tp=int(os.environ["TP"]))
-    emit = lambda **kw: print(MARK + json.dumps(kw), flush=True)  # noqa: E731
+    engine = Engine(role, name, extra, tp=int(os.environ["TP"]))
+
+    def emit(**fields: Any) -> None:
+        print(MARK + json.dumps(fields), flush=True)
+
     emit(event="ready")
-    abort_after: dict[str, int] = {}
     commands: queue.Queue[dict[str, Any]] = queue.Queue()
     threading.Thread(
         target=lambda: [commands.put(json.loads(line)) for line in sys.stdin], daemon=True
     ).start()
-    while True:
+
+    def next_command() -> dict[str, Any]:
         try:
-            cmd = commands.get(timeout=0.05) if engine.idle() else commands.get_nowait()
+            return commands.get(timeout=0.05) if engine.idle() else commands.get_nowait()
         except queue.Empty:
-            cmd = {"op": "none"}
+            return {"op": "none"}
+
+    return engine, emit, next_command
+
+
+def serve_prefill() -> None:
+    """The prefill process: requests in on stdin, their kv_transfer_params out on stdout."""
+    engine, emit, next_command = served("kv_producer", "prefill")
+    abort_after: dict[str, int] = {}
+    while True:
+        cmd = next_command()
         if cmd["op"] == "add":
             flow = {"kvferry_flow": cmd["flow"]} if "flow" in cmd else {}
             engine.add(cmd["id"], cmd["prompt"], 1, {"do_remote_decode": True, **flow})
@@ -339,20 +354,10 @@ def serve_decode() -> None:
     """A decode process (one a test can stop or kill): requests with prefill's kv_transfer_params
     in on stdin; "opened" once a request's room is open on every rank, "idle" with what vLLM's
     scheduler did with each request once none is left."""
-    extra = {**FAST, "control_key_file": os.environ["KEYFILE"], **json.loads(os.environ["EXTRA"])}
-    engine = Engine("kv_consumer", "decode-proc", extra, tp=int(os.environ["TP"]))
-    emit = lambda **kw: print(MARK + json.dumps(kw), flush=True)  # noqa: E731
-    emit(event="ready")
-    commands: queue.Queue[dict[str, Any]] = queue.Queue()
-    threading.Thread(
-        target=lambda: [commands.put(json.loads(line)) for line in sys.stdin], daemon=True
-    ).start()
+    engine, emit, next_command = served("kv_consumer", "decode-proc")
     opening: set[str] = set()
     while True:
-        try:
-            cmd = commands.get(timeout=0.05) if engine.idle() else commands.get_nowait()
-        except queue.Empty:
-            cmd = {"op": "none"}
+        cmd = next_command()
         if cmd["op"] == "add":
             engine.add(cmd["id"], cmd["prompt"], 2, cmd["params"])
             opening.add(cmd["id"])
@@ -416,6 +421,10 @@ class Prefill:
             if msg["event"] == event:
                 return msg
         raise AssertionError(f"no {event!r} from prefill within {timeout} s")
+
+    def finished(self, n: int) -> dict[str, Any]:
+        """The kv_transfer_params of the next ``n`` requests prefill finishes, by request."""
+        return {msg["id"]: msg["params"] for msg in (self.expect("finished", 120) for _ in range(n))}
 
     def expect_idle(self, timeout: float) -> dict[str, Any]:
         try:
@@ -514,10 +523,7 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
         for req_id, tokens in refused.items():
             prefill.send(op="add", id=req_id, prompt=tokens, flow="ring")
         prefill.send(op="add", id="typo", prompt=prompt(8, 20), flow="pul")
-        params = {}
-        for _ in range(len(moves) + len(decode_aborts) + len(refused) + 2):
-            msg = prefill.expect("finished", 120)
-            params[msg["id"]] = msg["params"]
+        params = prefill.finished(len(moves) + len(decode_aborts) + len(refused) + 2)
         assert params["aborted"] is None and params["typo"] is None
         for req_id, (tokens, _, engine) in moves.items():
             assert params[req_id]["do_remote_prefill"] is True
@@ -589,10 +595,7 @@ def decode_killed_after_asking(
     tokens = {"warm": prompt(43, 20), "killed-push": prompt(40, 50), "killed-pull": prompt(41, 40)}
     for req_id, tok in tokens.items():
         prefill.send(op="add", id=req_id, prompt=tok, flow="pull" if req_id == "killed-pull" else "push")
-    params = {}
-    for _ in tokens:
-        msg = prefill.expect("finished", 120)
-        params[msg["id"]] = msg["params"]
+    params = prefill.finished(len(tokens))
     # A first request makes the two known to each other (decode's endpoint, its registration).
     doomed.send(op="add", id="warm", prompt=tokens["warm"], params=params["warm"])
     assert doomed.expect("idle", 60)["first_scheduled"]["warm"] == [19, 1]
@@ -648,10 +651,7 @@ def test_failed_rooms_end_in_recompute(keyfile: str, tmp_path: Path) -> None:
         tokens = {"r": prompt(5, 40), "r-pull": prompt(6, 40), "r-key": prompt(7, 40)}
         for req_id, tok in tokens.items():
             prefill.send(op="add", id=req_id, prompt=tok, flow="pull" if req_id == "r-pull" else "direct")
-        params = {}
-        for _ in tokens:
-            msg = prefill.expect("finished", 120)
-            params[msg["id"]] = msg["params"]
+        params = prefill.finished(len(tokens))
         stranger.add("r-key", tokens["r-key"], 2, params["r-key"])
         run_decode(stranger)  # while prefill lives: refused, not lost
         # A prefill of 3 ranks over the model's 2 KV heads cannot exist: the open is refused.
