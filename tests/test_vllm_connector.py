@@ -720,6 +720,43 @@ def test_bad_extra_config_names_the_key() -> None:
     assert parse_extra_config({"nixl_engine": "native"}, "e").runtime_config(0).nixl_engine == "native"
 
 
+def test_layers_reach_kvferry_once_each_in_any_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's layer-wise bookkeeping alone (the vLLM run above drives every layer through
+    save_kv_layer): each saved layer is reported once, in the order vLLM saves them; the layers no
+    save_kv_layer named go at wait_for_save as runs; a failed room gets no layer at all."""
+    from kvferry.core.kvpoll import KVPoll
+
+    from kvferry.integrations.vllm.config import parse_extra_config
+    from kvferry.integrations.vllm.meta import KvferryConnectorMetadata, SendMeta
+    from kvferry.integrations.vllm.worker import WorkerHalf
+
+    class Room:  # records what the worker reports; a real sender needs a peer to report to
+        def __init__(self, status: KVPoll) -> None:
+            self.status, self.layers, self.room = status, [], 7
+
+        def poll(self) -> KVPoll:
+            return self.status
+
+        def layers_ready(self, first: int, end: int) -> None:
+            self.layers.append((first, end))
+
+    half = WorkerHalf(parse_extra_config({}, "e"), is_producer=True)
+    half.pool = SimpleNamespace(model=SimpleNamespace(num_layers=6))
+    half._layer_index = {f"l{i}": i for i in range(6)}
+    rooms = iter([Room(KVPoll.Transferring), Room(KVPoll.Failed)])
+    monkeypatch.setattr(half, "_send_chunk", lambda m: next(rooms))
+    chunk = SendMeta("r", 7, "t", (0,), 16, 16, "layerwise")
+    meta = KvferryConnectorMetadata(reqs_to_send=[chunk, chunk])
+    for name in ("l3", "l1", "l3", "l4"):
+        half.layer_saved(meta, name)
+    live, failed = list(half._layer_step)
+    half.save(meta)
+    assert live.layers == [(3, 4), (1, 2), (4, 5), (0, 1), (2, 3), (5, 6)]
+    assert failed.layers == []
+    assert half.layer_reports == {"save_kv_layer": 3, "wait_for_save": 3}
+    assert half._layer_step == {}
+
+
 def test_stats_reach_prometheus_through_vllms_metrics_classes() -> None:
     """The payload a worker hands vLLM, summed over two workers by the connector's stats class
     (as vLLM's output aggregator does), and observed by vLLM's own ``KVConnectorProm``, which

@@ -132,7 +132,7 @@ class WorkerHalf:
     _load_errors: set[int] = field(default_factory=set)
     _layer_index: dict[str, int] = field(default_factory=dict)  # vLLM's layer name -> kvferry's layer
     _layer_meta: KvferryConnectorMetadata | None = None  # the step whose layerwise chunks went out
-    _layer_step: dict[KVSender, int] = field(default_factory=dict)  # their senders -> layers reported
+    _layer_step: dict[KVSender, set[int]] = field(default_factory=dict)  # their senders -> layers reported
     # Layers of layerwise chunks reported, by who reported them (save_kv_layer as each layer's
     # attention finishes; wait_for_save for layers no save_kv_layer call named).
     layer_reports: Counter[str] = field(default_factory=Counter)
@@ -206,8 +206,15 @@ class WorkerHalf:
         """The step's forward is done: hand over its chunks. A layerwise room's chunk went out at
         the step's first ``save_kv_layer``; the layers no ``save_kv_layer`` named go now."""
         self._start_layerwise(meta)
-        for tx in self._layer_step:
-            self._report_layers(tx, self.pool.model.num_layers if self.pool else 0, "wait_for_save")
+        for tx, reported in self._layer_step.items():
+            layer, n = 0, self.pool.model.num_layers if self.pool else 0
+            while layer < n:  # each run of layers not yet reported, as one range
+                if layer in reported:
+                    layer += 1
+                    continue
+                end = next((i for i in range(layer, n) if i in reported), n)
+                self._report_layers(tx, layer, end, "wait_for_save")
+                layer = end
         self._layer_meta, self._layer_step = None, {}
         for m in meta.reqs_to_send:
             if m.flow != LAYERWISE:
@@ -215,14 +222,12 @@ class WorkerHalf:
 
     def layer_saved(self, meta: KvferryConnectorMetadata, layer_name: str) -> None:
         """vLLM's attention wrapper saved a layer of this step: its layerwise rooms' KV of that
-        layer (and of any earlier layer not yet reported) leaves now."""
+        layer leaves now (only that layer: nothing is assumed of the order layers run in)."""
         self._start_layerwise(meta)
-        if not self._layer_step:
-            return
         layer = self._layer_index[layer_name]
-        for tx, done in self._layer_step.items():
-            if layer >= done:  # a layer saved twice (a re-run of the layer) is reported once
-                self._report_layers(tx, layer + 1, "save_kv_layer")
+        for tx, reported in self._layer_step.items():
+            if layer not in reported:  # a layer saved twice (a re-run of the layer) is reported once
+                self._report_layers(tx, layer, layer + 1, "save_kv_layer")
 
     def _start_layerwise(self, meta: KvferryConnectorMetadata) -> None:
         """Once per step (vLLM 0.33 calls ``start_load_kv`` after the forward, so the first layer
@@ -235,14 +240,11 @@ class WorkerHalf:
             if m.flow == LAYERWISE:
                 tx = self._send_chunk(m)
                 if tx is not None:
-                    self._layer_step[tx] = 0  # layers [0, n) of its chunk reported so far
+                    self._layer_step[tx] = set()  # the layers of its chunk reported so far
 
-    def _report_layers(self, tx: KVSender, end: int, by: str) -> None:
-        """Layers [reported so far, end) of the room's chunk of this step are computed."""
-        start = self._layer_step[tx]
-        if end <= start:
-            return
-        self._layer_step[tx] = end
+    def _report_layers(self, tx: KVSender, start: int, end: int, by: str) -> None:
+        """Layers [start, end) of the room's chunk of this step are computed."""
+        self._layer_step[tx].update(range(start, end))
         try:
             if tx.poll() is KVPoll.Failed:
                 return  # decode gave up (or a write failed): post no more of the room's layers
