@@ -6,10 +6,13 @@ Real parts: vLLM's ``Scheduler`` (chunked prefill, async loads, recompute on loa
 connector driver (``KVConnectorModelRunnerMixin._get_kv_connector_output``), and kvferry's real
 endpoints over NIXL (UCX on 127.0.0.1) with an authenticated ZMQ control plane. Stand-in: the
 model's forward, which writes a known pattern (a function of token id, position, layer and byte)
-into every scheduled token's KV row, so decode can check every byte it received.
+into every scheduled token's KV row layer by layer, each layer through vLLM's own
+``maybe_transfer_kv_layer`` (which calls the connector's ``save_kv_layer``), so decode can check
+every byte it received.
 
 Needs vLLM: run in the vLLM environment (README, Tests; docs/vllm.md). Prefill runs as
-``python tests/test_vllm_connector.py prefill`` (JSON lines on stdin/stdout).
+``python tests/test_vllm_connector.py prefill``, a decode a test kills as ``... decode`` (JSON
+lines on stdin/stdout).
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,7 +42,11 @@ import torch
 from kvferry.integrations.vllm.config import FLOWS
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, VOCAB = 2, 16, 16, 48, 1000
+HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, VOCAB = 2, 16, 16, 128, 1000  # blocks: every prompt of a test at once
+# Staging memory for the ring and pinned flows (a chunk of 32 tokens of all heads is 4 KiB): a
+# ring of a few chunks, so its rooms go round it and wait for its watermark.
+STAGING_PREFILL = {"worker_buffer_bytes": 16384, "prefill_pinned_bytes": 32768}
+STAGING_DECODE = {"ring_bytes": 16384, "pinned_bytes": 32768}
 MARK = "@kvferry-test "  # prefixes the prefill process's protocol lines
 KEY = "kvferry-vllm-test-key-0123456789"
 FAST = {
@@ -137,13 +148,16 @@ class Engine:
         # One worker connector per rank, each over its own KV tensors (its heads). Without
         # torch.distributed, the rank a worker process would read from vLLM's parallel state is
         # handed to the connector here.
-        self.workers, self.rows = [], []
+        self.workers, self.rows, self.layers = [], [], []
+        self.attn_metadata = {n: SimpleNamespace() for n in LAYERS}  # the connector reads none of it
         for rank in range(tp):
             with mock.patch("kvferry.integrations.vllm.connector._tp_rank", lambda _, r=rank: r):
                 worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kv_config)
             kv_transfer_state._KV_CONNECTOR_AGENT = worker  # what ensure_kv_transfer_initialized sets
             kv = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout[cache.kv_cache_layout])
             self.rows.append({n: t.permute(0, 2, 1, 3) for n, t in kv.items()})  # [B, N, H, C]
+            # Stand-ins for the rank's attention layers, as vLLM's forward context finds them.
+            self.layers.append({n: SimpleNamespace(kv_cache=t) for n, t in kv.items()})
             worker.register_kv_caches(kv)
             self.workers.append(worker)
         self.worker = self.workers[0]
@@ -185,19 +199,31 @@ class Engine:
         return True
 
     def forward(self, out: Any, rank: int) -> list[list[int]]:
-        """The stand-in model on one rank: each scheduled token's known row, one sampled token
-        for each request whose prompt is complete."""
-        sampled = []
+        """The stand-in model on one rank, layer by layer as a model's attention layers run: each
+        scheduled token's known row of the layer, then vLLM's own ``maybe_transfer_kv_layer``
+        (the wrapper of every attention layer's KV write) hands the layer to the connector; one
+        sampled token for each request whose prompt is complete."""
+        from vllm.model_executor.layers.attention.kv_transfer_utils import maybe_transfer_kv_layer
+
+        spans = {}  # request -> (first position of this step, tokens)
         for req_id, n in out.num_scheduled_tokens.items():
-            req = self.scheduler.requests[req_id]
-            start = req.num_computed_tokens - n  # the scheduler already advanced it
-            blocks = self.blocks_of(req_id)
-            for pos in range(start, start + n):
-                for layer, rows in enumerate(self.rows[rank].values()):
+            spans[req_id] = (self.scheduler.requests[req_id].num_computed_tokens - n, n)  # already advanced
+
+        @maybe_transfer_kv_layer
+        def attention(layer: int, layer_name: str) -> None:
+            rows = self.rows[rank][layer_name]
+            for req_id, (start, n) in spans.items():
+                req, blocks = self.scheduler.requests[req_id], self.blocks_of(req_id)
+                for pos in range(start, start + n):
                     row = rows[blocks[pos // self.block], pos % self.block]
                     row.copy_(pattern(req.all_token_ids[pos], pos, layer, self.heads(rank), row.shape[1]))
-            sampled.append([1 + pos % (VOCAB - 1)] if start + n >= req.num_tokens else [])
-        return sampled
+
+        for layer, name in enumerate(LAYERS):
+            attention(layer, name)
+        return [
+            [1 + (start + n - 1) % (VOCAB - 1)] if start + n >= self.scheduler.requests[r].num_tokens else []
+            for r, (start, n) in spans.items()
+        ]
 
     def failures(self) -> dict[str, str]:
         """Request -> why its room failed, on any rank."""
@@ -225,8 +251,9 @@ class Engine:
         outputs = []
         for rank, worker in enumerate(self.workers):
             kv_transfer_state._KV_CONNECTOR_AGENT = worker  # this rank's (a test steps several engines)
+            self.config.compilation_config.static_forward_context.update(self.layers[rank])
             with (
-                set_forward_context(None, self.config),
+                set_forward_context(self.attn_metadata, self.config),
                 KVConnectorModelRunnerMixin._get_kv_connector_output(out) as kv_out,
             ):
                 sampled = self.forward(out, rank)
@@ -254,22 +281,36 @@ class Engine:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
 
 
-def serve_prefill() -> None:
-    """The prefill process: requests in on stdin, their kv_transfer_params out on stdout."""
+def served(role: str, name: str) -> tuple[Engine, Callable[..., None], Callable[[], dict[str, Any]]]:
+    """A process's engine (its settings from the environment), how it emits a protocol line, and
+    its next command from stdin (waiting a little only while the engine is idle)."""
     extra = {**FAST, "control_key_file": os.environ["KEYFILE"], **json.loads(os.environ["EXTRA"])}
-    engine = Engine("kv_producer", "prefill", extra, tp=int(os.environ["TP"]))
-    emit = lambda **kw: print(MARK + json.dumps(kw), flush=True)  # noqa: E731
+    engine = Engine(role, name, extra, tp=int(os.environ["TP"]))
+
+    def emit(**fields: Any) -> None:
+        print(MARK + json.dumps(fields), flush=True)
+
     emit(event="ready")
-    abort_after: dict[str, int] = {}
     commands: queue.Queue[dict[str, Any]] = queue.Queue()
     threading.Thread(
         target=lambda: [commands.put(json.loads(line)) for line in sys.stdin], daemon=True
     ).start()
-    while True:
+
+    def next_command() -> dict[str, Any]:
         try:
-            cmd = commands.get(timeout=0.05) if engine.idle() else commands.get_nowait()
+            return commands.get(timeout=0.05) if engine.idle() else commands.get_nowait()
         except queue.Empty:
-            cmd = {"op": "none"}
+            return {"op": "none"}
+
+    return engine, emit, next_command
+
+
+def serve_prefill() -> None:
+    """The prefill process: requests in on stdin, their kv_transfer_params out on stdout."""
+    engine, emit, next_command = served("kv_producer", "prefill")
+    abort_after: dict[str, int] = {}
+    while True:
+        cmd = next_command()
         if cmd["op"] == "add":
             flow = {"kvferry_flow": cmd["flow"]} if "flow" in cmd else {}
             engine.add(cmd["id"], cmd["prompt"], 1, {"do_remote_decode": True, **flow})
@@ -277,6 +318,13 @@ def serve_prefill() -> None:
                 abort_after[cmd["id"]] = cmd["abort_after_steps"]
         elif cmd["op"] == "exit":
             break
+        elif cmd["op"] == "status":  # for a failing test's message: what prefill still holds
+            held = {
+                r: [str(w.worker_half._open[r].handle.poll()) if r in w.worker_half._open else "-"
+                    for w in engine.workers]
+                for r in engine.scheduler.requests
+            }  # fmt: skip
+            emit(event="status", held=held, failures=engine.failures())
         if engine.idle():
             continue
         time.sleep(0.002)  # as an engine's loop leaves the GIL to kvferry's threads between steps
@@ -293,23 +341,57 @@ def serve_prefill() -> None:
                 emit(event="finished", id=req_id, params=None)  # an abort yields no output here
         if engine.idle():
             refused = engine.scheduler.connector.scheduler_half.refused_flows
+            layer_reports = sum((w.worker_half.layer_reports for w in engine.workers), Counter())
             emit(
                 event="idle", free_blocks=engine.free_blocks(), at_start=engine.free_blocks_at_start,
-                stats=engine.stats.data, refused_flows=refused,
+                stats=engine.stats.data, refused_flows=refused, layer_reports=layer_reports,
+                failures=engine.failures(),
+            )  # fmt: skip
+    engine.shutdown()
+
+
+def serve_decode() -> None:
+    """A decode process (one a test can stop or kill): requests with prefill's kv_transfer_params
+    in on stdin; "opened" once a request's room is open on every rank, "idle" with what vLLM's
+    scheduler did with each request once none is left."""
+    engine, emit, next_command = served("kv_consumer", "decode-proc")
+    opening: set[str] = set()
+    while True:
+        cmd = next_command()
+        if cmd["op"] == "add":
+            engine.add(cmd["id"], cmd["prompt"], 2, cmd["params"])
+            opening.add(cmd["id"])
+        elif cmd["op"] == "exit":
+            break
+        if engine.idle():
+            continue
+        engine.step()
+        for req_id in sorted(opening):
+            if all(req_id in w.worker_half._open for w in engine.workers):
+                opening.discard(req_id)
+                emit(event="opened", id=req_id)
+        if engine.idle():
+            emit(
+                event="idle", free_blocks=engine.free_blocks(), at_start=engine.free_blocks_at_start,
+                first_scheduled=engine.first_scheduled, failures=engine.failures(),
             )  # fmt: skip
     engine.shutdown()
 
 
 class Prefill:
-    def __init__(self, keyfile: str, tp: int = 1, **extra: Any) -> None:
+    """A prefill engine (``role="prefill"``) or a decode engine (``role="decode"``) in a process
+    of its own, driven by JSON lines."""
+
+    def __init__(self, keyfile: str, tp: int = 1, role: str = "prefill", **extra: Any) -> None:
         env = {
             **os.environ, "KEYFILE": keyfile, "PYTHONUNBUFFERED": "1", "EXTRA": json.dumps(extra),
             "TP": str(tp),
         }  # fmt: skip
-        # The prefill process's stderr (vLLM's and kvferry's logs): a file when debugging.
-        self.log = open(os.environ.get("KVFERRY_TEST_PREFILL_LOG", os.devnull), "w")  # noqa: SIM115
+        # The process's stderr (vLLM's and kvferry's logs): a file when debugging.
+        log = os.environ.get(f"KVFERRY_TEST_{role.upper()}_LOG", os.devnull)
+        self.log = open(log, "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "prefill"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, __file__, role], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, env=env, stderr=self.log,
         )  # fmt: skip
         self.lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -340,9 +422,27 @@ class Prefill:
                 return msg
         raise AssertionError(f"no {event!r} from prefill within {timeout} s")
 
+    def finished(self, n: int) -> dict[str, Any]:
+        """The kv_transfer_params of the next ``n`` requests prefill finishes, by request."""
+        return {msg["id"]: msg["params"] for msg in (self.expect("finished", 120) for _ in range(n))}
+
+    def expect_idle(self, timeout: float) -> dict[str, Any]:
+        try:
+            return self.expect("idle", timeout)
+        except AssertionError as exc:
+            self.send(op="status")
+            raise AssertionError(f"{exc}; prefill holds {self.expect('status', 10)}") from None
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def close(self) -> None:
         self.log.close()
         if self.proc.poll() is None:
+            self.resume()
             self.send(op="exit")
             try:
                 self.proc.wait(30)
@@ -372,23 +472,28 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
-    """Chunked prompts (up to 3 chunks of 32 tokens) move through kvferry by each flow that fits
-    vLLM (direct, pull, push) from a prefill of TP 2 into a decode engine of TP 1 (each prefill
-    rank writes its heads) of prefill's block size and layout (NHD blocks), and one of TP 2 with
-    blocks twice as large in HND that runs the native executor; decode's scheduler
-    then computes only the last token, over rows that hold prefill's exact bytes; every block is
-    freed on both sides, and vLLM's stats hooks carry the counts. A prefill request aborted
-    mid-prompt frees its blocks and returns no params, as does one naming an unknown flow; decode
-    requests aborted while their loads run (one per flow) are never computed and their blocks come
-    back on both sides."""
+    """Chunked prompts (up to 3 chunks of 32 tokens) move through kvferry by every flow (direct,
+    pull, push, the ring and pinned staged flows, layer-wise) from a prefill of TP 2 into a decode
+    engine of TP 1 (each prefill rank sends its heads) of prefill's block size and layout (NHD
+    blocks), and one of TP 2 with blocks twice as large in HND that runs the native executor;
+    decode's scheduler then computes only the last token, over rows that hold prefill's exact
+    bytes; every block is freed on both sides, and vLLM's stats hooks carry the counts. Layer-wise
+    layers leave as vLLM's attention wrapper saves each one (save_kv_layer), none at wait_for_save.
+    A ring room into the decode that registered no ring fails and is recomputed. A prefill request
+    aborted mid-prompt frees its blocks and returns no params, as does one naming an unknown flow;
+    decode requests aborted while their loads run (one per flow) are never computed and their
+    blocks come back on both sides. Then a decode process dies after asking
+    (``decode_killed_after_asking``)."""
     from vllm.v1.request import RequestStatus
 
     tp = 2
-    # No peer dies here: a longer heartbeat timeout keeps a starved 2-core host from losing one.
-    steady = {**FAST, "heartbeat_timeout_s": 5.0}
-    prefill = Prefill(keyfile, tp=tp, **steady)
+    # No peer dies here and every request is asked for: longer timeouts keep a starved 2-core
+    # host (prefill computes all 22 requests before decode asks for the first) from losing one.
+    steady = {**FAST, "heartbeat_timeout_s": 5.0, "bootstrap_timeout_s": 60.0}
+    prefill = Prefill(keyfile, tp=tp, **steady, **STAGING_PREFILL)
+    doomed = Prefill(keyfile, role="decode", **steady)  # starts while the rest runs
     try:
-        decode = Engine("kv_consumer", "decode", {**steady, "control_key_file": keyfile}, tp=1)
+        decode = Engine("kv_consumer", "decode", {**steady, "control_key_file": keyfile, **STAGING_DECODE})
         native = {**steady, "control_key_file": keyfile, "nixl_engine": "native"}
         wide = Engine("kv_consumer", "decode-hnd", native, block=2 * BLOCK, tp=tp, layout="LBHNC")
         prefill.expect("ready", 300)
@@ -398,10 +503,16 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
             "r2": (prompt(2, 33), "push", decode),
             "r3": (prompt(3, 70), "pull", decode),
             "r4": (prompt(4, 50), "push", decode),
+            "r5": (prompt(5, 70), "ring", decode),
+            "r6": (prompt(6, 45), "pinned", decode),
+            "r7": (prompt(7, 70), "layerwise", decode),
+            "r8": (prompt(8, 90), "ring", decode),
             "w0": (prompt(10, 45), "direct", wide),
             "w1": (prompt(11, 70), "pull", wide),
             "w2": (prompt(12, 40), "push", wide),
+            "w3": (prompt(13, 50), "layerwise", wide),
         }
+        refused = {"w-ring": prompt(14, 40)}  # a ring room into the decode with no ring
         decode_aborts = {f"abort-{flow}": (prompt(20 + i, 50), flow) for i, flow in enumerate(FLOWS)}
         # First, so that prefill's first step computes its first chunk (a room) before the abort.
         prefill.send(op="add", id="aborted", prompt=prompt(9, 90), abort_after_steps=1)
@@ -409,61 +520,112 @@ def test_prefill_to_decode_through_vllm_scheduler(keyfile: str) -> None:
             prefill.send(op="add", id=req_id, prompt=tokens, flow=flow)
         for req_id, (tokens, flow) in decode_aborts.items():
             prefill.send(op="add", id=req_id, prompt=tokens, flow=flow)
+        for req_id, tokens in refused.items():
+            prefill.send(op="add", id=req_id, prompt=tokens, flow="ring")
         prefill.send(op="add", id="typo", prompt=prompt(8, 20), flow="pul")
-        params = {}
-        for _ in range(len(moves) + len(decode_aborts) + 2):
-            msg = prefill.expect("finished", 120)
-            params[msg["id"]] = msg["params"]
+        params = prefill.finished(len(moves) + len(decode_aborts) + len(refused) + 2)
         assert params["aborted"] is None and params["typo"] is None
         for req_id, (tokens, _, engine) in moves.items():
             assert params[req_id]["do_remote_prefill"] is True
             engine.add(req_id, tokens, 2, params[req_id])
+        for req_id, tokens in refused.items():
+            wide.add(req_id, tokens, 2, params[req_id])
         for req_id, (tokens, _) in decode_aborts.items():
             decode.add(req_id, tokens, 2, params[req_id])
         decode.step()  # their rooms open in this step's start_load_kv
         for req_id in decode_aborts:
             decode.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
         run_decode(decode, wide)
+        idle = prefill.expect_idle(60)
         for req_id, (tokens, flow, engine) in moves.items():
             assert engine.first_scheduled[req_id] == (len(tokens) - 1, 1), (
-                f"{req_id} ({flow}) was recomputed: {engine.failures()}"
+                f"{req_id} ({flow}) was recomputed: {engine.failures()}; prefill: {idle['failures']}"
             )
             assert engine.loaded_ok[req_id], f"{req_id} ({flow}): decode's rows differ from prefill's"
         assert not set(decode_aborts) & set(decode.first_scheduled)
-        idle = prefill.expect("idle", 60)
+        for req_id in refused:
+            assert wide.first_scheduled[req_id][0] == 0, f"{req_id} was not recomputed"
+            assert "registered no ring region" in wide.failures()[req_id]
         assert idle["free_blocks"] == idle["at_start"]
         assert idle["refused_flows"] == 1
+        # Every layer of every layer-wise chunk left at its save_kv_layer, on every prefill rank.
+        assert idle["layer_reports"].get("wait_for_save", 0) == 0
+        assert idle["layer_reports"]["save_kv_layer"] >= tp * len(LAYERS) * 5  # r7: 3 chunks, w3: 2
         for engine in (decode, wide):
             assert engine.free_blocks() == engine.free_blocks_at_start
         assert {ep.transport.executor for w in wide.workers for ep in w.worker_half.decode.values()} == {
             "native"
         }
-        # No staging memory taken from the KV cache's device (the connector's flows need none).
-        assert not [
-            ep
-            for e in (decode, wide)
-            for w in e.workers
-            for ep in w.worker_half.decode.values()
-            if ep.staging_buffers
-        ]
+        # Staging memory only where its sizes were given: decode's ring and pinned pool.
+        assert [len(ep.staging_buffers) for ep in decode.worker.worker_half.decode.values()] == [2]
+        assert not [ep for w in wide.workers for ep in w.worker_half.decode.values() if ep.staging_buffers]
         # vLLM's stats hooks: every room (one per rank) and byte, as vLLM's scheduler reported them.
         token_bytes = decode.worker.worker_half.pool.model.token_bytes  # all heads, all layers
         sent = idle["stats"]
         assert sent["rooms_sent"] >= tp * len(moves)
-        assert sent["rooms_sent"] + sent["rooms_send_failed"] == tp * (len(moves) + len(decode_aborts) + 1)
+        assert sent["rooms_sent"] + sent["rooms_send_failed"] == tp * (
+            len(moves) + len(decode_aborts) + len(refused) + 1
+        )
         assert sent["bytes_sent"] >= token_bytes * sum(len(t) for t, _, _ in moves.values())
-        for engine, aborted in ((decode, len(decode_aborts)), (wide, 0)):
+        for engine, aborted, failed in ((decode, len(decode_aborts), 0), (wide, 0, len(refused))):
             mine = [len(t) for t, _, e in moves.values() if e is engine]
             got, ranks = engine.stats.data, len(engine.workers)
             # An aborted request's room counts once: failed, or received if its load beat the abort.
-            assert got["rooms_received"] + got["rooms_recv_failed"] == ranks * (len(mine) + aborted)
+            assert got["rooms_received"] + got["rooms_recv_failed"] == ranks * (len(mine) + aborted + failed)
             assert ranks * len(mine) <= got["rooms_received"] == len(got["transfer_s"])
             extra = got["bytes_received"] - token_bytes * sum(mine)
             assert extra in range(0, token_bytes * 50 * aborted + 1)
-        decode.shutdown()
         wide.shutdown()
+        decode_killed_after_asking(prefill, doomed, decode, idle, tp)
+        decode.shutdown()
     finally:
+        doomed.close()
         prefill.close()
+
+
+def decode_killed_after_asking(
+    prefill: Prefill, doomed: Prefill, fresh: Engine, before: dict[str, Any], tp: int
+) -> None:
+    """A decode process dies after its rooms opened (its push registration and its pull ask
+    reached a prefill it already knows), before prefill wrote or offered a byte (prefill is held
+    stopped meanwhile): prefill's rooms fail, vLLM frees every block through finished_sending, and
+    prefill goes on serving: a request after the kill moves into another decode, bytes checked.
+    ``before``: prefill's last idle report."""
+    doomed.expect("ready", 300)
+    tokens = {"warm": prompt(43, 20), "killed-push": prompt(40, 50), "killed-pull": prompt(41, 40)}
+    for req_id, tok in tokens.items():
+        prefill.send(op="add", id=req_id, prompt=tok, flow="pull" if req_id == "killed-pull" else "push")
+    params = prefill.finished(len(tokens))
+    # A first request makes the two known to each other (decode's endpoint, its registration).
+    doomed.send(op="add", id="warm", prompt=tokens["warm"], params=params["warm"])
+    assert doomed.expect("idle", 60)["first_scheduled"]["warm"] == [19, 1]
+    prefill.pause()  # decode's registration and ask wait in its socket, unanswered
+    try:
+        for req_id in ("killed-push", "killed-pull"):
+            doomed.send(op="add", id=req_id, prompt=tokens[req_id], params=params[req_id])
+        for _ in range(2):
+            doomed.expect("opened", 60)
+        time.sleep(0.5)  # decode's control thread sends what its rooms' opens queued
+        doomed.proc.kill()
+        doomed.proc.wait(30)
+    finally:
+        prefill.resume()
+    idle = prefill.expect_idle(60)
+    assert idle["free_blocks"] == idle["at_start"]
+    # Decode had asked (no bootstrap deadline): the push write and the pull offer found the peer
+    # gone (NIXL: remote disconnect), and only the warm-up room was sent (a room per prefill rank).
+    failed = {r: why for r, why in idle["failures"].items() if r not in before["failures"]}
+    assert set(failed) == {"killed-push", "killed-pull"}, failed
+    assert "bootstrapping" not in str(failed), failed
+    sent = {k: idle["stats"][k] - before["stats"][k] for k in ("rooms_sent", "rooms_send_failed")}
+    assert sent == {"rooms_sent": tp, "rooms_send_failed": 2 * tp}, sent
+    prefill.send(op="add", id="after", prompt=prompt(42, 40), flow="push")
+    after = prefill.expect("finished", 120)["params"]
+    fresh.add("after", prompt(42, 40), 2, after)
+    run_decode(fresh)
+    assert fresh.first_scheduled["after"] == (39, 1), fresh.failures()
+    assert fresh.loaded_ok["after"]
+    assert prefill.expect_idle(60)["free_blocks"] == idle["at_start"]
 
 
 def test_failed_rooms_end_in_recompute(keyfile: str, tmp_path: Path) -> None:
@@ -489,10 +651,7 @@ def test_failed_rooms_end_in_recompute(keyfile: str, tmp_path: Path) -> None:
         tokens = {"r": prompt(5, 40), "r-pull": prompt(6, 40), "r-key": prompt(7, 40)}
         for req_id, tok in tokens.items():
             prefill.send(op="add", id=req_id, prompt=tok, flow="pull" if req_id == "r-pull" else "direct")
-        params = {}
-        for _ in tokens:
-            msg = prefill.expect("finished", 120)
-            params[msg["id"]] = msg["params"]
+        params = prefill.finished(len(tokens))
         stranger.add("r-key", tokens["r-key"], 2, params["r-key"])
         run_decode(stranger)  # while prefill lives: refused, not lost
         # A prefill of 3 ranks over the model's 2 KV heads cannot exist: the open is refused.
@@ -536,20 +695,72 @@ def test_bad_extra_config_names_the_key() -> None:
         parse_extra_config({"num_queues": "4"}, "e")
     with pytest.raises(ValueError, match="'fence_timeout_s'"):
         parse_extra_config({"fence_timeout_s": -1}, "e")
-    with pytest.raises(ValueError, match=r"'flow'.*direct, pull, push"):
+    with pytest.raises(ValueError, match=r"'flow'.*direct, pull, push, ring, pinned, layerwise"):
+        parse_extra_config({"flow": "rings"}, "e")
+    # A staged flow names the staging size it lacks; sizes are bytes, 0 allowed.
+    with pytest.raises(ValueError, match=r"\['worker_buffer_bytes'\]: flow 'ring' needs it > 0"):
         parse_extra_config({"flow": "ring"}, "e")
+    with pytest.raises(ValueError, match=r"\['prefill_pinned_bytes'\]: flow 'pinned' needs it > 0"):
+        parse_extra_config({"flow": "pinned", "worker_buffer_bytes": 1 << 20}, "e")
+    with pytest.raises(ValueError, match=r"'ring_bytes'.*got -1"):
+        parse_extra_config({"ring_bytes": -1}, "e")
+    with pytest.raises(ValueError, match=r"'pinned_bytes'.*expected int"):
+        parse_extra_config({"pinned_bytes": 1.5}, "e")
+    # The flows a server offers: a staged one only with its prefill staging memory.
+    plain = parse_extra_config({"flow": "layerwise"}, "e")
+    assert plain.runnable_flows() == ("direct", "pull", "push", "layerwise")
+    assert plain.runtime_config(0).staging.ring_bytes == 0  # no staging memory unless asked
+    ring = parse_extra_config({"flow": "ring", "worker_buffer_bytes": 1 << 20, "ring_bytes": 1 << 22}, "e")
+    assert ring.runnable_flows() == ("direct", "pull", "push", "ring", "layerwise")
+    assert ring.runtime_config(0).staging.worker_buffer_bytes == 1 << 20
+    assert ring.runtime_config(0).staging.ring_bytes == 1 << 22
     with pytest.raises(ValueError, match="'nixl_engine'"):
         parse_extra_config({"nixl_engine": "c"}, "e")
     assert parse_extra_config({"port": 7000}, "e").runtime_config(2).port == 7002
     assert parse_extra_config({"nixl_engine": "native"}, "e").runtime_config(0).nixl_engine == "native"
 
 
+def test_layers_reach_kvferry_once_each_in_any_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's layer-wise bookkeeping alone (the vLLM run above drives every layer through
+    save_kv_layer): each saved layer is reported once, in the order vLLM saves them; the layers no
+    save_kv_layer named go at wait_for_save as runs; a failed room gets no layer at all."""
+    from kvferry.core.kvpoll import KVPoll
+
+    from kvferry.integrations.vllm.config import parse_extra_config
+    from kvferry.integrations.vllm.meta import KvferryConnectorMetadata, SendMeta
+    from kvferry.integrations.vllm.worker import WorkerHalf
+
+    class Room:  # records what the worker reports; a real sender needs a peer to report to
+        def __init__(self, status: KVPoll) -> None:
+            self.status, self.layers, self.room = status, [], 7
+
+        def poll(self) -> KVPoll:
+            return self.status
+
+        def layers_ready(self, first: int, end: int) -> None:
+            self.layers.append((first, end))
+
+    half = WorkerHalf(parse_extra_config({}, "e"), is_producer=True)
+    half.pool = SimpleNamespace(model=SimpleNamespace(num_layers=6))
+    half._layer_index = {f"l{i}": i for i in range(6)}
+    rooms = iter([Room(KVPoll.Transferring), Room(KVPoll.Failed)])
+    monkeypatch.setattr(half, "_send_chunk", lambda m: next(rooms))
+    chunk = SendMeta("r", 7, "t", (0,), 16, 16, "layerwise")
+    meta = KvferryConnectorMetadata(reqs_to_send=[chunk, chunk])
+    for name in ("l3", "l1", "l3", "l4"):
+        half.layer_saved(meta, name)
+    live, failed = list(half._layer_step)
+    half.save(meta)
+    assert live.layers == [(3, 4), (1, 2), (4, 5), (0, 1), (2, 3), (5, 6)]
+    assert failed.layers == []
+    assert half.layer_reports == {"save_kv_layer": 3, "wait_for_save": 3}
+    assert half._layer_step == {}
+
+
 def test_stats_reach_prometheus_through_vllms_metrics_classes() -> None:
     """The payload a worker hands vLLM, summed over two workers by the connector's stats class
     (as vLLM's output aggregator does), and observed by vLLM's own ``KVConnectorProm``, which
     finds kvferry's metrics through the connector class it loads by module path."""
-    from types import SimpleNamespace
-
     from prometheus_client import REGISTRY
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging, KVConnectorProm
@@ -588,3 +799,5 @@ def test_stats_reach_prometheus_through_vllms_metrics_classes() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["prefill"]:
     serve_prefill()
+if __name__ == "__main__" and sys.argv[1:] == ["decode"]:
+    serve_decode()

@@ -36,15 +36,26 @@ KNOBS: dict[str, tuple[type, Any, str]] = {
         "decode frees a failed room's blocks without prefill's word after this",
     ),
     "metrics": (bool, False, "Prometheus metrics of the kvferry endpoints (extra 'metrics')"),
-    "flow": (str, "direct", "prefill's transfer flow: direct, pull or push (a request may override it)"),
+    "flow": (
+        str,
+        "direct",
+        "prefill's transfer flow: direct, pull, push, ring, pinned or layerwise (a request may override it)",
+    ),
     "nixl_engine": (str, "python", "who executes NIXL's transfers: python or native (backends/native)"),
+    # Staging memory (bytes, 0: none), taken from the KV cache's device: only the staged flows use it.
+    "worker_buffer_bytes": (int, 0, "prefill: each transfer worker's gather buffer (the ring flow)"),
+    "prefill_pinned_bytes": (int, 0, "prefill: the pinned host pool the pinned flow gathers into"),
+    "ring_bytes": (int, 0, "decode: the staging ring the ring flow writes into"),
+    "pinned_bytes": (int, 0, "decode: the pinned host pool the pinned flow writes into"),
 }
+STAGING_BYTES = ("worker_buffer_bytes", "prefill_pinned_bytes", "ring_bytes", "pinned_bytes")
+# What prefill's own staging needs for each staged flow (decode's side is checked when its room opens:
+# a decode rank that registered no ring or pinned region fails the room, and vLLM recomputes it).
+FLOW_NEEDS = {"ring": "worker_buffer_bytes", "pinned": "prefill_pinned_bytes"}
 
-NO_STAGING = StagingConfig(worker_buffer_bytes=0, ring_bytes=0, pinned_bytes=0, prefill_pinned_bytes=0)
-
-# Flows that fit vLLM's life cycle with the connector's pools (see docs/vllm.md): the staged flows
-# (ring, pinned) move head slices for unequal TP, which this connector's pool does not split.
-FLOWS = ("direct", "pull", "push")
+# Every flow fits vLLM's life cycle (docs/vllm.md): ring and pinned with staging sizes given,
+# layerwise with vLLM's attention layers calling save_kv_layer.
+FLOWS = ("direct", "pull", "push", "ring", "pinned", "layerwise")
 CHOICES: dict[str, tuple[str, ...]] = {"flow": FLOWS, "nixl_engine": ("python", "native")}
 
 
@@ -65,6 +76,14 @@ class ConnectorSettings:
     metrics: bool
     flow: str
     nixl_engine: str
+    worker_buffer_bytes: int
+    prefill_pinned_bytes: int
+    ring_bytes: int
+    pinned_bytes: int
+
+    def runnable_flows(self) -> tuple[str, ...]:
+        """The flows this server can send by (a staged flow needs its prefill staging memory)."""
+        return tuple(f for f in FLOWS if f not in FLOW_NEEDS or getattr(self, FLOW_NEEDS[f]))
 
     def runtime_config(self, tp_rank: int) -> RuntimeConfig:
         base = Timeouts()
@@ -88,10 +107,15 @@ class ConnectorSettings:
             control_insecure=self.control_insecure,
             metrics=self.metrics,
             nixl_engine=self.nixl_engine,
-            # No staging memory: the connector's flows move bytes between vLLM's own blocks, and
-            # the runtime's defaults (a 1 GiB ring per decode endpoint, 256 MiB per prefill queue,
-            # in the pool's device memory) would take GPU memory from vLLM's KV cache.
-            staging=NO_STAGING,
+            # Only the staging memory asked for: the runtime's defaults (a 1 GiB ring per decode
+            # endpoint, 256 MiB per prefill queue, in the pool's device memory) would take GPU
+            # memory from vLLM's KV cache for flows a server may never run.
+            staging=StagingConfig(
+                worker_buffer_bytes=self.worker_buffer_bytes,
+                prefill_pinned_bytes=self.prefill_pinned_bytes,
+                ring_bytes=self.ring_bytes,
+                pinned_bytes=self.pinned_bytes,
+            ),
         )
 
 
@@ -103,7 +127,12 @@ def _check(key: str, value: Any) -> Any:
         raise ValueError(
             f"kv_connector_extra_config[{key!r}]: expected {kind.__name__}, got {value!r} ({what})"
         )
-    if kind in (int, float) and key != "port" and value <= 0:
+    if key in STAGING_BYTES:
+        if not 0 <= value < 1 << 44:
+            raise ValueError(
+                f"kv_connector_extra_config[{key!r}]: must be in [0, 2**44), got {value!r} ({what})"
+            )
+    elif kind in (int, float) and key != "port" and value <= 0:
         raise ValueError(f"kv_connector_extra_config[{key!r}]: must be > 0, got {value!r} ({what})")
     if key in CHOICES and value not in CHOICES[key]:
         raise ValueError(
@@ -125,6 +154,11 @@ def parse_extra_config(extra: Mapping[str, Any] | None, engine_id: str) -> Conne
         )
     values = {key: _check(key, extra[key]) if key in extra else KNOBS[key][1] for key in KNOBS}
     values["server"] = values["server"] or engine_id
+    needs = FLOW_NEEDS.get(values["flow"])
+    if needs and not values[needs]:
+        raise ValueError(
+            f"kv_connector_extra_config[{needs!r}]: flow {values['flow']!r} needs it > 0 ({KNOBS[needs][2]})"
+        )
     if not values["server"]:
         raise ValueError("kv_connector_extra_config['server']: empty, and vLLM gave no engine_id")
     assert {f.name for f in fields(ConnectorSettings)} == set(KNOBS)

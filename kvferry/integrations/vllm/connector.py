@@ -52,7 +52,10 @@ class KvferryConnector(KVConnectorBase_V1):
         self.worker_half: WorkerHalf | None = None
         if role is KVConnectorRole.SCHEDULER:
             self.scheduler_half = SchedulerHalf(
-                self.settings.server, vllm_config.cache_config.block_size, self.settings.flow
+                self.settings.server,
+                vllm_config.cache_config.block_size,
+                self.settings.flow,
+                flows=self.settings.runnable_flows(),
             )
         else:
             tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -124,7 +127,9 @@ class KvferryConnector(KVConnectorBase_V1):
         reported its whole prompt in."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Nothing per layer: ``wait_for_save`` hands the step's chunk (every layer) to kvferry."""
+        """A layer of this step is computed: the layerwise rooms' KV of it leaves now (other
+        flows wait for ``wait_for_save``, which hands their chunk over with every layer)."""
+        self._worker.layer_saved(self._meta(), layer_name)
 
     def wait_for_save(self) -> None:
         # Returns at once: kvferry's workers post the writes, the blocks stay held until the

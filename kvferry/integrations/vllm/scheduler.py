@@ -53,6 +53,7 @@ class SchedulerHalf:
     server: str
     block_size: int
     flow: str = "direct"  # the server's default; a request's kv_transfer_params may name another
+    flows: tuple[str, ...] = FLOWS  # those this server can send by (staged ones need staging memory)
     kv_cache_manager: Any = None
     addresses: dict[int, str] = field(default_factory=dict)  # prefill: tp rank -> control address
     skipped_local_hits: int = 0
@@ -95,11 +96,12 @@ class SchedulerHalf:
             # Random room ids: decode meets rooms of many prefill instances, none of which knows
             # the others' counters; 62 bits make a collision negligible.
             flow = params.get(FLOW, self.flow)
-            if flow not in FLOWS:
-                # A router's typo must not fail the engine: the request is served without
-                # kvferry (no kv_transfer_params back, so decode computes its prompt).
-                log.warning("kvferry: request %s names flow %r (known: %s); not delegated",
-                            request.request_id, flow, ", ".join(FLOWS))  # fmt: skip
+            if flow not in self.flows:
+                # A router's typo (or a staged flow this server has no staging memory for) must
+                # not fail the engine: the request is served without kvferry (no
+                # kv_transfer_params back, so decode computes its prompt).
+                log.warning("kvferry: request %s names flow %r (this server runs: %s); not delegated",
+                            request.request_id, flow, ", ".join(self.flows))  # fmt: skip
                 self.refused_flows += 1
                 return
             self._sending[request.request_id] = _Send(request, secrets.randbits(62), request.request_id, flow)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,10 +26,11 @@ from kvferry.backends.runtime import DecodeEndpoint, KVReceiver, KVSender, Prefi
 from kvferry.core.geometry import DType, KVKind, Layout, ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.integrations.vllm.config import ConnectorSettings
-from kvferry.integrations.vllm.meta import KvferryConnectorMetadata, KvferryHandshake, RecvMeta
+from kvferry.integrations.vllm.meta import KvferryConnectorMetadata, KvferryHandshake, RecvMeta, SendMeta
 
 log = logging.getLogger(__name__)
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
+LAYERWISE = "layerwise"
 _DTYPES = {"torch.float16": DType.FP16, "torch.bfloat16": DType.BF16, "torch.float32": DType.FP32}
 
 
@@ -128,6 +130,12 @@ class WorkerHalf:
     _delegated: set[str] = field(default_factory=set)  # prefill: requests a chunk went out for
     _finished: set[str] = field(default_factory=set)  # prefill: requests the scheduler finished
     _load_errors: set[int] = field(default_factory=set)
+    _layer_index: dict[str, int] = field(default_factory=dict)  # vLLM's layer name -> kvferry's layer
+    _layer_meta: KvferryConnectorMetadata | None = None  # the step whose layerwise chunks went out
+    _layer_step: dict[KVSender, set[int]] = field(default_factory=dict)  # their senders -> layers reported
+    # Layers of layerwise chunks reported, by who reported them (save_kv_layer as each layer's
+    # attention finishes; wait_for_save for layers no save_kv_layer call named).
+    layer_reports: Counter[str] = field(default_factory=Counter)
     _failed_recving: set[str] = field(default_factory=set)
     _done_recving: set[str] = field(default_factory=set)
     # What get_kv_connector_stats reports since its last call (connector/stats.py reads the keys).
@@ -137,6 +145,7 @@ class WorkerHalf:
         self.pool, self.buffers = pool_from_kv_caches(
             kv_caches, self.tp_size, self.tp_rank, self.total_kv_heads
         )
+        self._layer_index = {name: layer for layer, name in enumerate(kv_caches)}  # the pool's order
         if self.is_producer:
             # One server of tp_size ranks (its control-plane identity: server name, TP rank).
             self.prefill = PrefillEndpoint(
@@ -194,33 +203,92 @@ class WorkerHalf:
 
     # ---- prefill ------------------------------------------------------------------------------
     def save(self, meta: KvferryConnectorMetadata) -> None:
+        """The step's forward is done: hand over its chunks. A layerwise room's chunk went out at
+        the step's first ``save_kv_layer``; the layers no ``save_kv_layer`` named go now."""
+        self._start_layerwise(meta)
+        for tx, reported in self._layer_step.items():
+            layer, n = 0, self.pool.model.num_layers if self.pool else 0
+            while layer < n:  # each run of layers not yet reported, as one range
+                if layer in reported:
+                    layer += 1
+                    continue
+                end = next((i for i in range(layer, n) if i in reported), n)
+                self._report_layers(tx, layer, end, "wait_for_save")
+                layer = end
+        self._layer_meta, self._layer_step = None, {}
         for m in meta.reqs_to_send:
-            self._delegated.add(m.request_id)
-            entry = self._open.get(m.request_id)
-            try:
-                if entry is None:
-                    assert self.prefill is not None, "a send on a connector that is not a producer"
-                    tx = self.prefill.sender(m.room, m.transfer_id)
-                    aux = self._aux_of(self.prefill).free.pop()
-                    entry = self._open[m.request_id] = _Open(tx, self.prefill, aux, num_tokens=m.num_tokens)
-                    tx.write_aux(aux, m.room.to_bytes(8, "little", signed=True))
-                    tx.init(aux, flow=m.flow)
-                if entry.handle.poll() is KVPoll.Failed or entry.last_sent:
-                    continue  # decode gave up (or a write failed): nothing more to send
-                assert isinstance(entry.handle, KVSender)
-                entry.last_sent = m.token_end == m.num_tokens
-                entry.handle.send(np.asarray(m.block_ids, dtype=np.int64), m.token_end, entry.last_sent)
-            except Exception as exc:  # the room fails; vLLM's step goes on
-                log.warning("kvferry: request %s: send failed: %s", m.request_id, exc)
-                self.failures[m.request_id] = f"{type(exc).__name__}: {exc}"
-                if entry is None:
-                    self.stats["rooms_send_failed"] += 1  # no room to report it later
-                elif not entry.last_sent:
-                    entry.last_sent = True
-                    try:
-                        entry.handle.abort(f"send failed: {exc}")
-                    except Exception:
-                        log.exception("kvferry: abort after a failed send")
+            if m.flow != LAYERWISE:
+                self._send_chunk(m)
+
+    def layer_saved(self, meta: KvferryConnectorMetadata, layer_name: str) -> None:
+        """vLLM's attention wrapper saved a layer of this step: its layerwise rooms' KV of that
+        layer leaves now (only that layer: nothing is assumed of the order layers run in)."""
+        self._start_layerwise(meta)
+        layer = self._layer_index[layer_name]
+        for tx, reported in self._layer_step.items():
+            if layer not in reported:  # a layer saved twice (a re-run of the layer) is reported once
+                self._report_layers(tx, layer, layer + 1, "save_kv_layer")
+
+    def _start_layerwise(self, meta: KvferryConnectorMetadata) -> None:
+        """Once per step (vLLM 0.33 calls ``start_load_kv`` after the forward, so the first layer
+        saved marks the forward's start): each layerwise room's chunk is handed over, pages and
+        token range known, before any of its layers is reported."""
+        if self._layer_meta is meta:
+            return
+        self._layer_meta, self._layer_step = meta, {}
+        for m in meta.reqs_to_send:
+            if m.flow == LAYERWISE:
+                tx = self._send_chunk(m)
+                if tx is not None:
+                    self._layer_step[tx] = set()  # the layers of its chunk reported so far
+
+    def _report_layers(self, tx: KVSender, start: int, end: int, by: str) -> None:
+        """Layers [start, end) of the room's chunk of this step are computed."""
+        self._layer_step[tx].update(range(start, end))
+        try:
+            if tx.poll() is KVPoll.Failed:
+                return  # decode gave up (or a write failed): post no more of the room's layers
+            tx.layers_ready(start, end)
+            self.layer_reports[by] += end - start
+        except Exception as exc:  # the room fails; vLLM's step goes on
+            log.warning("kvferry: room %s: layers [%d, %d) not reported: %s", tx.room, start, end, exc)
+            self._abort(tx, f"layers not reported: {exc}")
+
+    def _send_chunk(self, m: SendMeta) -> KVSender | None:
+        """Hand the chunk ``m`` to kvferry (opening the room on its first); its sender, or None
+        when nothing was sent (the room failed, or its prompt was all sent)."""
+        self._delegated.add(m.request_id)
+        entry = self._open.get(m.request_id)
+        try:
+            if entry is None:
+                assert self.prefill is not None, "a send on a connector that is not a producer"
+                tx = self.prefill.sender(m.room, m.transfer_id)
+                aux = self._aux_of(self.prefill).free.pop()
+                entry = self._open[m.request_id] = _Open(tx, self.prefill, aux, num_tokens=m.num_tokens)
+                tx.write_aux(aux, m.room.to_bytes(8, "little", signed=True))
+                tx.init(aux, flow=m.flow)
+            if entry.handle.poll() is KVPoll.Failed or entry.last_sent:
+                return None  # decode gave up (or a write failed): nothing more to send
+            assert isinstance(entry.handle, KVSender)
+            entry.last_sent = m.token_end == m.num_tokens
+            entry.handle.send(np.asarray(m.block_ids, dtype=np.int64), m.token_end, entry.last_sent)
+            return entry.handle
+        except Exception as exc:  # the room fails; vLLM's step goes on
+            log.warning("kvferry: request %s: send failed: %s", m.request_id, exc)
+            self.failures[m.request_id] = f"{type(exc).__name__}: {exc}"
+            if entry is None:
+                self.stats["rooms_send_failed"] += 1  # no room to report it later
+            elif not entry.last_sent:
+                entry.last_sent = True
+                self._abort(entry.handle, f"send failed: {exc}")
+            return None
+
+    @staticmethod
+    def _abort(handle: KVSender | KVReceiver, reason: str) -> None:
+        try:
+            handle.abort(reason)
+        except Exception:
+            log.exception("kvferry: abort after a failed send")
 
     # ---- completions --------------------------------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
