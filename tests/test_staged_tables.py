@@ -114,3 +114,24 @@ def test_an_engine_subclass_composes_its_own_staged_component(monkeypatch: pytes
     w.heal_and_settle()
     assert w.server_view[("decode", 3, "t")] is KVPoll.Success
     assert _CountingStagedSender.accepted == 2 and _CountingStagedReceiver.notes == 2
+
+
+@pytest.mark.parametrize("flow", ["ring", "pinned"])
+def test_the_metrics_read_the_staging_pools_a_live_room_holds(flow: str) -> None:
+    """The runtime's staging gauges (backends/runtime/metrics.py) read the staged halves' pools:
+    decode's pool shows the live room's bytes, and nothing once it settled."""
+    from kvferry.backends.runtime.metrics import _staging
+
+    w = world(TINY4, 2, 1, flow, space=1024)
+    req = w.open_room(5, "t", 8, [8])
+    assert req is not None
+    w.flush()
+    for p in range(w.P):
+        w.chunk_ready(req, p)
+    while w.fabric.pending:
+        w.deliver(0)
+    pools = _staging(w.decode[0].engine)
+    used, capacity = pools[flow]
+    assert 0 < used <= capacity == 1024, pools
+    w.heal_and_settle()
+    assert _staging(w.decode[0].engine)[flow][0] == 0

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.kvpoll import KVPoll
 
 try:
@@ -203,12 +204,13 @@ class _StateCollector(Collector):
 
 
 def _staging(engine: Any) -> dict[str, tuple[int, int]]:
-    out = {}
-    for name in ("ring", "pinned"):
-        pool = getattr(engine, name, None)
-        if pool is not None:
-            out[name] = (pool.used, pool.capacity)
-    return out
+    """The staging pools of the engine's staged half: decode's ring and pinned pool, prefill's
+    pinned pool (core/flows/staged_receiver.py, staged_sender.py)."""
+    staged = engine.staged
+    pools = {"pinned": staged.pinned}
+    if isinstance(staged, StagedReceiver):
+        pools["ring"] = staged.ring
+    return {name: (pool.used, pool.capacity) for name, pool in pools.items() if pool is not None}
 
 
 def attach(endpoint: Any) -> EndpointMetrics | None:

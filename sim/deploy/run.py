@@ -131,8 +131,8 @@ def collect(
     peaks = {"ring": 0, "pinned": 0}
     sim_ns = int(w.env.now)
     for name, rank in w.ranks.items():
-        got = getattr(rank.engine, "staging_peaks", None) if name.startswith("decode") else None
-        if got:
+        if name.startswith("decode"):
+            got = rank.engine.staged.staging_peaks
             peaks["ring"] = max(peaks["ring"], int(got["ring_assigned"]))
             peaks["pinned"] = max(peaks["pinned"], int(got["pinned_used"]))
     violations += [f"{v.invariant}: {v.detail}" for v in w.violations]
