@@ -36,7 +36,7 @@ row() {  # row NAME CONFIG PREFILL_GPUS DECODE_GPUS FLOW ENGINES EXTRA...
 e2e() {  # e2e NAME PREFILL_GPUS DECODE_GPUS SECONDS PYTEST_ARGS...
   local name=$1
   KVFERRY_E2E_PREFILL_GPUS=$2 KVFERRY_E2E_DECODE_GPUS=$3 step "$name" "$4" python3 -P -m pytest -q -n 8 \
-    -p no:cacheprovider --rootdir "$REPO" --durations=5 "${@:5}"
+    -p no:cacheprovider -o pythonpath= --rootdir "$REPO" --durations=5 "${@:5}"
 }
 export KVFERRY_E2E_MEM=VRAM KVFERRY_TEST_DEVICE=cuda
 both="python native"

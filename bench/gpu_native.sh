@@ -80,7 +80,7 @@ elif [ "$PART" = ucx ]; then
   cat "$R"/probe-*.out
 else
   export KVFERRY_E2E_MEM=$MEM KVFERRY_TEST_DEVICE=cuda
-  step e2e-native 240 python3 -P -m pytest -q -n 8 -p no:cacheprovider --rootdir "$REPO" \
+  step e2e-native 240 python3 -P -m pytest -q -n 8 -p no:cacheprovider -o pythonpath= --rootdir "$REPO" \
     "$REPO/tests/test_native_e2e.py" "$REPO/tests/test_native_differential.py" --durations=5
 fi
 grep -h . "$R/steps.txt"

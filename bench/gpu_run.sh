@@ -18,7 +18,7 @@ if [ "$MEM" = VRAM ]; then
   export KVFERRY_E2E_MEM=VRAM KVFERRY_TEST_DEVICE=cuda
 fi
 # About 20 s a test on VRAM (CUDA contexts, Triton warm-up): 8 at once.
-step e2e 240 python3 -P -m pytest -q -n 8 -p no:cacheprovider --rootdir "$REPO" \
+step e2e 240 python3 -P -m pytest -q -n 8 -p no:cacheprovider -o pythonpath= --rootdir "$REPO" \
   "$REPO/tests/test_nixl_e2e.py" "$REPO/tests/test_nixl_pull_push.py" "$REPO/tests/test_runtime.py" \
   "$REPO/tests/test_tracing.py" --durations=10
 step bench-x1 200 /tmp/kv bench nixl --mem "$MEM" --tokens "$TOKENS" --rooms 10 --flow ring --trace "$R/trace" --json \
