@@ -121,8 +121,9 @@ class Driver:
         self.on_prepared = on_prepared  # a queued chunk whose run only posts prepared writes
         self._followups: deque[Any] = deque()
         self.posting = 0  # writes of worker steps not yet posted and published to ``handles``
-        # Engine calls so far. The engine's next deadline changes only with one, so it is asked
-        # once per call, not at every poll and sleep (a simulated rank asks several times a wake-up).
+        # Engine calls so far. The engine's next deadline changes only with one, so the simulated
+        # runtime asks it once per call (``cached_deadline``), not at every wake-up; the threaded
+        # runtime asks the engine itself (``next_deadline``).
         self.engine_calls = 0
         self._deadline: tuple[int, int | None] = (-1, None)  # (engine_calls, next_deadline)
         # Called with ("in", event) for each event fed, ("step", chunk) when a worker takes a

@@ -255,16 +255,7 @@ class KVSender:
         """A chunk is computed: tokens up to ``token_end`` are in ``src_pages`` (the room's page
         ids from token 0). Returns at once; a worker posts the writes. A "layerwise" room calls
         it when the chunk's forward starts, then ``layers_ready`` as its layers finish."""
-        self._usable()
-        self.ep._check_open()
-        chunk = ChunkReady(
-            room=self.room,
-            transfer_id=self.transfer_id,
-            chunk_index=self._chunks,
-            token_end=int(token_end),
-            src_pages=np.asarray(src_pages, dtype=np.int64),
-            is_last=bool(is_last),
-        )
+        chunk = self._next_chunk(ChunkReady, src_pages, token_end, is_last)
         ep = self.ep
         ep.driver.feed(chunk, now_ns())  # a chunk refused as our own mistake keeps its index
         self._chunks += 1
@@ -276,9 +267,15 @@ class KVSender:
         computed (the scheduler allocated them). A direct room then plans the chunk's writes and
         has them made ready once decode's TransferInfo is in, so that ``send`` only posts them
         (core/flows/ahead.py). Optional; a ``send`` that differs is planned as ever."""
+        ev = self._next_chunk(ChunkAhead, src_pages, token_end, is_last)
+        self.ep.driver.feed(ev, now_ns())
+
+    def _next_chunk(self, kind: Any, src_pages: Any, token_end: int, is_last: bool) -> Any:
+        """The event (ChunkReady or ChunkAhead) for the room's next chunk, once the room and the
+        endpoint are still usable."""
         self._usable()
         self.ep._check_open()
-        ev = ChunkAhead(
+        return kind(
             room=self.room,
             transfer_id=self.transfer_id,
             chunk_index=self._chunks,
@@ -286,7 +283,6 @@ class KVSender:
             src_pages=np.asarray(src_pages, dtype=np.int64),
             is_last=bool(is_last),
         )
-        self.ep.driver.feed(ev, now_ns())
 
     def layers_ready(self, first_layer: int, end_layer: int, chunk_index: int | None = None) -> None:
         """Layers ``[first_layer, end_layer)`` of a chunk are computed (the "layerwise" flow:
