@@ -5,7 +5,9 @@
 # traced rooms of each, and bench interference of each: PART=a (default). PART=ahead: the TP 1 -> 1
 # direct rows (hand-off, open-to-Success, 8 and 32 in flight) and push, each engine without and
 # with --ahead (every chunk's pages named before its send: planned and made ready at TransferInfo,
-# posted by send; both variants in the same call), the hand-off ones traced. PART=b: the native e2e
+# posted by send; both variants in the same call), the hand-off ones traced. PART=ringtrace:
+# traced ring rooms, TP 1->1, 2->1, 1->2, both executors. PART=launch: Triton's launcher against
+# the kept compiled kernel (copy probe, ring rows, kernel tests on the GPU). PART=b: the native e2e
 # and differential tests (VRAM e2e). PART=ucx: which UCX transport a NIXL READ (the pull flow)
 # and a WRITE take with both processes on one GPU and, where the host has two, on two GPUs
 # (bench/ucx_read_probe.py and `bench nixl --flow pull,direct`, with UCX_PROTO_INFO=y and
@@ -53,6 +55,27 @@ elif [ "$PART" = ahead ]; then
       step "x8-$e-$a" 60 "${B[@]}" --rooms 3 --inflight 8 --config 'tp1->1 nhd' --flow direct --engine "$e" --"$a"
       step "x32-$e-$a" 90 "${B[@]}" --rooms 2 --inflight 32 --config 'tp1->1 nhd' --flow direct --engine "$e" --"$a"
     done
+  done
+elif [ "$PART" = ringtrace ]; then
+  # Where a ring room's time goes: traced ring rooms of each pair, both executors.
+  for e in python native; do
+    step "ring-$e" 240 "${B[@]}" --rooms 6 --config 'tp1->1 nhd' --config 'tp2->1 nhd' --config 'tp1->2 nhd' \
+      --flow ring --engine "$e" --trace "$R/trace-ring-$e"
+  done
+elif [ "$PART" = launch ]; then
+  # Triton's own launcher against the kept compiled kernel (KVFERRY_TRITON_DIRECT=0 / 1): the copy
+  # executor's host time per submit, and ring rooms (one chunk, and four pipelined chunks), both
+  # settings alternated in the same call; the kernel tests compiled on the GPU.
+  KVFERRY_TEST_DEVICE=cuda step kernel-tests 240 python3 -P -m pytest -q -o pythonpath= --rootdir "$REPO" -p no:cacheprovider \
+    "$REPO/tests/test_kernels.py" "$REPO/tests/test_kernels_planner.py"
+  for d in 0 1 0 1; do
+    KVFERRY_TRITON_DIRECT=$d step "probe-direct$d" 60 python3 -P "$REPO/bench/copy_post_probe.py" --tokens 4096 --reps 30
+  done
+  for d in 0 1; do
+    KVFERRY_TRITON_DIRECT=$d step "ring-direct$d" 120 "${B[@]}" --rooms 6 --config 'tp1->1 nhd' \
+      --config 'tp2->1 nhd' --flow ring --engine native
+    KVFERRY_TRITON_DIRECT=$d step "ring4-direct$d" 120 "${B[@]}" --rooms 6 --config 'tp1->1 nhd' \
+      --config 'tp2->1 nhd' --flow ring --engine native --chunk-tokens 1024
   done
 elif [ "$PART" = ucx ]; then
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)

@@ -475,6 +475,27 @@ def test_runs_on_the_given_stream_and_signals_an_event() -> None:
     np.testing.assert_array_equal(as_bytes(stg), want)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels need a GPU (KVFERRY_TEST_DEVICE=cuda)")
+def test_repeat_launches_reuse_the_compiled_kernel_and_move_the_same_bytes() -> None:
+    """After the first launch of a specialization, later ones skip Triton's argument binding
+    (``tk._COMPILED``): rooms with other pages and token counts still get exactly their bytes."""
+    planes = rand_planes(4, 2048, 4, 64, torch.bfloat16, seed=3)
+    pool = KVPool(planes, 16)
+    rng = np.random.default_rng(5)
+    lay = StagingLayout.head_major(2, 4, 1024, 64)
+    tk._COMPILED.clear()
+    for tokens in (1024, 1000, 512, 1024, 17):
+        pages = make_pages(rng, 128, 64)
+        stg = staging_buffer(lay.extent, torch.bfloat16, "gpu")
+        gather(pool, stg, lay, pages, token_start=0, token_end=tokens, head_start=1)
+        sync()
+        want = np.full(lay.extent * 2, 0xA5, dtype=np.uint8)
+        ref_gather(pool.planes, pages, 16, 0, tokens, 1, lay, want)
+        np.testing.assert_array_equal(as_bytes(stg), want)
+    assert tk._direct_on, "a direct launch raised: this Triton takes launcher arguments differently"
+    assert len(tk._COMPILED) == 1  # five launches, one specialization
+
+
 @settings(max_examples=40)
 @given(
     heads=st.integers(1, 5),

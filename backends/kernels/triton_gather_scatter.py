@@ -15,8 +15,11 @@ Importing this module needs Triton; the API imports it lazily.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+from triton.compiler import CompiledKernel
 
 # Counts launches so tests can prove the Triton path ran (not the torch fallback).
 LAUNCHES = {"gather": 0, "scatter": 0}
@@ -155,6 +158,42 @@ TUNING: dict[tuple[str, bool], tuple[int, int, int]] = {
 }
 
 
+# A compiled kernel per specialization, launched without Triton's per-call argument binding (its
+# Python launcher cost about 200 us a launch on an H100 host, on a ring room's critical path).
+# Keyed by everything Triton specializes on (below), so a hit is the kernel Triton would pick.
+_COMPILED: dict[tuple, object] = {}
+# Off once a direct launch raised (a Triton whose launcher takes arguments differently): from
+# then on every launch goes through Triton's own path. KVFERRY_TRITON_DIRECT=0 starts it off (the
+# benches' baseline).
+_direct_on = os.environ.get("KVFERRY_TRITON_DIRECT", "1") != "0"
+
+
+def _int_spec(v: int, varying: bool) -> tuple:
+    """What Triton's binder derives from an integer argument: its width, and (unless the argument
+    is exempt from specialization) whether it is 1 and whether it is a multiple of 16."""
+    wide = not -(2**31) <= v < 2**31
+    return (wide,) if varying else (wide, v == 1, v % 16 == 0)
+
+
+def _spec_key(kind: str, ptrs: tuple, ints: tuple, consts: tuple, warps: int) -> tuple:
+    ptr_spec = tuple((str(t.dtype), t.data_ptr() % 16 == 0, t.device.index) for t in ptrs)
+    int_spec = tuple(_int_spec(v, name in _VARYING) for name, v in ints)
+    return (kind, ptr_spec, int_spec, consts, warps)
+
+
+def _launch_direct(compiled: object, grid: tuple, args: tuple) -> bool:
+    """Launch ``compiled`` on the current stream; False if this Triton cannot be driven so."""
+    global _direct_on
+    import torch
+
+    try:
+        compiled[grid](*args, stream=torch.cuda.current_stream().cuda_stream)  # type: ignore[index]
+    except (TypeError, ValueError, AttributeError, SystemError):
+        _direct_on = False
+        return False
+    return True
+
+
 def launch(
     kind: str,
     table,
@@ -190,14 +229,31 @@ def launch(
     # neighbouring staging rows: one long sequential stream over PCIe, as a memcpy would.
     grid = (triton.cdiv(n_tokens, block_t), num_planes, triton.cdiv(num_heads, hb))
     kernel = _gather_kernel if kind == "gather" else _scatter_kernel
-    run = kernel.warmup if compile_only else kernel.__getitem__(grid)
-    extra = {"grid": grid} if compile_only else {}
-    run(
-        table, pages, staging_words,
-        n_tokens, token_start, page_size, num_pages, slot_stride, pool_head0,
-        s_base, s_head, s_plane, s_tok,
-        NH=num_heads, HB=hb, ROW=row_words, ROW_P=row_p, BLOCK_T=block_t,
-        POOL_ALIGN=pool_align, num_warps=warps, **extra,
+    ints = (
+        ("n_tokens", n_tokens), ("token_start", token_start), ("page_size", page_size),
+        ("num_pages", num_pages), ("slot_stride", slot_stride), ("pool_head0", pool_head0),
+        ("s_base", s_base), ("s_head", s_head), ("s_plane", s_plane), ("s_tok", s_tok),
     )  # fmt: skip
-    if not compile_only:
-        LAUNCHES[kind] += 1
+    consts = (num_heads, hb, row_words, row_p, block_t, pool_align)
+    if compile_only:
+        kernel.warmup(
+            table, pages, staging_words, *(v for _, v in ints),
+            NH=num_heads, HB=hb, ROW=row_words, ROW_P=row_p, BLOCK_T=block_t,
+            POOL_ALIGN=pool_align, num_warps=warps, grid=grid,
+        )  # fmt: skip
+        return
+    key = _spec_key(kind, (table, pages, staging_words), ints, consts, warps)
+    compiled = _COMPILED.get(key) if _direct_on else None
+    # Triton's launcher takes every parameter in signature order, constexprs included.
+    if compiled is None or not _launch_direct(
+        compiled, grid, (table, pages, staging_words, *(v for _, v in ints), *consts)
+    ):
+        got = kernel[grid](
+            table, pages, staging_words, *(v for _, v in ints),
+            NH=num_heads, HB=hb, ROW=row_words, ROW_P=row_p, BLOCK_T=block_t,
+            POOL_ALIGN=pool_align, num_warps=warps,
+        )  # fmt: skip
+        # Under TRITON_INTERPRET=1 there is no compiled kernel to keep.
+        if _direct_on and isinstance(got, CompiledKernel):
+            _COMPILED[key] = got
+    LAUNCHES[kind] += 1
