@@ -7,7 +7,9 @@
 # with --ahead (every chunk's pages named before its send: planned and made ready at TransferInfo,
 # posted by send; both variants in the same call), the hand-off ones traced. PART=ringtrace:
 # traced ring rooms, TP 1->1, 2->1, 1->2, both executors. PART=launch: Triton's launcher against
-# the kept compiled kernel (copy probe, ring rows, kernel tests on the GPU). PART=b: the native e2e
+# the kept compiled kernel (copy probe, ring rows, kernel tests on the GPU). PART=final: every
+# flow's two-process VRAM tests and a 20,000-seed campaign. PART=asan: the engine under
+# AddressSanitizer in its two-process DRAM tests. PART=b: the native e2e
 # and differential tests (VRAM e2e). PART=ucx: which UCX transport a NIXL READ (the pull flow)
 # and a WRITE take with both processes on one GPU and, where the host has two, on two GPUs
 # (bench/ucx_read_probe.py and `bench nixl --flow pull,direct`, with UCX_PROTO_INFO=y and
@@ -101,6 +103,25 @@ elif [ "$PART" = ucx ]; then
     done | sed 's/^\[[^]]*\] \[[^]]*\] *//' >"$R/ucx-selected-$tag.txt"
   done
   cat "$R"/probe-*.out
+elif [ "$PART" = final ]; then
+  # The closing checks of a session: the two-process tests of every flow on VRAM (both executors,
+  # killed peers, aborts, 32 in flight), then a 20,000-seed simulator campaign on the 16 cores.
+  export KVFERRY_E2E_MEM=$MEM KVFERRY_TEST_DEVICE=cuda
+  step vram-tests 240 python3 -P -m pytest -q -n 8 -p no:cacheprovider -o pythonpath= --rootdir "$REPO" \
+    "$REPO/tests/test_native_e2e.py" "$REPO/tests/test_native_differential.py" "$REPO/tests/test_nixl_e2e.py" \
+    "$REPO/tests/test_ahead_runtime.py" "$REPO/tests/test_layerwise_nixl.py" "$REPO/tests/test_nixl_pull_push.py"
+  step fuzz 330 /tmp/kv fuzz --seeds "${SEEDS:-0-19999}" --jobs 16 --json
+  tail -c 600 "$R/fuzz.out"; tail -3 "$R/vram-tests.out"
+elif [ "$PART" = asan ]; then
+  # The engine under AddressSanitizer in every process of its two-process tests (DRAM).
+  step build-asan 120 python3 -P -m kvferry.backends.native.build --sanitize address --out /tmp/kvf_asan.so
+  mkdir -p "$R/asan"
+  KVFERRY_NATIVE_LIB=/tmp/kvf_asan.so LD_PRELOAD=$(gcc -print-file-name=libasan.so) \
+    ASAN_OPTIONS=detect_leaks=0:log_path=$R/asan/asan:halt_on_error=1 step asan-tests 420 \
+    python3 -P -m pytest -p no:xdist -q -p no:cacheprovider -o pythonpath= --rootdir "$REPO" \
+    "$REPO/tests/test_native_e2e.py" "$REPO/tests/test_native_differential.py" \
+    "$REPO/tests/test_native_engine.py" "$REPO/tests/test_ahead_runtime.py" -k "not describe and not missing and not fall"
+  tail -3 "$R/asan-tests.out"; ls -la "$R/asan"
 else
   export KVFERRY_E2E_MEM=$MEM KVFERRY_TEST_DEVICE=cuda
   step e2e-native 240 python3 -P -m pytest -q -n 8 -p no:cacheprovider -o pythonpath= --rootdir "$REPO" \
