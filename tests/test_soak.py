@@ -103,6 +103,20 @@ def test_room_plans_depend_only_on_seed_and_index() -> None:
     assert held.abort is None and len(held.cuts) >= 2  # a held room waits after its first chunk
 
 
+def test_a_layerwise_forward_is_drawn_after_every_older_choice() -> None:
+    """Each room's layer reports (``layer_ends``) are drawn last, so every other choice of a room
+    is what it was before they existed (a replay of an older run's seed gets the same rooms)."""
+    five = ("direct", "ring", "pinned", "pull", "push")
+    old = sp.room_plan(32, 12053, five, 0.7, hold=False)  # a room of a long run, as it was drawn then
+    assert (old.room, old.tokens, old.cuts, old.flow, old.abort) == (
+        346050020602441867, 11, (11,), "pull", "decode_early",
+    )  # fmt: skip
+    plans = [sp.room_plan(2, i, ("layerwise",), 0.0, hold=False) for i in range(200)]
+    layers = sp.MODEL.num_layers
+    assert {p.layer_ends for p in plans} == {(1, 2), (2,)}
+    assert all(list(p.layer_ends) == sorted(set(p.layer_ends)) and p.layer_ends[-1] == layers for p in plans)
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [

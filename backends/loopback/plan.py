@@ -6,6 +6,10 @@ A room's ``abort`` says who aborts it and when (as in the two-process e2e tests)
 ``prefill_early`` (once WaitingForInput, before any chunk), ``prefill_mid`` (right after handing
 over the first chunk). A ``hold`` room (the last rooms of a segment that ends with a kill) sends its
 first chunk and waits: it is in flight when a side is killed, so it can only end Failed.
+
+A ``layerwise`` room's forward is drawn too (``layer_ends``): prefill reports each chunk's layers
+in that many calls, in order, one per step of its loop, as layers finish; a held layerwise room
+stops before its chunk's last report (in flight mid-stream when a side is killed).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ class SoakRoom:
     flow: str
     abort: str | None
     hold: bool
+    layer_ends: tuple[int, ...] = (MODEL.num_layers,)  # a layerwise chunk's reports: [0, e0), [e0, e1), ...
 
 
 def room_plan(seed: int, index: int, flows: tuple[str, ...], abort_rate: float, hold: bool) -> SoakRoom:
@@ -96,7 +101,10 @@ def room_plan(seed: int, index: int, flows: tuple[str, ...], abort_rate: float, 
         abort = None
     if (hold or abort in ("decode_mid", "prefill_mid")) and len(cuts) < 2:
         cuts = (tokens // 2, tokens)
-    return SoakRoom(index, room, f"soak{seed}-{index}", tokens, cuts, flow, abort, hold)
+    # Drawn last, for every flow: the draws above (and so every room of an older run) stay as they were.
+    layers = MODEL.num_layers
+    ends = (*(e for e in range(1, layers) if rng.random() < 0.75), layers)
+    return SoakRoom(index, room, f"soak{seed}-{index}", tokens, cuts, flow, abort, hold, ends)
 
 
 def segment_rooms(

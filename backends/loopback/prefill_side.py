@@ -67,12 +67,13 @@ class PrefillSide(common.SideLoop):
                 s.init(aux, flow=plan.flow, receivers=recv)
                 senders.append(s)
             live[plan.index] = {"plan": plan, "pages": pages, "aux": aux, "senders": senders, "next": 0}
-            live[plan.index]["aborted"] = False
+            live[plan.index].update(aborted=False, forward=[], layers_sent=0)
             busy = True
         return busy
 
     def _step(self, live: dict[int, dict[str, Any]], idx: int) -> bool:
-        """One room's next move (abort, next chunk, or its end); True if something happened."""
+        """One room's next move (abort, next layers, next chunk, or its end); True if something
+        happened."""
         st = live[idx]
         plan, senders = st["plan"], st["senders"]
         statuses = [s.poll() for s in senders]
@@ -90,20 +91,18 @@ class PrefillSide(common.SideLoop):
             # Abort only once decode's TransferInfo is in: a sender released before it arrives
             # cannot tell decode, which would then fail only by its own timeout.
             limit = 0
-        if st["next"] < limit and not st["aborted"]:
+        if st["forward"] and not st["aborted"]:
+            busy = self._next_layers(st)  # the chunk's forward goes on: no next chunk before it ends
+        elif st["next"] < limit and not st["aborted"]:
             i = st["next"]
             for s in senders:
                 s.send(st["pages"], plan.cuts[i], is_last=i == len(plan.cuts) - 1)
-            if plan.flow == "layerwise":  # the chunk's forward "ran" at once: every layer computed
-                for layer in range(sp.MODEL.num_layers):
-                    for s in senders:
-                        s.layers_ready(layer, layer + 1)
+            if plan.flow == "layerwise":  # handed over as its forward starts; layers follow
+                st["forward"] = list(plan.layer_ends)
             st["next"] += 1
             busy = True
-            if plan.abort == "prefill_mid":
-                for s in senders:
-                    s.abort("soak: prefill_mid")
-                st["aborted"] = True
+            if plan.abort == "prefill_mid" and not st["forward"]:
+                self._abort_mid(st)
         if not all(x in TERMINAL for x in statuses):
             return busy
         if plan.abort is not None and not all(x is KVPoll.Failed for x in statuses):
@@ -116,6 +115,26 @@ class PrefillSide(common.SideLoop):
         self.free_aux.append(st["aux"])
         del live[idx]
         return True
+
+    def _next_layers(self, st: dict[str, Any]) -> bool:
+        """A layerwise chunk's next layers computed: one report per step, layers in order, as a
+        forward pass finishes them. A held room keeps its chunk's last report back (a kill finds
+        it mid-stream); ``prefill_mid`` aborts after the first report (layers left unsent)."""
+        plan, ends = st["plan"], st["forward"]
+        if plan.hold and len(ends) == 1 and st["layers_sent"]:
+            return False
+        first = st["layers_sent"]
+        for s in st["senders"]:
+            s.layers_ready(first, ends[0])
+        st["layers_sent"] = ends.pop(0) % sp.MODEL.num_layers  # back to 0 once the chunk is done
+        if plan.abort == "prefill_mid":
+            self._abort_mid(st)
+        return True
+
+    def _abort_mid(self, st: dict[str, Any]) -> None:
+        for s in st["senders"]:
+            s.abort("soak: prefill_mid")
+        st["aborted"] = True
 
     def finish(self) -> dict[str, Any]:
         # A dead decode's pull pages and unconfirmed notes are let go at the fence deadline.

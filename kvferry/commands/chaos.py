@@ -39,7 +39,7 @@ def chaos(
     tp: Annotated[str, typer.Option(help="TP pairs PREFILL-DECODE, run one after another.")] = "1-1,2-1,1-2",
     flows: Annotated[
         str, typer.Option(help="Flows the rooms are drawn from, comma-separated.")
-    ] = "direct,ring,pinned,pull,push",
+    ] = "direct,ring,pinned,pull,push,layerwise",
     abort_rate: Annotated[
         float | None,
         typer.Option(help="Share of rooms aborted by either side (default 0.05; 0 with --liveness)."),
