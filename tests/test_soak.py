@@ -40,7 +40,9 @@ def test_short_soak_with_a_kill_of_each_side(tp: tuple[int, int]) -> None:
     assert code == 0 and r["ok"], (r["violations"], err[-2000:])
     assert r["rooms_run"] == 300 and r["violation_count"] == 0
     o = r["outcomes"]
-    assert o["success"] + o["aborted"] + o["killed"] == 300
+    # abort_after_success: decode's early abort reached a room that had already ended (a loaded
+    # host; tests/test_soak_late_abort.py), which then is a Success on both sides.
+    assert o["success"] + o["aborted"] + o["abort_after_success"] + o["killed"] == 300
     assert o["killed"] == 8 and o["aborted"] > 0 and o["success"] > 200
     assert [k["victim"] for k in r["kills"]] == ["prefill", "decode"]
     assert set(r["by_flow"]) == set(sp.FLOWS)

@@ -29,14 +29,17 @@ def arguments(role: str) -> argparse.Namespace:
     # ``kvferry chaos``); NIXL's UCX picks its interface from UCX_NET_DEVICES in the environment.
     ap.add_argument("--host", default="127.0.0.1")
     # How long a lost peer's transfer may stay in flight before the agent releases it unfenced
-    # (NixlAgent.drain_s; 0: the agent's default): over TCP, as long as decode's quarantine.
+    # (RuntimeConfig.lost_peer_drain_s; 0: the runtime's default, fence + quarantine): over TCP,
+    # as long as decode's quarantine.
     ap.add_argument("--drain-s", type=float, default=0.0)
     if role == "prefill":
         ap.add_argument("--ports", default="", help="control ports to bind, one per rank (restart)")
     else:
         ap.add_argument("--prefill", nargs="+", required=True)
         # How long past the fence a failed room's pages wait for a writer's Stopped (over TCP a
-        # write held through a partition lands after the heal): ReceiverEngine.quarantine_ns.
+        # write held through a partition lands after the heal): RuntimeConfig.write_quarantine_s.
+        # 0 here (frees at the fence, as over RDMA): the loopback soak's writers die with their
+        # process, and kvferry chaos gives TCP's bound.
         ap.add_argument("--quarantine-s", type=float, default=0.0)
     args = ap.parse_args()
     args.flows = tuple(f for f in args.flows.split(",") if f)
@@ -173,11 +176,6 @@ class SideLoop:
                 h.clear()
         self.settling = {}
         self.keep = False
-
-    def _set_drain(self) -> None:
-        if self.args.drain_s:
-            for ep in self.eps:
-                ep.transport.agent.drain_s = self.args.drain_s
 
     def counts(self) -> dict[str, int]:
         """``abandoned``: transfers of lost peers the agents released still in flight, past their

@@ -23,6 +23,12 @@ from kvferry.core.flows import FLOW_NAMES
 from kvferry.core.geometry import Layout, ModelGeometry, PoolGeometry
 
 ABORTS = ("decode_early", "decode_mid", "prefill_early", "prefill_mid")
+# Aborts that can reach a room that already ended: decode opens a ``decode_early`` room and aborts
+# it at once, but the room's TransferInfo leaves with the open, and a process descheduled between
+# the two calls (a loaded host) can find every chunk already landed: prefill handed them all over
+# before the TransferInfo came. The abort of a room that is Success is a no-op, as the protocol
+# says. (Every other abort comes before the room's last chunk is handed over, so it always wins.)
+LATE_ABORTS = ("decode_early",)
 FLOWS = FLOW_NAMES
 MODEL = ModelGeometry("soak", num_layers=2, num_kv_heads=4, head_dim=16)
 PREFILL_PAGE, DECODE_PAGE = 4, 8  # different page sizes on the two sides

@@ -5,6 +5,7 @@ kill loses nothing the parent needs."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import msgspec
@@ -32,6 +33,7 @@ class PrefillSide(common.SideLoop):
             staging=sp.staging(),
             host=args.host,
             nixl_engine=args.engine,
+            lost_peer_drain_s=args.drain_s or None,
         )
         ports = [int(p) for p in args.ports.split(",")] if args.ports else [0] * args.prefill_tp
         pools = sp.prefill_pools(args.prefill_tp)
@@ -40,7 +42,6 @@ class PrefillSide(common.SideLoop):
             PrefillEndpoint("prefill", pool, config=msgspec.structs.replace(cfg, port=port))
             for pool, port in zip(pools, ports, strict=True)
         ]
-        self._set_drain()
         for ep in self.eps:
             ep.start()
         self.free_pages = list(range(sp.PREFILL_PAGES))
@@ -105,8 +106,9 @@ class PrefillSide(common.SideLoop):
                 self._abort_mid(st)
         if not all(x in TERMINAL for x in statuses):
             return busy
-        if plan.abort is not None and not all(x is KVPoll.Failed for x in statuses):
-            return busy  # an aborted room must end Failed everywhere: keep polling (bounded)
+        failed = all(x is KVPoll.Failed for x in statuses)
+        if plan.abort is not None and not failed and self._late_failure_owed(st, statuses):
+            return busy  # an aborted room ends Failed everywhere: keep polling (bounded)
         reasons, errors = common.outcome(senders, statuses)
         for s in self._release(idx, senders, statuses):
             s.clear()
@@ -115,6 +117,17 @@ class PrefillSide(common.SideLoop):
         self.free_aux.append(st["aux"])
         del live[idx]
         return True
+
+    def _late_failure_owed(self, st: dict[str, Any], statuses: list[KVPoll]) -> bool:
+        """Whether an aborted room that is not Failed everywhere must still turn Failed. A room
+        decode aborted right after opening it (``plan.LATE_ABORTS``) may have ended before the
+        abort reached it: then it stays Success on both sides. Prefill cannot tell that from a
+        Success whose late failure is still on its way (a working abort sends decode's Abort right
+        behind its TransferInfo), so it waits for that failure a heartbeat timeout, then reports."""
+        if st["plan"].abort not in sp.LATE_ABORTS or any(x is not KVPoll.Success for x in statuses):
+            return True
+        since = st.setdefault("all_success_at", time.monotonic())
+        return time.monotonic() - since < sp.timeouts(self.args.deadline_scale).heartbeat_timeout_ns / 1e9
 
     def _next_layers(self, st: dict[str, Any]) -> bool:
         """A layerwise chunk's next layers computed: one report per step, layers in order, as a

@@ -37,6 +37,8 @@ from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Endpoint
 
+MAX_LATE_WRITE_S = 7 * 86400.0  # a week: anything longer is a typo, not a bound
+
 
 class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     """``num_queues``: prefill transfer queues, one worker thread each (rooms sharded by id).
@@ -96,6 +98,38 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # serves them over HTTP on ``host`` (0: a free port, EndpointMetrics.port).
     metrics: bool = False
     metrics_port: int = -1
+    # Writes a lost peer may still deliver (docs/two-machines.md, section 8). Over RDMA a failed
+    # queue pair delivers nothing more; over UCX's TCP transport a write the connection holds lands
+    # after a partition heals. ``write_quarantine_s`` (decode): how long past the fence deadline a
+    # failed room's pages wait for every writer's Stopped (ReceiverEngine.quarantine_ns).
+    # ``lost_peer_drain_s`` (both sides): how long the NIXL agent keeps a lost peer's transfers
+    # until they end before it releases them unfenced (NixlAgent.drain_s). None derives them from
+    # ``timeouts``: see ``write_quarantine`` and ``lost_peer_drain``.
+    write_quarantine_s: float | None = None
+    lost_peer_drain_s: float | None = None
+
+    def __post_init__(self) -> None:
+        for name, low in (("write_quarantine_s", 0.0), ("lost_peer_drain_s", 1e-3)):
+            value = getattr(self, name)
+            if value is not None and not (low <= value <= MAX_LATE_WRITE_S):  # NaN fails too
+                raise ValueError(f"{name} must be None or in [{low:g}, {MAX_LATE_WRITE_S:g}] s, got {value}")
+
+    def write_quarantine(self) -> float:
+        """Seconds past the fence a failed room's pages wait for its writers. Default: one fence
+        deadline more, so a writer cut off for longer than the fence still has as long again to
+        say Stopped, while one that never comes back costs its pages twice the fence. Over TCP
+        give TCP's own bound on a silent connection (tcp_retries2 = 15: about 924 s)."""
+        if self.write_quarantine_s is not None:
+            return self.write_quarantine_s
+        return self.timeouts.fence_ns / 1e9
+
+    def lost_peer_drain(self) -> float:
+        """Seconds a lost peer's transfers are kept. Default: the fence plus the quarantine, the
+        longest decode holds a failed room's pages for a writer; a transfer released sooner could
+        let its writer say Stopped while its bytes are still on their way."""
+        if self.lost_peer_drain_s is not None:
+            return self.lost_peer_drain_s
+        return self.timeouts.fence_ns / 1e9 + self.write_quarantine()
 
 
 CONTROL_WAIT_S = 2e-3
@@ -140,6 +174,7 @@ class EndpointBase:
             engine_poll_s=config.nixl_engine_poll_us / 1e6,
             engine_idle_max_s=config.active_idle_max_s,
         )
+        self.transport.agent.drain_s = config.lost_peer_drain()
         try:
             self.transport.register_regions(pool.regions, config.aux_rows, config.aux_row_bytes)
             st = config.staging

@@ -56,7 +56,11 @@ class DecodeEndpoint(EndpointBase):
         self.specs = sender_specs(pool, prefill_server, len(prefill_addresses))
         for rank, address in enumerate(prefill_addresses):
             self.transport.connect(Endpoint(server=prefill_server, rank=rank), address)
-        self.engine = ReceiverEngine(self.transport.registration(), timeouts=config.timeouts)
+        self.engine = ReceiverEngine(
+            self.transport.registration(),
+            timeouts=config.timeouts,
+            quarantine_ns=int(config.write_quarantine() * 1e9),
+        )
         self.driver = Driver(
             self.engine,
             self.transport,

@@ -95,7 +95,12 @@ def summary(r: dict[str, Any]) -> str:
         + (" (stopped by --max-seconds)" if r["stopped_by_time"] else ""),
         f"  {o['success']} success (bytes and aux row checked), "
         f"{o['aborted']} aborted (Failed on both sides), "
-        f"{o['killed']} hit by a kill (Failed on the survivor), {o['violation']} violating",
+        + (
+            f"{o['abort_after_success']} aborted by decode after they ended (Success, bytes checked), "
+            if o.get("abort_after_success")
+            else ""
+        )
+        + f"{o['killed']} hit by a kill (Failed on the survivor), {o['violation']} violating",
         "  by flow: "
         + ", ".join(f"{f} {sum(v.values())} ({v.get('success', 0)} ok)" for f, v in r["by_flow"].items()),
     ]

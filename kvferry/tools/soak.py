@@ -381,6 +381,13 @@ class Soak:
         elif plan.abort is not None:
             if set(p["status"]) == set(d["status"]) == {FAILED}:
                 outcome = "aborted"
+            elif plan.abort in sp.LATE_ABORTS and set(p["status"]) == set(d["status"]) == {SUCCESS}:
+                # Decode's abort came after the room had ended: a no-op (core/receiver.py, "every
+                # byte landed"), so the room is a Success on both sides, its bytes checked as any.
+                if d["bad_bytes"] or not d["aux_ok"]:
+                    self._violation("corrupted", bad_bytes=d["bad_bytes"], first_bad=d["first_bad"], **info)
+                else:
+                    outcome = "abort_after_success"
             else:
                 self._violation("aborted_not_failed", prefill=p["status"], decode=d["status"], **info)
         elif set(p["status"]) == set(d["status"]) == {SUCCESS}:
@@ -510,7 +517,14 @@ class Soak:
             "rooms_per_s": round(self.done / wall, 1) if wall else 0.0,
             "outcomes": {
                 k: self.outcomes.get(k, 0)
-                for k in ("success", "aborted", "killed", "killed_by_deadline", "violation")
+                for k in (
+                    "success",
+                    "aborted",
+                    "abort_after_success",
+                    "killed",
+                    "killed_by_deadline",
+                    "violation",
+                )
             },
             "by_flow": {f: dict(v) for f, v in sorted(self.by_flow.items())},
             "kills": self.kills,
