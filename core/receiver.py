@@ -236,8 +236,8 @@ class ReceiverFlowContext(EngineFlowContext):
         e = self._engine
         e.deadlines.set(("room", r.room), e._now + e.timeouts.transfer_ns)
 
-    def record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> None:
-        self._engine._record_chunk(r, prog, note)
+    def record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> bool:
+        return self._engine._record_chunk(r, prog, note)
 
     def complete(self, r: _Room) -> bool:
         return self._engine._complete(r)
@@ -606,13 +606,13 @@ class ReceiverEngine(RoomEngine):
         # then knows the room only from it, times out, and fails a room that ended Success.
         if r.room in self._infos.entries:  # usually answered already by its InfoAck
             self._infos.answered(r.room, src)
-        duplicates = self.counters["duplicate_notification"]
         if src not in r.data_senders:
             # A dummy moves no bytes; its one "done" note makes decode's Success cover every
             # sender, so a dummy that failed (and said so, or went silent) fails the room here too.
             if not (note.dummy and note.is_last):
                 raise RoomError(f"notification with data from dummy sender {src}")
-            if src in r.dummies_done:
+            news = src not in r.dummies_done
+            if not news:
                 self.counters["duplicate_notification"] += 1
             if r.dummies_done is NO_SET:
                 r.dummies_done = set()
@@ -622,22 +622,23 @@ class ReceiverEngine(RoomEngine):
         elif note.staged >= 0:
             # A note names no flow; one naming a staging allocation lands in space a StagingReq
             # asked for, and that request named its flow: that flow's decode half takes it.
-            self.staged.half_for(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
+            news = self.staged.half_for(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
         elif note.layer_end:
             # A layer range says layer-wise (core/flows/layerwise.py): the chunk is recorded once
             # every layer of it landed.
-            self._layer_note(r, r.progress[src], note)
+            news = self._layer_note(r, r.progress[src], note)
         elif note.aux:
             if src != r.aux_sender:
                 raise RoomError(f"aux row written by {src}, expected {r.aux_sender}")
-            if r.aux_pending or r.aux_ok:
+            news = not (r.aux_pending or r.aux_ok)
+            if not news:
                 self.counters["duplicate_notification"] += 1
             else:
                 r.aux_pending = True
                 self._out.append(CheckAux(room=r.room, transfer_id=r.tid, aux_index=r.aux_index))
         else:
-            self._record_chunk(r, r.progress[src], note)
-        if self.counters["duplicate_notification"] == duplicates:
+            news = self._record_chunk(r, r.progress[src], note)
+        if news:
             # Only news renews the transfer deadline (as only a new pull offer does). A staged
             # writer resends its note until our watermark passes it, for up to the fence; while
             # the chunk waits for another writer that never writes (it restarted and forgot the
@@ -646,13 +647,13 @@ class ReceiverEngine(RoomEngine):
             self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
         return "done" if self._complete(r) else "running"
 
-    def _record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> None:
+    def _record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> bool:
         """A data chunk in the sender's ledger (direct's decode half; pull and the staged flows
-        record theirs here too once READ or scattered)."""
-        DIRECT_RECEIVER.on_note(self._flow_ctx, r, prog, note)
+        record theirs here too once READ or scattered); True if it was news, not a duplicate."""
+        return DIRECT_RECEIVER.on_note(self._flow_ctx, r, prog, note)
 
-    def _layer_note(self, r: _Room, prog: _SenderProgress, note: m.LayerNote) -> None:
-        LAYERWISE_RECEIVER.on_note(self._flow_ctx, r, prog, note)
+    def _layer_note(self, r: _Room, prog: _SenderProgress, note: m.LayerNote) -> bool:
+        return LAYERWISE_RECEIVER.on_note(self._flow_ctx, r, prog, note)
 
     def _complete(self, r: _Room) -> bool:
         if not r.aux_ok or self.staged.scatters_running(r):

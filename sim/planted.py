@@ -177,20 +177,22 @@ def _with_end(c: Any, end: int) -> Any:
 
 
 class _TruncatingReceiver(ReceiverEngine):
-    def _record_chunk(self, r: Any, prog: Any, note: m.ChunkNote) -> None:
+    def _record_chunk(self, r: Any, prog: Any, note: m.ChunkNote) -> bool:
         try:
-            super()._record_chunk(r, prog, note)
+            return super()._record_chunk(r, prog, note)
         except RoomError as exc:
             if "delivered" not in str(exc):
                 raise
             prog.done = True  # a short delivery taken as the whole room
+            return True
 
 
 class _LastNoteReceiver(ReceiverEngine):
-    def _record_chunk(self, r: Any, prog: Any, note: m.ChunkNote) -> None:
-        super()._record_chunk(r, prog, note)
+    def _record_chunk(self, r: Any, prog: Any, note: m.ChunkNote) -> bool:
+        news = super()._record_chunk(r, prog, note)
         if note.is_last:
             prog.done = True
+        return news
 
 
 class _ForgetfulSender(SenderEngine):

@@ -358,9 +358,10 @@ class DecodeLedger(RuleBasedStateMachine):
         start, end = (0, 25) if chunk == 0 else (25, 40)
         note = _note(chunk, layer, layer + 1, start, end, chunk == 1)
         before = self.landed[chunk]
-        self.half.on_note(self.ctx, self.room, self.prog, note)
-        if before & layer_mask(layer, layer + 1) or before == layer_mask(0, MODEL.num_layers):
-            self.dups += 1
+        news = self.half.on_note(self.ctx, self.room, self.prog, note)
+        duplicate = bool(before & layer_mask(layer, layer + 1)) or before == layer_mask(0, MODEL.num_layers)
+        self.dups += duplicate
+        assert news is not duplicate  # the half says whether the note was news, as it counts it
         self.landed[chunk] |= layer_mask(layer, layer + 1)
 
     @precondition(lambda self: self.landed[0] == 0)
@@ -388,11 +389,12 @@ class _LastLayerReceiver(H.ReceiverEngine):
     """A decode half that takes a chunk's last layer note as the whole chunk's (the earlier
     layers' writes may still be in flight)."""
 
-    def _layer_note(self, r: Any, prog: Any, note: m.LayerNote) -> None:
-        super()._layer_note(r, prog, note)
+    def _layer_note(self, r: Any, prog: Any, note: m.LayerNote) -> bool:
+        news = super()._layer_note(r, prog, note)
         if note.layer_end == self.pool.model.num_layers and note.chunk_index not in prog.chunks:
             prog.flow_state.pop(note.chunk_index, None)
-            self._record_chunk(r, prog, note)
+            return self._record_chunk(r, prog, note)
+        return news
 
 
 def test_the_byte_check_catches_a_last_layer_taken_as_the_chunk(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -110,14 +110,14 @@ class DirectReceiver:
 
     __slots__ = ()
 
-    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.ChunkNote) -> None:
+    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.ChunkNote) -> bool:
         idx, rng = note.chunk_index, (note.token_start, note.token_end)
         seen = prog.chunks.get(idx)
         if seen is not None:
             if seen != rng:
                 raise RoomError(f"chunk {idx} from {note.src} arrived twice with ranges {seen} and {rng}")
             ctx.count("duplicate_notification")
-            return
+            return False
         if note.token_end > r.num_tokens:
             raise RoomError(
                 f"chunk {idx} from {note.src} ends at token {note.token_end}, "
@@ -144,6 +144,7 @@ class DirectReceiver:
             if pos != r.num_tokens:
                 raise RoomError(f"{note.src} delivered {pos} tokens but decode allocated {r.num_tokens}")
             prog.done = True
+        return True
 
 
 DIRECT = DirectReceiver()

@@ -252,7 +252,7 @@ class LayerwiseReceiver:
 
     __slots__ = ()
 
-    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.LayerNote) -> None:
+    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.LayerNote) -> bool:
         num_layers = ctx.pool.model.num_layers
         idx, rng = note.chunk_index, (note.token_start, note.token_end)
         if note.layer_end > num_layers:
@@ -262,7 +262,7 @@ class LayerwiseReceiver:
             if seen != rng:
                 raise RoomError(f"chunk {idx} from {note.src} arrived twice with ranges {seen} and {rng}")
             ctx.count("duplicate_notification")  # the chunk is whole already
-            return
+            return False
         lanes = prog.flow_state
         if lanes is None:
             lanes = prog.flow_state = {}
@@ -276,11 +276,12 @@ class LayerwiseReceiver:
             if got[1] & mask != mask:
                 raise RoomError(f"layers [{note.layer_start}, {note.layer_end}) of chunk {idx} overlap")
             ctx.count("duplicate_notification")  # a resent note: its layers count once
-            return
+            return False
         got[1] |= mask
         if got[1] == layer_mask(0, num_layers):
             del lanes[idx]
-            DIRECT.on_note(ctx, r, prog, note)
+            return DIRECT.on_note(ctx, r, prog, note)
+        return True
 
 
 LAYERWISE = LayerwiseReceiver()

@@ -33,6 +33,7 @@ from kvferry.core.errors import KvferryError
 from kvferry.core.flows import registry
 from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
 from kvferry.core.flows.policy import Flow
+from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomError, RoomStateError
 from kvferry.core.reliable import Resends
 
@@ -190,7 +191,7 @@ class PullReceiver:
         r = ctx.room(offer.room)
         if r is None or r.tid != offer.transfer_id:
             status = ctx.tombstone(offer.room, offer.transfer_id)
-            if status is not None and status.name == "Success":
+            if status is KVPoll.Success:
                 # Every chunk was pulled before the room was released: this copy's Pulled was lost.
                 ctx.send(offer.src, self.pulled(offer))
             else:

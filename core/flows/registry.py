@@ -122,9 +122,10 @@ class ReceiverContext(Protocol):
 
 class FlowReceiver(Protocol):
     """A flow's decode half for the data notes it delivers: record one in the room's ledger
-    (raise ``RoomError`` for a note that breaks it)."""
+    (raise ``RoomError`` for a note that breaks it); True if it was news, False for a duplicate
+    (which it counts as ``duplicate_notification``): only news renews the room's deadline."""
 
-    def on_note(self, ctx: ReceiverContext, room: Any, progress: Any, note: m.ChunkNote) -> None: ...
+    def on_note(self, ctx: ReceiverContext, room: Any, progress: Any, note: m.ChunkNote) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
