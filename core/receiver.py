@@ -27,8 +27,6 @@ FailedAck, which stops the sender's resending.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -99,11 +97,10 @@ class RIn(IdentityEnum):
     FAIL = "fail"  # the failure funnel (``TableEngine.fail``): the only way into FAILED
 
 
-# Shared empty stand-ins for a room's rarely filled tables (pull, staging, dummies, fence): a room
-# allocates its own set or dict only when it first writes one (most rooms never do), so opening a
-# room builds fewer objects. Readers need no change; the few writers replace the stand-in first.
+# A shared empty stand-in for a room's rarely filled sets (dummies, fence): a room allocates its
+# own set only when it first writes one (most rooms never do), so opening a room builds fewer
+# objects. Readers need no change; the few writers replace the stand-in first.
 NO_SET: frozenset[Any] = frozenset()
-NO_DICT: Mapping[Any, Any] = MappingProxyType({})
 
 STATUS = {
     RState.BOOTSTRAPPING: KVPoll.Bootstrapping,
@@ -117,13 +114,12 @@ _B, _W, _T, _S, _F = RState.BOOTSTRAPPING, RState.WAITING, RState.TRANSFERRING, 
 
 
 class _SenderProgress:
-    __slots__ = ("chunks", "done", "flow_state", "last_index")
+    __slots__ = ("chunks", "done", "last_index")
 
     def __init__(self) -> None:
         self.chunks: dict[int, tuple[int, int]] = {}
         self.last_index = -1
         self.done = False
-        self.flow_state: Any = None  # a flow's own per-sender ledger (layer-wise: layers landed)
 
 
 class _Room:
@@ -143,12 +139,7 @@ class _Room:
         "key",
         "num_tokens",
         "progress",
-        "pull_from",
-        "pulled",
         "quarantined",
-        "reads",
-        "reads_cut",
-        "reads_stopped_sent",
         "release_requested",
         "room",
         "senders",
@@ -185,19 +176,10 @@ class _Room:
         self.dummies_done: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
         self.fenced: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
         self.fence_expired = False
-        # READs of ours in flight when their peer was lost: cut by DropPeer, yet over a transport
-        # that queues them (UCX over TCP) their data can still land after a heal, so only the
-        # fence deadline frees the pages.
-        self.reads_cut = False
         self.quarantined = False  # past the fence, still waiting for a Stopped (quarantine_ns)
         self.freed = False
         self.failure: RoomFailure | None = None
         self.release_requested = False
-        # Pull flow: READs in flight (they write the pages), chunks pulled, senders that offered.
-        self.reads: Any = NO_DICT
-        self.pulled: Any = NO_SET
-        self.pull_from: Any = NO_SET
-        self.reads_stopped_sent = False
 
 
 class _Peer:
@@ -309,13 +291,8 @@ class ReceiverEngine(RoomEngine):
         self._track_tables()
         # The staged flows' decode half (ring and pinned); it registers its own tables.
         self.staged = self.staged_class(self._flow_ctx, registration)
-        # Pull's decode half (core/flows/pull.py); its tables are tracked like the engine's own.
+        # Pull's decode half (core/flows/pull.py); it registers its own tables.
         self.pull_rx = PullReceiver(self._flow_ctx)
-        self.reads = self.pull_rx.reads  # read id -> room key (the driver's completions name it)
-        self.pull_peers = self.pull_rx.pull_peers
-        self.track(
-            "reads", lambda room: any(k[0] == room for k in self.reads.values()), lambda: len(self.reads)
-        )
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -341,15 +318,13 @@ class ReceiverEngine(RoomEngine):
             self._completion(self.staged.ops, event.op_id, "unknown_op", inp, event)
         elif t is WriteDone or t is WriteFailed:
             # Our pull READs come back as transfers by id, like a write's completion.
-            key = self.reads.pop(event.write_id, None)
-            if key is None:
+            done = self.pull_rx.completed(event.write_id)
+            if done is None:
                 self.counters["unknown_read"] += 1
             else:
-                r = self.rooms.get(key[0])
-                mine = r is not None and r.tid == key[1] and r.reads  # a stand-in has no pop
-                info = r.reads.pop(event.write_id, None) if mine else None
+                (room, tid), info = done
                 inp = RIn.READ_DONE if t is WriteDone else RIn.READ_FAILED
-                self._room_input(key[0], key[1], inp, (event, info))
+                self._room_input(room, tid, inp, (event, info))
         elif t is ReceiverOpen:
             self._open(event)
         elif t is AbortRoom:
@@ -413,9 +388,7 @@ class ReceiverEngine(RoomEngine):
             )
             if r is None or r.tid != msg.transfer_id:
                 # No room of ours reads its pages (released or never known): a pull sender may free.
-                self._send(
-                    msg.src, m.ReadsStopped(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id)
-                )
+                self.pull_rx.not_reading(msg.src, msg.room, msg.transfer_id)
         elif t is m.RegisterAck:
             self._on_register_ack(msg)
         elif t is m.StagingReq:
@@ -573,8 +546,7 @@ class ReceiverEngine(RoomEngine):
     def _forget_command(self, r: _Room, cmd: Any) -> None:
         t = type(cmd)
         if t is PostRead:
-            if self.reads.pop(cmd.read_id, None) is not None and r.reads:
-                r.reads.pop(cmd.read_id, None)
+            self.pull_rx.withdrawn(cmd.read_id)
         elif t is Scatter:
             self.staged.withdrawn_scatter(r, cmd.op_id)
 
@@ -739,9 +711,8 @@ class ReceiverEngine(RoomEngine):
             self.counters["notification_after_failure"] += 1
         elif inp is RIn.OFFER:
             self.pull_rx.after_failure(r, payload)
-        elif inp is RIn.PEER_FAILED and payload.src in r.pull_from and not r.reads:
-            # A pull sender still holding its pages asks again: nothing of ours reads them.
-            self._send(payload.src, m.ReadsStopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
+        elif inp is RIn.PEER_FAILED and self.pull_rx.asked_again(r, payload.src):
+            pass  # a pull sender still holding its pages asked again: nothing of ours reads them
         elif inp not in (RIn.STOPPED, RIn.RELEASE, RIn.READ_DONE, RIn.READ_FAILED):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
@@ -781,8 +752,9 @@ class ReceiverEngine(RoomEngine):
         if st is RState.FAILED:
             self.pull_rx.reads_drained(r)
             # READs of ours a lost peer cut wait for the fence deadline, which a quarantine is past.
-            fenced = r.fence_expired or (r.fenced >= r.senders.keys() and (not r.reads_cut or r.quarantined))
-            if not r.freed and fenced and not r.reads and not self.staged.scatters_running(r):
+            cut = self.pull_rx.cut(r)
+            fenced = r.fence_expired or (r.fenced >= r.senders.keys() and (not cut or r.quarantined))
+            if not r.freed and fenced and not self._pages_busy(r):
                 # Pages and staging space go back only when no writer can still write them (fenced)
                 # and no scatter or READ of ours is writing the pages.
                 r.freed = True
@@ -793,9 +765,13 @@ class ReceiverEngine(RoomEngine):
                 self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
         elif st is not RState.SUCCESS:
             return  # a live room: nothing to free or drop (``freed`` is only ever set once Failed)
-        settled = st is RState.SUCCESS and not r.reads and not self.staged.scatters_running(r)
+        settled = st is RState.SUCCESS and not self._pages_busy(r)
         if r.release_requested and (settled or r.freed):
             self._remove(r)
+
+    def _pages_busy(self, r: _Room) -> bool:
+        """A READ or a scatter of ours is writing the room's pages."""
+        return self.pull_rx.reading(r) or self.staged.scatters_running(r)
 
     def _remove(self, r: _Room) -> None:
         self._aborts.cancel(r.room)
@@ -820,12 +796,8 @@ class ReceiverEngine(RoomEngine):
         self.staged.heartbeat(peer)
 
     def _peer_gone(self, peer: m.Endpoint) -> None:
-        for room in self.rooms_by_peer.get(peer, ()):
-            r = self.rooms.get(room)
-            if r is not None and r.reads:
-                r.reads_cut = True
-                self.counters["reads_cut_by_peer_loss"] += 1
-        self.pull_rx.forget_peer(peer)  # the driver drops its agent with it (DropPeer)
+        rooms = [self.rooms[room] for room in self.rooms_by_peer.get(peer, ()) if room in self.rooms]
+        self.pull_rx.peer_lost(peer, rooms)
 
     def _on_deadline(self, kind: str, what: Any) -> None:
         if kind == "abort":

@@ -146,7 +146,6 @@ class _Room:
         "failure",
         "flow",
         "flow_override",
-        "flow_state",
         "inflight",
         "infos",
         "infos_sorted",
@@ -203,7 +202,6 @@ class _Room:
         self.flow: Any = None  # a Flow or an ExtraFlow, chosen once a decode rank registered
         self.ranges: list[tuple[int, int]] = []
         self.enqueue_end = 0
-        self.flow_state: Any = None  # a flow's own per-room ledger (the layer-wise flow's lanes)
 
 
 class _Peer:
