@@ -284,12 +284,13 @@ class SenderFlowContext(EngineFlowContext):
 
     # Chunks planned ahead (core/flows/ahead.py).
     def plans_ahead(self, r: _Room) -> bool:
-        """The room is ready and its flow is direct: a chunk named ahead can be planned now."""
+        """The room is ready and its flow's prefill half plans ahead (``FlowSender.plans_ahead``,
+        core/flows/registry.py): a chunk named ahead can be planned now."""
         if r.state is not SState.WAITING and r.state is not SState.TRANSFERRING:
             return False
         if r.flow is None:
             self._engine._choose_flow(r)
-        return r.flow is Flow.DIRECT
+        return r.flow is not None and getattr(flow_halves(r.flow).sender, "plans_ahead", False)
 
     def decode_peers(self, r: _Room) -> tuple[Any, ...]:
         """The registration records of the room's decode ranks (a new record: a new agent)."""
@@ -831,7 +832,7 @@ class SenderEngine(RoomEngine):
         flow: Any = r.flow
         if flow is None:  # chosen once a decode rank registered: the open's, else the policy's
             try:
-                flow = self.policy.override if r.flow_override is None else Flow.parse(r.flow_override)
+                flow = self.policy.requested(r.flow_override)
             except FlowError:
                 flow = None  # the open's unknown flow fails the room where it is chosen
         on_layers = None if flow is None else getattr(flow_halves(flow).sender, "on_layers", None)
@@ -861,7 +862,7 @@ class SenderEngine(RoomEngine):
         known = [self.peers[p] for p in targets if p in self.peers]
         if not known:
             if self._started(r) and not targets:
-                r.flow = Flow.DIRECT  # only dummy links: nothing to stage
+                r.flow = self.policy.without_data()  # only dummy links: nothing to stage
             return
         reg = known[0].registration
         r.flow = self.policy.choose(

@@ -31,6 +31,12 @@ class DirectSender:
     def __init__(self, *, leased: bool = False) -> None:
         self.leased = leased  # push: every post goes through the room's lease (ctx.push)
 
+    @property
+    def plans_ahead(self) -> bool:
+        """A chunk named ahead (core/flows/ahead.py) can be planned and prepared now: not under
+        leases, whose post is decided only when the chunk runs."""
+        return not self.leased
+
     def run_chunk(self, ctx: Any, r: Any, c: ChunkReady) -> str:
         start, end = ctx.chunk_bounds(r, c)
         ahead = None if self.leased else ctx.take_ahead(r, c, start, end)

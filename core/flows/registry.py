@@ -98,8 +98,10 @@ class FlowSender(Protocol):
 
     Optional, looked up by the room machine: ``prepare(ctx, room)``, called whenever the room
     learns of chunks or decode ranks (the staged flows ask for staging space ahead of the worker),
-    and ``check_peers(flow, registrations)``, called once the flow is chosen, raising to refuse
-    decode ranks that cannot receive it (a staged flow needs their staging region)."""
+    ``check_peers(flow, registrations)``, called once the flow is chosen, raising to refuse
+    decode ranks that cannot receive it (a staged flow needs their staging region), and
+    ``plans_ahead`` (true: a chunk the engine names ahead, ``ChunkAhead``, may be planned and
+    prepared before it runs; core/flows/ahead.py)."""
 
     def run_chunk(self, ctx: SenderContext, room: Any, chunk: ChunkReady) -> str: ...
 
