@@ -122,6 +122,19 @@ class _SenderProgress:
         self.done = False
 
 
+class _Fence:
+    """A failed room's fence: the senders that confirmed Stopped, the fence deadline passed, a
+    quarantine past it (``quarantine_ns``), and the pages given back (FreePages)."""
+
+    __slots__ = ("expired", "freed", "quarantined", "stopped")
+
+    def __init__(self) -> None:
+        self.stopped: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
+        self.expired = False
+        self.quarantined = False  # past the fence, still waiting for a Stopped (quarantine_ns)
+        self.freed = False  # only ever set once Failed
+
+
 class _Room:
     __slots__ = (
         "aux_index",
@@ -133,13 +146,10 @@ class _Room:
         "dst_pages",
         "dummies_done",
         "failure",
-        "fence_expired",
-        "fenced",
-        "freed",
+        "fence",
         "key",
         "num_tokens",
         "progress",
-        "quarantined",
         "release_requested",
         "room",
         "senders",
@@ -174,10 +184,7 @@ class _Room:
         self.aux_pending = False
         self.aux_ok = False
         self.dummies_done: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
-        self.fenced: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
-        self.fence_expired = False
-        self.quarantined = False  # past the fence, still waiting for a Stopped (quarantine_ns)
-        self.freed = False
+        self.fence = _Fence()
         self.failure: RoomFailure | None = None
         self.release_requested = False
 
@@ -266,8 +273,6 @@ class ReceiverEngine(RoomEngine):
         self.reg_id = m.registration_id(registration)
         self.endpoint = registration.src
         self.pool = registration.geometry.to_pool()
-        self.page_size = registration.geometry.page_size
-        self.num_pages = registration.geometry.num_pages
         self.timeouts = timeouts or Timeouts()
         self.quarantine_ns = quarantine_ns
         self.rooms: dict[int, _Room] = {}
@@ -342,7 +347,7 @@ class ReceiverEngine(RoomEngine):
     def pages_in_use(self, room: int) -> bool:
         """True while the room's pages must not go back to the allocator."""
         r = self.rooms.get(room)
-        return r is not None and not r.freed
+        return r is not None and not r.fence.freed
 
     def staging_in_use(self) -> int:
         """Live staging allocations (ring and pinned); 0 once every room settled."""
@@ -446,7 +451,7 @@ class ReceiverEngine(RoomEngine):
         why = self._check_open(ev, r)
         if why is not None:
             self.counters["bad_open"] += 1
-            r.fence_expired = True  # nothing was sent: nobody can be writing
+            r.fence.expired = True  # nothing was sent: nobody can be writing
             self.fail(r, RoomFailure(why, at_ns=self._now), abort=False)
             self._maybe_finish(r)
             return
@@ -506,13 +511,14 @@ class ReceiverEngine(RoomEngine):
         if pages.ndim != 1:
             return "page ids must be a 1-D array"
         ids = pages.tolist()  # small arrays: Python beats numpy's per-call overhead here
-        if ids and (min(ids) < 0 or max(ids) >= self.num_pages):
-            return f"page ids out of range [0, {self.num_pages})"
+        geo = self.registration.geometry
+        if ids and (min(ids) < 0 or max(ids) >= geo.num_pages):
+            return f"page ids out of range [0, {geo.num_pages})"
         if len(set(ids)) != len(ids):
             return "a page is listed twice"
         r.dst_list = ids  # checked: every TransferInfo carries this list (no tolist() per sender)
-        if not 0 <= ev.num_tokens <= pages.size * self.page_size:
-            return f"{ev.num_tokens} tokens do not fit {pages.size} pages of {self.page_size}"
+        if not 0 <= ev.num_tokens <= pages.size * geo.page_size:
+            return f"{ev.num_tokens} tokens do not fit {pages.size} pages of {geo.page_size}"
         if not 0 <= ev.aux_index < self.registration.aux_rows:
             return f"aux row {ev.aux_index} out of range"
         if not 0 <= ev.token_start <= ev.num_tokens:
@@ -536,9 +542,9 @@ class ReceiverEngine(RoomEngine):
         if inp is RIn.RELEASE:
             r.release_requested = True
         elif inp is RIn.STOPPED:
-            if r.fenced is NO_SET:
-                r.fenced = set()
-            r.fenced.add(payload.src)
+            if r.fence.stopped is NO_SET:
+                r.fence.stopped = set()
+            r.fence.stopped.add(payload.src)
             self._aborts.answered(r.room, payload.src)
         elif inp is RIn.COPY_DONE or inp is RIn.COPY_FAILED:
             self.staged.scatter_finished(r, payload.op_id)
@@ -698,15 +704,15 @@ class ReceiverEngine(RoomEngine):
         if inp is RIn.TIMEOUT:
             # The fence deadline: stop waiting for Stopped from senders that never answered, or
             # (``quarantine_ns``) wait that much longer for a sender whose writes may still land.
-            if r.freed:
+            if r.fence.freed:
                 pass
-            elif self.quarantine_ns and not r.quarantined and not r.fenced >= r.senders.keys():
-                r.quarantined = True
+            elif self.quarantine_ns and not r.fence.quarantined and not r.fence.stopped >= r.senders.keys():
+                r.fence.quarantined = True
                 self.counters["fence_quarantined"] += 1
                 self.deadlines.set(("room", r.room), self._now + self.quarantine_ns)
             else:
                 self.counters["fence_expired"] += 1
-                r.fence_expired = True
+                r.fence.expired = True
         elif inp is RIn.NOTIFY:
             self.counters["notification_after_failure"] += 1
         elif inp is RIn.OFFER:
@@ -738,7 +744,7 @@ class ReceiverEngine(RoomEngine):
         deadline nor leaves the sender believing in a Success the decode side gave up on."""
         reason = r.failure.reason if r.failure else "failed"
         room, tid = r.room, r.tid
-        owed = [p for p in r.senders if p not in r.fenced]
+        owed = [p for p in r.senders if p not in r.fence.stopped]
         for p, msg in self._aborts.start(
             room,
             owed,
@@ -753,20 +759,22 @@ class ReceiverEngine(RoomEngine):
             self.pull_rx.reads_drained(r)
             # READs of ours a lost peer cut wait for the fence deadline, which a quarantine is past.
             cut = self.pull_rx.cut(r)
-            fenced = r.fence_expired or (r.fenced >= r.senders.keys() and (not cut or r.quarantined))
-            if not r.freed and fenced and not self._pages_busy(r):
+            fenced = r.fence.expired or (
+                r.fence.stopped >= r.senders.keys() and (not cut or r.fence.quarantined)
+            )
+            if not r.fence.freed and fenced and not self._pages_busy(r):
                 # Pages and staging space go back only when no writer can still write them (fenced)
                 # and no scatter or READ of ours is writing the pages.
-                r.freed = True
+                r.fence.freed = True
                 self.staged.reclaim(r)
                 self.deadlines.cancel(("room", r.room))
                 self._aborts.cancel(r.room)
-                reason = "fence expired" if r.fence_expired else "every sender stopped"
+                reason = "fence expired" if r.fence.expired else "every sender stopped"
                 self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
         elif st is not RState.SUCCESS:
             return  # a live room: nothing to free or drop (``freed`` is only ever set once Failed)
         settled = st is RState.SUCCESS and not self._pages_busy(r)
-        if r.release_requested and (settled or r.freed):
+        if r.release_requested and (settled or r.fence.freed):
             self._remove(r)
 
     def _pages_busy(self, r: _Room) -> bool:

@@ -266,14 +266,14 @@ class _FrontTrimSender(SenderEngine):
     def _run_flow(self, r: Any, c: Any, flow: Any) -> str:
         if not r.token_start:
             return super()._run_flow(r, c, flow)
-        saved = dict(r.dests)
+        saved = dict(r.decode.dests)
         for p, pages in saved.items():
             shift = max(1, r.token_start // self.peers[p].pool.page_size)
-            r.dests[p] = np.roll(pages, shift)  # token token_start lands near slot 0
+            r.decode.dests[p] = np.roll(pages, shift)  # token token_start lands near slot 0
         try:
             return super()._run_flow(r, c, flow)
         finally:
-            r.dests = saved
+            r.decode.dests = saved
 
 
 class _NeverExpiringLeases(LeaseRegistry):
