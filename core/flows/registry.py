@@ -83,6 +83,12 @@ class SenderContext(Protocol):
 
     def send(self, peer: m.Endpoint, msg: Any) -> None: ...
 
+    def room_table(self, name: str) -> dict[Any, Any]:
+        """The flow's own per-room table ``name`` (room key -> its record of the room), kept by the
+        engine: registered with its quiescence checks, and emptied of a room when it is removed.
+        A flow keeps its per-room state there, never on the room."""
+        ...
+
     def finish_run(
         self, room: Any, chunk: ChunkReady, start: int, end: int, posted: list[int], lease: Any = None
     ) -> str:
@@ -120,6 +126,10 @@ class ReceiverContext(Protocol):
     def now(self) -> int: ...
 
     def count(self, what: str) -> None: ...
+
+    def room_table(self, name: str) -> dict[Any, Any]:
+        """As ``SenderContext.room_table``, on the decode rank."""
+        ...
 
 
 class FlowReceiver(Protocol):
