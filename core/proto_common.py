@@ -166,6 +166,11 @@ class EngineFlowContext:
         """Register a flow's per-room table with the engine (``RoomEngine.track``)."""
         self._engine.track(name, mentions, size)
 
+    def room_table(self, name: str) -> dict[Any, Any]:
+        """A flow's per-room table, room key -> the flow's record of the room
+        (``RoomEngine.room_table``)."""
+        return self._engine.room_table(name)
+
     def room(self, room: int) -> Any:
         """The live room of that id, if any."""
         return self._engine.rooms.get(room)
@@ -276,6 +281,17 @@ class RoomEngine(TableEngine):
             lambda: sum(len(s) for s in self.rooms_by_peer.values()),
         )
 
+    def room_table(self, name: str) -> dict[Any, Any]:
+        """The per-room table ``name`` of a flow that keeps no component of its own (its halves
+        are stateless): room key -> the flow's record of that room. Made and registered
+        (``track``) on first use; a removed room's entry goes with it (``_forget``)."""
+        tables: dict[str, dict[Any, Any]] = self.__dict__.setdefault("_room_tables", {})
+        table = tables.get(name)
+        if table is None:
+            table = tables[name] = {}
+            self.track(name, lambda room: any(k[0] == room for k in table), table.__len__)
+        return table
+
     def references(self, room: int) -> list[str]:
         """Names of the per-room tables that still mention ``room`` (empty once released)."""
         return [name for name, (mentions, _) in self._tables.items() if mentions(room)]
@@ -331,6 +347,8 @@ class RoomEngine(TableEngine):
                 if not s:
                     del self.rooms_by_peer[p]
         self.deadlines.cancel(("room", r.room))
+        for table in self.__dict__.get("_room_tables", {}).values():
+            table.pop(r.key, None)
         reason = r.failure.reason if r.failure is not None else ""
         self.tombstones.add(r.room, r.tid, self.STATUS[r.state], self._now, reason)
 

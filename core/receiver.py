@@ -27,8 +27,6 @@ FailedAck, which stops the sender's resending.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -99,11 +97,10 @@ class RIn(IdentityEnum):
     FAIL = "fail"  # the failure funnel (``TableEngine.fail``): the only way into FAILED
 
 
-# Shared empty stand-ins for a room's rarely filled tables (pull, staging, dummies, fence): a room
-# allocates its own set or dict only when it first writes one (most rooms never do), so opening a
-# room builds fewer objects. Readers need no change; the few writers replace the stand-in first.
+# A shared empty stand-in for a room's rarely filled sets (dummies, fence): a room allocates its
+# own set only when it first writes one (most rooms never do), so opening a room builds fewer
+# objects. Readers need no change; the few writers replace the stand-in first.
 NO_SET: frozenset[Any] = frozenset()
-NO_DICT: Mapping[Any, Any] = MappingProxyType({})
 
 STATUS = {
     RState.BOOTSTRAPPING: KVPoll.Bootstrapping,
@@ -117,13 +114,25 @@ _B, _W, _T, _S, _F = RState.BOOTSTRAPPING, RState.WAITING, RState.TRANSFERRING, 
 
 
 class _SenderProgress:
-    __slots__ = ("chunks", "done", "flow_state", "last_index")
+    __slots__ = ("chunks", "done", "last_index")
 
     def __init__(self) -> None:
         self.chunks: dict[int, tuple[int, int]] = {}
         self.last_index = -1
         self.done = False
-        self.flow_state: Any = None  # a flow's own per-sender ledger (layer-wise: layers landed)
+
+
+class _Fence:
+    """A failed room's fence: the senders that confirmed Stopped, the fence deadline passed, a
+    quarantine past it (``quarantine_ns``), and the pages given back (FreePages)."""
+
+    __slots__ = ("expired", "freed", "quarantined", "stopped")
+
+    def __init__(self) -> None:
+        self.stopped: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
+        self.expired = False
+        self.quarantined = False  # past the fence, still waiting for a Stopped (quarantine_ns)
+        self.freed = False  # only ever set once Failed
 
 
 class _Room:
@@ -137,18 +146,10 @@ class _Room:
         "dst_pages",
         "dummies_done",
         "failure",
-        "fence_expired",
-        "fenced",
-        "freed",
+        "fence",
         "key",
         "num_tokens",
         "progress",
-        "pull_from",
-        "pulled",
-        "quarantined",
-        "reads",
-        "reads_cut",
-        "reads_stopped_sent",
         "release_requested",
         "room",
         "senders",
@@ -183,21 +184,9 @@ class _Room:
         self.aux_pending = False
         self.aux_ok = False
         self.dummies_done: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
-        self.fenced: set[m.Endpoint] | frozenset[m.Endpoint] = NO_SET
-        self.fence_expired = False
-        # READs of ours in flight when their peer was lost: cut by DropPeer, yet over a transport
-        # that queues them (UCX over TCP) their data can still land after a heal, so only the
-        # fence deadline frees the pages.
-        self.reads_cut = False
-        self.quarantined = False  # past the fence, still waiting for a Stopped (quarantine_ns)
-        self.freed = False
+        self.fence = _Fence()
         self.failure: RoomFailure | None = None
         self.release_requested = False
-        # Pull flow: READs in flight (they write the pages), chunks pulled, senders that offered.
-        self.reads: Any = NO_DICT
-        self.pulled: Any = NO_SET
-        self.pull_from: Any = NO_SET
-        self.reads_stopped_sent = False
 
 
 class _Peer:
@@ -236,8 +225,8 @@ class ReceiverFlowContext(EngineFlowContext):
         e = self._engine
         e.deadlines.set(("room", r.room), e._now + e.timeouts.transfer_ns)
 
-    def record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> None:
-        self._engine._record_chunk(r, prog, note)
+    def record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> bool:
+        return self._engine._record_chunk(r, prog, note)
 
     def complete(self, r: _Room) -> bool:
         return self._engine._complete(r)
@@ -284,8 +273,6 @@ class ReceiverEngine(RoomEngine):
         self.reg_id = m.registration_id(registration)
         self.endpoint = registration.src
         self.pool = registration.geometry.to_pool()
-        self.page_size = registration.geometry.page_size
-        self.num_pages = registration.geometry.num_pages
         self.timeouts = timeouts or Timeouts()
         self.quarantine_ns = quarantine_ns
         self.rooms: dict[int, _Room] = {}
@@ -309,13 +296,8 @@ class ReceiverEngine(RoomEngine):
         self._track_tables()
         # The staged flows' decode half (ring and pinned); it registers its own tables.
         self.staged = self.staged_class(self._flow_ctx, registration)
-        # Pull's decode half (core/flows/pull.py); its tables are tracked like the engine's own.
+        # Pull's decode half (core/flows/pull.py); it registers its own tables.
         self.pull_rx = PullReceiver(self._flow_ctx)
-        self.reads = self.pull_rx.reads  # read id -> room key (the driver's completions name it)
-        self.pull_peers = self.pull_rx.pull_peers
-        self.track(
-            "reads", lambda room: any(k[0] == room for k in self.reads.values()), lambda: len(self.reads)
-        )
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -341,15 +323,13 @@ class ReceiverEngine(RoomEngine):
             self._completion(self.staged.ops, event.op_id, "unknown_op", inp, event)
         elif t is WriteDone or t is WriteFailed:
             # Our pull READs come back as transfers by id, like a write's completion.
-            key = self.reads.pop(event.write_id, None)
-            if key is None:
+            done = self.pull_rx.completed(event.write_id)
+            if done is None:
                 self.counters["unknown_read"] += 1
             else:
-                r = self.rooms.get(key[0])
-                mine = r is not None and r.tid == key[1] and r.reads  # a stand-in has no pop
-                info = r.reads.pop(event.write_id, None) if mine else None
+                (room, tid), info = done
                 inp = RIn.READ_DONE if t is WriteDone else RIn.READ_FAILED
-                self._room_input(key[0], key[1], inp, (event, info))
+                self._room_input(room, tid, inp, (event, info))
         elif t is ReceiverOpen:
             self._open(event)
         elif t is AbortRoom:
@@ -367,7 +347,7 @@ class ReceiverEngine(RoomEngine):
     def pages_in_use(self, room: int) -> bool:
         """True while the room's pages must not go back to the allocator."""
         r = self.rooms.get(room)
-        return r is not None and not r.freed
+        return r is not None and not r.fence.freed
 
     def staging_in_use(self) -> int:
         """Live staging allocations (ring and pinned); 0 once every room settled."""
@@ -413,9 +393,7 @@ class ReceiverEngine(RoomEngine):
             )
             if r is None or r.tid != msg.transfer_id:
                 # No room of ours reads its pages (released or never known): a pull sender may free.
-                self._send(
-                    msg.src, m.ReadsStopped(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id)
-                )
+                self.pull_rx.not_reading(msg.src, msg.room, msg.transfer_id)
         elif t is m.RegisterAck:
             self._on_register_ack(msg)
         elif t is m.StagingReq:
@@ -473,7 +451,7 @@ class ReceiverEngine(RoomEngine):
         why = self._check_open(ev, r)
         if why is not None:
             self.counters["bad_open"] += 1
-            r.fence_expired = True  # nothing was sent: nobody can be writing
+            r.fence.expired = True  # nothing was sent: nobody can be writing
             self.fail(r, RoomFailure(why, at_ns=self._now), abort=False)
             self._maybe_finish(r)
             return
@@ -533,13 +511,14 @@ class ReceiverEngine(RoomEngine):
         if pages.ndim != 1:
             return "page ids must be a 1-D array"
         ids = pages.tolist()  # small arrays: Python beats numpy's per-call overhead here
-        if ids and (min(ids) < 0 or max(ids) >= self.num_pages):
-            return f"page ids out of range [0, {self.num_pages})"
+        geo = self.registration.geometry
+        if ids and (min(ids) < 0 or max(ids) >= geo.num_pages):
+            return f"page ids out of range [0, {geo.num_pages})"
         if len(set(ids)) != len(ids):
             return "a page is listed twice"
         r.dst_list = ids  # checked: every TransferInfo carries this list (no tolist() per sender)
-        if not 0 <= ev.num_tokens <= pages.size * self.page_size:
-            return f"{ev.num_tokens} tokens do not fit {pages.size} pages of {self.page_size}"
+        if not 0 <= ev.num_tokens <= pages.size * geo.page_size:
+            return f"{ev.num_tokens} tokens do not fit {pages.size} pages of {geo.page_size}"
         if not 0 <= ev.aux_index < self.registration.aux_rows:
             return f"aux row {ev.aux_index} out of range"
         if not 0 <= ev.token_start <= ev.num_tokens:
@@ -563,9 +542,9 @@ class ReceiverEngine(RoomEngine):
         if inp is RIn.RELEASE:
             r.release_requested = True
         elif inp is RIn.STOPPED:
-            if r.fenced is NO_SET:
-                r.fenced = set()
-            r.fenced.add(payload.src)
+            if r.fence.stopped is NO_SET:
+                r.fence.stopped = set()
+            r.fence.stopped.add(payload.src)
             self._aborts.answered(r.room, payload.src)
         elif inp is RIn.COPY_DONE or inp is RIn.COPY_FAILED:
             self.staged.scatter_finished(r, payload.op_id)
@@ -573,8 +552,7 @@ class ReceiverEngine(RoomEngine):
     def _forget_command(self, r: _Room, cmd: Any) -> None:
         t = type(cmd)
         if t is PostRead:
-            if self.reads.pop(cmd.read_id, None) is not None and r.reads:
-                r.reads.pop(cmd.read_id, None)
+            self.pull_rx.withdrawn(cmd.read_id)
         elif t is Scatter:
             self.staged.withdrawn_scatter(r, cmd.op_id)
 
@@ -606,13 +584,13 @@ class ReceiverEngine(RoomEngine):
         # then knows the room only from it, times out, and fails a room that ended Success.
         if r.room in self._infos.entries:  # usually answered already by its InfoAck
             self._infos.answered(r.room, src)
-        duplicates = self.counters["duplicate_notification"]
         if src not in r.data_senders:
             # A dummy moves no bytes; its one "done" note makes decode's Success cover every
             # sender, so a dummy that failed (and said so, or went silent) fails the room here too.
             if not (note.dummy and note.is_last):
                 raise RoomError(f"notification with data from dummy sender {src}")
-            if src in r.dummies_done:
+            news = src not in r.dummies_done
+            if not news:
                 self.counters["duplicate_notification"] += 1
             if r.dummies_done is NO_SET:
                 r.dummies_done = set()
@@ -622,22 +600,23 @@ class ReceiverEngine(RoomEngine):
         elif note.staged >= 0:
             # A note names no flow; one naming a staging allocation lands in space a StagingReq
             # asked for, and that request named its flow: that flow's decode half takes it.
-            self.staged.half_for(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
+            news = self.staged.half_for(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
         elif note.layer_end:
             # A layer range says layer-wise (core/flows/layerwise.py): the chunk is recorded once
             # every layer of it landed.
-            self._layer_note(r, r.progress[src], note)
+            news = self._layer_note(r, r.progress[src], note)
         elif note.aux:
             if src != r.aux_sender:
                 raise RoomError(f"aux row written by {src}, expected {r.aux_sender}")
-            if r.aux_pending or r.aux_ok:
+            news = not (r.aux_pending or r.aux_ok)
+            if not news:
                 self.counters["duplicate_notification"] += 1
             else:
                 r.aux_pending = True
                 self._out.append(CheckAux(room=r.room, transfer_id=r.tid, aux_index=r.aux_index))
         else:
-            self._record_chunk(r, r.progress[src], note)
-        if self.counters["duplicate_notification"] == duplicates:
+            news = self._record_chunk(r, r.progress[src], note)
+        if news:
             # Only news renews the transfer deadline (as only a new pull offer does). A staged
             # writer resends its note until our watermark passes it, for up to the fence; while
             # the chunk waits for another writer that never writes (it restarted and forgot the
@@ -646,13 +625,13 @@ class ReceiverEngine(RoomEngine):
             self.deadlines.set(("room", r.room), self._now + self.timeouts.transfer_ns)
         return "done" if self._complete(r) else "running"
 
-    def _record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> None:
+    def _record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> bool:
         """A data chunk in the sender's ledger (direct's decode half; pull and the staged flows
-        record theirs here too once READ or scattered)."""
-        DIRECT_RECEIVER.on_note(self._flow_ctx, r, prog, note)
+        record theirs here too once READ or scattered); True if it was news, not a duplicate."""
+        return DIRECT_RECEIVER.on_note(self._flow_ctx, r, prog, note)
 
-    def _layer_note(self, r: _Room, prog: _SenderProgress, note: m.LayerNote) -> None:
-        LAYERWISE_RECEIVER.on_note(self._flow_ctx, r, prog, note)
+    def _layer_note(self, r: _Room, prog: _SenderProgress, note: m.LayerNote) -> bool:
+        return LAYERWISE_RECEIVER.on_note(self._flow_ctx, r, prog, note)
 
     def _complete(self, r: _Room) -> bool:
         if not r.aux_ok or self.staged.scatters_running(r):
@@ -725,22 +704,21 @@ class ReceiverEngine(RoomEngine):
         if inp is RIn.TIMEOUT:
             # The fence deadline: stop waiting for Stopped from senders that never answered, or
             # (``quarantine_ns``) wait that much longer for a sender whose writes may still land.
-            if r.freed:
+            if r.fence.freed:
                 pass
-            elif self.quarantine_ns and not r.quarantined and not r.fenced >= r.senders.keys():
-                r.quarantined = True
+            elif self.quarantine_ns and not r.fence.quarantined and not r.fence.stopped >= r.senders.keys():
+                r.fence.quarantined = True
                 self.counters["fence_quarantined"] += 1
                 self.deadlines.set(("room", r.room), self._now + self.quarantine_ns)
             else:
                 self.counters["fence_expired"] += 1
-                r.fence_expired = True
+                r.fence.expired = True
         elif inp is RIn.NOTIFY:
             self.counters["notification_after_failure"] += 1
         elif inp is RIn.OFFER:
             self.pull_rx.after_failure(r, payload)
-        elif inp is RIn.PEER_FAILED and payload.src in r.pull_from and not r.reads:
-            # A pull sender still holding its pages asks again: nothing of ours reads them.
-            self._send(payload.src, m.ReadsStopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
+        elif inp is RIn.PEER_FAILED and self.pull_rx.asked_again(r, payload.src):
+            pass  # a pull sender still holding its pages asked again: nothing of ours reads them
         elif inp not in (RIn.STOPPED, RIn.RELEASE, RIn.READ_DONE, RIn.READ_FAILED):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
@@ -766,7 +744,7 @@ class ReceiverEngine(RoomEngine):
         deadline nor leaves the sender believing in a Success the decode side gave up on."""
         reason = r.failure.reason if r.failure else "failed"
         room, tid = r.room, r.tid
-        owed = [p for p in r.senders if p not in r.fenced]
+        owed = [p for p in r.senders if p not in r.fence.stopped]
         for p, msg in self._aborts.start(
             room,
             owed,
@@ -780,21 +758,28 @@ class ReceiverEngine(RoomEngine):
         if st is RState.FAILED:
             self.pull_rx.reads_drained(r)
             # READs of ours a lost peer cut wait for the fence deadline, which a quarantine is past.
-            fenced = r.fence_expired or (r.fenced >= r.senders.keys() and (not r.reads_cut or r.quarantined))
-            if not r.freed and fenced and not r.reads and not self.staged.scatters_running(r):
+            cut = self.pull_rx.cut(r)
+            fenced = r.fence.expired or (
+                r.fence.stopped >= r.senders.keys() and (not cut or r.fence.quarantined)
+            )
+            if not r.fence.freed and fenced and not self._pages_busy(r):
                 # Pages and staging space go back only when no writer can still write them (fenced)
                 # and no scatter or READ of ours is writing the pages.
-                r.freed = True
+                r.fence.freed = True
                 self.staged.reclaim(r)
                 self.deadlines.cancel(("room", r.room))
                 self._aborts.cancel(r.room)
-                reason = "fence expired" if r.fence_expired else "every sender stopped"
+                reason = "fence expired" if r.fence.expired else "every sender stopped"
                 self._out.append(FreePages(room=r.room, transfer_id=r.tid, reason=reason))
         elif st is not RState.SUCCESS:
             return  # a live room: nothing to free or drop (``freed`` is only ever set once Failed)
-        settled = st is RState.SUCCESS and not r.reads and not self.staged.scatters_running(r)
-        if r.release_requested and (settled or r.freed):
+        settled = st is RState.SUCCESS and not self._pages_busy(r)
+        if r.release_requested and (settled or r.fence.freed):
             self._remove(r)
+
+    def _pages_busy(self, r: _Room) -> bool:
+        """A READ or a scatter of ours is writing the room's pages."""
+        return self.pull_rx.reading(r) or self.staged.scatters_running(r)
 
     def _remove(self, r: _Room) -> None:
         self._aborts.cancel(r.room)
@@ -819,12 +804,8 @@ class ReceiverEngine(RoomEngine):
         self.staged.heartbeat(peer)
 
     def _peer_gone(self, peer: m.Endpoint) -> None:
-        for room in self.rooms_by_peer.get(peer, ()):
-            r = self.rooms.get(room)
-            if r is not None and r.reads:
-                r.reads_cut = True
-                self.counters["reads_cut_by_peer_loss"] += 1
-        self.pull_rx.forget_peer(peer)  # the driver drops its agent with it (DropPeer)
+        rooms = [self.rooms[room] for room in self.rooms_by_peer.get(peer, ()) if room in self.rooms]
+        self.pull_rx.peer_lost(peer, rooms)
 
     def _on_deadline(self, kind: str, what: Any) -> None:
         if kind == "abort":

@@ -136,38 +136,79 @@ STATUS = {
 _B, _W, _T, _S, _F = SState.BOOTSTRAPPING, SState.WAITING, SState.TRANSFERRING, SState.SUCCESS, SState.FAILED
 
 
+class _DecodeRanks:
+    """What the room's decode ranks said in their TransferInfos."""
+
+    __slots__ = ("dests", "expected_infos", "infos", "infos_sorted")
+
+    def __init__(self) -> None:
+        self.infos: dict[m.Endpoint, m.TransferInfo] = {}
+        self.infos_sorted: list[tuple[m.Endpoint, m.TransferInfo]] | None = None  # cache
+        self.dests: dict[m.Endpoint, Any] = {}  # peer -> dst page array
+        self.expected_infos = 0
+
+
+class _Opening:
+    """Who made the room (a TransferInfo may come before the local open) and what the open asked."""
+
+    __slots__ = ("created_by_info", "flow_override", "opened")
+
+    def __init__(self) -> None:
+        self.opened = False
+        self.created_by_info = False
+        self.flow_override: str | None = None  # the open's flow, if it named one
+
+
+class _Fence:
+    """Who must hear the fence (Stopped) once nothing of a failed room is in flight, and whether
+    it left."""
+
+    __slots__ = ("stop_to", "stopped_sent")
+
+    def __init__(self) -> None:
+        self.stop_to: set[m.Endpoint] = set()
+        self.stopped_sent = False
+
+
+class _ChunkRun:
+    """The room machine's side of the chunk run: chunks parked until the room is ready, whether
+    the last was handed over, tokens computed so far and whether the last chunk ran."""
+
+    __slots__ = ("last_enqueued", "last_run", "parked", "tokens_done")
+
+    def __init__(self) -> None:
+        self.parked: list[ChunkReady] = []
+        self.last_enqueued = False
+        self.tokens_done = 0
+        self.last_run = False
+
+
 class _Room:
+    """One room of the rank. On the room itself: its identity and state, and what a flow's half
+    reads of it (token range, decode ranks' topology, chunk order, writes in flight); the room
+    machine's own bookkeeping sits in small records of one job each."""
+
     __slots__ = (
         "aux_index",
-        "created_by_info",
-        "dests",
+        "decode",
         "enqueue_end",
-        "expected_infos",
         "failure",
+        "fence",
         "flow",
-        "flow_override",
-        "flow_state",
         "inflight",
-        "infos",
-        "infos_sorted",
         "key",
-        "last_enqueued",
-        "last_run",
         "next_enqueue",
         "next_run",
         "num_tokens",
-        "opened",
-        "parked",
+        "opening",
         "ranges",
         "receivers",
         "release_requested",
         "room",
+        "run",
         "state",
-        "stop_to",
-        "stopped_sent",
         "tid",
         "token_start",
-        "tokens_done",
     )
 
     def __init__(self, room: int, tid: str) -> None:
@@ -175,35 +216,26 @@ class _Room:
         self.tid = tid
         self.key = (room, tid)
         self.state = SState.BOOTSTRAPPING
-        self.opened = False
-        self.created_by_info = False
+        self.failure: RoomFailure | None = None
+        self.opening = _Opening()
+        self.decode = _DecodeRanks()
+        self.run = _ChunkRun()
+        self.fence = _Fence()
         self.aux_index = -1
-        self.infos: dict[m.Endpoint, m.TransferInfo] = {}
-        self.infos_sorted: list[tuple[m.Endpoint, m.TransferInfo]] | None = None  # cache
-        self.dests: dict[m.Endpoint, Any] = {}  # peer -> dst page array
-        self.expected_infos = 0
         self.num_tokens = -1
         self.token_start = 0  # decode's prefix hit: it holds [0, token_start) already
-        self.parked: list[ChunkReady] = []
         self.next_enqueue = 0
         self.next_run = 0
-        self.tokens_done = 0
-        self.last_run = False
-        self.last_enqueued = False
         self.inflight: set[int] = set()
-        self.failure: RoomFailure | None = None
-        self.stop_to: set[m.Endpoint] = set()
-        self.stopped_sent = False
         self.release_requested = False
-        # Flows: what the scheduler asked for, the flow chosen (the key of its halves in
-        # core/flows/registry.py), and the token range of every enqueued chunk. A flow keeps its
-        # own per-room ledger in its own table (core/flows/staged_sender.py ``ledgers``).
+        # Flows: the flow chosen (the key of its halves in core/flows/registry.py), the decode
+        # ranks the scheduler named at open, and the token range of every enqueued chunk. A flow
+        # keeps its own per-room ledger in its own table (core/flows/staged_sender.py
+        # ``ledgers``, the layer-wise lanes in ``room_table``).
         self.receivers: tuple[m.Endpoint, ...] = ()
-        self.flow_override: str | None = None
         self.flow: Any = None  # a Flow or an ExtraFlow, chosen once a decode rank registered
         self.ranges: list[tuple[int, int]] = []
         self.enqueue_end = 0
-        self.flow_state: Any = None  # a flow's own per-room ledger (the layer-wise flow's lanes)
 
 
 class _Peer:
@@ -272,7 +304,9 @@ class SenderFlowContext(EngineFlowContext):
 
     def destinations(self, r: _Room) -> list[Destination]:
         e = self._engine
-        return [Destination(p, e.peers[p].pool, r.dests[p], info.dummy) for p, info in e._infos_sorted(r)]
+        return [
+            Destination(p, e.peers[p].pool, r.decode.dests[p], info.dummy) for p, info in e._infos_sorted(r)
+        ]
 
     def chunk_note(self, r: _Room, c: Any, start: int, end: int, **kind: Any) -> bytes:
         return self._engine._chunk_note(r, c, start, end, **kind)
@@ -286,12 +320,13 @@ class SenderFlowContext(EngineFlowContext):
 
     # Chunks planned ahead (core/flows/ahead.py).
     def plans_ahead(self, r: _Room) -> bool:
-        """The room is ready and its flow is direct: a chunk named ahead can be planned now."""
+        """The room is ready and its flow's prefill half plans ahead (``FlowSender.plans_ahead``,
+        core/flows/registry.py): a chunk named ahead can be planned now."""
         if r.state is not SState.WAITING and r.state is not SState.TRANSFERRING:
             return False
         if r.flow is None:
             self._engine._choose_flow(r)
-        return r.flow is Flow.DIRECT
+        return r.flow is not None and getattr(flow_halves(r.flow).sender, "plans_ahead", False)
 
     def decode_peers(self, r: _Room) -> tuple[Any, ...]:
         """The registration records of the room's decode ranks (a new record: a new agent)."""
@@ -543,7 +578,7 @@ class SenderEngine(RoomEngine):
         self._send(msg.src, m.RegisterAck(src=self.endpoint, ok=True))
         for room in sorted(self.rooms_by_peer.get(msg.src, ())):
             r = self.rooms[room]
-            if r.infos[msg.src].reg != new.reg_id:
+            if r.decode.infos[msg.src].reg != new.reg_id:
                 # The old process is gone, and its READs of our pages (pull) died with it.
                 self.pull.released_by(r.key, msg.src)
                 # Pages named by a past incarnation: writing them would hit whoever owns them now.
@@ -570,7 +605,7 @@ class SenderEngine(RoomEngine):
         r = self.rooms.get(msg.room)
         if r is None:
             r = self._create(msg.room, msg.transfer_id)
-            r.created_by_info = True
+            r.opening.created_by_info = True
         elif r.tid != msg.transfer_id:
             self.counters["stale_transfer_id"] += 1
             return
@@ -609,12 +644,12 @@ class SenderEngine(RoomEngine):
         r = self.rooms.get(ev.room)
         if r is None:
             r = self._create(ev.room, ev.transfer_id)
-            r.opened = True
+            r.opening.opened = True
             r.aux_index = ev.aux_index
-            r.receivers, r.flow_override = tuple(ev.receivers), ev.flow
+            r.receivers, r.opening.flow_override = tuple(ev.receivers), ev.flow
             self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Bootstrapping))
             return
-        if r.tid != ev.transfer_id and r.created_by_info and not r.opened:
+        if r.tid != ev.transfer_id and r.opening.created_by_info and not r.opening.opened:
             # Only a TransferInfo made that room and no local request owns it: a message of an
             # incarnation whose tombstone expired. The local scheduler is the authority on which
             # request holds the id now: the ghost fails (it never wrote) and the new room starts.
@@ -681,7 +716,7 @@ class SenderEngine(RoomEngine):
         key = ("room", r.room)
         if st is SState.WAITING:
             self.deadlines.set(key, self._now + self.timeouts.waiting_ns)
-            parked, r.parked = r.parked, []
+            parked, r.run.parked = r.run.parked, []
             shard = shard_of(r.room, self.num_shards)
             for c in parked:
                 self._out.append(EnqueueChunk(shard=shard, chunk=c))
@@ -699,29 +734,29 @@ class SenderEngine(RoomEngine):
 
     def _ready(self, r: _Room) -> bool:
         return (
-            r.opened
-            and r.expected_infos > 0
-            and len(r.infos) == r.expected_infos
-            and all(p in self.peers and self.peers[p].reg_id == i.reg for p, i in r.infos.items())
+            r.opening.opened
+            and r.decode.expected_infos > 0
+            and len(r.decode.infos) == r.decode.expected_infos
+            and all(p in self.peers and self.peers[p].reg_id == i.reg for p, i in r.decode.infos.items())
         )
 
     # --- handlers (names referenced by SENDER_TABLE) -------------------------------------------
 
     def _h_on_open(self, r: _Room, inp: SIn, ev: SenderOpen) -> str:
-        if r.opened:
+        if r.opening.opened:
             raise RoomStateError("room opened twice")
-        r.opened = True
+        r.opening.opened = True
         r.aux_index = ev.aux_index
-        r.receivers, r.flow_override = tuple(ev.receivers), ev.flow
+        r.receivers, r.opening.flow_override = tuple(ev.receivers), ev.flow
         if not self._wants_push(r):
             self.push.withdraw(r.key, self._now)  # registered on the policy's push: another flow
-        for info in list(r.infos.values()):
+        for info in list(r.decode.infos.values()):
             self._push_register(r, info)
         self._prepare(r)
         return "ready" if self._ready(r) else "stay"
 
     def _duplicate_info(self, r: _Room, msg: m.TransferInfo) -> bool:
-        known = r.infos.get(msg.src)
+        known = r.decode.infos.get(msg.src)
         if known is None:
             return False
         if known != msg:
@@ -733,13 +768,13 @@ class SenderEngine(RoomEngine):
         """Every expected TransferInfo arrived already: only a duplicate is fine."""
         if self._duplicate_info(r, msg):
             return "stay"
-        raise RoomError(f"unexpected TransferInfo from {msg.src} after all {r.expected_infos} arrived")
+        raise RoomError(f"unexpected TransferInfo from {msg.src} after all {r.decode.expected_infos} arrived")
 
     def _h_on_info(self, r: _Room, inp: SIn, msg: m.TransferInfo) -> str:
         if self._duplicate_info(r, msg):
             return "stay"
-        if r.infos:
-            if msg.expected_infos != r.expected_infos:
+        if r.decode.infos:
+            if msg.expected_infos != r.decode.expected_infos:
                 raise RoomError(f"decode ranks disagree on expected senders ({msg.expected_infos})")
             if msg.num_tokens != r.num_tokens:
                 raise RoomError(
@@ -748,15 +783,15 @@ class SenderEngine(RoomEngine):
             if msg.token_start != r.token_start:
                 raise RoomError(f"decode ranks disagree on the prefix they hold ({msg.token_start})")
         else:
-            r.expected_infos = msg.expected_infos
+            r.decode.expected_infos = msg.expected_infos
             r.num_tokens = msg.num_tokens
             r.token_start = msg.token_start
-        if len(r.infos) >= r.expected_infos:
-            raise RoomError(f"more TransferInfos than the {r.expected_infos} expected")
-        r.infos[msg.src] = msg
-        r.infos_sorted = None
-        r.dests[msg.src] = np.asarray(msg.dst_pages, dtype=np.int64)
-        r.stop_to.add(msg.src)
+        if len(r.decode.infos) >= r.decode.expected_infos:
+            raise RoomError(f"more TransferInfos than the {r.decode.expected_infos} expected")
+        r.decode.infos[msg.src] = msg
+        r.decode.infos_sorted = None
+        r.decode.dests[msg.src] = np.asarray(msg.dst_pages, dtype=np.int64)
+        r.fence.stop_to.add(msg.src)
         self.rooms_by_peer.setdefault(msg.src, set()).add(r.room)
         self._push_register(r, msg)
         self._prepare(r)
@@ -773,7 +808,7 @@ class SenderEngine(RoomEngine):
     def _h_on_chunk_early(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
         """Before the room is ready the chunk is parked: the worker never sees it early."""
         if self._accept_chunk(r, c):
-            r.parked.append(c)
+            r.run.parked.append(c)
 
     def _h_on_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
         if self._accept_chunk(r, c):
@@ -794,7 +829,7 @@ class SenderEngine(RoomEngine):
             raise LocalMisuseError(
                 f"room {r.room}: chunk {c.chunk_index} handed over before chunk {r.next_enqueue}"
             )
-        if r.last_enqueued:
+        if r.run.last_enqueued:
             raise LocalMisuseError(f"room {r.room}: chunk {c.chunk_index} after the last chunk")
         if r.num_tokens >= 0 and c.token_end > r.num_tokens:
             raise LocalMisuseError(
@@ -807,7 +842,7 @@ class SenderEngine(RoomEngine):
                 f"previous chunk's end {r.enqueue_end}"
             )
         r.next_enqueue += 1
-        r.last_enqueued = c.is_last
+        r.run.last_enqueued = c.is_last
         start = r.enqueue_end
         r.ranges.append((start, int(c.token_end)))
         r.enqueue_end = max(start, int(c.token_end))
@@ -833,7 +868,7 @@ class SenderEngine(RoomEngine):
         flow: Any = r.flow
         if flow is None:  # chosen once a decode rank registered: the open's, else the policy's
             try:
-                flow = self.policy.override if r.flow_override is None else Flow.parse(r.flow_override)
+                flow = self.policy.requested(r.opening.flow_override)
             except FlowError:
                 flow = None  # the open's unknown flow fails the room where it is chosen
         on_layers = None if flow is None else getattr(flow_halves(flow).sender, "on_layers", None)
@@ -848,14 +883,14 @@ class SenderEngine(RoomEngine):
     def _targets(self, r: _Room) -> tuple[m.Endpoint, ...]:
         """Decode ranks this rank writes data to: from the TransferInfos once all are in, before
         that from the topology the scheduler passed at open."""
-        if r.expected_infos and len(r.infos) == r.expected_infos:
-            return tuple(sorted(p for p, i in r.infos.items() if not i.dummy))
+        if r.decode.expected_infos and len(r.decode.infos) == r.decode.expected_infos:
+            return tuple(sorted(p for p, i in r.decode.infos.items() if not i.dummy))
         return r.receivers
 
     def _choose_flow(self, r: _Room) -> None:
         """Pick the room's flow from the policy, once a decode rank it writes to is registered
         (its Register says what it can receive); the flow's prefill half may refuse the ranks."""
-        if not r.opened:
+        if not r.opening.opened:
             # Decode's TransferInfo can arrive before the local open; the open may name the flow
             # (SenderOpen.flow), so nothing is chosen before it (else ranks disagree on a room).
             return
@@ -863,11 +898,11 @@ class SenderEngine(RoomEngine):
         known = [self.peers[p] for p in targets if p in self.peers]
         if not known:
             if self._started(r) and not targets:
-                r.flow = Flow.DIRECT  # only dummy links: nothing to stage
+                r.flow = self.policy.without_data()  # only dummy links: nothing to stage
             return
         reg = known[0].registration
         r.flow = self.policy.choose(
-            self.pool, known[0].pool, reg.ring_bytes, reg.pinned_bytes, r.flow_override
+            self.pool, known[0].pool, reg.ring_bytes, reg.pinned_bytes, r.opening.flow_override
         )
         check = getattr(flow_halves(r.flow).sender, "check_peers", None)
         if check is not None:
@@ -896,16 +931,16 @@ class SenderEngine(RoomEngine):
 
     @staticmethod
     def _infos_sorted(r: _Room) -> list[tuple[m.Endpoint, m.TransferInfo]]:
-        """``sorted(r.infos.items())``, kept until the next TransferInfo (each chunk reads it)."""
-        if r.infos_sorted is None:
-            r.infos_sorted = sorted(r.infos.items())
-        return r.infos_sorted
+        """``sorted(r.decode.infos.items())``, kept until the next TransferInfo (each chunk reads it)."""
+        if r.decode.infos_sorted is None:
+            r.decode.infos_sorted = sorted(r.decode.infos.items())
+        return r.decode.infos_sorted
 
     def _chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
         """Validate the chunk the room runs next against decode's allocation; its token range."""
-        if r.last_run:
+        if r.run.last_run:
             raise RoomStateError("chunk after the last chunk")
-        start, end = r.tokens_done, c.token_end
+        start, end = r.run.tokens_done, c.token_end
         if end < start:
             raise RoomStateError(f"chunk {c.chunk_index} ends at token {end}, before its start {start}")
         # A prefix hit: decode holds [0, token_start); only the rest moves, at its own slots (the
@@ -915,7 +950,7 @@ class SenderEngine(RoomEngine):
             raise RoomStateError(f"chunk {c.chunk_index} ends at token {end}, past decode's {r.num_tokens}")
         if c.is_last and end != r.num_tokens:
             raise RoomStateError(f"prefill produced {end} tokens but decode allocated {r.num_tokens}")
-        for p, info in r.infos.items():
+        for p, info in r.decode.infos.items():
             peer = self.peers.get(p)
             if peer is None or peer.reg_id != info.reg:
                 raise RoomStateError(f"decode rank {p} is gone or restarted since its TransferInfo")
@@ -948,7 +983,7 @@ class SenderEngine(RoomEngine):
             self.push.register(r.key, info, self._now)
 
     def _wants_push(self, r: _Room) -> bool:
-        return PushSender.wants(r.flow_override, self.policy.override)
+        return PushSender.wants(r.opening.flow_override, self.policy.override)
 
     def lease_key(self, tid: str, peer: str) -> str:
         """The registry key of room ``tid``'s registration by decode rank ``peer`` (e.g. decode0)."""
@@ -986,8 +1021,8 @@ class SenderEngine(RoomEngine):
 
     def _advance(self, r: _Room, c: ChunkReady, end: int) -> None:
         r.next_run += 1
-        r.tokens_done = int(c.token_end)  # what prefill computed, not the prefix-clipped ``end``
-        r.last_run = c.is_last
+        r.run.tokens_done = int(c.token_end)  # what prefill computed, not the prefix-clipped ``end``
+        r.run.last_run = c.is_last
 
     def _finish_run(
         self,
@@ -1038,7 +1073,7 @@ class SenderEngine(RoomEngine):
 
     def _quiet(self, r: _Room) -> bool:
         """The last chunk ran and nothing of the room is in flight: writes, gathers, lanes."""
-        return r.last_run and not r.inflight and self.staged.quiet(r.key) and self.pull.fenced(r.key)
+        return r.run.last_run and not r.inflight and self.staged.quiet(r.key) and self.pull.fenced(r.key)
 
     def _new_write(self, r: _Room) -> int:
         wid = self._next_write_id
@@ -1057,7 +1092,7 @@ class SenderEngine(RoomEngine):
             reason = f"aborted: {payload.reason}"
         elif inp is SIn.ABORT_PEER:
             reason = f"aborted by {payload.src}: {payload.reason}"
-            r.stop_to.add(payload.src)
+            r.fence.stop_to.add(payload.src)
         elif inp is SIn.PEER_FAILED:
             reason = f"failed on {payload.src}: {payload.reason}"
         elif inp is SIn.TIMEOUT:
@@ -1080,19 +1115,19 @@ class SenderEngine(RoomEngine):
     def _h_on_failed_input(self, r: _Room, inp: SIn, payload: Any) -> None:
         """Failed absorbs everything; some inputs still matter for the fence and the peers."""
         if inp is SIn.ABORT_PEER:
-            r.stop_to.add(payload.src)
-            if r.stopped_sent:
+            r.fence.stop_to.add(payload.src)
+            if r.fence.stopped_sent:
                 self._send(payload.src, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         elif inp is SIn.INFO:
             # A decode rank that joins late must still hear the outcome (and get its fence).
-            if payload.src not in r.infos:
+            if payload.src not in r.decode.infos:
                 reason = r.failure.reason if r.failure else "failed"
                 self._send(
                     payload.src,
                     m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=reason),
                 )
-                r.stop_to.add(payload.src)
-                if r.stopped_sent:
+                r.fence.stop_to.add(payload.src)
+                if r.fence.stopped_sent:
                     self._send(payload.src, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         elif inp is SIn.RUN_CHUNK or inp is SIn.CHUNK:
             # SGLang PR 20680: a worker that meets a Failed room skips its remaining chunks.
@@ -1112,7 +1147,7 @@ class SenderEngine(RoomEngine):
         failure, why = payload
         skip = why.get("skip")
         r.failure = failure
-        r.parked = []
+        r.run.parked = []
         self.staged.room_failed(r)
         self.deadlines.cancel(("room", r.room))
         self.pull.cancel(r.key)
@@ -1123,7 +1158,7 @@ class SenderEngine(RoomEngine):
         self._out.append(
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
-        self._tell_failure(r, failure, {p for p in r.infos if p != skip})
+        self._tell_failure(r, failure, {p for p in r.decode.infos if p != skip})
         return "failed"
 
     def _tell_failure(self, r: _Room, failure: RoomFailure, tell: set[m.Endpoint]) -> None:
@@ -1147,14 +1182,14 @@ class SenderEngine(RoomEngine):
             return
         if st is not SState.FAILED:
             return  # a live room: nothing to fence or drop
-        if not r.inflight and not r.stopped_sent and r.key not in self._cut:
-            r.stopped_sent = True
-            for p in sorted(r.stop_to):
+        if not r.inflight and not r.fence.stopped_sent and r.key not in self._cut:
+            r.fence.stopped_sent = True
+            for p in sorted(r.fence.stop_to):
                 self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         # A gather still running owns a staging buffer: the room stays until it returns.
         terminal_quiet = not r.inflight and not self.staged.gathering(r.key) and self.pull.fenced(r.key)
         # A room only a TransferInfo ever created has no local owner to release it.
-        auto = r.created_by_info and not r.opened
+        auto = r.opening.created_by_info and not r.opening.opened
         if terminal_quiet and (r.release_requested or auto):
             self._remove(r)
 
@@ -1164,7 +1199,7 @@ class SenderEngine(RoomEngine):
         self.pull.forget(r.key)
         self.push.forget(r.key)
         self.ahead.forget(self._flow_ctx, r.key)
-        self._forget(r, r.infos)
+        self._forget(r, r.decode.infos)
 
     def _acked(self, msg: m.FailedAck | m.Abort | m.RoomFailed) -> None:
         self._notices.answered((msg.room, msg.transfer_id), msg.src)

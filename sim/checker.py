@@ -248,13 +248,11 @@ def _tables(w: WorldView) -> None:
         if rank.dead:
             continue
         eng = rank.engine
-        leftovers = []
-        if eng.rooms:
-            leftovers.append(f"{len(eng.rooms)} rooms")
-        if eng.rooms_by_peer:
-            leftovers.append(f"rooms_by_peer for {len(eng.rooms_by_peer)} peers")
-        if getattr(eng, "writes", None):
-            leftovers.append(f"{len(eng.writes)} writes")
+        # Every per-room table the engine and its flows registered (RoomEngine.track): rooms,
+        # peers' rooms, writes, READs, staging allocations, worker slots, held requests, leases...
+        leftovers = [f"{n} in {name}" for name, n in sorted(eng.table_sizes().items()) if n]
+        # Failure notices outlive the room (like its tombstone), so they are no per-room table;
+        # at quiescence every one was answered or given up.
         if getattr(eng, "notices", None):
             leftovers.append(f"{len(eng.notices)} failure notices still resent")
         refs = sorted(
@@ -268,7 +266,6 @@ def _tables(w: WorldView) -> None:
             leftovers.append(f"{len(rank.transport.handles)} transfer handles")
         if rank.transport.copies or rank.driver.copies:
             leftovers.append(f"{len(rank.transport.copies)} gathers/scatters")
-        leftovers += _staging_leftovers(eng)
         queued = rank.queued
         if queued:
             leftovers.append(f"{queued} queued chunks")
@@ -277,30 +274,3 @@ def _tables(w: WorldView) -> None:
     handles = w.fabric.open_handles()
     if handles:
         w.violate("tables_empty", f"fabric handles still open: {handles}")
-
-
-def _staging_leftovers(eng: object) -> list[str]:
-    """Staging state of a rank's engine that should be gone once every room settled."""
-    from kvferry.core.receiver import ReceiverEngine
-    from kvferry.core.sender import SenderEngine
-
-    out = []
-    if isinstance(eng, ReceiverEngine):
-        st = eng.staged
-        if st.in_use():
-            out.append(f"{st.in_use()} staging allocations")
-        if st.held:
-            out.append(f"held StagingReqs for {len(st.held)} rooms")
-        if st.pinned_queue:
-            out.append(f"{len(st.pinned_queue)} chunks waiting for pinned space")
-        if st.ops:
-            out.append(f"{len(st.ops)} scatters")
-    elif isinstance(eng, SenderEngine):
-        tx = eng.staged
-        if tx.slot_owner:
-            out.append(f"{len(tx.slot_owner)} worker staging buffers held")
-        if tx.pinned is not None and len(tx.pinned):
-            out.append(f"{len(tx.pinned)} pinned reservations")
-        if tx.ops or tx.stalled:
-            out.append("gathers or stalled rooms")
-    return out

@@ -177,20 +177,22 @@ def _with_end(c: Any, end: int) -> Any:
 
 
 class _TruncatingReceiver(ReceiverEngine):
-    def _record_chunk(self, r: Any, prog: Any, note: m.ChunkNote) -> None:
+    def _record_chunk(self, r: Any, prog: Any, note: m.ChunkNote) -> bool:
         try:
-            super()._record_chunk(r, prog, note)
+            return super()._record_chunk(r, prog, note)
         except RoomError as exc:
             if "delivered" not in str(exc):
                 raise
             prog.done = True  # a short delivery taken as the whole room
+            return True
 
 
 class _LastNoteReceiver(ReceiverEngine):
-    def _record_chunk(self, r: Any, prog: Any, note: m.ChunkNote) -> None:
-        super()._record_chunk(r, prog, note)
+    def _record_chunk(self, r: Any, prog: Any, note: m.ChunkNote) -> bool:
+        news = super()._record_chunk(r, prog, note)
         if note.is_last:
             prog.done = True
+        return news
 
 
 class _ForgetfulSender(SenderEngine):
@@ -264,14 +266,14 @@ class _FrontTrimSender(SenderEngine):
     def _run_flow(self, r: Any, c: Any, flow: Any) -> str:
         if not r.token_start:
             return super()._run_flow(r, c, flow)
-        saved = dict(r.dests)
+        saved = dict(r.decode.dests)
         for p, pages in saved.items():
             shift = max(1, r.token_start // self.peers[p].pool.page_size)
-            r.dests[p] = np.roll(pages, shift)  # token token_start lands near slot 0
+            r.decode.dests[p] = np.roll(pages, shift)  # token token_start lands near slot 0
         try:
             return super()._run_flow(r, c, flow)
         finally:
-            r.dests = saved
+            r.decode.dests = saved
 
 
 class _NeverExpiringLeases(LeaseRegistry):

@@ -204,12 +204,16 @@ class _Ctx:
         self.advanced: list[int] = []
         self.finished: list[int] = []
         self.next_id = 1
+        self.tables: dict[str, dict[Any, Any]] = {}
 
     def now(self) -> int:
         return 0
 
     def count(self, what: str) -> None:
         self.counts[what] += 1
+
+    def room_table(self, name: str) -> dict[Any, Any]:
+        return self.tables.setdefault(name, {})
 
     def chunk_bounds(self, r: Any, c: ChunkReady) -> tuple[int, int]:
         return r.tokens_done, c.token_end
@@ -240,9 +244,9 @@ class _Ctx:
 class _Room:
     def __init__(self) -> None:
         self.room, self.tid = 1, "t"
+        self.key = (self.room, self.tid)
         self.next_run = self.tokens_done = 0
         self.next_enqueue = 1
-        self.flow_state: Any = None
 
 
 def _partition(draw: Any, n: int) -> list[tuple[int, int]]:
@@ -290,7 +294,7 @@ def test_every_layer_is_posted_exactly_once_and_the_chunk_advances_once(sched: A
         regions.update(int(g) for g in np.asarray(cmd.src_region))
     full = plan_rank_pair(POOL_SRC, POOL_DST, np.arange(4), np.arange(8, dtype=np.int64), 0, tokens)
     assert regions == Counter(int(g) for g in np.asarray(full.src_region))
-    assert ctx.advanced == [0] and ctx.finished == [0] and r.flow_state == {}
+    assert ctx.advanced == [0] and ctx.finished == [0] and ctx.tables == {"layer_lanes": {}}
     assert ctx.counts["duplicate_layers"] == len(dups)
 
 
@@ -310,19 +314,16 @@ class _Prog:
         self.chunks: dict[int, tuple[int, int]] = {}
         self.last_index = -1
         self.done = False
-        self.flow_state: Any = None
 
 
 class _RxRoom:
     num_tokens = 40
     token_start = 0
+    key = (1, "t")
 
 
-class _RxCtx:
+class _RxCtx(_Ctx):
     pool = POOL_DST
-
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
 
     def count(self, what: str) -> None:
         self.counts[what] += 1
@@ -358,9 +359,10 @@ class DecodeLedger(RuleBasedStateMachine):
         start, end = (0, 25) if chunk == 0 else (25, 40)
         note = _note(chunk, layer, layer + 1, start, end, chunk == 1)
         before = self.landed[chunk]
-        self.half.on_note(self.ctx, self.room, self.prog, note)
-        if before & layer_mask(layer, layer + 1) or before == layer_mask(0, MODEL.num_layers):
-            self.dups += 1
+        news = self.half.on_note(self.ctx, self.room, self.prog, note)
+        duplicate = bool(before & layer_mask(layer, layer + 1)) or before == layer_mask(0, MODEL.num_layers)
+        self.dups += duplicate
+        assert news is not duplicate  # the half says whether the note was news, as it counts it
         self.landed[chunk] |= layer_mask(layer, layer + 1)
 
     @precondition(lambda self: self.landed[0] == 0)
@@ -388,11 +390,12 @@ class _LastLayerReceiver(H.ReceiverEngine):
     """A decode half that takes a chunk's last layer note as the whole chunk's (the earlier
     layers' writes may still be in flight)."""
 
-    def _layer_note(self, r: Any, prog: Any, note: m.LayerNote) -> None:
-        super()._layer_note(r, prog, note)
+    def _layer_note(self, r: Any, prog: Any, note: m.LayerNote) -> bool:
+        news = super()._layer_note(r, prog, note)
         if note.layer_end == self.pool.model.num_layers and note.chunk_index not in prog.chunks:
-            prog.flow_state.pop(note.chunk_index, None)
-            self._record_chunk(r, prog, note)
+            self._flow_ctx.room_table("layer_notes").get(r.key, {}).pop((note.src, note.chunk_index), None)
+            return self._record_chunk(r, prog, note)
+        return news
 
 
 def test_the_byte_check_catches_a_last_layer_taken_as_the_chunk(monkeypatch: pytest.MonkeyPatch) -> None:

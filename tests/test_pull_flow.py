@@ -35,7 +35,7 @@ def _clean(w: H.World) -> None:
     for r in w.ranks:
         assert r.engine.rooms == {} and r.driver.handles == {}
     for r in w.decode:
-        assert r.engine.reads == {}
+        assert r.engine.pull_rx.reads == {} and r.engine.pull_rx.rooms == {}
     for r in w.prefill:
         assert not r.engine.pull.offers.entries
 
@@ -113,7 +113,8 @@ def test_failed_prefill_frees_only_after_decode_stopped_reading() -> None:
         while w.fabric.pending:
             w.deliver(0)
     assert req.room in eng.rooms
-    assert w.decode[0].engine.rooms[req.room].reads
+    dec = w.decode[0].engine
+    assert dec.pull_rx.reading(dec.rooms[req.room])
     w.fabric.complete(next(i for i, x in enumerate(w.fabric.writes) if x.read))
     w.pump()
     while w.fabric.pending:

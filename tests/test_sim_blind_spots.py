@@ -61,12 +61,12 @@ def test_the_campaign_draws_bursts_with_chunks_landing_out_of_order(monkeypatch:
     seen: Counter[str] = Counter()
     record = ReceiverEngine._record_chunk
 
-    def spy(self: ReceiverEngine, r: Any, prog: Any, note: Any) -> None:
+    def spy(self: ReceiverEngine, r: Any, prog: Any, note: Any) -> bool:
         if prog.chunks and note.chunk_index < max(prog.chunks):
             seen["out_of_order"] += 1
         if note.is_last and len(prog.chunks) < note.chunk_index:
             seen["last_before_earlier"] += 1
-        record(self, r, prog, note)
+        return record(self, r, prog, note)
 
     monkeypatch.setattr(ReceiverEngine, "_record_chunk", spy)
     bursts = [s for s in map(fuzz_scenario, range(40)) if s.workload.compute_ns_per_token == 0]

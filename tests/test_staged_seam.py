@@ -27,9 +27,9 @@ class CountingReceiver:
         self.inner = inner
         self.notes: Counter[int] = Counter()  # room -> staged notes
 
-    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.ChunkNote) -> None:
+    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.ChunkNote) -> bool:
         self.notes[note.room] += 1
-        self.inner.on_note(ctx, r, prog, note)
+        return self.inner.on_note(ctx, r, prog, note)
 
 
 @pytest.fixture(params=[Flow.RING, Flow.PINNED])

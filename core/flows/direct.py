@@ -31,6 +31,12 @@ class DirectSender:
     def __init__(self, *, leased: bool = False) -> None:
         self.leased = leased  # push: every post goes through the room's lease (ctx.push)
 
+    @property
+    def plans_ahead(self) -> bool:
+        """A chunk named ahead (core/flows/ahead.py) can be planned and prepared now: not under
+        leases, whose post is decided only when the chunk runs."""
+        return not self.leased
+
     def run_chunk(self, ctx: Any, r: Any, c: ChunkReady) -> str:
         start, end = ctx.chunk_bounds(r, c)
         ahead = None if self.leased else ctx.take_ahead(r, c, start, end)
@@ -110,14 +116,14 @@ class DirectReceiver:
 
     __slots__ = ()
 
-    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.ChunkNote) -> None:
+    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.ChunkNote) -> bool:
         idx, rng = note.chunk_index, (note.token_start, note.token_end)
         seen = prog.chunks.get(idx)
         if seen is not None:
             if seen != rng:
                 raise RoomError(f"chunk {idx} from {note.src} arrived twice with ranges {seen} and {rng}")
             ctx.count("duplicate_notification")
-            return
+            return False
         if note.token_end > r.num_tokens:
             raise RoomError(
                 f"chunk {idx} from {note.src} ends at token {note.token_end}, "
@@ -144,6 +150,7 @@ class DirectReceiver:
             if pos != r.num_tokens:
                 raise RoomError(f"{note.src} delivered {pos} tokens but decode allocated {r.num_tokens}")
             prog.done = True
+        return True
 
 
 DIRECT = DirectReceiver()

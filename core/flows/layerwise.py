@@ -152,7 +152,8 @@ def _runs(mask: int) -> list[tuple[int, int]]:
 
 class LayerwiseSender:
     """Prefill half: the worker's chunk run plans and posts what was reported; each later report
-    posts its layers at once. The room's lanes live in ``room.flow_state`` (chunk -> lane)."""
+    posts its layers at once. The room's lanes live in the flow's own per-room table
+    (``layer_lanes``: room key -> chunk -> lane)."""
 
     __slots__ = ()
 
@@ -197,9 +198,10 @@ class LayerwiseSender:
 
     @staticmethod
     def _lane(ctx: Any, r: Any, idx: int) -> LayerLane:
-        lanes = r.flow_state
+        table = ctx.room_table("layer_lanes")
+        lanes = table.get(r.key)
         if lanes is None:
-            lanes = r.flow_state = {}
+            lanes = table[r.key] = {}
         lane = lanes.get(idx)
         if lane is None:
             lane = lanes[idx] = LayerLane(idx, ctx.pool.model.num_layers)
@@ -226,7 +228,11 @@ class LayerwiseSender:
             if posted:
                 ctx.count("layers_posted_early")  # ranges that left before the chunk's forward ended
             return "running"
-        del r.flow_state[lane.index]
+        table = ctx.room_table("layer_lanes")
+        lanes = table[r.key]
+        del lanes[lane.index]
+        if not lanes:
+            del table[r.key]
         ctx.advance(r, c, lane.end)
         return ctx.finish_run(r, c, lane.start, lane.end, posted)
 
@@ -248,11 +254,13 @@ def _encode_layer_note(ctx: Any, r: Any, c: ChunkReady, start: int, end: int, a:
 
 class LayerwiseReceiver:
     """Decode half for layer notes: per (sender, chunk) the layers that landed, each range counted
-    once; a chunk whose every layer landed enters direct's chunk ledger (which tiles the room)."""
+    once (the flow's per-room table ``layer_notes``: room key -> (sender, chunk) -> [token range,
+    layers landed]); a chunk whose every layer landed enters direct's chunk ledger (which tiles
+    the room)."""
 
     __slots__ = ()
 
-    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.LayerNote) -> None:
+    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.LayerNote) -> bool:
         num_layers = ctx.pool.model.num_layers
         idx, rng = note.chunk_index, (note.token_start, note.token_end)
         if note.layer_end > num_layers:
@@ -262,13 +270,15 @@ class LayerwiseReceiver:
             if seen != rng:
                 raise RoomError(f"chunk {idx} from {note.src} arrived twice with ranges {seen} and {rng}")
             ctx.count("duplicate_notification")  # the chunk is whole already
-            return
-        lanes = prog.flow_state
+            return False
+        table = ctx.room_table("layer_notes")
+        lanes = table.get(r.key)
         if lanes is None:
-            lanes = prog.flow_state = {}
-        got = lanes.get(idx)
+            lanes = table[r.key] = {}
+        key = (note.src, idx)
+        got = lanes.get(key)
         if got is None:
-            got = lanes[idx] = [rng, 0]
+            got = lanes[key] = [rng, 0]
         elif got[0] != rng:
             raise RoomError(f"layers of chunk {idx} from {note.src} name ranges {got[0]} and {rng}")
         mask = layer_mask(note.layer_start, note.layer_end)
@@ -276,11 +286,14 @@ class LayerwiseReceiver:
             if got[1] & mask != mask:
                 raise RoomError(f"layers [{note.layer_start}, {note.layer_end}) of chunk {idx} overlap")
             ctx.count("duplicate_notification")  # a resent note: its layers count once
-            return
+            return False
         got[1] |= mask
         if got[1] == layer_mask(0, num_layers):
-            del lanes[idx]
-            DIRECT.on_note(ctx, r, prog, note)
+            del lanes[key]
+            if not lanes:
+                del table[r.key]
+            return DIRECT.on_note(ctx, r, prog, note)
+        return True
 
 
 LAYERWISE = LayerwiseReceiver()

@@ -105,3 +105,14 @@ class FlowPolicy:
         if pinned_bytes > 0:
             return Flow.PINNED
         return Flow.DIRECT
+
+    def requested(self, override: str | None) -> Flow | None:
+        """The flow a room asked for before any is chosen: its own ``override``, else the
+        policy's; None when ``choose`` will decide. An unknown name raises ``FlowError``."""
+        return self.override if override is None else Flow.parse(override)
+
+    @staticmethod
+    def without_data() -> Flow:
+        """The flow of a room whose every link is a dummy: nothing to stage or move, only the
+        last chunk's notes."""
+        return Flow.DIRECT

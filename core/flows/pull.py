@@ -33,10 +33,11 @@ from kvferry.core.errors import KvferryError
 from kvferry.core.flows import registry
 from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
 from kvferry.core.flows.policy import Flow
+from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomError, RoomStateError
 from kvferry.core.reliable import Resends
 
-__all__ = ["PullChunkSender", "PullReceiver", "PullSender", "ReadInfo"]
+__all__ = ["PullChunkSender", "PullReceiver", "PullRoom", "PullSender", "ReadInfo"]
 
 
 RoomKey = tuple[int, str]
@@ -171,17 +172,90 @@ class PullChunkSender:
         return ctx.finish_run(r, c, start, end, [])
 
 
+class PullRoom:
+    """What pull keeps of one decode room (in the flow's own per-room table, not on the room):
+    READs in flight (they write the room's pages), chunks pulled, the senders that offered."""
+
+    __slots__ = ("offered_by", "pulled", "reads", "reads_cut", "stopped_sent")
+
+    def __init__(self) -> None:
+        self.reads: dict[int, ReadInfo] = {}  # read id -> what it moves
+        self.pulled: set[tuple[m.Endpoint, int]] = set()  # (sender, chunk index)
+        self.offered_by: set[m.Endpoint] = set()
+        # READs in flight when their peer was lost: cut by DropPeer, yet over a transport that
+        # queues them (UCX over TCP) their data can still land after a heal, so only the fence
+        # deadline frees the pages.
+        self.reads_cut = False
+        self.stopped_sent = False  # every sender that offered heard ReadsStopped
+
+
 class PullReceiver:
-    """Pull's decode half, composed into the receiver engine: the READs in flight (by read id and
-    per room), the prefill agents loaded, and the rules of an offer. It reaches the engine only
-    through ``ctx`` (the receiver's ``ReceiverFlowContext``); rooms need ``reads``, ``pulled``,
-    ``pull_from``, ``reads_stopped_sent``."""
+    """Pull's decode half, composed into the receiver engine: the READs in flight (by read id),
+    each pull room's ``PullRoom`` (its own table, ``pull_rooms``), the prefill agents loaded, and
+    the rules of an offer. It reaches the engine only through ``ctx`` (the receiver's
+    ``ReceiverFlowContext``)."""
 
     def __init__(self, ctx: Any) -> None:
         self.ctx = ctx
         self.reads: dict[int, tuple[int, str]] = {}  # read id -> room key
         self.pull_peers: dict[m.Endpoint, int] = {}  # prefill agents loaded: registration id
+        self.rooms: dict[RoomKey, PullRoom] = ctx.room_table("pull_rooms")
         self._next_read = 1
+        reads = self.reads  # never rebound
+        ctx.track("reads", lambda room: any(k[0] == room for k in reads.values()), reads.__len__)
+
+    def _room(self, r: Any) -> PullRoom:
+        pr = self.rooms.get(r.key)
+        if pr is None:
+            pr = self.rooms[r.key] = PullRoom()
+        return pr
+
+    # --- what the room machine asks ----------------------------------------------------------------
+
+    def reading(self, r: Any) -> bool:
+        """A READ of ours is writing the room's pages."""
+        pr = self.rooms.get(r.key)
+        return pr is not None and bool(pr.reads)
+
+    def cut(self, r: Any) -> bool:
+        """A READ of the room was in flight when its peer was lost (only the fence deadline frees)."""
+        pr = self.rooms.get(r.key)
+        return pr is not None and pr.reads_cut
+
+    def completed(self, read_id: int) -> tuple[RoomKey, ReadInfo | None] | None:
+        """A READ's completion: its room key and what it moved (None once the room is gone), or
+        None for an id that is not ours."""
+        key = self.reads.pop(read_id, None)
+        if key is None:
+            return None
+        pr = self.rooms.get(key)
+        return key, (pr.reads.pop(read_id, None) if pr is not None else None)
+
+    def withdrawn(self, read_id: int) -> None:
+        """A READ of a step the table refused never left."""
+        self.completed(read_id)
+
+    def peer_lost(self, peer: m.Endpoint, rooms: list[Any]) -> None:
+        """``peer`` is gone: READs of those rooms in flight are cut; its agent is dropped."""
+        for r in rooms:
+            pr = self.rooms.get(r.key)
+            if pr is not None and pr.reads:
+                pr.reads_cut = True
+                self.ctx.count("reads_cut_by_peer_loss")
+        self.pull_peers.pop(peer, None)  # the driver drops its agent with it (DropPeer)
+
+    def asked_again(self, r: Any, src: m.Endpoint) -> bool:
+        """A pull sender of a failed room still holding its pages asks again (RoomFailed): told
+        ReadsStopped if nothing of ours reads them; False if it offered nothing or READs run."""
+        pr = self.rooms.get(r.key)
+        if pr is None or src not in pr.offered_by or pr.reads:
+            return False
+        self.ctx.send(src, m.ReadsStopped(src=self.ctx.endpoint, room=r.room, transfer_id=r.tid))
+        return True
+
+    def not_reading(self, src: m.Endpoint, room: int, tid: str) -> None:
+        """No room of ours reads ``src``'s pages of that room (released or never known)."""
+        self.ctx.send(src, m.ReadsStopped(src=self.ctx.endpoint, room=room, transfer_id=tid))
 
     # --- messages ----------------------------------------------------------------------------------
 
@@ -190,7 +264,7 @@ class PullReceiver:
         r = ctx.room(offer.room)
         if r is None or r.tid != offer.transfer_id:
             status = ctx.tombstone(offer.room, offer.transfer_id)
-            if status is not None and status.name == "Success":
+            if status is KVPoll.Success:
                 # Every chunk was pulled before the room was released: this copy's Pulled was lost.
                 ctx.send(offer.src, self.pulled(offer))
             else:
@@ -215,14 +289,13 @@ class PullReceiver:
         if src not in r.data_senders:
             raise RoomError(f"pull offer from {src}, which sends no data to this room")
         key = (src, offer.chunk_index)
-        if not r.pull_from:
-            r.pull_from = set()  # the room's first offer (it starts with a shared empty stand-in)
-        r.pull_from.add(src)
-        if key in r.pulled:
+        pr = self._room(r)
+        pr.offered_by.add(src)
+        if key in pr.pulled:
             ctx.count("duplicate_offer")
             ctx.send(src, self.pulled(offer))
             return "stay"
-        if any(i.src == src and i.chunk_index == offer.chunk_index for i in r.reads.values()):
+        if any(i.src == src and i.chunk_index == offer.chunk_index for i in pr.reads.values()):
             ctx.count("duplicate_offer")
             return "stay"
         ctx.room_alive(r)
@@ -234,9 +307,7 @@ class PullReceiver:
         rid = self._next_read
         self._next_read += 1
         self.reads[rid] = r.key
-        if not r.reads:
-            r.reads = {}
-        r.reads[rid] = info
+        pr.reads[rid] = info
         ctx.emit(
             PostRead(
                 read_id=rid,
@@ -260,9 +331,7 @@ class PullReceiver:
     def _chunk_read(self, r: Any, info: ReadInfo) -> str:
         ctx = self.ctx
         ctx.record_chunk(r, r.progress[info.src], info.note(r.room, r.tid))
-        if not r.pulled:
-            r.pulled = set()
-        r.pulled.add((info.src, info.chunk_index))
+        self._room(r).pulled.add((info.src, info.chunk_index))
         ctx.send(
             info.src,
             m.Pulled(src=ctx.endpoint, room=r.room, transfer_id=r.tid, chunk_index=info.chunk_index),
@@ -270,7 +339,8 @@ class PullReceiver:
         return "done" if ctx.complete(r) else "running"
 
     def offer_after_success(self, r: Any, offer: m.PullOffer) -> None:
-        if (offer.src, offer.chunk_index) in r.pulled:
+        pr = self.rooms.get(r.key)
+        if pr is not None and (offer.src, offer.chunk_index) in pr.pulled:
             self.ctx.count("duplicate_offer")
             self.ctx.send(offer.src, self.pulled(offer))
             return
@@ -279,18 +349,18 @@ class PullReceiver:
     def after_failure(self, r: Any, offer: m.PullOffer) -> None:
         """An offer for a failed room: never read; its sender hears ReadsStopped once ours drain."""
         self.ctx.count("offer_after_failure")
-        if not r.pull_from:
-            r.pull_from = set()
-        r.pull_from.add(offer.src)
-        if not r.reads:
+        pr = self._room(r)
+        pr.offered_by.add(offer.src)
+        if not pr.reads:
             self.ctx.send(offer.src, m.ReadsStopped(src=self.ctx.endpoint, room=r.room, transfer_id=r.tid))
 
     def reads_drained(self, r: Any) -> None:
         """A failed room with no READ in flight tells every sender that offered (once)."""
-        if r.reads or r.reads_stopped_sent or not r.pull_from:
+        pr = self.rooms.get(r.key)
+        if pr is None or pr.reads or pr.stopped_sent or not pr.offered_by:
             return
-        r.reads_stopped_sent = True
-        for p in sorted(r.pull_from):
+        pr.stopped_sent = True
+        for p in sorted(pr.offered_by):
             self.ctx.send(p, m.ReadsStopped(src=self.ctx.endpoint, room=r.room, transfer_id=r.tid))
 
     # --- planning ------------------------------------------------------------------------------------
@@ -331,9 +401,6 @@ class PullReceiver:
             self.ctx.emit(DropPeer(peer=reg.src, reason="prefill re-registered with a new agent"))
         self.pull_peers[reg.src] = rid
         self.ctx.emit(AddPeer(peer=reg.src, registration=reg))
-
-    def forget_peer(self, peer: m.Endpoint) -> None:
-        self.pull_peers.pop(peer, None)
 
 
 registry.register(Flow.PULL, PullChunkSender(), DIRECT_RECEIVER)  # a READ's chunk is recorded as a note

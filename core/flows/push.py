@@ -68,6 +68,7 @@ class PushSender:
         self.keys: dict[RoomKey, dict[m.Endpoint, str]] = {}  # room -> decode rank -> tid@decodeN
         self.finished: dict[RoomKey, set[Finish]] = {}  # finishes handed to the registry
         self.writes: dict[int, tuple[RoomKey, m.Endpoint]] = {}  # write id in flight -> its lease
+        self.fenced_after_room: set[str] = set()  # lease keys of released rooms, still fencing
 
     @staticmethod
     def wants(flow_override: str | None, policy_override: Flow | None) -> bool:
@@ -176,8 +177,11 @@ class PushSender:
         """The room is gone: a lease still fencing keeps its entry until it ends."""
         for key in self.keys.pop(room, {}).values():
             rkey = self._reg_key(key)
-            if self.rooms.get(rkey) == room and rkey not in self.leases.leases:
-                del self.rooms[rkey]
+            if self.rooms.get(rkey) == room:
+                if rkey in self.leases.leases:
+                    self.fenced_after_room.add(rkey)
+                else:
+                    del self.rooms[rkey]
         self.finished.pop(room, None)
 
     def renew(self, room: RoomKey, peer: m.Endpoint, now: int) -> None:
@@ -195,11 +199,18 @@ class PushSender:
     # --- what the quiescence checks see ---------------------------------------------------------
 
     def mentions(self, room: int) -> bool:
-        # Rooms of live leases only: a room's entry stays while its lease fences (by design).
-        return any(rk[0] == room and k in self.leases.leases for k, rk in self.rooms.items())
+        """Whether any push table names the room (a released room's entry stays while its lease
+        fences, and goes when the lease ends: ``_notices``)."""
+        return (
+            any(rk[0] == room for rk in self.rooms.values())
+            or any(rk[0] == room for rk in self.keys)
+            or any(rk[0] == room for rk in self.finished)
+            or any(w[0][0] == room for w in self.writes.values())
+        )
 
     def size(self) -> int:
-        return sum(1 for k in self.rooms if k in self.leases.leases)
+        """Entries of every push table, unfiltered: 0 once every room settled and its leases ended."""
+        return len(self.rooms) + len(self.keys) + len(self.finished) + len(self.writes)
 
     def lease_key(self, tid: str, peer: str) -> str:
         """The registry key of room ``tid``'s registration by decode rank ``peer`` (e.g. decode0)."""
@@ -230,3 +241,8 @@ class PushSender:
             room = self.rooms.get(LeaseRegistry.key(n.transfer_id, n.request_id))
             if room is not None:
                 self._on_refused(room, n.kind, n.reason)
+        if self.fenced_after_room:
+            # A room that went while its lease fenced (``forget``): its entry goes with the lease.
+            for rkey in [k for k in self.fenced_after_room if k not in self.leases.leases]:
+                self.fenced_after_room.discard(rkey)
+                self.rooms.pop(rkey, None)

@@ -83,6 +83,12 @@ class SenderContext(Protocol):
 
     def send(self, peer: m.Endpoint, msg: Any) -> None: ...
 
+    def room_table(self, name: str) -> dict[Any, Any]:
+        """The flow's own per-room table ``name`` (room key -> its record of the room), kept by the
+        engine: registered with its quiescence checks, and emptied of a room when it is removed.
+        A flow keeps its per-room state there, never on the room."""
+        ...
+
     def finish_run(
         self, room: Any, chunk: ChunkReady, start: int, end: int, posted: list[int], lease: Any = None
     ) -> str:
@@ -98,8 +104,10 @@ class FlowSender(Protocol):
 
     Optional, looked up by the room machine: ``prepare(ctx, room)``, called whenever the room
     learns of chunks or decode ranks (the staged flows ask for staging space ahead of the worker),
-    and ``check_peers(flow, registrations)``, called once the flow is chosen, raising to refuse
-    decode ranks that cannot receive it (a staged flow needs their staging region)."""
+    ``check_peers(flow, registrations)``, called once the flow is chosen, raising to refuse
+    decode ranks that cannot receive it (a staged flow needs their staging region), and
+    ``plans_ahead`` (true: a chunk the engine names ahead, ``ChunkAhead``, may be planned and
+    prepared before it runs; core/flows/ahead.py)."""
 
     def run_chunk(self, ctx: SenderContext, room: Any, chunk: ChunkReady) -> str: ...
 
@@ -119,12 +127,17 @@ class ReceiverContext(Protocol):
 
     def count(self, what: str) -> None: ...
 
+    def room_table(self, name: str) -> dict[Any, Any]:
+        """As ``SenderContext.room_table``, on the decode rank."""
+        ...
+
 
 class FlowReceiver(Protocol):
     """A flow's decode half for the data notes it delivers: record one in the room's ledger
-    (raise ``RoomError`` for a note that breaks it)."""
+    (raise ``RoomError`` for a note that breaks it); True if it was news, False for a duplicate
+    (which it counts as ``duplicate_notification``): only news renews the room's deadline."""
 
-    def on_note(self, ctx: ReceiverContext, room: Any, progress: Any, note: m.ChunkNote) -> None: ...
+    def on_note(self, ctx: ReceiverContext, room: Any, progress: Any, note: m.ChunkNote) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -306,7 +306,8 @@ class StagedReceiver:
         """The room is gone: so is the flow's ledger of it."""
         self.staged_chunks.pop(r.key, None)
 
-    def note(self, r: Any, note: m.ChunkNote) -> None:
+    def note(self, r: Any, note: m.ChunkNote) -> bool:
+        """A writer's note for space it was granted; False for a resend (counted)."""
         ch = self._chunk(r, note.chunk_index)
         if ch is None or ch.state is RxState.WAITING_SPACE or ch.alloc_id != note.staged:
             raise RoomError(
@@ -320,9 +321,10 @@ class StagedReceiver:
             )
         if fire(RX_TABLE, ch, RxIn.NOTE, note) == "duplicate":
             self.counters["duplicate_notification"] += 1
-            return
+            return False
         if ch.state is RxState.LANDED:
             self._start_scatter(r, ch)
+        return True
 
     def _start_scatter(self, r: Any, ch: RxChunk) -> None:
         fmt = staging_format(ch.flow)

@@ -618,8 +618,8 @@ class StagedNoteReceiver:
 
     __slots__ = ()
 
-    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.ChunkNote) -> None:
-        ctx.staged.note(r, note)
+    def on_note(self, ctx: Any, r: Any, prog: Any, note: m.ChunkNote) -> bool:
+        return ctx.staged.note(r, note)
 
 
 STAGED_SENDER, STAGED_RECEIVER = StagedChunkSender(), StagedNoteReceiver()
