@@ -33,6 +33,7 @@ from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control
+from kvferry.core.sender import SenderEngine
 from kvferry.sim import planted
 from kvferry.sim.chaos import Chaos
 from kvferry.sim.checker import check_final, check_liveness
@@ -768,12 +769,16 @@ class World:
         check_final(self)
 
     def _notices_pending(self) -> bool:
-        """A prefill rank still resends a failure notice: the peer may yet change its outcome."""
-        return any(
-            getattr(r.engine, "notices", None)
-            for n, r in self.ranks.items()
-            if n.startswith("prefill") and not r.dead
-        )
+        """A live prefill rank still resends a failure notice (RoomFailed, until every peer's
+        FailedAck or the give-up): the peer may yet change its outcome, so the final checks wait.
+        Asked of the engine itself: a renamed or removed table fails here, loudly."""
+        for node, rank in self.ranks.items():
+            if rank.dead or self.fleet.side_of[node] != "prefill":
+                continue
+            sender: SenderEngine = rank.engine
+            if sender.notices:
+                return True
+        return False
 
 
 _PREFIX_FLOWS = (Flow.DIRECT.value, Flow.PULL.value, Flow.PUSH.value, Flow.LAYERWISE.value)
