@@ -104,6 +104,7 @@ class Driver:
         on_free_pages: Callable[[FreePages], None] | None = None,
         on_enqueue: Callable[[int], None] | None = None,
         on_prepared: Callable[[int], None] | None = None,
+        cache_deadline: bool = False,
     ) -> None:
         self.engine = engine
         self.transport = transport
@@ -126,6 +127,8 @@ class Driver:
         # runtime asks the engine itself (``next_deadline``).
         self.engine_calls = 0
         self._deadline: tuple[int, int | None] = (-1, None)  # (engine_calls, next_deadline)
+        # The simulated runtime (one thread) also asks the cache at every pump's tick check.
+        self._cache_deadline = cache_deadline
         # Called with ("in", event) for each event fed, ("step", chunk) when a worker takes a
         # chunk, ("run", command) before each command and ("posted", command) when a post
         # returned: runtime.tracing.DriverTrace (kvferry bench nixl --trace).
@@ -177,7 +180,7 @@ class Driver:
 
     def _tick_if_due(self, now: int) -> int:
         with self.lock:
-            dl = self.engine.next_deadline()
+            dl = self.cached_deadline() if self._cache_deadline else self.engine.next_deadline()
             if dl is not None and dl <= now:
                 self._feed(Tick(), now)
                 return 1

@@ -1,6 +1,6 @@
 """The servers of one simulated world: their names, the rank nodes of each, which endpoint and side
-each node is, each server's allocators (KV pages, aux rows; shared by its ranks), and who talks to
-whom for a room between two of them.
+each node is, each server's allocators (KV pages, aux rows; shared by its ranks) and the admission
+order to them, and who talks to whom for a room between two of them.
 
 One server a side keeps the plain names (prefill0, decode0); instance i of several is server
 ``prefill{i}.`` (nodes prefill{i}.0, prefill{i}.1, ...: Topology.servers).
@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import simpy
 from kvferry.core.geometry import ModelGeometry
 from kvferry.core.messages import Endpoint
 from kvferry.core.topology import receiver_endpoints, sender_specs
+from kvferry.sim.admission import Admission
 from kvferry.sim.pages import LowestFirst, PageAllocator
 from kvferry.sim.rooms import Request
 from kvferry.sim.scenario_schema import Scenario, pools
@@ -24,12 +26,13 @@ Links = tuple[tuple[Any, ...], tuple[Any, ...]]
 
 
 class Servers:
-    __slots__ = ("D", "P", "_links", "_links_by_decode_only", "allocs", "dec_pools", "endpoint", "model",
-                 "names", "nodes", "pre_pools", "side_of")  # fmt: skip
+    __slots__ = ("D", "P", "_links", "_links_by_decode_only", "admission", "allocs", "dec_pools", "endpoint",
+                 "model", "names", "nodes", "pre_pools", "side_of")  # fmt: skip
 
     def __init__(
         self,
         s: Scenario,
+        env: simpy.Environment,
         page_allocator: Callable[[str, int], PageAllocator],
         links_by_decode_only: bool = False,
     ) -> None:
@@ -45,6 +48,8 @@ class Servers:
         self.side_of: dict[str, str] = {}
         # node -> (pages, aux rows) of its server: a room's units come from its own servers.
         self.allocs: dict[str, tuple[PageAllocator, PageAllocator]] = {}
+        # Who gets that memory next: first come, first served per (prefill, decode) server pair.
+        self.admission = Admission(env)
         for side, n, pages in (
             ("prefill", t.prefill_instances, t.prefill_pages),
             ("decode", t.decode_instances, t.decode_pages),

@@ -12,6 +12,7 @@ FreePages (the fence), prefill pages once the sender engine dropped the room (no
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -32,8 +33,8 @@ from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control
+from kvferry.core.sender import SenderEngine
 from kvferry.sim import planted
-from kvferry.sim.admission import Admission
 from kvferry.sim.chaos import Chaos
 from kvferry.sim.checker import check_final, check_liveness
 from kvferry.sim.deploy.timing import TimingFabric, TimingTransport
@@ -75,9 +76,9 @@ class World:
             topo = replace(scenario.topology, prefill_instances=instances[0], decode_instances=instances[1])
             scenario = replace(scenario, topology=topo)
         self.scenario = s = draw_personality(replace(scenario, seed=seed), self.streams)
-        self.hooks = frozenset(s.hooks)
         self.env = simpy.Environment()
-        self.trace = Trace(lambda: self.env.now, keep=keep_trace)
+        # The clock read at every trace record: a C-level call, no Python frame (env.now is a property).
+        self.trace = Trace(partial(getattr, self.env, "_now"), keep=keep_trace)
         self.injector = Injector(s.faults, s.phases.fault_window_us * US, self.streams)
         # Timing only (deployment-sized models): the same costs, no byte copied (sim/deploy/timing.py).
         fabric_cls = Fabric if s.move_bytes else TimingFabric
@@ -95,10 +96,8 @@ class World:
         self.ranks: dict[str, SimRank] = {}
         self.findings = Findings()
         self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
-        self.admission = Admission(self.env)  # memory, first come first served per server pair
         self.progress = Progress()
         self.staging = staging_sizes(s)
-        self.policy = FlowPolicy(fallback_direct=self.staging.fallback_direct)
         for name in self.fleet.endpoint:
             self.start_rank(name)
         self._build_workload()
@@ -109,7 +108,9 @@ class World:
         """Name every server's ranks and give each server its own page and aux-row allocators
         (sim/servers.py), and route rooms to them (sim/instances.py)."""
         s = self.scenario
-        self.fleet = f = Servers(s, self.serving.page_allocator, "links_cache_by_decode" in self.hooks)
+        self.fleet = f = Servers(
+            s, self.env, self.serving.page_allocator, "links_cache_by_decode" in self.hooks
+        )
         self.routing = Routing(f.names, f.nodes, self.rooms.by_room, self.trace.record, self.violate)
 
     # Read by the checkers, metrics and sim/deploy: the geometry, each side's TP and pools, the
@@ -117,6 +118,11 @@ class World:
     @property
     def seed(self) -> int:
         return self.scenario.seed
+
+    @property
+    def hooks(self) -> frozenset[str]:
+        """The planted bugs switched on (sim/planted.py), asked where each one acts."""
+        return frozenset(self.scenario.hooks)
 
     # The run's rooms and findings, read by the checkers, metrics, the CLI, sim/deploy and tests.
     @property
@@ -203,7 +209,7 @@ class World:
                 timeouts=self.timeouts,
                 num_shards=workers,
                 planner=planner,
-                policy=self.policy,
+                policy=FlowPolicy(fallback_direct=st.fallback_direct),
                 worker_buffer_bytes=st.worker_buffer_bytes,
                 pinned_bytes=st.prefill_pinned_bytes,
                 registration=tr.registration(),
@@ -346,7 +352,7 @@ class World:
         # Wait for memory like a real scheduler would, first come first served: a request waits
         # until the ones that arrived before it got their memory and enough is free for it.
         lane = (req.pre_inst, req.dec_inst)
-        turn = self.admission.ticket(lane)
+        turn = self.fleet.admission.ticket(lane)
         if turn is not None:
             yield turn
         while not (
@@ -355,8 +361,8 @@ class World:
             and dec_aux.used < t.aux_rows
             and pre_aux.used < t.aux_rows
         ):
-            yield self.admission.changed  # only the head of the line waits here
-        self.admission.admitted(lane)
+            yield self.fleet.admission.changed  # only the head of the line waits here
+        self.fleet.admission.admitted(lane)
         req.dec_pages = dec_pages.alloc(n_dec, req.key)
         req.pre_pages = pre_pages.alloc(n_pre, req.key)
         req.dec_aux = dec_aux.alloc(1, req.key)
@@ -658,7 +664,7 @@ class World:
 
     def memory_event(self) -> None:
         """Wake the requests waiting for memory (admission order is kept by their tickets)."""
-        self.admission.memory_freed()
+        self.fleet.admission.memory_freed()
 
     def release_dec_pages(self, req: Request) -> None:
         """Decode's pages and aux row of the room back to its server (once)."""
@@ -763,12 +769,16 @@ class World:
         check_final(self)
 
     def _notices_pending(self) -> bool:
-        """A prefill rank still resends a failure notice: the peer may yet change its outcome."""
-        return any(
-            getattr(r.engine, "notices", None)
-            for n, r in self.ranks.items()
-            if n.startswith("prefill") and not r.dead
-        )
+        """A live prefill rank still resends a failure notice (RoomFailed, until every peer's
+        FailedAck or the give-up): the peer may yet change its outcome, so the final checks wait.
+        Asked of the engine itself: a renamed or removed table fails here, loudly."""
+        for node, rank in self.ranks.items():
+            if rank.dead or self.fleet.side_of[node] != "prefill":
+                continue
+            sender: SenderEngine = rank.engine
+            if sender.notices:
+                return True
+        return False
 
 
 _PREFIX_FLOWS = (Flow.DIRECT.value, Flow.PULL.value, Flow.PUSH.value, Flow.LAYERWISE.value)
