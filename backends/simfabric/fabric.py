@@ -7,8 +7,7 @@ Transfer model, per post:
 1. Posting costs ``post_cost + per_desc * descriptors`` on the initiator's NIC, serialised per NIC
    (descriptors after NIXL-style dense-run merging when the fabric uses prepared lists). With
    ``shared_desc`` set, every node posts through one device as well (one GPU hosting every rank):
-   a post is ready no earlier than ``shared_desc * descriptors * k`` after it begins, k the nodes
-   posting when it begins.
+   a descriptor costs ``max(per_desc, k * shared_desc)``, k the nodes posting when the post begins.
 2. At most ``max_inflight`` transfers per initiating NIC are active; later ones queue in order.
 3. Active transfers share bandwidth: a transfer moves at
    ``min(src_bw / active_out(src), dst_bw / active_in(dst)) * link_factor``, recomputed whenever a
@@ -345,9 +344,10 @@ class Fabric:
         self.stats.descriptors_charged += charged
         nic = ini.nic
         begin = max(now, ini.post_busy_until)
-        ready = begin + nic.post_cost_ns + nic.per_desc_ns * charged
-        if nic.shared_desc_ns:
-            ready = max(ready, begin + nic.shared_desc_ns * charged * self._posting_on_device(ini, begin))
+        per_desc = nic.per_desc_ns
+        if nic.shared_desc_ns:  # k nodes posting through one device: each gets 1/k of it
+            per_desc = max(per_desc, nic.shared_desc_ns * self._posting_on_device(ini, begin))
+        ready = begin + nic.post_cost_ns + per_desc * charged
         if nic.host_bandwidth_bps and _host_to_host(descs):
             x.host_bps = nic.host_bandwidth_bps
         ini.post_busy_until = ready

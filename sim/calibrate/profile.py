@@ -112,14 +112,14 @@ def render(
             f"completion_delay_us = {_num(rooms.completion_delay_us)}",
             f"kernel_launch_us = {_num(rooms.kernel_launch_us)}",
         ]
-        if control_handle_us:
-            lines += [
-                "# Given, not fitted (kvferry calibrate --control-handle-us): a control thread holds",
-                "# each message this long (measured: the control plane over the ZMQ under it).",
-                f"control_handle_us = {_num(control_handle_us)}",
-            ]
     else:
         lines.append("# No bench rows given (--rooms): no per-room control path, the fabric's defaults.")
+    if control_handle_us:
+        lines += [
+            "# Given, not fitted (kvferry calibrate --control-handle-us): a control thread holds",
+            "# each message this long (measured: the control plane over the ZMQ under it).",
+            f"control_handle_us = {_num(control_handle_us)}",
+        ]
     lines += [
         "",
         "[fit]",
