@@ -265,3 +265,18 @@ def test_bench_predict_prints_each_flows_error_fit_and_held_out_apart() -> None:
         app, ["bench", "predict", str(FLOWS / "bench-flows.jsonl"), "--held-out-tokens", "x"]
     )
     assert bad.exit_code == 2 and "--held-out-tokens" in bad.output
+
+
+def test_flow_telemetry_of_one_kind_fits_only_its_cost_and_of_neither_is_refused(tmp_path: Path) -> None:
+    _register()
+    main = [str(p) for p in sorted(FLOWS.parent.glob("h100.*.json"))]
+    out = tmp_path / "t.toml"
+    pinned = [a for f in sorted(FLOWS.glob("h100.11.pinned.*.json")) for a in ("--flow-telemetry", str(f))]
+    res = CliRunner().invoke(app, ["calibrate", *main, "--name", "t", "--out", str(out), *pinned, "--json"])
+    assert res.exit_code == 0, res.output
+    prof = tomllib.loads(out.read_text())
+    assert "shared_desc_us" not in prof and prof["host_bandwidth_gbps"] > 0
+    assert prof["per_desc_us"] == pytest.approx(json.loads(res.stdout)["fabric"]["per_desc_us"], rel=1e-5)
+    same_tp = ["--flow-telemetry", main[0]]  # 72-descriptor writes: neither kind
+    res = CliRunner().invoke(app, ["calibrate", *main, "--name", "t", "--out", str(out), *same_tp])
+    assert res.exit_code == 2 and "neither descriptor-bound writes" in res.output

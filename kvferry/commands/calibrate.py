@@ -99,6 +99,7 @@ def calibrate(
     by non-negative least squares; report the MAPE on transfer sizes held out of the fit."""
     from kvferry.sim.calibrate import fit, inputs, profile
     from kvferry.sim.calibrate.inputs import CalibrationError
+    from kvferry.sim.calibrate.posting import fit_flows
     from kvferry.sim.deploy.hardware import TRANSPORTS
 
     if transport not in TRANSPORTS:
@@ -126,7 +127,7 @@ def calibrate(
         tel = inputs.read_telemetry(telemetry)
         fab = fit.fit_fabric(tel.rows)
         kfit = fit.fit_kernels(inputs.read_kernels(kernels)) if kernels is not None else None
-        flows = _fit_flows(flow_telemetry, fab.post_cost_us) if flow_telemetry else None
+        flows = fit_flows(flow_telemetry, fab.post_cost_us) if flow_telemetry else None
         bench_rows = None
         if compare is not None:
             from kvferry.sim.calibrate.predict import read_bench
@@ -226,12 +227,7 @@ def calibrate(
             f"MAPE in sample {errs}"
         )
     if flows is not None:
-        typer.echo(
-            f"descriptors ({flows.posting.rows} descriptor-bound writes): {flows.posting.per_desc_us:.3f} us "
-            f"a descriptor of one process, {flows.posting.shared_desc_us:.3f} us on the GPU every process "
-            f"shares (MAPE in sample {flows.posting.mape_pct:.1f}%); host wire {flows.host_gbps:.2f} GB/s "
-            f"({flows.host_rows} pinned writes, MAPE in sample {flows.host_mape_pct:.1f}%)"
-        )
+        typer.echo(flows.summary())
     if rfit is not None:
         typer.echo(
             f"per-room control path from {rfit.rows_fit} bench rows ({_tok(rfit.tokens_fit)}): "
@@ -252,14 +248,6 @@ def _tok(tokens: tuple[int, ...]) -> str:
     return ", ".join(str(t) for t in tokens) + " tokens"
 
 
-def _fit_flows(paths: list[Path], post_cost_us: float) -> FlowFit:
-    from kvferry.sim.calibrate.posting import FlowFit, fit_host_wire, fit_posting, read_flow_telemetry
-
-    posts, host = read_flow_telemetry(paths)
-    gbps, host_mape = fit_host_wire(host)
-    return FlowFit(fit_posting(posts, post_cost_us), gbps, len(host), host_mape, tuple(map(str, paths)))
-
-
 def _overrides(
     fab: FabricFit, kfit: KernelFit | None, flows: FlowFit | None = None
 ) -> dict[str, float | int]:
@@ -270,10 +258,8 @@ def _overrides(
         "post_cost_ns": round(fab.post_cost_us * 1000),
         "per_desc_ns": round(fab.per_desc_us * 1000),
     }
-    if flows is not None:  # the descriptor-bound writes' costs replace the single-process one
-        out["per_desc_ns"] = round(flows.posting.per_desc_us * 1000)
-        out["shared_desc_ns"] = round(flows.posting.shared_desc_us * 1000)
-        out["host_bandwidth_gbps"] = flows.host_gbps
+    if flows is not None:
+        out.update(flows.overrides())
     if kfit is not None:
         out["kernel_launch_ns"] = round(kfit.launch_us * 1000)
         # float(): the fit's numpy scalars are not numbers to the scenario reader (msgspec)

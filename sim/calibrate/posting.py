@@ -30,6 +30,7 @@ __all__ = [
     "HostRow",
     "PostRow",
     "PostingFit",
+    "fit_flows",
     "fit_host_wire",
     "fit_posting",
     "read_flow_telemetry",
@@ -65,26 +66,65 @@ class PostingFit:
 
 @dataclass(frozen=True, slots=True)
 class FlowFit:
-    """What ``kvferry calibrate --flow-telemetry`` fits: the posting costs and the host wire."""
+    """What ``kvferry calibrate --flow-telemetry`` fits: the posting costs (None: the telemetry had
+    no descriptor-bound writes) and the host wire (None: no pinned-flow writes)."""
 
-    posting: PostingFit
-    host_gbps: float
+    posting: PostingFit | None
+    host_gbps: float | None
     host_rows: int
     host_mape_pct: float
     sources: tuple[str, ...]
 
+    def overrides(self) -> dict[str, float | int]:
+        """As a scenario's [fabric] keys: the posting costs replace the single-process one."""
+        out: dict[str, float | int] = {}
+        if self.posting is not None:
+            out["per_desc_ns"] = round(self.posting.per_desc_us * 1000)
+            out["shared_desc_ns"] = round(self.posting.shared_desc_us * 1000)
+        if self.host_gbps is not None:
+            out["host_bandwidth_gbps"] = float(self.host_gbps)
+        return out
+
+    def summary(self) -> str:
+        parts = []
+        if (p := self.posting) is not None:
+            parts.append(
+                f"descriptors ({p.rows} descriptor-bound writes): {p.per_desc_us:.3f} us a descriptor of one "
+                f"process, {p.shared_desc_us:.3f} us on the GPU every process shares (MAPE in sample "
+                f"{p.mape_pct:.1f}%)"
+            )
+        if self.host_gbps is not None:
+            parts.append(
+                f"host wire {self.host_gbps:.2f} GB/s ({self.host_rows} pinned writes, MAPE in sample "
+                f"{self.host_mape_pct:.1f}%)"
+            )
+        return "; ".join(parts)
+
     def as_dict(self) -> dict[str, object]:
         p = self.posting
         return {
-            "per_desc_us": p.per_desc_us,
-            "shared_desc_us": p.shared_desc_us,
-            "posting_rows": p.rows,
-            "posting_mape_in_sample_pct": p.mape_pct,
+            "per_desc_us": None if p is None else p.per_desc_us,
+            "shared_desc_us": None if p is None else p.shared_desc_us,
+            "posting_rows": 0 if p is None else p.rows,
+            "posting_mape_in_sample_pct": None if p is None else p.mape_pct,
             "host_bandwidth_gbps": self.host_gbps,
             "host_rows": self.host_rows,
-            "host_mape_in_sample_pct": self.host_mape_pct,
+            "host_mape_in_sample_pct": None if self.host_gbps is None else self.host_mape_pct,
             "sources": list(self.sources),
         }
+
+
+def fit_flows(paths: Sequence[Path], post_cost_us: float) -> FlowFit:
+    """Both fits on the telemetry that has their writes; an error if it has neither."""
+    posts, host = read_flow_telemetry(paths)
+    if not posts and not host:
+        raise CalibrationError(
+            "--flow-telemetry: neither descriptor-bound writes (different-TP direct rooms) nor "
+            "pinned-flow writes in these files"
+        )
+    posting = fit_posting(posts, post_cost_us) if posts else None
+    gbps, host_mape = fit_host_wire(host) if host else (None, 0.0)
+    return FlowFit(posting, gbps, len(host), host_mape, tuple(map(str, paths)))
 
 
 def _concurrency(spans: Sequence[tuple[float, float]]) -> list[int]:

@@ -56,6 +56,7 @@ def render(
     transport: str = "fitted",
 ) -> str:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    posting = None if flows is None else flows.posting
     lines = [
         f"# Fitted by `kvferry calibrate` on {when} from NIXL per-write telemetry",
         "# (`kvferry bench nixl --telemetry`); the [fit] table says from which rows and how well.",
@@ -69,22 +70,26 @@ def render(
         ),
         'post_cost_source = "kvferry calibrate: fitted to NIXL per-write telemetry ([fit] sources)"',
         'per_desc_source = "kvferry calibrate: fitted to NIXL per-write telemetry ([fit] '
-        + ('flow_sources)"' if flows is not None else 'sources)"'),
+        + ('flow_sources)"' if flows is not None and flows.posting is not None else 'sources)"'),
         "# total_us = post_cost_us + per_desc_us * descriptors + bytes / bandwidth + 2 * latency_us,",
         "# non-negative least squares of relative error on the fit sizes (sim/calibrate/fit.py).",
         f"bandwidth_gbps = {_num(fab.bandwidth_gbps)}",
         f"latency_us = {_num(fab.latency_us)}",
         f"post_cost_us = {_num(fab.post_cost_us)}",
-        f"per_desc_us = {_num(fab.per_desc_us if flows is None else flows.posting.per_desc_us)}",
+        f"per_desc_us = {_num(fab.per_desc_us if posting is None else posting.per_desc_us)}",
     ]
-    if flows is not None:
+    if posting is not None:
         lines += [
             "# Descriptor-bound writes (one descriptor per token and layer) of one process alone and of",
-            "# several at once on the same GPU, and the pinned flow's host-to-host writes, from the",
-            "# telemetry in [fit] flow_sources (sim/calibrate/posting.py): per_desc_us above is one",
-            "# process's cost a descriptor, shared_desc_us the GPU's that all posting processes share",
-            "# (k at once: max(per_desc, k * shared_desc) each); host_bandwidth_gbps the cma wire.",
-            f"shared_desc_us = {_num(flows.posting.shared_desc_us)}",
+            "# several at once on the same GPU, from the telemetry in [fit] flow_sources",
+            "# (sim/calibrate/posting.py): per_desc_us above is one process's cost a descriptor,",
+            "# shared_desc_us the GPU's that all posting processes share (k at once: max(per_desc,",
+            "# k * shared_desc) each).",
+            f"shared_desc_us = {_num(posting.shared_desc_us)}",
+        ]
+    if flows is not None and flows.host_gbps is not None:
+        lines += [
+            "# The pinned flow's host-to-host writes (UCX cma), from the same telemetry.",
             f"host_bandwidth_gbps = {_num(flows.host_gbps)}",
         ]
     if kernels is not None:
@@ -148,11 +153,13 @@ def render(
     if flows is not None:
         lines += [
             f"flow_sources = [{', '.join(_s(s) for s in flows.sources)}]",
-            f"posting_rows = {flows.posting.rows}",
-            f"posting_mape_in_sample_pct = {flows.posting.mape_pct:.2f}",
+            f"posting_rows = {0 if posting is None else posting.rows}",
             f"host_rows = {flows.host_rows}",
-            f"host_mape_in_sample_pct = {flows.host_mape_pct:.2f}",
         ]
+        if posting is not None:
+            lines.append(f"posting_mape_in_sample_pct = {posting.mape_pct:.2f}")
+        if flows.host_gbps is not None:
+            lines.append(f"host_mape_in_sample_pct = {flows.host_mape_pct:.2f}")
     if kernels is not None:
         lines.append(f"kernel_rows = {kernels.rows}")
         for k, v in kernels.mape_pct.items():
