@@ -117,10 +117,20 @@ def profile_fabric(name: str) -> FabricSpec:
             completion_delay_ns=n.completion_delay_ns
             if fit.completion_delay_us is None
             else round(fit.completion_delay_us * 1000),
+            shared_desc_ns=n.shared_desc_ns
+            if fit.shared_desc_us is None
+            else round(fit.shared_desc_us * 1000),
+            host_bandwidth_bps=n.host_bandwidth_bps
+            if fit.host_bandwidth_gbps is None
+            else int(fit.host_bandwidth_gbps * 1e9),
         ),
-        control=c
-        if fit.control_latency_us is None
-        else dataclasses.replace(c, latency_ns=round(fit.control_latency_us * 1000)),
+        control=dataclasses.replace(
+            c,
+            latency_ns=c.latency_ns
+            if fit.control_latency_us is None
+            else round(fit.control_latency_us * 1000),
+            handle_ns=c.handle_ns if fit.control_handle_us is None else round(fit.control_handle_us * 1000),
+        ),
         kernel=dataclasses.replace(
             k,
             launch_ns=k.launch_ns if fit.kernel_launch_us is None else round(fit.kernel_launch_us * 1000),
@@ -149,10 +159,15 @@ def _fabric(f: FabricTable, file: str) -> FabricSpec:
         max_inflight=given(f.max_inflight, n.max_inflight),
         error_timeout_ns=given(f.error_timeout_ns, n.error_timeout_ns),
         completion_delay_ns=given(f.completion_delay_ns, n.completion_delay_ns),
+        shared_desc_ns=given(f.shared_desc_ns, n.shared_desc_ns),
+        host_bandwidth_bps=n.host_bandwidth_bps
+        if f.host_bandwidth_gbps is None
+        else int(f.host_bandwidth_gbps * 1e9),
     )
     control = ControlSpec(
         latency_ns=given(f.control_latency_ns, c.latency_ns),
         jitter_ns=given(f.control_jitter_ns, c.jitter_ns),
+        handle_ns=given(f.control_handle_ns, c.handle_ns),
     )
     kernel = KernelSpec(
         launch_ns=given(f.kernel_launch_ns, k.launch_ns),

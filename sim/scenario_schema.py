@@ -462,8 +462,14 @@ FABRIC_DOC: dict[str, str] = {
     "error_timeout_ns": "How long a write into a dead peer or over a down link takes to report ERR.",
     "completion_delay_ns": "From a write landing (or a transfer completing) to the runtime handling its "
     "notification (or DONE): the real runtime's next poll of NIXL.",
+    "shared_desc_ns": "Cost of one descriptor on the one device every rank posts through (every rank on "
+    "one GPU); a post ends when its own posting and its turn there are through (0: no shared device).",
+    "host_bandwidth_gbps": "Wire of a transfer between pinned host buffers, shared by its initiator's host "
+    "transfers, in GB/s (0: the NIC bandwidth).",
     "control_latency_ns": "One-way latency of a control message.",
     "control_jitter_ns": "Extra delay per control message, uniform in [0, this).",
+    "control_handle_ns": "How long a receiver's control thread holds each message: messages arriving "
+    "together wait for each other (0: none).",
     "kernel_launch_ns": "Host cost of one gather or scatter kernel call.",
     "kernel_busy_mean_ns": "Mean wait (exponential) for the model step in progress before a kernel runs "
     "(0: an idle GPU).",
@@ -490,8 +496,11 @@ class FabricTable(Table):
     max_inflight: Positive | None = None
     error_timeout_ns: Count | None = None
     completion_delay_ns: Count | None = None
+    shared_desc_ns: Count | None = None
+    host_bandwidth_gbps: Annotated[float, Meta(ge=0)] | None = None
     control_latency_ns: Count | None = None
     control_jitter_ns: Count | None = None
+    control_handle_ns: Count | None = None
     kernel_launch_ns: Count | None = None
     kernel_busy_mean_ns: Count | None = None
     gpu_copy_gbps: Annotated[float, Meta(ge=0.001)] | None = None

@@ -16,7 +16,7 @@ from kvferry.sim import scenario as sc
 from kvferry.sim.calibrate import fit, inputs
 from kvferry.sim.calibrate.inputs import CalibrationError, KernelRow, WriteRow
 from kvferry.sim.calibrate.predict import BenchRow, Prediction, predict, read_bench
-from kvferry.sim.calibrate.rooms import fit_rooms
+from kvferry.sim.calibrate.rooms import TERMS, fit_rooms
 from kvferry.sim.deploy import hardware
 from typer.testing import CliRunner
 
@@ -216,7 +216,7 @@ def test_profile_text_is_valid_toml_whatever_the_source_paths() -> None:
     assert tomllib.loads(text)["fit"]["sources"] == odd
     rooms = fit_rooms(_noisy_rows(0, 0.0), "h100-rdma", {}, simulate=_fake_sim)
     text = profile.render(
-        "t", fit.fit_fabric(rows), inputs.Telemetry(tuple(rows), 0, 0, 0), odd, None, "", rooms, odd[1]
+        "t", fit.fit_fabric(rows), inputs.Telemetry(tuple(rows), 0, 0, 0), odd, None, "", rooms, [odd[1]]
     )
     parsed = tomllib.loads(text)
     assert parsed["fit"]["room_sources"] == [odd[1]]
@@ -225,15 +225,24 @@ def test_profile_text_is_valid_toml_whatever_the_source_paths() -> None:
 
 # ---- the per-room control path (sim/calibrate/rooms.py)
 
-CTRL_TRUE_US, COMP_TRUE_US = 900.0, 1_700.0
-# Control messages and completions on a room's critical path, per flow (what the simulator finds
-# for these flows on the shipped fabrics: direct 1 and 1, ring 3 and 1, pull 2 and 1).
-PATH = {"direct": (1, 1), "ring": (3, 1), "pull": (2, 1)}
+CTRL_TRUE_US, COMP_TRUE_US, LAUNCH_TRUE_US = 900.0, 1_700.0, 600.0
+TRUE_US = (CTRL_TRUE_US, COMP_TRUE_US, LAUNCH_TRUE_US)
+# Control messages, completions and copies on a batch's critical path, per flow and rooms in
+# flight (what the simulator finds on the shipped fabrics: direct 1, 1, 0; ring 3, 1, 2; pull
+# 2, 1, 0; eight ring rooms' copies queue on their ranks).
+PATH = {
+    ("direct", 1): (1, 1, 0),
+    ("ring", 1): (3, 1, 2),
+    ("pull", 1): (2, 1, 0),
+    ("ring", 8): (3, 5, 16),
+}
 
 
-def _row(flow: str, tokens: int, measured_ms: float) -> BenchRow:
+def _row(flow: str, tokens: int, measured_ms: float, inflight: int = 1) -> BenchRow:
     mb = tokens * 0.147
-    return BenchRow("tp1->1 nhd", "qwen3-8b", 1, 1, tokens, 1, flow, mb, mb / measured_ms, 1.0)
+    return BenchRow(
+        "tp1->1 nhd", "qwen3-8b", 1, 1, tokens, inflight, flow, mb, mb * inflight / measured_ms, 1.0
+    )
 
 
 def _wire_ms(row: BenchRow) -> float:
@@ -242,11 +251,9 @@ def _wire_ms(row: BenchRow) -> float:
 
 def _fake_sim(row: BenchRow, fab: dict[str, Any]) -> Prediction:
     """The simulator reduced to its linear response: wire time plus the path's counts."""
-    n_ctrl, n_comp = PATH[row.flow]
-    ms = (
-        _wire_ms(row)
-        + (n_ctrl * fab.get("control_latency_ns", 50_000) + n_comp * fab.get("completion_delay_ns", 0)) / 1e6
-    )
+    n = PATH[row.flow, row.inflight]
+    costs = [fab.get(t, 50_000 if t == "control_latency_ns" else 0) for t in TERMS]
+    ms = _wire_ms(row) + sum(c * k for c, k in zip(costs, n, strict=True)) / 1e6
     return Prediction(row, row.room_mb * row.inflight / ms, ms)
 
 
@@ -254,9 +261,11 @@ def _noisy_rows(seed: int, noise: float) -> list[BenchRow]:
     rng = np.random.default_rng(seed)
     rows = []
     for tokens in (128, 256, 512, 1024, 2048, 4096):
-        for flow, (n_ctrl, n_comp) in PATH.items():
-            truth = _wire_ms(_row(flow, tokens, 1.0)) + (n_ctrl * CTRL_TRUE_US + n_comp * COMP_TRUE_US) / 1e3
-            rows.append(_row(flow, tokens, truth * rng.normal(1.0, noise)))
+        for (flow, inflight), n in PATH.items():
+            truth = (
+                _wire_ms(_row(flow, tokens, 1.0)) + sum(k * c for k, c in zip(n, TRUE_US, strict=True)) / 1e3
+            )
+            rows.append(_row(flow, tokens, truth * rng.normal(1.0, noise), inflight))
     return rows
 
 
@@ -264,10 +273,10 @@ def _noisy_rows(seed: int, noise: float) -> list[BenchRow]:
 def test_room_fit_recovers_known_costs_under_noise(seed: int) -> None:
     rows = _noisy_rows(seed, 0.03)
     f = fit_rooms(rows, "h100-rdma", {}, simulate=_fake_sim)
-    assert f.control_latency_us == pytest.approx(CTRL_TRUE_US, rel=0.15)
-    assert f.completion_delay_us == pytest.approx(COMP_TRUE_US, rel=0.15)
-    assert [c for c in f.counts] == [pytest.approx(PATH[r.flow]) for r in rows]
-    assert f.tokens_heldout == (256, 2048) and f.rows_heldout == 6
+    got = (f.control_latency_us, f.completion_delay_us, f.kernel_launch_us)
+    assert got == pytest.approx(TRUE_US, rel=0.15)
+    assert [c for c in f.counts] == [pytest.approx(PATH[r.flow, r.inflight]) for r in rows]
+    assert f.tokens_heldout == (256, 2048) and f.rows_heldout == 8
     assert f.mape_heldout_pct < 6.0 < f.mape_heldout_without_pct
 
 
@@ -275,8 +284,8 @@ def test_room_fit_is_not_dragged_by_a_row_the_fabric_misses_for_another_reason()
     rows = _noisy_rows(3, 0.0)
     rows[0] = _row(rows[0].flow, rows[0].tokens, 40 * rows[0].room_mb / rows[0].measured_gbps)
     f = fit_rooms(rows, "h100-rdma", {}, simulate=_fake_sim)
-    assert f.control_latency_us == pytest.approx(CTRL_TRUE_US, rel=0.02)
-    assert f.completion_delay_us == pytest.approx(COMP_TRUE_US, rel=0.02)
+    got = (f.control_latency_us, f.completion_delay_us, f.kernel_launch_us)
+    assert got == pytest.approx(TRUE_US, rel=0.02)
 
 
 def test_room_fit_needs_three_room_sizes() -> None:
@@ -339,17 +348,22 @@ def test_a_profile_with_room_costs_sets_the_fabric_and_bad_values_are_refused(
 
 
 def test_room_fit_recovers_known_costs_from_the_real_simulator_under_noise() -> None:
-    """Rows 'measured' on the simulator itself with known per-room costs, 3% noise: the fit, which
-    finds each row's counts by simulation, gets the costs back."""
-    truth = {"control_latency_ns": 800_000, "completion_delay_ns": 1_200_000}
+    """Rows 'measured' on the simulator itself with known per-room costs, 2% noise: the fit, which
+    finds each row's counts by simulation, gets the costs back (direct, pull and staged rooms, one
+    and eight in flight)."""
+    truth = {
+        "control_latency_ns": 800_000,
+        "completion_delay_ns": 1_200_000,
+        "kernel_launch_ns": 600_000,
+    }
     rng = np.random.default_rng(7)
     rows = []
     for tokens in (64, 128, 256, 512, 1024):
-        for flow in ("direct", "ring"):
-            probe = _row(flow, tokens, 1.0)
-            ms = predict(probe, "h100-rdma", truth).predicted_ms * rng.normal(1.0, 0.03)
-            rows.append(_row(flow, tokens, ms))
+        for flow, inflight in (("direct", 1), ("pull", 1), ("ring", 1), ("ring", 8)):
+            probe = _row(flow, tokens, 1.0, inflight)
+            ms = predict(probe, "h100-rdma", truth).predicted_ms * rng.normal(1.0, 0.02)
+            rows.append(_row(flow, tokens, ms, inflight))
     f = fit_rooms(rows, "h100-rdma", {})
-    assert f.control_latency_us == pytest.approx(800, rel=0.15)
-    assert f.completion_delay_us == pytest.approx(1_200, rel=0.15)
+    got = (f.control_latency_us, f.completion_delay_us, f.kernel_launch_us)
+    assert got == pytest.approx((800, 1_200, 600), rel=0.15)
     assert f.mape_heldout_pct < 6.0

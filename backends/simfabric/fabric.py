@@ -5,11 +5,14 @@ comes from the RNG passed in, so a run is a pure function of its seed.
 
 Transfer model, per post:
 1. Posting costs ``post_cost + per_desc * descriptors`` on the initiator's NIC, serialised per NIC
-   (descriptors after NIXL-style dense-run merging when the fabric uses prepared lists).
+   (descriptors after NIXL-style dense-run merging when the fabric uses prepared lists). With
+   ``shared_desc`` set, every node posts through one device as well (one GPU hosting every rank):
+   a descriptor costs ``max(per_desc, k * shared_desc)``, k the nodes posting when the post begins.
 2. At most ``max_inflight`` transfers per initiating NIC are active; later ones queue in order.
 3. Active transfers share bandwidth: a transfer moves at
    ``min(src_bw / active_out(src), dst_bw / active_in(dst)) * link_factor``, recomputed whenever a
-   transfer starts or ends.
+   transfer starts or ends. A host-to-host transfer (pinned buffers at both ends) is capped, when
+   ``host_bandwidth`` is set, at that rate over its initiator's active host transfers.
 4. When its last byte has left, the data lands after ``latency + jitter``: bytes are copied then
    (read from the source at that moment), then the notification is delivered, and the initiator
    sees DONE one latency later. ``completion_delay`` (0 by default) delays both: the time a real
@@ -42,6 +45,7 @@ from kvferry.backends.simfabric.errors import NodeDownError, UnknownPeerError
 from kvferry.backends.simfabric.faultapi import NoFaults
 from kvferry.backends.simfabric.memory import FakeMemory
 from kvferry.backends.simfabric.spec import NS_PER_S, FabricSpec, NicSpec
+from kvferry.core.flows.regions import PINNED_REGION
 from kvferry.core.identity_enum import IdentityEnum
 
 Recorder = Callable[..., None]
@@ -80,6 +84,7 @@ class Xfer:
     err_reason: str = ""
     active: bool = False
     weight: int = 1  # copies of ``descs`` the post stands for (Fabric._weight)
+    host_bps: int = 0  # a host-to-host transfer's wire (NicSpec.host_bandwidth_bps); 0: the NIC's
 
 
 @dataclass(slots=True)
@@ -101,6 +106,8 @@ class Node:
     active_in: int = 0
     queued: deque[int] = field(default_factory=deque)
     inflight: int = 0
+    active_host: int = 0  # this initiator's active host-to-host transfers (they share its host wire)
+    control_busy_until: int = 0  # its control thread handles one message at a time (ControlSpec.handle_ns)
     handles: set[int] = field(default_factory=set)
     # Handles of this initiator that left PROC and were not released yet: what a poll must look at.
     settled: set[int] = field(default_factory=set)
@@ -336,7 +343,13 @@ class Fabric:
         self.stats.descriptors_posted += descs.count * weight
         self.stats.descriptors_charged += charged
         nic = ini.nic
-        ready = max(now, ini.post_busy_until) + nic.post_cost_ns + nic.per_desc_ns * charged
+        begin = max(now, ini.post_busy_until)
+        per_desc = nic.per_desc_ns
+        if nic.shared_desc_ns:  # k nodes posting through one device: each gets 1/k of it
+            per_desc = max(per_desc, nic.shared_desc_ns * self._posting_on_device(ini, begin))
+        ready = begin + nic.post_cost_ns + per_desc * charged
+        if nic.host_bandwidth_bps and _host_to_host(descs):
+            x.host_bps = nic.host_bandwidth_bps
         ini.post_busy_until = ready
         self.record(
             "post",
@@ -351,6 +364,15 @@ class Fabric:
         )
         self._at(ready - now, self._admit, x)
         return xid
+
+    def _posting_on_device(self, ini: Node, begin: int) -> int:
+        """Nodes posting through the shared device when ``ini`` begins to (itself included): the
+        device's descriptor work is split among them (a post already under way keeps its end)."""
+        return 1 + sum(
+            1
+            for n in self.nodes.values()
+            if n is not ini and n.nic.shared_desc_ns and n.post_busy_until > begin
+        )
 
     def _weight(self, descs: DescList) -> int:
         """How many copies of ``descs`` one post stands for, in cost and bytes: 1 here; a
@@ -426,6 +448,20 @@ class Fabric:
             self.stats.control_dropped += 1
             self.record("ctrl_drop", dst, src=src, why="receiver down" if not d.up else "link down", tag=tag)
             return
+        handle = self.spec.control.handle_ns
+        if handle:  # queue behind the messages this node's control thread is still handling
+            now = int(self.env.now)
+            d.control_busy_until = max(now, d.control_busy_until) + handle
+            self._at(d.control_busy_until - now, self._hand_control, src, dst, d.incarnation, payload, tag)
+            return
+        self._hand_control(src, dst, d.incarnation, payload, tag)
+
+    def _hand_control(self, src: str, dst: str, inc: int, payload: bytes, tag: Any) -> None:
+        d = self.nodes[dst]
+        if not d.up or d.incarnation != inc:
+            self.stats.control_dropped += 1
+            self.record("ctrl_drop", dst, src=src, why="receiver down", tag=tag)
+            return
         self.stats.control_delivered += 1
         if self.on_control is not None and self.on_control("delivered", src, dst, payload) is False:
             return
@@ -457,6 +493,8 @@ class Fabric:
             return
         self._advance()
         x.active = True
+        if x.host_bps:
+            ini.active_host += 1
         self.nodes[x.src].active_out += 1
         self.nodes[x.dst].active_in += 1
         self._active.append(x.xid)
@@ -466,6 +504,8 @@ class Fabric:
         s, d = self.nodes[x.src], self.nodes[x.dst]
         link = self.link(x.src, x.dst)
         rate = min(s.nic.bandwidth_bps // max(1, s.active_out), d.nic.bandwidth_bps // max(1, d.active_in))
+        if x.host_bps:
+            rate = min(rate, x.host_bps // max(1, self.nodes[x.initiator].active_host))
         return max(1, rate * link.slow_num // link.slow_den)
 
     def _advance(self) -> None:
@@ -513,6 +553,8 @@ class Fabric:
         if not x.active:
             return
         x.active = False
+        if x.host_bps:
+            self.nodes[x.initiator].active_host -= 1
         self._active.remove(x.xid)
         self.nodes[x.src].active_out -= 1
         self.nodes[x.dst].active_in -= 1
@@ -676,3 +718,12 @@ class Fabric:
 
     def in_flight(self) -> int:
         return sum(1 for x in self.xfers.values() if x.state is XferState.PROC)
+
+
+def _host_to_host(descs: DescList) -> bool:
+    """Every descriptor between pinned host buffers (the pinned flow's bounce pools)."""
+    return (
+        bool(descs.count)
+        and bool((descs.src_region == PINNED_REGION).all())
+        and bool((descs.dst_region == PINNED_REGION).all())
+    )

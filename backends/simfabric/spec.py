@@ -38,6 +38,15 @@ class NicSpec:
     # the notification (or DONE): a real runtime sees them only when its data thread next polls
     # NIXL. 0 here (an ideal runtime); `kvferry calibrate --rooms` fits it from bench rows.
     completion_delay_ns: int = 0
+    # Two costs measured on one GPU that hosts every rank (0 by default: off). ``shared_desc_ns``:
+    # a descriptor's cost on the device that every node posting with this NIC shares (cuda_ipc's
+    # copies of all processes run on that one GPU); a post is done when both its own posting
+    # (``per_desc_ns`` a descriptor, its process's CPU) and its turn on the shared device are,
+    # so one poster pays max(per_desc, shared_desc) and two concurrent ones 2 * shared_desc each.
+    # ``host_bandwidth_bps``: the wire of a transfer between host (pinned) buffers, shared by an
+    # initiator's active host transfers (UCX's cma: the initiator's single-threaded copy).
+    shared_desc_ns: int = 0
+    host_bandwidth_bps: int = 0
 
     def validate(self) -> None:
         for name in ("bandwidth_bps", "max_inflight"):
@@ -50,6 +59,8 @@ class NicSpec:
             "per_desc_ns",
             "error_timeout_ns",
             "completion_delay_ns",
+            "shared_desc_ns",
+            "host_bandwidth_bps",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"nic.{name} must be >= 0")
@@ -62,10 +73,13 @@ class ControlSpec:
     # 50 us one way: a TCP round trip on a datacenter network through ZMQ is ~100 us (assumption).
     latency_ns: int = 50_000
     jitter_ns: int = 10_000
+    # A receiving runtime handles its control messages one at a time (one control thread): each
+    # holds it this long, so messages arriving together wait for each other (0: off).
+    handle_ns: int = 0
 
     def validate(self) -> None:
-        if self.latency_ns < 0 or self.jitter_ns < 0:
-            raise ValueError("control latency and jitter must be >= 0")
+        if self.latency_ns < 0 or self.jitter_ns < 0 or self.handle_ns < 0:
+            raise ValueError("control latency, jitter and handling cost must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

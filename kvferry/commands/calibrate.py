@@ -14,6 +14,7 @@ from kvferry.commands import bad_input, check_output_file, progress
 
 if TYPE_CHECKING:  # the fit's modules import numpy: loaded only when a command runs
     from kvferry.sim.calibrate.fit import FabricFit, KernelFit
+    from kvferry.sim.calibrate.posting import FlowFit
 
 DEFAULT_FABRIC = "h100-rdma"  # sim/scenario.py's default [fabric] profile
 
@@ -63,19 +64,46 @@ def calibrate(
         typer.Option(help="`bench nixl --json` rows: print the fitted profile's prediction beside each."),
     ] = None,
     rooms: Annotated[
-        Path | None,
+        list[Path] | None,
         typer.Option(
-            help="`bench nixl --json` rows: fit the per-room control path (control message latency, "
-            "completion delay) to their ms per room, some room sizes held out."
+            help="`bench nixl --json` rows (repeat for several files): fit the per-room control path "
+            "(control message latency, completion delay, a copy's host work) to their ms per room, "
+            "some room sizes held out."
         ),
     ] = None,
+    flow_telemetry: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="Telemetry of different-TP direct rooms and of pinned rooms (repeat): fit the cost a "
+            "descriptor of one process and of the GPU every process shares, and the host wire."
+        ),
+    ] = None,
+    transport: Annotated[
+        str,
+        typer.Option(
+            help="What moved the bytes (cuda_ipc, ib_verbs, efa, tcp, cma): the telemetry does not say."
+        ),
+    ] = "fitted",
+    control_handle_us: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="A measured cost (not fitted): how long a runtime's control thread holds each "
+            "message, so messages arriving together wait (bench/wake_probe.py: the control plane "
+            "over the ZMQ under it). Charged while the room costs are fitted; 0: off.",
+        ),
+    ] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
 ) -> None:
     """Fit post cost, per-descriptor cost, bandwidth and latency (and kernel launch cost and rates)
     by non-negative least squares; report the MAPE on transfer sizes held out of the fit."""
     from kvferry.sim.calibrate import fit, inputs, profile
     from kvferry.sim.calibrate.inputs import CalibrationError
+    from kvferry.sim.calibrate.posting import fit_flows
+    from kvferry.sim.deploy.hardware import TRANSPORTS
 
+    if transport not in TRANSPORTS:
+        bad_input(f"--transport {transport!r}: one of {', '.join(TRANSPORTS)}")
     if not name:
         bad_input("--name is required: the profile's name (e.g. cpu-loopback, h100-nixl)")
     if name == DEFAULT_FABRIC:
@@ -99,6 +127,7 @@ def calibrate(
         tel = inputs.read_telemetry(telemetry)
         fab = fit.fit_fabric(tel.rows)
         kfit = fit.fit_kernels(inputs.read_kernels(kernels)) if kernels is not None else None
+        flows = fit_flows(flow_telemetry, fab.post_cost_us) if flow_telemetry else None
         bench_rows = None
         if compare is not None:
             from kvferry.sim.calibrate.predict import read_bench
@@ -109,12 +138,15 @@ def calibrate(
             from kvferry.sim.calibrate.predict import read_bench
             from kvferry.sim.calibrate.rooms import fit_rooms
 
-            rfit = fit_rooms(read_bench(rooms), DEFAULT_FABRIC, _overrides(fab, kfit))
+            bench = [row for path in rooms for row in read_bench(path)]
+            given = {**_overrides(fab, kfit, flows), "control_handle_ns": round(control_handle_us * 1000)}
+            rfit = fit_rooms(bench, DEFAULT_FABRIC, given)
     except CalibrationError as e:
         bad_input(str(e))
     text = profile.render(
-        name, fab, tel, [str(p) for p in telemetry], kfit, str(kernels or ""), rfit, str(rooms or "")
-    )
+        name, fab, tel, [str(p) for p in telemetry], kfit, str(kernels or ""), rfit,
+        [str(p) for p in rooms or ()], flows, control_handle_us, transport,
+    )  # fmt: skip
     try:
         target.write_text(text)
     except (OSError, UnicodeError) as e:
@@ -152,6 +184,8 @@ def calibrate(
         else {
             "control_latency_us": rfit.control_latency_us,
             "completion_delay_us": rfit.completion_delay_us,
+            "kernel_launch_us": rfit.kernel_launch_us,
+            "control_handle_us": control_handle_us,
             "rows_used": rfit.rows_fit,
             "rows_heldout": rfit.rows_heldout,
             "tokens_fit": list(rfit.tokens_fit),
@@ -161,6 +195,8 @@ def calibrate(
             "mape_heldout_without_pct": rfit.mape_heldout_without_pct,
         },
     }
+    if flows is not None:
+        result["flows"] = flows.as_dict()
     preds = _predict_rows(bench_rows, name) if bench_rows is not None else None
     if as_json:
         if preds is not None:
@@ -190,11 +226,14 @@ def calibrate(
             f"kernels ({kfit.rows} rows): launch {kfit.launch_us:.1f} us ({kfit.launch_source}), {rates}; "
             f"MAPE in sample {errs}"
         )
+    if flows is not None:
+        typer.echo(flows.summary())
     if rfit is not None:
         typer.echo(
             f"per-room control path from {rfit.rows_fit} bench rows ({_tok(rfit.tokens_fit)}): "
             f"control message {rfit.control_latency_us:.1f} us, "
-            f"completion delay {rfit.completion_delay_us:.1f} us; "
+            f"completion delay {rfit.completion_delay_us:.1f} us, "
+            f"a copy's host work {rfit.kernel_launch_us:.1f} us; "
             f"held out {rfit.rows_heldout} rows ({_tok(rfit.tokens_heldout)}): MAPE of ms per room "
             f"{rfit.mape_heldout_pct:.1f}% ({rfit.mape_heldout_without_pct:.1f}% without these costs; "
             f"{rfit.mape_fit_pct:.1f}% on the fit's own rows)"
@@ -209,20 +248,25 @@ def _tok(tokens: tuple[int, ...]) -> str:
     return ", ".join(str(t) for t in tokens) + " tokens"
 
 
-def _overrides(fab: FabricFit, kfit: KernelFit | None) -> dict[str, float | int]:
+def _overrides(
+    fab: FabricFit, kfit: KernelFit | None, flows: FlowFit | None = None
+) -> dict[str, float | int]:
     """A fit's numbers as a scenario's [fabric] keys, to simulate it before any profile holds it."""
     out: dict[str, float | int] = {
-        "bandwidth_gbps": fab.bandwidth_gbps,
+        "bandwidth_gbps": float(fab.bandwidth_gbps),
         "latency_ns": round(fab.latency_us * 1000),
         "post_cost_ns": round(fab.post_cost_us * 1000),
         "per_desc_ns": round(fab.per_desc_us * 1000),
     }
+    if flows is not None:
+        out.update(flows.overrides())
     if kfit is not None:
         out["kernel_launch_ns"] = round(kfit.launch_us * 1000)
+        # float(): the fit's numpy scalars are not numbers to the scenario reader (msgspec)
         if kfit.gpu_gbps is not None:
-            out["gpu_copy_gbps"] = kfit.gpu_gbps
+            out["gpu_copy_gbps"] = float(kfit.gpu_gbps)
         if kfit.pinned_gbps is not None:
-            out["pinned_copy_gbps"] = kfit.pinned_gbps
+            out["pinned_copy_gbps"] = float(kfit.pinned_gbps)
     return out
 
 
@@ -265,6 +309,13 @@ def predict(
         str,
         typer.Option(help="Fabric profile to simulate: a fitted one (kvferry calibrate) or built in."),
     ] = "cpu-loopback",
+    held_out_tokens: Annotated[
+        str,
+        typer.Option(
+            help="Room sizes no fit saw, comma-separated (a fitted profile's [fit] room_tokens_heldout): "
+            "the per-flow error of those rows is reported apart from the others'."
+        ),
+    ] = "",
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per row.")] = False,
 ) -> None:
     """Simulate each bench row (TP pair, flow, tokens, rooms in flight) over the simulated fabric
@@ -277,12 +328,28 @@ def predict(
     if profile not in known:
         bad_input(f"--profile {profile!r}: unknown fabric profile (known: {', '.join(known)})")
     try:
+        held = frozenset(int(t) for t in held_out_tokens.split(",") if t.strip())
+    except ValueError:
+        bad_input(f"--held-out-tokens {held_out_tokens!r}: expected token counts, e.g. 1024,8192")
+    try:
         rows = read_bench(bench)
     except CalibrationError as e:
         bad_input(str(e))
     preds = _predict_rows(rows, profile)
     if as_json:
         for p in preds:
-            typer.echo(json.dumps(p.as_dict()))
+            typer.echo(json.dumps({**p.as_dict(), "held_out": p.row.tokens in held}))
         return
     _print_predictions(preds, profile)
+    _print_by_flow(preds, held)
+
+
+def _print_by_flow(preds: list, held: frozenset[int]) -> None:  # type: ignore[type-arg]
+    from kvferry.sim.calibrate.predict import by_flow
+
+    typer.echo("")
+    typer.echo("per flow: MAPE of the ms per batch" + (f" (held out: {sorted(held)} tokens)" if held else ""))
+    typer.echo("flow       inflight  TP       rows     count  MAPE")
+    for e in by_flow(preds, held):
+        which = "held out" if e.held_out else ("fit" if held else "")
+        typer.echo(f"{e.flow:<10} {e.inflight:>8}  {e.tp:<8} {which:<8} {e.rows:>5}  {e.mape_pct:5.1f}%")

@@ -22,7 +22,7 @@ from kvferry.core.geometry import PRESETS
 from kvferry.sim import scenario as sc
 from kvferry.sim.calibrate.inputs import CalibrationError, read_text
 
-__all__ = ["BenchRow", "Prediction", "predict", "read_bench"]
+__all__ = ["BenchRow", "FlowError", "Prediction", "by_flow", "predict", "read_bench"]
 
 FLOWS = (*FLOW_NAMES, "policy")
 MS = 1_000_000
@@ -181,6 +181,35 @@ def scenario(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) 
         return sc.parse(data, where=f"bench row {row.config} {row.flow}")
     except sc.ScenarioError as e:
         raise CalibrationError(str(e)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class FlowError:
+    """The MAPE of the ms per batch of one flow's rows at one number of rooms in flight, equal or
+    unequal TP, fit or held-out rows."""
+
+    flow: str
+    inflight: int
+    tp: str  # "equal" or "unequal"
+    held_out: bool
+    rows: int
+    mape_pct: float
+
+
+def by_flow(preds: list[Prediction], held_out_tokens: frozenset[int] = frozenset()) -> list[FlowError]:
+    """Per-flow error, as the per-flow target reads it; rows whose tokens are in
+    ``held_out_tokens`` (room sizes no fit saw) apart from the others."""
+    groups: dict[tuple[str, int, str, bool], list[float]] = {}
+    for p in preds:
+        r = p.row
+        key = (
+            r.flow,
+            r.inflight,
+            "equal" if r.prefill_tp == r.decode_tp else "unequal",
+            r.tokens in held_out_tokens,
+        )
+        groups.setdefault(key, []).append(abs(p.predicted_ms - p.measured_ms) / p.measured_ms)
+    return [FlowError(*k, len(v), 100 * sum(v) / len(v)) for k, v in sorted(groups.items())]
 
 
 def predict(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) -> Prediction:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvferry.sim.calibrate.fit import FabricFit, KernelFit
 from kvferry.sim.calibrate.inputs import CalibrationError, Telemetry
+from kvferry.sim.calibrate.posting import FlowFit
 from kvferry.sim.calibrate.rooms import RoomFit
 from kvferry.sim.deploy import hardware
 
@@ -49,28 +50,57 @@ def render(
     kernels: KernelFit | None = None,
     kernel_source: str = "",
     rooms: RoomFit | None = None,
-    rooms_source: str = "",
+    rooms_sources: list[str] | None = None,
+    flows: FlowFit | None = None,
+    control_handle_us: float = 0.0,
+    transport: str = "fitted",
 ) -> str:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    posting = None if flows is None else flows.posting
     lines = [
         f"# Fitted by `kvferry calibrate` on {when} from NIXL per-write telemetry",
         "# (`kvferry bench nixl --telemetry`); the [fit] table says from which rows and how well.",
         'kind = "fabric"',
         f"name = {_s(name)}",
-        'transport = "fitted"  # the telemetry does not name it: edit to cuda_ipc, ib_verbs, efa, tcp or cma',
+        f"transport = {_s(transport)}"
+        + (
+            "  # the telemetry does not name it: --transport cuda_ipc, ib_verbs, efa, tcp or cma"
+            if transport == "fitted"
+            else ""
+        ),
         'post_cost_source = "kvferry calibrate: fitted to NIXL per-write telemetry ([fit] sources)"',
-        'per_desc_source = "kvferry calibrate: fitted to NIXL per-write telemetry ([fit] sources)"',
+        'per_desc_source = "kvferry calibrate: fitted to NIXL per-write telemetry ([fit] '
+        + ('flow_sources)"' if flows is not None and flows.posting is not None else 'sources)"'),
         "# total_us = post_cost_us + per_desc_us * descriptors + bytes / bandwidth + 2 * latency_us,",
         "# non-negative least squares of relative error on the fit sizes (sim/calibrate/fit.py).",
         f"bandwidth_gbps = {_num(fab.bandwidth_gbps)}",
         f"latency_us = {_num(fab.latency_us)}",
         f"post_cost_us = {_num(fab.post_cost_us)}",
-        f"per_desc_us = {_num(fab.per_desc_us)}",
+        f"per_desc_us = {_num(fab.per_desc_us if posting is None else posting.per_desc_us)}",
     ]
+    if posting is not None:
+        lines += [
+            "# Descriptor-bound writes (one descriptor per token and layer) of one process alone and of",
+            "# several at once on the same GPU, from the telemetry in [fit] flow_sources",
+            "# (sim/calibrate/posting.py): per_desc_us above is one process's cost a descriptor,",
+            "# shared_desc_us the GPU's that all posting processes share (k at once: max(per_desc,",
+            "# k * shared_desc) each).",
+            f"shared_desc_us = {_num(posting.shared_desc_us)}",
+        ]
+    if flows is not None and flows.host_gbps is not None:
+        lines += [
+            "# The pinned flow's host-to-host writes (UCX cma), from the same telemetry.",
+            f"host_bandwidth_gbps = {_num(flows.host_gbps)}",
+        ]
     if kernels is not None:
         lines.append(f"# Copy kernels from {kernel_source}: seconds = launch + bytes / rate per memory kind.")
         lines.append(f"# Launch cost: {kernels.launch_source}.")
-        lines.append(f"kernel_launch_us = {_num(kernels.launch_us)}")
+        if rooms is None:  # with --rooms, the runtime's launch (below) replaces the bare one
+            lines.append(f"kernel_launch_us = {_num(kernels.launch_us)}")
+        else:
+            lines.append(
+                f"# (bare launch {_num(kernels.launch_us)} us; the runtime's, fitted below, is charged)"
+            )
         if kernels.gpu_gbps is not None:
             lines.append(f"copy_gpu_gbps = {_num(kernels.gpu_gbps)}")
         if kernels.pinned_gbps is not None:
@@ -80,13 +110,21 @@ def render(
     if rooms is not None:
         lines += [
             "# The runtime's per-room control path, fitted to the ms per room of the bench rows in",
-            "# [fit] room_sources (sim/calibrate/rooms.py): one control message's latency, and the",
-            "# delay before a notification or completion is handled.",
+            "# [fit] room_sources (sim/calibrate/rooms.py): one control message's latency, the",
+            "# delay before a notification or completion is handled, and the runtime's host work",
+            "# around each gather or scatter (its submit and completion, one after another on a rank).",
             f"control_latency_us = {_num(rooms.control_latency_us)}",
             f"completion_delay_us = {_num(rooms.completion_delay_us)}",
+            f"kernel_launch_us = {_num(rooms.kernel_launch_us)}",
         ]
     else:
         lines.append("# No bench rows given (--rooms): no per-room control path, the fabric's defaults.")
+    if control_handle_us:
+        lines += [
+            "# Given, not fitted (kvferry calibrate --control-handle-us): a control thread holds",
+            "# each message this long (measured: the control plane over the ZMQ under it).",
+            f"control_handle_us = {_num(control_handle_us)}",
+        ]
     lines += [
         "",
         "[fit]",
@@ -103,7 +141,7 @@ def render(
     ]
     if rooms is not None:
         lines += [
-            f"room_sources = [{_s(rooms_source)}]",
+            f"room_sources = [{', '.join(_s(s) for s in rooms_sources or ())}]",
             f"room_rows_used = {rooms.rows_fit}",
             f"room_rows_heldout = {rooms.rows_heldout}",
             f"room_tokens_fit = [{', '.join(str(t) for t in rooms.tokens_fit)}]",
@@ -112,6 +150,16 @@ def render(
             f"room_mape_heldout_pct = {rooms.mape_heldout_pct:.2f}",
             f"room_mape_heldout_without_pct = {rooms.mape_heldout_without_pct:.2f}",
         ]
+    if flows is not None:
+        lines += [
+            f"flow_sources = [{', '.join(_s(s) for s in flows.sources)}]",
+            f"posting_rows = {0 if posting is None else posting.rows}",
+            f"host_rows = {flows.host_rows}",
+        ]
+        if posting is not None:
+            lines.append(f"posting_mape_in_sample_pct = {posting.mape_pct:.2f}")
+        if flows.host_gbps is not None:
+            lines.append(f"host_mape_in_sample_pct = {flows.host_mape_pct:.2f}")
     if kernels is not None:
         lines.append(f"kernel_rows = {kernels.rows}")
         for k, v in kernels.mape_pct.items():

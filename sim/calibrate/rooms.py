@@ -6,15 +6,21 @@ TransferInfo, a StagingReq/StagingRsp round trip, a pull's offer and reply) and 
 runtime handles a write's notification or completion (its data thread sees them on its next poll
 of NIXL). docs/benchmarks.md, "Where a small room's time goes", times both on CPU loopback.
 
-Two costs of the simulated fabric stand for them: ``control_latency`` (one control message, one
-way, through the runtime) and ``completion_delay`` (from a write landing to the target runtime
-handling its notification, or the initiator its DONE). How many of each lie on a room's critical
-path is not assumed: each bench row is simulated with the fabric fitted from telemetry (both
-costs 0), and again with each cost set to a probe value; the time each probe adds, divided by
-the probe, is that row's count (1 control message for a direct room, 3 for a staged one, ...).
-Then ``measured - simulated = n_control * control_latency + n_completion * completion_delay``
-is fitted by least absolute relative deviation with both costs >= 0: robust, so a row the fabric
-misses for another reason (the pinned flow's slow host copies) does not drag the per-room costs.
+Three costs of the simulated fabric stand for them: ``control_latency`` (one control message, one
+way, through the runtime), ``completion_delay`` (from a write landing to the target runtime
+handling its notification, or the initiator its DONE) and ``kernel_launch`` (the runtime's host
+work around each gather or scatter of the staged flows, one copy after another on a rank: its
+submit, which is validation, the page-id upload and Triton's launcher, and the handling of its
+completion; the kernel bench's launch is the bare launch alone). How many of each lie on a
+room's critical path is not assumed: each bench row is simulated with the fabric fitted from
+telemetry (the three costs 0), and again with each cost set to a probe value; the time each
+probe adds, divided by the probe, is that row's count (1 control message for a direct room, 3
+for a staged one, ...). Then ``measured - simulated = n_control * control_latency +
+n_completion * completion_delay + n_copies * kernel_launch`` is fitted by least absolute
+relative deviation with every cost >= 0: robust, so a row the fabric misses for another reason
+does not drag the per-room costs. (A copy's completion picked up after a pure delay, rather than
+by work that holds the rank, was tried as a fourth cost: on rows simulated with both, the counts'
+linear model could not tell the two apart, so the copy's host work is one serial cost.)
 
 Held-out check as for the writes: the rows' distinct token counts are sorted and every third from
 the second is held out; the fit sees only the others. The MAPE of the ms per room is computed by
@@ -35,13 +41,14 @@ from kvferry.sim.calibrate.predict import BenchRow, Prediction, predict
 __all__ = ["RoomFit", "fit_rooms", "lad"]
 
 PROBE_US = 1000.0  # large against jitter, small enough that nothing else changes order
-TERMS = ("control_latency_ns", "completion_delay_ns")
+TERMS = ("control_latency_ns", "completion_delay_ns", "kernel_launch_ns")
 
 
 @dataclass(frozen=True, slots=True)
 class RoomFit:
     control_latency_us: float
     completion_delay_us: float
+    kernel_launch_us: float
     rows_fit: int
     rows_heldout: int
     tokens_fit: tuple[int, ...]
@@ -51,7 +58,7 @@ class RoomFit:
     # The same held-out rows on the fabric without the two costs (the telemetry fit alone, with
     # the fabric's default 50 us control latency): what the per-room terms buy.
     mape_heldout_without_pct: float
-    counts: tuple[tuple[float, float], ...]  # per row: control messages, completions on its path
+    counts: tuple[tuple[float, ...], ...]  # per row: control messages, completions, copies on its path
     predictions: tuple[Prediction, ...]  # every row, with the fitted costs
 
 
@@ -73,29 +80,25 @@ Simulate = Callable[[BenchRow, dict[str, Any]], Prediction]
 def fit_rooms(
     rows: Sequence[BenchRow], profile: str, fabric: dict[str, Any], simulate: Simulate | None = None
 ) -> RoomFit:
-    """Fit the two per-room costs to ``rows`` simulated on ``profile`` with ``fabric`` overrides
+    """Fit the per-room costs to ``rows`` simulated on ``profile`` with ``fabric`` overrides
     (the telemetry fit's numbers). ``simulate`` replaces the simulator (tests)."""
     run: Simulate = simulate or (lambda row, fab: predict(row, profile, fab))
     fit_tokens, held_tokens = _split(rows)
-    zero = {**fabric, "control_latency_ns": 0, "control_jitter_ns": 0, "completion_delay_ns": 0}
+    zero = {**fabric, "control_jitter_ns": 0, **dict.fromkeys(TERMS, 0)}
     probe = round(PROBE_US * 1000)
     base = [run(r, zero).predicted_ms for r in rows]
     counts = []
     for r, t0 in zip(rows, base, strict=True):
         per = [(run(r, {**zero, term: probe}).predicted_ms - t0) / (PROBE_US / 1000) for term in TERMS]
-        counts.append((max(0.0, per[0]), max(0.0, per[1])))
+        counts.append(tuple(max(0.0, c) for c in per))
     meas = np.array([r.room_mb * r.inflight / r.measured_gbps for r in rows])
     k = np.array(counts)
     resid = meas - np.array(base)
     train = np.array([r.tokens not in held_tokens for r in rows])
     # Relative deviation: each row divided by its measured time, as the MAPE we report.
     x = lad(k[train] / meas[train, None], resid[train] / meas[train])
-    ctrl_us, comp_us = (float(v) * 1000 for v in x)  # ms -> us
-    fitted = {
-        **fabric,
-        "control_latency_ns": round(ctrl_us * 1000),
-        "completion_delay_ns": round(comp_us * 1000),
-    }
+    ctrl_us, comp_us, launch_us = (float(v) * 1000 for v in x)  # ms -> us
+    fitted = {**fabric, **{t: round(float(v) * 1e6) for t, v in zip(TERMS, x, strict=True)}}
     preds = [run(r, fitted) for r in rows]
     before = [run(r, fabric) for r in rows]
     pred_ms = np.array([p.predicted_ms for p in preds])
@@ -104,6 +107,7 @@ def fit_rooms(
     return RoomFit(
         control_latency_us=ctrl_us,
         completion_delay_us=comp_us,
+        kernel_launch_us=launch_us,
         rows_fit=int(train.sum()),
         rows_heldout=int(held.sum()),
         tokens_fit=tuple(fit_tokens),

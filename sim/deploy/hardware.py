@@ -79,6 +79,14 @@ class NicProfile:
     # completion is handled (the data thread's next poll). Absent: the fabric's ideal defaults.
     control_latency_us: float | None = None
     completion_delay_us: float | None = None
+    # Measured with every rank on one GPU (kvferry calibrate): a descriptor's cost on that shared
+    # GPU and the wire between pinned host buffers (UCX cma); and, given rather than fitted, how long
+    # a control thread holds each message (ControlSpec.handle_ns).
+    # A scenario naming the profile charges them; a deployment (``select --nic``, fabric_spec)
+    # does not: its ranks have a GPU each, and its pinned flow keeps the NIC's wire.
+    shared_desc_us: float | None = None
+    control_handle_us: float | None = None
+    host_bandwidth_gbps: float | None = None
     # What moves the bytes (TRANSPORTS), where the two posting costs come from, and which of the
     # profile's numbers are estimates rather than measurements.
     transport: str = "unstated"
@@ -124,7 +132,8 @@ def _files() -> list[str]:
 # Costs a fit may find to be nil (a fitted profile may hold 0 for them); every rate stays positive.
 _MAY_BE_ZERO = frozenset(
     {"latency_us", "post_cost_us", "per_desc_us", "kernel_launch_us"}
-    | {"control_latency_us", "completion_delay_us"}
+    | {"control_latency_us", "completion_delay_us", "shared_desc_us"}
+    | {"control_handle_us"}
 )
 # Kinds a loader accepts: a fitted fabric profile serves as a NIC profile.
 _KINDS = {"gpu": ("gpu",), "nic": ("nic", "fabric"), "fabric": ("fabric",)}

@@ -1,0 +1,282 @@
+"""The flows' own costs in the simulated fabric, each by an amount computable by hand: a
+descriptor's cost on a GPU that every posting process shares, the host wire of pinned-to-pinned
+writes, a control thread that handles one message at a time; and their fits
+(sim/calibrate/posting.py) recovering planted values."""
+
+from __future__ import annotations
+
+import json
+import random
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import simpy
+from kvferry.backends.simfabric.descriptors import DescList
+from kvferry.backends.simfabric.fabric import Fabric
+from kvferry.backends.simfabric.spec import ControlSpec, FabricSpec, NicSpec
+from kvferry.core.flows.regions import PINNED_REGION
+from kvferry.sim import scenario as sc
+from kvferry.sim.calibrate.inputs import CalibrationError
+from kvferry.sim.calibrate.posting import fit_host_wire, fit_posting, read_flow_telemetry
+from kvferry.sim.calibrate.predict import BenchRow, predict
+from kvferry.sim.deploy import hardware
+from typer.testing import CliRunner
+
+from kvferry.cli import _register, app
+
+NIC = NicSpec(
+    bandwidth_bps=1_000_000_000,
+    latency_ns=1_000,
+    jitter_ns=0,
+    post_cost_ns=10_000,
+    per_desc_ns=6_000,
+    max_inflight=4,
+    error_timeout_ns=50_000,
+)
+SPEC = FabricSpec(nic=NIC, control=ControlSpec(latency_ns=5_000, jitter_ns=0), prepped=False)
+QUIET = {"control_jitter_ns": 0, "jitter_ns": 0, "control_latency_ns": 0}
+FLOWS = Path(__file__).resolve().parent.parent / "bench" / "calibration" / "h100-nixl" / "flows"
+
+
+def world(spec: FabricSpec = SPEC) -> tuple[simpy.Environment, Fabric]:
+    env = simpy.Environment()
+    fab = Fabric(env, spec, random.Random(1))
+    for n in ("a", "b", "c"):
+        fab.add_node(n)
+        fab.register(n, 0, 1 << 20)
+        fab.register(n, PINNED_REGION, 1 << 22)
+    return env, fab
+
+
+def spaced(n: int, region: int = 0, length: int = 8) -> DescList:
+    """``n`` descriptors that no merge can join (every other slot)."""
+    off = np.arange(n, dtype=np.int64) * 2 * length
+    return DescList.of([region] * n, off, [region] * n, off, [length] * n)
+
+
+# ---- a descriptor's cost on the GPU every posting process shares
+
+
+def test_shared_descriptor_cost_is_off_by_default_and_one_poster_pays_the_larger_cost() -> None:
+    n = 100
+    for shared, per_desc in ((0, 6_000), (5_000, 6_000), (9_000, 9_000)):
+        env, fab = world(replace(SPEC, nic=replace(NIC, shared_desc_ns=shared)))
+        xid = fab.post("a", "a", "b", spaced(n), None)
+        env.run()
+        # post cost + n * max(per_desc, 1 * shared_desc): a lone poster is held by the slower of the two
+        assert fab.xfers[xid].started_ns == 10_000 + n * per_desc
+
+
+def test_two_processes_posting_at_once_each_pay_twice_the_shared_cost() -> None:
+    n = 100
+    env, fab = world(replace(SPEC, nic=replace(NIC, shared_desc_ns=5_000)))
+    first = fab.post("a", "a", "b", spaced(n), None)
+    second = fab.post("c", "c", "b", spaced(n), None)
+    env.run()
+    # the first began alone: 10 us + 100 * max(6, 5) us; the second began beside it:
+    # 10 us + 100 * max(6, 2 * 5) us
+    assert fab.xfers[first].started_ns == 10_000 + 600_000
+    assert fab.xfers[second].started_ns == 10_000 + 1_000_000
+    # without the shared device both post in parallel, each in 10 us + 100 * 6 us
+    env, fab = world()
+    xids = [fab.post(n_, n_, "b", spaced(n), None) for n_ in ("a", "c")]
+    env.run()
+    assert [fab.xfers[x].started_ns for x in xids] == [610_000, 610_000]
+
+
+def test_a_different_tp_room_is_longer_by_the_shared_cost_of_its_second_poster() -> None:
+    """TP 2 -> 1 on the real simulator: each prefill rank posts 36 layers x K,V x 64 tokens =
+    4,608 descriptors at once; the second to begin pays 2 x 5 us each instead of its own 6 us,
+    so the room ends about 4,608 x 4 us = 18.4 ms later (less the few microseconds by which the
+    second rank begins after the first)."""
+    row = BenchRow("tp2->1 nhd", "qwen3-8b", 2, 1, 64, 1, "direct", 64 * 0.147, 1.0, 1.0)
+    t0 = predict(row, "h100-rdma", {**QUIET, "per_desc_ns": 6_000}).predicted_ms
+    t1 = predict(row, "h100-rdma", {**QUIET, "per_desc_ns": 6_000, "shared_desc_ns": 5_000}).predicted_ms
+    assert t1 - t0 == pytest.approx(36 * 2 * 64 * 4_000 / 1e6, rel=0.02)
+
+
+# ---- the host wire
+
+
+def test_a_host_to_host_write_moves_at_the_host_wire_shared_by_its_initiator() -> None:
+    nbytes = 1_000_000
+    host = replace(SPEC, nic=replace(NIC, host_bandwidth_bps=250_000_000))
+
+    def wire_ns(spec: FabricSpec, posts: list[tuple[str, int]]) -> list[int]:
+        env, fab = world(spec)
+        xids = [fab.post(ini, ini, "b", DescList.of([r], [0], [r], [0], [nbytes]), None) for ini, r in posts]
+        env.run()
+        return [fab.xfers[x].landed_ns - fab.xfers[x].started_ns - NIC.latency_ns for x in xids]
+
+    # 1 MB at the NIC's 1 GB/s: 1 ms; between pinned buffers at the host wire's 0.25 GB/s: 4 ms
+    assert wire_ns(SPEC, [("a", PINNED_REGION)]) == [1_000_000]
+    assert wire_ns(host, [("a", PINNED_REGION)]) == [4_000_000]
+    assert wire_ns(host, [("a", 0)]) == [1_000_000]  # device memory keeps the NIC's wire
+    # Two host writes of one initiator share its wire. Its posts end 16 us apart (10 us + 1
+    # descriptor at 6 us), so the first moves 4,000 B alone, both then move at 0.125 GB/s until
+    # the first ends at 8.000 ms, and the second's last 4,000 B go alone: 7.984 ms of wire each.
+    assert wire_ns(host, [("a", PINNED_REGION), ("a", PINNED_REGION)]) == [7_984_000, 7_984_000]
+    # two initiators' host writes do not share (their posts end together: 4 ms each)
+    assert wire_ns(host, [("a", PINNED_REGION), ("c", PINNED_REGION)]) == [4_000_000, 4_000_000]
+
+
+def test_a_pinned_room_is_longer_by_its_bytes_over_the_host_wire() -> None:
+    row = BenchRow("tp1->1 nhd", "qwen3-8b", 1, 1, 256, 1, "pinned", 256 * 0.147456, 1.0, 1.0)
+    t0 = predict(row, "h100-rdma", QUIET).predicted_ms
+    t1 = predict(row, "h100-rdma", {**QUIET, "host_bandwidth_gbps": 5.0}).predicted_ms
+    # the room's one write: its bytes at 5 GB/s instead of h100-rdma's 50 GB/s NIC
+    assert t1 - t0 == pytest.approx(row.room_mb * 1e6 * (1 / 5e9 - 1 / 50e9) * 1e3, rel=1e-4)
+
+
+# ---- a control thread that handles one message at a time
+
+
+def test_messages_arriving_together_wait_for_each_other_by_the_handling_cost() -> None:
+    for handle, want in ((0, [5_000, 5_000, 5_000]), (2_000, [7_000, 9_000, 11_000])):
+        env, fab = world(replace(SPEC, control=ControlSpec(latency_ns=5_000, jitter_ns=0, handle_ns=handle)))
+        seen: list[int] = []
+        fab.nodes["b"].waker = lambda _item, env=env, seen=seen: seen.append(int(env.now))
+        for i in range(3):
+            fab.send_control("a" if i != 1 else "c", "b", b"m%d" % i)
+        env.run()
+        assert seen == want
+        assert [p for _, p in fab.drain_control("b")] == [b"m0", b"m1", b"m2"]
+
+
+def test_a_message_for_a_receiver_that_crashed_while_it_queued_is_dropped() -> None:
+    env, fab = world(replace(SPEC, control=ControlSpec(latency_ns=5_000, jitter_ns=0, handle_ns=2_000)))
+    fab.send_control("a", "b", b"x")
+    env.run(until=6_000)  # arrived at 5 us, handed over at 7 us
+    fab.crash("b")
+    fab.restart("b")
+    env.run()
+    assert fab.drain_control("b") == [] and fab.stats.control_dropped == 1
+
+
+# ---- the fits recover planted costs
+
+
+def _telemetry(path: Path, flow: str, writes: list[dict[str, float]]) -> Path:
+    path.write_text(json.dumps({"config": {"flow": flow}, "writes": writes}))
+    return path
+
+
+def _write(start: float, descs: int, post_us: float, nbytes: int = 1 << 20) -> dict[str, float]:
+    return {
+        "status": "DONE",
+        "descs_requested": descs,
+        "descs_posted": descs,
+        "nbytes": nbytes,
+        "start_us": start,
+        "post_us": post_us,
+        "xfer_us": post_us,
+        "wall_ns": post_us * 1000,
+    }
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_posting_fit_recovers_planted_costs_from_writes_alone_and_in_pairs(tmp_path: Path, seed: int) -> None:
+    per_desc, shared, post = 6.2, 4.8, 58.0
+    rng = np.random.default_rng(seed)
+    files = []
+    for i, n in enumerate((100_000, 200_000, 400_000)):
+        alone = [_write(t0, n, (post + n * max(per_desc, shared)) * rng.normal(1, 0.03)) for t0 in (0.0, 5e6)]
+        pair = [_write(1e7 + k, n, (post + n * 2 * shared) * rng.normal(1, 0.03)) for k in (0.0, 3.0)]
+        files.append(_telemetry(tmp_path / f"a{i}.json", "direct", alone))
+        files.append(_telemetry(tmp_path / f"p{i}.json", "direct", pair))
+    posts, host = read_flow_telemetry(files)
+    assert sorted({r.concurrent for r in posts}) == [1, 2] and not host
+    assert sum(r.concurrent == 2 for r in posts) == 6
+    f = fit_posting(posts, post)
+    assert (f.per_desc_us, f.shared_desc_us) == pytest.approx((per_desc, shared), rel=0.04)
+
+
+def test_posting_fit_refuses_writes_of_one_concurrency_and_ignores_small_ones(tmp_path: Path) -> None:
+    files = [_telemetry(tmp_path / "a.json", "direct", [_write(0.0, 100_000, 6e5), _write(1e6, 72, 400.0)])]
+    posts, _ = read_flow_telemetry(files)
+    assert [r.descs for r in posts] == [100_000]  # 72 descriptors: the post's fixed cost dominates
+    with pytest.raises(CalibrationError, match="same concurrency"):
+        fit_posting(posts, 58.0)
+
+
+def test_host_wire_fit_recovers_a_planted_bandwidth(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    writes = [
+        _write(i * 1e6, 1, n / 4.8e3 * rng.normal(1, 0.03), n) for i, n in enumerate((3e8, 3e8, 1.2e9, 1.2e9))
+    ]
+    _, host = read_flow_telemetry([_telemetry(tmp_path / "p.json", "pinned", writes)])
+    gbps, mape = fit_host_wire(host)
+    assert gbps == pytest.approx(4.8, rel=0.04) and mape < 6
+
+
+# ---- the profile and the commands
+
+
+def test_calibrate_writes_the_flow_costs_and_a_scenario_on_the_profile_charges_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _register()
+    cal = FLOWS.parent
+    out = tmp_path / "t.toml"
+    args = ["calibrate", *map(str, sorted(cal.glob("h100.*.json"))), "--name", "t", "--out", str(out)]
+    args += ["--transport", "cuda_ipc", "--control-handle-us", "165"]
+    for f in sorted(FLOWS.glob("h100.*.json")):
+        args += ["--flow-telemetry", str(f)]
+    res = CliRunner().invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    flows = json.loads(res.stdout)["flows"]
+    prof = tomllib.loads(out.read_text())
+    assert prof["transport"] == "cuda_ipc"
+    assert prof["per_desc_us"] == pytest.approx(flows["per_desc_us"], rel=1e-5)
+    assert prof["shared_desc_us"] == pytest.approx(flows["shared_desc_us"], rel=1e-5)
+    assert prof["host_bandwidth_gbps"] == pytest.approx(flows["host_bandwidth_gbps"], rel=1e-5)
+    # the telemetry's own story: one process 5.5-8.8 us a descriptor, two at once 8.3-10.7 us each
+    assert 5.5 < flows["per_desc_us"] < 8.8 and 8.3 < 2 * flows["shared_desc_us"] < 10.7
+    assert 4.5 < flows["host_bandwidth_gbps"] < 5.5
+    monkeypatch.setattr(hardware, "folder", lambda: tmp_path)
+    s = sc.parse({"fabric": {"profile": "t"}})
+    assert s.fabric.nic.shared_desc_ns == round(prof["shared_desc_us"] * 1000)
+    assert s.fabric.nic.host_bandwidth_bps == int(prof["host_bandwidth_gbps"] * 1e9)
+    assert s.fabric.control.handle_ns == 165_000
+
+
+def test_bench_predict_prints_each_flows_error_fit_and_held_out_apart() -> None:
+    _register()
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "predict",
+            str(FLOWS / "bench-flows.jsonl"),
+            "--profile",
+            "h100-nixl",
+            "--held-out-tokens",
+            "8192",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.split("per flow:")[1].splitlines()
+    assert any(line.split()[:5] == ["ring", "1", "unequal", "held", "out"] for line in lines)
+    assert any(line.split()[:4] == ["ring", "8", "unequal", "fit"] for line in lines)
+    bad = CliRunner().invoke(
+        app, ["bench", "predict", str(FLOWS / "bench-flows.jsonl"), "--held-out-tokens", "x"]
+    )
+    assert bad.exit_code == 2 and "--held-out-tokens" in bad.output
+
+
+def test_flow_telemetry_of_one_kind_fits_only_its_cost_and_of_neither_is_refused(tmp_path: Path) -> None:
+    _register()
+    main = [str(p) for p in sorted(FLOWS.parent.glob("h100.*.json"))]
+    out = tmp_path / "t.toml"
+    pinned = [a for f in sorted(FLOWS.glob("h100.11.pinned.*.json")) for a in ("--flow-telemetry", str(f))]
+    res = CliRunner().invoke(app, ["calibrate", *main, "--name", "t", "--out", str(out), *pinned, "--json"])
+    assert res.exit_code == 0, res.output
+    prof = tomllib.loads(out.read_text())
+    assert "shared_desc_us" not in prof and prof["host_bandwidth_gbps"] > 0
+    assert prof["per_desc_us"] == pytest.approx(json.loads(res.stdout)["fabric"]["per_desc_us"], rel=1e-5)
+    same_tp = ["--flow-telemetry", main[0]]  # 72-descriptor writes: neither kind
+    res = CliRunner().invoke(app, ["calibrate", *main, "--name", "t", "--out", str(out), *same_tp])
+    assert res.exit_code == 2 and "neither descriptor-bound writes" in res.output
