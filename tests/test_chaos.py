@@ -347,7 +347,7 @@ def test_layerwise_rooms_stream_through_a_kill_and_an_abort_burst() -> None:
     assert cov["by_fault"]["kill"].get("killed", 0) > 0, cov["by_fault"]
     assert cov["by_fault"]["abort_burst"].get("aborted", 0) > 0, cov["by_fault"]
     assert cov["by_flow"]["layerwise"].get("success", 0) > 30, cov["by_flow"]
-    # The prefill incarnation after the kill posted layer ranges and ignored no report. (How many
+    # Prefill posted layer ranges and ignored no report. (How many
     # left before their chunk's last layer depends on whether the worker planned the chunk before
     # the reports came: timing, not asserted.)
     counters = r["end_state"]["2->1"]["prefill_counters"]
@@ -356,6 +356,28 @@ def test_layerwise_rooms_stream_through_a_kill_and_an_abort_burst() -> None:
     plans = sp.segment_rooms(1, *burst["rooms"], burst["rooms"][1], ("layerwise",), burst["abort_rate"])
     assert {p.abort.split("_")[0] for p in plans if p.abort} == {"prefill", "decode"}
     assert {p.layer_ends for p in plans} == {(1, 2), (2,)}  # one report per layer, and both at once
+
+
+def test_a_kill_is_drawn_on_a_side_and_the_fault_line_names_it() -> None:
+    kills = [f for s in range(10) for f in plan(s, 40, 0.8, ("kill",), HB_S).values()]
+    assert {f.side for f in kills} == {"prefill", "decode"}
+    assert all(f.describe().startswith(f"kill: {f.side} killed") for f in kills)
+
+
+@needs_netns
+def test_the_kill_fault_kills_the_side_it_drew() -> None:
+    # Seed 1 draws both kills of four segments on decode: the soak's own alternation would have
+    # killed prefill first.
+    faults = plan(1, 4, 1.0, ("kill",), HB_S)
+    assert [f.side for f in faults.values()] == ["decode", "decode"]
+    run = ("--rooms", "40", "--tp", "1-1", "--segment-rooms", "10", "--seed", "1", "--faults", "kill")
+    code, r, err = _chaos(*run, "--fault-share", "1", *SLOW_HOST)
+    assert code == 0 and r["ok"], [r["violations"][:5], err[-2000:]]
+    assert [k["victim"] for k in r["kills"]] == ["decode", "decode"], r["kills"]
+    assert r["coverage"]["faults_by_side"]["kill"] == {"prefill": 0, "decode": 2}
+    assert [f["side"] for f in r["faults"]] == ["decode", "decode"]
+    assert err.count("kill: decode killed (SIGKILL)") == 2
+    assert r["coverage"]["by_fault"]["kill"].get("killed", 0) > 0  # prefill failed decode's held rooms
 
 
 @needs_netns
@@ -425,10 +447,10 @@ def test_planted_reuse_before_the_fence_is_caught_with_its_replay_line() -> None
 
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_an_interrupted_run_removes_every_namespace_and_process(sig: signal.Signals) -> None:
+def test_an_interrupted_run_removes_every_namespace_and_process_and_reports(sig: signal.Signals) -> None:
     proc = subprocess.Popen(
-        [*CLI, "--rooms", "2000", "--tp", "1-1", "--faults", "stall", "--fault-share", "1"],
-        stdout=subprocess.DEVNULL,
+        [*CLI, "--rooms", "2000", "--tp", "1-1", "--faults", "stall", "--fault-share", "1", "--json"],
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -445,13 +467,18 @@ def test_an_interrupted_run_removes_every_namespace_and_process(sig: signal.Sign
             pids += [int(p) for p in out.stdout.split()]
         assert len(pids) == 2, pids  # prefill in one host, decode in the other
         proc.send_signal(sig)
-        _out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
     assert proc.returncode == 130, err[-2000:]
     assert "every process, fault and namespace it made was removed" in err
+    # The stall hits the second segment: the first one's rooms were judged, and are reported.
+    r = json.loads(out)
+    assert r["interrupted"] and 0 < r["rooms_run"] < 2000, {k: r[k] for k in ("interrupted", "rooms_run")}
+    assert sum(r["outcomes"].values()) == r["rooms_run"]
+    assert f"interrupted after {r['rooms_run']} rooms" in err
     assert _ours(tag) == []
     time.sleep(1.0)  # reparented to init and reaped
     assert [p for p in pids if os.path.exists(f"/proc/{p}")] == []

@@ -108,6 +108,7 @@ def _fake_run_soak(cfg: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         "config": {**vars(cfg), "flows": list(cfg.flows)},
         "rooms_run": 0,
         "stopped_by_time": False,
+        "interrupted": False,
         "wall_s": 0.0,
         "rooms_per_s": 0.0,
         "outcomes": {"success": 0, "aborted": 0, "killed": 0, "violation": 0},

@@ -7,8 +7,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from kvferry.backends.loopback import plan as sp
@@ -69,6 +73,38 @@ def test_max_seconds_stops_at_the_next_segment_and_reports() -> None:
     # Whole segments only (the limit is checked between them), far fewer than asked for.
     assert r["rooms_run"] % soak.SEGMENT_ROOMS == 0 and r["rooms_run"] < 5000
     assert not any(r["end_state"]["prefill_leaks"]) and not any(r["end_state"]["decode_leaks"])
+
+
+def test_sigterm_ends_the_run_with_the_summary_of_the_rooms_judged() -> None:
+    # A long run stopped from outside (SIGTERM: a background job of a script ignores SIGINT)
+    # still says what it judged; without --json, the human summary marks it interrupted.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from kvferry.cli import main; main()", "soak", "--rooms", "100000",
+         "--kill-every", "0", "--seed", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "KVFERRY_PROGRESS_EVERY_S": "1"},
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 120
+        for line in proc.stderr:  # the first segment's rooms judged
+            m = re.search(r"judged: (\d+) ok", line)
+            if (m and int(m.group(1)) > 0) or time.monotonic() > deadline:
+                break
+        sides = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(sides) == 2, sides  # prefill and decode
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    m = re.search(r"rooms: (\d+) of 100000 .*INTERRUPTED", out)
+    assert m and int(m.group(1)) >= soak.SEGMENT_ROOMS, out
+    assert "verdict so far: no violation" in out, out
+    assert f"soak: interrupted after {m.group(1)} rooms" in err
+    assert [p for p in sides if os.path.exists(f"/proc/{p}")] == []  # both sides killed and reaped
 
 
 def test_rss_is_compared_from_the_first_sample_after_warm_up() -> None:

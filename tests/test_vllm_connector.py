@@ -18,6 +18,7 @@ lines on stdin/stdout).
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import signal
@@ -718,6 +719,44 @@ def test_bad_extra_config_names_the_key() -> None:
         parse_extra_config({"nixl_engine": "c"}, "e")
     assert parse_extra_config({"port": 7000}, "e").runtime_config(2).port == 7002
     assert parse_extra_config({"nixl_engine": "native"}, "e").runtime_config(0).nixl_engine == "native"
+
+
+def test_the_late_write_bounds_reach_the_runtime() -> None:
+    """write_quarantine_s and lost_peer_drain_s pass through to RuntimeConfig as given."""
+    from kvferry.integrations.vllm.config import parse_extra_config
+
+    rt = parse_extra_config({"write_quarantine_s": 924, "lost_peer_drain_s": 1200.5}, "e").runtime_config(1)
+    assert (rt.write_quarantine_s, rt.lost_peer_drain_s) == (924.0, 1200.5)
+    assert (rt.write_quarantine(), rt.lost_peer_drain()) == (924.0, 1200.5)
+    assert parse_extra_config({"write_quarantine_s": 0}, "e").runtime_config(0).write_quarantine() == 0.0
+
+
+@pytest.mark.parametrize("extra", [{}, {"write_quarantine_s": None, "lost_peer_drain_s": None}])
+def test_left_out_or_null_they_derive_from_the_fence(extra: dict) -> None:
+    from kvferry.integrations.vllm.config import parse_extra_config
+
+    rt = parse_extra_config({"fence_timeout_s": 30, **extra}, "e").runtime_config(0)
+    assert rt.write_quarantine_s is None and rt.lost_peer_drain_s is None
+    assert rt.write_quarantine() == 30.0 and rt.lost_peer_drain() == 60.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"write_quarantine_s": -1}, r"\['write_quarantine_s'\]: must be in \[0, 604800\] s, got -1.0"),
+        ({"write_quarantine_s": math.nan}, r"\['write_quarantine_s'\]: must be in \[0, 604800\] s, got nan"),
+        ({"write_quarantine_s": 7 * 86400.0 + 1}, r"\['write_quarantine_s'\]: must be in"),
+        ({"write_quarantine_s": "900"}, r"\['write_quarantine_s'\]: expected float, got '900'"),
+        ({"lost_peer_drain_s": 0}, r"\['lost_peer_drain_s'\]: must be in \[0.001, 604800\] s, got 0.0"),
+        ({"lost_peer_drain_s": True}, r"\['lost_peer_drain_s'\]: expected float, got True"),
+    ],
+)
+def test_a_bad_late_write_bound_is_a_one_line_error_naming_the_key(extra: dict, message: str) -> None:
+    from kvferry.integrations.vllm.config import parse_extra_config
+
+    with pytest.raises(ValueError, match=message) as e:
+        parse_extra_config(extra, "e")
+    assert "\n" not in str(e.value)
 
 
 def test_layers_reach_kvferry_once_each_in_any_order(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from kvferry.commands import bad_input, check_seed, extras
+from kvferry.commands.progress import EXIT_INTERRUPTED
 
 
 def register(app: typer.Typer) -> None:
@@ -102,32 +103,39 @@ def chaos(
     why = netns.why_not_available()
     if why:
         bad_input(f"chaos: {why}")
+    gone = "every process, fault and namespace it made was removed"
     try:
         report = engine.run_chaos(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except KeyboardInterrupt:
-        print("chaos: interrupted; every process, fault and namespace it made was removed", file=sys.stderr)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt:  # before the run began (its own interrupts end in a report)
+        print(f"chaos: interrupted; {gone}", file=sys.stderr)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     except netns.NetError as e:
         bad_input(f"chaos: could not set up the hosts: {e}")
     typer.echo(json.dumps(report) if as_json else summary(report))
+    if report["interrupted"]:
+        rooms = report["rooms_run"]
+        print(f"chaos: interrupted after {rooms} rooms (reported above); {gone}", file=sys.stderr)
+        raise typer.Exit(EXIT_INTERRUPTED)
     if not report["ok"]:
         print(f"chaos FAILED with seed {seed}; replay: {report['replay']}", file=sys.stderr)
         raise typer.Exit(1)
 
 
 def summary(r: dict[str, Any]) -> str:
+    from kvferry.commands.soak import INTERRUPTED
     from kvferry.tools.coverage import table
 
     c, cov = r["config"], r["coverage"]
-    net = r["network"]
+    net, by_side = r["network"], cov["faults_by_side"]
     lines = [
         f"kvferry chaos: seed {c['seed']}, prefill host {net['hosts']['prefill']}, decode host "
         f"{net['hosts']['decode']} (UCX {net['ucx']['UCX_TLS']} on {net['ucx']['UCX_NET_DEVICES']}), "
         f"heartbeat timeout {net['heartbeat_timeout_s']} s" + (", liveness class" if c["liveness"] else ""),
         f"rooms: {r['rooms_run']} of {c['rooms']} in {r['wall_s']} s ({r['rooms_per_s']} rooms/s)"
-        + (" (stopped by --max-seconds)" if r["stopped_by_time"] else ""),
+        + (" (stopped by --max-seconds)" if r["stopped_by_time"] else "")
+        + (INTERRUPTED if r["interrupted"] else ""),
         "  outcomes: " + ", ".join(f"{k} {v}" for k, v in r["outcomes"].items()),
-        "  faults: " + ", ".join(f"{k} {v}" for k, v in cov["faults"].items()),
+        "  faults: " + ", ".join(_fault_count(k, n, by_side.get(k)) for k, n in cov["faults"].items()),
         "  transfers abandoned unfenced (a lost peer's, past the agent's drain bound): "
         + ", ".join(f"{k} {v}" for k, v in r["abandoned"].items()),
         *table("flow", cov["by_flow"]),
@@ -145,7 +153,9 @@ def summary(r: dict[str, Any]) -> str:
     for x in r["rss"]:
         if x["checked"]:  # short-lived processes (most of a short run) say nothing
             lines.append(rss_line(x, c["rss_bound_mb"], f"TP {x['tp']} {x['side']}#{x['incarnation']}"))
-    if r["ok"]:
+    if r["ok"] and r["interrupted"]:
+        lines.append("verdict so far: no violation in the rooms judged before the interrupt")
+    elif r["ok"]:
         lines.append(
             "verdict: OK, every room terminal, Success bytes equal, both sides agree, canaries untouched, "
             "tables empty"
@@ -155,3 +165,10 @@ def summary(r: dict[str, Any]) -> str:
         lines += [f"  {json.dumps(v)[:400]}" for v in r["violations"][:10]]
     lines.append(f"replay: {r['replay']}")
     return "\n".join(lines)
+
+
+def _fault_count(kind: str, n: int, sides: dict[str, int] | None) -> str:
+    """``kill 3 (prefill 2, decode 1)``: how many, and on which side (none for a burst of aborts)."""
+    if not n or sides is None:
+        return f"{kind} {n}"
+    return f"{kind} {n} (" + ", ".join(f"{side} {m}" for side, m in sides.items()) + ")"

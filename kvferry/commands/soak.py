@@ -11,6 +11,9 @@ import typer
 
 from kvferry.commands import bad_input, check_seed, extras, progress
 
+# The summary's note on a run stopped by SIGTERM or Ctrl-C: what it reports, what it left out.
+INTERRUPTED = " (INTERRUPTED: the rooms judged until then; the end-of-run table checks did not run)"
+
 
 def register(app: typer.Typer) -> None:
     app.command("soak")(soak)
@@ -73,12 +76,15 @@ def soak(
     except ValueError as e:
         bad_input(str(e))
     lines = progress.Lines(f"seed {seed}")
-    with progress.interrupted_says(lines.summary):
+    with progress.interrupted_says(lines.summary):  # before the run began (its own end in a report)
         report = engine.run_soak(cfg, progress=lines)
     if as_json:
         typer.echo(json.dumps(report))
     else:
         typer.echo(summary(report))
+    if report["interrupted"]:
+        print(f"soak: interrupted after {report['rooms_run']} rooms (reported above)", file=sys.stderr)
+        raise typer.Exit(progress.EXIT_INTERRUPTED)
     if not report["ok"]:
         print(f"soak FAILED with seed {seed}; replay: {report['replay']}", file=sys.stderr)
         raise typer.Exit(1)
@@ -92,7 +98,8 @@ def summary(r: dict[str, Any]) -> str:
         f"flows {','.join(c['flows'])}, abort rate {c['abort_rate']}, {kill}, "
         f"executor {','.join(r.get('executors') or ['?'])}",
         f"rooms: {r['rooms_run']} of {c['rooms']} in {r['wall_s']} s ({r['rooms_per_s']} rooms/s)"
-        + (" (stopped by --max-seconds)" if r["stopped_by_time"] else ""),
+        + (" (stopped by --max-seconds)" if r["stopped_by_time"] else "")
+        + (INTERRUPTED if r["interrupted"] else ""),
         f"  {o['success']} success (bytes and aux row checked), "
         f"{o['aborted']} aborted (Failed on both sides), "
         + (
@@ -120,7 +127,9 @@ def summary(r: dict[str, Any]) -> str:
             + ("every table empty on both sides, every thread joined" if clean else "TABLES OR THREADS LEFT")
             + f"; driver counters {e['driver_errors']}"
         )
-    if r["ok"]:
+    if r["ok"] and r["interrupted"]:
+        lines.append("verdict so far: no violation in the rooms judged before the interrupt")
+    elif r["ok"]:
         lines.append("verdict: OK, no room lost, corrupted, hung or wrongly Success")
     else:
         lines.append(f"verdict: FAILED, {r['violation_count']} violation(s); first ones:")

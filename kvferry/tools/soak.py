@@ -25,7 +25,8 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -424,7 +425,7 @@ class Soak:
             side.tell(cmd="run", start=start, end=end, hold_from=hold_from)
         victim = None
         if kill:
-            victim = "prefill" if len(self.kills) % 2 == 0 else "decode"
+            victim = self._victim(start)
             survivor = "decode" if victim == "prefill" else "prefill"
             wait_s = c.segment_timeout_s + 30
             # A side that gave up on its segment (a room hung) says "segment" instead: its rooms
@@ -458,6 +459,10 @@ class Soak:
         for plan in sp.segment_rooms(c.seed, start, end, hold_from, c.flows, c.abort_rate):
             self._judge(plan, victim)
 
+    def _victim(self, start: int) -> str:
+        """The side a kill after segment ``start`` kills: prefill first, then they alternate."""
+        return "prefill" if len(self.kills) % 2 == 0 else "decode"
+
     def _drain(self, dead: Side) -> None:
         """The killed side's last lines (its reader ends with None) before its results are judged."""
         while not dead.dead:
@@ -484,22 +489,27 @@ class Soak:
         return segments(self.c)
 
     def run(self) -> dict[str, Any]:
+        """The report of every room judged; one stopped by SIGTERM or Ctrl-C (``interrupted``)
+        reports the rooms judged until then, once both processes are gone."""
         c = self.c
-        stopped_by_time = False
+        stopped_by_time = interrupted = False
         end_state: dict[str, Any] = {}
         error = None
         try:
-            self._start("prefill")
-            self._start("decode")
-            for start, end, kill in self._segments():
-                if time.monotonic() - self.t0 >= c.max_seconds:
-                    stopped_by_time = True
-                    break
-                self._segment(start, end, kill)
-            end_state = self._finish()
+            with terminate_as_interrupt():
+                self._start("prefill")
+                self._start("decode")
+                for start, end, kill in self._segments():
+                    if time.monotonic() - self.t0 >= c.max_seconds:
+                        stopped_by_time = True
+                        break
+                    self._segment(start, end, kill)
+                end_state = self._finish()
         except SideDied as e:
             error = str(e)
             self._violation("side_died", detail=error[:3000])
+        except KeyboardInterrupt:
+            interrupted = True
         finally:
             for side in self.sides.values():
                 side.close()
@@ -513,6 +523,7 @@ class Soak:
             "config": {**asdict(c), "flows": list(c.flows)},
             "rooms_run": self.done,
             "stopped_by_time": stopped_by_time,
+            "interrupted": interrupted,
             "wall_s": round(wall, 1),
             "rooms_per_s": round(self.done / wall, 1) if wall else 0.0,
             "outcomes": {
@@ -577,6 +588,26 @@ class Soak:
         if unexpected and not self.kills:  # a kill makes writes to the dead peer fail: expected
             self._violation("driver_errors", errors=unexpected)
         return state
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does: a run started in the background by a
+    non-interactive shell ignores SIGINT, so SIGTERM is how a long run is stopped, and it must
+    clean up and report alike."""
+
+    def interrupt(_sig: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def rss_line(x: dict[str, Any], bound_mb: float, who: str) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvferry.backends.runtime import RuntimeConfig
+from kvferry.backends.runtime.base import MAX_LATE_WRITE_S
 from kvferry.backends.runtime.staging import StagingConfig
 from kvferry.core.deadlines import SEC, Timeouts
 
@@ -35,6 +36,19 @@ KNOBS: dict[str, tuple[type, Any, str]] = {
         180.0,
         "decode frees a failed room's blocks without prefill's word after this",
     ),
+    # Writes a lost peer may still deliver (UCX over TCP lands them after a partition heals):
+    # RuntimeConfig's two bounds, None deriving them from fence_timeout_s.
+    "write_quarantine_s": (
+        float,
+        None,
+        "decode: how long past the fence a failed room's blocks wait for every writer's word "
+        "(default fence_timeout_s)",
+    ),
+    "lost_peer_drain_s": (
+        float,
+        None,
+        "how long a lost peer's transfers are kept until they end (default fence + quarantine)",
+    ),
     "metrics": (bool, False, "Prometheus metrics of the kvferry endpoints (extra 'metrics')"),
     "flow": (
         str,
@@ -49,6 +63,12 @@ KNOBS: dict[str, tuple[type, Any, str]] = {
     "pinned_bytes": (int, 0, "decode: the pinned host pool the pinned flow writes into"),
 }
 STAGING_BYTES = ("worker_buffer_bytes", "prefill_pinned_bytes", "ring_bytes", "pinned_bytes")
+# Inclusive bounds of the late-write settings (RuntimeConfig's own): a quarantine may be 0 (blocks
+# freed at the fence deadline), a drain may not (a lost peer's transfers are kept a moment at least).
+LATE_WRITE_RANGES = {
+    "write_quarantine_s": (0.0, MAX_LATE_WRITE_S),
+    "lost_peer_drain_s": (1e-3, MAX_LATE_WRITE_S),
+}
 # What prefill's own staging needs for each staged flow (decode's side is checked when its room opens:
 # a decode rank that registered no ring or pinned region fails the room, and vLLM recomputes it).
 FLOW_NEEDS = {"ring": "worker_buffer_bytes", "pinned": "prefill_pinned_bytes"}
@@ -73,6 +93,8 @@ class ConnectorSettings:
     transfer_timeout_s: float
     heartbeat_timeout_s: float
     fence_timeout_s: float
+    write_quarantine_s: float | None
+    lost_peer_drain_s: float | None
     metrics: bool
     flow: str
     nixl_engine: str
@@ -100,6 +122,8 @@ class ConnectorSettings:
             num_queues=self.num_queues,
             worker_chunks_in_flight=self.worker_chunks_in_flight,
             timeouts=timeouts,
+            write_quarantine_s=self.write_quarantine_s,
+            lost_peer_drain_s=self.lost_peer_drain_s,
             aux_rows=self.aux_rows,
             host=self.host,
             port=self.port + tp_rank if self.port else 0,
@@ -120,14 +144,23 @@ class ConnectorSettings:
 
 
 def _check(key: str, value: Any) -> Any:
-    kind, _, what = KNOBS[key]
+    kind, default, what = KNOBS[key]
+    if value is None and default is None:  # null: derived, as when the key is left out
+        return None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ValueError(
             f"kv_connector_extra_config[{key!r}]: expected {kind.__name__}, got {value!r} ({what})"
         )
-    if key in STAGING_BYTES:
+    if key in LATE_WRITE_RANGES:
+        low, high = LATE_WRITE_RANGES[key]
+        if not low <= value <= high:  # NaN fails too
+            raise ValueError(
+                f"kv_connector_extra_config[{key!r}]: must be in [{low:g}, {high:g}] s, "
+                f"got {value!r} ({what})"
+            )
+    elif key in STAGING_BYTES:
         if not 0 <= value < 1 << 44:
             raise ValueError(
                 f"kv_connector_extra_config[{key!r}]: must be in [0, 2**44), got {value!r} ({what})"

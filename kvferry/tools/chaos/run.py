@@ -16,21 +16,20 @@ every room that was not aborted must end Success.
 
 from __future__ import annotations
 
-import signal
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvferry.backends.loopback import plan as sp
 from kvferry.tools.chaos import netns
 from kvferry.tools.chaos.inject import HOSTS, Injector
-from kvferry.tools.chaos.schedule import KINDS, LIVENESS_KINDS, Fault, plan
-from kvferry.tools.soak import Soak, SoakConfig
+from kvferry.tools.chaos.schedule import KINDS, LIVENESS_KINDS, SIDES, Fault, plan
+from kvferry.tools.soak import Soak, SoakConfig, terminate_as_interrupt
 
 PLANTS = ("reuse_unfenced",)
+SIDED_KINDS = tuple(k for k in KINDS if k != "abort_burst")  # a burst's aborts come from both sides
 # Once a faulted segment's rooms are terminal and the fault is undone, the two sides must come to
 # agree on every room within the window a failure notice is resent in (the fence deadline): a
 # Success the peer overruled turns Failed when the held-up notice arrives, which after a long
@@ -143,6 +142,12 @@ class Coverage:
         self.by_tp: dict[str, Counter[str]] = defaultdict(Counter)
         self.by_fault: dict[str, Counter[str]] = defaultdict(Counter)
         self.faults: Counter[str] = Counter()
+        self.sides: dict[str, Counter[str]] = defaultdict(Counter)  # kind -> the side it hit
+
+    def fault(self, kind: str, side: str) -> None:
+        self.faults[kind] += 1
+        if kind in SIDED_KINDS:
+            self.sides[kind][side] += 1
 
     def add(self, flow: str, tp: str, fault: str | None, outcome: str) -> None:
         self.by_flow[flow][outcome] += 1
@@ -160,6 +165,9 @@ class Coverage:
             "by_tp": table(self.by_tp, tps),
             "by_fault": table(self.by_fault, ["none", *kinds]),
             "faults": {k: self.faults.get(k, 0) for k in kinds},
+            "faults_by_side": {
+                k: {side: self.sides[k].get(side, 0) for side in SIDES} for k in kinds if k in SIDED_KINDS
+            },
         }
 
 
@@ -221,6 +229,9 @@ class PairRun(Soak):
         finally:
             self.fault_kind = None
 
+    def _victim(self, start: int) -> str:
+        return self.chaos.faults[start].side  # the schedule drew it, and the fault line names it
+
     def _faulted_segment(self, start: int, end: int, f: Fault | None, kind: str) -> None:
         """A segment with fault ``f`` injected, or (``f`` None) in the aftermath of a ``kind``."""
         c = self.c
@@ -242,9 +253,10 @@ class PairRun(Soak):
         try:
             for side in self.sides.values():
                 self._wait(side, "segment", c.segment_timeout_s + 30 + (f.for_s if f else 0.0))
-        finally:
             if f is not None and inj is not None:
-                inj.join(f.for_s + 30)
+                inj.join(f.for_s + 30)  # the fault runs its course before the rooms are judged
+        finally:
+            if inj is not None:  # at once when the segment ended early (an interrupt, a side died)
                 inj.stop()
                 inj.join(30)
                 self.chaos.injectors.remove(inj)
@@ -304,15 +316,18 @@ class Chaos:
 
     def log_fault(self, f: Fault, tp: str, start: int, end: int, at: float) -> None:
         t = round(at - self.t0, 2)
-        self.coverage.faults[f.kind] += 1
+        self.coverage.fault(f.kind, f.side)
         self.fault_log.append({"t_s": t, "tp": tp, "rooms": [start, end], **f.as_dict()})
         self.progress(f"chaos: fault at {t:.2f} s (TP {tp}, rooms {start}-{end - 1}): {f.describe()}")
 
     def run(self) -> dict[str, Any]:
+        """The report; a run stopped by SIGTERM or Ctrl-C reports the rooms judged until then
+        (``interrupted``), once every process, fault and namespace it made is gone."""
         c = self.c
         reports: list[tuple[PairRun, dict[str, Any]]] = []
         left: list[str] = []
-        with _terminate_as_interrupt():
+        interrupted = False
+        with terminate_as_interrupt():
             removed = netns.remove_stale()
             if removed:
                 self.progress(f"chaos: removed namespaces of an earlier run that was killed: {removed}")
@@ -323,15 +338,22 @@ class Chaos:
                     budget = c.max_seconds - (time.monotonic() - self.t0)
                     share = max(1.0, budget / (len(ranges) - i))
                     run = PairRun(self, tp, start, end, share)
-                    reports.append((run, run.run()))
+                    reports.append((run, run.run()))  # an interrupt inside ends it with a report
+                    if reports[-1][1]["interrupted"]:
+                        interrupted = True
+                        break
+            except KeyboardInterrupt:  # between the pairs' runs, or while the hosts were made
+                interrupted = True
             finally:
                 for inj in list(self.injectors):
                     inj.stop()
                     inj.join(30)
                 left = self.net.close()
-        return self._report(reports, left)
+        return self._report(reports, left, interrupted)
 
-    def _report(self, reports: list[tuple[PairRun, dict[str, Any]]], left: list[str]) -> dict[str, Any]:
+    def _report(
+        self, reports: list[tuple[PairRun, dict[str, Any]]], left: list[str], interrupted: bool
+    ) -> dict[str, Any]:
         c = self.c
         wall = time.monotonic() - self.t0
         violations: list[dict[str, Any]] = []
@@ -360,6 +382,7 @@ class Chaos:
             },
             "rooms_run": rooms,
             "stopped_by_time": any(r["stopped_by_time"] for _run, r in reports),
+            "interrupted": interrupted,
             "wall_s": round(wall, 1),
             "rooms_per_s": round(rooms / wall, 1) if wall else 0.0,
             "outcomes": dict(sorted(outcomes.items())),
@@ -375,24 +398,6 @@ class Chaos:
             "violations": violations[:50],
             "replay": replay_command(c),
         }  # fmt: skip
-
-
-@contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM cleans up as Ctrl-C does (processes, faults, namespaces), then ends the run."""
-
-    def interrupt(_sig: int, _frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        old = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: leave SIGTERM alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def run_chaos(c: ChaosConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:

@@ -29,7 +29,7 @@ MAX_AT_ROOM = 8  # of the soak's window of 16 rooms in flight: the rest are stil
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    side: str  # whose link or process ("kill": the soak alternates its victims itself)
+    side: str  # whose link or process (a stall's, a kill's victim); a burst of aborts ignores it
     at_room: int  # starts once decode reported this many rooms of its segment
     for_s: float = 0.0  # how long the link is down or slow, or the process stopped
     rate_kbit: int = 0  # slow_link
@@ -43,7 +43,7 @@ class Fault:
         if self.kind == "stall":
             return f"stall: {self.side} process stopped (SIGSTOP) for {self.for_s:.1f} s"
         if self.kind == "kill":
-            return "kill: a side killed (SIGKILL) with rooms in flight, restarted as a new incarnation"
+            return f"kill: {self.side} killed (SIGKILL) with rooms in flight, restarted as a new incarnation"
         return f"abort_burst: {self.abort_rate:.0%} of the segment's rooms aborted"
 
     def as_dict(self) -> dict[str, Any]:
