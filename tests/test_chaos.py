@@ -32,7 +32,15 @@ HB_S = sp.timeouts().heartbeat_timeout_ns / 1e9
 FENCE_S = sp.timeouts().fence_ns / 1e9
 WHY_NOT = netns.why_not_available()
 needs_netns = pytest.mark.skipif(bool(WHY_NOT), reason=f"kvferry chaos: {WHY_NOT}")
-CLI = [sys.executable, "-c", "from kvferry.cli import main; main()", "chaos"]
+# Python's own Ctrl-C handler: a test run started as a background job of a script inherits SIGINT
+# ignored, and the interrupt tests' Ctrl-C would never reach the command.
+CLI = [
+    sys.executable,
+    "-c",
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from kvferry.cli import main; main()",
+    "chaos",
+]
 
 
 # ---- the pure parts --------------------------------------------------------------------------

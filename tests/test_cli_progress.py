@@ -19,6 +19,14 @@ from kvferry.commands import progress
 
 ROOT = Path(__file__).resolve().parents[1]
 KVFERRY = str(Path(sys.executable).with_name("kvferry"))
+# The CLI with Python's own Ctrl-C handler: a test run started as a background job of a script
+# inherits SIGINT ignored, and the command would then never see the Ctrl-C this file sends.
+KVFERRY_CTRL_C = [
+    sys.executable,
+    "-c",
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); sys.argv[0] = 'kvferry'; "
+    "from kvferry.cli import main; main()",
+]
 
 
 def _interrupt(args: list[str], once: str) -> subprocess.CompletedProcess[str]:
@@ -26,7 +34,7 @@ def _interrupt(args: list[str], once: str) -> subprocess.CompletedProcess[str]:
     ``once`` shows the work is under way (lines every 0.2 s here), and collect what it printed."""
     env = dict(os.environ, KVFERRY_PROGRESS_EVERY_S="0.2")
     p = subprocess.Popen(
-        [KVFERRY, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*KVFERRY_CTRL_C, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True, env=env,
     )  # fmt: skip
     assert p.stderr is not None and p.stdout is not None
