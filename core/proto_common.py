@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from kvferry.core.commands import DropPeer, SendControl, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap
 from kvferry.core.errors import ProtocolError, WireError
+from kvferry.core.flows.parts import RankFlowPart, earliest
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.machine import RoomError, RoomFailure, RoomStateError, TableEngine, Transition, step
 from kvferry.core.messages import decode_control
@@ -203,6 +204,8 @@ class RoomEngine(TableEngine):
     deadlines: DeadlineHeap
     counters: Counter[str]
     last_internal_error: BaseException | None
+    # The rank's flow components, in the order every hook calls them (core/flows/parts.py).
+    parts: tuple[RankFlowPart, ...] = ()
 
     def _guarded(self, fn: Callable[[bytes], None], data: bytes) -> None:
         """Peer input must never raise out of the engine (it would kill a driver thread): a bug
@@ -258,10 +261,8 @@ class RoomEngine(TableEngine):
         return None if r is None else r.failure
 
     def next_deadline(self) -> int | None:
-        a, b = self.deadlines.next(), self.tombstones.next_deadline()
-        if a is None:
-            return b
-        return a if b is None else min(a, b)
+        own = (self.deadlines.next(), self.tombstones.next_deadline())
+        return earliest((*own, *(p.next_deadline() for p in self.parts)))
 
     # --- the per-room tables: every one registered, so quiescence checks miss none ------------------
 
@@ -383,11 +384,15 @@ class RoomEngine(TableEngine):
             elif kind == "hb":
                 if what in self.peers:
                     self._heartbeat(what)
+                    for p in self.parts:
+                        p.heartbeat(what)
                     self.deadlines.set(key, now + self.timeouts.heartbeat_interval_ns)
             elif kind == "loss":
                 self._check_loss(what)
             else:
                 self._on_deadline(kind, what)
+        for p in self.parts:
+            p.tick(now)
 
     def _arm_peer(self, peer: Any) -> None:
         self.deadlines.set(("hb", peer), self._now + self.timeouts.heartbeat_interval_ns)
@@ -409,6 +414,7 @@ class RoomEngine(TableEngine):
         """A peer declared dead (heartbeat), or ``unusable`` (why the driver could not load it):
         its rooms fail, and it is forgotten until it registers again."""
         self.counters["peer_unusable" if unusable else "peer_lost"] += 1
+        self._parts_peer_lost(peer)
         self._peer_gone(peer)
         del self.peers[peer]
         self.deadlines.cancel(("hb", peer))
@@ -427,7 +433,13 @@ class RoomEngine(TableEngine):
         raise NotImplementedError
 
     def _peer_gone(self, peer: Any) -> None:
-        """Side-specific state to drop with a lost peer."""
+        """Side-specific state to drop with a lost peer (after its flow components')."""
+
+    def _parts_peer_lost(self, peer: Any) -> None:
+        """Every flow component hears that ``peer`` is gone, with the live rooms it served."""
+        rooms = [self.rooms[room] for room in sorted(self.rooms_by_peer.get(peer, ())) if room in self.rooms]
+        for p in self.parts:
+            p.peer_lost(peer, rooms)
 
     def _h_ignore(self, r: Any, inp: Any, payload: Any) -> str:
         self.counters[f"ignored_{inp.value}"] += 1

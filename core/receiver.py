@@ -298,6 +298,7 @@ class ReceiverEngine(RoomEngine):
         self.staged = self.staged_class(self._flow_ctx, registration)
         # Pull's decode half (core/flows/pull.py); it registers its own tables.
         self.pull_rx = PullReceiver(self._flow_ctx)
+        self.parts = (self.staged, self.pull_rx)
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -733,7 +734,8 @@ class ReceiverEngine(RoomEngine):
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
         self.deadlines.set(("room", r.room), self._now + self.timeouts.fence_ns)
-        self.staged.quarantine(r)
+        for part in self.parts:
+            part.room_failed(r)
         if why.get("abort", True):
             self._send_aborts(r)
         return "failed"
@@ -756,9 +758,10 @@ class ReceiverEngine(RoomEngine):
     def _maybe_finish(self, r: _Room) -> None:
         st = r.state
         if st is RState.FAILED:
-            self.pull_rx.reads_drained(r)
-            # READs of ours a lost peer cut wait for the fence deadline, which a quarantine is past.
-            cut = self.pull_rx.cut(r)
+            for part in self.parts:
+                part.settle(r)
+            # Writes of ours a lost peer cut wait for the fence deadline, which a quarantine is past.
+            cut = any(p.cut(r) for p in self.parts)
             fenced = r.fence.expired or (
                 r.fence.stopped >= r.senders.keys() and (not cut or r.fence.quarantined)
             )
@@ -766,7 +769,8 @@ class ReceiverEngine(RoomEngine):
                 # Pages and staging space go back only when no writer can still write them (fenced)
                 # and no scatter or READ of ours is writing the pages.
                 r.fence.freed = True
-                self.staged.reclaim(r)
+                for part in self.parts:
+                    part.reclaim(r)
                 self.deadlines.cancel(("room", r.room))
                 self._aborts.cancel(r.room)
                 reason = "fence expired" if r.fence.expired else "every sender stopped"
@@ -778,13 +782,14 @@ class ReceiverEngine(RoomEngine):
             self._remove(r)
 
     def _pages_busy(self, r: _Room) -> bool:
-        """A READ or a scatter of ours is writing the room's pages."""
-        return self.pull_rx.reading(r) or self.staged.scatters_running(r)
+        """A flow component of ours (a READ, a scatter) is writing the room's pages."""
+        return any(p.writing(r) for p in self.parts)
 
     def _remove(self, r: _Room) -> None:
         self._aborts.cancel(r.room)
         self._infos.cancel(r.room)
-        self.staged.forget(r)
+        for part in self.parts:
+            part.forget(r)
         self._forget(r, r.senders)
 
     # --- time ----------------------------------------------------------------------------------------
@@ -801,11 +806,6 @@ class ReceiverEngine(RoomEngine):
             self._send(peer, m.Heartbeat(src=self.endpoint, rooms=waiting))
         else:
             self._send(peer, self.registration)
-        self.staged.heartbeat(peer)
-
-    def _peer_gone(self, peer: m.Endpoint) -> None:
-        rooms = [self.rooms[room] for room in self.rooms_by_peer.get(peer, ()) if room in self.rooms]
-        self.pull_rx.peer_lost(peer, rooms)
 
     def _on_deadline(self, kind: str, what: Any) -> None:
         if kind == "abort":

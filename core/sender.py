@@ -394,7 +394,7 @@ class SenderEngine(RoomEngine):
         self.registration = registration
         self.push = self._new_push(push_match)
         # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
-        self.pull = PullSender(self.deadlines, self.counters, interval)
+        self.pull = PullSender(self.deadlines, self.counters, interval, self.timeouts.fence_ns, self._clock)
         self._next_write_id = 1
         self._out: list[Any] = []
         self._now = 0
@@ -405,6 +405,7 @@ class SenderEngine(RoomEngine):
         self._flow_ctx = SenderFlowContext(self)
         # The staged flows' prefill half (ring and pinned); it registers its own tables.
         self.staged = self.staged_class(self._flow_ctx, worker_buffer_bytes, pinned_bytes)
+        self.parts = (self.staged, self.pull, self.push)
 
     def _new_push(self, push_match: str) -> PushSender:
         """Push registrations (a lease per room and decode rank); the watchdog fires just before
@@ -418,7 +419,11 @@ class SenderEngine(RoomEngine):
             base_id=self.push_base_id,
             counters=self.counters,
             on_refused=self._push_refused,
+            clock=self._clock,
         )
+
+    def _clock(self) -> int:
+        return self._now
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -569,7 +574,7 @@ class SenderEngine(RoomEngine):
                 # The decode rank restarted (new agent, maybe the same page ids): forget the old
                 # incarnation before loading the new one.
                 self.counters["peer_restarted"] += 1
-                self.staged.forget_peer(msg.src)
+                self._parts_peer_lost(msg.src)
                 self._out.append(DropPeer(peer=msg.src, reason="re-registered with a new agent"))
             self.peers[msg.src] = new
             self._out.append(AddPeer(peer=msg.src, registration=msg))
@@ -579,8 +584,8 @@ class SenderEngine(RoomEngine):
         for room in sorted(self.rooms_by_peer.get(msg.src, ())):
             r = self.rooms[room]
             if r.decode.infos[msg.src].reg != new.reg_id:
-                # The old process is gone, and its READs of our pages (pull) died with it.
-                self.pull.released_by(r.key, msg.src)
+                for part in self.parts:  # the old process is gone, and what it did for the room
+                    part.peer_replaced(r, msg.src)
                 # Pages named by a past incarnation: writing them would hit whoever owns them now.
                 self._dispatch(r, SIn.PEER_LOST, (msg.src, "restarted since its TransferInfo"))
             elif r.state is SState.BOOTSTRAPPING:
@@ -998,16 +1003,6 @@ class SenderEngine(RoomEngine):
         self.fail(r, RoomFailure(f"push registration {kind.value}: {reason}", at_ns=self._now))
         self._maybe_finish(r)
 
-    def next_deadline(self) -> int | None:
-        a, b = RoomEngine.next_deadline(self), self.push.next_deadline()
-        if a is None:
-            return b
-        return a if b is None else min(a, b)
-
-    def _tick(self) -> None:
-        RoomEngine._tick(self)
-        self.push.tick(self._now)
-
     def _pull_fence_due(self, r: _Room) -> None:
         """The fence deadline of a failed pull room (core/flows/pull.py): the decode ranks still
         alive that may be reading are asked again; look again in a heartbeat interval."""
@@ -1073,7 +1068,7 @@ class SenderEngine(RoomEngine):
 
     def _quiet(self, r: _Room) -> bool:
         """The last chunk ran and nothing of the room is in flight: writes, gathers, lanes."""
-        return r.run.last_run and not r.inflight and self.staged.quiet(r.key) and self.pull.fenced(r.key)
+        return r.run.last_run and not r.inflight and all(p.quiet(r.key) for p in self.parts)
 
     def _new_write(self, r: _Room) -> int:
         wid = self._next_write_id
@@ -1148,13 +1143,9 @@ class SenderEngine(RoomEngine):
         skip = why.get("skip")
         r.failure = failure
         r.run.parked = []
-        self.staged.room_failed(r)
         self.deadlines.cancel(("room", r.room))
-        self.pull.cancel(r.key)
-        self.push.abort(r.key, self._now)  # its writes in flight fence its leases
-        if not self.pull.fenced(r.key):
-            # Decode may be READing our pages: they stay until it says it stopped, or this.
-            self.deadlines.set(("pfence", r.room), self._now + self.timeouts.fence_ns)
+        for part in self.parts:
+            part.room_failed(r)
         self._out.append(
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
@@ -1187,17 +1178,15 @@ class SenderEngine(RoomEngine):
             for p in sorted(r.fence.stop_to):
                 self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         # A gather still running owns a staging buffer: the room stays until it returns.
-        terminal_quiet = not r.inflight and not self.staged.gathering(r.key) and self.pull.fenced(r.key)
+        terminal_quiet = not r.inflight and all(p.fenced(r.key) for p in self.parts)
         # A room only a TransferInfo ever created has no local owner to release it.
         auto = r.opening.created_by_info and not r.opening.opened
         if terminal_quiet and (r.release_requested or auto):
             self._remove(r)
 
     def _remove(self, r: _Room) -> None:
-        self.staged.forget(r)
-        self.deadlines.cancel(("pfence", r.room))
-        self.pull.forget(r.key)
-        self.push.forget(r.key)
+        for part in self.parts:
+            part.forget(r)
         self.ahead.forget(self._flow_ctx, r.key)
         self._forget(r, r.decode.infos)
 
@@ -1233,7 +1222,6 @@ class SenderEngine(RoomEngine):
             self._cut.pop(what, None)  # decode's fence deadline has passed: it freed the pages
 
     def _peer_gone(self, peer: m.Endpoint) -> None:
-        self.staged.forget_peer(peer)
         until = self._now + self.timeouts.fence_ns
         for room in sorted(self.rooms_by_peer.get(peer, ())):
             r = self.rooms.get(room)

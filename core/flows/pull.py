@@ -32,6 +32,7 @@ from kvferry.core.commands import AddPeer, DropPeer, PostRead
 from kvferry.core.errors import KvferryError
 from kvferry.core.flows import registry
 from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
+from kvferry.core.flows.parts import RankFlowPart
 from kvferry.core.flows.policy import Flow
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomError, RoomStateError
@@ -43,13 +44,17 @@ __all__ = ["PullChunkSender", "PullReceiver", "PullRoom", "PullSender", "ReadInf
 RoomKey = tuple[int, str]
 
 
-class PullSender:
+class PullSender(RankFlowPart):
     """Every pull offer of one prefill rank: what was offered per room, what each decode rank
     still owes (it may be reading those pages: they stay ours until it says so or the fence
-    expires), and the offers' resends."""
+    expires), and the offers' resends. ``fence_ns``: how long a failed room's pages wait for
+    its readers before they are asked again (the ``pfence`` deadline)."""
 
-    def __init__(self, deadlines: Any, counters: Any, interval_ns: int) -> None:
+    def __init__(self, deadlines: Any, counters: Any, interval_ns: int, fence_ns: int, clock: Any) -> None:
         self.offers = Resends("pull", deadlines, counters, interval_ns, "pull_resent")
+        self.deadlines = deadlines
+        self.fence_ns = fence_ns
+        self.clock = clock
         self.counters = counters
         self.offered: dict[RoomKey, list[int]] = {}
         self.owed: dict[RoomKey, dict[m.Endpoint, set[int]]] = {}
@@ -87,10 +92,26 @@ class PullSender:
         for idx in self.offered.get(room, ()):
             self.offers.cancel((room[0], room[1], idx))
 
-    def forget(self, room: RoomKey) -> None:
-        self.cancel(room)
-        self.offered.pop(room, None)
-        self.owed.pop(room, None)
+    # --- the room machine's hooks (core/flows/parts.py) ---------------------------------------------
+
+    def quiet(self, key: RoomKey) -> bool:
+        return self.fenced(key)
+
+    def room_failed(self, r: Any) -> None:
+        """Offers stop; decode may be READing our pages: they stay until it says it stopped, or
+        ``fence_ns``."""
+        self.cancel(r.key)
+        if not self.fenced(r.key):
+            self.deadlines.set(("pfence", r.room), self.clock() + self.fence_ns)
+
+    def forget(self, r: Any) -> None:
+        self.deadlines.cancel(("pfence", r.room))
+        self.cancel(r.key)
+        self.offered.pop(r.key, None)
+        self.owed.pop(r.key, None)
+
+    def peer_replaced(self, r: Any, peer: m.Endpoint) -> None:
+        self.released_by(r.key, peer)  # its READs of our pages died with the old process
 
     def fence_due(self, room: RoomKey, alive: Callable[[m.Endpoint], bool]) -> list[m.Endpoint]:
         """The fence deadline of a failed pull room: a decode rank that vanished (heartbeat lost)
@@ -189,7 +210,7 @@ class PullRoom:
         self.stopped_sent = False  # every sender that offered heard ReadsStopped
 
 
-class PullReceiver:
+class PullReceiver(RankFlowPart):
     """Pull's decode half, composed into the receiver engine: the READs in flight (by read id),
     each pull room's ``PullRoom`` (its own table, ``pull_rooms``), the prefill agents loaded, and
     the rules of an offer. It reaches the engine only through ``ctx`` (the receiver's
@@ -211,6 +232,12 @@ class PullReceiver:
         return pr
 
     # --- what the room machine asks ----------------------------------------------------------------
+
+    def writing(self, r: Any) -> bool:
+        return self.reading(r)
+
+    def settle(self, r: Any) -> None:
+        self.reads_drained(r)
 
     def reading(self, r: Any) -> bool:
         """A READ of ours is writing the room's pages."""

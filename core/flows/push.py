@@ -20,6 +20,7 @@ from typing import Any
 
 from kvferry.core import messages as m
 from kvferry.core.errors import LocalMisuseError
+from kvferry.core.flows.parts import RankFlowPart
 from kvferry.core.flows.policy import Flow
 from kvferry.core.machine import RoomStateError
 from kvferry.core.resources.leases import (
@@ -39,7 +40,7 @@ _BAD = (NoticeKind.EXPIRED, NoticeKind.FAILED, NoticeKind.REFUSED)
 RoomKey = tuple[int, str]
 
 
-class PushSender:
+class PushSender(RankFlowPart):
     """Every push registration of one prefill rank, by room."""
 
     def __init__(
@@ -52,6 +53,7 @@ class PushSender:
         base_id: Callable[[str], str],
         counters: Any,
         on_refused: Callable[[RoomKey, NoticeKind, str], None],
+        clock: Callable[[], int],
     ) -> None:
         """``push_match``: how registrations find their request: ``transfer_id`` (the router's
         id), or ``request_id`` (a client that sends none: decode names the request with its retry
@@ -64,6 +66,7 @@ class PushSender:
         )
         self.counters = counters
         self._on_refused = on_refused
+        self.clock = clock
         self.rooms: dict[str, RoomKey] = {}  # registry key -> room key
         self.keys: dict[RoomKey, dict[m.Endpoint, str]] = {}  # room -> decode rank -> tid@decodeN
         self.finished: dict[RoomKey, set[Finish]] = {}  # finishes handed to the registry
@@ -173,7 +176,13 @@ class PushSender:
             if self._reg_key(key) in self.leases.leases:
                 self.leases.abort(*self._reg_ids(key), p, now)
 
-    def forget(self, room: RoomKey) -> None:
+    def room_failed(self, r: Any) -> None:
+        self.abort(r.key, self.clock())  # its writes in flight fence its leases
+
+    def forget(self, r: Any) -> None:
+        self.forget_room(r.key)
+
+    def forget_room(self, room: RoomKey) -> None:
         """The room is gone: a lease still fencing keeps its entry until it ends."""
         for key in self.keys.pop(room, {}).values():
             rkey = self._reg_key(key)

@@ -29,6 +29,7 @@ from typing import Any
 from kvferry.core import messages as m
 from kvferry.core.commands import Scatter
 from kvferry.core.flows import registry
+from kvferry.core.flows.parts import RankFlowPart
 from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
 from kvferry.core.flows.registry import FlowReceiver
@@ -50,7 +51,7 @@ STAGING_ALIGN = 64
 RoomKey = tuple[int, str]
 
 
-class StagedReceiver:
+class StagedReceiver(RankFlowPart):
     """The rank's staged flows, decode half; see the module docstring. ``ctx`` is the room
     machine's flow context (``core.receiver.ReceiverFlowContext``)."""
 
@@ -301,6 +302,12 @@ class StagedReceiver:
     def scatters_running(self, r: Any) -> bool:
         """A scatter of the room is writing its pages (the room machine waits for it)."""
         return r.key in self.scattering
+
+    def writing(self, r: Any) -> bool:
+        return self.scatters_running(r)
+
+    def room_failed(self, r: Any) -> None:
+        self.quarantine(r)
 
     def forget(self, r: Any) -> None:
         """The room is gone: so is the flow's ledger of it."""
