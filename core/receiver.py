@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
-from kvferry.core.commands import CheckAux, FreePages, PostRead, Scatter, StatusChanged
+from kvferry.core.commands import CheckAux, FreePages, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import WireError
 from kvferry.core.events import (
@@ -298,7 +298,7 @@ class ReceiverEngine(RoomEngine):
         self.staged = self.staged_class(self._flow_ctx, registration)
         # Pull's decode half (core/flows/pull.py); it registers its own tables.
         self.pull_rx = PullReceiver(self._flow_ctx)
-        self.parts = (self.staged, self.pull_rx)
+        self._route_parts((self.staged, self.pull_rx))
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -393,20 +393,18 @@ class ReceiverEngine(RoomEngine):
                 m.FailedAck(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id, known=known),
             )
             if r is None or r.tid != msg.transfer_id:
-                # No room of ours reads its pages (released or never known): a pull sender may free.
-                self.pull_rx.not_reading(msg.src, msg.room, msg.transfer_id)
+                for part in self.parts:
+                    part.room_unknown(msg.src, msg.room, msg.transfer_id)
         elif t is m.RegisterAck:
             self._on_register_ack(msg)
-        elif t is m.StagingReq:
-            self.staged.on_staging_req(msg)
-        elif t is m.PullOffer:
-            self.pull_rx.on_offer_message(msg)
         elif t is m.InfoAck:
             r = self.rooms.get(msg.room)
             if r is not None and r.tid == msg.transfer_id and msg.src in r.senders:
                 self._infos.answered(r.room, msg.src)
         elif t is m.Heartbeat:
             self.counters["heartbeat_in"] += 1
+        elif t in self._routes:
+            self._routes[t](msg)  # a flow's own message (core/flows/parts.py)
         else:
             self.counters["wrong_side_message"] += 1
 
@@ -548,14 +546,12 @@ class ReceiverEngine(RoomEngine):
             r.fence.stopped.add(payload.src)
             self._aborts.answered(r.room, payload.src)
         elif inp is RIn.COPY_DONE or inp is RIn.COPY_FAILED:
-            self.staged.scatter_finished(r, payload.op_id)
+            for part in self.parts:
+                part.op_finished(r, payload.op_id)
 
     def _forget_command(self, r: _Room, cmd: Any) -> None:
-        t = type(cmd)
-        if t is PostRead:
-            self.pull_rx.withdrawn(cmd.read_id)
-        elif t is Scatter:
-            self.staged.withdrawn_scatter(r, cmd.op_id)
+        for part in self.parts:
+            part.withdrawn(r, cmd)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -818,8 +814,6 @@ class ReceiverEngine(RoomEngine):
             else:
                 for p, msg in self._infos.fire(what, self._now):
                     self._send(p, msg)
-        elif kind == "held":
-            self.staged.held_expired(what)
 
 
 # --- the transition table (after the class: it holds the handlers themselves) --------------

@@ -42,7 +42,6 @@ from kvferry.core.commands import (
     DropPeer,
     DropPrepared,
     EnqueueChunk,
-    Gather,
     PostAuxWrite,
     PostPrepared,
     PostWrite,
@@ -394,7 +393,8 @@ class SenderEngine(RoomEngine):
         self.registration = registration
         self.push = self._new_push(push_match)
         # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
-        self.pull = PullSender(self.deadlines, self.counters, interval, self.timeouts.fence_ns, self._clock)
+        self._flow_ctx = SenderFlowContext(self)
+        self.pull = PullSender(self._flow_ctx)
         self._next_write_id = 1
         self._out: list[Any] = []
         self._now = 0
@@ -402,10 +402,9 @@ class SenderEngine(RoomEngine):
         self.policy = policy or FlowPolicy()
         self.ahead = AheadPlans(self.counters)  # chunks named and planned ahead (flows/ahead.py)
         self._track_tables()
-        self._flow_ctx = SenderFlowContext(self)
         # The staged flows' prefill half (ring and pinned); it registers its own tables.
         self.staged = self.staged_class(self._flow_ctx, worker_buffer_bytes, pinned_bytes)
-        self.parts = (self.staged, self.pull, self.push)
+        self._route_parts((self.staged, self.pull, self.push))
 
     def _new_push(self, push_match: str) -> PushSender:
         """Push registrations (a lease per room and decode rank); the watchdog fires just before
@@ -539,16 +538,10 @@ class SenderEngine(RoomEngine):
             for room in msg.rooms:
                 r = self.rooms.get(room)
                 if r is not None:
-                    self.push.renew(r.key, msg.src, self._now)
-        elif t is m.StagingRsp:
-            self._room_input(msg.room, msg.transfer_id, SIn.STAGING_RSP, msg)
-        elif t is m.Watermark:
-            self.staged.on_watermark(msg)
-        elif t is m.Pulled:
-            self.pull.answered(msg)
-            self._room_input(msg.room, msg.transfer_id, SIn.PULLED, msg)
-        elif t is m.ReadsStopped:
-            self._room_input(msg.room, msg.transfer_id, SIn.READS_STOPPED, msg)
+                    for part in self.parts:
+                        part.heard_from(r, msg.src)
+        elif t in self._routes:
+            self._routes[t](msg)  # a flow's own message (core/flows/parts.py)
         else:
             # RegisterAck / Stopped / StagingReq only travel prefill -> decode.
             self.counters["wrong_side_message"] += 1
@@ -683,8 +676,6 @@ class SenderEngine(RoomEngine):
             SIn.WRITE_FAILED,
             SIn.COPY_DONE,
             SIn.COPY_FAILED,
-            SIn.PULLED,
-            SIn.READS_STOPPED,
         }
     )
 
@@ -693,15 +684,11 @@ class SenderEngine(RoomEngine):
             r.release_requested = True
         elif inp is SIn.WRITE_DONE or inp is SIn.WRITE_FAILED:
             r.inflight.discard(payload.write_id)
-            if payload.write_id in self.push.writes:
-                self.push.write_finished(payload.write_id, inp is SIn.WRITE_DONE, self._now)
-            self.staged.write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
+            for part in self.parts:  # a write id is at most one component's
+                part.write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
         elif inp is SIn.COPY_DONE or inp is SIn.COPY_FAILED:
-            self.staged.op_finished(r, payload.op_id)
-        elif inp is SIn.PULLED:
-            self.pull.pulled(r.key, payload.src, payload.chunk_index)
-        elif inp is SIn.READS_STOPPED:
-            self.pull.released_by(r.key, payload.src)
+            for part in self.parts:
+                part.op_finished(r, payload.op_id)
 
     def _forget_command(self, r: _Room, cmd: Any) -> None:
         t = type(cmd)
@@ -712,8 +699,9 @@ class SenderEngine(RoomEngine):
         if t is PostWrite or t is PostAuxWrite or t is PostPrepared:
             if self.writes.pop(cmd.write_id, None) is not None:
                 self._bookkeep(r, SIn.WRITE_FAILED, WriteFailed(write_id=cmd.write_id, reason="withdrawn"))
-        elif t is Gather:
-            self.staged.withdrawn_gather(r, cmd.op_id)
+        else:
+            for part in self.parts:
+                part.withdrawn(r, cmd)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -1003,17 +991,6 @@ class SenderEngine(RoomEngine):
         self.fail(r, RoomFailure(f"push registration {kind.value}: {reason}", at_ns=self._now))
         self._maybe_finish(r)
 
-    def _pull_fence_due(self, r: _Room) -> None:
-        """The fence deadline of a failed pull room (core/flows/pull.py): the decode ranks still
-        alive that may be reading are asked again; look again in a heartbeat interval."""
-        reason = r.failure.reason if r.failure else "failed"
-        ask = self.pull.fence_due(r.key, self.peers.__contains__)
-        for p in ask:
-            self._send(p, m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=reason))
-        if ask:
-            self.deadlines.set(("pfence", r.room), self._now + self.timeouts.heartbeat_interval_ns)
-        self._maybe_finish(r)
-
     def _advance(self, r: _Room, c: ChunkReady, end: int) -> None:
         r.next_run += 1
         r.run.tokens_done = int(c.token_end)  # what prefill computed, not the prefix-clipped ``end``
@@ -1207,17 +1184,6 @@ class SenderEngine(RoomEngine):
         if kind == "notice":
             for p, msg in self._notices.fire(what, self._now):
                 self._send(p, msg)
-        elif kind == "pull":
-            for p, msg in self.pull.offers.fire(what, self._now):
-                self._send(p, msg)
-        elif kind == "pfence":
-            r = self.rooms.get(what)
-            if r is not None and r.state is SState.FAILED and not self.pull.fenced(r.key):
-                self._pull_fence_due(r)
-        elif kind == "notes":
-            self.staged.resend_notes(what)
-        elif kind == "stg":
-            self.staged.resend_staging(what)
         elif kind == "cut":
             self._cut.pop(what, None)  # decode's fence deadline has passed: it freed the pages
 

@@ -7,11 +7,15 @@ quiet, may it go, it failed, it is gone, a peer is lost, time passes) reaches ea
 through these hooks. The room machine keeps its components in one fixed order (``parts``) and
 calls them in that order, so the commands of a step come out in the same order every run.
 Defaults do nothing: a component overrides only what concerns it.
+
+Messages and deadlines a flow owns are routed the same way: a component lists the control
+message types it handles (``routes``) and the kinds of deadline it arms in the rank's heap
+(``deadline_kinds``); the room machine looks the handler up by type or kind and names neither.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvferry.core import messages as m
@@ -44,7 +48,36 @@ class RankFlowPart:
         """Decode: a write into the room's pages was cut by a lost peer (only the fence frees)."""
         return False
 
+    # --- what it owns -------------------------------------------------------------------------------
+
+    def routes(self) -> Mapping[type, Callable[[Any], None]]:
+        """The control message types this component handles, each with its handler."""
+        return {}
+
+    def deadline_kinds(self) -> Mapping[str, Callable[[Any], None]]:
+        """The kinds of deadline this component arms in the rank's heap, each with its handler
+        (given the deadline's key without its kind)."""
+        return {}
+
     # --- told about a room --------------------------------------------------------------------------
+
+    def write_finished(self, r: Any, write_id: int, ok: bool) -> None:
+        """Prefill: one of the room's writes completed (``ok``) or failed; a write id belongs
+        to at most one component."""
+
+    def op_finished(self, r: Any, op_id: int) -> None:
+        """One of the room's copies (a gather, a scatter) completed or failed."""
+
+    def withdrawn(self, r: Any, command: Any) -> None:
+        """A command of the room's step that the table refused never left: if it is this
+        component's (a gather, a scatter, a READ), what it reserved goes back."""
+
+    def room_unknown(self, peer: m.Endpoint, room: int, tid: str) -> None:
+        """Decode: ``peer``'s RoomFailed names a room that is not live here (released, or never
+        known)."""
+
+    def heard_from(self, r: Any, peer: m.Endpoint) -> None:
+        """Prefill: decode rank ``peer``'s heartbeat named the room (it still waits for it)."""
 
     def room_failed(self, r: Any) -> None:
         """The room failed: nothing not yet started starts, nothing is asked again."""

@@ -47,15 +47,15 @@ RoomKey = tuple[int, str]
 class PullSender(RankFlowPart):
     """Every pull offer of one prefill rank: what was offered per room, what each decode rank
     still owes (it may be reading those pages: they stay ours until it says so or the fence
-    expires), and the offers' resends. ``fence_ns``: how long a failed room's pages wait for
-    its readers before they are asked again (the ``pfence`` deadline)."""
+    expires), and the offers' resends. ``ctx``: the sender's flow context
+    (``core.sender.SenderFlowContext``)."""
 
-    def __init__(self, deadlines: Any, counters: Any, interval_ns: int, fence_ns: int, clock: Any) -> None:
-        self.offers = Resends("pull", deadlines, counters, interval_ns, "pull_resent")
-        self.deadlines = deadlines
-        self.fence_ns = fence_ns
-        self.clock = clock
-        self.counters = counters
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.counters = counters = ctx.counters
+        self.deadlines = ctx.deadlines
+        interval = ctx.timeouts.heartbeat_interval_ns
+        self.offers = Resends("pull", self.deadlines, counters, interval, "pull_resent")
         self.offered: dict[RoomKey, list[int]] = {}
         self.owed: dict[RoomKey, dict[m.Endpoint, set[int]]] = {}
 
@@ -102,7 +102,7 @@ class PullSender(RankFlowPart):
         ``fence_ns``."""
         self.cancel(r.key)
         if not self.fenced(r.key):
-            self.deadlines.set(("pfence", r.room), self.clock() + self.fence_ns)
+            self.deadlines.set(("pfence", r.room), self.ctx.now() + self.ctx.timeouts.fence_ns)
 
     def forget(self, r: Any) -> None:
         self.deadlines.cancel(("pfence", r.room))
@@ -112,6 +112,40 @@ class PullSender(RankFlowPart):
 
     def peer_replaced(self, r: Any, peer: m.Endpoint) -> None:
         self.released_by(r.key, peer)  # its READs of our pages died with the old process
+
+    def routes(self) -> dict[type, Callable[[Any], None]]:
+        return {m.Pulled: self._on_pulled, m.ReadsStopped: self._on_reads_stopped}
+
+    def deadline_kinds(self) -> dict[str, Callable[[Any], None]]:
+        return {"pull": self._resend, "pfence": self._fence_deadline}
+
+    def _on_pulled(self, msg: m.Pulled) -> None:
+        self.answered(msg)
+        self.pulled((msg.room, msg.transfer_id), msg.src, msg.chunk_index)
+        self.ctx.room_input(msg.room, msg.transfer_id, "pulled", msg)
+
+    def _on_reads_stopped(self, msg: m.ReadsStopped) -> None:
+        self.released_by((msg.room, msg.transfer_id), msg.src)
+        self.ctx.room_input(msg.room, msg.transfer_id, "reads_stopped", msg)
+
+    def _resend(self, key: Any) -> None:
+        for p, msg in self.offers.fire(key, self.ctx.now()):
+            self.ctx.send(p, msg)
+
+    def _fence_deadline(self, room: int) -> None:
+        """The fence deadline of a failed pull room: the decode ranks still alive that may be
+        reading are asked again (``fence_due``); look again in a heartbeat interval."""
+        ctx = self.ctx
+        r = ctx.room(room)
+        if r is None or not ctx.is_failed(r) or self.fenced(r.key):
+            return
+        reason = r.failure.reason if r.failure else "failed"
+        ask = self.fence_due(r.key, ctx.peers.__contains__)
+        for p in ask:
+            ctx.send(p, m.RoomFailed(src=ctx.endpoint, room=r.room, transfer_id=r.tid, reason=reason))
+        if ask:
+            self.deadlines.set(("pfence", r.room), ctx.now() + ctx.timeouts.heartbeat_interval_ns)
+        ctx.settle(r)
 
     def fence_due(self, room: RoomKey, alive: Callable[[m.Endpoint], bool]) -> list[m.Endpoint]:
         """The fence deadline of a failed pull room: a decode rank that vanished (heartbeat lost)
@@ -258,9 +292,16 @@ class PullReceiver(RankFlowPart):
         pr = self.rooms.get(key)
         return key, (pr.reads.pop(read_id, None) if pr is not None else None)
 
-    def withdrawn(self, read_id: int) -> None:
+    def withdrawn(self, r: Any, command: Any) -> None:
         """A READ of a step the table refused never left."""
-        self.completed(read_id)
+        if type(command) is PostRead:
+            self.completed(command.read_id)
+
+    def room_unknown(self, peer: m.Endpoint, room: int, tid: str) -> None:
+        self.not_reading(peer, room, tid)  # no room of ours reads its pages: it may free them
+
+    def routes(self) -> dict[type, Callable[[Any], None]]:
+        return {m.PullOffer: self.on_offer_message}
 
     def peer_lost(self, peer: m.Endpoint, rooms: list[Any]) -> None:
         """``peer`` is gone: READs of those rooms in flight are cut; its agent is dropped."""

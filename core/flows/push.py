@@ -150,13 +150,13 @@ class PushSender(RankFlowPart):
         """The write ``post`` allowed has its id: its completion goes to the lease."""
         self.writes[write_id] = (room, peer)
 
-    def write_finished(self, write_id: int, ok: bool, now: int) -> None:
+    def write_finished(self, r: Any, write_id: int, ok: bool) -> None:
         entry = self.writes.pop(write_id, None)
         if entry is None:
             return
         room, peer = entry
         try:
-            notices = self.leases.write_done(*self._reg_ids(self.keys[room][peer]), ok, now)
+            notices = self.leases.write_done(*self._reg_ids(self.keys[room][peer]), ok, self.clock())
         except LeaseMisuseError:
             self.counters["push_untracked_write"] += 1  # posted without its lease (never in real code)
             return
@@ -175,6 +175,9 @@ class PushSender(RankFlowPart):
         for p, key in sorted(self.keys.get(room, {}).items()):
             if self._reg_key(key) in self.leases.leases:
                 self.leases.abort(*self._reg_ids(key), p, now)
+
+    def heard_from(self, r: Any, peer: m.Endpoint) -> None:
+        self.renew(r.key, peer, self.clock())
 
     def room_failed(self, r: Any) -> None:
         self.abort(r.key, self.clock())  # its writes in flight fence its leases

@@ -24,6 +24,7 @@ Rules kept here:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from kvferry.core import messages as m
@@ -308,6 +309,19 @@ class StagedReceiver(RankFlowPart):
 
     def room_failed(self, r: Any) -> None:
         self.quarantine(r)
+
+    def op_finished(self, r: Any, op_id: int) -> None:
+        self.scatter_finished(r, op_id)
+
+    def withdrawn(self, r: Any, command: Any) -> None:
+        if type(command) is Scatter:
+            self.withdrawn_scatter(r, command.op_id)
+
+    def routes(self) -> dict[type, Callable[[Any], None]]:
+        return {m.StagingReq: self.on_staging_req}
+
+    def deadline_kinds(self) -> dict[str, Callable[[Any], None]]:
+        return {"held": self.held_expired}
 
     def forget(self, r: Any) -> None:
         """The room is gone: so is the flow's ledger of it."""

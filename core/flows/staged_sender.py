@@ -25,7 +25,7 @@ Rules kept here:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -589,6 +589,19 @@ class StagedSender(RankFlowPart):
 
     def peer_lost(self, peer: m.Endpoint, rooms: Sequence[Any]) -> None:
         self.forget_peer(peer)
+
+    def routes(self) -> dict[type, Callable[[Any], None]]:
+        return {m.Watermark: self.on_watermark, m.StagingRsp: self._on_staging_rsp}
+
+    def deadline_kinds(self) -> dict[str, Callable[[Any], None]]:
+        return {"notes": self.resend_notes, "stg": self.resend_staging}
+
+    def withdrawn(self, r: Any, command: Any) -> None:
+        if type(command) is Gather:
+            self.withdrawn_gather(r, command.op_id)
+
+    def _on_staging_rsp(self, msg: m.StagingRsp) -> None:
+        self.ctx.room_input(msg.room, msg.transfer_id, "staging_rsp", msg)
 
     def in_use(self) -> int:
         """Staging slots, pinned reservations and gathers held; 0 once every room settled."""
