@@ -392,8 +392,8 @@ class SenderEngine(RoomEngine):
         )
         self.registration = registration
         self.push = self._new_push(push_match)
-        # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
         self._flow_ctx = SenderFlowContext(self)
+        # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
         self.pull = PullSender(self._flow_ctx)
         self._next_write_id = 1
         self._out: list[Any] = []
@@ -419,6 +419,7 @@ class SenderEngine(RoomEngine):
             counters=self.counters,
             on_refused=self._push_refused,
             clock=self._clock,
+            policy_override=lambda: self.policy.override,
         )
 
     def _clock(self) -> int:
@@ -713,9 +714,9 @@ class SenderEngine(RoomEngine):
             shard = shard_of(r.room, self.num_shards)
             for c in parked:
                 self._out.append(EnqueueChunk(shard=shard, chunk=c))
-            if parked and self._wants_push(r):
-                self.counters["push_computed_before_registration"] += 1  # the finish-first order
-                self.push.finish(r.key, self._now)
+            if parked:
+                for part in self.parts:
+                    part.computed(r, True)
             self.ahead.plan(self._flow_ctx, r)  # a chunk named before decode's TransferInfo
         elif st is SState.TRANSFERRING:
             self.deadlines.set(key, self._now + self.timeouts.transfer_ns)
@@ -741,10 +742,10 @@ class SenderEngine(RoomEngine):
         r.opening.opened = True
         r.aux_index = ev.aux_index
         r.receivers, r.opening.flow_override = tuple(ev.receivers), ev.flow
-        if not self._wants_push(r):
-            self.push.withdraw(r.key, self._now)  # registered on the policy's push: another flow
+        for part in self.parts:
+            part.opened(r)
         for info in list(r.decode.infos.values()):
-            self._push_register(r, info)
+            self._info_known(r, info)
         self._prepare(r)
         return "ready" if self._ready(r) else "stay"
 
@@ -786,7 +787,7 @@ class SenderEngine(RoomEngine):
         r.decode.dests[msg.src] = np.asarray(msg.dst_pages, dtype=np.int64)
         r.fence.stop_to.add(msg.src)
         self.rooms_by_peer.setdefault(msg.src, set()).add(r.room)
-        self._push_register(r, msg)
+        self._info_known(r, msg)
         self._prepare(r)
         return "ready" if self._ready(r) else "stay"
 
@@ -807,8 +808,9 @@ class SenderEngine(RoomEngine):
         if self._accept_chunk(r, c):
             ready = self.ahead.ready(r.key, c.chunk_index)
             self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c, prepared=ready))
-            if c.chunk_index == 0 and self._wants_push(r):
-                self.push.finish(r.key, self._now)
+            if c.chunk_index == 0:
+                for part in self.parts:
+                    part.computed(r, False)
 
     def _accept_chunk(self, r: _Room, c: ChunkReady) -> bool:
         """Check and record a chunk the scheduler hands over; False for a duplicate (skipped)."""
@@ -969,14 +971,11 @@ class SenderEngine(RoomEngine):
     def _h_on_pulled(self, r: _Room, inp: SIn, msg: m.Pulled) -> str:
         return "done" if self._quiet(r) else "stay"
 
+    def _info_known(self, r: _Room, info: m.TransferInfo) -> None:
+        for part in self.parts:
+            part.transfer_info(r, info)
+
     # --- push: registration leases (core/flows/push.py) ----------------------------------------
-
-    def _push_register(self, r: _Room, info: m.TransferInfo) -> None:
-        if self._wants_push(r):
-            self.push.register(r.key, info, self._now)
-
-    def _wants_push(self, r: _Room) -> bool:
-        return PushSender.wants(r.opening.flow_override, self.policy.override)
 
     def lease_key(self, tid: str, peer: str) -> str:
         """The registry key of room ``tid``'s registration by decode rank ``peer`` (e.g. decode0)."""

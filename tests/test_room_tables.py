@@ -33,6 +33,7 @@ def _push_sender() -> PushSender:
         counters=Counter(),
         on_refused=lambda *a: None,
         clock=lambda: 0,
+        policy_override=lambda: None,
     )
 
 

@@ -76,6 +76,17 @@ class RankFlowPart:
         """Decode: ``peer``'s RoomFailed names a room that is not live here (released, or never
         known)."""
 
+    def opened(self, r: Any) -> None:
+        """Prefill: the room was opened locally (its flow, if asked for, is known now)."""
+
+    def transfer_info(self, r: Any, info: m.TransferInfo) -> None:
+        """Prefill: a decode rank's TransferInfo for the room (its pages) is known: at the open
+        for those that came before it, then as each arrives."""
+
+    def computed(self, r: Any, parked: bool) -> None:
+        """Prefill: the room's first chunk is computed and handed to its worker (``parked``: it
+        waited for the room to be ready)."""
+
     def heard_from(self, r: Any, peer: m.Endpoint) -> None:
         """Prefill: decode rank ``peer``'s heartbeat named the room (it still waits for it)."""
 

@@ -54,6 +54,7 @@ class PushSender(RankFlowPart):
         counters: Any,
         on_refused: Callable[[RoomKey, NoticeKind, str], None],
         clock: Callable[[], int],
+        policy_override: Callable[[], Flow | None],
     ) -> None:
         """``push_match``: how registrations find their request: ``transfer_id`` (the router's
         id), or ``request_id`` (a client that sends none: decode names the request with its retry
@@ -67,6 +68,7 @@ class PushSender(RankFlowPart):
         self.counters = counters
         self._on_refused = on_refused
         self.clock = clock
+        self.policy_override = policy_override
         self.rooms: dict[str, RoomKey] = {}  # registry key -> room key
         self.keys: dict[RoomKey, dict[m.Endpoint, str]] = {}  # room -> decode rank -> tid@decodeN
         self.finished: dict[RoomKey, set[Finish]] = {}  # finishes handed to the registry
@@ -175,6 +177,24 @@ class PushSender(RankFlowPart):
         for p, key in sorted(self.keys.get(room, {}).items()):
             if self._reg_key(key) in self.leases.leases:
                 self.leases.abort(*self._reg_ids(key), p, now)
+
+    def runs(self, r: Any) -> bool:
+        """The room runs push: asked for at its open, or the policy's own override."""
+        return self.wants(r.opening.flow_override, self.policy_override())
+
+    def opened(self, r: Any) -> None:
+        if not self.runs(r):
+            self.withdraw(r.key, self.clock())  # registered on the policy's push: another flow
+
+    def transfer_info(self, r: Any, info: m.TransferInfo) -> None:
+        if self.runs(r):
+            self.register(r.key, info, self.clock())
+
+    def computed(self, r: Any, parked: bool) -> None:
+        if self.runs(r):
+            if parked:
+                self.counters["push_computed_before_registration"] += 1  # the finish-first order
+            self.finish(r.key, self.clock())
 
     def heard_from(self, r: Any, peer: m.Endpoint) -> None:
         self.renew(r.key, peer, self.clock())
