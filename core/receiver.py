@@ -714,8 +714,8 @@ class ReceiverEngine(RoomEngine):
             self.counters["notification_after_failure"] += 1
         elif inp is RIn.OFFER:
             self.pull_rx.after_failure(r, payload)
-        elif inp is RIn.PEER_FAILED and self.pull_rx.asked_again(r, payload.src):
-            pass  # a pull sender still holding its pages asked again: nothing of ours reads them
+        elif inp is RIn.PEER_FAILED and any(p.asked_again(r, payload.src) for p in self.parts):
+            pass  # a sender still holding its pages asked again: nothing of ours writes them
         elif inp not in (RIn.STOPPED, RIn.RELEASE, RIn.READ_DONE, RIn.READ_FAILED):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 

@@ -646,6 +646,8 @@ class SenderEngine(RoomEngine):
             r.opening.opened = True
             r.aux_index = ev.aux_index
             r.receivers, r.opening.flow_override = tuple(ev.receivers), ev.flow
+            for part in self.parts:
+                part.opened(r)
             self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Bootstrapping))
             return
         if r.tid != ev.transfer_id and r.opening.created_by_info and not r.opening.opened:
@@ -1068,7 +1070,7 @@ class SenderEngine(RoomEngine):
             reason = f"failed on {payload.src}: {payload.reason}"
         elif inp is SIn.TIMEOUT:
             reason = f"timed out while {r.state.value}"
-            blocked = self.staged.blocked(r.key)
+            blocked = next((b for p in self.parts if (b := p.blocked(r.key))), "")
             if blocked:
                 reason += f" ({blocked})"
         elif inp is SIn.COPY_FAILED:

@@ -40,6 +40,11 @@ class RankFlowPart:
         """Prefill: nothing of this component may still touch a failed room's memory (it may go)."""
         return True
 
+    def blocked(self, key: RoomKey) -> str:
+        """Prefill: why the room waits on this component ("" if it does not): for a timeout's
+        reason."""
+        return ""
+
     def writing(self, r: Any) -> bool:
         """Decode: this component is writing the room's pages (they stay)."""
         return False
@@ -77,7 +82,8 @@ class RankFlowPart:
         known)."""
 
     def opened(self, r: Any) -> None:
-        """Prefill: the room was opened locally (its flow, if asked for, is known now)."""
+        """Prefill: the room was opened locally (its flow, if asked for, is known now; a
+        TransferInfo may have come first)."""
 
     def transfer_info(self, r: Any, info: m.TransferInfo) -> None:
         """Prefill: a decode rank's TransferInfo for the room (its pages) is known: at the open
@@ -109,6 +115,11 @@ class RankFlowPart:
 
     def peer_replaced(self, r: Any, peer: m.Endpoint) -> None:
         """Prefill: the room's decode rank ``peer`` restarted; what it did for the room died with it."""
+
+    def asked_again(self, r: Any, peer: m.Endpoint) -> bool:
+        """Decode: ``peer`` repeats a failed room's RoomFailed (it still holds pages this
+        component may be using): True if this component answered it."""
+        return False
 
     def heartbeat(self, peer: m.Endpoint) -> None:
         """A heartbeat goes to ``peer``: anything this component owes it goes along."""
