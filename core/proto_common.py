@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 
 from kvferry.core.commands import DropPeer, SendControl, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap
-from kvferry.core.errors import ProtocolError, WireError
+from kvferry.core.errors import LocalMisuseError, ProtocolError, WireError
+from kvferry.core.flows.parts import RankFlowPart, earliest
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.machine import RoomError, RoomFailure, RoomStateError, TableEngine, Transition, step
 from kvferry.core.messages import decode_control
@@ -184,6 +185,12 @@ class EngineFlowContext:
         """Fail a room outside its own step (the table's funnel, ``TableEngine.fail``)."""
         self._engine.fail(r, failure)
 
+    def room_input(self, room: int, tid: str, name: str, payload: Any) -> None:
+        """A flow's message for a room, fed to the room's table as the input of that name (the
+        table says what it may do; a room not live is counted, as for any message)."""
+        e = self._engine
+        e._room_input(room, tid, type(e.FAIL)(name), payload)
+
 
 class RoomEngine(TableEngine):
     """What the sender and receiver engines share: table dispatch (``TableEngine``), queries, the
@@ -203,6 +210,11 @@ class RoomEngine(TableEngine):
     deadlines: DeadlineHeap
     counters: Counter[str]
     last_internal_error: BaseException | None
+    # The rank's flow components, in the order every hook calls them (core/flows/parts.py), and
+    # what they own: control message type -> handler, deadline kind -> handler (``_route_parts``).
+    parts: tuple[RankFlowPart, ...] = ()
+    _routes: dict[type, Callable[[Any], None]]
+    _deadline_routes: dict[str, Callable[[Any], None]]
 
     def _guarded(self, fn: Callable[[bytes], None], data: bytes) -> None:
         """Peer input must never raise out of the engine (it would kill a driver thread): a bug
@@ -258,10 +270,8 @@ class RoomEngine(TableEngine):
         return None if r is None else r.failure
 
     def next_deadline(self) -> int | None:
-        a, b = self.deadlines.next(), self.tombstones.next_deadline()
-        if a is None:
-            return b
-        return a if b is None else min(a, b)
+        own = (self.deadlines.next(), self.tombstones.next_deadline())
+        return earliest((*own, *(p.next_deadline() for p in self.parts)))
 
     # --- the per-room tables: every one registered, so quiescence checks miss none ------------------
 
@@ -383,11 +393,17 @@ class RoomEngine(TableEngine):
             elif kind == "hb":
                 if what in self.peers:
                     self._heartbeat(what)
+                    for p in self.parts:
+                        p.heartbeat(what)
                     self.deadlines.set(key, now + self.timeouts.heartbeat_interval_ns)
             elif kind == "loss":
                 self._check_loss(what)
+            elif kind in self._deadline_routes:
+                self._deadline_routes[kind](what)  # a flow's own deadline (core/flows/parts.py)
             else:
                 self._on_deadline(kind, what)
+        for p in self.parts:
+            p.tick(now)
 
     def _arm_peer(self, peer: Any) -> None:
         self.deadlines.set(("hb", peer), self._now + self.timeouts.heartbeat_interval_ns)
@@ -409,6 +425,7 @@ class RoomEngine(TableEngine):
         """A peer declared dead (heartbeat), or ``unusable`` (why the driver could not load it):
         its rooms fail, and it is forgotten until it registers again."""
         self.counters["peer_unusable" if unusable else "peer_lost"] += 1
+        self._parts_peer_lost(peer)
         self._peer_gone(peer)
         del self.peers[peer]
         self.deadlines.cancel(("hb", peer))
@@ -427,7 +444,25 @@ class RoomEngine(TableEngine):
         raise NotImplementedError
 
     def _peer_gone(self, peer: Any) -> None:
-        """Side-specific state to drop with a lost peer."""
+        """Side-specific state to drop with a lost peer (after its flow components')."""
+
+    def _route_parts(self, parts: tuple[RankFlowPart, ...]) -> None:
+        """Compose the rank's flow components: hooks go to each in this order; a message type or
+        a deadline kind goes to the one component that claims it."""
+        self.parts = parts
+        self._routes, self._deadline_routes = {}, {}
+        for p in parts:
+            for table, claims in ((self._routes, p.routes()), (self._deadline_routes, p.deadline_kinds())):
+                for what, handler in claims.items():
+                    if what in table:
+                        raise LocalMisuseError(f"two flow components claim {what!r}")
+                    table[what] = handler
+
+    def _parts_peer_lost(self, peer: Any) -> None:
+        """Every flow component hears that ``peer`` is gone, with the live rooms it served."""
+        rooms = [self.rooms[room] for room in sorted(self.rooms_by_peer.get(peer, ())) if room in self.rooms]
+        for p in self.parts:
+            p.peer_lost(peer, rooms)
 
     def _h_ignore(self, r: Any, inp: Any, payload: Any) -> str:
         self.counters[f"ignored_{inp.value}"] += 1

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 from kvferry.core import messages as m
-from kvferry.core.commands import CheckAux, FreePages, PostRead, Scatter, StatusChanged
+from kvferry.core.commands import CheckAux, FreePages, StatusChanged
 from kvferry.core.deadlines import DeadlineHeap, Timeouts
 from kvferry.core.errors import WireError
 from kvferry.core.events import (
@@ -298,6 +298,7 @@ class ReceiverEngine(RoomEngine):
         self.staged = self.staged_class(self._flow_ctx, registration)
         # Pull's decode half (core/flows/pull.py); it registers its own tables.
         self.pull_rx = PullReceiver(self._flow_ctx)
+        self._route_parts((self.staged, self.pull_rx))
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -392,20 +393,18 @@ class ReceiverEngine(RoomEngine):
                 m.FailedAck(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id, known=known),
             )
             if r is None or r.tid != msg.transfer_id:
-                # No room of ours reads its pages (released or never known): a pull sender may free.
-                self.pull_rx.not_reading(msg.src, msg.room, msg.transfer_id)
+                for part in self.parts:
+                    part.room_unknown(msg.src, msg.room, msg.transfer_id)
         elif t is m.RegisterAck:
             self._on_register_ack(msg)
-        elif t is m.StagingReq:
-            self.staged.on_staging_req(msg)
-        elif t is m.PullOffer:
-            self.pull_rx.on_offer_message(msg)
         elif t is m.InfoAck:
             r = self.rooms.get(msg.room)
             if r is not None and r.tid == msg.transfer_id and msg.src in r.senders:
                 self._infos.answered(r.room, msg.src)
         elif t is m.Heartbeat:
             self.counters["heartbeat_in"] += 1
+        elif t in self._routes:
+            self._routes[t](msg)  # a flow's own message (core/flows/parts.py)
         else:
             self.counters["wrong_side_message"] += 1
 
@@ -547,14 +546,12 @@ class ReceiverEngine(RoomEngine):
             r.fence.stopped.add(payload.src)
             self._aborts.answered(r.room, payload.src)
         elif inp is RIn.COPY_DONE or inp is RIn.COPY_FAILED:
-            self.staged.scatter_finished(r, payload.op_id)
+            for part in self.parts:
+                part.op_finished(r, payload.op_id)
 
     def _forget_command(self, r: _Room, cmd: Any) -> None:
-        t = type(cmd)
-        if t is PostRead:
-            self.pull_rx.withdrawn(cmd.read_id)
-        elif t is Scatter:
-            self.staged.withdrawn_scatter(r, cmd.op_id)
+        for part in self.parts:
+            part.withdrawn(r, cmd)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -717,8 +714,8 @@ class ReceiverEngine(RoomEngine):
             self.counters["notification_after_failure"] += 1
         elif inp is RIn.OFFER:
             self.pull_rx.after_failure(r, payload)
-        elif inp is RIn.PEER_FAILED and self.pull_rx.asked_again(r, payload.src):
-            pass  # a pull sender still holding its pages asked again: nothing of ours reads them
+        elif inp is RIn.PEER_FAILED and any(p.asked_again(r, payload.src) for p in self.parts):
+            pass  # a sender still holding its pages asked again: nothing of ours writes them
         elif inp not in (RIn.STOPPED, RIn.RELEASE, RIn.READ_DONE, RIn.READ_FAILED):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
@@ -733,7 +730,8 @@ class ReceiverEngine(RoomEngine):
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
         self.deadlines.set(("room", r.room), self._now + self.timeouts.fence_ns)
-        self.staged.quarantine(r)
+        for part in self.parts:
+            part.room_failed(r)
         if why.get("abort", True):
             self._send_aborts(r)
         return "failed"
@@ -756,9 +754,10 @@ class ReceiverEngine(RoomEngine):
     def _maybe_finish(self, r: _Room) -> None:
         st = r.state
         if st is RState.FAILED:
-            self.pull_rx.reads_drained(r)
-            # READs of ours a lost peer cut wait for the fence deadline, which a quarantine is past.
-            cut = self.pull_rx.cut(r)
+            for part in self.parts:
+                part.settle(r)
+            # Writes of ours a lost peer cut wait for the fence deadline, which a quarantine is past.
+            cut = any(p.cut(r) for p in self.parts)
             fenced = r.fence.expired or (
                 r.fence.stopped >= r.senders.keys() and (not cut or r.fence.quarantined)
             )
@@ -766,7 +765,8 @@ class ReceiverEngine(RoomEngine):
                 # Pages and staging space go back only when no writer can still write them (fenced)
                 # and no scatter or READ of ours is writing the pages.
                 r.fence.freed = True
-                self.staged.reclaim(r)
+                for part in self.parts:
+                    part.reclaim(r)
                 self.deadlines.cancel(("room", r.room))
                 self._aborts.cancel(r.room)
                 reason = "fence expired" if r.fence.expired else "every sender stopped"
@@ -778,13 +778,14 @@ class ReceiverEngine(RoomEngine):
             self._remove(r)
 
     def _pages_busy(self, r: _Room) -> bool:
-        """A READ or a scatter of ours is writing the room's pages."""
-        return self.pull_rx.reading(r) or self.staged.scatters_running(r)
+        """A flow component of ours (a READ, a scatter) is writing the room's pages."""
+        return any(p.writing(r) for p in self.parts)
 
     def _remove(self, r: _Room) -> None:
         self._aborts.cancel(r.room)
         self._infos.cancel(r.room)
-        self.staged.forget(r)
+        for part in self.parts:
+            part.forget(r)
         self._forget(r, r.senders)
 
     # --- time ----------------------------------------------------------------------------------------
@@ -801,11 +802,6 @@ class ReceiverEngine(RoomEngine):
             self._send(peer, m.Heartbeat(src=self.endpoint, rooms=waiting))
         else:
             self._send(peer, self.registration)
-        self.staged.heartbeat(peer)
-
-    def _peer_gone(self, peer: m.Endpoint) -> None:
-        rooms = [self.rooms[room] for room in self.rooms_by_peer.get(peer, ()) if room in self.rooms]
-        self.pull_rx.peer_lost(peer, rooms)
 
     def _on_deadline(self, kind: str, what: Any) -> None:
         if kind == "abort":
@@ -818,8 +814,6 @@ class ReceiverEngine(RoomEngine):
             else:
                 for p, msg in self._infos.fire(what, self._now):
                     self._send(p, msg)
-        elif kind == "held":
-            self.staged.held_expired(what)
 
 
 # --- the transition table (after the class: it holds the handlers themselves) --------------

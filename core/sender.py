@@ -42,7 +42,6 @@ from kvferry.core.commands import (
     DropPeer,
     DropPrepared,
     EnqueueChunk,
-    Gather,
     PostAuxWrite,
     PostPrepared,
     PostWrite,
@@ -393,8 +392,9 @@ class SenderEngine(RoomEngine):
         )
         self.registration = registration
         self.push = self._new_push(push_match)
+        self._flow_ctx = SenderFlowContext(self)
         # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
-        self.pull = PullSender(self.deadlines, self.counters, interval)
+        self.pull = PullSender(self._flow_ctx)
         self._next_write_id = 1
         self._out: list[Any] = []
         self._now = 0
@@ -402,9 +402,9 @@ class SenderEngine(RoomEngine):
         self.policy = policy or FlowPolicy()
         self.ahead = AheadPlans(self.counters)  # chunks named and planned ahead (flows/ahead.py)
         self._track_tables()
-        self._flow_ctx = SenderFlowContext(self)
         # The staged flows' prefill half (ring and pinned); it registers its own tables.
         self.staged = self.staged_class(self._flow_ctx, worker_buffer_bytes, pinned_bytes)
+        self._route_parts((self.staged, self.pull, self.push))
 
     def _new_push(self, push_match: str) -> PushSender:
         """Push registrations (a lease per room and decode rank); the watchdog fires just before
@@ -418,7 +418,12 @@ class SenderEngine(RoomEngine):
             base_id=self.push_base_id,
             counters=self.counters,
             on_refused=self._push_refused,
+            clock=self._clock,
+            policy_override=lambda: self.policy.override,
         )
+
+    def _clock(self) -> int:
+        return self._now
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -534,16 +539,10 @@ class SenderEngine(RoomEngine):
             for room in msg.rooms:
                 r = self.rooms.get(room)
                 if r is not None:
-                    self.push.renew(r.key, msg.src, self._now)
-        elif t is m.StagingRsp:
-            self._room_input(msg.room, msg.transfer_id, SIn.STAGING_RSP, msg)
-        elif t is m.Watermark:
-            self.staged.on_watermark(msg)
-        elif t is m.Pulled:
-            self.pull.answered(msg)
-            self._room_input(msg.room, msg.transfer_id, SIn.PULLED, msg)
-        elif t is m.ReadsStopped:
-            self._room_input(msg.room, msg.transfer_id, SIn.READS_STOPPED, msg)
+                    for part in self.parts:
+                        part.heard_from(r, msg.src)
+        elif t in self._routes:
+            self._routes[t](msg)  # a flow's own message (core/flows/parts.py)
         else:
             # RegisterAck / Stopped / StagingReq only travel prefill -> decode.
             self.counters["wrong_side_message"] += 1
@@ -569,7 +568,7 @@ class SenderEngine(RoomEngine):
                 # The decode rank restarted (new agent, maybe the same page ids): forget the old
                 # incarnation before loading the new one.
                 self.counters["peer_restarted"] += 1
-                self.staged.forget_peer(msg.src)
+                self._parts_peer_lost(msg.src)
                 self._out.append(DropPeer(peer=msg.src, reason="re-registered with a new agent"))
             self.peers[msg.src] = new
             self._out.append(AddPeer(peer=msg.src, registration=msg))
@@ -579,8 +578,8 @@ class SenderEngine(RoomEngine):
         for room in sorted(self.rooms_by_peer.get(msg.src, ())):
             r = self.rooms[room]
             if r.decode.infos[msg.src].reg != new.reg_id:
-                # The old process is gone, and its READs of our pages (pull) died with it.
-                self.pull.released_by(r.key, msg.src)
+                for part in self.parts:  # the old process is gone, and what it did for the room
+                    part.peer_replaced(r, msg.src)
                 # Pages named by a past incarnation: writing them would hit whoever owns them now.
                 self._dispatch(r, SIn.PEER_LOST, (msg.src, "restarted since its TransferInfo"))
             elif r.state is SState.BOOTSTRAPPING:
@@ -647,6 +646,8 @@ class SenderEngine(RoomEngine):
             r.opening.opened = True
             r.aux_index = ev.aux_index
             r.receivers, r.opening.flow_override = tuple(ev.receivers), ev.flow
+            for part in self.parts:
+                part.opened(r)
             self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Bootstrapping))
             return
         if r.tid != ev.transfer_id and r.opening.created_by_info and not r.opening.opened:
@@ -678,8 +679,6 @@ class SenderEngine(RoomEngine):
             SIn.WRITE_FAILED,
             SIn.COPY_DONE,
             SIn.COPY_FAILED,
-            SIn.PULLED,
-            SIn.READS_STOPPED,
         }
     )
 
@@ -688,15 +687,11 @@ class SenderEngine(RoomEngine):
             r.release_requested = True
         elif inp is SIn.WRITE_DONE or inp is SIn.WRITE_FAILED:
             r.inflight.discard(payload.write_id)
-            if payload.write_id in self.push.writes:
-                self.push.write_finished(payload.write_id, inp is SIn.WRITE_DONE, self._now)
-            self.staged.write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
+            for part in self.parts:  # a write id is at most one component's
+                part.write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
         elif inp is SIn.COPY_DONE or inp is SIn.COPY_FAILED:
-            self.staged.op_finished(r, payload.op_id)
-        elif inp is SIn.PULLED:
-            self.pull.pulled(r.key, payload.src, payload.chunk_index)
-        elif inp is SIn.READS_STOPPED:
-            self.pull.released_by(r.key, payload.src)
+            for part in self.parts:
+                part.op_finished(r, payload.op_id)
 
     def _forget_command(self, r: _Room, cmd: Any) -> None:
         t = type(cmd)
@@ -707,8 +702,9 @@ class SenderEngine(RoomEngine):
         if t is PostWrite or t is PostAuxWrite or t is PostPrepared:
             if self.writes.pop(cmd.write_id, None) is not None:
                 self._bookkeep(r, SIn.WRITE_FAILED, WriteFailed(write_id=cmd.write_id, reason="withdrawn"))
-        elif t is Gather:
-            self.staged.withdrawn_gather(r, cmd.op_id)
+        else:
+            for part in self.parts:
+                part.withdrawn(r, cmd)
 
     def _entered(self, r: _Room) -> None:
         st = r.state
@@ -720,9 +716,9 @@ class SenderEngine(RoomEngine):
             shard = shard_of(r.room, self.num_shards)
             for c in parked:
                 self._out.append(EnqueueChunk(shard=shard, chunk=c))
-            if parked and self._wants_push(r):
-                self.counters["push_computed_before_registration"] += 1  # the finish-first order
-                self.push.finish(r.key, self._now)
+            if parked:
+                for part in self.parts:
+                    part.computed(r, True)
             self.ahead.plan(self._flow_ctx, r)  # a chunk named before decode's TransferInfo
         elif st is SState.TRANSFERRING:
             self.deadlines.set(key, self._now + self.timeouts.transfer_ns)
@@ -748,10 +744,10 @@ class SenderEngine(RoomEngine):
         r.opening.opened = True
         r.aux_index = ev.aux_index
         r.receivers, r.opening.flow_override = tuple(ev.receivers), ev.flow
-        if not self._wants_push(r):
-            self.push.withdraw(r.key, self._now)  # registered on the policy's push: another flow
+        for part in self.parts:
+            part.opened(r)
         for info in list(r.decode.infos.values()):
-            self._push_register(r, info)
+            self._info_known(r, info)
         self._prepare(r)
         return "ready" if self._ready(r) else "stay"
 
@@ -793,7 +789,7 @@ class SenderEngine(RoomEngine):
         r.decode.dests[msg.src] = np.asarray(msg.dst_pages, dtype=np.int64)
         r.fence.stop_to.add(msg.src)
         self.rooms_by_peer.setdefault(msg.src, set()).add(r.room)
-        self._push_register(r, msg)
+        self._info_known(r, msg)
         self._prepare(r)
         return "ready" if self._ready(r) else "stay"
 
@@ -814,8 +810,9 @@ class SenderEngine(RoomEngine):
         if self._accept_chunk(r, c):
             ready = self.ahead.ready(r.key, c.chunk_index)
             self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c, prepared=ready))
-            if c.chunk_index == 0 and self._wants_push(r):
-                self.push.finish(r.key, self._now)
+            if c.chunk_index == 0:
+                for part in self.parts:
+                    part.computed(r, False)
 
     def _accept_chunk(self, r: _Room, c: ChunkReady) -> bool:
         """Check and record a chunk the scheduler hands over; False for a duplicate (skipped)."""
@@ -976,14 +973,11 @@ class SenderEngine(RoomEngine):
     def _h_on_pulled(self, r: _Room, inp: SIn, msg: m.Pulled) -> str:
         return "done" if self._quiet(r) else "stay"
 
+    def _info_known(self, r: _Room, info: m.TransferInfo) -> None:
+        for part in self.parts:
+            part.transfer_info(r, info)
+
     # --- push: registration leases (core/flows/push.py) ----------------------------------------
-
-    def _push_register(self, r: _Room, info: m.TransferInfo) -> None:
-        if self._wants_push(r):
-            self.push.register(r.key, info, self._now)
-
-    def _wants_push(self, r: _Room) -> bool:
-        return PushSender.wants(r.opening.flow_override, self.policy.override)
 
     def lease_key(self, tid: str, peer: str) -> str:
         """The registry key of room ``tid``'s registration by decode rank ``peer`` (e.g. decode0)."""
@@ -996,27 +990,6 @@ class SenderEngine(RoomEngine):
             return
         self.counters[f"push_{kind.value}"] += 1
         self.fail(r, RoomFailure(f"push registration {kind.value}: {reason}", at_ns=self._now))
-        self._maybe_finish(r)
-
-    def next_deadline(self) -> int | None:
-        a, b = RoomEngine.next_deadline(self), self.push.next_deadline()
-        if a is None:
-            return b
-        return a if b is None else min(a, b)
-
-    def _tick(self) -> None:
-        RoomEngine._tick(self)
-        self.push.tick(self._now)
-
-    def _pull_fence_due(self, r: _Room) -> None:
-        """The fence deadline of a failed pull room (core/flows/pull.py): the decode ranks still
-        alive that may be reading are asked again; look again in a heartbeat interval."""
-        reason = r.failure.reason if r.failure else "failed"
-        ask = self.pull.fence_due(r.key, self.peers.__contains__)
-        for p in ask:
-            self._send(p, m.RoomFailed(src=self.endpoint, room=r.room, transfer_id=r.tid, reason=reason))
-        if ask:
-            self.deadlines.set(("pfence", r.room), self._now + self.timeouts.heartbeat_interval_ns)
         self._maybe_finish(r)
 
     def _advance(self, r: _Room, c: ChunkReady, end: int) -> None:
@@ -1073,7 +1046,7 @@ class SenderEngine(RoomEngine):
 
     def _quiet(self, r: _Room) -> bool:
         """The last chunk ran and nothing of the room is in flight: writes, gathers, lanes."""
-        return r.run.last_run and not r.inflight and self.staged.quiet(r.key) and self.pull.fenced(r.key)
+        return r.run.last_run and not r.inflight and all(p.quiet(r.key) for p in self.parts)
 
     def _new_write(self, r: _Room) -> int:
         wid = self._next_write_id
@@ -1097,7 +1070,7 @@ class SenderEngine(RoomEngine):
             reason = f"failed on {payload.src}: {payload.reason}"
         elif inp is SIn.TIMEOUT:
             reason = f"timed out while {r.state.value}"
-            blocked = self.staged.blocked(r.key)
+            blocked = next((b for p in self.parts if (b := p.blocked(r.key))), "")
             if blocked:
                 reason += f" ({blocked})"
         elif inp is SIn.COPY_FAILED:
@@ -1148,13 +1121,9 @@ class SenderEngine(RoomEngine):
         skip = why.get("skip")
         r.failure = failure
         r.run.parked = []
-        self.staged.room_failed(r)
         self.deadlines.cancel(("room", r.room))
-        self.pull.cancel(r.key)
-        self.push.abort(r.key, self._now)  # its writes in flight fence its leases
-        if not self.pull.fenced(r.key):
-            # Decode may be READing our pages: they stay until it says it stopped, or this.
-            self.deadlines.set(("pfence", r.room), self._now + self.timeouts.fence_ns)
+        for part in self.parts:
+            part.room_failed(r)
         self._out.append(
             StatusChanged(room=r.room, transfer_id=r.tid, status=KVPoll.Failed, reason=failure.reason)
         )
@@ -1187,17 +1156,15 @@ class SenderEngine(RoomEngine):
             for p in sorted(r.fence.stop_to):
                 self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
         # A gather still running owns a staging buffer: the room stays until it returns.
-        terminal_quiet = not r.inflight and not self.staged.gathering(r.key) and self.pull.fenced(r.key)
+        terminal_quiet = not r.inflight and all(p.fenced(r.key) for p in self.parts)
         # A room only a TransferInfo ever created has no local owner to release it.
         auto = r.opening.created_by_info and not r.opening.opened
         if terminal_quiet and (r.release_requested or auto):
             self._remove(r)
 
     def _remove(self, r: _Room) -> None:
-        self.staged.forget(r)
-        self.deadlines.cancel(("pfence", r.room))
-        self.pull.forget(r.key)
-        self.push.forget(r.key)
+        for part in self.parts:
+            part.forget(r)
         self.ahead.forget(self._flow_ctx, r.key)
         self._forget(r, r.decode.infos)
 
@@ -1218,22 +1185,10 @@ class SenderEngine(RoomEngine):
         if kind == "notice":
             for p, msg in self._notices.fire(what, self._now):
                 self._send(p, msg)
-        elif kind == "pull":
-            for p, msg in self.pull.offers.fire(what, self._now):
-                self._send(p, msg)
-        elif kind == "pfence":
-            r = self.rooms.get(what)
-            if r is not None and r.state is SState.FAILED and not self.pull.fenced(r.key):
-                self._pull_fence_due(r)
-        elif kind == "notes":
-            self.staged.resend_notes(what)
-        elif kind == "stg":
-            self.staged.resend_staging(what)
         elif kind == "cut":
             self._cut.pop(what, None)  # decode's fence deadline has passed: it freed the pages
 
     def _peer_gone(self, peer: m.Endpoint) -> None:
-        self.staged.forget_peer(peer)
         until = self._now + self.timeouts.fence_ns
         for room in sorted(self.rooms_by_peer.get(peer, ())):
             r = self.rooms.get(room)

@@ -32,6 +32,8 @@ def _push_sender() -> PushSender:
         base_id=strip_retry_suffix,
         counters=Counter(),
         on_refused=lambda *a: None,
+        clock=lambda: 0,
+        policy_override=lambda: None,
     )
 
 
@@ -58,7 +60,7 @@ def test_a_released_push_room_is_reported_while_its_lease_fences_and_gone_when_i
     ps.post(KEY, D0, 1)  # one write in flight under the lease
     ps.abort(KEY, 2)  # the room failed: the lease fences until that write finishes
     tid, rid = ps._reg_ids(ps.keys[KEY][D0])
-    ps.forget(KEY)  # the room is gone, its lease is not
+    ps.forget_room(KEY)  # the room is gone, its lease is not
     assert ps.mentions(KEY[0]) and ps.size() == 1
     ps.leases.write_done(tid, rid, False, 3)  # the write finished: the lease ends
     ps.tick(4)

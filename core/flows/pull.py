@@ -32,6 +32,7 @@ from kvferry.core.commands import AddPeer, DropPeer, PostRead
 from kvferry.core.errors import KvferryError
 from kvferry.core.flows import registry
 from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
+from kvferry.core.flows.parts import RankFlowPart
 from kvferry.core.flows.policy import Flow
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import RoomError, RoomStateError
@@ -43,14 +44,18 @@ __all__ = ["PullChunkSender", "PullReceiver", "PullRoom", "PullSender", "ReadInf
 RoomKey = tuple[int, str]
 
 
-class PullSender:
+class PullSender(RankFlowPart):
     """Every pull offer of one prefill rank: what was offered per room, what each decode rank
     still owes (it may be reading those pages: they stay ours until it says so or the fence
-    expires), and the offers' resends."""
+    expires), and the offers' resends. ``ctx``: the sender's flow context
+    (``core.sender.SenderFlowContext``)."""
 
-    def __init__(self, deadlines: Any, counters: Any, interval_ns: int) -> None:
-        self.offers = Resends("pull", deadlines, counters, interval_ns, "pull_resent")
-        self.counters = counters
+    def __init__(self, ctx: Any) -> None:
+        self.ctx = ctx
+        self.counters = counters = ctx.counters
+        self.deadlines = ctx.deadlines
+        interval = ctx.timeouts.heartbeat_interval_ns
+        self.offers = Resends("pull", self.deadlines, counters, interval, "pull_resent")
         self.offered: dict[RoomKey, list[int]] = {}
         self.owed: dict[RoomKey, dict[m.Endpoint, set[int]]] = {}
 
@@ -87,10 +92,60 @@ class PullSender:
         for idx in self.offered.get(room, ()):
             self.offers.cancel((room[0], room[1], idx))
 
-    def forget(self, room: RoomKey) -> None:
-        self.cancel(room)
-        self.offered.pop(room, None)
-        self.owed.pop(room, None)
+    # --- the room machine's hooks (core/flows/parts.py) ---------------------------------------------
+
+    def quiet(self, key: RoomKey) -> bool:
+        return self.fenced(key)
+
+    def room_failed(self, r: Any) -> None:
+        """Offers stop; decode may be READing our pages: they stay until it says it stopped, or
+        ``fence_ns``."""
+        self.cancel(r.key)
+        if not self.fenced(r.key):
+            self.deadlines.set(("pfence", r.room), self.ctx.now() + self.ctx.timeouts.fence_ns)
+
+    def forget(self, r: Any) -> None:
+        self.deadlines.cancel(("pfence", r.room))
+        self.cancel(r.key)
+        self.offered.pop(r.key, None)
+        self.owed.pop(r.key, None)
+
+    def peer_replaced(self, r: Any, peer: m.Endpoint) -> None:
+        self.released_by(r.key, peer)  # its READs of our pages died with the old process
+
+    def routes(self) -> dict[type, Callable[[Any], None]]:
+        return {m.Pulled: self._on_pulled, m.ReadsStopped: self._on_reads_stopped}
+
+    def deadline_kinds(self) -> dict[str, Callable[[Any], None]]:
+        return {"pull": self._resend, "pfence": self._fence_deadline}
+
+    def _on_pulled(self, msg: m.Pulled) -> None:
+        self.answered(msg)
+        self.pulled((msg.room, msg.transfer_id), msg.src, msg.chunk_index)
+        self.ctx.room_input(msg.room, msg.transfer_id, "pulled", msg)
+
+    def _on_reads_stopped(self, msg: m.ReadsStopped) -> None:
+        self.released_by((msg.room, msg.transfer_id), msg.src)
+        self.ctx.room_input(msg.room, msg.transfer_id, "reads_stopped", msg)
+
+    def _resend(self, key: Any) -> None:
+        for p, msg in self.offers.fire(key, self.ctx.now()):
+            self.ctx.send(p, msg)
+
+    def _fence_deadline(self, room: int) -> None:
+        """The fence deadline of a failed pull room: the decode ranks still alive that may be
+        reading are asked again (``fence_due``); look again in a heartbeat interval."""
+        ctx = self.ctx
+        r = ctx.room(room)
+        if r is None or not ctx.is_failed(r) or self.fenced(r.key):
+            return
+        reason = r.failure.reason if r.failure else "failed"
+        ask = self.fence_due(r.key, ctx.peers.__contains__)
+        for p in ask:
+            ctx.send(p, m.RoomFailed(src=ctx.endpoint, room=r.room, transfer_id=r.tid, reason=reason))
+        if ask:
+            self.deadlines.set(("pfence", r.room), ctx.now() + ctx.timeouts.heartbeat_interval_ns)
+        ctx.settle(r)
 
     def fence_due(self, room: RoomKey, alive: Callable[[m.Endpoint], bool]) -> list[m.Endpoint]:
         """The fence deadline of a failed pull room: a decode rank that vanished (heartbeat lost)
@@ -189,7 +244,7 @@ class PullRoom:
         self.stopped_sent = False  # every sender that offered heard ReadsStopped
 
 
-class PullReceiver:
+class PullReceiver(RankFlowPart):
     """Pull's decode half, composed into the receiver engine: the READs in flight (by read id),
     each pull room's ``PullRoom`` (its own table, ``pull_rooms``), the prefill agents loaded, and
     the rules of an offer. It reaches the engine only through ``ctx`` (the receiver's
@@ -212,6 +267,12 @@ class PullReceiver:
 
     # --- what the room machine asks ----------------------------------------------------------------
 
+    def writing(self, r: Any) -> bool:
+        return self.reading(r)
+
+    def settle(self, r: Any) -> None:
+        self.reads_drained(r)
+
     def reading(self, r: Any) -> bool:
         """A READ of ours is writing the room's pages."""
         pr = self.rooms.get(r.key)
@@ -231,9 +292,16 @@ class PullReceiver:
         pr = self.rooms.get(key)
         return key, (pr.reads.pop(read_id, None) if pr is not None else None)
 
-    def withdrawn(self, read_id: int) -> None:
+    def withdrawn(self, r: Any, command: Any) -> None:
         """A READ of a step the table refused never left."""
-        self.completed(read_id)
+        if type(command) is PostRead:
+            self.completed(command.read_id)
+
+    def room_unknown(self, peer: m.Endpoint, room: int, tid: str) -> None:
+        self.not_reading(peer, room, tid)  # no room of ours reads its pages: it may free them
+
+    def routes(self) -> dict[type, Callable[[Any], None]]:
+        return {m.PullOffer: self.on_offer_message}
 
     def peer_lost(self, peer: m.Endpoint, rooms: list[Any]) -> None:
         """``peer`` is gone: READs of those rooms in flight are cut; its agent is dropped."""

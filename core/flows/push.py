@@ -20,6 +20,7 @@ from typing import Any
 
 from kvferry.core import messages as m
 from kvferry.core.errors import LocalMisuseError
+from kvferry.core.flows.parts import RankFlowPart
 from kvferry.core.flows.policy import Flow
 from kvferry.core.machine import RoomStateError
 from kvferry.core.resources.leases import (
@@ -39,7 +40,7 @@ _BAD = (NoticeKind.EXPIRED, NoticeKind.FAILED, NoticeKind.REFUSED)
 RoomKey = tuple[int, str]
 
 
-class PushSender:
+class PushSender(RankFlowPart):
     """Every push registration of one prefill rank, by room."""
 
     def __init__(
@@ -52,6 +53,8 @@ class PushSender:
         base_id: Callable[[str], str],
         counters: Any,
         on_refused: Callable[[RoomKey, NoticeKind, str], None],
+        clock: Callable[[], int],
+        policy_override: Callable[[], Flow | None],
     ) -> None:
         """``push_match``: how registrations find their request: ``transfer_id`` (the router's
         id), or ``request_id`` (a client that sends none: decode names the request with its retry
@@ -64,6 +67,8 @@ class PushSender:
         )
         self.counters = counters
         self._on_refused = on_refused
+        self.clock = clock
+        self.policy_override = policy_override
         self.rooms: dict[str, RoomKey] = {}  # registry key -> room key
         self.keys: dict[RoomKey, dict[m.Endpoint, str]] = {}  # room -> decode rank -> tid@decodeN
         self.finished: dict[RoomKey, set[Finish]] = {}  # finishes handed to the registry
@@ -147,13 +152,13 @@ class PushSender:
         """The write ``post`` allowed has its id: its completion goes to the lease."""
         self.writes[write_id] = (room, peer)
 
-    def write_finished(self, write_id: int, ok: bool, now: int) -> None:
+    def write_finished(self, r: Any, write_id: int, ok: bool) -> None:
         entry = self.writes.pop(write_id, None)
         if entry is None:
             return
         room, peer = entry
         try:
-            notices = self.leases.write_done(*self._reg_ids(self.keys[room][peer]), ok, now)
+            notices = self.leases.write_done(*self._reg_ids(self.keys[room][peer]), ok, self.clock())
         except LeaseMisuseError:
             self.counters["push_untracked_write"] += 1  # posted without its lease (never in real code)
             return
@@ -173,7 +178,34 @@ class PushSender:
             if self._reg_key(key) in self.leases.leases:
                 self.leases.abort(*self._reg_ids(key), p, now)
 
-    def forget(self, room: RoomKey) -> None:
+    def runs(self, r: Any) -> bool:
+        """The room runs push: asked for at its open, or the policy's own override."""
+        return self.wants(r.opening.flow_override, self.policy_override())
+
+    def opened(self, r: Any) -> None:
+        if not self.runs(r):
+            self.withdraw(r.key, self.clock())  # registered on the policy's push: another flow
+
+    def transfer_info(self, r: Any, info: m.TransferInfo) -> None:
+        if self.runs(r):
+            self.register(r.key, info, self.clock())
+
+    def computed(self, r: Any, parked: bool) -> None:
+        if self.runs(r):
+            if parked:
+                self.counters["push_computed_before_registration"] += 1  # the finish-first order
+            self.finish(r.key, self.clock())
+
+    def heard_from(self, r: Any, peer: m.Endpoint) -> None:
+        self.renew(r.key, peer, self.clock())
+
+    def room_failed(self, r: Any) -> None:
+        self.abort(r.key, self.clock())  # its writes in flight fence its leases
+
+    def forget(self, r: Any) -> None:
+        self.forget_room(r.key)
+
+    def forget_room(self, room: RoomKey) -> None:
         """The room is gone: a lease still fencing keeps its entry until it ends."""
         for key in self.keys.pop(room, {}).values():
             rkey = self._reg_key(key)

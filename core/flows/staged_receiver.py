@@ -24,11 +24,13 @@ Rules kept here:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from kvferry.core import messages as m
 from kvferry.core.commands import Scatter
 from kvferry.core.flows import registry
+from kvferry.core.flows.parts import RankFlowPart
 from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
 from kvferry.core.flows.registry import FlowReceiver
@@ -50,7 +52,7 @@ STAGING_ALIGN = 64
 RoomKey = tuple[int, str]
 
 
-class StagedReceiver:
+class StagedReceiver(RankFlowPart):
     """The rank's staged flows, decode half; see the module docstring. ``ctx`` is the room
     machine's flow context (``core.receiver.ReceiverFlowContext``)."""
 
@@ -301,6 +303,25 @@ class StagedReceiver:
     def scatters_running(self, r: Any) -> bool:
         """A scatter of the room is writing its pages (the room machine waits for it)."""
         return r.key in self.scattering
+
+    def writing(self, r: Any) -> bool:
+        return self.scatters_running(r)
+
+    def room_failed(self, r: Any) -> None:
+        self.quarantine(r)
+
+    def op_finished(self, r: Any, op_id: int) -> None:
+        self.scatter_finished(r, op_id)
+
+    def withdrawn(self, r: Any, command: Any) -> None:
+        if type(command) is Scatter:
+            self.withdrawn_scatter(r, command.op_id)
+
+    def routes(self) -> dict[type, Callable[[Any], None]]:
+        return {m.StagingReq: self.on_staging_req}
+
+    def deadline_kinds(self) -> dict[str, Callable[[Any], None]]:
+        return {"held": self.held_expired}
 
     def forget(self, r: Any) -> None:
         """The room is gone: so is the flow's ledger of it."""

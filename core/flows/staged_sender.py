@@ -25,6 +25,7 @@ Rules kept here:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from kvferry.core import messages as m
 from kvferry.core.commands import ChunkDeferred, Gather, PostWrite, SendNotif
 from kvferry.core.errors import ProtocolError
 from kvferry.core.flows import registry
+from kvferry.core.flows.parts import RankFlowPart
 from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.flows.staged_tx import (
@@ -59,7 +61,7 @@ class StagingRoomError(ProtocolError):
     """Raised inside a room handler: the room fails with this reason."""
 
 
-class StagedSender:
+class StagedSender(RankFlowPart):
     """The rank's staged flows, prefill half; see the module docstring. ``ctx`` is the room
     machine's flow context (``core.sender.SenderFlowContext``): the rank, its decode peers, the
     deadline heap, the room's topology and the few room actions a flow may take."""
@@ -106,6 +108,9 @@ class StagedSender:
         """A gather of the room runs: it owns a staging buffer, so the room stays."""
         led = self.ledgers.get(key)
         return led is not None and bool(led.ops)
+
+    def fenced(self, key: RoomKey) -> bool:
+        return not self.gathering(key)
 
     def blocked(self, key: RoomKey) -> str:
         """Why the room's first waiting lane waits ("" if none): for its timeout's reason."""
@@ -581,6 +586,22 @@ class StagedSender:
             self.peer_wm.pop((peer, pool), None)
             self.unconfirmed.pop((peer, pool), None)
             self.ctx.deadlines.cancel(("notes", (peer, pool)))
+
+    def peer_lost(self, peer: m.Endpoint, rooms: Sequence[Any]) -> None:
+        self.forget_peer(peer)
+
+    def routes(self) -> dict[type, Callable[[Any], None]]:
+        return {m.Watermark: self.on_watermark, m.StagingRsp: self._on_staging_rsp}
+
+    def deadline_kinds(self) -> dict[str, Callable[[Any], None]]:
+        return {"notes": self.resend_notes, "stg": self.resend_staging}
+
+    def withdrawn(self, r: Any, command: Any) -> None:
+        if type(command) is Gather:
+            self.withdrawn_gather(r, command.op_id)
+
+    def _on_staging_rsp(self, msg: m.StagingRsp) -> None:
+        self.ctx.room_input(msg.room, msg.transfer_id, "staging_rsp", msg)
 
     def in_use(self) -> int:
         """Staging slots, pinned reservations and gathers held; 0 once every room settled."""
