@@ -118,7 +118,10 @@ elif [ "$PART" = asan ]; then
   # leak: a small quarantine keeps the bound meaningful.
   step build-asan 120 python3 -P -m kvferry.backends.native.build --sanitize address --out /tmp/kvf_asan.so
   mkdir -p "$R/asan"
-  KVFERRY_NATIVE_LIB=/tmp/kvf_asan.so LD_PRELOAD=$(gcc -print-file-name=libasan.so) \
+  # libstdc++ preloaded beside ASan: NIXL's UCX plugin throws C++ exceptions inside (a connect to
+  # a killed peer), and ASan's __cxa_throw interceptor needs the real one present at its start.
+  KVFERRY_NATIVE_LIB=/tmp/kvf_asan.so \
+    LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)" \
     ASAN_OPTIONS=detect_leaks=0:quarantine_size_mb=16:log_path=$R/asan/asan:halt_on_error=1 step asan-tests 420 \
     python3 -P -m pytest -p no:xdist -q -p no:cacheprovider -o pythonpath= --rootdir "$REPO" \
     "$REPO/tests/test_native_e2e.py" "$REPO/tests/test_native_differential.py" \
