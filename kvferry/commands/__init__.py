@@ -1,4 +1,6 @@
-"""CLI subcommands. Each module exposes ``register(app)``; add one line here per module.
+"""CLI subcommands. Each module exposes ``register(app)``; add one line here per module. A command
+with many options declares them as frozen dataclasses applied with ``@options`` (options.py), where
+options several commands share are declared once.
 
 Every subcommand reports bad input the same way: one ``error: ...`` line on stderr, exit status
 2 (``bad_input``), checked before any long run starts.
