@@ -6,6 +6,7 @@ import json
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -21,6 +22,7 @@ from kvferry.commands import (
     one_line,
     progress,
 )
+from kvferry.commands.options import Json, TraceOut, options
 from kvferry.sim.executors import MapStats
 
 if TYPE_CHECKING:
@@ -134,26 +136,8 @@ def _several(d: dict) -> bool:
 
 
 def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[no-untyped-def]
-    from rich.markup import escape
-    from rich.table import Table
-
     if res.rooms_detail:
-        table = Table(title=f"rooms ({res.rooms})", show_lines=False)
-        for col in ("room", "tokens", "chunks", "outcome", "latency", "why (first failing rank)"):
-            table.add_column(col)
-        for r in res.rooms_detail[:rooms_limit]:
-            first = r.first_failing
-            table.add_row(
-                str(r.key),
-                str(r.tokens),
-                str(r.chunks),
-                "[green]success[/]" if r.outcome == "success" else f"[red]{r.outcome}[/]",
-                _ms(r.latency_ns) if r.latency_ns >= 0 else "-",
-                escape(f"{first}: {r.reasons[first]}") if first else "",
-            )
-        if res.rooms > rooms_limit:
-            table.caption = f"first {rooms_limit} of {res.rooms} rooms (--json for all)"
-        console.print(table)
+        console.print(_rooms_table(res, rooms_limit))
     if res.deployment:
         console.print(_deployment_line(res.deployment))
     console.print(
@@ -178,6 +162,34 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
         f"simulated {_ms(res.sim_ns)} in {res.wall_s:.2f} s wall, trace hash {res.digest} "
         f"over {res.events:,} simulation events"
     )
+    _print_verdict(res, console)
+
+
+def _rooms_table(res, rooms_limit: int):  # type: ignore[no-untyped-def]
+    """The first ``rooms_limit`` rooms: outcome, latency and the first failing rank's reason."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"rooms ({res.rooms})", show_lines=False)
+    for col in ("room", "tokens", "chunks", "outcome", "latency", "why (first failing rank)"):
+        table.add_column(col)
+    for r in res.rooms_detail[:rooms_limit]:
+        first = r.first_failing
+        table.add_row(
+            str(r.key),
+            str(r.tokens),
+            str(r.chunks),
+            "[green]success[/]" if r.outcome == "success" else f"[red]{r.outcome}[/]",
+            _ms(r.latency_ns) if r.latency_ns >= 0 else "-",
+            escape(f"{first}: {r.reasons[first]}") if first else "",
+        )
+    if res.rooms > rooms_limit:
+        table.caption = f"first {rooms_limit} of {res.rooms} rooms (--json for all)"
+    return table
+
+
+def _print_verdict(res, console) -> None:  # type: ignore[no-untyped-def]
+    """The rooms exempt from agreement, then the violations or the invariants that held."""
     if res.agreement_exempt:
         console.print(
             f"agreement not required for {len(res.agreement_exempt)} room(s) (the core cannot "
@@ -198,6 +210,68 @@ def _print_result(res, console, rooms_limit: int = 40) -> None:  # type: ignore[
         )
 
 
+class _Tally:
+    """What a campaign's runs add up to, seed by seed as they finish."""
+
+    def __init__(self) -> None:
+        from kvferry.sim import campaign as cp
+
+        self.rooms = self.ok = self.failed = self.exempt = 0
+        self.faults: Counter[str] = Counter()
+        self.violated: Counter[str] = Counter()
+        self.failures: list[tuple[RunResult, Path]] = []
+        self.coverage = cp.CoverageTally()
+
+    def add(self, res: RunResult, save_dir: Path) -> bool:
+        """Count ``res``; a run with a violation is saved as a scenario file (True)."""
+        from kvferry.sim import campaign as cp
+
+        self.coverage.add(res)
+        self.rooms += res.rooms
+        self.ok += res.succeeded
+        self.failed += res.failed
+        self.exempt += len(res.agreement_exempt)
+        self.faults.update(res.faults)
+        if not res.violations:
+            return False
+        self.violated.update(res.violated())
+        try:
+            path = cp.save_failure(res, save_dir)
+        except OSError as e:
+            bad_input(f"--save-dir {save_dir}: cannot save seed {res.seed}: {e}")
+        self.failures.append((res, path))
+        return True
+
+    def summary(self, seeds: int, wall: float, executor: Executor, stats: MapStats, liveness: bool) -> dict:  # type: ignore[type-arg]
+        # Seeds finish in any order on several workers; the report lists them in seed order.
+        self.failures.sort(key=lambda rp: rp[0].seed)
+        return {
+            "seeds": seeds,
+            "rooms": self.rooms,
+            "succeeded": self.ok,
+            "failed": self.failed,
+            "faults": dict(sorted(self.faults.items())),
+            "agreement_exempt_rooms": self.exempt,
+            "violations": dict(sorted(self.violated.items())),
+            "failing_seeds": [
+                {
+                    "seed": r.seed,
+                    "invariants": r.violated(),
+                    "first": r.violations[0]["detail"],
+                    "scenario": str(p),
+                    "replay": f"kvferry replay {p}",
+                }
+                for r, p in self.failures
+            ],
+            "wall_s": round(wall, 3),
+            "seeds_per_minute": round(seeds / wall * 60, 1) if wall > 0 else None,
+            "executor": executor.kind,
+            "seeds_rerun": stats.resent,  # runs sent again because their worker was lost (each counted once)
+            "liveness_class": liveness,
+            "coverage": self.coverage.as_dict(liveness),
+        }
+
+
 def _fuzz_campaign(
     executor: Executor,
     seed_list: list[int],
@@ -212,18 +286,14 @@ def _fuzz_campaign(
     from kvferry.sim import campaign as cp
 
     t0 = time.perf_counter()
-    rooms = ok = failed = exempt = 0
-    faults: Counter[str] = Counter()
-    violated: Counter[str] = Counter()
-    failures: list[tuple[RunResult, Path]] = []
+    tally = _Tally()
     stats = MapStats(total=len(seed_list))
-    tally = cp.CoverageTally()
 
     def so_far() -> str:
-        saved = f"; failing runs saved in {save_dir}/" if failures else ""
+        saved = f"; failing runs saved in {save_dir}/" if tally.failures else ""
         return (
-            f"{stats.done} of {len(seed_list)} seeds done ({rooms} rooms, {ok} succeeded), "
-            f"{len(failures)} with a violation{saved}"
+            f"{stats.done} of {len(seed_list)} seeds done ({tally.rooms} rooms, {tally.ok} succeeded), "
+            f"{len(tally.failures)} with a violation{saved}"
         )
 
     # The bar is on stderr whatever the report's stream: stdout holds only the report.
@@ -233,197 +303,183 @@ def _fuzz_campaign(
             nonlocal stats
             stats = now
             lost = f", {now.resent} re-run after a lost worker" if now.resent else ""
-            bar.update(now.done, f"{len(failures)} failing seed(s){lost}")
+            bar.update(now.done, f"{len(tally.failures)} failing seed(s){lost}")
 
         runs = cp.run_seeds(
             seed_list, base=base, hooks=hooks, executor=executor, progress=show, liveness=liveness
         )
         for res in runs:
-            tally.add(res)
-            rooms += res.rooms
-            ok += res.succeeded
-            failed += res.failed
-            exempt += len(res.agreement_exempt)
-            faults.update(res.faults)
-            if res.violations:
-                violated.update(res.violated())
-                try:
-                    path = cp.save_failure(res, save_dir)
-                except OSError as e:
-                    bad_input(f"--save-dir {save_dir}: cannot save seed {res.seed}: {e}")
-                failures.append((res, path))
+            if tally.add(res, save_dir):
                 show(stats)
-    # Seeds finish in any order on several workers; the report lists them in seed order.
-    failures.sort(key=lambda rp: rp[0].seed)
-    wall = time.perf_counter() - t0
-    summary = {
-        "seeds": len(seed_list),
-        "rooms": rooms,
-        "succeeded": ok,
-        "failed": failed,
-        "faults": dict(sorted(faults.items())),
-        "agreement_exempt_rooms": exempt,
-        "violations": dict(sorted(violated.items())),
-        "failing_seeds": [
-            {
-                "seed": r.seed,
-                "invariants": r.violated(),
-                "first": r.violations[0]["detail"],
-                "scenario": str(p),
-                "replay": f"kvferry replay {p}",
-            }
-            for r, p in failures
-        ],
-        "wall_s": round(wall, 3),
-        "seeds_per_minute": round(len(seed_list) / wall * 60, 1) if wall > 0 else None,
-        "executor": executor.kind,
-        "seeds_rerun": stats.resent,  # runs sent again because their worker was lost (each counted once)
-        "liveness_class": liveness,
-        "coverage": tally.as_dict(liveness),
-    }
+    summary = tally.summary(len(seed_list), time.perf_counter() - t0, executor, stats, liveness)
     if as_json:
         sys.stdout.write(json.dumps(summary) + "\n")
     else:
-        console.print(
-            f"{len(seed_list)} seeds, {rooms} rooms: {ok} succeeded, {failed} failed "
-            f"({summary['seeds_per_minute']} seeds/min on {executor.describe()})"
-        )
-        if stats.resent:
-            console.print(f"{stats.resent} seed run(s) sent again after a lost worker, each counted once")
-        console.print(
-            "faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none")
-        )
-        from kvferry.tools.coverage import table
-
-        cov = summary["coverage"]
-        for title, key in (("flow", "by_flow"), ("TP", "by_tp"), ("fault (runs that drew it)", "by_fault")):
-            for line in table(title, cov[key]):
-                console.print(line, markup=False, highlight=False)
-        if exempt:
-            console.print(
-                f"agreement not required for {exempt} room(s): a node holding the room crashed "
-                "before both sides settled, or a failure notice was cut off for its whole resend window"
-            )
-        if not failures:
-            console.print("[bold green]no invariant violated[/]")
-        else:
-            per = ", ".join(f"{k} in {v} seed(s)" for k, v in sorted(violated.items()))
-            console.print(f"[bold red]violations[/]: {per}")
-        for r, p in failures:
-            v = r.violations[0]
-            console.print(f"[bold red]seed {r.seed}[/]: {v['invariant']}: {v['detail']}")
-            console.print(f"  replay: kvferry replay {p}")
-    if failures:
+        _print_campaign(summary, tally, executor, stats, console)
+    if tally.failures:
         raise typer.Exit(1)
 
 
+def _print_campaign(
+    summary: dict, tally: _Tally, executor: Executor, stats: MapStats, console: Console
+) -> None:  # type: ignore[type-arg]
+    from kvferry.tools.coverage import table
+
+    console.print(
+        f"{summary['seeds']} seeds, {tally.rooms} rooms: {tally.ok} succeeded, {tally.failed} failed "
+        f"({summary['seeds_per_minute']} seeds/min on {executor.describe()})"
+    )
+    if stats.resent:
+        console.print(f"{stats.resent} seed run(s) sent again after a lost worker, each counted once")
+    console.print(
+        "faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(tally.faults.items())) or "none")
+    )
+    cov = summary["coverage"]
+    for title, key in (("flow", "by_flow"), ("TP", "by_tp"), ("fault (runs that drew it)", "by_fault")):
+        for line in table(title, cov[key]):
+            console.print(line, markup=False, highlight=False)
+    if tally.exempt:
+        console.print(
+            f"agreement not required for {tally.exempt} room(s): a node holding the room crashed "
+            "before both sides settled, or a failure notice was cut off for its whole resend window"
+        )
+    if not tally.failures:
+        console.print("[bold green]no invariant violated[/]")
+    else:
+        per = ", ".join(f"{k} in {v} seed(s)" for k, v in sorted(tally.violated.items()))
+        console.print(f"[bold red]violations[/]: {per}")
+    for r, p in tally.failures:
+        v = r.violations[0]
+        console.print(f"[bold red]seed {r.seed}[/]: {v['invariant']}: {v['detail']}")
+        console.print(f"  replay: kvferry replay {p}")
+
+
+@dataclass(frozen=True)
+class FuzzOpts:
+    seeds: Annotated[str, typer.Option(help="Seeds to run: 0-999, or 1,5,10-20.")] = "0-99"
+    jobs: Annotated[int, typer.Option(help="Worker processes.")] = 1
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            metavar="ADDRESS",
+            help="Run the seeds on Ray instead: local (start an instance here), auto, HOST:PORT or "
+            "ray://HOST:PORT (needs the ray extra).",
+        ),
+    ] = None
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a report.")] = (
+        False
+    )
+    scenario: Annotated[
+        Path | None,
+        typer.Option(help="Base scenario (faults drawn per seed); default: deployments drawn too."),
+    ] = None
+    save_dir: Annotated[Path, typer.Option(help="Where failing runs are written as scenario files.")] = Path(
+        "fuzz-failures"
+    )
+    plant: Annotated[list[str] | None, typer.Option(hidden=True, help="Plant a bug (checker self-test).")] = (
+        None
+    )
+    liveness: Annotated[
+        bool,
+        typer.Option(
+            "--liveness",
+            help="Draw only faults the protocol rides out (control drops, duplicates, reordering and "
+            "delays, short slow links); every room must end Success.",
+        ),
+    ] = False
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("fuzz")
-    def fuzz(
-        seeds: Annotated[str, typer.Option(help="Seeds to run: 0-999, or 1,5,10-20.")] = "0-99",
-        jobs: Annotated[int, typer.Option(help="Worker processes.")] = 1,
-        ray: Annotated[
-            str | None,
-            typer.Option(
-                metavar="ADDRESS",
-                help="Run the seeds on Ray instead: local (start an instance here), auto, HOST:PORT or "
-                "ray://HOST:PORT (needs the ray extra).",
-            ),
-        ] = None,
-        as_json: Annotated[
-            bool, typer.Option("--json", help="Print one JSON object instead of a report.")
-        ] = False,
-        scenario: Annotated[
-            Path | None,
-            typer.Option(help="Base scenario (faults drawn per seed); default: deployments drawn too."),
-        ] = None,
-        save_dir: Annotated[
-            Path, typer.Option(help="Where failing runs are written as scenario files.")
-        ] = Path("fuzz-failures"),
-        plant: Annotated[
-            list[str] | None, typer.Option(hidden=True, help="Plant a bug (checker self-test).")
-        ] = None,
-        liveness: Annotated[
-            bool,
-            typer.Option(
-                "--liveness",
-                help="Draw only faults the protocol rides out (control drops, duplicates, reordering and "
-                "delays, short slow links); every room must end Success.",
-            ),
-        ] = False,
-    ) -> None:
-        """Run a seeded fault campaign; exit 1 if any invariant is violated."""
-        from rich.console import Console
+    app.command("fuzz")(fuzz)
+    app.command("replay")(replay)
+    app.command("demo")(demo)
 
-        from kvferry.sim import campaign as cp
-        from kvferry.sim import executors as ex
-        from kvferry.sim import scenario as sc
 
-        if not 1 <= jobs <= MAX_JOBS:
-            bad_input(f"--jobs must be in [1, {MAX_JOBS}], got {jobs}")
-        if ray is not None:
-            extras.require("ray", "--ray")
-            if jobs != 1:
-                bad_input(
-                    "--jobs and --ray do not go together: Ray spreads the seeds over its cluster's CPUs"
-                )
-            try:
-                ex.check_ray_address(ray)
-            except ValueError as e:
-                bad_input(str(e))
-        check_output_dir(save_dir, "--save-dir")
+@options(FuzzOpts)
+def fuzz(o: FuzzOpts) -> None:
+    """Run a seeded fault campaign; exit 1 if any invariant is violated."""
+    from rich.console import Console
+
+    from kvferry.sim import executors as ex
+
+    _check_executor(o.jobs, o.ray)
+    check_output_dir(o.save_dir, "--save-dir")
+    seed_list, base, hooks = _campaign_inputs(o)
+    console = Console(stderr=o.as_json)
+    try:  # connecting to (or starting) Ray comes last: every cheap check has passed
+        executor = ex.make_executor(jobs=o.jobs, ray_address=o.ray)
+    except ex.ExecutorError as e:
+        bad_input(str(e))
+    try:
+        with executor:
+            _fuzz_campaign(executor, seed_list, base, hooks, o.save_dir, o.as_json, console, o.liveness)
+    except ex.WorkerLost as e:  # a finding, not bad input: the run of a seed kills its process
+        first, *rest = sorted(e.items)  # type: ignore[type-var]
+        then = f" (then {', '.join(map(str, rest))})" if rest else ""
+        hint = f"try each seed alone: kvferry fuzz --seeds {first}{then}"
+        typer.echo(f"error: {one_line(str(e))}; {hint}", err=True)
+        raise typer.Exit(1) from None
+    except ex.ExecutorError as e:  # e.g. a node running other kvferry code
+        bad_input(str(e))
+
+
+def _check_executor(jobs: int, ray: str | None) -> None:
+    from kvferry.sim import executors as ex
+
+    if not 1 <= jobs <= MAX_JOBS:
+        bad_input(f"--jobs must be in [1, {MAX_JOBS}], got {jobs}")
+    if ray is not None:
+        extras.require("ray", "--ray")
+        if jobs != 1:
+            bad_input("--jobs and --ray do not go together: Ray spreads the seeds over its cluster's CPUs")
         try:
-            seed_list = cp.parse_seeds(seeds)
-            base = sc.load(scenario) if scenario is not None else None
-            hooks = tuple(plant or ())
-            for h in hooks:
-                if h not in sc.HOOKS:
-                    raise sc.ScenarioError(f"--plant: unknown bug {h!r} (known: {', '.join(sc.HOOKS)})")
-        except (ValueError, sc.ScenarioError) as e:
-            bad_input(str(e))
-        if max(seed_list) > MAX_SEED:
-            bad_input(f"--seeds: a seed is at most 2**63 - 1, got {max(seed_list)}")
-        console = Console(stderr=as_json)
-        try:  # connecting to (or starting) Ray comes last: every cheap check has passed
-            executor = ex.make_executor(jobs=jobs, ray_address=ray)
-        except ex.ExecutorError as e:
-            bad_input(str(e))
-        try:
-            with executor:
-                _fuzz_campaign(executor, seed_list, base, hooks, save_dir, as_json, console, liveness)
-        except ex.WorkerLost as e:  # a finding, not bad input: the run of a seed kills its process
-            first, *rest = sorted(e.items)  # type: ignore[type-var]
-            then = f" (then {', '.join(map(str, rest))})" if rest else ""
-            hint = f"try each seed alone: kvferry fuzz --seeds {first}{then}"
-            typer.echo(f"error: {one_line(str(e))}; {hint}", err=True)
-            raise typer.Exit(1) from None
-        except ex.ExecutorError as e:  # e.g. a node running other kvferry code
+            ex.check_ray_address(ray)
+        except ValueError as e:
             bad_input(str(e))
 
-    @app.command("replay")
-    def replay(
-        scenario: Annotated[Path, typer.Argument(help="Scenario TOML file.")],
-        seed: Annotated[int | None, typer.Option(help="Override the file's seed.")] = None,
-        trace: Annotated[Path | None, typer.Option(help="Write a Chrome/Perfetto trace (JSON) here.")] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-        flow: Annotated[
-            str | None,
-            typer.Option(
-                help="Every room on this flow: policy, direct, ring, pinned, pull, push, layerwise or mixed."
-            ),
-        ] = None,
-    ) -> None:
-        """Run one scenario and report per-room outcomes, latencies, bytes and the invariant verdict."""
-        _run_and_report(scenario=scenario, seed=seed, trace=trace, as_json=as_json, flow=flow)
 
-    @app.command("demo")
-    def demo(
-        seed: Annotated[int, typer.Option(help="Seed of the demo run.")] = 0,
-        trace: Annotated[Path | None, typer.Option(help="Write a Chrome/Perfetto trace (JSON) here.")] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    ) -> None:
-        """A small P/D deployment (2 prefill ranks, 1 decode rank) under faults, simulated in seconds."""
-        _run_and_report(scenario=None, seed=seed, trace=trace, as_json=as_json, demo=True)
+def _campaign_inputs(o: FuzzOpts) -> tuple[list[int], Scenario | None, tuple[str, ...]]:
+    """The seeds, the base scenario and the planted bugs the options give."""
+    from kvferry.sim import campaign as cp
+    from kvferry.sim import scenario as sc
+
+    try:
+        seed_list = cp.parse_seeds(o.seeds)
+        base = sc.load(o.scenario) if o.scenario is not None else None
+        hooks = tuple(o.plant or ())
+        for h in hooks:
+            if h not in sc.HOOKS:
+                raise sc.ScenarioError(f"--plant: unknown bug {h!r} (known: {', '.join(sc.HOOKS)})")
+    except (ValueError, sc.ScenarioError) as e:
+        bad_input(str(e))
+    if max(seed_list) > MAX_SEED:
+        bad_input(f"--seeds: a seed is at most 2**63 - 1, got {max(seed_list)}")
+    return seed_list, base, hooks
+
+
+def replay(
+    scenario: Annotated[Path, typer.Argument(help="Scenario TOML file.")],
+    seed: Annotated[int | None, typer.Option(help="Override the file's seed.")] = None,
+    trace: TraceOut = None,
+    as_json: Json = False,
+    flow: Annotated[
+        str | None,
+        typer.Option(
+            help="Every room on this flow: policy, direct, ring, pinned, pull, push, layerwise or mixed."
+        ),
+    ] = None,
+) -> None:
+    """Run one scenario and report per-room outcomes, latencies, bytes and the invariant verdict."""
+    _run_and_report(scenario=scenario, seed=seed, trace=trace, as_json=as_json, flow=flow)
+
+
+def demo(
+    seed: Annotated[int, typer.Option(help="Seed of the demo run.")] = 0,
+    trace: TraceOut = None,
+    as_json: Json = False,
+) -> None:
+    """A small P/D deployment (2 prefill ranks, 1 decode rank) under faults, simulated in seconds."""
+    _run_and_report(scenario=None, seed=seed, trace=trace, as_json=as_json, demo=True)
 
 
 def _run_and_report(
@@ -434,24 +490,13 @@ def _run_and_report(
     demo: bool = False,
     flow: str | None = None,
 ) -> None:
-    import tomllib
-
     from rich.console import Console
-
-    from kvferry.sim import chrome
-    from kvferry.sim import scenario as sc
-    from kvferry.sim.campaign import run_one
 
     if seed is not None:
         check_seed(seed)
     if trace is not None:  # checked now: the trace is written after the whole run
         check_output_file(trace, "--trace")
-    try:
-        s = sc.parse(tomllib.loads(DEMO_TOML), where="demo") if demo else sc.load(scenario)  # type: ignore[arg-type]
-        if flow is not None:
-            s = sc.with_flow(s, flow)
-    except sc.ScenarioError as e:
-        bad_input(str(e))
+    s = _scenario(scenario, flow, demo)
     console = Console(stderr=as_json)
     if demo and not as_json:
         console.print(
@@ -459,28 +504,7 @@ def _run_and_report(
             f"{s.workload.rooms} rooms, faults: control drop/dup/reorder, notification delay, "
             "transfer ERR, aborts, a link flap, a slow link, a prefill crash + restart"
         )
-    written = 0
-    taps: list[chrome.NoteTap] = []
-    built: list[World] = []
-
-    def before_run(w: World) -> None:
-        built.append(w)
-        if trace is not None:
-            taps.append(chrome.NoteTap(w))
-
-    bar = progress.Bar("replay" if not demo else "demo", total=1.0, unit="%")
-    with (
-        progress.interrupted_says(lambda: _run_so_far(built)),
-        bar,
-        progress.sampled(lambda: _run_sample(built), bar),
-    ):
-        res, w = run_one(s, seed=seed, keep_trace=trace is not None, detail=True, before_run=before_run)
-    if trace is not None:
-        meta = {"scenario": s.name, "seed": res.seed, "digest": res.digest}
-        try:
-            written = chrome.write(w.trace.events, trace, meta, notes=taps[0].notes)
-        except OSError as e:
-            bad_input(f"--trace {trace}: cannot write: {e}")
+    res, w, written = _run_traced(s, seed, trace, "replay" if not demo else "demo")
     expected = set(w.scenario.expect_violations)
     unexpected = set(res.violated()) != expected
     if as_json:
@@ -507,6 +531,53 @@ def _run_and_report(
             )
     if unexpected:
         raise typer.Exit(1)
+
+
+def _scenario(path: Path | None, flow: str | None, demo: bool) -> Scenario:
+    """The scenario to run: the demo's or the file's, every room on ``flow`` if given."""
+    import tomllib
+
+    from kvferry.sim import scenario as sc
+
+    try:
+        s = sc.parse(tomllib.loads(DEMO_TOML), where="demo") if demo else sc.load(path)  # type: ignore[arg-type]
+        if flow is not None:
+            s = sc.with_flow(s, flow)
+    except sc.ScenarioError as e:
+        bad_input(str(e))
+    return s
+
+
+def _run_traced(
+    s: Scenario, seed: int | None, trace: Path | None, label: str
+) -> tuple[RunResult, World, int]:
+    """Run ``s`` with a progress bar; write its trace if asked (the events written)."""
+    from kvferry.sim import chrome
+    from kvferry.sim.campaign import run_one
+
+    written = 0
+    taps: list[chrome.NoteTap] = []
+    built: list[World] = []
+
+    def before_run(w: World) -> None:
+        built.append(w)
+        if trace is not None:
+            taps.append(chrome.NoteTap(w))
+
+    bar = progress.Bar(label, total=1.0, unit="%")
+    with (
+        progress.interrupted_says(lambda: _run_so_far(built)),
+        bar,
+        progress.sampled(lambda: _run_sample(built), bar),
+    ):
+        res, w = run_one(s, seed=seed, keep_trace=trace is not None, detail=True, before_run=before_run)
+    if trace is not None:
+        meta = {"scenario": s.name, "seed": res.seed, "digest": res.digest}
+        try:
+            written = chrome.write(w.trace.events, trace, meta, notes=taps[0].notes)
+        except OSError as e:
+            bad_input(f"--trace {trace}: cannot write: {e}")
+    return res, w, written
 
 
 def _run_sample(built: list[World]) -> tuple[float, str]:
