@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple
 
 import typer
 
 from kvferry.commands import bad_input, check_output_file, progress
+from kvferry.commands.options import options
 
 if TYPE_CHECKING:  # the fit's modules import numpy: loaded only when a command runs
     from kvferry.sim.calibrate.fit import FabricFit, KernelFit
+    from kvferry.sim.calibrate.inputs import Telemetry
     from kvferry.sim.calibrate.posting import FlowFit
+    from kvferry.sim.calibrate.rooms import RoomFit
 
 DEFAULT_FABRIC = "h100-rdma"  # sim/scenario.py's default [fabric] profile
 
@@ -44,25 +48,26 @@ def _check_target(path: Path, name: str, option: str) -> None:
         bad_input(f"{option} {path}: exists and is not a fitted profile ({what}); not replacing it")
 
 
-def calibrate(
+@dataclass(frozen=True)
+class CalibrateOpts:
     telemetry: Annotated[
         list[Path], typer.Argument(help="Telemetry files of `kvferry bench nixl --telemetry` (one or more).")
-    ],
+    ]
     name: Annotated[
         str, typer.Option(help="Profile name: sim/deploy/profiles/NAME.toml, for --nic NAME and scenarios.")
-    ] = "",
+    ] = ""
     kernels: Annotated[
         Path | None,
         typer.Option(help="Kernel bench JSON (bench/kernel_bench.py --json): fit the copy kernels."),
-    ] = None,
+    ] = None
     out: Annotated[
         Path | None,
         typer.Option(help="Write the profile here, not in the profile folder (not found by name)."),
-    ] = None,
+    ] = None
     compare: Annotated[
         Path | None,
         typer.Option(help="`bench nixl --json` rows: print the fitted profile's prediction beside each."),
-    ] = None,
+    ] = None
     rooms: Annotated[
         list[Path] | None,
         typer.Option(
@@ -70,20 +75,20 @@ def calibrate(
             "(control message latency, completion delay, a copy's host work) to their ms per room, "
             "some room sizes held out."
         ),
-    ] = None,
+    ] = None
     flow_telemetry: Annotated[
         list[Path] | None,
         typer.Option(
             help="Telemetry of different-TP direct rooms and of pinned rooms (repeat): fit the cost a "
             "descriptor of one process and of the GPU every process shares, and the host wire."
         ),
-    ] = None,
+    ] = None
     transport: Annotated[
         str,
         typer.Option(
             help="What moved the bytes (cuda_ipc, ib_verbs, efa, tcp, cma): the telemetry does not say."
         ),
-    ] = "fitted",
+    ] = "fitted"
     control_handle_us: Annotated[
         float,
         typer.Option(
@@ -92,68 +97,115 @@ def calibrate(
             "message, so messages arriving together wait (bench/wake_probe.py: the control plane "
             "over the ZMQ under it). Charged while the room costs are fitted; 0: off.",
         ),
-    ] = 0.0,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
-) -> None:
+    ] = 0.0
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False
+
+
+class _Fits(NamedTuple):
+    """What a calibration read and fitted: the telemetry, the fabric, and the optional parts."""
+
+    tel: Telemetry
+    fab: FabricFit
+    kfit: KernelFit | None
+    flows: FlowFit | None
+    rfit: RoomFit | None
+    bench_rows: list | None  # type: ignore[type-arg]  # --compare's rows
+
+
+@options(CalibrateOpts)
+def calibrate(o: CalibrateOpts) -> None:
     """Fit post cost, per-descriptor cost, bandwidth and latency (and kernel launch cost and rates)
     by non-negative least squares; report the MAPE on transfer sizes held out of the fit."""
-    from kvferry.sim.calibrate import fit, inputs, profile
-    from kvferry.sim.calibrate.inputs import CalibrationError
-    from kvferry.sim.calibrate.posting import fit_flows
-    from kvferry.sim.deploy.hardware import TRANSPORTS
+    from kvferry.sim.calibrate import profile
 
-    if transport not in TRANSPORTS:
-        bad_input(f"--transport {transport!r}: one of {', '.join(TRANSPORTS)}")
-    if not name:
-        bad_input("--name is required: the profile's name (e.g. cpu-loopback, h100-nixl)")
-    if name == DEFAULT_FABRIC:
-        bad_input(
-            f"--name {name}: every scenario without a [fabric] profile runs on it, and a fit must not "
-            "change them all silently; pick another name (e.g. h100-nixl)"
-        )
-    try:
-        named = profile.profile_path(name)  # checks the name even when --out writes elsewhere
-        target = out if out is not None else named
-    except CalibrationError as e:
-        bad_input(str(e))
-    if out is not None:
-        check_output_file(out, "--out")
-        _check_target(out, name, "--out")
-        if compare is not None:
-            bad_input("--compare simulates the profile by name: drop --out (or run `bench predict` later)")
-    else:
-        _check_target(target, name, "--name")
-    try:
-        tel = inputs.read_telemetry(telemetry)
-        fab = fit.fit_fabric(tel.rows)
-        kfit = fit.fit_kernels(inputs.read_kernels(kernels)) if kernels is not None else None
-        flows = fit_flows(flow_telemetry, fab.post_cost_us) if flow_telemetry else None
-        bench_rows = None
-        if compare is not None:
-            from kvferry.sim.calibrate.predict import read_bench
-
-            bench_rows = read_bench(compare)
-        rfit = None
-        if rooms is not None:
-            from kvferry.sim.calibrate.predict import read_bench
-            from kvferry.sim.calibrate.rooms import fit_rooms
-
-            bench = [row for path in rooms for row in read_bench(path)]
-            given = {**_overrides(fab, kfit, flows), "control_handle_ns": round(control_handle_us * 1000)}
-            rfit = fit_rooms(bench, DEFAULT_FABRIC, given)
-    except CalibrationError as e:
-        bad_input(str(e))
+    target = _check_calibrate(o)
+    fits = _fit(o)
     text = profile.render(
-        name, fab, tel, [str(p) for p in telemetry], kfit, str(kernels or ""), rfit,
-        [str(p) for p in rooms or ()], flows, control_handle_us, transport,
+        o.name, fits.fab, fits.tel, [str(p) for p in o.telemetry], fits.kfit, str(o.kernels or ""), fits.rfit,
+        [str(p) for p in o.rooms or ()], fits.flows, o.control_handle_us, o.transport,
     )  # fmt: skip
     try:
         target.write_text(text)
     except (OSError, UnicodeError) as e:
         bad_input(f"cannot write {target}: {e}")
+    result = _result(o, target, fits)
+    preds = _predict_rows(fits.bench_rows, o.name) if fits.bench_rows is not None else None
+    if o.as_json:
+        if preds is not None:
+            result["compare"] = [p.as_dict() for p in preds]
+        typer.echo(json.dumps(result))
+        return
+    _print_fit(fits, o.control_handle_us)
+    where = f'--nic {o.name}, [fabric] profile = "{o.name}"' if o.out is None else "not in the profile folder"
+    typer.echo(f"wrote {target} ({where})")
+    if preds is not None:
+        _print_predictions(preds, o.name)
+
+
+def _check_calibrate(o: CalibrateOpts) -> Path:
+    """The options checked before any fit; the file the profile goes to."""
+    from kvferry.sim.calibrate import profile
+    from kvferry.sim.calibrate.inputs import CalibrationError
+    from kvferry.sim.deploy.hardware import TRANSPORTS
+
+    if o.transport not in TRANSPORTS:
+        bad_input(f"--transport {o.transport!r}: one of {', '.join(TRANSPORTS)}")
+    if not o.name:
+        bad_input("--name is required: the profile's name (e.g. cpu-loopback, h100-nixl)")
+    if o.name == DEFAULT_FABRIC:
+        bad_input(
+            f"--name {o.name}: every scenario without a [fabric] profile runs on it, and a fit must not "
+            "change them all silently; pick another name (e.g. h100-nixl)"
+        )
+    try:
+        named = profile.profile_path(o.name)  # checks the name even when --out writes elsewhere
+        target = o.out if o.out is not None else named
+    except CalibrationError as e:
+        bad_input(str(e))
+    if o.out is not None:
+        check_output_file(o.out, "--out")
+        _check_target(o.out, o.name, "--out")
+        if o.compare is not None:
+            bad_input("--compare simulates the profile by name: drop --out (or run `bench predict` later)")
+    else:
+        _check_target(target, o.name, "--name")
+    return target
+
+
+def _fit(o: CalibrateOpts) -> _Fits:
+    from kvferry.sim.calibrate import fit, inputs
+    from kvferry.sim.calibrate.inputs import CalibrationError
+    from kvferry.sim.calibrate.posting import fit_flows
+
+    try:
+        tel = inputs.read_telemetry(o.telemetry)
+        fab = fit.fit_fabric(tel.rows)
+        kfit = fit.fit_kernels(inputs.read_kernels(o.kernels)) if o.kernels is not None else None
+        flows = fit_flows(o.flow_telemetry, fab.post_cost_us) if o.flow_telemetry else None
+        bench_rows = None
+        if o.compare is not None:
+            from kvferry.sim.calibrate.predict import read_bench
+
+            bench_rows = read_bench(o.compare)
+        rfit = None
+        if o.rooms is not None:
+            from kvferry.sim.calibrate.predict import read_bench
+            from kvferry.sim.calibrate.rooms import fit_rooms
+
+            bench = [row for path in o.rooms for row in read_bench(path)]
+            given = {**_overrides(fab, kfit, flows), "control_handle_ns": round(o.control_handle_us * 1000)}
+            rfit = fit_rooms(bench, DEFAULT_FABRIC, given)
+    except CalibrationError as e:
+        bad_input(str(e))
+    return _Fits(tel, fab, kfit, flows, rfit, bench_rows)
+
+
+def _result(o: CalibrateOpts, target: Path, fits: _Fits) -> dict[str, Any]:
+    """The --json report (without --compare's rows)."""
+    fab, tel, kfit, rfit = fits.fab, fits.tel, fits.kfit, fits.rfit
     result = {
         "profile": str(target),
-        "name": name,
+        "name": o.name,
         "rows_used": fab.rows_fit,
         "rows_heldout": fab.rows_heldout,
         "rows_failed_dropped": tel.failed,
@@ -179,30 +231,31 @@ def calibrate(
             "rows": kfit.rows,
             "mape_in_sample_pct": kfit.mape_pct,
         },
-        "rooms": None
-        if rfit is None
-        else {
-            "control_latency_us": rfit.control_latency_us,
-            "completion_delay_us": rfit.completion_delay_us,
-            "kernel_launch_us": rfit.kernel_launch_us,
-            "control_handle_us": control_handle_us,
-            "rows_used": rfit.rows_fit,
-            "rows_heldout": rfit.rows_heldout,
-            "tokens_fit": list(rfit.tokens_fit),
-            "tokens_heldout": list(rfit.tokens_heldout),
-            "mape_heldout_pct": rfit.mape_heldout_pct,
-            "mape_fit_pct": rfit.mape_fit_pct,
-            "mape_heldout_without_pct": rfit.mape_heldout_without_pct,
-        },
+        "rooms": None if rfit is None else _rooms_result(rfit, o.control_handle_us),
     }
-    if flows is not None:
-        result["flows"] = flows.as_dict()
-    preds = _predict_rows(bench_rows, name) if bench_rows is not None else None
-    if as_json:
-        if preds is not None:
-            result["compare"] = [p.as_dict() for p in preds]
-        typer.echo(json.dumps(result))
-        return
+    if fits.flows is not None:
+        result["flows"] = fits.flows.as_dict()
+    return result
+
+
+def _rooms_result(rfit: RoomFit, control_handle_us: float) -> dict[str, Any]:
+    return {
+        "control_latency_us": rfit.control_latency_us,
+        "completion_delay_us": rfit.completion_delay_us,
+        "kernel_launch_us": rfit.kernel_launch_us,
+        "control_handle_us": control_handle_us,
+        "rows_used": rfit.rows_fit,
+        "rows_heldout": rfit.rows_heldout,
+        "tokens_fit": list(rfit.tokens_fit),
+        "tokens_heldout": list(rfit.tokens_heldout),
+        "mape_heldout_pct": rfit.mape_heldout_pct,
+        "mape_fit_pct": rfit.mape_fit_pct,
+        "mape_heldout_without_pct": rfit.mape_heldout_without_pct,
+    }
+
+
+def _print_fit(fits: _Fits, control_handle_us: float) -> None:
+    fab, tel, kfit, rfit = fits.fab, fits.tel, fits.kfit, fits.rfit
     typer.echo(
         f"fit on {fab.rows_fit} DONE writes of {len(fab.sizes_fit)} sizes ({_mb(fab.sizes_fit)}); "
         f"{tel.failed} failed row(s) dropped, {tel.requested_descs} charged as requested descriptors "
@@ -226,8 +279,8 @@ def calibrate(
             f"kernels ({kfit.rows} rows): launch {kfit.launch_us:.1f} us ({kfit.launch_source}), {rates}; "
             f"MAPE in sample {errs}"
         )
-    if flows is not None:
-        typer.echo(flows.summary())
+    if fits.flows is not None:
+        typer.echo(fits.flows.summary())
     if rfit is not None:
         typer.echo(
             f"per-room control path from {rfit.rows_fit} bench rows ({_tok(rfit.tokens_fit)}): "
@@ -238,10 +291,6 @@ def calibrate(
             f"{rfit.mape_heldout_pct:.1f}% ({rfit.mape_heldout_without_pct:.1f}% without these costs; "
             f"{rfit.mape_fit_pct:.1f}% on the fit's own rows)"
         )
-    where = f'--nic {name}, [fabric] profile = "{name}"' if out is None else "not in the profile folder"
-    typer.echo(f"wrote {target} ({where})")
-    if preds is not None:
-        _print_predictions(preds, name)
 
 
 def _tok(tokens: tuple[int, ...]) -> str:
