@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
 
 from kvferry.commands import bad_input, check_seed, extras
+from kvferry.commands.options import DRAWN_FLOWS, DrawnFlows, JsonReport, RssBoundMb, options
 from kvferry.commands.progress import EXIT_INTERRUPTED
 
 
@@ -34,49 +36,49 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def chaos(
-    rooms: Annotated[int, typer.Option(help="Rooms to run (each checked), split over the TP pairs.")] = 2000,
-    seed: Annotated[int, typer.Option(help="Seed of the rooms and of the fault schedule.")] = 0,
-    tp: Annotated[str, typer.Option(help="TP pairs PREFILL-DECODE, run one after another.")] = "1-1,2-1,1-2",
-    flows: Annotated[
-        str, typer.Option(help="Flows the rooms are drawn from, comma-separated.")
-    ] = "direct,ring,pinned,pull,push,layerwise",
+@dataclass(frozen=True)
+class ChaosOpts:
+    rooms: Annotated[int, typer.Option(help="Rooms to run (each checked), split over the TP pairs.")] = 2000
+    seed: Annotated[int, typer.Option(help="Seed of the rooms and of the fault schedule.")] = 0
+    tp: Annotated[str, typer.Option(help="TP pairs PREFILL-DECODE, run one after another.")] = "1-1,2-1,1-2"
+    flows: DrawnFlows = DRAWN_FLOWS
     abort_rate: Annotated[
         float | None,
         typer.Option(help="Share of rooms aborted by either side (default 0.05; 0 with --liveness)."),
-    ] = None,
-    segment_rooms: Annotated[int, typer.Option(help="Rooms per segment; a fault hits one segment.")] = 25,
-    fault_share: Annotated[float, typer.Option(help="Share of segments that get a fault.")] = 0.5,
+    ] = None
+    segment_rooms: Annotated[int, typer.Option(help="Rooms per segment; a fault hits one segment.")] = 25
+    fault_share: Annotated[float, typer.Option(help="Share of segments that get a fault.")] = 0.5
     faults: Annotated[
         str | None,
         typer.Option(
             help="Fault kinds drawn: partition_short, partition_long, slow_link, stall, kill, abort_burst "
             "(default all; with --liveness partition_short,slow_link)."
         ),
-    ] = None,
+    ] = None
     liveness: Annotated[
         bool,
         typer.Option(help="Draw only faults the protocol rides out; every room must end Success."),
-    ] = False,
-    max_seconds: Annotated[
-        float, typer.Option(help="Stop starting rooms after this long, then report.")
-    ] = 3600.0,
-    rss_bound_mb: Annotated[
-        float, typer.Option(help="Fail if a process's RSS grows more than this after warm-up (MB).")
-    ] = 64.0,
-    warmup_s: Annotated[
-        float, typer.Option(help="Seconds of a process's life before its RSS baseline.")
-    ] = 45.0,
+    ] = False
+    max_seconds: Annotated[float, typer.Option(help="Stop starting rooms after this long, then report.")] = (
+        3600.0
+    )
+    rss_bound_mb: RssBoundMb = 64.0
+    warmup_s: Annotated[float, typer.Option(help="Seconds of a process's life before its RSS baseline.")] = (
+        45.0
+    )
     deadline_scale: Annotated[
         float,
         typer.Option(
             help="Stretch the rooms' own deadlines (and the fence) by this factor, for a loaded host; "
             "the heartbeat timeout stays."
         ),
-    ] = 1.0,
-    plant: Annotated[str, typer.Option(hidden=True, help="Plant a bug (checker self-test).")] = "",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
-) -> None:
+    ] = 1.0
+    plant: Annotated[str, typer.Option(hidden=True, help="Plant a bug (checker self-test).")] = ""
+    as_json: JsonReport = False
+
+
+@options(ChaosOpts)
+def chaos(o: ChaosOpts) -> None:
     """Prefill and decode as processes on two hosts (network namespaces on a bridge; needs root):
     real NIXL with UCX over TCP on their veths, the authenticated control plane on the same
     addresses, every flow and TP pair, and a seeded schedule of faults on the real network and
@@ -85,17 +87,9 @@ def chaos(
     extras.require("real", "kvferry chaos")
     from kvferry.tools.chaos import netns
     from kvferry.tools.chaos import run as engine
-    from kvferry.tools.chaos.schedule import KINDS, LIVENESS_KINDS
 
-    check_seed(seed)
-    kinds = _names(faults) if faults is not None else (LIVENESS_KINDS if liveness else KINDS)
-    cfg = engine.ChaosConfig(
-        rooms=rooms, seed=seed, tp_pairs=_pairs(tp), flows=_names(flows),
-        abort_rate=abort_rate if abort_rate is not None else (0.0 if liveness else 0.05),
-        segment_rooms=segment_rooms, fault_share=fault_share, kinds=kinds, liveness=liveness, plant=plant,
-        max_seconds=max_seconds, rss_bound_mb=rss_bound_mb, warmup_s=warmup_s,
-        deadline_scale=deadline_scale,
-    )  # fmt: skip
+    check_seed(o.seed)
+    cfg = _config(o)
     try:
         engine.check_config(cfg)
     except ValueError as e:
@@ -111,14 +105,29 @@ def chaos(
         raise typer.Exit(EXIT_INTERRUPTED) from None
     except netns.NetError as e:
         bad_input(f"chaos: could not set up the hosts: {e}")
-    typer.echo(json.dumps(report) if as_json else summary(report))
+    typer.echo(json.dumps(report) if o.as_json else summary(report))
     if report["interrupted"]:
         rooms = report["rooms_run"]
         print(f"chaos: interrupted after {rooms} rooms (reported above); {gone}", file=sys.stderr)
         raise typer.Exit(EXIT_INTERRUPTED)
     if not report["ok"]:
-        print(f"chaos FAILED with seed {seed}; replay: {report['replay']}", file=sys.stderr)
+        print(f"chaos FAILED with seed {o.seed}; replay: {report['replay']}", file=sys.stderr)
         raise typer.Exit(1)
+
+
+def _config(o: ChaosOpts) -> Any:
+    """The run's ChaosConfig; --liveness's defaults where the options give none."""
+    from kvferry.tools.chaos import run as engine
+    from kvferry.tools.chaos.schedule import KINDS, LIVENESS_KINDS
+
+    kinds = _names(o.faults) if o.faults is not None else (LIVENESS_KINDS if o.liveness else KINDS)
+    return engine.ChaosConfig(
+        rooms=o.rooms, seed=o.seed, tp_pairs=_pairs(o.tp), flows=_names(o.flows),
+        abort_rate=o.abort_rate if o.abort_rate is not None else (0.0 if o.liveness else 0.05),
+        segment_rooms=o.segment_rooms, fault_share=o.fault_share, kinds=kinds, liveness=o.liveness,
+        plant=o.plant, max_seconds=o.max_seconds, rss_bound_mb=o.rss_bound_mb, warmup_s=o.warmup_s,
+        deadline_scale=o.deadline_scale,
+    )  # fmt: skip
 
 
 def summary(r: dict[str, Any]) -> str:

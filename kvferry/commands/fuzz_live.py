@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from kvferry.commands import bad_input, extras, progress
+from kvferry.commands.options import JsonReport
 
 
 def register(app: typer.Typer) -> None:
@@ -22,7 +23,7 @@ def fuzz_live(
     frames: Annotated[int, typer.Option(help="Hostile frames to send.")] = 5000,
     rooms: Annotated[int, typer.Option(help="Legitimate rooms moved meanwhile (each checked).")] = 100,
     max_seconds: Annotated[float, typer.Option(help="Stop after this long and report.")] = 300.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
+    as_json: JsonReport = False,
 ) -> None:
     """Two prefill ranks and a decode rank in this process (real NIXL over UCX, DRAM; the ZMQ
     control plane with its keys) move rooms while random, truncated, oversized, garbage,

@@ -10,6 +10,7 @@ import numpy as np
 import typer
 
 from kvferry.commands import MAX_SEED, bad_input
+from kvferry.commands.options import Json
 from kvferry.core.errors import KvferryError
 from kvferry.core.flows.summary import staged_summary
 from kvferry.core.geometry import PRESETS, DType, Layout, ModelGeometry, links, make_pools
@@ -144,15 +145,7 @@ def make_report(
     chunk_tokens: int = 0,
 ) -> dict[str, Any]:
     """Everything ``kvferry plan`` prints, as plain JSON-able data (deterministic for a seed)."""
-    if tokens < 1:
-        raise typer.BadParameter("--tokens must be at least 1")
-    if chunk_tokens < 0:
-        raise typer.BadParameter(f"--chunk-tokens must be >= 0, got {chunk_tokens}")
-    for side, ps in (("prefill", prefill_page_size), ("decode", decode_page_size)):
-        if ps < 1:
-            raise typer.BadParameter(f"{side} page_size must be at least 1, got {ps}")
-    if not 0 <= seed <= MAX_SEED:  # numpy's generators take non-negative seeds only
-        raise typer.BadParameter(f"--seed must be in [0, 2**63 - 1], got {seed}")
+    _check_sizes(tokens, chunk_tokens, prefill_page_size, decode_page_size, seed)
     check_bounds(model, prefill_tp, decode_tp, prefill_page_size, decode_page_size, tokens, fragmented)
     sp, sn = room_pages(tokens, prefill_page_size, fragmented, np.random.default_rng([seed, 0]))
     dp, dn = room_pages(tokens, decode_page_size, fragmented, np.random.default_rng([seed, 1]))
@@ -168,14 +161,7 @@ def make_report(
     staged = {fmt.value: plan_staged_room(src, dst, sp, dp, 0, tokens, fmt) for fmt in StagingFormat}
     flows = staged_summary(src, dst, tokens, chunk_tokens)
     return {
-        "model": {
-            "name": model.name,
-            "layers": model.num_layers,
-            "kv_heads": model.num_kv_heads,
-            "head_dim": model.head_dim,
-            "dtype": model.dtype.value,
-            "mla": model.is_mla,
-        },
+        "model": _model_dict(model),
         "prefill_tp": prefill_tp,
         "decode_tp": decode_tp,
         "prefill_page_size": prefill_page_size,
@@ -192,15 +178,7 @@ def make_report(
         "dummies": [
             {"prefill_rank": x.prefill_rank, "decode_rank": x.decode_rank} for x in all_links if x.is_dummy
         ],
-        "staged": {
-            name: {
-                "descriptors": s.count,
-                "bytes": s.total_bytes,
-                "max_prefill_buffer_bytes": max((p.src_buffer_bytes for p in s.pairs), default=0),
-                "max_decode_buffer_bytes": _max_decode_buffer(s),
-            }
-            for name, s in staged.items()
-        },
+        "staged": {name: _staged_dict(s) for name, s in staged.items()},
         "flows": {
             # Direct: the planner's count for the whole room (chunking splits runs, never merges).
             "direct": {
@@ -211,6 +189,40 @@ def make_report(
             "pinned": flows["pinned"],
             "policy_choice": flows["policy_choice"],
         },
+    }
+
+
+def _check_sizes(
+    tokens: int, chunk_tokens: int, prefill_page_size: int, decode_page_size: int, seed: int
+) -> None:
+    if tokens < 1:
+        raise typer.BadParameter("--tokens must be at least 1")
+    if chunk_tokens < 0:
+        raise typer.BadParameter(f"--chunk-tokens must be >= 0, got {chunk_tokens}")
+    for side, ps in (("prefill", prefill_page_size), ("decode", decode_page_size)):
+        if ps < 1:
+            raise typer.BadParameter(f"{side} page_size must be at least 1, got {ps}")
+    if not 0 <= seed <= MAX_SEED:  # numpy's generators take non-negative seeds only
+        raise typer.BadParameter(f"--seed must be in [0, 2**63 - 1], got {seed}")
+
+
+def _model_dict(model: ModelGeometry) -> dict[str, Any]:
+    return {
+        "name": model.name,
+        "layers": model.num_layers,
+        "kv_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "dtype": model.dtype.value,
+        "mla": model.is_mla,
+    }
+
+
+def _staged_dict(staged: Any) -> dict[str, int]:
+    return {
+        "descriptors": staged.count,
+        "bytes": staged.total_bytes,
+        "max_prefill_buffer_bytes": max((p.src_buffer_bytes for p in staged.pairs), default=0),
+        "max_decode_buffer_bytes": _max_decode_buffer(staged),
     }
 
 
@@ -320,7 +332,7 @@ def register(app: typer.Typer) -> None:
         mla: Annotated[bool | None, typer.Option("--mla/--no-mla", help="Explicit model: MLA.")] = None,
         prefill_layout: Annotated[Layout, typer.Option(help="Prefill pool layout.")] = Layout.SGLANG_NHD,
         decode_layout: Annotated[Layout, typer.Option(help="Decode pool layout.")] = Layout.SGLANG_NHD,
-        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+        as_json: Json = False,
         chunk_tokens: Annotated[
             int, typer.Option(help="Chunked prefill: tokens per chunk (0: the room is one chunk).")
         ] = 0,

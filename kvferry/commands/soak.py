@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
 
 from kvferry.commands import bad_input, check_seed, extras, progress
+from kvferry.commands.options import DRAWN_FLOWS, DrawnFlows, JsonReport, RssBoundMb, options
 
 # The summary's note on a run stopped by SIGTERM or Ctrl-C: what it reports, what it left out.
 INTERRUPTED = " (INTERRUPTED: the rooms judged until then; the end-of-run table checks did not run)"
@@ -19,66 +21,58 @@ def register(app: typer.Typer) -> None:
     app.command("soak")(soak)
 
 
-def soak(
-    rooms: Annotated[int, typer.Option(help="Rooms to run (each checked).")] = 2000,
-    seed: Annotated[int, typer.Option(help="Seed of every random choice (rooms, flows, aborts, pages).")] = 0,
+@dataclass(frozen=True)
+class SoakOpts:
+    rooms: Annotated[int, typer.Option(help="Rooms to run (each checked).")] = 2000
+    seed: Annotated[int, typer.Option(help="Seed of every random choice (rooms, flows, aborts, pages).")] = 0
     prefill_tp: Annotated[
         int, typer.Option(help="Prefill TP size (1, 2 or 4), all ranks in one process.")
-    ] = 2,
-    decode_tp: Annotated[int, typer.Option(help="Decode TP size (1, 2 or 4), all ranks in one process.")] = 1,
-    flows: Annotated[
-        str, typer.Option(help="Flows the rooms are drawn from, comma-separated.")
-    ] = "direct,ring,pinned,pull,push,layerwise",
-    abort_rate: Annotated[float, typer.Option(help="Share of rooms aborted (by either side).")] = 0.1,
+    ] = 2
+    decode_tp: Annotated[int, typer.Option(help="Decode TP size (1, 2 or 4), all ranks in one process.")] = 1
+    flows: DrawnFlows = DRAWN_FLOWS
+    abort_rate: Annotated[float, typer.Option(help="Share of rooms aborted (by either side).")] = 0.1
     kill_every: Annotated[
         int,
         typer.Option(help="SIGKILL and restart a side every K rooms, prefill first, then decode (0: never)."),
-    ] = 500,
-    hold: Annotated[int, typer.Option(help="Rooms in flight at each kill (they must end Failed).")] = 4,
+    ] = 500
+    hold: Annotated[int, typer.Option(help="Rooms in flight at each kill (they must end Failed).")] = 4
     max_seconds: Annotated[
         float,
         typer.Option(help="Stop starting rooms after this long (checked every 200 rooms), then report."),
-    ] = 3600.0,
-    rss_bound_mb: Annotated[
-        float, typer.Option(help="Fail if a process's RSS grows more than this after warm-up (MB).")
-    ] = 64.0,
+    ] = 3600.0
+    rss_bound_mb: RssBoundMb = 64.0
     warmup_s: Annotated[
         float, typer.Option(help="Seconds of a process's life before its RSS baseline is taken.")
-    ] = 45.0,
+    ] = 45.0
     engine_name: Annotated[
         str, typer.Option("--engine", help="Executor of both sides' NIXL commands: python or native.")
-    ] = "python",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the report as one JSON object.")] = False,
-) -> None:
+    ] = "python"
+    as_json: JsonReport = False
+
+
+@options(SoakOpts)
+def soak(o: SoakOpts) -> None:
     """A prefill process and a decode process on 127.0.0.1 (real NIXL over UCX, DRAM pools) run
     rooms with chunked prefill, every flow, aborts by both sides and peers killed and restarted;
     exits 1 on any lost, corrupted, hung or wrongly-succeeded room, leaked table or RSS growth."""
     extras.require("real", "kvferry soak")
     from kvferry.tools import soak as engine
 
-    check_seed(seed)
+    check_seed(o.seed)
     cfg = engine.SoakConfig(
-        rooms=rooms,
-        seed=seed,
-        prefill_tp=prefill_tp,
-        decode_tp=decode_tp,
-        flows=tuple(f.strip() for f in flows.split(",") if f.strip()),
-        abort_rate=abort_rate,
-        kill_every=kill_every,
-        hold=hold,
-        max_seconds=max_seconds,
-        rss_bound_mb=rss_bound_mb,
-        warmup_s=warmup_s,
-        engine=engine_name,
-    )
+        rooms=o.rooms, seed=o.seed, prefill_tp=o.prefill_tp, decode_tp=o.decode_tp,
+        flows=tuple(f.strip() for f in o.flows.split(",") if f.strip()), abort_rate=o.abort_rate,
+        kill_every=o.kill_every, hold=o.hold, max_seconds=o.max_seconds, rss_bound_mb=o.rss_bound_mb,
+        warmup_s=o.warmup_s, engine=o.engine_name,
+    )  # fmt: skip
     try:
         engine.check_config(cfg)
     except ValueError as e:
         bad_input(str(e))
-    lines = progress.Lines(f"seed {seed}")
+    lines = progress.Lines(f"seed {o.seed}")
     with progress.interrupted_says(lines.summary):  # before the run began (its own end in a report)
         report = engine.run_soak(cfg, progress=lines)
-    if as_json:
+    if o.as_json:
         typer.echo(json.dumps(report))
     else:
         typer.echo(summary(report))
@@ -86,7 +80,7 @@ def soak(
         print(f"soak: interrupted after {report['rooms_run']} rooms (reported above)", file=sys.stderr)
         raise typer.Exit(progress.EXIT_INTERRUPTED)
     if not report["ok"]:
-        print(f"soak FAILED with seed {seed}; replay: {report['replay']}", file=sys.stderr)
+        print(f"soak FAILED with seed {o.seed}; replay: {report['replay']}", file=sys.stderr)
         raise typer.Exit(1)
 
 
