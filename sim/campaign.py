@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import random
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from kvferry.backends.simfabric.spec import FabricSpec
 from kvferry.core.flows import FLOW_NAMES as CORE_FLOW_NAMES
 from kvferry.sim import executors as ex
 from kvferry.sim import scenario as sc
@@ -78,7 +80,32 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
     """The scenario seed ``seed`` runs: ``base`` with swarm faults, or a deployment drawn too."""
     if base is not None:
         return replace(base, seed=seed, faults=replace(base.faults, swarm=True), hooks=base.hooks + hooks)
+    # Each part draws from its own named stream, but the topology stream runs through three of
+    # them: model and ranks, the workload's sizes, and last the fault window.
     rng = Streams(seed)["swarm.topology"]
+    model, topo, rooms = _drawn_deployment(rng)
+    work, fabric, burst = _drawn_workload(seed, rng, rooms)
+    flows, model, work = _drawn_flows(seed, burst, model, work)
+    topo, work = _drawn_spread(seed, topo, work)
+    drawn = sc.Scenario(
+        name=f"fuzz-{seed}",
+        seed=seed,
+        model=model,
+        topology=topo,
+        fabric=fabric,
+        flows=flows,
+        workload=work,
+        faults=sc.Faults(swarm=True),
+        phases=sc.Phases(fault_window_us=rng.choice((5_000, 15_000, 30_000))),
+        hooks=hooks,
+    )
+    # Only deadlines a scenario file could set: a fence the peers' writes may outlive would
+    # blame the core for the draw, and its saved failure would not load (sim/expected.py).
+    return valid_deadlines(drawn)
+
+
+def _drawn_deployment(rng: random.Random) -> tuple[sc.ModelSpec, sc.Topology, int]:
+    """The model (heads or MLA), the TP pair and page sizes, the layouts, workers and room count."""
     heads, mla = rng.choice(((8, False), (8, False), (4, False), (2, False), (1, True)))
     tps = [t for t in (1, 2, 4) if (t <= heads and heads % t == 0) or (t > heads and t % heads == 0)]
     ptp, dtp = rng.choice(tps), rng.choice(tps)
@@ -105,6 +132,11 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
         workers=rng.randint(1, 3),
         aux_rows=64,
     )
+    return model, topo, rooms
+
+
+def _drawn_workload(seed: int, rng: random.Random, rooms: int) -> tuple[sc.Workload, FabricSpec, bool]:
+    """The workload and the NIC's jitter, and whether the seed hands its chunks over in a burst."""
     # The blind spots, from their own stream (every earlier draw of a seed stays as it was):
     # decode allocations shorter or longer than prefill's; chunks handed over back to back with
     # a wide per-write jitter, so several chunks of a room are in flight and land (and notify)
@@ -124,6 +156,13 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
     )
     fabric = sc.Scenario().fabric
     fabric = dataclasses.replace(fabric, nic=dataclasses.replace(fabric.nic, jitter_ns=jitter_ns))
+    return work, fabric, burst
+
+
+def _drawn_flows(
+    seed: int, burst: bool, model: sc.ModelSpec, work: sc.Workload
+) -> tuple[sc.FlowSpec, sc.ModelSpec, sc.Workload]:
+    """The flow and its staging depth; layer-wise seeds also get more layers and a slower forward."""
     # Flows from their own stream, so adding them left every other draw of a seed as it was.
     frng = Streams(seed)["swarm.flows"]
     flows = sc.FlowSpec(
@@ -148,8 +187,13 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
     # Push registrations matched by request id (no router transfer id), from a stream of its own.
     if Streams(seed)["swarm.flows.push_match"].random() < 0.4:
         flows = replace(flows, push_match="request_id")
-    # Several servers on one side or both, from a stream of their own: routing, each server's own
-    # memory, and faults and aborts that hit one server while its neighbours carry on.
+    return flows, model, work
+
+
+def _drawn_spread(seed: int, topo: sc.Topology, work: sc.Workload) -> tuple[sc.Topology, sc.Workload]:
+    """Several servers a side, and prefix hits, each from a stream of its own."""
+    # Several servers on one side or both: routing, each server's own memory, and faults and
+    # aborts that hit one server while its neighbours carry on.
     irng = Streams(seed)["swarm.instances"]
     if irng.random() < MULTI_INSTANCE_SHARE:
         pre_n, dec_n = irng.choice(INSTANCE_DRAWS)
@@ -157,21 +201,7 @@ def fuzz_scenario(seed: int, base: sc.Scenario | None = None, hooks: tuple[str, 
     # Prefix hits (decode holds the first tokens): a third of the seeds, for half of their rooms.
     if Streams(seed)["swarm.prefix"].random() < 0.3:
         work = replace(work, prefix_hit=0.5)
-    drawn = sc.Scenario(
-        name=f"fuzz-{seed}",
-        seed=seed,
-        model=model,
-        topology=topo,
-        fabric=fabric,
-        flows=flows,
-        workload=work,
-        faults=sc.Faults(swarm=True),
-        phases=sc.Phases(fault_window_us=rng.choice((5_000, 15_000, 30_000))),
-        hooks=hooks,
-    )
-    # Only deadlines a scenario file could set: a fence the peers' writes may outlive would
-    # blame the core for the draw, and its saved failure would not load (sim/expected.py).
-    return valid_deadlines(drawn)
+    return topo, work
 
 
 # The liveness class: control messages dropped, duplicated, reordered and delayed, notifications

@@ -49,17 +49,22 @@ def draw_personality(s: Scenario, streams: Streams) -> Scenario:
         # succeeds" and "nothing is ever resent" (checker: fault_free).
         return _calm(replace(s, faults=replace(f, swarm=False)))
     rng = streams["swarm"]
+    # Events first, then the rates: the order of the draws is the seed's personality.
+    events = _drawn_events(s, rng)
+    resolved = _drawn_rates(f, rng, events)
+    if resolved.injects_nothing():  # every rate and event drawn off: as calm as a calm seed
+        return _calm(replace(s, faults=resolved))
+    return replace(s, faults=resolved)
+
+
+def _drawn_events(s: Scenario, rng: random.Random) -> list[FaultEvent]:
+    """The scenario's own events, then each timed fault kind with probability 0.35 in the window:
+    one or two crashes, a link down and a slow link between a prefill and a decode node."""
     window = s.phases.fault_window_us
-
-    def rate(current: float, hi: float) -> float:
-        if current > 0:
-            return current
-        return round(rng.uniform(0.0, hi), 4) if rng.random() < 0.5 else 0.0
-
     nodes = s.node_names()
     prefill = [n for n in nodes if n.startswith("prefill")]
     decode = [n for n in nodes if n.startswith("decode")]
-    events = list(f.events)
+    events = list(s.faults.events)
     if rng.random() < 0.35 and window > 0:
         for _ in range(rng.randint(1, 2)):
             events.append(
@@ -93,7 +98,19 @@ def draw_personality(s: Scenario, streams: Streams) -> Scenario:
                 factor=round(rng.uniform(0.01, 0.5), 3),
             )
         )
-    resolved = replace(
+    return events
+
+
+def _drawn_rates(f: Faults, rng: random.Random, events: list[FaultEvent]) -> Faults:
+    """``f`` resolved: each rate the base leaves at 0 drawn on or off (and its value), in field
+    order, then the clock skew; ``events`` sorted by time."""
+
+    def rate(current: float, hi: float) -> float:
+        if current > 0:
+            return current
+        return round(rng.uniform(0.0, hi), 4) if rng.random() < 0.5 else 0.0
+
+    return replace(
         f,
         swarm=False,
         ctrl_drop=rate(f.ctrl_drop, 0.2),
@@ -107,9 +124,6 @@ def draw_personality(s: Scenario, streams: Streams) -> Scenario:
         clock_skew_max_us=f.clock_skew_max_us or (rng.choice((0, 50, 500, 5000))),
         events=tuple(sorted(events, key=lambda e: (e.at_us, e.kind, e.node, e.peer))),
     )
-    if resolved.injects_nothing():  # every rate and event drawn off: as calm as a calm seed
-        return _calm(replace(s, faults=resolved))
-    return replace(s, faults=resolved)
 
 
 def _calm(s: Scenario) -> Scenario:

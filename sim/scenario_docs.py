@@ -164,7 +164,16 @@ def schema_tables() -> list[TableDoc]:
     applies (read off ``parse`` itself, so they are the ones a run gets)."""
     s = parse({})
     entries = parse(_MINIMAL_ENTRIES)
-    room, event = entries.workload.explicit[0], entries.faults.events[0]
+    return [
+        *_deployment_tables(s),
+        *_run_tables(s, entries),
+        *_limit_tables(s),
+        _deploy_doc(),
+    ]
+
+
+def _deployment_tables(s: Scenario) -> list[TableDoc]:
+    """The top level, the model, the ranks, the fabric and the flows: what moves over what."""
     fabric = fabric_values(s)
     return [
         TableDoc("", (), "Keys outside any table.", tuple(_top_keys(s))),
@@ -199,6 +208,13 @@ def schema_tables() -> list[TableDoc]:
             "Which flow moves each room, and the staging memory each rank registers. Sizes in bytes.",
             tuple(_field_keys(FlowSpec, s.flows)),
         ),
+    ]
+
+
+def _run_tables(s: Scenario, entries: Scenario) -> list[TableDoc]:
+    """The rooms of a run and the faults injected into it, drawn and listed."""
+    room, event = entries.workload.explicit[0], entries.faults.events[0]
+    return [
         TableDoc(
             "[workload]",
             ("workload",),
@@ -224,6 +240,12 @@ def schema_tables() -> list[TableDoc]:
             "One timed fault; repeat the table for each.",
             tuple(_field_keys(FaultEvent, event, required=tuple(_MINIMAL_ENTRIES["faults"]["event"][0]))),
         ),
+    ]
+
+
+def _limit_tables(s: Scenario) -> list[TableDoc]:
+    """The deadlines, the phases, the checks and the expected violations: what a run is held to."""
+    return [
         TableDoc(
             "[timeouts]",
             ("timeouts",),
@@ -260,7 +282,6 @@ def schema_tables() -> list[TableDoc]:
                 ),
             ),
         ),
-        _deploy_doc(),
     ]
 
 

@@ -143,17 +143,7 @@ class DecodeSide(common.SideLoop):
             # A rank the abort reached after its room ended, while another's abort worked: the
             # failure notice that rank's prefill peer sends turns it Failed. Wait for it.
             return False
-        if PLANT == "corrupt" and idx % 50 == 7 and KVPoll.Success in statuses:
-            self.eps[0].transport.region(self.eps[0].pool.regions[0].region_id)[:] ^= 0xFF
-        bad, first_bad, aux_ok = 0, None, True
-        for ep, status in zip(self.eps, statuses, strict=True):
-            if status is KVPoll.Success:
-                n, first = pattern.mismatches(
-                    ep.pool, ep.transport.region, plan.room, st["pages"], plan.tokens
-                )
-                bad += n
-                first_bad = first_bad or first
-                aux_ok &= ep.transport.read_aux_room(st["aux"]) == plan.room
+        bad, first_bad, aux_ok = self._check_bytes(idx, st, statuses)
         reasons, errors = common.outcome(rvs, statuses)
         unfenced = []
         for rv, status in zip(rvs, statuses, strict=True):
@@ -177,14 +167,36 @@ class DecodeSide(common.SideLoop):
             canary_bad=st["canary_bad"][:4],
         )
         owner = f"room {idx}, {plan.flow}, status {[int(x) for x in statuses]} {reasons}"[:300]
+        self._hand_back(idx, st, unfenced, owner)
+        del live[idx]
+        return True
+
+    def _check_bytes(self, idx: int, st: dict[str, Any], statuses: list[KVPoll]) -> tuple[int, Any, bool]:
+        """(wrong bytes, the first wrong one, aux row right) over the ranks where the room is
+        Success; the "corrupt" plant flips bytes first."""
+        plan = st["plan"]
+        if PLANT == "corrupt" and idx % 50 == 7 and KVPoll.Success in statuses:
+            self.eps[0].transport.region(self.eps[0].pool.regions[0].region_id)[:] ^= 0xFF
+        bad, first_bad, aux_ok = 0, None, True
+        for ep, status in zip(self.eps, statuses, strict=True):
+            if status is KVPoll.Success:
+                n, first = pattern.mismatches(
+                    ep.pool, ep.transport.region, plan.room, st["pages"], plan.tokens
+                )
+                bad += n
+                first_bad = first_bad or first
+                aux_ok &= ep.transport.read_aux_room(st["aux"]) == plan.room
+        return bad, first_bad, aux_ok
+
+    def _hand_back(self, idx: int, st: dict[str, Any], unfenced: list[Any], owner: str) -> None:
+        """The room's pages and aux row wait for every unfenced rank's fence (or, planted, go
+        back at once), then whatever is fenced by now returns to the allocator."""
         if PLANT == "reuse_unfenced" and unfenced:
             self.unfenced += unfenced  # the bug: the pages are handed out before the fence
             self._give_back(st["pages"], [st["aux"]], owner)
         else:
             self.waiting_fence[idx] = (st["pages"], st["aux"], unfenced, owner)
         self._reclaim()
-        del live[idx]
-        return True
 
     def _reclaim(self) -> None:
         """Pages of rooms whose every failed rank is now fenced go back to the allocator."""

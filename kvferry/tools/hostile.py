@@ -133,25 +133,7 @@ class _Forger:
 
     def message(self, src: m.Endpoint) -> bytes:
         rng = self.rng
-        tag = rng.choice(
-            (
-                "reg",
-                "hb",
-                "info",
-                "failed",
-                "abort",
-                "stopped",
-                "pull_offer",
-                "pulled",
-                "stg_req",
-                "stg_rsp",
-                "wm",
-                "info_ack",
-                "failed_ack",
-                "reads_stopped",
-                "reg_ack",
-            )
-        )
+        tag = rng.choice(_TAGS)
         body: dict[str, Any] = {
             "t": tag,
             "v": m.PROTOCOL_VERSION,
@@ -161,85 +143,122 @@ class _Forger:
             "room": self._room(),
             "transfer_id": rng.choice(("", "x", "t0", "fuzz-" + str(rng.randrange(1 << 30)), "é" * 40)),
         }
-        if tag != "reg" and tag != "hb" and tag != "wm" and tag != "reg_ack":
+        if tag not in _ROOMLESS_TAGS:
             body.update(room_fields)
-        per_tag: dict[str, dict[str, Any]] = {
-            "reg": {
-                "agent_name": "fuzz",
-                "agent_meta": bytes(rng.randrange(256) for _ in range(rng.choice((0, 8, 64)))),
-                "geometry": {
-                    "model_name": "x",
-                    "num_layers": _int(rng),
-                    "num_kv_heads": _int(rng),
-                    "head_dim": _int(rng),
-                    "dtype": "bf16",
-                    "is_mla": False,
-                    "tp_size": _int(rng),
-                    "tp_rank": _int(rng),
-                    "page_size": _int(rng),
-                    "num_pages": _int(rng),
-                    "layout": "sglang_nhd",
-                },
-                "regions": [
-                    {"region_id": _int(rng), "addr": _int(rng), "nbytes": _int(rng)}
-                    for _ in range(rng.choice((0, 1, 3)))
-                ],
-                "aux_addr": _int(rng),
-                "aux_row_bytes": _int(rng),
-                "aux_rows": _int(rng),
-            },
-            "hb": {"rooms": _ints(rng)},
-            "info": {
-                "reg": _int(rng),
-                "dst_pages": _ints(rng),
-                "num_tokens": _int(rng),
-                "aux_index": _int(rng),
-                "send_aux": rng.random() < 0.5,
-                "dummy": rng.random() < 0.5,
-                "expected_infos": _int(rng),
-                "token_start": _int(rng),
-            },
-            "failed": {"reason": "fuzz"},
-            "abort": {"reason": "fuzz"},
-            "pulled": {"chunk_index": _int(rng)},
-            "stg_req": {
-                "flow": rng.choice(("ring", "pinned", "bogus")),
-                "chunk_index": _int(rng),
-                "token_start": _int(rng),
-                "token_end": _int(rng),
-            },
-            "stg_rsp": {
-                "chunk_index": _int(rng),
-                "reg": _int(rng),
-                "ok": rng.random() < 0.7,
-                "alloc_id": _int(rng),
-                "round": _int(rng),
-                "start": _int(rng),
-                "end": _int(rng),
-                "offset": _int(rng),
-                "flow": rng.choice(("ring", "pinned")),
-            },
-            "wm": {
-                "reg": _int(rng),
-                "round": _int(rng),
-                "offset": _int(rng),
-                "pool": rng.choice(("ring", "pinned")),
-            },
-            "pull_offer": {
-                "chunk_index": _int(rng),
-                "token_start": _int(rng),
-                "token_end": _int(rng),
-                "is_last": rng.random() < 0.5,
-                "src_pages": _ints(rng),
-                "registration": {},
-            },
-            "failed_ack": {"known": rng.random() < 0.5},
-            "reg_ack": {"ok": rng.random() < 0.5},
-        }
-        body.update(per_tag.get(tag, {}))
+        body.update(_per_tag_fields(rng).get(tag, {}))
         if rng.random() < 0.1:  # a field of the wrong type
             body[rng.choice(list(body))] = rng.choice((None, "s", 1.5, [1, 2], {"a": 1}))
         return msgspec.msgpack.encode(body)
+
+
+_TAGS = (
+    "reg",
+    "hb",
+    "info",
+    "failed",
+    "abort",
+    "stopped",
+    "pull_offer",
+    "pulled",
+    "stg_req",
+    "stg_rsp",
+    "wm",
+    "info_ack",
+    "failed_ack",
+    "reads_stopped",
+    "reg_ack",
+)
+_ROOMLESS_TAGS = ("reg", "hb", "wm", "reg_ack")
+
+
+def _per_tag_fields(rng: random.Random) -> dict[str, dict[str, Any]]:
+    """The fields of every tag, drawn on every call whatever the tag: the draws of a seed (and so
+    each seed's frames) stay what they were when this was one dict in ``message``."""
+    return {
+        "reg": _reg_fields(rng),
+        "hb": {"rooms": _ints(rng)},
+        "info": {
+            "reg": _int(rng),
+            "dst_pages": _ints(rng),
+            "num_tokens": _int(rng),
+            "aux_index": _int(rng),
+            "send_aux": rng.random() < 0.5,
+            "dummy": rng.random() < 0.5,
+            "expected_infos": _int(rng),
+            "token_start": _int(rng),
+        },
+        "failed": {"reason": "fuzz"},
+        "abort": {"reason": "fuzz"},
+        "pulled": {"chunk_index": _int(rng)},
+        **_staging_fields(rng),
+        "pull_offer": {
+            "chunk_index": _int(rng),
+            "token_start": _int(rng),
+            "token_end": _int(rng),
+            "is_last": rng.random() < 0.5,
+            "src_pages": _ints(rng),
+            "registration": {},
+        },
+        "failed_ack": {"known": rng.random() < 0.5},
+        "reg_ack": {"ok": rng.random() < 0.5},
+    }
+
+
+def _reg_fields(rng: random.Random) -> dict[str, Any]:
+    """A registration with hostile geometry, regions and aux bounds."""
+    return {
+        "agent_name": "fuzz",
+        "agent_meta": bytes(rng.randrange(256) for _ in range(rng.choice((0, 8, 64)))),
+        "geometry": {
+            "model_name": "x",
+            "num_layers": _int(rng),
+            "num_kv_heads": _int(rng),
+            "head_dim": _int(rng),
+            "dtype": "bf16",
+            "is_mla": False,
+            "tp_size": _int(rng),
+            "tp_rank": _int(rng),
+            "page_size": _int(rng),
+            "num_pages": _int(rng),
+            "layout": "sglang_nhd",
+        },
+        "regions": [
+            {"region_id": _int(rng), "addr": _int(rng), "nbytes": _int(rng)}
+            for _ in range(rng.choice((0, 1, 3)))
+        ],
+        "aux_addr": _int(rng),
+        "aux_row_bytes": _int(rng),
+        "aux_rows": _int(rng),
+    }
+
+
+def _staging_fields(rng: random.Random) -> dict[str, dict[str, Any]]:
+    """The staging request, its response and the watermark, in that draw order."""
+    return {
+        "stg_req": {
+            "flow": rng.choice(("ring", "pinned", "bogus")),
+            "chunk_index": _int(rng),
+            "token_start": _int(rng),
+            "token_end": _int(rng),
+        },
+        "stg_rsp": {
+            "chunk_index": _int(rng),
+            "reg": _int(rng),
+            "ok": rng.random() < 0.7,
+            "alloc_id": _int(rng),
+            "round": _int(rng),
+            "start": _int(rng),
+            "end": _int(rng),
+            "offset": _int(rng),
+            "flow": rng.choice(("ring", "pinned")),
+        },
+        "wm": {
+            "reg": _int(rng),
+            "round": _int(rng),
+            "offset": _int(rng),
+            "pool": rng.choice(("ring", "pinned")),
+        },
+    }
 
 
 class _Sender:
@@ -340,18 +359,63 @@ def _send_one(
 
 
 def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = None) -> LiveFuzzResult:
-    from kvferry.backends import pattern
-    from kvferry.backends.loopback.plan import timeouts as loopback_timeouts
-    from kvferry.backends.nixl.transport import AUX_REGION_ID
-    from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
     from kvferry.backends.runtime.security import ephemeral_key
     from kvferry.backends.zmqctl.auth import load_keys
-    from kvferry.core.geometry import ModelGeometry, PoolGeometry
-    from kvferry.core.kvpoll import KVPoll
 
     res = LiveFuzzResult(seed=cfg.seed)
     rng = random.Random(cfg.seed)
     key = ephemeral_key()
+    pre, dec = _endpoints(cfg, key)
+    eps = [*pre, dec]
+    res.executor = ",".join(sorted({ep.transport.executor for ep in eps}))
+    _start(pre, dec)
+    legit = [ep.endpoint for ep in eps]
+    # The forger's and the frame stream's seeds are drawn before the rooms' token counts.
+    rooms = _LegitRooms(cfg, rng, pre, dec)
+    forge = _Forger(random.Random(rng.random()), lambda: list(rooms.live))
+    tx = _Sender(load_keys((key,), None), [(str(ep.endpoint), ep.address) for ep in eps])
+    frng = random.Random(rng.random())
+    last: dict[str, tuple[int, list[bytes]]] = {}  # the last signed frame and its target
+    t0 = time.monotonic()
+    deadline = t0 + cfg.max_seconds
+    sent = 0
+    try:
+        while (rooms.pending() or sent < cfg.frames) and time.monotonic() < deadline:
+            rooms.open()
+            for _ in range(min(50, cfg.frames - sent)):
+                kind = frng.choice(KINDS)
+                _send_one(kind, frng, tx, forge, legit, last)
+                res.frames_sent[kind] += 1
+                sent += 1
+            rooms.reap(res)
+            if progress is not None and sent % 500 == 0:
+                progress(f"frames {sent}/{cfg.frames}, rooms {res.rooms_done}/{cfg.rooms}")
+            time.sleep(0.001)
+        if rooms.pending() or sent < cfg.frames:
+            res.stopped_early = True
+        time.sleep(0.3)  # let the last hostile frames reach the engines
+        _check_threads(eps, res)
+        if cfg.plant_stray_write:
+            region = dec.transport.region(dec.pool.regions[0].region_id)
+            region[region.size - 1] ^= 0xFF
+        _check_canaries(dec, res)
+        res.rejected = _rejections(eps)
+    finally:
+        tx.close()
+        for ep in eps:
+            stuck = ep.close()
+            if stuck:
+                res.violations.append(f"{ep.endpoint}: threads did not stop: {stuck}")
+        res.wall_s = time.monotonic() - t0
+    return res
+
+
+def _endpoints(cfg: LiveFuzzConfig, key: bytes) -> tuple[list[Any], Any]:
+    """Two prefill ranks (TP 2) and the decode rank (TP 1) they feed, not started."""
+    from kvferry.backends.loopback.plan import timeouts as loopback_timeouts
+    from kvferry.backends.runtime import DecodeEndpoint, PrefillEndpoint, RuntimeConfig
+    from kvferry.core.geometry import ModelGeometry, PoolGeometry
+
     timeouts = loopback_timeouts()  # the soak's: generous for a loaded 2-core machine
     rc = RuntimeConfig(
         num_queues=2, aux_rows=AUX_ROWS, timeouts=timeouts, control_keys=(key,), nixl_engine=cfg.engine
@@ -365,102 +429,101 @@ def run_live_fuzz(cfg: LiveFuzzConfig, progress: Callable[[str], None] | None = 
         prefill_addresses=[p.address for p in pre],
         config=rc,
     )
-    eps = [*pre, dec]
-    res.executor = ",".join(sorted({ep.transport.executor for ep in eps}))
-    for ep in eps:
+    return pre, dec
+
+
+def _start(pre: list[Any], dec: Any) -> None:
+    """Starts every endpoint, then paints the decode pages and aux rows with the canary."""
+    from kvferry.backends.nixl.transport import AUX_REGION_ID
+
+    for ep in [*pre, dec]:
         ep.start()
     for rid in [r.region_id for r in dec.pool.regions] + [AUX_REGION_ID]:
         dec.transport.region(rid)[:] = CANARY
-    legit = [ep.endpoint for ep in eps]
-    live: dict[int, Any] = {}
-    forge = _Forger(random.Random(rng.random()), lambda: list(live))
-    tx = _Sender(load_keys((key,), None), [(str(ep.endpoint), ep.address) for ep in eps])
-    frng = random.Random(rng.random())
-    last: dict[str, tuple[int, list[bytes]]] = {}  # the last signed frame and its target
-    t0 = time.monotonic()
-    deadline = t0 + cfg.max_seconds
-    next_room, sent = 0, 0
-    free_slots = list(range(LEGIT_PAGES // 4))  # 4 pages a room (at most 16 tokens)
-    try:
-        while (next_room < cfg.rooms or live or sent < cfg.frames) and time.monotonic() < deadline:
-            while next_room < cfg.rooms and len(live) < WINDOW and free_slots:
-                slot = free_slots.pop(0)
-                room, tid = 7000 + next_room, f"legit-{cfg.seed}-{next_room}"
-                tokens = 1 + rng.randrange(16)
-                pages = np.arange(4, dtype=np.int64) + slot * 4
-                aux = slot % LEGIT_AUX
-                rv = dec.receiver(room, tid)
-                rv.init(pages, tokens, aux)
-                senders = []
-                for p in pre:
-                    pattern.fill(p.pool, p.transport.region, room, pages, 0, tokens)
-                    s = p.sender(room, tid)
-                    s.write_aux(aux, room.to_bytes(8, "little"))
-                    s.init(aux)
-                    s.send(pages, tokens, is_last=True)
-                    senders.append(s)
-                live[room] = (tid, rv, senders, pages, tokens, aux, slot)
-                next_room += 1
-            for _ in range(min(50, cfg.frames - sent)):
-                kind = frng.choice(KINDS)
-                _send_one(kind, frng, tx, forge, legit, last)
-                res.frames_sent[kind] += 1
-                sent += 1
-            for room in list(live):
-                tid, rv, senders, pages, tokens, aux, slot = live[room]
-                st = rv.poll()
-                sts = [s.poll() for s in senders]
-                if st not in (KVPoll.Success, KVPoll.Failed) or any(
-                    x not in (KVPoll.Success, KVPoll.Failed) for x in sts
-                ):
-                    continue
-                res.rooms_done += 1
-                if st is KVPoll.Success and all(x is KVPoll.Success for x in sts):
-                    bad, first = pattern.mismatches(dec.pool, dec.transport.region, room, pages, tokens)
-                    if bad or dec.transport.read_aux_room(aux) != room:
-                        res.violations.append(
-                            f"room {room}: Success with {bad} wrong bytes ({first}) or a wrong aux row"
-                        )
-                    else:
-                        res.rooms_success += 1
-                else:
-                    why = rv.ep.board.get(room, tid)
-                    res.violations.append(f"legitimate room {room} failed: {why.reason if why else '?'}")
-                rv.clear()
-                for s in senders:
-                    s.clear()
-                del live[room]
-                free_slots.append(slot)
-            if progress is not None and sent % 500 == 0:
-                progress(f"frames {sent}/{cfg.frames}, rooms {res.rooms_done}/{cfg.rooms}")
-            time.sleep(0.001)
-        if live or next_room < cfg.rooms or sent < cfg.frames:
-            res.stopped_early = True
-        time.sleep(0.3)  # let the last hostile frames reach the engines
-        for ep in eps:
-            dead = [lp.name for lp in ep._loops if not lp.thread.is_alive()]
-            if dead:
-                res.violations.append(f"{ep.endpoint}: thread(s) died: {dead}")
-            if ep.errors:
-                res.violations.append(
-                    f"{ep.endpoint}: thread errors: {[repr(e)[:200] for e in ep.errors[:3]]}"
-                )
-        if cfg.plant_stray_write:
-            region = dec.transport.region(dec.pool.regions[0].region_id)
-            region[region.size - 1] ^= 0xFF
-        _check_canaries(dec, res, AUX_REGION_ID)
-        res.rejected = _rejections(eps)
-    finally:
-        tx.close()
-        for ep in eps:
-            stuck = ep.close()
-            if stuck:
-                res.violations.append(f"{ep.endpoint}: threads did not stop: {stuck}")
-        res.wall_s = time.monotonic() - t0
-    return res
 
 
-def _check_canaries(dec: Any, res: LiveFuzzResult, aux_region: int) -> None:
+class _LegitRooms:
+    """The legitimate rooms: up to WINDOW in flight, each on a slot of 4 pages of the first
+    LEGIT_PAGES and an aux row of the first LEGIT_AUX, checked and freed once both sides end."""
+
+    def __init__(self, cfg: LiveFuzzConfig, rng: random.Random, pre: list[Any], dec: Any) -> None:
+        self.cfg, self.rng, self.pre, self.dec = cfg, rng, pre, dec
+        self.live: dict[int, Any] = {}
+        self.next_room = 0
+        self.free_slots = list(range(LEGIT_PAGES // 4))  # 4 pages a room (at most 16 tokens)
+
+    def pending(self) -> bool:
+        return self.next_room < self.cfg.rooms or bool(self.live)
+
+    def open(self) -> None:
+        from kvferry.backends import pattern
+
+        cfg, dec = self.cfg, self.dec
+        while self.next_room < cfg.rooms and len(self.live) < WINDOW and self.free_slots:
+            slot = self.free_slots.pop(0)
+            room, tid = 7000 + self.next_room, f"legit-{cfg.seed}-{self.next_room}"
+            tokens = 1 + self.rng.randrange(16)
+            pages = np.arange(4, dtype=np.int64) + slot * 4
+            aux = slot % LEGIT_AUX
+            rv = dec.receiver(room, tid)
+            rv.init(pages, tokens, aux)
+            senders = []
+            for p in self.pre:
+                pattern.fill(p.pool, p.transport.region, room, pages, 0, tokens)
+                s = p.sender(room, tid)
+                s.write_aux(aux, room.to_bytes(8, "little"))
+                s.init(aux)
+                s.send(pages, tokens, is_last=True)
+                senders.append(s)
+            self.live[room] = (tid, rv, senders, pages, tokens, aux, slot)
+            self.next_room += 1
+
+    def reap(self, res: LiveFuzzResult) -> None:
+        """Counts and checks every room whose receiver and senders have all ended."""
+        from kvferry.core.kvpoll import KVPoll
+
+        ended = (KVPoll.Success, KVPoll.Failed)
+        for room in list(self.live):
+            tid, rv, senders, pages, tokens, aux, slot = self.live[room]
+            st = rv.poll()
+            sts = [s.poll() for s in senders]
+            if st not in ended or any(x not in ended for x in sts):
+                continue
+            res.rooms_done += 1
+            if st is KVPoll.Success and all(x is KVPoll.Success for x in sts):
+                self._check_bytes(res, room, pages, tokens, aux)
+            else:
+                why = rv.ep.board.get(room, tid)
+                res.violations.append(f"legitimate room {room} failed: {why.reason if why else '?'}")
+            rv.clear()
+            for s in senders:
+                s.clear()
+            del self.live[room]
+            self.free_slots.append(slot)
+
+    def _check_bytes(self, res: LiveFuzzResult, room: int, pages: np.ndarray, tokens: int, aux: int) -> None:
+        from kvferry.backends import pattern
+
+        dec = self.dec
+        bad, first = pattern.mismatches(dec.pool, dec.transport.region, room, pages, tokens)
+        if bad or dec.transport.read_aux_room(aux) != room:
+            res.violations.append(f"room {room}: Success with {bad} wrong bytes ({first}) or a wrong aux row")
+        else:
+            res.rooms_success += 1
+
+
+def _check_threads(eps: list[Any], res: LiveFuzzResult) -> None:
+    for ep in eps:
+        dead = [lp.name for lp in ep._loops if not lp.thread.is_alive()]
+        if dead:
+            res.violations.append(f"{ep.endpoint}: thread(s) died: {dead}")
+        if ep.errors:
+            res.violations.append(f"{ep.endpoint}: thread errors: {[repr(e)[:200] for e in ep.errors[:3]]}")
+
+
+def _check_canaries(dec: Any, res: LiveFuzzResult) -> None:
+    from kvferry.backends.nixl.transport import AUX_REGION_ID
+
     pool = dec.pool
     for r in pool.regions:
         view = dec.transport.region(r.region_id)
@@ -471,7 +534,7 @@ def _check_canaries(dec: Any, res: LiveFuzzResult, aux_region: int) -> None:
             res.violations.append(
                 f"region {r.region_id}: byte {first} (page {first // per_page}) written, no room owns it"
             )
-    aux = dec.transport.region(aux_region)
+    aux = dec.transport.region(AUX_REGION_ID)
     row = aux.size // AUX_ROWS
     if (aux[LEGIT_AUX * row :] != CANARY).any():
         res.violations.append("an aux row no room owns was written")

@@ -236,11 +236,30 @@ def _config(cfg: BenchConfig) -> Any:
 
 
 def child_prefill(cfg: BenchConfig) -> None:
-    from kvferry.backends.nixl.memory import MemRegion
+    eps, _bufs = _prefill_endpoints(cfg)  # _bufs: the rank buffers, kept alive to the end
+    traces = _start_trace(cfg, eps, "prefill")
+    for ep in eps:
+        ep.start()
+    _say(event="ready", addresses=[ep.address for ep in eps])
+    _hear()  # go
+    run = _PrefillRun(cfg, eps)
+    for b in range(cfg.warmup + cfg.rooms):
+        run.batch(b)
+    if cfg.telemetry_path:  # for calibrating the simulator's cost model from real writes
+        import msgspec
+
+        with open(cfg.telemetry_path, "wb") as f:
+            f.write(msgspec.json.encode({"config": asdict(cfg), "writes": run.kv_posts}))
+    _save_trace(cfg, traces, "prefill")
+    _say(event="done", **run.summary())
+    _hear()
+    for ep in eps:
+        ep.close()
+
+
+def _prefill_endpoints(cfg: BenchConfig) -> tuple[list[Any], list[Any]]:
+    """Prefill's ranks, each on one buffer filled with its rank + 1 (and a covering raw region)."""
     from kvferry.backends.runtime import PrefillEndpoint
-    from kvferry.core.kvpoll import KVPoll
-    from kvferry.core.messages import Endpoint
-    from kvferry.core.topology import receiver_endpoints
 
     eps, bufs = [], []
     for pool in _pools(cfg, "prefill"):
@@ -248,24 +267,54 @@ def child_prefill(cfg: BenchConfig) -> None:
         raw = {"raw": [cover]}
         eps.append(PrefillEndpoint("prefill", pool, buffers=regions, config=_config(cfg), extra_groups=raw))
         bufs.append(buf)
-    traces = _start_trace(cfg, eps, "prefill")
-    for ep in eps:
-        ep.start()
-    _say(event="ready", addresses=[ep.address for ep in eps])
-    _hear()  # go
-    n_pages = -(-cfg.tokens // cfg.page_size)
-    cuts = list(range(cfg.chunk_tokens, cfg.tokens, cfg.chunk_tokens)) if cfg.chunk_tokens else []
-    cuts.append(cfg.tokens)
-    room_bytes = eps[0].pool.total_bytes // cfg.inflight  # a rank's share of one room
-    one = np.array([RAW_ID], dtype=np.int64)
-    raw_times: list[float] = []
-    planned_times: list[float] = []
-    kv_posts: list[Any] = []
-    raw_posts: list[Any] = []
-    kind = "VRAM" if cfg.mem == "VRAM" else "DRAM"
-    for b in range(cfg.warmup + cfg.rooms):
+    return eps, bufs
+
+
+class _PrefillRun:
+    """Prefill's batches: each one's rooms through kvferry, then its paired raw writes, with the
+    times and NIXL's telemetry of the timed (post warm-up) batches."""
+
+    def __init__(self, cfg: BenchConfig, eps: list[Any]) -> None:
+        self.cfg, self.eps = cfg, eps
+        self.n_pages = -(-cfg.tokens // cfg.page_size)
+        cuts = list(range(cfg.chunk_tokens, cfg.tokens, cfg.chunk_tokens)) if cfg.chunk_tokens else []
+        self.cuts = [*cuts, cfg.tokens]
+        self.room_bytes = eps[0].pool.total_bytes // cfg.inflight  # a rank's share of one room
+        self.raw_times: list[float] = []
+        self.planned_times: list[float] = []
+        self.kv_posts: list[Any] = []
+        self.raw_posts: list[Any] = []
+
+    def batch(self, b: int) -> None:
+        from kvferry.core.kvpoll import KVPoll
+
+        cfg, eps = self.cfg, self.eps
         for ep in eps:  # keep only this batch's writes (not the warm-up's, not the raw ones)
             ep.transport.agent.telemetry.clear()
+        batch = self._open(b)
+        if cfg.handoff:  # decode's TransferInfo first: the clock starts at the chunk, not the open
+            _wait_status(senders_of(batch), KVPoll.WaitingForInput)
+        t_send = time.monotonic_ns()
+        self._send(batch)
+        if b >= cfg.warmup:  # NIXL's own per-write telemetry of this batch's KV writes (no aux)
+            self.kv_posts += [
+                r for ep in eps for r in ep.transport.agent.telemetry.records() if r.nbytes > 4096
+            ]
+        _say(event="batch_sent", index=b, t_send=t_send)
+        # Raw, paired with this batch: one descriptor per (room, prefill rank), all posted at once,
+        # the same bytes. Only after decode checked the batch: they land in the same decode buffer.
+        covers = _hear()["raw"]  # per decode rank: (addr, bytes, dev) of its whole pool
+        self._raw(b, covers)
+        if cfg.flow == "direct":
+            self.planned_times.append(_planned_raw(cfg, eps, b, self.n_pages))
+        _say(event="raw_done", index=b)
+
+    def _open(self, b: int) -> list[tuple[list[Any], Any]]:
+        """Batch ``b``'s rooms opened on every rank (aux row written), and their first chunk's
+        pages named ahead where ``cfg.ahead``."""
+        from kvferry.core.topology import receiver_endpoints
+
+        cfg, eps, n_pages = self.cfg, self.eps, self.n_pages
         batch = []
         for k in range(cfg.inflight):
             room, aux = FIRST_ROOM + b * cfg.inflight + k, k
@@ -283,10 +332,14 @@ def child_prefill(cfg: BenchConfig) -> None:
         if cfg.ahead:  # the scheduler knows a chunk's pages before its forward: named first
             for senders, pages in batch:
                 for s in senders:
-                    s.plan_ahead(pages, cuts[0], is_last=len(cuts) == 1)
-        if cfg.handoff:  # decode's TransferInfo first: the clock starts at the chunk, not the open
-            _wait_status(senders_of(batch), KVPoll.WaitingForInput)
-        t_send = time.monotonic_ns()
+                    s.plan_ahead(pages, self.cuts[0], is_last=len(self.cuts) == 1)
+        return batch
+
+    def _send(self, batch: list[tuple[list[Any], Any]]) -> None:
+        """Every chunk of every room handed over, then each room waited for to Success."""
+        from kvferry.core.kvpoll import KVPoll
+
+        cfg, cuts = self.cfg, self.cuts
         for c, end in enumerate(cuts):
             for senders, pages in batch:
                 for s in senders:
@@ -294,34 +347,62 @@ def child_prefill(cfg: BenchConfig) -> None:
                     if cfg.ahead and c + 1 < len(cuts):  # the next chunk's pages, before its forward
                         s.plan_ahead(pages, cuts[c + 1], is_last=c + 2 == len(cuts))
                     if cfg.flow == "layerwise":  # no forward here: every layer is computed already
-                        s.layers_ready(0, eps[0].pool.model.num_layers)
+                        s.layers_ready(0, self.eps[0].pool.model.num_layers)
         for senders, _ in batch:
             for s in senders:
                 if s.wait(600) is not KVPoll.Success:
                     s.failure_exception()
                 s.clear()
-        if b >= cfg.warmup:  # NIXL's own per-write telemetry of this batch's KV writes (no aux)
-            kv_posts += [r for ep in eps for r in ep.transport.agent.telemetry.records() if r.nbytes > 4096]
-        _say(event="batch_sent", index=b, t_send=t_send)
-        # Raw, paired with this batch: one descriptor per (room, prefill rank), all posted at once,
-        # the same bytes. Only after decode checked the batch: they land in the same decode buffer.
-        covers = _hear()["raw"]  # per decode rank: (addr, bytes, dev) of its whole pool
+
+    def _raw(self, b: int, covers: list[Any]) -> None:
+        """The raw writes paired with batch ``b``, timed from the first post to the last DONE."""
+        from kvferry.core.topology import receiver_endpoints
+
+        cfg, eps = self.cfg, self.eps
         # Each prefill rank writes its raw bytes to the first decode rank it really sends to.
         raw_to = [
             receiver_endpoints(ep.pool.model, cfg.prefill_tp, cfg.decode_tp, ep.pool.tp_rank)[0].rank
             for ep in eps
         ]
-        for ep, d in zip(eps, raw_to, strict=True):
+        self._raw_lists(covers, raw_to)
+        seen = [len(ep.transport.agent.telemetry.records()) for ep in eps]
+        t0 = time.perf_counter()
+        tickets = self._post_raw(covers, raw_to)
+        states = [ep.transport.agent.wait(t, 600.0) for ep, t in tickets]
+        self.raw_times.append(time.perf_counter() - t0)
+        if any(s != "DONE" for s in states):
+            raise RuntimeError(f"raw write ended {states}")
+        if b >= cfg.warmup:  # the executor's own view of the raw writes (post call, completion seen)
+            self.raw_posts += [
+                r
+                for ep, n in zip(eps, seen, strict=True)
+                for r in ep.transport.agent.telemetry.records()[n:]
+                if r.nbytes == self.room_bytes
+            ]
+
+    def _raw_lists(self, covers: list[Any], raw_to: list[int]) -> None:
+        """Each rank's prepared list of one room-sized descriptor into its decode rank's pool."""
+        from kvferry.backends.nixl.memory import MemRegion
+        from kvferry.core.messages import Endpoint
+
+        kind = "VRAM" if self.cfg.mem == "VRAM" else "DRAM"
+        room_bytes = self.room_bytes
+        for ep, d in zip(self.eps, raw_to, strict=True):
             d_addr, d_bytes, d_dev = covers[d]
             agent = ep.transport.peer_agent(Endpoint(server="decode", rank=d))
             if ("raw", room_bytes) not in ep.transport.agent._peers[agent].prepped:
                 ep.transport.agent.add_lists(
                     agent, {"raw": ([MemRegion(RAW_ID, d_addr, d_bytes, kind, d_dev)], [room_bytes])}
                 )
-        seen = [len(ep.transport.agent.telemetry.records()) for ep in eps]
-        t0 = time.perf_counter()
+
+    def _post_raw(self, covers: list[Any], raw_to: list[int]) -> list[tuple[Any, Any]]:
+        """One raw WRITE per (room, rank), all posted at once: (endpoint, ticket) of each."""
+        from kvferry.core.messages import Endpoint
+
+        eps, room_bytes = self.eps, self.room_bytes
+        one = np.array([RAW_ID], dtype=np.int64)
         tickets = []
-        for k in range(cfg.inflight):
+        for k in range(self.cfg.inflight):
             for r, ep in enumerate(eps):
                 decode = Endpoint(server="decode", rank=raw_to[r])
                 slots = max(1, covers[raw_to[r]][1] // room_bytes)
@@ -339,44 +420,25 @@ def child_prefill(cfg: BenchConfig) -> None:
                         ),
                     )
                 )
-        states = [ep.transport.agent.wait(t, 600.0) for ep, t in tickets]
-        raw_times.append(time.perf_counter() - t0)
-        if any(s != "DONE" for s in states):
-            raise RuntimeError(f"raw write ended {states}")
-        if b >= cfg.warmup:  # the executor's own view of the raw writes (post call, completion seen)
-            raw_posts += [
-                r
-                for ep, n in zip(eps, seen, strict=True)
-                for r in ep.transport.agent.telemetry.records()[n:]
-                if r.nbytes == room_bytes
-            ]
-        if cfg.flow == "direct":
-            planned_times.append(_planned_raw(cfg, eps, b, n_pages))
-        _say(event="raw_done", index=b)
-    if cfg.telemetry_path:  # for calibrating the simulator's cost model from real writes
-        import msgspec
+        return tickets
 
-        with open(cfg.telemetry_path, "wb") as f:
-            f.write(msgspec.json.encode({"config": asdict(cfg), "writes": kv_posts}))
-    _save_trace(cfg, traces, "prefill")
-    _say(
-        event="done",
-        executor=[ep.transport.executor for ep in eps],
-        raw_times=raw_times[cfg.warmup :],
-        planned_times=planned_times[cfg.warmup :],
-        raw_bytes=room_bytes * len(eps) * cfg.inflight,
-        descs_requested=max((r.descs_requested for r in kv_posts), default=0),
-        descs_posted=max((r.descs_posted for r in kv_posts), default=0),
-        post_us=statistics.median([r.post_us for r in kv_posts]) if kv_posts else 0,
-        xfer_us=statistics.median([r.xfer_us for r in kv_posts]) if kv_posts else 0,
-        wall_us=statistics.median([r.wall_ns / 1e3 for r in kv_posts]) if kv_posts else 0,
-        raw_post_us=statistics.median([r.post_us for r in raw_posts]) if raw_posts else 0,
-        raw_xfer_us=statistics.median([r.xfer_us for r in raw_posts]) if raw_posts else 0,
-        raw_wall_us=statistics.median([r.wall_ns / 1e3 for r in raw_posts]) if raw_posts else 0,
-    )
-    _hear()
-    for ep in eps:
-        ep.close()
+    def summary(self) -> dict[str, Any]:
+        """What prefill reports at the end: the timed batches' raw times and write telemetry."""
+        cfg, kv_posts, raw_posts = self.cfg, self.kv_posts, self.raw_posts
+        return {
+            "executor": [ep.transport.executor for ep in self.eps],
+            "raw_times": self.raw_times[cfg.warmup :],
+            "planned_times": self.planned_times[cfg.warmup :],
+            "raw_bytes": self.room_bytes * len(self.eps) * cfg.inflight,
+            "descs_requested": max((r.descs_requested for r in kv_posts), default=0),
+            "descs_posted": max((r.descs_posted for r in kv_posts), default=0),
+            "post_us": statistics.median([r.post_us for r in kv_posts]) if kv_posts else 0,
+            "xfer_us": statistics.median([r.xfer_us for r in kv_posts]) if kv_posts else 0,
+            "wall_us": statistics.median([r.wall_ns / 1e3 for r in kv_posts]) if kv_posts else 0,
+            "raw_post_us": statistics.median([r.post_us for r in raw_posts]) if raw_posts else 0,
+            "raw_xfer_us": statistics.median([r.xfer_us for r in raw_posts]) if raw_posts else 0,
+            "raw_wall_us": statistics.median([r.wall_ns / 1e3 for r in raw_posts]) if raw_posts else 0,
+        }
 
 
 def senders_of(batch: list[tuple[list[Any], Any]]) -> list[Any]:
@@ -447,57 +509,19 @@ def _expected_counts(pool: Any, prefill_tp: int, tokens: int) -> dict[int, int]:
 
 
 def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
-    from kvferry.backends.runtime import DecodeEndpoint
-    from kvferry.core.kvpoll import KVPoll
-
-    eps, all_regions, covers, keep = [], [], [], []
-    for pool in _pools(cfg, "decode"):
-        buf, regions, cover = _buffers(pool, 0, cfg.mem)
-        keep.append(buf)  # the views keep it alive anyway; explicit is clearer
-        eps.append(
-            DecodeEndpoint(
-                "decode",
-                pool,
-                prefill_server="prefill",
-                prefill_addresses=prefill,
-                buffers=regions,
-                config=_config(cfg),
-                extra_groups={"raw": [cover]},
-            )
-        )
-        all_regions.append(regions)
-        covers.append([cover.addr, cover.nbytes, cover.dev])
+    eps, all_regions, covers, _bufs = _decode_endpoints(cfg, prefill)
     traces = _start_trace(cfg, eps, "decode")
     for ep in eps:
         ep.start()
     _say(event="ready", raw=covers)
     _hear()
-    n_pages = -(-cfg.tokens // cfg.page_size)
     slots = 2 * cfg.inflight
     durations, checks = [], []
     room_bytes = sum(ep.pool.token_bytes for ep in eps) * cfg.tokens * eps[0].pool.model.num_regions
     wants = [_expected_counts(ep.pool, cfg.prefill_tp, cfg.tokens) for ep in eps]
     for b in range(cfg.warmup + cfg.rooms):
         half = b % 2
-        for k in range(cfg.inflight):  # clear the batch's pages so the check means something
-            for regions in all_regions:
-                for r in regions.values():
-                    _slot(r, slots, half * cfg.inflight + k)[:] = 0
-        rvs = []
-        t0 = time.perf_counter()
-        for k in range(cfg.inflight):
-            room, slot = FIRST_ROOM + b * cfg.inflight + k, half * cfg.inflight + k
-            for ep in eps:
-                rv = ep.receiver(room, f"b{room}")
-                rv.init(np.arange(n_pages, dtype=np.int64) + slot * n_pages, cfg.tokens, k)
-                rvs.append(rv)
-        sts = [rv.wait(600) for rv in rvs]
-        dt = time.perf_counter() - t0
-        t_done = time.monotonic_ns()
-        for rv, st in zip(rvs, sts, strict=True):
-            if st is not KVPoll.Success:
-                rv.failure_exception()
-            rv.clear()
+        dt, t_done = _receive_batch(cfg, eps, all_regions, b)
         if b >= cfg.warmup:
             durations.append(dt)
             # Prefill rank r filled its pool with r + 1; each wrote its heads of every token.
@@ -526,6 +550,65 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
     _hear()
     for ep in eps:
         ep.close()
+
+
+def _decode_endpoints(
+    cfg: BenchConfig, prefill: list[str]
+) -> tuple[list[Any], list[dict[int, Any]], list[list[Any]], list[Any]]:
+    """Decode's ranks on zeroed buffers: (endpoints, each rank's regions, each rank's raw cover as
+    (addr, bytes, dev) for prefill's raw writes, the buffers)."""
+    from kvferry.backends.runtime import DecodeEndpoint
+
+    eps, all_regions, covers, keep = [], [], [], []
+    for pool in _pools(cfg, "decode"):
+        buf, regions, cover = _buffers(pool, 0, cfg.mem)
+        keep.append(buf)  # the views keep it alive anyway; explicit is clearer
+        eps.append(
+            DecodeEndpoint(
+                "decode",
+                pool,
+                prefill_server="prefill",
+                prefill_addresses=prefill,
+                buffers=regions,
+                config=_config(cfg),
+                extra_groups={"raw": [cover]},
+            )
+        )
+        all_regions.append(regions)
+        covers.append([cover.addr, cover.nbytes, cover.dev])
+    return eps, all_regions, covers, keep
+
+
+def _receive_batch(
+    cfg: BenchConfig, eps: list[Any], all_regions: list[dict[int, Any]], b: int
+) -> tuple[float, int]:
+    """Batch ``b`` received into its half of the pages (zeroed first, so the check means
+    something): (seconds from the first init to the last Success, monotonic ns at the end)."""
+    from kvferry.core.kvpoll import KVPoll
+
+    n_pages = -(-cfg.tokens // cfg.page_size)
+    slots = 2 * cfg.inflight
+    half = b % 2
+    for k in range(cfg.inflight):
+        for regions in all_regions:
+            for r in regions.values():
+                _slot(r, slots, half * cfg.inflight + k)[:] = 0
+    rvs = []
+    t0 = time.perf_counter()
+    for k in range(cfg.inflight):
+        room, slot = FIRST_ROOM + b * cfg.inflight + k, half * cfg.inflight + k
+        for ep in eps:
+            rv = ep.receiver(room, f"b{room}")
+            rv.init(np.arange(n_pages, dtype=np.int64) + slot * n_pages, cfg.tokens, k)
+            rvs.append(rv)
+    sts = [rv.wait(600) for rv in rvs]
+    dt = time.perf_counter() - t0
+    t_done = time.monotonic_ns()
+    for rv, st in zip(rvs, sts, strict=True):
+        if st is not KVPoll.Success:
+            rv.failure_exception()
+        rv.clear()
+    return dt, t_done
 
 
 # ---- harness side --------------------------------------------------------------------------------
@@ -638,6 +721,15 @@ def run_config(
         from kvferry.backends.runtime.security import ephemeral_key
 
         env["KVFERRY_CONTROL_KEY"] = ephemeral_key()  # the two children share a fresh key
+    p, d, handoffs = _drive(cfg, env, timeout_s)
+    return _row(cfg, env, p, d, handoffs)
+
+
+def _drive(
+    cfg: BenchConfig, env: dict[str, str], timeout_s: float
+) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
+    """Both children through every batch: (prefill's summary, decode's, the timed batches'
+    send-to-Success seconds)."""
     blob = json.dumps(asdict(cfg))
     pre_env, dec_env = dict(env), dict(env)
     if cfg.prefill_gpus:
@@ -669,16 +761,15 @@ def run_config(
         pre.kill()
         if dec is not None:
             dec.kill()
+    return p, d, handoffs
+
+
+def _row(
+    cfg: BenchConfig, env: dict[str, str], p: dict[str, Any], d: dict[str, Any], handoffs: list[float]
+) -> dict[str, Any]:
+    """The result row: the configuration, the times (medians), the write telemetry, the placement."""
     p2p = _p2p_gbps(cfg, env, d["room_bytes"] // cfg.inflight) if cfg.mem == "VRAM" else None
     room_bytes = d["room_bytes"]
-    e2e_s = statistics.median(d["durations"])
-    e2e = room_bytes / e2e_s / 1e9
-    raw_s = statistics.median(p["raw_times"])
-    raw = p["raw_bytes"] / raw_s / 1e9
-    # Direct flow only: NIXL alone with the room's own descriptors (see _planned_raw).
-    planned_s = statistics.median(p["planned_times"]) if p["planned_times"] else None
-    planned = p["raw_bytes"] / planned_s / 1e9 if planned_s else None
-    handoff_s = statistics.median(handoffs) if cfg.handoff else None
     return {
         "config": cfg.name,
         "model": cfg.model,
@@ -697,19 +788,7 @@ def run_config(
         "executor": sorted(set(p["executor"]) | set(d["executor"])),
         "handoff": cfg.handoff,
         "ahead": cfg.ahead,
-        # send(last chunk) -> decode Success of a batch (TransferInfo already at prefill), and the
-        # raw write of the same bytes over that time (None unless ``handoff``).
-        "handoff_s": handoff_s,
-        "handoff_ratio": raw_s / handoff_s if handoff_s else None,
-        "kvferry_s": e2e_s,
-        "kvferry_gbps": e2e,
-        "raw_s": raw_s,
-        "raw_gbps": raw,
-        "ratio": e2e / raw,
-        "planned_raw_s": planned_s,
-        "planned_raw_gbps": planned,
-        "planned_of_raw": planned / raw if planned else None,  # NIXL's cost of the descriptors
-        "ratio_to_planned": e2e / planned if planned else None,  # our runtime's cost on top
+        **_row_times(cfg, p, d, handoffs),
         "descs_requested": p["descs_requested"],
         "descs_posted": p["descs_posted"],
         "write_post_us": p["post_us"],  # NIXL telemetry, median per kvferry write
@@ -730,6 +809,35 @@ def run_config(
         # Chunks decode scattered per flow (the flow really ran): from decode's counters.
         "scattered": {f: d["counters"].get(f"scattered_{f}", 0) for f in ("ring", "pinned")},
         **({"hops": _trace_hops(cfg)} if cfg.trace_dir else {}),
+    }
+
+
+def _row_times(
+    cfg: BenchConfig, p: dict[str, Any], d: dict[str, Any], handoffs: list[float]
+) -> dict[str, Any]:
+    """The medians of kvferry's batches and of the raw writes, seconds and GB/s, and their ratios."""
+    e2e_s = statistics.median(d["durations"])
+    e2e = d["room_bytes"] / e2e_s / 1e9
+    raw_s = statistics.median(p["raw_times"])
+    raw = p["raw_bytes"] / raw_s / 1e9
+    # Direct flow only: NIXL alone with the room's own descriptors (see _planned_raw).
+    planned_s = statistics.median(p["planned_times"]) if p["planned_times"] else None
+    planned = p["raw_bytes"] / planned_s / 1e9 if planned_s else None
+    handoff_s = statistics.median(handoffs) if cfg.handoff else None
+    return {
+        # send(last chunk) -> decode Success of a batch (TransferInfo already at prefill), and the
+        # raw write of the same bytes over that time (None unless ``handoff``).
+        "handoff_s": handoff_s,
+        "handoff_ratio": raw_s / handoff_s if handoff_s else None,
+        "kvferry_s": e2e_s,
+        "kvferry_gbps": e2e,
+        "raw_s": raw_s,
+        "raw_gbps": raw,
+        "ratio": e2e / raw,
+        "planned_raw_s": planned_s,
+        "planned_raw_gbps": planned,
+        "planned_of_raw": planned / raw if planned else None,  # NIXL's cost of the descriptors
+        "ratio_to_planned": e2e / planned if planned else None,  # our runtime's cost on top
     }
 
 

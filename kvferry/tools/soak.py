@@ -243,7 +243,7 @@ class Soak:
         self.done = 0  # rooms judged
         self.reported = 0  # rooms decode reported (the progress line)
         self.sides: dict[str, Side] = {}
-        self.prefill_ports = ""
+        # Prefill's control addresses, once it is up; a restarted prefill binds the same ports.
         self.prefill_addresses: list[str] = []
         self.executors: set[str] = set()  # which executor each side's processes ran (any restart)
         # Transfers of lost peers released still in flight (past the agent's drain bound), over
@@ -268,7 +268,8 @@ class Soak:
     def _start(self, role: str) -> None:
         args = self._common(role)
         if role == "prefill":
-            args += ["--ports", self.prefill_ports] if self.prefill_ports else []
+            ports = ",".join(a.rsplit(":", 1)[1] for a in self.prefill_addresses)
+            args += ["--ports", ports] if ports else []
         else:
             args += ["--prefill", *self.prefill_addresses]
         prefix, extra, env = self._launch(role)
@@ -279,7 +280,6 @@ class Soak:
         self.executors.update(ready.get("executors", ()))
         if role == "prefill":
             self.prefill_addresses = ready["addresses"]
-            self.prefill_ports = ",".join(a.rsplit(":", 1)[1] for a in ready["addresses"])
 
     def _wait(self, side: Side, event: str, timeout_s: float) -> dict[str, Any]:
         """Handle events (room outcomes of any side) until ``side`` says ``event``."""
@@ -353,53 +353,68 @@ class Soak:
         p = self.results["prefill"].pop(plan.index, None)
         d = self.results["decode"].pop(plan.index, None)
         info = {"room": plan.index, "flow": plan.flow, "abort": plan.abort}
-        outcome = "violation"
         if d is not None and d.get("canary_bad"):
             # Found when the room's pages or aux row were handed out: a write landed in them
             # while they were free (a late write of an earlier room), whatever this room did.
             self._violation("canary", canary=d["canary_bad"], **info)
         if plan.hold and victim is not None:
-            surv = d if victim == "prefill" else p
-            if surv is None:
-                self._violation("no_outcome", side="decode" if victim == "prefill" else "prefill", **info)
-            elif "still live" in surv["reason"]:
-                self._violation("hang", side=surv, **info)
-            elif set(surv["status"]) != {FAILED}:
-                self._violation("hit_by_kill_not_failed", victim=victim, status=surv["status"], **info)
-            elif not all(any(m in r for m in DEATH_MARKS) for r in surv["reason"]):
-                if self.kill_deadline_is_violation or not _by_deadline(surv["reason"]):
-                    # The core must notice the death itself (heartbeats, a refused write, a
-                    # lease), not by a room deadline.
-                    self._violation("hit_by_kill_wrong_reason", victim=victim, reasons=surv["reason"], **info)
-                else:
-                    outcome = "killed_by_deadline"
-            else:
-                outcome = "killed"
+            outcome = self._judge_kill(victim, d if victim == "prefill" else p, info)
         elif p is None or d is None:
             self._violation("no_outcome", side="prefill" if p is None else "decode", **info)
+            outcome = "violation"
         elif "still live" in p["reason"] + d["reason"]:
             self._violation("hang", prefill=p["status"], decode=d["status"], **info)
+            outcome = "violation"
         elif plan.abort is not None:
-            if set(p["status"]) == set(d["status"]) == {FAILED}:
-                outcome = "aborted"
-            elif plan.abort in sp.LATE_ABORTS and set(p["status"]) == set(d["status"]) == {SUCCESS}:
-                # Decode's abort came after the room had ended: a no-op (core/receiver.py, "every
-                # byte landed"), so the room is a Success on both sides, its bytes checked as any.
-                if d["bad_bytes"] or not d["aux_ok"]:
-                    self._violation("corrupted", bad_bytes=d["bad_bytes"], first_bad=d["first_bad"], **info)
-                else:
-                    outcome = "abort_after_success"
+            outcome = self._judge_abort(plan.abort, p, d, info)
+        else:
+            outcome = self._judge_ended(p, d, fault, info)
+        self.outcomes[outcome] += 1
+        self.by_flow[plan.flow][outcome] += 1
+        self.done += 1
+        self._counted(plan, outcome, fault)
+
+    def _judge_kill(self, victim: str, surv: dict[str, Any] | None, info: dict[str, Any]) -> str:
+        """A room held in flight when ``victim`` was killed: the survivor must fail it, and say
+        the peer died."""
+        if surv is None:
+            self._violation("no_outcome", side="decode" if victim == "prefill" else "prefill", **info)
+        elif "still live" in surv["reason"]:
+            self._violation("hang", side=surv, **info)
+        elif set(surv["status"]) != {FAILED}:
+            self._violation("hit_by_kill_not_failed", victim=victim, status=surv["status"], **info)
+        elif not all(any(m in r for m in DEATH_MARKS) for r in surv["reason"]):
+            if self.kill_deadline_is_violation or not _by_deadline(surv["reason"]):
+                # The core must notice the death itself (heartbeats, a refused write, a
+                # lease), not by a room deadline.
+                self._violation("hit_by_kill_wrong_reason", victim=victim, reasons=surv["reason"], **info)
             else:
-                self._violation("aborted_not_failed", prefill=p["status"], decode=d["status"], **info)
-        elif set(p["status"]) == set(d["status"]) == {SUCCESS}:
-            if d["bad_bytes"] or not d["aux_ok"]:
-                self._violation("corrupted", bad_bytes=d["bad_bytes"], first_bad=d["first_bad"], **info)
-            else:
-                outcome = "success"
-        elif fault is not None and set(p["status"]) == set(d["status"]) == {FAILED}:
-            outcome = "failed_by_deadline" if _by_deadline(p["reason"] + d["reason"]) else "failed"
-        elif fault is not None:
-            reasons = [r for r in p["reason"] + d["reason"] if r][:2]
+                return "killed_by_deadline"
+        else:
+            return "killed"
+        return "violation"
+
+    def _judge_abort(self, abort: str, p: dict[str, Any], d: dict[str, Any], info: dict[str, Any]) -> str:
+        """An aborted room, both sides reported: Failed on both, or (a late abort) Success on both."""
+        if set(p["status"]) == set(d["status"]) == {FAILED}:
+            return "aborted"
+        if abort in sp.LATE_ABORTS and set(p["status"]) == set(d["status"]) == {SUCCESS}:
+            # Decode's abort came after the room had ended: a no-op (core/receiver.py, "every
+            # byte landed"), so the room is a Success on both sides, its bytes checked as any.
+            return self._bytes_checked(d, info, "abort_after_success")
+        self._violation("aborted_not_failed", prefill=p["status"], decode=d["status"], **info)
+        return "violation"
+
+    def _judge_ended(
+        self, p: dict[str, Any], d: dict[str, Any], fault: str | None, info: dict[str, Any]
+    ) -> str:
+        """A room neither aborted nor held at a kill, both sides reported."""
+        if set(p["status"]) == set(d["status"]) == {SUCCESS}:
+            return self._bytes_checked(d, info, "success")
+        if fault is not None and set(p["status"]) == set(d["status"]) == {FAILED}:
+            return "failed_by_deadline" if _by_deadline(p["reason"] + d["reason"]) else "failed"
+        reasons = [r for r in p["reason"] + d["reason"] if r][:2]
+        if fault is not None:
             # Every rank's reason, in rank order ("" for a rank that did not fail): which rank
             # said what is the first thing a disagreement's diagnosis needs.
             by_rank = {"prefill_reasons": p["reason"], "decode_reasons": d["reason"]}
@@ -407,12 +422,15 @@ class Soak:
                 "disagree", prefill=p["status"], decode=d["status"], reasons=reasons, **by_rank, **info
             )
         else:
-            reasons = [r for r in p["reason"] + d["reason"] if r][:2]
             self._violation("failed", prefill=p["status"], decode=d["status"], reasons=reasons, **info)
-        self.outcomes[outcome] += 1
-        self.by_flow[plan.flow][outcome] += 1
-        self.done += 1
-        self._counted(plan, outcome, fault)
+        return "violation"
+
+    def _bytes_checked(self, d: dict[str, Any], info: dict[str, Any], outcome: str) -> str:
+        """``outcome`` for a room Success on both sides whose bytes and aux row decode found right."""
+        if d["bad_bytes"] or not d["aux_ok"]:
+            self._violation("corrupted", bad_bytes=d["bad_bytes"], first_bad=d["first_bad"], **info)
+            return "violation"
+        return outcome
 
     def _counted(self, plan: sp.SoakRoom, outcome: str, fault: str | None) -> None:
         """A judged room (coverage tables hook here)."""

@@ -55,9 +55,25 @@ def render(
     control_handle_us: float = 0.0,
     transport: str = "fitted",
 ) -> str:
+    lines = [
+        *_fabric_lines(name, fab, flows, transport),
+        *_flow_lines(flows),
+        *_kernel_lines(kernels, kernel_source, rooms),
+        *_room_lines(rooms, control_handle_us),
+        "",
+        *_fit_table(fab, tel, sources),
+        *_fit_rooms(rooms, rooms_sources),
+        *_fit_flows(flows),
+        *_fit_kernels(kernels),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _fabric_lines(name: str, fab: FabricFit, flows: FlowFit | None, transport: str) -> list[str]:
+    """The header and the fabric's cost model: what every fitted profile has."""
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     posting = None if flows is None else flows.posting
-    lines = [
+    return [
         f"# Fitted by `kvferry calibrate` on {when} from NIXL per-write telemetry",
         "# (`kvferry bench nixl --telemetry`); the [fit] table says from which rows and how well.",
         'kind = "fabric"',
@@ -70,7 +86,7 @@ def render(
         ),
         'post_cost_source = "kvferry calibrate: fitted to NIXL per-write telemetry ([fit] sources)"',
         'per_desc_source = "kvferry calibrate: fitted to NIXL per-write telemetry ([fit] '
-        + ('flow_sources)"' if flows is not None and flows.posting is not None else 'sources)"'),
+        + ('flow_sources)"' if posting is not None else 'sources)"'),
         "# total_us = post_cost_us + per_desc_us * descriptors + bytes / bandwidth + 2 * latency_us,",
         "# non-negative least squares of relative error on the fit sizes (sim/calibrate/fit.py).",
         f"bandwidth_gbps = {_num(fab.bandwidth_gbps)}",
@@ -78,37 +94,50 @@ def render(
         f"post_cost_us = {_num(fab.post_cost_us)}",
         f"per_desc_us = {_num(fab.per_desc_us if posting is None else posting.per_desc_us)}",
     ]
-    if posting is not None:
+
+
+def _flow_lines(flows: FlowFit | None) -> list[str]:
+    """The shared posting cost and the pinned flow's host bandwidth, where the flows gave them."""
+    lines: list[str] = []
+    if flows is not None and flows.posting is not None:
         lines += [
             "# Descriptor-bound writes (one descriptor per token and layer) of one process alone and of",
             "# several at once on the same GPU, from the telemetry in [fit] flow_sources",
             "# (sim/calibrate/posting.py): per_desc_us above is one process's cost a descriptor,",
             "# shared_desc_us the GPU's that all posting processes share (k at once: max(per_desc,",
             "# k * shared_desc) each).",
-            f"shared_desc_us = {_num(posting.shared_desc_us)}",
+            f"shared_desc_us = {_num(flows.posting.shared_desc_us)}",
         ]
     if flows is not None and flows.host_gbps is not None:
         lines += [
             "# The pinned flow's host-to-host writes (UCX cma), from the same telemetry.",
             f"host_bandwidth_gbps = {_num(flows.host_gbps)}",
         ]
-    if kernels is not None:
-        lines.append(f"# Copy kernels from {kernel_source}: seconds = launch + bytes / rate per memory kind.")
-        lines.append(f"# Launch cost: {kernels.launch_source}.")
-        if rooms is None:  # with --rooms, the runtime's launch (below) replaces the bare one
-            lines.append(f"kernel_launch_us = {_num(kernels.launch_us)}")
-        else:
-            lines.append(
-                f"# (bare launch {_num(kernels.launch_us)} us; the runtime's, fitted below, is charged)"
-            )
-        if kernels.gpu_gbps is not None:
-            lines.append(f"copy_gpu_gbps = {_num(kernels.gpu_gbps)}")
-        if kernels.pinned_gbps is not None:
-            lines.append(f"copy_pinned_gbps = {_num(kernels.pinned_gbps)}")
+    return lines
+
+
+def _kernel_lines(kernels: KernelFit | None, kernel_source: str, rooms: RoomFit | None) -> list[str]:
+    if kernels is None:
+        return ["# No kernel bench given: the GPU profile's copy kernels apply."]
+    lines = [
+        f"# Copy kernels from {kernel_source}: seconds = launch + bytes / rate per memory kind.",
+        f"# Launch cost: {kernels.launch_source}.",
+    ]
+    if rooms is None:  # with --rooms, the runtime's launch (below) replaces the bare one
+        lines.append(f"kernel_launch_us = {_num(kernels.launch_us)}")
     else:
-        lines.append("# No kernel bench given: the GPU profile's copy kernels apply.")
+        lines.append(f"# (bare launch {_num(kernels.launch_us)} us; the runtime's, fitted below, is charged)")
+    if kernels.gpu_gbps is not None:
+        lines.append(f"copy_gpu_gbps = {_num(kernels.gpu_gbps)}")
+    if kernels.pinned_gbps is not None:
+        lines.append(f"copy_pinned_gbps = {_num(kernels.pinned_gbps)}")
+    return lines
+
+
+def _room_lines(rooms: RoomFit | None, control_handle_us: float) -> list[str]:
+    """The runtime's per-room control path: fitted (--rooms) and given (--control-handle-us)."""
     if rooms is not None:
-        lines += [
+        lines = [
             "# The runtime's per-room control path, fitted to the ms per room of the bench rows in",
             "# [fit] room_sources (sim/calibrate/rooms.py): one control message's latency, the",
             "# delay before a notification or completion is handled, and the runtime's host work",
@@ -118,15 +147,19 @@ def render(
             f"kernel_launch_us = {_num(rooms.kernel_launch_us)}",
         ]
     else:
-        lines.append("# No bench rows given (--rooms): no per-room control path, the fabric's defaults.")
+        lines = ["# No bench rows given (--rooms): no per-room control path, the fabric's defaults."]
     if control_handle_us:
         lines += [
             "# Given, not fitted (kvferry calibrate --control-handle-us): a control thread holds",
             "# each message this long (measured: the control plane over the ZMQ under it).",
             f"control_handle_us = {_num(control_handle_us)}",
         ]
-    lines += [
-        "",
+    return lines
+
+
+def _fit_table(fab: FabricFit, tel: Telemetry, sources: list[str]) -> list[str]:
+    """The [fit] table's fabric rows: the input files, the rows used and dropped, the MAPEs."""
+    return [
         "[fit]",
         f"sources = [{', '.join(_s(s) for s in sources)}]",
         f"rows_used = {fab.rows_fit}",
@@ -139,32 +172,46 @@ def render(
         f"mape_fit_pct = {fab.mape_fit_pct:.2f}",
         f"mape_heldout_pct = {fab.mape_heldout_pct:.2f}",
     ]
-    if rooms is not None:
-        lines += [
-            f"room_sources = [{', '.join(_s(s) for s in rooms_sources or ())}]",
-            f"room_rows_used = {rooms.rows_fit}",
-            f"room_rows_heldout = {rooms.rows_heldout}",
-            f"room_tokens_fit = [{', '.join(str(t) for t in rooms.tokens_fit)}]",
-            f"room_tokens_heldout = [{', '.join(str(t) for t in rooms.tokens_heldout)}]",
-            f"room_mape_fit_pct = {rooms.mape_fit_pct:.2f}",
-            f"room_mape_heldout_pct = {rooms.mape_heldout_pct:.2f}",
-            f"room_mape_heldout_without_pct = {rooms.mape_heldout_without_pct:.2f}",
-        ]
-    if flows is not None:
-        lines += [
-            f"flow_sources = [{', '.join(_s(s) for s in flows.sources)}]",
-            f"posting_rows = {0 if posting is None else posting.rows}",
-            f"host_rows = {flows.host_rows}",
-        ]
-        if posting is not None:
-            lines.append(f"posting_mape_in_sample_pct = {posting.mape_pct:.2f}")
-        if flows.host_gbps is not None:
-            lines.append(f"host_mape_in_sample_pct = {flows.host_mape_pct:.2f}")
-    if kernels is not None:
-        lines.append(f"kernel_rows = {kernels.rows}")
-        for k, v in kernels.mape_pct.items():
-            lines.append(f"kernel_{k}_mape_in_sample_pct = {v:.2f}")
-    return "\n".join(lines) + "\n"
+
+
+def _fit_rooms(rooms: RoomFit | None, rooms_sources: list[str] | None) -> list[str]:
+    if rooms is None:
+        return []
+    return [
+        f"room_sources = [{', '.join(_s(s) for s in rooms_sources or ())}]",
+        f"room_rows_used = {rooms.rows_fit}",
+        f"room_rows_heldout = {rooms.rows_heldout}",
+        f"room_tokens_fit = [{', '.join(str(t) for t in rooms.tokens_fit)}]",
+        f"room_tokens_heldout = [{', '.join(str(t) for t in rooms.tokens_heldout)}]",
+        f"room_mape_fit_pct = {rooms.mape_fit_pct:.2f}",
+        f"room_mape_heldout_pct = {rooms.mape_heldout_pct:.2f}",
+        f"room_mape_heldout_without_pct = {rooms.mape_heldout_without_pct:.2f}",
+    ]
+
+
+def _fit_flows(flows: FlowFit | None) -> list[str]:
+    if flows is None:
+        return []
+    posting = flows.posting
+    lines = [
+        f"flow_sources = [{', '.join(_s(s) for s in flows.sources)}]",
+        f"posting_rows = {0 if posting is None else posting.rows}",
+        f"host_rows = {flows.host_rows}",
+    ]
+    if posting is not None:
+        lines.append(f"posting_mape_in_sample_pct = {posting.mape_pct:.2f}")
+    if flows.host_gbps is not None:
+        lines.append(f"host_mape_in_sample_pct = {flows.host_mape_pct:.2f}")
+    return lines
+
+
+def _fit_kernels(kernels: KernelFit | None) -> list[str]:
+    if kernels is None:
+        return []
+    return [
+        f"kernel_rows = {kernels.rows}",
+        *(f"kernel_{k}_mape_in_sample_pct = {v:.2f}" for k, v in kernels.mape_pct.items()),
+    ]
 
 
 def write(path: Path, text: str) -> None:
