@@ -184,7 +184,7 @@ def collect(
     length_s = max(1e-9, (last_arrival - warmup_ns) / NS)
     offered = window / length_s
     completed_rps = done_in_window / length_s
-    log = [n for at, n in w.waiting_log if warmup_ns <= at <= last_arrival]
+    log = [n for at, n in w.monitor.waiting_log if warmup_ns <= at <= last_arrival]
     third = max(1, len(log) // 3)
     first_q = sum(log[:third]) / third if log else 0.0
     last_q = sum(log[-third:]) / third if log else 0.0
@@ -200,7 +200,7 @@ def collect(
             first_q,
             last_q,
             busy,
-            w.stopped if w.overloaded else "",
+            w.monitor.stopped if w.monitor.overloaded else "",
         )
         if not arrivals.concurrency
         else ""
@@ -229,17 +229,17 @@ def collect(
         instances={
             f"{side}{i}": {"requests": n, "busy": busy / NS / span_s}
             for side in ("prefill", "decode")
-            for i, (n, busy) in enumerate(zip(w.routed[side], w.busy_ns[side], strict=True))
+            for i, (n, busy) in enumerate(zip(w.loads.routed[side], w.busy_ns[side], strict=True))
         },
         page_runs=page_runs(w),
-        growth_short=w.growth_short,
-        retractions=w.retractions,
-        swap_ms=w.swap_ns / MS,
+        growth_short=w.memory.growth_short,
+        retractions=w.memory.retractions,
+        swap_ms=w.memory.swap_ns / MS,
         warmup_s=warmup_ns / NS,
         offered_rps=offered,
         completed_rps=completed_rps,
         overload=overload,
         failure_reasons=dict(reasons),
-        stopped=w.stopped,
-        served_rps=w.first_n / max(1e-9, sim_ns / NS),
+        stopped=w.monitor.stopped,
+        served_rps=w.log.first_n / max(1e-9, sim_ns / NS),
     )
