@@ -338,19 +338,23 @@ class World:
 
     def request_process(self, req: Request):  # type: ignore[no-untyped-def]
         """The room's life from its arrival: memory, opening both sides, its chunks."""
-        serving = self.serving
         env = self.env
         yield env.timeout(req.arrival_ns - int(env.now))  # absolute: a request may be added later
-        if not serving.arrived(req):
+        if not self.serving.arrived(req):
             return
-        s = self.scenario
-        t = s.topology
+        yield from self._admit(req)
+        yield from self._open_room(req)
+        yield from self._compute_chunks(req)
+
+    def _admit(self, req: Request):  # type: ignore[no-untyped-def]
+        """Wait for memory like a real scheduler would, first come first served: a request waits
+        until the ones that arrived before it got their memory and enough is free for it."""
+        serving = self.serving
+        t = self.scenario.topology
         n_dec = -(-req.dec_tokens // t.decode_page_size)
         n_pre = -(-req.spec.tokens // t.prefill_page_size)
         pre_pages, pre_aux = self.fleet.allocs[self.room_nodes(req, "prefill")[0]]
         dec_pages, dec_aux = self.fleet.allocs[self.room_nodes(req, "decode")[0]]
-        # Wait for memory like a real scheduler would, first come first served: a request waits
-        # until the ones that arrived before it got their memory and enough is free for it.
         lane = (req.pre_inst, req.dec_inst)
         turn = self.fleet.admission.ticket(lane)
         if turn is not None:
@@ -368,6 +372,11 @@ class World:
         req.dec_aux = dec_aux.alloc(1, req.key)
         req.pre_aux = pre_aux.alloc(1, req.key)
         serving.admitted(req)
+
+    def _open_room(self, req: Request):  # type: ignore[no-untyped-def]
+        """Open the room on both sides (decode first, or prefill first when decode opens late),
+        its flow chosen and its prefix hit drawn."""
+        serving, env, s = self.serving, self.env, self.scenario
         self.progress.rooms_started += 1
         self.trace.record(
             "room_arrive", "scheduler", room=req.room, key=req.key, tokens=req.spec.tokens, chunks=req.chunks
@@ -391,6 +400,10 @@ class World:
             self._open_prefill(req)
         self.check_side(req, "decode")
         self.check_side(req, "prefill")
+
+    def _compute_chunks(self, req: Request):  # type: ignore[no-untyped-def]
+        """Prefill computes the room's chunks in order, each handed over to its ranks."""
+        serving = self.serving
         start = 0
         for i, n in enumerate(req.chunks):
             end = start + n

@@ -173,10 +173,10 @@ def test_unequal_instance_counts_conserve_requests_and_bytes(router: str) -> Non
         w = deploy_world(replace(spec, prefill_instances=p, decode_instances=d), arrivals)
         run_world(w, arrivals)
         assert not w.violations, w.violations[:2]
-        assert sum(w.routed["prefill"]) == sum(w.routed["decode"]) == 24
+        assert sum(w.loads.routed["prefill"]) == sum(w.loads.routed["decode"]) == 24
         assert sum(1 for t in w.tracks.values() if t.done_ns >= 0 and not t.failed) == 24
-        assert all(n > 0 for n in w.routed["decode"])  # the router spread them
-        assert w.pre_tokens == [0] * p and w.dec_tokens == [0] * d  # every routed token accounted
+        assert all(n > 0 for n in w.loads.routed["decode"])  # the router spread them
+        assert w.loads.pre_tokens == [0] * p and w.loads.dec_tokens == [0] * d  # every routed token accounted
         landed[(p, d)] = w.fabric.stats.bytes_landed
     # Every request's KV crossed the fabric once, whichever instances it was routed to.
     assert len(set(landed.values())) == 1, landed

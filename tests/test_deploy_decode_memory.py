@@ -85,10 +85,10 @@ def _memory_problems(w: DeployWorld) -> list[str]:
     dec = w.world.allocs["decode0"][0]
     if dec.used:
         out.append(f"{dec.used} decode pages still held")
-    if w._holders != [0] or any(w._retracted) or any(w._grown.values()):
-        out.append(f"holders {w._holders}, retracted {w._retracted}, grown {len(w._grown)}")
-    if w.growth_short:
-        out.append(f"{w.growth_short} generated-token pages found no page")
+    if w.memory.holders != [0] or any(w.memory.retracted) or any(w.memory.grown.values()):
+        out.append(f"holders {w.memory.holders}, retracted {w.memory.retracted}, grown {len(w.memory.grown)}")
+    if w.memory.growth_short:
+        out.append(f"{w.memory.growth_short} generated-token pages found no page")
     for q in w.requests:
         t = w.tracks[q.key]
         if q.outcome != "success" or t.done_ns < 0 or t.tokens != t.req.output_tokens:
@@ -105,9 +105,9 @@ def test_a_pool_too_small_for_the_growth_retracts_and_still_finishes_every_reque
     w.run_deploy(3_600 * 10**9)
     r = collect(w, arrivals)
     assert not w.violations and not _memory_problems(w)
-    assert w.retractions > 0 and w.swap_ns > 0
-    assert r.retractions == w.retractions == sum(t.retractions for t in w.tracks.values())
-    assert r.as_dict()["retractions"] == w.retractions
+    assert w.memory.retractions > 0 and w.memory.swap_ns > 0
+    assert r.retractions == w.memory.retractions == sum(t.retractions for t in w.tracks.values())
+    assert r.as_dict()["retractions"] == w.memory.retractions
     # The retracted requests paid for it: they finish later than any never retracted.
     hit = [t.done_ns for t in w.tracks.values() if t.retractions]
     spared = [t.done_ns for t in w.tracks.values() if not t.retractions]
@@ -118,7 +118,7 @@ def test_a_pool_that_holds_every_request_whole_never_retracts() -> None:
     w, _ = _world(BASE, pages=8 * 19 + 8 * 32, lengths=TIGHT, c=8)
     w.run_deploy(3_600 * 10**9)
     assert not w.violations and not _memory_problems(w)
-    assert w.retractions == 0 and w.swap_ns == 0
+    assert w.memory.retractions == 0 and w.memory.swap_ns == 0
 
 
 def test_the_reservation_bounds_how_many_requests_decode_holds() -> None:
@@ -131,7 +131,7 @@ def test_the_reservation_bounds_how_many_requests_decode_holds() -> None:
 
     def spy(req) -> None:  # type: ignore[no-untyped-def]
         admitted(req)
-        seen.append(w._holders[0])
+        seen.append(w.memory.holders[0])
 
     w.admitted = spy  # type: ignore[method-assign]
     w.run_deploy(3_600 * 10**9)
@@ -143,13 +143,13 @@ def test_a_planted_leak_is_caught() -> None:
     """The run checks above can fail: a retraction that forgets its generated tokens' pages."""
     spec = replace(BASE, decode_reserved_tokens=16)
     w, _ = _world(spec, pages=60, lengths=TIGHT, c=8)
-    retract = w._retract
+    retract = w.memory.retract
 
     def leaky(j, t, k):  # type: ignore[no-untyped-def]
-        w._grown.pop(k, None)  # dropped, never freed
+        w.memory.grown.pop(k, None)  # dropped, never freed
         return retract(j, t, k)
 
-    w._retract = leaky  # type: ignore[method-assign]
+    w.memory.retract = leaky  # type: ignore[method-assign]
     w.run_deploy(3_600 * 10**9)
     assert any("decode pages still held" in p for p in _memory_problems(w))
 

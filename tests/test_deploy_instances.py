@@ -67,7 +67,7 @@ def test_every_request_completes_on_its_own_two_instances(p: int, d: int, flow: 
     r = _run(w, arrivals)
     assert r.violations == [], r.violations
     assert (r.completed, r.failed, r.unfinished) == (18, 0, 0)
-    assert w.load == [0] * d  # every routed request finished and left its decode instance
+    assert w.loads.load == [0] * d  # every routed request finished and left its decode instance
     assert sum(x["requests"] for k, x in r.instances.items() if k.startswith("decode")) == 18
     assert all(x["requests"] > 0 and 0 < x["busy"] <= 1 for x in r.instances.values()), r.instances
     for req in w.requests:
@@ -132,18 +132,22 @@ def test_a_route_to_a_missing_instance_is_a_violation_and_the_request_fails() ->
     assert r.failed > 0 and r.completed + r.failed + r.unfinished == r.requests
 
 
-class _StealingWorld(DeployWorld):
+def _stealing(w: DeployWorld) -> DeployWorld:
     """Planted bug: a decode loop takes the next instance's waiting requests before its own."""
+    decode, honest = w.decode, w.decode.take
 
-    def _take(self, j: int) -> int | None:
-        other = self._waiting[(j + 1) % len(self._waiting)]
-        return other.popleft() if other else super()._take(j)
+    def take(j: int) -> int | None:
+        other = decode.waiting[(j + 1) % len(decode.waiting)]
+        return other.popleft() if other else honest(j)
+
+    decode.take = take  # type: ignore[method-assign]
+    return w
 
 
 def test_a_batch_taking_another_instances_request_is_a_violation() -> None:
     arrivals, lengths = _closed(8, 16)
     spec = _spec(1, 2)
-    w = _StealingWorld(spec, build_scenario(spec, lengths), arrivals, lengths)
+    w = _stealing(DeployWorld(spec, build_scenario(spec, lengths), arrivals, lengths))
     r = _run(w, arrivals)
     assert any(v.startswith("routing:") and "batched request" in v for v in r.violations), r.violations
     # The honest world, same inputs: no such violation.

@@ -64,7 +64,7 @@ def test_fault_free_run_on_fragmented_pages_ends_every_request_success(flow: str
     pairs = [pair_runs(q.pre_pages, q.dec_pages) for q in w.requests]  # type: ignore[arg-type]
     assert max(pairs) >= 3 and np.mean(pairs) > 1.1
     assert r.page_runs["pair"] == pytest.approx(np.mean(pairs)) and r.page_runs["pair_max"] == max(pairs)
-    assert pre.used == 0 and dec.used == 0 and w.growth_short == 0
+    assert pre.used == 0 and dec.used == 0 and w.memory.growth_short == 0
 
 
 def test_scattered_pages_cost_the_direct_flow_descriptors() -> None:

@@ -50,10 +50,10 @@ def test_serial_decode_opens_after_prefill_and_hop_at_a_step_boundary(hop_ms: fl
     spec = replace(BASE, prefill_tp=2, decode_tp=2, pull_orchestration="serial", proxy_hop_ms=hop_ms)
     arrivals, lengths = _loop(c=8, n=24, osl=64)
     w = deploy_world(spec, arrivals, lengths)
-    w.step_log = []
+    w.decode.step_log = []
     run_world(w, arrivals)
     assert collect(w, arrivals).violations == []
-    starts = [(s, e) for _, s, e in sorted(w.step_log)]  # one decode instance
+    starts = [(s, e) for _, s, e in sorted(w.decode.step_log)]  # one decode instance
     ends = {e for _, e in starts}
     waited = 0
     for key, t in w.tracks.items():

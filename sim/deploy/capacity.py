@@ -418,29 +418,7 @@ def search(
     if max_rates not in MAX_RATES:
         raise ValueError(f"max_rates must be one of {', '.join(MAX_RATES)}, got {max_rates!r}")
     say = progress or (lambda _msg: None)
-    cands: list[Candidate] = []
-    per: dict[str, dict[str, Any]] = {}
-    for ptp, dtp in tp_pairs:
-        spec_tp = replace(base, prefill_tp=ptp, decode_tp=dtp)
-        for flow in flows_of(spec_tp):
-            b = bounds(replace(spec_tp, flow=flow), w.isl, w.osl)
-            per[f"TP{ptp}->TP{dtp} {flow}"] = {
-                "prefill_rps": b.prefill_rps,
-                "prefill_by": b.prefill_by,
-                "decode_rps": b.decode_rps,
-                "decode_by": b.decode_by,
-                "decode_batch": b.decode_batch,
-            }
-            mem = _staging(replace(spec_tp, flow=flow), w)
-            for p in range(1, max_instances + 1):
-                for d in range(1, max_instances + 1):
-                    if p * ptp + d * dtp > max_gpus:
-                        continue
-                    cands.append(
-                        Candidate(ptp, dtp, flow, p, d, b.of(p, d), b.limit(p, d), staging_bytes=mem)
-                    )
-    cands.sort(key=lambda c: (c.gpus, c.prefill + c.decode, c.staging_bytes))
-
+    cands, per = _candidates(base, tp_pairs, flows_of, w, max_instances, max_gpus)
     try:
         with Runner(jobs) as runner:
             s = _Search(base, w, tuple(seeds), target, max_rate_steps, say, runner)
@@ -469,6 +447,41 @@ def search(
         judged = sum(1 for c in cands if c.met is not None or c.max_rps is not None)
         why = f"interrupted: {judged} configurations judged before Ctrl-C are listed; no answer"
         return Capacity(rate, target, cands, None, why, per)
+
+
+def _candidates(
+    base: DeploySpec,
+    tp_pairs: Sequence[tuple[int, int]],
+    flows_of: Callable[[DeploySpec], Sequence[str]],
+    w: Workload,
+    max_instances: int,
+    max_gpus: int,
+) -> tuple[list[Candidate], dict[str, dict[str, Any]]]:
+    """Every configuration within the limits, cheapest first (GPUs, then instances, then staging
+    memory), with its roofline bound; and each TP pair and flow's bounds per instance."""
+    cands: list[Candidate] = []
+    per: dict[str, dict[str, Any]] = {}
+    for ptp, dtp in tp_pairs:
+        spec_tp = replace(base, prefill_tp=ptp, decode_tp=dtp)
+        for flow in flows_of(spec_tp):
+            b = bounds(replace(spec_tp, flow=flow), w.isl, w.osl)
+            per[f"TP{ptp}->TP{dtp} {flow}"] = {
+                "prefill_rps": b.prefill_rps,
+                "prefill_by": b.prefill_by,
+                "decode_rps": b.decode_rps,
+                "decode_by": b.decode_by,
+                "decode_batch": b.decode_batch,
+            }
+            mem = _staging(replace(spec_tp, flow=flow), w)
+            for p in range(1, max_instances + 1):
+                for d in range(1, max_instances + 1):
+                    if p * ptp + d * dtp > max_gpus:
+                        continue
+                    cands.append(
+                        Candidate(ptp, dtp, flow, p, d, b.of(p, d), b.limit(p, d), staging_bytes=mem)
+                    )
+    cands.sort(key=lambda c: (c.gpus, c.prefill + c.decode, c.staging_bytes))
+    return cands, per
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from kvferry.core.errors import KvferryError
-from kvferry.sim.deploy.capacity import Capacity
-from kvferry.sim.deploy.metrics import SPLIT_DOC, SPLIT_KEYS
+from kvferry.sim.deploy.capacity import Candidate, Capacity
+from kvferry.sim.deploy.metrics import SPLIT_DOC, SPLIT_KEYS, DeployResult
 from kvferry.sim.deploy.select import Selection
 from kvferry.sim.deploy.steady import Interval
 
@@ -20,6 +20,22 @@ class PlotError(KvferryError, RuntimeError):
 
 
 def table(sel: Selection, console: Any) -> None:
+    """The flows ranked (a row per load point), the transfer time split, and what a reader
+    must know besides: overloads, failures, a tie, the recommendation and its knobs."""
+    console.print(_flows_table(sel))
+    console.print(_split_table(sel))
+    console.print("; ".join(f"{k}: {v}" for k, v in SPLIT_DOC.items()), style="dim")
+    _notes(sel, console)
+    if sel.interrupted:
+        console.print(f"[yellow]{sel.interrupted}[/]")
+    if sel.tie_note:
+        console.print(f"tie: {sel.tie_note}")
+    console.print(f"[bold]recommendation: {sel.recommendation}[/] -- {sel.reason}")
+    for k, v in sel.knobs.items():
+        console.print(f"  {k}: {v}")
+
+
+def _flows_table(sel: Selection) -> Any:
     from rich.table import Table
 
     sp = sel.spec
@@ -47,34 +63,41 @@ def table(sel: Selection, console: Any) -> None:
     for rank, flow in enumerate(sel.ranking, start=1):
         per_seed = sel.runs.get(flow) or [[r] for r in sel.results[flow]]
         for r, rs in zip(sel.results[flow], per_seed, strict=True):
-            if len(rs) > 1:
-                t.add_row(*_seeded_row(rank, flow, rs))
-                continue
-            counts = ((r.failed, "failed"), (r.unfinished, "unfinished"), (len(r.violations), "violations"))
-            said = ", ".join(f"{n} {what}" for n, what in counts if n)
-            note = f" ({said})" if said else ""
-            if r.retractions:
-                note += f" ({r.retractions} retracted: decode out of pages)"
-            if r.growth_short:
-                note += f" (decode out of pages {r.growth_short}x: optimistic)"
-            if r.overload:
-                note += " OVERLOADED"
-            t.add_row(
-                str(rank),
-                flow,
-                r.label,
-                f"{_n(r.ttft_ms.p50)} / {_n(r.ttft_ms.p99)}",
-                f"{_n(r.tpot_ms.p50, '.1f')} / {_n(r.tpot_ms.p99, '.1f')}",
-                _n(r.e2e_ms.p50 / 1000, ".2f"),
-                _n(r.transfer_ms.p50, ".1f"),
-                f"{r.slo_attained:.0%} ({r.goodput_rps:.1f}/s){note}",
-                f"{sum(r.extra_memory_bytes.values()) / 2**20:.0f}",
-            )
+            t.add_row(*(_seeded_row(rank, flow, rs) if len(rs) > 1 else _row(rank, flow, r)))
     t.caption = (
         "SLO met: requests within both SLOs (goodput, requests/s); extra MiB: staging a prefill rank "
         "and a decode rank register (ring, pinned pools, worker buffers); --json has p90s and means"
     )
-    console.print(t)
+    return t
+
+
+def _row(rank: int, flow: str, r: DeployResult) -> list[str]:
+    """A table row of one load point's run."""
+    counts = ((r.failed, "failed"), (r.unfinished, "unfinished"), (len(r.violations), "violations"))
+    said = ", ".join(f"{n} {what}" for n, what in counts if n)
+    note = f" ({said})" if said else ""
+    if r.retractions:
+        note += f" ({r.retractions} retracted: decode out of pages)"
+    if r.growth_short:
+        note += f" (decode out of pages {r.growth_short}x: optimistic)"
+    if r.overload:
+        note += " OVERLOADED"
+    return [
+        str(rank),
+        flow,
+        r.label,
+        f"{_n(r.ttft_ms.p50)} / {_n(r.ttft_ms.p99)}",
+        f"{_n(r.tpot_ms.p50, '.1f')} / {_n(r.tpot_ms.p99, '.1f')}",
+        _n(r.e2e_ms.p50 / 1000, ".2f"),
+        _n(r.transfer_ms.p50, ".1f"),
+        f"{r.slo_attained:.0%} ({r.goodput_rps:.1f}/s){note}",
+        f"{sum(r.extra_memory_bytes.values()) / 2**20:.0f}",
+    ]
+
+
+def _split_table(sel: Selection) -> Any:
+    from rich.table import Table
+
     s = Table(title="transfer time split (mean ms per request, heaviest load)")
     s.add_column("flow")
     for k in SPLIT_KEYS:
@@ -82,8 +105,11 @@ def table(sel: Selection, console: Any) -> None:
     for flow in sel.ranking:
         r = sel.results[flow][-1]
         s.add_row(flow, *(f"{r.split_ms[k]:.2f}" for k in SPLIT_KEYS))
-    console.print(s)
-    console.print("; ".join(f"{k}: {v}" for k, v in SPLIT_DOC.items()), style="dim")
+    return s
+
+
+def _notes(sel: Selection, console: Any) -> None:
+    """Each load point's overload in words and its failed requests' reasons, most first."""
     for flow in sel.ranking:
         for rs in sel.runs.get(flow) or [[r] for r in sel.results[flow]]:
             said = next((r.overload for r in rs if r.overload), "")
@@ -96,13 +122,6 @@ def table(sel: Selection, console: Any) -> None:
             if reasons:
                 why = "; ".join(f"{n} x {k}" for k, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
                 console.print(f"[yellow]{flow} at {rs[0].label}: failed requests: {why}[/]")
-    if sel.interrupted:
-        console.print(f"[yellow]{sel.interrupted}[/]")
-    if sel.tie_note:
-        console.print(f"tie: {sel.tie_note}")
-    console.print(f"[bold]recommendation: {sel.recommendation}[/] -- {sel.reason}")
-    for k, v in sel.knobs.items():
-        console.print(f"  {k}: {v}")
 
 
 def _transport(nic: str) -> str:
@@ -156,40 +175,54 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
     for col in ("configuration", "GPUs", "flow", "bound req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
                 "SLO met", "max req/s", "verdict"):  # fmt: skip
         t.add_column(col)
-    shown = [c for c in cap.candidates if c.met is not None or c.max_rps is not None]
-    for c in shown:
-        rs = c.results
-        ttft = (
-            f"{Interval.of([r.ttft_ms.p50 for r in rs]).text()} / "
-            f"{Interval.of([r.ttft_ms.p99 for r in rs]).text()}"
-            if rs
-            else "-"
+    for c in cap.candidates:
+        if c.met is not None or c.max_rps is not None:
+            t.add_row(*_capacity_row(cap, c))
+    t.caption = _capacity_caption(cap)
+    console.print(t)
+    for name, b in cap.bounds.items():
+        console.print(
+            f"  per instance, {name}: prefill at most {b['prefill_rps']:.2f} req/s ({b['prefill_by']}), "
+            f"decode at most {b['decode_rps']:.2f} req/s ({b['decode_by']}, batch {b['decode_batch']:.0f})",
+            style="dim",
         )
-        tpot = (
-            f"{Interval.of([r.tpot_ms.p50 for r in rs]).text('.1f')} / "
-            f"{Interval.of([r.tpot_ms.p99 for r in rs]).text('.1f')}"
-            if rs
-            else "-"
-        )
-        att = f"{Interval.of([r.slo_attained for r in rs]).mean:.0%}" if rs else "-"
-        mark = " *" if cap.answer is c else ""
-        t.add_row(
-            c.name + mark,
-            str(c.gpus),
-            c.flow,
-            f"{c.bound_rps:.2f} ({c.limit})",
-            ttft,
-            tpot,
-            att,
-            "-"
-            if c.max_rps is None
-            else f"{c.max_rps:.2f}"
-            + ("" if c.max_rps_below is None else f"-{c.max_rps_below:.2f}")
-            + (" ^" if c.max_rps_from else ""),
-            c.verdict(rate),
-        )
+    style = "bold" if cap.answer is not None else "bold yellow"
+    console.print(f"[{style}]answer: {cap.reason}[/]")
+
+
+def _capacity_row(cap: Capacity, c: Candidate) -> list[str]:
+    """A simulated configuration's row: its bound, latencies and SLO share over its seeds at the
+    rate, its maximum rate, its verdict (``*``: the answer)."""
+    rs = c.results
+    ttft = (
+        f"{Interval.of([r.ttft_ms.p50 for r in rs]).text()} / "
+        f"{Interval.of([r.ttft_ms.p99 for r in rs]).text()}"
+        if rs
+        else "-"
+    )
+    tpot = (
+        f"{Interval.of([r.tpot_ms.p50 for r in rs]).text('.1f')} / "
+        f"{Interval.of([r.tpot_ms.p99 for r in rs]).text('.1f')}"
+        if rs
+        else "-"
+    )
+    att = f"{Interval.of([r.slo_attained for r in rs]).mean:.0%}" if rs else "-"
+    most = (
+        "-"
+        if c.max_rps is None
+        else f"{c.max_rps:.2f}"
+        + ("" if c.max_rps_below is None else f"-{c.max_rps_below:.2f}")
+        + (" ^" if c.max_rps_from else "")
+    )
+    mark = " *" if cap.answer is c else ""
+    bound = f"{c.bound_rps:.2f} ({c.limit})"
+    return [c.name + mark, str(c.gpus), c.flow, bound, ttft, tpot, att, most, c.verdict(cap.rate)]
+
+
+def _capacity_caption(cap: Capacity) -> str:
+    rate = cap.rate
     ruled = sum(1 for c in cap.candidates if c.met is None and c.max_rps is None)
-    t.caption = (
+    return (
         f"bound: the most a configuration could finish at full use of its GPUs (roofline); "
         f"{ruled} more configurations not simulated"
         + (f" (bound below {rate:g} req/s, or more GPUs than the answer)" if rate is not None else "")
@@ -201,15 +234,6 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
             else ""
         )
     )
-    console.print(t)
-    for name, b in cap.bounds.items():
-        console.print(
-            f"  per instance, {name}: prefill at most {b['prefill_rps']:.2f} req/s ({b['prefill_by']}), "
-            f"decode at most {b['decode_rps']:.2f} req/s ({b['decode_by']}, batch {b['decode_batch']:.0f})",
-            style="dim",
-        )
-    style = "bold" if cap.answer is not None else "bold yellow"
-    console.print(f"[{style}]answer: {cap.reason}[/]")
 
 
 def plot_capacity(cap: Capacity, spec: Any, path: Path) -> None:

@@ -14,13 +14,21 @@ Policies (``ROUTERS``):
 Ties go to the first instance at or after a cursor that moves past each pick, so an idle
 deployment spreads its requests instead of stacking them on instance 0; the same arrivals always
 give the same routes.
+
+``Loads`` keeps what the router weighs, as requests are routed, computed and finished.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["ROUTERS", "Router"]
+if TYPE_CHECKING:
+    from kvferry.sim.deploy.tracks import Track
+    from kvferry.sim.deploy.workload import DeployRequest
+    from kvferry.sim.rooms import Request
+
+__all__ = ["ROUTERS", "Loads", "Router"]
 
 ROUTERS = ("least-requests", "round-robin", "least-tokens")
 
@@ -65,6 +73,60 @@ class Router:
         d = _least(weights, self._cursor)
         self._cursor = (d + 1) % len(weights)
         return p, d
+
+
+class Loads:
+    """What each instance holds, as the router weighs it: requests in flight per decode instance
+    (``load``); prompt tokens routed and not yet computed per prefill instance (``pre_tokens``);
+    prompt plus output tokens routed and not finished per decode instance (``dec_tokens``); and
+    how many requests each instance was sent (``routed``)."""
+
+    def __init__(self, router: Router, n_pre: int, n_dec: int) -> None:
+        self.router = router
+        self.load = [0] * n_dec
+        self.pre_tokens = [0] * n_pre
+        self.dec_tokens = [0] * n_dec
+        self._weighed: set[int] = set()  # keys counted in the token loads
+        self.routed = {"prefill": [0] * n_pre, "decode": [0] * n_dec}
+        router.watch(self.pre_tokens, self.dec_tokens)
+
+    def route(self, req: Request, r: DeployRequest) -> tuple[int, int]:
+        """Choose the request's instances (``req.pre_inst``, ``req.dec_inst``) and count it on
+        them. Returns the router's pick; one out of range (``valid``) is counted nowhere."""
+        if len(self.load) == 1 and len(self.pre_tokens) == 1:
+            self.routed["prefill"][0] += 1
+            self.routed["decode"][0] += 1
+            self.load[0] += 1
+            return 0, 0
+        p, d = self.router.route(tuple(self.load))
+        if not self.valid(p, d):
+            return p, d
+        req.pre_inst, req.dec_inst = p, d
+        self.routed["prefill"][p] += 1
+        self.routed["decode"][d] += 1
+        self.load[d] += 1
+        self.pre_tokens[p] += r.input_tokens - r.prefix_hit_tokens
+        self.dec_tokens[d] += r.input_tokens + r.output_tokens
+        self._weighed.add(req.key)
+        return p, d
+
+    def valid(self, p: int, d: int) -> bool:
+        return 0 <= p < len(self.pre_tokens) and 0 <= d < len(self.load)
+
+    def prefilled(self, req: Request, r: DeployRequest) -> None:
+        """The request's last chunk is computed: its prompt leaves its prefill instance's load."""
+        if req.key in self._weighed:
+            self.pre_tokens[req.pre_inst] -= r.input_tokens - r.prefix_hit_tokens
+
+    def finished(self, req: Request, t: Track) -> None:
+        """The request finished (or failed): it leaves its instances' loads."""
+        if req.opened:
+            self.load[req.dec_inst] -= 1
+        if req.key in self._weighed:
+            self._weighed.discard(req.key)
+            self.dec_tokens[req.dec_inst] -= t.req.input_tokens + t.req.output_tokens
+            if len(t.chunk_ready_ns) < len(req.chunks):  # failed before its prompt was computed
+                self.pre_tokens[req.pre_inst] -= t.req.input_tokens - t.req.prefix_hit_tokens
 
 
 def _least(weights: Sequence[int], cursor: int) -> int:

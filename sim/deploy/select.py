@@ -274,10 +274,39 @@ def select(
     arrivals; default: ``points`` for all), rank, call ties and recommend."""
     flows = tuple(flows) if flows else applicable_flows(spec)
     seeds = tuple(seeds) or (spec.seed,)
+    flows, runs, interrupted = _run_all(spec, points, flows, progress, seeds, points_for)
+    results = {f: [rs[0] for rs in runs[f]] for f in flows}
+    ranking, ties, group, tie_note = _rank(flows, runs, results, len(seeds))
+    best = ranking[0]
+    pool = points[0].arrivals.requests or points[0].lengths
+    s = build_scenario(replace(spec, flow=best), pool)
+    return Selection(
+        spec,
+        results,
+        ranking,
+        best,
+        _reason(best, results, ranking),
+        knobs(spec, best, s, results[best]),
+        runs,
+        [f for f in ranking[1:] if f in ties or f == group[0]] if ties else [],
+        tie_note,
+        interrupted,
+    )
+
+
+def _run_all(
+    spec: DeploySpec,
+    points: Sequence[LoadPoint],
+    flows: tuple[str, ...],
+    progress: Callable[[str], None] | None,
+    seeds: tuple[int, ...],
+    points_for: Callable[[int], Sequence[LoadPoint]] | None,
+) -> tuple[tuple[str, ...], dict[str, list[list[DeployResult]]], str]:
+    """Every flow's runs, per load point, one per seed. Returns the flows run, their runs, and
+    what a Ctrl-C cut short ("": nothing)."""
     runs: dict[str, list[list[DeployResult]]] = {f: [[] for _ in points] for f in flows}
     n = len(flows) * len(points) * len(seeds)
     i = 0
-    interrupted = ""
     try:
         for seed in seeds:
             pts = points_for(seed) if points_for is not None else points
@@ -304,47 +333,41 @@ def select(
         if not done:
             raise
         interrupted = f"interrupted after {i - 1} of {n} runs: the table shows {', '.join(done)} only"
-        flows = tuple(done)
-        runs = {f: [rs[: min(len(x) for x in runs[f])] for rs in runs[f]] for f in done}
-    results = {f: [rs[0] for rs in runs[f]] for f in flows}
-    # Best first: the first seed's score orders; flows tied with the best (within the seeds'
-    # noise) are then ordered by staging memory, least first.
+        cut = {f: [rs[: min(len(x) for x in runs[f])] for rs in runs[f]] for f in done}
+        return tuple(done), cut, interrupted
+    return flows, runs, ""
+
+
+def _rank(
+    flows: tuple[str, ...],
+    runs: dict[str, list[list[DeployResult]]],
+    results: dict[str, list[DeployResult]],
+    n_seeds: int,
+) -> tuple[list[str], list[str], list[str], str]:
+    """Best first: the first seed's score orders; flows tied with the best (within the seeds'
+    noise) are then ordered by staging memory, least first. Returns the ranking, the flows tied
+    with the best, the tied group (best first, as scored) and the tie in words."""
     ranking = sorted(flows, key=lambda f: _score([_mean_result(rs) for rs in runs[f]]), reverse=True)
     ties = [f for f in ranking[1:] if _tied(runs[ranking[0]], runs[f])]
-    tie_note = ""
-    group: list[str] = []
-    if ties:
-        group = [ranking[0], *ties]
-        by_memory = sorted(group, key=lambda f: (_memory(results[f]), ranking.index(f)))
-        ranking = by_memory + [f for f in ranking if f not in group]
-        overloaded = bool(results[ranking[0]][-1].overload)
-        what = "requests served a second" if overloaded else "SLO attainment and TTFT p99"
-        how = (
-            f"their {what} 95% intervals over {len(seeds)} seeds overlap"
-            if len(seeds) > 1
-            else f"one seed: {'served rates' if overloaded else 'TTFT p99'} within 5%"
-            + ("" if overloaded else " and the same SLO attainment")
-        )
-        mem = ", ".join(f"{f} {_memory(results[f]) / 2**20:.0f} MiB" for f in by_memory)
-        tie_note = (
-            f"{' and '.join(group)} tie ({how}); the tie goes to the least staging memory per "
-            f"prefill + decode rank ({mem}): {by_memory[0]}"
-        )
-    best = ranking[0]
-    pool = points[0].arrivals.requests or points[0].lengths
-    s = build_scenario(replace(spec, flow=best), pool)
-    return Selection(
-        spec,
-        results,
-        ranking,
-        best,
-        _reason(best, results, ranking),
-        knobs(spec, best, s, results[best]),
-        runs,
-        [f for f in ranking[1:] if f in ties or f == group[0]] if ties else [],
-        tie_note,
-        interrupted,
+    if not ties:
+        return ranking, ties, [], ""
+    group = [ranking[0], *ties]
+    by_memory = sorted(group, key=lambda f: (_memory(results[f]), ranking.index(f)))
+    ranking = by_memory + [f for f in ranking if f not in group]
+    overloaded = bool(results[ranking[0]][-1].overload)
+    what = "requests served a second" if overloaded else "SLO attainment and TTFT p99"
+    how = (
+        f"their {what} 95% intervals over {n_seeds} seeds overlap"
+        if n_seeds > 1
+        else f"one seed: {'served rates' if overloaded else 'TTFT p99'} within 5%"
+        + ("" if overloaded else " and the same SLO attainment")
     )
+    mem = ", ".join(f"{f} {_memory(results[f]) / 2**20:.0f} MiB" for f in by_memory)
+    tie_note = (
+        f"{' and '.join(group)} tie ({how}); the tie goes to the least staging memory per "
+        f"prefill + decode rank ({mem}): {by_memory[0]}"
+    )
+    return ranking, ties, group, tie_note
 
 
 def _mean_result(rs: Sequence[DeployResult]) -> DeployResult:
