@@ -169,6 +169,26 @@ def _validate(
     staging_token_offset: int,
     page_size: int,
 ) -> _Call:
+    _check_staging(pool, staging)
+    _check_layout(pool, staging, layout, head_start)
+    n_tokens = token_end - token_start
+    if token_start < 0 or n_tokens < 1:
+        raise KernelArgError(f"empty or negative token range [{token_start}, {token_end})")
+    if staging_token_offset < 0 or staging_token_offset + n_tokens > layout.num_tokens:
+        raise KernelArgError(
+            f"{n_tokens} tokens at staging offset {staging_token_offset} overflow the layout's "
+            f"{layout.num_tokens} tokens"
+        )
+    num_pages = pool.num_slots // page_size
+    pages_dev, rel_start = _device_pages(kind, pool, pages, token_start, token_end, page_size)
+    # Staging token offset folds into the layout's base: the kernels see chunk-relative tokens.
+    if staging_token_offset:
+        layout = dataclasses.replace(layout, base=layout.base + staging_token_offset * layout.stride_token)
+    return _Call(n_tokens, rel_start, pages_dev, page_size, num_pages, head_start, layout, staging)
+
+
+def _check_staging(pool: KVPool, staging: torch.Tensor) -> None:
+    """The staging buffer's width, device and contiguity against the pool's."""
     if staging.element_size() != pool.itemsize:
         raise DTypeWidthError(
             f"staging elements are {staging.element_size()} bytes ({staging.dtype}) but pool elements "
@@ -185,6 +205,10 @@ def _validate(
         raise KernelArgError(f"staging on {staging.device} but pool on {pool.device}")
     if not staging.is_contiguous():
         raise KernelArgError("staging buffer must be contiguous (the layout addresses its flat elements)")
+
+
+def _check_layout(pool: KVPool, staging: torch.Tensor, layout: StagingLayout, head_start: int) -> None:
+    """The layout's shape fits the pool, is dense, fits the staging buffer, and its heads the pool's."""
     if layout.num_planes != pool.num_planes:
         raise KernelArgError(f"layout has {layout.num_planes} planes, pool has {pool.num_planes}")
     if layout.head_dim != pool.head_dim:
@@ -197,15 +221,18 @@ def _validate(
         raise KernelArgError(
             f"heads [{head_start}, {head_start + layout.num_heads}) outside the pool's {pool.num_heads}"
         )
-    n_tokens = token_end - token_start
-    if token_start < 0 or n_tokens < 1:
-        raise KernelArgError(f"empty or negative token range [{token_start}, {token_end})")
-    if staging_token_offset < 0 or staging_token_offset + n_tokens > layout.num_tokens:
-        raise KernelArgError(
-            f"{n_tokens} tokens at staging offset {staging_token_offset} overflow the layout's "
-            f"{layout.num_tokens} tokens"
-        )
-    ps = page_size
+
+
+def _device_pages(
+    kind: str,
+    pool: KVPool,
+    pages: np.ndarray | torch.Tensor,
+    token_start: int,
+    token_end: int,
+    ps: int,
+) -> tuple[torch.Tensor, int]:
+    """The page ids on the pool's device and the first token's offset within them; host ids are
+    checked (in range; unique for a scatter) on the way."""
     num_pages = pool.num_slots // ps
     p0, p1 = token_start // ps, -(-token_end // ps)
     if isinstance(pages, np.ndarray) or (isinstance(pages, torch.Tensor) and pages.device.type == "cpu"):
@@ -213,22 +240,16 @@ def _validate(
         sub = _check_pages_host(host, p0, p1, num_pages, unique=kind == "scatter")
         # A copy: the planner hands out read-only arrays, and torch wants writable memory.
         pages_dev = torch.from_numpy(np.array(sub, dtype=np.int64)).to(pool.device, non_blocking=True)
-        rel_start = token_start - p0 * ps
-    elif isinstance(pages, torch.Tensor):
+        return pages_dev, token_start - p0 * ps
+    if isinstance(pages, torch.Tensor):
         # Device page ids stay unchecked on the host (that would synchronize); the kernel masks
         # any id outside the pool.
         if pages.device != pool.device or pages.dim() != 1 or pages.dtype not in (torch.int32, torch.int64):
             raise KernelArgError(f"device page ids must be 1-D int32/int64 on {pool.device}")
         if pages.numel() < p1:
             raise KernelArgError(f"{pages.numel()} page ids do not cover page {p1 - 1}")
-        pages_dev, rel_start = pages, token_start
-    else:
-        raise KernelArgError(f"page ids must be a numpy array or a torch tensor, got {type(pages).__name__}")
-
-    # Staging token offset folds into the layout's base: the kernels see chunk-relative tokens.
-    if staging_token_offset:
-        layout = dataclasses.replace(layout, base=layout.base + staging_token_offset * layout.stride_token)
-    return _Call(n_tokens, rel_start, pages_dev, ps, num_pages, head_start, layout, staging)
+        return pages, token_start
+    raise KernelArgError(f"page ids must be a numpy array or a torch tensor, got {type(pages).__name__}")
 
 
 def _word_bytes(pool: KVPool, staging: torch.Tensor, lay: StagingLayout) -> int:
@@ -358,29 +379,9 @@ def _run(
     pinned_path: PinnedPath = "zero_copy",
     compile_only: bool = False,
 ) -> torch.cuda.Event | None:
-    if backend == "auto":
-        backend = "triton" if triton_usable(pool.device) else "torch"
-    elif backend == "triton" and not triton_usable(pool.device):
-        pool.stats.rejected += 1
-        raise KernelBackendUnavailable(
-            f"Triton cannot run on {pool.device} here (not installed, or CPU without TRITON_INTERPRET=1)"
-        )
-    elif backend not in ("triton", "torch"):
-        pool.stats.rejected += 1
-        raise KernelArgError(f"unknown backend {backend!r}")
-    if pinned_path not in ("zero_copy", "copy_engine"):
-        pool.stats.rejected += 1
-        raise KernelArgError(f"unknown pinned path {pinned_path!r}")
+    backend = _chosen_backend(pool, backend, pinned_path)
     on_cuda = pool.device.type == "cuda"
-    ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
-    if on_cuda:
-        # Switching streams costs more host time than a small gather takes on the GPU: only
-        # switch (stream and device, since Triton launches on the current device) when needed.
-        if stream is not None or pool.device.index != torch.cuda.current_device():
-            stream = stream or torch.cuda.current_stream(pool.device)
-            ctx = torch.cuda.stream(stream)
-        else:
-            stream = torch.cuda.current_stream()
+    stream, ctx = _launch_stream(pool, stream)
     with ctx:
         try:
             call = _validate(
@@ -398,20 +399,11 @@ def _run(
         except KernelArgError:
             pool.stats.rejected += 1
             raise
-        event = None
         if compile_only:  # compile the Triton specialization of this call; move nothing
             if backend == "triton":
                 _run_triton(kind, pool, call, compile_only=True)
             return None
-        if backend == "triton":
-            if pinned_path == "copy_engine" and on_cuda and call.staging.device.type == "cpu":
-                event = _run_copy_engine(kind, pool, call, stream)
-            if event is None:
-                _run_triton(kind, pool, call)
-            pool.stats.triton_launches += 1
-        else:
-            _run_torch(kind, pool, call)
-            pool.stats.torch_runs += 1
+        event = _launch(kind, pool, call, backend, pinned_path, stream)
     if kind == "gather":
         pool.stats.gathers += 1
     else:
@@ -421,6 +413,60 @@ def _run(
     if event is None:
         event = torch.cuda.Event()
         event.record(stream)
+    return event
+
+
+def _chosen_backend(pool: KVPool, backend: Backend, pinned_path: PinnedPath) -> Backend:
+    """``auto`` resolved; an unusable or unknown backend or pinned path refused (and counted)."""
+    if backend == "auto":
+        return "triton" if triton_usable(pool.device) else "torch"
+    if backend == "triton" and not triton_usable(pool.device):
+        pool.stats.rejected += 1
+        raise KernelBackendUnavailable(
+            f"Triton cannot run on {pool.device} here (not installed, or CPU without TRITON_INTERPRET=1)"
+        )
+    if backend not in ("triton", "torch"):
+        pool.stats.rejected += 1
+        raise KernelArgError(f"unknown backend {backend!r}")
+    if pinned_path not in ("zero_copy", "copy_engine"):
+        pool.stats.rejected += 1
+        raise KernelArgError(f"unknown pinned path {pinned_path!r}")
+    return backend
+
+
+def _launch_stream(
+    pool: KVPool, stream: torch.cuda.Stream | None
+) -> tuple[torch.cuda.Stream | None, contextlib.AbstractContextManager]:
+    """The stream the copy runs on, and the context that makes it (and the pool's device) current."""
+    if pool.device.type != "cuda":
+        return stream, contextlib.nullcontext()
+    # Switching streams costs more host time than a small gather takes on the GPU: only
+    # switch (stream and device, since Triton launches on the current device) when needed.
+    if stream is not None or pool.device.index != torch.cuda.current_device():
+        stream = stream or torch.cuda.current_stream(pool.device)
+        return stream, torch.cuda.stream(stream)
+    return torch.cuda.current_stream(), contextlib.nullcontext()
+
+
+def _launch(
+    kind: str,
+    pool: KVPool,
+    call: _Call,
+    backend: Backend,
+    pinned_path: PinnedPath,
+    stream: torch.cuda.Stream | None,
+) -> torch.cuda.Event | None:
+    """Run the validated call on its backend; the copy engine's own event when it took the copy."""
+    if backend != "triton":
+        _run_torch(kind, pool, call)
+        pool.stats.torch_runs += 1
+        return None
+    event = None
+    if pinned_path == "copy_engine" and pool.device.type == "cuda" and call.staging.device.type == "cpu":
+        event = _run_copy_engine(kind, pool, call, stream)
+    if event is None:
+        _run_triton(kind, pool, call)
+    pool.stats.triton_launches += 1
     return event
 
 

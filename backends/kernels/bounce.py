@@ -87,30 +87,8 @@ def run(
         sub = chunk_layout(layout, nh, npl)
         e0 = layout.base + h0 * layout.stride_head + p0 * layout.stride_plane
         host = staging_flat[e0 : e0 + n]
-        if kind == "gather":
-            if free[k] is not None:
-                stream.wait_event(free[k])
-            with torch.cuda.stream(stream):
-                launch_chunk((h0, nh, p0, npl), buf, sub)
-                ready = torch.cuda.Event()
-                ready.record(stream)
-            copy_stream.wait_event(ready)
-            with torch.cuda.stream(copy_stream):
-                host.copy_(buf, non_blocking=True)
-                free[k] = torch.cuda.Event()
-                free[k].record(copy_stream)
-        else:
-            if free[k] is not None:
-                copy_stream.wait_event(free[k])
-            with torch.cuda.stream(copy_stream):
-                buf.copy_(host, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(copy_stream)
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                launch_chunk((h0, nh, p0, npl), buf, sub)
-                free[k] = torch.cuda.Event()
-                free[k].record(stream)
+        step = _gather_chunk if kind == "gather" else _scatter_chunk
+        free[k] = step(launch_chunk, (h0, nh, p0, npl), buf, sub, host, free[k], stream, copy_stream)
     # Scratch was allocated on the current stream but used on both: keep it from reuse until done.
     for s in scratch:
         s.record_stream(copy_stream)
@@ -121,3 +99,37 @@ def run(
     else:
         done.record(stream)
     return done
+
+
+def _gather_chunk(launch_chunk, chunk, buf, sub, host, slot_free, stream, copy_stream) -> torch.cuda.Event:
+    """Kernel into scratch on ``stream``, then scratch to pinned host on ``copy_stream``; returns
+    the event after which the scratch slot may be overwritten."""
+    if slot_free is not None:
+        stream.wait_event(slot_free)
+    with torch.cuda.stream(stream):
+        launch_chunk(chunk, buf, sub)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+    copy_stream.wait_event(ready)
+    with torch.cuda.stream(copy_stream):
+        host.copy_(buf, non_blocking=True)
+        freed = torch.cuda.Event()
+        freed.record(copy_stream)
+    return freed
+
+
+def _scatter_chunk(launch_chunk, chunk, buf, sub, host, slot_free, stream, copy_stream) -> torch.cuda.Event:
+    """Pinned host to scratch on ``copy_stream``, then the kernel out of scratch on ``stream``;
+    returns the event after which the scratch slot may be overwritten."""
+    if slot_free is not None:
+        copy_stream.wait_event(slot_free)
+    with torch.cuda.stream(copy_stream):
+        buf.copy_(host, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(copy_stream)
+    stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        launch_chunk(chunk, buf, sub)
+        freed = torch.cuda.Event()
+        freed.record(stream)
+    return freed
