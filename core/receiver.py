@@ -38,15 +38,11 @@ from kvferry.core.events import (
     AbortRoom,
     AuxChecked,
     ControlIn,
-    CopyDone,
-    CopyFailed,
     NotificationIn,
     ReceiverOpen,
     ReleaseRoom,
     SenderSpec,
     Tick,
-    WriteDone,
-    WriteFailed,
 )
 from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
 from kvferry.core.flows.layerwise import LAYERWISE as LAYERWISE_RECEIVER
@@ -88,12 +84,10 @@ class RIn(IdentityEnum):
     TIMEOUT = "timeout"
     PEER_LOST = "peer_lost"
     RELEASE = "release"
-    STAGING_REQ = "staging_req"  # a writer asks for staging space for a chunk
-    COPY_DONE = "copy_done"  # a scatter finished
-    COPY_FAILED = "copy_failed"
-    OFFER = "offer"  # pull flow: a sender offers a computed chunk's pages
-    READ_DONE = "read_done"  # pull flow: our READ of an offered chunk finished
-    READ_FAILED = "read_failed"
+    # The flows' own inputs are their tables' (staged: a StagingReq, a scatter done; pull: an
+    # offer, a READ done); their failures are the room's.
+    COPY_FAILED = "copy_failed"  # a scatter failed
+    READ_FAILED = "read_failed"  # a pull READ failed
     FAIL = "fail"  # the failure funnel (``TableEngine.fail``): the only way into FAILED
 
 
@@ -213,10 +207,6 @@ class ReceiverFlowContext(EngineFlowContext):
     def reg_id(self) -> int:
         return self._engine.reg_id
 
-    def staging_input(self, req: m.StagingReq) -> None:
-        """A StagingReq for a live room: the table's STAGING_REQ input."""
-        self._engine._room_input(req.room, req.transfer_id, RIn.STAGING_REQ, req, sender=req.src)
-
     def tombstone(self, room: int, tid: str) -> Any:
         return self._engine.tombstones.get(room, tid)
 
@@ -230,10 +220,6 @@ class ReceiverFlowContext(EngineFlowContext):
 
     def complete(self, r: _Room) -> bool:
         return self._engine._complete(r)
-
-    def offer_input(self, offer: m.PullOffer) -> None:
-        """A pull offer for a live room: the table's OFFER input."""
-        self._engine._room_input(offer.room, offer.transfer_id, RIn.OFFER, offer, sender=offer.src)
 
 
 class ReceiverEngine(RoomEngine):
@@ -319,18 +305,6 @@ class ReceiverEngine(RoomEngine):
             self._guarded(self._on_control, event.data)
         elif t is AuxChecked:
             self._room_input(event.room, event.transfer_id, RIn.AUX_CHECKED, event)
-        elif t is CopyDone or t is CopyFailed:
-            inp = RIn.COPY_DONE if t is CopyDone else RIn.COPY_FAILED
-            self._completion(self.staged.ops, event.op_id, "unknown_op", inp, event)
-        elif t is WriteDone or t is WriteFailed:
-            # Our pull READs come back as transfers by id, like a write's completion.
-            done = self.pull_rx.completed(event.write_id)
-            if done is None:
-                self.counters["unknown_read"] += 1
-            else:
-                (room, tid), info = done
-                inp = RIn.READ_DONE if t is WriteDone else RIn.READ_FAILED
-                self._room_input(room, tid, inp, (event, info))
         elif t is ReceiverOpen:
             self._open(event)
         elif t is AbortRoom:
@@ -339,6 +313,8 @@ class ReceiverEngine(RoomEngine):
             self._room_input(event.room, event.transfer_id, RIn.RELEASE, event)
         elif t is Tick:
             self._tick()
+        elif t in self._routes:
+            self._routes[t](event)  # a flow's own completion (a scatter's, a READ's: core/flows/parts.py)
         else:
             self.counters["bad_event"] += 1
             raise TypeError(f"ReceiverEngine cannot handle {t.__name__}")
@@ -466,8 +442,8 @@ class ReceiverEngine(RoomEngine):
             self._send(p, infos[p])  # after the Register, as a new peer must hear them
         if self._all_acked(r):
             self._dispatch(r, RIn.PEER_READY, None)
-        for req in self.staged.take_held(r.key):
-            self._room_input(req.room, req.transfer_id, RIn.STAGING_REQ, req, sender=req.src)
+        for part in self.parts:
+            part.opened(r)
 
     def _transfer_info(self, r: _Room, p: m.Endpoint) -> m.TransferInfo:
         spec = r.senders[p]
@@ -535,7 +511,7 @@ class ReceiverEngine(RoomEngine):
             return
         self._dispatch(r, inp, payload)
 
-    BOOKKEEP = frozenset((RIn.RELEASE, RIn.STOPPED, RIn.COPY_DONE, RIn.COPY_FAILED))
+    BOOKKEEP = frozenset((RIn.RELEASE, RIn.STOPPED))
 
     def _bookkeep(self, r: _Room, inp: RIn, payload: Any) -> None:
         if inp is RIn.RELEASE:
@@ -545,9 +521,6 @@ class ReceiverEngine(RoomEngine):
                 r.fence.stopped = set()
             r.fence.stopped.add(payload.src)
             self._aborts.answered(r.room, payload.src)
-        elif inp is RIn.COPY_DONE or inp is RIn.COPY_FAILED:
-            for part in self.parts:
-                part.op_finished(r, payload.op_id)
 
     def _forget_command(self, r: _Room, cmd: Any) -> None:
         for part in self.parts:
@@ -638,25 +611,6 @@ class ReceiverEngine(RoomEngine):
                 return False
         return len(r.dummies_done) == len(r.senders) - len(r.data_senders)
 
-    # --- the staged flows' decode half (core/flows/staged_receiver.py), as the table calls it ---------
-
-    def _h_on_staging_req(self, r: _Room, inp: RIn, req: m.StagingReq) -> None:
-        self.staged.on_room_req(r, req)
-
-    def _h_on_copy_done(self, r: _Room, inp: RIn, ev: CopyDone) -> str:
-        return self.staged.on_copy_done(r, ev)
-
-    # --- pull's decode half (core/flows/pull.py), as the table calls it -----------------------------
-
-    def _h_on_offer(self, r: _Room, inp: RIn, offer: m.PullOffer) -> str:
-        return self.pull_rx.on_offer(r, offer)
-
-    def _h_on_read_done(self, r: _Room, inp: RIn, payload: tuple[Any, Any]) -> str:
-        return self.pull_rx.on_read_done(r, payload[1])
-
-    def _h_on_offer_after_success(self, r: _Room, inp: RIn, offer: m.PullOffer) -> None:
-        self.pull_rx.offer_after_success(r, offer)
-
     def _h_on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> str:
         if r.aux_ok or not r.aux_pending:
             self.counters["duplicate_aux_check"] += 1
@@ -712,11 +666,9 @@ class ReceiverEngine(RoomEngine):
                 r.fence.expired = True
         elif inp is RIn.NOTIFY:
             self.counters["notification_after_failure"] += 1
-        elif inp is RIn.OFFER:
-            self.pull_rx.after_failure(r, payload)
         elif inp is RIn.PEER_FAILED and any(p.asked_again(r, payload.src) for p in self.parts):
             pass  # a sender still holding its pages asked again: nothing of ours writes them
-        elif inp not in (RIn.STOPPED, RIn.RELEASE, RIn.READ_DONE, RIn.READ_FAILED):
+        elif inp not in (RIn.STOPPED, RIn.RELEASE, RIn.READ_FAILED):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
     # --- failure, fence, release -------------------------------------------------------------------
@@ -841,29 +793,19 @@ RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
         RIn.PEER_READY: _t(E._h_on_peer_ready, stay=_B, ready=_W),
         # A notification proves the sender has our registration even if its ack is still in flight.
         RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
-        RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_B),
-        # An offer proves the sender has our TransferInfo and registration, as a notification does.
-        RIn.OFFER: _t(E._h_on_offer, stay=_B, running=_T, done=_S),
     },
     _W: {
         **_LIVE_FAILURES,
         RIn.PEER_READY: _t(E._h_ignore_ready, stay=_W),
         RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
-        RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_W),
-        RIn.OFFER: _t(E._h_on_offer, stay=_W, running=_T, done=_S),
     },
     _T: {
         **_LIVE_FAILURES,
         RIn.PEER_READY: _t(E._h_ignore_ready, stay=_T),
         RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
         RIn.AUX_CHECKED: _t(E._h_on_aux_checked, stay=_T, done=_S),
-        RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_T),
-        RIn.COPY_DONE: _t(E._h_on_copy_done, stay=_T, done=_S),
-        RIn.OFFER: _t(E._h_on_offer, stay=_T, running=_T, done=_S),
-        RIn.READ_DONE: _t(E._h_on_read_done, stay=_T, running=_T, done=_S),
     },
     _S: {
-        RIn.STAGING_REQ: _t(E._h_ignore, stay=_S),
         RIn.PEER_READY: _t(E._h_ignore, stay=_S),
         RIn.NOTIFY: _t(E._h_on_notify_after_success, stay=_S),
         RIn.AUX_CHECKED: _t(E._h_on_aux_checked, stay=_S, done=_S),
@@ -872,7 +814,6 @@ RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
         RIn.PEER_FAILED: _FAIL,  # both sides must agree on the outcome
         RIn.ABORT_LOCAL: _t(E._h_ignore, stay=_S),  # every byte landed: nothing left to abort
         RIn.RELEASE: _t(E._h_ignore, stay=_S),
-        RIn.OFFER: _t(E._h_on_offer_after_success, stay=_S),
         RIn.FAIL: _t(E._h_fail, failed=_F),  # a sender's failure after our Success (agree on Failed)
     },
     _F: {**{i: _t(E._h_on_failed_input, stay=_F) for i in RIn}, RIn.FAIL: _t(E._h_ignore_fail, stay=_F)},

@@ -55,8 +55,6 @@ from kvferry.core.events import (
     ChunkAhead,
     ChunkReady,
     ControlIn,
-    CopyDone,
-    CopyFailed,
     LayersReady,
     NotificationIn,
     PeerUnusable,
@@ -116,9 +114,7 @@ class SIn(IdentityEnum):
     TIMEOUT = "timeout"
     PEER_LOST = "peer_lost"  # heartbeat loss of a decode rank of the room
     RELEASE = "release"
-    STAGING_RSP = "staging_rsp"  # decode granted (or refused) staging space for a chunk
-    COPY_DONE = "copy_done"  # a gather finished
-    COPY_FAILED = "copy_failed"
+    COPY_FAILED = "copy_failed"  # a gather failed (the staged flows' own inputs: their table)
     PULLED = "pulled"  # pull flow: decode READ an offered chunk
     READS_STOPPED = "reads_stopped"  # pull flow: decode failed the room and reads no more
     FAIL = "fail"  # the failure funnel (``TableEngine.fail``): the only way into FAILED
@@ -470,9 +466,6 @@ class SenderEngine(RoomEngine):
                 self.counters["ahead_for_unknown_room"] += 1
             else:
                 self.ahead.name(self._flow_ctx, r, event)
-        elif t is CopyDone or t is CopyFailed:
-            inp = SIn.COPY_DONE if t is CopyDone else SIn.COPY_FAILED
-            self._completion(self.staged.ops, event.op_id, "unknown_op", inp, event)
         elif t is WriteDone or t is WriteFailed:
             inp = SIn.WRITE_DONE if t is WriteDone else SIn.WRITE_FAILED
             self._completion(self.writes, event.write_id, "unknown_write", inp, event)
@@ -491,6 +484,8 @@ class SenderEngine(RoomEngine):
             # The notification of decode's READ (pull flow): informational; the pages stay ours
             # until the control message Pulled, which is resent until it arrives.
             self.counters["read_notif"] += 1
+        elif t in self._routes:
+            self._routes[t](event)  # a flow's own completion (a gather's: core/flows/parts.py)
         else:
             self.counters["bad_event"] += 1
             raise TypeError(f"SenderEngine cannot handle {t.__name__}")
@@ -672,15 +667,7 @@ class SenderEngine(RoomEngine):
         if r is not None:
             self._dispatch(r, inp, payload)
 
-    BOOKKEEP = frozenset(
-        {
-            SIn.RELEASE,
-            SIn.WRITE_DONE,
-            SIn.WRITE_FAILED,
-            SIn.COPY_DONE,
-            SIn.COPY_FAILED,
-        }
-    )
+    BOOKKEEP = frozenset({SIn.RELEASE, SIn.WRITE_DONE, SIn.WRITE_FAILED})
 
     def _bookkeep(self, r: _Room, inp: SIn, payload: Any) -> None:
         if inp is SIn.RELEASE:
@@ -689,9 +676,6 @@ class SenderEngine(RoomEngine):
             r.inflight.discard(payload.write_id)
             for part in self.parts:  # a write id is at most one component's
                 part.write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
-        elif inp is SIn.COPY_DONE or inp is SIn.COPY_FAILED:
-            for part in self.parts:
-                part.op_finished(r, payload.op_id)
 
     def _forget_command(self, r: _Room, cmd: Any) -> None:
         t = type(cmd)
@@ -915,12 +899,6 @@ class SenderEngine(RoomEngine):
         prepare = getattr(flow_halves(r.flow).sender, "prepare", None)
         if prepare is not None:
             prepare(self._flow_ctx, r)
-
-    def _h_on_staging_rsp(self, r: _Room, inp: SIn, rsp: m.StagingRsp) -> None:
-        self.staged.on_staging_rsp(r, rsp)
-
-    def _h_on_copy_done(self, r: _Room, inp: SIn, ev: CopyDone) -> None:
-        self.staged.on_copy_done(r, ev)
 
     def _run_flow(self, r: _Room, c: ChunkReady, flow: Flow) -> str:
         """The flow's prefill half (core/flows/registry.py) runs the chunk through the context."""
@@ -1221,7 +1199,6 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_B, ready=_W),
         SIn.CHUNK: _t(E._h_on_chunk_early, stay=_B),  # parked until WAITING
         SIn.LAYERS: _t(E._h_on_layers, stay=_B),  # recorded; posted once the chunk runs
-        SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_B),  # asked for ahead of the TransferInfos
         **_LIVE_FAILURES,
     },
     _W: {
@@ -1230,7 +1207,6 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.CHUNK: _t(E._h_on_chunk, stay=_W),
         SIn.LAYERS: _t(E._h_on_layers, stay=_W),
         SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_W, running=_T, done=_S),
-        SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_W),
         **_LIVE_FAILURES,
     },
     _T: {
@@ -1241,8 +1217,6 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_T, running=_T, done=_S),
         SIn.WRITE_DONE: _t(E._h_on_write_done, stay=_T, done=_S),
         SIn.WRITE_FAILED: _FAIL,
-        SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_T),
-        SIn.COPY_DONE: _t(E._h_on_copy_done, stay=_T),
         SIn.COPY_FAILED: _FAIL,
         SIn.PULLED: _t(E._h_on_pulled, stay=_T, done=_S),
         **_LIVE_FAILURES,
@@ -1250,7 +1224,6 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
     _S: {
         SIn.PULLED: _t(E._h_ignore, stay=_S),  # a duplicate answer to a resent offer
         SIn.READS_STOPPED: _t(E._h_ignore, stay=_S),  # nothing was owed; its Abort follows
-        SIn.STAGING_RSP: _t(E._h_ignore, stay=_S),
         SIn.INFO: _t(E._h_on_info_late, stay=_S),
         SIn.PEER_READY: _t(E._h_ignore, stay=_S),
         SIn.LAYERS: _t(E._h_ignore, stay=_S),  # a report repeated after every layer was posted

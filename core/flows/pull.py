@@ -30,15 +30,25 @@ import numpy as np
 from kvferry.core import messages as m
 from kvferry.core.commands import AddPeer, DropPeer, PostRead
 from kvferry.core.errors import KvferryError
+from kvferry.core.events import WriteDone, WriteFailed
 from kvferry.core.flows import registry
 from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
-from kvferry.core.flows.parts import RankFlowPart
+from kvferry.core.flows.parts import FlowTable, RankFlowPart
 from kvferry.core.flows.policy import Flow
+from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
-from kvferry.core.proto_common import RoomError, RoomStateError
+from kvferry.core.proto_common import RoomError, RoomStateError, step
 from kvferry.core.reliable import Resends
 
-__all__ = ["PullChunkSender", "PullReceiver", "PullRoom", "PullSender", "ReadInfo"]
+__all__ = [
+    "PULL_RX_ROOM_TABLE",
+    "PullChunkSender",
+    "PullReceiver",
+    "PullRoom",
+    "PullRxIn",
+    "PullSender",
+    "ReadInfo",
+]
 
 
 RoomKey = tuple[int, str]
@@ -301,7 +311,23 @@ class PullReceiver(RankFlowPart):
         self.not_reading(peer, room, tid)  # no room of ours reads its pages: it may free them
 
     def routes(self) -> dict[type, Callable[[Any], None]]:
-        return {m.PullOffer: self.on_offer_message}
+        # Our READs come back as transfers by id, like a write's completion.
+        return {m.PullOffer: self.on_offer_message, WriteDone: self._on_read, WriteFailed: self._on_read}
+
+    def table(self) -> FlowTable:
+        return PULL_RX_ROOM_TABLE
+
+    def _on_read(self, ev: WriteDone | WriteFailed) -> None:
+        """A READ's completion: the room's READ_DONE, or its failure (the room's own input)."""
+        done = self.completed(ev.write_id)
+        if done is None:
+            self.ctx.count("unknown_read")
+            return
+        (room, tid), info = done
+        if type(ev) is WriteDone:
+            self.ctx.flow_input(room, tid, PullRxIn.READ_DONE, (ev, info))
+        else:
+            self.ctx.room_input(room, tid, "read_failed", (ev, info))
 
     def peer_lost(self, peer: m.Endpoint, rooms: list[Any]) -> None:
         """``peer`` is gone: READs of those rooms in flight are cut; its agent is dropped."""
@@ -343,13 +369,28 @@ class PullReceiver(RankFlowPart):
                 )
             ctx.count("offer_for_unknown_room")
             return
-        ctx.offer_input(offer)
+        ctx.flow_input(offer.room, offer.transfer_id, PullRxIn.OFFER, offer, sender=offer.src)
 
     def pulled(self, offer: Any) -> m.Pulled:
         src, idx = self.ctx.endpoint, offer.chunk_index
         return m.Pulled(src=src, room=offer.room, transfer_id=offer.transfer_id, chunk_index=idx)
 
-    # --- handlers (the receiver table's OFFER and READ_DONE entries call these) ---------------------
+    # --- the room inputs of PULL_RX_ROOM_TABLE --------------------------------------------------------
+
+    def _h_offer(self, r: Any, inp: PullRxIn, offer: m.PullOffer) -> str:
+        return self.on_offer(r, offer)
+
+    def _h_read_done(self, r: Any, inp: PullRxIn, payload: tuple[Any, ReadInfo | None]) -> str:
+        return self.on_read_done(r, payload[1])
+
+    def _h_offer_after_success(self, r: Any, inp: PullRxIn, offer: m.PullOffer) -> None:
+        self.offer_after_success(r, offer)
+
+    def _h_offer_after_failure(self, r: Any, inp: PullRxIn, offer: m.PullOffer) -> None:
+        self.after_failure(r, offer)
+
+    def _h_read_done_after_failure(self, r: Any, inp: PullRxIn, payload: Any) -> None:
+        pass  # the READ ended: ``settle`` looks at the failed room again
 
     def on_offer(self, r: Any, offer: m.PullOffer) -> str:
         ctx = self.ctx
@@ -470,5 +511,33 @@ class PullReceiver(RankFlowPart):
         self.pull_peers[reg.src] = rid
         self.ctx.emit(AddPeer(peer=reg.src, registration=reg))
 
+
+class PullRxIn(IdentityEnum):
+    """Pull's own room inputs on decode."""
+
+    OFFER = "offer"  # a sender offers a computed chunk's pages
+    READ_DONE = "read_done"  # our READ of an offered chunk finished
+
+
+_B, _W, _T = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
+_S, _F = KVPoll.Success, KVPoll.Failed
+_OFFER, _READ = PullRxIn.OFFER, PullRxIn.READ_DONE
+_H = PullReceiver
+
+# The room machine adds these rows to RECEIVER_TABLE (core/flows/parts.py, ``FlowTable``). An offer
+# proves the sender has our TransferInfo and registration, as a notification does.
+PULL_RX_ROOM_TABLE: FlowTable = {
+    _B: {_OFFER: step(_H._h_offer, stay=_B, running=_T, done=_S)},
+    _W: {_OFFER: step(_H._h_offer, stay=_W, running=_T, done=_S)},
+    _T: {
+        _OFFER: step(_H._h_offer, stay=_T, running=_T, done=_S),
+        _READ: step(_H._h_read_done, stay=_T, running=_T, done=_S),
+    },
+    _S: {_OFFER: step(_H._h_offer_after_success, stay=_S)},
+    _F: {
+        _OFFER: step(_H._h_offer_after_failure, stay=_F),
+        _READ: step(_H._h_read_done_after_failure, stay=_F),
+    },
+}
 
 registry.register(Flow.PULL, PullChunkSender(), DIRECT_RECEIVER)  # a READ's chunk is recorded as a note
