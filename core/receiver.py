@@ -47,6 +47,7 @@ from kvferry.core.events import (
 from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
 from kvferry.core.flows.layerwise import LAYERWISE as LAYERWISE_RECEIVER
 from kvferry.core.flows.pull import PullReceiver
+from kvferry.core.flows.registry import FlowReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
@@ -569,8 +570,9 @@ class ReceiverEngine(RoomEngine):
             raise RoomError(f"dummy notification from data sender {src}")
         elif note.staged >= 0:
             # A note names no flow; one naming a staging allocation lands in space a StagingReq
-            # asked for, and that request named its flow: that flow's decode half takes it.
-            news = self.staged.half_for(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
+            # asked for, and that request named its flow: the component that gave the space
+            # names that flow's decode half.
+            news = self._note_receiver(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
         elif note.layer_end:
             # A layer range says layer-wise (core/flows/layerwise.py): the chunk is recorded once
             # every layer of it landed.
@@ -603,9 +605,19 @@ class ReceiverEngine(RoomEngine):
     def _layer_note(self, r: _Room, prog: _SenderProgress, note: m.LayerNote) -> bool:
         return LAYERWISE_RECEIVER.on_note(self._flow_ctx, r, prog, note)
 
+    def _note_receiver(self, r: _Room, note: m.ChunkNote) -> FlowReceiver:
+        for part in self.parts:
+            half: FlowReceiver | None = part.note_receiver(r, note)
+            if half is not None:
+                return half
+        raise RoomError(f"note of chunk {note.chunk_index} names staging space no flow here gave")
+
     def _complete(self, r: _Room) -> bool:
-        if not r.aux_ok or self.staged.scatters_running(r):
+        if not r.aux_ok:
             return False
+        for part in self.parts:  # a scatter of ours still writes the pages (a loop: per note)
+            if part.writing(r):
+                return False
         for p in r.progress.values():
             if not p.done:
                 return False

@@ -71,8 +71,14 @@ class RankFlowPart:
         return ""
 
     def writing(self, r: Any) -> bool:
-        """Decode: this component is writing the room's pages (they stay)."""
+        """Decode: this component is writing the room's pages (they stay, and the room is not
+        Success yet)."""
         return False
+
+    def note_receiver(self, r: Any, note: m.ChunkNote) -> Any:
+        """Decode: the flow's decode half (``FlowReceiver``) that takes a data note naming a
+        staging allocation, if this component gave that space (None: not this component's)."""
+        return None
 
     def cut(self, r: Any) -> bool:
         """Decode: a write into the room's pages was cut by a lost peer (only the fence frees)."""

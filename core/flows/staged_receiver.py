@@ -298,7 +298,7 @@ class StagedReceiver(RankFlowPart):
         ctx = self.ctx
         return m.Watermark(src=ctx.endpoint, reg=ctx.reg_id, round=wm.round, offset=wm.offset, pool=pool)  # type: ignore[arg-type]
 
-    def half_for(self, r: Any, note: m.ChunkNote) -> FlowReceiver:
+    def note_receiver(self, r: Any, note: m.ChunkNote) -> FlowReceiver:
         """The decode half of the flow whose space ``note`` names (its StagingReq said which);
         a note naming no space of the room goes to the staged ledger, which refuses it."""
         ch = self._chunk(r, note.chunk_index)
