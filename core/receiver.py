@@ -192,6 +192,18 @@ class _Peer:
         self.last_seen = now
 
 
+class _Flows:
+    """The rank's flow components, built once with the context they reach the rank through:
+    ``staged`` and ``pull_rx`` are its parts (core/flows/parts.py; ``parts`` holds them in hook
+    order)."""
+
+    __slots__ = ("ctx", "pull_rx", "staged")
+
+    ctx: ReceiverFlowContext
+    pull_rx: PullReceiver
+    staged: StagedReceiver
+
+
 class ReceiverFlowContext(EngineFlowContext):
     """What a flow's decode half may use of its rank (core/flows/registry.py, ``ReceiverContext``).
     ``staged`` and the engine's ``pull_rx`` are the per-rank components of the flows that keep
@@ -202,7 +214,7 @@ class ReceiverFlowContext(EngineFlowContext):
 
     @property
     def staged(self) -> StagedReceiver:
-        return self._engine.staged
+        return self._engine.flows.staged
 
     @property
     def reg_id(self) -> int:
@@ -279,13 +291,24 @@ class ReceiverEngine(RoomEngine):
         if planner is None:
             from kvferry.core.planner import plan_rank_pair as planner
         self.planner = planner
-        self._flow_ctx = ReceiverFlowContext(self)
+        self.flows = flows = _Flows()
+        flows.ctx = ReceiverFlowContext(self)
         self._track_tables()
         # The staged flows' decode half (ring and pinned); it registers its own tables.
-        self.staged = self.staged_class(self._flow_ctx, registration)
+        flows.staged = self.staged_class(flows.ctx, registration)
         # Pull's decode half (core/flows/pull.py); it registers its own tables.
-        self.pull_rx = PullReceiver(self._flow_ctx)
-        self._route_parts((self.staged, self.pull_rx))
+        flows.pull_rx = PullReceiver(flows.ctx)
+        self._route_parts((flows.staged, flows.pull_rx))
+
+    @property
+    def staged(self) -> StagedReceiver:
+        """The staged flows' decode half (core/flows/staged_receiver.py)."""
+        return self.flows.staged
+
+    @property
+    def pull_rx(self) -> PullReceiver:
+        """Pull's decode half: the READs (core/flows/pull.py)."""
+        return self.flows.pull_rx
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -329,12 +352,12 @@ class ReceiverEngine(RoomEngine):
 
     def staging_in_use(self) -> int:
         """Live staging allocations (ring and pinned); 0 once every room settled."""
-        return self.staged.in_use()
+        return self.flows.staged.in_use()
 
     def staging_holds(self, key: Any, region_id: int, lo: int, hi: int) -> bool:
         """Whether bytes ``[lo, hi)`` of staging region ``region_id`` lie inside one live
         allocation that room ``key`` holds (what a staged write may touch; the checkers ask)."""
-        return self.staged.staging_holds(key, region_id, lo, hi)
+        return self.flows.staged.staging_holds(key, region_id, lo, hi)
 
     # --- messages --------------------------------------------------------------------------------
 
@@ -572,7 +595,7 @@ class ReceiverEngine(RoomEngine):
             # A note names no flow; one naming a staging allocation lands in space a StagingReq
             # asked for, and that request named its flow: the component that gave the space
             # names that flow's decode half.
-            news = self._note_receiver(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
+            news = self._note_receiver(r, note).on_note(self.flows.ctx, r, r.progress[src], note)
         elif note.layer_end:
             # A layer range says layer-wise (core/flows/layerwise.py): the chunk is recorded once
             # every layer of it landed.
@@ -600,10 +623,10 @@ class ReceiverEngine(RoomEngine):
     def _record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> bool:
         """A data chunk in the sender's ledger (direct's decode half; pull and the staged flows
         record theirs here too once READ or scattered); True if it was news, not a duplicate."""
-        return DIRECT_RECEIVER.on_note(self._flow_ctx, r, prog, note)
+        return DIRECT_RECEIVER.on_note(self.flows.ctx, r, prog, note)
 
     def _layer_note(self, r: _Room, prog: _SenderProgress, note: m.LayerNote) -> bool:
-        return LAYERWISE_RECEIVER.on_note(self._flow_ctx, r, prog, note)
+        return LAYERWISE_RECEIVER.on_note(self.flows.ctx, r, prog, note)
 
     def _note_receiver(self, r: _Room, note: m.ChunkNote) -> FlowReceiver:
         for part in self.parts:
