@@ -185,12 +185,6 @@ class EngineFlowContext:
         """Fail a room outside its own step (the table's funnel, ``TableEngine.fail``)."""
         self._engine.fail(r, failure)
 
-    def room_input(self, room: int, tid: str, name: str, payload: Any) -> None:
-        """A flow's message for a room, fed to the room's table as the input of that name (the
-        table says what it may do; a room not live is counted, as for any message)."""
-        e = self._engine
-        e._room_input(room, tid, type(e.FAIL)(name), payload)
-
     def flow_input(self, room: int, tid: str, inp: Enum, payload: Any, sender: Any = None) -> None:
         """One of the component's own inputs (``RankFlowPart.table``) for a room, run on the room
         machine's table like any room input (a room not live is counted; decode: ``sender``, if

@@ -74,6 +74,8 @@ class RState(IdentityEnum):
 
 
 class RIn(IdentityEnum):
+    """The room's own inputs; a flow component's are its table's (core/flows/parts.py)."""
+
     OPEN = "open"  # a second ReceiverOpen for a live room
     PEER_READY = "peer_ready"  # RegisterAck(ok) from a sender
     PEER_REFUSED = "peer_refused"  # RegisterAck(not ok, final) from a sender
@@ -85,10 +87,6 @@ class RIn(IdentityEnum):
     TIMEOUT = "timeout"
     PEER_LOST = "peer_lost"
     RELEASE = "release"
-    # The flows' own inputs are their tables' (staged: a StagingReq, a scatter done; pull: an
-    # offer, a READ done); their failures are the room's.
-    COPY_FAILED = "copy_failed"  # a scatter failed
-    READ_FAILED = "read_failed"  # a pull READ failed
     FAIL = "fail"  # the failure funnel (``TableEngine.fail``): the only way into FAILED
 
 
@@ -677,10 +675,6 @@ class ReceiverEngine(RoomEngine):
             reason = f"timed out while {r.state.value}"
         elif inp is RIn.STOPPED:
             reason = f"{payload.src} stopped sending before its failure notice arrived"
-        elif inp is RIn.COPY_FAILED:
-            reason = f"scatter failed: {payload.reason}"
-        elif inp is RIn.READ_FAILED:
-            reason = f"read failed: {payload[0].reason}"
         else:
             reason = f"peer {payload} lost (no heartbeat)"
         self.fail(r, RoomFailure(reason, at_ns=self._now))
@@ -703,7 +697,7 @@ class ReceiverEngine(RoomEngine):
             self.counters["notification_after_failure"] += 1
         elif inp is RIn.PEER_FAILED and any(p.asked_again(r, payload.src) for p in self.parts):
             pass  # a sender still holding its pages asked again: nothing of ours writes them
-        elif inp not in (RIn.STOPPED, RIn.RELEASE, RIn.READ_FAILED):
+        elif inp not in (RIn.STOPPED, RIn.RELEASE):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
     # --- failure, fence, release -------------------------------------------------------------------
@@ -818,8 +812,6 @@ _LIVE_FAILURES = {
     RIn.PEER_LOST: _FAIL,
     # A sender confirms Stopped only after it failed: its RoomFailed was lost or is overtaken.
     RIn.STOPPED: _FAIL,
-    RIn.COPY_FAILED: _FAIL,
-    RIn.READ_FAILED: _FAIL,
 }
 
 RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {

@@ -100,6 +100,8 @@ class SState(IdentityEnum):
 
 
 class SIn(IdentityEnum):
+    """The room's own inputs; a flow component's are its table's (core/flows/parts.py)."""
+
     OPEN = "open"  # local SenderOpen on a room a TransferInfo created first
     INFO = "info"  # TransferInfo from a decode rank
     PEER_READY = "peer_ready"  # a decode rank this room needs registered
@@ -114,9 +116,6 @@ class SIn(IdentityEnum):
     TIMEOUT = "timeout"
     PEER_LOST = "peer_lost"  # heartbeat loss of a decode rank of the room
     RELEASE = "release"
-    COPY_FAILED = "copy_failed"  # a gather failed (the staged flows' own inputs: their table)
-    PULLED = "pulled"  # pull flow: decode READ an offered chunk
-    READS_STOPPED = "reads_stopped"  # pull flow: decode failed the room and reads no more
     FAIL = "fail"  # the failure funnel (``TableEngine.fail``): the only way into FAILED
 
 
@@ -303,6 +302,10 @@ class SenderFlowContext(EngineFlowContext):
 
     def targets(self, r: _Room) -> tuple[m.Endpoint, ...]:
         return self._engine._targets(r)
+
+    def quiet(self, r: _Room) -> bool:
+        """The last chunk ran and nothing of the room is in flight (it may succeed)."""
+        return self._engine._quiet(r)
 
     def settle(self, r: _Room) -> None:
         """After failing a room outside its own step: fence it or drop it if it is done."""
@@ -987,9 +990,6 @@ class SenderEngine(RoomEngine):
         )
         return _encode(note)
 
-    def _h_on_pulled(self, r: _Room, inp: SIn, msg: m.Pulled) -> str:
-        return "done" if self._quiet(r) else "stay"
-
     def _info_known(self, r: _Room, info: m.TransferInfo) -> None:
         for part in self.parts:
             part.transfer_info(r, info)
@@ -1090,10 +1090,6 @@ class SenderEngine(RoomEngine):
             blocked = next((b for p in self.parts if (b := p.blocked(r.key))), "")
             if blocked:
                 reason += f" ({blocked})"
-        elif inp is SIn.COPY_FAILED:
-            reason = f"gather failed: {payload.reason}"
-        elif inp is SIn.READS_STOPPED:
-            reason = f"{payload.src} failed the room and stopped reading"
         elif isinstance(payload, tuple):
             reason = f"peer {payload[0]} {payload[1]}"
         else:
@@ -1123,7 +1119,7 @@ class SenderEngine(RoomEngine):
             # SGLang PR 20680: a worker that meets a Failed room skips its remaining chunks.
             self.counters["chunk_skipped_failed"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=payload.chunk_index, reason="room failed"))
-        elif inp not in (SIn.RELEASE, SIn.WRITE_DONE, SIn.WRITE_FAILED, SIn.PULLED, SIn.READS_STOPPED):
+        elif inp not in (SIn.RELEASE, SIn.WRITE_DONE, SIn.WRITE_FAILED):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
     def _h_on_release(self, r: _Room, inp: SIn, payload: Any) -> None:
@@ -1228,7 +1224,6 @@ _LIVE_FAILURES = {
     SIn.PEER_FAILED: _FAIL,
     SIn.TIMEOUT: _FAIL,
     SIn.PEER_LOST: _FAIL,
-    SIn.READS_STOPPED: _FAIL,  # decode failed the room (its Abort may still be on the way)
 }
 
 SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
@@ -1256,13 +1251,9 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_T, running=_T, done=_S),
         SIn.WRITE_DONE: _t(E._h_on_write_done, stay=_T, done=_S),
         SIn.WRITE_FAILED: _FAIL,
-        SIn.COPY_FAILED: _FAIL,
-        SIn.PULLED: _t(E._h_on_pulled, stay=_T, done=_S),
         **_LIVE_FAILURES,
     },
     _S: {
-        SIn.PULLED: _t(E._h_ignore, stay=_S),  # a duplicate answer to a resent offer
-        SIn.READS_STOPPED: _t(E._h_ignore, stay=_S),  # nothing was owed; its Abort follows
         SIn.INFO: _t(E._h_on_info_late, stay=_S),
         SIn.PEER_READY: _t(E._h_ignore, stay=_S),
         SIn.LAYERS: _t(E._h_ignore, stay=_S),  # a report repeated after every layer was posted

@@ -522,12 +522,12 @@ PAYLOADS: dict[Any, Any] = {
         token_end=st.integers(5, 9),
     ),
     StagedRxIn.COPY_DONE: st.builds(CopyDone, op_id=st.integers(0, 5)),
-    RIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
+    StagedRxIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
     PullRxIn.OFFER: offers,
     PullRxIn.READ_DONE: st.tuples(
         st.builds(WriteDone, write_id=st.integers(0, 5)), st.one_of(st.none(), offers.map(ReadInfo))
     ),
-    RIn.READ_FAILED: st.tuples(st.builds(WriteFailed, write_id=st.integers(0, 5)), st.none()),
+    PullRxIn.READ_FAILED: st.tuples(st.builds(WriteFailed, write_id=st.integers(0, 5)), st.none()),
     # The failure funnel's own input (TableEngine.fail): a reason and the side's options.
     RIn.FAIL: st.tuples(st.builds(RoomFailure, st.text(min_size=1, max_size=5)), st.just({})),
 }

@@ -38,6 +38,7 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
+from kvferry.core.flows.pull import PullTxIn
 from kvferry.core.flows.staged_sender import StagedTxIn
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll, advance
@@ -597,11 +598,13 @@ PAYLOADS: dict[Any, Any] = {
         offset=st.integers(0, 64),
     ),
     StagedTxIn.COPY_DONE: st.builds(CopyDone, op_id=st.integers(0, 5)),
-    SIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
-    SIn.PULLED: st.builds(
+    StagedTxIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
+    PullTxIn.PULLED: st.builds(
         m.Pulled, src=endpoints, room=st.just(ROOM), transfer_id=st.just(TID), chunk_index=st.integers(0, 3)
     ),
-    SIn.READS_STOPPED: st.builds(m.ReadsStopped, src=endpoints, room=st.just(ROOM), transfer_id=st.just(TID)),
+    PullTxIn.READS_STOPPED: st.builds(
+        m.ReadsStopped, src=endpoints, room=st.just(ROOM), transfer_id=st.just(TID)
+    ),
     # The failure funnel's own input (TableEngine.fail): a reason and the side's options.
     SIn.FAIL: st.tuples(st.builds(RoomFailure, st.text(min_size=1, max_size=5)), st.just({})),
 }

@@ -330,8 +330,7 @@ class StagedReceiver(RankFlowPart):
 
     def _on_copy(self, ev: CopyDone | CopyFailed) -> None:
         """A scatter's completion: it no longer writes the room's pages, whatever state the room
-        is in (before the table looks at the input); a failed scatter fails the room (the room's
-        own input)."""
+        is in (before the table looks at the input)."""
         key = self.ops.pop(ev.op_id, None)
         if key is None:
             self.counters["unknown_op"] += 1
@@ -339,10 +338,8 @@ class StagedReceiver(RankFlowPart):
         r = self.ctx.room(key[0])
         if r is not None and r.tid == key[1]:
             self.scatter_finished(r, ev.op_id)
-        if type(ev) is CopyDone:
-            self.ctx.flow_input(key[0], key[1], StagedRxIn.COPY_DONE, ev)
-        else:
-            self.ctx.room_input(key[0], key[1], "copy_failed", ev)
+        inp = StagedRxIn.COPY_DONE if type(ev) is CopyDone else StagedRxIn.COPY_FAILED
+        self.ctx.flow_input(key[0], key[1], inp, ev)
 
     # --- the room inputs of STAGED_RX_ROOM_TABLE -----------------------------------------------------
 
@@ -351,6 +348,10 @@ class StagedReceiver(RankFlowPart):
 
     def _h_copy_done(self, r: Any, inp: StagedRxIn, ev: CopyDone) -> str:
         return self.on_copy_done(r, ev)
+
+    def _h_copy_failed(self, r: Any, inp: StagedRxIn, ev: CopyFailed) -> str:
+        self.ctx.fail_room(r, RoomFailure(f"scatter failed: {ev.reason}", at_ns=self.ctx.now()))
+        return "failed"
 
     def deadline_kinds(self) -> dict[str, Callable[[Any], None]]:
         return {"held": self.held_expired}
@@ -508,18 +509,28 @@ class StagedRxIn(IdentityEnum):
 
     STAGING_REQ = "staging_req"  # a writer asks for staging space for a chunk
     COPY_DONE = "copy_done"  # a scatter finished
+    COPY_FAILED = "copy_failed"
 
 
 _B, _W, _T = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
 _S, _F = KVPoll.Success, KVPoll.Failed
-_REQ, _COPIED = StagedRxIn.STAGING_REQ, StagedRxIn.COPY_DONE
+_REQ, _COPIED, _COPY_FAILED = StagedRxIn.STAGING_REQ, StagedRxIn.COPY_DONE, StagedRxIn.COPY_FAILED
 _H = StagedReceiver
+_FAIL = step(_H._h_copy_failed, failed=_F)
 
 # The room machine adds these rows to RECEIVER_TABLE (core/flows/parts.py, ``FlowTable``).
 STAGED_RX_ROOM_TABLE: FlowTable = {
-    _B: {_REQ: step(_H._h_staging_req, stay=_B)},
-    _W: {_REQ: step(_H._h_staging_req, stay=_W)},
-    _T: {_REQ: step(_H._h_staging_req, stay=_T), _COPIED: step(_H._h_copy_done, stay=_T, done=_S)},
+    _B: {_REQ: step(_H._h_staging_req, stay=_B), _COPY_FAILED: _FAIL},
+    _W: {_REQ: step(_H._h_staging_req, stay=_W), _COPY_FAILED: _FAIL},
+    _T: {
+        _REQ: step(_H._h_staging_req, stay=_T),
+        _COPIED: step(_H._h_copy_done, stay=_T, done=_S),
+        _COPY_FAILED: _FAIL,
+    },
     _S: {_REQ: step(ignore, stay=_S)},
-    _F: {_REQ: step(ignore_failed, stay=_F), _COPIED: step(ignore_failed, stay=_F)},
+    _F: {
+        _REQ: step(ignore_failed, stay=_F),
+        _COPIED: step(ignore_failed, stay=_F),
+        _COPY_FAILED: step(ignore_failed, stay=_F),
+    },
 }

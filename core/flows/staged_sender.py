@@ -624,7 +624,7 @@ class StagedSender(RankFlowPart):
 
     def _on_copy(self, ev: CopyDone | CopyFailed) -> None:
         """A gather's completion: its slot is accounted for in whatever state the room is (before
-        the table looks at the input); a failed gather fails the room (the room's own input)."""
+        the table looks at the input)."""
         key = self.ops.pop(ev.op_id, None)
         if key is None:
             self.counters["unknown_op"] += 1
@@ -632,10 +632,8 @@ class StagedSender(RankFlowPart):
         r = self.ctx.room(key[0])
         if r is not None and r.tid == key[1]:
             self.op_finished(r, ev.op_id)
-        if type(ev) is CopyDone:
-            self.ctx.flow_input(key[0], key[1], StagedTxIn.COPY_DONE, ev)
-        else:
-            self.ctx.room_input(key[0], key[1], "copy_failed", ev)
+        inp = StagedTxIn.COPY_DONE if type(ev) is CopyDone else StagedTxIn.COPY_FAILED
+        self.ctx.flow_input(key[0], key[1], inp, ev)
 
     # --- the room inputs of STAGED_TX_ROOM_TABLE ----------------------------------------------------
 
@@ -644,6 +642,10 @@ class StagedSender(RankFlowPart):
 
     def _h_copy_done(self, r: Any, inp: StagedTxIn, ev: CopyDone) -> None:
         self.on_copy_done(r, ev)
+
+    def _h_copy_failed(self, r: Any, inp: StagedTxIn, ev: CopyFailed) -> str:
+        self.ctx.fail_room(r, RoomFailure(f"gather failed: {ev.reason}", at_ns=self.ctx.now()))
+        return "failed"
 
     def in_use(self) -> int:
         """Staging slots, pinned reservations and gathers held; 0 once every room settled."""
@@ -655,20 +657,29 @@ class StagedTxIn(IdentityEnum):
 
     STAGING_RSP = "staging_rsp"  # decode granted (or refused) staging space for a chunk
     COPY_DONE = "copy_done"  # a gather finished
+    COPY_FAILED = "copy_failed"
 
 
 _B, _W, _T = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
 _S, _F = KVPoll.Success, KVPoll.Failed
-_RSP, _COPIED = StagedTxIn.STAGING_RSP, StagedTxIn.COPY_DONE
+_RSP, _COPIED, _COPY_FAILED = StagedTxIn.STAGING_RSP, StagedTxIn.COPY_DONE, StagedTxIn.COPY_FAILED
 _H = StagedSender
 
 # The room machine adds these rows to SENDER_TABLE (core/flows/parts.py, ``FlowTable``).
 STAGED_TX_ROOM_TABLE: FlowTable = {
     _B: {_RSP: step(_H._h_staging_rsp, stay=_B)},  # asked for ahead of the TransferInfos
     _W: {_RSP: step(_H._h_staging_rsp, stay=_W)},
-    _T: {_RSP: step(_H._h_staging_rsp, stay=_T), _COPIED: step(_H._h_copy_done, stay=_T)},
+    _T: {
+        _RSP: step(_H._h_staging_rsp, stay=_T),
+        _COPIED: step(_H._h_copy_done, stay=_T),
+        _COPY_FAILED: step(_H._h_copy_failed, failed=_F),
+    },
     _S: {_RSP: step(ignore, stay=_S)},
-    _F: {_RSP: step(ignore_failed, stay=_F), _COPIED: step(ignore_failed, stay=_F)},
+    _F: {
+        _RSP: step(ignore_failed, stay=_F),
+        _COPIED: step(ignore_failed, stay=_F),
+        _COPY_FAILED: step(ignore_failed, stay=_F),
+    },
 }
 
 
