@@ -113,6 +113,10 @@ class TableEngine:
     """
 
     TABLE: ClassVar[Mapping[Any, Mapping[Any, Transition]]]
+    # Inputs of the engine's parts that the side's TABLE does not name (a room engine's flow
+    # components' own tables, core/proto_common.py ``_route_parts``), by state: looked up only
+    # when TABLE has no entry, so the side's own inputs pay nothing for them.
+    _part_rows: Mapping[Any, Mapping[Any, Transition]] = {}
     # The inputs ``_bookkeep`` acts on: the others skip the call.
     BOOKKEEP: ClassVar[frozenset[Any]] = frozenset()
     FAILED: ClassVar[Enum]
@@ -142,6 +146,14 @@ class TableEngine:
             raise IllegalStep(f"{self.FAIL.value} while {r.state.value}: no next state")
         r.state = nxt
 
+    def transition(self, state: Any, inp: Any) -> Transition | None:
+        """The entry this engine runs for ``inp`` in ``state`` (None: not allowed)."""
+        tr = self.TABLE[state].get(inp)
+        if tr is None:
+            rows = self._part_rows.get(state)
+            tr = rows.get(inp) if rows else None
+        return tr
+
     def _h_ignore_fail(self, r: Any, inp: Any, payload: Any) -> str:
         return "stay"  # FAILED absorbs another failure: the first reason stands
 
@@ -152,6 +164,9 @@ class TableEngine:
         before = r.state
         failed = self.FAILED
         tr = self.TABLE[before].get(inp)
+        if tr is None:
+            rows = self._part_rows.get(before)  # a flow component's own input (``transition``)
+            tr = rows.get(inp) if rows else None
         if tr is None:
             self.counters["illegal_input"] += 1
             self.fail(r, RoomFailure(f"{inp.value} not allowed while {before.value}", at_ns=self._now))

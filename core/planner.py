@@ -395,6 +395,45 @@ def _build_region_ids(n_regions: int, per: int) -> np.ndarray:
     return _frozen(np.repeat(np.arange(n_regions, dtype=np.int64), per))
 
 
+def _tiled_columns(
+    src: PoolGeometry,
+    dst: PoolGeometry,
+    sp: np.ndarray,
+    dp: np.ndarray,
+    head_start: int,
+    num_heads: int,
+    token_start: int,
+    token_end: int,
+    coalesce: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]:
+    """One region's pattern tiled over every region (src offset, dst offset, length columns),
+    with the pattern's own size: its descriptors, those before merging, and its bytes."""
+    n_regions = src.model.num_regions
+    runs = _dense_runs(src, dst, sp, dp, head_start, num_heads, token_start, token_end) if coalesce else None
+    if runs is not None:
+        s_list, d_list, n_list = runs
+        # Tiled over the regions as lists: one array built per column.
+        return (
+            _frozen(np.array(s_list * n_regions, dtype=np.int64)),
+            _frozen(np.array(d_list * n_regions, dtype=np.int64)),
+            _frozen(np.array(n_list * n_regions, dtype=np.int64)),
+            len(n_list),
+            token_end - token_start,
+            sum(n_list),
+        )
+    s_off, d_off, length, unmerged = region_pattern(
+        src, dst, sp, dp, head_start, num_heads, token_start, token_end, coalesce
+    )
+    return (
+        _frozen(_tile(s_off, n_regions)),
+        _frozen(_tile(d_off, n_regions)),
+        _frozen(_tile(length, n_regions)),
+        s_off.size,
+        unmerged,
+        int(length.sum()),
+    )
+
+
 def plan_rank_pair(
     src: PoolGeometry,
     dst: PoolGeometry,
@@ -423,22 +462,9 @@ def plan_rank_pair(
             head_start, num_heads, token_start, token_end, direction,
         )  # fmt: skip
     n_regions = src.model.num_regions
-    runs = _dense_runs(src, dst, sp, dp, head_start, num_heads, token_start, token_end) if coalesce else None
-    if runs is not None:
-        s_list, d_list, n_list = runs
-        per, unmerged, nbytes = len(n_list), token_end - token_start, sum(n_list)
-        # Tiled over the regions as lists: one array built per column.
-        src_offset = _frozen(np.array(s_list * n_regions, dtype=np.int64))
-        dst_offset = _frozen(np.array(d_list * n_regions, dtype=np.int64))
-        length_all = _frozen(np.array(n_list * n_regions, dtype=np.int64))
-    else:
-        s_off, d_off, length, unmerged = region_pattern(
-            src, dst, sp, dp, head_start, num_heads, token_start, token_end, coalesce
-        )
-        per, nbytes = s_off.size, int(length.sum())
-        src_offset = _frozen(_tile(s_off, n_regions))
-        dst_offset = _frozen(_tile(d_off, n_regions))
-        length_all = _frozen(_tile(length, n_regions))
+    src_offset, dst_offset, length_all, per, unmerged, nbytes = _tiled_columns(
+        src, dst, sp, dp, head_start, num_heads, token_start, token_end, coalesce
+    )
     region = _region_ids(n_regions, per)
     return RankPlan(
         src_rank=src.tp_rank,

@@ -185,11 +185,15 @@ class EngineFlowContext:
         """Fail a room outside its own step (the table's funnel, ``TableEngine.fail``)."""
         self._engine.fail(r, failure)
 
-    def room_input(self, room: int, tid: str, name: str, payload: Any) -> None:
-        """A flow's message for a room, fed to the room's table as the input of that name (the
-        table says what it may do; a room not live is counted, as for any message)."""
+    def flow_input(self, room: int, tid: str, inp: Enum, payload: Any, sender: Any = None) -> None:
+        """One of the component's own inputs (``RankFlowPart.table``) for a room, run on the room
+        machine's table like any room input (a room not live is counted; decode: ``sender``, if
+        given, must be one of the room's)."""
         e = self._engine
-        e._room_input(room, tid, type(e.FAIL)(name), payload)
+        if sender is None:
+            e._room_input(room, tid, inp, payload)
+        else:
+            e._room_input(room, tid, inp, payload, sender=sender)
 
 
 class RoomEngine(TableEngine):
@@ -447,8 +451,8 @@ class RoomEngine(TableEngine):
         """Side-specific state to drop with a lost peer (after its flow components')."""
 
     def _route_parts(self, parts: tuple[RankFlowPart, ...]) -> None:
-        """Compose the rank's flow components: hooks go to each in this order; a message type or
-        a deadline kind goes to the one component that claims it."""
+        """Compose the rank's flow components: hooks go to each in this order; a message type, a
+        deadline kind or a room input goes to the one component that claims it."""
         self.parts = parts
         self._routes, self._deadline_routes = {}, {}
         for p in parts:
@@ -457,6 +461,24 @@ class RoomEngine(TableEngine):
                     if what in table:
                         raise LocalMisuseError(f"two flow components claim {what!r}")
                     table[what] = handler
+        self._part_rows = self._flow_rows(parts)
+
+    def _flow_rows(self, parts: tuple[RankFlowPart, ...]) -> dict[Any, dict[Any, Transition]]:
+        """Every component's own inputs as rows of the room table (``transition``): a component's
+        row for a status is the row of the one room state that reports that status."""
+        state_of = {status: state for state, status in self.STATUS.items()}
+        if len(state_of) != len(self.STATUS):
+            raise LocalMisuseError("two room states report one status: a flow's table cannot name them")
+        rows: dict[Any, dict[Any, Transition]] = {state: {} for state in self.STATUS}
+        for p in parts:
+            for status, row in p.table().items():
+                state = state_of[status]
+                for inp, tr in row.items():
+                    if inp in rows[state] or inp in self.TABLE[state]:
+                        raise LocalMisuseError(f"two tables claim {inp!r}")
+                    nxt = {outcome: state_of[s] for outcome, s in tr.next.items()}
+                    rows[state][inp] = Transition(_part_handler(p, tr.handler), nxt)
+        return rows
 
     def _parts_peer_lost(self, peer: Any) -> None:
         """Every flow component hears that ``peer`` is gone, with the live rooms it served."""
@@ -467,3 +489,12 @@ class RoomEngine(TableEngine):
     def _h_ignore(self, r: Any, inp: Any, payload: Any) -> str:
         self.counters[f"ignored_{inp.value}"] += 1
         return "stay"
+
+
+def _part_handler(part: RankFlowPart, handler: Callable[..., str | None]) -> Callable[..., str | None]:
+    """A component's table handler as the room table calls it (the engine first: dropped)."""
+
+    def run(engine: Any, r: Any, inp: Any, payload: Any) -> str | None:
+        return handler(part, r, inp, payload)
+
+    return run

@@ -38,19 +38,16 @@ from kvferry.core.events import (
     AbortRoom,
     AuxChecked,
     ControlIn,
-    CopyDone,
-    CopyFailed,
     NotificationIn,
     ReceiverOpen,
     ReleaseRoom,
     SenderSpec,
     Tick,
-    WriteDone,
-    WriteFailed,
 )
 from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
 from kvferry.core.flows.layerwise import LAYERWISE as LAYERWISE_RECEIVER
 from kvferry.core.flows.pull import PullReceiver
+from kvferry.core.flows.registry import FlowReceiver
 from kvferry.core.flows.staged_receiver import StagedReceiver
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
@@ -77,6 +74,8 @@ class RState(IdentityEnum):
 
 
 class RIn(IdentityEnum):
+    """The room's own inputs; a flow component's are its table's (core/flows/parts.py)."""
+
     OPEN = "open"  # a second ReceiverOpen for a live room
     PEER_READY = "peer_ready"  # RegisterAck(ok) from a sender
     PEER_REFUSED = "peer_refused"  # RegisterAck(not ok, final) from a sender
@@ -88,12 +87,6 @@ class RIn(IdentityEnum):
     TIMEOUT = "timeout"
     PEER_LOST = "peer_lost"
     RELEASE = "release"
-    STAGING_REQ = "staging_req"  # a writer asks for staging space for a chunk
-    COPY_DONE = "copy_done"  # a scatter finished
-    COPY_FAILED = "copy_failed"
-    OFFER = "offer"  # pull flow: a sender offers a computed chunk's pages
-    READ_DONE = "read_done"  # pull flow: our READ of an offered chunk finished
-    READ_FAILED = "read_failed"
     FAIL = "fail"  # the failure funnel (``TableEngine.fail``): the only way into FAILED
 
 
@@ -197,6 +190,18 @@ class _Peer:
         self.last_seen = now
 
 
+class _Flows:
+    """The rank's flow components, built once with the context they reach the rank through:
+    ``staged`` and ``pull_rx`` are its parts (core/flows/parts.py; ``parts`` holds them in hook
+    order)."""
+
+    __slots__ = ("ctx", "pull_rx", "staged")
+
+    ctx: ReceiverFlowContext
+    pull_rx: PullReceiver
+    staged: StagedReceiver
+
+
 class ReceiverFlowContext(EngineFlowContext):
     """What a flow's decode half may use of its rank (core/flows/registry.py, ``ReceiverContext``).
     ``staged`` and the engine's ``pull_rx`` are the per-rank components of the flows that keep
@@ -207,15 +212,11 @@ class ReceiverFlowContext(EngineFlowContext):
 
     @property
     def staged(self) -> StagedReceiver:
-        return self._engine.staged
+        return self._engine.flows.staged
 
     @property
     def reg_id(self) -> int:
         return self._engine.reg_id
-
-    def staging_input(self, req: m.StagingReq) -> None:
-        """A StagingReq for a live room: the table's STAGING_REQ input."""
-        self._engine._room_input(req.room, req.transfer_id, RIn.STAGING_REQ, req, sender=req.src)
 
     def tombstone(self, room: int, tid: str) -> Any:
         return self._engine.tombstones.get(room, tid)
@@ -230,10 +231,6 @@ class ReceiverFlowContext(EngineFlowContext):
 
     def complete(self, r: _Room) -> bool:
         return self._engine._complete(r)
-
-    def offer_input(self, offer: m.PullOffer) -> None:
-        """A pull offer for a live room: the table's OFFER input."""
-        self._engine._room_input(offer.room, offer.transfer_id, RIn.OFFER, offer, sender=offer.src)
 
 
 class ReceiverEngine(RoomEngine):
@@ -292,13 +289,24 @@ class ReceiverEngine(RoomEngine):
         if planner is None:
             from kvferry.core.planner import plan_rank_pair as planner
         self.planner = planner
-        self._flow_ctx = ReceiverFlowContext(self)
+        self.flows = flows = _Flows()
+        flows.ctx = ReceiverFlowContext(self)
         self._track_tables()
         # The staged flows' decode half (ring and pinned); it registers its own tables.
-        self.staged = self.staged_class(self._flow_ctx, registration)
+        flows.staged = self.staged_class(flows.ctx, registration)
         # Pull's decode half (core/flows/pull.py); it registers its own tables.
-        self.pull_rx = PullReceiver(self._flow_ctx)
-        self._route_parts((self.staged, self.pull_rx))
+        flows.pull_rx = PullReceiver(flows.ctx)
+        self._route_parts((flows.staged, flows.pull_rx))
+
+    @property
+    def staged(self) -> StagedReceiver:
+        """The staged flows' decode half (core/flows/staged_receiver.py)."""
+        return self.flows.staged
+
+    @property
+    def pull_rx(self) -> PullReceiver:
+        """Pull's decode half: the READs (core/flows/pull.py)."""
+        return self.flows.pull_rx
 
     def _track_tables(self) -> None:
         self._track_rooms()
@@ -319,18 +327,6 @@ class ReceiverEngine(RoomEngine):
             self._guarded(self._on_control, event.data)
         elif t is AuxChecked:
             self._room_input(event.room, event.transfer_id, RIn.AUX_CHECKED, event)
-        elif t is CopyDone or t is CopyFailed:
-            inp = RIn.COPY_DONE if t is CopyDone else RIn.COPY_FAILED
-            self._completion(self.staged.ops, event.op_id, "unknown_op", inp, event)
-        elif t is WriteDone or t is WriteFailed:
-            # Our pull READs come back as transfers by id, like a write's completion.
-            done = self.pull_rx.completed(event.write_id)
-            if done is None:
-                self.counters["unknown_read"] += 1
-            else:
-                (room, tid), info = done
-                inp = RIn.READ_DONE if t is WriteDone else RIn.READ_FAILED
-                self._room_input(room, tid, inp, (event, info))
         elif t is ReceiverOpen:
             self._open(event)
         elif t is AbortRoom:
@@ -339,6 +335,8 @@ class ReceiverEngine(RoomEngine):
             self._room_input(event.room, event.transfer_id, RIn.RELEASE, event)
         elif t is Tick:
             self._tick()
+        elif t in self._routes:
+            self._routes[t](event)  # a flow's own completion (a scatter's, a READ's: core/flows/parts.py)
         else:
             self.counters["bad_event"] += 1
             raise TypeError(f"ReceiverEngine cannot handle {t.__name__}")
@@ -352,12 +350,12 @@ class ReceiverEngine(RoomEngine):
 
     def staging_in_use(self) -> int:
         """Live staging allocations (ring and pinned); 0 once every room settled."""
-        return self.staged.in_use()
+        return self.flows.staged.in_use()
 
     def staging_holds(self, key: Any, region_id: int, lo: int, hi: int) -> bool:
         """Whether bytes ``[lo, hi)`` of staging region ``region_id`` lie inside one live
         allocation that room ``key`` holds (what a staged write may touch; the checkers ask)."""
-        return self.staged.staging_holds(key, region_id, lo, hi)
+        return self.flows.staged.staging_holds(key, region_id, lo, hi)
 
     # --- messages --------------------------------------------------------------------------------
 
@@ -466,8 +464,8 @@ class ReceiverEngine(RoomEngine):
             self._send(p, infos[p])  # after the Register, as a new peer must hear them
         if self._all_acked(r):
             self._dispatch(r, RIn.PEER_READY, None)
-        for req in self.staged.take_held(r.key):
-            self._room_input(req.room, req.transfer_id, RIn.STAGING_REQ, req, sender=req.src)
+        for part in self.parts:
+            part.opened(r)
 
     def _transfer_info(self, r: _Room, p: m.Endpoint) -> m.TransferInfo:
         spec = r.senders[p]
@@ -535,7 +533,7 @@ class ReceiverEngine(RoomEngine):
             return
         self._dispatch(r, inp, payload)
 
-    BOOKKEEP = frozenset((RIn.RELEASE, RIn.STOPPED, RIn.COPY_DONE, RIn.COPY_FAILED))
+    BOOKKEEP = frozenset((RIn.RELEASE, RIn.STOPPED))
 
     def _bookkeep(self, r: _Room, inp: RIn, payload: Any) -> None:
         if inp is RIn.RELEASE:
@@ -545,9 +543,6 @@ class ReceiverEngine(RoomEngine):
                 r.fence.stopped = set()
             r.fence.stopped.add(payload.src)
             self._aborts.answered(r.room, payload.src)
-        elif inp is RIn.COPY_DONE or inp is RIn.COPY_FAILED:
-            for part in self.parts:
-                part.op_finished(r, payload.op_id)
 
     def _forget_command(self, r: _Room, cmd: Any) -> None:
         for part in self.parts:
@@ -596,8 +591,9 @@ class ReceiverEngine(RoomEngine):
             raise RoomError(f"dummy notification from data sender {src}")
         elif note.staged >= 0:
             # A note names no flow; one naming a staging allocation lands in space a StagingReq
-            # asked for, and that request named its flow: that flow's decode half takes it.
-            news = self.staged.half_for(r, note).on_note(self._flow_ctx, r, r.progress[src], note)
+            # asked for, and that request named its flow: the component that gave the space
+            # names that flow's decode half.
+            news = self._note_receiver(r, note).on_note(self.flows.ctx, r, r.progress[src], note)
         elif note.layer_end:
             # A layer range says layer-wise (core/flows/layerwise.py): the chunk is recorded once
             # every layer of it landed.
@@ -625,37 +621,28 @@ class ReceiverEngine(RoomEngine):
     def _record_chunk(self, r: _Room, prog: _SenderProgress, note: m.ChunkNote) -> bool:
         """A data chunk in the sender's ledger (direct's decode half; pull and the staged flows
         record theirs here too once READ or scattered); True if it was news, not a duplicate."""
-        return DIRECT_RECEIVER.on_note(self._flow_ctx, r, prog, note)
+        return DIRECT_RECEIVER.on_note(self.flows.ctx, r, prog, note)
 
     def _layer_note(self, r: _Room, prog: _SenderProgress, note: m.LayerNote) -> bool:
-        return LAYERWISE_RECEIVER.on_note(self._flow_ctx, r, prog, note)
+        return LAYERWISE_RECEIVER.on_note(self.flows.ctx, r, prog, note)
+
+    def _note_receiver(self, r: _Room, note: m.ChunkNote) -> FlowReceiver:
+        for part in self.parts:
+            half: FlowReceiver | None = part.note_receiver(r, note)
+            if half is not None:
+                return half
+        raise RoomError(f"note of chunk {note.chunk_index} names staging space no flow here gave")
 
     def _complete(self, r: _Room) -> bool:
-        if not r.aux_ok or self.staged.scatters_running(r):
+        if not r.aux_ok:
             return False
+        for part in self.parts:  # a scatter of ours still writes the pages (a loop: per note)
+            if part.writing(r):
+                return False
         for p in r.progress.values():
             if not p.done:
                 return False
         return len(r.dummies_done) == len(r.senders) - len(r.data_senders)
-
-    # --- the staged flows' decode half (core/flows/staged_receiver.py), as the table calls it ---------
-
-    def _h_on_staging_req(self, r: _Room, inp: RIn, req: m.StagingReq) -> None:
-        self.staged.on_room_req(r, req)
-
-    def _h_on_copy_done(self, r: _Room, inp: RIn, ev: CopyDone) -> str:
-        return self.staged.on_copy_done(r, ev)
-
-    # --- pull's decode half (core/flows/pull.py), as the table calls it -----------------------------
-
-    def _h_on_offer(self, r: _Room, inp: RIn, offer: m.PullOffer) -> str:
-        return self.pull_rx.on_offer(r, offer)
-
-    def _h_on_read_done(self, r: _Room, inp: RIn, payload: tuple[Any, Any]) -> str:
-        return self.pull_rx.on_read_done(r, payload[1])
-
-    def _h_on_offer_after_success(self, r: _Room, inp: RIn, offer: m.PullOffer) -> None:
-        self.pull_rx.offer_after_success(r, offer)
 
     def _h_on_aux_checked(self, r: _Room, inp: RIn, ev: AuxChecked) -> str:
         if r.aux_ok or not r.aux_pending:
@@ -688,10 +675,6 @@ class ReceiverEngine(RoomEngine):
             reason = f"timed out while {r.state.value}"
         elif inp is RIn.STOPPED:
             reason = f"{payload.src} stopped sending before its failure notice arrived"
-        elif inp is RIn.COPY_FAILED:
-            reason = f"scatter failed: {payload.reason}"
-        elif inp is RIn.READ_FAILED:
-            reason = f"read failed: {payload[0].reason}"
         else:
             reason = f"peer {payload} lost (no heartbeat)"
         self.fail(r, RoomFailure(reason, at_ns=self._now))
@@ -712,11 +695,9 @@ class ReceiverEngine(RoomEngine):
                 r.fence.expired = True
         elif inp is RIn.NOTIFY:
             self.counters["notification_after_failure"] += 1
-        elif inp is RIn.OFFER:
-            self.pull_rx.after_failure(r, payload)
         elif inp is RIn.PEER_FAILED and any(p.asked_again(r, payload.src) for p in self.parts):
             pass  # a sender still holding its pages asked again: nothing of ours writes them
-        elif inp not in (RIn.STOPPED, RIn.RELEASE, RIn.READ_DONE, RIn.READ_FAILED):
+        elif inp not in (RIn.STOPPED, RIn.RELEASE):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
     # --- failure, fence, release -------------------------------------------------------------------
@@ -831,8 +812,6 @@ _LIVE_FAILURES = {
     RIn.PEER_LOST: _FAIL,
     # A sender confirms Stopped only after it failed: its RoomFailed was lost or is overtaken.
     RIn.STOPPED: _FAIL,
-    RIn.COPY_FAILED: _FAIL,
-    RIn.READ_FAILED: _FAIL,
 }
 
 RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
@@ -841,29 +820,19 @@ RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
         RIn.PEER_READY: _t(E._h_on_peer_ready, stay=_B, ready=_W),
         # A notification proves the sender has our registration even if its ack is still in flight.
         RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
-        RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_B),
-        # An offer proves the sender has our TransferInfo and registration, as a notification does.
-        RIn.OFFER: _t(E._h_on_offer, stay=_B, running=_T, done=_S),
     },
     _W: {
         **_LIVE_FAILURES,
         RIn.PEER_READY: _t(E._h_ignore_ready, stay=_W),
         RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
-        RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_W),
-        RIn.OFFER: _t(E._h_on_offer, stay=_W, running=_T, done=_S),
     },
     _T: {
         **_LIVE_FAILURES,
         RIn.PEER_READY: _t(E._h_ignore_ready, stay=_T),
         RIn.NOTIFY: _t(E._h_on_notify, running=_T, done=_S),
         RIn.AUX_CHECKED: _t(E._h_on_aux_checked, stay=_T, done=_S),
-        RIn.STAGING_REQ: _t(E._h_on_staging_req, stay=_T),
-        RIn.COPY_DONE: _t(E._h_on_copy_done, stay=_T, done=_S),
-        RIn.OFFER: _t(E._h_on_offer, stay=_T, running=_T, done=_S),
-        RIn.READ_DONE: _t(E._h_on_read_done, stay=_T, running=_T, done=_S),
     },
     _S: {
-        RIn.STAGING_REQ: _t(E._h_ignore, stay=_S),
         RIn.PEER_READY: _t(E._h_ignore, stay=_S),
         RIn.NOTIFY: _t(E._h_on_notify_after_success, stay=_S),
         RIn.AUX_CHECKED: _t(E._h_on_aux_checked, stay=_S, done=_S),
@@ -872,7 +841,6 @@ RECEIVER_TABLE: dict[RState, dict[RIn, Transition]] = {
         RIn.PEER_FAILED: _FAIL,  # both sides must agree on the outcome
         RIn.ABORT_LOCAL: _t(E._h_ignore, stay=_S),  # every byte landed: nothing left to abort
         RIn.RELEASE: _t(E._h_ignore, stay=_S),
-        RIn.OFFER: _t(E._h_on_offer_after_success, stay=_S),
         RIn.FAIL: _t(E._h_fail, failed=_F),  # a sender's failure after our Success (agree on Failed)
     },
     _F: {**{i: _t(E._h_on_failed_input, stay=_F) for i in RIn}, RIn.FAIL: _t(E._h_ignore_fail, stay=_F)},

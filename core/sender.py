@@ -55,8 +55,6 @@ from kvferry.core.events import (
     ChunkAhead,
     ChunkReady,
     ControlIn,
-    CopyDone,
-    CopyFailed,
     LayersReady,
     NotificationIn,
     PeerUnusable,
@@ -102,6 +100,8 @@ class SState(IdentityEnum):
 
 
 class SIn(IdentityEnum):
+    """The room's own inputs; a flow component's are its table's (core/flows/parts.py)."""
+
     OPEN = "open"  # local SenderOpen on a room a TransferInfo created first
     INFO = "info"  # TransferInfo from a decode rank
     PEER_READY = "peer_ready"  # a decode rank this room needs registered
@@ -116,11 +116,6 @@ class SIn(IdentityEnum):
     TIMEOUT = "timeout"
     PEER_LOST = "peer_lost"  # heartbeat loss of a decode rank of the room
     RELEASE = "release"
-    STAGING_RSP = "staging_rsp"  # decode granted (or refused) staging space for a chunk
-    COPY_DONE = "copy_done"  # a gather finished
-    COPY_FAILED = "copy_failed"
-    PULLED = "pulled"  # pull flow: decode READ an offered chunk
-    READS_STOPPED = "reads_stopped"  # pull flow: decode failed the room and reads no more
     FAIL = "fail"  # the failure funnel (``TableEngine.fail``): the only way into FAILED
 
 
@@ -247,6 +242,34 @@ class _Peer:
         self.last_seen = now
 
 
+class _Writes(dict[int, tuple[int, str]]):
+    """The rank's writes in flight: write id -> room key (the mapping itself), the next id, and
+    the rooms whose writes in flight were cut when their decode peer was lost (``cut``, room key
+    -> until when): over a transport that queues writes (UCX over TCP) they can still land after
+    a heal, so no Stopped may vouch for them; decode frees those pages at its fence deadline."""
+
+    __slots__ = ("cut", "next_id")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.next_id = 1
+        self.cut: dict[tuple[int, str], int] = {}
+
+
+class _Flows:
+    """The rank's flow components, built once with the context they reach the rank through:
+    ``staged``, ``pull`` and ``push`` are its parts (core/flows/parts.py; ``parts`` holds them in
+    hook order), ``ahead`` the chunks named and planned ahead (core/flows/ahead.py)."""
+
+    __slots__ = ("ahead", "ctx", "pull", "push", "staged")
+
+    ahead: AheadPlans
+    ctx: SenderFlowContext
+    pull: PullSender
+    push: PushSender
+    staged: StagedSender
+
+
 class SenderFlowContext(EngineFlowContext):
     """What a flow's prefill half may use of its rank (core/flows/registry.py, ``SenderContext``):
     the room checks and bookkeeping every flow's run shares, posting and sending, the decode peers
@@ -262,7 +285,7 @@ class SenderFlowContext(EngineFlowContext):
 
     @property
     def staged(self) -> StagedSender:
-        return self._engine.staged
+        return self._engine.flows.staged
 
     @property
     def policy(self) -> FlowPolicy:
@@ -280,17 +303,21 @@ class SenderFlowContext(EngineFlowContext):
     def targets(self, r: _Room) -> tuple[m.Endpoint, ...]:
         return self._engine._targets(r)
 
+    def quiet(self, r: _Room) -> bool:
+        """The last chunk ran and nothing of the room is in flight (it may succeed)."""
+        return self._engine._quiet(r)
+
     def settle(self, r: _Room) -> None:
         """After failing a room outside its own step: fence it or drop it if it is done."""
         self._engine._maybe_finish(r)
 
     @property
     def push(self) -> PushSender:
-        return self._engine.push
+        return self._engine.flows.push
 
     @property
     def pull(self) -> PullSender:
-        return self._engine.pull
+        return self._engine.flows.pull
 
     def chunk_bounds(self, r: _Room, c: ChunkReady) -> tuple[int, int]:
         return self._engine._chunk_bounds(r, c)
@@ -333,7 +360,7 @@ class SenderFlowContext(EngineFlowContext):
         return tuple(peers.get(p) for p, _ in self._engine._infos_sorted(r))
 
     def take_ahead(self, r: _Room, c: ChunkReady, start: int, end: int) -> AheadPlan | None:
-        return self._engine.ahead.take(self, r, c, start, end)
+        return self._engine.flows.ahead.take(self, r, c, start, end)
 
 
 class SenderEngine(RoomEngine):
@@ -377,34 +404,45 @@ class SenderEngine(RoomEngine):
         self.rooms: dict[int, _Room] = {}
         self.peers: dict[m.Endpoint, _Peer] = {}
         self.rooms_by_peer: dict[m.Endpoint, set[int]] = {}
-        self.writes: dict[int, tuple[int, str]] = {}  # write id -> room key
+        self.writes = _Writes()
         self.deadlines = DeadlineHeap()
         self.tombstones = Tombstones(self.timeouts.tombstone_ns)
         self.counters: Counter[str] = Counter()
-        # Rooms whose writes in flight were cut when their decode peer was lost: over a transport
-        # that queues writes (UCX over TCP) they can still land after a heal, so no Stopped may
-        # vouch for them; decode frees those pages at its fence deadline. By room key, until then.
-        self._cut: dict[tuple[int, str], int] = {}
         # Unacknowledged RoomFailed, by room key; outlives the room (like the tombstone).
         interval = self.timeouts.heartbeat_interval_ns
         self._notices = Resends(
             "notice", self.deadlines, self.counters, interval, "failure_resent", "failure_notice_gave_up"
         )
         self.registration = registration
-        self.push = self._new_push(push_match)
-        self._flow_ctx = SenderFlowContext(self)
+        self.flows = flows = _Flows()
+        flows.push = self._new_push(push_match)
+        flows.ctx = SenderFlowContext(self)
         # Pull offers owed an answer (Pulled), by (room, transfer_id, chunk index).
-        self.pull = PullSender(self._flow_ctx)
-        self._next_write_id = 1
+        flows.pull = PullSender(flows.ctx)
         self._out: list[Any] = []
         self._now = 0
         self.last_internal_error: BaseException | None = None
         self.policy = policy or FlowPolicy()
-        self.ahead = AheadPlans(self.counters)  # chunks named and planned ahead (flows/ahead.py)
+        flows.ahead = AheadPlans(self.counters)
         self._track_tables()
         # The staged flows' prefill half (ring and pinned); it registers its own tables.
-        self.staged = self.staged_class(self._flow_ctx, worker_buffer_bytes, pinned_bytes)
-        self._route_parts((self.staged, self.pull, self.push))
+        flows.staged = self.staged_class(flows.ctx, worker_buffer_bytes, pinned_bytes)
+        self._route_parts((flows.staged, flows.pull, flows.push))
+
+    @property
+    def staged(self) -> StagedSender:
+        """The staged flows' prefill half (core/flows/staged_sender.py)."""
+        return self.flows.staged
+
+    @property
+    def pull(self) -> PullSender:
+        """Pull's prefill half: the offers (core/flows/pull.py)."""
+        return self.flows.pull
+
+    @property
+    def push(self) -> PushSender:
+        """Push's registration leases (core/flows/push.py)."""
+        return self.flows.push
 
     def _new_push(self, push_match: str) -> PushSender:
         """Push registrations (a lease per room and decode rank); the watchdog fires just before
@@ -436,11 +474,11 @@ class SenderEngine(RoomEngine):
         )
         self.track("pull_offers", self.pull.mentions, self.pull.size)
         self.track("leases", self.push.mentions, self.push.size)
-        self.track("ahead", self.ahead.mentions, self.ahead.size)
+        self.track("ahead", self.flows.ahead.mentions, self.flows.ahead.size)
 
     def staging_in_use(self) -> int:
         """Staging slots, pinned reservations and gathers held; 0 once every room settled."""
-        return self.staged.in_use()
+        return self.flows.staged.in_use()
 
     @property
     def leases(self) -> LeaseRegistry:
@@ -469,10 +507,7 @@ class SenderEngine(RoomEngine):
             if r is None or r.tid != event.transfer_id or r.state is SState.FAILED:
                 self.counters["ahead_for_unknown_room"] += 1
             else:
-                self.ahead.name(self._flow_ctx, r, event)
-        elif t is CopyDone or t is CopyFailed:
-            inp = SIn.COPY_DONE if t is CopyDone else SIn.COPY_FAILED
-            self._completion(self.staged.ops, event.op_id, "unknown_op", inp, event)
+                self.flows.ahead.name(self.flows.ctx, r, event)
         elif t is WriteDone or t is WriteFailed:
             inp = SIn.WRITE_DONE if t is WriteDone else SIn.WRITE_FAILED
             self._completion(self.writes, event.write_id, "unknown_write", inp, event)
@@ -491,6 +526,8 @@ class SenderEngine(RoomEngine):
             # The notification of decode's READ (pull flow): informational; the pages stay ours
             # until the control message Pulled, which is resent until it arrives.
             self.counters["read_notif"] += 1
+        elif t in self._routes:
+            self._routes[t](event)  # a flow's own completion (a gather's: core/flows/parts.py)
         else:
             self.counters["bad_event"] += 1
             raise TypeError(f"SenderEngine cannot handle {t.__name__}")
@@ -598,7 +635,7 @@ class SenderEngine(RoomEngine):
                     msg.src,
                     m.RoomFailed(src=self.endpoint, room=room, transfer_id=tid, reason="failed earlier"),
                 )
-                if (room, tid) not in self._cut:
+                if (room, tid) not in self.writes.cut:
                     self._send(msg.src, m.Stopped(src=self.endpoint, room=room, transfer_id=tid))
             return
         r = self.rooms.get(msg.room)
@@ -624,7 +661,7 @@ class SenderEngine(RoomEngine):
             # Nothing of ours is live for this incarnation, so nothing can be writing: fence now.
             self.counters["abort_for_unknown_room"] += 1
             self._late_failure(msg)
-            if (msg.room, msg.transfer_id) not in self._cut:
+            if (msg.room, msg.transfer_id) not in self.writes.cut:
                 self._send(msg.src, m.Stopped(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id))
             return
         self._dispatch(r, SIn.ABORT_PEER, msg)
@@ -672,15 +709,7 @@ class SenderEngine(RoomEngine):
         if r is not None:
             self._dispatch(r, inp, payload)
 
-    BOOKKEEP = frozenset(
-        {
-            SIn.RELEASE,
-            SIn.WRITE_DONE,
-            SIn.WRITE_FAILED,
-            SIn.COPY_DONE,
-            SIn.COPY_FAILED,
-        }
-    )
+    BOOKKEEP = frozenset({SIn.RELEASE, SIn.WRITE_DONE, SIn.WRITE_FAILED})
 
     def _bookkeep(self, r: _Room, inp: SIn, payload: Any) -> None:
         if inp is SIn.RELEASE:
@@ -689,9 +718,6 @@ class SenderEngine(RoomEngine):
             r.inflight.discard(payload.write_id)
             for part in self.parts:  # a write id is at most one component's
                 part.write_finished(r, payload.write_id, inp is SIn.WRITE_DONE)
-        elif inp is SIn.COPY_DONE or inp is SIn.COPY_FAILED:
-            for part in self.parts:
-                part.op_finished(r, payload.op_id)
 
     def _forget_command(self, r: _Room, cmd: Any) -> None:
         t = type(cmd)
@@ -719,7 +745,7 @@ class SenderEngine(RoomEngine):
             if parked:
                 for part in self.parts:
                     part.computed(r, True)
-            self.ahead.plan(self._flow_ctx, r)  # a chunk named before decode's TransferInfo
+            self.flows.ahead.plan(self.flows.ctx, r)  # a chunk named before decode's TransferInfo
         elif st is SState.TRANSFERRING:
             self.deadlines.set(key, self._now + self.timeouts.transfer_ns)
         elif st is SState.SUCCESS:
@@ -808,7 +834,7 @@ class SenderEngine(RoomEngine):
 
     def _h_on_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
         if self._accept_chunk(r, c):
-            ready = self.ahead.ready(r.key, c.chunk_index)
+            ready = self.flows.ahead.ready(r.key, c.chunk_index)
             self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c, prepared=ready))
             if c.chunk_index == 0:
                 for part in self.parts:
@@ -872,7 +898,7 @@ class SenderEngine(RoomEngine):
         if on_layers is None:
             self.counters["layers_ignored"] += 1
             return "stay"
-        outcome: str = on_layers(self._flow_ctx, r, ev)
+        outcome: str = on_layers(self.flows.ctx, r, ev)
         return outcome
 
     # --- the room's flow: chosen once, then its halves (core/flows/registry.py) -----------------------
@@ -914,17 +940,11 @@ class SenderEngine(RoomEngine):
                 return
         prepare = getattr(flow_halves(r.flow).sender, "prepare", None)
         if prepare is not None:
-            prepare(self._flow_ctx, r)
-
-    def _h_on_staging_rsp(self, r: _Room, inp: SIn, rsp: m.StagingRsp) -> None:
-        self.staged.on_staging_rsp(r, rsp)
-
-    def _h_on_copy_done(self, r: _Room, inp: SIn, ev: CopyDone) -> None:
-        self.staged.on_copy_done(r, ev)
+            prepare(self.flows.ctx, r)
 
     def _run_flow(self, r: _Room, c: ChunkReady, flow: Flow) -> str:
         """The flow's prefill half (core/flows/registry.py) runs the chunk through the context."""
-        return flow_halves(flow).sender.run_chunk(self._flow_ctx, r, c)
+        return flow_halves(flow).sender.run_chunk(self.flows.ctx, r, c)
 
     @staticmethod
     def _infos_sorted(r: _Room) -> list[tuple[m.Endpoint, m.TransferInfo]]:
@@ -969,9 +989,6 @@ class SenderEngine(RoomEngine):
             **kind,
         )
         return _encode(note)
-
-    def _h_on_pulled(self, r: _Room, inp: SIn, msg: m.Pulled) -> str:
-        return "done" if self._quiet(r) else "stay"
 
     def _info_known(self, r: _Room, info: m.TransferInfo) -> None:
         for part in self.parts:
@@ -1049,8 +1066,8 @@ class SenderEngine(RoomEngine):
         return r.run.last_run and not r.inflight and all(p.quiet(r.key) for p in self.parts)
 
     def _new_write(self, r: _Room) -> int:
-        wid = self._next_write_id
-        self._next_write_id += 1
+        wid = self.writes.next_id
+        self.writes.next_id += 1
         r.inflight.add(wid)
         self.writes[wid] = r.key
         return wid
@@ -1073,10 +1090,6 @@ class SenderEngine(RoomEngine):
             blocked = next((b for p in self.parts if (b := p.blocked(r.key))), "")
             if blocked:
                 reason += f" ({blocked})"
-        elif inp is SIn.COPY_FAILED:
-            reason = f"gather failed: {payload.reason}"
-        elif inp is SIn.READS_STOPPED:
-            reason = f"{payload.src} failed the room and stopped reading"
         elif isinstance(payload, tuple):
             reason = f"peer {payload[0]} {payload[1]}"
         else:
@@ -1106,7 +1119,7 @@ class SenderEngine(RoomEngine):
             # SGLang PR 20680: a worker that meets a Failed room skips its remaining chunks.
             self.counters["chunk_skipped_failed"] += 1
             self._out.append(ChunkSkipped(room=r.room, chunk_index=payload.chunk_index, reason="room failed"))
-        elif inp not in (SIn.RELEASE, SIn.WRITE_DONE, SIn.WRITE_FAILED, SIn.PULLED, SIn.READS_STOPPED):
+        elif inp not in (SIn.RELEASE, SIn.WRITE_DONE, SIn.WRITE_FAILED):
             self.counters[f"ignored_failed_{inp.value}"] += 1
 
     def _h_on_release(self, r: _Room, inp: SIn, payload: Any) -> None:
@@ -1151,7 +1164,7 @@ class SenderEngine(RoomEngine):
             return
         if st is not SState.FAILED:
             return  # a live room: nothing to fence or drop
-        if not r.inflight and not r.fence.stopped_sent and r.key not in self._cut:
+        if not r.inflight and not r.fence.stopped_sent and r.key not in self.writes.cut:
             r.fence.stopped_sent = True
             for p in sorted(r.fence.stop_to):
                 self._send(p, m.Stopped(src=self.endpoint, room=r.room, transfer_id=r.tid))
@@ -1165,7 +1178,7 @@ class SenderEngine(RoomEngine):
     def _remove(self, r: _Room) -> None:
         for part in self.parts:
             part.forget(r)
-        self.ahead.forget(self._flow_ctx, r.key)
+        self.flows.ahead.forget(self.flows.ctx, r.key)
         self._forget(r, r.decode.infos)
 
     def _acked(self, msg: m.FailedAck | m.Abort | m.RoomFailed) -> None:
@@ -1186,14 +1199,14 @@ class SenderEngine(RoomEngine):
             for p, msg in self._notices.fire(what, self._now):
                 self._send(p, msg)
         elif kind == "cut":
-            self._cut.pop(what, None)  # decode's fence deadline has passed: it freed the pages
+            self.writes.cut.pop(what, None)  # decode's fence deadline has passed: it freed the pages
 
     def _peer_gone(self, peer: m.Endpoint) -> None:
         until = self._now + self.timeouts.fence_ns
         for room in sorted(self.rooms_by_peer.get(peer, ())):
             r = self.rooms.get(room)
             if r is not None and r.inflight:
-                self._cut[r.key] = until
+                self.writes.cut[r.key] = until
                 self.deadlines.set(("cut", r.key), until)
                 self.counters["writes_cut_by_peer_loss"] += 1
 
@@ -1211,7 +1224,6 @@ _LIVE_FAILURES = {
     SIn.PEER_FAILED: _FAIL,
     SIn.TIMEOUT: _FAIL,
     SIn.PEER_LOST: _FAIL,
-    SIn.READS_STOPPED: _FAIL,  # decode failed the room (its Abort may still be on the way)
 }
 
 SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
@@ -1221,7 +1233,6 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.PEER_READY: _t(E._h_on_peer_ready, stay=_B, ready=_W),
         SIn.CHUNK: _t(E._h_on_chunk_early, stay=_B),  # parked until WAITING
         SIn.LAYERS: _t(E._h_on_layers, stay=_B),  # recorded; posted once the chunk runs
-        SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_B),  # asked for ahead of the TransferInfos
         **_LIVE_FAILURES,
     },
     _W: {
@@ -1230,7 +1241,6 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.CHUNK: _t(E._h_on_chunk, stay=_W),
         SIn.LAYERS: _t(E._h_on_layers, stay=_W),
         SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_W, running=_T, done=_S),
-        SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_W),
         **_LIVE_FAILURES,
     },
     _T: {
@@ -1241,16 +1251,9 @@ SENDER_TABLE: dict[SState, dict[SIn, Transition]] = {
         SIn.RUN_CHUNK: _t(E._h_on_run_chunk, stay=_T, running=_T, done=_S),
         SIn.WRITE_DONE: _t(E._h_on_write_done, stay=_T, done=_S),
         SIn.WRITE_FAILED: _FAIL,
-        SIn.STAGING_RSP: _t(E._h_on_staging_rsp, stay=_T),
-        SIn.COPY_DONE: _t(E._h_on_copy_done, stay=_T),
-        SIn.COPY_FAILED: _FAIL,
-        SIn.PULLED: _t(E._h_on_pulled, stay=_T, done=_S),
         **_LIVE_FAILURES,
     },
     _S: {
-        SIn.PULLED: _t(E._h_ignore, stay=_S),  # a duplicate answer to a resent offer
-        SIn.READS_STOPPED: _t(E._h_ignore, stay=_S),  # nothing was owed; its Abort follows
-        SIn.STAGING_RSP: _t(E._h_ignore, stay=_S),
         SIn.INFO: _t(E._h_on_info_late, stay=_S),
         SIn.PEER_READY: _t(E._h_ignore, stay=_S),
         SIn.LAYERS: _t(E._h_ignore, stay=_S),  # a report repeated after every layer was posted

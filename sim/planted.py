@@ -241,7 +241,7 @@ class _LastLayerOnlySender(SenderEngine):
 class _LayersAfterFailureSender(SenderEngine):
     def _h_post_failed_layers(self, r: Any, inp: Any, payload: Any) -> str:
         if r.flow is Flow.LAYERWISE:
-            LayerwiseSender().on_layers(self._flow_ctx, r, payload)  # posted as if the room lived
+            LayerwiseSender().on_layers(self.flows.ctx, r, payload)  # posted as if the room lived
         return "stay"
 
 

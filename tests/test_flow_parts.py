@@ -13,7 +13,10 @@ from kvferry.core import messages as m
 from kvferry.core.commands import FreePages, PostWrite
 from kvferry.core.errors import LocalMisuseError
 from kvferry.core.events import AbortRoom, ControlIn, ReleaseRoom, Tick, WriteDone
-from kvferry.core.flows.parts import RankFlowPart, earliest
+from kvferry.core.flows.parts import FlowTable, RankFlowPart, earliest
+from kvferry.core.identity_enum import IdentityEnum
+from kvferry.core.kvpoll import KVPoll
+from kvferry.core.machine import step
 from kvferry.core.receiver import ReceiverEngine
 from kvferry.core.sender import SenderEngine, SState
 
@@ -130,6 +133,46 @@ def test_two_components_cannot_claim_one_message() -> None:
     e: SenderEngine = engine()
     with pytest.raises(LocalMisuseError, match="two flow components"):
         e._route_parts((*e.parts, Recorder(), Recorder()))
+
+
+class PokeIn(IdentityEnum):
+    POKE = "poke"
+
+
+class Poker(RankFlowPart):
+    """A component with a room input of its own: allowed while the room waits, where "go" moves
+    the room to Transferring."""
+
+    def __init__(self) -> None:
+        self.poked: list[Any] = []
+
+    def _h_poke(self, r: Any, inp: PokeIn, payload: str) -> str:
+        self.poked.append((r.key, payload))
+        return payload
+
+    def table(self) -> FlowTable:
+        w, t = KVPoll.WaitingForInput, KVPoll.Transferring
+        return {w: {PokeIn.POKE: step(Poker._h_poke, stay=w, go=t)}}
+
+
+def test_a_components_own_input_runs_on_the_room_table_by_status() -> None:
+    poker = Poker()
+    e = waiting(with_part(engine(), poker))
+    assert e.transition(SState.WAITING, PokeIn.POKE) is not None
+    e.flows.ctx.flow_input(ROOM, TID, PokeIn.POKE, "stay")
+    assert e.state(ROOM) is SState.WAITING and poker.poked == [((ROOM, TID), "stay")]
+    e.flows.ctx.flow_input(ROOM, TID, PokeIn.POKE, "go")
+    assert e.state(ROOM) is SState.TRANSFERRING  # the component's table moved the room
+    # A status its table does not list fails the room like any pair the room's table omits.
+    e.flows.ctx.flow_input(ROOM, TID, PokeIn.POKE, "stay")
+    assert e.state(ROOM) is SState.FAILED and "poke not allowed while transferring" in e.failure(ROOM).reason
+    assert len(poker.poked) == 2 and e.counters["illegal_input"] == 1
+
+
+def test_two_components_cannot_claim_one_input() -> None:
+    e: SenderEngine = engine()
+    with pytest.raises(LocalMisuseError, match="two tables"):
+        e._route_parts((*e.parts, Poker(), Poker()))
 
 
 def test_earliest_skips_unset_times() -> None:

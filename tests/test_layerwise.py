@@ -393,7 +393,7 @@ class _LastLayerReceiver(H.ReceiverEngine):
     def _layer_note(self, r: Any, prog: Any, note: m.LayerNote) -> bool:
         news = super()._layer_note(r, prog, note)
         if note.layer_end == self.pool.model.num_layers and note.chunk_index not in prog.chunks:
-            self._flow_ctx.room_table("layer_notes").get(r.key, {}).pop((note.src, note.chunk_index), None)
+            self.flows.ctx.room_table("layer_notes").get(r.key, {}).pop((note.src, note.chunk_index), None)
             return self._record_chunk(r, prog, note)
         return news
 

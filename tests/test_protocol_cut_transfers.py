@@ -90,7 +90,7 @@ def test_writes_cut_by_a_lost_peer_are_not_fenced_by_stopped() -> None:
     assert w.violations == [] and w.internal_errors() == []
     w.advance(T.fence_ns)
     assert w.prefill[0].engine.counters["writes_cut_by_peer_loss"] == 1
-    assert not w.prefill[0].engine._cut  # forgotten at decode's fence deadline
+    assert not w.prefill[0].engine.writes.cut  # forgotten at decode's fence deadline
 
 
 def test_reads_cut_by_a_lost_peer_wait_for_the_fence() -> None:

@@ -26,7 +26,8 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
-from kvferry.core.flows.pull import ReadInfo
+from kvferry.core.flows.pull import PullRxIn, ReadInfo
+from kvferry.core.flows.staged_receiver import StagedRxIn
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll, advance
 from kvferry.core.machine import RoomFailure
@@ -494,7 +495,7 @@ offers = st.builds(
     st.booleans(),
     st.lists(st.integers(0, 40), max_size=6),
 )
-PAYLOADS: dict[RIn, Any] = {
+PAYLOADS: dict[Any, Any] = {
     RIn.OPEN: st.just(open_ev()),
     RIn.PEER_READY: endpoints,
     RIn.PEER_REFUSED: st.builds(m.RegisterAck, src=endpoints, ok=st.just(False), reason=st.text(max_size=4)),
@@ -510,7 +511,7 @@ PAYLOADS: dict[RIn, Any] = {
     RIn.TIMEOUT: st.none(),
     RIn.PEER_LOST: endpoints,
     RIn.RELEASE: st.builds(ReleaseRoom, room=st.just(ROOM), transfer_id=st.just(TID)),
-    RIn.STAGING_REQ: st.builds(
+    StagedRxIn.STAGING_REQ: st.builds(
         m.StagingReq,
         src=endpoints,
         room=st.just(ROOM),
@@ -520,21 +521,22 @@ PAYLOADS: dict[RIn, Any] = {
         token_start=st.integers(0, 4),
         token_end=st.integers(5, 9),
     ),
-    RIn.COPY_DONE: st.builds(CopyDone, op_id=st.integers(0, 5)),
-    RIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
-    RIn.OFFER: offers,
-    RIn.READ_DONE: st.tuples(
+    StagedRxIn.COPY_DONE: st.builds(CopyDone, op_id=st.integers(0, 5)),
+    StagedRxIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
+    PullRxIn.OFFER: offers,
+    PullRxIn.READ_DONE: st.tuples(
         st.builds(WriteDone, write_id=st.integers(0, 5)), st.one_of(st.none(), offers.map(ReadInfo))
     ),
-    RIn.READ_FAILED: st.tuples(st.builds(WriteFailed, write_id=st.integers(0, 5)), st.none()),
+    PullRxIn.READ_FAILED: st.tuples(st.builds(WriteFailed, write_id=st.integers(0, 5)), st.none()),
     # The failure funnel's own input (TableEngine.fail): a reason and the side's options.
     RIn.FAIL: st.tuples(st.builds(RoomFailure, st.text(min_size=1, max_size=5)), st.just({})),
 }
 
 
 @settings(max_examples=300)
-@given(state=st.sampled_from(list(RState)), inp=st.sampled_from(list(RIn)), data=st.data())
-def test_every_state_input_pair(state: RState, inp: RIn, data: st.DataObject) -> None:
+@given(state=st.sampled_from(list(RState)), inp=st.sampled_from(list(PAYLOADS)), data=st.data())
+def test_every_state_input_pair(state: RState, inp: Any, data: st.DataObject) -> None:
+    """Every input of the room's table, the flows' own (``StagedRxIn``, ``PullRxIn``) included."""
     e = in_state(state)
     payload = data.draw(PAYLOADS[inp])
     before = e.poll(ROOM)
@@ -543,7 +545,7 @@ def test_every_state_input_pair(state: RState, inp: RIn, data: st.DataObject) ->
         assert inp in (RIn.RELEASE, RIn.TIMEOUT, RIn.STOPPED)
         return
     after = e.state(ROOM)
-    tr = RECEIVER_TABLE[state].get(inp)
+    tr = e.transition(state, inp)
     if tr is None:
         assert after is RState.FAILED and "not allowed" in e.failure(ROOM).reason
     else:
@@ -556,6 +558,10 @@ def test_every_state_input_pair(state: RState, inp: RIn, data: st.DataObject) ->
 def test_table_covers_every_state() -> None:
     assert set(RECEIVER_TABLE) == set(RState)
     assert set(RECEIVER_TABLE[RState.FAILED]) == set(RIn)
+    # The engine runs RECEIVER_TABLE with its flow components' own inputs added (core/flows/parts.py).
+    e = ReceiverEngine(registration())
+    assert all(e.transition(RState.FAILED, i) is not None for i in PAYLOADS)
+    assert all(e.transition(st_, i) is tr for st_, row in RECEIVER_TABLE.items() for i, tr in row.items())
 
 
 def test_abort_is_resent_until_every_sender_stopped() -> None:

@@ -38,6 +38,8 @@ from kvferry.core.events import (
     WriteDone,
     WriteFailed,
 )
+from kvferry.core.flows.pull import PullTxIn
+from kvferry.core.flows.staged_sender import StagedTxIn
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll, advance
 from kvferry.core.machine import RoomFailure
@@ -553,7 +555,7 @@ infos = st.builds(
     st.booleans(),
     st.booleans(),
 )
-PAYLOADS: dict[SIn, Any] = {
+PAYLOADS: dict[Any, Any] = {
     SIn.OPEN: st.builds(
         SenderOpen, room=st.just(ROOM), transfer_id=st.just(TID), aux_index=st.integers(0, 8)
     ),
@@ -581,7 +583,7 @@ PAYLOADS: dict[SIn, Any] = {
     SIn.TIMEOUT: st.none(),
     SIn.PEER_LOST: endpoints,
     SIn.RELEASE: st.builds(ReleaseRoom, room=st.just(ROOM), transfer_id=st.just(TID)),
-    SIn.STAGING_RSP: st.builds(
+    StagedTxIn.STAGING_RSP: st.builds(
         m.StagingRsp,
         src=endpoints,
         room=st.just(ROOM),
@@ -595,20 +597,23 @@ PAYLOADS: dict[SIn, Any] = {
         end=st.integers(0, 64),
         offset=st.integers(0, 64),
     ),
-    SIn.COPY_DONE: st.builds(CopyDone, op_id=st.integers(0, 5)),
-    SIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
-    SIn.PULLED: st.builds(
+    StagedTxIn.COPY_DONE: st.builds(CopyDone, op_id=st.integers(0, 5)),
+    StagedTxIn.COPY_FAILED: st.builds(CopyFailed, op_id=st.integers(0, 5)),
+    PullTxIn.PULLED: st.builds(
         m.Pulled, src=endpoints, room=st.just(ROOM), transfer_id=st.just(TID), chunk_index=st.integers(0, 3)
     ),
-    SIn.READS_STOPPED: st.builds(m.ReadsStopped, src=endpoints, room=st.just(ROOM), transfer_id=st.just(TID)),
+    PullTxIn.READS_STOPPED: st.builds(
+        m.ReadsStopped, src=endpoints, room=st.just(ROOM), transfer_id=st.just(TID)
+    ),
     # The failure funnel's own input (TableEngine.fail): a reason and the side's options.
     SIn.FAIL: st.tuples(st.builds(RoomFailure, st.text(min_size=1, max_size=5)), st.just({})),
 }
 
 
 @settings(max_examples=300)
-@given(state=st.sampled_from(list(SState)), inp=st.sampled_from(list(SIn)), data=st.data())
-def test_every_state_input_pair(state: SState, inp: SIn, data: st.DataObject) -> None:
+@given(state=st.sampled_from(list(SState)), inp=st.sampled_from(list(PAYLOADS)), data=st.data())
+def test_every_state_input_pair(state: SState, inp: Any, data: st.DataObject) -> None:
+    """Every input of the room's table, the flows' own (``StagedTxIn``) included."""
     e, _ = in_state(state)
     payload = data.draw(PAYLOADS[inp])
     before = e.poll(ROOM)
@@ -622,7 +627,7 @@ def test_every_state_input_pair(state: SState, inp: SIn, data: st.DataObject) ->
         assert e.poll(ROOM) is (KVPoll.Success if state is SState.SUCCESS else KVPoll.Failed)
         return
     after = e.state(ROOM)
-    tr = SENDER_TABLE[state].get(inp)
+    tr = e.transition(state, inp)
     if tr is None:
         assert after is SState.FAILED and "not allowed" in e.failure(ROOM).reason
     else:
@@ -635,6 +640,10 @@ def test_every_state_input_pair(state: SState, inp: SIn, data: st.DataObject) ->
 def test_table_covers_every_state() -> None:
     assert set(SENDER_TABLE) == set(SState)
     assert set(SENDER_TABLE[SState.FAILED]) == set(SIn)  # Failed absorbs every input
+    # The engine runs SENDER_TABLE with its flow components' own inputs added (core/flows/parts.py).
+    e = engine()
+    assert all(e.transition(SState.FAILED, i) is not None for i in PAYLOADS)
+    assert all(e.transition(st_, i) is tr for st_, row in SENDER_TABLE.items() for i, tr in row.items())
 
 
 def test_restarted_decode_rank_fails_rooms_bound_to_its_past_life() -> None:

@@ -8,21 +8,46 @@ through these hooks. The room machine keeps its components in one fixed order (`
 calls them in that order, so the commands of a step come out in the same order every run.
 Defaults do nothing: a component overrides only what concerns it.
 
-Messages and deadlines a flow owns are routed the same way: a component lists the control
-message types it handles (``routes``) and the kinds of deadline it arms in the rank's heap
-(``deadline_kinds``); the room machine looks the handler up by type or kind and names neither.
+Messages, completions, deadlines and room inputs a flow owns are routed the same way: a component
+lists the control message and executor completion types it handles (``routes``), the kinds of
+deadline it arms in the rank's heap (``deadline_kinds``) and its own room inputs with their table
+(``table``, keyed by the room's status); the room machine looks the handler up by type, kind or
+input and names none of them. A component's input reaches the room through ``ctx.flow_input``,
+and runs on the room machine's own table engine (core/machine.py): held commands, the failure
+funnel, the same counters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from enum import Enum
 from typing import Any
 
 from kvferry.core import messages as m
+from kvferry.core.kvpoll import KVPoll
+from kvferry.core.machine import Transition
 
-__all__ = ["RankFlowPart", "earliest"]
+__all__ = ["FlowTable", "RankFlowPart", "earliest", "ignore", "ignore_failed"]
 
 RoomKey = tuple[int, str]
+
+# A component's own room inputs: the room's status -> input -> Transition. The handler is the
+# component's (called with the component, the room, the input and its payload); ``next`` maps each
+# outcome to the status the room moves to. The room machine adds these rows to its own table (a
+# status is one room state on either side), so a pair absent here fails the room like any other.
+FlowTable = Mapping[KVPoll, Mapping[Enum, Transition]]
+
+
+def ignore(part: Any, r: Any, inp: Enum, payload: Any) -> str:
+    """A flow input a room in this status takes without effect (counted: ``ignored_<input>``)."""
+    part.ctx.count(f"ignored_{inp.value}")
+    return "stay"
+
+
+def ignore_failed(part: Any, r: Any, inp: Enum, payload: Any) -> str:
+    """A flow input a failed room absorbs (counted: ``ignored_failed_<input>``)."""
+    part.ctx.count(f"ignored_failed_{inp.value}")
+    return "stay"
 
 
 class RankFlowPart:
@@ -46,8 +71,14 @@ class RankFlowPart:
         return ""
 
     def writing(self, r: Any) -> bool:
-        """Decode: this component is writing the room's pages (they stay)."""
+        """Decode: this component is writing the room's pages (they stay, and the room is not
+        Success yet)."""
         return False
+
+    def note_receiver(self, r: Any, note: m.ChunkNote) -> Any:
+        """Decode: the flow's decode half (``FlowReceiver``) that takes a data note naming a
+        staging allocation, if this component gave that space (None: not this component's)."""
+        return None
 
     def cut(self, r: Any) -> bool:
         """Decode: a write into the room's pages was cut by a lost peer (only the fence frees)."""
@@ -56,7 +87,12 @@ class RankFlowPart:
     # --- what it owns -------------------------------------------------------------------------------
 
     def routes(self) -> Mapping[type, Callable[[Any], None]]:
-        """The control message types this component handles, each with its handler."""
+        """The control message types and executor completions (a copy or a READ by id) this
+        component handles, each with its handler."""
+        return {}
+
+    def table(self) -> FlowTable:
+        """This component's own room inputs and what a room does with each in each status."""
         return {}
 
     def deadline_kinds(self) -> Mapping[str, Callable[[Any], None]]:
@@ -70,9 +106,6 @@ class RankFlowPart:
         """Prefill: one of the room's writes completed (``ok``) or failed; a write id belongs
         to at most one component."""
 
-    def op_finished(self, r: Any, op_id: int) -> None:
-        """One of the room's copies (a gather, a scatter) completed or failed."""
-
     def withdrawn(self, r: Any, command: Any) -> None:
         """A command of the room's step that the table refused never left: if it is this
         component's (a gather, a scatter, a READ), what it reserved goes back."""
@@ -82,8 +115,9 @@ class RankFlowPart:
         known)."""
 
     def opened(self, r: Any) -> None:
-        """Prefill: the room was opened locally (its flow, if asked for, is known now; a
-        TransferInfo may have come first)."""
+        """The room was opened locally. Prefill: its flow, if asked for, is known now (a
+        TransferInfo may have come first); decode: its senders were told (what a component held
+        for the room before it opened goes to it now)."""
 
     def transfer_info(self, r: Any, info: m.TransferInfo) -> None:
         """Prefill: a decode rank's TransferInfo for the room (its pages) is known: at the open

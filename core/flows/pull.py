@@ -30,15 +30,27 @@ import numpy as np
 from kvferry.core import messages as m
 from kvferry.core.commands import AddPeer, DropPeer, PostRead
 from kvferry.core.errors import KvferryError
+from kvferry.core.events import WriteDone, WriteFailed
 from kvferry.core.flows import registry
 from kvferry.core.flows.direct import DIRECT as DIRECT_RECEIVER
-from kvferry.core.flows.parts import RankFlowPart
+from kvferry.core.flows.parts import FlowTable, RankFlowPart, ignore
 from kvferry.core.flows.policy import Flow
+from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
-from kvferry.core.proto_common import RoomError, RoomStateError
+from kvferry.core.proto_common import RoomError, RoomFailure, RoomStateError, step
 from kvferry.core.reliable import Resends
 
-__all__ = ["PullChunkSender", "PullReceiver", "PullRoom", "PullSender", "ReadInfo"]
+__all__ = [
+    "PULL_RX_ROOM_TABLE",
+    "PULL_TX_ROOM_TABLE",
+    "PullChunkSender",
+    "PullReceiver",
+    "PullRoom",
+    "PullRxIn",
+    "PullSender",
+    "PullTxIn",
+    "ReadInfo",
+]
 
 
 RoomKey = tuple[int, str]
@@ -116,17 +128,33 @@ class PullSender(RankFlowPart):
     def routes(self) -> dict[type, Callable[[Any], None]]:
         return {m.Pulled: self._on_pulled, m.ReadsStopped: self._on_reads_stopped}
 
+    def table(self) -> FlowTable:
+        return PULL_TX_ROOM_TABLE
+
     def deadline_kinds(self) -> dict[str, Callable[[Any], None]]:
         return {"pull": self._resend, "pfence": self._fence_deadline}
 
     def _on_pulled(self, msg: m.Pulled) -> None:
         self.answered(msg)
         self.pulled((msg.room, msg.transfer_id), msg.src, msg.chunk_index)
-        self.ctx.room_input(msg.room, msg.transfer_id, "pulled", msg)
+        self.ctx.flow_input(msg.room, msg.transfer_id, PullTxIn.PULLED, msg)
 
     def _on_reads_stopped(self, msg: m.ReadsStopped) -> None:
         self.released_by((msg.room, msg.transfer_id), msg.src)
-        self.ctx.room_input(msg.room, msg.transfer_id, "reads_stopped", msg)
+        self.ctx.flow_input(msg.room, msg.transfer_id, PullTxIn.READS_STOPPED, msg)
+
+    # --- the room inputs of PULL_TX_ROOM_TABLE ---------------------------------------------------------
+
+    def _h_pulled(self, r: Any, inp: PullTxIn, msg: m.Pulled) -> str:
+        return "done" if self.ctx.quiet(r) else "stay"
+
+    def _h_reads_stopped(self, r: Any, inp: PullTxIn, msg: m.ReadsStopped) -> str:
+        reason = f"{msg.src} failed the room and stopped reading"
+        self.ctx.fail_room(r, RoomFailure(reason, at_ns=self.ctx.now()))
+        return "failed"
+
+    def _h_after_failure(self, r: Any, inp: PullTxIn, msg: Any) -> None:
+        pass  # what it says was recorded before the table looked (``_on_pulled``, ``_on_reads_stopped``)
 
     def _resend(self, key: Any) -> None:
         for p, msg in self.offers.fire(key, self.ctx.now()):
@@ -301,7 +329,21 @@ class PullReceiver(RankFlowPart):
         self.not_reading(peer, room, tid)  # no room of ours reads its pages: it may free them
 
     def routes(self) -> dict[type, Callable[[Any], None]]:
-        return {m.PullOffer: self.on_offer_message}
+        # Our READs come back as transfers by id, like a write's completion.
+        return {m.PullOffer: self.on_offer_message, WriteDone: self._on_read, WriteFailed: self._on_read}
+
+    def table(self) -> FlowTable:
+        return PULL_RX_ROOM_TABLE
+
+    def _on_read(self, ev: WriteDone | WriteFailed) -> None:
+        """A READ's completion, for its room's table."""
+        done = self.completed(ev.write_id)
+        if done is None:
+            self.ctx.count("unknown_read")
+            return
+        (room, tid), info = done
+        inp = PullRxIn.READ_DONE if type(ev) is WriteDone else PullRxIn.READ_FAILED
+        self.ctx.flow_input(room, tid, inp, (ev, info))
 
     def peer_lost(self, peer: m.Endpoint, rooms: list[Any]) -> None:
         """``peer`` is gone: READs of those rooms in flight are cut; its agent is dropped."""
@@ -343,13 +385,32 @@ class PullReceiver(RankFlowPart):
                 )
             ctx.count("offer_for_unknown_room")
             return
-        ctx.offer_input(offer)
+        ctx.flow_input(offer.room, offer.transfer_id, PullRxIn.OFFER, offer, sender=offer.src)
 
     def pulled(self, offer: Any) -> m.Pulled:
         src, idx = self.ctx.endpoint, offer.chunk_index
         return m.Pulled(src=src, room=offer.room, transfer_id=offer.transfer_id, chunk_index=idx)
 
-    # --- handlers (the receiver table's OFFER and READ_DONE entries call these) ---------------------
+    # --- the room inputs of PULL_RX_ROOM_TABLE --------------------------------------------------------
+
+    def _h_offer(self, r: Any, inp: PullRxIn, offer: m.PullOffer) -> str:
+        return self.on_offer(r, offer)
+
+    def _h_read_done(self, r: Any, inp: PullRxIn, payload: tuple[Any, ReadInfo | None]) -> str:
+        return self.on_read_done(r, payload[1])
+
+    def _h_offer_after_success(self, r: Any, inp: PullRxIn, offer: m.PullOffer) -> None:
+        self.offer_after_success(r, offer)
+
+    def _h_offer_after_failure(self, r: Any, inp: PullRxIn, offer: m.PullOffer) -> None:
+        self.after_failure(r, offer)
+
+    def _h_read_failed(self, r: Any, inp: PullRxIn, payload: tuple[WriteFailed, Any]) -> str:
+        self.ctx.fail_room(r, RoomFailure(f"read failed: {payload[0].reason}", at_ns=self.ctx.now()))
+        return "failed"
+
+    def _h_read_after_failure(self, r: Any, inp: PullRxIn, payload: Any) -> None:
+        pass  # the READ ended: ``settle`` looks at the failed room again
 
     def on_offer(self, r: Any, offer: m.PullOffer) -> str:
         ctx = self.ctx
@@ -470,5 +531,60 @@ class PullReceiver(RankFlowPart):
         self.pull_peers[reg.src] = rid
         self.ctx.emit(AddPeer(peer=reg.src, registration=reg))
 
+
+class PullRxIn(IdentityEnum):
+    """Pull's own room inputs on decode."""
+
+    OFFER = "offer"  # a sender offers a computed chunk's pages
+    READ_DONE = "read_done"  # our READ of an offered chunk finished
+    READ_FAILED = "read_failed"
+
+
+class PullTxIn(IdentityEnum):
+    """Pull's own room inputs on prefill."""
+
+    PULLED = "pulled"  # decode READ an offered chunk
+    READS_STOPPED = "reads_stopped"  # decode failed the room and reads no more
+
+
+_B, _W, _T = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
+_S, _F = KVPoll.Success, KVPoll.Failed
+_PULLED, _STOPPED = PullTxIn.PULLED, PullTxIn.READS_STOPPED
+_TX = PullSender
+_TX_STOPPED = step(_TX._h_reads_stopped, failed=_F)  # its Abort may still be on the way
+
+# The room machine adds these rows to SENDER_TABLE (core/flows/parts.py, ``FlowTable``).
+PULL_TX_ROOM_TABLE: FlowTable = {
+    _B: {_STOPPED: _TX_STOPPED},
+    _W: {_STOPPED: _TX_STOPPED},
+    _T: {_PULLED: step(_TX._h_pulled, stay=_T, done=_S), _STOPPED: _TX_STOPPED},
+    _S: {
+        _PULLED: step(ignore, stay=_S),  # a duplicate answer to a resent offer
+        _STOPPED: step(ignore, stay=_S),  # nothing was owed; its Abort follows
+    },
+    _F: {_PULLED: step(_TX._h_after_failure, stay=_F), _STOPPED: step(_TX._h_after_failure, stay=_F)},
+}
+
+_OFFER, _READ, _READ_FAILED = PullRxIn.OFFER, PullRxIn.READ_DONE, PullRxIn.READ_FAILED
+_H = PullReceiver
+_RX_READ_FAILED = step(_H._h_read_failed, failed=_F)
+
+# The room machine adds these rows to RECEIVER_TABLE (core/flows/parts.py, ``FlowTable``). An offer
+# proves the sender has our TransferInfo and registration, as a notification does.
+PULL_RX_ROOM_TABLE: FlowTable = {
+    _B: {_OFFER: step(_H._h_offer, stay=_B, running=_T, done=_S), _READ_FAILED: _RX_READ_FAILED},
+    _W: {_OFFER: step(_H._h_offer, stay=_W, running=_T, done=_S), _READ_FAILED: _RX_READ_FAILED},
+    _T: {
+        _OFFER: step(_H._h_offer, stay=_T, running=_T, done=_S),
+        _READ: step(_H._h_read_done, stay=_T, running=_T, done=_S),
+        _READ_FAILED: _RX_READ_FAILED,
+    },
+    _S: {_OFFER: step(_H._h_offer_after_success, stay=_S)},
+    _F: {
+        _OFFER: step(_H._h_offer_after_failure, stay=_F),
+        _READ: step(_H._h_read_after_failure, stay=_F),
+        _READ_FAILED: step(_H._h_read_after_failure, stay=_F),
+    },
+}
 
 registry.register(Flow.PULL, PullChunkSender(), DIRECT_RECEIVER)  # a READ's chunk is recorded as a note

@@ -29,19 +29,22 @@ from typing import Any
 
 from kvferry.core import messages as m
 from kvferry.core.commands import Scatter
+from kvferry.core.events import CopyDone, CopyFailed
 from kvferry.core.flows import registry
-from kvferry.core.flows.parts import RankFlowPart
+from kvferry.core.flows.parts import FlowTable, RankFlowPart, ignore, ignore_failed
 from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
 from kvferry.core.flows.registry import FlowReceiver
 from kvferry.core.flows.staged_rx import RX_TABLE, RxChunk, RxIn, RxState
 from kvferry.core.flows.staged_sender import STAGED_RECEIVER
 from kvferry.core.flows.staged_tx import decode_alloc_bytes
-from kvferry.core.machine import RoomError, RoomFailure, fire
+from kvferry.core.identity_enum import IdentityEnum
+from kvferry.core.kvpoll import KVPoll
+from kvferry.core.machine import RoomError, RoomFailure, fire, step
 from kvferry.core.resources import PinnedPool, PinnedRefused, RingRefused, StagingRing, Watermark
 from kvferry.core.staging_layout import staged_map
 
-__all__ = ["MAX_HELD_STAGING", "STAGING_ALIGN", "StagedReceiver"]
+__all__ = ["MAX_HELD_STAGING", "STAGED_RX_ROOM_TABLE", "STAGING_ALIGN", "StagedReceiver", "StagedRxIn"]
 
 # StagingReqs for rooms this rank has not opened yet (SGLang PR 22536 prefetches them) are held, never
 # dropped: at most this many, each until the bootstrap deadline.
@@ -123,7 +126,7 @@ class StagedReceiver(RankFlowPart):
         key = (req.room, req.transfer_id)
         r = ctx.room(req.room)
         if r is not None and r.tid == req.transfer_id:
-            ctx.staging_input(req)
+            ctx.flow_input(req.room, req.transfer_id, StagedRxIn.STAGING_REQ, req, sender=req.src)
             return
         if ctx.tombstone(req.room, req.transfer_id) is not None:
             self.counters["tombstoned"] += 1
@@ -160,8 +163,13 @@ class StagedReceiver(RankFlowPart):
         dropped = self.held.pop(key, [])
         self.counters["staging_req_expired"] += len(dropped)
 
+    def opened(self, r: Any) -> None:
+        """The requests held for the room go to it now, in order."""
+        for req in self.take_held(r.key):
+            self.ctx.flow_input(req.room, req.transfer_id, StagedRxIn.STAGING_REQ, req, sender=req.src)
+
     def on_room_req(self, r: Any, req: m.StagingReq) -> None:
-        """A StagingReq for a live room (the room machine's STAGING_REQ input)."""
+        """A StagingReq for a live room (the STAGING_REQ input of STAGED_RX_ROOM_TABLE)."""
         spec = r.senders[req.src]
         if spec.dummy:
             raise RoomError(f"staging request from dummy sender {req.src}")
@@ -290,7 +298,7 @@ class StagedReceiver(RankFlowPart):
         ctx = self.ctx
         return m.Watermark(src=ctx.endpoint, reg=ctx.reg_id, round=wm.round, offset=wm.offset, pool=pool)  # type: ignore[arg-type]
 
-    def half_for(self, r: Any, note: m.ChunkNote) -> FlowReceiver:
+    def note_receiver(self, r: Any, note: m.ChunkNote) -> FlowReceiver:
         """The decode half of the flow whose space ``note`` names (its StagingReq said which);
         a note naming no space of the room goes to the staged ledger, which refuses it."""
         ch = self._chunk(r, note.chunk_index)
@@ -310,15 +318,40 @@ class StagedReceiver(RankFlowPart):
     def room_failed(self, r: Any) -> None:
         self.quarantine(r)
 
-    def op_finished(self, r: Any, op_id: int) -> None:
-        self.scatter_finished(r, op_id)
-
     def withdrawn(self, r: Any, command: Any) -> None:
         if type(command) is Scatter:
             self.withdrawn_scatter(r, command.op_id)
 
     def routes(self) -> dict[type, Callable[[Any], None]]:
-        return {m.StagingReq: self.on_staging_req}
+        return {m.StagingReq: self.on_staging_req, CopyDone: self._on_copy, CopyFailed: self._on_copy}
+
+    def table(self) -> FlowTable:
+        return STAGED_RX_ROOM_TABLE
+
+    def _on_copy(self, ev: CopyDone | CopyFailed) -> None:
+        """A scatter's completion: it no longer writes the room's pages, whatever state the room
+        is in (before the table looks at the input)."""
+        key = self.ops.pop(ev.op_id, None)
+        if key is None:
+            self.counters["unknown_op"] += 1
+            return
+        r = self.ctx.room(key[0])
+        if r is not None and r.tid == key[1]:
+            self.scatter_finished(r, ev.op_id)
+        inp = StagedRxIn.COPY_DONE if type(ev) is CopyDone else StagedRxIn.COPY_FAILED
+        self.ctx.flow_input(key[0], key[1], inp, ev)
+
+    # --- the room inputs of STAGED_RX_ROOM_TABLE -----------------------------------------------------
+
+    def _h_staging_req(self, r: Any, inp: StagedRxIn, req: m.StagingReq) -> None:
+        self.on_room_req(r, req)
+
+    def _h_copy_done(self, r: Any, inp: StagedRxIn, ev: CopyDone) -> str:
+        return self.on_copy_done(r, ev)
+
+    def _h_copy_failed(self, r: Any, inp: StagedRxIn, ev: CopyFailed) -> str:
+        self.ctx.fail_room(r, RoomFailure(f"scatter failed: {ev.reason}", at_ns=self.ctx.now()))
+        return "failed"
 
     def deadline_kinds(self) -> dict[str, Callable[[Any], None]]:
         return {"held": self.held_expired}
@@ -469,3 +502,35 @@ class StagedReceiver(RankFlowPart):
         """A Scatter command the table withdrew (its step failed): it never runs."""
         if self.ops.pop(op, None) is not None:
             self.scatter_finished(r, op)
+
+
+class StagedRxIn(IdentityEnum):
+    """The staged flows' own room inputs on decode."""
+
+    STAGING_REQ = "staging_req"  # a writer asks for staging space for a chunk
+    COPY_DONE = "copy_done"  # a scatter finished
+    COPY_FAILED = "copy_failed"
+
+
+_B, _W, _T = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
+_S, _F = KVPoll.Success, KVPoll.Failed
+_REQ, _COPIED, _COPY_FAILED = StagedRxIn.STAGING_REQ, StagedRxIn.COPY_DONE, StagedRxIn.COPY_FAILED
+_H = StagedReceiver
+_FAIL = step(_H._h_copy_failed, failed=_F)
+
+# The room machine adds these rows to RECEIVER_TABLE (core/flows/parts.py, ``FlowTable``).
+STAGED_RX_ROOM_TABLE: FlowTable = {
+    _B: {_REQ: step(_H._h_staging_req, stay=_B), _COPY_FAILED: _FAIL},
+    _W: {_REQ: step(_H._h_staging_req, stay=_W), _COPY_FAILED: _FAIL},
+    _T: {
+        _REQ: step(_H._h_staging_req, stay=_T),
+        _COPIED: step(_H._h_copy_done, stay=_T, done=_S),
+        _COPY_FAILED: _FAIL,
+    },
+    _S: {_REQ: step(ignore, stay=_S)},
+    _F: {
+        _REQ: step(ignore_failed, stay=_F),
+        _COPIED: step(ignore_failed, stay=_F),
+        _COPY_FAILED: step(ignore_failed, stay=_F),
+    },
+}

@@ -32,8 +32,9 @@ import numpy as np
 from kvferry.core import messages as m
 from kvferry.core.commands import ChunkDeferred, Gather, PostWrite, SendNotif
 from kvferry.core.errors import ProtocolError
+from kvferry.core.events import CopyDone, CopyFailed
 from kvferry.core.flows import registry
-from kvferry.core.flows.parts import RankFlowPart
+from kvferry.core.flows.parts import FlowTable, RankFlowPart, ignore, ignore_failed
 from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.flows.staged_tx import (
@@ -47,12 +48,22 @@ from kvferry.core.flows.staged_tx import (
     writer_bytes,
 )
 from kvferry.core.geometry import PoolGeometry
-from kvferry.core.machine import RoomFailure, RoomStateError, fire
+from kvferry.core.identity_enum import IdentityEnum
+from kvferry.core.kvpoll import KVPoll
+from kvferry.core.machine import RoomFailure, RoomStateError, fire, step
 from kvferry.core.resources import PinnedPool, PinnedRefused, RingSlot, Watermark, writable
 from kvferry.core.staging_layout import staged_map
 from kvferry.core.worker import shard_of
 
-__all__ = ["STAGED_RECEIVER", "STAGED_SENDER", "StagedChunkSender", "StagedNoteReceiver", "StagedSender"]
+__all__ = [
+    "STAGED_RECEIVER",
+    "STAGED_SENDER",
+    "STAGED_TX_ROOM_TABLE",
+    "StagedChunkSender",
+    "StagedNoteReceiver",
+    "StagedSender",
+    "StagedTxIn",
+]
 
 RoomKey = tuple[int, str]
 
@@ -591,7 +602,15 @@ class StagedSender(RankFlowPart):
         self.forget_peer(peer)
 
     def routes(self) -> dict[type, Callable[[Any], None]]:
-        return {m.Watermark: self.on_watermark, m.StagingRsp: self._on_staging_rsp}
+        return {
+            m.Watermark: self.on_watermark,
+            m.StagingRsp: self._on_staging_rsp,
+            CopyDone: self._on_copy,
+            CopyFailed: self._on_copy,
+        }
+
+    def table(self) -> FlowTable:
+        return STAGED_TX_ROOM_TABLE
 
     def deadline_kinds(self) -> dict[str, Callable[[Any], None]]:
         return {"notes": self.resend_notes, "stg": self.resend_staging}
@@ -601,11 +620,67 @@ class StagedSender(RankFlowPart):
             self.withdrawn_gather(r, command.op_id)
 
     def _on_staging_rsp(self, msg: m.StagingRsp) -> None:
-        self.ctx.room_input(msg.room, msg.transfer_id, "staging_rsp", msg)
+        self.ctx.flow_input(msg.room, msg.transfer_id, StagedTxIn.STAGING_RSP, msg)
+
+    def _on_copy(self, ev: CopyDone | CopyFailed) -> None:
+        """A gather's completion: its slot is accounted for in whatever state the room is (before
+        the table looks at the input)."""
+        key = self.ops.pop(ev.op_id, None)
+        if key is None:
+            self.counters["unknown_op"] += 1
+            return
+        r = self.ctx.room(key[0])
+        if r is not None and r.tid == key[1]:
+            self.op_finished(r, ev.op_id)
+        inp = StagedTxIn.COPY_DONE if type(ev) is CopyDone else StagedTxIn.COPY_FAILED
+        self.ctx.flow_input(key[0], key[1], inp, ev)
+
+    # --- the room inputs of STAGED_TX_ROOM_TABLE ----------------------------------------------------
+
+    def _h_staging_rsp(self, r: Any, inp: StagedTxIn, rsp: m.StagingRsp) -> None:
+        self.on_staging_rsp(r, rsp)
+
+    def _h_copy_done(self, r: Any, inp: StagedTxIn, ev: CopyDone) -> None:
+        self.on_copy_done(r, ev)
+
+    def _h_copy_failed(self, r: Any, inp: StagedTxIn, ev: CopyFailed) -> str:
+        self.ctx.fail_room(r, RoomFailure(f"gather failed: {ev.reason}", at_ns=self.ctx.now()))
+        return "failed"
 
     def in_use(self) -> int:
         """Staging slots, pinned reservations and gathers held; 0 once every room settled."""
         return len(self.slot_owner) + (len(self.pinned) if self.pinned is not None else 0) + len(self.ops)
+
+
+class StagedTxIn(IdentityEnum):
+    """The staged flows' own room inputs on prefill."""
+
+    STAGING_RSP = "staging_rsp"  # decode granted (or refused) staging space for a chunk
+    COPY_DONE = "copy_done"  # a gather finished
+    COPY_FAILED = "copy_failed"
+
+
+_B, _W, _T = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
+_S, _F = KVPoll.Success, KVPoll.Failed
+_RSP, _COPIED, _COPY_FAILED = StagedTxIn.STAGING_RSP, StagedTxIn.COPY_DONE, StagedTxIn.COPY_FAILED
+_H = StagedSender
+
+# The room machine adds these rows to SENDER_TABLE (core/flows/parts.py, ``FlowTable``).
+STAGED_TX_ROOM_TABLE: FlowTable = {
+    _B: {_RSP: step(_H._h_staging_rsp, stay=_B)},  # asked for ahead of the TransferInfos
+    _W: {_RSP: step(_H._h_staging_rsp, stay=_W)},
+    _T: {
+        _RSP: step(_H._h_staging_rsp, stay=_T),
+        _COPIED: step(_H._h_copy_done, stay=_T),
+        _COPY_FAILED: step(_H._h_copy_failed, failed=_F),
+    },
+    _S: {_RSP: step(ignore, stay=_S)},
+    _F: {
+        _RSP: step(ignore_failed, stay=_F),
+        _COPIED: step(ignore_failed, stay=_F),
+        _COPY_FAILED: step(ignore_failed, stay=_F),
+    },
+}
 
 
 class StagedChunkSender:
