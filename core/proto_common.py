@@ -49,12 +49,19 @@ class Tombstones:
     A message that names a tombstoned pair is ignored and counted: it never writes and never
     resurrects the room. A later incarnation of the same room id carries another transfer_id, so
     it is not confused with the old one.
+
+    A pair expires on the first multiple of ``grid`` (``ttl`` / 16) at or after ``ttl`` from its
+    end, not at exactly ``ttl``: the pairs ending within one grid step expire together, at one
+    deadline, so a busy rank wakes once per step for them instead of once per room (a fifth of a
+    simulated room's wake-ups were these). A pair is kept at least ``ttl`` (the safety rule of
+    ``Timeouts.problems``) and less than ``ttl + grid``.
     """
 
-    __slots__ = ("_by_key", "_heap", "_latest", "_reasons", "ttl")
+    __slots__ = ("_by_key", "_heap", "_latest", "_reasons", "grid", "ttl")
 
     def __init__(self, ttl: int) -> None:
         self.ttl = ttl
+        self.grid = max(1, ttl // 16)
         self._by_key: dict[tuple[int, str], KVPoll] = {}
         self._latest: dict[int, str] = {}
         # Why a Failed pair failed: a local open that comes after the room was failed by its peer
@@ -71,7 +78,8 @@ class Tombstones:
         if reason:
             self._reasons[key] = reason
         self._latest[room] = transfer_id
-        self._heap.set(key, now + self.ttl)
+        due = now + self.ttl
+        self._heap.set(key, due + (-due) % self.grid)
 
     def fail(self, room: int, transfer_id: str) -> bool:
         """The peer reported failure after we released the room: record the outcome both sides
@@ -95,6 +103,11 @@ class Tombstones:
         if tid is None:
             return None
         return tid, self._by_key[(room, tid)]
+
+    @property
+    def longest(self) -> int:
+        """The longest a pair is kept: less than ``ttl + grid``."""
+        return self.ttl + self.grid - 1
 
     def next_deadline(self) -> int | None:
         return self._heap.next()
