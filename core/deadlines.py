@@ -29,7 +29,8 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_interval_ns / heartbeat_timeout_ns: peer liveness; the timeout fails its live rooms.
     fence_ns: decode frees a failed room's pages without the peer's Stopped after this long; it
         also bounds the resending of a failure notice (decode's Abort, prefill's RoomFailed).
-    tombstone_ns: how long a finished (room, transfer_id) keeps rejecting late messages.
+    tombstone_ns: how long a finished (room, transfer_id) keeps rejecting late messages (at least;
+        expiries fall on a grid of tombstone_ns / 16, see ``Tombstones``).
     """
 
     bootstrap_ns: int = 30 * SEC

@@ -50,6 +50,8 @@ from kvferry.sim.serving import Serving
 from kvferry.sim.trace import Trace
 from msgspec.structs import replace
 
+_POLL_NAME = {s: s.name for s in KVPoll}  # KVPoll -> its name, without the enum property
+
 
 class World:
     """Build with a scenario and a seed, then ``run()``; the result is in ``report()``."""
@@ -556,7 +558,9 @@ class World:
 
     def mark(self, req: Request, node: str, status: KVPoll, reason: str, inc: int | None = None) -> None:
         inc = self.ranks[node].incarnation if inc is None else inc
-        self.trace.record("status", node, room=req.room, key=req.key, status=status.name, reason=reason)
+        # The name from a table: ``Enum.name`` is a Python-level property (16 calls a room).
+        name = _POLL_NAME[status]
+        self.trace.record("status", node, room=req.room, key=req.key, status=name, reason=reason)
         checks = self.scenario.checks
         key = (node, inc, req.key, req.tid)
         status_log = self.findings.status_log

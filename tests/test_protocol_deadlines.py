@@ -60,6 +60,27 @@ def test_tombstones_expire_and_late_failure_updates_them() -> None:
     assert len(t) == 0 and t.latest(1) is None and t.next_deadline() is None
 
 
+@given(ttl=st.integers(1, 10**9), ends=st.lists(st.integers(0, 10**9), min_size=1, max_size=20))
+def test_tombstones_kept_at_least_ttl_and_expire_on_a_grid(ttl: int, ends: list[int]) -> None:
+    """Each pair lives in [ttl, ttl + grid) past its end, and pairs ending within one grid step
+    share one expiry (one wake-up for many rooms)."""
+    t = Tombstones(ttl=ttl)
+    for i, end in enumerate(ends):
+        t.add(i, "x", KVPoll.Success, end)
+    dues = []
+    while (due := t.next_deadline()) is not None:
+        dues.append(due)
+        t.expire(due)
+    assert len(dues) == len({(end + ttl + t.grid - 1) // t.grid for end in ends})
+    t = Tombstones(ttl=ttl)
+    for i, end in sorted(enumerate(ends), key=lambda p: p[1]):
+        t.add(i, "x", KVPoll.Success, end)
+        t.expire(end + ttl - 1)
+        assert t.get(i, "x") is KVPoll.Success
+        t.expire(end + t.longest)
+        assert t.get(i, "x") is None
+
+
 def test_timeout_safety_rules() -> None:
     assert H.TEST_TIMEOUTS.problems(H.MAX_MSG_DELAY, H.MAX_WRITE) == []
     assert Timeouts().problems(max_msg_delay_ns=1_000_000_000, max_write_ns=10_000_000_000) == []

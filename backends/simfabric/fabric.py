@@ -61,6 +61,10 @@ class XferState(IdentityEnum):
     ERR = "ERR"
 
 
+# A retired transfer's trace kind ("xfer_done", "xfer_err"), without ``Enum.value``'s property call.
+_RETIRED = {s: "xfer_" + s.value.lower() for s in XferState}
+
+
 @dataclass(slots=True)
 class Xfer:
     xid: int
@@ -699,7 +703,7 @@ class Fabric:
         else:
             self.stats.transfers_err += 1
         self.record(
-            "xfer_" + state.value.lower(),
+            _RETIRED[state],
             x.initiator,
             xid=x.xid,
             reason=reason,

@@ -118,6 +118,10 @@ class SimRank:
             self._work[shard].succeed()
 
     def _writes_resolved(self) -> None:
+        if not self._resolved.callbacks:
+            # No worker waits: a SimPy step that resumes nobody (4 a deployment request). A
+            # worker that waits later yields this same untriggered event, as it would the new one.
+            return
         ev, self._resolved = self._resolved, self.env.event()
         ev.succeed()
 
