@@ -320,8 +320,10 @@ class StagedSender(RankFlowPart):
             lane.accepted = True
             lane.is_last = c.is_last
         ctx.advance(r, c, end)
-        outcome: str = ctx.finish_run(r, c, start, end, [])
+        # The gathers leave first: the last chunk's aux row (finish_run) is off their critical
+        # path, and decode takes the aux row's note and the data notes in either order.
         self._start_ready(r)
+        outcome: str = ctx.finish_run(r, c, start, end, [])
         return outcome
 
     def _blocker(self, r: Any, lane: TxLane) -> str:

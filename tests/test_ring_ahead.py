@@ -1,0 +1,102 @@
+"""The ring's critical path (issue 28), over the in-memory harness: the last chunk's gathers leave
+before its aux row, and decode takes the aux row's note and the data notes in either order.
+
+Bytes are checked at every decode Success by the harness; every room ends Success on both sides
+with every staging buffer, ring and pool empty.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvferry.core import messages as m
+from kvferry.core.commands import Gather, PostAuxWrite
+from kvferry.core.kvpoll import KVPoll
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness as H
+from test_flows import TINY4, assert_clean, world
+
+
+def _trace(w: H.World, p: int = 0) -> list[Any]:
+    """Every command prefill rank ``p``'s driver runs, in order."""
+    log: list[Any] = []
+    w.prefill[p].driver.trace = lambda kind, x: log.append(x) if kind == "run" else None
+    return log
+
+
+def _controls_and_copies(w: H.World) -> None:
+    """Deliver every control message, run every worker and every copy; no write completes."""
+    progressed = True
+    while progressed:
+        progressed = False
+        for i in reversed(range(len(w.fabric.pending))):
+            if not w.fabric.pending[i].note:
+                w.deliver(i)
+                progressed = True
+        for p in range(w.P):
+            for s in range(len(w.prefill[p].driver.queues)):
+                while w.run_worker(p, s):
+                    progressed = True
+        while w.fabric.copies:
+            w.fabric.run_copy(0)
+            w.pump()
+            progressed = True
+
+
+def _status(w: H.World, req: H.Request, side: str) -> KVPoll | None:
+    ranks = w.prefill if side == "prefill" else w.decode
+    return w.rank_status(ranks[0], req)
+
+
+def test_the_last_chunks_gathers_leave_before_its_aux_row() -> None:
+    w = world(TINY4, 2, 1, "ring", space=4096)
+    logs = [_trace(w, p) for p in range(w.P)]
+    req = w.open_room(100, "t0", 12, [4, 12])
+    assert req is not None
+    w.flush()
+    for _ in range(2):
+        for p in range(w.P):
+            w.chunk_ready(req, p)
+        w.flush()
+    w.heal_and_settle()
+    assert_clean(w)
+    aux_rank = [log for log in logs if any(type(c) is PostAuxWrite for c in log)]
+    assert len(aux_rank) == 1  # one prefill rank carries the aux row
+    log = aux_rank[0]
+    aux_at = next(i for i, c in enumerate(log) if type(c) is PostAuxWrite)
+    gathers = [i for i, c in enumerate(log) if type(c) is Gather]
+    assert len(gathers) == 2 and gathers[1] < aux_at, [type(c).__name__ for c in log]
+
+
+@pytest.mark.parametrize("aux_first", [True, False])
+def test_decode_takes_the_aux_row_and_the_data_notes_in_either_order(aux_first: bool) -> None:
+    w = world(TINY4, 1, 1, "ring", space=4096)
+    req = w.open_room(100, "t0", 8, [8])
+    assert req is not None
+    _controls_and_copies(w)
+    assert w.chunk_ready(req, 0)
+    _controls_and_copies(w)
+    writes = w.fabric.writes
+    assert len(writes) == 2 and sum(x.aux is not None for x in writes) == 1  # aux row and data
+    order = sorted(range(2), key=lambda i: (writes[i].aux is None) == aux_first)
+    handles = [writes[i].handle for i in order]
+    for h in handles:  # both land; their notes wait
+        w.fabric.complete(next(i for i, x in enumerate(w.fabric.writes) if x.handle == h))
+    notes = [x for x in w.fabric.pending if x.note]
+    assert len(notes) == 2
+    first = m.decode_layer_note(notes[0].data)
+    assert bool(first.aux) == aux_first
+    w.fabric.deliver(w.fabric.pending.index(notes[0]))
+    w.pump()
+    _controls_and_copies(w)
+    assert _status(w, req, "decode") is not KVPoll.Success  # one of the two is not in yet
+    w.fabric.deliver(w.fabric.pending.index(notes[1]))
+    w.pump()
+    w.flush()
+    assert _status(w, req, "decode") is KVPoll.Success
+    w.heal_and_settle()
+    assert_clean(w)
