@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 from kvferry.core import messages as m
-from kvferry.core.commands import Gather, PostAuxWrite
+from kvferry.core.commands import EnqueueChunk, Gather, PostAuxWrite
+from kvferry.core.events import ChunkAhead
 from kvferry.core.kvpoll import KVPoll
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,4 +100,104 @@ def test_decode_takes_the_aux_row_and_the_data_notes_in_either_order(aux_first: 
     w.flush()
     assert _status(w, req, "decode") is KVPoll.Success
     w.heal_and_settle()
+    assert_clean(w)
+
+
+def _name(w: H.World, req: H.Request, p: int, i: int) -> None:
+    """Prefill rank ``p``'s scheduler names the room's chunk ``i`` ahead (its pages and range)."""
+    ev = ChunkAhead(
+        room=req.room,
+        transfer_id=req.tid,
+        chunk_index=i,
+        token_end=req.cuts[i],
+        src_pages=req.src_pages,
+        is_last=i == len(req.cuts) - 1,
+    )
+    w.prefill[p].driver.feed(ev, w.fabric.now)
+
+
+def _staging_reqs(w: H.World) -> list[tuple[int, int, int]]:
+    out = []
+    for msg in w.fabric.pending:
+        if msg.note:
+            continue
+        obj = m.decode_control(msg.data)
+        if type(obj) is m.StagingReq:
+            out.append((obj.chunk_index, obj.token_start, obj.token_end))
+    return out
+
+
+@pytest.mark.parametrize(("flow", "p", "d"), [("ring", 2, 1), ("ring", 1, 2), ("pinned", 2, 1)])
+def test_staging_space_is_asked_when_a_chunk_is_named_and_its_send_runs_at_once(
+    flow: str, p: int, d: int
+) -> None:
+    w = world(TINY4, p, d, flow, space=4096)
+    logs = [_trace(w, k) for k in range(p)]
+    req = w.open_room(100, "t0", 12, [4, 8, 12])
+    assert req is not None
+    w.flush()  # the handshake: every TransferInfo in
+    for i in range(len(req.cuts)):
+        for k in range(p):
+            _name(w, req, k, i)
+        asked = _staging_reqs(w)
+        assert asked and {a[0] for a in asked} == {i}, asked  # asked when named, before the send
+        assert {a[1:] for a in asked} == {(req.cuts[i - 1] if i else 0, req.cuts[i])}
+        _controls_and_copies(w)  # decode grants the space
+        for k in range(p):
+            w.chunk_ready(req, k)
+        assert _staging_reqs(w) == []  # the send asks nothing: its space is in
+        w.flush()
+    w.heal_and_settle()
+    assert_clean(w)
+    assert all(_status(w, req, side) is KVPoll.Success for side in ("prefill", "decode"))
+    for log in logs:
+        marks = [c.prepared for c in log if type(c) is EnqueueChunk]
+        assert marks == [True] * len(req.cuts), marks
+
+
+def test_a_ring_chunk_not_named_is_not_handed_over_as_prepared() -> None:
+    w = world(TINY4, 2, 1, "ring", space=4096)
+    logs = [_trace(w, k) for k in range(2)]
+    req = w.open_room(100, "t0", 12, [4, 12])
+    assert req is not None
+    w.flush()
+    for _ in range(2):
+        for k in range(2):
+            w.chunk_ready(req, k)
+        w.flush()
+    w.heal_and_settle()
+    assert_clean(w)
+    for log in logs:
+        assert [c.prepared for c in log if type(c) is EnqueueChunk] == [False, False]
+
+
+def test_a_chunk_named_before_decodes_transfer_info_is_asked_for_once_it_is_known() -> None:
+    w = world(TINY4, 2, 1, "ring", space=4096)
+    req = w.open_room(100, "t0", 12, [12], decode_late=True)
+    assert req is not None
+    for k in range(2):
+        _name(w, req, k, 0)
+    w.flush()
+    w.open_decode(req)
+    w.flush()
+    for k in range(2):
+        w.chunk_ready(req, k)
+    w.heal_and_settle()
+    assert_clean(w)
+    assert _status(w, req, "decode") is KVPoll.Success
+
+
+def test_a_staged_chunk_sent_with_another_range_than_named_fails_its_room_with_the_reason() -> None:
+    w = world(TINY4, 1, 1, "ring", space=4096)
+    req = w.open_room(100, "t0", 12, [4, 12])
+    assert req is not None
+    w.flush()
+    ev = ChunkAhead(
+        room=req.room, transfer_id=req.tid, chunk_index=0, token_end=6, src_pages=req.src_pages, is_last=False
+    )
+    w.prefill[0].driver.feed(ev, w.fabric.now)  # named [0, 6), sent [0, 4)
+    w.flush()
+    w.chunk_ready(req, 0)
+    w.heal_and_settle()
+    assert any("named ahead" in r for r in w.failure_reasons), w.failure_reasons
     assert_clean(w)
