@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from kvferry.core import messages as m
 from kvferry.core.commands import EnqueueChunk, Gather, PostAuxWrite
@@ -103,14 +104,14 @@ def test_decode_takes_the_aux_row_and_the_data_notes_in_either_order(aux_first: 
     assert_clean(w)
 
 
-def _name(w: H.World, req: H.Request, p: int, i: int) -> None:
+def _name(w: H.World, req: H.Request, p: int, i: int, pages: Any = None) -> None:
     """Prefill rank ``p``'s scheduler names the room's chunk ``i`` ahead (its pages and range)."""
     ev = ChunkAhead(
         room=req.room,
         transfer_id=req.tid,
         chunk_index=i,
         token_end=req.cuts[i],
-        src_pages=req.src_pages,
+        src_pages=req.src_pages if pages is None else pages,
         is_last=i == len(req.cuts) - 1,
     )
     w.prefill[p].driver.feed(ev, w.fabric.now)
@@ -153,6 +154,10 @@ def test_staging_space_is_asked_when_a_chunk_is_named_and_its_send_runs_at_once(
     for log in logs:
         marks = [c.prepared for c in log if type(c) is EnqueueChunk]
         assert marks == [True] * len(req.cuts), marks
+    # Every gather's map was made when its chunk was named (the send only rebased it).
+    gathers = sum(type(c) is Gather for log in logs for c in log)
+    made_ahead = sum(r.engine.counters["staged_map_ahead"] for r in w.prefill)
+    assert gathers >= len(req.cuts) and made_ahead == gathers, (gathers, made_ahead)
 
 
 def test_a_ring_chunk_not_named_is_not_handed_over_as_prepared() -> None:
@@ -201,3 +206,21 @@ def test_a_staged_chunk_sent_with_another_range_than_named_fails_its_room_with_t
     w.heal_and_settle()
     assert any("named ahead" in r for r in w.failure_reasons), w.failure_reasons
     assert_clean(w)
+
+
+def test_a_chunk_named_with_other_pages_gathers_from_the_pages_it_is_sent_with() -> None:
+    w = world(TINY4, 2, 1, "ring", space=4096)
+    req = w.open_room(100, "t0", 12, [4, 12])
+    assert req is not None
+    w.flush()
+    for i in range(2):
+        for k in range(2):
+            _name(w, req, k, i, pages=np.roll(req.src_pages, 1))  # the send carries others
+        _controls_and_copies(w)
+        for k in range(2):
+            w.chunk_ready(req, k)
+        w.flush()
+    w.heal_and_settle()
+    assert_clean(w)  # the harness checked decode's bytes at Success: from the pages sent
+    assert _status(w, req, "decode") is KVPoll.Success
+    assert sum(r.engine.counters["staged_map_ahead"] for r in w.prefill) == 0

@@ -26,6 +26,7 @@ Rules kept here:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -167,6 +168,8 @@ class StagedSender(RankFlowPart):
                     led.asked[lane.key] = True
                     asked = True
                     ctx.send(p, self._staging_req(r, lane))
+                if idx == len(r.ranges) and lane.premap is None:  # named ahead, not handed over
+                    self._premap(lane, ctx.named_ahead(r)[idx].src_pages)
         deadlines = ctx.deadlines
         if asked and ("stg", r.room) not in deadlines:
             deadlines.set(("stg", r.room), ctx.now() + ctx.timeouts.heartbeat_interval_ns)
@@ -186,6 +189,19 @@ class StagedSender(RankFlowPart):
             return known
         known.append((len(r.ranges), ts, te))
         return known
+
+    def _premap(self, lane: TxLane, pages: Any) -> None:
+        """Make a named chunk's gather map now (off its send's path): only the staging base is
+        left for the start, which picks the slot. Pages that do not cover the chunk: none."""
+        pool = self.ctx.pool
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size * pool.page_size < lane.token_end:
+            return
+        fmt = staging_format(lane.flow)
+        smap = staged_map(
+            pool, pages, lane.head_start, lane.num_heads, lane.token_start, lane.token_end, fmt, 0
+        )
+        lane.premap = (pages, smap)
 
     def prepare_named(self, r: Any) -> None:
         """A chunk was named ahead (outside any room step): ask for its space now. A chunk that
@@ -463,16 +479,21 @@ class StagedSender(RankFlowPart):
             buffer = ("pinned", res.res_id)
             # Head-major: the lane's heads sit at their offset in a rank buffer starting at base.
             base = res.offset - (lane.head_start - pool.head_start) * regions * T * hb
-        smap = staged_map(
-            pool,
-            led.pages,
-            lane.head_start,
-            lane.num_heads,
-            lane.token_start,
-            lane.token_end,
-            staging_format(lane.flow),
-            base,
-        )
+        pre, lane.premap = lane.premap, None
+        if pre is not None and np.array_equal(pre[0], led.pages):  # made when named: rebase it
+            smap = replace(pre[1], staging_base=pre[1].staging_base + base)
+            self.counters["staged_map_ahead"] += 1
+        else:
+            smap = staged_map(
+                pool,
+                led.pages,
+                lane.head_start,
+                lane.num_heads,
+                lane.token_start,
+                lane.token_end,
+                staging_format(lane.flow),
+                base,
+            )
         op = self._next_op_id
         self._next_op_id += 1
         self.ops[op] = r.key
