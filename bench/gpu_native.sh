@@ -6,7 +6,8 @@
 # direct rows (hand-off, open-to-Success, 8 and 32 in flight) and push, each engine without and
 # with --ahead (every chunk's pages named before its send: planned and made ready at TransferInfo,
 # posted by send; both variants in the same call), the hand-off ones traced. PART=ringtrace:
-# traced ring rooms, TP 1->1, 2->1, 1->2, both executors. PART=launch: Triton's launcher against
+# traced ring rooms, TP 1->1, 2->1, 1->2, both executors. PART=ring2: ring rows of TP 1->1, 2->1,
+# 1->2, one chunk and four, each engine without and with --ahead (issue 28). PART=launch: Triton's launcher against
 # the kept compiled kernel (copy probe, ring rows, kernel tests on the GPU). PART=final: every
 # flow's two-process VRAM tests and a 20,000-seed campaign. PART=asan: the engine under
 # AddressSanitizer in its two-process DRAM tests. PART=b: the native e2e
@@ -64,6 +65,35 @@ elif [ "$PART" = ringtrace ]; then
     step "ring-$e" 240 "${B[@]}" --rooms 6 --config 'tp1->1 nhd' --config 'tp2->1 nhd' --config 'tp1->2 nhd' \
       --flow ring --engine "$e" --trace "$R/trace-ring-$e"
   done
+elif [ "$PART" = ring2 ]; then
+  # Issue 28, the ring's speed: TP 1->1, 2->1 and 1->2 ring rooms, one chunk and four 1,024-token
+  # chunks (--chunk-tokens 1024 of 4,096), each engine without and with --ahead (every chunk's
+  # pages named before its send: its staging space asked then; native: its send launches the
+  # gather), each row against the raw write of the same bytes in the same run. Both engines take
+  # 8 steps of about a minute each: one call per engine (ENGINES=native, then ENGINES=python)
+  # stays within a call's 10 minutes.
+  for e in ${ENGINES:-python native}; do
+    for a in no-ahead ahead; do
+      for ch in 0 1024; do
+        step "ring2-$e-$a-c$ch" 140 "${B[@]}" --rooms 5 --config 'tp1->1 nhd' --config 'tp2->1 nhd' \
+          --config 'tp1->2 nhd' --flow ring --engine "$e" --"$a" --chunk-tokens "$ch"
+      done
+    done
+  done
+  python3 - "$R" <<'PY' | tee "$R/ring2.txt"
+import json, pathlib, sys
+print("| engine | ahead | chunks | TP | ratio | kvferry ms | raw ms | bytes ok |")
+print("|---|---|---|---|---:|---:|---:|---|")
+for f in sorted(pathlib.Path(sys.argv[1]).glob("ring2-*.out")):
+    parts = f.stem.split("-")  # ring2-ENGINE-[no-]ahead-cTOKENS
+    a, ch = "-".join(parts[2:-1]), parts[-1]
+    for line in f.read_text().splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            n = "one" if ch == "c0" else "4 x 1024"
+            print(f"| {r['engine']} | {a} | {n} | {r['tp']} | {r['ratio']:.3f} | {r['kvferry_s'] * 1e3:.2f} | "
+                  f"{r['raw_s'] * 1e3:.2f} | {r['bytes_ok']} |")
+PY
 elif [ "$PART" = launch ]; then
   # Triton's own launcher against the kept compiled kernel (KVFERRY_TRITON_DIRECT=0 / 1): the copy
   # executor's host time per submit, and ring rooms (one chunk, and four pipelined chunks), both

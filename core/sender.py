@@ -362,6 +362,10 @@ class SenderFlowContext(EngineFlowContext):
     def take_ahead(self, r: _Room, c: ChunkReady, start: int, end: int) -> AheadPlan | None:
         return self._engine.flows.ahead.take(self, r, c, start, end)
 
+    def named_ahead(self, r: _Room) -> dict[int, ChunkAhead]:
+        """The room's chunks named ahead and not planned (core/flows/ahead.py), by chunk index."""
+        return self._engine.flows.ahead.named.get(r.key, {})
+
 
 class SenderEngine(RoomEngine):
     """All rooms of one prefill rank. Feed it events, execute the commands it returns."""
@@ -834,7 +838,7 @@ class SenderEngine(RoomEngine):
 
     def _h_on_chunk(self, r: _Room, inp: SIn, c: ChunkReady) -> None:
         if self._accept_chunk(r, c):
-            ready = self.flows.ahead.ready(r.key, c.chunk_index)
+            ready = self.flows.ahead.ready(self.flows.ctx, r, c)
             self._out.append(EnqueueChunk(shard=shard_of(r.room, self.num_shards), chunk=c, prepared=ready))
             if c.chunk_index == 0:
                 for part in self.parts:

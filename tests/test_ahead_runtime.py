@@ -122,3 +122,87 @@ def test_rooms_named_ahead_land_and_leave_nothing_prepared(
     finally:
         for e in [*pre, dec]:
             assert e.close() == []
+
+
+def _granted(p: PrefillEndpoint, room: int, tid: str, chunk: int) -> bool:
+    """Prefill rank ``p`` holds staging space for the room's chunk on every decode rank."""
+    with p.lock:
+        r = p.engine.rooms.get(room)
+        led = p.engine.staged.ledgers.get((room, tid))
+        if r is None or led is None:
+            return False
+        lanes = [led.lanes.get((chunk, t)) for t in p.engine._targets(r)]
+        return bool(lanes) and all(x is not None and x.grant is not None for x in lanes)
+
+
+@pytest.mark.parametrize(("engine", "tp"), [("python", "2->1"), ("native", "1->1"), ("native", "2->1")])
+def test_ring_rooms_named_ahead_ask_space_first_and_send_launches_the_gather(engine: str, tp: str) -> None:
+    """A ring chunk named ahead has its staging space asked for when it is named; once granted,
+    its ``send`` runs the chunk's step (its gathers) on the caller's thread (native engine)."""
+    cfg = RuntimeConfig(
+        num_queues=2,
+        aux_rows=16,
+        timeouts=TIMEOUTS,
+        staging=StagingConfig(worker_buffer_bytes=32 << 10, ring_bytes=128 << 10, flow="ring"),
+        nixl_engine=engine,
+    )
+    pre, dec = one_to_one(cfg) if tp == "1->1" else two_to_one(cfg, 64)
+    steppers: list[str] = []
+    for p in pre:
+        step = p.driver.worker_step
+
+        def recorded(shard: int, now: int, step=step) -> tuple[int, ...] | None:
+            steppers.append(threading.current_thread().name)
+            return step(shard, now)
+
+        p.driver.worker_step = recorded
+    try:
+        for e in [*pre, dec]:
+            e.start()
+        rooms = 3
+        for i in range(rooms):
+            room, tid, tokens, cuts = 500 + i, f"r{i}", 61, [24, 48, 61]
+            pages = np.arange(i * 16, i * 16 + 16)
+            rv = dec.receiver(room, tid)
+            rv.init(pages, tokens, i)
+            senders = []
+            for p in pre:
+                pattern.fill(p.pool, p.transport.region, room, pages, 0, tokens)
+                s = p.sender(room, tid)
+                s.write_aux(i, room.to_bytes(8, "little"))
+                s.init(i)
+                s.plan_ahead(pages, cuts[0], is_last=False)
+                senders.append(s)
+            for c, end in enumerate(cuts):
+                # Space asked when named: wait for the grant, then the send finds it in.
+                end_wait = time.monotonic() + 20
+                while not all(_granted(p, room, tid, c) for p in pre) and time.monotonic() < end_wait:
+                    time.sleep(0.002)
+                for s in senders:
+                    s.send(pages, end, is_last=c == len(cuts) - 1)
+                    if c + 1 < len(cuts):
+                        s.plan_ahead(pages, cuts[c + 1], is_last=c + 2 == len(cuts))
+            assert rv.wait(20) is KVPoll.Success
+            assert [s.wait(20) for s in senders] == [KVPoll.Success] * len(pre)
+            assert pattern.mismatches(dec.pool, dec.transport.region, room, pages, tokens)[0] == 0
+            rv.clear()
+            for s in senders:
+                s.clear()
+        deadline = time.monotonic() + 10
+        while any(v for e in [*pre, dec] for v in e.leaks().values()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(v == 0 for e in [*pre, dec] for v in e.leaks().values())
+        for p in pre:
+            with p.lock:
+                errors = {k: v for k, v in p.driver.errors.items() if k != "chunk_deferred"}
+            assert errors == {}, errors
+        on_caller = sum(name == "MainThread" for name in steppers)
+        if engine == "native":
+            # Every chunk's space was in at its send: most steps ran on the caller's thread (a
+            # send finding its shard's worker mid-step leaves the chunk to it).
+            assert on_caller >= rooms * len(cuts) * len(pre) // 2, (on_caller, len(steppers))
+        else:
+            assert on_caller == 0
+    finally:
+        for e in [*pre, dec]:
+            assert e.close() == []

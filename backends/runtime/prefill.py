@@ -24,7 +24,9 @@ Chunks planned ahead (``KVSender.plan_ahead``, core/flows/ahead.py): when the co
 chunk's run only posts writes made ready before (``EnqueueChunk.prepared``) and the rank runs the
 native engine, ``send`` runs that step itself on the caller's thread (one native post per write,
 the GIL released) instead of waking the worker: no thread hand-off between "chunk ready" and the
-post. A shard's steps stay one at a time and in queue order: a step takes ``_step_locks[shard]``,
+post. A ring or pinned chunk named ahead whose staging space is granted by its ``send`` is such a
+chunk too: its step launches its gathers at once from the caller's thread. A shard's steps stay
+one at a time and in queue order: a step takes ``_step_locks[shard]``,
 and the caller only steps when the lock is free and the worker keeps fewer chunks in flight than
 its cap (else the worker runs it, as ever); the worker then sees the chunk's writes through.
 
@@ -266,7 +268,10 @@ class KVSender:
         """The pages and token range the next ``send`` will carry, known before the chunk is
         computed (the scheduler allocated them). A direct room then plans the chunk's writes and
         has them made ready once decode's TransferInfo is in, so that ``send`` only posts them
-        (core/flows/ahead.py). Optional; a ``send`` that differs is planned as ever."""
+        (core/flows/ahead.py). Optional; a ``send`` that differs is planned as ever. A ring or
+        pinned room asks decode for the chunk's staging space now; a ``send`` that finds it
+        granted launches the chunk's gathers from the caller's thread (native engine), and one
+        with another token range fails the room (decode holds space for the range named)."""
         ev = self._next_chunk(ChunkAhead, src_pages, token_end, is_last)
         self.ep.driver.feed(ev, now_ns())
 

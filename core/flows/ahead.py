@@ -16,6 +16,14 @@ A shortcut, never a second rule: the run still goes through the room's checks (t
 run reports the error, failing the room the usual way). A chunk is planned ahead only while it
 is the next one the scheduler hands over (its start is then known: where the chunks handed over
 so far end); a room keeps the plans of several chunks, and gives them back when it goes away.
+
+A flow that does not plan ahead may still work ahead on a named chunk: the staged flows (ring,
+pinned) ask decode for its staging space as soon as it is named (the flow half's
+``named_ahead``; their later prefetches read ``ctx.named_ahead`` too), not when it is handed
+over, so the chunk's run finds its space granted; the flow half's ``ready_ahead`` then says so,
+and the chunk is handed over as prepared (the native runtime steps it, launching its gathers, on
+the caller's thread). Decode holds the space for the named token range: a staged chunk handed
+over with another range fails its room.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Any
 import numpy as np
 from kvferry.core.commands import DropPrepared, PrepareAuxWrite
 from kvferry.core.events import ChunkAhead, ChunkReady
+from kvferry.core.flows import registry
 from kvferry.core.flows.direct import prepare_command
 from kvferry.core.worker import plan_chunk
 
@@ -88,8 +97,15 @@ class AheadPlans:
         old = self.plans.get(r.key, {}).pop(ev.chunk_index, None)  # named again: the last wins
         if old is not None:
             self._give_back(ctx, r.room, old)
-        self.named.setdefault(r.key, {})[ev.chunk_index] = ev
+        named = self.named.setdefault(r.key, {})
+        for i in [i for i in named if i < ev.chunk_index]:  # handed over since (a flow not planning)
+            del named[i]
+        named[ev.chunk_index] = ev
         self.plan(ctx, r)
+        if r.key in self.named and r.flow is not None:  # not planned: its flow may work ahead
+            named_ahead = getattr(registry.halves(r.flow).sender, "named_ahead", None)
+            if named_ahead is not None:
+                named_ahead(ctx, r)
 
     def plan(self, ctx: Any, r: Any) -> None:
         """Plan the room's named chunks if the room can take them now (ready, direct)."""
@@ -178,9 +194,16 @@ class AheadPlans:
         for pid in p.prep_ids():
             ctx.emit(DropPrepared(prep_id=pid, room=room))
 
-    def ready(self, key: tuple[int, str], chunk_index: int) -> bool:
-        """A plan of this chunk is prepared (whether it matches is checked when it runs)."""
-        return chunk_index in self.plans.get(key, ())
+    def ready(self, ctx: Any, r: Any, c: ChunkReady) -> bool:
+        """The chunk just handed over runs from what was made ready ahead: a plan of it (whether
+        it matches is checked when it runs), or its flow half says so (``ready_ahead``: a staged
+        chunk's space granted)."""
+        if c.chunk_index in self.plans.get(r.key, ()):
+            return True
+        if r.flow is None:
+            return False
+        ready_ahead = getattr(registry.halves(r.flow).sender, "ready_ahead", None)
+        return ready_ahead is not None and bool(ready_ahead(ctx, r, c))
 
     def mentions(self, room: int) -> bool:
         return any(k[0] == room for k in (*self.named, *self.plans))

@@ -107,7 +107,10 @@ class FlowSender(Protocol):
     ``check_peers(flow, registrations)``, called once the flow is chosen, raising to refuse
     decode ranks that cannot receive it (a staged flow needs their staging region), and
     ``plans_ahead`` (true: a chunk the engine names ahead, ``ChunkAhead``, may be planned and
-    prepared before it runs; core/flows/ahead.py)."""
+    prepared before it runs; core/flows/ahead.py); a half that does not plan ahead may still
+    work ahead on a named chunk: ``named_ahead(ctx, room)`` when one is named (the staged flows
+    ask for its space), ``ready_ahead(ctx, room, chunk)`` when it is handed over (true: its run
+    starts at once, ``EnqueueChunk.prepared``)."""
 
     def run_chunk(self, ctx: SenderContext, room: Any, chunk: ChunkReady) -> str: ...
 

@@ -26,6 +26,7 @@ Rules kept here:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -163,8 +164,7 @@ class StagedSender(RankFlowPart):
         targets = ctx.targets(r)
         peers = ctx.peers
         asked = False
-        for idx in range(r.next_run, len(r.ranges)):
-            ts, te = r.ranges[idx]
+        for idx, ts, te in self._known_chunks(r):
             if te <= ts or idx in led.direct_chunks:
                 continue  # nothing to stage: it runs direct (notes only, or the fallback)
             for p in targets:
@@ -179,9 +179,63 @@ class StagedSender(RankFlowPart):
                     led.asked[lane.key] = True
                     asked = True
                     ctx.send(p, self._staging_req(r, lane))
+                if idx == len(r.ranges) and lane.premap is None:  # named ahead, not handed over
+                    self._premap(lane, ctx.named_ahead(r)[idx].src_pages)
         deadlines = ctx.deadlines
         if asked and ("stg", r.room) not in deadlines:
             deadlines.set(("stg", r.room), ctx.now() + ctx.timeouts.heartbeat_interval_ns)
+
+    def _known_chunks(self, r: Any) -> list[tuple[int, int, int]]:
+        """(index, token start, token end) of every chunk not yet run: those handed over, and the
+        next one if the scheduler named it ahead (core/flows/ahead.py) and its range can be
+        right (the checks a handed-over chunk gets; a prefix hit is refused when it runs)."""
+        known = [(i, *r.ranges[i]) for i in range(r.next_run, len(r.ranges))]
+        ev = self.ctx.named_ahead(r).get(len(r.ranges))
+        if ev is None or r.run.last_enqueued or r.token_start:
+            return known
+        ts, te = r.enqueue_end, int(ev.token_end)
+        n = r.num_tokens
+        if te <= ts or (n >= 0 and (te > n or (ev.is_last and te != n))):
+            self.counters["ahead_staging_not_asked"] += 1
+            return known
+        known.append((len(r.ranges), ts, te))
+        return known
+
+    def _premap(self, lane: TxLane, pages: Any) -> None:
+        """Make a named chunk's gather map now (off its send's path): only the staging base is
+        left for the start, which picks the slot. Pages that do not cover the chunk: none."""
+        pool = self.ctx.pool
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size * pool.page_size < lane.token_end:
+            return
+        fmt = staging_format(lane.flow)
+        smap = staged_map(
+            pool, pages, lane.head_start, lane.num_heads, lane.token_start, lane.token_end, fmt, 0
+        )
+        lane.premap = (pages, smap)
+
+    def prepare_named(self, r: Any) -> None:
+        """A chunk was named ahead (outside any room step): ask for its space now. A chunk that
+        cannot be staged fails the room here, with the prefetch's own reason."""
+        try:
+            self.prepare(r)
+        except ProtocolError as exc:
+            self._fail_outside(r, exc)
+
+    def ready_ahead(self, r: Any, idx: int) -> bool:
+        """The chunk just handed over has staging space granted on every decode rank it writes to,
+        for its range: its run launches its gathers at once (when slots and the ring allow)."""
+        led = self.ledgers.get(r.key)
+        targets = self.ctx.targets(r)
+        if led is None or not targets or idx in led.direct_chunks or idx >= len(r.ranges):
+            return False
+        for p in targets:
+            lane = led.lanes.get((idx, p))
+            if lane is None or lane.state is not TxState.GRANTED:
+                return False
+            if (lane.token_start, lane.token_end) != r.ranges[idx]:
+                return False
+        return True
 
     def _new_lane(
         self, r: Any, led: StagedLedger, idx: int, p: m.Endpoint, ts: int, te: int, n_targets: int
@@ -321,7 +375,8 @@ class StagedSender(RankFlowPart):
         if (lanes[0].token_start, lanes[0].token_end) != (start, end):
             raise StagingRoomError(
                 f"chunk {idx} covers [{start}, {end}) but asked for space for "
-                f"[{lanes[0].token_start}, {lanes[0].token_end})"
+                f"[{lanes[0].token_start}, {lanes[0].token_end}) (the range it was named ahead with, "
+                "if it was)"
             )
         pages = np.asarray(c.src_pages, dtype=np.int64)
         if pages.size * ctx.pool.page_size < end:
@@ -331,8 +386,10 @@ class StagedSender(RankFlowPart):
             lane.accepted = True
             lane.is_last = c.is_last
         ctx.advance(r, c, end)
-        outcome: str = ctx.finish_run(r, c, start, end, [])
+        # The gathers leave first: the last chunk's aux row (finish_run) is off their critical
+        # path, and decode takes the aux row's note and the data notes in either order.
         self._start_ready(r)
+        outcome: str = ctx.finish_run(r, c, start, end, [])
         return outcome
 
     def _blocker(self, r: Any, lane: TxLane) -> str:
@@ -433,16 +490,21 @@ class StagedSender(RankFlowPart):
             buffer = ("pinned", res.res_id)
             # Head-major: the lane's heads sit at their offset in a rank buffer starting at base.
             base = res.offset - (lane.head_start - pool.head_start) * regions * T * hb
-        smap = staged_map(
-            pool,
-            led.pages,
-            lane.head_start,
-            lane.num_heads,
-            lane.token_start,
-            lane.token_end,
-            staging_format(lane.flow),
-            base,
-        )
+        pre, lane.premap = lane.premap, None
+        if pre is not None and np.array_equal(pre[0], led.pages):  # made when named: rebase it
+            smap = replace(pre[1], staging_base=pre[1].staging_base + base)
+            self.counters["staged_map_ahead"] += 1
+        else:
+            smap = staged_map(
+                pool,
+                led.pages,
+                lane.head_start,
+                lane.num_heads,
+                lane.token_start,
+                lane.token_end,
+                staging_format(lane.flow),
+                base,
+            )
         op = self._next_op_id
         self._next_op_id += 1
         self.ops[op] = r.key
@@ -535,10 +597,15 @@ class StagedSender(RankFlowPart):
                 continue
             try:
                 self._start_ready(r)
-            except ProtocolError as exc:  # outside a room handler: fail the room here
-                self.counters["room_exception"] += 1
-                ctx.fail_room(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=ctx.now()))
-                ctx.settle(r)
+            except ProtocolError as exc:
+                self._fail_outside(r, exc)
+
+    def _fail_outside(self, r: Any, exc: ProtocolError) -> None:
+        """Outside a room handler: fail the room here."""
+        ctx = self.ctx
+        self.counters["room_exception"] += 1
+        ctx.fail_room(r, RoomFailure(f"{type(exc).__name__}: {exc}", error=exc, at_ns=ctx.now()))
+        ctx.settle(r)
 
     # --- lost notes of staged writes --------------------------------------------------------------
 
@@ -698,6 +765,15 @@ class StagedChunkSender:
     def prepare(self, ctx: Any, r: Any) -> None:
         """The room learned of chunks or decode ranks: ask for their space ahead of the worker."""
         ctx.staged.prepare(r)
+
+    def named_ahead(self, ctx: Any, r: Any) -> None:
+        """The scheduler named the room's next chunk ahead (core/flows/ahead.py): ask its space."""
+        ctx.staged.prepare_named(r)
+
+    def ready_ahead(self, ctx: Any, r: Any, c: Any) -> bool:
+        """The chunk handed over finds its staging space granted: its run starts gathers at once."""
+        ready: bool = ctx.staged.ready_ahead(r, c.chunk_index)
+        return ready
 
     def check_peers(self, flow: Flow, registrations: list[m.Register]) -> None:
         """Every decode rank the room writes to must offer this flow's staging region."""

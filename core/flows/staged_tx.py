@@ -54,6 +54,7 @@ class TxLane:
         "length",
         "num_heads",
         "op_id",
+        "premap",
         "src_offset",
         "state",
         "target",
@@ -86,6 +87,9 @@ class TxLane:
         # ("slot", worker, half[, half]) or ("pinned", reservation id)
         self.buffer: tuple[Any, ...] | None = None
         self.op_id = -1
+        # A chunk named ahead: its gather map made before its send, at staging base 0, with the
+        # named pages (used only if the chunk's pages are the same): (pages, map).
+        self.premap: tuple[Any, Any] | None = None
         self.write_id = -1
         self.src_offset = 0
         self.length = 0
