@@ -130,10 +130,15 @@ def profile_fabric(name: str) -> FabricSpec:
             if fit.control_latency_us is None
             else round(fit.control_latency_us * 1000),
             handle_ns=c.handle_ns if fit.control_handle_us is None else round(fit.control_handle_us * 1000),
+            staging_handle_ns=c.staging_handle_ns
+            if fit.staging_handle_us is None
+            else round(fit.staging_handle_us * 1000),
+            send_ns=c.send_ns if fit.control_send_us is None else round(fit.control_send_us * 1000),
         ),
         kernel=dataclasses.replace(
             k,
             launch_ns=k.launch_ns if fit.kernel_launch_us is None else round(fit.kernel_launch_us * 1000),
+            submit_ns=k.submit_ns if fit.copy_submit_us is None else round(fit.copy_submit_us * 1000),
             gpu_bps=k.gpu_bps if fit.copy_gpu_gbps is None else int(fit.copy_gpu_gbps * 1e9),
             pinned_bps=k.pinned_bps if fit.copy_pinned_gbps is None else int(fit.copy_pinned_gbps * 1e9),
         ),
@@ -168,9 +173,12 @@ def _fabric(f: FabricTable, file: str) -> FabricSpec:
         latency_ns=given(f.control_latency_ns, c.latency_ns),
         jitter_ns=given(f.control_jitter_ns, c.jitter_ns),
         handle_ns=given(f.control_handle_ns, c.handle_ns),
+        staging_handle_ns=given(f.staging_handle_ns, c.staging_handle_ns),
+        send_ns=given(f.control_send_ns, c.send_ns),
     )
     kernel = KernelSpec(
         launch_ns=given(f.kernel_launch_ns, k.launch_ns),
+        submit_ns=given(f.kernel_submit_ns, k.submit_ns),
         gpu_bps=k.gpu_bps if f.gpu_copy_gbps is None else int(f.gpu_copy_gbps * 1e9),
         pinned_bps=k.pinned_bps if f.pinned_copy_gbps is None else int(f.pinned_copy_gbps * 1e9),
         busy_mean_ns=given(f.kernel_busy_mean_ns, k.busy_mean_ns),

@@ -470,7 +470,13 @@ FABRIC_DOC: dict[str, str] = {
     "control_jitter_ns": "Extra delay per control message, uniform in [0, this).",
     "control_handle_ns": "How long a receiver's control thread holds each message: messages arriving "
     "together wait for each other (0: none).",
-    "kernel_launch_ns": "Host cost of one gather or scatter kernel call.",
+    "control_send_ns": "The sender's host work per control message, holding its runtime thread: messages "
+    "to several peers or for several rooms leave one after another (0: none).",
+    "staging_handle_ns": "The staged flows' host work per staging message (decode's grant of a StagingReq, "
+    "prefill's StagingRsp and Watermark), held on the receiver's control thread (0: none).",
+    "kernel_launch_ns": "Launch cost of one gather or scatter kernel, on the node's copy stream.",
+    "kernel_submit_ns": "The runtime's host work per gather or scatter (submit and completion pickup), "
+    "holding the rank's runtime thread that control messages also hold (0: none).",
     "kernel_busy_mean_ns": "Mean wait (exponential) for the model step in progress before a kernel runs "
     "(0: an idle GPU).",
     "gpu_copy_gbps": "GPU-to-GPU gather and scatter rate, in GB/s.",
@@ -501,7 +507,10 @@ class FabricTable(Table):
     control_latency_ns: Count | None = None
     control_jitter_ns: Count | None = None
     control_handle_ns: Count | None = None
+    control_send_ns: Count | None = None
+    staging_handle_ns: Count | None = None
     kernel_launch_ns: Count | None = None
+    kernel_submit_ns: Count | None = None
     kernel_busy_mean_ns: Count | None = None
     gpu_copy_gbps: Annotated[float, Meta(ge=0.001)] | None = None
     pinned_copy_gbps: Annotated[float, Meta(ge=0.001)] | None = None

@@ -225,17 +225,25 @@ def test_profile_text_is_valid_toml_whatever_the_source_paths() -> None:
 
 # ---- the per-room control path (sim/calibrate/rooms.py)
 
-CTRL_TRUE_US, COMP_TRUE_US, LAUNCH_TRUE_US = 900.0, 1_700.0, 600.0
-TRUE_US = (CTRL_TRUE_US, COMP_TRUE_US, LAUNCH_TRUE_US)
-# Control messages, completions and copies on a batch's critical path, per flow and rooms in
-# flight (what the simulator finds on the shipped fabrics: direct 1, 1, 0; ring 3, 1, 2; pull
-# 2, 1, 0; eight ring rooms' copies queue on their ranks).
+# control message, completion delay, copy submit, staging message handled, control message sent
+TRUE_US = (900.0, 1_700.0, 600.0, 400.0, 300.0)
+# Each cost's count on a batch's critical path, per flow and rooms in flight (what the simulator
+# finds on the H100 profile: direct 1, 1, 0, 0, 1; ring 3, 1, 2, 2, 4; pull 2, 1, 0, 0, 2; eight
+# rooms' copies, staging messages and sends queue on their ranks' threads).
 PATH = {
-    ("direct", 1): (1, 1, 0),
-    ("ring", 1): (3, 1, 2),
-    ("pull", 1): (2, 1, 0),
-    ("ring", 8): (3, 5, 16),
+    ("direct", 1): (1, 1, 0, 0, 1),
+    ("ring", 1): (3, 1, 2, 2, 4),
+    ("pull", 1): (2, 1, 0, 0, 2),
+    ("ring", 8): (3, 5, 6, 8, 17),
+    ("direct", 8): (1, 5, 0, 0, 8),
+    # as a TP 2->1 staged batch of 8: decode's thread grants both prefill ranks' requests
+    ("pinned", 8): (3, 4, 6, 17, 37),
 }
+
+
+def _costs(f: Any) -> tuple[float, ...]:
+    host = (f.copy_submit_us, f.staging_handle_us, f.control_send_us)
+    return (f.control_latency_us, f.completion_delay_us, *host)
 
 
 def _row(flow: str, tokens: int, measured_ms: float, inflight: int = 1) -> BenchRow:
@@ -271,12 +279,16 @@ def _noisy_rows(seed: int, noise: float) -> list[BenchRow]:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_room_fit_recovers_known_costs_under_noise(seed: int) -> None:
-    rows = _noisy_rows(seed, 0.03)
+    rows = _noisy_rows(seed, 0.01)
     f = fit_rooms(rows, "h100-rdma", {}, simulate=_fake_sim)
-    got = (f.control_latency_us, f.completion_delay_us, f.kernel_launch_us)
-    assert got == pytest.approx(TRUE_US, rel=0.15)
+    got = _costs(f)
+    assert got[:2] == pytest.approx(TRUE_US[:2], rel=0.1)  # control message, completion delay
+    # A copy's submit and a staging message go together on every room but the batches of 8, so
+    # under 1% noise the fit trades one for the other; their sum is held, each only within 30%.
+    assert got[2] + got[3] == pytest.approx(TRUE_US[2] + TRUE_US[3], rel=0.1)
+    assert got[2:] == pytest.approx(TRUE_US[2:], rel=0.3)
     assert [c for c in f.counts] == [pytest.approx(PATH[r.flow, r.inflight]) for r in rows]
-    assert f.tokens_heldout == (256, 2048) and f.rows_heldout == 8
+    assert f.tokens_heldout == (256, 2048) and f.rows_heldout == 12
     assert f.mape_heldout_pct < 6.0 < f.mape_heldout_without_pct
 
 
@@ -284,8 +296,7 @@ def test_room_fit_is_not_dragged_by_a_row_the_fabric_misses_for_another_reason()
     rows = _noisy_rows(3, 0.0)
     rows[0] = _row(rows[0].flow, rows[0].tokens, 40 * rows[0].room_mb / rows[0].measured_gbps)
     f = fit_rooms(rows, "h100-rdma", {}, simulate=_fake_sim)
-    got = (f.control_latency_us, f.completion_delay_us, f.kernel_launch_us)
-    assert got == pytest.approx(TRUE_US, rel=0.02)
+    assert _costs(f) == pytest.approx(TRUE_US, rel=0.02)
 
 
 def test_room_fit_needs_three_room_sizes() -> None:
@@ -297,16 +308,18 @@ def test_room_fit_needs_three_room_sizes() -> None:
 def test_each_room_cost_adds_its_amount_to_a_simulated_room() -> None:
     """On the real simulator: a direct TP 1 -> 1 room has one control message (decode's
     TransferInfo) and one completion (the KV write's notification) on its critical path, so each
-    microsecond of either adds one microsecond to the room; a staged room waits on three messages."""
+    microsecond of either adds one microsecond to the room; a staged room waits on two."""
     (direct,) = [r for r in read_bench(TWO_ROWS) if r.flow == "direct"]
     (ring,) = [r for r in read_bench(TWO_ROWS) if r.flow == "ring"]
     quiet = {"control_latency_ns": 0, "control_jitter_ns": 0, "jitter_ns": 0}
-    for row, n_ctrl in ((direct, 1), (ring, 3)):
+    # a staged room's chunk asks for its slot (StagingReq, StagingRsp) while decode's TransferInfo
+    # travels: two messages on its path once the peers are connected (the warm-up room)
+    for row, n_ctrl in ((direct, 1), (ring, 2)):
         t0 = predict(row, "h100-rdma", quiet).predicted_ms
         t_ctrl = predict(row, "h100-rdma", {**quiet, "control_latency_ns": 2_000_000}).predicted_ms
         t_comp = predict(row, "h100-rdma", {**quiet, "completion_delay_ns": 2_000_000}).predicted_ms
         # (the staged room's third message overlaps its gather by a few microseconds)
-        assert t_ctrl - t0 == pytest.approx(2.0 * n_ctrl, abs=0.01 * n_ctrl)
+        assert t_ctrl - t0 == pytest.approx(2.0 * n_ctrl, abs=0.015 * n_ctrl)
         assert t_comp - t0 == pytest.approx(2.0, abs=0.01)
 
 
@@ -350,20 +363,27 @@ def test_a_profile_with_room_costs_sets_the_fabric_and_bad_values_are_refused(
 def test_room_fit_recovers_known_costs_from_the_real_simulator_under_noise() -> None:
     """Rows 'measured' on the simulator itself with known per-room costs, 2% noise: the fit, which
     finds each row's counts by simulation, gets the costs back (direct, pull and staged rooms, one
-    and eight in flight)."""
+    and eight in flight), the three kinds of host work on a rank's thread included."""
     truth = {
         "control_latency_ns": 800_000,
         "completion_delay_ns": 1_200_000,
-        "kernel_launch_ns": 600_000,
+        "kernel_submit_ns": 600_000,
+        "staging_handle_ns": 300_000,
+        "control_send_ns": 200_000,
     }
     rng = np.random.default_rng(7)
     rows = []
     for tokens in (64, 128, 256, 512, 1024):
-        for flow, inflight in (("direct", 1), ("pull", 1), ("ring", 1), ("ring", 8)):
+        for flow, inflight in (("direct", 1), ("pull", 1), ("ring", 1), ("ring", 8), ("direct", 8)):
             probe = _row(flow, tokens, 1.0, inflight)
             ms = predict(probe, "h100-rdma", truth).predicted_ms * rng.normal(1.0, 0.02)
             rows.append(_row(flow, tokens, ms, inflight))
     f = fit_rooms(rows, "h100-rdma", {})
-    got = (f.control_latency_us, f.completion_delay_us, f.kernel_launch_us)
-    assert got == pytest.approx((800, 1_200, 600), rel=0.15)
+    ctrl, comp, submit, staging, send = _costs(f)
+    assert comp == pytest.approx(1_200, rel=0.15)
+    # On TP 1 -> 1 rows a copy goes with a staging message but for the batches of 8, and a
+    # message sent with one on the path (a pull or ring room has a send or two more): under 2%
+    # noise the pairs are held, within 15% and 25%, each term alone less well.
+    assert ctrl + send == pytest.approx(1_000, rel=0.25)
+    assert submit + staging == pytest.approx(900, rel=0.15)
     assert f.mape_heldout_pct < 6.0

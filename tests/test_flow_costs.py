@@ -11,6 +11,7 @@ import tomllib
 from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import simpy
@@ -18,6 +19,7 @@ from kvferry.backends.simfabric.descriptors import DescList
 from kvferry.backends.simfabric.fabric import Fabric
 from kvferry.backends.simfabric.spec import ControlSpec, FabricSpec, NicSpec
 from kvferry.core.flows.regions import PINNED_REGION
+from kvferry.core.messages import StagingReq, StagingRsp, TransferInfo, Watermark
 from kvferry.sim import scenario as sc
 from kvferry.sim.calibrate.inputs import CalibrationError
 from kvferry.sim.calibrate.posting import fit_host_wire, fit_posting, read_flow_telemetry
@@ -154,6 +156,88 @@ def test_a_message_for_a_receiver_that_crashed_while_it_queued_is_dropped() -> N
     fab.restart("b")
     env.run()
     assert fab.drain_control("b") == [] and fab.stats.control_dropped == 1
+
+
+# ---- host work on a rank's one runtime thread: staging messages, sends, copy submits
+
+
+def _tagged(tag: str) -> bytes:
+    return msgspec.msgpack.encode({"t": tag})  # the fabric reads a message's tag alone
+
+
+def test_a_staging_message_holds_its_receiver_by_the_staging_cost_and_others_do_not() -> None:
+    control = ControlSpec(latency_ns=5_000, jitter_ns=0, staging_handle_ns=3_000)
+    env, fab = world(replace(SPEC, control=control))
+    seen: list[int] = []
+    fab.nodes["b"].waker = lambda _item: seen.append(int(env.now))
+    tags = [m.__struct_config__.tag for m in (StagingReq, StagingRsp, Watermark, TransferInfo)]
+    for tag in tags:
+        fab.send_control("a", "b", _tagged(tag))
+    fab.send_control("c", "b", b"\xc1 not msgpack")  # a garbled message: no staging work
+    env.run()
+    # all arrive at 5 us; the three staging messages are handled one after another (8, 11, 14 us),
+    # the TransferInfo and the garbled one queue behind them without a cost of their own
+    assert seen == [8_000, 11_000, 14_000, 14_000, 14_000]
+    assert len(fab.drain_control("b")) == 5
+
+
+def test_a_senders_messages_leave_one_after_another_by_the_send_cost() -> None:
+    env, fab = world(replace(SPEC, control=ControlSpec(latency_ns=5_000, jitter_ns=0, send_ns=2_000)))
+    seen: list[tuple[int, bytes]] = []
+    fab.nodes["b"].waker = lambda _item: seen.append((int(env.now), fab.drain_control("b")[0][1]))
+    for payload in (b"m0", b"m1"):
+        fab.send_control("a", "b", payload)
+    fab.send_control("c", "b", b"m2")  # another sender's thread: no wait for a's
+    env.run()
+    assert seen == [(7_000, b"m0"), (7_000, b"m2"), (9_000, b"m1")]
+
+
+def test_a_ring_room_is_longer_by_its_copies_and_staging_messages_on_the_runtime_thread() -> None:
+    """TP 1 -> 1 ring on the real simulator: the gather (prefill) and the scatter (decode) each hold
+    their rank's thread by the submit cost; decode's grant of the StagingReq and prefill's handling
+    of the StagingRsp each by the staging cost (the Watermark comes after the room). Every one is
+    on the room's critical path."""
+    row = BenchRow("tp1->1 nhd", "qwen3-8b", 1, 1, 256, 1, "ring", 256 * 0.147456, 1.0, 1.0)
+    t0 = predict(row, "h100-rdma", QUIET).predicted_ms
+    t_sub = predict(row, "h100-rdma", {**QUIET, "kernel_submit_ns": 1_000_000}).predicted_ms
+    t_stg = predict(row, "h100-rdma", {**QUIET, "staging_handle_ns": 1_000_000}).predicted_ms
+    # (the scatter's submit overlaps the tail of the write's completion by about 10 us)
+    assert t_sub - t0 == pytest.approx(2.0, abs=0.02)
+    assert t_stg - t0 == pytest.approx(2.0, abs=0.02)
+    direct = replace(row, flow="direct")
+    d0 = predict(direct, "h100-rdma", QUIET).predicted_ms
+    # a direct room has no copy and no staging message; decode's TransferInfo is its one send
+    assert predict(direct, "h100-rdma", {**QUIET, "kernel_submit_ns": 1_000_000}).predicted_ms == d0
+    assert predict(direct, "h100-rdma", {**QUIET, "staging_handle_ns": 1_000_000}).predicted_ms == d0
+    d_send = predict(direct, "h100-rdma", {**QUIET, "control_send_ns": 1_000_000}).predicted_ms
+    assert d_send - d0 == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_profile_sets_the_runtime_thread_costs_and_refuses_bad_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hardware, "folder", lambda: tmp_path)
+    base = 'kind = "fabric"\nbandwidth_gbps = 10\nlatency_us = 1\npost_cost_us = 2\nper_desc_us = 0.5\n'
+    costs = "staging_handle_us = 300\ncopy_submit_us = 400\ncontrol_send_us = 50\n"
+    (tmp_path / "th.toml").write_text(base + 'name = "th"\n' + costs)
+    s = sc.parse({"fabric": {"profile": "th"}})
+    got = (s.fabric.control.staging_handle_ns, s.fabric.kernel.submit_ns, s.fabric.control.send_ns)
+    assert got == (300_000, 400_000, 50_000)
+    # a deployment's ranks pay them too (per-rank host work, not the shared GPU)
+    gpu = hardware.GpuProfile("g", 1.0, 1.0, 80.0, 64.0, 1440.0, 51.0, 140.0, 0.5, 0.8, 4000.0, 2000.0, 0.9)
+    spec = hardware.fabric_spec(gpu, hardware.nic("th"))
+    assert (spec.control.staging_handle_ns, spec.kernel.submit_ns, spec.control.send_ns) == got
+    # absent, they are 0 (off): the shipped NIC profiles do not set them
+    plain = hardware.fabric_spec(gpu, hardware.nic("th").__class__("p", 10.0, 1.0, 2.0, 0.5))
+    assert (plain.control.staging_handle_ns, plain.kernel.submit_ns, plain.control.send_ns) == (0, 0, 0)
+    for key in ("staging_handle_us", "copy_submit_us", "control_send_us"):
+        for bad in ("-1", "nan", '"slow"', "true"):
+            (tmp_path / "bad.toml").write_text(base + f'name = "bad"\n{key} = {bad}\n')
+            with pytest.raises(hardware.ProfileError, match=f"{key} must be a number >= 0"):
+                hardware.nic("bad")
+    for key in ("staging_handle_ns", "kernel_submit_ns", "control_send_ns"):
+        with pytest.raises(sc.ScenarioError, match=key):
+            sc.parse({"fabric": {key: -5}})
 
 
 # ---- the fits recover planted costs

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import simpy
 from kvferry.backends.simfabric.calls import call_after
@@ -47,6 +48,7 @@ from kvferry.backends.simfabric.memory import FakeMemory
 from kvferry.backends.simfabric.spec import NS_PER_S, FabricSpec, NicSpec
 from kvferry.core.flows.regions import PINNED_REGION
 from kvferry.core.identity_enum import IdentityEnum
+from kvferry.core.messages import StagingReq, StagingRsp, Watermark
 
 Recorder = Callable[..., None]
 
@@ -111,7 +113,9 @@ class Node:
     queued: deque[int] = field(default_factory=deque)
     inflight: int = 0
     active_host: int = 0  # this initiator's active host-to-host transfers (they share its host wire)
-    control_busy_until: int = 0  # its control thread handles one message at a time (ControlSpec.handle_ns)
+    # Its runtime thread does one thing at a time: control messages (ControlSpec.handle_ns and
+    # staging_handle_ns) and copy submits (KernelSpec.submit_ns) queue behind each other.
+    host_busy_until: int = 0
     handles: set[int] = field(default_factory=set)
     # Handles of this initiator that left PROC and were not released yet: what a poll must look at.
     settled: set[int] = field(default_factory=set)
@@ -442,8 +446,12 @@ class Fabric:
         if len(fate.extra_delays_ns) > 1:
             self.stats.control_duplicated += len(fate.extra_delays_ns) - 1
         spec = self.spec.control
+        sent = 0
+        if spec.send_ns:  # the send holds the sender's runtime thread (ControlSpec.send_ns)
+            s.host_busy_until = max(now, s.host_busy_until) + spec.send_ns
+            sent = s.host_busy_until - now
         for extra in fate.extra_delays_ns:
-            delay = spec.latency_ns + self._jitter(spec.jitter_ns) + extra
+            delay = sent + spec.latency_ns + self._jitter(spec.jitter_ns) + extra
             self._at(delay, self._deliver_control, src, dst, payload, tag)
 
     def _deliver_control(self, src: str, dst: str, payload: bytes, tag: Any) -> None:
@@ -453,10 +461,13 @@ class Fabric:
             self.record("ctrl_drop", dst, src=src, why="receiver down" if not d.up else "link down", tag=tag)
             return
         handle = self.spec.control.handle_ns
-        if handle:  # queue behind the messages this node's control thread is still handling
-            now = int(self.env.now)
-            d.control_busy_until = max(now, d.control_busy_until) + handle
-            self._at(d.control_busy_until - now, self._hand_control, src, dst, d.incarnation, payload, tag)
+        if self.spec.control.staging_handle_ns and _staging_message(payload):
+            handle += self.spec.control.staging_handle_ns
+        now = int(self.env.now)
+        # queue behind what this node's runtime thread is still doing (messages, copy submits)
+        if handle or d.host_busy_until > now:
+            d.host_busy_until = max(now, d.host_busy_until) + handle
+            self._at(d.host_busy_until - now, self._hand_control, src, dst, d.incarnation, payload, tag)
             return
         self._hand_control(src, dst, d.incarnation, payload, tag)
 
@@ -731,3 +742,21 @@ def _host_to_host(descs: DescList) -> bool:
         and bool((descs.src_region == PINNED_REGION).all())
         and bool((descs.dst_region == PINNED_REGION).all())
     )
+
+
+class _Tag(msgspec.Struct):
+    """A control message's tag alone, its other fields skipped."""
+
+    t: str = ""
+
+
+_tag_decoder = msgspec.msgpack.Decoder(_Tag)
+_STAGING_TAGS = frozenset(m.__struct_config__.tag for m in (StagingReq, StagingRsp, Watermark))
+
+
+def _staging_message(payload: bytes) -> bool:
+    """A staged flow's StagingReq, StagingRsp or Watermark (ControlSpec.staging_handle_ns)."""
+    try:
+        return _tag_decoder.decode(payload).t in _STAGING_TAGS
+    except msgspec.DecodeError:
+        return False  # not a message of ours (a fault may garble one): no staging work

@@ -76,10 +76,20 @@ class ControlSpec:
     # A receiving runtime handles its control messages one at a time (one control thread): each
     # holds it this long, so messages arriving together wait for each other (0: off).
     handle_ns: int = 0
+    # The staged flows' own host work per staging message, on top of ``handle_ns``: decode's
+    # grant of a StagingReq (the ring or pinned allocation and its answer), prefill's handling of
+    # the StagingRsp and of each Watermark return. Held on the receiver's control thread like
+    # ``handle_ns``, so the requests of several prefill ranks or rooms wait for each other at
+    # decode (0: off; `kvferry calibrate --rooms` fits it from staged bench rows).
+    staging_handle_ns: int = 0
+    # The sender's host work per control message (encoding, signing, the ZMQ send), holding its
+    # runtime thread: a rank that sends to several peers, or for several rooms, sends one after
+    # another (0: off; `kvferry calibrate --rooms` fits it).
+    send_ns: int = 0
 
     def validate(self) -> None:
-        if self.latency_ns < 0 or self.jitter_ns < 0 or self.handle_ns < 0:
-            raise ValueError("control latency, jitter and handling cost must be >= 0")
+        if min(self.latency_ns, self.jitter_ns, self.handle_ns, self.staging_handle_ns, self.send_ns) < 0:
+            raise ValueError("control latency, jitter and handling costs must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +108,16 @@ class KernelSpec:
     # kernel may first wait for the step in progress: an exponential wait of this mean (0: an
     # idle GPU, the assumption of the H100 table; a decode step is tens of ms in practice).
     busy_mean_ns: int = 0
+    # The runtime's host work per gather or scatter: the copy executor's submit (validation, the
+    # page-id upload, the launcher) and the pickup of its completion. It holds the rank's one
+    # runtime thread, the one that also handles control messages (``ControlSpec.handle_ns``,
+    # ``staging_handle_ns``), before the kernel reaches the stream (0: off; `kvferry calibrate
+    # --rooms` fits it; ``launch_ns`` is then the bare launch on the stream).
+    submit_ns: int = 0
 
     def validate(self) -> None:
-        if self.launch_ns < 0 or self.busy_mean_ns < 0:
-            raise ValueError("kernel.launch_ns and kernel.busy_mean_ns must be >= 0")
+        if min(self.launch_ns, self.busy_mean_ns, self.submit_ns) < 0:
+            raise ValueError("kernel.launch_ns, kernel.busy_mean_ns and kernel.submit_ns must be >= 0")
         if self.gpu_bps <= 0 or self.pinned_bps <= 0:
             raise ValueError("kernel copy rates must be positive")
 

@@ -299,7 +299,11 @@ class SimTransport:
         busy = 0
         if k.busy_mean_ns and self.kernel_rng is not None:
             busy = int(self.kernel_rng.expovariate(1.0 / k.busy_mean_ns))
-        start = max(now + busy, self._stream_free_at)
+        ready = now
+        if k.submit_ns:  # the submit holds the rank's runtime thread first (KernelSpec.submit_ns)
+            node = self._fnode
+            node.host_busy_until = ready = max(now, node.host_busy_until) + k.submit_ns
+        start = max(ready + busy, self._stream_free_at)
         self._stream_free_at = start + k.cost_ns(map_bytes(maps), pinned=staging_region == PINNED_REGION)
         call_after(
             self.fabric.env,

@@ -6,8 +6,10 @@ A row is one batch of ``inflight`` rooms of ``tokens`` tokens of the row's model
 decode TP D, on the row's flow, one chunk per room (the bench's default: its rows do not carry a
 chunk size), two transfer queues per prefill rank and staging for ``max(2, inflight)`` chunks, as
 the bench configures the runtime. The bench times decode from the first ``init`` of a batch to
-its last Success; the simulation times from the batch's arrival (decode opens each room then) to
-the last decode rank's Success. Predicted GB/s = the batch's bytes over that time.
+its last Success, after a warm-up batch that connects the peers; the simulation runs one small
+warm-up room first (its Register and RegisterAck, as the bench's warm-up) and times from the
+batch's arrival (decode opens each room then) to the last decode rank's Success. Predicted GB/s =
+the batch's bytes over that time.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ __all__ = ["BenchRow", "FlowError", "Prediction", "by_flow", "predict", "read_be
 
 FLOWS = (*FLOW_NAMES, "policy")
 MS = 1_000_000
+# The bench's warm-up batch connects the peers (Register, RegisterAck) before it times a batch;
+# here one small room at 0 does, and the timed batch arrives once it is long done.
+WARMUP_TOKENS = 16
+BATCH_US = 200_000
 S = 1_000_000_000
 
 
@@ -144,7 +150,7 @@ def read_bench(path: Path) -> list[BenchRow]:
 def scenario(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) -> sc.Scenario:
     """The row as a scenario on ``profile``; ``fabric`` overrides keys of its [fabric] table (the
     calibration simulates a fit this way before any profile file holds it)."""
-    pages = -(-row.tokens // 16) * row.inflight
+    pages = -(-row.tokens // 16) * row.inflight + -(-WARMUP_TOKENS // 16)
     data: dict[str, Any] = {
         "name": f"predict-{row.config}-{row.flow}",
         "seed": 1,
@@ -163,7 +169,10 @@ def scenario(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) 
         "workload": {
             "chunk_tokens": 0,
             "compute_ns_per_token": 0,
-            "room": [{"tokens": row.tokens, "arrival_us": 0} for _ in range(row.inflight)],
+            "room": [
+                {"tokens": WARMUP_TOKENS, "arrival_us": 0},
+                *({"tokens": row.tokens, "arrival_us": BATCH_US} for _ in range(row.inflight)),
+            ],
         },
         # The bench's own deadlines (kvferry/tools/runtime_bench.py; the core's 1 s heartbeat): none
         # fires in a healthy row, and a slow control path is not mistaken for a lost peer.
@@ -219,7 +228,7 @@ def predict(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) -
     w = World(scenario(row, profile, fabric))
     w.run()
     ends = []
-    for req in w.requests:
+    for req in w.requests[1:]:  # the warm-up room is not timed
         dec = {n: st for n, st in req.status.items() if n.startswith("decode")}
         if not dec or any(st is not KVPoll.Success for st in dec.values()):
             raise CalibrationError(f"{row.config} {row.flow}: a simulated room did not succeed: {req.reason}")

@@ -58,7 +58,7 @@ def render(
     lines = [
         *_fabric_lines(name, fab, flows, transport),
         *_flow_lines(flows),
-        *_kernel_lines(kernels, kernel_source, rooms),
+        *_kernel_lines(kernels, kernel_source),
         *_room_lines(rooms, control_handle_us),
         "",
         *_fit_table(fab, tel, sources),
@@ -116,17 +116,15 @@ def _flow_lines(flows: FlowFit | None) -> list[str]:
     return lines
 
 
-def _kernel_lines(kernels: KernelFit | None, kernel_source: str, rooms: RoomFit | None) -> list[str]:
+def _kernel_lines(kernels: KernelFit | None, kernel_source: str) -> list[str]:
     if kernels is None:
         return ["# No kernel bench given: the GPU profile's copy kernels apply."]
     lines = [
         f"# Copy kernels from {kernel_source}: seconds = launch + bytes / rate per memory kind.",
         f"# Launch cost: {kernels.launch_source}.",
+        # the bare launch, on the stream; with --rooms the runtime's host work per copy is fitted below
+        f"kernel_launch_us = {_num(kernels.launch_us)}",
     ]
-    if rooms is None:  # with --rooms, the runtime's launch (below) replaces the bare one
-        lines.append(f"kernel_launch_us = {_num(kernels.launch_us)}")
-    else:
-        lines.append(f"# (bare launch {_num(kernels.launch_us)} us; the runtime's, fitted below, is charged)")
     if kernels.gpu_gbps is not None:
         lines.append(f"copy_gpu_gbps = {_num(kernels.gpu_gbps)}")
     if kernels.pinned_gbps is not None:
@@ -140,11 +138,14 @@ def _room_lines(rooms: RoomFit | None, control_handle_us: float) -> list[str]:
         lines = [
             "# The runtime's per-room control path, fitted to the ms per room of the bench rows in",
             "# [fit] room_sources (sim/calibrate/rooms.py): one control message's latency, the",
-            "# delay before a notification or completion is handled, and the runtime's host work",
-            "# around each gather or scatter (its submit and completion, one after another on a rank).",
+            "# delay before a notification or completion is handled, and the host work that holds",
+            "# a rank's runtime thread: each gather or scatter's submit and completion pickup, each",
+            "# staging message (StagingReq, StagingRsp, Watermark) handled, each control message sent.",
             f"control_latency_us = {_num(rooms.control_latency_us)}",
             f"completion_delay_us = {_num(rooms.completion_delay_us)}",
-            f"kernel_launch_us = {_num(rooms.kernel_launch_us)}",
+            f"copy_submit_us = {_num(rooms.copy_submit_us)}",
+            f"staging_handle_us = {_num(rooms.staging_handle_us)}",
+            f"control_send_us = {_num(rooms.control_send_us)}",
         ]
     else:
         lines = ["# No bench rows given (--rooms): no per-room control path, the fabric's defaults."]

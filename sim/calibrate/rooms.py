@@ -6,21 +6,28 @@ TransferInfo, a StagingReq/StagingRsp round trip, a pull's offer and reply) and 
 runtime handles a write's notification or completion (its data thread sees them on its next poll
 of NIXL). docs/benchmarks.md, "Where a small room's time goes", times both on CPU loopback.
 
-Three costs of the simulated fabric stand for them: ``control_latency`` (one control message, one
+Five costs of the simulated fabric stand for them: ``control_latency`` (one control message, one
 way, through the runtime), ``completion_delay`` (from a write landing to the target runtime
-handling its notification, or the initiator its DONE) and ``kernel_launch`` (the runtime's host
-work around each gather or scatter of the staged flows, one copy after another on a rank: its
-submit, which is validation, the page-id upload and Triton's launcher, and the handling of its
-completion; the kernel bench's launch is the bare launch alone). How many of each lie on a
-room's critical path is not assumed: each bench row is simulated with the fabric fitted from
-telemetry (the three costs 0), and again with each cost set to a probe value; the time each
-probe adds, divided by the probe, is that row's count (1 control message for a direct room, 3
-for a staged one, ...). Then ``measured - simulated = n_control * control_latency +
-n_completion * completion_delay + n_copies * kernel_launch`` is fitted by least absolute
-relative deviation with every cost >= 0: robust, so a row the fabric misses for another reason
-does not drag the per-room costs. (A copy's completion picked up after a pure delay, rather than
-by work that holds the rank, was tried as a fourth cost: on rows simulated with both, the counts'
-linear model could not tell the two apart, so the copy's host work is one serial cost.)
+handling its notification, or the initiator its DONE), and three kinds of host work that hold a
+rank's one runtime thread, so that they queue behind each other on a rank: ``kernel_submit``
+(each gather or scatter's submit, which is validation, the page-id upload and the launcher, and
+the pickup of its completion; the kernel bench's launch stays the bare launch on the stream),
+``staging_handle`` (each StagingReq granted on decode, each StagingRsp and Watermark handled on
+prefill: the staged flows' own round trip and slot return) and ``control_send`` (each control
+message sent: encoding, signing, ZMQ). The hops are those docs/benchmarks.md, "Where a ring
+room's time goes on the GPU", times on the H100. How many of each lie on a room's critical path
+is not assumed: each bench row is simulated with the fabric fitted from telemetry (the five
+costs 0), and again with each cost set to a probe value; the time each probe adds, divided by
+the probe, is that row's count (1 control message for a direct room, 3 for a staged one, 2
+staging messages for a TP 1->1 ring room, 17 for a TP 2->1 batch of 8 queued at decode, ...).
+Then ``measured - simulated = sum(count_i * cost_i)`` is fitted by least absolute relative
+deviation with every cost >= 0: robust, so a row the fabric misses for another reason does not
+drag the per-room costs. Where two costs have the same count on every row (a TP 1->1 ring room
+has as many copies as staging messages) only rows that separate them (other TP pairs, rooms in
+flight) tell them apart; the fit may then put the whole of a shared effect on one. (A copy's
+completion picked up after a pure delay, rather than by work that holds the rank, was tried as
+a cost: on rows simulated with both, the counts' linear model could not tell the two apart, so
+the copy's host work is one serial cost.)
 
 Held-out check as for the writes: the rows' distinct token counts are sorted and every third from
 the second is held out; the fit sees only the others. The MAPE of the ms per room is computed by
@@ -41,14 +48,22 @@ from kvferry.sim.calibrate.predict import BenchRow, Prediction, predict
 __all__ = ["RoomFit", "fit_rooms", "lad"]
 
 PROBE_US = 1000.0  # large against jitter, small enough that nothing else changes order
-TERMS = ("control_latency_ns", "completion_delay_ns", "kernel_launch_ns")
+TERMS = (
+    "control_latency_ns",
+    "completion_delay_ns",
+    "kernel_submit_ns",
+    "staging_handle_ns",
+    "control_send_ns",
+)
 
 
 @dataclass(frozen=True, slots=True)
 class RoomFit:
     control_latency_us: float
     completion_delay_us: float
-    kernel_launch_us: float
+    copy_submit_us: float  # host work per gather or scatter on the rank's thread
+    staging_handle_us: float  # host work per staging message (0 when no staged row needs it)
+    control_send_us: float  # the sender's host work per control message
     rows_fit: int
     rows_heldout: int
     tokens_fit: tuple[int, ...]
@@ -58,7 +73,8 @@ class RoomFit:
     # The same held-out rows on the fabric without the two costs (the telemetry fit alone, with
     # the fabric's default 50 us control latency): what the per-room terms buy.
     mape_heldout_without_pct: float
-    counts: tuple[tuple[float, ...], ...]  # per row: control messages, completions, copies on its path
+    # per row: control messages, completions, copies and staging messages on its path
+    counts: tuple[tuple[float, ...], ...]
     predictions: tuple[Prediction, ...]  # every row, with the fitted costs
 
 
@@ -97,7 +113,7 @@ def fit_rooms(
     train = np.array([r.tokens not in held_tokens for r in rows])
     # Relative deviation: each row divided by its measured time, as the MAPE we report.
     x = lad(k[train] / meas[train, None], resid[train] / meas[train])
-    ctrl_us, comp_us, launch_us = (float(v) * 1000 for v in x)  # ms -> us
+    ctrl_us, comp_us, submit_us, staging_us, send_us = (float(v) * 1000 for v in x)  # ms -> us
     fitted = {**fabric, **{t: round(float(v) * 1e6) for t, v in zip(TERMS, x, strict=True)}}
     preds = [run(r, fitted) for r in rows]
     before = [run(r, fabric) for r in rows]
@@ -107,7 +123,9 @@ def fit_rooms(
     return RoomFit(
         control_latency_us=ctrl_us,
         completion_delay_us=comp_us,
-        kernel_launch_us=launch_us,
+        copy_submit_us=submit_us,
+        staging_handle_us=staging_us,
+        control_send_us=send_us,
         rows_fit=int(train.sum()),
         rows_heldout=int(held.sum()),
         tokens_fit=tuple(fit_tokens),

@@ -86,6 +86,13 @@ class NicProfile:
     # does not: its ranks have a GPU each, and its pinned flow keeps the NIC's wire.
     shared_desc_us: float | None = None
     control_handle_us: float | None = None
+    # The staged flows' host work per staging message (ControlSpec.staging_handle_ns), fitted by
+    # ``kvferry calibrate --rooms`` from staged rows; a deployment charges it like the control path.
+    staging_handle_us: float | None = None
+    # The runtime's host work per gather or scatter on the rank's thread (KernelSpec.submit_ns).
+    copy_submit_us: float | None = None
+    # The sender's host work per control message on the rank's thread (ControlSpec.send_ns).
+    control_send_us: float | None = None
     host_bandwidth_gbps: float | None = None
     # What moves the bytes (TRANSPORTS), where the two posting costs come from, and which of the
     # profile's numbers are estimates rather than measurements.
@@ -133,7 +140,7 @@ def _files() -> list[str]:
 _MAY_BE_ZERO = frozenset(
     {"latency_us", "post_cost_us", "per_desc_us", "kernel_launch_us"}
     | {"control_latency_us", "completion_delay_us", "shared_desc_us"}
-    | {"control_handle_us"}
+    | {"control_handle_us", "staging_handle_us", "copy_submit_us", "control_send_us"}
 )
 # Kinds a loader accepts: a fitted fabric profile serves as a NIC profile.
 _KINDS = {"gpu": ("gpu",), "nic": ("nic", "fabric"), "fabric": ("fabric",)}
@@ -209,12 +216,19 @@ def fabric_spec(g: GpuProfile, n: NicProfile) -> FabricSpec:
             # A deployment's transfers are long; an ERR must not beat a healthy write (assumption).
             error_timeout_ns=2_000_000_000,
         ),
-        control=base.control
-        if n.control_latency_us is None
-        else replace(base.control, latency_ns=round(n.control_latency_us * 1000)),
+        control=replace(
+            base.control,
+            latency_ns=base.control.latency_ns
+            if n.control_latency_us is None
+            else round(n.control_latency_us * 1000),
+            # Per-rank host work of the runtime, not the shared GPU: a deployment pays it too.
+            staging_handle_ns=0 if n.staging_handle_us is None else round(n.staging_handle_us * 1000),
+            send_ns=0 if n.control_send_us is None else round(n.control_send_us * 1000),
+        ),
         kernel=replace(
             KernelSpec(),
             launch_ns=int(launch * 1000),
+            submit_ns=0 if n.copy_submit_us is None else round(n.copy_submit_us * 1000),
             gpu_bps=int(gpu_gbps * 1e9),
             pinned_bps=int(pinned_gbps * 1e9),
         ),

@@ -215,7 +215,12 @@ class DeploySpec:
         ctl = self._control()
         if ctl is not None:
             nic = replace(
-                nic, control_latency_us=ctl.control_latency_us, completion_delay_us=ctl.completion_delay_us
+                nic,
+                control_latency_us=ctl.control_latency_us,
+                completion_delay_us=ctl.completion_delay_us,
+                staging_handle_us=ctl.staging_handle_us,
+                copy_submit_us=ctl.copy_submit_us,
+                control_send_us=ctl.control_send_us,
             )
         fab = hardware.fabric_spec(gpu, nic)
         return {
@@ -241,7 +246,10 @@ class DeploySpec:
                 "error_timeout_ns": fab.nic.error_timeout_ns,
                 "completion_delay_ns": fab.nic.completion_delay_ns,
                 "control_latency_ns": fab.control.latency_ns,
+                "staging_handle_ns": fab.control.staging_handle_ns,
+                "control_send_ns": fab.control.send_ns,
                 "kernel_launch_ns": fab.kernel.launch_ns,
+                "kernel_submit_ns": fab.kernel.submit_ns,
                 "gpu_copy_gbps": fab.kernel.gpu_bps / 1e9,
                 "pinned_copy_gbps": fab.kernel.pinned_bps / 1e9,
             },
