@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any
 
 from kvferry.core import messages as m
+from kvferry.core.events import CopyFailed
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.machine import Transition
 
@@ -166,6 +167,20 @@ class RankFlowPart:
 
     def tick(self, now: int) -> None:
         """Time is ``now``: this component's own deadlines that passed fire."""
+
+
+def route_copy(part: Any, ev: Any, finished: Callable[[Any, int], None], done: Enum, failed: Enum) -> None:
+    """A staged half's gather or scatter completed (CopyDone/CopyFailed, by op id): ``finished``
+    accounts for it in whatever state the room is, before the room's table hears ``done`` or
+    ``failed``; an op id the half never issued is counted and dropped."""
+    key = part.ops.pop(ev.op_id, None)
+    if key is None:
+        part.counters["unknown_op"] += 1
+        return
+    r = part.ctx.room(key[0])
+    if r is not None and r.tid == key[1]:
+        finished(r, ev.op_id)
+    part.ctx.flow_input(key[0], key[1], failed if type(ev) is CopyFailed else done, ev)
 
 
 def earliest(times: Iterable[int | None]) -> int | None:

@@ -31,7 +31,7 @@ from kvferry.core import messages as m
 from kvferry.core.commands import Scatter
 from kvferry.core.events import CopyDone, CopyFailed
 from kvferry.core.flows import registry
-from kvferry.core.flows.parts import FlowTable, RankFlowPart, ignore, ignore_failed
+from kvferry.core.flows.parts import FlowTable, RankFlowPart, ignore, ignore_failed, route_copy
 from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION
 from kvferry.core.flows.registry import FlowReceiver
@@ -329,17 +329,8 @@ class StagedReceiver(RankFlowPart):
         return STAGED_RX_ROOM_TABLE
 
     def _on_copy(self, ev: CopyDone | CopyFailed) -> None:
-        """A scatter's completion: it no longer writes the room's pages, whatever state the room
-        is in (before the table looks at the input)."""
-        key = self.ops.pop(ev.op_id, None)
-        if key is None:
-            self.counters["unknown_op"] += 1
-            return
-        r = self.ctx.room(key[0])
-        if r is not None and r.tid == key[1]:
-            self.scatter_finished(r, ev.op_id)
-        inp = StagedRxIn.COPY_DONE if type(ev) is CopyDone else StagedRxIn.COPY_FAILED
-        self.ctx.flow_input(key[0], key[1], inp, ev)
+        """A scatter's completion: it no longer writes the room's pages in whatever state the room is."""
+        route_copy(self, ev, self.scatter_finished, StagedRxIn.COPY_DONE, StagedRxIn.COPY_FAILED)
 
     # --- the room inputs of STAGED_RX_ROOM_TABLE -----------------------------------------------------
 

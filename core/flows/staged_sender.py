@@ -35,7 +35,7 @@ from kvferry.core.commands import ChunkDeferred, Gather, PostWrite, SendNotif
 from kvferry.core.errors import ProtocolError
 from kvferry.core.events import CopyDone, CopyFailed
 from kvferry.core.flows import registry
-from kvferry.core.flows.parts import FlowTable, RankFlowPart, ignore, ignore_failed
+from kvferry.core.flows.parts import FlowTable, RankFlowPart, ignore, ignore_failed, route_copy
 from kvferry.core.flows.policy import Flow, staging_format
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.flows.staged_tx import (
@@ -690,17 +690,8 @@ class StagedSender(RankFlowPart):
         self.ctx.flow_input(msg.room, msg.transfer_id, StagedTxIn.STAGING_RSP, msg)
 
     def _on_copy(self, ev: CopyDone | CopyFailed) -> None:
-        """A gather's completion: its slot is accounted for in whatever state the room is (before
-        the table looks at the input)."""
-        key = self.ops.pop(ev.op_id, None)
-        if key is None:
-            self.counters["unknown_op"] += 1
-            return
-        r = self.ctx.room(key[0])
-        if r is not None and r.tid == key[1]:
-            self.op_finished(r, ev.op_id)
-        inp = StagedTxIn.COPY_DONE if type(ev) is CopyDone else StagedTxIn.COPY_FAILED
-        self.ctx.flow_input(key[0], key[1], inp, ev)
+        """A gather's completion: its slot is accounted for in whatever state the room is."""
+        route_copy(self, ev, self.op_finished, StagedTxIn.COPY_DONE, StagedTxIn.COPY_FAILED)
 
     # --- the room inputs of STAGED_TX_ROOM_TABLE ----------------------------------------------------
 
