@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvferry.sim.deploy.tracks import Track
     from kvferry.sim.deploy.workload import DeployRequest
     from kvferry.sim.rooms import Request
 
@@ -118,15 +117,16 @@ class Loads:
         if req.key in self._weighed:
             self.pre_tokens[req.pre_inst] -= r.input_tokens - r.prefix_hit_tokens
 
-    def finished(self, req: Request, t: Track) -> None:
-        """The request finished (or failed): it leaves its instances' loads."""
+    def finished(self, req: Request, r: DeployRequest, chunks_ready: int) -> None:
+        """The request finished (or failed) with ``chunks_ready`` of its chunks computed: it
+        leaves its instances' loads."""
         if req.opened:
             self.load[req.dec_inst] -= 1
         if req.key in self._weighed:
             self._weighed.discard(req.key)
-            self.dec_tokens[req.dec_inst] -= t.req.input_tokens + t.req.output_tokens
-            if len(t.chunk_ready_ns) < len(req.chunks):  # failed before its prompt was computed
-                self.pre_tokens[req.pre_inst] -= t.req.input_tokens - t.req.prefix_hit_tokens
+            self.dec_tokens[req.dec_inst] -= r.input_tokens + r.output_tokens
+            if chunks_ready < len(req.chunks):  # failed before its prompt was computed
+                self.pre_tokens[req.pre_inst] -= r.input_tokens - r.prefix_hit_tokens
 
 
 def _least(weights: Sequence[int], cursor: int) -> int:

@@ -270,7 +270,7 @@ class DeployWorld(Serving):
     def _finish(self, key: int, failed: bool) -> None:
         now = int(self.env.now)
         t = self.log.finish(key, failed, now)
-        self.loads.finished(self.requests[key], t)
+        self.loads.finished(self.requests[key], t.req, len(t.chunk_ready_ns))
         if self.log.more:
             self._submit(now)
         self.log.end_if_all_finished()
