@@ -43,6 +43,20 @@ def wait_status(senders: list, status: KVPoll) -> None:
         time.sleep(0.002)
 
 
+def _record_steppers(pre) -> list[str]:
+    """The names of the threads that step prefill's chunks, one per step, as they run."""
+    steppers: list[str] = []
+    for p in pre:
+        step = p.driver.worker_step
+
+        def recorded(shard: int, now: int, step=step) -> tuple[int, ...] | None:
+            steppers.append(threading.current_thread().name)
+            return step(shard, now)
+
+        p.driver.worker_step = recorded
+    return steppers
+
+
 @pytest.mark.parametrize(
     ("engine", "post", "tp", "on_send"),
     [
@@ -65,15 +79,7 @@ def test_rooms_named_ahead_land_and_leave_nothing_prepared(
         nixl_post_on_send=on_send,
     )
     pre, dec = one_to_one(cfg) if tp == "1->1" else two_to_one(cfg, 64)
-    steppers: list[str] = []
-    for p in pre:
-        step = p.driver.worker_step
-
-        def recorded(shard: int, now: int, step=step) -> tuple[int, ...] | None:
-            steppers.append(threading.current_thread().name)
-            return step(shard, now)
-
-        p.driver.worker_step = recorded
+    steppers = _record_steppers(pre)
     try:
         for e in [*pre, dec]:
             e.start()
@@ -147,15 +153,7 @@ def test_ring_rooms_named_ahead_ask_space_first_and_send_launches_the_gather(eng
         nixl_engine=engine,
     )
     pre, dec = one_to_one(cfg) if tp == "1->1" else two_to_one(cfg, 64)
-    steppers: list[str] = []
-    for p in pre:
-        step = p.driver.worker_step
-
-        def recorded(shard: int, now: int, step=step) -> tuple[int, ...] | None:
-            steppers.append(threading.current_thread().name)
-            return step(shard, now)
-
-        p.driver.worker_step = recorded
+    steppers = _record_steppers(pre)
     try:
         for e in [*pre, dec]:
             e.start()
