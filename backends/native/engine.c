@@ -717,7 +717,7 @@ int kvf_wait(kvf_engine *e, int64_t timeout_us) {
         return 1;
     struct pollfd p = {.fd = e->wake_fd, .events = POLLIN};
     /* ppoll: a timeout in microseconds (poll's milliseconds would stretch a 200 us idle cap of
-     * the data thread, which still polls the staged flows' copies itself, to 1 ms). */
+     * the data thread, where copies are not watched here, to 1 ms). */
     uint64_t end = now_ns() + (uint64_t)(timeout_us > 0 ? timeout_us : 0) * 1000u;
     for (;;) {
         uint64_t now = now_ns();
