@@ -103,9 +103,9 @@ class HostCopyExecutor:
         if staging_region not in self._staging:
             raise CopyRefused(f"{kind}: this rank registered no staging region {staging_region}")
         hid = next(self._ids)
+        fence = self._book.host_fence(hid) if self._book is not None else 0  # first: it may refuse
         with self._lock:
             self._jobs[hid] = _Job(kind, staging_region, tuple(maps))
-        fence = self._book.host_fence(hid) if self._book is not None else 0
         self._queue.put((hid, fence))
         return hid
 
@@ -246,10 +246,10 @@ class CudaCopyExecutor:
                 event = self._torch.cuda.Event()
                 event.record(self._stream)
             hid = next(self._ids)
-            with self._lock:
-                self._events[hid] = event
             if self._book is not None:  # on the event's device: the engine queries in its context
                 self._book.cuda_event(hid, event)
+            with self._lock:
+                self._events[hid] = event
         return hid
 
     def state(self, handle: int) -> XferState:

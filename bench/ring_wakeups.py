@@ -53,16 +53,9 @@ def _count_data_loop(ep: Any, counts: dict[str, int]) -> None:
     loop._step, loop._wait, ep.transport.check_copy = counted_step, counted_wait, counted_check
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mode", default="fenced", choices=("fenced", "polled"))
-    ap.add_argument("--rooms", type=int, default=100)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--chunks", type=int, default=4)
-    a = ap.parse_args()
-    if a.mode == "polled":  # the executors are built without the engine: today's polled copies
-        NixlAgent.fence_engine = lambda self: None  # type: ignore[method-assign]
-    pages_per_room = -(-a.tokens // PAGE)
+def _endpoints(tokens: int) -> tuple[PrefillEndpoint, DecodeEndpoint]:
+    """A prefill and a decode endpoint of one ring room's size, not started."""
+    pages_per_room = -(-tokens // PAGE)
     room_bytes = MODEL.num_regions * PAGE * MODEL.num_kv_heads * MODEL.head_dim * 2 * pages_per_room
     cfg = RuntimeConfig(
         num_queues=1,
@@ -74,47 +67,58 @@ def main() -> None:
     pool = PoolGeometry(MODEL, 1, 0, PAGE, 2 * pages_per_room)
     pre = PrefillEndpoint("P", pool, config=cfg)
     dec = DecodeEndpoint("D", pool, prefill_server="P", prefill_addresses=[pre.address], config=cfg)
+    return pre, dec
+
+
+def _move_room(pre: PrefillEndpoint, dec: DecodeEndpoint, room: int, tokens: int, chunks: int) -> float:
+    """One room of ``tokens`` in ``chunks`` sends; returns its wall time (seconds)."""
+    pages = np.arange(-(-tokens // PAGE))
+    t0 = time.perf_counter()
+    rv = dec.receiver(room, f"r{room}")
+    rv.init(pages, tokens, 0)
+    pattern.fill(pre.pool, pre.transport.region, room, pages, 0, tokens)
+    s = pre.sender(room, f"r{room}")
+    s.write_aux(0, room.to_bytes(8, "little"))
+    s.init(0)
+    for c in range(chunks):
+        s.send(pages, tokens * (c + 1) // chunks, is_last=c + 1 == chunks)
+    if rv.wait(30) is not KVPoll.Success or s.wait(30) is not KVPoll.Success:
+        raise SystemExit(f"room {room} did not succeed")
+    wall = time.perf_counter() - t0
+    rv.clear()
+    s.clear()
+    return wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", default="fenced", choices=("fenced", "polled"))
+    ap.add_argument("--rooms", type=int, default=100)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=4)
+    a = ap.parse_args()
+    engine_of = NixlAgent.fence_engine
+    if a.mode == "polled":  # the executors are built without the engine: the copies polled
+        NixlAgent.fence_engine = lambda self: None  # type: ignore[method-assign]
+    pre, dec = _endpoints(a.tokens)
     counts: dict[str, Any] = {"passes": 0, "sleeps": 0, "copy_checks": 0}
     for ep in (pre, dec):
         _count_data_loop(ep, counts)
         ep.start()
-    pages = np.arange(pages_per_room)
-    cuts = [a.tokens * (c + 1) // a.chunks for c in range(a.chunks)]
-    walls = []
-
-    def room(i: int) -> None:
-        t0 = time.perf_counter()
-        rv = dec.receiver(i, f"r{i}")
-        rv.init(pages, a.tokens, 0)
-        pattern.fill(pre.pool, pre.transport.region, i, pages, 0, a.tokens)
-        s = pre.sender(i, f"r{i}")
-        s.write_aux(0, i.to_bytes(8, "little"))
-        s.init(0)
-        for c, end in enumerate(cuts):
-            s.send(pages, end, is_last=c + 1 == len(cuts))
-        if rv.wait(30) is not KVPoll.Success or s.wait(30) is not KVPoll.Success:
-            raise SystemExit(f"room {i} did not succeed")
-        walls.append(time.perf_counter() - t0)
-        rv.clear()
-        s.clear()
-
     try:
-        room(0)  # connect and warm up first
+        _move_room(pre, dec, 0, a.tokens, a.chunks)  # connect and warm up first
         base = {k: counts[k] for k in ("passes", "sleeps", "copy_checks")}
         cpu0 = _thread_cpu_s(counts["tid"])
-        for i in range(1, a.rooms + 1):
-            room(i)
+        walls = [_move_room(pre, dec, i, a.tokens, a.chunks) for i in range(1, a.rooms + 1)]
         cpu = _thread_cpu_s(counts["tid"]) - cpu0
-        n = a.rooms
-        out = {k: round((counts[k] - base[k]) / n, 1) for k in base}
+        out = {k: round((counts[k] - base[k]) / a.rooms, 1) for k in base}
         out.update(
             mode=a.mode,
-            rooms=n,
+            rooms=a.rooms,
             chunks=a.chunks,
-            room_ms_p50=round(float(np.median(walls[1:])) * 1e3, 2),
-            data_cpu_ms_per_room=round(cpu / n * 1e3, 2),
-            fence_events=pre.transport.agent._nixl.counters()["fence_events"]
-            + dec.transport.agent._nixl.counters()["fence_events"],
+            room_ms_p50=round(float(np.median(walls)) * 1e3, 2),
+            data_cpu_ms_per_room=round(cpu / a.rooms * 1e3, 2),
+            fence_events=sum(engine_of(ep.transport.agent).counters()["fence_events"] for ep in (pre, dec)),
         )
         print(json.dumps(out))
     finally:

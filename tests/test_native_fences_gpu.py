@@ -61,6 +61,28 @@ def test_cuda_fence_is_done_only_after_its_kernel_finished(eng: NativeNixl) -> N
     assert counters["fence_events"] == 1 and counters["fence_polls"] > 1
 
 
+def test_cuda_fence_forgotten_while_its_kernel_runs_keeps_the_event_alive(eng: NativeNixl) -> None:
+    """A copy released while its kernel runs: the caller drops its event at once, the engine still
+    queries it (kept alive on the Python side until reported) and its report is dropped."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(int(1e9))
+    event = torch.cuda.Event()
+    event.record(stream)
+    cookie = eng.watch_cuda(event)
+    eng.forget_fence(cookie)
+    del event  # the caller's reference: the engine's watch must not depend on it
+    assert eng.fences_watched() == 1
+    end = time.monotonic() + 120
+    while eng.counters()["fence_events"] < 1:
+        assert time.monotonic() < end, "the forgotten CUDA fence was never reported"
+        eng.wait(0.01)
+    assert eng.take_fences() == {} and eng.fences_watched() == 0
+    stream.synchronize()
+
+
 @pytest.mark.parametrize(("tp", "flow"), [((1, 1), "ring"), ((2, 1), "ring"), ((4, 2), "pinned")])
 def test_staged_rooms_on_vram_with_the_engine_watching_the_copies(
     monkeypatch: pytest.MonkeyPatch, tp: tuple[int, int], flow: str
