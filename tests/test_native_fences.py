@@ -1,6 +1,7 @@
 """Copy fences on the native engine (backends/native/engine.c, backends/copy_fences.py): a copy's
 end watched by the engine's thread and reported in the same event batches, behind the same
-wake-up, as write completions. Host fences here (the CUDA kind: tests/test_native_fences_gpu.py).
+wake-up, as write completions. Host fences here (the CUDA kind: tests/test_native_fences_gpu.py),
+and what the driver and the data thread do with the reports.
 
 Every check that something was *not* reported waits for the engine to have polled the pending
 fence again first (its fence-poll counter), so it holds whatever the machine's speed. The planted
@@ -15,13 +16,18 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from kvferry.backends.copy_exec import HostCopyExecutor
+from kvferry.backends.driver import Driver
 from kvferry.backends.native import hostcopy
 from kvferry.backends.nixl import native
+from kvferry.backends.runtime import RuntimeConfig
+from kvferry.backends.runtime.base import EndpointBase
 from kvferry.backends.transport import XferState
+from kvferry.core.events import CopyDone
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.staging_layout import StagingFormat, StagingMap, staged_map
 
@@ -264,3 +270,71 @@ def test_executor_copy_released_before_it_ran_still_ends_its_fence(eng: native.N
     finally:
         gate.open.set()
         ex.close()
+
+
+# ---- the driver ------------------------------------------------------------------------------------
+class _FencedTransport:
+    """Copies whose ends a transport learns from events: ``settled`` is what the events said."""
+
+    def __init__(self) -> None:
+        self.settled: set[int] = set()
+        self.checked: list[int] = []
+        self.released: list[int] = []
+
+    def drain_notifs(self) -> list[bytes]:
+        return []
+
+    def settled_handles(self) -> set[int]:
+        return set()
+
+    def settled_copies(self) -> set[int]:
+        return set(self.settled)
+
+    def check_copy(self, handle: int) -> XferState:
+        self.checked.append(handle)
+        return XferState.DONE if handle in self.settled else XferState.PROC
+
+    def release_copy(self, handle: int) -> None:
+        self.released.append(handle)
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def handle(self, event: object, now: int) -> list[object]:
+        self.events.append(event)
+        return []
+
+
+def test_driver_checks_only_the_copies_the_transport_reports_settled() -> None:
+    transport, engine = _FencedTransport(), _Recorder()
+    driver = Driver(engine, transport)  # type: ignore[arg-type]
+    driver.copies = {1: 10, 2: 20, 3: 30}  # op id -> copy handle, all in flight
+    assert driver.pump_data(0) == 0
+    assert transport.checked == [] and engine.events == []  # nothing reported: nothing checked
+    transport.settled = {20}
+    assert driver.pump_data(0) == 1
+    assert transport.checked == [20] and transport.released == [20]
+    assert engine.events == [CopyDone(op_id=2)] and set(driver.copies) == {1, 3}
+
+
+@pytest.mark.parametrize(
+    ("executor", "fenced", "slow"),
+    [("native", True, True), ("native", False, False), ("python", False, False)],
+)
+def test_data_thread_keeps_the_fast_pace_only_for_copies_nobody_watches(
+    executor: str, fenced: bool, slow: bool
+) -> None:
+    """A room in flight with a copy in flight: the data thread sleeps up to its idle cap when the
+    engine watches the copy (its wake-up ends the sleep), and polls at the fast pace otherwise."""
+    cfg = RuntimeConfig(control_insecure=True)
+    ep = SimpleNamespace(
+        board=SimpleNamespace(in_flight=lambda: 1),
+        transport=SimpleNamespace(executor=executor, copies_fenced=fenced),
+        driver=SimpleNamespace(copies={7: 70}),
+        config=cfg,
+    )
+    cap = EndpointBase._data_idle_cap(ep)  # type: ignore[arg-type]
+    assert cap == (cfg.idle_max_s if slow else cfg.active_idle_max_s)
+    assert cfg.idle_max_s > cfg.active_idle_max_s
