@@ -16,6 +16,13 @@ must never block:
 
 A copy that cannot run (a map outside the pool or the staging buffer, an unknown staging region)
 ends ERR with its reason and fails only its room; nothing is written in that case.
+
+On a native-engine rank (``fences``: the rank's ``NativeNixl``) both executors hand each copy's
+end to the engine (backends/copy_fences.py): the copy thread signals a host fence, or the CUDA
+event is given to the engine's thread, which queries it with cuEventQuery. The state of a handle
+is then the engine's report, and ``settled()`` names the handles it reported, so the driver checks
+only those and the data thread sleeps on the engine's wake-up. Without ``fences`` (the Python
+executor, the reference) ``settled()`` is None and every copy is polled as before.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from kvferry.backends import lockcheck
+from kvferry.backends.copy_fences import FenceBook, FenceEngine
 from kvferry.backends.staging_copy import copy_maps
 from kvferry.backends.transport import XferState
 from kvferry.core.errors import KvferryError
@@ -50,6 +58,8 @@ class CopyExecutor(Protocol):
 
     def release(self, handle: int) -> None: ...
 
+    def settled(self) -> set[int] | None: ...
+
     def close(self) -> None: ...
 
 
@@ -67,7 +77,8 @@ class HostCopyExecutor:
 
     ``regions``/``staging``: region id -> flat uint8 numpy view. ``copy``: what moves the bytes
     (``staging_copy.copy_maps``'s signature and checks). ``_jobs`` is shared with the copy
-    thread: every access holds ``_lock``; the queue hands job ids over."""
+    thread: every access holds ``_lock``; the queue hands job ids over, with the job's host fence
+    (0: none), which the copy thread signals even for a job released before it ran."""
 
     def __init__(
         self,
@@ -75,14 +86,16 @@ class HostCopyExecutor:
         staging: Mapping[int, np.ndarray],
         name: str,
         copy: Callable[[str, Mapping[int, np.ndarray], np.ndarray, Sequence[StagingMap]], int] = copy_maps,
+        fences: FenceEngine | None = None,
     ) -> None:
         self._copy = copy
+        self._book = FenceBook(fences) if fences is not None else None
         self._regions = dict(regions)
         self._staging = dict(staging)
         self._lock = lockcheck.new_lock()  # checked by its tables in the lock-check debug mode
         self._jobs: dict[int, _Job] = lockcheck.guard_table({}, self._lock, "HostCopyExecutor._jobs")
         self._ids = itertools.count(1)
-        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-copy", daemon=True)
         self._thread.start()
 
@@ -90,20 +103,25 @@ class HostCopyExecutor:
         if staging_region not in self._staging:
             raise CopyRefused(f"{kind}: this rank registered no staging region {staging_region}")
         hid = next(self._ids)
+        fence = self._book.host_fence(hid) if self._book is not None else 0  # first: it may refuse
         with self._lock:
             self._jobs[hid] = _Job(kind, staging_region, tuple(maps))
-        self._queue.put(hid)
+        self._queue.put((hid, fence))
         return hid
 
     def _run(self) -> None:
+        book = self._book
         while True:
-            hid = self._queue.get()
-            if hid is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            hid, fence = item
             with self._lock:
                 job = self._jobs.get(hid)
-            if job is None:
-                continue  # released before it ran (its room is gone)
+            if job is None:  # released before it ran (its room is gone)
+                if book is not None and fence:
+                    book.signal(fence, False)
+                continue
             try:
                 self._copy(job.kind, self._regions, self._staging[job.staging_region], job.maps)
                 state, why = XferState.DONE, ""
@@ -111,6 +129,8 @@ class HostCopyExecutor:
                 state, why = XferState.ERR, f"{type(exc).__name__}: {exc}"
             with self._lock:
                 job.state, job.reason = state, why
+            if book is not None and fence:  # after the state: the report may be read at once
+                book.signal(fence, state is XferState.DONE)
 
     def _job(self, handle: int) -> _Job:
         with self._lock:
@@ -121,17 +141,30 @@ class HostCopyExecutor:
 
     def state(self, handle: int) -> XferState:
         job = self._job(handle)
+        if self._book is not None:
+            return self._book.state(handle)[0]  # the engine's word, not the copy thread's
         with self._lock:
             return job.state
 
     def reason(self, handle: int) -> str:
-        return self._job(handle).reason
+        job = self._job(handle)
+        if self._book is not None and not job.reason:
+            return self._book.state(handle)[1]
+        return job.reason
 
     def release(self, handle: int) -> None:
         with self._lock:
             self._jobs.pop(handle, None)
+        if self._book is not None:
+            self._book.release(handle)
+
+    def settled(self) -> set[int] | None:
+        """Handles the engine reported finished (None: no engine, poll every handle)."""
+        return self._book.settled() if self._book is not None else None
 
     def pending(self) -> int:
+        if self._book is not None:
+            return self._book.pending()
         with self._lock:
             return sum(1 for j in self._jobs.values() if j.state is XferState.PROC)
 
@@ -146,12 +179,16 @@ class CudaCopyExecutor:
     ``pool``: a ``backends.kernels.KVPool`` over the rank's VRAM regions (plane i = region i);
     ``staging``: region id -> tensor (VRAM, or pinned host memory which the kernels reach over
     PCIe), viewed here in the pool's element width. Called from the driver under its lock (submit)
-    and from the progress thread (state): events are only queried, never waited on."""
+    and from the progress thread (state): events are only queried, never waited on. ``fences``:
+    the native engine, whose thread queries the events instead (see the module header)."""
 
-    def __init__(self, pool: Any, staging: Mapping[int, Any], geometry: Any = None) -> None:
+    def __init__(
+        self, pool: Any, staging: Mapping[int, Any], geometry: Any = None, fences: FenceEngine | None = None
+    ) -> None:
         import torch
 
         self._torch = torch
+        self._book = FenceBook(fences) if fences is not None else None
         self._pool = pool
         width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[pool.itemsize]
         self._staging = {
@@ -208,9 +245,11 @@ class CudaCopyExecutor:
             if event is None:  # nothing to move (dummy maps): done at once
                 event = self._torch.cuda.Event()
                 event.record(self._stream)
-        hid = next(self._ids)
-        with self._lock:
-            self._events[hid] = event
+            hid = next(self._ids)
+            if self._book is not None:  # on the event's device: the engine queries in its context
+                self._book.cuda_event(hid, event)
+            with self._lock:
+                self._events[hid] = event
         return hid
 
     def state(self, handle: int) -> XferState:
@@ -218,16 +257,28 @@ class CudaCopyExecutor:
             event = self._events.get(handle)
         if event is None:
             raise CopyRefused(f"unknown copy handle {handle!r}")
+        if self._book is not None:
+            return self._book.state(handle)[0]
         return XferState.DONE if event.query() else XferState.PROC
 
     def reason(self, handle: int) -> str:
+        if self._book is not None:
+            return self._book.state(handle)[1]
         return self._reasons.get(handle, "")
 
     def release(self, handle: int) -> None:
         with self._lock:
             self._events.pop(handle, None)
+        if self._book is not None:
+            self._book.release(handle)
+
+    def settled(self) -> set[int] | None:
+        """Handles the engine reported finished (None: no engine, poll every handle)."""
+        return self._book.settled() if self._book is not None else None
 
     def pending(self) -> int:
+        if self._book is not None:
+            return self._book.pending()
         with self._lock:
             return sum(1 for e in self._events.values() if not e.query())
 

@@ -136,6 +136,11 @@ class Transport(Protocol):
 
     def release_copy(self, handle: XferHandle) -> None: ...
 
+    def settled_copies(self) -> set[XferHandle] | None:
+        """The copy handles that may have left PROC (as ``settled_handles`` for writes); None if
+        this transport cannot tell (then every copy is checked)."""
+        ...
+
     def read_aux_room(self, aux_index: int) -> int:
         """The room id stored in local aux row ``aux_index`` (first 8 bytes, little-endian)."""
         ...

@@ -9,7 +9,8 @@
 # traced ring rooms, TP 1->1, 2->1, 1->2, both executors. PART=ring2: ring rows of TP 1->1, 2->1,
 # 1->2, one chunk and four, each engine without and with --ahead (issue 28). PART=launch: Triton's launcher against
 # the kept compiled kernel (copy probe, ring rows, kernel tests on the GPU). PART=final: every
-# flow's two-process VRAM tests and a 20,000-seed campaign. PART=asan: the engine under
+# flow's two-process VRAM tests and a 20,000-seed campaign. PART=fences: the CUDA copy fences'
+# tests on the GPU and ring rows of both engines. PART=asan: the engine under
 # AddressSanitizer in its two-process DRAM tests. PART=b: the native e2e
 # and differential tests (VRAM e2e). PART=ucx: which UCX transport a NIXL READ (the pull flow)
 # and a WRITE take with both processes on one GPU and, where the host has two, on two GPUs
@@ -133,6 +134,19 @@ elif [ "$PART" = ucx ]; then
     done | sed 's/^\[[^]]*\] \[[^]]*\] *//' >"$R/ucx-selected-$tag.txt"
   done
   cat "$R"/probe-*.out
+elif [ "$PART" = fences ]; then
+  # The staged copies' ends watched by the engine (CUDA events, cuEventQuery on its thread): the
+  # GPU fence tests (a fence reported only after its kernel, one forgotten while its kernel runs,
+  # ring and pinned rooms on VRAM), the native ring/pinned e2e on VRAM, then ring rows of each
+  # engine (native: the copies fenced; python: polled as before), one and four chunks.
+  export KVFERRY_E2E_MEM=$MEM KVFERRY_TEST_DEVICE=cuda
+  step fence-tests 240 python3 -P -m pytest -q -n 4 -p no:cacheprovider -o pythonpath= --rootdir "$REPO" \
+    "$REPO/tests/test_native_fences_gpu.py" "$REPO/tests/test_native_e2e.py" -k "fence or ring or pinned"
+  tail -3 "$R/fence-tests.out"
+  for e in native python; do
+    step "fences-ring-$e" 140 "${B[@]}" --rooms 5 --config 'tp1->1 nhd' --config 'tp2->1 nhd' --flow ring \
+      --engine "$e" --chunk-tokens 1024
+  done
 elif [ "$PART" = final ]; then
   # The closing checks of a session: the two-process tests of every flow on VRAM (both executors,
   # killed peers, aborts, 32 in flight), then a 20,000-seed simulator campaign on the 16 cores.

@@ -18,10 +18,20 @@
  * worker. The agent is created with NIXL_THREAD_SYNC_RW: set-up calls from callers may still run
  * beside the thread's data path.
  *
+ * Fences. A copy of the staged flows (a gather or scatter) is not a NIXL transfer, but its end is
+ * watched here too, so the host learns it from the same batches and the same wake-up: "tell me
+ * when this finished or failed". Two kinds: a CUDA event (a CUevent recorded after the copy's
+ * kernels; cuEventQuery from libcuda, resolved the first time a CUDA fence is watched, never at
+ * create) and a host fence (kvf_fence_new: a flag the host copy's thread signals). Each watch is
+ * reported exactly once: done, failed (its reason in the status) or, at kvf_stop, failed -3. The
+ * engine keeps a reference on a host fence until it reported it; a CUDA event must stay alive
+ * until its fence event is drained (the Python side keeps it; the engine cannot own a CUevent).
+ *
  * Event batch format (little endian, packed), read by kvf_drain:
- *   kind u8 (1 completion, 2 notification), then
+ *   kind u8 (1 completion, 2 notification, 3 fence), then
  *   completion: cookie u64, status i32 (0 done, < 0 NIXL's error), post_ns u64, done_ns u64
  *   notification: agent_len u32, payload_len u32, agent bytes, payload bytes
+ *   fence: cookie u64, status i32 (0 done; < 0 failed: see FENCE_*), watch_ns u64, done_ns u64
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -147,9 +157,66 @@ int kvf_load(const char *path, char *err, size_t errlen) {
     return 0;
 }
 
+/* ---- CUDA driver API, resolved lazily (only once a CUDA fence is watched) -------------------- */
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_NOT_READY 600
+static struct {
+    int (*event_query)(void *);
+    int (*ctx_get)(void **);
+    int (*ctx_set)(void *);
+    bool tried;
+} cu;
+static pthread_mutex_t cu_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* libcuda as the process already has it (torch loaded it), else loaded here. 0, or -1: none. */
+static int cuda_load(void) {
+    pthread_mutex_lock(&cu_mu);
+    if (!cu.tried) {
+        cu.tried = true;
+        void *lib = dlopen("libcuda.so.1", RTLD_NOLOAD | RTLD_LAZY);
+        if (lib == NULL)
+            lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+        if (lib != NULL) {
+            cu.event_query = (int (*)(void *))dlsym(lib, "cuEventQuery");
+            cu.ctx_get = (int (*)(void **))dlsym(lib, "cuCtxGetCurrent");
+            cu.ctx_set = (int (*)(void *))dlsym(lib, "cuCtxSetCurrent");
+            if (cu.event_query == NULL || cu.ctx_get == NULL || cu.ctx_set == NULL)
+                cu.event_query = NULL; /* the library stays loaded: others may use it */
+        }
+    }
+    int ok = cu.event_query != NULL ? 0 : -1;
+    pthread_mutex_unlock(&cu_mu);
+    return ok;
+}
+
 /* ---- engine ---------------------------------------------------------------------------------- */
-enum { EV_DONE = 1, EV_NOTIF = 2 };
-enum { PLANT_NONE = 0, PLANT_EARLY_DONE = 1, PLANT_NOTIF_PREV = 2, PLANT_READY_LIFO = 3 };
+enum { EV_DONE = 1, EV_NOTIF = 2, EV_FENCE = 3 };
+enum { PLANT_NONE = 0, PLANT_EARLY_DONE = 1, PLANT_NOTIF_PREV = 2, PLANT_READY_LIFO = 3, PLANT_FENCE_EARLY = 4 };
+/* A fence's failure statuses (a CUDA error e is reported as FENCE_CUDA_BASE - e). */
+enum { FENCE_STOPPED = -3, FENCE_NO_CUDA = -6, FENCE_HOST_FAILED = -7, FENCE_CUDA_BASE = -10000 };
+
+/* A host fence: state 0 pending, 1 done, < 0 failed; freed when its last reference goes (the
+ * host's, taken at kvf_fence_new, and the engine's while it watches it). */
+typedef struct kvf_hostfence {
+    atomic_int state;
+    atomic_int refs;
+} kvf_hostfence;
+
+static void fence_put(kvf_hostfence *f) {
+    if (f != NULL && atomic_fetch_sub(&f->refs, 1) == 1)
+        free(f);
+}
+
+/* A watched fence: a CUDA event (and the context it was recorded in) or a host fence. Lives on
+ * the engine's thread only. */
+typedef struct kvf_fence {
+    uint64_t cookie, watch_ns;
+    void *cu_event, *cu_ctx;
+    kvf_hostfence *host;
+    int status; /* a watch refused before it ran (no libcuda): reported as is */
+    bool reported; /* planted early report: already emitted */
+    struct kvf_fence *next;
+} kvf_fence;
 
 typedef struct kvf_req {
     uint64_t cookie;
@@ -169,6 +236,7 @@ enum {
     CMD_READY,      /* make a request now, post it later (its `how`: CMD_PREPPED or CMD_DESCS) */
     CMD_POST_READY, /* post a made request */
     CMD_DROP_READY, /* give a made request back unposted */
+    CMD_WATCH,      /* watch a fence (`fence`), report it under `cookie` */
 };
 
 /* A request made ahead of its post (CMD_READY), kept by id until posted or dropped. Lives on the
@@ -200,6 +268,7 @@ typedef struct kvf_cmd {
     size_t notif_len;
     bool sync, done; /* a sync command's caller waits for `done` and reads `result` */
     int result;
+    kvf_fence *fence; /* CMD_WATCH: handed to the engine's thread */
     struct kvf_cmd *next;
 } kvf_cmd;
 
@@ -223,12 +292,14 @@ typedef struct {
     capi_handle notif_map; /* progress thread only */
     kvf_req *watched;      /* progress thread only */
     kvf_ready *ready;      /* progress thread only: requests made ahead, not yet posted */
+    kvf_fence *fences;     /* progress thread only: copies watched, in watch order */
+    void *cu_ctx;          /* progress thread only: the CUDA context it made current last */
     uint64_t poll_ns; /* pace while a transfer is in flight or hot; 0: poll back to back, yielding */
     uint64_t idle_min_ns, idle_max_ns;
     int plant;
     uint8_t *prev_notif; /* planted misrouting: the previous payload */
     size_t prev_len;
-    atomic_ullong polls, posts, completions, notifs;
+    atomic_ullong polls, posts, completions, notifs, fence_polls, fence_events;
 } kvf_engine;
 
 static uint64_t now_ns(void) {
@@ -285,6 +356,24 @@ static void emit_notif(kvf_engine *e, const char *agent, const void *data, size_
     atomic_fetch_add(&e->notifs, 1);
 }
 
+/* Caller holds mu. Same layout as a completion. */
+static void emit_fence(kvf_engine *e, uint64_t cookie, int32_t status, uint64_t watch_ns) {
+    if (reserve(e, 1 + 8 + 4 + 8 + 8) != 0)
+        return; /* out of memory: unreported; the room's deadline covers it */
+    uint8_t kind = EV_FENCE;
+    uint64_t done = now_ns();
+    put(e, &kind, 1);
+    put(e, &cookie, 8);
+    put(e, &status, 4);
+    put(e, &watch_ns, 8);
+    put(e, &done, 8);
+    atomic_fetch_add(&e->fence_events, 1);
+}
+
+static uint64_t emitted_count(kvf_engine *e) {
+    return atomic_load(&e->completions) + atomic_load(&e->notifs) + atomic_load(&e->fence_events);
+}
+
 static void wake(kvf_engine *e) {
     uint64_t one = 1;
     ssize_t n = write(e->wake_fd, &one, sizeof one);
@@ -301,10 +390,55 @@ static void free_req(kvf_engine *e, kvf_req *r) {
  * Returns how many events it produced. */
 static int run_cmds(kvf_engine *e);
 
-static int progress_once(kvf_engine *e) {
-    uint64_t emitted = atomic_load(&e->completions) + atomic_load(&e->notifs);
-    int ran = run_cmds(e); /* refused posts come back as events, counted below */
+/* Engine thread: 1 pending, 0 done, < 0 failed. */
+static int fence_state(kvf_engine *e, kvf_fence *f) {
+    if (f->status != 0)
+        return f->status;
+    if (f->host != NULL) {
+        int s = atomic_load(&f->host->state);
+        return s == 0 ? 1 : (s > 0 ? 0 : s);
+    }
+    if (f->cu_ctx != NULL && f->cu_ctx != e->cu_ctx) { /* query in the event's own context */
+        cu.ctx_set(f->cu_ctx);
+        e->cu_ctx = f->cu_ctx;
+    }
+    int r = cu.event_query(f->cu_event);
+    return r == CUDA_SUCCESS ? 0 : (r == CUDA_ERROR_NOT_READY ? 1 : FENCE_CUDA_BASE - r);
+}
+
+static void free_fence(kvf_fence *f) {
+    fence_put(f->host); /* the engine's reference */
+    free(f);
+}
+
+/* Engine thread: report every watched fence that finished or failed. Returns how many. */
+static int poll_fences(kvf_engine *e) {
     int produced = 0;
+    kvf_fence **link = &e->fences;
+    while (*link != NULL) {
+        kvf_fence *f = *link;
+        int st = fence_state(e, f);
+        atomic_fetch_add(&e->fence_polls, 1);
+        if (st == 1) {
+            link = &f->next;
+            continue;
+        }
+        *link = f->next;
+        if (!f->reported) {
+            pthread_mutex_lock(&e->mu);
+            emit_fence(e, f->cookie, st, f->watch_ns);
+            pthread_mutex_unlock(&e->mu);
+            produced++;
+        }
+        free_fence(f);
+    }
+    return produced;
+}
+
+static int progress_once(kvf_engine *e) {
+    uint64_t emitted = emitted_count(e);
+    int ran = run_cmds(e); /* refused posts come back as events, counted below */
+    int produced = poll_fences(e);
     kvf_req **link = &e->watched;
     while (*link != NULL) {
         kvf_req *r = *link;
@@ -362,7 +496,7 @@ static int progress_once(kvf_engine *e) {
             api.notif_map_clear(e->notif_map);
         }
     }
-    if (atomic_load(&e->completions) + atomic_load(&e->notifs) != emitted)
+    if (emitted_count(e) != emitted)
         wake(e);
     return produced + ran; /* anything done: go round again before sleeping */
 }
@@ -372,7 +506,7 @@ static void *progress_main(void *arg) {
     uint64_t idle = e->idle_min_ns;
     while (!atomic_load(&e->stop)) {
         int produced = progress_once(e);
-        bool busy = e->watched != NULL || atomic_load(&e->hot);
+        bool busy = e->watched != NULL || e->fences != NULL || atomic_load(&e->hot);
         if (produced || busy) {
             idle = e->idle_min_ns; /* something in flight: keep the short pace */
         } else {
@@ -519,6 +653,16 @@ void kvf_stop(kvf_engine *e) {
         r = next;
     }
     e->watched = NULL;
+    for (kvf_fence *f = e->fences; f != NULL;) { /* still pending: failed, the engine stopped */
+        kvf_fence *next = f->next;
+        pthread_mutex_lock(&e->mu);
+        if (!f->reported)
+            emit_fence(e, f->cookie, FENCE_STOPPED, f->watch_ns);
+        pthread_mutex_unlock(&e->mu);
+        free_fence(f);
+        f = next;
+    }
+    e->fences = NULL;
     while (e->ready != NULL) { /* made ahead, never posted: given back before the agent goes */
         kvf_ready *r = e->ready;
         e->ready = r->next;
@@ -573,7 +717,7 @@ int kvf_wait(kvf_engine *e, int64_t timeout_us) {
         return 1;
     struct pollfd p = {.fd = e->wake_fd, .events = POLLIN};
     /* ppoll: a timeout in microseconds (poll's milliseconds would stretch a 200 us idle cap of
-     * the data thread, which still polls the staged flows' copies itself, to 1 ms). */
+     * the data thread, where copies are not watched here, to 1 ms). */
     uint64_t end = now_ns() + (uint64_t)(timeout_us > 0 ? timeout_us : 0) * 1000u;
     for (;;) {
         uint64_t now = now_ns();
@@ -606,7 +750,7 @@ size_t kvf_drain(kvf_engine *e, uint8_t *buf, size_t cap, int *more) {
     size_t take = 0;
     while (take < e->ev_len) { /* whole events only */
         size_t sz;
-        if (e->events[take] == EV_DONE) {
+        if (e->events[take] == EV_DONE || e->events[take] == EV_FENCE) {
             sz = 1 + 8 + 4 + 8 + 8;
         } else {
             uint32_t alen, plen;
@@ -718,6 +862,8 @@ static void free_cmd(kvf_cmd *c) {
     free(c->rrows);
     free(c->agent);
     free(c->notif);
+    if (c->fence != NULL)
+        free_fence(c->fence);
     free(c);
 }
 
@@ -876,6 +1022,29 @@ static void run_cmd(kvf_engine *e, kvf_cmd *c, bool can_post) {
         kvf_ready *r = take_ready(e, c->cookie);
         if (r != NULL)
             free_ready(e, r);
+        break;
+    }
+    case CMD_WATCH: {
+        kvf_fence *f = c->fence;
+        c->fence = NULL;
+        if (!can_post) { /* the engine stopped before watching it */
+            pthread_mutex_lock(&e->mu);
+            emit_fence(e, f->cookie, FENCE_STOPPED, f->watch_ns);
+            pthread_mutex_unlock(&e->mu);
+            free_fence(f);
+            break;
+        }
+        if (e->plant == PLANT_FENCE_EARLY && f->status == 0) {
+            /* Planted bug: the copy is reported done when it is watched, before it finished. */
+            pthread_mutex_lock(&e->mu);
+            emit_fence(e, f->cookie, 0, f->watch_ns);
+            pthread_mutex_unlock(&e->mu);
+            f->reported = true;
+        }
+        kvf_fence **tail = &e->fences;
+        while (*tail != NULL)
+            tail = &(*tail)->next;
+        *tail = f;
         break;
     }
     case CMD_RELEASE_PREP:
@@ -1114,4 +1283,63 @@ void kvf_counters(kvf_engine *e, uint64_t out[4]) {
     out[1] = atomic_load(&e->posts);
     out[2] = atomic_load(&e->completions);
     out[3] = atomic_load(&e->notifs);
+}
+
+/* ---- fences: copies watched on the engine's thread ------------------------------------------- */
+/* A host fence, pending, with one reference: the caller's (give it back with kvf_fence_put once
+ * signalled). NULL when out of memory. */
+kvf_hostfence *kvf_fence_new(void) {
+    kvf_hostfence *f = calloc(1, sizeof *f);
+    if (f != NULL)
+        atomic_store(&f->refs, 1);
+    return f;
+}
+
+/* The host copy finished (status 0) or failed (< 0; anything else: FENCE_HOST_FAILED). Once. */
+void kvf_fence_signal(kvf_hostfence *f, int status) {
+    atomic_store(&f->state, status == 0 ? 1 : (status < 0 ? status : FENCE_HOST_FAILED));
+}
+
+void kvf_fence_put(kvf_hostfence *f) { fence_put(f); }
+
+static int watch(kvf_engine *e, kvf_fence *f, uint64_t cookie) {
+    kvf_cmd *c = new_cmd(CMD_WATCH, 0, cookie, NULL, 0);
+    if (c == NULL) {
+        free_fence(f);
+        return -4;
+    }
+    f->cookie = cookie;
+    f->watch_ns = now_ns();
+    c->fence = f;
+    return enqueue(e, c);
+}
+
+/* Watch host fence f: its end comes as a fence event with `cookie`. The engine takes its own
+ * reference (the caller keeps and puts its own). 0 queued, -4 no memory (nothing watched). */
+int kvf_watch_host(kvf_engine *e, kvf_hostfence *f, uint64_t cookie) {
+    kvf_fence *w = calloc(1, sizeof *w);
+    if (w == NULL)
+        return -4;
+    atomic_fetch_add(&f->refs, 1);
+    w->host = f;
+    return watch(e, w, cookie);
+}
+
+/* Watch CUDA event `event` (a CUevent, recorded in the caller's current context): done once
+ * cuEventQuery says so. The event must stay alive until its fence event is drained. Without
+ * libcuda the watch is reported failed (FENCE_NO_CUDA). 0 queued, -4 no memory. */
+int kvf_watch_cuda(kvf_engine *e, uint64_t event, uint64_t cookie) {
+    kvf_fence *w = calloc(1, sizeof *w);
+    if (w == NULL)
+        return -4;
+    w->cu_event = (void *)(uintptr_t)event;
+    if (cuda_load() != 0 || cu.ctx_get(&w->cu_ctx) != CUDA_SUCCESS)
+        w->status = FENCE_NO_CUDA;
+    return watch(e, w, cookie);
+}
+
+/* Counters of the fences: cuEventQuery or host-flag reads, fence events emitted. */
+void kvf_fence_counters(kvf_engine *e, uint64_t out[2]) {
+    out[0] = atomic_load(&e->fence_polls);
+    out[1] = atomic_load(&e->fence_events);
 }

@@ -683,6 +683,11 @@ class NixlAgent:
             return set()
         return {t for t in list(self._inflight.values()) if getattr(t.handle, "cookie", 0) in cookies}
 
+    def fence_engine(self) -> Any:
+        """The native engine that watches copy fences (backends/copy_fences.py); None on the
+        Python executor (its copies are polled)."""
+        return self._nixl if self.executor == "native" else None
+
     def wait_events(self, timeout_s: float, hot: bool | None = None) -> bool | None:
         """Sleep until the native engine has news (True) or the timeout passed (False); None when
         the executor has nothing to wait on (the caller sleeps its own way). ``hot``: a room this

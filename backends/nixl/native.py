@@ -22,8 +22,16 @@ anything missing refuses the load with one line naming the nixl version (``Nativ
 Planted bugs (tests only, ``$KVFERRY_NATIVE_PLANT``): ``early_done`` reports a completion when the
 transfer is posted, before it finished; ``notif_prev`` delivers each notification with the
 previous one's payload (a notification counted for the wrong room); ``ready_lifo`` posts the
-request made ahead last instead of the one named (a prepared chunk posted for another). The
-differential and e2e tests prove they catch them.
+request made ahead last instead of the one named (a prepared chunk posted for another);
+``fence_early`` reports a watched copy done when it is watched, before it finished. The
+differential, e2e and fence tests prove they catch them.
+
+Fences (the staged flows' copies). ``watch_host``/``watch_cuda`` have the engine's thread watch a
+copy's end (a host fence the copy thread signals, or a recorded CUDA event) and report it in the
+same batches as writes, under a cookie; ``take_fences`` hands the reports over. Every watch is
+reported once. A cookie forgotten (``forget_fence``: its copy was released while pending) is still
+reported by the engine, and the report is dropped here: a CUDA event given to ``watch_cuda`` is
+kept alive until then, so the engine never queries a destroyed event.
 
 Ownership: ``_lock`` guards ``_xfers``, ``_notifs`` and ``_settled`` (any thread may drain); the
 engine handle is used by any thread (its C side has its own lock and NIXL's RW sync mode).
@@ -51,8 +59,15 @@ PINNED_NIXL = "1.5.1"
 MEM_TYPES = {"DRAM": 0, "VRAM": 1}
 OPS = {"READ": 0, "WRITE": 1}
 SYNC = {"none": 0, "strict": 1, "rw": 2}
-PLANTS = {"": 0, "early_done": 1, "notif_prev": 2, "ready_lifo": 3}
-_EV_DONE, _EV_NOTIF = 1, 2
+PLANTS = {"": 0, "early_done": 1, "notif_prev": 2, "ready_lifo": 3, "fence_early": 4}
+_EV_DONE, _EV_NOTIF, _EV_FENCE = 1, 2, 3
+# A fence's failure statuses (engine.c FENCE_*); a CUDA error e is FENCE_CUDA_BASE - e.
+FENCE_REASONS = {
+    -3: "the native engine stopped before the copy finished",
+    -6: "CUDA fence: libcuda.so.1 (cuEventQuery) unavailable",
+    -7: "host copy failed",
+}
+FENCE_CUDA_BASE = -10000
 _DONE = struct.Struct("<QiQQ")
 _NOTIF = struct.Struct("<II")
 _ERRLEN = 512
@@ -133,6 +148,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvf_counters": (None, [vp, c_u64p]),
         "kvf_pending_addr": (vp, [vp]),
         "kvf_set_hot": (None, [vp, ctypes.c_int]),
+        "kvf_fence_new": (vp, []),
+        "kvf_fence_signal": (None, [vp, ctypes.c_int]),
+        "kvf_fence_put": (None, [vp]),
+        "kvf_watch_host": (ctypes.c_int, [vp, vp, u64]),
+        "kvf_watch_cuda": (ctypes.c_int, [vp, u64, u64]),
+        "kvf_fence_counters": (None, [vp, c_u64p]),
     }
     for name, (res, args) in sig.items():
         fn = getattr(lib, name)
@@ -170,6 +191,13 @@ def load() -> ctypes.CDLL:
             f"{err.value.decode(errors='replace')}"
         )
     return lib
+
+
+def fence_reason(status: int) -> str:
+    """One line for a failed fence's status."""
+    if status <= FENCE_CUDA_BASE:
+        return f"CUDA fence: cuEventQuery returned CUDA error {FENCE_CUDA_BASE - status}"
+    return FENCE_REASONS.get(status, f"fence failed (status {status})")
 
 
 def describe() -> str:
@@ -282,6 +310,9 @@ class NativeNixl:
         self._xfers: dict[int, _Xfer] = guard({}, name="NativeNixl._xfers")  # posted, not yet reported
         self._settled: set[int] = guard(set(), name="NativeNixl._settled")  # reported, not released
         self._notifs: list[tuple[str, bytes]] = guard([], name="NativeNixl._notifs")
+        self._watching: set[int] = guard(set(), name="NativeNixl._watching")  # fences not reported
+        self._fenced: dict[int, int] = guard({}, name="NativeNixl._fenced")  # reported, not taken
+        self._keep: dict[int, Any] = guard({}, name="NativeNixl._keep")  # CUDA events, until reported
         self._buf = ctypes.create_string_buffer(1 << 16)
         self.wake_fd = self._lib.kvf_wake_fd(eng)  # readable when events are queued (select/poll)
         # Queued event bytes, written by the engine: an empty poll is one memory read.
@@ -483,7 +514,14 @@ class NativeNixl:
         while i < len(buf):
             kind = buf[i]
             i += 1
-            if kind == _EV_DONE:
+            if kind == _EV_FENCE:
+                cookie, status, _, _ = _DONE.unpack_from(buf, i)
+                i += _DONE.size
+                self._keep.pop(cookie, None)  # the engine is done with it
+                if cookie in self._watching:  # else forgotten: its copy was released
+                    self._watching.discard(cookie)
+                    self._fenced[cookie] = status
+            elif kind == _EV_DONE:
                 cookie, status, post_ns, done_ns = _DONE.unpack_from(buf, i)
                 i += _DONE.size
                 x = self._xfers.get(cookie)
@@ -514,7 +552,7 @@ class NativeNixl:
     def has_news(self) -> bool:
         """Events queued by the engine or notifications drained and not yet taken (no lock: a
         read of the engine's counter and of the list's truth, each atomic under the GIL)."""
-        return bool(self._pending.value or self._notifs)
+        return bool(self._pending.value or self._notifs or self._fenced)
 
     def settled(self) -> set[int]:
         """Cookies of transfers reported finished and not yet released."""
@@ -535,15 +573,86 @@ class NativeNixl:
             # Unread events or undelivered notifications end the wait. Settled transfers do not:
             # they were announced already and wait for their own poller (a ticket the driver does
             # not hold, such as a benchmark's raw write, would otherwise keep this from sleeping).
-            if self._notifs or self._pending.value:
+            if self._notifs or self._fenced or self._pending.value:
                 return True
         return bool(self._lib.kvf_wait(self._eng, int(timeout_s * 1e6)))
 
     def counters(self) -> dict[str, int]:
-        out = (ctypes.c_uint64 * 4)()
+        out = (ctypes.c_uint64 * 6)()
         if self._eng is not None:
             self._quick.kvf_counters(self._eng, out)
-        return dict(zip(("status_polls", "posts", "completions", "notifications"), out, strict=True))
+            self._quick.kvf_fence_counters(self._eng, ctypes.cast(ctypes.addressof(out) + 4 * 8, c_u64p))
+        names = ("status_polls", "posts", "completions", "notifications", "fence_polls", "fence_events")
+        return dict(zip(names, out, strict=True))
+
+    # ---- fences ------------------------------------------------------------------------------------
+    def new_host_fence(self) -> int:
+        """A pending host fence (its pointer), held once by the caller: ``signal_host_fence`` it
+        once the copy ended, then ``put_host_fence``."""
+        ptr = self._quick.kvf_fence_new()
+        if not ptr:
+            raise MemoryError("native engine: no memory for a host fence")
+        return int(ptr)
+
+    def signal_host_fence(self, fence: int, status: int = 0) -> None:
+        """The copy behind ``fence`` finished (0) or failed (< 0)."""
+        self._quick.kvf_fence_signal(fence, status)
+
+    def put_host_fence(self, fence: int) -> None:
+        self._quick.kvf_fence_put(fence)
+
+    def watch_host(self, fence: int) -> int:
+        """Have the engine watch host fence ``fence``; returns the cookie it reports under."""
+        return self._watch(lambda eng, cookie: self._quick.kvf_watch_host(eng, fence, cookie))
+
+    def watch_cuda(self, event: Any) -> int:
+        """Watch a recorded ``torch.cuda.Event`` (kept alive here until the engine reported it);
+        returns the cookie. The calling thread has the event's device current (its context is
+        the one the engine queries in)."""
+        handle = int(event.cuda_event)
+        if not handle:
+            raise ValueError("watch_cuda: the event was never recorded")
+        return self._watch(lambda eng, cookie: self._lib.kvf_watch_cuda(eng, handle, cookie), keep=event)
+
+    def _watch(self, call: Any, keep: Any = None) -> int:
+        cookie = next(self._ids)
+        with self._lock:
+            eng = self._eng
+            if eng is None:
+                raise RuntimeError("native engine destroyed")
+            self._watching.add(cookie)  # before the call: the report may be drained at once
+            if keep is not None:
+                self._keep[cookie] = keep
+        if call(eng, cookie) != 0:
+            with self._lock:
+                self._watching.discard(cookie)
+                self._keep.pop(cookie, None)
+            raise MemoryError("native engine: no memory to watch a fence")
+        return cookie
+
+    @staticmethod
+    def fence_reason(status: int) -> str:
+        return fence_reason(status)
+
+    def forget_fence(self, cookie: int) -> None:
+        """Its copy was released: a report still to come is dropped (the engine still makes it)."""
+        with self._lock:
+            self._watching.discard(cookie)
+            self._fenced.pop(cookie, None)
+
+    def take_fences(self) -> dict[int, int]:
+        """Fences reported since the last call: cookie -> status (0 done, < 0 failed)."""
+        self.drain()
+        with self._lock:
+            got = dict(self._fenced)
+            self._fenced.clear()
+        return got
+
+    def fences_watched(self) -> int:
+        """Watches not yet reported (forgotten ones included while the engine still holds
+        their CUDA event) as this side knows them."""
+        with self._lock:
+            return len(self._watching) + len(self._keep.keys() - self._watching)
 
     # ---- teardown ----------------------------------------------------------------------------------
     def stop(self) -> None:

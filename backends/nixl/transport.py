@@ -315,13 +315,17 @@ class NixlTransport:
             if len(host) != len(staging):
                 raise RegionError("a DRAM pool needs DRAM staging buffers (its copies run on the CPU)")
             pool = {k: v for k, v in views.items() if v is not None}
-            return HostCopyExecutor(pool, host, str(self._endpoint), copy=self._host_copy())
+            return HostCopyExecutor(
+                pool, host, str(self._endpoint), copy=self._host_copy(), fences=self.agent.fence_engine()
+            )
         if not all(hasattr(b, "data_ptr") for b in [*(self._buffers or {}).values(), *buffers.values()]):
             raise RegionError(
                 "staged flows on a VRAM pool need torch tensors for the pool and staging buffers "
                 "(the kernels run on them); pass tensors, or set RuntimeConfig.staging sizes to 0"
             )
-        return CudaCopyExecutor(kernel_pool(self.pool, self._buffers or {}), buffers, self.pool)
+        return CudaCopyExecutor(
+            kernel_pool(self.pool, self._buffers or {}), buffers, self.pool, fences=self.agent.fence_engine()
+        )
 
     def _host_copy(self) -> Any:
         """A native-engine rank copies host memory in C (off the GIL); the Python executor, or a
@@ -629,6 +633,16 @@ class NixlTransport:
     def release_copy(self, handle: int) -> None:
         if self.copies is not None:
             self.copies.release(handle)
+
+    def settled_copies(self) -> set[int] | None:
+        """On a native-engine rank the engine's fences say which copies finished; else None
+        (every copy is checked)."""
+        return self.copies.settled() if self.copies is not None else None
+
+    @property
+    def copies_fenced(self) -> bool:
+        """Copy completions come through the native engine's events (and its wake-up)."""
+        return self.copies is not None and self.agent.fence_engine() is not None
 
     def read_aux_room(self, aux_index: int) -> int:
         if not 0 <= aux_index < self.aux_rows:

@@ -311,12 +311,13 @@ class EndpointBase:
         """Poll fast while a room of this rank is in flight (the board's count, under its own
         lock: no engine lock on the idle path); an idle rank sleeps up to ``idle_max_s``. A failed
         room's writes that are still landing are polled at the slow pace: nobody waits on them.
-        On a native-engine rank the engine's wake-up ends the sleep on every completion and
-        notification, so only copies in flight (the copy stream has no wake-up) need the fast
-        pace: without them the thread sleeps until the engine has news (at most ``idle_max_s``)."""
+        On a native-engine rank the engine's wake-up ends the sleep on every completion,
+        notification and copy fence (the engine watches the copies' ends), so the thread sleeps
+        until the engine has news (at most ``idle_max_s``); only copies the engine does not watch
+        would need the fast pace."""
         if not self.board.in_flight():
             return self.config.idle_max_s
-        if self.transport.executor == "native" and not self.driver.copies:
+        if self.transport.executor == "native" and (not self.driver.copies or self.transport.copies_fenced):
             return self.config.idle_max_s
         return self.config.active_idle_max_s
 

@@ -337,6 +337,9 @@ class SimTransport:
     def release_copy(self, handle: int) -> None:
         self.copies.pop(handle, None)
 
+    def settled_copies(self) -> None:
+        return None  # copies are checked one by one (the order the behaviour digests recorded)
+
     # --- control plane ----------------------------------------------------------------------------------
     def send_control(self, peer: Endpoint, data: bytes, tag: Any = None) -> None:
         self.fabric.send_control(self.node, node_name(peer), data, tag=tag)

@@ -190,6 +190,7 @@ def main() -> None:
         driver_errors=[dict(ep.driver.errors) for ep in eps],
         counters=counters,
         executor=[ep.transport.executor for ep in eps],
+        fences=[wl.fence_events(ep) for ep in eps],
     )
     heard(120.0)
     say(event="closed", stuck=[name for ep in eps for name in ep.close()])

@@ -201,6 +201,7 @@ def main() -> None:
         copies=[copy_tables(ep) for ep in eps],
         counters=[engine_counters(ep) for ep in eps],
         executor=[ep.transport.executor for ep in eps],
+        fences=[wl.fence_events(ep) for ep in eps],
     )
     heard(120.0)
     stuck = [name for ep in eps for name in ep.close()]

@@ -158,11 +158,20 @@ def stall_copies_if_asked() -> None:
     if not delay:
         return
     from kvferry.backends import copy_exec
+    from kvferry.backends.native import hostcopy
 
-    real = copy_exec.copy_maps
+    def slowed(real: Any) -> Any:
+        def slow(*args: Any, **kwargs: Any) -> int:
+            time.sleep(delay)
+            return real(*args, **kwargs)
 
-    def slow(*args: Any, **kwargs: Any) -> int:
-        time.sleep(delay)
-        return real(*args, **kwargs)
+        return slow
 
-    copy_exec.copy_maps = slow
+    copy_exec.copy_maps = slowed(copy_exec.copy_maps)
+    hostcopy.copy_maps = slowed(hostcopy.copy_maps)  # a native-engine rank's host copy
+
+
+def fence_events(ep: Any) -> int:
+    """Copy ends the rank's native engine reported through its fences (0 on the Python executor)."""
+    engine = ep.transport.agent.fence_engine()
+    return engine.counters()["fence_events"] if engine is not None else 0
