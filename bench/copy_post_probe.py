@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"))
+    ap.add_argument("--top", type=int, default=14, help="functions listed per copy kind")
     a = ap.parse_args()
     page = 16
     n_pages = 2 * -(-a.tokens // page)
@@ -57,10 +59,10 @@ def main() -> None:
                 torch.cuda.synchronize()
                 ex.release(h)
             s = io.StringIO()
-            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(14)
+            pstats.Stats(prof, stream=s).sort_stats(a.sort).print_stats(a.top)
             p50 = statistics.median(walls) * 1e6
             print(f"== {kind} {fmt.value} {a.tokens} tokens: submit p50 {p50:.0f} us")
-            print("\n".join(s.getvalue().splitlines()[6:24]))
+            print("\n".join(s.getvalue().splitlines()[6 : 10 + a.top]))
 
 
 if __name__ == "__main__":

@@ -144,8 +144,10 @@ elif [ "$PART" = fences ]; then
     "$REPO/tests/test_native_fences_gpu.py" "$REPO/tests/test_native_e2e.py" -k "fence or ring or pinned"
   tail -3 "$R/fence-tests.out"
   for e in native python; do
-    step "fences-ring-$e" 140 "${B[@]}" --rooms 5 --config 'tp1->1 nhd' --config 'tp2->1 nhd' --flow ring \
-      --engine "$e" --chunk-tokens 1024
+    for ch in 0 1024; do
+      step "fences-ring-$e-c$ch" 140 "${B[@]}" --rooms 5 --config 'tp1->1 nhd' --config 'tp2->1 nhd' \
+        --config 'tp1->2 nhd' --flow ring --engine "$e" --chunk-tokens "$ch"
+    done
   done
 elif [ "$PART" = final ]; then
   # The closing checks of a session: the two-process tests of every flow on VRAM (both executors,
