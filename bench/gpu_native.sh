@@ -9,7 +9,8 @@
 # traced ring rooms, TP 1->1, 2->1, 1->2, both executors. PART=ring2: ring rows of TP 1->1, 2->1,
 # 1->2, one chunk and four, each engine without and with --ahead (issue 28). PART=launch: Triton's launcher against
 # the kept compiled kernel (copy probe, ring rows, kernel tests on the GPU). PART=final: every
-# flow's two-process VRAM tests and a 20,000-seed campaign. PART=fences: the CUDA copy fences'
+# flow's two-process VRAM tests and a 20,000-seed campaign. PART=close: a session's closing call
+# (VRAM tests, issue 28's native rows, interference, fuzz). PART=fences: the CUDA copy fences'
 # tests on the GPU and ring rows of both engines. PART=asan: the engine under
 # AddressSanitizer in its two-process DRAM tests. PART=b: the native e2e
 # and differential tests (VRAM e2e). PART=ucx: which UCX transport a NIXL READ (the pull flow)
@@ -149,6 +150,29 @@ elif [ "$PART" = fences ]; then
         --config 'tp1->2 nhd' --flow ring --engine "$e" --chunk-tokens "$ch"
     done
   done
+elif [ "$PART" = close ]; then
+  # A session's closing device call in under 10 minutes: the VRAM tests of every flow (both
+  # executors, killed peers, aborts, 32 in flight, the GPU copy fences), issue 28's rows on the
+  # native engine with --ahead (hand-off, open-to-Success and push traced, 8 and 32 in flight), a
+  # traced python row beside them, the interference bench of each engine and a fuzz campaign.
+  export KVFERRY_E2E_MEM=$MEM KVFERRY_TEST_DEVICE=cuda
+  step vram-tests 200 python3 -P -m pytest -q -n 8 -p no:cacheprovider -o pythonpath= --rootdir "$REPO" \
+    "$REPO/tests/test_native_e2e.py" "$REPO/tests/test_native_differential.py" "$REPO/tests/test_nixl_e2e.py" \
+    "$REPO/tests/test_ahead_runtime.py" "$REPO/tests/test_layerwise_nixl.py" "$REPO/tests/test_nixl_pull_push.py" \
+    "$REPO/tests/test_native_fences_gpu.py"
+  tail -2 "$R/vram-tests.out"
+  step x1-native 90 "${B[@]}" --rooms 6 --config 'tp1->1 nhd' --flow direct,push --engine native --ahead \
+    --trace "$R/trace-native"
+  step handoff-native 60 "${B[@]}" --rooms 10 --config 'tp1->1 nhd' --flow direct --engine native --handoff \
+    --ahead --trace "$R/trace-handoff-native"
+  step x8-native 60 "${B[@]}" --rooms 3 --inflight 8 --config 'tp1->1 nhd' --flow direct --engine native --ahead
+  step x32-native 90 "${B[@]}" --rooms 2 --inflight 32 --config 'tp1->1 nhd' --flow direct --engine native --ahead
+  step x1-python 90 "${B[@]}" --rooms 6 --config 'tp1->1 nhd' --flow direct --engine python --trace "$R/trace-python"
+  for e in native python; do
+    step "interference-$e" 70 /tmp/kv bench interference --engine "$e" --reps 5 --phase-s 2 --json
+  done
+  step fuzz 100 /tmp/kv fuzz --seeds "${SEEDS:-0-4999}" --jobs 16 --json
+  tail -c 400 "$R/fuzz.out"
 elif [ "$PART" = final ]; then
   # The closing checks of a session: the two-process tests of every flow on VRAM (both executors,
   # killed peers, aborts, 32 in flight), then a 20,000-seed simulator campaign on the 16 cores.
