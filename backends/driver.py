@@ -190,16 +190,18 @@ class Driver:
         """Check posted writes (all, or ``ids``); feed the finished ones. Returns how many finished.
         The checks run without the lock; a write two threads both saw finish is fed once."""
         t = self.transport
-        # A transport that knows which of its handles left PROC (the simulated fabric) spares a
-        # check of every write in flight on every poll; the order (post order) is the same.
-        settled = t.settled_handles() if ids is None else None
+        # A transport that knows which of its handles left PROC (the simulated fabric, the native
+        # engine) spares a check of every write in flight on every poll, and a worker awaiting
+        # its chunk's writes a check of each of them per wake-up; the order (post order, or the
+        # order of ``ids``) is the same.
+        settled = t.settled_handles()
         if settled is not None and not settled:
-            return self._poll_copies(now)  # no write left PROC: nothing to check or feed
+            return self._poll_copies(now) if ids is None else 0  # no write left PROC
         with self.lock:
+            asked = self.handles if ids is None else ids
             if settled is not None:
-                todo = [(w, h) for w, h in self.handles.items() if h in settled]
+                todo = [(w, h) for w in asked if (h := self.handles.get(w)) is not None and h in settled]
             else:
-                asked = self.handles if ids is None else ids
                 todo = [(w, self.handles[w]) for w in asked if w in self.handles]
         checked: list[tuple[int, Any, XferState, Exception | None]] = []
         for wid, h in todo:
