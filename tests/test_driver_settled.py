@@ -3,6 +3,9 @@ simulated fabric): a worker's poll of its own writes checks only the settled one
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+from types import SimpleNamespace
 from typing import Any
 
 from kvferry.backends.driver import Driver
@@ -82,3 +85,42 @@ def test_a_transport_that_cannot_tell_checks_every_asked_write() -> None:
     t.states[102] = XferState.DONE
     assert d.poll_writes(0, (1, 2)) == 1
     assert t.checked == [101, 102] and [type(e) for e in core.heard] == [WriteDone]
+
+
+def _awaiting_endpoint(d: Driver, shards: int) -> Any:
+    """The parts of a PrefillEndpoint its ``_await`` and ``_on_writes_done`` use (no NIXL)."""
+    from kvferry.backends.runtime.prefill import PrefillEndpoint
+
+    ep = PrefillEndpoint.__new__(PrefillEndpoint)
+    ep.driver = d
+    ep._writes_done = [threading.Event() for _ in range(shards)]
+    ep._in_flight = [deque() for _ in range(shards)]
+    ep._worker_loops = [SimpleNamespace(stop_event=threading.Event()) for _ in range(shards)]
+    d.on_writes_done = ep._on_writes_done
+    return ep
+
+
+def test_a_worker_awaiting_its_writes_is_woken_by_the_data_threads_poll(monkeypatch: Any) -> None:
+    """The worker sleeps until a poll elsewhere feeds its writes (its own sleep never times out
+    here), and each write is fed once."""
+    from kvferry.backends.runtime import prefill
+
+    monkeypatch.setattr(prefill, "WORKER_IDLE_S", 3600.0)
+    t, core = _Settling(), _Script()
+    d = _driver(t, core)
+    ep = _awaiting_endpoint(d, 2)
+    ep._in_flight[1].append((1, 2))
+    worker = threading.Thread(target=ep._await, args=(1, (1, 2)), daemon=True)
+    worker.start()
+    t.states.update({101: XferState.DONE, 102: XferState.DONE})
+    t.settled = {101}
+    assert d.poll_writes(0) == 1  # the data thread: one of the two, the worker sleeps on
+    assert not ep._writes_done[0].is_set()  # shard 0 awaits nothing: not woken
+    t.settled = {102}
+    assert d.poll_writes(0) == 1
+    worker.join(30)
+    alive = worker.is_alive()
+    ep._worker_loops[1].stop_event.set()
+    ep._writes_done[1].set()
+    assert not alive, "the worker was not woken by the completion"
+    assert [type(e) for e in core.heard] == [WriteDone, WriteDone] and not d.handles.keys() & {1, 2}
