@@ -20,8 +20,9 @@ Threads: pass ``lock=threading.Lock()``. The lock guards the engine, ``queues``,
 ``errors``, ``posting`` and the follow-up queue: every entry point takes it, so the
 single-threaded engine is never entered twice. SimPy passes nothing (no lock). Waiting
 (``time.sleep(0)`` between polls, or ``yield env.timeout(...)``) belongs to the runtime, not here.
-The callbacks (``on_status``, ``on_free_pages``, ``on_enqueue``, ``on_prepared``) run with the lock
-held: they must record and return, not call back into the driver (with a plain Lock that would deadlock).
+The callbacks (``on_status``, ``on_free_pages``, ``on_enqueue``, ``on_prepared``,
+``on_writes_done``) run with the lock held: they must record and return, not call back into the
+driver (with a plain Lock that would deadlock).
 
 Data-plane calls of a worker step run *outside* the lock: ``worker_step`` takes the lock
 to pop the chunk and get its commands from the engine, releases it to execute each run of
@@ -104,6 +105,7 @@ class Driver:
         on_free_pages: Callable[[FreePages], None] | None = None,
         on_enqueue: Callable[[int], None] | None = None,
         on_prepared: Callable[[int], None] | None = None,
+        on_writes_done: Callable[[], None] | None = None,
         cache_deadline: bool = False,
     ) -> None:
         self.engine = engine
@@ -120,6 +122,9 @@ class Driver:
         self.on_free_pages = on_free_pages
         self.on_enqueue = on_enqueue
         self.on_prepared = on_prepared  # a queued chunk whose run only posts prepared writes
+        # After a poll fed finished writes: a worker awaiting its chunk's writes sleeps until
+        # then instead of polling them itself (backends/runtime/prefill.py).
+        self.on_writes_done = on_writes_done
         self._followups: deque[Any] = deque()
         self.posting = 0  # writes of worker steps not yet posted and published to ``handles``
         # Engine calls so far. The engine's next deadline changes only with one, so the simulated
@@ -190,16 +195,18 @@ class Driver:
         """Check posted writes (all, or ``ids``); feed the finished ones. Returns how many finished.
         The checks run without the lock; a write two threads both saw finish is fed once."""
         t = self.transport
-        # A transport that knows which of its handles left PROC (the simulated fabric) spares a
-        # check of every write in flight on every poll; the order (post order) is the same.
-        settled = t.settled_handles() if ids is None else None
+        # A transport that knows which of its handles left PROC (the simulated fabric, the native
+        # engine) spares a check of every write in flight on every poll, and a worker awaiting
+        # its chunk's writes a check of each of them per wake-up; the order (post order, or the
+        # order of ``ids``) is the same.
+        settled = t.settled_handles()
         if settled is not None and not settled:
-            return self._poll_copies(now)  # no write left PROC: nothing to check or feed
+            return self._poll_copies(now) if ids is None else 0  # no write left PROC
         with self.lock:
+            asked = self.handles if ids is None else ids
             if settled is not None:
-                todo = [(w, h) for w, h in self.handles.items() if h in settled]
+                todo = [(w, h) for w in asked if (h := self.handles.get(w)) is not None and h in settled]
             else:
-                asked = self.handles if ids is None else ids
                 todo = [(w, self.handles[w]) for w in asked if w in self.handles]
         checked: list[tuple[int, Any, XferState, Exception | None]] = []
         for wid, h in todo:
@@ -207,7 +214,8 @@ class Driver:
                 checked.append((wid, h, t.check_xfer(h), None))
             except Exception as exc:
                 checked.append((wid, h, XferState.ERR, exc))
-        n = self._poll_copies(now) if ids is None else 0
+        copies = self._poll_copies(now) if ids is None else 0
+        n = 0
         with self.lock:
             for _, _, _, exc in checked:
                 if exc is not None:
@@ -223,7 +231,9 @@ class Driver:
                 ev = WriteDone(write_id=wid) if st is XferState.DONE else WriteFailed(write_id=wid)
                 self._feed(ev, now)
                 n += 1
-        return n
+            if n and self.on_writes_done is not None:
+                self.on_writes_done()
+        return n + copies
 
     def _poll_copies(self, now: int) -> int:
         """Gathers and scatters that finished: fed as CopyDone/CopyFailed (checked without the lock)."""

@@ -291,3 +291,27 @@ def test_runtime_never_loads_nixl_metadata_of_an_unauthenticated_register():
 def test_header_size_is_fixed():
     h = ControlAuth((OLD,)).sign(b"a", b"", b"b", b"x")
     assert len(h) == HEADER
+
+
+def test_the_tag_is_hmac_sha256_over_the_documented_byte_string() -> None:
+    """The wire format, pinned: HMAC-SHA256(key, domain || fixed header || length-prefixed
+    sender, reply address, recipient || payload), computed here part by part, as peers built
+    before the one-call digest do: they must accept each other's frames."""
+    import hashlib
+    import hmac
+    import struct
+
+    auth = ControlAuth((OLD,), clock_ns=lambda: 1_000_000_000)
+    parts = (b"prefill-0", b"tcp://127.0.0.1:5555", b"decode-0", b"payload \x00\xff bytes")
+    header = auth.sign(*parts)
+    fixed, tag = header[:-32], header[-32:]
+    assert struct.unpack(">B8sQQQ", fixed)[-1] == 1  # the first sequence number
+    mac = hmac.new(OLD, b"kvferry-control/1\x00", hashlib.sha256)
+    mac.update(fixed)
+    for p in parts[:3]:
+        mac.update(len(p).to_bytes(4, "big") + p)
+    mac.update(parts[3])
+    assert tag == mac.digest()
+    checker = ControlAuth((OLD,), clock_ns=lambda: 1_000_000_000)
+    assert checker.check(parts[0], parts[1], parts[2], header, parts[3]) == ""
+    assert checker.check(parts[0], parts[1], parts[2], header, parts[3] + b"!") == "bad_tag"

@@ -219,6 +219,43 @@ def test_index_expansion_matches_naive(sizes, data):
     assert one[:, 1].tolist() == length.tolist()
 
 
+def _verdict(table: _RegionTable, region, offset, length) -> tuple[str, list[int], list[list[int]]]:
+    """The check's message (empty: accepted), and then the index run and one-shot rows."""
+    try:
+        return (
+            "",
+            table.indices(region, offset, length, "x").tolist(),
+            table.rows_for(region, offset, length, "x").tolist(),
+        )
+    except DescriptorError as exc:
+        return str(exc), [], []
+
+
+@settings(max_examples=200)
+@given(
+    region=st.integers(-2, 8),
+    offset=st.integers(-130, 5000),
+    length=st.integers(-64, 5000),
+)
+def test_one_descriptor_is_judged_as_the_general_path_judges_it(region: int, offset: int, length: int):
+    """A lone descriptor takes the scalar path; the same descriptor twice takes the numpy one:
+    the same verdict and message, and (accepted) the same indices and rows, twice over."""
+    g = 64
+    table = _RegionTable({0: MemRegion(0, 1 << 20, 40 * g), 3: MemRegion(3, 1 << 24, 7 * g)}, g)
+    one = _verdict(table, np.array([region]), np.array([offset]), np.array([length]))
+    two = _verdict(table, np.array([region] * 2), np.array([offset] * 2), np.array([length] * 2))
+    assert one[0] == two[0]
+    assert one[1] * 2 == two[1] and one[2] * 2 == two[2]
+    assert (one[0] == "") == (
+        region in (0, 3)
+        and offset >= 0
+        and length > 0
+        and offset % g == 0
+        and length % g == 0
+        and offset + length <= table.units[region] * g
+    )
+
+
 # ---- error paths real NIXL cannot be made to produce on demand: a fake agent ----------------
 
 

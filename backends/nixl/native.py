@@ -221,10 +221,12 @@ class _Cols:
 
 
 def _cols(rows: np.ndarray) -> _Cols:
-    rows = np.ascontiguousarray(rows, dtype=np.uint64).reshape(-1, 3)
-    a, n, d = (np.ascontiguousarray(rows[:, i]) for i in range(3))
-    ptr = [x.ctypes.data_as(c_u64p) for x in (a, n, d)]
-    return _Cols(a.size, *ptr, keep=(a, n, d))
+    # One transposing copy makes the three columns rows of one C array (three copies and three
+    # ``ctypes`` views before): a post's descriptors cost one numpy call here, whatever their count.
+    cols = np.ascontiguousarray(np.asarray(rows, dtype=np.uint64).reshape(-1, 3).T)
+    base, step = cols.ctypes.data, cols.strides[0]
+    ptr = [ctypes.cast(base + i * step, c_u64p) for i in range(3)]
+    return _Cols(cols.shape[1], *ptr, keep=(cols,))
 
 
 @dataclass

@@ -7,10 +7,10 @@ post raises, or a write ends in ERR, it records the exception on the status boar
 room (read from the notification the write carries), so ``failure_exception()`` raises it with
 its original type. It decides nothing and changes no outcome.
 
-Ownership: ``_rooms`` (ticket -> room) gets a key from the worker that posted the ticket, outside
-the driver lock but before the handle is published to the driver, and loses it in
-``check_xfer``, under the driver lock; single-key dict operations are atomic under the GIL, and no
-poller sees a ticket before its key is in.
+Ownership: ``_rooms`` (ticket -> the write's notification, decoded to its room only on failure)
+gets a key from the worker that posted the ticket, outside the driver lock but before the handle
+is published to the driver, and loses it in ``check_xfer``, under the driver lock; single-key
+dict operations are atomic under the GIL, and no poller sees a ticket before its key is in.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class ErrorTap:
     def __init__(self, inner: Any, board: StatusBoard) -> None:
         self._inner = inner
         self._board = board
-        self._rooms: dict[int, tuple[int, str]] = {}
+        self._rooms: dict[int, bytes] = {}
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -41,16 +41,19 @@ class ErrorTap:
         return note.room, note.transfer_id
 
     def _post(self, fn: Any, notif: bytes, *args: Any) -> Any:
-        key = self._room_of(notif)
+        # The notification is decoded only if the write fails: most never do.
         try:
             handle = fn(*args)
         except Exception as exc:
-            if key is not None:
-                self._board.fail(key[0], key[1], exc)
+            self._fail(notif, exc)
             raise
-        if key is not None:
-            self._rooms[id(handle)] = key
+        self._rooms[id(handle)] = notif
         return handle
+
+    def _fail(self, notif: bytes, exc: BaseException) -> None:
+        key = self._room_of(notif)
+        if key is not None:
+            self._board.fail(key[0], key[1], exc)
 
     def post_write(self, peer: Any, *args: Any) -> Any:
         return self._post(self._inner.post_write, args[-1], peer, *args)
@@ -61,7 +64,7 @@ class ErrorTap:
     def check_xfer(self, handle: Any) -> XferState:
         state = self._inner.check_xfer(handle)
         if state is not XferState.PROC:
-            key = self._rooms.pop(id(handle), None)
-            if state is XferState.ERR and key is not None:
-                self._board.fail(key[0], key[1], NixlXferError(f"write to {handle.peer} ended in ERR"))
+            notif = self._rooms.pop(id(handle), None)
+            if state is XferState.ERR and notif is not None:
+                self._fail(notif, NixlXferError(f"write to {handle.peer} ended in ERR"))
         return state

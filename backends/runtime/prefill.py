@@ -38,7 +38,6 @@ AbortRoom, which tells decode with RoomFailed) and is kept on the status board, 
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -56,6 +55,10 @@ from kvferry.core.geometry import PoolGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.messages import Endpoint
 from kvferry.core.sender import SenderEngine
+
+# The longest a worker sleeps when its queue is empty, or while it awaits writes the data thread
+# reports (each sleep ends as soon as it is woken: a chunk queued, its writes fed).
+WORKER_IDLE_S = 0.05
 
 
 class PrefillEndpoint(EndpointBase):
@@ -93,6 +96,9 @@ class PrefillEndpoint(EndpointBase):
         self._wake = [threading.Event() for _ in range(n)]
         self._in_flight: list[deque[tuple[int, ...]]] = [deque() for _ in range(n)]
         self._step_locks = [threading.Lock() for _ in range(n)]  # one step of a shard at a time
+        # Set when a poll fed finished writes while the shard's worker has some in flight: the
+        # worker awaiting them sleeps on it (one wake-up per completion, not a poll per 20 us+).
+        self._writes_done = [threading.Event() for _ in range(n)]
         # Native engine: a prepared chunk is posted by the thread that handed it over (its feed
         # marks the shard here; thread-local, since the driver's callback runs in that thread).
         self._post_on_send = config.nixl_post_on_send and self.transport.executor == "native"
@@ -106,6 +112,7 @@ class PrefillEndpoint(EndpointBase):
             on_free_pages=self._on_free_pages,
             on_enqueue=lambda shard: self._wake[shard].set(),
             on_prepared=self._mark_prepared if self._post_on_send else None,
+            on_writes_done=self._on_writes_done,
         )
         self._loops.extend(self._progress_loops())
         self._worker_loops = []
@@ -125,8 +132,16 @@ class PrefillEndpoint(EndpointBase):
         return KVSender(self, room, transfer_id)
 
     def _wake_all(self) -> None:
-        for ev in self._wake:
+        for ev in (*self._wake, *self._writes_done):
             ev.set()
+
+    def _on_writes_done(self) -> None:
+        # Driver callback (lock held): wake every worker with writes in flight (a deque's truth
+        # is one atomic read); each re-checks its own. A worker whose ids are not appended yet
+        # checks them before it first sleeps.
+        for shard, in_flight in enumerate(self._in_flight):
+            if in_flight:
+                self._writes_done[shard].set()
 
     def _worker_step(self, shard: int) -> bool:
         queue = self.driver.queues[shard]
@@ -136,7 +151,7 @@ class PrefillEndpoint(EndpointBase):
             self._await_oldest(shard)
             return True
         if not queue:
-            wake.wait(0.05)
+            wake.wait(WORKER_IDLE_S)
             wake.clear()
             if not queue:
                 return True  # the wait was the idle sleep
@@ -199,26 +214,19 @@ class PrefillEndpoint(EndpointBase):
         self._wake[shard].set()
 
     def _await(self, shard: int, ids: tuple[int, ...]) -> None:
-        """SGLang PR 20680's pacing: the worker's next chunk waits for this chunk's writes."""
-        idle = 20e-6
+        """SGLang PR 20680's pacing: the worker's next chunk waits for this chunk's writes. The
+        data thread polls every write in flight (at the in-flight pace while a room is live; a
+        native engine wakes it on each completion) and sets ``_writes_done`` when it fed some:
+        the worker sleeps on that, and polls its writes itself only when a sleep ends without
+        it (a data thread held up elsewhere)."""
         stop = self._worker_loops[shard].stop_event
-        # A native engine wakes the worker on its completion (the timeout only bounds a wake-up
-        # the data thread consumed first): no need to poll at the in-flight pace.
-        native = self.transport.executor == "native"
-        cap = (
-            max(self.config.idle_max_s, self.config.active_idle_max_s)
-            if native
-            else self.config.active_idle_max_s
-        )
-        while self.driver.writes_pending(ids) and not stop.is_set():
-            if self.driver.poll_writes(now_ns(), ids):
-                idle = 20e-6
-                continue
-            if native:
-                self.transport.wait_events(idle)
-            else:
-                time.sleep(idle)
-            idle = min(idle * 2, cap)  # a write is in flight
+        done = self._writes_done[shard]
+        while True:
+            done.clear()  # before the check: a completion fed after it sets it again
+            if not self.driver.writes_pending(ids) or stop.is_set():
+                return
+            if not done.wait(WORKER_IDLE_S):
+                self.driver.poll_writes(now_ns(), ids)
 
 
 class KVSender:

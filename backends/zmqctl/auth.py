@@ -167,11 +167,10 @@ class ControlAuth:
     def _tag(
         key: bytes, fixed: bytes, sender: bytes, reply: bytes, recipient: bytes, payload: bytes
     ) -> bytes:
-        mac = hmac.new(key, _DOMAIN, hashlib.sha256)
-        for part in (fixed, _lp(sender), _lp(reply), _lp(recipient)):
-            mac.update(part)
-        mac.update(payload)
-        return mac.digest()
+        # One C call over the joined message (the same bytes, so the same tag as an HMAC object
+        # fed part by part): a message costs one digest, not an object and six updates.
+        msg = b"".join((_DOMAIN, fixed, _lp(sender), _lp(reply), _lp(recipient), payload))
+        return hmac.digest(key, msg, "sha256")
 
     # ---- receiving ----------------------------------------------------------------------------
     def check(self, sender: bytes, reply: bytes, recipient: bytes, header: bytes, payload: bytes) -> str:
