@@ -711,10 +711,11 @@ void kvf_set_hot(kvf_engine *e, int hot) {
 static size_t pending_events(kvf_engine *e) { return atomic_load(&e->pending); }
 
 /* Wait (without the GIL: ctypes released it) until events are pending, `fd` is readable, or
- * timeout_us passed. `fd` (-1: none) is another wake-up the caller sleeps on at the same time (a
- * runtime rank's one progress thread: its control plane's inbox eventfd); it is only polled,
- * never read: its owner resets it. Returns a mask: 1 engine events, 2 `fd` readable; 0 on
- * timeout. */
+ * timeout_us passed. `fd` (-1: none) is a non-blocking eventfd the caller sleeps on at the same
+ * time (a runtime rank's one progress thread: its control plane's inbox wake-up); when it ends
+ * the wait it is read here (reset), so the caller makes no call of its own for that and must look
+ * at what it announces (the inbox) after every wait. Returns a mask: 1 engine events, 2 `fd`
+ * readable; 0 on timeout. */
 int kvf_wait_fd(kvf_engine *e, int fd, int64_t timeout_us) {
     if (pending_events(e))
         return 1;
@@ -728,7 +729,13 @@ int kvf_wait_fd(kvf_engine *e, int fd, int64_t timeout_us) {
         struct timespec ts = {.tv_sec = (time_t)(left / 1000000000u), .tv_nsec = (long)(left % 1000000000u)};
         if (ppoll(p, 2, &ts, NULL) <= 0)
             return 0;
-        int mask = (fd >= 0 && p[1].revents != 0) ? 2 : 0;
+        int mask = 0;
+        if (fd >= 0 && p[1].revents != 0) {
+            uint64_t told;
+            ssize_t r = read(fd, &told, sizeof told);
+            (void)r;
+            mask = 2;
+        }
         if (pending_events(e))
             mask |= 1;
         if (mask)

@@ -569,8 +569,9 @@ class NativeNixl:
         """Sleep until the engine has news or the timeout passed (0); the GIL is free. Returns
         WOKE_ENGINE for events queued or undelivered, WOKE_FD (ored in) for ``fd`` readable.
         ``hot``: the host expects notifications (a room in flight): the engine polls for them at
-        its in-flight pace meanwhile, else at its idle pace. ``fd`` (-1: none): another wake-up
-        that also ends the sleep once readable; its owner resets it, this only polls it."""
+        its in-flight pace meanwhile, else at its idle pace. ``fd`` (-1: none): a non-blocking
+        eventfd that also ends the sleep once readable, and is then reset here: the caller looks
+        at what it announces after every wait."""
         with self._lock:
             if self._eng is None:
                 return WOKE_ENGINE

@@ -611,10 +611,6 @@ class NixlTransport:
         """An fd readable once control messages wait (``ControlPlane.inbox_fd``)."""
         return self.control.inbox_fd()
 
-    def control_rearm(self) -> bool:
-        """Reset ``control_fd`` before a sleep; True when messages already wait (do not sleep)."""
-        return self.control.rearm()
-
     def release_xfer(self, handle: XferTicket) -> None:
         # poll() already released the NIXL handle on DONE/ERR; nothing is left to free.
         if handle.final is None:

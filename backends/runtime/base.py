@@ -358,9 +358,9 @@ class EndpointBase:
         """The one progress thread's sleep: on the control plane's inbox and the engine's wake-up
         at once, so a control message or an engine event ends it at once, bounded by the next
         deadline (heartbeats and liveness fire on time) and the data loop's idle cap. A deadline
-        another thread sets meanwhile waits at most ``idle_s`` (<= idle_max_s)."""
-        if self.transport.control_rearm():
-            return  # messages came since the step took them: no sleep
+        another thread sets meanwhile waits at most ``idle_s`` (<= idle_max_s). A message put in
+        the inbox after the step took it has written the inbox fd, so the sleep ends at once
+        (kvf_wait_fd resets that fd when it wakes on it; the next step takes the inbox)."""
         dl = self.driver.next_deadline()
         if dl is not None:
             idle_s = min(idle_s, max(0.0, (dl - now_ns()) / 1e9))

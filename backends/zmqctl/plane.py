@@ -225,20 +225,15 @@ class ControlPlane:
             return None
 
     def inbox_fd(self) -> int:
-        """An eventfd readable once a message was put in the inbox since the last ``rearm``: a
-        consumer that also sleeps on other fds (a native-engine rank's one progress thread)
-        polls it instead of blocking in ``recv``. Created on the first call; closed by close()."""
+        """A non-blocking eventfd the IO thread writes after a pass that put messages in the
+        inbox: a consumer that also sleeps on other fds (a native-engine rank's one progress
+        thread, through kvf_wait_fd) polls it instead of blocking in ``recv``. The consumer
+        resets it (reads it) when it wakes on it and then takes the inbox with ``recv(0)``; a
+        message put after that take writes it again, so none is missed and a stale write costs
+        one empty pass, not a spin. Created on the first call; closed by close()."""
         if self._inbox_fd < 0:
             self._inbox_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         return self._inbox_fd
-
-    def rearm(self) -> bool:
-        """Reset ``inbox_fd`` before sleeping on it; True when messages already wait (the
-        consumer takes them instead of sleeping). Reset first, then look: a message put in
-        between leaves the fd readable, so it is never missed."""
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.eventfd_read(self._inbox_fd)
-        return not self._inbox.empty()
 
     def nudge(self) -> None:
         """Make ``inbox_fd`` readable with nothing new: its consumer's sleep ends (it is being
