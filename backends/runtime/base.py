@@ -356,14 +356,17 @@ class EndpointBase:
 
     def _wait_progress(self, idle_s: float) -> None:
         """The one progress thread's sleep: on the control plane's inbox and the engine's wake-up
-        at once, so a control message or an engine event ends it at once, bounded by the next
-        deadline (heartbeats and liveness fire on time) and the data loop's idle cap. A deadline
-        another thread sets meanwhile waits at most ``idle_s`` (<= idle_max_s). A message put in
-        the inbox after the step took it has written the inbox fd, so the sleep ends at once
+        at once, so a control message or an engine event ends it at once. It is bounded by the
+        data loop's idle cap and, when that is longer than ``CONTROL_WAIT_S``, by the next
+        deadline: a deadline fires at most ``CONTROL_WAIT_S`` late, the control loop's bound
+        (heartbeats and liveness fire on time), and the short sleeps (all of them by default:
+        idle_max_s is 1 ms) skip the engine's deadline query and its lock. A message put in the
+        inbox after the step took it has written the inbox fd, so the sleep ends at once
         (kvf_wait_fd resets that fd when it wakes on it; the next step takes the inbox)."""
-        dl = self.driver.next_deadline()
-        if dl is not None:
-            idle_s = min(idle_s, max(0.0, (dl - now_ns()) / 1e9))
+        if idle_s > CONTROL_WAIT_S:
+            dl = self.driver.next_deadline()
+            if dl is not None:
+                idle_s = min(idle_s, max(0.0, (dl - now_ns()) / 1e9))
         if idle_s > 0:
             self.transport.wait_events(idle_s, hot=self.board.in_flight() > 0, fd=self._control_fd)
 
