@@ -10,7 +10,8 @@
 # 1->2, one chunk and four, each engine without and with --ahead (issue 28). PART=launch: Triton's launcher against
 # the kept compiled kernel (copy probe, ring rows, kernel tests on the GPU). PART=final: every
 # flow's two-process VRAM tests and a 20,000-seed campaign. PART=close: a session's closing call
-# (VRAM tests, issue 28's native rows, interference, fuzz). PART=fences: the CUDA copy fences'
+# (VRAM tests, issue 28's native rows, interference, fuzz). PART=threads: one progress thread per
+# native rank against the control and data loops, alternating. PART=fences: the CUDA copy fences'
 # tests on the GPU and ring rows of both engines. PART=asan: the engine under
 # AddressSanitizer in its two-process DRAM tests. PART=b: the native e2e
 # and differential tests (VRAM e2e). PART=ucx: which UCX transport a NIXL READ (the pull flow)
@@ -173,6 +174,26 @@ elif [ "$PART" = close ]; then
   done
   step fuzz 100 /tmp/kv fuzz --seeds "${SEEDS:-0-4999}" --jobs 16 --json
   tail -c 400 "$R/fuzz.out"
+elif [ "$PART" = threads ]; then
+  # One progress thread per native-engine rank (KVFERRY_PROGRESS_THREADS=1, the default) against
+  # its control and data loops (=2), alternating, twice: the progress-thread tests and the native
+  # e2e on VRAM first, then per design the TP 1 -> 1 direct and ring rows with --ahead, 8 in
+  # flight, the interference bench and room_calls (calls, waits, threads' CPU per room).
+  export KVFERRY_E2E_MEM=$MEM KVFERRY_TEST_DEVICE=cuda
+  step thread-tests 150 python3 -P -m pytest -q -n 8 -p no:cacheprovider -o pythonpath= --rootdir "$REPO" \
+    "$REPO/tests/test_progress_thread.py" "$REPO/tests/test_native_e2e.py"
+  tail -2 "$R/thread-tests.out"
+  for rep in 1 2; do
+    for t in 1 2; do
+      export KVFERRY_PROGRESS_THREADS=$t
+      step "x1-t$t-$rep" 60 "${B[@]}" --rooms 6 --config 'tp1->1 nhd' --flow direct,ring --engine native --ahead
+      step "x8-t$t-$rep" 45 "${B[@]}" --rooms 3 --inflight 8 --config 'tp1->1 nhd' --flow direct --engine native \
+        --ahead
+      step "interference-t$t-$rep" 60 /tmp/kv bench interference --engine native --reps 5 --phase-s 2 --json
+      step "room-calls-t$t-$rep" 40 python3 -P "$REPO/bench/room_calls.py" --engine native --rooms 200
+    done
+  done
+  unset KVFERRY_PROGRESS_THREADS
 elif [ "$PART" = final ]; then
   # The closing checks of a session: the two-process tests of every flow on VRAM (both executors,
   # killed peers, aborts, 32 in flight), then a 20,000-seed simulator campaign on the 16 cores.

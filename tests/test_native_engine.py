@@ -164,9 +164,30 @@ def test_native_wait_sleeps_after_a_wakeup_whose_events_were_drained(agents) -> 
     eng = b._nixl
     eng.drain()
     os.write(eng.wake_fd, (1).to_bytes(8, "little"))  # a wake-up whose events are gone
-    assert eng.wait(0.02) is False  # it slept out its timeout: no news
+    assert eng.wait(0.02) == 0  # it slept out its timeout: no news
     assert select.select([eng.wake_fd], [], [], 0)[0] == []  # and left the fd reset
-    assert eng.wait(0.01) is False
+    assert eng.wait(0.01) == 0
+
+
+def test_native_wait_on_a_second_fd(agents) -> None:
+    """kvf_wait_fd (the one progress thread's sleep): a readable second fd ends the wait, is
+    named in the mask and is reset (the next wait sleeps); a stale engine wake-up with a quiet
+    second fd is reset and slept through, as in kvf_wait."""
+    _, b, _, _, _ = agents
+    eng = b._nixl
+    eng.drain()
+    other = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        assert eng.wait(0.01, fd=other) == 0
+        os.eventfd_write(other, 1)
+        assert eng.wait(30.0, fd=other) == native.WOKE_FD  # at once, not after 30 s
+        assert select.select([other], [], [], 0)[0] == []  # reset: no spin on it
+        assert eng.wait(0.01, fd=other) == 0
+        os.write(eng.wake_fd, (1).to_bytes(8, "little"))  # a wake-up whose events are gone
+        assert eng.wait(0.02, fd=other) == 0
+        assert select.select([eng.wake_fd], [], [], 0)[0] == []
+    finally:
+        os.close(other)
 
 
 _register()

@@ -707,26 +707,39 @@ void kvf_set_hot(kvf_engine *e, int hot) {
     }
 }
 
-/* Wait (without the GIL: ctypes released it) until events are pending or timeout_us passed.
- * Returns 1 when woken by events, 0 on timeout. */
 /* Queued event bytes, without the lock (e->pending mirrors ev_len, stored under it). */
 static size_t pending_events(kvf_engine *e) { return atomic_load(&e->pending); }
 
-int kvf_wait(kvf_engine *e, int64_t timeout_us) {
+/* Wait (without the GIL: ctypes released it) until events are pending, `fd` is readable, or
+ * timeout_us passed. `fd` (-1: none) is a non-blocking eventfd the caller sleeps on at the same
+ * time (a runtime rank's one progress thread: its control plane's inbox wake-up); when it ends
+ * the wait it is read here (reset), so the caller makes no call of its own for that and must look
+ * at what it announces (the inbox) after every wait. Returns a mask: 1 engine events, 2 `fd`
+ * readable; 0 on timeout. */
+int kvf_wait_fd(kvf_engine *e, int fd, int64_t timeout_us) {
     if (pending_events(e))
         return 1;
-    struct pollfd p = {.fd = e->wake_fd, .events = POLLIN};
+    struct pollfd p[2] = {{.fd = e->wake_fd, .events = POLLIN}, {.fd = fd, .events = POLLIN}};
     /* ppoll: a timeout in microseconds (poll's milliseconds would stretch a 200 us idle cap of
-     * the data thread, where copies are not watched here, to 1 ms). */
+     * the data thread, where copies are not watched here, to 1 ms). A negative fd is ignored. */
     uint64_t end = now_ns() + (uint64_t)(timeout_us > 0 ? timeout_us : 0) * 1000u;
     for (;;) {
         uint64_t now = now_ns();
         uint64_t left = end > now ? end - now : 0;
         struct timespec ts = {.tv_sec = (time_t)(left / 1000000000u), .tv_nsec = (long)(left % 1000000000u)};
-        if (ppoll(&p, 1, &ts, NULL) <= 0)
+        if (ppoll(p, 2, &ts, NULL) <= 0)
             return 0;
+        int mask = 0;
+        if (fd >= 0 && p[1].revents != 0) {
+            uint64_t told;
+            ssize_t r = read(fd, &told, sizeof told);
+            (void)r;
+            mask = 2;
+        }
         if (pending_events(e))
-            return 1;
+            mask |= 1;
+        if (mask)
+            return mask;
         /* Readable with nothing queued: the events it announced were drained before the
          * engine's write reached the fd. Reset it, or every later wait would return at once
          * and its caller would spin until the next event. */
@@ -739,6 +752,9 @@ int kvf_wait(kvf_engine *e, int64_t timeout_us) {
             return 0;
     }
 }
+
+/* kvf_wait_fd on the engine's wake-up alone. Returns 1 when woken by events, 0 on timeout. */
+int kvf_wait(kvf_engine *e, int64_t timeout_us) { return kvf_wait_fd(e, -1, timeout_us) != 0; }
 
 /* Move up to cap bytes of whole events into buf. Returns the bytes written; *more is set when
  * events are left (buf too small). */

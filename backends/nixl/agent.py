@@ -717,12 +717,16 @@ class NixlAgent:
         Python executor (its copies are polled)."""
         return self._nixl if self.executor == "native" else None
 
-    def wait_events(self, timeout_s: float, hot: bool | None = None) -> bool | None:
-        """Sleep until the native engine has news (True) or the timeout passed (False); None when
-        the executor has nothing to wait on (the caller sleeps its own way). ``hot``: a room this
-        rank receives is in flight (the engine polls for notifications at its in-flight pace)."""
+    def wait_events(self, timeout_s: float, hot: bool | None = None, fd: int = -1) -> int | None:
+        """Sleep until the native engine has news (truthy: what woke it, native.py WOKE_*) or the
+        timeout passed (0); None when the executor has nothing to wait on (the caller sleeps its
+        own way). ``hot``: a room this rank receives is in flight (the engine polls for
+        notifications at its in-flight pace). ``fd``: another wake-up (the control plane's
+        inbox) that ends the sleep as well."""
         wait = getattr(self._nixl, "wait", None)
-        return None if wait is None else wait(timeout_s, hot)
+        if wait is None:
+            return None
+        return wait(timeout_s, hot) if fd < 0 else wait(timeout_s, hot, fd)
 
     # ---- teardown -----------------------------------------------------------------------
     def close(self, settle_s: float = 2.0) -> None:

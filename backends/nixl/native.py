@@ -117,6 +117,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "kvf_destroy": (None, [vp]),
         "kvf_wake_fd": (ctypes.c_int, [vp]),
         "kvf_wait": (ctypes.c_int, [vp, i64]),
+        "kvf_wait_fd": (ctypes.c_int, [vp, ctypes.c_int, i64]),
         "kvf_drain": (sz, [vp, vp, sz, c_intp]),
         "kvf_register": (vp, [vp, ctypes.c_int, sz, c_u64p, c_u64p, c_u64p, cp, sz]),
         "kvf_deregister": (ctypes.c_int, [vp, vp]),
@@ -269,6 +270,10 @@ class _Telemetry:
 @dataclass
 class _Reg:
     ptr: int  # NIXL's registration descriptor list, kept for deregistration
+
+
+# What ended a wait (NativeNixl.wait, kvf_wait_fd's mask): the engine's events, the other fd.
+WOKE_ENGINE, WOKE_FD = 1, 2
 
 
 class NativeNixl:
@@ -562,13 +567,16 @@ class NativeNixl:
         with self._lock:
             return set(self._settled)
 
-    def wait(self, timeout_s: float, hot: bool | None = None) -> bool:
-        """Sleep until the engine queued events (True) or the timeout passed; the GIL is free.
+    def wait(self, timeout_s: float, hot: bool | None = None, fd: int = -1) -> int:
+        """Sleep until the engine has news or the timeout passed (0); the GIL is free. Returns
+        WOKE_ENGINE for events queued or undelivered, WOKE_FD (ored in) for ``fd`` readable.
         ``hot``: the host expects notifications (a room in flight): the engine polls for them at
-        its in-flight pace meanwhile, else at its idle pace."""
+        its in-flight pace meanwhile, else at its idle pace. ``fd`` (-1: none): a non-blocking
+        eventfd that also ends the sleep once readable, and is then reset here: the caller looks
+        at what it announces after every wait."""
         with self._lock:
             if self._eng is None:
-                return True
+                return WOKE_ENGINE
             if hot is not None and hot != self._hot:
                 self._hot = hot
                 self._quick.kvf_set_hot(self._eng, int(hot))
@@ -576,8 +584,10 @@ class NativeNixl:
             # they were announced already and wait for their own poller (a ticket the driver does
             # not hold, such as a benchmark's raw write, would otherwise keep this from sleeping).
             if self._notifs or self._fenced or self._pending.value:
-                return True
-        return bool(self._lib.kvf_wait(self._eng, int(timeout_s * 1e6)))
+                return WOKE_ENGINE
+        if fd < 0:
+            return WOKE_ENGINE if self._lib.kvf_wait(self._eng, int(timeout_s * 1e6)) else 0
+        return int(self._lib.kvf_wait_fd(self._eng, fd, int(timeout_s * 1e6)))
 
     def counters(self) -> dict[str, int]:
         out = (ctypes.c_uint64 * 6)()

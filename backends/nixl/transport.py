@@ -606,9 +606,14 @@ class NixlTransport:
         NIXL reports completion only when asked (None: every handle is checked)."""
         return self.agent.settled()
 
-    def wait_events(self, timeout_s: float, hot: bool | None = None) -> bool | None:
-        """Sleep on the native engine's wake-up until it has news (None: no such wake-up)."""
-        return self.agent.wait_events(timeout_s, hot)
+    def wait_events(self, timeout_s: float, hot: bool | None = None, fd: int = -1) -> int | None:
+        """Sleep on the native engine's wake-up until it has news (None: no such wake-up);
+        ``fd`` readable (``control_fd``) ends the sleep too."""
+        return self.agent.wait_events(timeout_s, hot, fd)
+
+    def control_fd(self) -> int:
+        """An fd readable once control messages wait (``ControlPlane.inbox_fd``)."""
+        return self.control.inbox_fd()
 
     def release_xfer(self, handle: XferTicket) -> None:
         # poll() already released the NIXL handle on DONE/ERR; nothing is left to free.

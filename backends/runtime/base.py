@@ -15,6 +15,7 @@ in its order, then the control plane's IO thread).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -84,6 +85,12 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Native engine: a chunk planned ahead (KVSender.plan_ahead) is posted by the thread that
     # calls send(), not handed to a worker (backends/runtime/prefill.py). False: always the worker.
     nixl_post_on_send: bool = True
+    # Progress threads per endpoint besides the workers (``progress_threads``): 2, a control loop
+    # and a data loop; 1, one loop that sleeps on the control plane's inbox and the native engine's
+    # wake-up at once (native-engine ranks only: their data half never waits on UCX); 0, auto:
+    # one on a native-engine rank, two on the python executor. $KVFERRY_PROGRESS_THREADS (1 or 2)
+    # replaces auto, so one benchmark run can compare both designs.
+    progress_threads: int = 0
     # Staging memory of the ring and pinned flows (backends/runtime/staging.py).
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
     # Control-plane authentication (backends/runtime/security.py, docs/security.md): one or two
@@ -109,6 +116,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     lost_peer_drain_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.progress_threads not in (0, 1, 2):
+            raise ValueError(f"progress_threads must be 0 (auto), 1 or 2, got {self.progress_threads}")
+        if self.progress_threads == 1 and self.nixl_engine != "native":
+            raise ValueError("progress_threads=1 needs nixl_engine='native' (the python data half can block)")
         for name, low in (("write_quarantine_s", 0.0), ("lost_peer_drain_s", 1e-3)):
             value = getattr(self, name)
             if value is not None and not (low <= value <= MAX_LATE_WRITE_S):  # NaN fails too
@@ -133,6 +144,19 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 CONTROL_WAIT_S = 2e-3
+PROGRESS_ENV = "KVFERRY_PROGRESS_THREADS"
+
+
+def progress_threads(config: RuntimeConfig, executor: str) -> int:
+    """How many progress threads an endpoint runs (RuntimeConfig.progress_threads). A rank that
+    asked for the native engine and fell back to python gets two: its data half may block."""
+    want = config.progress_threads
+    if not want:
+        env = os.environ.get(PROGRESS_ENV, "")
+        if env not in ("", "1", "2"):
+            raise ValueError(f"${PROGRESS_ENV} must be 1 or 2, not {env!r}")
+        want = int(env) if env else 1
+    return 1 if want == 1 and executor == "native" else 2
 
 
 def now_ns() -> int:
@@ -198,6 +222,7 @@ class EndpointBase:
         # lock held, so it must be quick and must not call back into the endpoint.
         self.on_free_pages: Callable[[int, str], None] | None = None
         self.metrics: Any = None  # EndpointMetrics when config.metrics
+        self._control_fd = -1  # the control plane's inbox wake-up, for the one progress thread
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -226,6 +251,7 @@ class EndpointBase:
         for loop in self._loops:
             loop.stop()
         self._wake_all()
+        self.transport.control.nudge()  # the one progress thread may sleep on the inbox's fd
         stuck = [lp.name for lp in self._loops if not lp.join(self.config.join_timeout_s)]
         self.transport.close()
         if self.metrics is not None:
@@ -278,12 +304,27 @@ class EndpointBase:
             self.errors.append(exc)
 
     def _progress_loops(self) -> list[Loop]:
-        """Two threads drive the engine besides the workers: the control loop (control messages,
-        deadlines, heartbeats: never blocked by the data plane, so a busy rank still proves it is
-        alive) and the data loop (notifications, write and copy completions, which may wait on a
-        UCX worker another thread's big post holds)."""
+        """The threads that drive the engine besides the workers. On the python executor two: the
+        control loop (control messages, deadlines, heartbeats: never blocked by the data plane,
+        so a busy rank still proves it is alive) and the data loop (notifications, write and copy
+        completions, which may wait on a UCX worker another thread's big post holds). On a
+        native-engine rank the engine's C thread posts and polls NIXL, so nothing here waits on
+        UCX and one thread does both (``_progress_step``): one interpreter thread fewer taking
+        turns on the GIL with the workers and the serving engine."""
         idle = self.config.idle_max_s
         native = self.transport.executor == "native"
+        if progress_threads(self.config, self.transport.executor) == 1:
+            self._control_fd = self.transport.control_fd()
+            return [
+                Loop(
+                    f"{self.endpoint}-progress",
+                    self._progress_step,
+                    self._record_error,
+                    idle_max_s=idle,
+                    idle_cap=self._data_idle_cap,
+                    wait=self._wait_progress,
+                )
+            ]
         return [
             Loop(
                 f"{self.endpoint}-control",
@@ -306,6 +347,28 @@ class EndpointBase:
         """The data thread's idle sleep on a native-engine rank: on the engine's wake-up, with the
         engine polling fast while this rank has a room in flight (the board's count)."""
         self.transport.wait_events(timeout_s, hot=self.board.in_flight() > 0)
+
+    def _progress_step(self) -> bool:
+        """One pass of a native-engine rank's one progress thread: the controls that wait and the
+        due deadlines, then the engine's events (notifications, write and copy completions)."""
+        n = self.driver.pump_control(now_ns(), self.transport.recv_control(0))
+        return n + self.driver.pump_data(now_ns()) > 0
+
+    def _wait_progress(self, idle_s: float) -> None:
+        """The one progress thread's sleep: on the control plane's inbox and the engine's wake-up
+        at once, so a control message or an engine event ends it at once. It is bounded by the
+        data loop's idle cap and, when that is longer than ``CONTROL_WAIT_S``, by the next
+        deadline: a deadline fires at most ``CONTROL_WAIT_S`` late, the control loop's bound
+        (heartbeats and liveness fire on time), and the short sleeps (all of them by default:
+        idle_max_s is 1 ms) skip the engine's deadline query and its lock. A message put in the
+        inbox after the step took it has written the inbox fd, so the sleep ends at once
+        (kvf_wait_fd resets that fd when it wakes on it; the next step takes the inbox)."""
+        if idle_s > CONTROL_WAIT_S:
+            dl = self.driver.next_deadline()
+            if dl is not None:
+                idle_s = min(idle_s, max(0.0, (dl - now_ns()) / 1e9))
+        if idle_s > 0:
+            self.transport.wait_events(idle_s, hot=self.board.in_flight() > 0, fd=self._control_fd)
 
     def _data_idle_cap(self) -> float:
         """Poll fast while a room of this rank is in flight (the board's count, under its own

@@ -8,7 +8,9 @@ every ``active_idle_max_s`` (a notification is noticed that soon) and backs off 
 only when the rank has nothing to wait for. ``step`` may wait on
 its own (a worker waits on its queue's event). ``wait`` (optional) replaces the idle sleep: the
 data thread of a native-engine endpoint sleeps on the engine's wake-up, so a completion or a
-notification ends the sleep at once (it still sleeps at most the idle time). An exception from
+notification ends the sleep at once (it still sleeps at most the idle time); the one progress
+thread of such a rank sleeps on the engine's wake-up and the control plane's inbox together
+(base.py ``_wait_progress``). An exception from
 ``step`` never ends the thread: it goes to ``on_error`` with its original type and the loop continues.
 """
 
@@ -38,6 +40,7 @@ class Loop:
         self._idle_max = idle_max_s
         self._idle_cap = idle_cap
         self._wait = wait
+        self.passes = 0  # steps run (tests count them; one int add per pass)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -54,6 +57,7 @@ class Loop:
     def _run(self) -> None:
         idle = self._idle_min
         while not self.stop_event.is_set():
+            self.passes += 1
             try:
                 busy = self._step()
             except Exception as exc:  # the thread must survive; the error goes to the poller

@@ -168,6 +168,11 @@ class ControlPlane:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         os.set_blocking(self._wake_r, False)
+        # The inbox's wake-up (``inbox_fd``): -1 until a consumer asks for it. The IO thread
+        # writes it after a pass that put messages (one write per batch, not per message).
+        self._inbox_fd = -1
+        self._inbox_puts = 0  # IO thread only: messages put in the inbox
+        self._inbox_told = 0  # IO thread only: _inbox_puts at the last write of the wake-up
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"zmqctl-{identity}", daemon=True)
@@ -214,16 +219,41 @@ class ControlPlane:
     def recv(self, timeout_s: float) -> Inbound | None:
         """Next inbound message, or None after timeout_s."""
         self._check()
+        if timeout_s <= 0 and not self._inbox.queue:
+            # Empty (a deque's truth is one atomic read): no lock and no raised queue.Empty, 1.4 us
+            # a call, on the progress thread's every pass. A message put meanwhile is taken on the
+            # next pass (its inbox_fd write ends the sleep).
+            return None
         try:
             return self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return None
 
+    def inbox_fd(self) -> int:
+        """A non-blocking eventfd the IO thread writes after a pass that put messages in the
+        inbox: a consumer that also sleeps on other fds (a native-engine rank's one progress
+        thread, through kvf_wait_fd) polls it instead of blocking in ``recv``. The consumer
+        resets it (reads it) when it wakes on it and then takes the inbox with ``recv(0)``; a
+        message put after that take writes it again, so none is missed and a stale write costs
+        one empty pass, not a spin. Created on the first call; closed by close()."""
+        if self._inbox_fd < 0:
+            self._inbox_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        return self._inbox_fd
+
+    def nudge(self) -> None:
+        """Make ``inbox_fd`` readable with nothing new: its consumer's sleep ends (it is being
+        stopped). No-op before ``inbox_fd`` was asked for."""
+        if self._inbox_fd >= 0:
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.eventfd_write(self._inbox_fd, 1)
+
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self._wake()
         self._thread.join(timeout_s)
-        for fd in (self._wake_r, self._wake_w):
+        for fd in (self._wake_r, self._wake_w, self._inbox_fd):
+            if fd < 0:
+                continue
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -272,6 +302,7 @@ class ControlPlane:
                 self._apply_commands()
                 if reading and self._pull in events:
                     self._drain_inbound()
+                    self._tell_inbox()
                 # Stop reading while the inbox is full: ZMQ's HWM then pushes back on senders.
                 full = self._inbox.full()
                 if full and reading:
@@ -281,6 +312,7 @@ class ControlPlane:
                     poller.register(self._pull, zmq.POLLIN)
                     reading = True
                 self._flush_outbound()
+                self._tell_inbox()  # send failures reported into the inbox
         except BaseException as exc:  # surfaced to callers by _check()
             self._error = exc
         finally:
@@ -289,6 +321,13 @@ class ControlPlane:
                     s.close(0)
                 self._socks.clear()
             self._pull.close(0)
+
+    def _tell_inbox(self) -> None:
+        """Write the inbox's wake-up if messages were put since the last write (IO thread)."""
+        if self._inbox_puts != self._inbox_told and self._inbox_fd >= 0:
+            self._inbox_told = self._inbox_puts
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.eventfd_write(self._inbox_fd, 1)
 
     def _apply_commands(self) -> None:
         while True:
@@ -363,6 +402,7 @@ class ControlPlane:
                         self._open(sender, reply)
             self.stats.received += 1
             self._inbox.put_nowait(Inbound(sender, frames[-1]))
+            self._inbox_puts += 1
 
     def _flush_outbound(self) -> None:
         now = time.monotonic()
@@ -406,3 +446,4 @@ class ControlPlane:
             # A failure report must not be lost to a full inbox: block briefly, the reader drains it.
             with contextlib.suppress(queue.Full):
                 self._inbox.put(Inbound(out.peer, out.payload, failed=True), timeout=1.0)
+                self._inbox_puts += 1
