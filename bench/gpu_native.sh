@@ -180,17 +180,23 @@ elif [ "$PART" = threads ]; then
   # e2e on VRAM first, then per design the TP 1 -> 1 direct and ring rows with --ahead, 8 in
   # flight, the interference bench and room_calls (calls, waits, threads' CPU per room).
   export KVFERRY_E2E_MEM=$MEM KVFERRY_TEST_DEVICE=cuda
-  step thread-tests 150 python3 -P -m pytest -q -n 8 -p no:cacheprovider -o pythonpath= --rootdir "$REPO" \
-    "$REPO/tests/test_progress_thread.py" "$REPO/tests/test_native_e2e.py"
-  tail -2 "$R/thread-tests.out"
-  for rep in 1 2; do
+  # TESTS=0 skips the tests, REPS / IREPS set the alternations and the interference repetitions,
+  # ROOM_CALLS=0 skips room_calls (CPU counts): a shorter call when device time is short.
+  if [ "${TESTS:-1}" = 1 ]; then
+    step thread-tests 150 python3 -P -m pytest -q -n 8 -p no:cacheprovider -o pythonpath= --rootdir "$REPO" \
+      "$REPO/tests/test_progress_thread.py" "$REPO/tests/test_native_e2e.py"
+    tail -2 "$R/thread-tests.out"
+  fi
+  for rep in $(seq 1 "${REPS:-2}"); do
     for t in 1 2; do
       export KVFERRY_PROGRESS_THREADS=$t
-      step "x1-t$t-$rep" 60 "${B[@]}" --rooms 6 --config 'tp1->1 nhd' --flow direct,ring --engine native --ahead
+      step "x1-t$t-$rep" 60 "${B[@]}" --rooms 6 --config 'tp1->1 nhd' --flow "${FLOWS:-direct,ring}" --engine native --ahead
       step "x8-t$t-$rep" 45 "${B[@]}" --rooms 3 --inflight 8 --config 'tp1->1 nhd' --flow direct --engine native \
         --ahead
-      step "interference-t$t-$rep" 60 /tmp/kv bench interference --engine native --reps 5 --phase-s 2 --json
-      step "room-calls-t$t-$rep" 40 python3 -P "$REPO/bench/room_calls.py" --engine native --rooms 200
+      step "interference-t$t-$rep" 60 /tmp/kv bench interference --engine native --reps "${IREPS:-5}" --phase-s 2 --json
+      if [ "${ROOM_CALLS:-1}" = 1 ]; then
+        step "room-calls-t$t-$rep" 40 python3 -P "$REPO/bench/room_calls.py" --engine native --rooms 200
+      fi
     done
   done
   unset KVFERRY_PROGRESS_THREADS
