@@ -175,7 +175,7 @@ elif [ "$PART" = close ]; then
   step fuzz 100 /tmp/kv fuzz --seeds "${SEEDS:-0-4999}" --jobs 16 --json
   tail -c 400 "$R/fuzz.out"
 elif [ "$PART" = threads ]; then
-  # One progress thread per native-engine rank (KVFERRY_PROGRESS_THREADS=1, the default) against
+  # One progress thread per native-engine rank (KVFERRY_PROGRESS_THREADS=1) against
   # its control and data loops (=2), alternating, twice: the progress-thread tests and the native
   # e2e on VRAM first, then per design the TP 1 -> 1 direct and ring rows with --ahead, 8 in
   # flight, the interference bench and room_calls (calls, waits, threads' CPU per room).

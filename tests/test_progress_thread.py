@@ -1,5 +1,5 @@
-"""A native-engine rank runs one progress thread (base.py ``_progress_step``/``_wait_progress``):
-it sleeps on the control plane's inbox fd and the engine's wake-up fd at once. The python executor
+"""A native-engine rank with ``progress_threads=1`` runs one progress thread (base.py
+``_progress_step``/``_wait_progress``): it sleeps on the control plane's inbox fd and the engine's wake-up fd at once. The python executor
 keeps its control and data loops. Over real NIXL (UCX on DRAM) in this process.
 
 Wake-ups are judged by what ended the thread's sleep (kvf_wait_fd's mask), never by wall time:
@@ -73,10 +73,15 @@ def _progress(ep) -> list[str]:
 
 @pytest.mark.parametrize(
     ("engine", "env", "want"),
-    [("native", "", ["progress"]), ("python", "", ["control", "data"]), ("native", "2", ["control", "data"])],
-    ids=["native", "python", "native-forced-two"],
+    [
+        ("native", "1", ["progress"]),
+        ("python", "", ["control", "data"]),
+        ("native", "", ["control", "data"]),
+        ("native", "2", ["control", "data"]),
+    ],
+    ids=["native-one", "python", "native-auto-two", "native-forced-two"],
 )
-def test_a_native_rank_runs_one_progress_thread_and_a_python_rank_two(
+def test_progress_threads_by_engine_and_setting(
     engine: str, env: str, want: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(PROGRESS_ENV, env)
@@ -135,6 +140,7 @@ QUIET_CFG = RuntimeConfig(
     timeouts=QUIET,
     idle_max_s=30.0,
     nixl_engine="native",
+    progress_threads=1,
     staging=StagingConfig(flow="direct"),
 )
 
@@ -206,6 +212,7 @@ BUSY = Timeouts(
             aux_rows=8,
             timeouts=BUSY,
             nixl_engine="native",
+            progress_threads=1,
             staging=StagingConfig(flow="direct"),
         )
     ],

@@ -88,8 +88,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Progress threads per endpoint besides the workers (``progress_threads``): 2, a control loop
     # and a data loop; 1, one loop that sleeps on the control plane's inbox and the native engine's
     # wake-up at once (native-engine ranks only: their data half never waits on UCX); 0, auto:
-    # one on a native-engine rank, two on the python executor. $KVFERRY_PROGRESS_THREADS (1 or 2)
-    # replaces auto, so one benchmark run can compare both designs.
+    # two. On an H200 one thread gave direct rooms 3-10% more of the raw write but a co-located
+    # scheduler kept less of its step rate (0.74-0.77 against 0.88, `kvferry bench interference`,
+    # docs/benchmarks.md "One progress thread or two"): the serving engine's share decides.
+    # $KVFERRY_PROGRESS_THREADS (1 or 2) replaces auto, so one run can compare both designs.
     progress_threads: int = 0
     # Staging memory of the ring and pinned flows (backends/runtime/staging.py).
     staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
@@ -155,7 +157,7 @@ def progress_threads(config: RuntimeConfig, executor: str) -> int:
         env = os.environ.get(PROGRESS_ENV, "")
         if env not in ("", "1", "2"):
             raise ValueError(f"${PROGRESS_ENV} must be 1 or 2, not {env!r}")
-        want = int(env) if env else 1
+        want = int(env) if env else 2
     return 1 if want == 1 and executor == "native" else 2
 
 
