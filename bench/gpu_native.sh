@@ -170,9 +170,9 @@ elif [ "$PART" = close ]; then
   step x32-native 90 "${B[@]}" --rooms 2 --inflight 32 --config 'tp1->1 nhd' --flow direct --engine native --ahead
   step x1-python 90 "${B[@]}" --rooms 6 --config 'tp1->1 nhd' --flow direct --engine python --trace "$R/trace-python"
   for e in native python; do
-    step "interference-$e" 70 /tmp/kv bench interference --engine "$e" --reps 5 --phase-s 2 --json
+    step "interference-$e" 70 /tmp/kv bench interference --engine "$e" --reps "${IREPS:-5}" --phase-s 2 --json
   done
-  step fuzz 100 /tmp/kv fuzz --seeds "${SEEDS:-0-4999}" --jobs 16 --json
+  step fuzz 100 /tmp/kv fuzz --seeds "${SEEDS:-0-2999}" --jobs 16 --json
   tail -c 400 "$R/fuzz.out"
 elif [ "$PART" = threads ]; then
   # One progress thread per native-engine rank (KVFERRY_PROGRESS_THREADS=1) against
