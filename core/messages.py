@@ -226,12 +226,15 @@ class TransferInfo(_Msg, tag="info"):
 
 
 class InfoAck(_Msg, tag="info_ack"):
-    """Prefill -> decode: your TransferInfo for this room reached me (stop resending it). A lost
+    """Prefill -> decode: your TransferInfos for these rooms reached me (stop resending). A lost
     TransferInfo would otherwise keep the room waiting for its deadline, and with a staging ring
     its granted space pinned for every room behind it."""
 
     room: Room
     transfer_id: TransferId
+    # Further rooms answered by this one message: prefill owes its InfoAcks a quarter of a
+    # heartbeat interval and sends what its notes did not answer together (core/info_acks.py).
+    more: Annotated[list[tuple[Room, TransferId]], msgspec.Meta(max_length=1 << 16)] = []
 
 
 class RoomFailed(_Msg, tag="failed"):
