@@ -324,7 +324,9 @@ Round = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
 
 class StagingReq(_Msg, tag="stg_req"):
     """Prefill -> decode: staging space for one chunk of a room (ahead of need, resent until
-    answered). Every writer of a decode rank asks; the writers of one chunk share one allocation."""
+    answered). Every writer of a decode rank asks; the writers of one chunk share one allocation,
+    granted to all of them on the first request. ``again``: a resend (the grant may have been
+    lost); a first request for a chunk already granted is not answered, its grant is on its way."""
 
     room: Room
     transfer_id: TransferId
@@ -332,6 +334,7 @@ class StagingReq(_Msg, tag="stg_req"):
     chunk_index: Count
     token_start: Tokens
     token_end: Tokens
+    again: bool = False
 
     def __post_init__(self) -> None:
         if self.v != PROTOCOL_VERSION:  # inline test: this runs for every message and note

@@ -189,9 +189,13 @@ class StagedReceiver(RankFlowPart):
                     f"writers disagree on chunk {req.chunk_index}: [{ch.token_start}, {ch.token_end}) "
                     f"{ch.flow.value} vs [{req.token_start}, {req.token_end}) {flow.value}"
                 )
-            self.counters["staging_req_duplicate"] += 1
-            if ch.state is not RxState.WAITING_SPACE:
+            if ch.state is RxState.WAITING_SPACE:
+                self.counters["staging_req_duplicate"] += 1
+            elif req.again:  # the writer asked before: its grant may have been lost
+                self.counters["staging_req_duplicate"] += 1
                 self._grant(r, ch, (req.src,))
+            else:  # the first writer's request granted the chunk to every writer, this one too
+                self.counters["staging_req_granted_already"] += 1
             return
         writers = tuple(sorted(p for p in r.data_senders))
         for p in writers:

@@ -282,7 +282,7 @@ class StagedSender(RankFlowPart):
             return f"needs {need} bytes of decode {lane.target}'s {lane.flow.value} region, which holds {cap}"
         return ""
 
-    def _staging_req(self, r: Any, lane: TxLane) -> m.StagingReq:
+    def _staging_req(self, r: Any, lane: TxLane, again: bool = False) -> m.StagingReq:
         return m.StagingReq(
             src=self.ctx.endpoint,
             room=r.room,
@@ -291,11 +291,12 @@ class StagedSender(RankFlowPart):
             chunk_index=lane.index,
             token_start=lane.token_start,
             token_end=lane.token_end,
+            again=again,
         )
 
     def resend_staging(self, room: int) -> None:
         """StagingReq (or its answer) may be lost: ask again each heartbeat interval until every
-        lane is answered; decode answers a repeat with the same allocation."""
+        lane is answered; decode answers a repeat (``again``) with the same allocation."""
         ctx = self.ctx
         r = ctx.room(room)
         if r is None:
@@ -308,7 +309,7 @@ class StagedSender(RankFlowPart):
                 # Per flow: a ring answers at once, so a ring resend means a lost message; a full
                 # pinned pool answers only when space frees, so pinned resends are routine.
                 self.counters[f"staging_req_resent_{lane.flow.value}"] += 1
-                ctx.send(lane.target, self._staging_req(r, lane))
+                ctx.send(lane.target, self._staging_req(r, lane, again=True))
         if pending:
             ctx.deadlines.set(("stg", r.room), ctx.now() + ctx.timeouts.heartbeat_interval_ns)
 
