@@ -326,6 +326,7 @@ class StagedSender(RankFlowPart):
         if rsp.src not in ctx.targets(r) and rsp.src not in r.receivers:
             raise StagingRoomError(f"staging space from {rsp.src}, which is not a decode rank of the room")
         self._heard_wm((rsp.src, rsp.flow), Watermark(rsp.wm_round, rsp.wm_offset))
+        self._confirm_notes((rsp.src, rsp.flow))  # decode may send its watermark only with grants
         led = self._ledger(r)
         lane = led.lanes.get((rsp.chunk_index, rsp.src))
         if lane is None:
