@@ -226,12 +226,15 @@ class TransferInfo(_Msg, tag="info"):
 
 
 class InfoAck(_Msg, tag="info_ack"):
-    """Prefill -> decode: your TransferInfo for this room reached me (stop resending it). A lost
+    """Prefill -> decode: your TransferInfos for these rooms reached me (stop resending). A lost
     TransferInfo would otherwise keep the room waiting for its deadline, and with a staging ring
     its granted space pinned for every room behind it."""
 
     room: Room
     transfer_id: TransferId
+    # Further rooms answered by this one message: prefill owes its InfoAcks a quarter of a
+    # heartbeat interval and sends what its notes did not answer together (core/info_acks.py).
+    more: Annotated[list[tuple[Room, TransferId]], msgspec.Meta(max_length=1 << 16)] = []
 
 
 class RoomFailed(_Msg, tag="failed"):
@@ -321,7 +324,9 @@ Round = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
 
 class StagingReq(_Msg, tag="stg_req"):
     """Prefill -> decode: staging space for one chunk of a room (ahead of need, resent until
-    answered). Every writer of a decode rank asks; the writers of one chunk share one allocation."""
+    answered). Every writer of a decode rank asks; the writers of one chunk share one allocation,
+    granted to all of them on the first request. ``again``: a resend (the grant may have been
+    lost); a first request for a chunk already granted is not answered, its grant is on its way."""
 
     room: Room
     transfer_id: TransferId
@@ -329,6 +334,7 @@ class StagingReq(_Msg, tag="stg_req"):
     chunk_index: Count
     token_start: Tokens
     token_end: Tokens
+    again: bool = False
 
     def __post_init__(self) -> None:
         if self.v != PROTOCOL_VERSION:  # inline test: this runs for every message and note

@@ -396,15 +396,20 @@ class ReceiverEngine(RoomEngine):
         elif t is m.RegisterAck:
             self._on_register_ack(msg)
         elif t is m.InfoAck:
-            r = self.rooms.get(msg.room)
-            if r is not None and r.tid == msg.transfer_id and msg.src in r.senders:
-                self._infos.answered(r.room, msg.src)
+            self._info_acked(msg.src, msg.room, msg.transfer_id)
+            for room, tid in msg.more:
+                self._info_acked(msg.src, room, tid)
         elif t is m.Heartbeat:
             self.counters["heartbeat_in"] += 1
         elif t in self._routes:
             self._routes[t](msg)  # a flow's own message (core/flows/parts.py)
         else:
             self.counters["wrong_side_message"] += 1
+
+    def _info_acked(self, src: m.Endpoint, room: int, tid: str) -> None:
+        r = self.rooms.get(room)
+        if r is not None and r.tid == tid and src in r.senders:
+            self._infos.answered(r.room, src)
 
     def _on_register_ack(self, msg: m.RegisterAck) -> None:
         peer = self.peers.get(msg.src)

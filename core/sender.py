@@ -71,6 +71,7 @@ from kvferry.core.flows.push import PushSender
 from kvferry.core.flows.registry import halves as flow_halves
 from kvferry.core.flows.staged_sender import StagedSender
 from kvferry.core.identity_enum import IdentityEnum
+from kvferry.core.info_acks import OwedAcks
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.proto_common import (
     EngineFlowContext,
@@ -429,6 +430,7 @@ class SenderEngine(RoomEngine):
         self.policy = policy or FlowPolicy()
         flows.ahead = AheadPlans(self.counters)
         self._track_tables()
+        self._acks = OwedAcks(self)  # InfoAcks owed (core/info_acks.py)
         # The staged flows' prefill half (ring and pinned); it registers its own tables.
         flows.staged = self.staged_class(flows.ctx, worker_buffer_bytes, pinned_bytes)
         self._route_parts((flows.staged, flows.pull, flows.push))
@@ -535,6 +537,8 @@ class SenderEngine(RoomEngine):
         else:
             self.counters["bad_event"] += 1
             raise TypeError(f"SenderEngine cannot handle {t.__name__}")
+        if self._acks.owed:
+            self._acks.ride(out)
         self._out = []
         return out
 
@@ -548,6 +552,8 @@ class SenderEngine(RoomEngine):
             out.append(ChunkSkipped(room=chunk.room, chunk_index=chunk.chunk_index, reason="room not live"))
         else:
             self._dispatch(r, SIn.RUN_CHUNK, chunk)
+        if self._acks.owed:
+            self._acks.ride(out)
         self._out = []
         return out
 
@@ -610,6 +616,7 @@ class SenderEngine(RoomEngine):
                 # incarnation before loading the new one.
                 self.counters["peer_restarted"] += 1
                 self._parts_peer_lost(msg.src)
+                self._acks.peer_gone(msg.src)
                 self._out.append(DropPeer(peer=msg.src, reason="re-registered with a new agent"))
             self.peers[msg.src] = new
             self._out.append(AddPeer(peer=msg.src, registration=msg))
@@ -656,8 +663,12 @@ class SenderEngine(RoomEngine):
             self._send(
                 msg.src, m.RegisterAck(src=self.endpoint, ok=False, retry=True, reason="not registered")
             )
+        first = msg.src not in r.decode.infos
         self._dispatch(r, SIn.INFO, msg)
-        self._send(msg.src, m.InfoAck(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id))
+        if first and r.decode.infos.get(msg.src) is msg and r.state is not SState.FAILED:
+            self._acks.owe(r.key, msg.src)  # a note of the room will answer it, or the batch
+        else:  # a resend (decode has waited an interval), or a room that failed on it
+            self._send(msg.src, m.InfoAck(src=self.endpoint, room=msg.room, transfer_id=msg.transfer_id))
 
     def _on_abort(self, msg: m.Abort) -> None:
         r = self.rooms.get(msg.room)
@@ -1204,8 +1215,11 @@ class SenderEngine(RoomEngine):
                 self._send(p, msg)
         elif kind == "cut":
             self.writes.cut.pop(what, None)  # decode's fence deadline has passed: it freed the pages
+        elif kind == OwedAcks.KIND:
+            self._acks.fire(what)
 
     def _peer_gone(self, peer: m.Endpoint) -> None:
+        self._acks.peer_gone(peer)
         until = self._now + self.timeouts.fence_ns
         for room in sorted(self.rooms_by_peer.get(peer, ())):
             r = self.rooms.get(room)

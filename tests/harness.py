@@ -893,7 +893,14 @@ class World:
         # A released prefill room may still owe its peer a failure notice (resent each heartbeat
         # interval): settling must keep time moving in heartbeat steps until that stream ends,
         # or one big jump past fence_ns would give up without a single resend.
-        return any(r.engine.rooms or (r.side == "prefill" and r.engine.notices) for r in self.ranks)
+        # Likewise a watermark decode owes a writer (core/flows/staged_wm.py), sent a quarter
+        # interval after the free, and the writer's notes that wait for it.
+        return any(
+            r.engine.rooms
+            or (r.side == "prefill" and (r.engine.notices or r.engine.staged.unconfirmed))
+            or (r.side == "decode" and r.engine.staged.pacer.owed)
+            for r in self.ranks
+        )
 
     def first_chunk_run(self, room: int, tid: str, num_tokens: int) -> Request:
         """A one-chunk room opened on every rank, its handshake delivered, and its chunk run by

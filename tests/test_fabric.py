@@ -168,6 +168,20 @@ def test_link_down_fails_transfer_and_drops_control() -> None:
     assert fab.drain_control("b") == [("a", b"again")]
 
 
+def test_link_down_drops_a_bare_notification() -> None:
+    """A notification with no data (a dummy's "done", a resent staged note) takes the data path:
+    over a downed link it is lost like the control message; the link back up carries it again."""
+    env, fab = world()
+    fab.set_link("a", "b", up=False)
+    fab.send_notif("a", "b", b"note")
+    env.run()
+    assert fab.drain_notifs("b") == [] and fab.stats.notifs_dropped == 1
+    fab.set_link("a", "b", up=True)
+    fab.send_notif("a", "b", b"again")
+    env.run()
+    assert fab.drain_notifs("b") == [("a", b"again")]
+
+
 def test_control_latency() -> None:
     env, fab = world()
     fab.send_control("a", "c", b"x")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
 from kvferry.core.resources import RingRefused, RingSlot, StagingRing, Watermark, writable
 from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import run_one
@@ -156,13 +156,30 @@ class QuarantineRingMachine(RingMachine):
         self._broadcast()
 
     def _holding(self) -> list[RingSlot]:
-        """A quarantined slot that no other live slot overlaps does not hold the watermark."""
+        """A quarantined slot that no other live, unquarantined slot overlaps does not hold the
+        watermark (a quarantined one has no writer to protect)."""
         q = self._qset()
         return [
             s
             for i, s in self.model.items()
-            if i not in q or any(_overlap(s, o) for j, o in self.model.items() if j != i)
+            if i not in q or any(_overlap(s, o) for j, o in self.model.items() if j != i and j not in q)
         ]
+
+    @invariant()
+    def no_live_overlap_writable(self) -> None:
+        """The base rule, except between two quarantined slots: both rooms failed, so neither
+        has data a write of the other could spoil (their space is freed only after the fence)."""
+        if not hasattr(self, "ring"):
+            return
+        wm, q = self.ring.watermark(), self._qset()
+        slots = sorted(self.model.values(), key=lambda s: s.position)
+        for i, early in enumerate(slots):
+            for late in slots[i + 1 :]:
+                if not _overlap(early, late) or {early.alloc_id, late.alloc_id} <= q:
+                    continue
+                assert early.round < late.round, f"{early} and {late} overlap in one round"
+                assert not self.writable_fn(late, wm), f"{late} writable while {early} is live"
+                assert not self.writable_fn(late, self.heard)
 
 
 TestQuarantineRingMachine = QuarantineRingMachine.TestCase
@@ -207,3 +224,23 @@ def test_quarantine_example() -> None:
     ring.free_owner("failed")
     ring.free(c.alloc_id)
     assert len(ring) == 0 and ring.watermark() == ring.head
+
+
+def test_two_quarantined_rooms_that_overlap_do_not_pin_the_watermark() -> None:
+    """Found by the partition scenario above (seed 3): a room of one lap and a room of the next
+    lap over the same bytes both failed; each overlapped the other, so neither stopped holding
+    the watermark, and every room behind them timed out waiting for the fence."""
+    ring = StagingRing(100)
+    a = ring.assign(60, "failed-a")
+    filler = ring.assign(30, "done")
+    b = ring.assign(50, "failed-b")  # wraps: lap 1, over a's bytes
+    assert isinstance(a, RingSlot) and isinstance(b, RingSlot) and isinstance(filler, RingSlot)
+    assert b.round == a.round + 1 and b.offset < a.end
+    ring.free(filler.alloc_id)
+    ring.quarantine("failed-a")
+    assert ring.watermark() == a.position  # b, live and not failed, still needs a's bytes fenced
+    ring.quarantine("failed-b")
+    assert ring.watermark() == ring.head  # neither has a writer left to protect
+    c = ring.assign(30, "next")
+    assert isinstance(c, RingSlot) and not _overlap(c, a) and not _overlap(c, b)
+    assert writable(c, ring.watermark())

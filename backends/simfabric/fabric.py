@@ -409,6 +409,10 @@ class Fabric:
         if not s.up:
             raise NodeDownError(f"{src} is down")
         d = self.node(dst)
+        if not self.link(src, dst).up:  # no path: lost, as a control message would be
+            self.stats.notifs_dropped += 1
+            self.record("notif_drop", dst, src=src, tag=tag)
+            return
         delay = s.nic.latency_ns + self._jitter(s.nic.jitter_ns) + d.nic.completion_delay_ns
         inc = d.incarnation
         self._at(delay, self._deliver_notif, src, dst, inc, payload, tag)

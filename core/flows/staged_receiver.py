@@ -38,6 +38,7 @@ from kvferry.core.flows.registry import FlowReceiver
 from kvferry.core.flows.staged_rx import RX_TABLE, RxChunk, RxIn, RxState
 from kvferry.core.flows.staged_sender import STAGED_RECEIVER
 from kvferry.core.flows.staged_tx import decode_alloc_bytes
+from kvferry.core.flows.staged_wm import WatermarkPacer
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.machine import RoomError, RoomFailure, fire, step
@@ -70,6 +71,7 @@ class StagedReceiver(RankFlowPart):
         )
         self.subscribers: dict[str, set[m.Endpoint]] = {"ring": set(), "pinned": set()}
         self._last_wm: dict[str, Watermark] = {}
+        self.pacer = WatermarkPacer(ctx, self._watermark_msg)  # who hears a new watermark when
         self._pinned_next = 0  # grant sequence numbers of pinned reservations (their watermark)
         self._pinned_live: dict[int, int] = {}  # reservation id -> grant number
         self.pinned_queue: deque[tuple[int, str, int]] = deque()  # (room, tid, chunk) waiting for space
@@ -189,9 +191,13 @@ class StagedReceiver(RankFlowPart):
                     f"writers disagree on chunk {req.chunk_index}: [{ch.token_start}, {ch.token_end}) "
                     f"{ch.flow.value} vs [{req.token_start}, {req.token_end}) {flow.value}"
                 )
-            self.counters["staging_req_duplicate"] += 1
-            if ch.state is not RxState.WAITING_SPACE:
+            if ch.state is RxState.WAITING_SPACE:
+                self.counters["staging_req_duplicate"] += 1
+            elif req.again:  # the writer asked before: its grant may have been lost
+                self.counters["staging_req_duplicate"] += 1
                 self._grant(r, ch, (req.src,))
+            else:  # the first writer's request granted the chunk to every writer, this one too
+                self.counters["staging_req_granted_already"] += 1
             return
         writers = tuple(sorted(p for p in r.data_senders))
         for p in writers:
@@ -292,6 +298,7 @@ class StagedReceiver(RankFlowPart):
                     wm_offset=wm.offset,
                 ),
             )
+            self.pacer.sent((p, ch.flow.value), wm)
 
     def _watermark_msg(self, pool: str) -> m.Watermark:
         wm = self._watermark(pool)
@@ -345,7 +352,7 @@ class StagedReceiver(RankFlowPart):
         return "failed"
 
     def deadline_kinds(self) -> dict[str, Callable[[Any], None]]:
-        return {"held": self.held_expired}
+        return {"held": self.held_expired, "wm": lambda _owed: self.pacer.fire(self._watermark)}
 
     def forget(self, r: Any) -> None:
         """The room is gone: so is the flow's ledger of it."""
@@ -458,8 +465,9 @@ class StagedReceiver(RankFlowPart):
             wm = self._watermark(pool)
             if wm != self._last_wm.get(pool):
                 self._last_wm[pool] = wm
-                for p in sorted(self.subscribers[pool]):
-                    self.ctx.send(p, self._watermark_msg(pool))
+                chunks = (ch for chs in self.staged_chunks.values() for ch in chs.values())
+                live = (ch for ch in chunks if ch.flow.value == pool)
+                self.pacer.moved(pool, wm, self.subscribers[pool], live)
 
     def _space_freed(self) -> None:
         """Broadcast the ring's new watermark; grant the chunks that waited for space, in order."""
@@ -488,6 +496,10 @@ class StagedReceiver(RankFlowPart):
         for pool in ("ring", "pinned"):
             if peer in self.subscribers[pool]:
                 self.ctx.send(peer, self._watermark_msg(pool))
+                self.pacer.sent((peer, pool), self._watermark(pool))
+
+    def peer_lost(self, peer: m.Endpoint, rooms: Any) -> None:
+        self.pacer.forget(peer)
 
     def withdrawn_scatter(self, r: Any, op: int) -> None:
         """A Scatter command the table withdrew (its step failed): it never runs."""

@@ -282,7 +282,7 @@ class StagedSender(RankFlowPart):
             return f"needs {need} bytes of decode {lane.target}'s {lane.flow.value} region, which holds {cap}"
         return ""
 
-    def _staging_req(self, r: Any, lane: TxLane) -> m.StagingReq:
+    def _staging_req(self, r: Any, lane: TxLane, again: bool = False) -> m.StagingReq:
         return m.StagingReq(
             src=self.ctx.endpoint,
             room=r.room,
@@ -291,11 +291,12 @@ class StagedSender(RankFlowPart):
             chunk_index=lane.index,
             token_start=lane.token_start,
             token_end=lane.token_end,
+            again=again,
         )
 
     def resend_staging(self, room: int) -> None:
         """StagingReq (or its answer) may be lost: ask again each heartbeat interval until every
-        lane is answered; decode answers a repeat with the same allocation."""
+        lane is answered; decode answers a repeat (``again``) with the same allocation."""
         ctx = self.ctx
         r = ctx.room(room)
         if r is None:
@@ -308,7 +309,7 @@ class StagedSender(RankFlowPart):
                 # Per flow: a ring answers at once, so a ring resend means a lost message; a full
                 # pinned pool answers only when space frees, so pinned resends are routine.
                 self.counters[f"staging_req_resent_{lane.flow.value}"] += 1
-                ctx.send(lane.target, self._staging_req(r, lane))
+                ctx.send(lane.target, self._staging_req(r, lane, again=True))
         if pending:
             ctx.deadlines.set(("stg", r.room), ctx.now() + ctx.timeouts.heartbeat_interval_ns)
 
@@ -325,6 +326,7 @@ class StagedSender(RankFlowPart):
         if rsp.src not in ctx.targets(r) and rsp.src not in r.receivers:
             raise StagingRoomError(f"staging space from {rsp.src}, which is not a decode rank of the room")
         self._heard_wm((rsp.src, rsp.flow), Watermark(rsp.wm_round, rsp.wm_offset))
+        self._confirm_notes((rsp.src, rsp.flow))  # decode may send its watermark only with grants
         led = self._ledger(r)
         lane = led.lanes.get((rsp.chunk_index, rsp.src))
         if lane is None:

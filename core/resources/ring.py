@@ -157,11 +157,16 @@ class StagingRing:
         return self._head
 
     def _skippable(self, alloc_id: int, slot: RingSlot) -> bool:
-        """A quarantined allocation that no other live one overlaps holds no writer back."""
+        """A quarantined allocation that no other live one overlaps holds no writer back. One it
+        overlaps that is quarantined too has no writer to hold back (two failed rooms of
+        consecutive laps would otherwise pin each other, and the watermark, until the fence)."""
         if alloc_id not in self._quarantined:
             return False
+        q = self._quarantined
         return not any(
-            o.offset < slot.end and slot.offset < o.end for i, o in self._live.items() if i != alloc_id
+            o.offset < slot.end and slot.offset < o.end
+            for i, o in self._live.items()
+            if i != alloc_id and i not in q
         )
 
     def _clear_of_quarantine(self, offset: int, end: int) -> int:
