@@ -42,6 +42,8 @@ The campaign's blind spots, each caught only with its dimension of the draw spac
   write (the last layer's completion taken as the chunk's, and so the room's): an earlier
   layer's write that fails goes unnoticed, and a failed room's fence (Stopped) leaves while
   earlier layers are still in flight, so decode frees pages they then land in (ownership).
+  Pinned by tests/scenarios/planted-last-layer-write-only.toml (every room aborted while its
+  early layers fly) and campaign seed 292 (48 and 58 too).
 - ``layers_after_failure``: a layer-wise prefill rank whose room failed (decode's failure notice,
   its own deadline, a lost peer) still posts the layers its engine goes on reporting for the
   chunk in its forward: a write posted after its Stopped lands in pages decode freed on that
@@ -236,6 +238,19 @@ class _LastLayerOnlySender(SenderEngine):
 
     def _h_on_layers(self, r: Any, inp: Any, ev: Any) -> str:
         return self._untrack_early_layers(r, super()._h_on_layers(r, inp, ev))
+
+
+# The table holds the base class's handlers themselves, so an override is only called through
+# its own rows: the live rows' layer reports (which post the early layers during the forward)
+# take the planted handler, or only a chunk whose layers all wait for its run would be planted.
+_BASE_LAYERS = SenderEngine._h_on_layers
+_LastLayerOnlySender.TABLE = {
+    st: {
+        inp: step(_LastLayerOnlySender._h_on_layers, **tr.next) if tr.handler is _BASE_LAYERS else tr
+        for inp, tr in row.items()
+    }
+    for st, row in SENDER_TABLE.items()
+}
 
 
 class _LayersAfterFailureSender(SenderEngine):
