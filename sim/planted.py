@@ -155,11 +155,8 @@ def _sender_with(staged: type[StagedSender]) -> type[SenderEngine]:
 
 
 class _TruncatingSender(SenderEngine):
-    def _h_on_chunk(self, r: Any, inp: Any, c: Any) -> None:
-        if r.num_tokens >= 0 and c.token_end > r.num_tokens:
-            c = _with_end(c, r.num_tokens)
-        super()._h_on_chunk(r, inp, c)
-
+    # The truncation lives in _chunk_bounds: the transition table calls SenderEngine's own chunk
+    # handler, so an override of _h_on_chunk here would never run.
     def _chunk_bounds(self, r: Any, c: Any) -> tuple[int, int]:
         if c.token_end > r.num_tokens:
             c = _with_end(c, r.num_tokens)
