@@ -1,6 +1,7 @@
 """A native-engine rank with ``progress_threads=1`` runs one progress thread (base.py
-``_progress_step``/``_wait_progress``): it sleeps on the control plane's inbox fd and the engine's wake-up fd at once. The python executor
-keeps its control and data loops. Over real NIXL (UCX on DRAM) in this process.
+``_progress_step``/``_wait_progress``): it sleeps on the control plane's inbox fd and the engine's
+wake-up fd at once. By default, and on the python executor, a rank keeps its control and data
+loops. Over real NIXL (UCX on DRAM) in this process.
 
 Wake-ups are judged by what ended the thread's sleep (kvf_wait_fd's mask), never by wall time:
 the idle cap and every deadline are tens of seconds, so a sleep that was not ended by its fd would
