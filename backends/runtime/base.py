@@ -88,9 +88,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Progress threads per endpoint besides the workers (``progress_threads``): 2, a control loop
     # and a data loop; 1, one loop that sleeps on the control plane's inbox and the native engine's
     # wake-up at once (native-engine ranks only: their data half never waits on UCX); 0, auto:
-    # two. On an H200 one thread gave direct rooms 3-10% more of the raw write but a co-located
-    # scheduler kept less of its step rate (0.74-0.77 against 0.88, `kvferry bench interference`,
-    # docs/benchmarks.md "One progress thread or two"): the serving engine's share decides.
+    # two. On an H200 one thread gave direct rooms 3-10% more of the raw write; a co-located
+    # scheduler kept 0.74-0.77 of its step rate against 0.77-0.88 with two (`kvferry bench
+    # interference`, docs/benchmarks.md "One progress thread or two"): no clear winner, so the
+    # design with the longer record stays the default.
     # $KVFERRY_PROGRESS_THREADS (1 or 2) replaces auto, so one run can compare both designs.
     progress_threads: int = 0
     # Staging memory of the ring and pinned flows (backends/runtime/staging.py).
