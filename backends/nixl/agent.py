@@ -136,8 +136,7 @@ class _RegionTable:
     ndescs: int = field(init=False)
     addr: np.ndarray = field(init=False)  # region_id -> base address (one-shot posts)
     dev: np.ndarray = field(init=False)  # region_id -> device id
-    _end_arr: np.ndarray = field(init=False, repr=False)  # region_id -> end in bytes, -1 if unknown
-    _ends: list[int] = field(init=False, repr=False)  # the same as Python ints
+    _ends: dict[int, int] = field(init=False, repr=False)  # known region_id -> end, as Python ints
 
     def __post_init__(self) -> None:
         size = max(self.regions) + 1 if self.regions else 0
@@ -154,10 +153,11 @@ class _RegionTable:
         self.ndescs = nxt
         if nxt > MAX_PREP_DESCS:
             raise RegionError(f"granule {self.granule} B gives {nxt} descriptors; use a coarser granule")
-        # Region ends in bytes (-1: unknown), also as Python ints: a one-descriptor post (an aux
-        # row, a one-run chunk) is checked without a numpy call (~20 of them, ~40 us).
-        self._end_arr = np.where(self.first >= 0, self.units * self.granule, -1)
-        self._ends = self._end_arr.tolist()
+        # Region ends in bytes as Python ints: a one-descriptor post (an aux row, a one-run chunk)
+        # is checked without a numpy call (~20 of them, ~40 us). A dict of the known regions, not
+        # an array or list over every id up to the largest: region ids can be large, and a dense
+        # table of ends cost tens of MB of resident memory per table (a soak's RSS bound caught it).
+        self._ends = {rid: int(self.units[rid]) * self.granule for rid in self.regions}
 
     def rows(self) -> np.ndarray:
         """Nx3 (addr, len, dev) rows in index order, for prep_xfer_dlist."""
@@ -191,15 +191,14 @@ class _RegionTable:
         if region.size == offset.size == length.size == 1:
             self._check_one(region.item(), offset.item(), length.item(), side)
             return region, offset, length
-        inside = not region.size or (region.min() >= 0 and region.max() < self.first.size)
-        ends = self._end_arr[region] if inside else None
-        if ends is None or (ends < 0).any():
+        known = (region >= 0) & (region < self.first.size)
+        if not known.all() or (self.first[region] < 0).any():
             raise DescriptorError(f"{side}: unknown region id in {np.unique(region).tolist()}")
         if (offset < 0).any() or (length <= 0).any():
             raise DescriptorError(f"{side}: negative offset or empty length")
         if (offset % g).any() or (length % g).any():
             raise DescriptorError(f"{side}: offset/length not multiples of the {g} B granule")
-        if ((offset + length) > ends).any():
+        if ((offset + length) > self.units[region] * g).any():
             raise DescriptorError(f"{side}: descriptor runs past the end of its registered region")
         return region, offset, length
 
@@ -207,7 +206,7 @@ class _RegionTable:
         """``_checked``'s checks, in its order and with its messages, for one descriptor (Python
         ints: no int64 wrap-around either)."""
         g = self.granule
-        end = self._ends[region] if 0 <= region < len(self._ends) else -1
+        end = self._ends.get(region, -1)
         if end < 0:
             raise DescriptorError(f"{side}: unknown region id in {[region]}")
         if offset < 0 or length <= 0:
