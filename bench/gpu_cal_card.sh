@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# A whole calibration set of one card, in three device calls of under ten minutes each: the rows a
+# profile is fitted from (fit1, fit2) and rows no fit may see (check). Same set-up and output as
+# gpu_run.sh (bench/gpu_common.sh): results in $OUT/results.tgz, under cal/ inside it.
+#   CARD=h200 PART=fit1 bash bench/gpu_cal_card.sh   # kernel bench; TP 1->1 direct and ring at
+#       512-8192 tokens and TP 2->1 ring at 2,048 with NIXL telemetry; every flow at 2,048 tokens,
+#       TP 1->1 / 2->1 / 1->2, one room in flight (telemetry for unequal-TP direct and pinned)
+#   CARD=h200 PART=fit2 bash bench/gpu_cal_card.sh   # every flow at 8,192 tokens (one room) and at
+#       2,048 tokens, 8 in flight (TP 1->1 / 2->1)
+#   CARD=h200 PART=check bash bench/gpu_cal_card.sh  # held out: every flow at 4,096 tokens (one room,
+#       three TP pairs) and at 1,024 tokens (8 in flight, TP 1->1 / 2->1)
+# ENGINE (default native) is the runtime's executor of NIXL commands. A CPU dry run:
+#   MEM=DRAM TOKS_SCALE=64 OUT=/tmp/calc PART=fit1 bash bench/gpu_cal_card.sh
+set -u
+source "$(dirname "$0")/gpu_common.sh"
+CARD=${CARD:-h200}
+PART=${PART:?PART: fit1, fit2 or check}
+ENGINE=${ENGINE:-native}
+TOKS_SCALE=${TOKS_SCALE:-1}  # DRAM dry runs divide every size by this
+FLOWS=(direct ring pinned pull push layerwise)
+mkdir -p "$R/cal"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/gpu.txt"
+if [ "$ENGINE" = native ]; then  # built from source here, as bench/gpu_native.sh does
+  step build 60 python3 -P -m kvferry.backends.native.build --out /tmp/kvf_engine.so
+  if [ ! -s /tmp/kvf_engine.so ] && [ -s "$REPO/build/kvf_engine.so" ]; then
+    cp "$REPO/build/kvf_engine.so" /tmp/kvf_engine.so && echo "engine: carried build" | tee -a "$R/steps.txt"
+  fi
+  export KVFERRY_NATIVE_LIB=/tmp/kvf_engine.so
+fi
+
+row() {  # row FILE TOKENS INFLIGHT CONFIG FLOW ROOMS [telemetry]: one bench row appended to cal/FILE
+  local file=$1 tok=$2 inflight=$3 cfg=$4 flow=$5 rooms=$6 tel=${7:-}
+  local tag name args=()
+  tag=$(echo "$cfg" | tr -dc '0-9' | sed 's/./&-/' )
+  name="$CARD.$tag.$flow.$tok.i$inflight"
+  if [ -n "$tel" ]; then args=(--telemetry "$R/cal/$name.json"); fi
+  step "$name" 120 /tmp/kv bench nixl --mem "$MEM" --tokens "$((tok / TOKS_SCALE))" --rooms "$rooms" \
+    --inflight "$inflight" --config "$cfg" --flow "$flow" --engine "$ENGINE" "${args[@]}" --json
+  cat "$R/$name.out" >>"$R/cal/$file"
+}
+
+case "$PART" in
+  fit1)
+    if [ "$MEM" = VRAM ]; then
+      step kernels 120 python3 -P "$REPO/bench/kernel_bench.py" --reps 10 --fallback-reps 2 --json "$R/cal/kernels.json"
+    fi
+    for flow in direct ring; do
+      for tok in 512 1024 2048 4096 8192; do row bench.jsonl "$tok" 1 'tp1->1 nhd' "$flow" 3 tel; done
+    done
+    row bench.jsonl 2048 1 'tp2->1 nhd' ring 3 tel
+    for cfg in 'tp2->1 nhd' 'tp1->2 nhd' 'tp1->1 nhd'; do
+      for flow in "${FLOWS[@]}"; do
+        case "$cfg/$flow" in
+          'tp1->1 nhd/direct' | 'tp1->1 nhd/ring') continue ;;  # rows of bench.jsonl
+          'tp1->1 nhd/pinned' | 'tp2->1 nhd/direct' | 'tp1->2 nhd/direct') tel=tel ;;
+          *) tel= ;;
+        esac
+        row bench-flows.jsonl 2048 1 "$cfg" "$flow" 2 $tel
+      done
+    done
+    ;;
+  fit2)
+    for cfg in 'tp2->1 nhd' 'tp1->2 nhd' 'tp1->1 nhd'; do
+      for flow in "${FLOWS[@]}"; do row bench-flows.jsonl 8192 1 "$cfg" "$flow" 2; done
+    done
+    for cfg in 'tp1->1 nhd' 'tp2->1 nhd'; do
+      for flow in "${FLOWS[@]}"; do row bench-flows.jsonl 2048 8 "$cfg" "$flow" 1; done
+    done
+    ;;
+  check)
+    for cfg in 'tp1->1 nhd' 'tp2->1 nhd'; do
+      for flow in "${FLOWS[@]}"; do row check-1024-i8.jsonl 1024 8 "$cfg" "$flow" 1; done
+    done
+    for cfg in 'tp1->1 nhd' 'tp2->1 nhd' 'tp1->2 nhd'; do
+      for flow in "${FLOWS[@]}"; do row check-4096-i1.jsonl 4096 1 "$cfg" "$flow" 2; done
+    done
+    ;;
+  *) echo "PART: fit1, fit2 or check, got $PART" >&2; exit 2 ;;
+esac
