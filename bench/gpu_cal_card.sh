@@ -7,6 +7,7 @@
 #       TP 1->1 / 2->1 / 1->2, one room in flight (telemetry for unequal-TP direct and pinned)
 #   CARD=h200 PART=fit2 bash bench/gpu_cal_card.sh   # every flow at 8,192 tokens (one room) and at
 #       2,048 tokens, 8 in flight (TP 1->1 / 2->1)
+#   CARD=h200 PART=rows ROWS='bench-flows.jsonl 2048 8 1-1 ring 1;...' bash bench/gpu_cal_card.sh
 #   CARD=h200 PART=check bash bench/gpu_cal_card.sh  # held out: every flow at 4,096 tokens (one room,
 #       three TP pairs) and at 1,024 tokens (8 in flight, TP 1->1 / 2->1)
 # ENGINE (default native) is the runtime's executor of NIXL commands. A CPU dry run:
@@ -75,5 +76,12 @@ case "$PART" in
       for flow in "${FLOWS[@]}"; do row check-4096-i1.jsonl 4096 1 "$cfg" "$flow" 2; done
     done
     ;;
-  *) echo "PART: fit1, fit2 or check, got $PART" >&2; exit 2 ;;
+  rows)  # ROWS='FILE TOKENS INFLIGHT TP FLOW ROOMS [tel];...' (TP as 2-1): the rows a call left over
+    IFS=';' read -r -a specs <<<"${ROWS:?ROWS: rows to take}"
+    for spec in "${specs[@]}"; do
+      read -r file tok inflight tp flow rooms tel <<<"$spec"
+      row "$file" "$tok" "$inflight" "tp${tp/-/->} nhd" "$flow" "$rooms" "${tel:-}"
+    done
+    ;;
+  *) echo "PART: fit1, fit2, check or rows, got $PART" >&2; exit 2 ;;
 esac
