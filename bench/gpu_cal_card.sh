@@ -38,6 +38,7 @@ row() {  # row FILE TOKENS INFLIGHT CONFIG FLOW ROOMS [telemetry]: one bench row
   step "$name" 120 /tmp/kv bench nixl --mem "$MEM" --tokens "$((tok / TOKS_SCALE))" --rooms "$rooms" \
     --inflight "$inflight" --config "$cfg" --flow "$flow" --engine "$ENGINE" "${args[@]}" --json
   cat "$R/$name.out" >>"$R/cal/$file"
+  tar czf "$OUT/results.tgz" -C "$R" .  # again: step packed before the row reached cal/
 }
 
 case "$PART" in
