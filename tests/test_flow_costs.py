@@ -286,6 +286,18 @@ def test_posting_fit_refuses_writes_of_one_concurrency_and_ignores_small_ones(tm
         fit_posting(posts, 58.0)
 
 
+def test_native_engine_writes_are_read_by_their_transfer_and_requested_count(tmp_path: Path) -> None:
+    """The native engine's telemetry: no posted count (-1), a post that returns at once, the walk of
+    the descriptors in xfer_us. Read as the Python executor's rows would be, so both fit alike."""
+    native = {**_write(0.0, 147_456, 147.0), "descs_posted": -1, "xfer_us": 1_365_145.0}
+    python = _write(5e6, 147_456, 1_487_015.0)
+    posts, _ = read_flow_telemetry([_telemetry(tmp_path / "d.json", "direct", [native, python])])
+    assert [(r.descs, r.post_us) for r in posts] == [(147_456, 1_365_145.0), (147_456, 1_487_015.0)]
+    pinned = {**_write(0.0, 4, 30.0, 1 << 30), "descs_posted": -1, "xfer_us": 2.0e5}
+    _, host = read_flow_telemetry([_telemetry(tmp_path / "p.json", "pinned", [pinned])])
+    assert [(h.nbytes, h.xfer_us) for h in host] == [(1 << 30, 2.0e5)]
+
+
 def test_host_wire_fit_recovers_a_planted_bandwidth(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     writes = [

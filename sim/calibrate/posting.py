@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from kvferry.sim.calibrate.inputs import CalibrationError, _load_json
@@ -159,16 +160,28 @@ def read_flow_telemetry(paths: Sequence[Path]) -> tuple[list[PostRow], list[Host
                 isinstance(w.get(k), bool) or not isinstance(w.get(k), int | float) for k in keys
             ):
                 raise CalibrationError(f"{path}: writes[{i}]: expected numbers for {', '.join(keys)}")
-            if w.get("status") == "DONE" and w["post_us"] > 0 and w["descs_posted"] > 0:
+            if w.get("status") == "DONE" and w["post_us"] > 0 and w["descs_posted"] != 0:
                 done.append(w)
         if flow == "pinned":
             host += [HostRow(int(w["nbytes"]), float(w["xfer_us"]), str(path)) for w in done]
             continue
-        spans = [(float(w["start_us"]), float(w["start_us"] + w["post_us"])) for w in done]
-        for w, k in zip(done, _concurrency(spans), strict=True):
-            if w["descs_posted"] >= MIN_DESCS:
-                posts.append(PostRow(int(w["descs_posted"]), float(w["post_us"]), k, str(path)))
+        walks = [_descriptor_walk(w) for w in done]
+        starts = [float(w["start_us"]) for w in done]
+        spans = [(t0, t0 + us) for t0, (_, us) in zip(starts, walks, strict=True)]
+        for (descs, us), k in zip(walks, _concurrency(spans), strict=True):
+            if descs >= MIN_DESCS:
+                posts.append(PostRow(descs, us, k, str(path)))
     return posts, host
+
+
+def _descriptor_walk(w: dict[str, Any]) -> tuple[int, float]:
+    """(descriptors, us NIXL took to walk them) of one write. The Python executor's post returns
+    once cuda_ipc has walked every descriptor (post_us); the native engine's returns at once and
+    reports no count (-1), so the walk is in the transfer's duration and the count is what it was
+    handed (a different-TP room's per-token runs are not dense, so NIXL merges none of them)."""
+    if w["descs_posted"] > 0:
+        return int(w["descs_posted"]), float(w["post_us"])
+    return int(w["descs_requested"]), float(w["xfer_us"])
 
 
 def _per_desc_model(a: float, b: float, k: np.ndarray) -> np.ndarray:
