@@ -293,6 +293,14 @@ def test_native_engine_writes_are_read_by_their_transfer_and_requested_count(tmp
     python = _write(5e6, 147_456, 1_487_015.0)
     posts, _ = read_flow_telemetry([_telemetry(tmp_path / "d.json", "direct", [native, python])])
     assert [(r.descs, r.post_us) for r in posts] == [(147_456, 1_365_145.0), (147_456, 1_487_015.0)]
+    # One prefill process (TP 1->2) hands both ranks' writes over at once; its agent walks them
+    # one after another, so the second's own walk starts where the first's ends, and alone.
+    handed = ((0.0, 8e5), (10.0, 1.6e6))  # (start, xfer_us)
+    one = [{**_write(t0, 147_456, 150.0), "descs_posted": -1, "xfer_us": us} for t0, us in handed]
+    path = tmp_path / "o.json"
+    path.write_text(json.dumps({"config": {"flow": "direct", "prefill_tp": 1}, "writes": one}))
+    posts, _ = read_flow_telemetry([path])
+    assert [(r.post_us, r.concurrent) for r in posts] == [(8e5, 1), (8e5 + 10.0, 1)]
     pinned = {**_write(0.0, 4, 30.0, 1 << 30), "descs_posted": -1, "xfer_us": 2.0e5}
     _, host = read_flow_telemetry([_telemetry(tmp_path / "p.json", "pinned", [pinned])])
     assert [(h.nbytes, h.xfer_us) for h in host] == [(1 << 30, 2.0e5)]

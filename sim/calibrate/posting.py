@@ -165,10 +165,11 @@ def read_flow_telemetry(paths: Sequence[Path]) -> tuple[list[PostRow], list[Host
         if flow == "pinned":
             host += [HostRow(int(w["nbytes"]), float(w["xfer_us"]), str(path)) for w in done]
             continue
-        walks = [_descriptor_walk(w) for w in done]
-        starts = [float(w["start_us"]) for w in done]
-        spans = [(t0, t0 + us) for t0, (_, us) in zip(starts, walks, strict=True)]
-        for (descs, us), k in zip(walks, _concurrency(spans), strict=True):
+        spans = [(float(w["start_us"]), *_descriptor_walk(w)) for w in done]
+        if isinstance(cfg, dict) and cfg.get("prefill_tp") == 1:
+            spans = _one_after_another(spans)
+        walks = [(t0, t0 + us) for t0, _, us in spans]
+        for (_, descs, us), k in zip(spans, _concurrency(walks), strict=True):
             if descs >= MIN_DESCS:
                 posts.append(PostRow(descs, us, k, str(path)))
     return posts, host
@@ -182,6 +183,20 @@ def _descriptor_walk(w: dict[str, Any]) -> tuple[int, float]:
     if w["descs_posted"] > 0:
         return int(w["descs_posted"]), float(w["post_us"])
     return int(w["descs_requested"]), float(w["xfer_us"])
+
+
+def _one_after_another(spans: list[tuple[float, int, float]]) -> list[tuple[float, int, float]]:
+    """One process's writes (start, descriptors, us): its NIXL agent walks them one after another,
+    so a write handed over while another is being walked starts when that one ends. The Python
+    executor's posts never overlap (each returns after its walk); the native engine hands several
+    over at once (TP 1->2: both ranks' writes), and each then reports the other's walk too."""
+    out: list[tuple[float, int, float]] = []
+    free_at = float("-inf")
+    for t0, descs, us in sorted(spans):
+        begin = max(t0, free_at)
+        free_at = t0 + us
+        out.append((begin, descs, free_at - begin))
+    return out
 
 
 def _per_desc_model(a: float, b: float, k: np.ndarray) -> np.ndarray:
