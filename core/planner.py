@@ -182,6 +182,10 @@ def _link_map(model: ModelGeometry, prefill_tp: int, decode_tp: int) -> dict[tup
 
 def find_link(src: PoolGeometry, dst: PoolGeometry) -> Link | None:
     """The link between two ranks, or None when they never exchange anything."""
+    return _pair_shape(src, dst).link
+
+
+def _lookup_link(src: PoolGeometry, dst: PoolGeometry) -> Link | None:
     return _link_map(src.model, src.tp_size, dst.tp_size).get((src.tp_rank, dst.tp_rank))
 
 
@@ -304,16 +308,17 @@ _DENSE_RUNS_MAX_SEGMENTS = 64
 
 class _PairShape:
     """What planning for one (prefill pool, decode pool) pair needs that depends on the pair alone:
-    derived once per pair instead of through the geometry's properties on every chunk."""
+    derived once per pair instead of through the geometry's properties on every chunk (the
+    staged flows ask ``find_link`` per lane too)."""
 
     __slots__ = (
-        "d_c", "d_ps", "dense", "dps", "head_start", "max_dense_tokens", "n_regions", "num_heads",
-        "piece", "pools", "s_c", "s_ps", "sps",
+        "d_c", "d_ps", "dense", "dps", "head_start", "link", "max_dense_tokens", "n_regions",
+        "num_heads", "piece", "pools", "s_c", "s_ps", "sps",
     )  # fmt: skip
 
     def __init__(self, src: PoolGeometry, dst: PoolGeometry) -> None:
         self.pools = (src, dst)  # held: the cache's id keys stay theirs while the entry lives
-        link = find_link(src, dst)
+        self.link = link = _lookup_link(src, dst)  # raises for a pair of no topology: not cached
         self.head_start, self.num_heads = (link.head_start, link.num_heads) if link else (0, 0)
         self.n_regions = src.model.num_regions
         self.dense = _slots_are_pieces(src, dst, self.num_heads)
