@@ -182,6 +182,10 @@ def _link_map(model: ModelGeometry, prefill_tp: int, decode_tp: int) -> dict[tup
 
 def find_link(src: PoolGeometry, dst: PoolGeometry) -> Link | None:
     """The link between two ranks, or None when they never exchange anything."""
+    return _pair_shape(src, dst).link
+
+
+def _lookup_link(src: PoolGeometry, dst: PoolGeometry) -> Link | None:
     return _link_map(src.model, src.tp_size, dst.tp_size).get((src.tp_rank, dst.tp_rank))
 
 
@@ -302,15 +306,47 @@ def _segment_pattern(
 _DENSE_RUNS_MAX_SEGMENTS = 64
 
 
+class _PairShape:
+    """What planning for one (prefill pool, decode pool) pair needs that depends on the pair alone:
+    derived once per pair instead of through the geometry's properties on every chunk (the
+    staged flows ask ``find_link`` per lane too)."""
+
+    __slots__ = (
+        "d_c", "d_ps", "dense", "dps", "head_start", "link", "max_dense_tokens", "n_regions",
+        "num_heads", "piece", "pools", "s_c", "s_ps", "sps",
+    )  # fmt: skip
+
+    def __init__(self, src: PoolGeometry, dst: PoolGeometry) -> None:
+        self.pools = (src, dst)  # held: the cache's id keys stay theirs while the entry lives
+        self.link = link = _lookup_link(src, dst)  # raises for a pair of no topology: not cached
+        self.head_start, self.num_heads = (link.head_start, link.num_heads) if link else (0, 0)
+        self.n_regions = src.model.num_regions
+        self.dense = _slots_are_pieces(src, dst, self.num_heads)
+        self.piece = self.num_heads * src.head_bytes
+        self.sps, self.dps = src.page_size, dst.page_size
+        self.max_dense_tokens = _DENSE_RUNS_MAX_SEGMENTS * min(self.sps, self.dps)
+        self.s_ps, self.d_ps = src.page_stride, dst.page_stride
+        self.s_c = (self.head_start - src.head_start) * src.head_stride
+        self.d_c = (self.head_start - dst.head_start) * dst.head_stride
+
+
+# (id(src), id(dst)) -> shape: identity keys, because a pool's dataclass hash is Python code over
+# the model's every field; an entry holds its pools, so their ids are not reused while it lives.
+_PAIR_SHAPES: dict[tuple[int, int], _PairShape] = {}
+_PAIR_SHAPES_MAX = 256
+
+
+def _pair_shape(src: PoolGeometry, dst: PoolGeometry) -> _PairShape:
+    shape = _PAIR_SHAPES.get((id(src), id(dst)))
+    if shape is None:
+        if len(_PAIR_SHAPES) >= _PAIR_SHAPES_MAX:
+            _PAIR_SHAPES.clear()  # a process planning over many pool objects: start again
+        shape = _PAIR_SHAPES[(id(src), id(dst))] = _PairShape(src, dst)
+    return shape
+
+
 def _dense_runs(
-    src: PoolGeometry,
-    dst: PoolGeometry,
-    sp: np.ndarray,
-    dp: np.ndarray,
-    head_start: int,
-    num_heads: int,
-    token_start: int,
-    token_end: int,
+    shape: _PairShape, sp: np.ndarray, dp: np.ndarray, token_start: int, token_end: int
 ) -> tuple[list[int], list[int], list[int]] | None:
     """``region_pattern``'s merged runs as lists, computed per page segment instead of per
     token, where a token's piece is the whole token slot on both sides (token-major, the link
@@ -321,15 +357,10 @@ def _dense_runs(
     segments by source offset sorts their pieces, and two segments adjacent in that order merge
     exactly when the numpy version would merge their boundary pieces.
     """
-    if not _slots_are_pieces(src, dst, num_heads):
+    if not shape.dense or token_end - token_start > shape.max_dense_tokens:
         return None
-    piece = num_heads * src.head_bytes
-    sps, dps = src.page_size, dst.page_size
-    if (token_end - token_start) > _DENSE_RUNS_MAX_SEGMENTS * min(sps, dps):
-        return None
-    s_ps, d_ps = src.page_stride, dst.page_stride
-    s_c = (head_start - src.head_start) * src.head_stride
-    d_c = (head_start - dst.head_start) * dst.head_stride
+    piece, sps, dps = shape.piece, shape.sps, shape.dps
+    s_ps, d_ps, s_c, d_c = shape.s_ps, shape.d_ps, shape.s_c, shape.d_c
     s_first, d_first = token_start // sps, token_start // dps
     s_pages = sp[s_first : (token_end - 1) // sps + 1].tolist()
     d_pages = dp[d_first : (token_end - 1) // dps + 1].tolist()
@@ -398,18 +429,17 @@ def _build_region_ids(n_regions: int, per: int) -> np.ndarray:
 def _tiled_columns(
     src: PoolGeometry,
     dst: PoolGeometry,
+    shape: _PairShape,
     sp: np.ndarray,
     dp: np.ndarray,
-    head_start: int,
-    num_heads: int,
     token_start: int,
     token_end: int,
     coalesce: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int]:
     """One region's pattern tiled over every region (src offset, dst offset, length columns),
     with the pattern's own size: its descriptors, those before merging, and its bytes."""
-    n_regions = src.model.num_regions
-    runs = _dense_runs(src, dst, sp, dp, head_start, num_heads, token_start, token_end) if coalesce else None
+    n_regions = shape.n_regions
+    runs = _dense_runs(shape, sp, dp, token_start, token_end) if coalesce else None
     if runs is not None:
         s_list, d_list, n_list = runs
         # Tiled over the regions as lists: one array built per column.
@@ -422,7 +452,7 @@ def _tiled_columns(
             sum(n_list),
         )
     s_off, d_off, length, unmerged = region_pattern(
-        src, dst, sp, dp, head_start, num_heads, token_start, token_end, coalesce
+        src, dst, sp, dp, shape.head_start, shape.num_heads, token_start, token_end, coalesce
     )
     return (
         _frozen(_tile(s_off, n_regions)),
@@ -454,16 +484,16 @@ def plan_rank_pair(
     """
     sp, dp = check_room(src, dst, src_pages, dst_pages, token_start, token_end)
     token_start, token_end = int(token_start), int(token_end)
-    link = find_link(src, dst)
-    head_start, num_heads = (link.head_start, link.num_heads) if link else (0, 0)
+    shape = _pair_shape(src, dst)
+    head_start, num_heads = shape.head_start, shape.num_heads
     if num_heads == 0 or token_end == token_start:
         return RankPlan(
             src.tp_rank, dst.tp_rank, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, 0, 0, 0,
             head_start, num_heads, token_start, token_end, direction,
         )  # fmt: skip
-    n_regions = src.model.num_regions
+    n_regions = shape.n_regions
     src_offset, dst_offset, length_all, per, unmerged, nbytes = _tiled_columns(
-        src, dst, sp, dp, head_start, num_heads, token_start, token_end, coalesce
+        src, dst, shape, sp, dp, token_start, token_end, coalesce
     )
     region = _region_ids(n_regions, per)
     return RankPlan(

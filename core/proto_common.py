@@ -57,7 +57,7 @@ class Tombstones:
     ``Timeouts.problems``) and less than ``ttl + grid``.
     """
 
-    __slots__ = ("_by_key", "_heap", "_latest", "_reasons", "grid", "ttl")
+    __slots__ = ("_by_key", "_heap", "_latest", "_reasons", "grid", "next_deadline", "ttl")
 
     def __init__(self, ttl: int) -> None:
         self.ttl = ttl
@@ -68,6 +68,9 @@ class Tombstones:
         # (or by a peer the transport could not load) is told that reason, not only "finished".
         self._reasons: dict[tuple[int, str], str] = {}
         self._heap = DeadlineHeap()
+        # The earliest expiry, or None: the heap's own query, bound once (asked after every
+        # engine call, a forwarding method was one call more each time).
+        self.next_deadline: Callable[[], int | None] = self._heap.next
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -108,9 +111,6 @@ class Tombstones:
     def longest(self) -> int:
         """The longest a pair is kept: less than ``ttl + grid``."""
         return self.ttl + self.grid - 1
-
-    def next_deadline(self) -> int | None:
-        return self._heap.next()
 
     def expire(self, now: int) -> None:
         for key in self._heap.pop_due(now):
@@ -230,6 +230,9 @@ class RoomEngine(TableEngine):
     # The rank's flow components, in the order every hook calls them (core/flows/parts.py), and
     # what they own: control message type -> handler, deadline kind -> handler (``_route_parts``).
     parts: tuple[RankFlowPart, ...] = ()
+    # The parts that keep a clock of their own (override ``next_deadline``): the others' answer
+    # is always None, and ``next_deadline`` is asked after every engine call.
+    _timed_parts: tuple[RankFlowPart, ...] = ()
     _routes: dict[type, Callable[[Any], None]]
     _deadline_routes: dict[str, Callable[[Any], None]]
 
@@ -293,7 +296,7 @@ class RoomEngine(TableEngine):
         t = self.tombstones.next_deadline()
         if t is not None and (best is None or t < best):
             best = t
-        for p in self.parts:
+        for p in self._timed_parts:
             t = p.next_deadline()
             if t is not None and (best is None or t < best):
                 best = t
@@ -476,6 +479,7 @@ class RoomEngine(TableEngine):
         """Compose the rank's flow components: hooks go to each in this order; a message type, a
         deadline kind or a room input goes to the one component that claims it."""
         self.parts = parts
+        self._timed_parts = tuple(p for p in parts if type(p).next_deadline is not RankFlowPart.next_deadline)
         self._routes, self._deadline_routes = {}, {}
         for p in parts:
             for table, claims in ((self._routes, p.routes()), (self._deadline_routes, p.deadline_kinds())):

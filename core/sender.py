@@ -134,11 +134,13 @@ _B, _W, _T, _S, _F = SState.BOOTSTRAPPING, SState.WAITING, SState.TRANSFERRING, 
 class _DecodeRanks:
     """What the room's decode ranks said in their TransferInfos."""
 
-    __slots__ = ("dests", "expected_infos", "infos", "infos_sorted")
+    __slots__ = ("dests", "expected_infos", "infos", "infos_sorted", "targets")
 
     def __init__(self) -> None:
         self.infos: dict[m.Endpoint, m.TransferInfo] = {}
-        self.infos_sorted: list[tuple[m.Endpoint, m.TransferInfo]] | None = None  # cache
+        # Caches of what ``infos`` gives, dropped with each TransferInfo (read per chunk and lane).
+        self.infos_sorted: list[tuple[m.Endpoint, m.TransferInfo]] | None = None
+        self.targets: tuple[m.Endpoint, ...] | None = None  # the non-dummy ones, once all are in
         self.dests: dict[m.Endpoint, Any] = {}  # peer -> dst page array
         self.expected_infos = 0
 
@@ -826,7 +828,7 @@ class SenderEngine(RoomEngine):
         if len(r.decode.infos) >= r.decode.expected_infos:
             raise RoomError(f"more TransferInfos than the {r.decode.expected_infos} expected")
         r.decode.infos[msg.src] = msg
-        r.decode.infos_sorted = None
+        r.decode.infos_sorted = r.decode.targets = None
         r.decode.dests[msg.src] = np.asarray(msg.dst_pages, dtype=np.int64)
         r.fence.stop_to.add(msg.src)
         self.rooms_by_peer.setdefault(msg.src, set()).add(r.room)
@@ -921,8 +923,13 @@ class SenderEngine(RoomEngine):
     def _targets(self, r: _Room) -> tuple[m.Endpoint, ...]:
         """Decode ranks this rank writes data to: from the TransferInfos once all are in, before
         that from the topology the scheduler passed at open."""
-        if r.decode.expected_infos and len(r.decode.infos) == r.decode.expected_infos:
-            return tuple(sorted(p for p, i in r.decode.infos.items() if not i.dummy))
+        dec = r.decode
+        if dec.expected_infos and len(dec.infos) == dec.expected_infos:
+            # Asked many times per lane by the staged flows: kept until the next TransferInfo
+            # (none comes once all are in). The items sort by peer alone (peers are distinct keys).
+            if dec.targets is None:
+                dec.targets = tuple(p for p, i in self._infos_sorted(r) if not i.dummy)
+            return dec.targets
         return r.receivers
 
     def _choose_flow(self, r: _Room) -> None:

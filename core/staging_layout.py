@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 
 import numpy as np
 from kvferry.core.geometry import Link, PoolGeometry, links
@@ -190,6 +191,12 @@ class StagedRoomPlan:
         return sum(p.length for p in self.pairs)
 
 
+@lru_cache(maxsize=16)
+def _region_ids(n: int) -> np.ndarray:
+    """Every region of a map, ``0..n-1``: read-only, so one array serves every map of that size."""
+    return _frozen(np.arange(n, dtype=np.int64))
+
+
 def _side_map(
     pool: PoolGeometry,
     pages: np.ndarray,
@@ -201,12 +208,12 @@ def _side_map(
     strides: tuple[int, int, int],
 ) -> StagingMap:
     tokens = np.arange(token_start, token_end, dtype=np.int64)
-    page = pages[tokens // pool.page_size]
-    tip = tokens % pool.page_size
+    page_idx, tip = np.divmod(tokens, pool.page_size)  # one pass for both
+    page = pages[page_idx]
     local = head_start - pool.head_start
     offsets = page * pool.page_stride + tip * pool.token_stride + local * pool.head_stride
     return StagingMap(
-        region_ids=_frozen(np.arange(pool.model.num_regions, dtype=np.int64)),
+        region_ids=_region_ids(pool.model.num_regions),
         slots=_frozen(page * pool.page_size + tip),
         token_offsets=_frozen(offsets),
         pool_head_stride=pool.head_stride,
