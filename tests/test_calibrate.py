@@ -313,6 +313,29 @@ def test_room_fit_is_not_dragged_by_a_row_the_fabric_misses_for_another_reason()
     assert _costs(f) == pytest.approx(TRUE_US, rel=0.02)
 
 
+def test_room_fit_with_rows_measured_apart_fits_every_row_and_checks_on_those() -> None:
+    rows = _noisy_rows(4, 0.0)
+    check = [r for r in _noisy_rows(5, 0.0) if r.tokens in (128, 4096)]
+    f = fit_rooms(rows, "h100-rdma", {}, simulate=_fake_sim, check=check)
+    assert f.rows_fit == len(rows) and f.rows_heldout == len(check)
+    assert f.tokens_fit == (128, 256, 512, 1024, 2048, 4096) and f.tokens_heldout == (128, 4096)
+    assert _costs(f) == pytest.approx(TRUE_US, rel=0.02)
+    assert f.mape_heldout_pct < 0.5 < f.mape_heldout_without_pct
+    # every checked row is simulated with the fit (the predictions cover both sets, in order)
+    assert [p.row for p in f.predictions] == [*rows, *check]
+    from kvferry.sim.calibrate import profile
+
+    tel = synthetic(6)
+    text = profile.render(
+        "t", fit.fit_fabric(tel), inputs.Telemetry(tuple(tel), 0, 0, 0), ["a"],
+        None, "", f, ["fit.jsonl"], None, 0.0, "fitted", ["check.jsonl"],
+    )  # fmt: skip
+    parsed = tomllib.loads(text)["fit"]
+    assert parsed["room_sources"] == ["fit.jsonl"] and parsed["room_check_sources"] == ["check.jsonl"]
+    code, _, err = _cli("calibrate", "x.json", "--name", "t", "--rooms-check", str(TWO_ROWS))
+    assert code != 0 and "--rooms-check" in err and "--rooms" in err
+
+
 def test_room_fit_needs_three_room_sizes() -> None:
     rows = [r for r in _noisy_rows(0, 0.0) if r.tokens in (128, 256)]
     with pytest.raises(CalibrationError, match="fewer than 3 distinct --tokens"):

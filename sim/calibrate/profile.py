@@ -54,6 +54,7 @@ def render(
     flows: FlowFit | None = None,
     control_handle_us: float = 0.0,
     transport: str = "fitted",
+    rooms_check_sources: list[str] | None = None,
 ) -> str:
     lines = [
         *_fabric_lines(name, fab, flows, transport),
@@ -62,7 +63,7 @@ def render(
         *_room_lines(rooms, control_handle_us),
         "",
         *_fit_table(fab, tel, sources),
-        *_fit_rooms(rooms, rooms_sources),
+        *_fit_rooms(rooms, rooms_sources, rooms_check_sources),
         *_fit_flows(flows),
         *_fit_kernels(kernels),
     ]
@@ -178,11 +179,14 @@ def _fit_table(fab: FabricFit, tel: Telemetry, sources: list[str]) -> list[str]:
     ]
 
 
-def _fit_rooms(rooms: RoomFit | None, rooms_sources: list[str] | None) -> list[str]:
+def _fit_rooms(rooms: RoomFit | None, rooms_sources: list[str] | None, check: list[str] | None) -> list[str]:
     if rooms is None:
         return []
+    # --rooms-check: the held-out rows are those files' (no room size of the fit files held out)
+    checked = [f"room_check_sources = [{', '.join(_s(s) for s in check)}]"] if check else []
     return [
         f"room_sources = [{', '.join(_s(s) for s in rooms_sources or ())}]",
+        *checked,
         f"room_rows_used = {rooms.rows_fit}",
         f"room_rows_heldout = {rooms.rows_heldout}",
         f"room_tokens_fit = [{', '.join(str(t) for t in rooms.tokens_fit)}]",

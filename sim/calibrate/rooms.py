@@ -105,13 +105,23 @@ def fit_rooms(
     fabric: dict[str, Any],
     simulate: Simulate | None = None,
     passes: int = PASSES,
+    check: Sequence[BenchRow] = (),
 ) -> RoomFit:
     """Fit the per-room costs to ``rows`` simulated on ``profile`` with ``fabric`` overrides
-    (the telemetry fit's numbers). ``simulate`` replaces the simulator (tests)."""
+    (the telemetry fit's numbers). ``simulate`` replaces the simulator (tests). ``check``: rows
+    measured apart to be held out (every row of ``rows`` is then fit); without them, some room
+    sizes of ``rows`` are held out."""
     run: Simulate = simulate or (lambda row, fab: predict(row, profile, fab))
-    fit_tokens, held_tokens = _split(rows)
+    if check:
+        if not rows:
+            raise CalibrationError("--rooms: no bench rows")
+        fit_tokens, held_tokens = sorted({r.tokens for r in rows}), sorted({r.tokens for r in check})
+        train = np.array([True] * len(rows) + [False] * len(check))
+        rows = [*rows, *check]
+    else:
+        fit_tokens, held_tokens = _split(rows)
+        train = np.array([r.tokens not in held_tokens for r in rows])
     meas = np.array([r.room_mb * r.inflight / r.measured_gbps for r in rows])
-    train = np.array([r.tokens not in held_tokens for r in rows])
     # Relative deviation: each row divided by its measured time, as the MAPE we report; and each
     # row weighted by 1 / its group's rows (flow, rooms in flight, equal TP or not), as the per-flow
     # target reads the error: the many single rooms do not outvote a flow's batches of 8.
