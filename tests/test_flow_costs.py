@@ -344,6 +344,43 @@ def test_posting_fit_recovers_planted_costs_from_writes_alone_and_in_pairs(tmp_p
     assert (f.per_desc_us, f.shared_desc_us) == pytest.approx((per_desc, shared), rel=0.04)
 
 
+def test_posting_fit_reads_the_native_engines_telemetry(tmp_path: Path) -> None:
+    """The native engine's post returns at once (NIXL gives no posted count: -1) and its
+    descriptors' cost lands in the transfer; one prefill process works its writes one after
+    another, so with TP 1->2 the second write's own time starts when the first ended."""
+    per_desc, shared, post, n = 6.0, 4.8, 60.0, 150_000
+
+    def native(start: float, took_us: float) -> dict[str, float]:
+        return {**_write(start, n, 140.0), "descs_posted": -1, "xfer_us": took_us}
+
+    one = post + n * per_desc
+    t12 = tmp_path / "12.json"
+    t12.write_text(
+        json.dumps(
+            {
+                "config": {"flow": "direct", "prefill_tp": 1, "decode_tp": 2},
+                # both posted at 0 and 10 us; the second waits for the first, done at twice its time
+                "writes": [native(0.0, one), native(10.0, 2 * one - 10.0)],
+            }
+        )
+    )
+    both = post + n * 2 * shared
+    t21 = tmp_path / "21.json"
+    t21.write_text(
+        json.dumps(
+            {
+                "config": {"flow": "direct", "prefill_tp": 2, "decode_tp": 1},
+                "writes": [native(0.0, both), native(5.0, both)],
+            }
+        )
+    )
+    posts, host = read_flow_telemetry([t12, t21])
+    assert [(r.descs, r.concurrent) for r in posts] == [(n, 1), (n, 1), (n, 2), (n, 2)] and not host
+    assert [r.post_us for r in posts] == pytest.approx([one, one, both, both])
+    f = fit_posting(posts, post)
+    assert (f.per_desc_us, f.shared_desc_us) == pytest.approx((per_desc, shared), rel=0.01)
+
+
 def test_posting_fit_refuses_writes_of_one_concurrency_and_ignores_small_ones(tmp_path: Path) -> None:
     files = [_telemetry(tmp_path / "a.json", "direct", [_write(0.0, 100_000, 6e5), _write(1e6, 72, 400.0)])]
     posts, _ = read_flow_telemetry(files)
