@@ -122,10 +122,10 @@ def fit_rooms(
         fit_tokens, held_tokens = _split(rows)
         train = np.array([r.tokens not in held_tokens for r in rows])
     meas = np.array([r.room_mb * r.inflight / r.measured_gbps for r in rows])
-    # Relative deviation: each row divided by its measured time, as the MAPE we report; and each
-    # row weighted by 1 / its group's rows (flow, rooms in flight, equal TP or not), as the per-flow
-    # target reads the error: the many single rooms do not outvote a flow's batches of 8.
-    w = (_group_weights(rows) / meas)[train]
+    # Relative deviation: each row divided by its measured time, as the MAPE we report. (Each row
+    # weighted by 1 / its group's rows, flow, rooms in flight and equal TP or not, was tried: on
+    # the H200's held-out rows it missed by 10.7% against 9.9% unweighted; docs/fidelity.md.)
+    w = 1.0 / meas[train]
     x = np.zeros(len(TERMS))
     best: tuple[float, np.ndarray, list[Prediction]] | None = None
     first_counts: list[tuple[float, ...]] = []
@@ -201,11 +201,6 @@ def _better(
     """The costs whose simulation misses the fit rows least (the weighted relative error)."""
     err = float((np.abs(t0 - meas)[train] * w).sum())
     return (err, x, preds) if best is None or err < best[0] else best
-
-
-def _group_weights(rows: Sequence[BenchRow]) -> np.ndarray:
-    keys = [(r.flow, r.inflight, r.prefill_tp == r.decode_tp) for r in rows]
-    return np.array([1.0 / keys.count(key) for key in keys])
 
 
 def _split(rows: Sequence[BenchRow]) -> tuple[list[int], list[int]]:
