@@ -51,6 +51,8 @@ def fabric_values(s: Scenario) -> dict[str, Any]:
         "max_inflight": n.max_inflight,
         "error_timeout_ns": n.error_timeout_ns,
         "completion_delay_ns": n.completion_delay_ns,
+        "room_handle_ns": n.room_handle_ns,
+        "completion_handle_ns": n.completion_handle_ns,
         "shared_desc_ns": n.shared_desc_ns,
         "host_bandwidth_gbps": n.host_bandwidth_bps / 1e9,
         "control_latency_ns": c.latency_ns,

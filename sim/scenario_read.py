@@ -117,6 +117,12 @@ def profile_fabric(name: str) -> FabricSpec:
             completion_delay_ns=n.completion_delay_ns
             if fit.completion_delay_us is None
             else round(fit.completion_delay_us * 1000),
+            room_handle_ns=n.room_handle_ns
+            if fit.room_handle_us is None
+            else round(fit.room_handle_us * 1000),
+            completion_handle_ns=n.completion_handle_ns
+            if fit.completion_handle_us is None
+            else round(fit.completion_handle_us * 1000),
             shared_desc_ns=n.shared_desc_ns
             if fit.shared_desc_us is None
             else round(fit.shared_desc_us * 1000),
@@ -165,6 +171,8 @@ def _fabric(f: FabricTable, file: str) -> FabricSpec:
         error_timeout_ns=given(f.error_timeout_ns, n.error_timeout_ns),
         completion_delay_ns=given(f.completion_delay_ns, n.completion_delay_ns),
         shared_desc_ns=given(f.shared_desc_ns, n.shared_desc_ns),
+        room_handle_ns=given(f.room_handle_ns, n.room_handle_ns),
+        completion_handle_ns=given(f.completion_handle_ns, n.completion_handle_ns),
         host_bandwidth_bps=n.host_bandwidth_bps
         if f.host_bandwidth_gbps is None
         else int(f.host_bandwidth_gbps * 1e9),

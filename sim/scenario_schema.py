@@ -462,6 +462,11 @@ FABRIC_DOC: dict[str, str] = {
     "error_timeout_ns": "How long a write into a dead peer or over a down link takes to report ERR.",
     "completion_delay_ns": "From a write landing (or a transfer completing) to the runtime handling its "
     "notification (or DONE): the real runtime's next poll of NIXL.",
+    "room_handle_ns": "Host work per TransferInfo or PullOffer handled, on the rank that receives it and "
+    "plans the room's writes or reads (plan, descriptors, NIXL's post), holding its runtime thread "
+    "(0: none).",
+    "completion_handle_ns": "Host work per notification handled by its target and per DONE by its "
+    "initiator, holding that rank's runtime thread (0: none).",
     "shared_desc_ns": "Cost of one descriptor on the one device every rank posts through (every rank on "
     "one GPU); a post ends when its own posting and its turn there are through (0: no shared device).",
     "host_bandwidth_gbps": "Wire of a transfer between pinned host buffers, shared by its initiator's host "
@@ -502,6 +507,8 @@ class FabricTable(Table):
     max_inflight: Positive | None = None
     error_timeout_ns: Count | None = None
     completion_delay_ns: Count | None = None
+    room_handle_ns: Count | None = None
+    completion_handle_ns: Count | None = None
     shared_desc_ns: Count | None = None
     host_bandwidth_gbps: Annotated[float, Meta(ge=0)] | None = None
     control_latency_ns: Count | None = None

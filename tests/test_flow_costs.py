@@ -19,7 +19,7 @@ from kvferry.backends.simfabric.descriptors import DescList
 from kvferry.backends.simfabric.fabric import Fabric
 from kvferry.backends.simfabric.spec import ControlSpec, FabricSpec, NicSpec
 from kvferry.core.flows.regions import PINNED_REGION
-from kvferry.core.messages import StagingReq, StagingRsp, TransferInfo, Watermark
+from kvferry.core.messages import PullOffer, StagingReq, StagingRsp, TransferInfo, Watermark
 from kvferry.sim import scenario as sc
 from kvferry.sim.calibrate.inputs import CalibrationError
 from kvferry.sim.calibrate.posting import fit_host_wire, fit_posting, read_flow_telemetry
@@ -213,29 +213,95 @@ def test_a_ring_room_is_longer_by_its_copies_and_staging_messages_on_the_runtime
     assert d_send - d0 == pytest.approx(1.0, abs=0.01)
 
 
+def test_a_room_message_holds_its_receiver_by_the_room_cost_and_others_do_not() -> None:
+    """A TransferInfo or PullOffer is the room's plan on its receiver (NicSpec.room_handle_ns): two
+    arriving together are planned one after another; other messages queue behind, at no cost."""
+    env, fab = world(replace(SPEC, nic=replace(NIC, room_handle_ns=3_000)))
+    seen: list[int] = []
+    fab.nodes["b"].waker = lambda _item: seen.append(int(env.now))
+    for tag in (TransferInfo.__struct_config__.tag, PullOffer.__struct_config__.tag, "hb"):
+        fab.send_control("a", "b", _tagged(tag))
+    fab.send_control("c", "a", _tagged(TransferInfo.__struct_config__.tag))  # a's thread: no wait
+    env.run()
+    assert seen == [8_000, 11_000, 11_000]
+    assert len(fab.drain_control("b")) == 3 and len(fab.drain_control("a")) == 1
+
+
+def test_notifications_and_dones_hold_their_ranks_thread_by_the_completion_cost() -> None:
+    env, fab = world(replace(SPEC, nic=replace(NIC, completion_handle_ns=4_000)))
+    seen: list[tuple[int, object]] = []
+    fab.nodes["b"].waker = lambda item: seen.append((int(env.now), item))
+    fab.nodes["a"].waker = lambda item: seen.append((int(env.now), item))
+    x0 = fab.post("a", "a", "b", spaced(1), b"n0")
+    x1 = fab.post("a", "a", "b", spaced(1), b"n1")
+    env.run()
+    # each post: 10 + 6 us, the second after the first; 8 bytes at 1 GB/s and 1 us: landed at
+    # 17 and 33 us (+8 ns), DONE one latency later; b's notification and a's DONE each wait 4 us
+    # more (two ranks' threads: they do not wait for each other)
+    assert seen == [
+        (21_008, ("notif", "a")),
+        (22_008, ("xfer", x0)),
+        (37_008, ("notif", "a")),
+        (38_008, ("xfer", x1)),
+    ]
+    assert [p for _src, p in fab.drain_notifs("b")] == [b"n0", b"n1"]
+
+
+def test_a_direct_room_is_longer_by_its_plan_and_its_completions_on_the_runtime_thread() -> None:
+    """TP 1 -> 1 direct on the real simulator: prefill plans the room once (decode's TransferInfo);
+    the KV write's DONE (prefill, before the aux row's write) and the aux row's notification
+    (decode) are each handled on the room's critical path."""
+    row = BenchRow("tp1->1 nhd", "qwen3-8b", 1, 1, 64, 1, "direct", 64 * 0.147456, 1.0, 1.0)
+    d0 = predict(row, "h100-rdma", QUIET).predicted_ms
+    d_room = predict(row, "h100-rdma", {**QUIET, "room_handle_ns": 1_000_000}).predicted_ms
+    d_comp = predict(row, "h100-rdma", {**QUIET, "completion_handle_ns": 1_000_000}).predicted_ms
+    assert d_room - d0 == pytest.approx(1.0, abs=0.01)
+    assert d_comp - d0 == pytest.approx(2.0, abs=0.05)
+    # eight rooms in flight: their plans queue on prefill's one thread, so the batch takes at least
+    # eight plans (side by side, it would take one more than its 4.2 ms without them)
+    batch = replace(row, inflight=8)
+    assert predict(batch, "h100-rdma", {**QUIET, "room_handle_ns": 1_000_000}).predicted_ms > 8.0
+
+
 def test_a_profile_sets_the_runtime_thread_costs_and_refuses_bad_values(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(hardware, "folder", lambda: tmp_path)
     base = 'kind = "fabric"\nbandwidth_gbps = 10\nlatency_us = 1\npost_cost_us = 2\nper_desc_us = 0.5\n'
     costs = "staging_handle_us = 300\ncopy_submit_us = 400\ncontrol_send_us = 50\n"
+    costs += "room_handle_us = 700\ncompletion_handle_us = 90\n"
     (tmp_path / "th.toml").write_text(base + 'name = "th"\n' + costs)
     s = sc.parse({"fabric": {"profile": "th"}})
     got = (s.fabric.control.staging_handle_ns, s.fabric.kernel.submit_ns, s.fabric.control.send_ns)
     assert got == (300_000, 400_000, 50_000)
+    assert (s.fabric.nic.room_handle_ns, s.fabric.nic.completion_handle_ns) == (700_000, 90_000)
     # a deployment's ranks pay them too (per-rank host work, not the shared GPU)
     gpu = hardware.GpuProfile("g", 1.0, 1.0, 80.0, 64.0, 1440.0, 51.0, 140.0, 0.5, 0.8, 4000.0, 2000.0, 0.9)
     spec = hardware.fabric_spec(gpu, hardware.nic("th"))
     assert (spec.control.staging_handle_ns, spec.kernel.submit_ns, spec.control.send_ns) == got
+    assert (spec.nic.room_handle_ns, spec.nic.completion_handle_ns) == (700_000, 90_000)
     # absent, they are 0 (off): the shipped NIC profiles do not set them
     plain = hardware.fabric_spec(gpu, hardware.nic("th").__class__("p", 10.0, 1.0, 2.0, 0.5))
     assert (plain.control.staging_handle_ns, plain.kernel.submit_ns, plain.control.send_ns) == (0, 0, 0)
-    for key in ("staging_handle_us", "copy_submit_us", "control_send_us"):
+    assert (plain.nic.room_handle_ns, plain.nic.completion_handle_ns) == (0, 0)
+    for key in (
+        "staging_handle_us",
+        "copy_submit_us",
+        "control_send_us",
+        "room_handle_us",
+        "completion_handle_us",
+    ):
         for bad in ("-1", "nan", '"slow"', "true"):
             (tmp_path / "bad.toml").write_text(base + f'name = "bad"\n{key} = {bad}\n')
             with pytest.raises(hardware.ProfileError, match=f"{key} must be a number >= 0"):
                 hardware.nic("bad")
-    for key in ("staging_handle_ns", "kernel_submit_ns", "control_send_ns"):
+    for key in (
+        "staging_handle_ns",
+        "kernel_submit_ns",
+        "control_send_ns",
+        "room_handle_ns",
+        "completion_handle_ns",
+    ):
         with pytest.raises(sc.ScenarioError, match=key):
             sc.parse({"fabric": {key: -5}})
 
@@ -276,6 +342,43 @@ def test_posting_fit_recovers_planted_costs_from_writes_alone_and_in_pairs(tmp_p
     assert sum(r.concurrent == 2 for r in posts) == 6
     f = fit_posting(posts, post)
     assert (f.per_desc_us, f.shared_desc_us) == pytest.approx((per_desc, shared), rel=0.04)
+
+
+def test_posting_fit_reads_the_native_engines_telemetry(tmp_path: Path) -> None:
+    """The native engine's post returns at once (NIXL gives no posted count: -1) and its
+    descriptors' cost lands in the transfer; one prefill process works its writes one after
+    another, so with TP 1->2 the second write's own time starts when the first ended."""
+    per_desc, shared, post, n = 6.0, 4.8, 60.0, 150_000
+
+    def native(start: float, took_us: float) -> dict[str, float]:
+        return {**_write(start, n, 140.0), "descs_posted": -1, "xfer_us": took_us}
+
+    one = post + n * per_desc
+    t12 = tmp_path / "12.json"
+    t12.write_text(
+        json.dumps(
+            {
+                "config": {"flow": "direct", "prefill_tp": 1, "decode_tp": 2},
+                # both posted at 0 and 10 us; the second waits for the first, done at twice its time
+                "writes": [native(0.0, one), native(10.0, 2 * one - 10.0)],
+            }
+        )
+    )
+    both = post + n * 2 * shared
+    t21 = tmp_path / "21.json"
+    t21.write_text(
+        json.dumps(
+            {
+                "config": {"flow": "direct", "prefill_tp": 2, "decode_tp": 1},
+                "writes": [native(0.0, both), native(5.0, both)],
+            }
+        )
+    )
+    posts, host = read_flow_telemetry([t12, t21])
+    assert [(r.descs, r.concurrent) for r in posts] == [(n, 1), (n, 1), (n, 2), (n, 2)] and not host
+    assert [r.post_us for r in posts] == pytest.approx([one, one, both, both])
+    f = fit_posting(posts, post)
+    assert (f.per_desc_us, f.shared_desc_us) == pytest.approx((per_desc, shared), rel=0.01)
 
 
 def test_posting_fit_refuses_writes_of_one_concurrency_and_ignores_small_ones(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ from kvferry.backends.simfabric.memory import FakeMemory
 from kvferry.backends.simfabric.spec import NS_PER_S, FabricSpec, NicSpec
 from kvferry.core.flows.regions import PINNED_REGION
 from kvferry.core.identity_enum import IdentityEnum
-from kvferry.core.messages import StagingReq, StagingRsp, Watermark
+from kvferry.core.messages import PullOffer, StagingReq, StagingRsp, TransferInfo, Watermark
 
 Recorder = Callable[..., None]
 
@@ -467,6 +467,8 @@ class Fabric:
         handle = self.spec.control.handle_ns
         if self.spec.control.staging_handle_ns and _staging_message(payload):
             handle += self.spec.control.staging_handle_ns
+        if d.nic.room_handle_ns and _room_message(payload):
+            handle += d.nic.room_handle_ns
         now = int(self.env.now)
         # queue behind what this node's runtime thread is still doing (messages, copy submits)
         if handle or d.host_busy_until > now:
@@ -628,7 +630,14 @@ class Fabric:
             else:
                 self._deliver_notif(x.initiator, target, None, notif, x.tag)
         nic = self.nodes[x.initiator].nic
-        self._at(nic.latency_ns + nic.completion_delay_ns, self._retire, x, XferState.DONE, "")
+        done = self._handle_done if nic.completion_handle_ns else self._retire
+        self._at(nic.latency_ns + nic.completion_delay_ns, done, x, XferState.DONE, "")
+
+    def _handle_done(self, x: Xfer, state: XferState, reason: str) -> None:
+        """The initiator's runtime thread handles a DONE after its other work (completion_handle_ns)."""
+        node, now = self.nodes[x.initiator], int(self.env.now)
+        node.host_busy_until = max(now, node.host_busy_until) + node.nic.completion_handle_ns
+        self._at(node.host_busy_until - now, self._retire, x, state, reason)
 
     def _copy(self, x: Xfer, descs: DescList) -> None:
         if descs.count == 0:
@@ -680,6 +689,11 @@ class Fabric:
             if not d.up or (inc is not None and d.incarnation != inc):
                 self.stats.notifs_dropped += 1
                 return
+            if d.nic.completion_handle_ns:  # its runtime thread handles it after what it is doing
+                t = int(self.env.now)
+                d.host_busy_until = max(t, d.host_busy_until) + d.nic.completion_handle_ns
+                self._at(d.host_busy_until - t, self._handled_notif, src, dst, d.incarnation, payload)
+                return
             d.notifs.append((src, payload))
             self.stats.notifs_delivered += 1
             self._signal(d, ("notif", src))
@@ -688,6 +702,15 @@ class Fabric:
             self._at(fate.extra_delay_ns, put)
         else:
             put()
+
+    def _handled_notif(self, src: str, dst: str, inc: int, payload: bytes) -> None:
+        d = self.nodes[dst]
+        if not d.up or d.incarnation != inc:
+            self.stats.notifs_dropped += 1
+            return
+        d.notifs.append((src, payload))
+        self.stats.notifs_delivered += 1
+        self._signal(d, ("notif", src))
 
     def _fail_later(self, x: Xfer, reason: str, already_waited: bool = False) -> None:
         """ERR after the NIC's error timeout, the way a dead peer shows up on a real NIC."""
@@ -756,11 +779,21 @@ class _Tag(msgspec.Struct):
 
 _tag_decoder = msgspec.msgpack.Decoder(_Tag)
 _STAGING_TAGS = frozenset(m.__struct_config__.tag for m in (StagingReq, StagingRsp, Watermark))
+_ROOM_TAGS = frozenset(m.__struct_config__.tag for m in (TransferInfo, PullOffer))
 
 
 def _staging_message(payload: bytes) -> bool:
     """A staged flow's StagingReq, StagingRsp or Watermark (ControlSpec.staging_handle_ns)."""
+    return _tag(payload) in _STAGING_TAGS
+
+
+def _room_message(payload: bytes) -> bool:
+    """A TransferInfo or PullOffer: its receiver plans the room's transfers (NicSpec.room_handle_ns)."""
+    return _tag(payload) in _ROOM_TAGS
+
+
+def _tag(payload: bytes) -> str:
     try:
-        return _tag_decoder.decode(payload).t in _STAGING_TAGS
+        return _tag_decoder.decode(payload).t
     except msgspec.DecodeError:
-        return False  # not a message of ours (a fault may garble one): no staging work
+        return ""  # not a message of ours (a fault may garble one): no extra work

@@ -47,6 +47,15 @@ class NicSpec:
     # initiator's active host transfers (UCX's cma: the initiator's single-threaded copy).
     shared_desc_ns: int = 0
     host_bandwidth_bps: int = 0
+    # Host work that holds the rank's one runtime thread (``Node.host_busy_until``; 0: off;
+    # `kvferry calibrate --rooms` fits both). ``room_handle_ns``: per TransferInfo or PullOffer
+    # handled, on its receiver, the rank that plans the room's writes or reads (the plan, its
+    # descriptors and NIXL's post under the GIL: 8 rooms in flight cost a rank about 1 ms each,
+    # one after another).
+    # ``completion_handle_ns``: per notification handled by its target and per DONE by its
+    # initiator, after ``completion_delay_ns`` (the NotificationIn, aux check and Success).
+    room_handle_ns: int = 0
+    completion_handle_ns: int = 0
 
     def validate(self) -> None:
         for name in ("bandwidth_bps", "max_inflight"):
@@ -61,6 +70,8 @@ class NicSpec:
             "completion_delay_ns",
             "shared_desc_ns",
             "host_bandwidth_bps",
+            "room_handle_ns",
+            "completion_handle_ns",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"nic.{name} must be >= 0")

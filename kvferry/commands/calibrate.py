@@ -76,6 +76,13 @@ class CalibrateOpts:
             "some room sizes held out."
         ),
     ] = None
+    rooms_check: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="`bench nixl --json` rows measured apart (repeat): the per-room fit's held-out check; "
+            "every --rooms row is then fit (no room size of them held out)."
+        ),
+    ] = None
     flow_telemetry: Annotated[
         list[Path] | None,
         typer.Option(
@@ -123,6 +130,7 @@ def calibrate(o: CalibrateOpts) -> None:
     text = profile.render(
         o.name, fits.fab, fits.tel, [str(p) for p in o.telemetry], fits.kfit, str(o.kernels or ""), fits.rfit,
         [str(p) for p in o.rooms or ()], fits.flows, o.control_handle_us, o.transport,
+        [str(p) for p in o.rooms_check or ()],
     )  # fmt: skip
     try:
         target.write_text(text)
@@ -150,6 +158,8 @@ def _check_calibrate(o: CalibrateOpts) -> Path:
 
     if o.transport not in TRANSPORTS:
         bad_input(f"--transport {o.transport!r}: one of {', '.join(TRANSPORTS)}")
+    if o.rooms_check and not o.rooms:
+        bad_input("--rooms-check: the held-out check of the per-room fit needs its fit rows (--rooms)")
     if not o.name:
         bad_input("--name is required: the profile's name (e.g. cpu-loopback, h100-nixl)")
     if o.name == DEFAULT_FABRIC:
@@ -193,8 +203,9 @@ def _fit(o: CalibrateOpts) -> _Fits:
             from kvferry.sim.calibrate.rooms import fit_rooms
 
             bench = [row for path in o.rooms for row in read_bench(path)]
+            check = [row for path in o.rooms_check or () for row in read_bench(path)]
             given = {**_overrides(fab, kfit, flows), "control_handle_ns": round(o.control_handle_us * 1000)}
-            rfit = fit_rooms(bench, DEFAULT_FABRIC, given)
+            rfit = fit_rooms(bench, DEFAULT_FABRIC, given, check=check)
     except CalibrationError as e:
         bad_input(str(e))
     return _Fits(tel, fab, kfit, flows, rfit, bench_rows)
@@ -245,6 +256,8 @@ def _rooms_result(rfit: RoomFit, control_handle_us: float) -> dict[str, Any]:
         "copy_submit_us": rfit.copy_submit_us,
         "staging_handle_us": rfit.staging_handle_us,
         "control_send_us": rfit.control_send_us,
+        "room_handle_us": rfit.room_handle_us,
+        "completion_handle_us": rfit.completion_handle_us,
         "control_handle_us": control_handle_us,
         "rows_used": rfit.rows_fit,
         "rows_heldout": rfit.rows_heldout,
@@ -290,7 +303,8 @@ def _print_fit(fits: _Fits, control_handle_us: float) -> None:
             f"completion delay {rfit.completion_delay_us:.1f} us, "
             f"a copy's host work {rfit.copy_submit_us:.1f} us, "
             f"a staging message's {rfit.staging_handle_us:.1f} us, "
-            f"a control message's send {rfit.control_send_us:.1f} us; "
+            f"a control message's send {rfit.control_send_us:.1f} us, "
+            f"a room's plan {rfit.room_handle_us:.1f} us, a completion's {rfit.completion_handle_us:.1f} us; "
             f"held out {rfit.rows_heldout} rows ({_tok(rfit.tokens_heldout)}): MAPE of ms per room "
             f"{rfit.mape_heldout_pct:.1f}% ({rfit.mape_heldout_without_pct:.1f}% without these costs; "
             f"{rfit.mape_fit_pct:.1f}% on the fit's own rows)"

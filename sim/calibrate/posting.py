@@ -139,6 +139,33 @@ def _concurrency(spans: Sequence[tuple[float, float]]) -> list[int]:
     return out
 
 
+def _descs(w: dict[str, Any]) -> int:
+    """NIXL's posted count, or the requested one where NIXL did not say (-1: the native engine)."""
+    return int(w["descs_posted"]) if w["descs_posted"] > 0 else int(w["descs_requested"])
+
+
+def _post_rows(done: list[dict[str, Any]], one_process: bool, source: str) -> list[PostRow]:
+    """Each descriptor-bound write's posting time and how many processes posted at once.
+
+    The descriptors' cost is in the post for the python engine (its ``post_us``) and in the
+    transfer for the native one (its post returns at once); ``xfer_us``, from the post's start to
+    DONE, holds both (a write's bytes, 0.1 ms of it at most, are noise beside seconds of them).
+    A process's writes are worked one after another: with one prefill process (TP 1->D) a
+    write's own time starts when the one before it ended; otherwise writes that overlap are
+    other processes' (one write per prefill rank a room, TP P->1)."""
+    ends = [(float(w["start_us"]), float(w["start_us"] + max(w["post_us"], w["xfer_us"])), w) for w in done]
+    spans = sorted(ends, key=lambda e: (e[0], e[1]))
+    if one_process:
+        rows, free = [], 0.0
+        for a0, a1, w in spans:
+            rows.append(PostRow(_descs(w), a1 - max(a0, free), 1, source))
+            free = a1
+    else:
+        ks = _concurrency([(a0, a1) for a0, a1, _ in spans])
+        rows = [PostRow(_descs(w), a1 - a0, k, source) for (a0, a1, w), k in zip(spans, ks, strict=True)]
+    return [r for r in rows if r.descs >= MIN_DESCS]
+
+
 def read_flow_telemetry(paths: Sequence[Path]) -> tuple[list[PostRow], list[HostRow]]:
     """Descriptor-bound writes (with their concurrency) and pinned-flow host writes."""
     posts: list[PostRow] = []
@@ -155,48 +182,18 @@ def read_flow_telemetry(paths: Sequence[Path]) -> tuple[list[PostRow], list[Host
             )
         done = []
         for i, w in enumerate(data["writes"]):
-            keys = ("descs_posted", "nbytes", "start_us", "post_us", "xfer_us")
+            keys = ("descs_posted", "descs_requested", "nbytes", "start_us", "post_us", "xfer_us")
             if not isinstance(w, dict) or any(
                 isinstance(w.get(k), bool) or not isinstance(w.get(k), int | float) for k in keys
             ):
                 raise CalibrationError(f"{path}: writes[{i}]: expected numbers for {', '.join(keys)}")
-            if w.get("status") == "DONE" and w["post_us"] > 0 and w["descs_posted"] != 0:
+            if w.get("status") == "DONE" and w["post_us"] > 0 and _descs(w) > 0:
                 done.append(w)
         if flow == "pinned":
             host += [HostRow(int(w["nbytes"]), float(w["xfer_us"]), str(path)) for w in done]
             continue
-        spans = [(float(w["start_us"]), *_descriptor_walk(w)) for w in done]
-        if isinstance(cfg, dict) and cfg.get("prefill_tp") == 1:
-            spans = _one_after_another(spans)
-        walks = [(t0, t0 + us) for t0, _, us in spans]
-        for (_, descs, us), k in zip(spans, _concurrency(walks), strict=True):
-            if descs >= MIN_DESCS:
-                posts.append(PostRow(descs, us, k, str(path)))
+        posts += _post_rows(done, cfg.get("prefill_tp") == 1, str(path))
     return posts, host
-
-
-def _descriptor_walk(w: dict[str, Any]) -> tuple[int, float]:
-    """(descriptors, us NIXL took to walk them) of one write. The Python executor's post returns
-    once cuda_ipc has walked every descriptor (post_us); the native engine's returns at once and
-    reports no count (-1), so the walk is in the transfer's duration and the count is what it was
-    handed (a different-TP room's per-token runs are not dense, so NIXL merges none of them)."""
-    if w["descs_posted"] > 0:
-        return int(w["descs_posted"]), float(w["post_us"])
-    return int(w["descs_requested"]), float(w["xfer_us"])
-
-
-def _one_after_another(spans: list[tuple[float, int, float]]) -> list[tuple[float, int, float]]:
-    """One process's writes (start, descriptors, us): its NIXL agent walks them one after another,
-    so a write handed over while another is being walked starts when that one ends. The Python
-    executor's posts never overlap (each returns after its walk); the native engine hands several
-    over at once (TP 1->2: both ranks' writes), and each then reports the other's walk too."""
-    out: list[tuple[float, int, float]] = []
-    free_at = float("-inf")
-    for t0, descs, us in sorted(spans):
-        begin = max(t0, free_at)
-        free_at = t0 + us
-        out.append((begin, descs, free_at - begin))
-    return out
 
 
 def _per_desc_model(a: float, b: float, k: np.ndarray) -> np.ndarray:

@@ -54,6 +54,7 @@ def render(
     flows: FlowFit | None = None,
     control_handle_us: float = 0.0,
     transport: str = "fitted",
+    rooms_check_sources: list[str] | None = None,
 ) -> str:
     lines = [
         *_fabric_lines(name, fab, flows, transport),
@@ -62,7 +63,7 @@ def render(
         *_room_lines(rooms, control_handle_us),
         "",
         *_fit_table(fab, tel, sources),
-        *_fit_rooms(rooms, rooms_sources),
+        *_fit_rooms(rooms, rooms_sources, rooms_check_sources),
         *_fit_flows(flows),
         *_fit_kernels(kernels),
     ]
@@ -140,12 +141,15 @@ def _room_lines(rooms: RoomFit | None, control_handle_us: float) -> list[str]:
             "# [fit] room_sources (sim/calibrate/rooms.py): one control message's latency, the",
             "# delay before a notification or completion is handled, and the host work that holds",
             "# a rank's runtime thread: each gather or scatter's submit and completion pickup, each",
-            "# staging message (StagingReq, StagingRsp, Watermark) handled, each control message sent.",
+            "# staging message (StagingReq, StagingRsp, Watermark) handled, each control message sent,",
+            "# each TransferInfo or PullOffer handled (the room's plan), each notification or DONE handled.",
             f"control_latency_us = {_num(rooms.control_latency_us)}",
             f"completion_delay_us = {_num(rooms.completion_delay_us)}",
             f"copy_submit_us = {_num(rooms.copy_submit_us)}",
             f"staging_handle_us = {_num(rooms.staging_handle_us)}",
             f"control_send_us = {_num(rooms.control_send_us)}",
+            f"room_handle_us = {_num(rooms.room_handle_us)}",
+            f"completion_handle_us = {_num(rooms.completion_handle_us)}",
         ]
     else:
         lines = ["# No bench rows given (--rooms): no per-room control path, the fabric's defaults."]
@@ -175,11 +179,14 @@ def _fit_table(fab: FabricFit, tel: Telemetry, sources: list[str]) -> list[str]:
     ]
 
 
-def _fit_rooms(rooms: RoomFit | None, rooms_sources: list[str] | None) -> list[str]:
+def _fit_rooms(rooms: RoomFit | None, rooms_sources: list[str] | None, check: list[str] | None) -> list[str]:
     if rooms is None:
         return []
+    # --rooms-check: the held-out rows are those files' (no room size of the fit files held out)
+    checked = [f"room_check_sources = [{', '.join(_s(s) for s in check)}]"] if check else []
     return [
         f"room_sources = [{', '.join(_s(s) for s in rooms_sources or ())}]",
+        *checked,
         f"room_rows_used = {rooms.rows_fit}",
         f"room_rows_heldout = {rooms.rows_heldout}",
         f"room_tokens_fit = [{', '.join(str(t) for t in rooms.tokens_fit)}]",

@@ -93,6 +93,10 @@ class NicProfile:
     copy_submit_us: float | None = None
     # The sender's host work per control message on the rank's thread (ControlSpec.send_ns).
     control_send_us: float | None = None
+    # A rank's host work per room planned (TransferInfo or PullOffer) and per notification or DONE,
+    # on its runtime thread (NicSpec.room_handle_ns, completion_handle_ns); a deployment charges them.
+    room_handle_us: float | None = None
+    completion_handle_us: float | None = None
     host_bandwidth_gbps: float | None = None
     # What moves the bytes (TRANSPORTS), where the two posting costs come from, and which of the
     # profile's numbers are estimates rather than measurements.
@@ -141,6 +145,7 @@ _MAY_BE_ZERO = frozenset(
     {"latency_us", "post_cost_us", "per_desc_us", "kernel_launch_us"}
     | {"control_latency_us", "completion_delay_us", "shared_desc_us"}
     | {"control_handle_us", "staging_handle_us", "copy_submit_us", "control_send_us"}
+    | {"room_handle_us", "completion_handle_us"}
 )
 # Kinds a loader accepts: a fitted fabric profile serves as a NIC profile.
 _KINDS = {"gpu": ("gpu",), "nic": ("nic", "fabric"), "fabric": ("fabric",)}
@@ -213,6 +218,10 @@ def fabric_spec(g: GpuProfile, n: NicProfile) -> FabricSpec:
             post_cost_ns=int(n.post_cost_us * 1000),
             per_desc_ns=int(n.per_desc_us * 1000),
             completion_delay_ns=0 if n.completion_delay_us is None else round(n.completion_delay_us * 1000),
+            room_handle_ns=0 if n.room_handle_us is None else round(n.room_handle_us * 1000),
+            completion_handle_ns=0
+            if n.completion_handle_us is None
+            else round(n.completion_handle_us * 1000),
             # A deployment's transfers are long; an ERR must not beat a healthy write (assumption).
             error_timeout_ns=2_000_000_000,
         ),

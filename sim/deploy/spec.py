@@ -221,6 +221,8 @@ class DeploySpec:
                 staging_handle_us=ctl.staging_handle_us,
                 copy_submit_us=ctl.copy_submit_us,
                 control_send_us=ctl.control_send_us,
+                room_handle_us=ctl.room_handle_us,
+                completion_handle_us=ctl.completion_handle_us,
             )
         fab = hardware.fabric_spec(gpu, nic)
         return {
@@ -245,6 +247,8 @@ class DeploySpec:
                 "per_desc_ns": fab.nic.per_desc_ns,
                 "error_timeout_ns": fab.nic.error_timeout_ns,
                 "completion_delay_ns": fab.nic.completion_delay_ns,
+                "room_handle_ns": fab.nic.room_handle_ns,
+                "completion_handle_ns": fab.nic.completion_handle_ns,
                 "control_latency_ns": fab.control.latency_ns,
                 "staging_handle_ns": fab.control.staging_handle_ns,
                 "control_send_ns": fab.control.send_ns,
