@@ -63,6 +63,10 @@ class XferState(IdentityEnum):
     ERR = "ERR"
 
 
+# The members as plain module names: under Python 3.11 every ``XferState.PROC`` read goes through
+# EnumType.__getattr__'s slow attribute hook (about ten times a global's cost), several per write.
+_PROC, _DONE, _ERR = XferState.PROC, XferState.DONE, XferState.ERR
+
 # A retired transfer's trace kind ("xfer_done", "xfer_err"), without ``Enum.value``'s property call.
 _RETIRED = {s: "xfer_" + s.value.lower() for s in XferState}
 
@@ -81,7 +85,7 @@ class Xfer:
     posted_ns: int
     charged_descs: int
     inject_err: bool
-    state: XferState = XferState.PROC
+    state: XferState = _PROC
     remaining: int = 0
     started_ns: int = -1
     finish_at: int = -1
@@ -209,7 +213,7 @@ class Fabric:
 
     def node_clock(self, node: Node) -> int:
         """``clock`` of a node already in hand (a rank asks at every event: no lookup by name)."""
-        t = int(self.env.now) + node.skew_ns
+        t = int(self.env._now) + node.skew_ns
         return t if t > 0 else 0
 
     def wake(self, name: str, item: Any) -> None:
@@ -237,8 +241,8 @@ class Fabric:
         # Transfers this node initiated die with it; their source memory is gone.
         for xid in sorted(node.handles):
             x = self.xfers.get(xid)
-            if x is not None and x.state is XferState.PROC:
-                self._retire(x, XferState.ERR, "initiator crashed", silent=True)
+            if x is not None and x.state is _PROC:
+                self._retire(x, _ERR, "initiator crashed", silent=True)
             self.xfers.pop(xid, None)
         node.handles.clear()
         node.settled.clear()
@@ -260,7 +264,7 @@ class Fabric:
             return
         node.incarnation += 1
         node.up = True
-        node.post_busy_until = int(self.env.now)
+        node.post_busy_until = int(self.env._now)
         self.record("restart", name, incarnation=node.incarnation)
 
     def set_link(self, a: str, b: str, up: bool) -> None:
@@ -272,7 +276,7 @@ class Fabric:
         if not up:
             for xid in list(self._active) + [x for n in self.nodes.values() for x in n.queued]:
                 x = self.xfers.get(xid)
-                if x is not None and x.state is XferState.PROC and {x.src, x.dst} == {a, b}:
+                if x is not None and x.state is _PROC and {x.src, x.dst} == {a, b}:
                     self._fail_later(x, "link down")
         self._reschedule()
 
@@ -311,7 +315,7 @@ class Fabric:
         ``dst_incarnation`` (or the source's, for a READ) is the peer incarnation whose metadata
         the initiator loaded: a transfer aimed at an older incarnation fails with ERR.
         """
-        now = int(self.env.now)
+        now = int(self.env._now)
         ini = self.node(initiator)
         if not ini.up:
             raise NodeDownError(f"{initiator} is down")
@@ -399,12 +403,12 @@ class Fabric:
         node.handles.discard(xid)
         node.settled.discard(xid)
         x = self.xfers.get(xid)
-        if x is not None and x.state is not XferState.PROC:
+        if x is not None and x.state is not _PROC:
             del self.xfers[xid]
 
     def send_notif(self, src: str, dst: str, payload: bytes, tag: Any = None) -> None:
         """A notification with no data (NIXL send_notif), over the data path."""
-        now = int(self.env.now)
+        now = int(self.env._now)
         s = self.node(src)
         if not s.up:
             raise NodeDownError(f"{src} is down")
@@ -434,7 +438,7 @@ class Fabric:
         if not s.up:
             raise NodeDownError(f"{src} is down")
         self.node(dst)
-        now = int(self.env.now)
+        now = int(self.env._now)
         self.stats.control_sent += 1
         if self.on_control is not None:
             self.on_control("sent", src, dst, payload)
@@ -467,7 +471,7 @@ class Fabric:
         handle = self.spec.control.handle_ns
         if self.spec.control.staging_handle_ns and _staging_message(payload):
             handle += self.spec.control.staging_handle_ns
-        now = int(self.env.now)
+        now = int(self.env._now)
         # queue behind what this node's runtime thread is still doing (messages, copy submits)
         if handle or d.host_busy_until > now:
             d.host_busy_until = max(now, d.host_busy_until) + handle
@@ -495,7 +499,7 @@ class Fabric:
         call_after(self.env, max(0, int(delay)), fn, *args)
 
     def _admit(self, x: Xfer) -> None:
-        if x.state is not XferState.PROC:
+        if x.state is not _PROC:
             return
         ini = self.nodes[x.initiator]
         if ini.inflight >= ini.nic.max_inflight:
@@ -506,7 +510,7 @@ class Fabric:
     def _start(self, x: Xfer) -> None:
         ini = self.nodes[x.initiator]
         ini.inflight += 1
-        x.started_ns = int(self.env.now)
+        x.started_ns = int(self.env._now)
         if not self.link(x.src, x.dst).up:
             self._fail_later(x, "link down")
             return
@@ -529,7 +533,7 @@ class Fabric:
 
     def _advance(self) -> None:
         """Move every active transfer's byte count to the current time."""
-        now = int(self.env.now)
+        now = int(self.env._now)
         dt = now - self._last_progress
         self._last_progress = now
         if dt <= 0:
@@ -540,7 +544,7 @@ class Fabric:
 
     def _reschedule(self) -> None:
         self._advance()
-        now = int(self.env.now)
+        now = int(self.env._now)
         self._gen += 1
         gen = self._gen
         soonest = -1
@@ -557,7 +561,7 @@ class Fabric:
         if gen != self._gen:
             return  # superseded by a later recomputation
         self._advance()
-        now = int(self.env.now)
+        now = int(self.env._now)
         finished = [xid for xid in self._active if self.xfers[xid].finish_at <= now]
         for xid in finished:
             x = self.xfers[xid]
@@ -585,7 +589,7 @@ class Fabric:
         ini.inflight -= 1
         while ini.queued and ini.inflight < ini.nic.max_inflight:
             nxt = self.xfers.get(ini.queued.popleft())
-            if nxt is not None and nxt.state is XferState.PROC:
+            if nxt is not None and nxt.state is _PROC:
                 self._start(nxt)
 
     def _peer_gone(self, x: Xfer) -> str:
@@ -599,7 +603,7 @@ class Fabric:
         return ""
 
     def _land(self, x: Xfer) -> None:
-        if x.state is not XferState.PROC:
+        if x.state is not _PROC:
             return
         gone = self._peer_gone(x)
         if gone:
@@ -613,10 +617,10 @@ class Fabric:
         if self.on_land is not None:
             self.on_land(x)
         self._copy(x, descs)
-        x.landed_ns = int(self.env.now)
+        x.landed_ns = int(self.env._now)
         if x.inject_err:
             self.record("xfer_err_injected", x.initiator, xid=x.xid, written=descs.count, tag=x.tag)
-            self._retire(x, XferState.ERR, "injected transfer error")
+            self._retire(x, _ERR, "injected transfer error")
             return
         self.stats.bytes_landed += descs.total_bytes * x.weight
         if x.notif is not None:
@@ -628,7 +632,7 @@ class Fabric:
             else:
                 self._deliver_notif(x.initiator, target, None, notif, x.tag)
         nic = self.nodes[x.initiator].nic
-        self._at(nic.latency_ns + nic.completion_delay_ns, self._retire, x, XferState.DONE, "")
+        self._at(nic.latency_ns + nic.completion_delay_ns, self._retire, x, _DONE, "")
 
     def _copy(self, x: Xfer, descs: DescList) -> None:
         if descs.count == 0:
@@ -668,7 +672,7 @@ class Fabric:
             dst[do : do + n] = smem.region(sr)[so : so + n]
 
     def _deliver_notif(self, src: str, dst: str, inc: int | None, payload: bytes, tag: Any) -> None:
-        now = int(self.env.now)
+        now = int(self.env._now)
         fate = self.faults.notif_fate(src, dst, now)
         if fate.dropped:
             self.stats.notifs_dropped += 1
@@ -696,23 +700,21 @@ class Fabric:
             self._deactivate(x)
         x.err_reason = reason
         nic = self.nodes[x.initiator].nic
-        self._at(
-            0 if already_waited else nic.error_timeout_ns, lambda: self._retire(x, XferState.ERR, reason)
-        )
+        self._at(0 if already_waited else nic.error_timeout_ns, lambda: self._retire(x, _ERR, reason))
 
     def _retire(self, x: Xfer, state: XferState, reason: str, silent: bool = False) -> None:
-        if x.state is not XferState.PROC:
+        if x.state is not _PROC:
             return
         if x.active:
             self._deactivate(x)
             self._reschedule()
         x.state = state
         x.err_reason = reason
-        x.done_ns = int(self.env.now)
+        x.done_ns = int(self.env._now)
         self.nodes[x.initiator].settled.add(x.xid)
         if x.started_ns >= 0:
             self._free_slot(x)
-        if state is XferState.DONE:
+        if state is _DONE:
             self.stats.transfers_done += 1
             self.write_latencies.append(x.done_ns - x.posted_ns)
         else:
@@ -736,7 +738,7 @@ class Fabric:
         return {name: len(n.handles) for name, n in self.nodes.items() if n.handles}
 
     def in_flight(self) -> int:
-        return sum(1 for x in self.xfers.values() if x.state is XferState.PROC)
+        return sum(1 for x in self.xfers.values() if x.state is _PROC)
 
 
 def _host_to_host(descs: DescList) -> bool:

@@ -34,6 +34,9 @@ from kvferry.core.planner import RankPlan, plan_rank_pair
 
 __all__ = ["LayerPlanner", "TimingFabric", "TimingTransport"]
 
+# Plain module names for the members (Python 3.11's EnumType attribute hook is slow): per write.
+_DONE, _FABRIC_DONE = XferState.DONE, FabricState.DONE
+
 
 class LayerPlanner:
     """The core's planner over the first layer of each pool: the descriptors of one layer, which
@@ -85,7 +88,7 @@ class TimingFabric(Fabric):
 
     def _retire(self, x: Xfer, state: FabricState, reason: str, silent: bool = False) -> None:
         super()._retire(x, state, reason, silent)
-        if self.xfer_log is not None and x.state is FabricState.DONE and x.notif is not None:
+        if self.xfer_log is not None and x.state is _FABRIC_DONE and x.notif is not None:
             try:
                 room = decode_note(x.notif).room
             except WireError:
@@ -110,9 +113,9 @@ class TimingFabric(Fabric):
 
 class TimingTransport(SimTransport):
     def _copy_done(self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...]) -> None:
-        node = self.fabric.node(self.node)
+        node = self._fnode
         if not node.up or node.incarnation != self.incarnation or cid not in self.copies:
             return  # the process that launched it is gone
-        self.copies[cid] = XferState.DONE
+        self.copies[cid] = _DONE
         self.fabric.record(kind, self.node, bytes=map_bytes(maps))
         self.fabric.wake(self.node, ("copy", cid))
