@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import simpy
 from kvferry.backends import pattern
-from kvferry.backends.simfabric.calls import call_after
+from kvferry.backends.simfabric.calls import FarTimeouts, call_after
 from kvferry.backends.simfabric.fabric import Fabric
 from kvferry.backends.simfabric.runtime import SimRank
 from kvferry.backends.simfabric.transport import SimTransport, node_name
@@ -84,6 +84,7 @@ class World:
         self.scenario = s = draw_personality(replace(scenario, seed=seed), self.streams)
         self._hooks = frozenset(s.hooks)  # asked at every settled side: built once
         self.env = simpy.Environment()
+        self.arrivals = FarTimeouts(self.env)  # every request's arrival, off SimPy's queue until next
         # The clock read at every trace record: a C-level call, no Python frame (env.now is a property).
         self.trace = Trace(partial(getattr, self.env, "_now"), keep=keep_trace)
         self.injector = Injector(s.faults, s.phases.fault_window_us * US, self.streams)
@@ -346,7 +347,9 @@ class World:
     def request_process(self, req: Request):  # type: ignore[no-untyped-def]
         """The room's life from its arrival: memory, opening both sides, its chunks."""
         env = self.env
-        yield env.timeout(req.arrival_ns - int(env.now))  # absolute: a request may be added later
+        # Absolute: a request may be added later. Made for every request at the start: one of the
+        # far timeouts, kept off SimPy's queue (as long as the run) until it is next.
+        yield self.arrivals.timeout(req.arrival_ns - int(env._now))
         if not self.serving.arrived(req):
             return
         yield from self._admit(req)
