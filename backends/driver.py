@@ -208,8 +208,8 @@ class Driver:
         # its chunk's writes a check of each of them per wake-up; the order (post order, or the
         # order of ``ids``) is the same.
         settled = t.settled_handles()
-        if settled is not None and not settled:
-            return self._poll_copies(now) if ids is None else 0  # no write left PROC
+        if settled is not None and not settled:  # no write left PROC
+            return self._poll_copies(now) if ids is None and self.copies else 0
         with self.lock:
             asked = self.handles if ids is None else ids
             if settled is not None:
@@ -282,7 +282,7 @@ class Driver:
 
     def writes_pending(self, ids: tuple[int, ...]) -> bool:
         with self.lock:
-            return any(i in self.handles for i in ids)
+            return not self.handles.keys().isdisjoint(ids)  # C-level: no generator per ask
 
     def worker_step(self, shard: int, now: int) -> tuple[int, ...] | None:
         """Run one queued chunk of ``shard``; None if the queue is empty, else the ids to await.
@@ -410,7 +410,8 @@ class Driver:
         for cmd in cmds:
             w = self._run(cmd)
             wait = w if w is not None else wait
-        self._drain(now)
+        if self._followups:  # rare (a refused command, an aux check): no call for nothing
+            self._drain(now)
         return wait
 
     def _drain(self, now: int) -> None:

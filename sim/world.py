@@ -606,8 +606,11 @@ class World:
         self.check_side(req, side)
 
     def _all_success(self, req: Request) -> bool:
-        nodes = self.room_nodes(req, "prefill") + self.room_nodes(req, "decode")
-        return all(req.status.get(n) is _SUCCESS for n in nodes)
+        status = req.status
+        for n in self.room_nodes(req, "prefill") + self.room_nodes(req, "decode"):
+            if status.get(n) is not _SUCCESS:  # a loop: no generator frame per Success
+                return False
+        return True
 
     def free_pages(self, rank: SimRank, cmd: FreePages) -> None:
         req = self.rooms.by_room.get(cmd.room)
@@ -634,7 +637,7 @@ class World:
             if n not in inc:
                 return  # not opened on every rank yet
         status = req.status
-        stats = [status.get(n) for n in nodes]
+        stats = list(map(status.get, nodes))  # no comprehension frame (every status change)
         # One failed rank fails the room on this server: abort it on the others.
         if _FAILED in stats:
             for n in nodes:
@@ -643,7 +646,7 @@ class World:
                     self.ranks[n].feed(
                         AbortRoom(room=req.room, transfer_id=req.tid, reason="failed on another rank")
                     )
-            stats = [status.get(n) for n in nodes]
+            stats = list(map(status.get, nodes))
         for st in stats:  # every rank terminal (asked on every status change: no generator)
             if st is not _SUCCESS and st is not _FAILED:
                 return

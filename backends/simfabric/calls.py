@@ -35,21 +35,23 @@ _FIRE = (_fire,)  # the callbacks ``step`` runs; it sets ``callbacks`` to None a
 
 
 class _Call:
+    """Filled in by ``call_after`` itself: no ``__init__`` frame per call (dozens per room)."""
+
     __slots__ = ("args", "callbacks", "fn")
     _ok = True  # ``step`` crashes the run on an event that is not ok
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        self.callbacks: tuple[Callable[[Any], None], ...] | None = _FIRE
-        self.fn = fn
-        self.args = args
+    callbacks: tuple[Callable[[Any], None], ...] | None
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
 
 
 def call_after(env: simpy.Environment, delay: int, fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` ``delay`` ns from now (``delay`` >= 0), in Timeout order."""
     if delay < 0:
         raise ValueError(f"negative delay {delay}")
+    call = _Call()
+    call.callbacks, call.fn, call.args = _FIRE, fn, args
     # Environment.schedule's key, inlined: the same queue, priority and id counter as a Timeout.
-    heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), _Call(fn, args)))  # type: ignore[attr-defined]
+    heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), call))  # type: ignore[attr-defined]
 
 
 class FarTimeouts:

@@ -95,6 +95,9 @@ class Xfer:
     active: bool = False
     weight: int = 1  # copies of ``descs`` the post stands for (Fabric._weight)
     host_bps: int = 0  # a host-to-host transfer's wire (NicSpec.host_bandwidth_bps); 0: the NIC's
+    # Its link, looked up once at the post (links are made once and changed in place): the
+    # bandwidth recomputations read it for every active transfer.
+    link: Link | None = None
 
 
 @dataclass(slots=True)
@@ -330,7 +333,8 @@ class Fabric:
         if peer.up and peer.incarnation == peer_inc:
             peer.memory.check_descs(descs, dst=writes)
         weight = self._weight(descs)
-        charged = (merge_dense_runs(descs).count if self.spec.prepped else descs.count) * weight
+        n = descs.count
+        charged = (merge_dense_runs(descs).count if self.spec.prepped else n) * weight
         xid = self._next_xid
         self._next_xid += 1
         x = Xfer(
@@ -348,11 +352,12 @@ class Fabric:
             inject_err=self.faults.transfer_err(src, dst, now),
             remaining=descs.total_bytes * weight,
             weight=weight,
+            link=self.link(src, dst),
         )
         self.xfers[xid] = x
         ini.handles.add(xid)
         self.stats.posts += 1
-        self.stats.descriptors_posted += descs.count * weight
+        self.stats.descriptors_posted += n * weight
         self.stats.descriptors_charged += charged
         nic = ini.nic
         begin = max(now, ini.post_busy_until)
@@ -369,7 +374,7 @@ class Fabric:
             xid=xid,
             src=src,
             dst=dst,
-            descs=descs.count * weight,
+            descs=n * weight,
             charged=charged,
             nbytes=x.remaining,
             tag=tag,
@@ -511,7 +516,7 @@ class Fabric:
         ini = self.nodes[x.initiator]
         ini.inflight += 1
         x.started_ns = int(self.env._now)
-        if not self.link(x.src, x.dst).up:
+        if not x.link.up:  # type: ignore[union-attr]
             self._fail_later(x, "link down")
             return
         self._advance()
@@ -525,11 +530,11 @@ class Fabric:
 
     def _rate(self, x: Xfer) -> int:
         s, d = self.nodes[x.src], self.nodes[x.dst]
-        link = self.link(x.src, x.dst)
+        link = x.link
         rate = min(s.nic.bandwidth_bps // max(1, s.active_out), d.nic.bandwidth_bps // max(1, d.active_in))
         if x.host_bps:
             rate = min(rate, x.host_bps // max(1, self.nodes[x.initiator].active_host))
-        return max(1, rate * link.slow_num // link.slow_den)
+        return max(1, rate * link.slow_num // link.slow_den)  # type: ignore[union-attr]
 
     def _advance(self) -> None:
         """Move every active transfer's byte count to the current time."""
@@ -598,7 +603,7 @@ class Fabric:
             return f"{x.src} restarted or down"
         if not d.up or d.incarnation != x.dst_inc:
             return f"{x.dst} restarted or down"
-        if not self.link(x.src, x.dst).up:
+        if not x.link.up:  # type: ignore[union-attr]
             return "link down"
         return ""
 

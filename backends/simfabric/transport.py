@@ -282,7 +282,10 @@ class SimTransport:
 
     def drain_notifs(self) -> list[bytes]:
         node = self._fnode  # Fabric.drain_notifs without the lookup by name (asked at every poll)
-        got, node.notifs = node.notifs, []
+        got = node.notifs
+        if not got:
+            return []  # most polls: no new list for the node, no comprehension
+        node.notifs = []
         return [payload for _src, payload in got]
 
     def read_aux_room(self, aux_index: int) -> int:
@@ -349,7 +352,10 @@ class SimTransport:
 
     def recv_control(self) -> list[bytes]:
         node = self._fnode  # Fabric.drain_control without the lookup by name (asked at every poll)
-        got, node.control = node.control, []
+        got = node.control
+        if not got:
+            return []  # most polls: no new list for the node, no comprehension
+        node.control = []
         return [payload for _src, payload in got]
 
 

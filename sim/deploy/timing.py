@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-from kvferry.backends.simfabric.descriptors import DescList
+from kvferry.backends.simfabric.descriptors import SMALL, DescList
 from kvferry.backends.simfabric.fabric import Fabric, Xfer
 from kvferry.backends.simfabric.fabric import XferState as FabricState
 from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport
@@ -68,10 +68,15 @@ class TimingFabric(Fabric):
     kinds: int = 1
 
     def _weight(self, descs: DescList) -> int:
-        if self.layers == 1 or not descs.count:
+        n = descs.count
+        if self.layers == 1 or not n:
             return 1
-        lo = min(int(descs.src_region.min()), int(descs.dst_region.min()))
-        hi = max(int(descs.src_region.max()), int(descs.dst_region.max()))
+        if n <= SMALL:  # a few descriptors: Python's min and max, not four numpy reductions
+            regions = descs.src_region.tolist() + descs.dst_region.tolist()
+            lo, hi = min(regions), max(regions)
+        else:
+            lo = min(int(descs.src_region.min()), int(descs.dst_region.min()))
+            hi = max(int(descs.src_region.max()), int(descs.dst_region.max()))
         return self.layers if lo >= 0 and hi < self.kinds else 1
 
     def register(self, name: str, region_id: int, nbytes: int) -> np.ndarray:
@@ -97,6 +102,8 @@ class TimingFabric(Fabric):
 
     def _copy(self, x: Xfer, descs: DescList) -> None:
         # Aux rows are copied: decode reads the room id back from them to accept a room.
+        if descs.count <= SMALL and AUX_REGION not in descs.dst_region.tolist():
+            return  # the usual KV write, found without numpy's per-call cost
         aux = descs.dst_region == AUX_REGION
         if aux.any():
             super()._copy(
