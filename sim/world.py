@@ -439,7 +439,8 @@ class World:
                 continue
             rank = self.ranks[node]
             if s.move_bytes:
-                pattern.fill(rank.transport.pool, rank.transport.region, req.key, req.pre_pages, start, end)
+                tr = rank.transport
+                pattern.fill(tr.pool, tr.memory.region, req.key, req.pre_pages, start, end)
             chunk = ChunkReady(
                 room=req.room,
                 transfer_id=req.tid,
@@ -491,7 +492,7 @@ class World:
             if req.token_start and self.scenario.move_bytes:
                 # The prefix cache: decode's own copy of the first tokens, already in its pages.
                 tr = rank.transport
-                pattern.fill(tr.pool, tr.region, req.key, req.dec_pages, 0, req.token_start)
+                pattern.fill(tr.pool, tr.memory.region, req.key, req.dec_pages, 0, req.token_start)
             rank.feed(
                 ReceiverOpen(
                     room=req.room,
@@ -631,7 +632,8 @@ class World:
     def _settle_side(self, req: Request, side: str) -> None:
         if not req.opened:
             return
-        nodes = self.room_nodes(req, side)
+        # ``room_nodes`` inline (asked at every status change)
+        nodes = self.fleet.nodes[side][req.pre_inst if side == "prefill" else req.dec_inst]
         inc = req.inc
         for n in nodes:
             if n not in inc:

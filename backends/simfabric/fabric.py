@@ -672,9 +672,17 @@ class Fabric:
     def _copy_small(smem: FakeMemory, dmem: FakeMemory, descs: DescList) -> None:
         """``_copy`` of a few descriptors: one slice copy each, in descriptor order (the same
         bytes land as through the grouped copies; numpy's per-call cost exceeds the work)."""
+        dregs, sregs = dmem.by_id, smem.by_id
         for sr, so, dr, do, n in descs.rows():
-            dst = dmem.region(dr)  # looked up before the source, as ``_copy`` does
-            dst[do : do + n] = smem.region(sr)[so : so + n]
+            # From the tables (no call per descriptor); ``region`` refuses a missing one. The
+            # destination is looked up before the source, as ``_copy`` does.
+            dst = dregs.get(dr)
+            if dst is None:
+                dst = dmem.region(dr)
+            src = sregs.get(sr)
+            if src is None:
+                src = smem.region(sr)
+            dst[do : do + n] = src[so : so + n]
 
     def _deliver_notif(self, src: str, dst: str, inc: int | None, payload: bytes, tag: Any) -> None:
         now = int(self.env._now)

@@ -95,7 +95,8 @@ class SimRank:
     def feed(self, event: Any) -> None:
         """Hand one local event (open, chunk ready, abort, release) to the engine."""
         if not self.dead:
-            self.driver.feed(event, self.now())
+            t = int(self.env._now) + self._skew_ns  # ``now()`` inline: a frame less per event
+            self.driver.feed(event, t if t > 0 else 0)
             self._rearm()
 
     def _rearm(self) -> None:
@@ -167,7 +168,8 @@ class SimRank:
         if self.dead:
             return
         before = len(self.driver.handles)
-        self.driver.pump(self.now())
+        t = int(self.env._now) + self._skew_ns  # ``now()`` inline: a frame less per wake-up
+        self.driver.pump(t if t > 0 else 0)
         if len(self.driver.handles) < before:
             self._writes_resolved()
         self.sink.after_pump(self)

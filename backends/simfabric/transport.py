@@ -74,6 +74,9 @@ class SimTransport:
         self.pool = pool
         # The fabric's record of this node: it outlives crashes and restarts (asked at every poll).
         self._fnode = fabric.node(self.node)
+        # Its node's memory (kept through crashes, wiped in place): ``memory.region`` spares the
+        # pattern fills and checks a frame per region.
+        self.memory = self._fnode.memory
         self.incarnation = self._fnode.incarnation
         self.peers: dict[Endpoint, _Peer] = {}
         self.aux_rows = 0
