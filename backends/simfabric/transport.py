@@ -79,6 +79,7 @@ class SimTransport:
         self.memory = self._fnode.memory
         self.incarnation = self._fnode.incarnation
         self.peers: dict[Endpoint, _Peer] = {}
+        self._names: dict[Endpoint, str] = {}
         self.aux_rows = 0
         self.aux_row_bytes = 0
         self._regions: tuple[Any, ...] = ()
@@ -351,7 +352,10 @@ class SimTransport:
 
     # --- control plane ----------------------------------------------------------------------------------
     def send_control(self, peer: Endpoint, data: bytes, tag: Any = None) -> None:
-        self.fabric.send_control(self.node, node_name(peer), data, tag=tag)
+        name = self._names.get(peer)  # a peer's node name, made once (a message or more a room)
+        if name is None:
+            name = self._names[peer] = node_name(peer)
+        self.fabric.send_control(self.node, name, data, tag=tag)
 
     def recv_control(self) -> list[bytes]:
         node = self._fnode  # Fabric.drain_control without the lookup by name (asked at every poll)
