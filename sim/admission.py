@@ -42,6 +42,12 @@ class Admission:
             nxt.succeed()
 
     def memory_freed(self) -> None:
-        """Wake the requests waiting for memory (their tickets keep the admission order)."""
+        """Wake the requests waiting for memory (their tickets keep the admission order).
+
+        With none waiting, ``changed`` stays as it is: firing it would be a SimPy step that
+        resumes nobody (two a room), and a later waiter finds the same untriggered event a fresh
+        one would be. Skipping it takes no event id, so every other event keeps its order."""
+        if not self.changed.callbacks:
+            return
         ev, self.changed = self.changed, self.env.event()
         ev.succeed()

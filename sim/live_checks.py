@@ -45,7 +45,7 @@ class LiveChecks:
         for node in self.w.room_nodes(req, "decode"):
             rank = self.w.ranks[node]
             bad, first = pattern.mismatches(
-                rank.transport.pool, rank.transport.region, req.key, req.dec_pages, req.dec_tokens
+                rank.transport.pool, rank.transport.memory.region, req.key, req.dec_pages, req.dec_tokens
             )
             aux = rank.transport.read_aux_room(int(req.dec_aux[0]))
             if aux != req.room:

@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import simpy
 from kvferry.backends import pattern
-from kvferry.backends.simfabric.calls import call_after
+from kvferry.backends.simfabric.calls import FarTimeouts, call_after
 from kvferry.backends.simfabric.fabric import Fabric
 from kvferry.backends.simfabric.runtime import SimRank
 from kvferry.backends.simfabric.transport import SimTransport, node_name
@@ -51,6 +51,10 @@ from kvferry.sim.trace import Trace
 from msgspec.structs import replace
 
 _POLL_NAME = {s: s.name for s in KVPoll}  # KVPoll -> its name, without the enum property
+# The terminal members as plain module names: under Python 3.11 every ``KVPoll.Failed`` read goes
+# through EnumType.__getattr__'s slow attribute hook (about ten times a global's cost), and the
+# scheduler's reactions compare statuses several times per status change.
+_FAILED, _SUCCESS = KVPoll.Failed, KVPoll.Success
 
 
 class World:
@@ -78,7 +82,9 @@ class World:
             topo = replace(scenario.topology, prefill_instances=instances[0], decode_instances=instances[1])
             scenario = replace(scenario, topology=topo)
         self.scenario = s = draw_personality(replace(scenario, seed=seed), self.streams)
+        self._hooks = frozenset(s.hooks)  # asked at every settled side: built once
         self.env = simpy.Environment()
+        self.arrivals = FarTimeouts(self.env)  # every request's arrival, off SimPy's queue until next
         # The clock read at every trace record: a C-level call, no Python frame (env.now is a property).
         self.trace = Trace(partial(getattr, self.env, "_now"), keep=keep_trace)
         self.injector = Injector(s.faults, s.phases.fault_window_us * US, self.streams)
@@ -124,7 +130,7 @@ class World:
     @property
     def hooks(self) -> frozenset[str]:
         """The planted bugs switched on (sim/planted.py), asked where each one acts."""
-        return frozenset(self.scenario.hooks)
+        return self._hooks
 
     # The run's rooms and findings, read by the checkers, metrics, the CLI, sim/deploy and tests.
     @property
@@ -329,7 +335,7 @@ class World:
         return out
 
     def _abort_later(self, req: Request, side: str, rank: int, at: int):  # type: ignore[no-untyped-def]
-        yield self.env.timeout(at - int(self.env.now))
+        yield self.env.timeout(at - int(self.env._now))
         node = self.room_nodes(req, side)[rank]
         if req.opened and self.alive(node, req) and not _terminal(req.status.get(node)):
             self.injector.counts["abort"] += 1
@@ -341,7 +347,9 @@ class World:
     def request_process(self, req: Request):  # type: ignore[no-untyped-def]
         """The room's life from its arrival: memory, opening both sides, its chunks."""
         env = self.env
-        yield env.timeout(req.arrival_ns - int(env.now))  # absolute: a request may be added later
+        # Absolute: a request may be added later. Made for every request at the start: one of the
+        # far timeouts, kept off SimPy's queue (as long as the run) until it is next.
+        yield self.arrivals.timeout(req.arrival_ns - int(env._now))
         if not self.serving.arrived(req):
             return
         yield from self._admit(req)
@@ -431,7 +439,8 @@ class World:
                 continue
             rank = self.ranks[node]
             if s.move_bytes:
-                pattern.fill(rank.transport.pool, rank.transport.region, req.key, req.pre_pages, start, end)
+                tr = rank.transport
+                pattern.fill(tr.pool, tr.memory.region, req.key, req.pre_pages, start, end)
             chunk = ChunkReady(
                 room=req.room,
                 transfer_id=req.tid,
@@ -478,12 +487,12 @@ class World:
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
             if rank.dead:
-                self.mark(req, node, KVPoll.Failed, "node down at open")
+                self.mark(req, node, _FAILED, "node down at open")
                 continue
             if req.token_start and self.scenario.move_bytes:
                 # The prefix cache: decode's own copy of the first tokens, already in its pages.
                 tr = rank.transport
-                pattern.fill(tr.pool, tr.region, req.key, req.dec_pages, 0, req.token_start)
+                pattern.fill(tr.pool, tr.memory.region, req.key, req.dec_pages, 0, req.token_start)
             rank.feed(
                 ReceiverOpen(
                     room=req.room,
@@ -503,7 +512,7 @@ class World:
             rank = self.ranks[node]
             req.inc[node] = rank.incarnation
             if rank.dead:
-                self.mark(req, node, KVPoll.Failed, "node down at open")
+                self.mark(req, node, _FAILED, "node down at open")
                 continue
             rank.transport.aux_row(int(req.pre_aux[0]))[: aux_row.size] = aux_row
             rank.feed(
@@ -566,16 +575,16 @@ class World:
         status_log = self.findings.status_log
         old = status_log.get(key)
         if old is not None and checks.monotone:
-            if old is KVPoll.Failed and status is not KVPoll.Failed:
+            if old is _FAILED and status is not _FAILED:
                 self.violate("failed_absorbing", f"{node} room {req.key}: {old.name} -> {status.name}", req)
-            elif status < old and status is not KVPoll.Failed:
+            elif status < old and status is not _FAILED:
                 self.violate("status_monotone", f"{node} room {req.key}: {old.name} -> {status.name}", req)
         status_log[key] = status
         if req.inc.get(node, inc) != inc:
             return  # an old incarnation's news
         side = self.fleet.side_of[node]
         released = req.dec_released if side == "decode" else req.pre_released
-        if req.success_all_ns >= 0 and status is not KVPoll.Success and checks.success_stable and released:
+        if req.success_all_ns >= 0 and status is not _SUCCESS and checks.success_stable and released:
             self.violate(
                 "success_stable",
                 f"{node} room {req.key}: {status.name} ({reason}) after the room was Success on "
@@ -583,23 +592,26 @@ class World:
                 req,
             )
         prev = req.status.get(node)
-        if prev is KVPoll.Failed:
+        if prev is _FAILED:
             return
         req.status[node] = status
-        if status is KVPoll.Failed:
+        if status is _FAILED:
             req.reason[node] = reason
-            req.terminal_ns.setdefault(node, int(self.env.now))
+            req.terminal_ns.setdefault(node, int(self.env._now))
             if side == "decode" and "free_pages_early" in self.hooks:
                 self.serving.free_dec_pages(req)  # planted bug: ignores the fence
-        elif status is KVPoll.Success:
-            req.terminal_ns.setdefault(node, int(self.env.now))
+        elif status is _SUCCESS:
+            req.terminal_ns.setdefault(node, int(self.env._now))
             if req.success_all_ns < 0 and self._all_success(req):
-                req.success_all_ns = int(self.env.now)
+                req.success_all_ns = int(self.env._now)
         self.check_side(req, side)
 
     def _all_success(self, req: Request) -> bool:
-        nodes = self.room_nodes(req, "prefill") + self.room_nodes(req, "decode")
-        return all(req.status.get(n) is KVPoll.Success for n in nodes)
+        status = req.status
+        for n in self.room_nodes(req, "prefill") + self.room_nodes(req, "decode"):
+            if status.get(n) is not _SUCCESS:  # a loop: no generator frame per Success
+                return False
+        return True
 
     def free_pages(self, rank: SimRank, cmd: FreePages) -> None:
         req = self.rooms.by_room.get(cmd.room)
@@ -620,28 +632,29 @@ class World:
     def _settle_side(self, req: Request, side: str) -> None:
         if not req.opened:
             return
-        nodes = self.room_nodes(req, side)
+        # ``room_nodes`` inline (asked at every status change)
+        nodes = self.fleet.nodes[side][req.pre_inst if side == "prefill" else req.dec_inst]
         inc = req.inc
         for n in nodes:
             if n not in inc:
                 return  # not opened on every rank yet
         status = req.status
-        stats = [status.get(n) for n in nodes]
+        stats = list(map(status.get, nodes))  # no comprehension frame (every status change)
         # One failed rank fails the room on this server: abort it on the others.
-        if KVPoll.Failed in stats:
+        if _FAILED in stats:
             for n in nodes:
                 if n not in req.aborted and self.alive(n, req) and not _terminal(req.status.get(n)):
                     req.aborted.add(n)
                     self.ranks[n].feed(
                         AbortRoom(room=req.room, transfer_id=req.tid, reason="failed on another rank")
                     )
-            stats = [status.get(n) for n in nodes]
+            stats = list(map(status.get, nodes))
         for st in stats:  # every rank terminal (asked on every status change: no generator)
-            if st is not KVPoll.Success and st is not KVPoll.Failed:
+            if st is not _SUCCESS and st is not _FAILED:
                 return
         if side == "decode":
             if not req.outcome:
-                req.outcome = "success" if all(st is KVPoll.Success for st in stats) else "failed"
+                req.outcome = "success" if all(st is _SUCCESS for st in stats) else "failed"
                 if req.outcome == "success" and self.scenario.checks.bytes and self.scenario.move_bytes:
                     self.live_checks.verify(req)
             if not req.dec_released:
@@ -715,7 +728,7 @@ class World:
         req = self.rooms.by_room.get(msg.room)
         if req is None or req.tid != msg.transfer_id:
             return True
-        now = int(self.env.now)
+        now = int(self.env._now)
         k = (src, dst, t.__name__)
         rec = req.notices.get(k)
         if what == "sent":
@@ -728,11 +741,7 @@ class World:
             rec[2] += 1
             if rec[3] < 0:
                 rec[3] = now
-        if (
-            t is RoomFailed
-            and "decode_ignores_room_failed" in self.hooks
-            and req.status.get(dst) is KVPoll.Success
-        ):
+        if t is RoomFailed and "decode_ignores_room_failed" in self.hooks and req.status.get(dst) is _SUCCESS:
             # Planted bug: decode in Success drops a peer's failure notice unanswered (the old
             # core's behaviour): prefill ends Failed, decode Success, though the news arrived.
             self.trace.record("planted_ignore", dst, room=req.room, src=src)
@@ -751,7 +760,7 @@ class World:
         nodes = self.room_nodes(req, "prefill") + self.room_nodes(req, "decode")
         if not all(_terminal(req.status.get(n)) for n in nodes):
             return True
-        now = int(self.env.now)
+        now = int(self.env._now)
         return not any(0 <= rec[3] < now for rec in req.notices.values())
 
     def settled(self, req: Request) -> bool:
@@ -760,12 +769,12 @@ class World:
         dec = [req.status.get(n) for n in self.room_nodes(req, "decode")]
         if not all(_terminal(st) for st in pre + dec):
             return False
-        return all(st is KVPoll.Success for st in pre) == all(st is KVPoll.Success for st in dec)
+        return all(st is _SUCCESS for st in pre) == all(st is _SUCCESS for st in dec)
 
     # --------------------------------------------------------------------------- running
     def violate(self, invariant: str, detail: str, req: Request | None = None) -> None:
         self.findings.violations.append(
-            Violation(invariant, detail, int(self.env.now), None if req is None else req.key)
+            Violation(invariant, detail, int(self.env._now), None if req is None else req.key)
         )
         self.trace.record("violation", "checker", invariant=invariant, detail=detail)
 
@@ -779,10 +788,10 @@ class World:
         while self.env.now < limit and not (
             all(r.done for r in self.rooms.requests) and not self._notices_pending()
         ):
-            self.env.run(until=int(self.env.now) + step)
-        self.progress.quiesced_ns = int(self.env.now)
+            self.env.run(until=int(self.env._now) + step)
+        self.progress.quiesced_ns = int(self.env._now)
         # Let in-flight transfers and messages drain (bounded: nothing new is started).
-        self.env.run(until=int(self.env.now) + self.fabric.spec.nic.error_timeout_ns + step)
+        self.env.run(until=int(self.env._now) + self.fabric.spec.nic.error_timeout_ns + step)
         check_final(self)
 
     def _notices_pending(self) -> bool:
@@ -803,7 +812,7 @@ _LAYERWISE = Flow.LAYERWISE.value
 
 
 def _terminal(st: KVPoll | None) -> bool:
-    return st is KVPoll.Failed or st is KVPoll.Success
+    return st is _FAILED or st is _SUCCESS
 
 
 class _Peek(msgspec.Struct):

@@ -8,18 +8,23 @@ Timeout with one callback would: the event order, and so every trace, is unchang
 (deliveries, landings, timers, deferred reactions) skip the Event constructor chain and
 ``schedule``'s call (about a third of a call's cost). Nothing else in SimPy sees these objects:
 no process waits on them.
+
+``FarTimeouts`` serves timeouts set far ahead in bulk (every request's arrival, set when the run
+starts): each keeps the key its ``env.timeout`` would have had, but only the earliest few sit on
+SimPy's queue, so the queue holds what is in flight rather than every request still to come (a
+10,000-room run paid about 12 comparisons per queue operation instead of about 5).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from heapq import heappush
+from heapq import heappop, heappush
 from typing import Any
 
 import simpy
 from simpy.events import NORMAL
 
-__all__ = ["call_after"]
+__all__ = ["FarTimeouts", "call_after"]
 
 
 def _fire(ev: Any) -> None:
@@ -30,18 +35,61 @@ _FIRE = (_fire,)  # the callbacks ``step`` runs; it sets ``callbacks`` to None a
 
 
 class _Call:
+    """Filled in by ``call_after`` itself: no ``__init__`` frame per call (dozens per room)."""
+
     __slots__ = ("args", "callbacks", "fn")
     _ok = True  # ``step`` crashes the run on an event that is not ok
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        self.callbacks: tuple[Callable[[Any], None], ...] | None = _FIRE
-        self.fn = fn
-        self.args = args
+    callbacks: tuple[Callable[[Any], None], ...] | None
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
 
 
 def call_after(env: simpy.Environment, delay: int, fn: Callable[..., Any], *args: Any) -> None:
     """Run ``fn(*args)`` ``delay`` ns from now (``delay`` >= 0), in Timeout order."""
     if delay < 0:
         raise ValueError(f"negative delay {delay}")
+    call = _Call()
+    call.callbacks, call.fn, call.args = _FIRE, fn, args
     # Environment.schedule's key, inlined: the same queue, priority and id counter as a Timeout.
-    heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), _Call(fn, args)))  # type: ignore[attr-defined]
+    heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), call))  # type: ignore[attr-defined]
+
+
+class FarTimeouts:
+    """``timeout(delay)``: an event that fires exactly where ``env.timeout(delay)`` made now would
+    (same time, priority and event id), put on SimPy's queue only once it is the earliest of
+    those still off it.
+
+    Why that order holds: ours on the queue fire in key order, so the one firing is the earliest
+    of them (``_queued[0]``); when it fires, the earliest waiting one joins the queue. A new one
+    earlier than every one of ours on the queue joins at once. So every waiting key is later than
+    some key of ours on the queue, and is on the queue before SimPy's clock can pass it.
+    """
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+        self._queued: list[tuple[int, int]] = []  # (time, event id) of ours on SimPy's queue
+        self._waiting: list[tuple[int, int, simpy.Event]] = []  # off the queue, by (time, id)
+
+    def timeout(self, delay: int) -> simpy.Event:
+        if delay < 0:
+            raise ValueError(f"negative delay {delay}")
+        env = self.env
+        ev = simpy.Event(env)
+        ev._ok, ev._value = True, None  # triggered, as a Timeout is from its creation
+        ev.callbacks.append(self._fired)  # before the waiting process's own callback
+        key = (env._now + delay, next(env._eid))  # type: ignore[attr-defined]
+        if not self._queued or key < self._queued[0]:
+            self._enqueue(key, ev)
+        else:
+            heappush(self._waiting, (*key, ev))
+        return ev
+
+    def _enqueue(self, key: tuple[int, int], ev: simpy.Event) -> None:
+        heappush(self._queued, key)
+        heappush(self.env._queue, (key[0], NORMAL, key[1], ev))  # type: ignore[attr-defined]
+
+    def _fired(self, _ev: simpy.Event) -> None:
+        heappop(self._queued)
+        if self._waiting:
+            t, eid, nxt = heappop(self._waiting)
+            self._enqueue((t, eid), nxt)

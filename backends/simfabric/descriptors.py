@@ -36,7 +36,17 @@ class DescList:
         ints (the arrays are taken as read-only: the planner's are)."""
         rows = self._rows
         if rows is None:
-            rows = list(zip(*(a.tolist() for a in self.columns()), strict=True))
+            # The columns named one by one: no generator frame per call (a few per transfer).
+            rows = list(
+                zip(
+                    self.src_region.tolist(),
+                    self.src_offset.tolist(),
+                    self.dst_region.tolist(),
+                    self.dst_offset.tolist(),
+                    self.length.tolist(),
+                    strict=True,
+                )
+            )
             object.__setattr__(self, "_rows", rows)
         return rows
 
@@ -48,7 +58,7 @@ class DescList:
     def total_bytes(self) -> int:
         n = self.length.size
         if n <= SMALL:
-            return sum(r[4] for r in self.rows()) if n else 0
+            return sum(self.length.tolist())  # Python ints, without numpy's reduction set-up
         return int(self.length.sum())
 
     @staticmethod
@@ -57,16 +67,16 @@ class DescList:
         # cost more than a few descriptors' worth of work).
         # (``dtype is`` first: int64 arrays share numpy's one int64 dtype object, and the
         # comparison with np.int64 costs more than the rest of the test.)
-        arrs = [
-            a
-            if type(a) is np.ndarray and (a.dtype is _INT64 or a.dtype == np.int64) and a.ndim == 1
-            else np.asarray(a, dtype=np.int64).reshape(-1)
-            for a in (src_region, src_offset, dst_region, dst_offset, length)
-        ]
-        n = arrs[0].size
-        if any(a.size != n for a in arrs):
+        # A loop, not a comprehension and a generator (each its own frame, once per transfer).
+        arrs = []
+        for a in (src_region, src_offset, dst_region, dst_offset, length):
+            if not (type(a) is np.ndarray and (a.dtype is _INT64 or a.dtype == np.int64) and a.ndim == 1):
+                a = np.asarray(a, dtype=np.int64).reshape(-1)
+            arrs.append(a)
+        sr, so, dr, do, ln = arrs
+        if not sr.size == so.size == dr.size == do.size == ln.size:
             raise ValueError("descriptor arrays differ in length")
-        return DescList(*arrs)
+        return DescList(sr, so, dr, do, ln)
 
 
 def merge_dense_runs(d: DescList) -> DescList:

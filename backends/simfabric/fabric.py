@@ -63,6 +63,10 @@ class XferState(IdentityEnum):
     ERR = "ERR"
 
 
+# The members as plain module names: under Python 3.11 every ``XferState.PROC`` read goes through
+# EnumType.__getattr__'s slow attribute hook (about ten times a global's cost), several per write.
+_PROC, _DONE, _ERR = XferState.PROC, XferState.DONE, XferState.ERR
+
 # A retired transfer's trace kind ("xfer_done", "xfer_err"), without ``Enum.value``'s property call.
 _RETIRED = {s: "xfer_" + s.value.lower() for s in XferState}
 
@@ -81,7 +85,7 @@ class Xfer:
     posted_ns: int
     charged_descs: int
     inject_err: bool
-    state: XferState = XferState.PROC
+    state: XferState = _PROC
     remaining: int = 0
     started_ns: int = -1
     finish_at: int = -1
@@ -91,6 +95,9 @@ class Xfer:
     active: bool = False
     weight: int = 1  # copies of ``descs`` the post stands for (Fabric._weight)
     host_bps: int = 0  # a host-to-host transfer's wire (NicSpec.host_bandwidth_bps); 0: the NIC's
+    # Its link, looked up once at the post (links are made once and changed in place): the
+    # bandwidth recomputations read it for every active transfer.
+    link: Link | None = None
 
 
 @dataclass(slots=True)
@@ -209,7 +216,7 @@ class Fabric:
 
     def node_clock(self, node: Node) -> int:
         """``clock`` of a node already in hand (a rank asks at every event: no lookup by name)."""
-        t = int(self.env.now) + node.skew_ns
+        t = int(self.env._now) + node.skew_ns
         return t if t > 0 else 0
 
     def wake(self, name: str, item: Any) -> None:
@@ -237,8 +244,8 @@ class Fabric:
         # Transfers this node initiated die with it; their source memory is gone.
         for xid in sorted(node.handles):
             x = self.xfers.get(xid)
-            if x is not None and x.state is XferState.PROC:
-                self._retire(x, XferState.ERR, "initiator crashed", silent=True)
+            if x is not None and x.state is _PROC:
+                self._retire(x, _ERR, "initiator crashed", silent=True)
             self.xfers.pop(xid, None)
         node.handles.clear()
         node.settled.clear()
@@ -260,7 +267,7 @@ class Fabric:
             return
         node.incarnation += 1
         node.up = True
-        node.post_busy_until = int(self.env.now)
+        node.post_busy_until = int(self.env._now)
         self.record("restart", name, incarnation=node.incarnation)
 
     def set_link(self, a: str, b: str, up: bool) -> None:
@@ -272,7 +279,7 @@ class Fabric:
         if not up:
             for xid in list(self._active) + [x for n in self.nodes.values() for x in n.queued]:
                 x = self.xfers.get(xid)
-                if x is not None and x.state is XferState.PROC and {x.src, x.dst} == {a, b}:
+                if x is not None and x.state is _PROC and {x.src, x.dst} == {a, b}:
                     self._fail_later(x, "link down")
         self._reschedule()
 
@@ -311,7 +318,7 @@ class Fabric:
         ``dst_incarnation`` (or the source's, for a READ) is the peer incarnation whose metadata
         the initiator loaded: a transfer aimed at an older incarnation fails with ERR.
         """
-        now = int(self.env.now)
+        now = int(self.env._now)
         ini = self.node(initiator)
         if not ini.up:
             raise NodeDownError(f"{initiator} is down")
@@ -326,7 +333,8 @@ class Fabric:
         if peer.up and peer.incarnation == peer_inc:
             peer.memory.check_descs(descs, dst=writes)
         weight = self._weight(descs)
-        charged = (merge_dense_runs(descs).count if self.spec.prepped else descs.count) * weight
+        n = descs.count
+        charged = (merge_dense_runs(descs).count if self.spec.prepped else n) * weight
         xid = self._next_xid
         self._next_xid += 1
         x = Xfer(
@@ -344,11 +352,12 @@ class Fabric:
             inject_err=self.faults.transfer_err(src, dst, now),
             remaining=descs.total_bytes * weight,
             weight=weight,
+            link=self.link(src, dst),
         )
         self.xfers[xid] = x
         ini.handles.add(xid)
         self.stats.posts += 1
-        self.stats.descriptors_posted += descs.count * weight
+        self.stats.descriptors_posted += n * weight
         self.stats.descriptors_charged += charged
         nic = ini.nic
         begin = max(now, ini.post_busy_until)
@@ -365,7 +374,7 @@ class Fabric:
             xid=xid,
             src=src,
             dst=dst,
-            descs=descs.count * weight,
+            descs=n * weight,
             charged=charged,
             nbytes=x.remaining,
             tag=tag,
@@ -399,12 +408,12 @@ class Fabric:
         node.handles.discard(xid)
         node.settled.discard(xid)
         x = self.xfers.get(xid)
-        if x is not None and x.state is not XferState.PROC:
+        if x is not None and x.state is not _PROC:
             del self.xfers[xid]
 
     def send_notif(self, src: str, dst: str, payload: bytes, tag: Any = None) -> None:
         """A notification with no data (NIXL send_notif), over the data path."""
-        now = int(self.env.now)
+        now = int(self.env._now)
         s = self.node(src)
         if not s.up:
             raise NodeDownError(f"{src} is down")
@@ -434,7 +443,7 @@ class Fabric:
         if not s.up:
             raise NodeDownError(f"{src} is down")
         self.node(dst)
-        now = int(self.env.now)
+        now = int(self.env._now)
         self.stats.control_sent += 1
         if self.on_control is not None:
             self.on_control("sent", src, dst, payload)
@@ -469,7 +478,7 @@ class Fabric:
             handle += self.spec.control.staging_handle_ns
         if d.nic.room_handle_ns and _room_message(payload):
             handle += d.nic.room_handle_ns
-        now = int(self.env.now)
+        now = int(self.env._now)
         # queue behind what this node's runtime thread is still doing (messages, copy submits)
         if handle or d.host_busy_until > now:
             d.host_busy_until = max(now, d.host_busy_until) + handle
@@ -497,7 +506,7 @@ class Fabric:
         call_after(self.env, max(0, int(delay)), fn, *args)
 
     def _admit(self, x: Xfer) -> None:
-        if x.state is not XferState.PROC:
+        if x.state is not _PROC:
             return
         ini = self.nodes[x.initiator]
         if ini.inflight >= ini.nic.max_inflight:
@@ -508,8 +517,8 @@ class Fabric:
     def _start(self, x: Xfer) -> None:
         ini = self.nodes[x.initiator]
         ini.inflight += 1
-        x.started_ns = int(self.env.now)
-        if not self.link(x.src, x.dst).up:
+        x.started_ns = int(self.env._now)
+        if not x.link.up:  # type: ignore[union-attr]
             self._fail_later(x, "link down")
             return
         self._advance()
@@ -523,15 +532,15 @@ class Fabric:
 
     def _rate(self, x: Xfer) -> int:
         s, d = self.nodes[x.src], self.nodes[x.dst]
-        link = self.link(x.src, x.dst)
+        link = x.link
         rate = min(s.nic.bandwidth_bps // max(1, s.active_out), d.nic.bandwidth_bps // max(1, d.active_in))
         if x.host_bps:
             rate = min(rate, x.host_bps // max(1, self.nodes[x.initiator].active_host))
-        return max(1, rate * link.slow_num // link.slow_den)
+        return max(1, rate * link.slow_num // link.slow_den)  # type: ignore[union-attr]
 
     def _advance(self) -> None:
         """Move every active transfer's byte count to the current time."""
-        now = int(self.env.now)
+        now = int(self.env._now)
         dt = now - self._last_progress
         self._last_progress = now
         if dt <= 0:
@@ -542,7 +551,7 @@ class Fabric:
 
     def _reschedule(self) -> None:
         self._advance()
-        now = int(self.env.now)
+        now = int(self.env._now)
         self._gen += 1
         gen = self._gen
         soonest = -1
@@ -559,7 +568,7 @@ class Fabric:
         if gen != self._gen:
             return  # superseded by a later recomputation
         self._advance()
-        now = int(self.env.now)
+        now = int(self.env._now)
         finished = [xid for xid in self._active if self.xfers[xid].finish_at <= now]
         for xid in finished:
             x = self.xfers[xid]
@@ -587,7 +596,7 @@ class Fabric:
         ini.inflight -= 1
         while ini.queued and ini.inflight < ini.nic.max_inflight:
             nxt = self.xfers.get(ini.queued.popleft())
-            if nxt is not None and nxt.state is XferState.PROC:
+            if nxt is not None and nxt.state is _PROC:
                 self._start(nxt)
 
     def _peer_gone(self, x: Xfer) -> str:
@@ -596,12 +605,12 @@ class Fabric:
             return f"{x.src} restarted or down"
         if not d.up or d.incarnation != x.dst_inc:
             return f"{x.dst} restarted or down"
-        if not self.link(x.src, x.dst).up:
+        if not x.link.up:  # type: ignore[union-attr]
             return "link down"
         return ""
 
     def _land(self, x: Xfer) -> None:
-        if x.state is not XferState.PROC:
+        if x.state is not _PROC:
             return
         gone = self._peer_gone(x)
         if gone:
@@ -615,10 +624,10 @@ class Fabric:
         if self.on_land is not None:
             self.on_land(x)
         self._copy(x, descs)
-        x.landed_ns = int(self.env.now)
+        x.landed_ns = int(self.env._now)
         if x.inject_err:
             self.record("xfer_err_injected", x.initiator, xid=x.xid, written=descs.count, tag=x.tag)
-            self._retire(x, XferState.ERR, "injected transfer error")
+            self._retire(x, _ERR, "injected transfer error")
             return
         self.stats.bytes_landed += descs.total_bytes * x.weight
         if x.notif is not None:
@@ -631,11 +640,11 @@ class Fabric:
                 self._deliver_notif(x.initiator, target, None, notif, x.tag)
         nic = self.nodes[x.initiator].nic
         done = self._handle_done if nic.completion_handle_ns else self._retire
-        self._at(nic.latency_ns + nic.completion_delay_ns, done, x, XferState.DONE, "")
+        self._at(nic.latency_ns + nic.completion_delay_ns, done, x, _DONE, "")
 
     def _handle_done(self, x: Xfer, state: XferState, reason: str) -> None:
         """The initiator's runtime thread handles a DONE after its other work (completion_handle_ns)."""
-        node, now = self.nodes[x.initiator], int(self.env.now)
+        node, now = self.nodes[x.initiator], int(self.env._now)
         node.host_busy_until = max(now, node.host_busy_until) + node.nic.completion_handle_ns
         self._at(node.host_busy_until - now, self._retire, x, state, reason)
 
@@ -672,12 +681,20 @@ class Fabric:
     def _copy_small(smem: FakeMemory, dmem: FakeMemory, descs: DescList) -> None:
         """``_copy`` of a few descriptors: one slice copy each, in descriptor order (the same
         bytes land as through the grouped copies; numpy's per-call cost exceeds the work)."""
+        dregs, sregs = dmem.by_id, smem.by_id
         for sr, so, dr, do, n in descs.rows():
-            dst = dmem.region(dr)  # looked up before the source, as ``_copy`` does
-            dst[do : do + n] = smem.region(sr)[so : so + n]
+            # From the tables (no call per descriptor); ``region`` refuses a missing one. The
+            # destination is looked up before the source, as ``_copy`` does.
+            dst = dregs.get(dr)
+            if dst is None:
+                dst = dmem.region(dr)
+            src = sregs.get(sr)
+            if src is None:
+                src = smem.region(sr)
+            dst[do : do + n] = src[so : so + n]
 
     def _deliver_notif(self, src: str, dst: str, inc: int | None, payload: bytes, tag: Any) -> None:
-        now = int(self.env.now)
+        now = int(self.env._now)
         fate = self.faults.notif_fate(src, dst, now)
         if fate.dropped:
             self.stats.notifs_dropped += 1
@@ -719,23 +736,21 @@ class Fabric:
             self._deactivate(x)
         x.err_reason = reason
         nic = self.nodes[x.initiator].nic
-        self._at(
-            0 if already_waited else nic.error_timeout_ns, lambda: self._retire(x, XferState.ERR, reason)
-        )
+        self._at(0 if already_waited else nic.error_timeout_ns, lambda: self._retire(x, _ERR, reason))
 
     def _retire(self, x: Xfer, state: XferState, reason: str, silent: bool = False) -> None:
-        if x.state is not XferState.PROC:
+        if x.state is not _PROC:
             return
         if x.active:
             self._deactivate(x)
             self._reschedule()
         x.state = state
         x.err_reason = reason
-        x.done_ns = int(self.env.now)
+        x.done_ns = int(self.env._now)
         self.nodes[x.initiator].settled.add(x.xid)
         if x.started_ns >= 0:
             self._free_slot(x)
-        if state is XferState.DONE:
+        if state is _DONE:
             self.stats.transfers_done += 1
             self.write_latencies.append(x.done_ns - x.posted_ns)
         else:
@@ -759,7 +774,7 @@ class Fabric:
         return {name: len(n.handles) for name, n in self.nodes.items() if n.handles}
 
     def in_flight(self) -> int:
-        return sum(1 for x in self.xfers.values() if x.state is XferState.PROC)
+        return sum(1 for x in self.xfers.values() if x.state is _PROC)
 
 
 def _host_to_host(descs: DescList) -> bool:

@@ -45,6 +45,11 @@ class FakeMemory:
         except KeyError:
             raise RegionAccessError(f"{self.node}: region {region_id} is not registered") from None
 
+    @property
+    def by_id(self) -> dict[int, np.ndarray]:
+        """Region id -> buffer, to read (not change) where a call per lookup costs too much."""
+        return self._regions
+
     def sizes(self) -> dict[int, int]:
         return {rid: int(buf.size) for rid, buf in sorted(self._regions.items())}
 

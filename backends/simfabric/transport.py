@@ -29,6 +29,9 @@ from kvferry.core.messages import Endpoint, GeometryWire, RegionAddr, Register
 AUX_REGION = (1 << 20) + 1
 # By member (identity hash): ``.value`` is a Python-level property, and this runs per poll.
 _STATE = {FabricState.PROC: XferState.PROC, FabricState.DONE: XferState.DONE, FabricState.ERR: XferState.ERR}
+# The copy states as plain module names (under Python 3.11 ``XferState.DONE`` is a slow metaclass
+# attribute hook, ten times a global's cost), read per gather and scatter.
+_PROC, _DONE, _ERR = XferState.PROC, XferState.DONE, XferState.ERR
 
 
 def node_name(ep: Endpoint) -> str:
@@ -71,8 +74,12 @@ class SimTransport:
         self.pool = pool
         # The fabric's record of this node: it outlives crashes and restarts (asked at every poll).
         self._fnode = fabric.node(self.node)
+        # Its node's memory (kept through crashes, wiped in place): ``memory.region`` spares the
+        # pattern fills and checks a frame per region.
+        self.memory = self._fnode.memory
         self.incarnation = self._fnode.incarnation
         self.peers: dict[Endpoint, _Peer] = {}
+        self._names: dict[Endpoint, str] = {}
         self.aux_rows = 0
         self.aux_row_bytes = 0
         self._regions: tuple[Any, ...] = ()
@@ -279,7 +286,10 @@ class SimTransport:
 
     def drain_notifs(self) -> list[bytes]:
         node = self._fnode  # Fabric.drain_notifs without the lookup by name (asked at every poll)
-        got, node.notifs = node.notifs, []
+        got = node.notifs
+        if not got:
+            return []  # most polls: no new list for the node, no comprehension
+        node.notifs = []
         return [payload for _src, payload in got]
 
     def read_aux_room(self, aux_index: int) -> int:
@@ -293,9 +303,9 @@ class SimTransport:
             raise RegionAccessError(f"{self.node}: no staging region {staging_region}")
         cid = self._next_copy
         self._next_copy += 1
-        self.copies[cid] = XferState.PROC
+        self.copies[cid] = _PROC
         k = self.fabric.spec.kernel
-        now = int(self.fabric.env.now)
+        now = int(self.fabric.env._now)
         busy = 0
         if k.busy_mean_ns and self.kernel_rng is not None:
             busy = int(self.kernel_rng.expovariate(1.0 / k.busy_mean_ns))
@@ -317,16 +327,16 @@ class SimTransport:
         return cid
 
     def _copy_done(self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...]) -> None:
-        node = self.fabric.node(self.node)
+        node = self._fnode
         if not node.up or node.incarnation != self.incarnation or cid not in self.copies:
             return  # the process that launched it is gone
         mem = node.memory
         try:
             regions = {int(r.region_id): mem.region(int(r.region_id)) for r in self._regions}
             copy_maps(kind, regions, mem.region(staging_region), maps)
-            self.copies[cid] = XferState.DONE
+            self.copies[cid] = _DONE
         except KvferryError as exc:
-            self.copies[cid] = XferState.ERR
+            self.copies[cid] = _ERR
             self.fabric.record("copy_err", self.node, reason=str(exc))
         self.fabric.record(kind, self.node, bytes=map_bytes(maps))
         self.fabric.wake(self.node, ("copy", cid))
@@ -342,11 +352,17 @@ class SimTransport:
 
     # --- control plane ----------------------------------------------------------------------------------
     def send_control(self, peer: Endpoint, data: bytes, tag: Any = None) -> None:
-        self.fabric.send_control(self.node, node_name(peer), data, tag=tag)
+        name = self._names.get(peer)  # a peer's node name, made once (a message or more a room)
+        if name is None:
+            name = self._names[peer] = node_name(peer)
+        self.fabric.send_control(self.node, name, data, tag=tag)
 
     def recv_control(self) -> list[bytes]:
         node = self._fnode  # Fabric.drain_control without the lookup by name (asked at every poll)
-        got, node.control = node.control, []
+        got = node.control
+        if not got:
+            return []  # most polls: no new list for the node, no comprehension
+        node.control = []
         return [payload for _src, payload in got]
 
 

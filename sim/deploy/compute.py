@@ -103,7 +103,10 @@ def weights(m: ModelGeometry) -> Weights:
 class Roofline:
     """Step times of one TP group of ``gpu`` running ``model``."""
 
-    __slots__ = ("_active", "ep", "gpu", "model", "tp", "w", "weight_bytes")
+    __slots__ = (
+        "_active", "_flops", "_hbm_bps", "_state", "_token_bytes", "ep", "gpu", "model", "tp", "w",
+        "weight_bytes",
+    )  # fmt: skip
 
     def __init__(
         self, model: ModelGeometry, gpu: GpuProfile, tp: int, weight_bytes: int = 2, ep: int = 1
@@ -115,6 +118,10 @@ class Roofline:
             raise ValueError(f"expert parallelism {ep} needs a MoE model whose routed experts it divides")
         self.ep = ep
         self._active = self.w.active_per_token()
+        # The model's and the GPU's derived figures, read once: both are frozen, and each is a
+        # chain of properties a decode step (the deployment replay's hot loop) would walk again.
+        self._token_bytes, self._state = model.token_bytes, model.state_bytes
+        self._flops, self._hbm_bps = gpu.flops, gpu.hbm_bps
 
     def _attn_flops(self, token_ctx: int) -> float:
         """Attention FLOPs of all layers for ``token_ctx`` (query token x context token) pairs."""
@@ -123,15 +130,14 @@ class Roofline:
         return 2.0 * m.num_attention_heads * dim * token_ctx * m.num_layers
 
     def _kv_bytes(self, ctx_tokens: int) -> float:
-        return float(ctx_tokens * self.model.token_bytes)
+        return float(ctx_tokens * self._token_bytes)
 
     def _state_bytes(self, requests: int) -> float:
         """A step reads and writes back each request's recurrent state once (hybrid models)."""
-        return 2.0 * requests * self.model.state_bytes
+        return 2.0 * requests * self._state
 
     def _time_ns(self, flops: float, nbytes: float, overhead_us: float) -> int:
-        g = self.gpu
-        t = max(flops / (g.flops * self.tp), nbytes / (g.hbm_bps * self.tp))
+        t = max(flops / (self._flops * self.tp), nbytes / (self._hbm_bps * self.tp))
         return int(t * 1e9 + overhead_us * 1000)
 
     def prefill_ns(self, tokens: int, ctx_start: int) -> int:

@@ -83,12 +83,12 @@ class DecodeSteps:
             memory.swap_ns += swap
             step = self.roof.decode_ns(len(batch), ctx) + swap
             self.busy_ns[j] += step
-            self.step_end[j] = int(env.now) + step
+            self.step_end[j] = int(env._now) + step
             if self.step_log is not None:
-                self.step_log.append((j, int(env.now), self.step_end[j]))
+                self.step_log.append((j, int(env._now), self.step_end[j]))
             yield env.timeout(step)
             ctx += len(batch)  # every sequence gained a token
-            if self._token(batch, int(env.now)):
+            if self._token(batch, int(env._now)):
                 ctx -= self._retire(batch, keys)
 
     def _fill(self, j: int, batch: list[Track], keys: list[int]) -> tuple[int, int]:

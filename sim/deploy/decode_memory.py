@@ -223,6 +223,8 @@ class DecodeMemory:
         ps = self.page_size
         pages = self._pages(j)
         needy = sum(1 for t in batch if (t.req.input_tokens + t.tokens) % ps == 0)
+        if not needy:
+            return 0, 0  # every sequence has room in its last page: nothing to allocate or free
         short = needy - (self.world.scenario.topology.decode_pages - pages.used)
         ns = removed = 0
         if short > 0 and len(batch) > 1:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-from kvferry.backends.simfabric.descriptors import DescList
+from kvferry.backends.simfabric.descriptors import SMALL, DescList
 from kvferry.backends.simfabric.fabric import Fabric, Xfer
 from kvferry.backends.simfabric.fabric import XferState as FabricState
 from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport
@@ -33,6 +33,9 @@ from kvferry.core.messages import decode_note
 from kvferry.core.planner import RankPlan, plan_rank_pair
 
 __all__ = ["LayerPlanner", "TimingFabric", "TimingTransport"]
+
+# Plain module names for the members (Python 3.11's EnumType attribute hook is slow): per write.
+_DONE, _FABRIC_DONE = XferState.DONE, FabricState.DONE
 
 
 class LayerPlanner:
@@ -65,10 +68,15 @@ class TimingFabric(Fabric):
     kinds: int = 1
 
     def _weight(self, descs: DescList) -> int:
-        if self.layers == 1 or not descs.count:
+        n = descs.count
+        if self.layers == 1 or not n:
             return 1
-        lo = min(int(descs.src_region.min()), int(descs.dst_region.min()))
-        hi = max(int(descs.src_region.max()), int(descs.dst_region.max()))
+        if n <= SMALL:  # a few descriptors: Python's min and max, not four numpy reductions
+            regions = descs.src_region.tolist() + descs.dst_region.tolist()
+            lo, hi = min(regions), max(regions)
+        else:
+            lo = min(int(descs.src_region.min()), int(descs.dst_region.min()))
+            hi = max(int(descs.src_region.max()), int(descs.dst_region.max()))
         return self.layers if lo >= 0 and hi < self.kinds else 1
 
     def register(self, name: str, region_id: int, nbytes: int) -> np.ndarray:
@@ -85,7 +93,7 @@ class TimingFabric(Fabric):
 
     def _retire(self, x: Xfer, state: FabricState, reason: str, silent: bool = False) -> None:
         super()._retire(x, state, reason, silent)
-        if self.xfer_log is not None and x.state is FabricState.DONE and x.notif is not None:
+        if self.xfer_log is not None and x.state is _FABRIC_DONE and x.notif is not None:
             try:
                 room = decode_note(x.notif).room
             except WireError:
@@ -94,6 +102,8 @@ class TimingFabric(Fabric):
 
     def _copy(self, x: Xfer, descs: DescList) -> None:
         # Aux rows are copied: decode reads the room id back from them to accept a room.
+        if descs.count <= SMALL and AUX_REGION not in descs.dst_region.tolist():
+            return  # the usual KV write, found without numpy's per-call cost
         aux = descs.dst_region == AUX_REGION
         if aux.any():
             super()._copy(
@@ -110,9 +120,9 @@ class TimingFabric(Fabric):
 
 class TimingTransport(SimTransport):
     def _copy_done(self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...]) -> None:
-        node = self.fabric.node(self.node)
+        node = self._fnode
         if not node.up or node.incarnation != self.incarnation or cid not in self.copies:
             return  # the process that launched it is gone
-        self.copies[cid] = XferState.DONE
+        self.copies[cid] = _DONE
         self.fabric.record(kind, self.node, bytes=map_bytes(maps))
         self.fabric.wake(self.node, ("copy", cid))
