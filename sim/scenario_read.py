@@ -114,41 +114,37 @@ def profile_fabric(name: str) -> FabricSpec:
             latency_ns=round(fit.latency_us * 1000),
             post_cost_ns=round(fit.post_cost_us * 1000),
             per_desc_ns=round(fit.per_desc_us * 1000),
-            completion_delay_ns=n.completion_delay_ns
-            if fit.completion_delay_us is None
-            else round(fit.completion_delay_us * 1000),
-            room_handle_ns=n.room_handle_ns
-            if fit.room_handle_us is None
-            else round(fit.room_handle_us * 1000),
-            completion_handle_ns=n.completion_handle_ns
-            if fit.completion_handle_us is None
-            else round(fit.completion_handle_us * 1000),
-            shared_desc_ns=n.shared_desc_ns
-            if fit.shared_desc_us is None
-            else round(fit.shared_desc_us * 1000),
-            host_bandwidth_bps=n.host_bandwidth_bps
-            if fit.host_bandwidth_gbps is None
-            else int(fit.host_bandwidth_gbps * 1e9),
+            completion_delay_ns=_ns(fit.completion_delay_us, n.completion_delay_ns),
+            room_handle_ns=_ns(fit.room_handle_us, n.room_handle_ns),
+            completion_handle_ns=_ns(fit.completion_handle_us, n.completion_handle_ns),
+            shared_desc_ns=_ns(fit.shared_desc_us, n.shared_desc_ns),
+            host_bandwidth_bps=_bps(fit.host_bandwidth_gbps, n.host_bandwidth_bps),
         ),
         control=dataclasses.replace(
             c,
-            latency_ns=c.latency_ns
-            if fit.control_latency_us is None
-            else round(fit.control_latency_us * 1000),
-            handle_ns=c.handle_ns if fit.control_handle_us is None else round(fit.control_handle_us * 1000),
-            staging_handle_ns=c.staging_handle_ns
-            if fit.staging_handle_us is None
-            else round(fit.staging_handle_us * 1000),
-            send_ns=c.send_ns if fit.control_send_us is None else round(fit.control_send_us * 1000),
+            latency_ns=_ns(fit.control_latency_us, c.latency_ns),
+            handle_ns=_ns(fit.control_handle_us, c.handle_ns),
+            staging_handle_ns=_ns(fit.staging_handle_us, c.staging_handle_ns),
+            send_ns=_ns(fit.control_send_us, c.send_ns),
         ),
         kernel=dataclasses.replace(
             k,
-            launch_ns=k.launch_ns if fit.kernel_launch_us is None else round(fit.kernel_launch_us * 1000),
-            submit_ns=k.submit_ns if fit.copy_submit_us is None else round(fit.copy_submit_us * 1000),
-            gpu_bps=k.gpu_bps if fit.copy_gpu_gbps is None else int(fit.copy_gpu_gbps * 1e9),
-            pinned_bps=k.pinned_bps if fit.copy_pinned_gbps is None else int(fit.copy_pinned_gbps * 1e9),
+            launch_ns=_ns(fit.kernel_launch_us, k.launch_ns),
+            submit_ns=_ns(fit.copy_submit_us, k.submit_ns),
+            gpu_bps=_bps(fit.copy_gpu_gbps, k.gpu_bps),
+            pinned_bps=_bps(fit.copy_pinned_gbps, k.pinned_bps),
         ),
     )
+
+
+def _ns(fitted_us: float | None, built_in: int) -> int:
+    """A fitted profile's microseconds in the fabric's nanoseconds; the built-in value where the
+    profile does not have it (profiles fitted before the cost existed)."""
+    return built_in if fitted_us is None else round(fitted_us * 1000)
+
+
+def _bps(fitted_gbps: float | None, built_in: int) -> int:
+    return built_in if fitted_gbps is None else int(fitted_gbps * 1e9)
 
 
 def _fabric(f: FabricTable, file: str) -> FabricSpec:
