@@ -131,8 +131,10 @@ def main() -> None:
                 if args.flow == "layerwise":
                     # The chunk's forward "starts" at its send; each layer is reported as it
                     # finishes (a held room reports only its first: the rest is never computed).
+                    # 10 ms a layer: a worker that streams gets to post a layer before the next
+                    # is reported even on a loaded box (at 2 ms, a suite run at load 8 once saw none).
                     for layer in range(1 if plan.hold else wl.MODEL.num_layers):
-                        time.sleep(0.002)
+                        time.sleep(0.01)
                         for s in senders:
                             s.layers_ready(layer, layer + 1)
                 st["next"] += 1
