@@ -14,7 +14,15 @@ from typing import Any
 
 from kvferry.core.errors import KvferryError
 
-__all__ = ["CalibrationError", "KernelRow", "Telemetry", "WriteRow", "read_kernels", "read_telemetry"]
+__all__ = [
+    "CalibrationError",
+    "KernelRow",
+    "Telemetry",
+    "WriteRow",
+    "charged_descs",
+    "read_kernels",
+    "read_telemetry",
+]
 
 _WRITE_KEYS = ("status", "descs_requested", "descs_posted", "nbytes", "post_us", "xfer_us", "wall_ns")
 
@@ -79,6 +87,12 @@ def _int(path: Path, where: str, row: dict[str, Any], key: str) -> int:
     return v
 
 
+def charged_descs(posted: int, requested: int) -> int:
+    """The descriptors a write is charged: NIXL's count after its dense-run merge, or, where NIXL
+    gave none (-1: the fallback path, the native engine), the count it was handed."""
+    return requested if posted < 0 else posted
+
+
 def read_telemetry(paths: list[Path]) -> Telemetry:
     rows: list[WriteRow] = []
     failed = requested = wall = 0
@@ -108,10 +122,8 @@ def read_telemetry(paths: list[Path]) -> Telemetry:
                     raise CalibrationError(f"{path}: {where}.{k}: must be >= 0, got {v}")
             if vals["nbytes"] == 0 or vals["descs_requested"] == 0:
                 raise CalibrationError(f"{path}: {where}: a DONE write of no bytes or no descriptors")
-            descs = vals["descs_posted"]
-            if descs < 0:  # no NIXL count (the fallback path): what we asked for
-                descs = vals["descs_requested"]
-                requested += 1
+            descs = charged_descs(vals["descs_posted"], vals["descs_requested"])
+            requested += vals["descs_posted"] < 0
             # NIXL's transfer duration runs from the post to completion; without it, our clock.
             total = float(vals["xfer_us"]) if vals["xfer_us"] > 0 else vals["wall_ns"] / 1e3
             if vals["xfer_us"] <= 0:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from kvferry.sim.calibrate.inputs import CalibrationError, _load_json
+from kvferry.sim.calibrate.inputs import CalibrationError, _load_json, charged_descs
 
 __all__ = [
     "FlowFit",
@@ -140,8 +140,7 @@ def _concurrency(spans: Sequence[tuple[float, float]]) -> list[int]:
 
 
 def _descs(w: dict[str, Any]) -> int:
-    """NIXL's posted count, or the requested one where NIXL did not say (-1: the native engine)."""
-    return int(w["descs_posted"]) if w["descs_posted"] > 0 else int(w["descs_requested"])
+    return int(charged_descs(w["descs_posted"], w["descs_requested"]))
 
 
 def _post_rows(done: list[dict[str, Any]], one_process: bool, source: str) -> list[PostRow]:
