@@ -416,7 +416,19 @@ def _print_by_flow(preds: list, held: frozenset[int]) -> None:  # type: ignore[t
 
     typer.echo("")
     typer.echo("per flow: MAPE of the ms per batch" + (f" (held out: {sorted(held)} tokens)" if held else ""))
-    typer.echo("flow       inflight  TP       rows     count  MAPE")
-    for e in by_flow(preds, held):
+    typer.echo("flow       inflight  TP       rows     count  MAPE   spread  MAPE of the means")
+    errs = by_flow(preds, held)
+    for e in errs:
         which = "held out" if e.held_out else ("fit" if held else "")
-        typer.echo(f"{e.flow:<10} {e.inflight:>8}  {e.tp:<8} {which:<8} {e.rows:>5}  {e.mape_pct:5.1f}%")
+        spread = "-" if e.spread_pct is None else f"{e.spread_pct:5.1f}%"
+        means = "-" if e.spread_pct is None else f"{e.mean_mape_pct:5.1f}%"
+        typer.echo(
+            f"{e.flow:<10} {e.inflight:>8}  {e.tp:<8} {which:<8} {e.rows:>5}  {e.mape_pct:5.1f}%  "
+            f"{spread:>6}  {means:>6}"
+        )
+    every = [abs(p.predicted_ms - p.measured_ms) / p.measured_ms for p in preds]
+    typer.echo(
+        f"all {len(every)} rows: MAPE {100 * sum(every) / len(every):.1f}%; "
+        f"{sum(e.mape_pct <= 10 for e in errs)} of {len(errs)} groups within 10%"
+        " (spread: the largest (max - min) / min of one configuration's repeated rows)"
+    )
