@@ -16,6 +16,7 @@ from kvferry.commands.options import options
 
 if TYPE_CHECKING:  # the fit's modules import numpy: loaded only when a command runs
     from kvferry.sim.calibrate.fit import FabricFit, KernelFit
+    from kvferry.sim.calibrate.hostshare import HostShareFit
     from kvferry.sim.calibrate.inputs import Telemetry
     from kvferry.sim.calibrate.posting import FlowFit
     from kvferry.sim.calibrate.rooms import RoomFit
@@ -117,6 +118,7 @@ class _Fits(NamedTuple):
     flows: FlowFit | None
     rfit: RoomFit | None
     bench_rows: list | None  # type: ignore[type-arg]  # --compare's rows
+    host_share: HostShareFit | None = None
 
 
 @options(CalibrateOpts)
@@ -130,7 +132,7 @@ def calibrate(o: CalibrateOpts) -> None:
     text = profile.render(
         o.name, fits.fab, fits.tel, [str(p) for p in o.telemetry], fits.kfit, str(o.kernels or ""), fits.rfit,
         [str(p) for p in o.rooms or ()], fits.flows, o.control_handle_us, o.transport,
-        [str(p) for p in o.rooms_check or ()],
+        [str(p) for p in o.rooms_check or ()], fits.host_share,
     )  # fmt: skip
     try:
         target.write_text(text)
@@ -197,7 +199,7 @@ def _fit(o: CalibrateOpts) -> _Fits:
             from kvferry.sim.calibrate.predict import read_bench
 
             bench_rows = read_bench(o.compare)
-        rfit = None
+        rfit, host_share = None, None
         if o.rooms is not None:
             from kvferry.sim.calibrate.predict import read_bench
             from kvferry.sim.calibrate.rooms import fit_rooms
@@ -206,9 +208,19 @@ def _fit(o: CalibrateOpts) -> _Fits:
             check = [row for path in o.rooms_check or () for row in read_bench(path)]
             given = {**_overrides(fab, kfit, flows), "control_handle_ns": round(o.control_handle_us * 1000)}
             rfit = fit_rooms(bench, DEFAULT_FABRIC, given, check=check)
+            host_share = _fit_host_share(bench, {**given, "control_jitter_ns": 0, **rfit.overrides()})
     except CalibrationError as e:
         bad_input(str(e))
-    return _Fits(tel, fab, kfit, flows, rfit, bench_rows)
+    return _Fits(tel, fab, kfit, flows, rfit, bench_rows, host_share)
+
+
+def _fit_host_share(bench: list, fabric: dict[str, Any]) -> HostShareFit | None:  # type: ignore[type-arg]
+    """The host wire all processes share, on the fit rows with several host writers (only --rooms
+    rows: the check rows never enter a fit), the per-room costs in place."""
+    from kvferry.sim.calibrate.hostshare import fit_host_share
+    from kvferry.sim.calibrate.predict import predict
+
+    return fit_host_share(bench, fabric, lambda row, fab: predict(row, DEFAULT_FABRIC, fab))
 
 
 def _result(o: CalibrateOpts, target: Path, fits: _Fits) -> dict[str, Any]:
@@ -246,6 +258,13 @@ def _result(o: CalibrateOpts, target: Path, fits: _Fits) -> dict[str, Any]:
     }
     if fits.flows is not None:
         result["flows"] = fits.flows.as_dict()
+    if (h := fits.host_share) is not None:
+        result["host_share"] = {
+            "host_shared_bandwidth_gbps": h.gbps,
+            "rows": h.rows,
+            "mape_before_pct": h.mape_before_pct,
+            "mape_in_sample_pct": h.mape_pct,
+        }
     return result
 
 
@@ -308,6 +327,11 @@ def _print_fit(fits: _Fits, control_handle_us: float) -> None:
             f"held out {rfit.rows_heldout} rows ({_tok(rfit.tokens_heldout)}): MAPE of ms per room "
             f"{rfit.mape_heldout_pct:.1f}% ({rfit.mape_heldout_without_pct:.1f}% without these costs; "
             f"{rfit.mape_fit_pct:.1f}% on the fit's own rows)"
+        )
+    if (h := fits.host_share) is not None:
+        typer.echo(
+            f"host wire every process shares: {h.gbps:.2f} GB/s ({h.rows} pinned rows with several "
+            f"prefill ranks: MAPE {h.mape_before_pct:.1f}% -> {h.mape_pct:.1f}% in sample)"
         )
 
 
