@@ -547,11 +547,11 @@ def test_the_shared_host_wire_is_fitted_back_from_rows_simulated_with_it() -> No
 def test_a_profiles_shared_host_wire_reaches_the_scenarios_fabric(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shipped = hardware.folder().joinpath("h200-nixl.toml").read_text()
+    shipped = hardware.folder().joinpath("h100-nixl.toml").read_text()
     off = sc.parse({"fabric": {"profile": "h100-nixl"}})  # a profile without it: off
     assert off.fabric.nic.host_shared_bandwidth_bps == 0
     (tmp_path / "t.toml").write_text(
-        shipped.replace('name = "h200-nixl"', 'name = "t"').replace(
+        shipped.replace('name = "h100-nixl"', 'name = "t"').replace(
             "\n[fit]\n", "\nhost_shared_bandwidth_gbps = 6.5\n[fit]\n"
         )
     )
