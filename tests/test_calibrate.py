@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import tomllib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -443,3 +444,15 @@ def test_by_flow_reports_the_spread_of_repeated_rows() -> None:
     assert e.mean_mape_pct == pytest.approx(0.0)  # 11 is both configurations' mean
     (single,) = by_flow(preds[2:])
     assert single.spread_pct is None
+
+
+def test_by_flow_groups_per_tp_pair_when_asked() -> None:
+    one = _row("ring", 1024, 10.0)
+    rows = [
+        one,
+        replace(one, prefill_tp=2, config="tp2->1 nhd"),
+        replace(one, decode_tp=2, config="tp1->2 nhd"),
+    ]
+    preds = [Prediction(r, r.room_mb / 10.0, 10.0) for r in rows]
+    assert [e.tp for e in by_flow(preds)] == ["equal", "unequal"]
+    assert [(e.tp, e.rows) for e in by_flow(preds, pairs=True)] == [("1->1", 1), ("1->2", 1), ("2->1", 1)]

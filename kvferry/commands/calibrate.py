@@ -407,6 +407,9 @@ def predict(
             "the per-flow error of those rows is reported apart from the others'."
         ),
     ] = "",
+    tp_pairs: Annotated[
+        bool, typer.Option("--tp-pairs", help="A group per TP pair (1->1, 2->1, 1->2), not equal/unequal TP.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per row.")] = False,
 ) -> None:
     """Simulate each bench row (TP pair, flow, tokens, rooms in flight) over the simulated fabric
@@ -432,16 +435,16 @@ def predict(
             typer.echo(json.dumps({**p.as_dict(), "held_out": p.row.tokens in held}))
         return
     _print_predictions(preds, profile)
-    _print_by_flow(preds, held)
+    _print_by_flow(preds, held, tp_pairs)
 
 
-def _print_by_flow(preds: list, held: frozenset[int]) -> None:  # type: ignore[type-arg]
+def _print_by_flow(preds: list, held: frozenset[int], pairs: bool) -> None:  # type: ignore[type-arg]
     from kvferry.sim.calibrate.predict import by_flow
 
     typer.echo("")
     typer.echo("per flow: MAPE of the ms per batch" + (f" (held out: {sorted(held)} tokens)" if held else ""))
     typer.echo("flow       inflight  TP       rows     count  MAPE   spread  MAPE of the means")
-    errs = by_flow(preds, held)
+    errs = by_flow(preds, held, pairs)
     for e in errs:
         which = "held out" if e.held_out else ("fit" if held else "")
         spread = "-" if e.spread_pct is None else f"{e.spread_pct:5.1f}%"

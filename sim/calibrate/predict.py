@@ -203,7 +203,7 @@ class FlowError:
 
     flow: str
     inflight: int
-    tp: str  # "equal" or "unequal"
+    tp: str  # "equal" or "unequal", or the pair ("2->1") with ``pairs``
     held_out: bool
     rows: int
     mape_pct: float
@@ -233,16 +233,23 @@ def _group_error(preds: list[Prediction]) -> tuple[float, float | None, float]:
     return 100 * sum(rows) / len(rows), spread, 100 * sum(means) / len(means)
 
 
-def by_flow(preds: list[Prediction], held_out_tokens: frozenset[int] = frozenset()) -> list[FlowError]:
+def by_flow(
+    preds: list[Prediction], held_out_tokens: frozenset[int] = frozenset(), pairs: bool = False
+) -> list[FlowError]:
     """Per-flow error, as the per-flow target reads it; rows whose tokens are in
-    ``held_out_tokens`` (room sizes no fit saw) apart from the others."""
+    ``held_out_tokens`` (room sizes no fit saw) apart from the others; ``pairs``: a group per TP
+    pair rather than equal and unequal TP."""
     groups: dict[tuple[str, int, str, bool], list[Prediction]] = {}
     for p in preds:
         r = p.row
         key = (
             r.flow,
             r.inflight,
-            "equal" if r.prefill_tp == r.decode_tp else "unequal",
+            f"{r.prefill_tp}->{r.decode_tp}"
+            if pairs
+            else "equal"
+            if r.prefill_tp == r.decode_tp
+            else "unequal",
             r.tokens in held_out_tokens,
         )
         groups.setdefault(key, []).append(p)
