@@ -55,6 +55,7 @@ def fabric_values(s: Scenario) -> dict[str, Any]:
         "completion_handle_ns": n.completion_handle_ns,
         "shared_desc_ns": n.shared_desc_ns,
         "host_bandwidth_gbps": n.host_bandwidth_bps / 1e9,
+        "host_shared_bandwidth_gbps": n.host_shared_bandwidth_bps / 1e9,
         "control_latency_ns": c.latency_ns,
         "control_jitter_ns": c.jitter_ns,
         "control_handle_ns": c.handle_ns,

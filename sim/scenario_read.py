@@ -119,6 +119,7 @@ def profile_fabric(name: str) -> FabricSpec:
             completion_handle_ns=_ns(fit.completion_handle_us, n.completion_handle_ns),
             shared_desc_ns=_ns(fit.shared_desc_us, n.shared_desc_ns),
             host_bandwidth_bps=_bps(fit.host_bandwidth_gbps, n.host_bandwidth_bps),
+            host_shared_bandwidth_bps=_bps(fit.host_shared_bandwidth_gbps, n.host_shared_bandwidth_bps),
         ),
         control=dataclasses.replace(
             c,
@@ -172,6 +173,9 @@ def _fabric(f: FabricTable, file: str) -> FabricSpec:
         host_bandwidth_bps=n.host_bandwidth_bps
         if f.host_bandwidth_gbps is None
         else int(f.host_bandwidth_gbps * 1e9),
+        host_shared_bandwidth_bps=n.host_shared_bandwidth_bps
+        if f.host_shared_bandwidth_gbps is None
+        else int(f.host_shared_bandwidth_gbps * 1e9),
     )
     control = ControlSpec(
         latency_ns=given(f.control_latency_ns, c.latency_ns),

@@ -471,6 +471,8 @@ FABRIC_DOC: dict[str, str] = {
     "one GPU); a post ends when its own posting and its turn there are through (0: no shared device).",
     "host_bandwidth_gbps": "Wire of a transfer between pinned host buffers, shared by its initiator's host "
     "transfers, in GB/s (0: the NIC bandwidth).",
+    "host_shared_bandwidth_gbps": "Host-to-host wire every initiator shares (one host's memory), split "
+    "among all active host transfers, in GB/s (0: none beside each initiator's own).",
     "control_latency_ns": "One-way latency of a control message.",
     "control_jitter_ns": "Extra delay per control message, uniform in [0, this).",
     "control_handle_ns": "How long a receiver's control thread holds each message: messages arriving "
@@ -511,6 +513,7 @@ class FabricTable(Table):
     completion_handle_ns: Count | None = None
     shared_desc_ns: Count | None = None
     host_bandwidth_gbps: Annotated[float, Meta(ge=0)] | None = None
+    host_shared_bandwidth_gbps: Annotated[float, Meta(ge=0)] | None = None
     control_latency_ns: Count | None = None
     control_jitter_ns: Count | None = None
     control_handle_ns: Count | None = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import tomllib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 from kvferry.sim import scenario as sc
 from kvferry.sim.calibrate import fit, inputs
 from kvferry.sim.calibrate.inputs import CalibrationError, KernelRow, WriteRow
-from kvferry.sim.calibrate.predict import BenchRow, Prediction, predict, read_bench
+from kvferry.sim.calibrate.predict import BenchRow, Prediction, by_flow, predict, read_bench
 from kvferry.sim.calibrate.rooms import TERMS, fit_rooms
 from kvferry.sim.deploy import hardware
 from typer.testing import CliRunner
@@ -430,3 +431,28 @@ def test_room_fit_recovers_known_costs_from_the_real_simulator_under_noise() -> 
     assert 0.5 < (submit + staging) / 900 < 1.15
     assert handle < 300
     assert f.mape_heldout_pct < 6.0
+
+
+def test_by_flow_reports_the_spread_of_repeated_rows() -> None:
+    # Two runs of one configuration (10 and 12 ms) and one of another, all predicted at 11 ms.
+    rows = [_row("direct", 1024, 10.0, 8), _row("direct", 1024, 12.0, 8), _row("direct", 2048, 11.0, 8)]
+    preds = [Prediction(r, r.room_mb * r.inflight / 11.0, 11.0) for r in rows]
+    (e,) = by_flow(preds)
+    assert e.rows == 3
+    assert e.spread_pct == pytest.approx(20.0)  # (12 - 10) / 10
+    assert e.mape_pct == pytest.approx(100 * (1 / 10 + 1 / 12 + 0) / 3)
+    assert e.mean_mape_pct == pytest.approx(0.0)  # 11 is both configurations' mean
+    (single,) = by_flow(preds[2:])
+    assert single.spread_pct is None
+
+
+def test_by_flow_groups_per_tp_pair_when_asked() -> None:
+    one = _row("ring", 1024, 10.0)
+    rows = [
+        one,
+        replace(one, prefill_tp=2, config="tp2->1 nhd"),
+        replace(one, decode_tp=2, config="tp1->2 nhd"),
+    ]
+    preds = [Prediction(r, r.room_mb / 10.0, 10.0) for r in rows]
+    assert [e.tp for e in by_flow(preds)] == ["equal", "unequal"]
+    assert [(e.tp, e.rows) for e in by_flow(preds, pairs=True)] == [("1->1", 1), ("1->2", 1), ("2->1", 1)]

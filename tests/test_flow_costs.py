@@ -125,6 +125,43 @@ def test_a_host_to_host_write_moves_at_the_host_wire_shared_by_its_initiator() -
     assert wire_ns(host, [("a", PINNED_REGION), ("c", PINNED_REGION)]) == [4_000_000, 4_000_000]
 
 
+def test_host_writes_of_several_initiators_share_the_hosts_wire_when_it_is_set() -> None:
+    nbytes = 1_000_000
+    own = replace(NIC, host_bandwidth_bps=250_000_000)
+    shared = replace(SPEC, nic=replace(own, host_shared_bandwidth_bps=300_000_000))
+    env, fab = world(shared)
+    xids = [
+        fab.post(n, n, "b", DescList.of([PINNED_REGION], [0], [PINNED_REGION], [0], [nbytes]), None)
+        for n in "ac"
+    ]
+    env.run()
+    # posts end together; two host writes active on the fabric: 0.3 / 2 = 0.15 GB/s each (under
+    # each initiator's own 0.25), so 1 MB takes 6.667 ms each (4 ms each without the shared wire)
+    got = [fab.xfers[x].landed_ns - fab.xfers[x].started_ns - NIC.latency_ns for x in xids]
+    assert got == [pytest.approx(1e6 / 0.15, abs=2)] * 2
+    # one alone keeps its own wire (0.25 < 0.3): 4 ms; device memory (c into a) is not host memory
+    env, fab = world(shared)
+    one = fab.post("a", "a", "b", DescList.of([PINNED_REGION], [0], [PINNED_REGION], [0], [nbytes]), None)
+    dev = fab.post("c", "c", "a", DescList.of([0], [0], [0], [0], [nbytes]), None)
+    env.run()
+    assert fab.xfers[one].landed_ns - fab.xfers[one].started_ns - NIC.latency_ns == 4_000_000
+    assert fab.xfers[dev].landed_ns - fab.xfers[dev].started_ns - NIC.latency_ns == 1_000_000
+
+
+def test_a_tp2_pinned_room_is_longer_by_its_bytes_over_the_shared_host_wire() -> None:
+    row = BenchRow("tp2->1 nhd", "qwen3-8b", 2, 1, 256, 1, "pinned", 256 * 0.147456, 1.0, 1.0)
+    fab = {**QUIET, "host_bandwidth_gbps": 4.0}
+    t0 = predict(row, "h100-rdma", fab).predicted_ms
+    t1 = predict(row, "h100-rdma", {**fab, "host_shared_bandwidth_gbps": 6.0}).predicted_ms
+    # each prefill rank writes half the room host to host at once: 4 GB/s each alone, 3 shared
+    half = row.room_mb * 1e6 / 2
+    assert t1 - t0 == pytest.approx(half * (1 / 3e9 - 1 / 4e9) * 1e3, rel=0.02)
+    one = BenchRow("tp1->1 nhd", "qwen3-8b", 1, 1, 256, 1, "pinned", 256 * 0.147456, 1.0, 1.0)
+    assert predict(one, "h100-rdma", {**fab, "host_shared_bandwidth_gbps": 6.0}).predicted_ms == (
+        predict(one, "h100-rdma", fab).predicted_ms
+    )
+
+
 def test_a_pinned_room_is_longer_by_its_bytes_over_the_host_wire() -> None:
     row = BenchRow("tp1->1 nhd", "qwen3-8b", 1, 1, 256, 1, "pinned", 256 * 0.147456, 1.0, 1.0)
     t0 = predict(row, "h100-rdma", QUIET).predicted_ms
@@ -487,3 +524,38 @@ def test_flow_telemetry_of_one_kind_fits_only_its_cost_and_of_neither_is_refused
     same_tp = ["--flow-telemetry", main[0]]  # 72-descriptor writes: neither kind
     res = CliRunner().invoke(app, ["calibrate", *main, "--name", "t", "--out", str(out), *same_tp])
     assert res.exit_code == 2 and "neither descriptor-bound writes" in res.output
+
+
+def test_the_shared_host_wire_is_fitted_back_from_rows_simulated_with_it() -> None:
+    from kvferry.sim.calibrate.hostshare import fit_host_share
+
+    fab = {**QUIET, "host_bandwidth_gbps": 4.0}
+    rows = []
+    for tokens in (64, 128):
+        shape = BenchRow("tp2->1 nhd", "qwen3-8b", 2, 1, tokens, 1, "pinned", tokens * 0.147456, 1.0, 1.0)
+        ms = predict(shape, "h100-rdma", {**fab, "host_shared_bandwidth_gbps": 6.0}).predicted_ms
+        rows.append(replace(shape, measured_gbps=shape.room_mb / ms))
+    same_tp = replace(rows[0], prefill_tp=1, config="tp1->1 nhd")  # one host writer: not a row of this fit
+    got = fit_host_share([*rows, same_tp], fab, lambda r, f: predict(r, "h100-rdma", f))
+    assert got is not None and got.rows == 2
+    assert got.gbps == pytest.approx(6.0, rel=0.03) and got.mape_pct < 1 < got.mape_before_pct
+    # rows no slower than each writer's own wire gives: nothing to fit
+    fast = [replace(r, measured_gbps=r.measured_gbps * 2) for r in rows]
+    assert fit_host_share(fast, fab, lambda r, f: predict(r, "h100-rdma", f)) is None
+
+
+def test_a_profiles_shared_host_wire_reaches_the_scenarios_fabric(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shipped = hardware.folder().joinpath("h100-nixl.toml").read_text()
+    off = sc.parse({"fabric": {"profile": "h100-nixl"}})  # a profile without it: off
+    assert off.fabric.nic.host_shared_bandwidth_bps == 0
+    (tmp_path / "t.toml").write_text(
+        shipped.replace('name = "h100-nixl"', 'name = "t"').replace(
+            "\n[fit]\n", "\nhost_shared_bandwidth_gbps = 6.5\n[fit]\n"
+        )
+    )
+    monkeypatch.setattr(hardware, "folder", lambda: tmp_path)
+    assert sc.parse({"fabric": {"profile": "t"}}).fabric.nic.host_shared_bandwidth_bps == 6_500_000_000
+    given = sc.parse({"fabric": {"profile": "t", "host_shared_bandwidth_gbps": 0}})
+    assert given.fabric.nic.host_shared_bandwidth_bps == 0  # a scenario's key wins over its profile's

@@ -12,7 +12,8 @@ Transfer model, per post:
 3. Active transfers share bandwidth: a transfer moves at
    ``min(src_bw / active_out(src), dst_bw / active_in(dst)) * link_factor``, recomputed whenever a
    transfer starts or ends. A host-to-host transfer (pinned buffers at both ends) is capped, when
-   ``host_bandwidth`` is set, at that rate over its initiator's active host transfers.
+   ``host_bandwidth`` is set, at that rate over its initiator's active host transfers, and, when
+   ``host_shared_bandwidth`` is set, at that rate over every active host transfer of the fabric.
 4. When its last byte has left, the data lands after ``latency + jitter``: bytes are copied then
    (read from the source at that moment), then the notification is delivered, and the initiator
    sees DONE one latency later. ``completion_delay`` (0 by default) delays both: the time a real
@@ -177,6 +178,7 @@ class Fabric:
         self._next_xid = 1
         self._gen = 0
         self._active: list[int] = []  # xids in start order, so recomputation order is fixed
+        self._active_host = 0  # active host-to-host transfers of every initiator
         self._last_progress = 0
         # Called with (xfer) just before a transfer's bytes land; the world uses it to check that
         # the writer owns the destination.
@@ -525,6 +527,7 @@ class Fabric:
         x.active = True
         if x.host_bps:
             ini.active_host += 1
+            self._active_host += 1
         self.nodes[x.src].active_out += 1
         self.nodes[x.dst].active_in += 1
         self._active.append(x.xid)
@@ -535,7 +538,10 @@ class Fabric:
         link = x.link
         rate = min(s.nic.bandwidth_bps // max(1, s.active_out), d.nic.bandwidth_bps // max(1, d.active_in))
         if x.host_bps:
-            rate = min(rate, x.host_bps // max(1, self.nodes[x.initiator].active_host))
+            ini = self.nodes[x.initiator]
+            rate = min(rate, x.host_bps // max(1, ini.active_host))
+            if ini.nic.host_shared_bandwidth_bps:  # every process's host copies share one memory
+                rate = min(rate, ini.nic.host_shared_bandwidth_bps // max(1, self._active_host))
         return max(1, rate * link.slow_num // link.slow_den)  # type: ignore[union-attr]
 
     def _advance(self) -> None:
@@ -585,6 +591,7 @@ class Fabric:
         x.active = False
         if x.host_bps:
             self.nodes[x.initiator].active_host -= 1
+            self._active_host -= 1
         self._active.remove(x.xid)
         self.nodes[x.src].active_out -= 1
         self.nodes[x.dst].active_in -= 1

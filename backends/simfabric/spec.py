@@ -47,6 +47,10 @@ class NicSpec:
     # initiator's active host transfers (UCX's cma: the initiator's single-threaded copy).
     shared_desc_ns: int = 0
     host_bandwidth_bps: int = 0
+    # ``host_shared_bandwidth_bps``: the host-to-host wire every initiator with it shares (one
+    # host's memory: the cma copies of all processes at once; 0: off): k host transfers active on
+    # the fabric each move at most 1/k of it, beside their initiator's own host wire.
+    host_shared_bandwidth_bps: int = 0
     # Host work that holds the rank's one runtime thread (``Node.host_busy_until``; 0: off;
     # `kvferry calibrate --rooms` fits both). ``room_handle_ns``: per TransferInfo or PullOffer
     # handled, on its receiver, the rank that plans the room's writes or reads (the plan, its
@@ -70,6 +74,7 @@ class NicSpec:
             "completion_delay_ns",
             "shared_desc_ns",
             "host_bandwidth_bps",
+            "host_shared_bandwidth_bps",
             "room_handle_ns",
             "completion_handle_ns",
         ):

@@ -16,6 +16,7 @@ from kvferry.commands.options import options
 
 if TYPE_CHECKING:  # the fit's modules import numpy: loaded only when a command runs
     from kvferry.sim.calibrate.fit import FabricFit, KernelFit
+    from kvferry.sim.calibrate.hostshare import HostShareFit
     from kvferry.sim.calibrate.inputs import Telemetry
     from kvferry.sim.calibrate.posting import FlowFit
     from kvferry.sim.calibrate.rooms import RoomFit
@@ -117,6 +118,7 @@ class _Fits(NamedTuple):
     flows: FlowFit | None
     rfit: RoomFit | None
     bench_rows: list | None  # type: ignore[type-arg]  # --compare's rows
+    host_share: HostShareFit | None = None
 
 
 @options(CalibrateOpts)
@@ -130,7 +132,7 @@ def calibrate(o: CalibrateOpts) -> None:
     text = profile.render(
         o.name, fits.fab, fits.tel, [str(p) for p in o.telemetry], fits.kfit, str(o.kernels or ""), fits.rfit,
         [str(p) for p in o.rooms or ()], fits.flows, o.control_handle_us, o.transport,
-        [str(p) for p in o.rooms_check or ()],
+        [str(p) for p in o.rooms_check or ()], fits.host_share,
     )  # fmt: skip
     try:
         target.write_text(text)
@@ -197,7 +199,7 @@ def _fit(o: CalibrateOpts) -> _Fits:
             from kvferry.sim.calibrate.predict import read_bench
 
             bench_rows = read_bench(o.compare)
-        rfit = None
+        rfit, host_share = None, None
         if o.rooms is not None:
             from kvferry.sim.calibrate.predict import read_bench
             from kvferry.sim.calibrate.rooms import fit_rooms
@@ -206,9 +208,19 @@ def _fit(o: CalibrateOpts) -> _Fits:
             check = [row for path in o.rooms_check or () for row in read_bench(path)]
             given = {**_overrides(fab, kfit, flows), "control_handle_ns": round(o.control_handle_us * 1000)}
             rfit = fit_rooms(bench, DEFAULT_FABRIC, given, check=check)
+            host_share = _fit_host_share(bench, {**given, "control_jitter_ns": 0, **rfit.overrides()})
     except CalibrationError as e:
         bad_input(str(e))
-    return _Fits(tel, fab, kfit, flows, rfit, bench_rows)
+    return _Fits(tel, fab, kfit, flows, rfit, bench_rows, host_share)
+
+
+def _fit_host_share(bench: list, fabric: dict[str, Any]) -> HostShareFit | None:  # type: ignore[type-arg]
+    """The host wire all processes share, on the fit rows with several host writers (only --rooms
+    rows: the check rows never enter a fit), the per-room costs in place."""
+    from kvferry.sim.calibrate.hostshare import fit_host_share
+    from kvferry.sim.calibrate.predict import predict
+
+    return fit_host_share(bench, fabric, lambda row, fab: predict(row, DEFAULT_FABRIC, fab))
 
 
 def _result(o: CalibrateOpts, target: Path, fits: _Fits) -> dict[str, Any]:
@@ -246,6 +258,13 @@ def _result(o: CalibrateOpts, target: Path, fits: _Fits) -> dict[str, Any]:
     }
     if fits.flows is not None:
         result["flows"] = fits.flows.as_dict()
+    if (h := fits.host_share) is not None:
+        result["host_share"] = {
+            "host_shared_bandwidth_gbps": h.gbps,
+            "rows": h.rows,
+            "mape_before_pct": h.mape_before_pct,
+            "mape_in_sample_pct": h.mape_pct,
+        }
     return result
 
 
@@ -308,6 +327,11 @@ def _print_fit(fits: _Fits, control_handle_us: float) -> None:
             f"held out {rfit.rows_heldout} rows ({_tok(rfit.tokens_heldout)}): MAPE of ms per room "
             f"{rfit.mape_heldout_pct:.1f}% ({rfit.mape_heldout_without_pct:.1f}% without these costs; "
             f"{rfit.mape_fit_pct:.1f}% on the fit's own rows)"
+        )
+    if (h := fits.host_share) is not None:
+        typer.echo(
+            f"host wire every process shares: {h.gbps:.2f} GB/s ({h.rows} pinned rows with several "
+            f"prefill ranks: MAPE {h.mape_before_pct:.1f}% -> {h.mape_pct:.1f}% in sample)"
         )
 
 
@@ -383,6 +407,9 @@ def predict(
             "the per-flow error of those rows is reported apart from the others'."
         ),
     ] = "",
+    tp_pairs: Annotated[
+        bool, typer.Option("--tp-pairs", help="A group per TP pair (1->1, 2->1, 1->2), not equal/unequal TP.")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per row.")] = False,
 ) -> None:
     """Simulate each bench row (TP pair, flow, tokens, rooms in flight) over the simulated fabric
@@ -408,15 +435,27 @@ def predict(
             typer.echo(json.dumps({**p.as_dict(), "held_out": p.row.tokens in held}))
         return
     _print_predictions(preds, profile)
-    _print_by_flow(preds, held)
+    _print_by_flow(preds, held, tp_pairs)
 
 
-def _print_by_flow(preds: list, held: frozenset[int]) -> None:  # type: ignore[type-arg]
+def _print_by_flow(preds: list, held: frozenset[int], pairs: bool) -> None:  # type: ignore[type-arg]
     from kvferry.sim.calibrate.predict import by_flow
 
     typer.echo("")
     typer.echo("per flow: MAPE of the ms per batch" + (f" (held out: {sorted(held)} tokens)" if held else ""))
-    typer.echo("flow       inflight  TP       rows     count  MAPE")
-    for e in by_flow(preds, held):
+    typer.echo("flow       inflight  TP       rows     count  MAPE   spread  MAPE of the means")
+    errs = by_flow(preds, held, pairs)
+    for e in errs:
         which = "held out" if e.held_out else ("fit" if held else "")
-        typer.echo(f"{e.flow:<10} {e.inflight:>8}  {e.tp:<8} {which:<8} {e.rows:>5}  {e.mape_pct:5.1f}%")
+        spread = "-" if e.spread_pct is None else f"{e.spread_pct:5.1f}%"
+        means = "-" if e.spread_pct is None else f"{e.mean_mape_pct:5.1f}%"
+        typer.echo(
+            f"{e.flow:<10} {e.inflight:>8}  {e.tp:<8} {which:<8} {e.rows:>5}  {e.mape_pct:5.1f}%  "
+            f"{spread:>6}  {means:>6}"
+        )
+    every = [abs(p.predicted_ms - p.measured_ms) / p.measured_ms for p in preds]
+    typer.echo(
+        f"all {len(every)} rows: MAPE {100 * sum(every) / len(every):.1f}%; "
+        f"{sum(e.mape_pct <= 10 for e in errs)} of {len(errs)} groups within 10%"
+        " (spread: the largest (max - min) / min of one configuration's repeated rows)"
+    )

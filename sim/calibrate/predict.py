@@ -195,30 +195,65 @@ def scenario(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) 
 @dataclass(frozen=True, slots=True)
 class FlowError:
     """The MAPE of the ms per batch of one flow's rows at one number of rooms in flight, equal or
-    unequal TP, fit or held-out rows."""
+    unequal TP, fit or held-out rows. Where a configuration (TP pair, flow, tokens, rooms in
+    flight) was measured more than once, ``spread_pct`` is the largest (max - min) / min of its
+    measured ms in the group (None: every configuration measured once) and ``mean_mape_pct`` the
+    error against each configuration's mean measurement: a group whose repeats differ by more than
+    a target cannot be judged at that target from one of them."""
 
     flow: str
     inflight: int
-    tp: str  # "equal" or "unequal"
+    tp: str  # "equal" or "unequal", or the pair ("2->1") with ``pairs``
     held_out: bool
     rows: int
     mape_pct: float
+    spread_pct: float | None = None
+    mean_mape_pct: float | None = None
 
 
-def by_flow(preds: list[Prediction], held_out_tokens: frozenset[int] = frozenset()) -> list[FlowError]:
+def _config(r: BenchRow) -> tuple[int, int, str, int, int]:
+    return (r.prefill_tp, r.decode_tp, r.flow, r.tokens, r.inflight)
+
+
+def _group_error(preds: list[Prediction]) -> tuple[float, float | None, float]:
+    """(MAPE over rows, largest spread of a repeated configuration or None, MAPE over the
+    configurations' mean measurements)."""
+    by_cfg: dict[tuple[int, int, str, int, int], list[Prediction]] = {}
+    for p in preds:
+        by_cfg.setdefault(_config(p.row), []).append(p)
+    rows = [abs(p.predicted_ms - p.measured_ms) / p.measured_ms for p in preds]
+    means, spreads = [], []
+    for ps in by_cfg.values():
+        ms = [p.measured_ms for p in ps]
+        mean = sum(ms) / len(ms)
+        means.append(abs(ps[0].predicted_ms - mean) / mean)
+        if len(ms) > 1:
+            spreads.append((max(ms) - min(ms)) / min(ms))
+    spread = 100 * max(spreads) if spreads else None
+    return 100 * sum(rows) / len(rows), spread, 100 * sum(means) / len(means)
+
+
+def by_flow(
+    preds: list[Prediction], held_out_tokens: frozenset[int] = frozenset(), pairs: bool = False
+) -> list[FlowError]:
     """Per-flow error, as the per-flow target reads it; rows whose tokens are in
-    ``held_out_tokens`` (room sizes no fit saw) apart from the others."""
-    groups: dict[tuple[str, int, str, bool], list[float]] = {}
+    ``held_out_tokens`` (room sizes no fit saw) apart from the others; ``pairs``: a group per TP
+    pair rather than equal and unequal TP."""
+    groups: dict[tuple[str, int, str, bool], list[Prediction]] = {}
     for p in preds:
         r = p.row
         key = (
             r.flow,
             r.inflight,
-            "equal" if r.prefill_tp == r.decode_tp else "unequal",
+            f"{r.prefill_tp}->{r.decode_tp}"
+            if pairs
+            else "equal"
+            if r.prefill_tp == r.decode_tp
+            else "unequal",
             r.tokens in held_out_tokens,
         )
-        groups.setdefault(key, []).append(abs(p.predicted_ms - p.measured_ms) / p.measured_ms)
-    return [FlowError(*k, len(v), 100 * sum(v) / len(v)) for k, v in sorted(groups.items())]
+        groups.setdefault(key, []).append(p)
+    return [FlowError(*k, len(v), *_group_error(v)) for k, v in sorted(groups.items())]
 
 
 def predict(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) -> Prediction:

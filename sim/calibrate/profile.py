@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kvferry.sim.calibrate.fit import FabricFit, KernelFit
+from kvferry.sim.calibrate.hostshare import HostShareFit
 from kvferry.sim.calibrate.inputs import CalibrationError, Telemetry
 from kvferry.sim.calibrate.posting import FlowFit
 from kvferry.sim.calibrate.rooms import RoomFit
@@ -55,16 +56,19 @@ def render(
     control_handle_us: float = 0.0,
     transport: str = "fitted",
     rooms_check_sources: list[str] | None = None,
+    host_share: HostShareFit | None = None,
 ) -> str:
     lines = [
         *_fabric_lines(name, fab, flows, transport),
         *_flow_lines(flows),
         *_kernel_lines(kernels, kernel_source),
         *_room_lines(rooms, control_handle_us),
+        *_host_share_lines(host_share),
         "",
         *_fit_table(fab, tel, sources),
         *_fit_rooms(rooms, rooms_sources, rooms_check_sources),
         *_fit_flows(flows),
+        *_fit_host_share(host_share),
         *_fit_kernels(kernels),
     ]
     return "\n".join(lines) + "\n"
@@ -160,6 +164,27 @@ def _room_lines(rooms: RoomFit | None, control_handle_us: float) -> list[str]:
             f"control_handle_us = {_num(control_handle_us)}",
         ]
     return lines
+
+
+def _host_share_lines(host_share: HostShareFit | None) -> list[str]:
+    if host_share is None:
+        return []
+    return [
+        "# The host wire every process's host-to-host writes share (UCX cma copies through one",
+        "# host's memory), fitted to the ms of the [fit] room_sources' pinned rows with several",
+        "# prefill ranks (sim/calibrate/hostshare.py), the per-room costs above in place.",
+        f"host_shared_bandwidth_gbps = {_num(host_share.gbps)}",
+    ]
+
+
+def _fit_host_share(host_share: HostShareFit | None) -> list[str]:
+    if host_share is None:
+        return []
+    return [
+        f"host_share_rows = {host_share.rows}",
+        f"host_share_mape_before_pct = {host_share.mape_before_pct:.2f}",
+        f"host_share_mape_in_sample_pct = {host_share.mape_pct:.2f}",
+    ]
 
 
 def _fit_table(fab: FabricFit, tel: Telemetry, sources: list[str]) -> list[str]:

@@ -83,6 +83,19 @@ class RoomFit:
     counts: tuple[tuple[float, ...], ...]
     predictions: tuple[Prediction, ...]  # every row, with the fitted costs
 
+    def overrides(self) -> dict[str, int]:
+        """The fitted costs as a scenario's [fabric] keys (TERMS), in ns."""
+        us = (
+            self.control_latency_us,
+            self.completion_delay_us,
+            self.copy_submit_us,
+            self.staging_handle_us,
+            self.control_send_us,
+            self.room_handle_us,
+            self.completion_handle_us,
+        )
+        return {t: round(v * 1000) for t, v in zip(TERMS, us, strict=True)}
+
 
 def lad(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
     """argmin sum |a x - b| with x >= 0: iteratively reweighted non-negative least squares."""

@@ -98,6 +98,9 @@ class NicProfile:
     room_handle_us: float | None = None
     completion_handle_us: float | None = None
     host_bandwidth_gbps: float | None = None
+    # The host wire all initiators share (NicSpec.host_shared_bandwidth_bps), fitted from bench
+    # rows with several prefill ranks writing host to host at once.
+    host_shared_bandwidth_gbps: float | None = None
     # What moves the bytes (TRANSPORTS), where the two posting costs come from, and which of the
     # profile's numbers are estimates rather than measurements.
     transport: str = "unstated"
