@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,12 @@ import simpy
 from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import campaign, run_one
 from msgspec.structs import replace
+
+
+def interpreter() -> str:
+    """Which CPython ran the bench: its build moves every figure (pyenv's, without PGO or LTO, runs
+    a room in ~10% more instructions than Debian's: docs/benchmarks.md), so a reading names it."""
+    return f"{platform.python_version()} {os.path.realpath(sys.executable)}"
 
 
 def bare_simpy_rate(n: int = 300_000) -> float:
@@ -188,7 +196,10 @@ def main() -> None:
         print(json.dumps(c) if args.json else "\n".join(f"{k}: {v}" for k, v in c.items()))
         return
     if args.only == "deploy":
-        d = deploy_replay(args.deploy_requests)
+        d: dict[str, Any] = {"python": interpreter(), "bare_simpy_timeouts_per_s": round(bare_simpy_rate())}
+        d |= deploy_replay(args.deploy_requests)
+        if not args.json:
+            print(f"Python {d['python']}, bare SimPy baseline: {d['bare_simpy_timeouts_per_s']:,} timeouts/s")
         print(json.dumps(d) if args.json else _deploy_line(d))
         return
 
@@ -218,6 +229,7 @@ def main() -> None:
     deploy = deploy_replay(args.deploy_requests) if args.only == "all" else {}
     out = {
         **deploy,
+        "python": interpreter(),
         "bare_simpy_timeouts_per_s": round(base),
         "replay_rooms": res.rooms,
         "replay_succeeded": res.succeeded,
@@ -240,7 +252,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(out))
         return
-    print(f"bare SimPy baseline: {out['bare_simpy_timeouts_per_s']:,} timeouts/s")
+    print(f"Python {out['python']}, bare SimPy baseline: {out['bare_simpy_timeouts_per_s']:,} timeouts/s")
     print(
         f"{res.rooms}-room replay (no faults): {big_wall:.2f} s wall for {res.sim_ns / 1e9:.3f} s simulated, "
         f"{res.succeeded} succeeded, target <= 15 s"
@@ -264,7 +276,7 @@ def main() -> None:
         print(_deploy_line(deploy))
 
 
-def _deploy_line(d: dict[str, float]) -> str:
+def _deploy_line(d: dict[str, Any]) -> str:
     return (
         f"{d['deploy_requests']:,}-request deployment replay (qwen3-8b TP4 -> TP2, ring, 20 req/s): "
         f"{d['deploy_wall_s']:.2f} s wall ({d['deploy_cpu_s']:.2f} s CPU) for {d['deploy_simulated_s']} s "
