@@ -10,6 +10,10 @@
 #   CARD=h200 PART=rows ROWS='bench-flows.jsonl 2048 8 1-1 ring 1;...' bash bench/gpu_cal_card.sh
 #   CARD=h200 PART=check bash bench/gpu_cal_card.sh  # held out: every flow at 4,096 tokens (one room,
 #       three TP pairs) and at 1,024 tokens (8 in flight, TP 1->1 / 2->1)
+#   CARD=h200 PART=trace TRACE_FLOWS=ring,pinned bash bench/gpu_cal_card.sh  # traced rooms (4,096 tokens,
+#       3 rooms, TP 1->1 / 2->1 / 1->2) on the same executor as the rows: cal/trace/, hop timelines in
+#       trace.out; the step's log must say "executor: native" (a trace taken before the engine was
+#       built fell back to the python executor unnoticed)
 # ENGINE (default native) is the runtime's executor of NIXL commands. A CPU dry run:
 #   MEM=DRAM TOKS_SCALE=64 OUT=/tmp/calc PART=fit1 bash bench/gpu_cal_card.sh
 set -u
@@ -84,5 +88,12 @@ case "$PART" in
       row "$file" "$tok" "$inflight" "tp${tp/-/->} nhd" "$flow" "$rooms" "${tel:-}"
     done
     ;;
-  *) echo "PART: fit1, fit2, check or rows, got $PART" >&2; exit 2 ;;
+  trace)
+    step trace 300 /tmp/kv bench nixl --mem "$MEM" --tokens "$((4096 / TOKS_SCALE))" --rooms 3 --config 'tp1->1 nhd' \
+      --config 'tp2->1 nhd' --config 'tp1->2 nhd' --flow "${TRACE_FLOWS:-ring}" --engine "$ENGINE" --trace "$R/cal/trace" --json
+    cp "$R/trace.out" "$R/cal/trace.out"
+    grep -o 'executor[^,]*' "$R/trace.log" | sort | uniq -c
+    tar czf "$OUT/results.tgz" -C "$R" .
+    ;;
+  *) echo "PART: fit1, fit2, check, rows or trace, got $PART" >&2; exit 2 ;;
 esac
