@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from kvferry.backends.runtime import interference
 from kvferry.sim.campaign import parse_seeds
+from kvferry.sim.deploy import report as deploy_report
 from typer.testing import CliRunner
 
 from kvferry.cli import _register, app
@@ -144,6 +145,16 @@ def _fake_run_chaos(cfg: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return chaos_run.Chaos(cfg, None)._report([], [], False)
 
 
+def _small_plot(_sel: Any, path: Path) -> None:
+    """``select --plot``'s file, written as the real plot writes it (matplotlib's savefig, PNG
+    whatever the name) but of a blank 1-inch figure: the path is what the option rows vary, and
+    drawing the two full panels cost ~2 s a valid path (tests/test_select.py draws them)."""
+    plt = deploy_report._pyplot()
+    fig = plt.figure(figsize=(1, 1))
+    fig.savefig(path, dpi=10, format="png")
+    plt.close(fig)
+
+
 def _fake_live_fuzz(cfg: Any, *args: Any, **kwargs: Any) -> hostile.LiveFuzzResult:
     assert not cfg.problems()  # the command validated first
     return hostile.LiveFuzzResult(seed=cfg.seed)
@@ -157,6 +168,7 @@ def _no_real_bench() -> Iterator[None]:
     mp.setattr(hostile, "run_live_fuzz", _fake_live_fuzz)
     mp.setattr(interference, "run", _fake_interference)
     mp.setattr(chaos_run, "run_chaos", _fake_run_chaos)
+    mp.setattr(deploy_report, "plot", _small_plot)
     yield
     mp.undo()
 
