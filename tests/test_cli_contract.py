@@ -28,11 +28,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from kvferry.backends.runtime import interference
 from kvferry.sim.campaign import parse_seeds
+from kvferry.sim.deploy import report as deploy_report
 from typer.testing import CliRunner
 
 from kvferry.cli import _register, app
 from kvferry.tools import hostile, runtime_bench
 from kvferry.tools import soak as loopback_soak
+from kvferry.tools.chaos import netns
+from kvferry.tools.chaos import run as chaos_run
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = str(ROOT / "scenarios" / "quickstart.toml")
@@ -40,6 +43,7 @@ TELEMETRY = str(ROOT / "tests" / "data" / "telemetry-cpu-loopback.json")
 BENCH_ROWS = str(ROOT / "tests" / "data" / "bench-nixl-two-rows.jsonl")
 _register()
 runner = CliRunner()
+_REAL_RUN_CHAOS = chaos_run.run_chaos
 
 # Run in a subprocess under a memory cap and a timeout: if their bound regressed they would take
 # tens of GB or hours, which must fail this test, not the machine.
@@ -134,6 +138,23 @@ def _fake_interference(cfg: Any) -> dict[str, Any]:
     }
 
 
+def _fake_run_chaos(cfg: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The real run up to making the hosts: its checks, the seeded fault schedule and the report
+    (of no rooms); the processes and namespaces cost seconds a value, one real run is below."""
+    chaos_run.check_config(cfg)
+    return chaos_run.Chaos(cfg, None)._report([], [], False)
+
+
+def _small_plot(_sel: Any, path: Path) -> None:
+    """``select --plot``'s file, written as the real plot writes it (matplotlib's savefig, PNG
+    whatever the name) but of a blank 1-inch figure: the path is what the option rows vary, and
+    drawing the two full panels cost ~2 s a valid path (tests/test_select.py draws them)."""
+    plt = deploy_report._pyplot()
+    fig = plt.figure(figsize=(1, 1))
+    fig.savefig(path, dpi=10, format="png")
+    plt.close(fig)
+
+
 def _fake_live_fuzz(cfg: Any, *args: Any, **kwargs: Any) -> hostile.LiveFuzzResult:
     assert not cfg.problems()  # the command validated first
     return hostile.LiveFuzzResult(seed=cfg.seed)
@@ -146,6 +167,8 @@ def _no_real_bench() -> Iterator[None]:
     mp.setattr(loopback_soak, "run_soak", _fake_run_soak)
     mp.setattr(hostile, "run_live_fuzz", _fake_live_fuzz)
     mp.setattr(interference, "run", _fake_interference)
+    mp.setattr(chaos_run, "run_chaos", _fake_run_chaos)
+    mp.setattr(deploy_report, "plot", _small_plot)
     yield
     mp.undo()
 
@@ -375,6 +398,17 @@ def test_good_input_still_runs(files: dict[str, str]) -> None:
     assert code == 0 and "verdict: OK" in out
     code, out, _ = _invoke(["fuzz", "--seeds", "0-0", "--jobs", "1", "--json"])
     assert code == 0 and '"seeds": 1' in out
+
+
+def test_chaos_runs_for_real_with_the_largest_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The option rows below stop ``kvferry chaos`` before its hosts and processes (a stub, as
+    for the other commands that start processes); the largest valid seed goes through a real run."""
+    monkeypatch.setattr(chaos_run, "run_chaos", _REAL_RUN_CHAOS)
+    code, out, err = _invoke(["chaos", *BASE[("chaos",)], "--seed", str(2**63 - 1)])
+    if netns.why_not_available():
+        assert code == 2 and "chaos: " in err
+    else:
+        assert code == 0 and json.loads(out)["ok"] and json.loads(out)["rooms_run"] == 1, err
 
 
 # ---- every option, generated values --------------------------------------------------------------

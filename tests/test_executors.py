@@ -5,8 +5,6 @@ any number of jobs, and the ``fuzz --ray`` errors that need no cluster."""
 from __future__ import annotations
 
 import functools
-import os
-import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -20,6 +18,7 @@ from kvferry.sim import executors as ex
 from typer.testing import CliRunner
 
 from kvferry.cli import _register, app
+from tests import executor_jobs as fns
 
 _register()
 runner = CliRunner()
@@ -94,34 +93,10 @@ def test_items_must_differ() -> None:
 # ---- the local executor ---------------------------------------------------------------------------
 
 
-def _square(x: int) -> int:
-    return x * x
-
-
-def _fail_on(bad: int, x: int) -> int:
-    if x == bad:
-        raise ValueError(f"bad item {x}")
-    return x
-
-
-def _die_once(marks: str, doomed: frozenset[int], x: int) -> int:
-    """Kills its own worker process the first time it runs a doomed item (a marker file says so)."""
-    if x in doomed:
-        try:
-            Path(marks, f"{x}.died").open("x").close()
-        except FileExistsError:
-            pass
-        else:
-            os.kill(os.getpid(), signal.SIGKILL)
-    with Path(marks, f"{x}.runs").open("a") as f:
-        f.write("run\n")
-    return x * x
-
-
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_local_map_yields_every_item_once(jobs: int) -> None:
     seen: list[ex.MapStats] = []
-    out = list(ex.LocalExecutor(jobs, chunksize=3).map(_square, range(20), progress=seen.append))
+    out = list(ex.LocalExecutor(jobs, chunksize=3).map(fns.square, range(20), progress=seen.append))
     assert sorted(out) == [(i, i * i) for i in range(20)]
     assert seen[-1].done == seen[-1].total == 20 and len(seen) == 20
 
@@ -129,14 +104,14 @@ def test_local_map_yields_every_item_once(jobs: int) -> None:
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_an_error_in_the_function_propagates(jobs: int) -> None:
     with pytest.raises(ValueError, match="bad item 7"):
-        list(ex.LocalExecutor(jobs).map(functools.partial(_fail_on, 7), range(10)))
+        list(ex.LocalExecutor(jobs).map(functools.partial(fns.fail_on, 7), range(10)))
 
 
 def test_local_worker_killed_mid_map_loses_nothing(tmp_path: Path) -> None:
     doomed = frozenset({3, 11})
     stats: list[ex.MapStats] = []
     pool = ex.LocalExecutor(2, chunksize=2)
-    fn = functools.partial(_die_once, str(tmp_path), doomed)
+    fn = functools.partial(fns.die_once, str(tmp_path), doomed)
     out = list(pool.map(fn, range(16), progress=stats.append))
     assert Counter(i for i, _ in out) == Counter(range(16))  # each once
     assert dict(out) == {i: i * i for i in range(16)}
@@ -147,29 +122,16 @@ def test_local_worker_killed_mid_map_loses_nothing(tmp_path: Path) -> None:
     assert stats[-1].resent >= len(doomed) and stats[-1].done == 16
 
 
-def _always_dies_on_5(x: int) -> int:
-    if x == 5:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return x
-
-
 def test_an_item_that_always_kills_its_worker_is_named() -> None:
     # Every item in flight at a loss is charged: the error names 5, perhaps with its neighbours.
     with pytest.raises(ex.WorkerLost, match=r"(item 5|one of items \[.*\b5\b.*\]) lost its worker 2 time"):
-        list(ex.LocalExecutor(2, chunksize=1, max_attempts=2).map(_always_dies_on_5, range(8)))
-
-
-_JOB = cp.seed_job()
-
-
-def _seed_5_kills_its_worker(seed: int) -> bytes:
-    if seed == 5:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return _JOB(seed)
+        list(ex.LocalExecutor(2, chunksize=1, max_attempts=2).map(fns.always_dies_on_5, range(8)))
 
 
 def test_fuzz_names_a_seed_that_kills_its_worker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(cp, "seed_job", lambda base=None, hooks=(), liveness=False: _seed_5_kills_its_worker)
+    monkeypatch.setattr(
+        cp, "seed_job", lambda base=None, hooks=(), liveness=False: fns.seed_5_kills_its_worker
+    )
     r = runner.invoke(app, ["fuzz", "--seeds", "0-7", "--jobs", "2", "--save-dir", str(tmp_path)])
     assert r.exit_code == 1 and "Traceback" not in r.stdout + r.stderr
     # One error line; progress lines (every 5 s on a slow host) may come before it.
@@ -187,7 +149,7 @@ def test_an_unpicklable_function_is_refused_before_any_process_starts() -> None:
 
     for fn, why in (
         (nested, "not a module-level function"),
-        (functools.partial(_fail_on, object()), "not plain data"),
+        (functools.partial(fns.fail_on, object()), "not plain data"),
         (ex.LocalExecutor(1).describe, "not a module-level function"),
     ):
         with pytest.raises(TypeError, match=why):

@@ -53,9 +53,13 @@ def buffer(nbytes: int, dtype: torch.dtype, fill: int) -> torch.Tensor:
     return torch.full((nbytes,), fill, dtype=torch.uint8, device=DEVICE).view(dtype)
 
 
+# At most 16 heads: the interpreter runs one program per head and plane, so a 46-head room cost
+# over half the test's time; the kernels' head arithmetic (first head, head stride, one head per
+# program) is the same at 16 (any count 1-16 and every TP pair up to 16 are still drawn, and the
+# planner's maps for up to 64 heads are checked against the reference in test_planner_props.py).
 @settings(max_examples=15)
 @given(
-    room=refmodel.rooms(),
+    room=refmodel.rooms(max_heads=16),
     fmt=st.sampled_from(list(StagingFormat)),
     nhd=st.sampled_from([Layout.SGLANG_NHD, Layout.VLLM_NHD]),
 )

@@ -1,0 +1,47 @@
+"""The functions tests/test_executors.py runs in worker processes. A worker imports the module of
+the function it runs: this one imports nothing heavy (the test module imports pytest, hypothesis
+and the CLI, about 2 s a worker, and the kill tests start a fresh pool at every loss)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def fail_on(bad: int, x: int) -> int:
+    if x == bad:
+        raise ValueError(f"bad item {x}")
+    return x
+
+
+def die_once(marks: str, doomed: frozenset[int], x: int) -> int:
+    """Kills its own worker process the first time it runs a doomed item (a marker file says so)."""
+    if x in doomed:
+        try:
+            Path(marks, f"{x}.died").open("x").close()
+        except FileExistsError:
+            pass
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)
+    with Path(marks, f"{x}.runs").open("a") as f:
+        f.write("run\n")
+    return x * x
+
+
+def always_dies_on_5(x: int) -> int:
+    if x == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def seed_5_kills_its_worker(seed: int) -> bytes:
+    if seed == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    from kvferry.sim import campaign  # the other seeds run for real (imported here: seed 5 needs none)
+
+    return campaign.seed_job()(seed)
