@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 
@@ -45,3 +46,14 @@ def seed_5_kills_its_worker(seed: int) -> bytes:
     from kvferry.sim import campaign  # the other seeds run for real (imported here: seed 5 needs none)
 
     return campaign.seed_job()(seed)
+
+
+def wait_for_release(marks: str, x: int) -> int:
+    """Item 0 returns at once; any other says it started (with its worker's pid) and then waits
+    for the file ``release``: a worker holding one is busy until then."""
+    if x == 0:
+        return x
+    Path(marks, f"{x}.started").write_text(str(os.getpid()))
+    while not Path(marks, "release").exists():
+        time.sleep(0.02)
+    return x

@@ -5,7 +5,9 @@ any number of jobs, and the ``fuzz --ray`` errors that need no cluster."""
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -120,6 +122,40 @@ def test_local_worker_killed_mid_map_loses_nothing(tmp_path: Path) -> None:
     # whose result died with the pool, but it is yielded once.
     assert all((tmp_path / f"{i}.runs").exists() for i in range(16))
     assert stats[-1].resent >= len(doomed) and stats[-1].done == 16
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ctrl_c_in_a_map_terminates_its_workers(tmp_path: Path) -> None:
+    """Ctrl-C (here raised in the progress callback once both workers hold a run that waits): the
+    map ends with its workers gone, and nothing queued to them starts. Shutting the pool down
+    without waiting left them running what had been handed to them (20 s and more in a fuzz)."""
+    jobs = 2
+
+    def started() -> list[Path]:
+        return sorted(tmp_path.glob("*.started"))
+
+    def ctrl_c(_: ex.MapStats) -> None:  # item 0 finished; items 1 and 2 are running
+        give_up = time.monotonic() + 120  # a guard against hanging, not a measurement
+        while len(started()) < jobs and time.monotonic() < give_up:
+            time.sleep(0.02)
+        raise KeyboardInterrupt
+
+    fn = functools.partial(fns.wait_for_release, str(tmp_path))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            list(ex.LocalExecutor(jobs, chunksize=1).map(fn, range(40), progress=ctrl_c))
+        pids = {int(p.read_text()) for p in started()}
+        assert len(started()) == len(pids) == jobs  # the two in flight, each on its own worker
+        assert not [pid for pid in pids if _alive(pid)]
+    finally:
+        (tmp_path / "release").touch()  # workers left running (the old way) finish and exit
 
 
 def test_an_item_that_always_kills_its_worker_is_named() -> None:
