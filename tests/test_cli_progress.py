@@ -29,9 +29,10 @@ KVFERRY_CTRL_C = [
 ]
 
 
-def _interrupt(args: list[str], once: str) -> subprocess.CompletedProcess[str]:
+def _interrupt(args: list[str], once: str) -> tuple[subprocess.CompletedProcess[str], list[int]]:
     """Run ``kvferry args``, send Ctrl-C to its process group once a progress line holding
-    ``once`` shows the work is under way (lines every 0.2 s here), and collect what it printed."""
+    ``once`` shows the work is under way (lines every 0.2 s here), and collect what it printed,
+    with the worker processes it had when Ctrl-C came (those whose parent is not the command)."""
     env = dict(os.environ, KVFERRY_PROGRESS_EVERY_S="0.2")
     p = subprocess.Popen(
         [*KVFERRY_CTRL_C, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -44,9 +45,36 @@ def _interrupt(args: list[str], once: str) -> subprocess.CompletedProcess[str]:
         seen.append(line)
         if once in line or time.monotonic() > deadline:
             break
+    workers = [pid for pid, ppid in _session(p.pid).items() if ppid != p.pid and pid != p.pid]
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=60)
-    return subprocess.CompletedProcess(p.args, p.returncode, out, "".join(seen) + err)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, "".join(seen) + err), workers
+
+
+def _stat(pid: int) -> tuple[str, int]:
+    """``pid``'s state letter and parent pid (OSError once it is gone)."""
+    rest = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return rest[0], int(rest[1])
+
+
+def _session(sid: int) -> dict[int, int]:
+    """The running processes of session ``sid``, pid -> parent pid (a zombie has exited)."""
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            state, ppid = _stat(int(proc.name))
+            if state != "Z" and os.getsid(int(proc.name)) == sid:
+                found[int(proc.name)] = ppid
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return _stat(pid)[0] != "Z"
+    except OSError:
+        return False
 
 
 def _said_what_finished(r: subprocess.CompletedProcess[str]) -> str:
@@ -58,17 +86,20 @@ def _said_what_finished(r: subprocess.CompletedProcess[str]) -> str:
 
 
 def test_replay_interrupted_says_how_far_the_run_got() -> None:
-    line = _said_what_finished(_interrupt(["replay", "bench/load-10k.toml", "--json"], "rooms finished"))
+    line = _said_what_finished(_interrupt(["replay", "bench/load-10k.toml", "--json"], "rooms finished")[0])
     assert "of 10000 rooms finished" in line and "ms simulated" in line, line
 
 
 def test_fuzz_interrupted_on_two_workers_says_seeds_done(tmp_path: Path) -> None:
     # 31 seeds: under 32 the pool hands out one seed at a time (sim/executors.py), so the first
-    # progress line comes after one seed and Ctrl-C waits for at most the few seeds already queued
-    # to the workers; the run itself still has about 30 seeds (over 10 s) left when it lands.
+    # progress line comes after one seed; the run still has about 30 seeds (over 10 s) left when
+    # Ctrl-C lands, and its workers are stopped, not left to run what was queued to them.
     args = ["fuzz", "--seeds", "0-30", "--jobs", "2", "--save-dir", str(tmp_path)]
-    line = _said_what_finished(_interrupt(args, "fuzz: "))
+    r, workers = _interrupt(args, "fuzz: ")
+    line = _said_what_finished(r)
     assert "of 31 seeds done" in line and "with a violation" in line, line
+    assert len(workers) == 2, workers  # the two it ran (under the fork server, not the command)
+    assert [pid for pid in workers if _running(pid)] == []  # terminated, and reaped by then
 
 
 def test_fuzz_json_stdout_is_only_the_report(tmp_path: Path) -> None:
