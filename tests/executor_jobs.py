@@ -57,3 +57,18 @@ def wait_for_release(marks: str, x: int) -> int:
     while not Path(marks, "release").exists():
         time.sleep(0.02)
     return x
+
+
+def fail_once_2_started(marks: str, x: int) -> int:
+    """Item 1 fails once item 2 has started; item 2 waits for the file ``release`` (60 s at most)
+    and then says it finished: a pool that waits for its runs after an error lets it finish."""
+    if x == 1:
+        while not Path(marks, "2.started").exists():
+            time.sleep(0.02)
+        raise ValueError("item 1 failed")
+    Path(marks, f"{x}.started").write_text(str(os.getpid()))
+    give_up = time.monotonic() + 60
+    while not Path(marks, "release").exists() and time.monotonic() < give_up:
+        time.sleep(0.02)
+    Path(marks, f"{x}.finished").touch()
+    return x

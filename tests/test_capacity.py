@@ -4,13 +4,17 @@ and several instances a side conserving requests and bytes."""
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvferry.sim.deploy import capacity
 from kvferry.sim.deploy import workload as wl
 from kvferry.sim.deploy.capacity import Workload, bounds, search, steady_run
 from kvferry.sim.deploy.metrics import DeployResult, Percentiles
@@ -18,6 +22,8 @@ from kvferry.sim.deploy.run import deploy_world, run_world, simulate
 from kvferry.sim.deploy.select import LoadPoint, select
 from kvferry.sim.deploy.spec import DeploySpec
 from kvferry.sim.deploy.steady import Interval, queue_limit
+
+from tests import executor_jobs as fns
 
 # One chunk per request and two output tokens: a request is one prefill step alone, and decode is
 # never what limits (its bound is ten times prefill's).
@@ -262,3 +268,20 @@ def test_least_tokens_sends_a_long_request_away_from_a_busy_instance() -> None:
     assert [rr.route((5, 0, 0)) for _ in range(4)] == [(0, 0), (1, 1), (0, 2), (1, 0)]
     with pytest.raises(ValueError, match="router: expected one of"):
         Router(1, 1, "random")
+
+
+def test_a_runner_stopped_early_does_not_wait_for_its_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ctrl-C or an error in a search on two workers: the run still in flight is terminated, not
+    waited for (its workers ignore Ctrl-C, so nothing else would stop it)."""
+    monkeypatch.setattr(capacity, "_runs", functools.partial(fns.fail_once_2_started, str(tmp_path)))
+    try:
+        with pytest.raises(ValueError, match="item 1 failed"), capacity.Runner(2) as runner:
+            runner.map([1, 2])  # type: ignore[list-item]
+        assert not (tmp_path / "2.finished").exists()
+        pid = int((tmp_path / "2.started").read_text())
+        with pytest.raises(ProcessLookupError):  # terminated and reaped
+            os.kill(pid, 0)
+    finally:
+        (tmp_path / "release").touch()

@@ -339,14 +339,21 @@ class Runner:
     def __enter__(self) -> Runner:
         if self.jobs > 1:
             import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
 
-            self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("fork"))
+            from kvferry.sim.executors import new_pool
+
+            self._pool = new_pool(self.jobs, multiprocessing.get_context("fork"))
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._pool is not None:
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        from kvferry.sim.executors import stop_workers
+
+        if self._pool is None:
+            return
+        if kind is None:
             self._pool.shutdown(cancel_futures=True)
+        else:  # Ctrl-C (the workers ignore it) or an error: the runs in flight are not waited for
+            stop_workers(self._pool)
 
     def map(
         self, jobs: Sequence[tuple[DeploySpec, float, Workload, tuple[int, ...]]]
