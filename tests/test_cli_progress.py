@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -100,6 +102,25 @@ def test_fuzz_interrupted_on_two_workers_says_seeds_done(tmp_path: Path) -> None
     assert "of 31 seeds done" in line and "with a violation" in line, line
     assert len(workers) == 2, workers  # the two it ran (under the fork server, not the command)
     assert [pid for pid in workers if _running(pid)] == []  # terminated, and reaped by then
+
+
+def test_an_interrupted_fuzz_counts_the_seeds_it_reported(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from kvferry.sim.executors import MapStats
+    from typer.testing import CliRunner
+
+    from kvferry.cli import _register, app
+
+    def delivered_then_ctrl_c(seeds: list[int], progress: Any, **_: object) -> Iterator[object]:
+        progress(MapStats(total=len(seeds), done=1))  # the executor has a seed's result...
+        raise KeyboardInterrupt  # ... and Ctrl-C lands before the command counted it
+        yield
+
+    _register()
+    monkeypatch.setattr("kvferry.sim.campaign.run_seeds", delivered_then_ctrl_c)
+    r = CliRunner().invoke(app, ["fuzz", "--seeds", "0-3", "--save-dir", str(tmp_path)])
+    assert r.exit_code == 130 and "interrupted: 0 of 4 seeds done (0 rooms" in r.stderr, r.stderr
 
 
 def test_fuzz_json_stdout_is_only_the_report(tmp_path: Path) -> None:

@@ -216,7 +216,7 @@ class _Tally:
     def __init__(self) -> None:
         from kvferry.sim import campaign as cp
 
-        self.rooms = self.ok = self.failed = self.exempt = 0
+        self.seeds = self.rooms = self.ok = self.failed = self.exempt = 0
         self.faults: Counter[str] = Counter()
         self.violated: Counter[str] = Counter()
         self.failures: list[tuple[RunResult, Path]] = []
@@ -227,6 +227,7 @@ class _Tally:
         from kvferry.sim import campaign as cp
 
         self.coverage.add(res)
+        self.seeds += 1
         self.rooms += res.rooms
         self.ok += res.succeeded
         self.failed += res.failed
@@ -292,7 +293,8 @@ def _fuzz_campaign(
     def so_far() -> str:
         saved = f"; failing runs saved in {save_dir}/" if tally.failures else ""
         return (
-            f"{stats.done} of {len(seed_list)} seeds done ({tally.rooms} rooms, {tally.ok} succeeded), "
+            # The seeds counted here, not the executor's: Ctrl-C may land between the two.
+            f"{tally.seeds} of {len(seed_list)} seeds done ({tally.rooms} rooms, {tally.ok} succeeded), "
             f"{len(tally.failures)} with a violation{saved}"
         )
 
