@@ -8,6 +8,8 @@ item, so an item gives the same result on any executor; ``fn`` raising is a bug 
 
 - ``LocalExecutor(jobs)``: ``jobs`` processes on this machine (``jobs=1`` runs inline, no process).
   A worker process that dies breaks the pool; a fresh pool re-runs the items that were in flight.
+  Workers ignore Ctrl-C; a map stopped early (Ctrl-C, an error, the caller breaking off) terminates
+  them rather than letting them run what was queued, and returns once they are gone.
 - ``RayExecutor(address)``: tasks on a Ray cluster (``address`` as ``ray.init`` takes it: ``local``
   starts an instance here, ``auto``, ``HOST:PORT``, ``ray://HOST:PORT``). Ray retries a task whose
   worker died (``max_retries``); past those the items are sent again from here (``max_attempts``).
@@ -37,6 +39,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -192,7 +195,7 @@ def _leave_ctrl_c_to_the_parent() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def new_pool(jobs: int, context: Any = _WORKER_CONTEXT) -> cf.ProcessPoolExecutor:
+def new_pool(jobs: int, context: BaseContext = _WORKER_CONTEXT) -> cf.ProcessPoolExecutor:
     """``jobs`` worker processes that ignore Ctrl-C (stop them with ``stop_workers``)."""
     return cf.ProcessPoolExecutor(jobs, mp_context=context, initializer=_leave_ctrl_c_to_the_parent)
 
@@ -200,7 +203,7 @@ def new_pool(jobs: int, context: Any = _WORKER_CONTEXT) -> cf.ProcessPoolExecuto
 def stop_workers(pool: cf.ProcessPoolExecutor, grace_s: float = 2.0) -> None:
     """Shut ``pool`` down now (Ctrl-C, an error, a caller breaking off) and return once its workers
     are gone. ``shutdown(wait=False)`` alone leaves each worker running the chunks already handed to
-    it, which kept a Ctrl-C'd ``fuzz --jobs 2`` alive for 7 to 54 s; so the workers are terminated
+    it (a Ctrl-C'd ``fuzz --jobs 2`` took up to a minute to exit); so the workers are terminated
     (killed after ``grace_s``), as Python 3.14's ``terminate_workers`` does."""
     # Private attributes: there is no public way before Python 3.14.
     workers = list(pool._processes.values()) if pool._processes else []
