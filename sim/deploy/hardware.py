@@ -9,6 +9,7 @@ GPU profile's in the simulated fabric, and scenarios name it as ``[fabric] profi
 
 from __future__ import annotations
 
+import functools
 import math
 import tomllib
 from dataclasses import MISSING, dataclass, fields, replace
@@ -119,19 +120,28 @@ _TEXT = frozenset({"name", "transport", "post_cost_source", "per_desc_source"})
 
 def names(kind: str) -> tuple[str, ...]:
     """The shipped profiles of one kind ("gpu" or "nic")."""
-    return tuple(sorted(f[:-5] for f in _files() if _read(f[:-5]).get("kind") == kind))
+    where = folder()  # resolved once: it costs more than reading a profile
+    return tuple(sorted(f[:-5] for f in _files(where) if _read(f[:-5], where).get("kind") == kind))
 
 
-def _read(name: str) -> dict[str, Any]:
+def _read(name: str, where: Traversable | None = None) -> dict[str, Any]:
     ok = bool(name) and name.replace("-", "").replace("_", "").isalnum() and name.isascii()
-    entry = folder().joinpath(f"{name}.toml")
+    where = where or folder()
+    entry = where.joinpath(f"{name}.toml")
     if not ok or not entry.is_file():
-        known = ", ".join(n[:-5] for n in sorted(_files()))
+        known = ", ".join(n[:-5] for n in sorted(_files(where)))
         raise ProfileError(f"unknown hardware profile {name!r} (known: {known})")
     try:
-        return tomllib.loads(entry.read_text())
+        return dict(_parse(entry.read_text()))
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"profile {name}: not valid TOML: {e}") from None
+
+
+# Every scenario parse lists the fabric profiles (reading each file), and a calibration parses
+# thousands of scenarios: the parse is cached by the file's text, so an edited file reads anew.
+@functools.lru_cache(maxsize=256)
+def _parse(text: str) -> dict[str, Any]:
+    return tomllib.loads(text)
 
 
 def folder() -> Traversable:
@@ -139,8 +149,8 @@ def folder() -> Traversable:
     return resources.files("kvferry.sim.deploy").joinpath("profiles")
 
 
-def _files() -> list[str]:
-    return [e.name for e in folder().iterdir() if e.name.endswith(".toml")]
+def _files(where: Traversable | None = None) -> list[str]:
+    return [e.name for e in (where or folder()).iterdir() if e.name.endswith(".toml")]
 
 
 # Costs a fit may find to be nil (a fitted profile may hold 0 for them); every rate stays positive.
