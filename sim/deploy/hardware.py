@@ -9,6 +9,7 @@ GPU profile's in the simulated fabric, and scenarios name it as ``[fabric] profi
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import tomllib
@@ -132,7 +133,7 @@ def _read(name: str, where: Traversable | None = None) -> dict[str, Any]:
         known = ", ".join(n[:-5] for n in sorted(_files(where)))
         raise ProfileError(f"unknown hardware profile {name!r} (known: {known})")
     try:
-        return dict(_parse(entry.read_text()))
+        return copy.deepcopy(_parse(entry.read_text()))  # a caller may change what it was given
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"profile {name}: not valid TOML: {e}") from None
 
