@@ -2,6 +2,10 @@
 # root): wheels into /tmp/site when the image lacks them, kvferry from the checkout, a control key,
 # the /tmp/kv CLI wrapper, and step(), which runs one timed step and packs /tmp/r into
 # $OUT/results.tgz after it.
+# The wheels in .whl/ (carried: `pip download --no-deps --only-binary=:all: --python-version 3.12
+# --implementation cp --platform manylinux_2_28_x86_64 -d .whl nixl-cu13==1.5.1 nixl==1.5.1 msgspec
+# simpy pyzmq`), then `python bench/slim_wheels.py .whl`: the device tool carries 64 MiB in all and
+# the full NIXL wheel (59 MB) left less than 1 MiB for the tree.
 # shellcheck shell=bash
 MEM=${MEM:-VRAM}
 TOKENS=${TOKENS:-4096}
