@@ -6,6 +6,8 @@
 #   mkdir -p .ab && git diff OLD_REV HEAD -- core backends > .ab/new.patch
 # then on the device (carry .whl and .ab):
 #   REPS=2 ROWS="--rooms 3 --inflight 8 --flow direct;--rooms 6 --flow direct" bash bench/gpu_ab.sh
+# Each tree runs with the native engine built from its own engine.c (the C side changes with the
+# Python side that drives it).
 # Each row is `kvferry bench nixl --mem $MEM --tokens $TOKENS --config 'tp1->1 nhd' --engine
 # native --ahead --json` plus its ROWS entry (CONFIG and ENGINE_ARGS replace those two parts).
 # Output: $OUT/results.tgz with one NAME.out per run and ab.txt, one line per run in the order
@@ -17,8 +19,6 @@ PATCH=${PATCH:-$REPO/.ab/new.patch}
 CONFIG=${CONFIG:-tp1->1 nhd}
 read -r -a ENGINE_ARGS <<<"${ENGINE_ARGS:---engine native --ahead}"
 IFS=';' read -r -a rows <<<"${ROWS:?ROWS: bench nixl arguments of each row, separated by ;}"
-step build 60 python3 -P -m kvferry.backends.native.build --out /tmp/kvf_engine.so
-export KVFERRY_NATIVE_LIB=/tmp/kvf_engine.so
 # Two package folders side by side: the checkout's kvferry/ with its core/ and backends/ (new) or
 # with the patch reversed (old); sim/ is the checkout's in both.
 rm -rf /tmp/ab_old /tmp/kvnew /tmp/kvold && mkdir -p /tmp/ab_old /tmp/kvnew /tmp/kvold
@@ -35,8 +35,12 @@ done
 SITE=$(echo "${PYTHONPATH:-}" | tr ':' '\n' | grep -vx '/tmp/kvpkg' | grep . | paste -sd:)  # the wheels, if any
 NEW_PATH=/tmp/kvnew${SITE:+:$SITE}
 OLD_PATH=/tmp/kvold${SITE:+:$SITE}
-for p in "$NEW_PATH" "$OLD_PATH"; do  # which core each tree imports, in the log
+for tree in new old; do  # which core each tree imports, in the log; each tree's own engine
+  p=$NEW_PATH
+  if [ "$tree" = old ]; then p=$OLD_PATH; fi
   PYTHONPATH=$p python3 -P -c 'import kvferry.core.planner as m; print("tree:", m.__file__)' | tee -a "$R/steps.txt"
+  # engine.c changes with the Python side that drives it: one library per tree
+  PYTHONPATH=$p step "build-$tree" 60 python3 -P -m kvferry.backends.native.build --out "/tmp/kvf_engine_$tree.so"
 done
 : >"$R/ab.txt"
 for rep in $(seq 1 "${REPS:-2}"); do
@@ -44,6 +48,7 @@ for rep in $(seq 1 "${REPS:-2}"); do
   for i in "${!order[@]}"; do
     tree=${order[$i]}
     if [ "$tree" = old ]; then export PYTHONPATH=$OLD_PATH; else export PYTHONPATH=$NEW_PATH; fi
+    export KVFERRY_NATIVE_LIB=/tmp/kvf_engine_$tree.so
     for r in "${!rows[@]}"; do
       read -r -a args <<<"${rows[$r]}"
       name="ab-$rep-$i-$tree-row$r"
