@@ -67,6 +67,7 @@ def fabric_values(s: Scenario) -> dict[str, Any]:
         "gpu_copy_gbps": k.gpu_bps / 1e9,
         "pinned_copy_gbps": k.pinned_bps / 1e9,
         "prepped": s.fabric.prepped,
+        "one_gpu": s.fabric.one_gpu,
     }
 
 

@@ -191,7 +191,13 @@ def _fabric(f: FabricTable, file: str) -> FabricSpec:
         pinned_bps=k.pinned_bps if f.pinned_copy_gbps is None else int(f.pinned_copy_gbps * 1e9),
         busy_mean_ns=given(f.kernel_busy_mean_ns, k.busy_mean_ns),
     )
-    return FabricSpec(nic=nic, control=control, kernel=kernel, prepped=given(f.prepped, base.prepped))
+    return FabricSpec(
+        nic=nic,
+        control=control,
+        kernel=kernel,
+        prepped=given(f.prepped, base.prepped),
+        one_gpu=given(f.one_gpu, base.one_gpu),
+    )
 
 
 def _workload(w: Workload, given: dict[str, Any], topo: Topology, file: str) -> Workload:

@@ -467,12 +467,14 @@ FABRIC_DOC: dict[str, str] = {
     "(0: none).",
     "completion_handle_ns": "Host work per notification handled by its target and per DONE by its "
     "initiator, holding that rank's runtime thread (0: none).",
-    "shared_desc_ns": "Cost of one descriptor on the one device every rank posts through (every rank on "
-    "one GPU); a post ends when its own posting and its turn there are through (0: no shared device).",
+    "shared_desc_ns": "Cost of one descriptor on the GPU a rank posts through, shared by the ranks posting "
+    "there at once (with one_gpu every rank; else each rank has its own); a post ends when its own "
+    "posting and its turn there are through (0: no shared device).",
     "host_bandwidth_gbps": "Wire of a transfer between pinned host buffers, shared by its initiator's host "
     "transfers, in GB/s (0: the NIC bandwidth).",
-    "host_shared_bandwidth_gbps": "Host-to-host wire every initiator shares (one host's memory), split "
-    "among all active host transfers, in GB/s (0: none beside each initiator's own).",
+    "host_shared_bandwidth_gbps": "Host-to-host wire of one host's memory, split among the active host "
+    "transfers of that host's ranks (with one_gpu every rank; else a server's), in GB/s (0: none beside "
+    "each initiator's own).",
     "control_latency_ns": "One-way latency of a control message.",
     "control_jitter_ns": "Extra delay per control message, uniform in [0, this).",
     "control_handle_ns": "How long a receiver's control thread holds each message: messages arriving "
@@ -490,6 +492,9 @@ FABRIC_DOC: dict[str, str] = {
     "pinned_copy_gbps": "Gather to and scatter from pinned host memory rate, in GB/s.",
     "prepped": "Prepared descriptor lists: dense runs merge into one descriptor, as NIXL's prepped "
     "transfers do.",
+    "one_gpu": "Every rank on one GPU of one host, as `kvferry bench nixl` runs them: the nodes share "
+    "that GPU's descriptor cost (shared_desc_ns) and that host's wire (host_shared_bandwidth_gbps). "
+    "false (default): each rank its own GPU, a server's ranks one host.",
 }
 
 
@@ -525,6 +530,7 @@ class FabricTable(Table):
     gpu_copy_gbps: Annotated[float, Meta(ge=0.001)] | None = None
     pinned_copy_gbps: Annotated[float, Meta(ge=0.001)] | None = None
     prepped: bool | None = None
+    one_gpu: bool | None = None
 
 
 class Expect(Table):

@@ -99,8 +99,9 @@ class World:
         self._instances()
         clock = self.streams["clock"]
         skew_max = s.faults.clock_skew_max_us * US
-        for name in self.fleet.endpoint:
-            self.fabric.add_node(name, skew_ns=clock.randrange(skew_max + 1) if skew_max else 0)
+        for name, ep in self.fleet.endpoint.items():  # a server's ranks share its host
+            skew = clock.randrange(skew_max + 1) if skew_max else 0
+            self.fabric.add_node(name, skew_ns=skew, host=ep.server)
         self.ranks: dict[str, SimRank] = {}
         self.findings = Findings()
         self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []

@@ -43,11 +43,11 @@ QUIET = {"control_jitter_ns": 0, "jitter_ns": 0, "control_latency_ns": 0}
 FLOWS = Path(__file__).resolve().parent.parent / "bench" / "calibration" / "h100-nixl" / "flows"
 
 
-def world(spec: FabricSpec = SPEC) -> tuple[simpy.Environment, Fabric]:
+def world(spec: FabricSpec = SPEC, hosts: dict[str, str] | None = None) -> tuple[simpy.Environment, Fabric]:
     env = simpy.Environment()
     fab = Fabric(env, spec, random.Random(1))
     for n in ("a", "b", "c"):
-        fab.add_node(n)
+        fab.add_node(n, host=(hosts or {}).get(n, ""))
         fab.register(n, 0, 1 << 20)
         fab.register(n, PINNED_REGION, 1 << 22)
     return env, fab
@@ -74,7 +74,7 @@ def test_shared_descriptor_cost_is_off_by_default_and_one_poster_pays_the_larger
 
 def test_two_processes_posting_at_once_each_pay_twice_the_shared_cost() -> None:
     n = 100
-    env, fab = world(replace(SPEC, nic=replace(NIC, shared_desc_ns=5_000)))
+    env, fab = world(replace(SPEC, nic=replace(NIC, shared_desc_ns=5_000), one_gpu=True))
     first = fab.post("a", "a", "b", spaced(n), None)
     second = fab.post("c", "c", "b", spaced(n), None)
     env.run()
@@ -82,11 +82,17 @@ def test_two_processes_posting_at_once_each_pay_twice_the_shared_cost() -> None:
     # 10 us + 100 * max(6, 2 * 5) us
     assert fab.xfers[first].started_ns == 10_000 + 600_000
     assert fab.xfers[second].started_ns == 10_000 + 1_000_000
-    # without the shared device both post in parallel, each in 10 us + 100 * 6 us
-    env, fab = world()
-    xids = [fab.post(n_, n_, "b", spaced(n), None) for n_ in ("a", "c")]
-    env.run()
-    assert [fab.xfers[x].started_ns for x in xids] == [610_000, 610_000]
+    # without the shared device both post in parallel, each in 10 us + 100 * 6 us; so do two
+    # processes with the cost set but a GPU each (a deployment's ranks), on one host or not
+    for spec, hosts in (
+        (SPEC, None),
+        (replace(SPEC, nic=replace(NIC, shared_desc_ns=5_000)), None),
+        (replace(SPEC, nic=replace(NIC, shared_desc_ns=5_000)), {"a": "srv", "c": "srv"}),
+    ):
+        env, fab = world(spec, hosts)
+        xids = [fab.post(n_, n_, "b", spaced(n), None) for n_ in ("a", "c")]
+        env.run()
+        assert [fab.xfers[x].started_ns for x in xids] == [610_000, 610_000]
 
 
 def test_a_different_tp_room_is_longer_by_the_shared_cost_of_its_second_poster() -> None:
@@ -98,6 +104,39 @@ def test_a_different_tp_room_is_longer_by_the_shared_cost_of_its_second_poster()
     t0 = predict(row, "h100-rdma", {**QUIET, "per_desc_ns": 6_000}).predicted_ms
     t1 = predict(row, "h100-rdma", {**QUIET, "per_desc_ns": 6_000, "shared_desc_ns": 5_000}).predicted_ms
     assert t1 - t0 == pytest.approx(36 * 2 * 64 * 4_000 / 1e6, rel=0.02)
+    # the same room with a GPU for each rank (a deployment's placement): nothing shared, and each
+    # rank's own 6 us is above the 5 us of its device
+    apart = replace(row, one_gpu=False)
+    t2 = predict(apart, "h100-rdma", {**QUIET, "per_desc_ns": 6_000, "shared_desc_ns": 5_000}).predicted_ms
+    assert t2 == t0
+
+
+def test_bench_rows_say_from_their_gpus_whether_every_rank_shared_one_gpu(tmp_path: Path) -> None:
+    from kvferry.sim.calibrate.predict import read_bench
+
+    base = {"config": "tp2->1 nhd", "model": "qwen3-8b", "tp": "2->1", "tokens": 64, "inflight": 1,
+            "flow": "direct", "room_mb": 9.4, "kvferry_gbps": 1.0, "raw_gbps": 2.0}  # fmt: skip
+    rows = [base, {**base, "gpus": "0->0"}, {**base, "gpus": "1->1"}, {**base, "gpus": "0->1"},
+            {**base, "gpus": "0,1->2"}]  # fmt: skip
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r.one_gpu for r in read_bench(path)] == [True, True, True, False, False]
+    path.write_text(json.dumps({**base, "gpus": "0"}) + "\n")
+    with pytest.raises(CalibrationError, match="row 1: gpus: expected 'PREFILL->DECODE', got '0'"):
+        read_bench(path)
+
+
+def test_a_worlds_ranks_share_their_servers_host_unless_every_rank_is_on_one_gpu() -> None:
+    from kvferry.sim.world import World
+
+    data = {"topology": {"prefill_tp": 2, "decode_tp": 1, "prefill_instances": 2, "decode_instances": 2}}
+    w = World(sc.parse(data))
+    hosts = {name: node.host for name, node in w.fabric.nodes.items()}
+    assert len(hosts) == 6 and len(set(hosts.values())) == 4
+    for name, ep in w.fleet.endpoint.items():
+        assert hosts[name] == ep.server
+    bench = World(sc.parse({**data, "fabric": {"one_gpu": True}}))
+    assert {node.host for node in bench.fabric.nodes.values()} == {"host0"}
 
 
 # ---- the host wire
@@ -129,16 +168,22 @@ def test_host_writes_of_several_initiators_share_the_hosts_wire_when_it_is_set()
     nbytes = 1_000_000
     own = replace(NIC, host_bandwidth_bps=250_000_000)
     shared = replace(SPEC, nic=replace(own, host_shared_bandwidth_bps=300_000_000))
-    env, fab = world(shared)
-    xids = [
-        fab.post(n, n, "b", DescList.of([PINNED_REGION], [0], [PINNED_REGION], [0], [nbytes]), None)
-        for n in "ac"
-    ]
-    env.run()
-    # posts end together; two host writes active on the fabric: 0.3 / 2 = 0.15 GB/s each (under
-    # each initiator's own 0.25), so 1 MB takes 6.667 ms each (4 ms each without the shared wire)
-    got = [fab.xfers[x].landed_ns - fab.xfers[x].started_ns - NIC.latency_ns for x in xids]
-    assert got == [pytest.approx(1e6 / 0.15, abs=2)] * 2
+
+    def two_host_writes(spec: FabricSpec, hosts: dict[str, str] | None = None) -> list[int]:
+        env, fab = world(spec, hosts)
+        pinned = DescList.of([PINNED_REGION], [0], [PINNED_REGION], [0], [nbytes])
+        xids = [fab.post(n, n, "b", pinned, None) for n in "ac"]
+        env.run()
+        return [fab.xfers[x].landed_ns - fab.xfers[x].started_ns - NIC.latency_ns for x in xids]
+
+    # posts end together; two host writes active on the one host: 0.3 / 2 = 0.15 GB/s each (under
+    # each initiator's own 0.25), so 1 MB takes 6.667 ms each (4 ms each without the shared wire):
+    # every node on one GPU of one host (the bench), or two nodes placed on one host
+    for spec, hosts in ((replace(shared, one_gpu=True), None), (shared, {"a": "srv", "c": "srv"})):
+        assert two_host_writes(spec, hosts) == [pytest.approx(1e6 / 0.15, abs=2)] * 2
+    # on two hosts (by default a node is a host of its own) each keeps its own wire
+    assert two_host_writes(shared, {"a": "srv0", "c": "srv1"}) == [4_000_000, 4_000_000]
+    assert two_host_writes(shared) == [4_000_000, 4_000_000]
     # one alone keeps its own wire (0.25 < 0.3): 4 ms; device memory (c into a) is not host memory
     env, fab = world(shared)
     one = fab.post("a", "a", "b", DescList.of([PINNED_REGION], [0], [PINNED_REGION], [0], [nbytes]), None)

@@ -6,14 +6,16 @@ comes from the RNG passed in, so a run is a pure function of its seed.
 Transfer model, per post:
 1. Posting costs ``post_cost + per_desc * descriptors`` on the initiator's NIC, serialised per NIC
    (descriptors after NIXL-style dense-run merging when the fabric uses prepared lists). With
-   ``shared_desc`` set, every node posts through one device as well (one GPU hosting every rank):
-   a descriptor costs ``max(per_desc, k * shared_desc)``, k the nodes posting when the post begins.
+   ``shared_desc`` set, a node posts through its device as well: a descriptor costs
+   ``max(per_desc, k * shared_desc)``, k the nodes of that device posting when the post begins
+   (one device for every node with ``FabricSpec.one_gpu``, the bench's layout; else one a node).
 2. At most ``max_inflight`` transfers per initiating NIC are active; later ones queue in order.
 3. Active transfers share bandwidth: a transfer moves at
    ``min(src_bw / active_out(src), dst_bw / active_in(dst)) * link_factor``, recomputed whenever a
    transfer starts or ends. A host-to-host transfer (pinned buffers at both ends) is capped, when
    ``host_bandwidth`` is set, at that rate over its initiator's active host transfers, and, when
-   ``host_shared_bandwidth`` is set, at that rate over every active host transfer of the fabric.
+   ``host_shared_bandwidth`` is set, at that rate over the active host transfers of its host (every
+   node's with ``one_gpu``; else those of the nodes ``add_node`` placed on the same host).
 4. When its last byte has left, the data lands after ``latency + jitter``: bytes are copied then
    (read from the source at that moment), then the notification is delivered, and the initiator
    sees DONE one latency later. ``completion_delay`` (0 by default) delays both: the time a real
@@ -121,6 +123,7 @@ class Node:
     queued: deque[int] = field(default_factory=deque)
     inflight: int = 0
     active_host: int = 0  # this initiator's active host-to-host transfers (they share its host wire)
+    host: str = ""  # the host whose memory its host copies share (NicSpec.host_shared_bandwidth_bps)
     # Its runtime thread does one thing at a time: control messages (ControlSpec.handle_ns and
     # staging_handle_ns) and copy submits (KernelSpec.submit_ns) queue behind each other.
     host_busy_until: int = 0
@@ -178,7 +181,7 @@ class Fabric:
         self._next_xid = 1
         self._gen = 0
         self._active: list[int] = []  # xids in start order, so recomputation order is fixed
-        self._active_host = 0  # active host-to-host transfers of every initiator
+        self._host_active: dict[str, int] = {}  # active host-to-host transfers of each host
         self._last_progress = 0
         # Called with (xfer) just before a transfer's bytes land; the world uses it to check that
         # the writer owns the destination.
@@ -190,10 +193,13 @@ class Fabric:
         self.on_control: Callable[[str, str, str, bytes], bool] | None = None
 
     # ------------------------------------------------------------------ nodes and links
-    def add_node(self, name: str, nic: NicSpec | None = None, skew_ns: int = 0) -> Node:
+    def add_node(self, name: str, nic: NicSpec | None = None, skew_ns: int = 0, host: str = "") -> Node:
+        """``host``: the machine the node runs on (its server; default: a host of its own); with
+        ``FabricSpec.one_gpu`` every node is on one GPU of one host whatever it says."""
         if name in self.nodes:
             raise ValueError(f"node {name} exists")
         node = Node(name=name, nic=nic or self.spec.nic, skew_ns=skew_ns)
+        node.host = "host0" if self.spec.one_gpu else host or name
         node.memory = FakeMemory(name)
         node.inbox = simpy.Store(self.env)
         self.nodes[name] = node
@@ -385,8 +391,10 @@ class Fabric:
         return xid
 
     def _posting_on_device(self, ini: Node, begin: int) -> int:
-        """Nodes posting through the shared device when ``ini`` begins to (itself included): the
+        """Nodes posting through ``ini``'s device when it begins to (itself included): the
         device's descriptor work is split among them (a post already under way keeps its end)."""
+        if not self.spec.one_gpu:  # a device of its own
+            return 1
         return 1 + sum(
             1
             for n in self.nodes.values()
@@ -527,7 +535,7 @@ class Fabric:
         x.active = True
         if x.host_bps:
             ini.active_host += 1
-            self._active_host += 1
+            self._host_active[ini.host] = self._host_active.get(ini.host, 0) + 1
         self.nodes[x.src].active_out += 1
         self.nodes[x.dst].active_in += 1
         self._active.append(x.xid)
@@ -540,8 +548,8 @@ class Fabric:
         if x.host_bps:
             ini = self.nodes[x.initiator]
             rate = min(rate, x.host_bps // max(1, ini.active_host))
-            if ini.nic.host_shared_bandwidth_bps:  # every process's host copies share one memory
-                rate = min(rate, ini.nic.host_shared_bandwidth_bps // max(1, self._active_host))
+            if ini.nic.host_shared_bandwidth_bps:  # a host's processes' copies share its memory
+                rate = min(rate, ini.nic.host_shared_bandwidth_bps // max(1, self._host_active[ini.host]))
         return max(1, rate * link.slow_num // link.slow_den)  # type: ignore[union-attr]
 
     def _advance(self) -> None:
@@ -590,8 +598,9 @@ class Fabric:
             return
         x.active = False
         if x.host_bps:
-            self.nodes[x.initiator].active_host -= 1
-            self._active_host -= 1
+            ini = self.nodes[x.initiator]
+            ini.active_host -= 1
+            self._host_active[ini.host] -= 1
         self._active.remove(x.xid)
         self.nodes[x.src].active_out -= 1
         self.nodes[x.dst].active_in -= 1

@@ -38,9 +38,10 @@ class NicSpec:
     # the notification (or DONE): a real runtime sees them only when its data thread next polls
     # NIXL. 0 here (an ideal runtime); `kvferry calibrate --rooms` fits it from bench rows.
     completion_delay_ns: int = 0
-    # Two costs measured on one GPU that hosts every rank (0 by default: off). ``shared_desc_ns``:
-    # a descriptor's cost on the device that every node posting with this NIC shares (cuda_ipc's
-    # copies of all processes run on that one GPU); a post is done when both its own posting
+    # Two costs measured on one GPU that hosts every rank (0 by default: off; which nodes share
+    # the device or the host is FabricSpec.one_gpu's). ``shared_desc_ns``:
+    # a descriptor's cost on the device that the nodes posting through it share (cuda_ipc's
+    # copies of all processes on one GPU run on that GPU); a post is done when both its own posting
     # (``per_desc_ns`` a descriptor, its process's CPU) and its turn on the shared device are,
     # so one poster pays max(per_desc, shared_desc) and two concurrent ones 2 * shared_desc each.
     # ``host_bandwidth_bps``: the wire of a transfer between host (pinned) buffers, shared by an
@@ -48,8 +49,8 @@ class NicSpec:
     shared_desc_ns: int = 0
     host_bandwidth_bps: int = 0
     # ``host_shared_bandwidth_bps``: the host-to-host wire every initiator with it shares (one
-    # host's memory: the cma copies of all processes at once; 0: off): k host transfers active on
-    # the fabric each move at most 1/k of it, beside their initiator's own host wire.
+    # host's memory: the cma copies of all its processes at once; 0: off): k host transfers active
+    # on one host each move at most 1/k of it, beside their initiator's own host wire.
     host_shared_bandwidth_bps: int = 0
     # Host work that holds the rank's one runtime thread (``Node.host_busy_until``; 0: off;
     # `kvferry calibrate --rooms` fits both). ``room_handle_ns``: per TransferInfo or PullOffer
@@ -150,6 +151,12 @@ class FabricSpec:
     # Prepared descriptor lists (make_prepped_xfer) merge dense runs; one-shot posts never do
     # (docs/design.md section 2).
     prepped: bool = True
+    # Where the ranks run, for the two shared costs of NicSpec (shared_desc_ns and
+    # host_shared_bandwidth_bps). True: every rank on one GPU of one host, as `kvferry bench nixl`
+    # runs them and as those costs were measured (bench predict and calibrate simulate rows so).
+    # False: each rank has its own GPU, and a server's ranks share their host's memory wire (a
+    # deployment; the world names each node's server, Fabric.add_node's ``host``).
+    one_gpu: bool = False
 
     def validate(self) -> None:
         self.nic.validate()

@@ -47,6 +47,10 @@ class BenchRow:
     room_mb: float
     measured_gbps: float
     raw_gbps: float
+    # Every rank on one GPU (the bench's `gpus` "0->0", its default): the ranks share that GPU's
+    # descriptor work and that host's wire (FabricSpec.one_gpu). Other placements are simulated
+    # with each rank on a GPU of its own.
+    one_gpu: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,12 +140,17 @@ def read_bench(path: Path) -> list[BenchRow]:
             raise CalibrationError(f"{path}: row {i + 1}: flow {flow!r} is not one of {FLOWS}")
         nums = {k: _field(path, i, row, k, (int, float)) for k in ("room_mb", "kvferry_gbps", "raw_gbps")}
         ints = {k: _field(path, i, row, k, int) for k in ("tokens", "inflight")}
+        gpus = row.get("gpus", "0->0")  # rows before the bench named its GPUs ran on GPU 0
+        if not isinstance(gpus, str) or "->" not in gpus:
+            raise CalibrationError(f"{path}: row {i + 1}: gpus: expected 'PREFILL->DECODE', got {gpus!r}")
+        pre_gpus, dec_gpus = gpus.split("->", 1)
         if min(ints.values()) < 1 or min(nums.values()) <= 0 or p < 1 or d < 1:
             raise CalibrationError(f"{path}: row {i + 1}: sizes and rates must be positive")
         out.append(
             BenchRow(
                 str(row.get("config", tp)), model, p, d, ints["tokens"], ints["inflight"], flow,
                 float(nums["room_mb"]), float(nums["kvferry_gbps"]), float(nums["raw_gbps"]),
+                pre_gpus == dec_gpus and "," not in pre_gpus,
             )
         )  # fmt: skip
     return out
@@ -164,7 +173,7 @@ def scenario(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) 
             "workers": 2,
             "aux_rows": max(64, row.inflight),
         },
-        "fabric": {"profile": profile, **(fabric or {})},
+        "fabric": {"profile": profile, "one_gpu": row.one_gpu, **(fabric or {})},
         "flows": {"flow": row.flow, "auto_chunks": max(2, row.inflight)},
         "workload": {
             "chunk_tokens": 0,

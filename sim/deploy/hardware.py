@@ -84,8 +84,10 @@ class NicProfile:
     # Measured with every rank on one GPU (kvferry calibrate): a descriptor's cost on that shared
     # GPU and the wire between pinned host buffers (UCX cma); and, given rather than fitted, how long
     # a control thread holds each message (ControlSpec.handle_ns).
-    # A scenario naming the profile charges them; a deployment (``select --nic``, fabric_spec)
-    # does not: its ranks have a GPU each, and its pinned flow keeps the NIC's wire.
+    # A scenario naming the profile charges them, shared as its `[fabric] one_gpu` places the ranks
+    # (every rank on one GPU, as measured, or a GPU each and a host per server); a deployment
+    # (``select --nic``, fabric_spec) does not: its ranks have a GPU each, and its pinned flow keeps
+    # the NIC's wire.
     shared_desc_us: float | None = None
     control_handle_us: float | None = None
     # The staged flows' host work per staging message (ControlSpec.staging_handle_ns), fitted by
