@@ -57,7 +57,8 @@ def fit_host_share(rows: Sequence[BenchRow], fabric: dict[str, Any], run: Simula
     if not use or not own:
         return None
     before = _err(run, use, fabric)
-    hi = own * max(r.prefill_tp for r in use)  # every initiator at its own rate: no effect
+    no_effect = own * max(r.prefill_tp for r in use)  # every initiator at its own rate
+    hi = no_effect
     lo, best = own / 2, (before, hi)
     for _ in range(3):
         for g in np.linspace(lo, hi, 17):
@@ -66,6 +67,6 @@ def fit_host_share(rows: Sequence[BenchRow], fabric: dict[str, Any], run: Simula
                 best = (e, float(g))
         step = (hi - lo) / 16
         lo, hi = max(own / 4, best[1] - step), best[1] + step
-    if best[1] >= own * max(r.prefill_tp for r in use):
+    if best[1] >= no_effect:
         return None
     return HostShareFit(best[1], len(use), before, best[0])

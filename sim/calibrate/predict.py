@@ -242,6 +242,12 @@ def _group_error(preds: list[Prediction]) -> tuple[float, float | None, float]:
     return 100 * sum(rows) / len(rows), spread, 100 * sum(means) / len(means)
 
 
+def _tp_key(r: BenchRow, pairs: bool) -> str:
+    if pairs:
+        return f"{r.prefill_tp}->{r.decode_tp}"
+    return "equal" if r.prefill_tp == r.decode_tp else "unequal"
+
+
 def by_flow(
     preds: list[Prediction], held_out_tokens: frozenset[int] = frozenset(), pairs: bool = False
 ) -> list[FlowError]:
@@ -251,16 +257,7 @@ def by_flow(
     groups: dict[tuple[str, int, str, bool], list[Prediction]] = {}
     for p in preds:
         r = p.row
-        key = (
-            r.flow,
-            r.inflight,
-            f"{r.prefill_tp}->{r.decode_tp}"
-            if pairs
-            else "equal"
-            if r.prefill_tp == r.decode_tp
-            else "unequal",
-            r.tokens in held_out_tokens,
-        )
+        key = (r.flow, r.inflight, _tp_key(r, pairs), r.tokens in held_out_tokens)
         groups.setdefault(key, []).append(p)
     return [FlowError(*k, len(v), *_group_error(v)) for k, v in sorted(groups.items())]
 
