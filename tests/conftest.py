@@ -10,6 +10,9 @@ import os
 import sys
 
 import pytest
+import typer
+import typer.main
+import typer.testing
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -40,3 +43,25 @@ def _lock_discipline():
         found = list(lockcheck.VIOLATIONS)
         del lockcheck.VIOLATIONS[:]
         raise AssertionError(f"lock discipline violated: {found[:3]}")
+
+
+# typer's CliRunner builds the whole click command tree from the app at every invoke (20-40 ms for
+# kvferry's: every command's signature and type hints read again), which was most of the time of
+# the CLI tests' ~3,000 invokes. The tree depends only on what is registered, so it is built once
+# per app and registration state; a command registered later (register_all) makes a new one.
+_COMMANDS: dict[tuple[int, int, int, int], tuple[typer.Typer, object]] = {}
+
+
+def _registration(app: typer.Typer) -> tuple[int, int, int, int]:
+    return (id(app), len(app.registered_commands), len(app.registered_groups), id(app.registered_callback))
+
+
+def _command_built_once(app: typer.Typer) -> object:
+    key = _registration(app)
+    hit = _COMMANDS.get(key)
+    if hit is None or hit[0] is not app:  # the app itself is kept, so its id is not reused
+        hit = _COMMANDS[key] = (app, typer.main.get_command(app))
+    return hit[1]
+
+
+typer.testing._get_command = _command_built_once  # type: ignore[assignment]

@@ -1,13 +1,18 @@
-"""The functions tests/test_executors.py runs in worker processes. A worker imports the module of
-the function it runs: this one imports nothing heavy (the test module imports pytest, hypothesis
-and the CLI, about 2 s a worker, and the kill tests start a fresh pool at every loss)."""
+"""The functions tests/test_executors.py runs in worker processes (test_executors_ray.py's Ray
+workers get die_once by value). A worker imports the module of the function it runs: this one
+imports nothing heavy (the test module imports pytest, hypothesis and the CLI, about 2 s a
+worker, and the kill tests start a fresh pool at every loss)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def square(x: int) -> int:
@@ -20,8 +25,9 @@ def fail_on(bad: int, x: int) -> int:
     return x
 
 
-def die_once(marks: str, doomed: frozenset[int], x: int) -> int:
-    """Kills its own worker process the first time it runs a doomed item (a marker file says so)."""
+def die_once(marks: str, doomed: frozenset[int], x: int, job: Callable[[int], T] | None = None) -> T | int:
+    """Kills its own worker process the first time it runs a doomed item (a marker file says so),
+    then counts the run and returns ``job(x)`` (``x * x`` without a job)."""
     if x in doomed:
         try:
             Path(marks, f"{x}.died").open("x").close()
@@ -31,7 +37,7 @@ def die_once(marks: str, doomed: frozenset[int], x: int) -> int:
             os.kill(os.getpid(), signal.SIGKILL)
     with Path(marks, f"{x}.runs").open("a") as f:
         f.write("run\n")
-    return x * x
+    return x * x if job is None else job(x)
 
 
 def always_dies_on_5(x: int) -> int:

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import signal
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -24,6 +22,7 @@ from kvferry.sim import executors as ex  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from kvferry.cli import _register, app  # noqa: E402
+from tests import executor_jobs as fns  # noqa: E402
 
 _register()
 SEEDS = list(range(12))
@@ -37,7 +36,9 @@ def ray_session() -> Iterator[None]:
     )
     # Workers cannot import a test module: its helpers travel by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(fns)
     yield
+    ray.cloudpickle.unregister_pickle_by_value(fns)
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     ray.shutdown()
 
@@ -52,18 +53,6 @@ def _comparable(res: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def local_results() -> dict[int, dict[str, Any]]:
     return {r.seed: _comparable(r) for r in cp.run_seeds(SEEDS, executor=ex.LocalExecutor(1))}
-
-
-def _die_once(marks: str, doomed: frozenset[int], job: Callable[[int], bytes], seed: int) -> bytes:
-    """Kills its own worker process the first time it runs a doomed seed (a marker file says so)."""
-    if seed in doomed:
-        try:
-            Path(marks, f"{seed}.died").open("x").close()
-        except FileExistsError:
-            pass
-        else:
-            os.kill(os.getpid(), signal.SIGKILL)
-    return job(seed)
 
 
 def _ray_campaign(
@@ -91,7 +80,7 @@ def test_a_worker_killed_mid_campaign_loses_no_seed(
     max_retries: int, resent: int, tmp_path: Path, local_results: dict[int, dict[str, Any]]
 ) -> None:
     doomed = frozenset({2, 9})
-    fn = functools.partial(_die_once, str(tmp_path), doomed, cp.seed_job())
+    fn = functools.partial(fns.die_once, str(tmp_path), doomed, job=cp.seed_job())
     with ex.RayExecutor("local", max_retries=max_retries) as rx:
         order, results, stats = _ray_campaign(rx, fn)
     assert all((tmp_path / f"{s}.died").exists() for s in doomed)  # the workers really died

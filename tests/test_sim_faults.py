@@ -34,6 +34,8 @@ def test_every_fault_kind_is_injected_somewhere() -> None:
     seen: Counter[str] = Counter()
     for res in campaign(range(40)):
         seen.update(res.faults)
+        if {k for k, v in seen.items() if v > 0} >= KINDS:
+            break  # the later seeds could add kinds, never take one away: the verdict is in
     assert {k for k, v in seen.items() if v > 0} >= KINDS, KINDS - set(seen)
 
 
