@@ -754,7 +754,9 @@ class SenderEngine(RoomEngine):
 
     def _entered(self, r: _Room) -> None:
         st = r.state
-        self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=STATUS[st]))
+        # The class's STATUS (the same table): mypyc 1.20 miscompiles the module's name here,
+        # which the class body rebinds (``STATUS = STATUS``).
+        self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=self.STATUS[st]))
         key = ("room", r.room)
         if st is SState.WAITING:
             self.deadlines.set(key, self._now + self.timeouts.waiting_ns)
