@@ -225,9 +225,9 @@ class Driver:
         copies = self._poll_copies(now) if ids is None else 0
         n = 0
         with self.lock:
-            for _, _, _, exc in checked:
-                if exc is not None:
-                    self.errors[f"check_xfer: {type(exc).__name__}"] += 1
+            for _, _, _, err in checked:  # not ``exc``: the except clause above deletes that name
+                if err is not None:
+                    self.errors[f"check_xfer: {type(err).__name__}"] += 1
             for wid, h, st, _ in checked:
                 if st is _PROC or self.handles.get(wid) is not h:
                     continue  # still in flight, or another thread fed it already
@@ -334,10 +334,10 @@ class Driver:
         finally:
             with self.lock:
                 self.posting -= len(ids)
-                for cmd, handle, exc in done:
+                for cmd, handle, err in done:  # not ``exc``: the except clause above deletes that name
                     k = type(cmd)
-                    if exc is not None:
-                        self._on_failure(cmd, exc, pending)
+                    if err is not None:
+                        self._on_failure(cmd, err, pending)
                     elif k is not SendNotif:
                         self.handles[cmd.write_id] = handle
                 if len(done) < len(cmds):
@@ -360,7 +360,7 @@ class Driver:
     def _post(self, cmd: Any, taken: dict[int, Any] | None) -> Any:
         """Post one data-plane command. ``taken``: the prepared entries a worker step popped under
         the lock (None: the lock is held here, pop now)."""
-        t = self.transport
+        t: Any = self.transport  # post_prepared: not in the Transport protocol
         if type(cmd) is PostPrepared:
             entry = self.prepared.pop(cmd.prep_id, None) if taken is None else taken.get(cmd.prep_id)
             if entry is None:
@@ -422,7 +422,7 @@ class Driver:
     def _run(self, cmd: Any) -> tuple[int, ...] | None:
         """Execute one command (lock held); a failure is counted and queued as a follow-up."""
         k = type(cmd)
-        t = self.transport
+        t: Any = self.transport  # post_read, release_prepared: not in the Transport protocol
         if self.trace is not None and k not in _DATA_PLANE:  # _call_data_plane traces its own
             self.trace("run", cmd)
         try:

@@ -164,7 +164,7 @@ class DeadlineHeap:
 
     def pop_due(self, now: int) -> list[Hashable]:
         """Keys whose deadline is <= now, earliest first; they are removed."""
-        due = []
+        due: list[Hashable] = []
         heap = self._heap
         while True:
             self._clean_top()

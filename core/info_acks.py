@@ -16,7 +16,7 @@ RoomFailed, or it resends and the tombstone answers).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from kvferry.core import messages as m
 from kvferry.core.commands import PostAuxWrite, PostPrepared, PostWrite, SendNotif
@@ -30,7 +30,7 @@ _NOTE_CARRIERS = (PostWrite, PostPrepared, PostAuxWrite, SendNotif)
 class OwedAcks:
     """The InfoAcks a prefill rank owes, by room key, and one deadline per decode rank owed."""
 
-    KIND = "info_ack"
+    KIND: ClassVar[str] = "info_ack"  # read through the class too (a compiled class needs ClassVar)
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine

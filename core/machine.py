@@ -24,10 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from enum import Enum
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import msgspec
 from kvferry.core.errors import LocalMisuseError, ProtocolError
+
+if TYPE_CHECKING:
+    from collections import Counter
 
 __all__ = [
     "IllegalStep",
@@ -61,7 +64,7 @@ class Transition(msgspec.Struct, frozen=True):
     input, payload); it returns an outcome, and ``next`` maps each outcome it may return to the
     state the machine moves to."""
 
-    handler: Callable[..., str | None]
+    handler: Callable[..., Any]  # its outcome: a key of ``next`` (a room handler's None: stay)
     next: Mapping[str, Any]
 
     @property
@@ -123,7 +126,7 @@ class TableEngine:
     SUCCESS: ClassVar[Enum]  # with FAILED, the states ``_maybe_finish`` acts on
     FAIL: ClassVar[Enum]  # the failure input: the funnel's way into FAILED
 
-    counters: Any
+    counters: Counter[str]  # the subclasses' type: mypyc wants one type for an attribute
     _now: int
     _out: list[Any]
 
@@ -173,7 +176,8 @@ class TableEngine:
         else:
             # The handler's commands are held until the table accepted the step.
             out = self._out
-            self._out = held = []
+            held: list[Any] = []
+            self._out = held
             try:
                 outcome = tr.handler(self, r, inp, payload) or "stay"
             except LocalMisuseError:

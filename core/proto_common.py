@@ -222,7 +222,10 @@ class RoomEngine(TableEngine):
     STATUS: ClassVar[Mapping[Any, KVPoll]]
 
     rooms: dict[int, Any]
+    # Made empty first thing in the side's __init__ (``_new_tables``): every registered per-room
+    # table, and the flows' tables of ``room_table``.
     _tables: dict[str, tuple[Callable[[int], bool], Callable[[], int] | None]]
+    _room_tables: dict[str, dict[Any, Any]]
     tombstones: Tombstones
     deadlines: DeadlineHeap
     counters: Counter[str]
@@ -304,12 +307,15 @@ class RoomEngine(TableEngine):
 
     # --- the per-room tables: every one registered, so quiescence checks miss none ------------------
 
+    def _new_tables(self) -> None:
+        self._tables, self._room_tables = {}, {}
+
     def track(
         self, name: str, mentions: Callable[[int], bool], size: Callable[[], int] | None = None
     ) -> None:
         """Register a per-room table: ``mentions(room)`` says whether it still names the room,
         ``size()`` how many entries it holds (all zero once every room settled)."""
-        self.__dict__.setdefault("_tables", {})[name] = (mentions, size)
+        self._tables[name] = (mentions, size)
 
     def _track_rooms(self) -> None:
         """The tables every room machine keeps: its rooms and its rooms by peer."""
@@ -324,7 +330,7 @@ class RoomEngine(TableEngine):
         """The per-room table ``name`` of a flow that keeps no component of its own (its halves
         are stateless): room key -> the flow's record of that room. Made and registered
         (``track``) on first use; a removed room's entry goes with it (``_forget``)."""
-        tables: dict[str, dict[Any, Any]] = self.__dict__.setdefault("_room_tables", {})
+        tables = self._room_tables
         table = tables.get(name)
         if table is None:
             table = tables[name] = {}
@@ -386,7 +392,7 @@ class RoomEngine(TableEngine):
                 if not s:
                     del self.rooms_by_peer[p]
         self.deadlines.cancel(("room", r.room))
-        for table in self.__dict__.get("_room_tables", {}).values():
+        for table in self._room_tables.values():
             table.pop(r.key, None)
         reason = r.failure.reason if r.failure is not None else ""
         self.tombstones.add(r.room, r.tid, self.STATUS[r.state], self._now, reason)

@@ -27,7 +27,7 @@ FailedAck, which stops the sender's resending.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from kvferry.core import messages as m
@@ -208,7 +208,6 @@ class ReceiverFlowContext(EngineFlowContext):
     state across rooms."""
 
     __slots__ = ()
-    _engine: ReceiverEngine
 
     @property
     def staged(self) -> StagedReceiver:
@@ -248,15 +247,17 @@ class ReceiverEngine(RoomEngine):
     to the transport's own bound (TCP gives a silent connection up after about 15 minutes).
     """
 
+    # ClassVar: class constants (a compiled build reads them through the class, sim/planted.py
+    # subclasses override them).
     STATUS = STATUS
     FAILED = RState.FAILED
     SUCCESS = RState.SUCCESS
 
-    side = "decode"
+    side: ClassVar[str] = "decode"
     FAIL = RIn.FAIL
-    TIMEOUT = RIn.TIMEOUT
-    PEER_LOST = RIn.PEER_LOST
-    staged_class: type[StagedReceiver] = StagedReceiver  # the staged flows' decode half
+    TIMEOUT: ClassVar[RIn] = RIn.TIMEOUT
+    PEER_LOST: ClassVar[RIn] = RIn.PEER_LOST
+    staged_class: ClassVar[type[StagedReceiver]] = StagedReceiver  # the staged flows' decode half
 
     def __init__(
         self,
@@ -266,6 +267,7 @@ class ReceiverEngine(RoomEngine):
         planner: Any = None,
         quarantine_ns: int = 0,
     ) -> None:
+        self._new_tables()
         self.registration = registration
         self.reg_id = m.registration_id(registration)
         self.endpoint = registration.src
@@ -555,7 +557,9 @@ class ReceiverEngine(RoomEngine):
 
     def _entered(self, r: _Room) -> None:
         st = r.state
-        self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=STATUS[st]))
+        # The class's STATUS (the same table): mypyc 1.20 miscompiles the module's name here,
+        # which the class body rebinds (``STATUS = STATUS``).
+        self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=self.STATUS[st]))
         key = ("room", r.room)
         if st is RState.WAITING:
             self.deadlines.set(key, self._now + self.timeouts.waiting_ns)

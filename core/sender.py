@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from kvferry.core import messages as m
@@ -280,7 +280,6 @@ class SenderFlowContext(EngineFlowContext):
     flows that keep state across rooms."""
 
     __slots__ = ()
-    _engine: SenderEngine
 
     @property
     def registration(self) -> m.Register | None:
@@ -373,16 +372,19 @@ class SenderFlowContext(EngineFlowContext):
 class SenderEngine(RoomEngine):
     """All rooms of one prefill rank. Feed it events, execute the commands it returns."""
 
+    # ClassVar: class constants (a compiled build reads them through the class, sim/planted.py
+    # subclasses override them).
     STATUS = STATUS
     FAILED = SState.FAILED
     SUCCESS = SState.SUCCESS
 
-    side = "prefill"
+    side: ClassVar[str] = "prefill"
     FAIL = SIn.FAIL
-    TIMEOUT = SIn.TIMEOUT
-    PEER_LOST = SIn.PEER_LOST
-    push_base_id = staticmethod(strip_retry_suffix)  # request-id matching: the id retries share
-    staged_class: type[StagedSender] = StagedSender  # the staged flows' prefill half
+    TIMEOUT: ClassVar[SIn] = SIn.TIMEOUT
+    PEER_LOST: ClassVar[SIn] = SIn.PEER_LOST
+    # request-id matching: the id retries share
+    push_base_id: ClassVar[Callable[[str], str]] = staticmethod(strip_retry_suffix)
+    staged_class: ClassVar[type[StagedSender]] = StagedSender  # the staged flows' prefill half
 
     def __init__(
         self,
@@ -403,6 +405,7 @@ class SenderEngine(RoomEngine):
         ``push_match``: how push registrations find their request (core/flows/push.py)."""
         if planner is None:
             from kvferry.core.planner import plan_rank_pair as planner
+        self._new_tables()
         self.endpoint = endpoint
         self.pool = pool
         self.timeouts = timeouts or Timeouts()
@@ -751,7 +754,9 @@ class SenderEngine(RoomEngine):
 
     def _entered(self, r: _Room) -> None:
         st = r.state
-        self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=STATUS[st]))
+        # The class's STATUS (the same table): mypyc 1.20 miscompiles the module's name here,
+        # which the class body rebinds (``STATUS = STATUS``).
+        self._out.append(StatusChanged(room=r.room, transfer_id=r.tid, status=self.STATUS[st]))
         key = ("room", r.room)
         if st is SState.WAITING:
             self.deadlines.set(key, self._now + self.timeouts.waiting_ns)

@@ -32,7 +32,7 @@ from kvferry.core.flows import Flow, FlowPolicy
 from kvferry.core.flows.regions import PINNED_REGION, RING_REGION, worker_region
 from kvferry.core.geometry import ModelGeometry, PoolGeometry
 from kvferry.core.kvpoll import KVPoll
-from kvferry.core.messages import Abort, Endpoint, RoomFailed, decode_control
+from kvferry.core.messages import Endpoint, RoomFailed, decode_control
 from kvferry.core.sender import SenderEngine
 from kvferry.sim import planted
 from kvferry.sim.chaos import Chaos
@@ -42,6 +42,7 @@ from kvferry.sim.faults import Injector, draw_personality
 from kvferry.sim.instances import Routing
 from kvferry.sim.live_checks import LiveChecks
 from kvferry.sim.pages import PageAllocator
+from kvferry.sim.peek import NOTICE_TAGS, peek_decoder
 from kvferry.sim.rng import Streams
 from kvferry.sim.rooms import AUX_ROW_BYTES, Findings, Progress, Request, RoomTable, Violation, split_chunks
 from kvferry.sim.scenario_schema import US, RoomSpec, Scenario, staging_sizes
@@ -714,12 +715,12 @@ class World:
         # building the rest (a pull offer carries a whole registration); only failure notices are
         # decoded in full.
         try:
-            peek = _peek_decoder.decode(payload)
+            peek = peek_decoder.decode(payload)
         except (msgspec.MsgspecError, ValueError, TypeError):
             return True
         if self.routing.multi and what == "sent" and self.scenario.checks.isolation:
             self.routing.check_message(peek, src, dst)
-        if peek.t not in _NOTICE_TAGS:
+        if peek.t not in NOTICE_TAGS:
             return True
         try:
             msg = decode_control(payload)
@@ -814,15 +815,3 @@ _LAYERWISE = Flow.LAYERWISE.value
 
 def _terminal(st: KVPoll | None) -> bool:
     return st is _FAILED or st is _SUCCESS
-
-
-class _Peek(msgspec.Struct):
-    """A control message's tag and room, its other fields skipped (see ``World._on_control``)."""
-
-    t: str = ""
-    room: int | None = None
-    transfer_id: str | None = None
-
-
-_peek_decoder = msgspec.msgpack.Decoder(_Peek)
-_NOTICE_TAGS = frozenset({RoomFailed.__struct_config__.tag, Abort.__struct_config__.tag})

@@ -51,7 +51,7 @@ def call_after(env: simpy.Environment, delay: int, fn: Callable[..., Any], *args
     call = _Call()
     call.callbacks, call.fn, call.args = _FIRE, fn, args
     # Environment.schedule's key, inlined: the same queue, priority and id counter as a Timeout.
-    heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), call))  # type: ignore[attr-defined]
+    heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), call))  # type: ignore[misc]
 
 
 class FarTimeouts:
@@ -67,8 +67,9 @@ class FarTimeouts:
 
     def __init__(self, env: simpy.Environment) -> None:
         self.env = env
-        self._queued: list[tuple[int, int]] = []  # (time, event id) of ours on SimPy's queue
-        self._waiting: list[tuple[int, int, simpy.Event]] = []  # off the queue, by (time, id)
+        # SimPy's clock is int | float (ints here); not ``float``: mypyc would store a float.
+        self._queued: list[tuple[int | float, int]] = []  # (time, event id) of ours on SimPy's queue
+        self._waiting: list[tuple[int | float, int, simpy.Event]] = []  # off the queue, by (time, id)
 
     def timeout(self, delay: int) -> simpy.Event:
         if delay < 0:
@@ -84,7 +85,7 @@ class FarTimeouts:
             heappush(self._waiting, (*key, ev))
         return ev
 
-    def _enqueue(self, key: tuple[int, int], ev: simpy.Event) -> None:
+    def _enqueue(self, key: tuple[int | float, int], ev: simpy.Event) -> None:
         heappush(self._queued, key)
         heappush(self.env._queue, (key[0], NORMAL, key[1], ev))  # type: ignore[attr-defined]
 

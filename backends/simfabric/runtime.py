@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import simpy
 from kvferry.backends.driver import Driver
@@ -27,8 +27,9 @@ from kvferry.backends.simfabric.transport import SimTransport
 from kvferry.core.commands import FreePages, StatusChanged
 
 
-class RankSink:
-    """What the runtime reports upward (the simulated scheduler implements it)."""
+class RankSink(Protocol):
+    """What the runtime reports upward (the simulated scheduler implements it, without deriving
+    from this class: a protocol, so a compiled SimRank takes any such object)."""
 
     def status(self, rank: SimRank, cmd: StatusChanged) -> None: ...
     def free_pages(self, rank: SimRank, cmd: FreePages) -> None: ...
