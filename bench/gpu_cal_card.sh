@@ -25,6 +25,12 @@ TOKS_SCALE=${TOKS_SCALE:-1}  # DRAM dry runs divide every size by this
 FLOWS=(direct ring pinned pull push layerwise)
 mkdir -p "$R/cal"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/gpu.txt"
+# Which host ran the rows: calls on different machines differ by up to 2x on the same rows (batches
+# of small rooms, descriptor posting), so each call names its CPU, clocks and driver beside the GPU.
+{ grep -m1 'model name' /proc/cpuinfo; nproc; uname -r
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=driver_version,clocks.max.sm,clocks.sm,pstate --format=csv,noheader
+} >"$R/host.txt" 2>&1
+cat "$R/host.txt"
 if [ "$ENGINE" = native ]; then  # built from source here, as bench/gpu_native.sh does
   step build 60 python3 -P -m kvferry.backends.native.build --out /tmp/kvf_engine.so
   if [ ! -s /tmp/kvf_engine.so ] && [ -s "$REPO/build/kvf_engine.so" ]; then
