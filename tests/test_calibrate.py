@@ -441,9 +441,19 @@ def test_by_flow_reports_the_spread_of_repeated_rows() -> None:
     assert e.rows == 3
     assert e.spread_pct == pytest.approx(20.0)  # (12 - 10) / 10
     assert e.mape_pct == pytest.approx(100 * (1 / 10 + 1 / 12 + 0) / 3)
-    assert e.mean_mape_pct == pytest.approx(0.0)  # 11 is both configurations' mean
+    assert e.median_mape_pct == pytest.approx(0.0)  # 11 is both configurations' median
     (single,) = by_flow(preds[2:])
     assert single.spread_pct is None
+
+
+def test_one_slow_machine_moves_the_median_not_the_error_against_it() -> None:
+    # Three runs of one configuration, predicted at 10 ms: two at 10, one machine at 20.
+    rows = [_row("ring", 1024, ms, 8) for ms in (10.0, 20.0, 10.0)]
+    preds = [Prediction(r, r.room_mb * r.inflight / 10.0, 10.0) for r in rows]
+    (e,) = by_flow(preds)
+    assert e.median_mape_pct == pytest.approx(0.0)
+    assert e.mape_pct == pytest.approx(100 * (0 + 0.5 + 0) / 3)
+    assert e.spread_pct == pytest.approx(100.0)
 
 
 def test_by_flow_groups_per_tp_pair_when_asked() -> None:
@@ -456,3 +466,6 @@ def test_by_flow_groups_per_tp_pair_when_asked() -> None:
     preds = [Prediction(r, r.room_mb / 10.0, 10.0) for r in rows]
     assert [e.tp for e in by_flow(preds)] == ["equal", "unequal"]
     assert [(e.tp, e.rows) for e in by_flow(preds, pairs=True)] == [("1->1", 1), ("1->2", 1), ("2->1", 1)]
+    assert [(e.tp, e.rows) for e in by_flow(preds, all_tp=True)] == [("all", 3)]
+    with pytest.raises(ValueError, match="two different groupings"):
+        by_flow(preds, pairs=True, all_tp=True)

@@ -318,6 +318,7 @@ BAD = [
     (["bench", "predict", "{not_toml}"], "line 1: not valid JSON"),
     (["bench", "predict", TELEMETRY], "missing 'tp'"),
     (["bench", "predict", BENCH_ROWS, "--profile", "bogus"], "unknown fabric profile"),
+    (["bench", "predict", BENCH_ROWS, "--tp-pairs", "--all-tp"], "two groupings"),
     # soak (validation only: run_soak is a stub here)
     (["soak", "--rooms", "0"], "--rooms must be in"),
     (["soak", "--rooms", "-5"], "--rooms must be in"),
