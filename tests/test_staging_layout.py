@@ -24,6 +24,7 @@ from kvferry.core.staging_layout import (
     plan_staged_pair,
     plan_staged_room,
     staged_map,
+    staged_maps,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -200,3 +201,25 @@ def test_maps_index_every_token_through_its_page(layout: Layout) -> None:
             assert not m.slots.flags.writeable and not m.token_offsets.flags.writeable
         with pytest.raises(IndexError):
             staged_map(pool, pages[:3], pool.head_start, 1, 0, 49, StagingFormat.HEAD_MAJOR, 0)
+
+
+@pytest.mark.parametrize("fmt", list(StagingFormat))
+def test_maps_of_several_writers_are_each_writers_map(fmt: StagingFormat) -> None:
+    """``staged_maps`` (decode's scatter of every writer of a chunk) gives the maps ``staged_map``
+    gives one by one, a dummy writer's empty one among them."""
+    q = PRESETS["qwen3-8b"]
+    dst = make_pools(q, 2, 16, 64)[1]
+    pages = np.random.default_rng(3).permutation(64)[:12].astype(np.int64)
+    writers = [(dst.head_start, 2, 0), (dst.head_start + 2, 2, 4096), (dst.head_start, 0, 99)]
+    for ts, te in ((0, 190), (21, 100), (40, 40)):
+        got = staged_maps(dst, pages, writers, ts, te, fmt)
+        want = [staged_map(dst, pages, h, n, ts, te, fmt, b) for h, n, b in writers]
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            for name in StagingMap.__dataclass_fields__:
+                a, b = getattr(g, name), getattr(w, name)
+                if isinstance(b, np.ndarray):
+                    assert a.dtype == b.dtype and not a.flags.writeable, name
+                    np.testing.assert_array_equal(a, b)
+                else:
+                    assert a == b, name
