@@ -219,7 +219,11 @@ def _token_terms(
         page = pages[first:last, None]
         cut = slice(token_start - first * ps, token_end - first * ps)
         slots = (page * ps + _in_page(ps, 1)).ravel()[cut]
-        offsets = (page * pool.page_stride + _in_page(ps, pool.token_stride)).ravel()[cut]
+        if pool.page_stride == ps * pool.token_stride:
+            # Token-major pages: page * page_stride + tip * token_stride is slot * token_stride.
+            offsets = slots * pool.token_stride
+        else:
+            offsets = (page * pool.page_stride + _in_page(ps, pool.token_stride)).ravel()[cut]
     else:  # empty, or pages that do not cover the range: index per token (and raise as ever)
         tokens = np.arange(token_start, token_end, dtype=np.int64)
         page_idx, tip = np.divmod(tokens, ps)
