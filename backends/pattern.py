@@ -114,8 +114,20 @@ def _runs(
         return None
     ps, heads, page_rows = lay.page_size, lay.heads, lay.page_rows
     first = token_start // ps
+    ids = np.asarray(pages)[first : -(-token_end // ps)].tolist()
+    if (
+        ids
+        and page_rows == ps * heads
+        and ids[-1] - ids[0] == len(ids) - 1
+        and ids == list(range(ids[0], ids[-1] + 1))
+    ):
+        # Consecutive page ids (the usual allocation): on a dense layout a page's rows follow
+        # the previous page's (page_rows == page_size * heads), so the loop below would join
+        # every page into this one run.
+        row = ids[0] * page_rows + (token_start - first * ps) * heads
+        return [(row, 0, (token_end - token_start) * heads)]
     runs: list[tuple[int, int, int]] = []
-    for k, page in enumerate(np.asarray(pages)[first : -(-token_end // ps)].tolist(), first):
+    for k, page in enumerate(ids, first):
         a, b = max(token_start, k * ps), min(token_end, (k + 1) * ps)
         row, n = page * page_rows + (a - k * ps) * heads, (b - a) * heads
         if runs and runs[-1][0] + runs[-1][2] == row:
@@ -211,13 +223,15 @@ def fill(
     values = _values(lay, room_key, token_start, token_end, len(pages) * lay.page_size)
     runs = _runs(lay, pages, token_start, token_end)
     rows = None
+    # Every region's values as [region, rows, head bytes] (a view: the regions' token ranges are
+    # contiguous), read below by one index per run instead of a reshape and a slice per region.
+    flat = values.reshape(len(lay.rids), -1, lay.hb) if runs is not None else None
     for i, rid in enumerate(lay.rids):
         buf = region(rid)
         view = _rows(buf, lay.hb)
-        if view is not None and runs is not None:
-            flat = values[i].reshape(-1, lay.hb)
+        if view is not None and flat is not None and runs is not None:  # runs: for the type checker
             for row, at, n in runs:
-                view[row : row + n] = flat[at : at + n]
+                view[row : row + n] = flat[i, at : at + n]
             continue
         rows = _room_rows(lay, pages, token_start, token_end) if rows is None else rows
         if view is not None:
@@ -238,13 +252,13 @@ def mismatches(
     runs = _runs(lay, pages, 0, n_tokens)
     rows = None
     got_all = np.empty(want_all.shape, dtype=np.uint8)  # C order: each region's rows are views
+    flat = got_all.reshape(len(lay.rids), -1, lay.hb)  # a view: written through below
     for i, rid in enumerate(lay.rids):
         buf = region(rid)
         view = _rows(buf, lay.hb)
         if view is not None and runs is not None:
-            flat = got_all[i].reshape(-1, lay.hb)
             for row, at, n in runs:
-                flat[at : at + n] = view[row : row + n]
+                flat[i, at : at + n] = view[row : row + n]
             continue
         rows = _room_rows(lay, pages, 0, n_tokens) if rows is None else rows
         if view is not None:

@@ -74,6 +74,12 @@ class KVKind(StrEnum):
     LATENT = "LATENT"
 
 
+# Region kinds per layer, built once: ``kinds`` and ``num_regions`` are read several times per
+# chunk, and each ``KVKind.K`` is an enum attribute lookup through the metaclass.
+_KINDS_KV = (KVKind.K, KVKind.V)
+_KINDS_LATENT = (KVKind.LATENT,)
+
+
 class Layout(StrEnum):
     """Memory layout of one region (one layer's K, V or latent buffer) of a rank's pool.
 
@@ -158,11 +164,11 @@ class ModelGeometry:
     @property
     def kinds(self) -> tuple[KVKind, ...]:
         """Region kinds per layer, in region order."""
-        return (KVKind.LATENT,) if self.is_mla or self.fused_kv else (KVKind.K, KVKind.V)
+        return _KINDS_LATENT if self.is_mla or self.fused_kv else _KINDS_KV
 
     @property
     def num_regions(self) -> int:
-        return self.num_layers * len(self.kinds)
+        return self.num_layers if self.is_mla or self.fused_kv else 2 * self.num_layers
 
     @property
     def head_bytes(self) -> int:

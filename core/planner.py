@@ -364,6 +364,20 @@ def _dense_runs(
     s_first, d_first = token_start // sps, token_start // dps
     s_pages = sp[s_first : (token_end - 1) // sps + 1].tolist()
     d_pages = dp[d_first : (token_end - 1) // dps + 1].tolist()
+    if (
+        s_ps == sps * piece
+        and d_ps == dps * piece
+        and s_pages == list(range(s_pages[0], s_pages[0] + len(s_pages)))
+        and d_pages == list(range(d_pages[0], d_pages[0] + len(d_pages)))
+    ):
+        # Consecutive page ids on both sides (the usual allocation): every token's piece follows
+        # the previous one's on both, so the segments below would merge into this one run.
+        so, do = token_start - s_first * sps, token_start - d_first * dps
+        return (
+            [s_pages[0] * s_ps + so * piece + s_c],
+            [d_pages[0] * d_ps + do * piece + d_c],
+            [(token_end - token_start) * piece],
+        )
     segs: list[tuple[int, int, int]] = []
     t = token_start
     while t < token_end:

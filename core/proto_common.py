@@ -9,7 +9,7 @@ raises fails the room and keeps the exception; an outcome the table does not lis
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from enum import Enum
 from typing import Any, ClassVar
 
@@ -314,7 +314,8 @@ class RoomEngine(TableEngine):
         self, name: str, mentions: Callable[[int], bool], size: Callable[[], int] | None = None
     ) -> None:
         """Register a per-room table: ``mentions(room)`` says whether it still names the room,
-        ``size()`` how many entries it holds (all zero once every room settled)."""
+        ``size()`` how many entries it holds (all zero once every room settled; at zero it
+        mentions no room, which ``referencing`` relies on)."""
         self._tables[name] = (mentions, size)
 
     def _track_rooms(self) -> None:
@@ -340,6 +341,21 @@ class RoomEngine(TableEngine):
     def references(self, room: int) -> list[str]:
         """Names of the per-room tables that still mention ``room`` (empty once released)."""
         return [name for name, (mentions, _) in self._tables.items() if mentions(room)]
+
+    def referencing(self, rooms: Iterable[int]) -> set[str]:
+        """``references`` of every room of ``rooms`` together. An empty table (size 0) is not
+        asked per room: at a run's end, where every table is empty, the simulator's check of
+        every room against every table is one size per table."""
+        rooms = list(rooms)
+        out: set[str] = set()
+        for name, (mentions, size) in self._tables.items():
+            if size is not None and not size():
+                continue
+            for room in rooms:
+                if mentions(room):
+                    out.add(name)
+                    break
+        return out
 
     def table_sizes(self) -> dict[str, int]:
         """Entries of every registered table that has a size (the runtime's ``leaks()``)."""

@@ -50,6 +50,7 @@ __all__ = [
     "plan_staged_pair",
     "plan_staged_room",
     "staged_map",
+    "staged_maps",
 ]
 
 
@@ -197,25 +198,57 @@ def _region_ids(n: int) -> np.ndarray:
     return _frozen(np.arange(n, dtype=np.int64))
 
 
+@lru_cache(maxsize=64)
+def _in_page(page_size: int, stride: int) -> np.ndarray:
+    """``[1, page_size]``: ``tip * stride`` for each token ``tip`` of a page (read-only, shared)."""
+    return _frozen(np.arange(page_size, dtype=np.int64)[None, :] * stride)
+
+
+def _token_terms(
+    pool: PoolGeometry, pages: np.ndarray, token_start: int, token_end: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per token of ``[token_start, token_end)``: its slot and its pool offset before the head
+    term (``page * page_stride + tip * token_stride``); what every writer's map of a chunk
+    shares on one side."""
+    ps = pool.page_size
+    first, last = token_start // ps, -(-token_end // ps)
+    if type(pages) is np.ndarray and pages.ndim == 1 and token_end > token_start and last <= len(pages):
+        # Whole pages' rows (each page id plus its in-page terms), cut to the token range: the
+        # same integers as indexing per token, without a division per token (numpy's int64
+        # divmod was a fifth of a map's cost).
+        page = pages[first:last, None]
+        cut = slice(token_start - first * ps, token_end - first * ps)
+        slots = (page * ps + _in_page(ps, 1)).ravel()[cut]
+        if pool.page_stride == ps * pool.token_stride:
+            # Token-major pages: page * page_stride + tip * token_stride is slot * token_stride.
+            offsets = slots * pool.token_stride
+        else:
+            offsets = (page * pool.page_stride + _in_page(ps, pool.token_stride)).ravel()[cut]
+    else:  # empty, or pages that do not cover the range: index per token (and raise as ever)
+        tokens = np.arange(token_start, token_end, dtype=np.int64)
+        page_idx, tip = np.divmod(tokens, ps)
+        page = pages[page_idx]
+        offsets = page * pool.page_stride + tip * pool.token_stride
+        slots = page * ps + tip
+    return _frozen(slots), _frozen(offsets)
+
+
 def _side_map(
     pool: PoolGeometry,
-    pages: np.ndarray,
+    terms: tuple[np.ndarray, np.ndarray],
     head_start: int,
     num_heads: int,
-    token_start: int,
-    token_end: int,
     staging_base: int,
     strides: tuple[int, int, int],
 ) -> StagingMap:
-    tokens = np.arange(token_start, token_end, dtype=np.int64)
-    page_idx, tip = np.divmod(tokens, pool.page_size)  # one pass for both
-    page = pages[page_idx]
+    slots, offsets = terms
     local = head_start - pool.head_start
-    offsets = page * pool.page_stride + tip * pool.token_stride + local * pool.head_stride
+    if local:
+        offsets = _frozen(offsets + local * pool.head_stride)
     return StagingMap(
         region_ids=_region_ids(pool.model.num_regions),
-        slots=_frozen(page * pool.page_size + tip),
-        token_offsets=_frozen(offsets),
+        slots=slots,
+        token_offsets=offsets,
         pool_head_stride=pool.head_stride,
         local_head_start=local,
         num_heads=num_heads,
@@ -257,7 +290,34 @@ def staged_map(
         ts = te  # a dummy moves nothing; its maps are empty but well-formed
     strides = _strides(fmt, pool.model.num_regions, te - ts, num_heads, pool.head_bytes)
     off = base + (head_start - pool.head_start) * strides[2] if fmt is StagingFormat.HEAD_MAJOR else base
-    return _side_map(pool, pages, head_start, num_heads, ts, te, off, strides)
+    return _side_map(pool, _token_terms(pool, pages, ts, te), head_start, num_heads, off, strides)
+
+
+def staged_maps(
+    pool: PoolGeometry,
+    pages: np.ndarray,
+    writers: Sequence[tuple[int, int, int]],
+    token_start: int,
+    token_end: int,
+    fmt: StagingFormat,
+) -> tuple[StagingMap, ...]:
+    """``staged_map`` of each ``(head_start, num_heads, base)`` writer of one chunk on one side
+    (decode's scatter of every writer into its pool): the token terms are computed once and
+    shared (read-only), the maps are those ``staged_map`` makes one by one."""
+    fmt = StagingFormat(fmt)
+    ts, te = int(token_start), int(token_end)
+    terms = None
+    maps = []
+    for head_start, num_heads, base in writers:
+        if num_heads == 0:  # a dummy's empty map
+            maps.append(staged_map(pool, pages, head_start, num_heads, ts, te, fmt, base))
+            continue
+        if terms is None:
+            terms = _token_terms(pool, pages, ts, te)
+        strides = _strides(fmt, pool.model.num_regions, te - ts, num_heads, pool.head_bytes)
+        off = base + (head_start - pool.head_start) * strides[2] if fmt is StagingFormat.HEAD_MAJOR else base
+        maps.append(_side_map(pool, terms, head_start, num_heads, off, strides))
+    return tuple(maps)
 
 
 def plan_staged_pair(

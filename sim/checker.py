@@ -255,9 +255,7 @@ def _tables(w: WorldView) -> None:
         # at quiescence every one was answered or given up.
         if getattr(eng, "notices", None):
             leftovers.append(f"{len(eng.notices)} failure notices still resent")
-        refs = sorted(
-            {ref for r in w.requests if r.inc.get(node) == rank.incarnation for ref in eng.references(r.room)}
-        )
+        refs = sorted(eng.referencing(r.room for r in w.requests if r.inc.get(node) == rank.incarnation))
         if refs:
             leftovers.append(f"room entries in {', '.join(refs)}")
         if rank.pending:

@@ -16,9 +16,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvferry.core.errors import PlanError
-from kvferry.core.geometry import PRESETS, make_pools
+from kvferry.core.geometry import PRESETS, Layout, make_pools
 from kvferry.core.planner import plan_room
-from kvferry.core.staging_layout import StagingFormat, StagingMap, plan_staged_pair, plan_staged_room
+from kvferry.core.staging_layout import (
+    StagingFormat,
+    StagingMap,
+    plan_staged_pair,
+    plan_staged_room,
+    staged_map,
+    staged_maps,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import refmodel
@@ -171,3 +178,48 @@ def test_staged_bad_input_is_a_plan_error() -> None:
         plan_staged_pair(src[0], dst[0], [0, 1, 2], [0], 0, 40)
     with pytest.raises(PlanError, match="out of range"):
         plan_staged_room(src, dst, [0, 9], [0, 1], 0, 20)
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_maps_index_every_token_through_its_page(layout: Layout) -> None:
+    """Each token's slot and pool offset are its page's (``pages[t // page_size]``) plus its place
+    in the page, for ranges that start and end mid-page, in one page, on scattered page ids, and
+    empty; pages short of the range raise."""
+    q = PRESETS["qwen3-8b"]
+    rng = np.random.default_rng(7)
+    for pool in make_pools(q, 4, 16, 64, layout)[1:3]:
+        pages = rng.permutation(64)[:20].astype(np.int64)
+        for ts, te in ((0, 320), (5, 300), (17, 30), (33, 34), (16, 16), (40, 40), (3, 0)):
+            te = max(ts, te)
+            m = staged_map(pool, pages, pool.head_start + 1, 1, ts, te, StagingFormat.HEAD_MAJOR, 0)
+            t = np.arange(ts, te)
+            page, tip = pages[t // 16], t % 16
+            np.testing.assert_array_equal(m.slots, page * 16 + tip)
+            want = page * pool.page_stride + tip * pool.token_stride + pool.head_stride
+            np.testing.assert_array_equal(m.token_offsets, want)
+            assert m.slots.dtype == m.token_offsets.dtype == np.int64
+            assert not m.slots.flags.writeable and not m.token_offsets.flags.writeable
+        with pytest.raises(IndexError):
+            staged_map(pool, pages[:3], pool.head_start, 1, 0, 49, StagingFormat.HEAD_MAJOR, 0)
+
+
+@pytest.mark.parametrize("fmt", list(StagingFormat))
+def test_maps_of_several_writers_are_each_writers_map(fmt: StagingFormat) -> None:
+    """``staged_maps`` (decode's scatter of every writer of a chunk) gives the maps ``staged_map``
+    gives one by one, a dummy writer's empty one among them."""
+    q = PRESETS["qwen3-8b"]
+    dst = make_pools(q, 2, 16, 64)[1]
+    pages = np.random.default_rng(3).permutation(64)[:12].astype(np.int64)
+    writers = [(dst.head_start, 2, 0), (dst.head_start + 2, 2, 4096), (dst.head_start, 0, 99)]
+    for ts, te in ((0, 190), (21, 100), (40, 40)):
+        got = staged_maps(dst, pages, writers, ts, te, fmt)
+        want = [staged_map(dst, pages, h, n, ts, te, fmt, b) for h, n, b in writers]
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            for name in StagingMap.__dataclass_fields__:
+                a, b = getattr(g, name), getattr(w, name)
+                if isinstance(b, np.ndarray):
+                    assert a.dtype == b.dtype and not a.flags.writeable, name
+                    np.testing.assert_array_equal(a, b)
+                else:
+                    assert a == b, name

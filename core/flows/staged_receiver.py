@@ -43,7 +43,7 @@ from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.machine import RoomError, RoomFailure, fire, step
 from kvferry.core.resources import PinnedPool, PinnedRefused, RingRefused, StagingRing, Watermark
-from kvferry.core.staging_layout import staged_map
+from kvferry.core.staging_layout import staged_maps
 
 __all__ = ["MAX_HELD_STAGING", "STAGED_RX_ROOM_TABLE", "STAGING_ALIGN", "StagedReceiver", "StagedRxIn"]
 
@@ -381,22 +381,13 @@ class StagedReceiver(RankFlowPart):
     def _start_scatter(self, r: Any, ch: RxChunk) -> None:
         fmt = staging_format(ch.flow)
         base = ch.alloc.offset
-        maps = []
+        ring = ch.flow is Flow.RING
+        writers = []
         for p in ch.writers:
             spec = r.senders[p]
-            block = ch.offsets[p] if ch.flow is Flow.RING else base
-            maps.append(
-                staged_map(
-                    self.pool,
-                    r.dst_pages,
-                    spec.head_start,
-                    spec.num_heads,
-                    ch.token_start,
-                    ch.token_end,
-                    fmt,
-                    block,
-                )
-            )
+            writers.append((spec.head_start, spec.num_heads, ch.offsets[p] if ring else base))
+        # Every writer's map over the same pages and tokens: their page lookups made once.
+        maps = staged_maps(self.pool, r.dst_pages, writers, ch.token_start, ch.token_end, fmt)
         op = self._next_op_id
         self._next_op_id += 1
         self.ops[op] = r.key

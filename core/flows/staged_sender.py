@@ -257,9 +257,11 @@ class StagedSender(RankFlowPart):
         return lane
 
     def _lane_bytes(self, lane: TxLane) -> int:
-        return writer_bytes(
-            self.ctx.pool, self.ctx.peers[lane.target].pool, lane.token_end - lane.token_start
-        )
+        dst = self.ctx.peers[lane.target].pool
+        if lane.bytes_for is not dst:
+            lane.nbytes = writer_bytes(self.ctx.pool, dst, lane.token_end - lane.token_start)
+            lane.bytes_for = dst
+        return lane.nbytes
 
     def _slot_bytes(self, n_targets: int) -> int:
         return self.worker_buffer_bytes // max(1, n_targets)

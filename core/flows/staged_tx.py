@@ -46,12 +46,14 @@ class TxLane:
     __slots__ = (
         "accepted",
         "buffer",
+        "bytes_for",
         "flow",
         "grant",
         "head_start",
         "index",
         "is_last",
         "length",
+        "nbytes",
         "num_heads",
         "op_id",
         "premap",
@@ -93,6 +95,10 @@ class TxLane:
         self.write_id = -1
         self.src_offset = 0
         self.length = 0
+        # ``writer_bytes`` of the lane, for the decode pool it was computed against (asked
+        # several times per lane; the target's pool object changes only with its registration).
+        self.bytes_for: PoolGeometry | None = None
+        self.nbytes = 0
 
     @property
     def key(self) -> tuple[int, m.Endpoint]:
