@@ -479,7 +479,8 @@ def test_planted_reuse_before_the_fence_is_caught_with_its_replay_line() -> None
     # only made the control wait longer for its failed rooms' pages.
     run = ("--rooms", "100", "--tp", "2-1", "--seed", "0", "--fault-share", "1", "--faults", "stall")
     # The two runs side by side, each in its own namespaces: a run mostly waits (the stalls, the
-    # fence), 15 s of CPU in 29 s alone; both together took 31 s on the 2-core box.
+    # fence), 15 s of CPU in 29 s alone; both together took 31 s on the 2-core box. (The planted
+    # run's pipes are read after the control's: it writes ~2.5 KB of stderr before its JSON.)
     control, planted = _chaos_started(*run), _chaos_started(*run, "--plant", "reuse_unfenced")
     try:
         code, r, _err = _chaos_ended(control)
