@@ -33,6 +33,14 @@ os.environ.setdefault("KVFERRY_CONTROL_KEY", "kvferry-test-control-key-not-secre
 # whoever enters it holds the endpoint lock; a violation in any thread fails the test it ran in.
 os.environ.setdefault("KVFERRY_LOCK_CHECK", "1")
 
+# No UCX mmap hooks where there is no GPU: installing them (UCX 1.23 patches the code of mmap,
+# munmap, ...) spins ~0.4 s of CPU in every process's first UCX context, and the suite starts
+# hundreds. They only feed UCX's registration caches, and tcp and cma (all a CPU box has) register
+# nothing; UCX runs without the cache (docs/benchmarks.md, "CI wall time, fourth pass"). GPU
+# hosts keep UCX's default. ("reloc" hooks crash a later torch import.)
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("UCX_MEM_MMAP_HOOK_MODE", "none")
+
 
 @pytest.fixture(autouse=True)
 def _lock_discipline():

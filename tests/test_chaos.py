@@ -305,9 +305,36 @@ def test_namespaces_of_a_run_killed_outright_are_removed_by_the_next() -> None:
 
 
 def _chaos(*args: str, timeout: float = 240) -> tuple[int, dict, str]:
-    r = subprocess.run([*CLI, "--json", *args], capture_output=True, text=True, timeout=timeout)
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    return r.returncode, json.loads(r.stdout), r.stderr
+    return _chaos_ended(_chaos_started(*args), timeout)
+
+
+def _chaos_started(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*CLI, "--json", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _chaos_ended(proc: subprocess.Popen[str], timeout: float = 240) -> tuple[int, dict, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        _chaos_stopped(proc)
+    assert "Traceback" not in err, err[-3000:]
+    return proc.returncode, json.loads(out), err
+
+
+def _chaos_stopped(*procs: subprocess.Popen[str]) -> None:
+    """A run still going (a timeout, a failed check on the other run) gets SIGTERM: the run
+    removes its processes and namespaces itself, as on Ctrl-C."""
+    live = [proc for proc in procs if proc.poll() is None]
+    for proc in live:
+        proc.terminate()
+    for proc in live:
+        try:
+            proc.communicate(timeout=60)  # drained, so a full pipe cannot hold its exit
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
 
 
 # The runs that must end with no violation at all stretch the rooms' own deadlines (not the
@@ -451,14 +478,22 @@ def test_planted_reuse_before_the_fence_is_caught_with_its_replay_line() -> None
     # keep the plain deadlines (the control is the planted run less the plant): a stretched fence
     # only made the control wait longer for its failed rooms' pages.
     run = ("--rooms", "100", "--tp", "2-1", "--seed", "0", "--fault-share", "1", "--faults", "stall")
-    code, r, _err = _chaos(*run)
+    # The two runs side by side, each in its own namespaces: a run mostly waits (the stalls, the
+    # fence), 15 s of CPU in 29 s alone; both together took 31 s on the 2-core box. (The planted
+    # run's pipes are read after the control's: it writes ~2.5 KB of stderr before its JSON.)
+    control, planted = _chaos_started(*run), _chaos_started(*run, "--plant", "reuse_unfenced")
+    try:
+        code, r, _err = _chaos_ended(control)
+        ended = _chaos_ended(planted)
+    finally:
+        _chaos_stopped(control, planted)
     # Without the plant: no safety violation. A post refused by a peer the stall cut off
     # (driver_errors, PostAuxWrite: NixlPeerError) was seen once on a loaded CI host; it is no
     # late write and no lost room, so it does not count against the control run.
     unsafe = [v for v in r["violations"] if v["kind"] != "driver_errors"]
     assert not unsafe, r["violations"][:5]
     assert r["coverage"]["by_fault"]["stall"].get("failed", 0) > 0
-    code, r, err = _chaos(*run, "--plant", "reuse_unfenced")
+    code, r, err = ended
     assert code == 1 and not r["ok"]
     kinds = {v["kind"] for v in r["violations"]}
     assert kinds & {"canary", "corrupted"}, r["violations"][:5]

@@ -8,6 +8,7 @@ planted early free caught with a seed that replays it).
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from kvferry.core.kvpoll import KVPoll
 from kvferry.core.sender import SState
 from kvferry.sim import scenario as sc
 from kvferry.sim.campaign import campaign, run_one, save_failure
+from kvferry.sim.metrics import RunResult
 from msgspec.structs import replace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -177,11 +179,16 @@ def test_pull_on_a_heterogeneous_simulated_deployment() -> None:
     assert Flow.PULL.value in sc.FLOW_CHOICES
 
 
+def _first_caught(runs: Iterator[RunResult]) -> RunResult | None:
+    """The first run with a violation, the only one the checks read: the seeds after it are not
+    run (leaving the generator stops the campaign)."""
+    return next((r for r in runs if r.violations), None)
+
+
 def test_campaign_catches_pull_freeing_pages_before_the_read(tmp_path: Path) -> None:
     base = sc.with_flow(sc.load(HETERO), "pull")
-    failing = [r for r in campaign(range(0, 2), base=base, hooks=("pull_free_early",)) if r.violations]
-    assert failing, "planted pull_free_early went unnoticed"
-    first = failing[0]
+    first = _first_caught(campaign(range(0, 2), base=base, hooks=("pull_free_early",)))
+    assert first is not None, "planted pull_free_early went unnoticed"
     assert "ownership" in first.violated()
     s = sc.load(save_failure(first, tmp_path))
     again, _ = run_one(s)
@@ -192,9 +199,8 @@ def test_campaign_catches_pull_freeing_pages_before_the_read(tmp_path: Path) -> 
 
 def test_campaign_catches_a_write_failure_that_never_tells_decode(tmp_path: Path) -> None:
     # Not pull-specific: every flow's failed write must reach decode at once (tracker gap C2).
-    failing = [r for r in campaign(range(0, 4), hooks=("silent_write_failure",)) if r.violations]
-    assert failing, "planted silent_write_failure went unnoticed"
-    first = failing[0]
+    first = _first_caught(campaign(range(0, 4), hooks=("silent_write_failure",)))
+    assert first is not None, "planted silent_write_failure went unnoticed"
     assert first.violated() == ["failure_notice"]
     s = sc.load(save_failure(first, tmp_path))
     again, _ = run_one(s)
@@ -224,9 +230,8 @@ def test_prefix_hits_are_drawn_only_where_the_flow_can_skip_tokens() -> None:
 def test_campaign_catches_a_front_trimmed_prefix_hit(tmp_path: Path) -> None:
     base = sc.with_flow(sc.load(HETERO), "direct")
     base = replace(base, workload=replace(base.workload, prefix_hit=0.5))
-    failing = [r for r in campaign(range(0, 2), base=base, hooks=("prefix_front_trim",)) if r.violations]
-    assert failing, "planted prefix_front_trim went unnoticed"
-    first = failing[0]
+    first = _first_caught(campaign(range(0, 2), base=base, hooks=("prefix_front_trim",)))
+    assert first is not None, "planted prefix_front_trim went unnoticed"
     assert first.violated() == ["bytes"]
     s = sc.load(save_failure(first, tmp_path))
     again, _ = run_one(s)

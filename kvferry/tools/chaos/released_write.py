@@ -112,6 +112,9 @@ for line in sys.stdin:
         end = time.monotonic() + c["s"]
         while time.monotonic() < end:
             poll()
+            # Until the write ended and the agent holds nothing more of the peer: nothing after.
+            if c.get("settle") and ended and not (agent.inflight() or draining() or agent.peers()):
+                break
             time.sleep(0.01)
         say(event="ended", ended=ended, inflight=agent.inflight(), draining=draining(),
             peers=agent.peers())
@@ -139,15 +142,16 @@ class _Proc:
         self.send(**cmd)
         return self.until("ok")
 
-    def until(self, event: str) -> dict[str, Any]:
+    def until(self, *events: str) -> dict[str, Any]:
+        """Read up to the first of ``events``."""
         assert self.p.stdout is not None
         for line in self.p.stdout:
             if line.startswith("{"):
                 msg = json.loads(line)
                 self.events.append(msg)
-                if msg["event"] == event:
+                if msg["event"] in events:
                     return msg
-        raise RuntimeError(f"side exited before {event!r}")
+        raise RuntimeError(f"side exited before {events!r}")
 
 
 def probe(rereg: bool, down_s: float = 4.0, after_s: float = 6.0) -> dict[str, Any]:
@@ -167,8 +171,9 @@ def probe(rereg: bool, down_s: float = 4.0, after_s: float = 6.0) -> dict[str, A
             healed = time.monotonic()
             for side in (pre, dec):  # both progress their UCX worker at once, as live endpoints do
                 side.send(cmd="poll", s=after_s)
-            pre.until("ok")
-            dec.until("ok")
+            # Up to the bytes landing, or decode's poll ending without them: nothing after is
+            # read (both sides are killed below, mid-poll).
+            dec.until("landed", "ok")
             landed = next((e for e in dec.events if e["event"] == "landed"), None)
             state = next(e["state"] for e in pre.events if e["event"] == "state_at_drop")
             return {
@@ -201,10 +206,12 @@ def fenced_probe(down_s: float = 4.0, after_s: float = 6.0) -> dict[str, Any]:
             dec.tell(cmd="drop")
             net.set_link(1, up=True)
             healed = time.monotonic()
-            for side in (pre, dec):
-                side.send(cmd="poll", s=after_s)
+            # Prefill polls until its write ended and it holds nothing of decode (or after_s);
+            # decode until the bytes landed (or after_s).
+            pre.send(cmd="poll", s=after_s, settle=True)
+            dec.send(cmd="poll", s=after_s)
             pre.until("ok")
-            dec.until("ok")
+            dec.until("landed", "ok")
             landed = next((e for e in dec.events if e["event"] == "landed"), None)
             dropped = next(e for e in pre.events if e["event"] == "dropped")
             final = [e for e in pre.events if e["event"] == "ended"][-1]
