@@ -198,6 +198,11 @@ def _region_ids(n: int) -> np.ndarray:
     return _frozen(np.arange(n, dtype=np.int64))
 
 
+# Rows of whole pages a map may build beyond twice its tokens (pages of up to 128 tokens take
+# the whole-page path for any range).
+_WHOLE_PAGES_SLACK = 256
+
+
 @lru_cache(maxsize=64)
 def _in_page(page_size: int, stride: int) -> np.ndarray:
     """``[1, page_size]``: ``tip * stride`` for each token ``tip`` of a page (read-only, shared)."""
@@ -212,10 +217,17 @@ def _token_terms(
     shares on one side."""
     ps = pool.page_size
     first, last = token_start // ps, -(-token_end // ps)
-    if type(pages) is np.ndarray and pages.ndim == 1 and token_end > token_start and last <= len(pages):
+    if (
+        type(pages) is np.ndarray
+        and pages.ndim == 1
+        and token_end > token_start
+        and last <= len(pages)
+        and (last - first) * ps <= 2 * (token_end - token_start) + _WHOLE_PAGES_SLACK
+    ):
         # Whole pages' rows (each page id plus its in-page terms), cut to the token range: the
         # same integers as indexing per token, without a division per token (numpy's int64
-        # divmod was a fifth of a map's cost).
+        # divmod was a fifth of a map's cost). Bounded by the range: a few tokens of a huge page
+        # (a hostile or mistaken page size) index per token rather than build the page's rows.
         page = pages[first:last, None]
         cut = slice(token_start - first * ps, token_end - first * ps)
         slots = (page * ps + _in_page(ps, 1)).ravel()[cut]

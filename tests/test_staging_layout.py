@@ -203,6 +203,18 @@ def test_maps_index_every_token_through_its_page(layout: Layout) -> None:
             staged_map(pool, pages[:3], pool.head_start, 1, 0, 49, StagingFormat.HEAD_MAJOR, 0)
 
 
+def test_a_few_tokens_of_a_huge_page_are_mapped_without_the_pages_rows() -> None:
+    """A page size of 10**12 tokens (`kvferry plan --decode-page-size` takes any positive int):
+    a map of five of its tokens indexes them, it does not build the page's 10**12 rows."""
+    q = PRESETS["qwen3-8b"]
+    (pool,) = make_pools(q, 1, 10**12, 2)
+    pages = np.array([1, 0], dtype=np.int64)
+    m = staged_map(pool, pages, pool.head_start, 1, 7, 12, StagingFormat.HEAD_MAJOR, 0)
+    t = np.arange(7, 12)
+    np.testing.assert_array_equal(m.slots, 10**12 + t)
+    np.testing.assert_array_equal(m.token_offsets, pool.page_stride + t * pool.token_stride)
+
+
 @pytest.mark.parametrize("fmt", list(StagingFormat))
 def test_maps_of_several_writers_are_each_writers_map(fmt: StagingFormat) -> None:
     """``staged_maps`` (decode's scatter of every writer of a chunk) gives the maps ``staged_map``
