@@ -250,11 +250,15 @@ def _side_map(
     terms: tuple[np.ndarray, np.ndarray],
     head_start: int,
     num_heads: int,
-    staging_base: int,
-    strides: tuple[int, int, int],
+    fmt: StagingFormat,
+    base: int,
 ) -> StagingMap:
+    """A writer's map over ``terms`` (``_token_terms`` of its tokens): ``staged_map``'s rule for
+    the staging strides and where the writer's heads start from ``base``."""
     slots, offsets = terms
+    strides = _strides(fmt, pool.model.num_regions, len(slots), num_heads, pool.head_bytes)
     local = head_start - pool.head_start
+    staging_base = base + local * strides[2] if fmt is StagingFormat.HEAD_MAJOR else base
     if local:
         offsets = _frozen(offsets + local * pool.head_stride)
     return StagingMap(
@@ -300,9 +304,7 @@ def staged_map(
     ts, te = int(token_start), int(token_end)
     if num_heads == 0:
         ts = te  # a dummy moves nothing; its maps are empty but well-formed
-    strides = _strides(fmt, pool.model.num_regions, te - ts, num_heads, pool.head_bytes)
-    off = base + (head_start - pool.head_start) * strides[2] if fmt is StagingFormat.HEAD_MAJOR else base
-    return _side_map(pool, _token_terms(pool, pages, ts, te), head_start, num_heads, off, strides)
+    return _side_map(pool, _token_terms(pool, pages, ts, te), head_start, num_heads, fmt, base)
 
 
 def staged_maps(
@@ -326,9 +328,7 @@ def staged_maps(
             continue
         if terms is None:
             terms = _token_terms(pool, pages, ts, te)
-        strides = _strides(fmt, pool.model.num_regions, te - ts, num_heads, pool.head_bytes)
-        off = base + (head_start - pool.head_start) * strides[2] if fmt is StagingFormat.HEAD_MAJOR else base
-        maps.append(_side_map(pool, terms, head_start, num_heads, off, strides))
+        maps.append(_side_map(pool, terms, head_start, num_heads, fmt, base))
     return tuple(maps)
 
 
