@@ -38,13 +38,12 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from heapq import heappush
 from typing import Any
 
 import msgspec
 import numpy as np
 import simpy
-from kvferry.backends.simfabric.calls import _FIRE, _Call
+from kvferry.backends.simfabric.calls import call_after
 from kvferry.backends.simfabric.descriptors import SMALL, DescList, gather_index, merge_dense_runs
 from kvferry.backends.simfabric.errors import NodeDownError, UnknownPeerError
 from kvferry.backends.simfabric.faultapi import NoFaults
@@ -53,7 +52,6 @@ from kvferry.backends.simfabric.spec import NS_PER_S, FabricSpec, NicSpec
 from kvferry.core.flows.regions import PINNED_REGION
 from kvferry.core.identity_enum import IdentityEnum
 from kvferry.core.messages import PullOffer, StagingReq, StagingRsp, TransferInfo, Watermark
-from simpy.events import NORMAL
 
 Recorder = Callable[..., None]
 
@@ -518,12 +516,7 @@ class Fabric:
         return self.rng.randrange(jitter_ns) if jitter_ns > 0 else 0
 
     def _at(self, delay: int, fn: Callable[..., None], *args: Any) -> None:
-        # ``call_after`` of a delay clamped at 0, inlined (the same queue key): the fabric's
-        # deliveries, landings, timers and completions, a frame less each.
-        call = _Call()
-        call.callbacks, call.fn, call.args = _FIRE, fn, args
-        env = self.env
-        heappush(env._queue, (env._now + max(0, int(delay)), NORMAL, next(env._eid), call))  # type: ignore[attr-defined]
+        call_after(self.env, max(0, int(delay)), fn, *args)
 
     def _admit(self, x: Xfer) -> None:
         if x.state is not _PROC:
