@@ -469,3 +469,16 @@ def test_by_flow_groups_per_tp_pair_when_asked() -> None:
     assert [(e.tp, e.rows) for e in by_flow(preds, all_tp=True)] == [("all", 3)]
     with pytest.raises(ValueError, match="two different groupings"):
         by_flow(preds, pairs=True, all_tp=True)
+
+
+def test_a_group_judged_exactly_right_on_its_medians_counts_as_within(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # One configuration's runs at 10 and 30 ms around a prediction of 20: every row is 50% or
+    # 100% off, the median (20) is met exactly: the summary counts the group as within 10%.
+    from kvferry.commands.calibrate import _print_by_flow
+
+    rows = [_row("ring", 1024, ms, 8) for ms in (10.0, 30.0)]
+    preds = [Prediction(r, r.room_mb * r.inflight / 20.0, 20.0) for r in rows]
+    _print_by_flow(preds, frozenset(), False, True)
+    assert "0 of 1 groups within 10%, 1 on the medians" in capsys.readouterr().out.splitlines()[-1]
