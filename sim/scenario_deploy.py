@@ -64,6 +64,8 @@ DOC: dict[str, str] = {
     "proxy_hop_ms": "Serial pull: prefill's response to the proxy plus the proxy's request to decode, in ms.",
     "page_allocator": "How servers hand out KV pages: sglang (SGLang's sorted free list, decode "
     "taking pages for generated tokens) or lowest-first (the original model).",
+    "every_rank": "Simulate every TP rank of each instance; false (the default) runs one of the "
+    "identical TP groups an instance pair's ranks split into, the same timings several times faster.",
     "decode_reserved_tokens": "SGLang's `--num-reserved-decode-tokens` (sglang allocator): decode "
     "admits a request only with this many tokens to spare for it and each request it holds.",
 }

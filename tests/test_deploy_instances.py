@@ -174,7 +174,7 @@ def test_bad_instance_counts_are_clear_errors(p: int, d: int, needle: str) -> No
 def test_servers_are_named_apart_and_each_has_its_own_memory() -> None:
     from kvferry.sim.world import World
 
-    s = build_scenario(SPEC, _closed(1, 1)[1])
+    s = build_scenario(replace(SPEC, every_rank=True), _closed(1, 1)[1])
     one = World(s)
     assert sorted(one.ranks) == ["decode0", "decode1", "prefill0", "prefill1", "prefill2", "prefill3"]
     many = World(s, instances=(2, 3))

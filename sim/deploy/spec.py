@@ -3,6 +3,7 @@ GPU and a per-GPU NIC profile), the flow that moves KV between them and its knob
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -82,6 +83,11 @@ class DeploySpec:
     # How requests are spread over several instances a side (sim/deploy/router.py): least-requests
     # (prefill round-robin, decode fewest in flight), round-robin, or least-tokens.
     router: str = "least-requests"
+    # False: each instance pair's transfers run on one of its TP groups (``rank_groups``), which
+    # are identical and share nothing but their instances' compute, so one stands for all (the
+    # same timings, every per-rank cost included, up to each transfer's jitter draw; several
+    # times faster). True: every rank runs, to check that.
+    every_rank: bool = False
 
     @property
     def serial_pull(self) -> bool:
@@ -92,6 +98,17 @@ class DeploySpec:
             return ModelGeometry.preset(self.model)
         except GeometryError as e:
             raise DeployError(str(e)) from None
+
+    def rank_groups(self) -> int:
+        """Into how many identical, independent groups a prefill and a decode instance's ranks
+        split: heads sharded (not replicated) on both sides, the KV of heads k*H/g..(k+1)*H/g moving
+        only between group k's ranks, gcd(prefill TP, decode TP) of them. 1 under MLA (every
+        rank holds the latent) or replicated heads."""
+        g = self.geometry()
+        heads, ptp, dtp = g.num_kv_heads, self.prefill_tp, self.decode_tp
+        if g.is_mla or heads % ptp or heads % dtp:
+            return 1
+        return math.gcd(ptp, dtp)
 
     def check(self) -> None:
         g = self.geometry()
@@ -225,14 +242,25 @@ class DeploySpec:
                 completion_handle_us=ctl.completion_handle_us,
             )
         fab = hardware.fabric_spec(gpu, nic)
+        geo = self.geometry()
+        groups = 1 if self.every_rank else self.rank_groups()
+        model: dict[str, Any] = {"preset": self.model}
+        if groups > 1:
+            model = {
+                "name": f"{geo.name} (1 of {groups} TP groups)",
+                "num_layers": geo.num_layers,
+                "num_kv_heads": geo.num_kv_heads // groups,
+                "head_dim": geo.head_dim,
+                "dtype": geo.dtype.value,
+            }
         return {
             "name": f"deploy-{self.model}-tp{self.prefill_tp}-tp{self.decode_tp}-{self.flow}",
             "seed": self.seed,
             "move_bytes": False,
-            "model": {"preset": self.model},
+            "model": model,
             "topology": {
-                "prefill_tp": self.prefill_tp,
-                "decode_tp": self.decode_tp,
+                "prefill_tp": self.prefill_tp // groups,
+                "decode_tp": self.decode_tp // groups,
                 "prefill_page_size": self.prefill_page_size,
                 "decode_page_size": self.decode_page_size,
                 "prefill_pages": min(self.pages("prefill"), 1 << 20),
