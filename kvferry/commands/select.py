@@ -212,7 +212,11 @@ class SearchOpts:
     max_instances: Annotated[int, typer.Option(help="Capacity search: instances per side, 1..this.")] = 8
     max_gpus: Annotated[int, typer.Option(help="Capacity search: at most this many GPUs (0: no limit).")] = 0
     max_rate_steps: Annotated[
-        int, typer.Option(help="Capacity search: rounds to narrow a configuration's maximum rate.")
+        int,
+        typer.Option(
+            help="Capacity search: rounds to narrow a configuration's maximum rate (one more when "
+            "the first round is guided by a guess)."
+        ),
     ] = 3
     jobs: Annotated[
         int,
@@ -269,6 +273,14 @@ class RuntimeOpts:
             "finds no page, it retracts requests (KV swapped to host)."
         ),
     ] = 512
+    every_rank: Annotated[
+        bool,
+        typer.Option(
+            help="Simulate every TP rank. By default each instance pair's transfers run on one of "
+            "the identical TP groups its ranks split into: the same timings (up to each "
+            "transfer's jitter), several times faster."
+        ),
+    ] = False
 
 
 @dataclass(frozen=True)
@@ -503,6 +515,7 @@ def _spec(dep: DeployOpts, serve: ServeOpts, rt: RuntimeOpts, sizes: _Sizes, ptp
         page_allocator=rt.page_allocator,
         decode_reserved_tokens=rt.decode_reserved_tokens,
         router=serve.router,
+        every_rank=rt.every_rank,
     )
 
 

@@ -19,7 +19,10 @@ Simulating every configuration would take minutes; two facts keep it to the few 
   (``Runner``: worker processes); the first count where one meets the rate answers.
 
 The most a configuration sustains (``max_rate``) is narrowed by steady-state runs between a rate
-it met and its bound, as many rates a round as there are workers.
+it met and its bound, as many rates a round as there are workers: first around a guess (the
+share of its bound that a configuration limited alike sustained, ``_Shares``), since a run that
+meets its rate runs its whole duration and one that misses stops early, bisection's first rates
+(a third and two thirds of the bound, met) cost the most and say the least.
 """
 
 from __future__ import annotations
@@ -374,17 +377,20 @@ def max_rate(
     progress: Progress | None = None,
     runner: Runner | None = None,
     runs: list[int] | None = None,
+    guess: float = 0.0,
 ) -> tuple[float, float]:
     """Search between a rate met (``lo``, 0 for none) and one that cannot be (``hi``), to within
-    5% (finer is below the seeds' noise): each step tries ``runner.jobs`` rates evenly inside the
-    interval at once (one: bisection) and keeps the part between the highest met and the next.
-    ``runs``, when given, gets the number of rates tried added to its first item."""
+    5% (finer is below the seeds' noise), ``runner.jobs`` rates a step (``_next_rates``), keeping
+    the part between the highest met and the next. ``guess`` (0: none), where the answer likely
+    lies: the first step tries rates around it. ``runs``, when given, gets the number of rates
+    tried added to its first item."""
     runner = runner or Runner()
     k = runner.jobs
-    for _ in range(steps):
+    near, span = guess, _SPAN
+    for _ in range(steps + (1 if guess else 0)):
         if lo > 0 and hi - lo <= 0.05 * lo:
             break
-        rates = [lo + (hi - lo) * (i + 1) / (k + 1) for i in range(k)]
+        rates = _next_rates(lo, hi, k, near, span)
         if progress is not None:
             said = ", ".join(f"{r:.2f}" for r in rates)
             progress(f"  max rate of {spec.prefill_instances}P{spec.decode_instances}D {spec.flow}: {said}")
@@ -399,7 +405,37 @@ def max_rate(
         above = [r for r in failed if r > lo]
         if above:
             hi = min(above)
+        # Every rate met (or none): the answer lies beyond them, likely near; next, one rate a
+        # step further out (twice as far) and the others over the rest (``_next_rates``).
+        if near and (not failed or not passed):
+            near, span = (lo if not failed else hi), span * 2
+        else:
+            near = 0.0
     return lo, hi
+
+
+_SPAN = 0.02  # a guided step's rates, this far (relative) either side of where the answer likely is
+
+
+def _next_rates(lo: float, hi: float, k: int, near: float, span: float) -> list[float]:
+    """``k`` rates strictly inside (lo, hi): evenly spread (bisection for one), or, with ``near``,
+    ``span`` apart around it (centred on a guess), which closes the interval in one step when the
+    answer lies among them. After a guided step whose rates all met (``near`` at ``lo``) or all
+    missed (at ``hi``): one rate ``span`` beyond, the others evenly spread over the rest, so a
+    guess a little off still closes in the next step and one far off costs no more than bisection."""
+    even = [lo + (hi - lo) * (i + 1) / (k + 1) for i in range(k)]
+    if not near or (k == 1 and not lo < near < hi):
+        return even
+    if near <= lo:  # all met at lo: the answer likely just above
+        first = lo * (1 + span)
+        rates = [first] + [first + (hi - first) * (i + 1) / k for i in range(k - 1)]
+    elif near >= hi:  # all missed at hi: likely just below
+        first = hi * (1 - span)
+        rates = [lo + (first - lo) * (i + 1) / k for i in range(k - 1)] + [first]
+    else:
+        rates = [near * (1 + span * (2 * i - (k - 1))) for i in range(k)] if k > 1 else [near]
+    inside = sorted({r for r in rates if lo < r < hi})
+    return inside if len(inside) == k else even
 
 
 def search(
@@ -508,12 +544,18 @@ class _Search:
         return (c.spec(self.base), rate, self.w, self.seeds, self.target)
 
     def narrow(
-        self, c: Candidate, lo: float, hi: float, quiet: bool = False, runs: list[int] | None = None
+        self,
+        c: Candidate,
+        lo: float,
+        hi: float,
+        quiet: bool = False,
+        runs: list[int] | None = None,
+        guess: float = 0.0,
     ) -> tuple[float, float]:
-        """``max_rate`` of configuration ``c`` between ``lo`` and ``hi``."""
+        """``max_rate`` of configuration ``c`` between ``lo`` and ``hi``, first around ``guess``."""
         say = None if quiet else self.say
         return max_rate(c.spec(self.base), self.w, self.seeds, self.target, lo, hi, self.steps, say,
-                        self.runner, runs)  # fmt: skip
+                        self.runner, runs, guess)  # fmt: skip
 
 
 def _for_rate(cands: list[Candidate], per: dict[str, dict[str, Any]], rate: float, s: _Search) -> Capacity:
@@ -544,19 +586,56 @@ def _for_rate(cands: list[Candidate], per: dict[str, dict[str, Any]], rate: floa
 def _balanced(
     cands: list[Candidate], per: dict[str, dict[str, Any]], max_instances: int, s: _Search
 ) -> Capacity:
-    """No rate: the most each balanced configuration sustains (per prefill count, the fewest
-    decode instances whose bound covers the prefill instances')."""
+    """No rate: the most each balanced configuration (per prefill count, the fewest decode
+    instances whose bound covers the prefill instances') sustains. They go by instance count, so
+    each starts from what is known: from below, the same TP pair and flow's next smaller
+    configuration's rate (more instances never serve less); as a guess, the share of its bound
+    that a configuration of as many prefill instances and the same limit sustained (another flow),
+    else that smaller one's share."""
+    balanced = []
     for c in cands:
         b = per[f"TP{c.prefill_tp}->TP{c.decode_tp} {c.flow}"]
-        balanced = c.decode == min(
+        want = min(
             max_instances, max(1, math.ceil(c.prefill * b["prefill_rps"] / max(1e-9, b["decode_rps"])))
         )
-        if not balanced:
-            continue
+        if c.decode == want:
+            balanced.append(c)
+    last: dict[tuple[int, int, str], Candidate] = {}
+    shares = _Shares()
+    for c in sorted(balanced, key=lambda c: (c.prefill, c.decode)):
+        kind = (c.prefill_tp, c.decode_tp, c.flow)
+        prev = last.get(kind)
+        lo, src = 0.0, ""
+        if prev is not None and prev.max_rps and prev.decode <= c.decode:
+            lo, src = prev.max_rps, prev.name
         s.say(f"most {c.name} {c.flow} sustains (bound {c.bound_rps:.2f} req/s)")
-        c.max_rps, c.max_rps_below = s.narrow(c, 0.0, c.bound_rps)
+        runs = [0]
+        got, c.max_rps_below = s.narrow(c, lo, c.bound_rps, runs=runs, guess=shares.guess(c, lo))
+        c.max_rps, c.max_rps_runs = got, runs[0]
+        c.max_rps_from = src if got == lo and src else ""
+        last[kind] = c
+        shares.add(c)
     best, why = _best_per_gpu(cands)
     return Capacity(None, s.target, cands, best, why, per)
+
+
+class _Shares:
+    """Where a configuration's maximum rate likely lies: the share of its bound that the last
+    configuration narrowed with as many prefill instances and the same limiting side sustained
+    (another flow limited alike), else the last one with that side (one instance fewer)."""
+
+    def __init__(self) -> None:
+        self._by: dict[tuple[int, str] | str, float] = {}
+
+    def add(self, c: Candidate) -> None:
+        if c.max_rps:
+            share = c.max_rps / c.bound_rps
+            self._by[(c.prefill, c.limit)] = self._by[c.limit] = share
+
+    def guess(self, c: Candidate, lo: float) -> float:
+        """A rate to try first (0: none known, bisect); at least ``lo`` (then: just above it)."""
+        share = self._by.get((c.prefill, c.limit)) or self._by.get(c.limit, 0.0)
+        return max(lo, share * c.bound_rps)
 
 
 def _best_per_gpu(cands: Sequence[Candidate]) -> tuple[Candidate | None, str]:
@@ -584,9 +663,13 @@ def _every_max_rate(
     starts from its smaller neighbours' results (``cands``: all of them, ``chosen`` among them);
     an interval already within 5% takes no run."""
     order = sorted(chosen, key=lambda c: (c.prefill_tp, c.decode_tp, c.flow, c.prefill, c.decode))
+    shares = _Shares()
+    for c in cands:
+        if c.max_rps is not None:
+            shares.add(c)  # the answer's, narrowed already
     for c in order:
         if c.max_rps is not None:
-            continue  # the answer's, narrowed already
+            continue
         lo, src = (rate, "") if c.met and rate is not None else (0.0, "")
         hi = c.bound_rps if c.met is not False or rate is None else min(c.bound_rps, rate)
         for o in cands:
@@ -605,9 +688,10 @@ def _every_max_rate(
         runs = [0]
         if lo == 0.0 or hi - lo > 0.05 * lo:
             s.say(f"most {c.name} {c.flow} sustains: between {lo:.2f} and {hi:.2f} req/s")
-        got, c.max_rps_below = s.narrow(c, lo, hi, quiet=True, runs=runs)
+        got, c.max_rps_below = s.narrow(c, lo, hi, quiet=True, runs=runs, guess=shares.guess(c, lo))
         c.max_rps, c.max_rps_runs = got, runs[0]
         c.max_rps_from = src if got == lo and src else ""
+        shares.add(c)
 
 
 def _p99(c: Candidate) -> float:
