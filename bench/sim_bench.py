@@ -61,15 +61,16 @@ def big_scenario(rooms: int) -> sc.Scenario:
     return replace(s, name=f"bench-{rooms}", workload=replace(s.workload, rooms=rooms))
 
 
-def deploy_replay(n: int) -> dict[str, float]:
+def deploy_replay(n: int, every_rank: bool = False) -> dict[str, float]:
     """``n`` requests of the issue's deployment (qwen3-8b, prefill TP 4 -> decode TP 2, H100 with a
     400 Gb/s NIC, the ring flow ``kvferry select`` recommends there), Poisson at 20 requests/s,
-    1000 +- 50% input and 100 +- 50% output tokens: a fixed, realistic load (not saturated)."""
+    1000 +- 50% input and 100 +- 50% output tokens: a fixed, realistic load (not saturated).
+    ``every_rank``: every TP rank simulated, not one of the two identical TP groups (the default)."""
     from kvferry.sim.deploy import workload as wl
     from kvferry.sim.deploy.run import simulate
     from kvferry.sim.deploy.spec import DeploySpec
 
-    spec = DeploySpec(model="qwen3-8b", prefill_tp=4, decode_tp=2, flow="ring")
+    spec = DeploySpec(model="qwen3-8b", prefill_tp=4, decode_tp=2, flow="ring", every_rank=every_rank)
     reqs = wl.poisson(20.0, n, 1000, 100, seed=1, spread=0.5)
     t0, c0 = time.perf_counter(), time.process_time()
     r = simulate(spec, wl.Arrivals(requests=reqs))
@@ -77,6 +78,7 @@ def deploy_replay(n: int) -> dict[str, float]:
     assert not r.violations and r.completed == n, (r.completed, r.violations[:3])
     return {
         "deploy_requests": n,
+        "deploy_every_rank": every_rank,
         "deploy_wall_s": round(wall, 2),
         "deploy_cpu_s": round(cpu, 2),
         "deploy_load_average_1min": round(os.getloadavg()[0], 2),
@@ -186,6 +188,11 @@ def main() -> None:
     ap.add_argument("--deploy-requests", type=int, default=10_000)
     ap.add_argument("--only", choices=("all", "replay", "deploy", "select", "counts"), default="all")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--every-rank",
+        action="store_true",
+        help="deploy: simulate every TP rank (the old model) instead of one identical TP group",
+    )
     args = ap.parse_args()
     if args.only == "select":
         q = select_question()
@@ -197,7 +204,7 @@ def main() -> None:
         return
     if args.only == "deploy":
         d: dict[str, Any] = {"python": interpreter(), "bare_simpy_timeouts_per_s": round(bare_simpy_rate())}
-        d |= deploy_replay(args.deploy_requests)
+        d |= deploy_replay(args.deploy_requests, args.every_rank)
         if not args.json:
             print(f"Python {d['python']}, bare SimPy baseline: {d['bare_simpy_timeouts_per_s']:,} timeouts/s")
         print(json.dumps(d) if args.json else _deploy_line(d))
@@ -226,7 +233,7 @@ def main() -> None:
     n_rooms = sum(r.rooms for r in campaign(range(args.seeds)))
     fuzz_wall = time.perf_counter() - t0
 
-    deploy = deploy_replay(args.deploy_requests) if args.only == "all" else {}
+    deploy = deploy_replay(args.deploy_requests, args.every_rank) if args.only == "all" else {}
     out = {
         **deploy,
         "python": interpreter(),
@@ -278,7 +285,8 @@ def main() -> None:
 
 def _deploy_line(d: dict[str, Any]) -> str:
     return (
-        f"{d['deploy_requests']:,}-request deployment replay (qwen3-8b TP4 -> TP2, ring, 20 req/s): "
+        f"{d['deploy_requests']:,}-request deployment replay (qwen3-8b TP4 -> TP2, ring, 20 req/s, "
+        f"{'every rank' if d['deploy_every_rank'] else 'one TP group'}): "
         f"{d['deploy_wall_s']:.2f} s wall ({d['deploy_cpu_s']:.2f} s CPU) for {d['deploy_simulated_s']} s "
         f"simulated, TTFT p50 {d['deploy_ttft_p50_ms']} ms / p99 {d['deploy_ttft_p99_ms']} ms, target <= 30 s"
     )
