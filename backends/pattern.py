@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 from kvferry.core.geometry import PoolGeometry
+from kvferry.core.planner import consecutive
 
 _MASK = (1 << 64) - 1
 _MUL_INT = 0xD6E8FEB86659FD93
@@ -115,12 +116,7 @@ def _runs(
     ps, heads, page_rows = lay.page_size, lay.heads, lay.page_rows
     first = token_start // ps
     ids = np.asarray(pages)[first : -(-token_end // ps)].tolist()
-    if (
-        ids
-        and page_rows == ps * heads
-        and ids[-1] - ids[0] == len(ids) - 1
-        and ids == list(range(ids[0], ids[-1] + 1))
-    ):
+    if page_rows == ps * heads and consecutive(ids):
         # Consecutive page ids (the usual allocation): on a dense layout a page's rows follow
         # the previous page's (page_rows == page_size * heads), so the loop below would join
         # every page into this one run.

@@ -37,6 +37,7 @@ __all__ = [
     "RoomPlan",
     "as_page_ids",
     "check_room",
+    "consecutive",
     "find_link",
     "plan_rank_pair",
     "plan_room",
@@ -345,6 +346,13 @@ def _pair_shape(src: PoolGeometry, dst: PoolGeometry) -> _PairShape:
     return shape
 
 
+def consecutive(ids: list[int]) -> bool:
+    """Page ids that follow one another (the usual allocation): on a dense layout, whose pages
+    are each as many rows as a page's tokens fill, their rows then form one contiguous run, the
+    shortcut the planner and the byte patterns (backends/pattern.py) take."""
+    return bool(ids) and ids[-1] - ids[0] == len(ids) - 1 and ids == list(range(ids[0], ids[-1] + 1))
+
+
 def _dense_runs(
     shape: _PairShape, sp: np.ndarray, dp: np.ndarray, token_start: int, token_end: int
 ) -> tuple[list[int], list[int], list[int]] | None:
@@ -364,12 +372,7 @@ def _dense_runs(
     s_first, d_first = token_start // sps, token_start // dps
     s_pages = sp[s_first : (token_end - 1) // sps + 1].tolist()
     d_pages = dp[d_first : (token_end - 1) // dps + 1].tolist()
-    if (
-        s_ps == sps * piece
-        and d_ps == dps * piece
-        and s_pages == list(range(s_pages[0], s_pages[0] + len(s_pages)))
-        and d_pages == list(range(d_pages[0], d_pages[0] + len(d_pages)))
-    ):
+    if s_ps == sps * piece and d_ps == dps * piece and consecutive(s_pages) and consecutive(d_pages):
         # Consecutive page ids on both sides (the usual allocation): every token's piece follows
         # the previous one's on both, so the segments below would merge into this one run.
         so, do = token_start - s_first * sps, token_start - d_first * dps
