@@ -226,7 +226,7 @@ def _capacity_caption(cap: Capacity) -> str:
         f"bound: the most a configuration could finish at full use of its GPUs (roofline); "
         f"{ruled} more configurations not simulated"
         + (f" (bound below {rate:g} req/s, or more GPUs than the answer)" if rate is not None else "")
-        + "; max req/s: bisection of steady-state runs"
+        + "; max req/s: the highest rate a steady-state run met - the lowest one missed (or the bound)"
         + (
             " (^: no run of its own met more; the lower end is what a configuration with no more "
             "instances sustained)"
