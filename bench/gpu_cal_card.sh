@@ -8,6 +8,11 @@
 #   CARD=h200 PART=fit2 bash bench/gpu_cal_card.sh   # every flow at 8,192 tokens (one room) and at
 #       2,048 tokens, 8 in flight (TP 1->1 / 2->1)
 #   CARD=h200 PART=rows ROWS='bench-flows.jsonl 2048 8 1-1 ring 1;...' bash bench/gpu_cal_card.sh
+#       or ROWS_FILE=path/rows.txt (from the repository root): one spec a line, '#' comments.
+#       STOP_S=540: start no row once the call has run that long (a row takes 20-45 s; the device
+#       allows 600 s a command). Each row done leaves a mark in $R/done/: the same command again on
+#       the same (still warm) machine takes the rows after it, so one list spans two calls of one
+#       machine; on a fresh machine it starts over (host.txt, one block a call, tells which).
 #   CARD=h200 PART=check bash bench/gpu_cal_card.sh  # held out: every flow at 4,096 tokens (one room,
 #       three TP pairs) and at 1,024 tokens (8 in flight, TP 1->1 / 2->1)
 #   CARD=h200 PART=trace TRACE_FLOWS=ring,pinned bash bench/gpu_cal_card.sh  # traced rooms (4,096 tokens,
@@ -27,16 +32,21 @@ mkdir -p "$R/cal"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$R/gpu.txt"
 # Which host ran the rows: calls on different machines differ by up to 2x on the same rows (batches
 # of small rooms, descriptor posting), so each call names its CPU, clocks and driver beside the GPU.
-{ grep -m1 'model name' /proc/cpuinfo; nproc; uname -r
+# The identity lines (GPU uuid and serial, boot id, host name) tell one machine from another: the
+# model lines alone read the same on every lent H200.
+{ echo "call at $(date -u +%FT%TZ)"; grep -m1 'model name' /proc/cpuinfo; nproc; uname -r
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=driver_version,clocks.max.sm,clocks.sm,pstate --format=csv,noheader
-} >"$R/host.txt" 2>&1
-cat "$R/host.txt"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=uuid,serial,pci.bus_id --format=csv,noheader
+  echo "boot_id $(cat /proc/sys/kernel/random/boot_id) host $(hostname)"
+} >"$R/host.now.txt" 2>&1
+cat "$R/host.now.txt" | tee -a "$R/host.txt"
 if [ "$ENGINE" = native ]; then  # built from source here, as bench/gpu_native.sh does
-  step build 60 python3 -P -m kvferry.backends.native.build --out /tmp/kvf_engine.so
-  if [ ! -s /tmp/kvf_engine.so ] && [ -s "$REPO/build/kvf_engine.so" ]; then
-    cp "$REPO/build/kvf_engine.so" /tmp/kvf_engine.so && echo "engine: carried build" | tee -a "$R/steps.txt"
+  SO=${ENGINE_SO:-/tmp/kvf_engine.so}  # a dry run beside others on a shared box names its own
+  step build 60 python3 -P -m kvferry.backends.native.build --out "$SO"
+  if [ ! -s "$SO" ] && [ -s "$REPO/build/kvf_engine.so" ]; then
+    cp "$REPO/build/kvf_engine.so" "$SO" && echo "engine: carried build" | tee -a "$R/steps.txt"
   fi
-  export KVFERRY_NATIVE_LIB=/tmp/kvf_engine.so
+  export KVFERRY_NATIVE_LIB=$SO
 fi
 
 row() {  # row FILE TOKENS INFLIGHT CONFIG FLOW ROOMS [telemetry]: one bench row appended to cal/FILE
@@ -48,7 +58,7 @@ row() {  # row FILE TOKENS INFLIGHT CONFIG FLOW ROOMS [telemetry]: one bench row
   step "$name" 120 /tmp/kv bench nixl --mem "$MEM" --tokens "$((tok / TOKS_SCALE))" --rooms "$rooms" \
     --inflight "$inflight" --config "$cfg" --flow "$flow" --engine "$ENGINE" "${args[@]}" --json
   cat "$R/$name.out" >>"$R/cal/$file"
-  tar czf "$OUT/results.tgz" -C "$R" .  # again: step packed before the row reached cal/
+  pack  # again: step packed before the row reached cal/
 }
 
 case "$PART" in
@@ -88,18 +98,29 @@ case "$PART" in
     done
     ;;
   rows)  # ROWS='FILE TOKENS INFLIGHT TP FLOW ROOMS [tel];...' (TP as 2-1): the rows a call left over
-    IFS=';' read -r -a specs <<<"${ROWS:?ROWS: rows to take}"
-    for spec in "${specs[@]}"; do
-      read -r file tok inflight tp flow rooms tel <<<"$spec"
+    if [ -n "${ROWS_FILE:-}" ]; then  # one spec a line, '#' comments (a list longer than a command)
+      ROWS=$(grep -v '^[[:space:]]*\(#\|$\)' "$REPO/$ROWS_FILE" | paste -sd';')
+    fi
+    IFS=';' read -r -a specs <<<"${ROWS:?ROWS or ROWS_FILE: rows to take}"
+    mkdir -p "$R/done"
+    for i in "${!specs[@]}"; do
+      [ -e "$R/done/$i" ] && continue  # taken by an earlier call on this machine
+      if [ -n "${STOP_S:-}" ] && [ "$SECONDS" -ge "$STOP_S" ]; then
+        echo "stopped at row $i of ${#specs[@]} after $SECONDS s (STOP_S=$STOP_S)" | tee -a "$R/steps.txt"
+        break
+      fi
+      read -r file tok inflight tp flow rooms tel <<<"${specs[$i]}"
       row "$file" "$tok" "$inflight" "tp${tp/-/->} nhd" "$flow" "$rooms" "${tel:-}"
+      echo "${specs[$i]}" >"$R/done/$i"
     done
+    pack
     ;;
   trace)
     step trace 300 /tmp/kv bench nixl --mem "$MEM" --tokens "$((4096 / TOKS_SCALE))" --rooms 3 --config 'tp1->1 nhd' \
       --config 'tp2->1 nhd' --config 'tp1->2 nhd' --flow "${TRACE_FLOWS:-ring}" --engine "$ENGINE" --trace "$R/cal/trace" --json
     cp "$R/trace.out" "$R/cal/trace.out"
     grep -o 'executor[^,]*' "$R/trace.log" | sort | uniq -c
-    tar czf "$OUT/results.tgz" -C "$R" .
+    pack
     ;;
   *) echo "PART: fit1, fit2, check, rows or trace, got $PART" >&2; exit 2 ;;
 esac

@@ -26,7 +26,7 @@ fi
 export PYTHONUNBUFFERED=1
 KVFERRY_CONTROL_KEY=${KVFERRY_CONTROL_KEY:-$(python3 -c 'import os; print(os.urandom(32).hex())')}
 export KVFERRY_CONTROL_KEY
-R=/tmp/r
+R=${R:-/tmp/r}  # a dry run beside others on a shared box names its own
 mkdir -p "$R/trace"
 # A script, not a shell function, so that `timeout` can run it. Run from outside the checkout (and
 # with -P) so its kvferry/ folder does not shadow the package; child processes inherit the cwd.
@@ -40,5 +40,8 @@ step() {  # step NAME SECONDS COMMAND...: stdout to NAME.out, stderr to NAME.log
   local t0=$SECONDS
   timeout "$limit" "$@" >"$R/$name.out" 2>"$R/$name.log"
   echo "step $name: exit $? in $((SECONDS - t0)) s" | tee -a "$R/steps.txt"
-  tar czf "$OUT/results.tgz" -C "$R" .
+  pack
+}
+pack() {  # $R into $OUT/results.tgz; renamed into place so a call killed mid-pack keeps the last whole one
+  tar czf "$OUT/results.part.tgz" -C "$R" . && mv -f "$OUT/results.part.tgz" "$OUT/results.tgz"
 }
