@@ -26,6 +26,15 @@ def test_a_small_bench_row_checks_its_bytes_and_says_what_nixl_alone_costs(flow:
         assert row["scattered"]["ring"] > 0  # the ring really ran
 
 
+@pytest.mark.parametrize("engine", ["python", "native"])
+def test_a_room_ending_inside_a_page_checks_its_bytes(engine: str) -> None:
+    """8 tokens in 16-token pages: the rest of the last page stays zero, and the check expects
+    exactly that many zero bytes (it once counted them as wrong bytes)."""
+    cfg = BenchConfig("tp1->1 nhd", 1, 1, tokens=8, rooms=2, flow="direct", engine=engine)
+    row = run_config(cfg, timeout_s=120.0)
+    assert row["bytes_ok"] is True
+
+
 @pytest.mark.parametrize("poll_us", [0.0, 50.0, 5000.0])
 def test_the_active_poll_interval_reaches_the_runtime_below_the_idle_sleep(poll_us: float) -> None:
     from kvferry.tools.runtime_bench import _config
