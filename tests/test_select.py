@@ -342,3 +342,20 @@ def test_rate_without_instance_counts_is_the_capacity_search(tmp_path: Path) -> 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = runner.invoke(app, [*args, "--jobs", "1"])
     assert table.exit_code == 0 and "answer: " in table.stdout and "capacity for 30 req/s" in table.stdout
+
+
+def test_the_table_says_when_one_tp_group_ran_and_every_rank_runs_them_all() -> None:
+    """SMALL is qwen3-8b TP 4 -> 2: two identical TP groups; the caption says one ran. With the
+    fabric's jitter on, one group draws fewer jitters (tests/test_deploy_groups.py has the exact
+    comparison with jitter off), so a request may join a neighbouring decode step: the numbers
+    agree within a step, not exactly."""
+    r = runner.invoke(app, [*SMALL, "--flows", "ring"])
+    assert r.exit_code == 0, r.stdout + r.stderr
+    assert "identical TP groups" in " ".join(r.stdout.split())
+    one = _json([*SMALL, "--flows", "ring"])
+    every = _json([*SMALL, "--flows", "ring", "--every-rank"])
+    assert every["deployment"]["every_rank"] is True and one["deployment"]["every_rank"] is False
+    for a, b in zip(one["results"]["ring"], every["results"]["ring"], strict=True):
+        assert a["completed"] == b["completed"] and a["ttft_ms"]["p50"] == pytest.approx(
+            b["ttft_ms"]["p50"], rel=0.05
+        )

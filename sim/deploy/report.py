@@ -67,8 +67,19 @@ def _flows_table(sel: Selection) -> Any:
     t.caption = (
         "SLO met: requests within both SLOs (goodput, requests/s); extra MiB: staging a prefill rank "
         "and a decode rank register (ring, pinned pools, worker buffers); --json has p90s and means"
+        + _groups_note(sp)
     )
     return t
+
+
+def _groups_note(spec: Any) -> str:
+    """Says when the runs simulated one of an instance pair's identical TP groups, not every rank."""
+    if spec.every_rank:
+        return ""
+    groups = spec.rank_groups()
+    if groups < 2:
+        return ""
+    return f"; transfers ran on one of each instance pair's {groups} identical TP groups (--every-rank: all)"
 
 
 def _row(rank: int, flow: str, r: DeployResult) -> list[str]:
@@ -178,7 +189,7 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
     for c in cap.candidates:
         if c.met is not None or c.max_rps is not None:
             t.add_row(*_capacity_row(cap, c))
-    t.caption = _capacity_caption(cap)
+    t.caption = _capacity_caption(cap, spec.every_rank)
     console.print(t)
     for name, b in cap.bounds.items():
         console.print(
@@ -219,7 +230,7 @@ def _capacity_row(cap: Capacity, c: Candidate) -> list[str]:
     return [c.name + mark, str(c.gpus), c.flow, bound, ttft, tpot, att, most, c.verdict(cap.rate)]
 
 
-def _capacity_caption(cap: Capacity) -> str:
+def _capacity_caption(cap: Capacity, every_rank: bool) -> str:
     rate = cap.rate
     ruled = sum(1 for c in cap.candidates if c.met is None and c.max_rps is None)
     return (
@@ -231,6 +242,11 @@ def _capacity_caption(cap: Capacity) -> str:
             " (^: no run of its own met more; the lower end is what a configuration with no more "
             "instances sustained)"
             if any(c.max_rps_from for c in cap.candidates)
+            else ""
+        )
+        + (
+            "; transfers ran on one of the identical TP groups of each instance pair (--every-rank: all)"
+            if not every_rank
             else ""
         )
     )
