@@ -342,6 +342,7 @@ def test_rate_without_instance_counts_is_the_capacity_search(tmp_path: Path) -> 
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = runner.invoke(app, [*args, "--jobs", "1"])
     assert table.exit_code == 0 and "answer: " in table.stdout and "capacity for 30 req/s" in table.stdout
+    assert "identical TP groups" in " ".join(table.stdout.split())  # TP 4 -> 2: one of two ran
 
 
 def test_the_table_says_when_one_tp_group_ran_and_every_rank_runs_them_all() -> None:

@@ -189,7 +189,7 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
     for c in cap.candidates:
         if c.met is not None or c.max_rps is not None:
             t.add_row(*_capacity_row(cap, c))
-    t.caption = _capacity_caption(cap, spec.every_rank)
+    t.caption = _capacity_caption(cap, spec)
     console.print(t)
     for name, b in cap.bounds.items():
         console.print(
@@ -230,8 +230,10 @@ def _capacity_row(cap: Capacity, c: Candidate) -> list[str]:
     return [c.name + mark, str(c.gpus), c.flow, bound, ttft, tpot, att, most, c.verdict(cap.rate)]
 
 
-def _capacity_caption(cap: Capacity, every_rank: bool) -> str:
+def _capacity_caption(cap: Capacity, base: Any) -> str:
     rate = cap.rate
+    ran = [c for c in cap.candidates if c.met is not None or c.max_rps is not None]
+    grouped = not base.every_rank and any(c.spec(base).rank_groups() > 1 for c in ran)
     ruled = sum(1 for c in cap.candidates if c.met is None and c.max_rps is None)
     return (
         f"bound: the most a configuration could finish at full use of its GPUs (roofline); "
@@ -246,7 +248,7 @@ def _capacity_caption(cap: Capacity, every_rank: bool) -> str:
         )
         + (
             "; transfers ran on one of the identical TP groups of each instance pair (--every-rank: all)"
-            if not every_rank
+            if grouped
             else ""
         )
     )
