@@ -522,7 +522,8 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
     # A room whose last page is partly filled leaves the rest of it zero: zeros are expected too,
     # exactly the slot's bytes that no rank writes (a write past the room's tokens would eat them).
     for want, regions in zip(wants, all_regions, strict=True):
-        untouched = sum(_slot(r, slots, 0).size for r in regions.values()) - sum(want.values())
+        # len(): a slot is one flat row of a numpy array or a torch tensor (whose .size is a method)
+        untouched = sum(len(_slot(r, slots, 0)) for r in regions.values()) - sum(want.values())
         if untouched:
             want[0] = untouched
     for b in range(cfg.warmup + cfg.rooms):
