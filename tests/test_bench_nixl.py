@@ -6,6 +6,8 @@ own descriptors (and only the direct flow's: staged flows post other descriptors
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvferry.tools.runtime_bench import BenchConfig, run_config
@@ -33,6 +35,25 @@ def test_a_room_ending_inside_a_page_checks_its_bytes(engine: str) -> None:
     cfg = BenchConfig("tp1->1 nhd", 1, 1, tokens=8, rooms=2, flow="direct", engine=engine)
     row = run_config(cfg, timeout_s=120.0)
     assert row["bytes_ok"] is True
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_the_zeros_expected_count_the_same_on_numpy_and_torch_regions(kind: str) -> None:
+    """VRAM rows check torch tensors (CPU rows numpy arrays): the expected zeros must come out the
+    same on both (a ``.size`` read once broke every VRAM row)."""
+    import numpy as np
+
+    from kvferry.tools.runtime_bench import _counts, _expect_zeros
+
+    regions: dict[int, Any] = {0: np.zeros(64, dtype=np.uint8), 1: np.zeros(64, dtype=np.uint8)}
+    for r in regions.values():
+        r[16:22] = 1  # slot 1 of 4: six bytes written of sixteen
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        regions = {k: torch.from_numpy(v) for k, v in regions.items()}
+    want = {1: 12}
+    _expect_zeros(want, regions, 4)
+    assert want == {1: 12, 0: 20} == _counts(regions, 4, 1)
 
 
 @pytest.mark.parametrize("poll_us", [0.0, 50.0, 5000.0])

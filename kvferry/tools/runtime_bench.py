@@ -187,6 +187,16 @@ def _counts(regions: dict[int, Any], slots: int, slot: int) -> dict[int, int]:
     return {int(v): int(c) for v, c in enumerate(total) if c}
 
 
+def _expect_zeros(want: dict[int, int], regions: dict[int, Any], slots: int) -> None:
+    """A room whose last page is partly filled leaves the rest of it zero: zeros are expected too,
+    exactly the slot's bytes that no rank writes (a write past the room's tokens would eat them).
+    ``len()``: a slot is one flat row of a numpy array or a torch tensor (whose ``.size`` is a
+    method)."""
+    untouched = sum(len(_slot(r, slots, 0)) for r in regions.values()) - sum(want.values())
+    if untouched:
+        want[0] = untouched
+
+
 def staging_bytes(cfg: BenchConfig) -> dict[str, int]:
     """Staging sizes for ``max(2, inflight)`` chunks per rank (one chunk per worker buffer slot)."""
     from kvferry.core.geometry import ModelGeometry
@@ -519,13 +529,8 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
     durations, checks = [], []
     room_bytes = sum(ep.pool.token_bytes for ep in eps) * cfg.tokens * eps[0].pool.model.num_regions
     wants = [_expected_counts(ep.pool, cfg.prefill_tp, cfg.tokens) for ep in eps]
-    # A room whose last page is partly filled leaves the rest of it zero: zeros are expected too,
-    # exactly the slot's bytes that no rank writes (a write past the room's tokens would eat them).
     for want, regions in zip(wants, all_regions, strict=True):
-        # len(): a slot is one flat row of a numpy array or a torch tensor (whose .size is a method)
-        untouched = sum(len(_slot(r, slots, 0)) for r in regions.values()) - sum(want.values())
-        if untouched:
-            want[0] = untouched
+        _expect_zeros(want, regions, slots)
     for b in range(cfg.warmup + cfg.rooms):
         half = b % 2
         dt, t_done = _receive_batch(cfg, eps, all_regions, b)
