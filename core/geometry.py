@@ -168,7 +168,7 @@ class ModelGeometry:
 
     @property
     def num_regions(self) -> int:
-        return self.num_layers if self.is_mla or self.fused_kv else 2 * self.num_layers
+        return self.num_layers * len(self.kinds)
 
     @property
     def head_bytes(self) -> int:

@@ -244,10 +244,10 @@ class DeploySpec:
                 completion_handle_us=ctl.completion_handle_us,
             )
         fab = hardware.fabric_spec(gpu, nic)
-        geo = self.geometry()
         groups = 1 if self.every_rank else self.rank_groups()
         model: dict[str, Any] = {"preset": self.model}
         if groups > 1:
+            geo = self.geometry()
             model = {
                 "name": f"{geo.name} (1 of {groups} TP groups)",
                 "num_layers": geo.num_layers,
