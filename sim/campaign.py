@@ -427,6 +427,12 @@ def campaign(
             nxt += 1
 
 
+def first_failing(runs: Iterator[RunResult]) -> RunResult | None:
+    """The first run with a violation, or None: the runs after it are not waited for (leaving
+    ``campaign``'s generator ends it), which a planted-bug check needs no more of."""
+    return next((r for r in runs if r.violations), None)
+
+
 def save_failure(res: RunResult, directory: str | Path) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ planted early free caught with a seed that replays it).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,8 +18,7 @@ from kvferry.core.geometry import ModelGeometry
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.sender import SState
 from kvferry.sim import scenario as sc
-from kvferry.sim.campaign import campaign, run_one, save_failure
-from kvferry.sim.metrics import RunResult
+from kvferry.sim.campaign import campaign, first_failing, run_one, save_failure
 from msgspec.structs import replace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -179,15 +177,9 @@ def test_pull_on_a_heterogeneous_simulated_deployment() -> None:
     assert Flow.PULL.value in sc.FLOW_CHOICES
 
 
-def _first_caught(runs: Iterator[RunResult]) -> RunResult | None:
-    """The first run with a violation, the only one the checks read: the seeds after it are not
-    run (leaving the generator stops the campaign)."""
-    return next((r for r in runs if r.violations), None)
-
-
 def test_campaign_catches_pull_freeing_pages_before_the_read(tmp_path: Path) -> None:
     base = sc.with_flow(sc.load(HETERO), "pull")
-    first = _first_caught(campaign(range(0, 2), base=base, hooks=("pull_free_early",)))
+    first = first_failing(campaign(range(0, 2), base=base, hooks=("pull_free_early",)))
     assert first is not None, "planted pull_free_early went unnoticed"
     assert "ownership" in first.violated()
     s = sc.load(save_failure(first, tmp_path))
@@ -199,7 +191,7 @@ def test_campaign_catches_pull_freeing_pages_before_the_read(tmp_path: Path) -> 
 
 def test_campaign_catches_a_write_failure_that_never_tells_decode(tmp_path: Path) -> None:
     # Not pull-specific: every flow's failed write must reach decode at once (tracker gap C2).
-    first = _first_caught(campaign(range(0, 4), hooks=("silent_write_failure",)))
+    first = first_failing(campaign(range(0, 4), hooks=("silent_write_failure",)))
     assert first is not None, "planted silent_write_failure went unnoticed"
     assert first.violated() == ["failure_notice"]
     s = sc.load(save_failure(first, tmp_path))
@@ -230,7 +222,7 @@ def test_prefix_hits_are_drawn_only_where_the_flow_can_skip_tokens() -> None:
 def test_campaign_catches_a_front_trimmed_prefix_hit(tmp_path: Path) -> None:
     base = sc.with_flow(sc.load(HETERO), "direct")
     base = replace(base, workload=replace(base.workload, prefix_hit=0.5))
-    first = _first_caught(campaign(range(0, 2), base=base, hooks=("prefix_front_trim",)))
+    first = first_failing(campaign(range(0, 2), base=base, hooks=("prefix_front_trim",)))
     assert first is not None, "planted prefix_front_trim went unnoticed"
     assert first.violated() == ["bytes"]
     s = sc.load(save_failure(first, tmp_path))

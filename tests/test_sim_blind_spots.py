@@ -14,7 +14,7 @@ import pytest
 from kvferry.core.kvpoll import KVPoll
 from kvferry.core.receiver import ReceiverEngine
 from kvferry.sim import scenario as sc
-from kvferry.sim.campaign import campaign, fuzz_scenario, run_one, save_failure
+from kvferry.sim.campaign import campaign, first_failing, fuzz_scenario, run_one, save_failure
 from msgspec.structs import replace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,8 +91,7 @@ def test_the_campaign_draws_bursts_with_chunks_landing_out_of_order(monkeypatch:
 def test_campaign_catches_planted_blind_spot_bug(
     hook: str, seeds: Any, invariant: str, tmp_path: Path
 ) -> None:
-    # The first seed with a violation is all the checks read: the seeds after it are not run.
-    first = next((r for r in campaign(seeds, hooks=(hook,)) if r.violations), None)
+    first = first_failing(campaign(seeds, hooks=(hook,)))
     assert first is not None, f"planted {hook} went unnoticed"
     assert invariant in first.violated(), first.violations[:3]
     s = sc.load(save_failure(first, tmp_path))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from kvferry.sim import scenario as sc
-from kvferry.sim.campaign import campaign, run_one, save_failure
+from kvferry.sim.campaign import campaign, first_failing, run_one, save_failure
 from msgspec.structs import replace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,8 +57,7 @@ def test_replay_refuses_an_unknown_flow() -> None:
 def test_campaign_catches_planted_staging_bug(
     hook: str, base: Path, seeds: range, invariant: str, tmp_path: Path
 ) -> None:
-    # The first seed with a violation is all the checks read: the seeds after it are not run.
-    first = next((r for r in campaign(seeds, base=sc.load(base), hooks=(hook,)) if r.violations), None)
+    first = first_failing(campaign(seeds, base=sc.load(base), hooks=(hook,)))
     assert first is not None, f"planted {hook} went unnoticed"
     assert invariant in first.violated()
     s = sc.load(save_failure(first, tmp_path))
