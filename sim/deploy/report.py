@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,19 +68,19 @@ def _flows_table(sel: Selection) -> Any:
     t.caption = (
         "SLO met: requests within both SLOs (goodput, requests/s); extra MiB: staging a prefill rank "
         "and a decode rank register (ring, pinned pools, worker buffers); --json has p90s and means"
-        + _groups_note(sp)
+        + _groups_note([sp])
     )
     return t
 
 
-def _groups_note(spec: Any) -> str:
-    """Says when the runs simulated one of an instance pair's identical TP groups, not every rank."""
-    if spec.every_rank:
+def _groups_note(specs: Sequence[Any]) -> str:
+    """Says when the runs of ``specs`` simulated one of an instance pair's identical TP groups,
+    not every rank; with the count when they all had as many."""
+    counts = {1 if s.every_rank else s.rank_groups() for s in specs}
+    if max(counts, default=1) < 2:
         return ""
-    groups = spec.rank_groups()
-    if groups < 2:
-        return ""
-    return f"; transfers ran on one of each instance pair's {groups} identical TP groups (--every-rank: all)"
+    many = f"{counts.pop()} " if len(counts) == 1 else ""
+    return f"; transfers ran on one of each instance pair's {many}identical TP groups (--every-rank: all)"
 
 
 def _row(rank: int, flow: str, r: DeployResult) -> list[str]:
@@ -232,8 +233,7 @@ def _capacity_row(cap: Capacity, c: Candidate) -> list[str]:
 
 def _capacity_caption(cap: Capacity, base: Any) -> str:
     rate = cap.rate
-    ran = [c for c in cap.candidates if c.met is not None or c.max_rps is not None]
-    grouped = not base.every_rank and any(c.spec(base).rank_groups() > 1 for c in ran)
+    ran = [c.spec(base) for c in cap.candidates if c.met is not None or c.max_rps is not None]
     ruled = sum(1 for c in cap.candidates if c.met is None and c.max_rps is None)
     return (
         f"bound: the most a configuration could finish at full use of its GPUs (roofline); "
@@ -246,11 +246,7 @@ def _capacity_caption(cap: Capacity, base: Any) -> str:
             if any(c.max_rps_from for c in cap.candidates)
             else ""
         )
-        + (
-            "; transfers ran on one of the identical TP groups of each instance pair (--every-rank: all)"
-            if grouped
-            else ""
-        )
+        + _groups_note(ran)
     )
 
 
