@@ -78,3 +78,15 @@ def fail_once_2_started(marks: str, x: int) -> int:
         time.sleep(0.02)
     Path(marks, f"{x}.finished").touch()
     return x
+
+
+def capacity_by_threshold(job: tuple) -> list[bool]:  # type: ignore[type-arg]
+    """A capacity search's steady-state run replaced by a threshold: the rate is met when at most
+    a made-up capacity of the configuration (below its bound, more instances serving more). It
+    sleeps up to 30 ms, by the job, so that runs finish in an order unlike the one they began in."""
+    spec, rate = job[0], job[1]
+    share = {"direct": 0.55, "push": 0.5, "ring": 0.8, "pinned": 0.75, "pull": 0.4}[spec.flow]
+    p, d = spec.prefill_instances, spec.decode_instances
+    capacity = share * (1 - 0.3 / p) * min(p, 2 * d)
+    time.sleep((hash((spec.flow, p, round(rate, 6))) % 31) / 1000)
+    return [rate <= capacity]

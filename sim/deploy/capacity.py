@@ -20,7 +20,7 @@ Simulating every configuration would take minutes; two facts keep it to the few 
 
 The most a configuration sustains (``max_rate``) is narrowed by steady-state runs between a rate
 it met and its bound, as many rates a round as there are workers: first around a guess (the
-share of its bound that a configuration limited alike sustained, ``_Shares``), since a run that
+share of its bound that a configuration limited alike sustained, ``_guess``), since a run that
 meets its rate runs its whole duration and one that misses stops early, bisection's first rates
 (a third and two thirds of the bound, met) cost the most and say the least.
 """
@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvferry.sim.deploy import workload as wl
+from kvferry.sim.deploy.in_order import InOrder
 from kvferry.sim.deploy.metrics import DeployResult
 from kvferry.sim.deploy.run import simulate
 from kvferry.sim.deploy.spec import DeploySpec
@@ -460,7 +462,7 @@ def search(
     within the limits sustains (``_every_max_rate``)."""
     if max_rates not in MAX_RATES:
         raise ValueError(f"max_rates must be one of {', '.join(MAX_RATES)}, got {max_rates!r}")
-    say = progress or (lambda _msg: None)
+    say = _one_at_a_time(progress or (lambda _msg: None))
     cands, per = _candidates(base, tp_pairs, flows_of, w, max_instances, max_gpus)
     try:
         with Runner(jobs) as runner:
@@ -490,6 +492,17 @@ def search(
         judged = sum(1 for c in cands if c.met is not None or c.max_rps is not None)
         why = f"interrupted: {judged} configurations judged before Ctrl-C are listed; no answer"
         return Capacity(rate, target, cands, None, why, per)
+
+
+def _one_at_a_time(say: Progress) -> Progress:
+    """``say`` for configurations narrowed on several threads: one line at a time."""
+    lock = threading.Lock()
+
+    def locked(msg: str) -> None:
+        with lock:
+            say(msg)
+
+    return locked
 
 
 def _candidates(
@@ -600,42 +613,52 @@ def _balanced(
         )
         if c.decode == want:
             balanced.append(c)
-    last: dict[tuple[int, int, str], Candidate] = {}
-    shares = _Shares()
-    for c in sorted(balanced, key=lambda c: (c.prefill, c.decode)):
+    order = sorted(balanced, key=lambda c: (c.prefill, c.decode))
+    # The same TP pair and flow's next smaller one, whose rate each starts from.
+    prev: list[int | None] = []
+    last: dict[tuple[int, int, str], int] = {}
+    for i, c in enumerate(order):
         kind = (c.prefill_tp, c.decode_tp, c.flow)
-        prev = last.get(kind)
-        lo, src = 0.0, ""
-        if prev is not None and prev.max_rps and prev.decode <= c.decode:
-            lo, src = prev.max_rps, prev.name
+        prev.append(last.get(kind))
+        last[kind] = i
+    at = {id(c): i for i, c in enumerate(order)}
+    steps = InOrder(len(order), parallel=s.runner.jobs > 1)
+
+    def narrow(i: int) -> None:
+        c, lo, src = order[i], 0.0, ""
+        j = prev[i]
+        if j is not None:
+            steps.wait(j)
+            p = order[j]
+            if p.max_rps and p.decode <= c.decode:
+                lo, src = p.max_rps, p.name
+        guess = _guess(c, lo, order[:i], lambda o: steps.wait(at[id(o)]))
         s.say(f"most {c.name} {c.flow} sustains (bound {c.bound_rps:.2f} req/s)")
         runs = [0]
-        got, c.max_rps_below = s.narrow(c, lo, c.bound_rps, runs=runs, guess=shares.guess(c, lo))
-        c.max_rps, c.max_rps_runs = got, runs[0]
+        got, below = s.narrow(c, lo, c.bound_rps, runs=runs, guess=guess)
+        if steps.stopped:
+            return
+        c.max_rps, c.max_rps_below, c.max_rps_runs = got, below, runs[0]
         c.max_rps_from = src if got == lo and src else ""
-        last[kind] = c
-        shares.add(c)
+
+    steps.run(narrow)
     best, why = _best_per_gpu(cands)
     return Capacity(None, s.target, cands, best, why, per)
 
 
-class _Shares:
-    """Where a configuration's maximum rate likely lies: the share of its bound that the last
-    configuration narrowed with as many prefill instances and the same limiting side sustained
-    (another flow limited alike), else the last one with that side (one instance fewer)."""
-
-    def __init__(self) -> None:
-        self._by: dict[tuple[int, str] | str, float] = {}
-
-    def add(self, c: Candidate) -> None:
-        if c.max_rps:
-            share = c.max_rps / c.bound_rps
-            self._by[(c.prefill, c.limit)] = self._by[c.limit] = share
-
-    def guess(self, c: Candidate, lo: float) -> float:
-        """A rate to try first (0: none known, bisect); at least ``lo`` (then: just above it)."""
-        share = self._by.get((c.prefill, c.limit)) or self._by.get(c.limit, 0.0)
-        return max(lo, share * c.bound_rps)
+def _guess(c: Candidate, lo: float, before: Sequence[Candidate], wait: Callable[[Candidate], None]) -> float:
+    """Where ``c``'s maximum rate likely lies, a rate to try first (0: none known, bisect), at
+    least ``lo`` (then: just above it): the share of its bound that the latest of ``before`` with
+    as many prefill instances and the same limiting side sustained (another flow limited alike),
+    else the latest with that side (one instance fewer). ``wait(o)`` before reading ``o``'s result
+    (a search narrowing several at once)."""
+    for alike in (lambda o: o.prefill == c.prefill and o.limit == c.limit, lambda o: o.limit == c.limit):
+        for o in reversed(before):
+            if alike(o):
+                wait(o)
+                if o.max_rps:
+                    return max(lo, o.max_rps / o.bound_rps * c.bound_rps)
+    return lo
 
 
 def _best_per_gpu(cands: Sequence[Candidate]) -> tuple[Candidate | None, str]:
@@ -662,24 +685,34 @@ def _every_max_rate(
     fewer instances of either side could not sustain. Configurations go smallest first so each
     starts from its smaller neighbours' results (``cands``: all of them, ``chosen`` among them);
     an interval already within 5% takes no run."""
-    order = sorted(chosen, key=lambda c: (c.prefill_tp, c.decode_tp, c.flow, c.prefill, c.decode))
-    shares = _Shares()
-    for c in cands:
-        if c.max_rps is not None:
-            shares.add(c)  # the answer's, narrowed already
-    for c in order:
-        if c.max_rps is not None:
-            continue
+    seeds = [c for c in cands if c.max_rps is not None]  # the answer's, narrowed already
+    order = sorted(
+        (c for c in chosen if c.max_rps is None),
+        key=lambda c: (c.prefill_tp, c.decode_tp, c.flow, c.prefill, c.decode),
+    )
+    at = {id(c): i for i, c in enumerate(order)}
+    steps = InOrder(len(order), parallel=s.runner.jobs > 1)
+
+    def narrow(i: int) -> None:
+        c = order[i]
         lo, src = (rate, "") if c.met and rate is not None else (0.0, "")
         hi = c.bound_rps if c.met is not False or rate is None else min(c.bound_rps, rate)
         for o in cands:
             if o is c or not _same_kind(o, c):
                 continue
-            if o.prefill <= c.prefill and o.decode <= c.decode and (o.max_rps or 0.0) > lo:
-                lo, src = o.max_rps or 0.0, o.name
+            j = at.get(id(o))
+            if j is not None and j > i:
+                # Narrowed after this one in order: nothing known of its rates yet.
+                max_rps, below = None, None
+            else:
+                if j is not None:
+                    steps.wait(j)
+                max_rps, below = o.max_rps, o.max_rps_below
+            if o.prefill <= c.prefill and o.decode <= c.decode and (max_rps or 0.0) > lo:
+                lo, src = max_rps or 0.0, o.name
             if o.prefill >= c.prefill and o.decode >= c.decode:
-                if o.max_rps_below is not None:
-                    hi = min(hi, o.max_rps_below)
+                if below is not None:
+                    hi = min(hi, below)
                 if o.met is False and rate is not None:
                     hi = min(hi, rate)
         if lo >= hi:  # the seeds' noise against the assumption: start from this one's own results
@@ -688,10 +721,14 @@ def _every_max_rate(
         runs = [0]
         if lo == 0.0 or hi - lo > 0.05 * lo:
             s.say(f"most {c.name} {c.flow} sustains: between {lo:.2f} and {hi:.2f} req/s")
-        got, c.max_rps_below = s.narrow(c, lo, hi, quiet=True, runs=runs, guess=shares.guess(c, lo))
-        c.max_rps, c.max_rps_runs = got, runs[0]
+        guess = _guess(c, lo, seeds + order[:i], lambda o: steps.wait(at[id(o)]) if id(o) in at else None)
+        got, below_c = s.narrow(c, lo, hi, quiet=True, runs=runs, guess=guess)
+        if steps.stopped:
+            return
+        c.max_rps, c.max_rps_below, c.max_rps_runs = got, below_c, runs[0]
         c.max_rps_from = src if got == lo and src else ""
-        shares.add(c)
+
+    steps.run(narrow)
 
 
 def _p99(c: Candidate) -> float:
