@@ -85,3 +85,38 @@ def test_without_a_guess_the_first_round_bisects() -> None:
     runner = _Threshold(2, 7.3)
     max_rate(DeploySpec(), None, (1,), 0.9, 0.0, 9.0, 1, None, runner)  # type: ignore[arg-type]
     assert runner.rates == [[3.0, 6.0]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    a=st.floats(0.2, 5.0),
+    top=st.floats(0.5, 1.0),
+    ps=st.lists(st.integers(1, 8), min_size=3, max_size=3, unique=True),
+)
+def test_a_share_on_the_queueing_curve_is_drawn_exactly(a: float, top: float, ps: list[int]) -> None:
+    """Shares on ``top * a p / (1 + a p)`` (1/share linear in 1/p): two of them give the third."""
+
+    def share(p: int) -> float:
+        return top * a * p / (1 + a * p)
+
+    p, p1, p2 = ps
+    assert capacity._share_at(p, [(p1, share(p1)), (p2, share(p2))]) == pytest.approx(min(1.0, share(p)))
+
+
+@given(
+    y1=st.floats(0.05, 1.0),
+    y2=st.floats(0.05, 1.0),
+    p=st.integers(1, 8),
+    p1=st.integers(1, 8),
+    p2=st.integers(1, 8),
+)
+def test_a_drawn_share_is_the_newest_unless_shares_rise_and_never_above_the_bound(
+    y1: float, y2: float, p: int, p1: int, p2: int
+) -> None:
+    if p1 == p2:
+        return
+    got = capacity._share_at(p, [(p1, y1), (p2, y2)])
+    assert 0 < got <= 1.0
+    if (y2 - y1) * (p2 - p1) <= 0:  # flat or falling with more instances: no curve to draw
+        assert got == y1
+    assert capacity._share_at(p, [(p1, y1)]) == y1

@@ -648,17 +648,42 @@ def _balanced(
 
 def _guess(c: Candidate, lo: float, before: Sequence[Candidate], wait: Callable[[Candidate], None]) -> float:
     """Where ``c``'s maximum rate likely lies, a rate to try first (0: none known, bisect), at
-    least ``lo`` (then: just above it): the share of its bound that the latest of ``before`` with
-    as many prefill instances and the same limiting side sustained (another flow limited alike),
-    else the latest with that side (one instance fewer). ``wait(o)`` before reading ``o``'s result
-    (a search narrowing several at once)."""
-    for alike in (lambda o: o.prefill == c.prefill and o.limit == c.limit, lambda o: o.limit == c.limit):
-        for o in reversed(before):
-            if alike(o):
-                wait(o)
-                if o.max_rps:
-                    return max(lo, o.max_rps / o.bound_rps * c.bound_rps)
-    return lo
+    least ``lo`` (then: just above it), as a share of its bound: the share that the latest of
+    ``before`` with as many prefill instances and the same limiting side sustained (another flow
+    limited alike); else the share of that side's configurations of fewer prefill instances,
+    drawn through the latest two (``_share_at``). ``wait(o)`` before reading ``o``'s result (a
+    search narrowing several at once)."""
+    for o in reversed(before):
+        if o.prefill == c.prefill and o.limit == c.limit:
+            wait(o)
+            if o.max_rps:
+                return max(lo, o.max_rps / o.bound_rps * c.bound_rps)
+    seen: list[tuple[int, float]] = []  # (prefill instances, share): the latest per count, newest first
+    for o in reversed(before):
+        if o.limit == c.limit and o.prefill < c.prefill and all(o.prefill != p for p, _ in seen):
+            wait(o)
+            if o.max_rps:
+                seen.append((o.prefill, o.max_rps / o.bound_rps))
+                if len(seen) == 2:
+                    break
+    if not seen:
+        return lo
+    return max(lo, _share_at(c.prefill, seen) * c.bound_rps)
+
+
+def _share_at(p: int, seen: Sequence[tuple[int, float]]) -> float:
+    """The share of its bound that ``p`` instances likely sustain, from what fewer did (newest
+    first). More instances of a side smooth its Poisson arrivals, so they keep more of their bound
+    busy within the same SLO: by Kingman's formula the share lost to queueing falls about as
+    1/(1 + a p), so 1/share is about linear in 1/p. Two points draw that line; one, or two that do
+    not rise, give the newest share. Never above the bound."""
+    (p1, y1), *rest = seen
+    if not rest or (rest[0][1] - y1) * (rest[0][0] - p1) <= 0:  # no share rising with p
+        return y1
+    p2, y2 = rest[0]
+    slope = (1 / y1 - 1 / y2) / (1 / p1 - 1 / p2)
+    inverse = 1 / y1 + slope * (1 / p - 1 / p1)
+    return 1.0 if inverse <= 1 else 1 / inverse
 
 
 def _best_per_gpu(cands: Sequence[Candidate]) -> tuple[Candidate | None, str]:
