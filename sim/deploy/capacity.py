@@ -22,7 +22,9 @@ The most a configuration sustains (``max_rate``) is narrowed by steady-state run
 it met and its bound, as many rates a round as there are workers: first around a guess (the
 share of its bound that a configuration limited alike sustained, ``_guess``), since a run that
 meets its rate runs its whole duration and one that misses stops early, bisection's first rates
-(a third and two thirds of the bound, met) cost the most and say the least.
+(a third and two thirds of the bound, met) cost the most and say the least. Configurations are
+narrowed side by side on the workers (``InOrder``), each waiting only for the earlier ones whose
+results it starts from, so the table is the one narrowing them one after another gives.
 """
 
 from __future__ import annotations
