@@ -120,3 +120,24 @@ def test_a_drawn_share_is_the_newest_unless_shares_rise_and_never_above_the_boun
     if (y2 - y1) * (p2 - p1) <= 0:  # flat or falling with more instances: no curve to draw
         assert got == y1
     assert capacity._share_at(p, [(p1, y1)]) == y1
+
+
+def _sized(flow: str, p: int, max_rps: float, below: float, staging: int) -> capacity.Candidate:
+    c = capacity.Candidate(8, 4, flow, p, p, 99.0, "prefill compute", staging_bytes=staging)
+    c.max_rps, c.max_rps_below = max_rps, below
+    return c
+
+
+def test_the_most_a_gpu_breaks_a_tie_within_the_intervals_by_staging_memory() -> None:
+    ring, pinned = _sized("ring", 2, 10.0, 10.4, 100 << 20), _sized("pinned", 2, 10.2, 10.6, 200 << 20)
+    best, why = capacity._best_per_gpu([pinned, ring])
+    assert best is ring, why  # pinned was seen higher, but ring could sustain as much: a tie
+    assert "tied within the narrowing's intervals with 2P x TP8 + 2D x TP4 with pinned" in why
+    assert "chosen for less staging memory (100 MiB a rank pair)" in why
+    clear = _sized("pinned", 2, 10.5, 10.9, 200 << 20)  # met more than ring could: no tie
+    best, why = capacity._best_per_gpu([ring, clear])
+    assert best is clear and "tied" not in why
+    assert capacity._best_per_gpu([_sized("ring", 1, 0.0, 1.0, 0)]) == (
+        None,
+        "no configuration sustains any rate within the SLOs",
+    )

@@ -689,12 +689,30 @@ def _share_at(p: int, seen: Sequence[tuple[int, float]]) -> float:
 
 
 def _best_per_gpu(cands: Sequence[Candidate]) -> tuple[Candidate | None, str]:
-    best = max((c for c in cands if c.max_rps), key=lambda c: (c.max_rps or 0) / c.gpus, default=None)
+    """The configuration sustaining the most requests per GPU. Each maximum is known only within
+    its narrowing's interval (a rate met, one missed), so those that could match the highest (their
+    missed rate per GPU above its met one) tie with it: the least staging memory wins, as in the
+    search for a rate, and the reason names the ties."""
+    sized = [c for c in cands if c.max_rps]
+    if not sized:
+        return None, "no configuration sustains any rate within the SLOs"
+    top = max(sized, key=lambda c: (c.max_rps or 0.0) / c.gpus)
+    floor = (top.max_rps or 0.0) / top.gpus
+    ties = [c for c in sized if (c.max_rps_below or c.max_rps or 0.0) / c.gpus > floor or c is top]
+    best = min(ties, key=lambda c: (c.staging_bytes, -(c.max_rps or 0.0) / c.gpus))
+    per_gpu = (best.max_rps or 0.0) / best.gpus
     why = (
-        f"most requests per second per GPU: {best.name} with {best.flow}, {best.max_rps:.2f} req/s"
-        if best
-        else "no configuration sustains any rate within the SLOs"
+        f"most requests per second per GPU: {best.name} with {best.flow}, {_sustains(best)} "
+        f"({per_gpu:.3f} a GPU)"
     )
+    others = sorted((c for c in ties if c is not best), key=lambda c: -(c.max_rps or 0.0) / c.gpus)
+    if others:
+        said = ", ".join(f"{c.name} with {c.flow} ({(c.max_rps or 0.0) / c.gpus:.3f})" for c in others[:3])
+        more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+        why += (
+            f"; tied within the narrowing's intervals with {said}{more}: chosen for less staging "
+            f"memory ({best.staging_bytes / 2**20:.0f} MiB a rank pair), then the most a GPU"
+        )
     return best, why
 
 
