@@ -350,6 +350,9 @@ class Runner:
             from kvferry.sim.executors import new_pool
 
             self._pool = new_pool(self.jobs, multiprocessing.get_context("fork"))
+            # A fork pool starts every worker at its first job: here, on this thread, before the
+            # search's threads (``InOrder``) exist, whose locks a forked child would inherit held.
+            self._pool.submit(int).result()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
