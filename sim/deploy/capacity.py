@@ -705,8 +705,8 @@ def _best_per_gpu(cands: Sequence[Candidate]) -> tuple[Candidate | None, str]:
     best = min(ties, key=lambda c: (c.staging_bytes, -(c.max_rps or 0.0) / c.gpus))
     per_gpu = (best.max_rps or 0.0) / best.gpus
     why = (
-        f"most requests per second per GPU: {best.name} with {best.flow}, {_sustains(best)} "
-        f"({per_gpu:.3f} a GPU)"
+        f"most requests per second per GPU: {best.name} with {best.flow}, {per_gpu:.3f} a GPU; "
+        f"sustains {_sustains(best)}"
     )
     others = sorted((c for c in ties if c is not best), key=lambda c: -(c.max_rps or 0.0) / c.gpus)
     if others:
