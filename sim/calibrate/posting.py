@@ -179,6 +179,12 @@ def read_flow_telemetry(paths: Sequence[Path]) -> tuple[list[PostRow], list[Host
             raise CalibrationError(
                 f"{path}: config.flow missing (telemetry of `kvferry bench nixl --flow F`)"
             )
+        if flow == "pull":  # its READs are decode's: the telemetry has none (readpost.py fits them)
+            raise CalibrationError(
+                f"{path}: a pull room's telemetry holds no READs (`kvferry bench nixl --telemetry` "
+                "records prefill's writes); give pull rows to --rooms instead: a READ's cost a "
+                "descriptor is fitted to their ms"
+            )
         done = []
         for i, w in enumerate(data["writes"]):
             keys = ("descs_posted", "descs_requested", "nbytes", "start_us", "post_us", "xfer_us")
