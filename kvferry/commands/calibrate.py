@@ -214,7 +214,11 @@ def _fit(o: CalibrateOpts) -> _Fits:
             if read is not None:  # the per-room fit sees the pull rows at their READ cost
                 given["read_desc_ns"] = round(read.read_desc_us * 1000)
             rfit = fit_rooms(bench, DEFAULT_FABRIC, given, check=check)
-            host_share = _fit_host_share(bench, {**given, "control_jitter_ns": 0, **rfit.overrides()})
+            placed = {**given, "control_jitter_ns": 0, **rfit.overrides()}
+            if read is not None:  # again, the per-room costs in place: see readpost.py
+                read = _fit_read(bench, placed)
+                placed["read_desc_ns"] = round(read.read_desc_us * 1000) if read is not None else 0
+            host_share = _fit_host_share(bench, placed)
     except CalibrationError as e:
         bad_input(str(e))
     return _Fits(tel, fab, kfit, flows, rfit, bench_rows, host_share, read)
