@@ -184,8 +184,40 @@ def test_no_pull_row_with_unequal_tp_fits_nothing() -> None:
     assert fit_read_desc(rows, {"per_desc_ns": 6_000}, lambda r, f: Prediction(r, 1.0, 1.0)) is None
 
 
-def test_a_pull_rooms_telemetry_is_refused_it_holds_no_reads(tmp_path: Path) -> None:
+def test_a_pull_rooms_telemetry_without_reads_is_refused(tmp_path: Path) -> None:
+    """Telemetry of a pull room taken before the bench recorded decode's READs: nothing in it."""
     path = tmp_path / "pull.json"
     path.write_text(json.dumps({"config": {"flow": "pull", "prefill_tp": 2}, "writes": []}))
-    with pytest.raises(CalibrationError, match="holds no READs"):
+    with pytest.raises(CalibrationError, match="without READs"):
         read_flow_telemetry([path])
+
+
+def _read(start: float, descs: int, us: float) -> dict[str, object]:
+    return {"op": "READ", "status": "DONE", "descs_posted": -1, "descs_requested": descs,
+            "nbytes": 1 << 20, "start_us": start, "post_us": 1, "xfer_us": us}  # fmt: skip
+
+
+@settings(max_examples=20, deadline=None)
+@given(planted=st.floats(1.0, 15.0), shared=st.sampled_from([0.0, 2.0, 4.0]))
+def test_the_posting_fit_reads_a_planted_read_cost_from_pull_telemetry(
+    tmp_path_factory: pytest.TempPathFactory, planted: float, shared: float
+) -> None:
+    """Decode (TP 1) READs from two prefill ranks, one after the other: each READ's own time is
+    post_cost + descriptors x max(read, 1 x shared); the fit recovers the READ cost."""
+    from kvferry.sim.calibrate.posting import fit_flows
+
+    post = 50.0
+    reads, t = [], 0.0
+    for descs in (147_456, 147_456, 294_912, 294_912):
+        us = post + descs * max(planted, shared)
+        reads.append(_read(t, descs, us))
+        t += us
+    path = tmp_path_factory.mktemp("tel") / "pull.json"
+    cfg = {"flow": "pull", "prefill_tp": 2, "decode_tp": 1}
+    path.write_text(json.dumps({"config": cfg, "writes": [], "reads": reads}))
+    got = fit_flows([path], post)
+    assert got.posting is None and got.host_gbps is None and got.read_rows == 4
+    if planted >= shared:  # below the shared device's cost a READ cannot tell its own apart
+        assert got.read_desc_us == pytest.approx(planted, rel=0.01)
+        assert got.overrides()[KEY] == round(got.read_desc_us * 1000)
+    assert read_flow_telemetry([path]) == ([], [])  # the READs never enter the WRITE fit's rows

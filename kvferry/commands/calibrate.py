@@ -210,7 +210,8 @@ def _fit(o: CalibrateOpts) -> _Fits:
             bench = [row for path in o.rooms for row in read_bench(path)]
             check = [row for path in o.rooms_check or () for row in read_bench(path)]
             given = {**_overrides(fab, kfit, flows), "control_handle_ns": round(o.control_handle_us * 1000)}
-            read = _fit_read(bench, {**given, "control_jitter_ns": 0})
+            # A READ's cost from the pull rows' ms, where no telemetry of READs gave it.
+            read = None if _tel_read(flows) else _fit_read(bench, {**given, "control_jitter_ns": 0})
             if read is not None:  # the per-room fit sees the pull rows at their READ cost
                 given["read_desc_ns"] = round(read.read_desc_us * 1000)
             rfit = fit_rooms(bench, DEFAULT_FABRIC, given, check=check)
@@ -222,6 +223,10 @@ def _fit(o: CalibrateOpts) -> _Fits:
     except CalibrationError as e:
         bad_input(str(e))
     return _Fits(tel, fab, kfit, flows, rfit, bench_rows, host_share, read)
+
+
+def _tel_read(flows: FlowFit | None) -> bool:
+    return flows is not None and flows.read_desc_us is not None
 
 
 def _fit_read(bench: list, fabric: dict[str, Any]) -> ReadFit | None:  # type: ignore[type-arg]
@@ -276,7 +281,7 @@ def _result(o: CalibrateOpts, target: Path, fits: _Fits) -> dict[str, Any]:
     }
     if fits.flows is not None:
         result["flows"] = fits.flows.as_dict()
-    if o.rooms is not None:
+    if o.rooms is not None and not _tel_read(fits.flows):  # else under "flows"
         r = fits.read
         result["read"] = None if r is None else {
             "read_desc_us": r.read_desc_us,
@@ -354,15 +359,15 @@ def _print_fit(fits: _Fits, control_handle_us: float) -> None:
             f"{rfit.mape_heldout_pct:.1f}% ({rfit.mape_heldout_without_pct:.1f}% without these costs; "
             f"{rfit.mape_fit_pct:.1f}% on the fit's own rows)"
         )
-    if rfit is not None:
+    if rfit is not None and not _tel_read(fits.flows):  # else the flows' summary says it
         r = fits.read
         typer.echo(
             "READs: no pull row with unequal TP among --rooms, so a READ costs per_desc a descriptor "
-            "(not fitted; no telemetry holds READs)"
+            "(not fitted; no telemetry of READs given)"
             if r is None
             else f"READs: {r.read_desc_us:.3f} us a descriptor ({r.rows} pull rows with unequal TP, their "
             f"ms: MAPE {r.mape_before_pct:.1f}% at the WRITE's cost -> {r.mape_pct:.1f}% in sample; no "
-            "telemetry holds READs)"
+            "telemetry of READs given)"
         )
     if (h := fits.host_share) is not None:
         typer.echo(

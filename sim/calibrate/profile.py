@@ -63,7 +63,7 @@ def render(
     lines = [
         *_fabric_lines(name, fab, flows, transport),
         *_flow_lines(flows),
-        *_read_lines(read, rooms is not None),
+        *_read_lines(read, rooms is not None, flows),
         *_kernel_lines(kernels, kernel_source),
         *_room_lines(rooms, control_handle_us),
         *_host_share_lines(host_share),
@@ -125,15 +125,22 @@ def _flow_lines(flows: FlowFit | None) -> list[str]:
     return lines
 
 
-def _read_lines(read: ReadFit | None, had_rooms: bool) -> list[str]:
-    """A READ's own cost a descriptor, where pull rows gave one; else why READs cost per_desc_us."""
+def _read_lines(read: ReadFit | None, had_rooms: bool, flows: FlowFit | None) -> list[str]:
+    """A READ's own cost a descriptor, from READ telemetry or pull rows; else why READs cost
+    per_desc_us."""
+    if flows is not None and flows.read_desc_us is not None:
+        return [
+            "# A READ's cost a descriptor (pull: decode posts them), from the pull rooms' READs in",
+            "# [fit] flow_sources (sim/calibrate/posting.py), the shared GPU's cost as above.",
+            f"read_desc_us = {_num(flows.read_desc_us)}",
+        ]
     if read is None:
         why = "no pull row with unequal TP in --rooms" if had_rooms else "no bench rows (--rooms)"
         return [f"# READs cost per_desc_us a descriptor: not fitted ({why}; sim/calibrate/readpost.py)."]
     return [
         "# A READ's cost a descriptor (pull: decode posts them), fitted to the ms of the [fit]",
-        "# room_sources' pull rows with unequal TP (sim/calibrate/readpost.py): no telemetry holds",
-        "# READs (`kvferry bench nixl --telemetry` records prefill's writes).",
+        "# room_sources' pull rows with unequal TP (sim/calibrate/readpost.py): no telemetry of",
+        "# READs given (`kvferry bench nixl --telemetry` records them since 2026-12-02).",
         f"read_desc_us = {_num(read.read_desc_us)}",
     ]
 
@@ -262,6 +269,8 @@ def _fit_flows(flows: FlowFit | None) -> list[str]:
         lines.append(f"posting_mape_in_sample_pct = {posting.mape_pct:.2f}")
     if flows.host_gbps is not None:
         lines.append(f"host_mape_in_sample_pct = {flows.host_mape_pct:.2f}")
+    if flows.read_desc_us is not None:
+        lines += [f"read_rows = {flows.read_rows}", f"read_mape_in_sample_pct = {flows.read_mape_pct:.2f}"]
     return lines
 
 

@@ -2,11 +2,13 @@
 
 Pull moves a room by READs that decode posts. With unequal TP a READ is descriptor-bound as a
 different-TP write is (a head slice a descriptor, one per token and layer: 294,912 for a TP 2->1
-room of 2,048 qwen3-8b tokens), so the room's time is mostly decode's posting. The posting fit
-(posting.py) reads WRITE telemetry only: `kvferry bench nixl --telemetry` records prefill's writes,
-and a pull room has none (decode posts its READs). So the READ cost is fitted to the pull rows' ms,
-as the shared host wire is (hostshare.py): each candidate simulated, the one whose rows miss least
-(relative error) kept, on a grid around the WRITE's cost, refined around the best.
+room of 2,048 qwen3-8b tokens), so the room's time is mostly decode's posting. Where a pull
+room's telemetry holds decode's READs, the posting fit reads the cost from them (posting.py);
+telemetry taken before `kvferry bench nixl --telemetry` recorded them (every H200 set of
+2026-12-02) holds prefill's writes only, and a pull room has none. Then the READ cost is fitted
+here to the pull rows' ms, as the shared host wire is (hostshare.py): each candidate simulated,
+the one whose rows miss least (relative error) kept, on a grid around the WRITE's cost, refined
+around the best.
 
 Fitted twice: before the per-room costs (rooms.py), so that their fit sees the pull rows near
 their READ cost, and again with them in place, which is the one kept. The per-room costs are a few
