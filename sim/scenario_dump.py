@@ -48,6 +48,7 @@ def fabric_values(s: Scenario) -> dict[str, Any]:
         "jitter_ns": n.jitter_ns,
         "post_cost_ns": n.post_cost_ns,
         "per_desc_ns": n.per_desc_ns,
+        "read_desc_ns": n.read_desc_ns,
         "max_inflight": n.max_inflight,
         "error_timeout_ns": n.error_timeout_ns,
         "completion_delay_ns": n.completion_delay_ns,

@@ -458,6 +458,8 @@ FABRIC_DOC: dict[str, str] = {
     "jitter_ns": "Extra delay per transfer, uniform in [0, this).",
     "post_cost_ns": "Fixed cost of posting one transfer.",
     "per_desc_ns": "Cost of posting one descriptor.",
+    "read_desc_ns": "Cost of posting one descriptor of a READ (pull's reads, posted by decode), where it "
+    "differs from a WRITE's (0: per_desc_ns).",
     "max_inflight": "Transfers a NIC keeps in flight before new posts queue.",
     "error_timeout_ns": "How long a write into a dead peer or over a down link takes to report ERR.",
     "completion_delay_ns": "From a write landing (or a transfer completing) to the runtime handling its "
@@ -511,6 +513,7 @@ class FabricTable(Table):
     jitter_ns: Count | None = None
     post_cost_ns: Count | None = None
     per_desc_ns: Count | None = None
+    read_desc_ns: Count | None = None
     max_inflight: Positive | None = None
     error_timeout_ns: Count | None = None
     completion_delay_ns: Count | None = None

@@ -6,6 +6,8 @@ own descriptors (and only the direct flow's: staged flows post other descriptors
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -72,3 +74,18 @@ def test_a_spinning_poll_still_moves_every_byte() -> None:
         timeout_s=120.0,
     )
     assert row["bytes_ok"] is True and row["active_poll_us"] == 0.0
+
+
+def test_a_pull_rows_telemetry_holds_decodes_reads(tmp_path: Path) -> None:
+    """Pull's READs are decode's: its telemetry (prefill writes none) is what the READ cost is
+    fitted from (`kvferry calibrate --flow-telemetry`)."""
+    path = tmp_path / "pull.json"
+    cfg = BenchConfig("tp2->1 nhd", 2, 1, tokens=32, rooms=2, flow="pull", telemetry_path=str(path))
+    row = run_config(cfg, timeout_s=120.0)
+    assert row["bytes_ok"] is True
+    data = json.loads(path.read_text())
+    assert data["writes"] == []
+    # two timed rooms, each read from both prefill ranks: a head slice a descriptor
+    assert len(data["reads"]) == 4
+    assert all(r["op"] == "READ" and r["status"] == "DONE" for r in data["reads"])
+    assert {r["descs_requested"] for r in data["reads"]} == {36 * 2 * 32}

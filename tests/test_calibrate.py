@@ -375,6 +375,9 @@ def test_cli_fits_the_room_costs_into_the_profile(tmp_path: Path) -> None:
     assert prof["fit"]["room_mape_heldout_pct"] == pytest.approx(res["mape_heldout_pct"], abs=0.01)
     # What the profile says is what it does: the held-out MAPE is lower with the room costs.
     assert res["mape_heldout_pct"] < res["mape_heldout_without_pct"]
+    # no pull row with unequal TP: no READ cost of its own, and the profile says why
+    assert json.loads(stdout)["read"] is None and "read_desc_us" not in prof
+    assert "READs cost per_desc_us a descriptor: not fitted (no pull row with unequal TP" in out.read_text()
 
 
 def test_a_profile_with_room_costs_sets_the_fabric_and_bad_values_are_refused(

@@ -9,6 +9,7 @@ Transfer model, per post:
    ``shared_desc`` set, a node posts through its device as well: a descriptor costs
    ``max(per_desc, k * shared_desc)``, k the nodes of that device posting when the post begins
    (one device for every node with ``FabricSpec.one_gpu``, the bench's layout; else one a node).
+   A READ's descriptors cost ``read_desc`` instead of ``per_desc`` where it is set.
 2. At most ``max_inflight`` transfers per initiating NIC are active; later ones queue in order.
 3. Active transfers share bandwidth: a transfer moves at
    ``min(src_bw / active_out(src), dst_bw / active_in(dst)) * link_factor``, recomputed whenever a
@@ -370,7 +371,8 @@ class Fabric:
         self.stats.descriptors_charged += charged
         nic = ini.nic
         begin = max(now, ini.post_busy_until)
-        per_desc = nic.per_desc_ns
+        # A READ (the initiator is the destination) posts at its own cost where the NIC has one.
+        per_desc = nic.per_desc_ns if writes or not nic.read_desc_ns else nic.read_desc_ns
         if nic.shared_desc_ns:  # k nodes posting through one device: each gets 1/k of it
             per_desc = max(per_desc, nic.shared_desc_ns * self._posting_on_device(ini, begin))
         ready = begin + nic.post_cost_ns + per_desc * charged

@@ -28,6 +28,10 @@ class NicSpec:
     # vLLM's figures (118 descriptors -> 460 us, 18,880 -> 46 ms): 2.43 us/descriptor + 174 us.
     post_cost_ns: int = 174_000
     per_desc_ns: int = 2_430
+    # A READ's cost a descriptor on its initiator (pull: decode posts them), where it differs from a
+    # WRITE's; 0: the same as ``per_desc_ns`` (every profile fitted before it existed). `kvferry
+    # calibrate --rooms` fits it from pull rows with many descriptors (sim/calibrate/readpost.py).
+    read_desc_ns: int = 0
     # Transfers a NIC keeps in flight before new posts queue (assumption; UCX keeps a bounded
     # number of outstanding requests per endpoint).
     max_inflight: int = 64
@@ -71,6 +75,7 @@ class NicSpec:
             "jitter_ns",
             "post_cost_ns",
             "per_desc_ns",
+            "read_desc_ns",
             "error_timeout_ns",
             "completion_delay_ns",
             "shared_desc_ns",

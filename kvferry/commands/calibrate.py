@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the fit's modules import numpy: loaded only when a command 
     from kvferry.sim.calibrate.inputs import Telemetry
     from kvferry.sim.calibrate.posting import FlowFit
     from kvferry.sim.calibrate.predict import FlowError
+    from kvferry.sim.calibrate.readpost import ReadFit
     from kvferry.sim.calibrate.rooms import RoomFit
 
 DEFAULT_FABRIC = "h100-rdma"  # sim/scenario.py's default [fabric] profile
@@ -120,6 +121,7 @@ class _Fits(NamedTuple):
     rfit: RoomFit | None
     bench_rows: list | None  # type: ignore[type-arg]  # --compare's rows
     host_share: HostShareFit | None = None
+    read: ReadFit | None = None
 
 
 @options(CalibrateOpts)
@@ -133,7 +135,7 @@ def calibrate(o: CalibrateOpts) -> None:
     text = profile.render(
         o.name, fits.fab, fits.tel, [str(p) for p in o.telemetry], fits.kfit, str(o.kernels or ""), fits.rfit,
         [str(p) for p in o.rooms or ()], fits.flows, o.control_handle_us, o.transport,
-        [str(p) for p in o.rooms_check or ()], fits.host_share,
+        [str(p) for p in o.rooms_check or ()], fits.host_share, fits.read,
     )  # fmt: skip
     try:
         target.write_text(text)
@@ -200,7 +202,7 @@ def _fit(o: CalibrateOpts) -> _Fits:
             from kvferry.sim.calibrate.predict import read_bench
 
             bench_rows = read_bench(o.compare)
-        rfit, host_share = None, None
+        rfit, host_share, read = None, None, None
         if o.rooms is not None:
             from kvferry.sim.calibrate.predict import read_bench
             from kvferry.sim.calibrate.rooms import fit_rooms
@@ -208,11 +210,31 @@ def _fit(o: CalibrateOpts) -> _Fits:
             bench = [row for path in o.rooms for row in read_bench(path)]
             check = [row for path in o.rooms_check or () for row in read_bench(path)]
             given = {**_overrides(fab, kfit, flows), "control_handle_ns": round(o.control_handle_us * 1000)}
+            # A READ's cost from the pull rows' ms, where no telemetry of READs gave it.
+            read = None if _tel_read(flows) else _fit_read(bench, {**given, "control_jitter_ns": 0})
+            if read is not None:  # the per-room fit sees the pull rows at their READ cost
+                given["read_desc_ns"] = round(read.read_desc_us * 1000)
             rfit = fit_rooms(bench, DEFAULT_FABRIC, given, check=check)
-            host_share = _fit_host_share(bench, {**given, "control_jitter_ns": 0, **rfit.overrides()})
+            placed = {**given, "control_jitter_ns": 0, **rfit.overrides()}
+            if read is not None:  # again, the per-room costs in place: see readpost.py
+                read = _fit_read(bench, placed)
+                placed["read_desc_ns"] = round(read.read_desc_us * 1000) if read is not None else 0
+            host_share = _fit_host_share(bench, placed)
     except CalibrationError as e:
         bad_input(str(e))
-    return _Fits(tel, fab, kfit, flows, rfit, bench_rows, host_share)
+    return _Fits(tel, fab, kfit, flows, rfit, bench_rows, host_share, read)
+
+
+def _tel_read(flows: FlowFit | None) -> bool:
+    return flows is not None and flows.read_desc_us is not None
+
+
+def _fit_read(bench: list, fabric: dict[str, Any]) -> ReadFit | None:  # type: ignore[type-arg]
+    """A READ's cost a descriptor, on the fit's pull rows with unequal TP (only --rooms rows)."""
+    from kvferry.sim.calibrate.predict import predict
+    from kvferry.sim.calibrate.readpost import fit_read_desc
+
+    return fit_read_desc(bench, fabric, lambda row, fab: predict(row, DEFAULT_FABRIC, fab))
 
 
 def _fit_host_share(bench: list, fabric: dict[str, Any]) -> HostShareFit | None:  # type: ignore[type-arg]
@@ -259,6 +281,14 @@ def _result(o: CalibrateOpts, target: Path, fits: _Fits) -> dict[str, Any]:
     }
     if fits.flows is not None:
         result["flows"] = fits.flows.as_dict()
+    if o.rooms is not None and not _tel_read(fits.flows):  # else under "flows"
+        r = fits.read
+        result["read"] = None if r is None else {
+            "read_desc_us": r.read_desc_us,
+            "rows": r.rows,
+            "mape_before_pct": r.mape_before_pct,
+            "mape_in_sample_pct": r.mape_pct,
+        }  # fmt: skip
     if (h := fits.host_share) is not None:
         result["host_share"] = {
             "host_shared_bandwidth_gbps": h.gbps,
@@ -328,6 +358,16 @@ def _print_fit(fits: _Fits, control_handle_us: float) -> None:
             f"held out {rfit.rows_heldout} rows ({_tok(rfit.tokens_heldout)}): MAPE of ms per room "
             f"{rfit.mape_heldout_pct:.1f}% ({rfit.mape_heldout_without_pct:.1f}% without these costs; "
             f"{rfit.mape_fit_pct:.1f}% on the fit's own rows)"
+        )
+    if rfit is not None and not _tel_read(fits.flows):  # else the flows' summary says it
+        r = fits.read
+        typer.echo(
+            "READs: no pull row with unequal TP among --rooms, so a READ costs per_desc a descriptor "
+            "(not fitted; no telemetry of READs given)"
+            if r is None
+            else f"READs: {r.read_desc_us:.3f} us a descriptor ({r.rows} pull rows with unequal TP, their "
+            f"ms: MAPE {r.mape_before_pct:.1f}% at the WRITE's cost -> {r.mape_pct:.1f}% in sample; no "
+            "telemetry of READs given)"
         )
     if (h := fits.host_share) is not None:
         typer.echo(

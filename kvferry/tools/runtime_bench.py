@@ -69,7 +69,8 @@ class BenchConfig:
     inflight: int = 1  # rooms opened at once per batch (throughput rather than one room's latency)
     worker_chunks: int = 1  # RuntimeConfig.worker_chunks_in_flight (1: a worker's writes one at a time)
     idle_max_s: float = 2e-4  # progress threads' longest idle sleep (latency of the control path)
-    telemetry_path: str = ""  # write NIXL's per-write telemetry of the timed batches here (JSON)
+    # NIXL's per-transfer telemetry of the timed batches (JSON): prefill's writes, decode's READs (pull)
+    telemetry_path: str = ""
     mem: str = "DRAM"  # VRAM: pools are torch CUDA tensors (one GPU shared by both processes)
     flow: str = "policy"  # direct, ring, pinned, or policy (the runtime chooses per room)
     # GPU placement (VRAM): CUDA_VISIBLE_DEVICES of each process, e.g. "0" and "1"; rank r of a
@@ -531,11 +532,16 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
     wants = [_expected_counts(ep.pool, cfg.prefill_tp, cfg.tokens) for ep in eps]
     for want, regions in zip(wants, all_regions, strict=True):
         _expect_zeros(want, regions, slots)
+    reads: list[dict[str, Any]] = []  # NIXL's telemetry of the timed batches' KV READs (pull)
     for b in range(cfg.warmup + cfg.rooms):
         half = b % 2
+        for ep in eps:
+            ep.transport.agent.telemetry.clear()
         dt, t_done = _receive_batch(cfg, eps, all_regions, b)
         if b >= cfg.warmup:
             durations.append(dt)
+            if cfg.telemetry_path:  # run_config adds them to prefill's file (its writes)
+                reads += _kv_reads(eps)
             # Prefill rank r filled its pool with r + 1; each wrote its heads of every token.
             checks += [
                 _counts(regions, slots, half * cfg.inflight + k) == want
@@ -558,10 +564,24 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
         room_bytes=room_bytes * cfg.inflight,
         check=check,
         counters=counters,
+        reads=reads,
     )
     _hear()
     for ep in eps:
         ep.close()
+
+
+def _kv_reads(eps: list[Any]) -> list[dict[str, Any]]:
+    """Decode's KV READs since the telemetry was last cleared (a pull room's; the aux row's are
+    small), as JSON-ready dicts."""
+    import msgspec
+
+    return [
+        msgspec.to_builtins(r)
+        for ep in eps
+        for r in ep.transport.agent.telemetry.records()
+        if r.op == "READ" and r.nbytes > 4096
+    ]
 
 
 def _decode_endpoints(
@@ -734,7 +754,19 @@ def run_config(
 
         env["KVFERRY_CONTROL_KEY"] = ephemeral_key()  # the two children share a fresh key
     p, d, handoffs = _drive(cfg, env, timeout_s)
+    if cfg.telemetry_path and d.get("reads"):
+        _add_reads(cfg.telemetry_path, d["reads"])
     return _row(cfg, env, p, d, handoffs)
+
+
+def _add_reads(path: str, reads: list[dict[str, Any]]) -> None:
+    """Decode's READs beside prefill's writes in the telemetry file prefill wrote (both children
+    are done): `kvferry calibrate --flow-telemetry` fits a READ's cost a descriptor from them."""
+    with open(path) as f:
+        data = json.load(f)
+    data["reads"] = reads
+    with open(path, "w") as f:
+        json.dump(data, f)
 
 
 def _drive(

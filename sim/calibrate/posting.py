@@ -10,6 +10,9 @@ and of pinned rooms):
   take ``max(per_desc, k * shared_desc)`` a descriptor (the fabric: NicSpec.shared_desc_ns).
 - **The host wire.** The pinned flow's write goes between pinned host buffers, over UCX's cma (a
   copy by the initiator's CPU, 4.5-5.5 GB/s), not over the GPU's wire (NicSpec.host_bandwidth_bps).
+- **A READ's cost a descriptor** (NicSpec.read_desc_ns), from a pull room's telemetry: decode's
+  READs, beside the shared device's cost the writes gave. Telemetry taken before the bench
+  recorded them has none: the pull rows' ms then give it (readpost.py).
 
 Which writes posted at once is read from the telemetry itself: two writes are concurrent when
 their posting intervals (start, start + post_us) overlap by more than half the shorter one.
@@ -34,6 +37,7 @@ __all__ = [
     "fit_flows",
     "fit_host_wire",
     "fit_posting",
+    "fit_read_posting",
     "read_flow_telemetry",
 ]
 
@@ -75,6 +79,10 @@ class FlowFit:
     host_rows: int
     host_mape_pct: float
     sources: tuple[str, ...]
+    # A READ's cost a descriptor, from decode's READs in pull rooms' telemetry (None: none given).
+    read_desc_us: float | None = None
+    read_rows: int = 0
+    read_mape_pct: float = 0.0
 
     def overrides(self) -> dict[str, float | int]:
         """As a scenario's [fabric] keys: the posting costs replace the single-process one."""
@@ -84,6 +92,8 @@ class FlowFit:
             out["shared_desc_ns"] = round(self.posting.shared_desc_us * 1000)
         if self.host_gbps is not None:
             out["host_bandwidth_gbps"] = float(self.host_gbps)
+        if self.read_desc_us is not None:
+            out["read_desc_ns"] = round(self.read_desc_us * 1000)
         return out
 
     def summary(self) -> str:
@@ -99,6 +109,11 @@ class FlowFit:
                 f"host wire {self.host_gbps:.2f} GB/s ({self.host_rows} pinned writes, MAPE in sample "
                 f"{self.host_mape_pct:.1f}%)"
             )
+        if self.read_desc_us is not None:
+            parts.append(
+                f"READs {self.read_desc_us:.3f} us a descriptor ({self.read_rows} descriptor-bound READs "
+                f"of pull rooms, MAPE in sample {self.read_mape_pct:.1f}%)"
+            )
         return "; ".join(parts)
 
     def as_dict(self) -> dict[str, object]:
@@ -111,21 +126,28 @@ class FlowFit:
             "host_bandwidth_gbps": self.host_gbps,
             "host_rows": self.host_rows,
             "host_mape_in_sample_pct": None if self.host_gbps is None else self.host_mape_pct,
+            "read_desc_us": self.read_desc_us,
+            "read_rows": self.read_rows,
+            "read_mape_in_sample_pct": None if self.read_desc_us is None else self.read_mape_pct,
             "sources": list(self.sources),
         }
 
 
 def fit_flows(paths: Sequence[Path], post_cost_us: float) -> FlowFit:
-    """Both fits on the telemetry that has their writes; an error if it has neither."""
-    posts, host = read_flow_telemetry(paths)
-    if not posts and not host:
+    """The fits on the telemetry that has their writes (or READs); an error if it has none."""
+    posts, host, reads = _read_all(paths)
+    if not posts and not host and not reads:
         raise CalibrationError(
             "--flow-telemetry: neither descriptor-bound writes (different-TP direct rooms) nor "
-            "pinned-flow writes in these files"
+            "pinned-flow writes nor pull rooms' READs in these files"
         )
     posting = fit_posting(posts, post_cost_us) if posts else None
     gbps, host_mape = fit_host_wire(host) if host else (None, 0.0)
-    return FlowFit(posting, gbps, len(host), host_mape, tuple(map(str, paths)))
+    read, read_mape = (None, 0.0)
+    if reads:
+        shared = 0.0 if posting is None else posting.shared_desc_us
+        read, read_mape = fit_read_posting(reads, post_cost_us, shared)
+    return FlowFit(posting, gbps, len(host), host_mape, tuple(map(str, paths)), read, len(reads), read_mape)
 
 
 def _concurrency(spans: Sequence[tuple[float, float]]) -> list[int]:
@@ -167,8 +189,29 @@ def _post_rows(done: list[dict[str, Any]], one_process: bool, source: str) -> li
 
 def read_flow_telemetry(paths: Sequence[Path]) -> tuple[list[PostRow], list[HostRow]]:
     """Descriptor-bound writes (with their concurrency) and pinned-flow host writes."""
+    posts, host, _ = _read_all(paths)
+    return posts, host
+
+
+def _done(path: Path, records: list[Any], what: str) -> list[dict[str, Any]]:
+    """The DONE records of one list, each checked to carry its numbers."""
+    done = []
+    for i, w in enumerate(records):
+        keys = ("descs_posted", "descs_requested", "nbytes", "start_us", "post_us", "xfer_us")
+        if not isinstance(w, dict) or any(
+            isinstance(w.get(k), bool) or not isinstance(w.get(k), int | float) for k in keys
+        ):
+            raise CalibrationError(f"{path}: {what}[{i}]: expected numbers for {', '.join(keys)}")
+        if w.get("status") == "DONE" and w["post_us"] > 0 and _descs(w) > 0:
+            done.append(w)
+    return done
+
+
+def _read_all(paths: Sequence[Path]) -> tuple[list[PostRow], list[HostRow], list[PostRow]]:
+    """Descriptor-bound writes, pinned-flow host writes, and descriptor-bound READs (pull)."""
     posts: list[PostRow] = []
     host: list[HostRow] = []
+    reads: list[PostRow] = []
     for path in paths:
         data = _load_json(path)
         if not isinstance(data, dict) or not isinstance(data.get("writes"), list):
@@ -179,20 +222,22 @@ def read_flow_telemetry(paths: Sequence[Path]) -> tuple[list[PostRow], list[Host
             raise CalibrationError(
                 f"{path}: config.flow missing (telemetry of `kvferry bench nixl --flow F`)"
             )
-        done = []
-        for i, w in enumerate(data["writes"]):
-            keys = ("descs_posted", "descs_requested", "nbytes", "start_us", "post_us", "xfer_us")
-            if not isinstance(w, dict) or any(
-                isinstance(w.get(k), bool) or not isinstance(w.get(k), int | float) for k in keys
-            ):
-                raise CalibrationError(f"{path}: writes[{i}]: expected numbers for {', '.join(keys)}")
-            if w.get("status") == "DONE" and w["post_us"] > 0 and _descs(w) > 0:
-                done.append(w)
+        if flow == "pull":  # its READs are decode's, one process when decode TP is 1
+            got = data.get("reads")
+            if not isinstance(got, list) or not got:
+                raise CalibrationError(
+                    f"{path}: a pull room's telemetry without READs (measured before `kvferry bench "
+                    "nixl --telemetry` recorded decode's); give its row to --rooms instead: a READ's "
+                    "cost a descriptor is fitted to the pull rows' ms"
+                )
+            reads += _post_rows(_done(path, got, "reads"), cfg.get("decode_tp") == 1, str(path))
+            continue
+        done = _done(path, data["writes"], "writes")
         if flow == "pinned":
             host += [HostRow(int(w["nbytes"]), float(w["xfer_us"]), str(path)) for w in done]
             continue
         posts += _post_rows(done, cfg.get("prefill_tp") == 1, str(path))
-    return posts, host
+    return posts, host, reads
 
 
 def _per_desc_model(a: float, b: float, k: np.ndarray) -> np.ndarray:
@@ -225,6 +270,26 @@ def fit_posting(rows: Sequence[PostRow], post_cost_us: float) -> PostingFit:
     _, a, b = best
     pred = _per_desc_model(a, b, k)
     return PostingFit(a, b, len(rows), float(np.mean(np.abs(pred - y) / y) * 100))
+
+
+def fit_read_posting(
+    rows: Sequence[PostRow], post_cost_us: float, shared_desc_us: float
+) -> tuple[float, float]:
+    """(READ cost a descriptor in us, in-sample MAPE %) minimising the relative error of
+    ``post_cost + descs * max(read_desc, k * shared_desc)``, the shared device's cost as the writes
+    gave it; a grid, refined three times."""
+    y = np.array([max(r.post_us - post_cost_us, 1e-9) / r.descs for r in rows])
+    k = np.array([float(r.concurrent) for r in rows])
+    lo, hi, best = 0.0, float(y.max()), (float("inf"), 0.0)
+    for _ in range(4):
+        for a in np.linspace(lo, hi, 161):
+            err = float(np.sum(((_per_desc_model(a, shared_desc_us, k) - y) / y) ** 2))
+            if err < best[0]:
+                best = (err, float(a))
+        step = (hi - lo) / 40
+        lo, hi = max(0.0, best[1] - step), best[1] + step
+    pred = _per_desc_model(best[1], shared_desc_us, k)
+    return best[1], float(np.mean(np.abs(pred - y) / y) * 100)
 
 
 def fit_host_wire(rows: Sequence[HostRow]) -> tuple[float, float]:

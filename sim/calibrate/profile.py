@@ -16,6 +16,7 @@ from kvferry.sim.calibrate.fit import FabricFit, KernelFit
 from kvferry.sim.calibrate.hostshare import HostShareFit
 from kvferry.sim.calibrate.inputs import CalibrationError, Telemetry
 from kvferry.sim.calibrate.posting import FlowFit
+from kvferry.sim.calibrate.readpost import ReadFit
 from kvferry.sim.calibrate.rooms import RoomFit
 from kvferry.sim.deploy import hardware
 
@@ -57,10 +58,12 @@ def render(
     transport: str = "fitted",
     rooms_check_sources: list[str] | None = None,
     host_share: HostShareFit | None = None,
+    read: ReadFit | None = None,
 ) -> str:
     lines = [
         *_fabric_lines(name, fab, flows, transport),
         *_flow_lines(flows),
+        *_read_lines(read, rooms is not None, flows),
         *_kernel_lines(kernels, kernel_source),
         *_room_lines(rooms, control_handle_us),
         *_host_share_lines(host_share),
@@ -69,6 +72,7 @@ def render(
         *_fit_rooms(rooms, rooms_sources, rooms_check_sources),
         *_fit_flows(flows),
         *_fit_host_share(host_share),
+        *_fit_read(read),
         *_fit_kernels(kernels),
     ]
     return "\n".join(lines) + "\n"
@@ -119,6 +123,36 @@ def _flow_lines(flows: FlowFit | None) -> list[str]:
             f"host_bandwidth_gbps = {_num(flows.host_gbps)}",
         ]
     return lines
+
+
+def _read_lines(read: ReadFit | None, had_rooms: bool, flows: FlowFit | None) -> list[str]:
+    """A READ's own cost a descriptor, from READ telemetry or pull rows; else why READs cost
+    per_desc_us."""
+    if flows is not None and flows.read_desc_us is not None:
+        return [
+            "# A READ's cost a descriptor (pull: decode posts them), from the pull rooms' READs in",
+            "# [fit] flow_sources (sim/calibrate/posting.py), the shared GPU's cost as above.",
+            f"read_desc_us = {_num(flows.read_desc_us)}",
+        ]
+    if read is None:
+        why = "no pull row with unequal TP in --rooms" if had_rooms else "no bench rows (--rooms)"
+        return [f"# READs cost per_desc_us a descriptor: not fitted ({why}; sim/calibrate/readpost.py)."]
+    return [
+        "# A READ's cost a descriptor (pull: decode posts them), fitted to the ms of the [fit]",
+        "# room_sources' pull rows with unequal TP (sim/calibrate/readpost.py): no telemetry of",
+        "# READs given (`kvferry bench nixl --telemetry` records them since 2026-12-02).",
+        f"read_desc_us = {_num(read.read_desc_us)}",
+    ]
+
+
+def _fit_read(read: ReadFit | None) -> list[str]:
+    if read is None:
+        return []
+    return [
+        f"read_rows = {read.rows}",
+        f"read_mape_before_pct = {read.mape_before_pct:.2f}",
+        f"read_mape_in_sample_pct = {read.mape_pct:.2f}",
+    ]
 
 
 def _kernel_lines(kernels: KernelFit | None, kernel_source: str) -> list[str]:
@@ -235,6 +269,8 @@ def _fit_flows(flows: FlowFit | None) -> list[str]:
         lines.append(f"posting_mape_in_sample_pct = {posting.mape_pct:.2f}")
     if flows.host_gbps is not None:
         lines.append(f"host_mape_in_sample_pct = {flows.host_mape_pct:.2f}")
+    if flows.read_desc_us is not None:
+        lines += [f"read_rows = {flows.read_rows}", f"read_mape_in_sample_pct = {flows.read_mape_pct:.2f}"]
     return lines
 
 

@@ -207,11 +207,10 @@ def nic_ns(spec: DeploySpec, isl: int) -> tuple[int, int]:
             n = len(sizes)  # one block a chunk into the staging buffer
         # Layer-wise posts one WRITE per layer of every chunk (the same descriptors in all).
         posts = len(sizes) * (model.num_layers if spec.flow == "layerwise" else 1)
-        cost = posts * nic.post_cost_ns + n * nic.per_desc_ns
-        if spec.flow == "pull":
-            post_d[d] += cost  # decode READs
+        if spec.flow == "pull":  # decode READs, at a READ's cost a descriptor where the NIC has one
+            post_d[d] += posts * nic.post_cost_ns + n * (nic.read_desc_ns or nic.per_desc_ns)
         else:
-            post_p[p] += cost
+            post_p[p] += posts * nic.post_cost_ns + n * nic.per_desc_ns
     bw = nic.bandwidth_bps
     pre_ns = max(max(post_p), max(out_b) * NS // bw)
     dec_ns = max(max(post_d), max(in_b) * NS // bw)

@@ -72,6 +72,9 @@ class NicProfile:
     latency_us: float
     post_cost_us: float
     per_desc_us: float
+    # A READ's cost a descriptor where a fit found one of its own (NicSpec.read_desc_ns); absent:
+    # READs cost per_desc_us.
+    read_desc_us: float | None = None
     # Only in fitted (kind "fabric") profiles, and only when the kernel bench was fitted too.
     kernel_launch_us: float | None = None
     copy_gpu_gbps: float | None = None
@@ -158,7 +161,7 @@ def _files(where: Traversable | None = None) -> list[str]:
 
 # Costs a fit may find to be nil (a fitted profile may hold 0 for them); every rate stays positive.
 _MAY_BE_ZERO = frozenset(
-    {"latency_us", "post_cost_us", "per_desc_us", "kernel_launch_us"}
+    {"latency_us", "post_cost_us", "per_desc_us", "read_desc_us", "kernel_launch_us"}
     | {"control_latency_us", "completion_delay_us", "shared_desc_us"}
     | {"control_handle_us", "staging_handle_us", "copy_submit_us", "control_send_us"}
     | {"room_handle_us", "completion_handle_us"}
@@ -233,6 +236,7 @@ def fabric_spec(g: GpuProfile, n: NicProfile) -> FabricSpec:
             latency_ns=int(n.latency_us * 1000),
             post_cost_ns=int(n.post_cost_us * 1000),
             per_desc_ns=int(n.per_desc_us * 1000),
+            read_desc_ns=0 if n.read_desc_us is None else round(n.read_desc_us * 1000),
             completion_delay_ns=0 if n.completion_delay_us is None else round(n.completion_delay_us * 1000),
             room_handle_ns=0 if n.room_handle_us is None else round(n.room_handle_us * 1000),
             completion_handle_ns=0

@@ -275,6 +275,7 @@ class DeploySpec:
                 "latency_ns": fab.nic.latency_ns,
                 "post_cost_ns": fab.nic.post_cost_ns,
                 "per_desc_ns": fab.nic.per_desc_ns,
+                "read_desc_ns": fab.nic.read_desc_ns,
                 "error_timeout_ns": fab.nic.error_timeout_ns,
                 "completion_delay_ns": fab.nic.completion_delay_ns,
                 "room_handle_ns": fab.nic.room_handle_ns,
