@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvferry.backends.simfabric.descriptors import DescList
 from kvferry.backends.simfabric.fabric import Fabric
-from kvferry.backends.simfabric.spec import ControlSpec, FabricSpec, NicSpec
+from kvferry.backends.simfabric.spec import FabricSpec
 from kvferry.sim import scenario as sc
 from kvferry.sim.calibrate.inputs import CalibrationError
 from kvferry.sim.calibrate.posting import read_flow_telemetry
@@ -25,17 +25,7 @@ from kvferry.sim.calibrate.readpost import KEY, fit_read_desc, read_rows
 from kvferry.sim.deploy import hardware
 from kvferry.sim.scenario_read import profile_fabric
 
-NIC = NicSpec(
-    bandwidth_bps=1_000_000_000,
-    latency_ns=1_000,
-    jitter_ns=0,
-    post_cost_ns=10_000,
-    per_desc_ns=6_000,
-    max_inflight=4,
-    error_timeout_ns=50_000,
-)
-SPEC = FabricSpec(nic=NIC, control=ControlSpec(latency_ns=5_000, jitter_ns=0), prepped=False)
-QUIET = {"control_jitter_ns": 0, "jitter_ns": 0, "control_latency_ns": 0}
+from tests.test_flow_costs import NIC, QUIET, SPEC  # the same small fabric
 
 
 def _spaced(n: int, length: int = 8) -> DescList:
