@@ -477,27 +477,30 @@ def test_planted_reuse_before_the_fence_is_caught_with_its_replay_line() -> None
     # the planted bug hands the pages out before it, and the canaries see the writes. Both runs
     # keep the plain deadlines (the control is the planted run less the plant): a stretched fence
     # only made the control wait longer for its failed rooms' pages.
-    run = ("--rooms", "100", "--tp", "2-1", "--seed", "0", "--fault-share", "1", "--faults", "stall")
-    # The two runs side by side, each in its own namespaces: a run mostly waits (the stalls, the
-    # fence), 15 s of CPU in 29 s alone; both together took 31 s on the 2-core box. (The planted
-    # run's pipes are read after the control's: it writes ~2.5 KB of stderr before its JSON.)
-    control, planted = _chaos_started(*run), _chaos_started(*run, "--plant", "reuse_unfenced")
-    try:
-        code, r, _err = _chaos_ended(control)
-        ended = _chaos_ended(planted)
-    finally:
-        _chaos_stopped(control, planted)
-    # Without the plant: no safety violation. A post refused by a peer the stall cut off
-    # (driver_errors, PostAuxWrite: NixlPeerError) was seen once on a loaded CI host; it is no
-    # late write and no lost room, so it does not count against the control run.
-    unsafe = [v for v in r["violations"] if v["kind"] != "driver_errors"]
-    assert not unsafe, r["violations"][:5]
-    assert r["coverage"]["by_fault"]["stall"].get("failed", 0) > 0
-    code, r, err = ended
-    assert code == 1 and not r["ok"]
-    kinds = {v["kind"] for v in r["violations"]}
+    # Once on a quiet CI box, seed 0's late writes were refused by the stalled-out peer
+    # (driver_errors, PostWrite: NixlPeerError) and none landed: that run says nothing of the
+    # fence either way, so only then the next seed is tried (seeds 1 and 2 catch it as well).
+    for seed in ("0", "1"):
+        run = ("--rooms", "100", "--tp", "2-1", "--seed", seed, "--fault-share", "1", "--faults", "stall")
+        control, planted = _chaos_started(*run), _chaos_started(*run, "--plant", "reuse_unfenced")
+        try:
+            code, r, _err = _chaos_ended(control)
+            ended = _chaos_ended(planted)
+        finally:
+            _chaos_stopped(control, planted)
+        # Without the plant: no safety violation. A post refused by a peer the stall cut off
+        # (driver_errors, PostAuxWrite: NixlPeerError) was seen once on a loaded CI host; it is no
+        # late write and no lost room, so it does not count against the control run.
+        unsafe = [v for v in r["violations"] if v["kind"] != "driver_errors"]
+        assert not unsafe, r["violations"][:5]
+        assert r["coverage"]["by_fault"]["stall"].get("failed", 0) > 0
+        code, r, err = ended
+        assert code == 1 and not r["ok"]
+        kinds = {v["kind"] for v in r["violations"]}
+        if kinds != {"driver_errors"}:
+            break
     assert kinds & {"canary", "corrupted"}, r["violations"][:5]
-    assert "chaos FAILED with seed 0; replay: kvferry chaos --seed 0 --rooms 100 --tp 2-1" in err
+    assert f"chaos FAILED with seed {seed}; replay: kvferry chaos --seed {seed} --rooms 100 --tp 2-1" in err
     assert "--plant reuse_unfenced" in r["replay"]
 
 
