@@ -16,16 +16,15 @@ on a grid between one initiator's wire and all of them together, refined around 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from kvferry.sim.calibrate.predict import BenchRow, Prediction
+from kvferry.sim.calibrate.gridfit import Simulate, refine_min, rows_mape
+from kvferry.sim.calibrate.predict import BenchRow
 
 __all__ = ["HostShareFit", "fit_host_share", "host_share_rows"]
 
-Simulate = Callable[[BenchRow, dict[str, Any]], Prediction]
 KEY = "host_shared_bandwidth_gbps"
 
 
@@ -42,12 +41,6 @@ def host_share_rows(rows: Sequence[BenchRow]) -> list[BenchRow]:
     return [r for r in rows if r.flow == "pinned" and r.prefill_tp > 1]
 
 
-def _err(run: Simulate, rows: Sequence[BenchRow], fabric: dict[str, Any]) -> float:
-    meas = np.array([r.room_mb * r.inflight / r.measured_gbps for r in rows])
-    pred = np.array([run(r, fabric).predicted_ms for r in rows])
-    return float(np.mean(np.abs(pred - meas) / meas) * 100)
-
-
 def fit_host_share(rows: Sequence[BenchRow], fabric: dict[str, Any], run: Simulate) -> HostShareFit | None:
     """The shared host wire (GB/s) best fitting ``rows`` simulated by ``run`` over ``fabric`` (which
     has the initiators' own ``host_bandwidth_gbps``); None where no row has several host writers or
@@ -56,17 +49,16 @@ def fit_host_share(rows: Sequence[BenchRow], fabric: dict[str, Any], run: Simula
     own = fabric.get("host_bandwidth_gbps")
     if not use or not own:
         return None
-    before = _err(run, use, fabric)
+    before = rows_mape(run, use, fabric)
     no_effect = own * max(r.prefill_tp for r in use)  # every initiator at its own rate
-    hi = no_effect
-    lo, best = own / 2, (before, hi)
-    for _ in range(3):
-        for g in np.linspace(lo, hi, 17):
-            e = _err(run, use, {**fabric, KEY: float(g)})
-            if e < best[0]:
-                best = (e, float(g))
-        step = (hi - lo) / 16
-        lo, hi = max(own / 4, best[1] - step), best[1] + step
-    if best[1] >= no_effect:
+    err, gbps = refine_min(
+        lambda g: rows_mape(run, use, {**fabric, KEY: g}),
+        own / 2,
+        no_effect,
+        (before, no_effect),
+        rounds=3,
+        floor=own / 4,
+    )
+    if gbps >= no_effect:
         return None
-    return HostShareFit(best[1], len(use), before, best[0])
+    return HostShareFit(gbps, len(use), before, err)

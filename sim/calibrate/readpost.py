@@ -20,16 +20,15 @@ every rank on one GPU (NicSpec.shared_desc_ns) a post that begins while another 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-from kvferry.sim.calibrate.predict import BenchRow, Prediction
+from kvferry.sim.calibrate.gridfit import Simulate, refine_min, rows_mape
+from kvferry.sim.calibrate.predict import BenchRow
 
 __all__ = ["KEY", "ReadFit", "fit_read_desc", "read_rows"]
 
-Simulate = Callable[[BenchRow, dict[str, Any]], Prediction]
 KEY = "read_desc_ns"
 
 
@@ -46,12 +45,6 @@ def read_rows(rows: Sequence[BenchRow]) -> list[BenchRow]:
     return [r for r in rows if r.flow == "pull" and r.prefill_tp != r.decode_tp]
 
 
-def _err(run: Simulate, rows: Sequence[BenchRow], fabric: dict[str, Any]) -> float:
-    meas = np.array([r.room_mb * r.inflight / r.measured_gbps for r in rows])
-    pred = np.array([run(r, fabric).predicted_ms for r in rows])
-    return float(np.mean(np.abs(pred - meas) / meas) * 100)
-
-
 def fit_read_desc(rows: Sequence[BenchRow], fabric: dict[str, Any], run: Simulate) -> ReadFit | None:
     """The READ cost a descriptor best fitting ``rows`` simulated by ``run`` over ``fabric`` (which
     has the WRITE's ``per_desc_ns``); None where no row is a pull room with unequal TP."""
@@ -59,16 +52,16 @@ def fit_read_desc(rows: Sequence[BenchRow], fabric: dict[str, Any], run: Simulat
     write_ns = int(fabric.get("per_desc_ns", 0))
     if not use or write_ns <= 0:
         return None
-    before = _err(run, use, {**fabric, KEY: 0})
-    best = (before, float(write_ns))
+    before = rows_mape(run, use, {**fabric, KEY: 0})
     # 0 means "as a WRITE", so the grid stays above 0: a tenth to ten times the WRITE's cost, then
     # refined three times around the best (each step an eighth of the one before).
-    lo, hi = write_ns / 10, write_ns * 10
-    for _ in range(4):
-        for ns in np.linspace(lo, hi, 17):
-            e = _err(run, use, {**fabric, KEY: round(float(ns))})
-            if e < best[0]:
-                best = (e, float(round(float(ns))))
-        step = (hi - lo) / 16
-        lo, hi = max(1.0, best[1] - step), best[1] + step
-    return ReadFit(best[1] / 1000, len(use), before, best[0])
+    err, ns = refine_min(
+        lambda v: rows_mape(run, use, {**fabric, KEY: round(v)}),
+        write_ns / 10,
+        write_ns * 10,
+        (before, float(write_ns)),
+        rounds=4,
+        floor=1.0,
+        snap=lambda x: float(round(x)),
+    )
+    return ReadFit(ns / 1000, len(use), before, err)

@@ -36,12 +36,13 @@ simulating the rows again with the fitted costs (not from the linear model).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from kvferry.sim.calibrate.fit import mape, nnls, split_sizes
+from kvferry.sim.calibrate.gridfit import Simulate
 from kvferry.sim.calibrate.inputs import CalibrationError
 from kvferry.sim.calibrate.predict import BenchRow, Prediction, predict
 
@@ -107,9 +108,6 @@ def lad(a: np.ndarray, b: np.ndarray, iters: int = 200) -> np.ndarray:
             break
         x = nxt
     return x
-
-
-Simulate = Callable[[BenchRow, dict[str, Any]], Prediction]
 
 
 def fit_rooms(
