@@ -19,13 +19,13 @@ only (sizes the fit never saw, inside the fitted range). The written profile is 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 from kvferry.sim.calibrate.inputs import KERNEL_PATHS, CalibrationError, KernelRow, WriteRow
 
-__all__ = ["FabricFit", "KernelFit", "fit_fabric", "fit_kernels", "nnls", "split_sizes"]
+__all__ = ["FabricFit", "KernelFit", "fit_fabric", "fit_kernels", "nnls", "refine_min", "split_sizes"]
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -70,6 +70,32 @@ def split_sizes(sizes: Sequence[int]) -> tuple[list[int], list[int]]:
 
 def mape(pred: np.ndarray, meas: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - meas) / meas) * 100.0)
+
+
+def refine_min(
+    err: Callable[[float], float],
+    lo: float,
+    hi: float,
+    best: tuple[float, float],
+    rounds: int,
+    floor: float,
+    snap: Callable[[float], float] = float,
+    points: int = 17,
+    narrow: int = 16,
+) -> tuple[float, float]:
+    """(error, value) of the least ``err`` found, from ``best``: ``points`` values over ``[lo, hi]``
+    (each ``snap``ped to what the model takes), then ``rounds - 1`` times again over the best so far
+    plus and minus ``(hi - lo) / narrow`` of the grid before, never below ``floor``. For one cost
+    whose error is not linear in it (a simulated run's, a max() of two costs)."""
+    for _ in range(rounds):
+        for x in np.linspace(lo, hi, points):
+            v = snap(float(x))
+            e = err(v)
+            if e < best[0]:
+                best = (e, v)
+        step = (hi - lo) / narrow
+        lo, hi = max(floor, best[1] - step), best[1] + step
+    return best
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kvferry.sim.calibrate.fit import refine_min
 from kvferry.sim.calibrate.inputs import CalibrationError, _load_json, charged_descs
 
 __all__ = [
@@ -280,16 +281,18 @@ def fit_read_posting(
     gave it; a grid, refined three times."""
     y = np.array([max(r.post_us - post_cost_us, 1e-9) / r.descs for r in rows])
     k = np.array([float(r.concurrent) for r in rows])
-    lo, hi, best = 0.0, float(y.max()), (float("inf"), 0.0)
-    for _ in range(4):
-        for a in np.linspace(lo, hi, 161):
-            err = float(np.sum(((_per_desc_model(a, shared_desc_us, k) - y) / y) ** 2))
-            if err < best[0]:
-                best = (err, float(a))
-        step = (hi - lo) / 40
-        lo, hi = max(0.0, best[1] - step), best[1] + step
-    pred = _per_desc_model(best[1], shared_desc_us, k)
-    return best[1], float(np.mean(np.abs(pred - y) / y) * 100)
+    _, a = refine_min(
+        lambda a: float(np.sum(((_per_desc_model(a, shared_desc_us, k) - y) / y) ** 2)),
+        0.0,
+        float(y.max()),
+        (float("inf"), 0.0),
+        rounds=4,
+        floor=0.0,
+        points=161,
+        narrow=40,
+    )
+    pred = _per_desc_model(a, shared_desc_us, k)
+    return a, float(np.mean(np.abs(pred - y) / y) * 100)
 
 
 def fit_host_wire(rows: Sequence[HostRow]) -> tuple[float, float]:

@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from kvferry.core.flows import FLOW_NAMES
 from kvferry.core.geometry import PRESETS
 from kvferry.sim import scenario as sc
+from kvferry.sim.calibrate.fit import mape
 from kvferry.sim.calibrate.inputs import CalibrationError, read_text
 
-__all__ = ["BenchRow", "FlowError", "Prediction", "by_flow", "predict", "read_bench"]
+__all__ = ["BenchRow", "FlowError", "Prediction", "Simulate", "by_flow", "predict", "read_bench", "rows_mape"]
 
 FLOWS = (*FLOW_NAMES, "policy")
 MS = 1_000_000
@@ -271,6 +274,16 @@ def by_flow(
         key = (r.flow, r.inflight, _tp_key(r, pairs, all_tp), r.tokens in held_out_tokens)
         groups.setdefault(key, []).append(p)
     return [FlowError(*k, len(v), *_group_error(v)) for k, v in sorted(groups.items())]
+
+
+Simulate = Callable[[BenchRow, dict[str, Any]], Prediction]  # a row run over fabric overrides
+
+
+def rows_mape(run: Simulate, rows: Sequence[BenchRow], fabric: dict[str, Any]) -> float:
+    """Mean relative error (%) of ``rows``' ms simulated by ``run`` over ``fabric``."""
+    meas = np.array([r.room_mb * r.inflight / r.measured_gbps for r in rows])
+    pred = np.array([run(r, fabric).predicted_ms for r in rows])
+    return mape(pred, meas)
 
 
 def predict(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) -> Prediction:

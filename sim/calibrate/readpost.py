@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvferry.sim.calibrate.gridfit import Simulate, refine_min, rows_mape
-from kvferry.sim.calibrate.predict import BenchRow
+from kvferry.sim.calibrate.fit import refine_min
+from kvferry.sim.calibrate.predict import BenchRow, Simulate, rows_mape
 
 __all__ = ["KEY", "ReadFit", "fit_read_desc", "read_rows"]
 

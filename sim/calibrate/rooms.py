@@ -42,9 +42,8 @@ from typing import Any
 
 import numpy as np
 from kvferry.sim.calibrate.fit import mape, nnls, split_sizes
-from kvferry.sim.calibrate.gridfit import Simulate
 from kvferry.sim.calibrate.inputs import CalibrationError
-from kvferry.sim.calibrate.predict import BenchRow, Prediction, predict
+from kvferry.sim.calibrate.predict import BenchRow, Prediction, Simulate, predict
 
 __all__ = ["RoomFit", "fit_rooms", "lad"]
 
