@@ -71,8 +71,8 @@ def render(
         *_fit_table(fab, tel, sources),
         *_fit_rooms(rooms, rooms_sources, rooms_check_sources),
         *_fit_flows(flows),
-        *_fit_host_share(host_share),
-        *_fit_read(read),
+        *_fit_by_ms("host_share", host_share),
+        *_fit_by_ms("read", read),
         *_fit_kernels(kernels),
     ]
     return "\n".join(lines) + "\n"
@@ -145,16 +145,6 @@ def _read_lines(read: ReadFit | None, had_rooms: bool, flows: FlowFit | None) ->
     ]
 
 
-def _fit_read(read: ReadFit | None) -> list[str]:
-    if read is None:
-        return []
-    return [
-        f"read_rows = {read.rows}",
-        f"read_mape_before_pct = {read.mape_before_pct:.2f}",
-        f"read_mape_in_sample_pct = {read.mape_pct:.2f}",
-    ]
-
-
 def _kernel_lines(kernels: KernelFit | None, kernel_source: str) -> list[str]:
     if kernels is None:
         return ["# No kernel bench given: the GPU profile's copy kernels apply."]
@@ -211,13 +201,14 @@ def _host_share_lines(host_share: HostShareFit | None) -> list[str]:
     ]
 
 
-def _fit_host_share(host_share: HostShareFit | None) -> list[str]:
-    if host_share is None:
+def _fit_by_ms(prefix: str, fit: HostShareFit | ReadFit | None) -> list[str]:
+    """The [fit] rows of a cost fitted to bench rows' ms (hostshare.py, readpost.py)."""
+    if fit is None:
         return []
     return [
-        f"host_share_rows = {host_share.rows}",
-        f"host_share_mape_before_pct = {host_share.mape_before_pct:.2f}",
-        f"host_share_mape_in_sample_pct = {host_share.mape_pct:.2f}",
+        f"{prefix}_rows = {fit.rows}",
+        f"{prefix}_mape_before_pct = {fit.mape_before_pct:.2f}",
+        f"{prefix}_mape_in_sample_pct = {fit.mape_pct:.2f}",
     ]
 
 
