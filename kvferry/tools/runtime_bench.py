@@ -154,6 +154,11 @@ def _pools(cfg: BenchConfig, role: str) -> list[Any]:
     ]
 
 
+def _room_bytes(pools: list[Any], tokens: int) -> int:
+    """The bytes of one room over ``pools`` (a side's ranks)."""
+    return sum(pool.token_bytes for pool in pools) * tokens * pools[0].model.num_regions
+
+
 def _buffers(pool: Any, fill: int, mem: str) -> tuple[Any, dict[int, Any], Any]:
     """One contiguous buffer per rank (regions are views), and its covering MemRegion."""
     from kvferry.backends.nixl.memory import MemRegion
@@ -519,8 +524,9 @@ def _expected_counts(pool: Any, prefill_tp: int, tokens: int) -> dict[int, int]:
     return want
 
 
-def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
-    eps, all_regions, covers, _bufs = _decode_endpoints(cfg, prefill)
+def child_decode(cfg: BenchConfig) -> None:
+    made = _decode_buffers(cfg)
+    eps, all_regions, covers, _bufs = _decode_endpoints(cfg, made, _hear()["addresses"])
     traces = _start_trace(cfg, eps, "decode")
     for ep in eps:
         ep.start()
@@ -528,7 +534,7 @@ def child_decode(cfg: BenchConfig, prefill: list[str]) -> None:
     _hear()
     slots = 2 * cfg.inflight
     durations, checks = [], []
-    room_bytes = sum(ep.pool.token_bytes for ep in eps) * cfg.tokens * eps[0].pool.model.num_regions
+    room_bytes = _room_bytes([ep.pool for ep in eps], cfg.tokens)
     wants = [_expected_counts(ep.pool, cfg.prefill_tp, cfg.tokens) for ep in eps]
     for want, regions in zip(wants, all_regions, strict=True):
         _expect_zeros(want, regions, slots)
@@ -584,16 +590,21 @@ def _kv_reads(eps: list[Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _decode_buffers(cfg: BenchConfig) -> list[tuple[Any, Any, dict[int, Any], Any]]:
+    """Decode's pools on zeroed buffers, made before prefill's addresses are known (the GPU's
+    start-up overlaps prefill's): (pool, buffer, regions, raw cover) per rank."""
+    return [(pool, *_buffers(pool, 0, cfg.mem)) for pool in _pools(cfg, "decode")]
+
+
 def _decode_endpoints(
-    cfg: BenchConfig, prefill: list[str]
+    cfg: BenchConfig, made: list[tuple[Any, Any, dict[int, Any], Any]], prefill: list[str]
 ) -> tuple[list[Any], list[dict[int, Any]], list[list[Any]], list[Any]]:
-    """Decode's ranks on zeroed buffers: (endpoints, each rank's regions, each rank's raw cover as
-    (addr, bytes, dev) for prefill's raw writes, the buffers)."""
+    """Decode's ranks on the buffers ``_decode_buffers`` made: (endpoints, each rank's regions,
+    each rank's raw cover as (addr, bytes, dev) for prefill's raw writes, the buffers)."""
     from kvferry.backends.runtime import DecodeEndpoint
 
     eps, all_regions, covers, keep = [], [], [], []
-    for pool in _pools(cfg, "decode"):
-        buf, regions, cover = _buffers(pool, 0, cfg.mem)
+    for pool, buf, regions, cover in made:
         keep.append(buf)  # the views keep it alive anyway; explicit is clearer
         eps.append(
             DecodeEndpoint(
@@ -753,10 +764,15 @@ def run_config(
         from kvferry.backends.runtime.security import ephemeral_key
 
         env["KVFERRY_CONTROL_KEY"] = ephemeral_key()  # the two children share a fresh key
-    p, d, handoffs = _drive(cfg, env, timeout_s)
+    phases: dict[str, float] = {}
+    p, d, handoffs = _drive(cfg, env, timeout_s, phases)
     if cfg.telemetry_path and d.get("reads"):
         _add_reads(cfg.telemetry_path, d["reads"])
-    return _row(cfg, env, p, d, handoffs)
+    p2p = phases.pop("p2p_gbps", None)
+    row = _row(cfg, env, p, d, handoffs, p2p)
+    # Where a row's wall time went (start-ups dominate a device row; the timed batches are ms).
+    row["phase_s"] = phases
+    return row
 
 
 def _add_reads(path: str, reads: list[dict[str, Any]]) -> None:
@@ -770,22 +786,36 @@ def _add_reads(path: str, reads: list[dict[str, Any]]) -> None:
 
 
 def _drive(
-    cfg: BenchConfig, env: dict[str, str], timeout_s: float
+    cfg: BenchConfig, env: dict[str, str], timeout_s: float, phases: dict[str, float]
 ) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
     """Both children through every batch: (prefill's summary, decode's, the timed batches'
-    send-to-Success seconds)."""
+    send-to-Success seconds). ``phases`` gets the seconds each stage took."""
+    clock = [time.monotonic()]
+
+    def mark(name: str) -> None:
+        now = time.monotonic()
+        phases[name] = round(now - clock[0], 2)
+        clock[0] = now
+
     blob = json.dumps(asdict(cfg))
     pre_env, dec_env = dict(env), dict(env)
     if cfg.prefill_gpus:
         pre_env["CUDA_VISIBLE_DEVICES"] = cfg.prefill_gpus
     if cfg.decode_gpus:
         dec_env["CUDA_VISIBLE_DEVICES"] = cfg.decode_gpus
+    # Both children and the link probe start at once: their start-ups (interpreter, CUDA, NIXL)
+    # are most of a row's wall time; decode hears prefill's addresses once it has its buffers.
+    probe = _P2pProbe(cfg, env) if cfg.mem == "VRAM" else None
     pre = _Proc(["prefill", blob], pre_env)
     dec = None
     try:
-        addresses = pre.get(timeout_s)["addresses"]
-        dec = _Proc(["decode", blob, *addresses], dec_env)
+        dec = _Proc(["decode", blob], dec_env)
+        dec.put(addresses=pre.get(timeout_s)["addresses"])
         raw = dec.get(timeout_s)["raw"]
+        mark("children_up")
+        # The probe's copies must not overlap the timed batches.
+        phases["p2p_gbps"] = probe.result() if probe is not None else None
+        mark("probe_wait")
         pre.put(go=True)
         dec.put(go=True)
         handoffs = []
@@ -797,22 +827,31 @@ def _drive(
             pre.put(raw=raw)
             pre.get(timeout_s)  # raw_done
             dec.put(next=True)
+        mark("batches")
         d = dec.get(timeout_s)
         p = pre.get(timeout_s)
+        mark("summaries")
         pre.put(exit=True)
         dec.put(exit=True)
     finally:
         pre.kill()
         if dec is not None:
             dec.kill()
+        if probe is not None:
+            probe.kill()
+    mark("teardown")
     return p, d, handoffs
 
 
 def _row(
-    cfg: BenchConfig, env: dict[str, str], p: dict[str, Any], d: dict[str, Any], handoffs: list[float]
+    cfg: BenchConfig,
+    env: dict[str, str],
+    p: dict[str, Any],
+    d: dict[str, Any],
+    handoffs: list[float],
+    p2p: float | None,
 ) -> dict[str, Any]:
     """The result row: the configuration, the times (medians), the write telemetry, the placement."""
-    p2p = _p2p_gbps(cfg, env, d["room_bytes"] // cfg.inflight) if cfg.mem == "VRAM" else None
     room_bytes = d["room_bytes"]
     return {
         "config": cfg.name,
@@ -919,24 +958,37 @@ print(n / sorted(best)[len(best) // 2] / 1e9)
 """
 
 
-def _p2p_gbps(cfg: BenchConfig, env: dict[str, str], nbytes: int) -> float | None:
-    """GB/s of a torch device-to-device copy of ``nbytes`` from prefill's first GPU to decode's
-    first GPU (peer-to-peer over NVLink or PCIe when they differ): what the link can do."""
-    a = (cfg.prefill_gpus or "0").split(",")[0]
-    b = (cfg.decode_gpus or "0").split(",")[0]
-    visible = ",".join(dict.fromkeys([a, b]))
-    idx = {g: i for i, g in enumerate(visible.split(","))}
-    try:
-        out = subprocess.run(
+class _P2pProbe:
+    """GB/s of a torch device-to-device copy of one room's bytes from prefill's first GPU to
+    decode's first GPU (peer-to-peer over NVLink or PCIe when they differ): what the link can do.
+    Its own process, started beside the children; ``result`` waits for it (None if it failed)."""
+
+    def __init__(self, cfg: BenchConfig, env: dict[str, str]) -> None:
+        a = (cfg.prefill_gpus or "0").split(",")[0]
+        b = (cfg.decode_gpus or "0").split(",")[0]
+        visible = ",".join(dict.fromkeys([a, b]))
+        idx = {g: i for i, g in enumerate(visible.split(","))}
+        nbytes = _room_bytes(_pools(cfg, "decode"), cfg.tokens)
+        self.p = subprocess.Popen(
             [sys.executable, "-c", _P2P, str(idx[a]), str(idx[b]), str(nbytes)],
             env={**env, "CUDA_VISIBLE_DEVICES": visible},
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             text=True,
-            timeout=120,
         )
-        return float(out.stdout.strip().splitlines()[-1])
-    except (subprocess.SubprocessError, ValueError, IndexError):
-        return None
+
+    def result(self, timeout_s: float = 120.0) -> float | None:
+        try:
+            out, _ = self.p.communicate(timeout=timeout_s)
+            return float(out.strip().splitlines()[-1])
+        except (subprocess.SubprocessError, ValueError, IndexError):
+            self.kill()
+            return None
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait(10)
 
 
 def run(
@@ -949,7 +1001,6 @@ def _child_main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("role", choices=["prefill", "decode"])
     ap.add_argument("config")
-    ap.add_argument("prefill", nargs="*")
     a = ap.parse_args()
     cfg = BenchConfig(**json.loads(a.config))
     if cfg.switch_interval_us > 0:
@@ -957,7 +1008,7 @@ def _child_main() -> None:
     if a.role == "prefill":
         child_prefill(cfg)
     else:
-        child_decode(cfg, a.prefill)
+        child_decode(cfg)
 
 
 if __name__ == "__main__":
