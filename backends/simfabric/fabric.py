@@ -7,9 +7,8 @@ Transfer model, per post:
 1. Posting costs ``post_cost + per_desc * descriptors`` on the initiator's NIC, serialised per NIC
    (descriptors after NIXL-style dense-run merging when the fabric uses prepared lists). With
    ``shared_desc`` set, a node posts through its device as well: a descriptor costs
-   ``max(per_desc, k * shared_desc)``, k the posts of that device in their posting phase (one
-   device for every node with ``FabricSpec.one_gpu``, the bench's layout: k is recomputed when a
-   post joins or leaves it, posting.py; else one a node, so k = 1).
+   ``max(per_desc, k * shared_desc)``, k the nodes of that device posting when the post begins
+   (one device for every node with ``FabricSpec.one_gpu``, the bench's layout; else one a node).
    A READ's descriptors cost ``read_desc`` instead of ``per_desc`` where it is set.
 2. At most ``max_inflight`` transfers per initiating NIC are active; later ones queue in order.
 3. Active transfers share bandwidth: a transfer moves at
@@ -50,7 +49,6 @@ from kvferry.backends.simfabric.descriptors import SMALL, DescList, gather_index
 from kvferry.backends.simfabric.errors import NodeDownError, UnknownPeerError
 from kvferry.backends.simfabric.faultapi import NoFaults
 from kvferry.backends.simfabric.memory import FakeMemory
-from kvferry.backends.simfabric.posting import PostJob, SharedDevice
 from kvferry.backends.simfabric.spec import NS_PER_S, FabricSpec, NicSpec
 from kvferry.core.flows.regions import PINNED_REGION
 from kvferry.core.identity_enum import IdentityEnum
@@ -95,7 +93,6 @@ class Xfer:
     remaining: int = 0
     started_ns: int = -1
     finish_at: int = -1
-    ready_ns: int = -1  # its posting phase's end (known at the post unless the device is shared)
     landed_ns: int = -1
     done_ns: int = -1
     err_reason: str = ""
@@ -122,10 +119,6 @@ class Node:
     notifs: list[tuple[str, bytes]] = field(default_factory=list)
     control: list[tuple[str, bytes]] = field(default_factory=list)
     post_busy_until: int = 0
-    # On a shared device (Fabric._shares_device) a post's end is not known when it is made: the
-    # node's posts wait here, the one posting being ``posting`` (post_busy_until is unused there).
-    posting: PostJob | None = None
-    post_queue: deque[PostJob] = field(default_factory=deque)
     active_out: int = 0
     active_in: int = 0
     queued: deque[int] = field(default_factory=deque)
@@ -190,7 +183,6 @@ class Fabric:
         self._gen = 0
         self._active: list[int] = []  # xids in start order, so recomputation order is fixed
         self._host_active: dict[str, int] = {}  # active host-to-host transfers of each host
-        self._device = SharedDevice()  # FabricSpec.one_gpu's GPU, for nodes with shared_desc_ns
         self._last_progress = 0
         # Called with (xfer) just before a transfer's bytes land; the world uses it to check that
         # the writer owns the destination.
@@ -268,7 +260,6 @@ class Fabric:
         node.settled.clear()
         node.queued.clear()
         node.inflight = 0
-        self._stop_posting(node)
         old_inbox, old_waker = node.inbox, node.waker
         node.inbox = simpy.Store(self.env)
         node.waker = None
@@ -382,8 +373,12 @@ class Fabric:
         begin = max(now, ini.post_busy_until)
         # A READ (the initiator is the destination) posts at its own cost where the NIC has one.
         per_desc = nic.per_desc_ns if writes or not nic.read_desc_ns else nic.read_desc_ns
+        if nic.shared_desc_ns:  # k nodes posting through one device: each gets 1/k of it
+            per_desc = max(per_desc, nic.shared_desc_ns * self._posting_on_device(ini, begin))
+        ready = begin + nic.post_cost_ns + per_desc * charged
         if nic.host_bandwidth_bps and _host_to_host(descs):
             x.host_bps = nic.host_bandwidth_bps
+        ini.post_busy_until = ready
         self.record(
             "post",
             initiator,
@@ -395,82 +390,19 @@ class Fabric:
             nbytes=x.remaining,
             tag=tag,
         )
-        if nic.shared_desc_ns and self.spec.one_gpu:  # its end depends on who else posts
-            job = PostJob(x, per_desc, nic.shared_desc_ns, charged)
-            if ini.posting is None:
-                self._post_begin(ini, job)
-            else:
-                ini.post_queue.append(job)
-            return xid
-        if nic.shared_desc_ns:  # a device of its own: k = 1
-            per_desc = max(per_desc, nic.shared_desc_ns)
-        ready = begin + nic.post_cost_ns + per_desc * charged
-        x.ready_ns = ready
-        ini.post_busy_until = ready
         self._at(ready - now, self._admit, x)
         return xid
 
-    # ------------------------------------------------------------------ posting on a shared device
-    def _post_begin(self, ini: Node, job: PostJob, reschedule: bool = True) -> None:
-        """``ini``'s next post begins: its fixed cost on the node, then its descriptors on the
-        device (the fixed part is the node's own: it takes no share of the device).
-        ``reschedule`` False: the caller recomputes the device's shares once it is done."""
-        ini.posting = job
-        cost = ini.nic.post_cost_ns
-        if cost:
-            self._at(cost, self._post_join, ini, job, True)
-        else:
-            self._post_join(ini, job, reschedule)
-
-    def _post_join(self, ini: Node, job: PostJob, reschedule: bool) -> None:
-        if ini.posting is not job:
-            return  # its node crashed meanwhile
-        if not job.left:  # no descriptors: done once its fixed cost is
-            self._post_done(ini, job)
-        else:
-            dev = self._device
-            dev.advance(int(self.env._now))
-            dev.jobs.append(job)
-        if reschedule:
-            self._post_reschedule()
-
-    def _post_reschedule(self) -> None:
-        dev, now = self._device, int(self.env._now)
-        dev.advance(now)
-        dev.gen += 1
-        soonest = dev.reschedule(now)
-        if soonest >= 0:
-            self._at(soonest - now, self._post_timer, dev.gen)
-
-    def _post_timer(self, gen: int) -> None:
-        dev = self._device
-        if gen != dev.gen:
-            return  # superseded by a later recomputation
-        now = int(self.env._now)
-        dev.advance(now)
-        for job in dev.take_done(now):
-            self._post_done(self.nodes[job.xfer.initiator], job)
-        self._post_reschedule()
-
-    def _post_done(self, ini: Node, job: PostJob) -> None:
-        """A post's last descriptor is posted: it is admitted, and the node's next post begins
-        (its descriptors join the device without a recomputation: the caller makes one)."""
-        x = job.xfer
-        x.ready_ns = int(self.env._now)
-        ini.posting = None
-        self._admit(x)
-        if ini.post_queue:
-            self._post_begin(ini, ini.post_queue.popleft(), reschedule=False)
-
-    def _stop_posting(self, node: Node) -> None:
-        """A crashed node's posts leave the device (its process is gone) and the others speed up."""
-        job, node.posting = node.posting, None
-        node.post_queue.clear()
-        dev = self._device
-        if job is not None and job in dev.jobs:
-            dev.advance(int(self.env._now))
-            dev.jobs.remove(job)
-            self._post_reschedule()
+    def _posting_on_device(self, ini: Node, begin: int) -> int:
+        """Nodes posting through ``ini``'s device when it begins to (itself included): the
+        device's descriptor work is split among them (a post already under way keeps its end)."""
+        if not self.spec.one_gpu:  # a device of its own
+            return 1
+        return 1 + sum(
+            1
+            for n in self.nodes.values()
+            if n is not ini and n.nic.shared_desc_ns and n.post_busy_until > begin
+        )
 
     def _weight(self, descs: DescList) -> int:
         """How many copies of ``descs`` one post stands for, in cost and bytes: 1 here; a
