@@ -913,6 +913,7 @@ def _row_times(
         "handoff_s": handoff_s,
         "handoff_ratio": raw_s / handoff_s if handoff_s else None,
         "kvferry_s": e2e_s,
+        "kvferry_batches_s": d["durations"],  # every timed batch: the spread within one row
         "kvferry_gbps": e2e,
         "raw_s": raw_s,
         "raw_gbps": raw,
