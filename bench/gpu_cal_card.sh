@@ -9,12 +9,12 @@
 #       2,048 tokens, 8 in flight (TP 1->1 / 2->1)
 #   CARD=h200 PART=rows ROWS='bench-flows.jsonl 2048 8 1-1 ring 1;...' bash bench/gpu_cal_card.sh
 #       or ROWS_FILE=path/rows.txt (from the repository root): one spec a line, '#' comments.
-#       STOP_S=540: start no row once the call has run that long (a row takes 20-45 s; the device
+#       STOP_S=540: start no row once the call has run that long (a row takes 10-35 s; the device
 #       allows 600 s a command). Each row done leaves a mark in $R/done/: the same command again on
 #       the same (still warm) machine takes the rows after it, so one list spans two calls of one
 #       machine; on a fresh machine it starts over (host.txt, one block a call, tells which).
 #   CARD=h200 PART=check bash bench/gpu_cal_card.sh  # held out: every flow at 4,096 tokens (one room,
-#       three TP pairs) and at 1,024 tokens (8 in flight, TP 1->1 / 2->1)
+#       three TP pairs) and at 1,024 tokens (8 in flight, TP 1->1 / 2->1), 5 batches a row
 #   CARD=h200 PART=trace TRACE_FLOWS=ring,pinned bash bench/gpu_cal_card.sh  # traced rooms (4,096 tokens,
 #       3 rooms, TP 1->1 / 2->1 / 1->2) on the same executor as the rows: cal/trace/, hop timelines in
 #       trace.out; the step's log must say "executor: native" (a trace taken before the engine was
@@ -89,12 +89,12 @@ case "$PART" in
       for flow in "${FLOWS[@]}"; do row bench-flows.jsonl 2048 8 "$cfg" "$flow" 1; done
     done
     ;;
-  check)
+  check)  # 5 batches a row: two rows of one or two batches differed by up to 42% (h200-nixl-rep)
     for cfg in 'tp1->1 nhd' 'tp2->1 nhd'; do
-      for flow in "${FLOWS[@]}"; do row check-1024-i8.jsonl 1024 8 "$cfg" "$flow" 1; done
+      for flow in "${FLOWS[@]}"; do row check-1024-i8.jsonl 1024 8 "$cfg" "$flow" 5; done
     done
     for cfg in 'tp1->1 nhd' 'tp2->1 nhd' 'tp1->2 nhd'; do
-      for flow in "${FLOWS[@]}"; do row check-4096-i1.jsonl 4096 1 "$cfg" "$flow" 2; done
+      for flow in "${FLOWS[@]}"; do row check-4096-i1.jsonl 4096 1 "$cfg" "$flow" 5; done
     done
     ;;
   rows)  # ROWS='FILE TOKENS INFLIGHT TP FLOW ROOMS [tel];...' (TP as 2-1): the rows a call left over
