@@ -43,6 +43,13 @@ if not os.path.exists("/dev/nvidiactl"):
 
 
 @pytest.fixture(autouse=True)
+def _own_run_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """The capacity search keeps its runs on disk (sim/deploy/run_cache.py): each test gets an
+    empty directory of its own, so no test answers from another's runs or writes to ~/.cache."""
+    monkeypatch.setenv("KVFERRY_CACHE_DIR", str(tmp_path_factory.mktemp("runs")))
+
+
+@pytest.fixture(autouse=True)
 def _lock_discipline():
     yield
     # Only tests that built an endpoint imported it (a pure simulation test pays nothing).

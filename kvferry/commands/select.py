@@ -230,6 +230,22 @@ class SearchOpts:
             "(every configuration within the limits: minutes each on two cores)."
         ),
     ] = "simulated"
+    cache: Annotated[
+        bool,
+        typer.Option(
+            "--cache/--no-cache",
+            help="Capacity search: keep each steady-state run on disk and answer a run asked again "
+            "(another plot, --json, the same question) from there; a run is a pure function of its "
+            "options and of kvferry's code, and any change to either is a different entry.",
+        ),
+    ] = True
+    cache_dir: Annotated[
+        str,
+        typer.Option(
+            help="Capacity search: where runs are kept (default: $KVFERRY_CACHE_DIR, else "
+            "$XDG_CACHE_HOME/kvferry/runs, else ~/.cache/kvferry/runs)."
+        ),
+    ] = ""
 
 
 @dataclass(frozen=True)
@@ -369,6 +385,9 @@ def _is_search(ptps: list[int], dtps: list[int], load: LoadOpts, serve: ServeOpt
         counted=counted,
         scenario=load.scenario,
     )
+    if not search and (find.cache_dir or not find.cache):
+        name = "--cache-dir" if find.cache_dir else "--no-cache"
+        bad_input(f"{name} is the capacity search's (--capacity, or --rate without instance counts)")
     return search
 
 
@@ -689,19 +708,31 @@ def _capacity(
         ok = applicable_flows(s)
         return [f for f in want if f in ok] if want else list(ok)
 
+    cache = _run_cache(find)
     try:
         cap = search(
             spec, [(p, d) for p in ptps for d in dtps], flows_of, steady, rate if rate > 0 else None, seeds,
             find.attainment, find.max_instances, find.max_gpus or 1 << 30, find.max_rate_steps, progress,
-            jobs, find.max_rates,
+            jobs, find.max_rates, cache,
         )  # fmt: skip
     except KvferryError as e:
         bad_input(str(e))
+    if cache is not None:
+        print(cache.summary(), file=sys.stderr)
 
     def as_dict() -> dict[str, Any]:
         answered = cap.answer.spec(spec) if cap.answer is not None else spec  # as the table says
         deployment = {k: getattr(answered, k) for k in answered.__slots__}
-        return {"mode": "capacity", "deployment": deployment, "nic": nic_dict(spec.nic), **cap.as_dict()}
+        kept = None
+        if cache is not None:
+            kept = {"dir": str(cache.root), "kept": cache.hits, "simulated": cache.misses}
+        return {
+            "mode": "capacity",
+            "deployment": deployment,
+            "nic": nic_dict(spec.nic),
+            **cap.as_dict(),
+            "run_cache": kept,
+        }
 
     _render(
         out,
@@ -711,6 +742,26 @@ def _capacity(
     )
     if any(r.violations for c in cap.candidates for r in c.results):
         raise typer.Exit(1)
+
+
+def _run_cache(find: SearchOpts) -> Any:
+    """The run cache the options ask for (None: --no-cache). A directory named with --cache-dir
+    that cannot be made is an error; the default one is a warning, and the search runs without."""
+    from kvferry.sim.deploy.run_cache import RunCache, default_dir
+
+    if not find.cache:
+        return None
+    root = Path(find.cache_dir) if find.cache_dir else default_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK):
+            raise PermissionError(f"not writable: {root}")
+    except OSError as e:
+        if find.cache_dir:
+            bad_input(f"--cache-dir: cannot keep runs in {root}: {e}")
+        print(f"warning: run cache off ({root}: {e}); --cache-dir keeps runs elsewhere", file=sys.stderr)
+        return None
+    return RunCache(root)
 
 
 def _render(

@@ -40,6 +40,7 @@ from kvferry.sim.deploy import workload as wl
 from kvferry.sim.deploy.in_order import InOrder
 from kvferry.sim.deploy.metrics import DeployResult
 from kvferry.sim.deploy.run import simulate
+from kvferry.sim.deploy.run_cache import RunCache
 from kvferry.sim.deploy.spec import DeploySpec
 from kvferry.sim.deploy.steady import Interval, queue_limit
 
@@ -338,8 +339,9 @@ class Runner:
     """Runs steady-state jobs, ``jobs`` at a time in forked worker processes (1: in this one).
     Each run is one process's work, so two cores halve a search's wall time."""
 
-    def __init__(self, jobs: int = 1) -> None:
+    def __init__(self, jobs: int = 1, cache: RunCache | None = None) -> None:
         self.jobs = max(1, jobs)
+        self.cache = cache  # results of earlier searches (sim/deploy/run_cache.py), None: none kept
         self._pool: Any = None
 
     def __enter__(self) -> Runner:
@@ -364,12 +366,20 @@ class Runner:
         else:  # Ctrl-C (the workers ignore it) or an error: the runs in flight are not waited for
             stop_workers(self._pool)
 
-    def map(
-        self, jobs: Sequence[tuple[DeploySpec, float, Workload, tuple[int, ...]]]
-    ) -> list[list[DeployResult]]:
-        if self._pool is None or len(jobs) < 2:
-            return [_runs(j) for j in jobs]
-        return list(self._pool.map(_runs, jobs))
+    def map(self, jobs: Sequence[Job]) -> list[list[DeployResult]]:
+        """Each job's runs, in order: kept ones from the cache, the others simulated (at once
+        on the workers) and kept."""
+        kept = [self.cache.get(j) if self.cache is not None else None for j in jobs]
+        todo = [j for j, k in zip(jobs, kept, strict=True) if k is None]
+        if self._pool is None or len(todo) < 2:
+            done = [_runs(j) for j in todo]
+        else:
+            done = list(self._pool.map(_runs, todo))
+        if self.cache is not None:
+            for j, rs in zip(todo, done, strict=True):
+                self.cache.put(j, rs)
+        fresh = iter(done)
+        return [k if k is not None else next(fresh) for k in kept]
 
 
 def max_rate(
@@ -458,18 +468,20 @@ def search(
     progress: Progress | None = None,
     jobs: int = 1,
     max_rates: str = "simulated",
+    cache: RunCache | None = None,
 ) -> Capacity:
     """With ``rate``: the cheapest configuration meeting it (None if none within the limits), and
     the most it sustains. Without: the most each balanced configuration (per prefill count, the
     fewest decode instances whose bound covers it) sustains. With a rate, the most each
     configuration simulated at it sustains too; ``max_rates="all"``: the most every configuration
-    within the limits sustains (``_every_max_rate``)."""
+    within the limits sustains (``_every_max_rate``). ``cache``: runs kept from earlier searches,
+    and where this one's are kept."""
     if max_rates not in MAX_RATES:
         raise ValueError(f"max_rates must be one of {', '.join(MAX_RATES)}, got {max_rates!r}")
     say = _one_at_a_time(progress or (lambda _msg: None))
     cands, per = _candidates(base, tp_pairs, flows_of, w, max_instances, max_gpus)
     try:
-        with Runner(jobs) as runner:
+        with Runner(jobs, cache) as runner:
             s = _Search(base, w, tuple(seeds), target, max_rate_steps, say, runner)
             if rate is not None:
                 cap = _for_rate(cands, per, rate, s)

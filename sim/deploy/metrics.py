@@ -65,7 +65,7 @@ class DeployResult:
     seed: int = 0
     # Per instance ("prefill0", "decode3"): requests routed there, and the share of the run
     # (first arrival to last finish) it spent in forward steps.
-    instances: dict[str, dict[str, float]] = field(default_factory=dict)
+    instances: dict[str, dict[str, int | float]] = field(default_factory=dict)
     # How scattered the requests' KV pages were (sim/pages.py): mean contiguous runs per request
     # on each side ("prefill", "decode") and over both at once ("pair": where an equal-TP direct
     # descriptor merges), and the largest pair count ("pair_max").
