@@ -185,3 +185,16 @@ def test_bad_cache_options_are_one_error_line(tmp_path: Path, args: list[str], n
     assert r.exit_code == 2
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+
+
+def test_a_write_that_fails_leaves_nothing_behind(
+    tmp_path: Path, simulated: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(_src: object, _dst: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_cache.os, "replace", full)
+    cache = RunCache(tmp_path)
+    cache.put(JOB, simulated)  # not an error: the search goes on
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert cache.get(JOB) is None

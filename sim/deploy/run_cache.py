@@ -117,11 +117,14 @@ class RunCache:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".part-")
+        except OSError:
+            return
+        try:
             with os.fdopen(fd, "wb") as f:
                 f.write(msgspec.msgpack.encode(list(results)))
             os.replace(tmp, path)
-        except OSError:
-            return
+        except OSError:  # a full disk: no half entry left behind
+            Path(tmp).unlink(missing_ok=True)
 
     def summary(self) -> str:
         """One line for the progress output."""
