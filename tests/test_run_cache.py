@@ -91,24 +91,21 @@ def test_other_code_is_another_entry(
     assert cache.get(JOB) is None
 
 
-def test_the_code_digest_covers_the_simulator_and_its_profiles() -> None:
+def test_the_code_digest_covers_the_simulator_and_its_profiles(tmp_path: Path) -> None:
     import kvferry.sim.deploy.capacity as cap_mod
-    from kvferry.sim.deploy import hardware
+    from kvferry.backends.simfabric import fabric
 
-    a = run_cache.code_digest()
-    assert len(a) == 64 and a == run_cache.code_digest()
-    # The files a run reads are among those hashed (a change there is another digest).
-    hashed = {p.name for r in _roots() for p in r.rglob("*")}
-    assert Path(cap_mod.__file__).name in hashed and "fabric.py" in hashed
-    assert any(p.suffix == ".toml" for p in Path(hardware.__file__).parent.joinpath("profiles").iterdir())
-    assert "h100.toml" in hashed
-
-
-def _roots() -> set[Path]:
-    import kvferry
-    from kvferry import backends, core, sim
-
-    return {Path(m.__file__).resolve().parent for m in (kvferry, core, backends, sim)}
+    files = run_cache.digested_files()
+    paths = {p for _, p in files}
+    for needed in (Path(cap_mod.__file__), Path(fabric.__file__)):
+        assert needed.resolve() in paths, needed
+    assert any(name.endswith("sim/deploy/profiles/h100.toml") for name, _ in files)
+    assert run_cache.code_digest() == run_cache.digest_of(files)
+    # One byte more in any of them (a copy: the tree is not touched) is another digest.
+    copy = tmp_path / "fabric.py"
+    copy.write_bytes(Path(fabric.__file__).read_bytes() + b"#")
+    changed = [(n, copy if p == Path(fabric.__file__).resolve() else p) for n, p in files]
+    assert run_cache.digest_of(changed) != run_cache.code_digest()
 
 
 def test_a_broken_entry_is_simulated_again_and_rewritten(tmp_path: Path, simulated: list) -> None:

@@ -23,11 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from kvferry.sim.deploy.metrics import DeployResult
 
-__all__ = ["RunCache", "code_digest", "default_dir"]
+__all__ = ["RunCache", "code_digest", "default_dir", "digest_of", "digested_files"]
 
 _LIBRARIES = ("simpy", "msgspec", "numpy")
 _SUFFIXES = (".py", ".toml", ".c")
@@ -41,35 +42,51 @@ def default_dir() -> Path:
     return Path(base) / "kvferry" / "runs"
 
 
+def digested_files() -> list[tuple[str, Path]]:
+    """Every source and profile file a run's result may depend on, each with the name it is
+    hashed under: kvferry's package and its core, backends and sim folders (the profiles live in
+    sim/deploy/profiles)."""
+    import kvferry
+    from kvferry import backends, core, sim
+
+    roots = {Path(m.__file__).resolve().parent for m in (kvferry, core, backends, sim)}
+    return [
+        (str(path.relative_to(root.parent)), path)
+        for root in sorted(roots)
+        for path in sorted(root.rglob("*"))
+        if path.suffix in _SUFFIXES and "__pycache__" not in path.parts
+    ]
+
+
+def digest_of(files: Sequence[tuple[str, Path]]) -> str:
+    """One hash of ``files``' names and bytes and of the interpreter's and libraries' versions."""
+    h = hashlib.sha256()
+    h.update(f"python {platform.python_implementation()} {platform.python_version()}\n".encode())
+    for lib in _LIBRARIES:
+        h.update(f"{lib} {metadata.version(lib)}\n".encode())
+    for name, path in files:
+        h.update(f"{name}\n".encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 _digest: str | None = None
 _digest_lock = threading.Lock()
 
 
 def code_digest() -> str:
-    """One hash of what a run's result depends on besides its job: the package's sources and
-    profiles (kvferry and its core, backends and sim folders) and the interpreter's and
-    libraries' versions. Computed once a process (a few hundred small files)."""
+    """What a run's result depends on besides its job (``digest_of(digested_files())``),
+    computed once a process (a few hundred small files)."""
     global _digest
     with _digest_lock:
         if _digest is None:
-            import kvferry
-            from kvferry import backends, core, sim
-
-            h = hashlib.sha256()
-            h.update(f"python {platform.python_implementation()} {platform.python_version()}\n".encode())
-            for lib in _LIBRARIES:
-                h.update(f"{lib} {metadata.version(lib)}\n".encode())
-            roots = {Path(m.__file__).resolve().parent for m in (kvferry, core, backends, sim)}
-            for root in sorted(roots):
-                for path in sorted(root.rglob("*")):
-                    if path.suffix in _SUFFIXES and "__pycache__" not in path.parts:
-                        h.update(f"{path.relative_to(root.parent)}\n".encode())
-                        h.update(path.read_bytes())
-            _digest = h.hexdigest()
+            _digest = digest_of(digested_files())
         return _digest
 
 
-Job = tuple[object, float, object, tuple[int, ...], float]  # spec, rate, workload, seeds, target
+# capacity.Job (spec, rate, workload, seeds, target) is the one statement of a job's shape;
+# capacity imports this module, so the cache takes any tuple msgspec encodes.
+Job = tuple[Any, ...]
 
 
 @dataclass
