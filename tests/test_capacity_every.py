@@ -25,7 +25,7 @@ def _mu() -> float:
 
 def test_every_configuration_gets_its_maximum_rate_within_its_hand_capacity() -> None:
     mu = _mu()
-    cap = search(ONE_STEP, [(1, 1)], lambda s: ["direct"], W, None, max_instances=2, max_rate_steps=2,
+    cap = search(ONE_STEP, [(1, 1)], lambda s: ["direct"], W, None, max_instances=2, max_rate_steps=4,
                  max_rates="all")  # fmt: skip
     by = {(c.prefill, c.decode): c for c in cap.candidates}
     assert sorted(by) == [(1, 1), (1, 2), (2, 1), (2, 2)]
@@ -42,6 +42,20 @@ def test_every_configuration_gets_its_maximum_rate_within_its_hand_capacity() ->
             src = next(o for o in cap.candidates if o.name == c.max_rps_from)
             assert c.max_rps == src.max_rps
     assert cap.answer is not None and cap.reason.startswith("most requests per second per GPU")
+
+
+def test_the_table_does_not_depend_on_the_workers() -> None:
+    """Each narrowing tries one rate a run, whatever ``jobs``: one worker or two take the same
+    runs, so every configuration gets the same interval from the same number of runs."""
+
+    def table(jobs: int) -> list[tuple[str, float | None, float | None, int]]:
+        cap = search(ONE_STEP, [(1, 1)], lambda s: ["direct"], W, None, max_instances=2, max_rate_steps=4,
+                     max_rates="all", jobs=jobs)  # fmt: skip
+        return sorted((c.name, c.max_rps, c.max_rps_below, c.max_rps_runs) for c in cap.candidates)
+
+    one = table(1)
+    assert sum(runs for *_, runs in one) > len(one)  # narrowed by runs, not taken from the bounds
+    assert table(2) == one
 
 
 def test_with_a_rate_each_simulated_configuration_gets_its_maximum_and_all_asks_for_every_one() -> None:

@@ -214,10 +214,10 @@ class SearchOpts:
     max_rate_steps: Annotated[
         int,
         typer.Option(
-            help="Capacity search: rounds to narrow a configuration's maximum rate (one more when "
-            "the first round is guided by a guess)."
+            help="Capacity search: steady-state runs (one rate each) to narrow a configuration's "
+            "maximum rate to within 5%."
         ),
-    ] = 3
+    ] = 8
     jobs: Annotated[
         int,
         typer.Option(help="Capacity search: runs at once, each its own process (default: CPUs, at most 4)."),
@@ -453,7 +453,7 @@ def _check_search(serve: ServeOpts, find: SearchOpts) -> int:
     _bounded(serve.seeds, "--seeds", 1, MAX_SEEDS)
     _bounded(find.max_instances, "--max-instances", 1, MAX_INSTANCES)
     _bounded(find.max_gpus, "--max-gpus", 0, 1 << 20)
-    _bounded(find.max_rate_steps, "--max-rate-steps", 0, 16)
+    _bounded(find.max_rate_steps, "--max-rate-steps", 0, 32)
     _bounded(find.jobs, "--jobs", 0, 64)
     if find.max_rates not in MAX_RATES:
         bad_input(f"--max-rates: expected one of {', '.join(MAX_RATES)}, got {find.max_rates!r}")

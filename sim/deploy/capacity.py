@@ -371,10 +371,8 @@ class Runner:
         on the workers) and kept."""
         kept = [self.cache.get(j) if self.cache is not None else None for j in jobs]
         todo = [j for j, k in zip(jobs, kept, strict=True) if k is None]
-        if self._pool is None or len(todo) < 2:
-            done = [_runs(j) for j in todo]
-        else:
-            done = list(self._pool.map(_runs, todo))
+        # One job goes to the pool too: the search's threads each ask for one run at a time.
+        done = [_runs(j) for j in todo] if self._pool is None else list(self._pool.map(_runs, todo))
         if self.cache is not None:
             for j, rs in zip(todo, done, strict=True):
                 self.cache.put(j, rs)
@@ -389,69 +387,66 @@ def max_rate(
     target: float,
     lo: float,
     hi: float,
-    steps: int = 4,
+    steps: int = 8,
     progress: Progress | None = None,
     runner: Runner | None = None,
     runs: list[int] | None = None,
     guess: float = 0.0,
 ) -> tuple[float, float]:
-    """Search between a rate met (``lo``, 0 for none) and one that cannot be (``hi``), to within
-    5% (finer is below the seeds' noise), ``runner.jobs`` rates a step (``_next_rates``), keeping
-    the part between the highest met and the next. ``guess`` (0: none), where the answer likely
-    lies: the first step tries rates around it. ``runs``, when given, gets the number of rates
-    tried added to its first item."""
+    """Search between a rate met (``lo``, 0 for none) and one that cannot be (``hi``) until the
+    two are within 5% (finer is below the seeds' noise), one rate a step (``_next_rate``), at
+    most ``steps`` steps. ``guess`` (0: none), where the answer likely lies: the first step tries
+    it, and each step after one a stride beyond the rate just tried, on the side its run said
+    the answer lies, the stride tripling while runs keep landing on one side. One rate a step,
+    not several at once: a configuration's rates wait for each other, but a search narrows
+    several configurations side by side, and a guess within 5% then costs two runs where
+    several at once spend the rest on rates that say nothing. ``runs``, when given, gets the
+    number of rates tried added to its first item."""
     runner = runner or Runner()
-    k = runner.jobs
-    near, span = guess, _SPAN
-    for _ in range(steps + (1 if guess else 0)):
-        if lo > 0 and hi - lo <= 0.05 * lo:
+    aim, stride, last, lo_0 = guess, _TOL, None, lo
+    for _ in range(steps):
+        if lo > 0 and hi <= lo * (1 + _TOL):
             break
-        rates = _next_rates(lo, hi, k, near, span)
+        r = _next_rate(lo, hi, aim, last)
         if progress is not None:
-            said = ", ".join(f"{r:.2f}" for r in rates)
-            progress(f"  max rate of {spec.prefill_instances}P{spec.decode_instances}D {spec.flow}: {said}")
-        got = runner.map([(spec, r, w, tuple(seeds), target) for r in rates])
+            progress(f"  max rate of {spec.prefill_instances}P{spec.decode_instances}D {spec.flow}: {r:.2f}")
+        (rs,) = runner.map([(spec, r, w, tuple(seeds), target)])
         if runs is not None:
-            runs[0] += len(rates)
-        ok = [meets(rs, target) for rs in got]
-        passed = [r for r, good in zip(rates, ok, strict=True) if good]
-        failed = [r for r, good in zip(rates, ok, strict=True) if not good]
-        if passed:
-            lo = max(passed)
-        above = [r for r in failed if r > lo]
-        if above:
-            hi = min(above)
-        # Every rate met (or none): the answer lies beyond them, likely near; next, one rate a
-        # step further out (twice as far) and the others over the rest (``_next_rates``).
-        if near and (not failed or not passed):
-            near, span = (lo if not failed else hi), span * 2
+            runs[0] += 1
+        met = meets(rs, target)
+        if met:
+            lo = r
         else:
-            near = 0.0
+            hi = r
+        if aim and last is not None and met != last:
+            aim = 0.0  # the answer is bracketed between the last two runs: bisect from here
+        elif aim and not (met and aim <= lo_0):
+            stride = stride * _GROW if met == last else _TOL
+            aim = r * (1 + stride) if met else r / (1 + stride)
+        else:
+            aim = 0.0  # a guess of only "just above the rate met" (``lo``) was met: bisect
+        last = met
     return lo, hi
 
 
-_SPAN = 0.02  # a guided step's rates, this far (relative) either side of where the answer likely is
+_TOL = 0.05  # a maximum rate is narrowed until its interval is this narrow (relative to its rate met)
+_GROW = 3  # a guided step's stride grows this much a run while runs land on one side of the answer
 
 
-def _next_rates(lo: float, hi: float, k: int, near: float, span: float) -> list[float]:
-    """``k`` rates strictly inside (lo, hi): evenly spread (bisection for one), or, with ``near``,
-    ``span`` apart around it (centred on a guess), which closes the interval in one step when the
-    answer lies among them. After a guided step whose rates all met (``near`` at ``lo``) or all
-    missed (at ``hi``): one rate ``span`` beyond, the others evenly spread over the rest, so a
-    guess a little off still closes in the next step and one far off costs no more than bisection."""
-    even = [lo + (hi - lo) * (i + 1) / (k + 1) for i in range(k)]
-    if not near or (k == 1 and not lo < near < hi):
-        return even
-    if near <= lo:  # all met at lo: the answer likely just above
-        first = lo * (1 + span)
-        rates = [first] + [first + (hi - first) * (i + 1) / k for i in range(k - 1)]
-    elif near >= hi:  # all missed at hi: likely just below
-        first = hi * (1 - span)
-        rates = [lo + (first - lo) * (i + 1) / k for i in range(k - 1)] + [first]
-    else:
-        rates = [near * (1 + span * (2 * i - (k - 1))) for i in range(k)] if k > 1 else [near]
-    inside = sorted({r for r in rates if lo < r < hi})
-    return inside if len(inside) == k else even
+def _next_rate(lo: float, hi: float, aim: float, last: bool | None = None) -> float:
+    """A rate strictly inside (lo, hi). Without ``aim``: the middle (geometric, or half of ``hi``
+    with nothing met). With one: ``aim``, but no nearer either end than 5% of it, so the run
+    closes the interval whenever the answer lies within 5% of that end (a miss just above a rate
+    met, a rate met just below a miss); and after a run (``last``: whether it met its rate), no
+    farther on than the middle, so a guess far off costs no more than bisection. Within 10% of
+    each other, only the middle is left, which closes the interval either way."""
+    mid = math.sqrt(lo * hi) if lo > 0 else hi / 2
+    near_lo, near_hi = lo * (1 + _TOL), hi / (1 + _TOL)
+    if not aim or near_lo >= near_hi:
+        return mid
+    if last is not None:
+        aim = min(aim, mid) if last else max(aim, mid)
+    return min(max(aim, near_lo), near_hi)
 
 
 def search(
@@ -464,7 +459,7 @@ def search(
     target: float = 0.9,
     max_instances: int = 8,
     max_gpus: int = 1 << 30,
-    max_rate_steps: int = 4,
+    max_rate_steps: int = 8,
     progress: Progress | None = None,
     jobs: int = 1,
     max_rates: str = "simulated",
