@@ -9,7 +9,10 @@
 #       2,048 tokens, 8 in flight (TP 1->1 / 2->1)
 #   CARD=h200 PART=rows ROWS='bench-flows.jsonl 2048 8 1-1 ring 1;...' bash bench/gpu_cal_card.sh
 #       or ROWS_FILE=path/rows.txt (from the repository root): one spec a line, '#' comments.
-#       STOP_S=540: start no row once the call has run that long (a row takes 10-35 s; the device
+#       LIMIT_S=590: start no row that, as long as the longest row so far, would end past that many
+#       seconds of the call (the device kills a command at 600 s, and a TP 2->1 row of 8 rooms takes
+#       up to 77 s: a fixed STOP_S=540 lost one). STOP_S=540: start no row once the call has run
+#       that long (a row takes 10-35 s, 33-77 s at TP 2->1 with descriptors per head; the device
 #       allows 600 s a command). Each row done leaves a mark in $R/done/: the same command again on
 #       the same (still warm) machine takes the rows after it, so one list spans two calls of one
 #       machine; on a fresh machine it starts over (host.txt, one block a call, tells which).
@@ -103,14 +106,21 @@ case "$PART" in
     fi
     IFS=';' read -r -a specs <<<"${ROWS:?ROWS or ROWS_FILE: rows to take}"
     mkdir -p "$R/done"
+    longest=20  # seconds: a row's least, until one is timed
     for i in "${!specs[@]}"; do
       [ -e "$R/done/$i" ] && continue  # taken by an earlier call on this machine
       if [ -n "${STOP_S:-}" ] && [ "$SECONDS" -ge "$STOP_S" ]; then
         echo "stopped at row $i of ${#specs[@]} after $SECONDS s (STOP_S=$STOP_S)" | tee -a "$R/steps.txt"
         break
       fi
+      if [ -n "${LIMIT_S:-}" ] && [ $((SECONDS + longest)) -gt "$LIMIT_S" ]; then
+        echo "stopped at row $i of ${#specs[@]} after $SECONDS s: the longest row so far ($longest s) would pass LIMIT_S=$LIMIT_S" | tee -a "$R/steps.txt"
+        break
+      fi
       read -r file tok inflight tp flow rooms tel <<<"${specs[$i]}"
+      t0=$SECONDS
       row "$file" "$tok" "$inflight" "tp${tp/-/->} nhd" "$flow" "$rooms" "${tel:-}"
+      [ $((SECONDS - t0)) -gt "$longest" ] && longest=$((SECONDS - t0))
       echo "${specs[$i]}" >"$R/done/$i"
     done
     pack
