@@ -19,7 +19,7 @@
 #   CARD=h200 PART=check bash bench/gpu_cal_card.sh  # held out: every flow at 4,096 tokens (one room,
 #       three TP pairs) and at 1,024 tokens (8 in flight, TP 1->1 / 2->1), 5 batches a row
 #   CARD=h200 PART=trace TRACE_FLOWS=ring,pinned bash bench/gpu_cal_card.sh  # traced rooms (4,096 tokens,
-#       3 rooms, TP 1->1 / 2->1 / 1->2) on the same executor as the rows: cal/trace/, hop timelines in
+#       3 rooms, TP 1->1 / 2->1 / 1->2 or TRACE_TP='1-1') on the same executor as the rows: cal/trace/, hop timelines in
 #       trace.out; the step's log must say "executor: native" (a trace taken before the engine was
 #       built fell back to the python executor unnoticed)
 # ENGINE (default native) is the runtime's executor of NIXL commands. A CPU dry run:
@@ -126,8 +126,10 @@ case "$PART" in
     pack
     ;;
   trace)
-    step trace 300 /tmp/kv bench nixl --mem "$MEM" --tokens "$((4096 / TOKS_SCALE))" --rooms 3 --config 'tp1->1 nhd' \
-      --config 'tp2->1 nhd' --config 'tp1->2 nhd' --flow "${TRACE_FLOWS:-ring}" --engine "$ENGINE" --trace "$R/cal/trace" --json
+    configs=()  # TRACE_TP='1-1 2-1' (default: TP 1->1, 2->1 and 1->2)
+    for tp in ${TRACE_TP:-1-1 2-1 1-2}; do configs+=(--config "tp${tp/-/->} nhd"); done
+    step trace 300 /tmp/kv bench nixl --mem "$MEM" --tokens "$((4096 / TOKS_SCALE))" --rooms 3 "${configs[@]}" \
+      --flow "${TRACE_FLOWS:-ring}" --engine "$ENGINE" --trace "$R/cal/trace" --json
     cp "$R/trace.out" "$R/cal/trace.out"
     grep -o 'executor[^,]*' "$R/trace.log" | sort | uniq -c
     pack
