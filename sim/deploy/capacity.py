@@ -19,12 +19,13 @@ Simulating every configuration would take minutes; two facts keep it to the few 
   (``Runner``: worker processes); the first count where one meets the rate answers.
 
 The most a configuration sustains (``max_rate``) is narrowed by steady-state runs between a rate
-it met and its bound, as many rates a round as there are workers: first around a guess (the
-share of its bound that a configuration limited alike sustained, ``_guess``), since a run that
-meets its rate runs its whole duration and one that misses stops early, bisection's first rates
-(a third and two thirds of the bound, met) cost the most and say the least. Configurations are
-narrowed side by side on the workers (``InOrder``), each waiting only for the earlier ones whose
-results it starts from, so the table is the one narrowing them one after another gives.
+it met and its bound, one rate a run: first at a guess (the share of its bound that a
+configuration limited alike sustained, ``_guess``), then a growing stride beyond it, then
+bisection once two runs bracket the answer. A run that meets its rate runs its whole duration and
+one that misses stops early, so bisection's first rates (met, far below the answer) cost the most
+and say the least. Configurations are narrowed side by side on the workers (``InOrder``), each
+waiting only for the earlier ones whose results it starts from, so the table is the one narrowing
+them one after another gives, and the same whatever the number of workers.
 """
 
 from __future__ import annotations
