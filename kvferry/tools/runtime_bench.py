@@ -765,10 +765,9 @@ def run_config(
 
         env["KVFERRY_CONTROL_KEY"] = ephemeral_key()  # the two children share a fresh key
     phases: dict[str, float] = {}
-    p, d, handoffs = _drive(cfg, env, timeout_s, phases)
+    p, d, handoffs, p2p = _drive(cfg, env, timeout_s, phases)
     if cfg.telemetry_path and d.get("reads"):
         _add_reads(cfg.telemetry_path, d["reads"])
-    p2p = phases.pop("p2p_gbps", None)
     row = _row(cfg, env, p, d, handoffs, p2p)
     # Where a row's wall time went (start-ups dominate a device row; the timed batches are ms).
     row["phase_s"] = phases
@@ -787,9 +786,9 @@ def _add_reads(path: str, reads: list[dict[str, Any]]) -> None:
 
 def _drive(
     cfg: BenchConfig, env: dict[str, str], timeout_s: float, phases: dict[str, float]
-) -> tuple[dict[str, Any], dict[str, Any], list[float]]:
+) -> tuple[dict[str, Any], dict[str, Any], list[float], float | None]:
     """Both children through every batch: (prefill's summary, decode's, the timed batches'
-    send-to-Success seconds). ``phases`` gets the seconds each stage took."""
+    send-to-Success seconds, the link probe's GB/s). ``phases`` gets the seconds each stage took."""
     clock = [time.monotonic()]
 
     def mark(name: str) -> None:
@@ -814,7 +813,7 @@ def _drive(
         raw = dec.get(timeout_s)["raw"]
         mark("children_up")
         # The probe's copies must not overlap the timed batches.
-        phases["p2p_gbps"] = probe.result() if probe is not None else None
+        p2p = probe.result() if probe is not None else None
         mark("probe_wait")
         pre.put(go=True)
         dec.put(go=True)
@@ -840,7 +839,7 @@ def _drive(
         if probe is not None:
             probe.kill()
     mark("teardown")
-    return p, d, handoffs
+    return p, d, handoffs, p2p
 
 
 def _row(
