@@ -54,6 +54,7 @@ def fabric_values(s: Scenario) -> dict[str, Any]:
         "completion_delay_ns": n.completion_delay_ns,
         "room_handle_ns": n.room_handle_ns,
         "completion_handle_ns": n.completion_handle_ns,
+        "push_handle_ns": n.push_handle_ns,
         "shared_desc_ns": n.shared_desc_ns,
         "host_bandwidth_gbps": n.host_bandwidth_bps / 1e9,
         "host_shared_bandwidth_gbps": n.host_shared_bandwidth_bps / 1e9,

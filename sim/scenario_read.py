@@ -118,6 +118,7 @@ def profile_fabric(name: str) -> FabricSpec:
             completion_delay_ns=_ns(fit.completion_delay_us, n.completion_delay_ns),
             room_handle_ns=_ns(fit.room_handle_us, n.room_handle_ns),
             completion_handle_ns=_ns(fit.completion_handle_us, n.completion_handle_ns),
+            push_handle_ns=_ns(fit.push_handle_us, n.push_handle_ns),
             shared_desc_ns=_ns(fit.shared_desc_us, n.shared_desc_ns),
             host_bandwidth_bps=_bps(fit.host_bandwidth_gbps, n.host_bandwidth_bps),
             host_shared_bandwidth_bps=_bps(fit.host_shared_bandwidth_gbps, n.host_shared_bandwidth_bps),
@@ -172,6 +173,7 @@ def _fabric(f: FabricTable, file: str) -> FabricSpec:
         shared_desc_ns=given(f.shared_desc_ns, n.shared_desc_ns),
         room_handle_ns=given(f.room_handle_ns, n.room_handle_ns),
         completion_handle_ns=given(f.completion_handle_ns, n.completion_handle_ns),
+        push_handle_ns=given(f.push_handle_ns, n.push_handle_ns),
         host_bandwidth_bps=n.host_bandwidth_bps
         if f.host_bandwidth_gbps is None
         else int(f.host_bandwidth_gbps * 1e9),

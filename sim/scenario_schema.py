@@ -469,6 +469,9 @@ FABRIC_DOC: dict[str, str] = {
     "(0: none).",
     "completion_handle_ns": "Host work per notification handled by its target and per DONE by its "
     "initiator, holding that rank's runtime thread (0: none).",
+    "push_handle_ns": "The push flow's host work per registration, on top of room_handle_ns: each "
+    "TransferInfo of a push room (decode's PUSH_REG) taken into the lease registry, on the prefill rank "
+    "that receives it, holding its runtime thread (0: none).",
     "shared_desc_ns": "Cost of one descriptor on the GPU a rank posts through, shared by the ranks posting "
     "there at once (with one_gpu every rank; else each rank has its own); a post ends when its own "
     "posting and its turn there are through (0: no shared device).",
@@ -519,6 +522,7 @@ class FabricTable(Table):
     completion_delay_ns: Count | None = None
     room_handle_ns: Count | None = None
     completion_handle_ns: Count | None = None
+    push_handle_ns: Count | None = None
     shared_desc_ns: Count | None = None
     host_bandwidth_gbps: Annotated[float, Meta(ge=0)] | None = None
     host_shared_bandwidth_gbps: Annotated[float, Meta(ge=0)] | None = None

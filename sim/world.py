@@ -95,6 +95,7 @@ class World:
         self.live_checks = LiveChecks(self)
         self.fabric.on_land = self.live_checks.on_land
         self.fabric.on_control = self._on_control
+        self.fabric.push_room = self._runs_push
         self.timeouts = Timeouts(**{f: getattr(s.timeouts, f) for f in s.timeouts.__struct_fields__})
         self.rooms = RoomTable()  # before the servers: routing reads it
         self._instances()
@@ -249,6 +250,11 @@ class World:
         if self.staging.pinned_bytes and self.staging.prefill_pinned_bytes:
             offered.append(Flow.PINNED.value)
         return offered[self.streams["flows"].randrange(len(offered))]
+
+    def _runs_push(self, room: int) -> bool:
+        """The room was opened with the push flow (the policy never picks push by itself)."""
+        req = self.rooms.by_room.get(room)
+        return req is not None and req.flow == Flow.PUSH.value
 
     def receivers_of(self, node: str, req: Request) -> list[str]:
         """The decode nodes a prefill node exchanges data or notes with for the room."""

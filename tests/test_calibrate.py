@@ -228,20 +228,23 @@ def test_profile_text_is_valid_toml_whatever_the_source_paths() -> None:
 
 # control message, completion delay, copy submit, staging message handled, control message sent,
 # a room planned (TransferInfo or PullOffer handled), a notification or DONE handled
-TRUE_US = (900.0, 1_700.0, 600.0, 400.0, 300.0, 500.0, 150.0)
+TRUE_US = (900.0, 1_700.0, 600.0, 400.0, 300.0, 500.0, 150.0, 250.0)
 # Each cost's count on a batch's critical path, per flow and rooms in flight (what the simulator
 # finds on the H100 profile: direct 1, 1, 0, 0, 1; ring 3, 1, 2, 2, 4; pull 2, 1, 0, 0, 2; eight
 # rooms' copies, staging messages and sends queue on their ranks' threads).
 PATH = {
-    ("direct", 1): (1, 1, 0, 0, 1, 1, 2),
-    ("ring", 1): (3, 1, 2, 2, 4, 1, 2),
-    ("pull", 1): (2, 1, 0, 0, 2, 2, 1),
-    ("ring", 8): (3, 5, 6, 8, 17, 8, 8),
-    ("direct", 8): (1, 5, 0, 0, 8, 8, 10),
+    ("direct", 1): (1, 1, 0, 0, 1, 1, 2, 0),
+    ("ring", 1): (3, 1, 2, 2, 4, 1, 2, 0),
+    ("pull", 1): (2, 1, 0, 0, 2, 2, 1, 0),
+    ("ring", 8): (3, 5, 6, 8, 17, 8, 8, 0),
+    ("direct", 8): (1, 5, 0, 0, 8, 8, 10, 0),
     # as a TP 2->1 staged batch of 8: decode's thread grants both prefill ranks' requests
-    ("pinned", 8): (3, 4, 6, 17, 37, 16, 12),
-    ("direct", 4): (1, 3, 0, 0, 4, 4, 6),
-    ("pull", 8): (2, 5, 0, 0, 9, 16, 8),
+    ("pinned", 8): (3, 4, 6, 17, 37, 16, 12, 0),
+    ("direct", 4): (1, 3, 0, 0, 4, 4, 6, 0),
+    ("pull", 8): (2, 5, 0, 0, 9, 16, 8, 0),
+    # a push room is a direct room that also pays its registration
+    ("push", 1): (1, 1, 0, 0, 1, 1, 2, 1),
+    ("push", 8): (1, 5, 0, 0, 8, 8, 10, 8),
 }
 
 
@@ -252,6 +255,7 @@ def _costs(f: Any) -> tuple[float, ...]:
         f.control_send_us,
         f.room_handle_us,
         f.completion_handle_us,
+        f.push_handle_us,
     )
     return (f.control_latency_us, f.completion_delay_us, *host)
 
@@ -302,8 +306,9 @@ def test_room_fit_recovers_known_costs_under_noise(seed: int) -> None:
     assert got[2] + got[3] == pytest.approx(TRUE_US[2] + TRUE_US[3], rel=0.15)
     assert got[2:6] == pytest.approx(TRUE_US[2:6], rel=0.3)
     assert got[6] == pytest.approx(TRUE_US[6], rel=0.6)
+    assert got[7] == pytest.approx(TRUE_US[7], rel=0.2)  # a push registration
     assert [c for c in f.counts] == [pytest.approx(PATH[r.flow, r.inflight]) for r in rows]
-    assert f.tokens_heldout == (256, 2048) and f.rows_heldout == 16
+    assert f.tokens_heldout == (256, 2048) and f.rows_heldout == 20
     assert f.mape_heldout_pct < 6.0 < f.mape_heldout_without_pct
 
 
@@ -413,16 +418,11 @@ def test_room_fit_recovers_known_costs_from_the_real_simulator_under_noise() -> 
         "control_send_ns": 200_000,
         "room_handle_ns": 500_000,
         "completion_handle_ns": 100_000,
+        "push_handle_ns": 400_000,
     }
-    rng = np.random.default_rng(7)
-    rows = []
-    for tokens in (64, 128, 256, 512, 1024):
-        for flow, inflight in (("direct", 1), ("pull", 1), ("ring", 1), ("ring", 8), ("direct", 8)):
-            probe = _row(flow, tokens, 1.0, inflight)
-            ms = predict(probe, "h100-rdma", truth).predicted_ms * rng.normal(1.0, 0.02)
-            rows.append(_row(flow, tokens, ms, inflight))
+    rows = _measured(truth, (("direct", 1), ("pull", 1), ("ring", 1), ("ring", 8), ("direct", 8)), 7)
     f = fit_rooms(rows, "h100-rdma", {})
-    ctrl, comp, submit, staging, send, room, handle = _costs(f)
+    ctrl, comp, submit, staging, send, room, handle, push = _costs(f)
     assert ctrl == pytest.approx(800, rel=0.15)
     assert comp == pytest.approx(1_200, rel=0.15)
     # Decode's send of the TransferInfo and prefill's plan of the room lie one after the other on
@@ -433,7 +433,38 @@ def test_room_fit_recovers_known_costs_from_the_real_simulator_under_noise() -> 
     assert send + room == pytest.approx(700, rel=0.15)
     assert 0.5 < (submit + staging) / 900 < 1.15
     assert handle < 300
+    assert push == 0  # no push row: nothing to fit it to, and no other row moves with it
     assert f.mape_heldout_pct < 6.0
+
+
+def _measured(
+    truth: dict[str, int], kinds: tuple[tuple[str, int], ...], seed: int, noise: float = 0.02
+) -> list[BenchRow]:
+    """Rows 'measured' on the real simulator with the costs ``truth``, under ``noise``."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for tokens in (64, 128, 256, 512, 1024):
+        for flow, inflight in kinds:
+            probe = _row(flow, tokens, 1.0, inflight)
+            ms = predict(probe, "h100-rdma", truth).predicted_ms * rng.normal(1.0, noise)
+            rows.append(_row(flow, tokens, ms, inflight))
+    return rows
+
+
+def test_room_fit_recovers_a_push_registrations_cost_beside_the_direct_rooms() -> None:
+    """Push rooms are direct rooms that also pay their registration on prefill's thread: with
+    direct and push rows of 1 and 8 rooms in flight, the fit finds the push-only cost, and a
+    profile fitted without it predicts push as fast as direct."""
+    truth = {"control_latency_ns": 800_000, "room_handle_ns": 500_000, "push_handle_ns": 400_000}
+    kinds = (("direct", 1), ("direct", 8), ("push", 1), ("push", 8))
+    rows = _measured(truth, kinds, 9, noise=0.01)
+    f = fit_rooms(rows, "h100-rdma", {})
+    push = _costs(f)[7]
+    assert push == pytest.approx(400, rel=0.15)  # beside it, decode's send and prefill's plan trade
+    assert f.mape_heldout_pct < 5.0
+    direct = [r for r in rows if r.flow == "direct"]
+    plain = fit_rooms(direct, "h100-rdma", {}, check=[r for r in rows if r.flow == "push"])
+    assert _costs(plain)[7] == 0 and plain.mape_heldout_pct > 2 * f.mape_heldout_pct
 
 
 def test_by_flow_reports_the_spread_of_repeated_rows() -> None:

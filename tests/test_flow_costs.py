@@ -309,6 +309,37 @@ def test_a_room_message_holds_its_receiver_by_the_room_cost_and_others_do_not() 
     assert len(fab.drain_control("b")) == 3 and len(fab.drain_control("a")) == 1
 
 
+def test_a_push_rooms_transfer_info_holds_its_receiver_by_the_push_cost_too() -> None:
+    """NicSpec.push_handle_ns: a TransferInfo of a room the world says runs push costs its
+    receiver the registration on top of the plan; another room's TransferInfo, a PullOffer of
+    the push room and garbage cost only what they did."""
+    env, fab = world(replace(SPEC, nic=replace(NIC, room_handle_ns=3_000, push_handle_ns=2_000)))
+    fab.push_room = lambda room: room == 7
+    seen: list[int] = []
+    fab.nodes["b"].waker = lambda _item: seen.append(int(env.now))
+    info = TransferInfo.__struct_config__.tag
+    fab.send_control("a", "b", msgspec.msgpack.encode({"t": info, "room": 7}))
+    fab.send_control("a", "b", msgspec.msgpack.encode({"t": info, "room": 8}))
+    fab.send_control("a", "b", msgspec.msgpack.encode({"t": PullOffer.__struct_config__.tag, "room": 7}))
+    fab.send_control("a", "b", b"\xc1garbage")
+    env.run()
+    # 5 us of latency, then 3 + 2 us (push), 3 us, 3 us, and the garbage at no cost, one after another
+    assert seen == [10_000, 13_000, 16_000, 16_000]
+    assert len(fab.drain_control("b")) == 4
+
+
+def test_a_push_room_is_longer_by_its_registration_and_a_direct_room_is_not() -> None:
+    """On the real simulator, TP 1 -> 1: the push room's one TransferInfo is on its critical path;
+    the direct flow never pays it."""
+    row = BenchRow("tp1->1 nhd", "qwen3-8b", 1, 1, 64, 1, "push", 64 * 0.147456, 1.0, 1.0)
+    p0 = predict(row, "h100-rdma", QUIET).predicted_ms
+    p_reg = predict(row, "h100-rdma", {**QUIET, "push_handle_ns": 1_000_000}).predicted_ms
+    assert p_reg - p0 == pytest.approx(1.0, abs=0.01)
+    direct = replace(row, flow="direct")
+    d0 = predict(direct, "h100-rdma", QUIET).predicted_ms
+    assert predict(direct, "h100-rdma", {**QUIET, "push_handle_ns": 1_000_000}).predicted_ms == d0
+
+
 def test_notifications_and_dones_hold_their_ranks_thread_by_the_completion_cost() -> None:
     env, fab = world(replace(SPEC, nic=replace(NIC, completion_handle_ns=4_000)))
     seen: list[tuple[int, object]] = []
@@ -351,27 +382,30 @@ def test_a_profile_sets_the_runtime_thread_costs_and_refuses_bad_values(
     monkeypatch.setattr(hardware, "folder", lambda: tmp_path)
     base = 'kind = "fabric"\nbandwidth_gbps = 10\nlatency_us = 1\npost_cost_us = 2\nper_desc_us = 0.5\n'
     costs = "staging_handle_us = 300\ncopy_submit_us = 400\ncontrol_send_us = 50\n"
-    costs += "room_handle_us = 700\ncompletion_handle_us = 90\n"
+    costs += "room_handle_us = 700\ncompletion_handle_us = 90\npush_handle_us = 150\n"
     (tmp_path / "th.toml").write_text(base + 'name = "th"\n' + costs)
     s = sc.parse({"fabric": {"profile": "th"}})
     got = (s.fabric.control.staging_handle_ns, s.fabric.kernel.submit_ns, s.fabric.control.send_ns)
     assert got == (300_000, 400_000, 50_000)
     assert (s.fabric.nic.room_handle_ns, s.fabric.nic.completion_handle_ns) == (700_000, 90_000)
+    assert s.fabric.nic.push_handle_ns == 150_000
     # a deployment's ranks pay them too (per-rank host work, not the shared GPU)
     gpu = hardware.GpuProfile("g", 1.0, 1.0, 80.0, 64.0, 1440.0, 51.0, 140.0, 0.5, 0.8, 4000.0, 2000.0, 0.9)
     spec = hardware.fabric_spec(gpu, hardware.nic("th"))
     assert (spec.control.staging_handle_ns, spec.kernel.submit_ns, spec.control.send_ns) == got
     assert (spec.nic.room_handle_ns, spec.nic.completion_handle_ns) == (700_000, 90_000)
+    assert spec.nic.push_handle_ns == 150_000
     # absent, they are 0 (off): the shipped NIC profiles do not set them
     plain = hardware.fabric_spec(gpu, hardware.nic("th").__class__("p", 10.0, 1.0, 2.0, 0.5))
     assert (plain.control.staging_handle_ns, plain.kernel.submit_ns, plain.control.send_ns) == (0, 0, 0)
-    assert (plain.nic.room_handle_ns, plain.nic.completion_handle_ns) == (0, 0)
+    assert (plain.nic.room_handle_ns, plain.nic.completion_handle_ns, plain.nic.push_handle_ns) == (0, 0, 0)
     for key in (
         "staging_handle_us",
         "copy_submit_us",
         "control_send_us",
         "room_handle_us",
         "completion_handle_us",
+        "push_handle_us",
     ):
         for bad in ("-1", "nan", '"slow"', "true"):
             (tmp_path / "bad.toml").write_text(base + f'name = "bad"\n{key} = {bad}\n')
@@ -383,6 +417,7 @@ def test_a_profile_sets_the_runtime_thread_costs_and_refuses_bad_values(
         "control_send_ns",
         "room_handle_ns",
         "completion_handle_ns",
+        "push_handle_ns",
     ):
         with pytest.raises(sc.ScenarioError, match=key):
             sc.parse({"fabric": {key: -5}})

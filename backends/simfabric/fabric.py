@@ -192,6 +192,9 @@ class Fabric:
         # the world derives per-room reachability from it. Returning False on "delivered" makes
         # the receiver ignore that copy (only the simulator's planted bugs do).
         self.on_control: Callable[[str, str, str, bytes], bool] | None = None
+        # Whether a room runs the push flow (NicSpec.push_handle_ns); the world that opens the
+        # rooms knows, a TransferInfo does not say.
+        self.push_room: Callable[[int], bool] | None = None
 
     # ------------------------------------------------------------------ nodes and links
     def add_node(self, name: str, nic: NicSpec | None = None, skew_ns: int = 0, host: str = "") -> Node:
@@ -493,6 +496,9 @@ class Fabric:
             handle += self.spec.control.staging_handle_ns
         if d.nic.room_handle_ns and _room_message(payload):
             handle += d.nic.room_handle_ns
+        push_room = self.push_room
+        if d.nic.push_handle_ns and push_room is not None and _push_registration(payload, push_room):
+            handle += d.nic.push_handle_ns
         now = int(self.env._now)
         # queue behind what this node's runtime thread is still doing (messages, copy submits)
         if handle or d.host_busy_until > now:
@@ -826,6 +832,26 @@ def _staging_message(payload: bytes) -> bool:
 def _room_message(payload: bytes) -> bool:
     """A TransferInfo or PullOffer: its receiver plans the room's transfers (NicSpec.room_handle_ns)."""
     return _tag(payload) in _ROOM_TAGS
+
+
+class _RoomTag(msgspec.Struct):
+    """A control message's tag and room alone, its other fields skipped."""
+
+    t: str = ""
+    room: int = -1
+
+
+_room_tag_decoder = msgspec.msgpack.Decoder(_RoomTag)
+_INFO_TAG = TransferInfo.__struct_config__.tag
+
+
+def _push_registration(payload: bytes, push_room: Callable[[int], bool]) -> bool:
+    """A TransferInfo of a push room: decode's PUSH_REG (NicSpec.push_handle_ns)."""
+    try:
+        head = _room_tag_decoder.decode(payload)
+    except msgspec.DecodeError:
+        return False
+    return head.t == _INFO_TAG and push_room(head.room)
 
 
 def _tag(payload: bytes) -> str:

@@ -308,6 +308,7 @@ def _rooms_result(rfit: RoomFit, control_handle_us: float) -> dict[str, Any]:
         "control_send_us": rfit.control_send_us,
         "room_handle_us": rfit.room_handle_us,
         "completion_handle_us": rfit.completion_handle_us,
+        "push_handle_us": rfit.push_handle_us,
         "control_handle_us": control_handle_us,
         "rows_used": rfit.rows_fit,
         "rows_heldout": rfit.rows_heldout,
@@ -354,7 +355,8 @@ def _print_fit(fits: _Fits, control_handle_us: float) -> None:
             f"a copy's host work {rfit.copy_submit_us:.1f} us, "
             f"a staging message's {rfit.staging_handle_us:.1f} us, "
             f"a control message's send {rfit.control_send_us:.1f} us, "
-            f"a room's plan {rfit.room_handle_us:.1f} us, a completion's {rfit.completion_handle_us:.1f} us; "
+            f"a room's plan {rfit.room_handle_us:.1f} us, a completion's {rfit.completion_handle_us:.1f} us, "
+            f"a push registration's {rfit.push_handle_us:.1f} us; "
             f"held out {rfit.rows_heldout} rows ({_tok(rfit.tokens_heldout)}): MAPE of ms per room "
             f"{rfit.mape_heldout_pct:.1f}% ({rfit.mape_heldout_without_pct:.1f}% without these costs; "
             f"{rfit.mape_fit_pct:.1f}% on the fit's own rows)"

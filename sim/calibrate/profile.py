@@ -170,7 +170,8 @@ def _room_lines(rooms: RoomFit | None, control_handle_us: float) -> list[str]:
             "# delay before a notification or completion is handled, and the host work that holds",
             "# a rank's runtime thread: each gather or scatter's submit and completion pickup, each",
             "# staging message (StagingReq, StagingRsp, Watermark) handled, each control message sent,",
-            "# each TransferInfo or PullOffer handled (the room's plan), each notification or DONE handled.",
+            "# each TransferInfo or PullOffer handled (the room's plan), each notification or DONE handled,",
+            "# and the push flow's extra per registration (a push room's TransferInfo).",
             f"control_latency_us = {_num(rooms.control_latency_us)}",
             f"completion_delay_us = {_num(rooms.completion_delay_us)}",
             f"copy_submit_us = {_num(rooms.copy_submit_us)}",
@@ -178,6 +179,7 @@ def _room_lines(rooms: RoomFit | None, control_handle_us: float) -> list[str]:
             f"control_send_us = {_num(rooms.control_send_us)}",
             f"room_handle_us = {_num(rooms.room_handle_us)}",
             f"completion_handle_us = {_num(rooms.completion_handle_us)}",
+            f"push_handle_us = {_num(rooms.push_handle_us)}",
         ]
     else:
         lines = ["# No bench rows given (--rooms): no per-room control path, the fabric's defaults."]

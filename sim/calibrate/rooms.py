@@ -9,17 +9,20 @@ of NIXL). docs/benchmarks.md, "Where a small room's time goes", times both on CP
 Five costs of the simulated fabric stand for them: ``control_latency`` (one control message, one
 way, through the runtime), ``completion_delay`` (from a write landing to the target runtime
 handling its notification, or the initiator its DONE), and three kinds of host work that hold a
-rank's one runtime thread, so that they queue behind each other on a rank: ``kernel_submit``
-(each gather or scatter's submit, which is validation, the page-id upload and the launcher, and
-the pickup of its completion; the kernel bench's launch stays the bare launch on the stream),
+rank's one runtime thread, so that they queue behind each other on a rank: ``kernel_submit`` (each
+gather or scatter's submit, which is validation, the page-id upload and the launcher, and the
+pickup of its completion; the kernel bench's launch stays the bare launch on the stream),
 ``staging_handle`` (each StagingReq granted on decode, each StagingRsp and Watermark handled on
 prefill: the staged flows' own round trip and slot return) and ``control_send`` (each control
-message sent: encoding, signing, ZMQ). The hops are those docs/benchmarks.md, "Where a ring
-room's time goes on the GPU", times on the H100. How many of each lie on a room's critical path
-is not assumed: each bench row is simulated with the fabric fitted from telemetry (the five
-costs 0), and again with each cost set to a probe value; the time each probe adds, divided by
-the probe, is that row's count (1 control message for a direct room, 3 for a staged one, 2
-staging messages for a TP 1->1 ring room, 17 for a TP 2->1 batch of 8 queued at decode, ...).
+message sent: encoding, signing, ZMQ). Three more: ``room_handle`` (each TransferInfo or PullOffer
+planned), ``completion_handle`` (each notification or DONE handled) and ``push_handle`` (a push
+room's TransferInfo, decode's registration, taken into the lease registry: traced on an H200 at
+150-200 us over a direct room's; only push rows count it). The hops are those docs/benchmarks.md,
+"Where a ring room's time goes on the GPU", times on the H100. How many of each lie on a room's
+critical path is not assumed: each bench row is simulated with the fabric fitted from telemetry
+(the costs 0), and again with each cost set to a probe value; the time each probe adds, divided by
+the probe, is that row's count (1 control message for a direct room, 3 for a staged one, 2 staging
+messages for a TP 1->1 ring room, 17 for a TP 2->1 batch of 8 queued at decode, ...).
 Then ``measured - simulated = sum(count_i * cost_i)`` is fitted by least absolute relative
 deviation with every cost >= 0: robust, so a row the fabric misses for another reason does not
 drag the per-room costs. Where two costs have the same count on every row (a TP 1->1 ring room
@@ -58,6 +61,7 @@ TERMS = (
     "control_send_ns",
     "room_handle_ns",
     "completion_handle_ns",
+    "push_handle_ns",
 )
 
 
@@ -70,6 +74,7 @@ class RoomFit:
     control_send_us: float  # the sender's host work per control message
     room_handle_us: float  # host work per TransferInfo or PullOffer handled (the room's plan)
     completion_handle_us: float  # a rank's host work per notification or DONE handled
+    push_handle_us: float  # the push flow's extra host work per registration (its TransferInfo)
     rows_fit: int
     rows_heldout: int
     tokens_fit: tuple[int, ...]
@@ -93,6 +98,7 @@ class RoomFit:
             self.control_send_us,
             self.room_handle_us,
             self.completion_handle_us,
+            self.push_handle_us,
         )
         return {t: round(v * 1000) for t, v in zip(TERMS, us, strict=True)}
 
@@ -154,7 +160,8 @@ def fit_rooms(
     preds = [run(r, _with(fabric, x)) for r in rows]
     best = _better(best, x, preds, np.array([p.predicted_ms for p in preds]), meas, train, w)
     _, x, preds = best
-    ctrl_us, comp_us, submit_us, staging_us, send_us, room_us, handle_us = (float(v) * 1000 for v in x)
+    us = (float(v) * 1000 for v in x)
+    ctrl_us, comp_us, submit_us, staging_us, send_us, room_us, handle_us, push_us = us
     pred_ms = np.array([p.predicted_ms for p in preds])
     before_ms = np.array([run(r, fabric).predicted_ms for r in rows])
     held = ~train
@@ -166,6 +173,7 @@ def fit_rooms(
         control_send_us=send_us,
         room_handle_us=room_us,
         completion_handle_us=handle_us,
+        push_handle_us=push_us,
         rows_fit=int(train.sum()),
         rows_heldout=int(held.sum()),
         tokens_fit=tuple(fit_tokens),

@@ -104,6 +104,8 @@ class NicProfile:
     # on its runtime thread (NicSpec.room_handle_ns, completion_handle_ns); a deployment charges them.
     room_handle_us: float | None = None
     completion_handle_us: float | None = None
+    # The push flow's extra host work per registration taken (NicSpec.push_handle_ns).
+    push_handle_us: float | None = None
     host_bandwidth_gbps: float | None = None
     # The host wire all initiators share (NicSpec.host_shared_bandwidth_bps), fitted from bench
     # rows with several prefill ranks writing host to host at once.
@@ -164,7 +166,7 @@ _MAY_BE_ZERO = frozenset(
     {"latency_us", "post_cost_us", "per_desc_us", "read_desc_us", "kernel_launch_us"}
     | {"control_latency_us", "completion_delay_us", "shared_desc_us"}
     | {"control_handle_us", "staging_handle_us", "copy_submit_us", "control_send_us"}
-    | {"room_handle_us", "completion_handle_us"}
+    | {"room_handle_us", "completion_handle_us", "push_handle_us"}
 )
 # Kinds a loader accepts: a fitted fabric profile serves as a NIC profile.
 _KINDS = {"gpu": ("gpu",), "nic": ("nic", "fabric"), "fabric": ("fabric",)}
@@ -242,6 +244,7 @@ def fabric_spec(g: GpuProfile, n: NicProfile) -> FabricSpec:
             completion_handle_ns=0
             if n.completion_handle_us is None
             else round(n.completion_handle_us * 1000),
+            push_handle_ns=0 if n.push_handle_us is None else round(n.push_handle_us * 1000),
             # A deployment's transfers are long; an ERR must not beat a healthy write (assumption).
             error_timeout_ns=2_000_000_000,
         ),

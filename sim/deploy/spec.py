@@ -242,6 +242,7 @@ class DeploySpec:
                 control_send_us=ctl.control_send_us,
                 room_handle_us=ctl.room_handle_us,
                 completion_handle_us=ctl.completion_handle_us,
+                push_handle_us=ctl.push_handle_us,
             )
         fab = hardware.fabric_spec(gpu, nic)
         groups = 1 if self.every_rank else self.rank_groups()
@@ -280,6 +281,7 @@ class DeploySpec:
                 "completion_delay_ns": fab.nic.completion_delay_ns,
                 "room_handle_ns": fab.nic.room_handle_ns,
                 "completion_handle_ns": fab.nic.completion_handle_ns,
+                "push_handle_ns": fab.nic.push_handle_ns,
                 "control_latency_ns": fab.control.latency_ns,
                 "staging_handle_ns": fab.control.staging_handle_ns,
                 "control_send_ns": fab.control.send_ns,
