@@ -104,6 +104,19 @@ def test_a_guess_within_5_percent_closes_the_interval_in_two_runs(error: float) 
     assert lo <= truth < hi <= lo * 1.05
 
 
+def test_a_guess_a_little_too_high_steps_down_5_percent_twice_before_striding_further() -> None:
+    """A guess 7% above the answer: two misses 5% apart, then a run met 5% below the second,
+    which closes it (three runs; a stride of 15% after the second miss took five)."""
+    guess = 7.3 * 1.07
+    lo, hi, rates = _narrow(7.3, 0.0, 10.0, 8, guess)
+    assert rates == pytest.approx([guess, guess / 1.05, guess / 1.05**2])
+    assert lo <= 7.3 < hi <= lo * 1.05
+    # Three misses in a row: the stride then grows (15%), as above a run met.
+    guess = 7.3 * 1.2
+    _, _, rates = _narrow(7.3, 0.0, 10.0, 8, guess)
+    assert rates[:4] == pytest.approx([guess, guess / 1.05, guess / 1.05**2, guess / 1.05**2 / 1.15])
+
+
 def test_a_guess_of_just_above_a_rate_met_takes_one_run_when_that_is_all_there_is() -> None:
     """A larger configuration's first run, just above what a smaller one sustained: a miss
     (the side that limits both is already full) settles it."""
