@@ -51,8 +51,10 @@ from kvferry.sim.calibrate.predict import BenchRow, Prediction, Simulate, predic
 __all__ = ["RoomFit", "fit_rooms", "lad"]
 
 PROBE_US = 1000.0  # large against jitter, small enough that nothing else changes order
-# Linearizations: at 0, then again where the first fit left the costs (the better of the two kept).
-PASSES = 2
+# Linearizations: at 0, then again where each fit left the costs (the best kept). Two were enough
+# for seven costs; with push's registration as an eighth, the second pass left the H200 fit rows
+# at 12.1% where the seven-cost fit had found 7.6%, and the fourth found 7.5% (docs/fidelity.md).
+PASSES = 4
 TERMS = (
     "control_latency_ns",
     "completion_delay_ns",
