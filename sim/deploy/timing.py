@@ -123,6 +123,6 @@ class TimingTransport(SimTransport):
         node = self._fnode
         if not node.up or node.incarnation != self.incarnation or cid not in self.copies:
             return  # the process that launched it is gone
-        self.copies[cid] = _DONE
+        self._settle_copy(cid, _DONE)
         self.fabric.record(kind, self.node, bytes=map_bytes(maps))
         self.fabric.wake(self.node, ("copy", cid))
