@@ -221,10 +221,13 @@ class DecodeMemory:
         if the free pages do not cover them. Returns the swaps' ns and the tokens the retracted
         requests take out of the batch's context."""
         ps = self.page_size
-        pages = self._pages(j)
-        needy = sum(1 for t in batch if (t.req.input_tokens + t.tokens) % ps == 0)
+        needy = 0
+        for t in batch:  # a loop, not a generator: asked at every decode step
+            if not (t.req.input_tokens + t.tokens) % ps:
+                needy += 1
         if not needy:
             return 0, 0  # every sequence has room in its last page: nothing to allocate or free
+        pages = self._pages(j)
         short = needy - (self.world.scenario.topology.decode_pages - pages.used)
         ns = removed = 0
         if short > 0 and len(batch) > 1:
