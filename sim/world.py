@@ -88,6 +88,9 @@ class World:
         self.arrivals = FarTimeouts(self.env)  # every request's arrival, off SimPy's queue until next
         # The clock read at every trace record: a C-level call, no Python frame (env.now is a property).
         self.trace = Trace(partial(getattr, self.env, "_now"), keep=keep_trace)
+        # Off where the trace is silenced (a deployment run): ``mark``, a dozen calls a room,
+        # then skips building and passing a record nobody takes.
+        self.status_records = True
         self.injector = Injector(s.faults, s.phases.fault_window_us * US, self.streams)
         # Timing only (deployment-sized models): the same costs, no byte copied (sim/deploy/timing.py).
         fabric_cls = Fabric if s.move_bytes else TimingFabric
@@ -570,8 +573,9 @@ class World:
     def mark(self, req: Request, node: str, status: KVPoll, reason: str, inc: int | None = None) -> None:
         inc = self.ranks[node].incarnation if inc is None else inc
         # The name from a table: ``Enum.name`` is a Python-level property (16 calls a room).
-        name = _POLL_NAME[status]
-        self.trace.record("status", node, room=req.room, key=req.key, status=name, reason=reason)
+        if self.status_records:
+            name = _POLL_NAME[status]
+            self.trace.record("status", node, room=req.room, key=req.key, status=name, reason=reason)
         checks = self.scenario.checks
         key = (node, inc, req.key, req.tid)
         status_log = self.findings.status_log
