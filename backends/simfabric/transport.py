@@ -317,7 +317,8 @@ class SimTransport:
             node = self._fnode
             node.host_busy_until = ready = max(now, node.host_busy_until) + k.submit_ns
         start = max(ready + busy, self._stream_free_at)
-        self._stream_free_at = start + k.cost_ns(map_bytes(maps), pinned=staging_region == PINNED_REGION)
+        nbytes = map_bytes(maps)  # its cost now, its record at the end: summed once
+        self._stream_free_at = start + k.cost_ns(nbytes, pinned=staging_region == PINNED_REGION)
         call_after(
             self.fabric.env,
             self._stream_free_at - now,
@@ -326,10 +327,13 @@ class SimTransport:
             kind,
             staging_region,
             tuple(maps),
+            nbytes,
         )
         return cid
 
-    def _copy_done(self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...]) -> None:
+    def _copy_done(
+        self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...], nbytes: int
+    ) -> None:
         node = self._fnode
         if not node.up or node.incarnation != self.incarnation or cid not in self.copies:
             return  # the process that launched it is gone
@@ -341,7 +345,7 @@ class SimTransport:
         except KvferryError as exc:
             self._settle_copy(cid, _ERR)
             self.fabric.record("copy_err", self.node, reason=str(exc))
-        self.fabric.record(kind, self.node, bytes=map_bytes(maps))
+        self.fabric.record(kind, self.node, bytes=nbytes)
         self.fabric.wake(self.node, ("copy", cid))
 
     def _settle_copy(self, cid: int, state: XferState) -> None:

@@ -25,7 +25,6 @@ from kvferry.backends.simfabric.descriptors import SMALL, DescList
 from kvferry.backends.simfabric.fabric import Fabric, Xfer
 from kvferry.backends.simfabric.fabric import XferState as FabricState
 from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport
-from kvferry.backends.staging_copy import map_bytes
 from kvferry.backends.transport import XferState
 from kvferry.core.errors import WireError
 from kvferry.core.geometry import PoolGeometry
@@ -119,10 +118,12 @@ class TimingFabric(Fabric):
 
 
 class TimingTransport(SimTransport):
-    def _copy_done(self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...]) -> None:
+    def _copy_done(
+        self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...], nbytes: int
+    ) -> None:
         node = self._fnode
         if not node.up or node.incarnation != self.incarnation or cid not in self.copies:
             return  # the process that launched it is gone
         self._settle_copy(cid, _DONE)
-        self.fabric.record(kind, self.node, bytes=map_bytes(maps))
+        self.fabric.record(kind, self.node, bytes=nbytes)
         self.fabric.wake(self.node, ("copy", cid))
