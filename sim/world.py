@@ -51,6 +51,7 @@ from kvferry.sim.serving import Serving
 from kvferry.sim.trace import Trace
 from msgspec.structs import replace
 
+_PEEKS_KEPT = 4096  # messages in flight whose peek is kept for their delivery (``_on_control``)
 _POLL_NAME = {s: s.name for s in KVPoll}  # KVPoll -> its name, without the enum property
 # The terminal members as plain module names: under Python 3.11 every ``KVPoll.Failed`` read goes
 # through EnumType.__getattr__'s slow attribute hook (about ten times a global's cost), and the
@@ -109,6 +110,9 @@ class World:
         self.ranks: dict[str, SimRank] = {}
         self.findings = Findings()
         self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        # A message's peek from its sending, taken back at its delivery (the same bytes): one
+        # decode a message instead of two. Bounded: a dropped message is never taken back.
+        self._peeked: dict[bytes, Any] = {}
         self.progress = Progress()
         self.staging = staging_sizes(s)
         for name in self.fleet.endpoint:
@@ -718,10 +722,16 @@ class World:
         # Every message is seen twice here (sent, delivered): its tag and room are read without
         # building the rest (a pull offer carries a whole registration); only failure notices are
         # decoded in full.
-        try:
-            peek = peek_decoder.decode(payload)
-        except (msgspec.MsgspecError, ValueError, TypeError):
-            return True
+        peek = self._peeked.pop(payload, None) if what == "delivered" else None
+        if peek is None:
+            try:
+                peek = peek_decoder.decode(payload)
+            except (msgspec.MsgspecError, ValueError, TypeError):
+                return True
+            if what == "sent":
+                if len(self._peeked) >= _PEEKS_KEPT:
+                    self._peeked.clear()
+                self._peeked[payload] = peek
         if self.routing.multi and what == "sent" and self.scenario.checks.isolation:
             self.routing.check_message(peek, src, dst)
         if peek.t not in NOTICE_TAGS:
