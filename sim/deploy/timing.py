@@ -101,8 +101,13 @@ class TimingFabric(Fabric):
 
     def _copy(self, x: Xfer, descs: DescList) -> None:
         # Aux rows are copied: decode reads the room id back from them to accept a room.
-        if descs.count <= SMALL and AUX_REGION not in descs.dst_region.tolist():
-            return  # the usual KV write, found without numpy's per-call cost
+        if descs.count <= SMALL:  # without numpy's per-call cost
+            regions = descs.dst_region.tolist()
+            if AUX_REGION not in regions:
+                return  # the usual KV write
+            if regions.count(AUX_REGION) == len(regions):
+                super()._copy(x, descs)  # an aux write alone (every room has one): all of it
+                return
         aux = descs.dst_region == AUX_REGION
         if aux.any():
             super()._copy(
