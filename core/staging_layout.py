@@ -60,7 +60,7 @@ class StagingFormat(StrEnum):
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
+    a.setflags(write=False)  # the method: no flags object made per array (several a chunk)
     return a
 
 
