@@ -117,6 +117,8 @@ class DecodeSteps:
             batch.append(t)
             keys.append(k)
             added += t.req.input_tokens + t.tokens
+        if added:
+            self.memory.joined(j)
         return swap, added
 
     def _token(self, batch: list[Track], now: int) -> bool:
