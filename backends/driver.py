@@ -140,7 +140,8 @@ class Driver:
         # runtime asks the engine itself (``next_deadline``).
         self.engine_calls = 0
         self._deadline: tuple[int, int | None] = (-1, None)  # (engine_calls, next_deadline)
-        # The simulated runtime (one thread) also asks the cache at every pump's tick check.
+        # The simulated runtime (one thread) also asks the cache at every pump's tick check, and
+        # takes no lock for it: ``cache_deadline`` is for a driver only one thread enters.
         self._cache_deadline = cache_deadline
         # Called with ("in", event) for each event fed, ("step", chunk) when a worker takes a
         # chunk, ("run", command) before each command and ("posted", command) when a post
@@ -192,8 +193,18 @@ class Driver:
         return len(controls)
 
     def _tick_if_due(self, now: int) -> int:
+        if self._cache_deadline:
+            # The simulated runtime (one thread, every wake-up): its uncontended lock and a
+            # frame less; the cached deadline, which only an engine call changes.
+            calls, dl = self._deadline
+            if calls != self.engine_calls:
+                dl = self.cached_deadline()
+            if dl is not None and dl <= now:
+                self._feed(Tick(), now)
+                return 1
+            return 0
         with self.lock:
-            dl = self.cached_deadline() if self._cache_deadline else self.engine.next_deadline()
+            dl = self.engine.next_deadline()
             if dl is not None and dl <= now:
                 self._feed(Tick(), now)
                 return 1

@@ -417,7 +417,7 @@ def _tile(a: np.ndarray, n: int) -> np.ndarray:
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
+    a.setflags(write=False)  # the method: no flags object made per array (five a plan)
     return a
 
 

@@ -60,7 +60,7 @@ class StagingFormat(StrEnum):
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
-    a.flags.writeable = False
+    a.setflags(write=False)  # the method: no flags object made per array (several a chunk)
     return a
 
 
@@ -300,7 +300,8 @@ def staged_map(
     LAYER_MAJOR. Prefill's gather and decode's scatter both come from here, each with its own pool,
     so the two sides agree on every staging byte without sharing a plan.
     """
-    fmt = StagingFormat(fmt)
+    if type(fmt) is not StagingFormat:  # a member already (every engine call): no enum call
+        fmt = StagingFormat(fmt)
     ts, te = int(token_start), int(token_end)
     if num_heads == 0:
         ts = te  # a dummy moves nothing; its maps are empty but well-formed
@@ -318,7 +319,8 @@ def staged_maps(
     """``staged_map`` of each ``(head_start, num_heads, base)`` writer of one chunk on one side
     (decode's scatter of every writer into its pool): the token terms are computed once and
     shared (read-only), the maps are those ``staged_map`` makes one by one."""
-    fmt = StagingFormat(fmt)
+    if type(fmt) is not StagingFormat:  # a member already (every engine call): no enum call
+        fmt = StagingFormat(fmt)
     ts, te = int(token_start), int(token_end)
     terms = None
     maps = []

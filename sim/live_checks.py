@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from kvferry.backends import pattern
-from kvferry.backends.simfabric.descriptors import gather_index
+from kvferry.backends.simfabric.descriptors import SMALL, gather_index
 from kvferry.backends.simfabric.fabric import Xfer
 from kvferry.backends.simfabric.runtime import SimRank
 from kvferry.backends.simfabric.transport import AUX_REGION, node_name
@@ -203,7 +203,11 @@ class LiveChecks:
         """A staged write lands only inside a live allocation its own room holds there."""
         d = x.descs
         key = (req.room, req.tid) if req is not None else None
-        lo, hi = int(d.dst_offset.min()), int((d.dst_offset + d.length).max())
+        if d.count <= SMALL:  # one descriptor a staged write: Python's min and max, not numpy's
+            offsets = d.dst_offset.tolist()
+            lo, hi = min(offsets), max(o + n for o, n in zip(offsets, d.length.tolist(), strict=True))
+        else:
+            lo, hi = int(d.dst_offset.min()), int((d.dst_offset + d.length).max())
         if self.w.ranks[x.dst].engine.staging_holds(key, int(d.dst_region[0]), lo, hi):
             return
         who = req.key if req is not None else "unknown"

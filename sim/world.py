@@ -51,6 +51,7 @@ from kvferry.sim.serving import Serving
 from kvferry.sim.trace import Trace
 from msgspec.structs import replace
 
+_PEEKS_KEPT = 4096  # messages in flight whose peek is kept for their delivery (``_on_control``)
 _POLL_NAME = {s: s.name for s in KVPoll}  # KVPoll -> its name, without the enum property
 # The terminal members as plain module names: under Python 3.11 every ``KVPoll.Failed`` read goes
 # through EnumType.__getattr__'s slow attribute hook (about ten times a global's cost), and the
@@ -88,6 +89,9 @@ class World:
         self.arrivals = FarTimeouts(self.env)  # every request's arrival, off SimPy's queue until next
         # The clock read at every trace record: a C-level call, no Python frame (env.now is a property).
         self.trace = Trace(partial(getattr, self.env, "_now"), keep=keep_trace)
+        # Off where the trace is silenced (a deployment run): ``mark``, a dozen calls a room,
+        # then skips building and passing a record nobody takes.
+        self.status_records = True
         self.injector = Injector(s.faults, s.phases.fault_window_us * US, self.streams)
         # Timing only (deployment-sized models): the same costs, no byte copied (sim/deploy/timing.py).
         fabric_cls = Fabric if s.move_bytes else TimingFabric
@@ -107,6 +111,9 @@ class World:
         self.ranks: dict[str, SimRank] = {}
         self.findings = Findings()
         self._deferred: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        # A message's peek from its sending, taken back at its delivery (the same bytes): one
+        # decode a message instead of two. Bounded: a dropped message is never taken back.
+        self._peeked: dict[bytes, Any] = {}
         self.progress = Progress()
         self.staging = staging_sizes(s)
         for name in self.fleet.endpoint:
@@ -576,8 +583,9 @@ class World:
     def mark(self, req: Request, node: str, status: KVPoll, reason: str, inc: int | None = None) -> None:
         inc = self.ranks[node].incarnation if inc is None else inc
         # The name from a table: ``Enum.name`` is a Python-level property (16 calls a room).
-        name = _POLL_NAME[status]
-        self.trace.record("status", node, room=req.room, key=req.key, status=name, reason=reason)
+        if self.status_records:
+            name = _POLL_NAME[status]
+            self.trace.record("status", node, room=req.room, key=req.key, status=name, reason=reason)
         checks = self.scenario.checks
         key = (node, inc, req.key, req.tid)
         status_log = self.findings.status_log
@@ -720,10 +728,16 @@ class World:
         # Every message is seen twice here (sent, delivered): its tag and room are read without
         # building the rest (a pull offer carries a whole registration); only failure notices are
         # decoded in full.
-        try:
-            peek = peek_decoder.decode(payload)
-        except (msgspec.MsgspecError, ValueError, TypeError):
-            return True
+        peek = self._peeked.pop(payload, None) if what == "delivered" else None
+        if peek is None:
+            try:
+                peek = peek_decoder.decode(payload)
+            except (msgspec.MsgspecError, ValueError, TypeError):
+                return True
+            if what == "sent":
+                if len(self._peeked) >= _PEEKS_KEPT:
+                    self._peeked.clear()
+                self._peeked[payload] = peek
         if self.routing.multi and what == "sent" and self.scenario.checks.isolation:
             self.routing.check_message(peek, src, dst)
         if peek.t not in NOTICE_TAGS:

@@ -24,7 +24,7 @@ from typing import Any
 import simpy
 from simpy.events import NORMAL
 
-__all__ = ["FarTimeouts", "call_after"]
+__all__ = ["DeadlineTimer", "FarTimeouts", "call_after"]
 
 
 def _fire(ev: Any) -> None:
@@ -52,6 +52,56 @@ def call_after(env: simpy.Environment, delay: int, fn: Callable[..., Any], *args
     call.callbacks, call.fn, call.args = _FIRE, fn, args
     # Environment.schedule's key, inlined: the same queue, priority and id counter as a Timeout.
     heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), call))  # type: ignore[misc]
+
+
+class DeadlineTimer:
+    """One timer that each ``set`` re-arms: ``fn()`` runs for the last ``set`` only, at the step
+    where ``call_after(env, delay, fn)`` made at that ``set`` would run (its key, and so its
+    order among same-time events, is taken at the ``set``).
+
+    The plain way, a ``call_after`` per ``set`` whose call checks that it is still the latest,
+    leaves each replaced call on SimPy's queue until its time: a rank's deadline moves several
+    times a room, so most of the queue was such calls, compared on every push and pop. Here a
+    call whose time comes after one of ours still queued is held off the queue until that one
+    fires (``FarTimeouts``' argument: it is later, so it is queued before it can be due), and a
+    held one that a newer ``set`` replaces never joins. A replaced call already queued still
+    fires and does nothing.
+    """
+
+    __slots__ = ("_gen", "_held", "_queued", "env", "fn")
+
+    def __init__(self, env: simpy.Environment, fn: Callable[[], Any]) -> None:
+        self.env, self.fn = env, fn
+        self._gen = 0  # the last set's; a call of an older one does nothing
+        self._queued: list[tuple[int | float, int]] = []  # (time, event id) of ours on the queue
+        self._held: tuple[int | float, int, int] | None = None  # (time, event id, gen) off it
+
+    def set(self, delay: int) -> None:
+        if delay < 0:
+            raise ValueError(f"negative delay {delay}")
+        env = self.env
+        self._gen += 1
+        key = (env._now + delay, next(env._eid))  # type: ignore[attr-defined]
+        if self._queued and self._queued[0] < key:
+            self._held = (key[0], key[1], self._gen)
+        else:
+            self._held = None  # replaced before it joined: it would only have done nothing
+            self._enqueue(key[0], key[1], self._gen)
+
+    def _enqueue(self, at: int | float, eid: int, gen: int) -> None:
+        heappush(self._queued, (at, eid))
+        call = _Call()
+        call.callbacks, call.fn, call.args = _FIRE, self._fired, (gen,)
+        heappush(self.env._queue, (at, NORMAL, eid, call))  # type: ignore[attr-defined]
+
+    def _fired(self, gen: int) -> None:
+        heappop(self._queued)  # ours fire in key order: this was the earliest
+        held = self._held
+        if held is not None:  # later than this one: its turn to join the queue
+            self._held = None
+            self._enqueue(*held)
+        if gen == self._gen:
+            self.fn()
 
 
 class FarTimeouts:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import simpy
 from kvferry.backends.driver import Driver
-from kvferry.backends.simfabric.calls import call_after
+from kvferry.backends.simfabric.calls import DeadlineTimer, call_after
 from kvferry.backends.simfabric.fabric import Fabric
 from kvferry.backends.simfabric.transport import SimTransport
 from kvferry.core.commands import FreePages, StatusChanged
@@ -76,8 +76,8 @@ class SimRank:
         self._sleep_until: int | None = None
         self._kicked = False
         self._wake_pending = False  # a wake-up is scheduled and has not run yet
-        self._timer_gen = 0
-        self._timer_at: int | None = None
+        self._timer = DeadlineTimer(env, self._timer_due)
+        self._timer_at: int | None = None  # the deadline it is set to (None: not set)
         self.wakeups = 0  # main-loop runs (bench/sim_bench.py --only counts)
         self._fabric_node = fabric.node(self.node)  # it outlives crashes, and so does its skew
         self._skew_ns = self._fabric_node.skew_ns
@@ -137,10 +137,9 @@ class SimRank:
             self._wake_pending = True
             call_after(self.env, 0, self._woken)
 
-    def _timer(self, gen: int) -> None:
-        if gen == self._timer_gen:
-            self._timer_at = None
-            self._on_wake(None)
+    def _timer_due(self) -> None:
+        self._timer_at = None
+        self._on_wake(None)
 
     def _boot(self):  # type: ignore[no-untyped-def]
         """The main loop's first sleep, taken at start-up as a process's first step would be."""
@@ -159,9 +158,8 @@ class SimRank:
         self._sleep_until = dl
         self._kicked = False
         if dl is not None and dl != self._timer_at:
-            self._timer_gen += 1
             self._timer_at = dl
-            call_after(self.env, max(0, dl - self.now()), self._timer, self._timer_gen)
+            self._timer.set(max(0, dl - self.now()))
 
     def _woken(self) -> None:
         self._wake_pending = False

@@ -91,6 +91,9 @@ class SimTransport:
         self.pinned_bytes = 0
         self._staging: dict[int, int] = {}
         self.copies: dict[int, XferState] = {}
+        # Copies that left PROC and are not released yet: the driver checks only these
+        # (``settled_copies``), so a poll while kernels run does not check each of them.
+        self._settled_copies: set[int] = set()
         self._next_copy = 1
         self._stream_free_at = 0  # this node's kernels run one after another
         self.kernel_rng: Any = None  # a named random stream for the GPU's busy waits (world sets it)
@@ -314,7 +317,8 @@ class SimTransport:
             node = self._fnode
             node.host_busy_until = ready = max(now, node.host_busy_until) + k.submit_ns
         start = max(ready + busy, self._stream_free_at)
-        self._stream_free_at = start + k.cost_ns(map_bytes(maps), pinned=staging_region == PINNED_REGION)
+        nbytes = map_bytes(maps)  # its cost now, its record at the end: summed once
+        self._stream_free_at = start + k.cost_ns(nbytes, pinned=staging_region == PINNED_REGION)
         call_after(
             self.fabric.env,
             self._stream_free_at - now,
@@ -323,10 +327,13 @@ class SimTransport:
             kind,
             staging_region,
             tuple(maps),
+            nbytes,
         )
         return cid
 
-    def _copy_done(self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...]) -> None:
+    def _copy_done(
+        self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...], nbytes: int
+    ) -> None:
         node = self._fnode
         if not node.up or node.incarnation != self.incarnation or cid not in self.copies:
             return  # the process that launched it is gone
@@ -334,21 +341,29 @@ class SimTransport:
         try:
             regions = {int(r.region_id): mem.region(int(r.region_id)) for r in self._regions}
             copy_maps(kind, regions, mem.region(staging_region), maps)
-            self.copies[cid] = _DONE
+            self._settle_copy(cid, _DONE)
         except KvferryError as exc:
-            self.copies[cid] = _ERR
+            self._settle_copy(cid, _ERR)
             self.fabric.record("copy_err", self.node, reason=str(exc))
-        self.fabric.record(kind, self.node, bytes=map_bytes(maps))
+        self.fabric.record(kind, self.node, bytes=nbytes)
         self.fabric.wake(self.node, ("copy", cid))
+
+    def _settle_copy(self, cid: int, state: XferState) -> None:
+        self.copies[cid] = state
+        self._settled_copies.add(cid)
 
     def check_copy(self, handle: int) -> XferState:
         return self.copies[handle]
 
     def release_copy(self, handle: int) -> None:
         self.copies.pop(handle, None)
+        self._settled_copies.discard(handle)
 
-    def settled_copies(self) -> None:
-        return None  # copies are checked one by one (the order the behaviour digests recorded)
+    def settled_copies(self) -> set[int]:
+        """The copies that left PROC. The driver still feeds them in its own (post) order, the
+        order the behaviour digests recorded; every other copy it holds is PROC here, so
+        checking it would only be skipped."""
+        return self._settled_copies
 
     # --- control plane ----------------------------------------------------------------------------------
     def send_control(self, peer: Endpoint, data: bytes, tag: Any = None) -> None:

@@ -47,7 +47,8 @@ class Flow(StrEnum):
         """A flow by name; a name registered outside ``Flow`` (core/flows/registry.py) gives its
         ``ExtraFlow``, which reads like a member."""
         try:
-            flow = cls(name)
+            # The table first (EnumType's call is slow; asked per room), for a plain name only.
+            flow = (_BY_NAME.get(name) if type(name) is str else None) or cls(name)
         except ValueError:
             extra = extra_flow(name)
             if extra is not None:
@@ -65,6 +66,7 @@ class Flow(StrEnum):
 # The only list of flows: everything that names the flows (the CLI's choices, scenario checks,
 # select's and calibrate's candidates, the benches, the loopback soak) reads these.
 BUILT_FLOWS = tuple(Flow)
+_BY_NAME: dict[str, Flow] = {f.value: f for f in Flow}  # Flow.parse's lookup, without the call
 FLOW_NAMES = tuple(f.value for f in BUILT_FLOWS)
 
 

@@ -32,6 +32,9 @@ from kvferry.core.resources.leases import (
     PushReg,
 )
 
+# The member's value read once (``wants`` is asked per room; ``Enum.value`` is a property).
+_PUSH_NAME = Flow.PUSH.value
+
 __all__ = ["PUSH_MATCHES", "PushSender"]
 
 PUSH_MATCHES = ("transfer_id", "request_id")
@@ -79,7 +82,7 @@ class PushSender(RankFlowPart):
     def wants(flow_override: str | None, policy_override: Flow | None) -> bool:
         """The room will run the push flow: asked per room, or the policy's own override."""
         if flow_override is not None:
-            return flow_override == Flow.PUSH.value
+            return flow_override == _PUSH_NAME
         return policy_override is Flow.PUSH
 
     # --- the room's life ------------------------------------------------------------------------

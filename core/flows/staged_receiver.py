@@ -276,7 +276,8 @@ class StagedReceiver(RankFlowPart):
         return Watermark(min(self._pinned_live.values(), default=self._pinned_next), 0)
 
     def _grant(self, r: Any, ch: RxChunk, to: tuple[m.Endpoint, ...]) -> None:
-        wm = self._watermark(ch.flow.value)
+        flow = ch.flow.value  # once (``Enum.value`` is a property): three reads below
+        wm = self._watermark(flow)
         a = ch.alloc
         rnd, start, end = (a.round, a.offset, a.end) if ch.flow is Flow.RING else (ch.seq, a.offset, a.end)
         for p in to:
@@ -293,12 +294,12 @@ class StagedReceiver(RankFlowPart):
                     start=start,
                     end=end,
                     offset=ch.offsets[p],
-                    flow=ch.flow.value,  # type: ignore[arg-type]
+                    flow=flow,  # type: ignore[arg-type]
                     wm_round=wm.round,
                     wm_offset=wm.offset,
                 ),
             )
-            self.pacer.sent((p, ch.flow.value), wm)
+            self.pacer.sent((p, flow), wm)
 
     def _watermark_msg(self, pool: str) -> m.Watermark:
         wm = self._watermark(pool)

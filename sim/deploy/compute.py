@@ -104,8 +104,8 @@ class Roofline:
     """Step times of one TP group of ``gpu`` running ``model``."""
 
     __slots__ = (
-        "_active", "_flops", "_hbm_bps", "_state", "_token_bytes", "ep", "gpu", "model", "tp", "w",
-        "weight_bytes",
+        "_active", "_attn_c", "_decode_batch", "_flops", "_hbm_bps", "_state", "_token_bytes", "ep",
+        "gpu", "model", "tp", "w", "weight_bytes",
     )  # fmt: skip
 
     def __init__(
@@ -122,6 +122,12 @@ class Roofline:
         # chain of properties a decode step (the deployment replay's hot loop) would walk again.
         self._token_bytes, self._state = model.token_bytes, model.state_bytes
         self._flops, self._hbm_bps = gpu.flops, gpu.hbm_bps
+        m = model
+        # ``_attn_flops``'s factor before the context (the same float, so the same products).
+        self._attn_c = 2.0 * m.num_attention_heads * (m.attn_dim or 2 * m.head_dim)
+        # Per batch size: a decode step's terms that depend on the batch alone (the hot loop of
+        # the deployment replay asks ~10 steps a request; a handful of sizes recur).
+        self._decode_batch: dict[int, tuple[float, int, float]] = {}
 
     def _attn_flops(self, token_ctx: int) -> float:
         """Attention FLOPs of all layers for ``token_ctx`` (query token x context token) pairs."""
@@ -161,17 +167,24 @@ class Roofline:
         return self._time_ns(flops, nbytes, self.gpu.prefill_step_overhead_us)
 
     def decode_ns(self, batch: int, ctx_total: int) -> int:
-        """One decode step of ``batch`` sequences attending to ``ctx_total`` tokens in all."""
+        """One decode step of ``batch`` sequences attending to ``ctx_total`` tokens in all.
+
+        The helpers' arithmetic inlined, operation for operation (the same floats): this is the
+        deployment replay's hot loop."""
         if batch <= 0:
             return 0
-        w = self.w
-        flops = 2.0 * self._active * batch + self._attn_flops(ctx_total)
-        nbytes = (
-            self.weight_bytes * w.read_per_step(batch, self.ep)
-            + self._kv_bytes(ctx_total)
-            + self._state_bytes(batch)
-        )
-        return self._time_ns(flops, nbytes, self.gpu.decode_step_overhead_us)
+        terms = self._decode_batch.get(batch)
+        if terms is None:
+            terms = self._decode_batch[batch] = (
+                2.0 * self._active * batch,
+                self.weight_bytes * self.w.read_per_step(batch, self.ep),
+                self._state_bytes(batch),
+            )
+        flops = terms[0] + self._attn_c * ctx_total * self.model.num_layers
+        nbytes = terms[1] + float(ctx_total * self._token_bytes) + terms[2]
+        tp = self.tp
+        t = max(flops / (self._flops * tp), nbytes / (self._hbm_bps * tp))
+        return int(t * 1e9 + self.gpu.decode_step_overhead_us * 1000)
 
     def weight_bytes_per_rank(self) -> int:
         return self.weight_bytes * self.w.held(self.ep) // self.tp

@@ -69,9 +69,13 @@ class DecodeSteps:
         batch: list[Track] = memory.running[j]  # changed in place: admission reads it
         keys: list[int] = []
         ctx = 0  # tokens the batch attends to: kept as a running sum (a step is the hot loop)
+        waiting, retracted = self.waiting[j], memory.retracted[j]
         while True:
-            swap, added = self._fill(j, batch, keys)  # the step first waits for its swaps
-            ctx += added
+            if retracted or waiting:
+                swap, added = self._fill(j, batch, keys)  # the step first waits for its swaps
+                ctx += added
+            else:
+                swap = 0  # nothing to resume or take: ``_fill`` would add nothing
             if not batch:
                 self.wake[j] = env.event()
                 yield self.wake[j]
@@ -113,6 +117,8 @@ class DecodeSteps:
             batch.append(t)
             keys.append(k)
             added += t.req.input_tokens + t.tokens
+        if added:
+            self.memory.joined(j)
         return swap, added
 
     def _token(self, batch: list[Track], now: int) -> bool:

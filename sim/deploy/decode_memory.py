@@ -119,6 +119,9 @@ class DecodeMemory:
         self.running: list[list[Track]] = [[] for _ in range(n)]
         self.retracted: list[deque[int]] = [deque() for _ in range(n)]
         self.grown: dict[int, list[np.ndarray]] = {}
+        # Per instance: how many more ``grow`` calls will find no sequence at a page boundary
+        # (every sequence gains one token a step; one that joins resets it: ``joined``).
+        self._calm = [0] * n
         # Generated-token pages a step found no free page for even after retracting every
         # request but one; retractions; simulated ns decode steps waited for swaps out and in.
         self.growth_short = self.retractions = self.swap_ns = 0
@@ -188,6 +191,10 @@ class DecodeMemory:
         self.retractions += 1
         return self._swap_ns(len(ids))
 
+    def joined(self, j: int) -> None:
+        """A sequence joined instance ``j``'s batch: its next page boundary is not counted yet."""
+        self._calm[j] = 0
+
     def resume(self, j: int, batch: list[Track], keys: list[int]) -> tuple[int, int]:
         """Bring retracted requests back into the batch while there is room (first in, first
         out). Returns the swaps' ns and the tokens they add to the batch's context."""
@@ -210,6 +217,7 @@ class DecodeMemory:
             self.holders[j] += 1
             batch.append(t)
             keys.append(k)
+            self._calm[j] = 0  # ``joined``
             ns += self._swap_ns(n)
             added += t.req.input_tokens + t.tokens
         return ns, added
@@ -220,11 +228,23 @@ class DecodeMemory:
         are consecutive free-list entries, interleaving the requests); first retract requests
         if the free pages do not cover them. Returns the swaps' ns and the tokens the retracted
         requests take out of the batch's context."""
+        calm = self._calm[j]
+        if calm:  # no sequence reaches a page boundary this step (counted at the last scan)
+            self._calm[j] = calm - 1
+            return 0, 0
         ps = self.page_size
-        pages = self._pages(j)
-        needy = sum(1 for t in batch if (t.req.input_tokens + t.tokens) % ps == 0)
+        needy = 0
+        nearest = ps  # steps until the next sequence fills its page after this one
+        for t in batch:  # a loop, not a generator: asked at every decode step
+            left = (t.req.input_tokens + t.tokens) % ps
+            if not left:
+                needy += 1
+            elif ps - left < nearest:
+                nearest = ps - left
+        self._calm[j] = nearest - 1  # the steps before then need no page (retractions only help)
         if not needy:
             return 0, 0  # every sequence has room in its last page: nothing to allocate or free
+        pages = self._pages(j)
         short = needy - (self.world.scenario.topology.decode_pages - pages.used)
         ns = removed = 0
         if short > 0 and len(batch) > 1:

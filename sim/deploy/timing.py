@@ -25,7 +25,6 @@ from kvferry.backends.simfabric.descriptors import SMALL, DescList
 from kvferry.backends.simfabric.fabric import Fabric, Xfer
 from kvferry.backends.simfabric.fabric import XferState as FabricState
 from kvferry.backends.simfabric.transport import AUX_REGION, SimTransport
-from kvferry.backends.staging_copy import map_bytes
 from kvferry.backends.transport import XferState
 from kvferry.core.errors import WireError
 from kvferry.core.geometry import PoolGeometry
@@ -102,8 +101,13 @@ class TimingFabric(Fabric):
 
     def _copy(self, x: Xfer, descs: DescList) -> None:
         # Aux rows are copied: decode reads the room id back from them to accept a room.
-        if descs.count <= SMALL and AUX_REGION not in descs.dst_region.tolist():
-            return  # the usual KV write, found without numpy's per-call cost
+        if descs.count <= SMALL:  # without numpy's per-call cost
+            regions = descs.dst_region.tolist()
+            if AUX_REGION not in regions:
+                return  # the usual KV write
+            if regions.count(AUX_REGION) == len(regions):
+                super()._copy(x, descs)  # an aux write alone (every room has one): all of it
+                return
         aux = descs.dst_region == AUX_REGION
         if aux.any():
             super()._copy(
@@ -119,10 +123,12 @@ class TimingFabric(Fabric):
 
 
 class TimingTransport(SimTransport):
-    def _copy_done(self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...]) -> None:
+    def _copy_done(
+        self, cid: int, kind: str, staging_region: int, maps: tuple[Any, ...], nbytes: int
+    ) -> None:
         node = self._fnode
         if not node.up or node.incarnation != self.incarnation or cid not in self.copies:
             return  # the process that launched it is gone
-        self.copies[cid] = _DONE
-        self.fabric.record(kind, self.node, bytes=map_bytes(maps))
+        self._settle_copy(cid, _DONE)
+        self.fabric.record(kind, self.node, bytes=nbytes)
         self.fabric.wake(self.node, ("copy", cid))

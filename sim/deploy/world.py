@@ -68,6 +68,11 @@ def _no_record(kind: str, node: str, **attrs: Any) -> None:
     return None
 
 
+# ``_no_record`` itself: a tool that replaces it to see the silenced records (bench/replay_count.py
+# --digest) gets every one of them, the world's status records included.
+_SILENT = _no_record
+
+
 class DeployWorld(Serving):
     """A deployment's servers around a ``World`` it composes (``self.world``) and serves, made of
     parts with one job each: the requests' tracks and counts (``log``) and the monitor that stops
@@ -143,6 +148,7 @@ class DeployWorld(Serving):
         # A deployment run is judged on its metrics, not on its trace hash: the ~50 trace records
         # of each request are not hashed (reproducibility is checked on the metrics instead).
         self.trace.record = _no_record  # type: ignore[method-assign]
+        self.world.status_records = _no_record is not _SILENT
         self.fabric.record = _no_record
         for name, rank in self.ranks.items():
             rank.record = self._tap(_no_record) if name.startswith("prefill") else _no_record
