@@ -492,13 +492,8 @@ class Fabric:
             self.record("ctrl_drop", dst, src=src, why="receiver down" if not d.up else "link down", tag=tag)
             return
         handle = self.spec.control.handle_ns
-        if self.spec.control.staging_handle_ns and _staging_message(payload):
-            handle += self.spec.control.staging_handle_ns
-        if d.nic.room_handle_ns and _room_message(payload):
-            handle += d.nic.room_handle_ns
-        push_room = self.push_room
-        if d.nic.push_handle_ns and push_room is not None and _push_registration(payload, push_room):
-            handle += d.nic.push_handle_ns
+        if self.spec.control.staging_handle_ns or d.nic.room_handle_ns or d.nic.push_handle_ns:
+            handle += self._kind_work(payload, d.nic)
         now = int(self.env._now)
         # queue behind what this node's runtime thread is still doing (messages, copy submits)
         if handle or d.host_busy_until > now:
@@ -506,6 +501,31 @@ class Fabric:
             self._at(d.host_busy_until - now, self._hand_control, src, dst, d.incarnation, payload, tag)
             return
         self._hand_control(src, dst, d.incarnation, payload, tag)
+
+    def _kind_work(self, payload: bytes, nic: NicSpec) -> int:
+        """The host work a control message's kind adds on its receiver's runtime thread: a staged
+        flow's StagingReq, StagingRsp or Watermark (ControlSpec.staging_handle_ns); a TransferInfo
+        or PullOffer, the room's plan (NicSpec.room_handle_ns), and a push room's TransferInfo,
+        decode's PUSH_REG, on top (NicSpec.push_handle_ns). Its head is decoded once for all."""
+        try:
+            head = _head_decoder.decode(payload)
+        except msgspec.DecodeError:
+            return 0  # not a message of ours (a fault may garble one): no extra work
+        if head.t in _STAGING_TAGS:
+            return self.spec.control.staging_handle_ns
+        if head.t not in _ROOM_TAGS:
+            return 0
+        work = nic.room_handle_ns
+        push_room = self.push_room
+        if (
+            nic.push_handle_ns
+            and head.t == _INFO_TAG
+            and push_room is not None
+            and type(head.room) is int
+            and push_room(head.room)
+        ):
+            work += nic.push_handle_ns
+        return work
 
     def _hand_control(self, src: str, dst: str, inc: int, payload: bytes, tag: Any) -> None:
         d = self.nodes[dst]
@@ -813,49 +833,15 @@ def _host_to_host(descs: DescList) -> bool:
     )
 
 
-class _Tag(msgspec.Struct):
-    """A control message's tag alone, its other fields skipped."""
+class _Head(msgspec.Struct):
+    """A control message's tag and room alone, its other fields skipped (``room`` as sent: only
+    a TransferInfo's is read)."""
 
     t: str = ""
+    room: Any = None
 
 
-_tag_decoder = msgspec.msgpack.Decoder(_Tag)
+_head_decoder = msgspec.msgpack.Decoder(_Head)
 _STAGING_TAGS = frozenset(m.__struct_config__.tag for m in (StagingReq, StagingRsp, Watermark))
 _ROOM_TAGS = frozenset(m.__struct_config__.tag for m in (TransferInfo, PullOffer))
-
-
-def _staging_message(payload: bytes) -> bool:
-    """A staged flow's StagingReq, StagingRsp or Watermark (ControlSpec.staging_handle_ns)."""
-    return _tag(payload) in _STAGING_TAGS
-
-
-def _room_message(payload: bytes) -> bool:
-    """A TransferInfo or PullOffer: its receiver plans the room's transfers (NicSpec.room_handle_ns)."""
-    return _tag(payload) in _ROOM_TAGS
-
-
-class _RoomTag(msgspec.Struct):
-    """A control message's tag and room alone, its other fields skipped."""
-
-    t: str = ""
-    room: int = -1
-
-
-_room_tag_decoder = msgspec.msgpack.Decoder(_RoomTag)
 _INFO_TAG = TransferInfo.__struct_config__.tag
-
-
-def _push_registration(payload: bytes, push_room: Callable[[int], bool]) -> bool:
-    """A TransferInfo of a push room: decode's PUSH_REG (NicSpec.push_handle_ns)."""
-    try:
-        head = _room_tag_decoder.decode(payload)
-    except msgspec.DecodeError:
-        return False
-    return head.t == _INFO_TAG and push_room(head.room)
-
-
-def _tag(payload: bytes) -> str:
-    try:
-        return _tag_decoder.decode(payload).t
-    except msgspec.DecodeError:
-        return ""  # not a message of ours (a fault may garble one): no extra work
