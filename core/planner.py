@@ -39,6 +39,7 @@ __all__ = [
     "check_room",
     "consecutive",
     "find_link",
+    "frozen",
     "plan_rank_pair",
     "plan_room",
 ]
@@ -416,8 +417,9 @@ def _tile(a: np.ndarray, n: int) -> np.ndarray:
     return out.reshape(-1)
 
 
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a.setflags(write=False)  # the method: no flags object made per array (five a plan)
+def frozen(a: np.ndarray) -> np.ndarray:
+    """``a``, read-only (plans and staging maps are cached and shared)."""
+    a.setflags(write=False)  # the method: no flags object made per array (several a plan or chunk)
     return a
 
 
@@ -440,7 +442,7 @@ def _shared_region_ids(n_regions: int, per: int) -> np.ndarray:
 
 
 def _build_region_ids(n_regions: int, per: int) -> np.ndarray:
-    return _frozen(np.repeat(np.arange(n_regions, dtype=np.int64), per))
+    return frozen(np.repeat(np.arange(n_regions, dtype=np.int64), per))
 
 
 def _tiled_columns(
@@ -461,9 +463,9 @@ def _tiled_columns(
         s_list, d_list, n_list = runs
         # Tiled over the regions as lists: one array built per column.
         return (
-            _frozen(np.array(s_list * n_regions, dtype=np.int64)),
-            _frozen(np.array(d_list * n_regions, dtype=np.int64)),
-            _frozen(np.array(n_list * n_regions, dtype=np.int64)),
+            frozen(np.array(s_list * n_regions, dtype=np.int64)),
+            frozen(np.array(d_list * n_regions, dtype=np.int64)),
+            frozen(np.array(n_list * n_regions, dtype=np.int64)),
             len(n_list),
             token_end - token_start,
             sum(n_list),
@@ -472,9 +474,9 @@ def _tiled_columns(
         src, dst, sp, dp, shape.head_start, shape.num_heads, token_start, token_end, coalesce
     )
     return (
-        _frozen(_tile(s_off, n_regions)),
-        _frozen(_tile(d_off, n_regions)),
-        _frozen(_tile(length, n_regions)),
+        frozen(_tile(s_off, n_regions)),
+        frozen(_tile(d_off, n_regions)),
+        frozen(_tile(length, n_regions)),
         s_off.size,
         unmerged,
         int(length.sum()),

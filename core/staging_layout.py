@@ -40,7 +40,7 @@ from functools import lru_cache
 
 import numpy as np
 from kvferry.core.geometry import Link, PoolGeometry, links
-from kvferry.core.planner import RankPlan, check_pools, check_room, find_link
+from kvferry.core.planner import RankPlan, check_pools, check_room, find_link, frozen
 
 __all__ = [
     "StagedPairPlan",
@@ -57,11 +57,6 @@ __all__ = [
 class StagingFormat(StrEnum):
     HEAD_MAJOR = "head_major"  # SGLang PR 18968: [heads, layers, K|V, tokens, head_dim] per rank
     LAYER_MAJOR = "layer_major"  # SGLang PR 22536: [2L, tokens, heads, head_dim] per writer
-
-
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a.setflags(write=False)  # the method: no flags object made per array (several a chunk)
-    return a
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -155,7 +150,7 @@ class StagedPairPlan:
         n = self.count
 
         def arr(value: int) -> np.ndarray:
-            return _frozen(np.full(n, value, dtype=np.int64))
+            return frozen(np.full(n, value, dtype=np.int64))
 
         return RankPlan(
             src_rank=self.src_rank,
@@ -195,7 +190,7 @@ class StagedRoomPlan:
 @lru_cache(maxsize=16)
 def _region_ids(n: int) -> np.ndarray:
     """Every region of a map, ``0..n-1``: read-only, so one array serves every map of that size."""
-    return _frozen(np.arange(n, dtype=np.int64))
+    return frozen(np.arange(n, dtype=np.int64))
 
 
 # Rows of whole pages a map may build beyond twice its tokens (pages of up to 128 tokens take
@@ -206,7 +201,7 @@ _WHOLE_PAGES_SLACK = 256
 @lru_cache(maxsize=64)
 def _in_page(page_size: int, stride: int) -> np.ndarray:
     """``[1, page_size]``: ``tip * stride`` for each token ``tip`` of a page (read-only, shared)."""
-    return _frozen(np.arange(page_size, dtype=np.int64)[None, :] * stride)
+    return frozen(np.arange(page_size, dtype=np.int64)[None, :] * stride)
 
 
 def _token_terms(
@@ -242,7 +237,7 @@ def _token_terms(
         page = pages[page_idx]
         offsets = page * pool.page_stride + tip * pool.token_stride
         slots = page * ps + tip
-    return _frozen(slots), _frozen(offsets)
+    return frozen(slots), frozen(offsets)
 
 
 def _side_map(
@@ -260,7 +255,7 @@ def _side_map(
     local = head_start - pool.head_start
     staging_base = base + local * strides[2] if fmt is StagingFormat.HEAD_MAJOR else base
     if local:
-        offsets = _frozen(offsets + local * pool.head_stride)
+        offsets = frozen(offsets + local * pool.head_stride)
     return StagingMap(
         region_ids=_region_ids(pool.model.num_regions),
         slots=slots,
