@@ -122,18 +122,16 @@ class Roofline:
         # chain of properties a decode step (the deployment replay's hot loop) would walk again.
         self._token_bytes, self._state = model.token_bytes, model.state_bytes
         self._flops, self._hbm_bps = gpu.flops, gpu.hbm_bps
-        m = model
-        # ``_attn_flops``'s factor before the context (the same float, so the same products).
-        self._attn_c = 2.0 * m.num_attention_heads * (m.attn_dim or 2 * m.head_dim)
+        # Attention FLOPs per (query token, context token) pair and layer (``_attn_flops``; the
+        # decode step, the hot loop, multiplies it out inline).
+        self._attn_c = 2.0 * model.num_attention_heads * (model.attn_dim or 2 * model.head_dim)
         # Per batch size: a decode step's terms that depend on the batch alone (the hot loop of
         # the deployment replay asks ~10 steps a request; a handful of sizes recur).
         self._decode_batch: dict[int, tuple[float, int, float]] = {}
 
     def _attn_flops(self, token_ctx: int) -> float:
         """Attention FLOPs of all layers for ``token_ctx`` (query token x context token) pairs."""
-        m = self.model
-        dim = m.attn_dim or 2 * m.head_dim
-        return 2.0 * m.num_attention_heads * dim * token_ctx * m.num_layers
+        return self._attn_c * token_ctx * self.model.num_layers
 
     def _kv_bytes(self, ctx_tokens: int) -> float:
         return float(ctx_tokens * self._token_bytes)
