@@ -197,7 +197,8 @@ class DecodeMemory:
 
     def resume(self, j: int, batch: list[Track], keys: list[int]) -> tuple[int, int]:
         """Bring retracted requests back into the batch while there is room (first in, first
-        out). Returns the swaps' ns and the tokens they add to the batch's context."""
+        out). Returns the swaps' ns and the tokens they add to the batch's context (the caller
+        marks the joins: ``joined``)."""
         q, pages = self.retracted[j], self._pages(j)
         ps, reserved = self.page_size, self.reserved
         ns = added = 0
@@ -217,7 +218,6 @@ class DecodeMemory:
             self.holders[j] += 1
             batch.append(t)
             keys.append(k)
-            self._calm[j] = 0  # ``joined``
             ns += self._swap_ns(n)
             added += t.req.input_tokens + t.tokens
         return ns, added
