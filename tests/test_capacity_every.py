@@ -5,6 +5,7 @@ more prefill instances sustaining more, in the table, the JSON and the plot."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from kvferry.sim.deploy.capacity import MAX_RATES, Workload, search
@@ -110,6 +111,13 @@ def test_the_table_and_the_plot_show_every_maximum(tmp_path) -> None:
     for name in ("1P x TP1 + 1D x TP1", "1P x TP1 + 2D x TP1", "2P x TP1 + 1D x TP1", "2P x TP1 + 2D x TP1"):
         assert name in r.stdout
     assert "more configurations not simulated" in r.stdout and " 0 more configurations" in r.stdout
+    # No run is judged at a rate: no latency or verdict columns, and the most a GPU beside the most.
+    assert "TTFT p50" not in r.stdout and "verdict" not in r.stdout and "req/s a GPU" in r.stdout
+    rows = re.findall(r"(\dP x TP1 \+ \dD x TP1)[ *]*│ (\d+) .*│ ([\d.]+)-[\d.]+[ ^]*│ ([\d.]+) +│", r.stdout)
+    assert len(rows) == 4, r.stdout
+    for name, gpus, most, per_gpu in rows:
+        # both cells rounded: the most to 0.01, the most a GPU to 0.001
+        assert float(per_gpu) == pytest.approx(float(most) / int(gpus), abs=0.005 / int(gpus) + 5e-4), name
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

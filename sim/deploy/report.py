@@ -183,15 +183,21 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
         f"SLOs TTFT {spec.ttft_slo_ms:g} ms / TPOT "
         f"{spec.tpot_slo_ms:g} ms for {cap.target:.0%} of requests"
     )
-    t = Table(title=title)
-    for col in ("configuration", "GPUs", "flow", "bound req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-                "SLO met", "max req/s", "verdict"):  # fmt: skip
+    console.print(title, style="bold")  # above the table, not its title: that wraps at its width
+    t = Table()
+    # Without a rate no run is judged at one: its latency, SLO and verdict columns would be all
+    # "-", and a terminal of 80 columns then folds every row into four lines.
+    at_rate = rate is not None
+    cols = _AT_RATE_COLUMNS if at_rate else _MAX_RATE_COLUMNS
+    for col in cols:
         t.add_column(col)
     for c in cap.candidates:
         if c.met is not None or c.max_rps is not None:
-            t.add_row(*_capacity_row(cap, c))
-    t.caption = _capacity_caption(cap, spec)
+            row = _capacity_row(cap, c)
+            t.add_row(*(row if at_rate else [*(row[i] for i in _MAX_RATE_CELLS), _per_gpu(c)]))
     console.print(t)
+    # Under the table, not its caption: a caption wraps at the table's width, a few words a line.
+    console.print(_capacity_caption(cap, spec))
     for name, b in cap.bounds.items():
         console.print(
             f"  per instance, {name}: prefill at most {b['prefill_rps']:.2f} req/s ({b['prefill_by']}), "
@@ -200,6 +206,17 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
         )
     style = "bold" if cap.answer is not None else "bold yellow"
     console.print(f"[{style}]answer: {cap.reason}[/]")
+
+
+_AT_RATE_COLUMNS = ("configuration", "GPUs", "flow", "bound req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
+                    "SLO met", "max req/s", "verdict")  # fmt: skip
+_MAX_RATE_CELLS = (0, 1, 2, 3, 7)  # of a row, the cells a search without a rate fills
+# and the most a GPU, which the answer without a rate maximises
+_MAX_RATE_COLUMNS = (*(_AT_RATE_COLUMNS[i] for i in _MAX_RATE_CELLS), "req/s a GPU")
+
+
+def _per_gpu(c: Candidate) -> str:
+    return "-" if c.max_rps is None else f"{c.max_rps / c.gpus:.3f}"
 
 
 def _capacity_row(cap: Capacity, c: Candidate) -> list[str]:
@@ -272,12 +289,15 @@ def plot_capacity(cap: Capacity, spec: Any, path: Path) -> None:
     if cap.answer is not None:
         ax.scatter([cap.answer.gpus], [cap.answer.max_rps or cap.rate or 0], marker="*", s=260,
                    color="gold", edgecolors="k", zorder=5, label=f"answer: {cap.answer.name}")  # fmt: skip
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import LogFormatter, ScalarFormatter
 
     ax.set_xscale("log")
     ax.set_yscale("log")
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_major_formatter(ScalarFormatter())
+        # Axes spanning a decade or two label some minor ticks too, as plain numbers (20, 30),
+        # not matplotlib's default 2x10^1.
+        axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     ax.set_xlabel("GPUs")
     ax.set_ylabel("requests/s sustained within the SLOs")
     ax.set_title(f"{spec.model} on {spec.gpu} + {spec.nic}: capacity per configuration and flow")
