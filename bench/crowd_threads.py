@@ -29,7 +29,8 @@ def main() -> None:
     hz = os.sysconf("SC_CLK_TCK")
     busy = sorted(((b[k][1] - a[k][1]) * 100 // hz, k, b[k][0]) for k in b if k in a)[::-1]
     top = ", ".join(f"{name}[{pid}/{tid}] {pct}%" for pct, (pid, tid), name in busy[:14] if pct > 0)
-    print(f"--- {time.strftime('%T')} threads over 1 s (% of a core): total {sum(x[0] for x in busy)}%: {top}")
+    total = sum(x[0] for x in busy)
+    print(f"--- {time.strftime('%T')} threads over 1 s (% of a core): total {total}%: {top}")
     for pid in dict.fromkeys(pid for pct, (pid, _), _ in busy[:14] if pct > 0):
         print(f"    {pid}: {_cmdline(pid)}")
 
