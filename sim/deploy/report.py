@@ -210,7 +210,10 @@ def capacity_table(cap: Capacity, spec: Any, console: Any) -> None:
 
 _AT_RATE_COLUMNS = ("configuration", "GPUs", "flow", "bound req/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
                     "SLO met", "max req/s", "verdict")  # fmt: skip
-_MAX_RATE_CELLS = (0, 1, 2, 3, 7)  # of a row, the cells a search without a rate fills
+# Of a row, the cells a search without a rate fills, named rather than counted.
+_MAX_RATE_CELLS = tuple(
+    _AT_RATE_COLUMNS.index(c) for c in ("configuration", "GPUs", "flow", "bound req/s", "max req/s")
+)
 # and the most a GPU, which the answer without a rate maximises
 _MAX_RATE_COLUMNS = (*(_AT_RATE_COLUMNS[i] for i in _MAX_RATE_CELLS), "req/s a GPU")
 
