@@ -89,3 +89,49 @@ def test_a_pull_rows_telemetry_holds_decodes_reads(tmp_path: Path) -> None:
     assert len(data["reads"]) == 4
     assert all(r["op"] == "READ" and r["status"] == "DONE" for r in data["reads"])
     assert {r["descs_requested"] for r in data["reads"]} == {36 * 2 * 32}
+
+
+@pytest.mark.parametrize("flow", ["direct", "ring"])
+def test_a_process_per_rank_row_moves_and_reports_what_one_process_a_side_does(
+    flow: str, tmp_path: Path
+) -> None:
+    """TP 2->2 with each rank its own process, as a serving engine runs them: every decode rank's
+    bytes checked, each rank's telemetry merged into the one file, each process's trace read,
+    the same counts as one process a side reports."""
+    rows, writes = {}, {}
+    for per_rank in (False, True):
+        out = tmp_path / f"{flow}.{per_rank}"
+        out.mkdir()
+        cfg = BenchConfig(
+            "tp2->2 nhd", 2, 2, tokens=32, rooms=2, flow=flow, process_per_rank=per_rank,
+            telemetry_path=str(out / "t.json"), trace_dir=str(out),
+        )  # fmt: skip
+        rows[per_rank] = run_config(cfg, timeout_s=120.0)
+        writes[per_rank] = json.loads((out / "t.json").read_text())["writes"]
+        left = sorted(p.name for p in out.iterdir())
+        want = ["decode0", "decode1", "prefill0", "prefill1"] if per_rank else ["decode", "prefill"]
+        assert left == sorted([*(f"{n}.rows.json" for n in want), "t.json", "trace.json"])
+    one, each = rows[False], rows[True]
+    assert each["bytes_ok"] is True and each["process_per_rank"] is True
+    assert len(each["kvferry_batches_s"]) == 2 and all(t > 0 for t in each["kvferry_batches_s"])
+    for key in ("room_mb", "descs_requested", "scattered"):
+        assert each[key] == one[key], key
+    # Hop labels follow the order events met (a race), so not their count: every rank's are there.
+    assert {h["label"].split()[0] for h in each["hops"]} >= {"prefill0", "prefill1", "decode0", "decode1"}
+    assert len(writes[True]) == len(writes[False]) > 0
+    assert sorted(w["nbytes"] for w in writes[True]) == sorted(w["nbytes"] for w in writes[False])
+
+
+def test_a_process_per_rank_batch_spans_every_decode_process() -> None:
+    """With several decode processes a batch runs from the first one's first init to the last
+    one's Success, and every process's counts add up."""
+    from kvferry.tools.runtime_bench import _decode_summary
+
+    part = {"executor": ["python"], "room_bytes": 10, "counters": {"scattered_ring": 2}, "reads": [1]}
+    a = {**part, "durations": [0.5], "check": {"ok": True, "rooms_checked": 1}}
+    b = {**part, "durations": [0.7], "check": {"ok": False, "rooms_checked": 1}}
+    got = _decode_summary([a, b], [0.9])
+    assert got["durations"] == [0.9]  # the span, not either process's own
+    assert got["room_bytes"] == 20 and got["counters"] == {"scattered_ring": 4} and got["reads"] == [1, 1]
+    assert got["check"] == {"ok": False, "rooms_checked": 2}
+    assert _decode_summary([a], [0.9])["durations"] == [0.5]  # one process: its own time

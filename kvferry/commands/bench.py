@@ -118,13 +118,21 @@ class NixlRuntimeOpts:
             "writes are planned and made ready once decode's TransferInfo is in, and send() posts them."
         ),
     ] = False
+    process_per_rank: Annotated[
+        bool,
+        typer.Option(
+            help="Run each TP rank in a process of its own, as a serving engine does (default: one "
+            "process a side holds all its ranks, which then share one interpreter and CUDA context)."
+        ),
+    ] = False
 
 
 @bench_app.command("nixl")
 @options(NixlRoomOpts, NixlRuntimeOpts)
 def nixl(r: NixlRoomOpts, rt: NixlRuntimeOpts) -> None:
-    """Two processes on 127.0.0.1 (prefill ranks, one decode rank) move KV rooms of a preset model
-    through kvferry's runtime; the same processes then WRITE the same bytes as one NIXL descriptor."""
+    """Prefill and decode processes on 127.0.0.1 (one a side, or one a rank with
+    --process-per-rank) move KV rooms of a preset model through kvferry's runtime; the same
+    processes then WRITE the same bytes as one NIXL descriptor a rank."""
     extras.require("real", "kvferry bench nixl")
     if r.mem.upper() == "VRAM":
         extras.require("real-gpu", "kvferry bench nixl --mem VRAM")
@@ -180,7 +188,7 @@ def _nixl_runs(configs: list[Any], flows: list[str], r: NixlRoomOpts, rt: NixlRu
                 inflight=r.inflight, worker_chunks=r.worker_chunks, switch_interval_us=rt.switch_interval_us,
                 active_poll_us=rt.active_poll_us, direct_post=rt.direct_post, engine=rt.engine,
                 handoff=rt.handoff, ahead=rt.ahead, flow=f, prefill_gpus=rt.prefill_gpus,
-                decode_gpus=rt.decode_gpus,
+                decode_gpus=rt.decode_gpus, process_per_rank=rt.process_per_rank,
             )  # fmt: skip
             if rt.telemetry:
                 one = len(configs) * len(flows) == 1

@@ -32,6 +32,7 @@ Child processes speak JSON lines on stdout/stdin (``python -m kvferry.tools.runt
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import queue
@@ -93,6 +94,9 @@ class BenchConfig:
     engine: str = "python"  # RuntimeConfig.nixl_engine of both processes
     handoff: bool = False  # time send(last chunk) -> decode Success, TransferInfo already at prefill
     ahead: bool = False  # name each chunk's pages before its send (KVSender.plan_ahead)
+    # Each TP rank in its own process, as a serving engine runs them. False: one process a side
+    # holds every rank of it, so its ranks share one interpreter (and its lock) and one CUDA context.
+    process_per_rank: bool = False
 
 
 DEFAULT_CONFIGS = (
@@ -130,14 +134,19 @@ def _start_trace(cfg: BenchConfig, eps: list[Any], role: str) -> list[Any]:
     return traces
 
 
-def _save_trace(cfg: BenchConfig, traces: list[Any], role: str) -> None:
+def _save_trace(cfg: BenchConfig, traces: list[Any], role: str, rank: int | None) -> None:
     if traces:
         rows = [r for tr in traces for r in tr.rows()]
-        with open(os.path.join(cfg.trace_dir, f"{role}.rows.json"), "w") as f:
+        with open(os.path.join(cfg.trace_dir, f"{_proc_name(role, rank)}.rows.json"), "w") as f:
             json.dump(rows, f)
 
 
-def _pools(cfg: BenchConfig, role: str) -> list[Any]:
+def _pools(cfg: BenchConfig, role: str, rank: int | None = None) -> list[Any]:
+    """A side's rank pools: every rank, or only ``rank`` (a process of its own)."""
+    return [p for p in _side_pools(cfg, role) if rank is None or p.tp_rank == rank]
+
+
+def _side_pools(cfg: BenchConfig, role: str) -> list[Any]:
     from kvferry.core.geometry import ModelGeometry, PoolGeometry
 
     model = ModelGeometry.preset(cfg.model)
@@ -251,8 +260,19 @@ def _config(cfg: BenchConfig) -> Any:
     )
 
 
-def child_prefill(cfg: BenchConfig) -> None:
-    eps, _bufs = _prefill_endpoints(cfg)  # _bufs: the rank buffers, kept alive to the end
+def _proc_name(role: str, rank: int | None) -> str:
+    """A bench process's name in its file names: the side, and its rank when it has only one."""
+    return role if rank is None else f"{role}{rank}"
+
+
+def _telemetry_file(cfg: BenchConfig, rank: int | None) -> str:
+    """Where a prefill process writes its telemetry: one process per rank writes its own, and
+    ``run_config`` merges them into ``cfg.telemetry_path``."""
+    return cfg.telemetry_path if rank is None else f"{cfg.telemetry_path}.rank{rank}"
+
+
+def child_prefill(cfg: BenchConfig, rank: int | None = None) -> None:
+    eps, _bufs = _prefill_endpoints(cfg, rank)  # _bufs: the rank buffers, kept alive to the end
     traces = _start_trace(cfg, eps, "prefill")
     for ep in eps:
         ep.start()
@@ -264,21 +284,22 @@ def child_prefill(cfg: BenchConfig) -> None:
     if cfg.telemetry_path:  # for calibrating the simulator's cost model from real writes
         import msgspec
 
-        with open(cfg.telemetry_path, "wb") as f:
+        with open(_telemetry_file(cfg, rank), "wb") as f:
             f.write(msgspec.json.encode({"config": asdict(cfg), "writes": run.kv_posts}))
-    _save_trace(cfg, traces, "prefill")
+    _save_trace(cfg, traces, "prefill", rank)
     _say(event="done", **run.summary())
     _hear()
     for ep in eps:
         ep.close()
 
 
-def _prefill_endpoints(cfg: BenchConfig) -> tuple[list[Any], list[Any]]:
-    """Prefill's ranks, each on one buffer filled with its rank + 1 (and a covering raw region)."""
+def _prefill_endpoints(cfg: BenchConfig, rank: int | None = None) -> tuple[list[Any], list[Any]]:
+    """Prefill's ranks (or only ``rank``), each on one buffer filled with its rank + 1 (and a
+    covering raw region)."""
     from kvferry.backends.runtime import PrefillEndpoint
 
     eps, bufs = [], []
-    for pool in _pools(cfg, "prefill"):
+    for pool in _pools(cfg, "prefill", rank):
         buf, regions, cover = _buffers(pool, 1 + pool.tp_rank, cfg.mem)
         raw = {"raw": [cover]}
         eps.append(PrefillEndpoint("prefill", pool, buffers=regions, config=_config(cfg), extra_groups=raw))
@@ -422,7 +443,8 @@ class _PrefillRun:
             for r, ep in enumerate(eps):
                 decode = Endpoint(server="decode", rank=raw_to[r])
                 slots = max(1, covers[raw_to[r]][1] // room_bytes)
-                dst = ((k * len(eps) + r) % slots) * room_bytes
+                # By the global rank: with a process a rank, each still lands in its own slot.
+                dst = ((k * self.cfg.prefill_tp + ep.pool.tp_rank) % slots) * room_bytes
                 tickets.append(
                     (
                         ep,
@@ -439,22 +461,47 @@ class _PrefillRun:
         return tickets
 
     def summary(self) -> dict[str, Any]:
-        """What prefill reports at the end: the timed batches' raw times and write telemetry."""
+        """What a prefill process reports at the end: the timed batches' raw times and its write
+        telemetry, unreduced (``_prefill_summary`` reduces every process's together)."""
         cfg, kv_posts, raw_posts = self.cfg, self.kv_posts, self.raw_posts
         return {
             "executor": [ep.transport.executor for ep in self.eps],
             "raw_times": self.raw_times[cfg.warmup :],
             "planned_times": self.planned_times[cfg.warmup :],
             "raw_bytes": self.room_bytes * len(self.eps) * cfg.inflight,
-            "descs_requested": max((r.descs_requested for r in kv_posts), default=0),
-            "descs_posted": max((r.descs_posted for r in kv_posts), default=0),
-            "post_us": statistics.median([r.post_us for r in kv_posts]) if kv_posts else 0,
-            "xfer_us": statistics.median([r.xfer_us for r in kv_posts]) if kv_posts else 0,
-            "wall_us": statistics.median([r.wall_ns / 1e3 for r in kv_posts]) if kv_posts else 0,
-            "raw_post_us": statistics.median([r.post_us for r in raw_posts]) if raw_posts else 0,
-            "raw_xfer_us": statistics.median([r.xfer_us for r in raw_posts]) if raw_posts else 0,
-            "raw_wall_us": statistics.median([r.wall_ns / 1e3 for r in raw_posts]) if raw_posts else 0,
+            "descs_requested": [r.descs_requested for r in kv_posts],
+            "descs_posted": [r.descs_posted for r in kv_posts],
+            "post_us": [r.post_us for r in kv_posts],
+            "xfer_us": [r.xfer_us for r in kv_posts],
+            "wall_us": [r.wall_ns / 1e3 for r in kv_posts],
+            "raw_post_us": [r.post_us for r in raw_posts],
+            "raw_xfer_us": [r.xfer_us for r in raw_posts],
+            "raw_wall_us": [r.wall_ns / 1e3 for r in raw_posts],
         }
+
+
+def _prefill_summary(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every prefill process's summary as one: a batch's raw (and planned) time is its slowest
+    process's (they post at once, each timing its own), telemetry medians over every write."""
+
+    def every(key: str) -> list[Any]:
+        return [v for p in parts for v in p[key]]
+
+    def median(key: str) -> float:
+        return statistics.median(every(key)) if every(key) else 0
+
+    return {
+        "executor": every("executor"),
+        "raw_times": [max(ts) for ts in zip(*(p["raw_times"] for p in parts), strict=True)],
+        "planned_times": [max(ts) for ts in zip(*(p["planned_times"] for p in parts), strict=True)],
+        "raw_bytes": sum(p["raw_bytes"] for p in parts),
+        "descs_requested": max(every("descs_requested"), default=0),
+        "descs_posted": max(every("descs_posted"), default=0),
+        **{
+            k: median(k)
+            for k in ("post_us", "xfer_us", "wall_us", "raw_post_us", "raw_xfer_us", "raw_wall_us")
+        },
+    }
 
 
 def senders_of(batch: list[tuple[list[Any], Any]]) -> list[Any]:
@@ -524,8 +571,8 @@ def _expected_counts(pool: Any, prefill_tp: int, tokens: int) -> dict[int, int]:
     return want
 
 
-def child_decode(cfg: BenchConfig) -> None:
-    made = _decode_buffers(cfg)
+def child_decode(cfg: BenchConfig, rank: int | None = None) -> None:
+    made = _decode_buffers(cfg, rank)
     eps, all_regions, covers, _bufs = _decode_endpoints(cfg, made, _hear()["addresses"])
     traces = _start_trace(cfg, eps, "decode")
     for ep in eps:
@@ -543,7 +590,7 @@ def child_decode(cfg: BenchConfig) -> None:
         half = b % 2
         for ep in eps:
             ep.transport.agent.telemetry.clear()
-        dt, t_done = _receive_batch(cfg, eps, all_regions, b)
+        dt, t_start, t_done = _receive_batch(cfg, eps, all_regions, b)
         if b >= cfg.warmup:
             durations.append(dt)
             if cfg.telemetry_path:  # run_config adds them to prefill's file (its writes)
@@ -554,10 +601,10 @@ def child_decode(cfg: BenchConfig) -> None:
                 for k in range(cfg.inflight)
                 for regions, want in zip(all_regions, wants, strict=True)
             ]
-        _say(event="batch", index=b, t_done=t_done)
+        _say(event="batch", index=b, t_start=t_start, t_done=t_done)
         _hear()  # next: the paired raw writes are done
     check = {"ok": bool(checks) and all(checks), "rooms_checked": len(checks)}
-    _save_trace(cfg, traces, "decode")
+    _save_trace(cfg, traces, "decode", rank)
     counters: dict[str, int] = {}
     for ep in eps:
         with ep.lock:
@@ -590,10 +637,10 @@ def _kv_reads(eps: list[Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _decode_buffers(cfg: BenchConfig) -> list[tuple[Any, Any, dict[int, Any], Any]]:
-    """Decode's pools on zeroed buffers, made before prefill's addresses are known (the GPU's
-    start-up overlaps prefill's): (pool, buffer, regions, raw cover) per rank."""
-    return [(pool, *_buffers(pool, 0, cfg.mem)) for pool in _pools(cfg, "decode")]
+def _decode_buffers(cfg: BenchConfig, rank: int | None = None) -> list[tuple[Any, Any, dict[int, Any], Any]]:
+    """Decode's pools (or only ``rank``'s) on zeroed buffers, made before prefill's addresses are
+    known (the GPU's start-up overlaps prefill's): (pool, buffer, regions, raw cover) per rank."""
+    return [(pool, *_buffers(pool, 0, cfg.mem)) for pool in _pools(cfg, "decode", rank)]
 
 
 def _decode_endpoints(
@@ -624,9 +671,10 @@ def _decode_endpoints(
 
 def _receive_batch(
     cfg: BenchConfig, eps: list[Any], all_regions: list[dict[int, Any]], b: int
-) -> tuple[float, int]:
+) -> tuple[float, int, int]:
     """Batch ``b`` received into its half of the pages (zeroed first, so the check means
-    something): (seconds from the first init to the last Success, monotonic ns at the end)."""
+    something): (seconds from the first init to the last Success, monotonic ns at the first init
+    and at the end; the harness spans several decode processes' batches with them)."""
     from kvferry.core.kvpoll import KVPoll
 
     n_pages = -(-cfg.tokens // cfg.page_size)
@@ -637,6 +685,7 @@ def _receive_batch(
             for r in regions.values():
                 _slot(r, slots, half * cfg.inflight + k)[:] = 0
     rvs = []
+    t_start = time.monotonic_ns()
     t0 = time.perf_counter()
     for k in range(cfg.inflight):
         room, slot = FIRST_ROOM + b * cfg.inflight + k, half * cfg.inflight + k
@@ -651,7 +700,7 @@ def _receive_batch(
         if st is not KVPoll.Success:
             rv.failure_exception()
         rv.clear()
-    return dt, t_done
+    return dt, t_start, t_done
 
 
 # ---- harness side --------------------------------------------------------------------------------
@@ -763,9 +812,11 @@ def run_config(
     if not any(env.get(k) for k in ("KVFERRY_CONTROL_KEY", "KVFERRY_CONTROL_KEY_FILE")):
         from kvferry.backends.runtime.security import ephemeral_key
 
-        env["KVFERRY_CONTROL_KEY"] = ephemeral_key()  # the two children share a fresh key
+        env["KVFERRY_CONTROL_KEY"] = ephemeral_key()  # the children share a fresh key
     phases: dict[str, float] = {}
     p, d, handoffs, p2p = _drive(cfg, env, timeout_s, phases)
+    if cfg.telemetry_path and cfg.process_per_rank:
+        _merge_telemetry(cfg)
     if cfg.telemetry_path and d.get("reads"):
         _add_reads(cfg.telemetry_path, d["reads"])
     row = _row(cfg, env, p, d, handoffs, p2p)
@@ -787,7 +838,7 @@ def _add_reads(path: str, reads: list[dict[str, Any]]) -> None:
 def _drive(
     cfg: BenchConfig, env: dict[str, str], timeout_s: float, phases: dict[str, float]
 ) -> tuple[dict[str, Any], dict[str, Any], list[float], float | None]:
-    """Both children through every batch: (prefill's summary, decode's, the timed batches'
+    """Every child through every batch: (prefill's summary, decode's, the timed batches'
     send-to-Success seconds, the link probe's GB/s). ``phases`` gets the seconds each stage took."""
     clock = [time.monotonic()]
 
@@ -802,44 +853,89 @@ def _drive(
         pre_env["CUDA_VISIBLE_DEVICES"] = cfg.prefill_gpus
     if cfg.decode_gpus:
         dec_env["CUDA_VISIBLE_DEVICES"] = cfg.decode_gpus
-    # Both children and the link probe start at once: their start-ups (interpreter, CUDA, NIXL)
+    # Every child and the link probe start at once: their start-ups (interpreter, CUDA, NIXL)
     # are most of a row's wall time; decode hears prefill's addresses once it has its buffers.
     probe = _P2pProbe(cfg, env) if cfg.mem == "VRAM" else None
-    pre = _Proc(["prefill", blob], pre_env)
-    dec = None
+    pres: list[_Proc] = []
+    decs: list[_Proc] = []
     try:
-        dec = _Proc(["decode", blob], dec_env)
-        dec.put(addresses=pre.get(timeout_s)["addresses"])
-        raw = dec.get(timeout_s)["raw"]
+        pres += [_Proc(["prefill", blob, *a], pre_env) for a in _rank_args(cfg, cfg.prefill_tp)]
+        decs += [_Proc(["decode", blob, *a], dec_env) for a in _rank_args(cfg, cfg.decode_tp)]
+        addresses = [a for pre in pres for a in pre.get(timeout_s)["addresses"]]  # in rank order
+        for dec in decs:
+            dec.put(addresses=addresses)
+        raw = [cover for dec in decs for cover in dec.get(timeout_s)["raw"]]
         mark("children_up")
         # The probe's copies must not overlap the timed batches.
         p2p = probe.result() if probe is not None else None
         mark("probe_wait")
-        pre.put(go=True)
-        dec.put(go=True)
-        handoffs = []
+        for child in (*pres, *decs):
+            child.put(go=True)
+        handoffs, spans = [], []
         for b in range(cfg.warmup + cfg.rooms):
-            t_done = dec.get(timeout_s)["t_done"]  # batch: timed and checked on decode
-            t_send = pre.get(timeout_s)["t_send"]  # batch_sent
+            got = [dec.get(timeout_s) for dec in decs]  # batch: timed and checked on decode
+            t_send = min(pre.get(timeout_s)["t_send"] for pre in pres)  # batch_sent
+            t_done = max(g["t_done"] for g in got)
             if b >= cfg.warmup:
                 handoffs.append((t_done - t_send) / 1e9)
-            pre.put(raw=raw)
-            pre.get(timeout_s)  # raw_done
-            dec.put(next=True)
+                spans.append((t_done - min(g["t_start"] for g in got)) / 1e9)
+            for pre in pres:
+                pre.put(raw=raw)
+            for pre in pres:
+                pre.get(timeout_s)  # raw_done
+            for dec in decs:
+                dec.put(next=True)
         mark("batches")
-        d = dec.get(timeout_s)
-        p = pre.get(timeout_s)
+        d = _decode_summary([dec.get(timeout_s) for dec in decs], spans)
+        p = _prefill_summary([pre.get(timeout_s) for pre in pres])
         mark("summaries")
-        pre.put(exit=True)
-        dec.put(exit=True)
+        for child in (*pres, *decs):
+            child.put(exit=True)
     finally:
-        pre.kill()
-        if dec is not None:
-            dec.kill()
+        for child in (*pres, *decs):
+            child.kill()
         if probe is not None:
             probe.kill()
     mark("teardown")
     return p, d, handoffs, p2p
+
+
+def _rank_args(cfg: BenchConfig, tp: int) -> list[list[str]]:
+    """The extra arguments of each child of a side: one child with every rank, or one a rank."""
+    return [["--rank", str(r)] for r in range(tp)] if cfg.process_per_rank else [[]]
+
+
+def _decode_summary(parts: list[dict[str, Any]], spans: list[float]) -> dict[str, Any]:
+    """Every decode process's summary as one. A batch's time is its one process's own, or with
+    several, ``spans``: from the first process's first init to the last one's last Success."""
+    counters: dict[str, int] = {}
+    for part in parts:
+        for k, v in part["counters"].items():
+            counters[k] = counters.get(k, 0) + v
+    return {
+        "executor": [e for part in parts for e in part["executor"]],
+        "durations": parts[0]["durations"] if len(parts) == 1 else spans,
+        "room_bytes": sum(part["room_bytes"] for part in parts),
+        "check": {
+            "ok": all(part["check"]["ok"] for part in parts),
+            "rooms_checked": sum(part["check"]["rooms_checked"] for part in parts),
+        },
+        "counters": counters,
+        "reads": [r for part in parts for r in part["reads"]],
+    }
+
+
+def _merge_telemetry(cfg: BenchConfig) -> None:
+    """One process a prefill rank wrote one telemetry file each: their writes into the one file
+    ``cfg.telemetry_path`` names, as one process would have written it."""
+    merged: dict[str, Any] = {"config": asdict(cfg), "writes": []}
+    for rank in range(cfg.prefill_tp):
+        part_path = _telemetry_file(cfg, rank)
+        with open(part_path) as f:
+            merged["writes"] += json.load(f)["writes"]
+        os.remove(part_path)
+    with open(cfg.telemetry_path, "w") as f:
+        json.dump(merged, f)
 
 
 def _row(
@@ -870,6 +966,7 @@ def _row(
         "executor": sorted(set(p["executor"]) | set(d["executor"])),
         "handoff": cfg.handoff,
         "ahead": cfg.ahead,
+        "process_per_rank": cfg.process_per_rank,
         **_row_times(cfg, p, d, handoffs),
         "descs_requested": p["descs_requested"],
         "descs_posted": p["descs_posted"],
@@ -929,9 +1026,10 @@ def _trace_hops(cfg: BenchConfig) -> list[dict[str, Any]]:
     from kvferry.backends.runtime.tracing import chrome, hops
 
     rows: list[dict[str, Any]] = []
-    for role in ("prefill", "decode"):
-        with open(os.path.join(cfg.trace_dir, f"{role}.rows.json")) as f:
-            rows += json.load(f)
+    for role in ("prefill", "decode"):  # one file a side, or one a rank
+        for path in sorted(glob.glob(os.path.join(cfg.trace_dir, f"{role}*.rows.json"))):
+            with open(path) as f:
+                rows += json.load(f)
     with open(os.path.join(cfg.trace_dir, "trace.json"), "w") as f:
         json.dump({"traceEvents": chrome(rows)}, f)
     warm = frozenset(range(FIRST_ROOM, FIRST_ROOM + cfg.warmup * cfg.inflight))
@@ -1001,14 +1099,15 @@ def _child_main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("role", choices=["prefill", "decode"])
     ap.add_argument("config")
+    ap.add_argument("--rank", type=int, default=None, help="only this rank of the side (default: every rank)")
     a = ap.parse_args()
     cfg = BenchConfig(**json.loads(a.config))
     if cfg.switch_interval_us > 0:
         sys.setswitchinterval(cfg.switch_interval_us / 1e6)
     if a.role == "prefill":
-        child_prefill(cfg)
+        child_prefill(cfg, a.rank)
     else:
-        child_decode(cfg)
+        child_decode(cfg, a.rank)
 
 
 if __name__ == "__main__":
