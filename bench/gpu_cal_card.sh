@@ -10,7 +10,8 @@
 #   CARD=h200 PART=rows ROWS='bench-flows.jsonl 2048 8 1-1 ring 1;...' bash bench/gpu_cal_card.sh
 #       or ROWS_FILE=path/rows.txt (from the repository root): one spec a line, '#' comments.
 #       A spec's 7th field 'tel' records NIXL telemetry ('-': none); its 8th, 'rank' or 'side', runs
-#       each TP rank in a process of its own or one process a side (default: $PROCS, else side).
+#       each TP rank in a process of its own or one process a side (default: $PROCS, else rank;
+#       sets measured before 2026-12-03 ran one process a side, and their files have no suffix).
 #       LIMIT_S=590: start no row that, as long as the longest row so far, would end past that many
 #       seconds of the call (the device kills a command at 600 s, and a TP 2->1 row of 8 rooms takes
 #       up to 77 s: a fixed STOP_S=540 lost one). STOP_S=540: start no row once the call has run
@@ -55,12 +56,12 @@ if [ "$ENGINE" = native ]; then  # built from source here, as bench/gpu_native.s
 fi
 
 row() {  # row FILE TOKENS INFLIGHT CONFIG FLOW ROOMS [telemetry] [side|rank]: one bench row appended to cal/FILE
-  local file=$1 tok=$2 inflight=$3 cfg=$4 flow=$5 rooms=$6 tel=${7:-} procs=${8:-${PROCS:-side}}
+  local file=$1 tok=$2 inflight=$3 cfg=$4 flow=$5 rooms=$6 tel=${7:-} procs=${8:-${PROCS:-rank}}
   local tag name args=()
   [ "$tel" = - ] && tel=
   tag=$(echo "$cfg" | tr -dc '0-9' | sed 's/./&-/' )
   name="$CARD.$tag.$flow.$tok.i$inflight"
-  if [ "$procs" = rank ]; then name="$name.ranks"; args+=(--process-per-rank); fi
+  if [ "$procs" = side ]; then name="$name.side"; args+=(--process-per-side); fi
   if [ -n "$tel" ]; then args+=(--telemetry "$R/cal/$name.json"); fi
   step "$name" 120 /tmp/kv bench nixl --mem "$MEM" --tokens "$((tok / TOKS_SCALE))" --rooms "$rooms" \
     --inflight "$inflight" --config "$cfg" --flow "$flow" --engine "$ENGINE" "${args[@]}" --json

@@ -135,3 +135,14 @@ def test_a_process_per_rank_batch_spans_every_decode_process() -> None:
     assert got["room_bytes"] == 20 and got["counters"] == {"scattered_ring": 4} and got["reads"] == [1, 1]
     assert got["check"] == {"ok": False, "rooms_checked": 2}
     assert _decode_summary([a], [0.9])["durations"] == [0.5]  # one process: its own time
+
+
+def test_the_process_layout_option_reaches_every_run() -> None:
+    from kvferry.commands.bench import NixlRoomOpts, NixlRuntimeOpts, _nixl_runs
+    from kvferry.tools.runtime_bench import DEFAULT_CONFIGS
+
+    assert NixlRuntimeOpts().process_per_rank is True  # as serving engines run their ranks
+    for per_rank in (True, False):
+        opts = NixlRuntimeOpts(process_per_rank=per_rank)
+        runs = _nixl_runs(list(DEFAULT_CONFIGS[:2]), ["ring", "direct"], NixlRoomOpts(), opts)
+        assert [c.process_per_rank for c in runs] == [per_rank] * 4

@@ -121,17 +121,19 @@ class NixlRuntimeOpts:
     process_per_rank: Annotated[
         bool,
         typer.Option(
-            help="Run each TP rank in a process of its own, as a serving engine does (default: one "
-            "process a side holds all its ranks, which then share one interpreter and CUDA context)."
+            "--process-per-rank/--process-per-side",
+            help="Each TP rank in a process of its own, as SGLang and vLLM run them; or one process "
+            "a side holding all its ranks, which then share one interpreter and CUDA context (the "
+            "layout of bench rows before 2026-12-03).",
         ),
-    ] = False
+    ] = True
 
 
 @bench_app.command("nixl")
 @options(NixlRoomOpts, NixlRuntimeOpts)
 def nixl(r: NixlRoomOpts, rt: NixlRuntimeOpts) -> None:
-    """Prefill and decode processes on 127.0.0.1 (one a side, or one a rank with
-    --process-per-rank) move KV rooms of a preset model through kvferry's runtime; the same
+    """Prefill and decode processes on 127.0.0.1 (one a rank, or one a side with
+    --process-per-side) move KV rooms of a preset model through kvferry's runtime; the same
     processes then WRITE the same bytes as one NIXL descriptor a rank."""
     extras.require("real", "kvferry bench nixl")
     if r.mem.upper() == "VRAM":

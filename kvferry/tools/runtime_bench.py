@@ -94,9 +94,10 @@ class BenchConfig:
     engine: str = "python"  # RuntimeConfig.nixl_engine of both processes
     handoff: bool = False  # time send(last chunk) -> decode Success, TransferInfo already at prefill
     ahead: bool = False  # name each chunk's pages before its send (KVSender.plan_ahead)
-    # Each TP rank in its own process, as a serving engine runs them. False: one process a side
-    # holds every rank of it, so its ranks share one interpreter (and its lock) and one CUDA context.
-    process_per_rank: bool = False
+    # Each TP rank in its own process, as SGLang and vLLM run them. False: one process a side holds
+    # every rank of it, so its ranks share one interpreter (and its lock) and one CUDA context: a
+    # different-TP ring room took 1.3-2.3x as long that way on an H200 (bench/calibration/h200-ranks/).
+    process_per_rank: bool = True
 
 
 DEFAULT_CONFIGS = (
