@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Why is every host hop of a ring room 1.3-2.4x as long at TP 2->1 (three processes on the one
-# GPU) as at TP 1->1 (two), pure-Python planning included (docs/fidelity.md, the traces)? One
+# Why is every host hop of a ring room 1.3-2.4x as long at TP 2->1 as at TP 1->1, pure-Python
+# planning included (docs/fidelity.md, the traces)? (Found later: the bench then ran both prefill
+# ranks in one process; it now runs one process a rank, bench/calibration/h200-ranks/.) One
 # device call: the same ring rooms (4,096 tokens, one in flight, 5 batches, native executor) alone
 # and beside a third process of each kind, with the container's CPU quota and throttling and the
 # bench processes' threads sampled while they run. Results in $OUT/results.tgz (cal/crowd.jsonl,
