@@ -639,3 +639,24 @@ def test_a_profiles_shared_host_wire_reaches_the_scenarios_fabric(
     assert sc.parse({"fabric": {"profile": "t"}}).fabric.nic.host_shared_bandwidth_bps == 6_500_000_000
     given = sc.parse({"fabric": {"profile": "t", "host_shared_bandwidth_gbps": 0}})
     assert given.fabric.nic.host_shared_bandwidth_bps == 0  # a scenario's key wins over its profile's
+
+
+def test_bench_rows_say_whether_a_sides_ranks_shared_one_process(tmp_path: Path) -> None:
+    """Rows from before `process_per_rank` ran a side's ranks in one process, unlike the
+    simulator: predict says how many of its different-TP rows did."""
+    from kvferry.sim.calibrate.predict import layout_note, read_bench
+
+    base = {"config": "tp2->1 nhd", "model": "qwen3-8b", "tp": "2->1", "tokens": 64, "inflight": 1,
+            "flow": "ring", "room_mb": 9.4, "kvferry_gbps": 1.0, "raw_gbps": 2.0}  # fmt: skip
+    same_tp = {**base, "tp": "1->1"}
+    rows = [base, {**base, "process_per_rank": False}, {**base, "process_per_rank": True}, same_tp]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    read = read_bench(path)
+    assert [r.layout_unlike_the_simulator for r in read] == [True, True, False, False]
+    note = layout_note(read)
+    assert note is not None and note.startswith("note: 2 of 4 rows ran a side's TP ranks in one process")
+    assert layout_note(read[2:]) is None
+    path.write_text(json.dumps({**base, "process_per_rank": "yes"}) + "\n")
+    with pytest.raises(CalibrationError, match="row 1: process_per_rank: expected true or false, got 'yes'"):
+        read_bench(path)

@@ -467,7 +467,7 @@ def predict(
     with a profile, through the real core and flows; print measured vs predicted GB/s."""
     from kvferry.sim import scenario as sc
     from kvferry.sim.calibrate.inputs import CalibrationError
-    from kvferry.sim.calibrate.predict import read_bench
+    from kvferry.sim.calibrate.predict import layout_note, read_bench
 
     known = sc.fabric_profiles()
     if profile not in known:
@@ -489,6 +489,8 @@ def predict(
         return
     _print_predictions(preds, profile)
     _print_by_flow(preds, held, tp_pairs, all_tp)
+    if note := layout_note(rows):
+        typer.echo(note, err=True)
 
 
 def _judged_pct(e: FlowError) -> float:

@@ -28,7 +28,17 @@ from kvferry.sim import scenario as sc
 from kvferry.sim.calibrate.fit import mape
 from kvferry.sim.calibrate.inputs import CalibrationError, read_text
 
-__all__ = ["BenchRow", "FlowError", "Prediction", "Simulate", "by_flow", "predict", "read_bench", "rows_mape"]
+__all__ = [
+    "BenchRow",
+    "FlowError",
+    "Prediction",
+    "Simulate",
+    "by_flow",
+    "layout_note",
+    "predict",
+    "read_bench",
+    "rows_mape",
+]
 
 FLOWS = (*FLOW_NAMES, "policy")
 MS = 1_000_000
@@ -55,6 +65,14 @@ class BenchRow:
     # descriptor work and that host's wire (FabricSpec.one_gpu). Other placements are simulated
     # with each rank on a GPU of its own.
     one_gpu: bool = True
+    # Several ranks of a side ran in one process (the bench's layout before 2026-12-03; rows
+    # without `process_per_rank` are such rows). The simulator gives every rank a runtime of its
+    # own, as one process a rank does: such a different-TP row measures slower than predicted.
+    ranks_share_process: bool = False
+
+    @property
+    def layout_unlike_the_simulator(self) -> bool:
+        return self.ranks_share_process and max(self.prefill_tp, self.decode_tp) > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +108,7 @@ class Prediction:
             # What the simulation leaves out, per batch (negative: the simulation is slower).
             "unexplained_ms": self.measured_ms - self.predicted_ms,
             "ratio": self.ratio,
+            "ranks_share_process": r.layout_unlike_the_simulator,
         }
 
 
@@ -148,16 +167,34 @@ def read_bench(path: Path) -> list[BenchRow]:
         if not isinstance(gpus, str) or "->" not in gpus:
             raise CalibrationError(f"{path}: row {i + 1}: gpus: expected 'PREFILL->DECODE', got {gpus!r}")
         pre_gpus, dec_gpus = gpus.split("->", 1)
+        per_rank = row.get("process_per_rank", False)  # absent: measured one process a side
+        if not isinstance(per_rank, bool):
+            raise CalibrationError(
+                f"{path}: row {i + 1}: process_per_rank: expected true or false, got {per_rank!r}"
+            )
         if min(ints.values()) < 1 or min(nums.values()) <= 0 or p < 1 or d < 1:
             raise CalibrationError(f"{path}: row {i + 1}: sizes and rates must be positive")
         out.append(
             BenchRow(
                 str(row.get("config", tp)), model, p, d, ints["tokens"], ints["inflight"], flow,
                 float(nums["room_mb"]), float(nums["kvferry_gbps"]), float(nums["raw_gbps"]),
-                pre_gpus == dec_gpus and "," not in pre_gpus,
+                pre_gpus == dec_gpus and "," not in pre_gpus, not per_rank,
             )
         )  # fmt: skip
     return out
+
+
+def layout_note(rows: list[BenchRow]) -> str | None:
+    """A line saying how many rows ran a side's ranks in one process, where any did."""
+    n = sum(r.layout_unlike_the_simulator for r in rows)
+    if not n:
+        return None
+    return (
+        f"note: {n} of {len(rows)} rows ran a side's TP ranks in one process (process_per_rank "
+        "false or absent: bench rows before 2026-12-03); the simulator gives each rank a runtime "
+        "of its own, as `kvferry bench nixl` now does, so those rows measure slower than it "
+        "predicts (a TP 2->1 ring room up to 2.3x: docs/fidelity.md)"
+    )
 
 
 def scenario(row: BenchRow, profile: str, fabric: dict[str, Any] | None = None) -> sc.Scenario:
