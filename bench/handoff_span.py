@@ -9,16 +9,15 @@ parking in it: use it on ``--handoff`` runs.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
+from kvferry.tools.runtime_bench import trace_rows
+
 
 def spans(run: Path) -> dict[str, Any]:
-    rows = json.loads((run / "prefill.rows.json").read_text()) + json.loads(
-        (run / "decode.rows.json").read_text()
-    )
+    rows = trace_rows(str(run))
     by_room: dict[Any, list[dict[str, Any]]] = {}
     for r in rows:
         by_room.setdefault(r.get("room"), []).append(r)

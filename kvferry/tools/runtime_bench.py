@@ -1022,15 +1022,22 @@ def _row_times(
     }
 
 
+def trace_rows(trace_dir: str) -> list[dict[str, Any]]:
+    """Every bench process's trace rows in a ``--trace`` run's folder: one file a side, or one a
+    rank (``prefill0.rows.json``, ...)."""
+    rows: list[dict[str, Any]] = []
+    for role in ("prefill", "decode"):
+        for path in sorted(glob.glob(os.path.join(trace_dir, f"{role}*.rows.json"))):
+            with open(path) as f:
+                rows += json.load(f)
+    return rows
+
+
 def _trace_hops(cfg: BenchConfig) -> list[dict[str, Any]]:
     """Merge both children's rows: trace.json (Perfetto) beside them, the timed rooms' hops back."""
     from kvferry.backends.runtime.tracing import chrome, hops
 
-    rows: list[dict[str, Any]] = []
-    for role in ("prefill", "decode"):  # one file a side, or one a rank
-        for path in sorted(glob.glob(os.path.join(cfg.trace_dir, f"{role}*.rows.json"))):
-            with open(path) as f:
-                rows += json.load(f)
+    rows = trace_rows(cfg.trace_dir)
     with open(os.path.join(cfg.trace_dir, "trace.json"), "w") as f:
         json.dump({"traceEvents": chrome(rows)}, f)
     warm = frozenset(range(FIRST_ROOM, FIRST_ROOM + cfg.warmup * cfg.inflight))
