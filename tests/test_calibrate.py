@@ -383,6 +383,9 @@ def test_cli_fits_the_room_costs_into_the_profile(tmp_path: Path) -> None:
     # no pull row with unequal TP: no READ cost of its own, and the profile says why
     assert json.loads(stdout)["read"] is None and "read_desc_us" not in prof
     assert "READs cost per_desc_us a descriptor: not fitted (no pull row with unequal TP" in out.read_text()
+    # rows measured before the bench ran a process a rank: the fit says so
+    n_shared = sum(r.prefill_tp > 1 for r in read_bench(CPU / "bench.jsonl"))
+    assert f"note: {n_shared} of 20 rows ran a side's TP ranks in one process" in err
 
 
 def test_a_profile_with_room_costs_sets_the_fabric_and_bad_values_are_refused(

@@ -122,6 +122,7 @@ class _Fits(NamedTuple):
     bench_rows: list | None  # type: ignore[type-arg]  # --compare's rows
     host_share: HostShareFit | None = None
     read: ReadFit | None = None
+    layout_note: str | None = None  # --rooms rows that ran a side's ranks in one process
 
 
 @options(CalibrateOpts)
@@ -142,6 +143,8 @@ def calibrate(o: CalibrateOpts) -> None:
     except (OSError, UnicodeError) as e:
         bad_input(f"cannot write {target}: {e}")
     result = _result(o, target, fits)
+    if fits.layout_note:  # the per-room costs absorb what the shared process added
+        typer.echo(fits.layout_note, err=True)
     preds = _predict_rows(fits.bench_rows, o.name) if fits.bench_rows is not None else None
     if o.as_json:
         if preds is not None:
@@ -202,13 +205,14 @@ def _fit(o: CalibrateOpts) -> _Fits:
             from kvferry.sim.calibrate.predict import read_bench
 
             bench_rows = read_bench(o.compare)
-        rfit, host_share, read = None, None, None
+        rfit, host_share, read, note = None, None, None, None
         if o.rooms is not None:
-            from kvferry.sim.calibrate.predict import read_bench
+            from kvferry.sim.calibrate.predict import layout_note, read_bench
             from kvferry.sim.calibrate.rooms import fit_rooms
 
             bench = [row for path in o.rooms for row in read_bench(path)]
             check = [row for path in o.rooms_check or () for row in read_bench(path)]
+            note = layout_note(bench + check)
             given = {**_overrides(fab, kfit, flows), "control_handle_ns": round(o.control_handle_us * 1000)}
             # A READ's cost from the pull rows' ms, where no telemetry of READs gave it.
             read = None if _tel_read(flows) else _fit_read(bench, {**given, "control_jitter_ns": 0})
@@ -222,7 +226,7 @@ def _fit(o: CalibrateOpts) -> _Fits:
             host_share = _fit_host_share(bench, placed)
     except CalibrationError as e:
         bad_input(str(e))
-    return _Fits(tel, fab, kfit, flows, rfit, bench_rows, host_share, read)
+    return _Fits(tel, fab, kfit, flows, rfit, bench_rows, host_share, read, note)
 
 
 def _tel_read(flows: FlowFit | None) -> bool:
