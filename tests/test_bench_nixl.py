@@ -1,4 +1,5 @@
-"""``kvferry bench nixl`` for real: two processes, real NIXL on DRAM, rooms small enough for CI.
+"""``kvferry bench nixl`` for real: a process a rank (or a side), real NIXL on DRAM, rooms small
+enough for CI.
 
 The bench's numbers are not asserted (no timing in tests); what is: every row's bytes were
 checked on decode, and the direct flow's row carries the baseline of NIXL alone with the room's
