@@ -213,7 +213,8 @@ def _run_nixl(runs: list[Any], as_json: bool) -> None:
     finished: list[str] = []
     for i, c in enumerate(runs):
         print(
-            f"[{i + 1}/{len(runs)}] {c.name} {c.flow} {c.mem}: {c.rooms} batch(es) of {c.inflight}",
+            f"[{i + 1}/{len(runs)}] {c.name} {c.flow} {c.mem}: {c.rooms} batch(es) of {c.inflight}, "
+            f"{'a process a rank' if c.process_per_rank else 'a process a side'}",
             file=sys.stderr,
         )
         if c.trace_dir:
