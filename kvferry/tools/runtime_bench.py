@@ -816,23 +816,30 @@ def run_config(
         env["KVFERRY_CONTROL_KEY"] = ephemeral_key()  # the children share a fresh key
     phases: dict[str, float] = {}
     p, d, handoffs, p2p = _drive(cfg, env, timeout_s, phases)
-    if cfg.telemetry_path and cfg.process_per_rank:
-        _merge_telemetry(cfg)
-    if cfg.telemetry_path and d.get("reads"):
-        _add_reads(cfg.telemetry_path, d["reads"])
+    if cfg.telemetry_path and (cfg.process_per_rank or d["reads"]):
+        _finish_telemetry(cfg, d["reads"])
     row = _row(cfg, env, p, d, handoffs, p2p)
     # Where a row's wall time went (start-ups dominate a device row; the timed batches are ms).
     row["phase_s"] = phases
     return row
 
 
-def _add_reads(path: str, reads: list[dict[str, Any]]) -> None:
-    """Decode's READs beside prefill's writes in the telemetry file prefill wrote (both children
-    are done): `kvferry calibrate --flow-telemetry` fits a READ's cost a descriptor from them."""
-    with open(path) as f:
-        data = json.load(f)
-    data["reads"] = reads
-    with open(path, "w") as f:
+def _finish_telemetry(cfg: BenchConfig, reads: list[dict[str, Any]]) -> None:
+    """The one telemetry file ``cfg.telemetry_path`` names, written once every child is done: the
+    writes of every prefill process (one file each with a process a rank), and decode's READs,
+    which `kvferry calibrate --flow-telemetry` fits a READ's cost a descriptor from."""
+    ranks = range(cfg.prefill_tp) if cfg.process_per_rank else (None,)
+    paths = [_telemetry_file(cfg, rank) for rank in ranks]
+    data: dict[str, Any] = {"config": asdict(cfg), "writes": []}
+    for path in paths:
+        with open(path) as f:
+            data["writes"] += json.load(f)["writes"]
+    if reads:
+        data["reads"] = reads
+    for path in paths:
+        if path != cfg.telemetry_path:
+            os.remove(path)
+    with open(cfg.telemetry_path, "w") as f:
         json.dump(data, f)
 
 
@@ -924,19 +931,6 @@ def _decode_summary(parts: list[dict[str, Any]], spans: list[float]) -> dict[str
         "counters": counters,
         "reads": [r for part in parts for r in part["reads"]],
     }
-
-
-def _merge_telemetry(cfg: BenchConfig) -> None:
-    """One process a prefill rank wrote one telemetry file each: their writes into the one file
-    ``cfg.telemetry_path`` names, as one process would have written it."""
-    merged: dict[str, Any] = {"config": asdict(cfg), "writes": []}
-    for rank in range(cfg.prefill_tp):
-        part_path = _telemetry_file(cfg, rank)
-        with open(part_path) as f:
-            merged["writes"] += json.load(f)["writes"]
-        os.remove(part_path)
-    with open(cfg.telemetry_path, "w") as f:
-        json.dump(merged, f)
 
 
 def _row(
