@@ -653,7 +653,7 @@ def test_bench_rows_say_whether_a_sides_ranks_shared_one_process(tmp_path: Path)
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     read = read_bench(path)
-    assert [r.layout_unlike_the_simulator for r in read] == [True, True, False, False]
+    assert [r.ranks_share_process for r in read] == [True, True, False, False]
     note = layout_note(read)
     assert note is not None and note.startswith("note: 2 of 4 rows ran a side's TP ranks in one process")
     assert layout_note(read[2:]) is None

@@ -67,12 +67,8 @@ class BenchRow:
     one_gpu: bool = True
     # Several ranks of a side ran in one process (the bench's layout before 2026-12-03; rows
     # without `process_per_rank` are such rows). The simulator gives every rank a runtime of its
-    # own, as one process a rank does: such a different-TP row measures slower than predicted.
+    # own, as one process a rank does: such a row measures slower than predicted.
     ranks_share_process: bool = False
-
-    @property
-    def layout_unlike_the_simulator(self) -> bool:
-        return self.ranks_share_process and max(self.prefill_tp, self.decode_tp) > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +104,7 @@ class Prediction:
             # What the simulation leaves out, per batch (negative: the simulation is slower).
             "unexplained_ms": self.measured_ms - self.predicted_ms,
             "ratio": self.ratio,
-            "ranks_share_process": r.layout_unlike_the_simulator,
+            "ranks_share_process": r.ranks_share_process,
         }
 
 
@@ -178,7 +174,7 @@ def read_bench(path: Path) -> list[BenchRow]:
             BenchRow(
                 str(row.get("config", tp)), model, p, d, ints["tokens"], ints["inflight"], flow,
                 float(nums["room_mb"]), float(nums["kvferry_gbps"]), float(nums["raw_gbps"]),
-                pre_gpus == dec_gpus and "," not in pre_gpus, not per_rank,
+                pre_gpus == dec_gpus and "," not in pre_gpus, not per_rank and max(p, d) > 1,
             )
         )  # fmt: skip
     return out
@@ -186,7 +182,7 @@ def read_bench(path: Path) -> list[BenchRow]:
 
 def layout_note(rows: list[BenchRow]) -> str | None:
     """A line saying how many rows ran a side's ranks in one process, where any did."""
-    n = sum(r.layout_unlike_the_simulator for r in rows)
+    n = sum(r.ranks_share_process for r in rows)
     if not n:
         return None
     return (
