@@ -8,7 +8,7 @@ check, a bare notification, a READ (pull) with its notification, a descriptor ou
 (refused before NIXL), writes prepared ahead and posted later (prepared lists and one-shot
 descriptors, an aux row; one refused at its preparation, one never prepared, one dropped, one whose peer was
 dropped before its post), a write after the peer was dropped, and a 16 MiB write whose completion is
-posted while the target process is stopped (SIGSTOP): UCX over loopback cannot finish it before
+posted while the target process is stopped (SIGSTOP): UCX's TCP transport cannot finish it before
 the target resumes, so no completion may be reported until then, and its bytes must be there once
 it is ("landed").
 
@@ -56,6 +56,11 @@ def trace(monkeypatch: pytest.MonkeyPatch, engine: str, plant: str = "") -> list
     """Run the sequence on ``engine`` (both processes); the steps' event lists, in step order."""
     monkeypatch.setenv("KVFERRY_E2E_ENGINE", engine)
     monkeypatch.setenv("KVFERRY_NATIVE_PLANT", plant)
+    # TCP only: the target's own process must copy the bytes in (and answer UCX's flush), so a
+    # stopped target cannot complete a write. Shared-memory transports (cma) write into a stopped
+    # process, and which one UCX picks varies by host: a correct engine then reports step 9's
+    # completion early on one machine and not on another.
+    monkeypatch.setenv("UCX_TLS", "tcp")
     pre = Child("diff_proc", "--role", "prefill")
     dec = Child("diff_proc", "--role", "decode")
     try:
@@ -160,7 +165,7 @@ def trace(monkeypatch: pytest.MonkeyPatch, engine: str, plant: str = "") -> list
             "length": [region],
         }
         # The target is stopped while it is posted: the write cannot finish before it resumes
-        # (UCX over loopback needs the target's progress), so no completion may be reported.
+        # (UCX's TCP transport needs the target's progress), so no completion may be reported.
         os.kill(dec.proc.pid, signal.SIGSTOP)
         try:
             steps.append(_run(pre, [whole], timeout_s=1.0))
