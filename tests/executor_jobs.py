@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -80,7 +81,15 @@ def fail_once_2_started(marks: str, x: int) -> int:
     return x
 
 
-def capacity_by_threshold(job: tuple) -> list[bool]:  # type: ignore[type-arg]
+@dataclass(frozen=True)
+class ThresholdRun:
+    """A made-up steady-state run: its flow (a twin's runs are relabelled) and whether it met."""
+
+    flow: str
+    met: bool
+
+
+def capacity_by_threshold(job: tuple) -> list[ThresholdRun]:  # type: ignore[type-arg]
     """A capacity search's steady-state run replaced by a threshold: the rate is met when at most
     a made-up capacity of the configuration (below its bound, more instances serving more). It
     sleeps up to 30 ms, by the job, so that runs finish in an order unlike the one they began in."""
@@ -89,4 +98,4 @@ def capacity_by_threshold(job: tuple) -> list[bool]:  # type: ignore[type-arg]
     p, d = spec.prefill_instances, spec.decode_instances
     capacity = share * (1 - 0.3 / p) * min(p, 2 * d)
     time.sleep((hash((spec.flow, p, round(rate, 6))) % 31) / 1000)
-    return [rate <= capacity]
+    return [ThresholdRun(spec.flow, rate <= capacity)]

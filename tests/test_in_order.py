@@ -78,7 +78,7 @@ def test_the_search_narrows_side_by_side_exactly_as_in_order(
 ) -> None:
     """``planted``: the steps do not wait for what they read, and the tables must differ."""
     monkeypatch.setattr(capacity, "_runs", fns.capacity_by_threshold)
-    monkeypatch.setattr(capacity, "meets", lambda rs, target: rs[0])
+    monkeypatch.setattr(capacity, "meets", lambda rs, target: rs[0].met)
     flows = ["direct", "push", "ring", "pinned", "pull"]
     spec = DeploySpec(model="llama-3.1-70b", prefill_tp=8, decode_tp=4)
     w = Workload(8192, 500)

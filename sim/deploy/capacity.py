@@ -242,6 +242,10 @@ class Candidate:
     max_rps_from: str = ""
     max_rps_runs: int = 0  # steady-state runs its bisection took
     staging_bytes: int = 0
+    # The flow whose runs stand for this one's (``DeploySpec.runs_as``: push's are direct's where
+    # a push registration costs no host work), "" when it ran its own: its results and maximum are
+    # that configuration's, relabelled, and it took no run.
+    runs_of: str = ""
 
     def spec(self, base: DeploySpec) -> DeploySpec:
         """``base`` as this configuration: its TP sizes, flow and instance counts."""
@@ -293,6 +297,7 @@ class Candidate:
             "max_rps_below": self.max_rps_below,
             "max_rps_from": self.max_rps_from or ("simulated" if self.max_rps is not None else None),
             "max_rps_runs": self.max_rps_runs,
+            "runs_of": self.runs_of or None,
             "staging_bytes_per_rank_pair": self.staging_bytes,
             "results": [r.as_dict() for r in self.results],
         }
@@ -579,6 +584,17 @@ class _Search:
     def job(self, c: Candidate, rate: float) -> Job:
         return (c.spec(self.base), rate, self.w, self.seeds, self.target)
 
+    def twin(self, c: Candidate, among: Sequence[Candidate]) -> Candidate | None:
+        """The configuration of ``among`` whose runs are ``c``'s (``DeploySpec.runs_as``), if any."""
+        flow = _runs_as(self.base, c.flow)
+        if flow == c.flow:
+            return None
+
+        def where(o: Candidate) -> tuple[int, int, int, int]:
+            return (o.prefill_tp, o.decode_tp, o.prefill, o.decode)
+
+        return next((o for o in among if o.flow == flow and where(o) == where(c)), None)
+
     def narrow(
         self,
         c: Candidate,
@@ -594,6 +610,20 @@ class _Search:
                         self.runner, runs, guess)  # fmt: skip
 
 
+def _runs_as(base: DeploySpec, flow: str) -> str:
+    return replace(base, flow=flow).runs_as()
+
+
+def _take_runs(c: Candidate, twin: Candidate) -> None:
+    """``c`` judged by ``twin``'s runs (the same simulation): its results relabelled, its maximum,
+    no run of its own."""
+    c.runs_of = twin.flow
+    c.results = [replace(r, flow=c.flow) for r in twin.results]
+    c.met = twin.met
+    c.max_rps, c.max_rps_below, c.max_rps_from = twin.max_rps, twin.max_rps_below, twin.max_rps_from
+    c.max_rps_runs = 0
+
+
 def _for_rate(cands: list[Candidate], per: dict[str, dict[str, Any]], rate: float, s: _Search) -> Capacity:
     """Configurations by GPU count, those of one count at once: the first count where one meets
     the rate answers (the best of that count's, ``_better``)."""
@@ -602,12 +632,17 @@ def _for_rate(cands: list[Candidate], per: dict[str, dict[str, Any]], rate: floa
         todo = [c for c in group if c.bound_rps >= rate]
         if not todo:
             continue
-        for c in todo:
+        twins = {id(c): s.twin(c, todo) for c in todo}
+        own = [c for c in todo if twins[id(c)] is None]
+        for c in own:
             s.say(f"{c.name} {c.flow} at {rate:g} req/s (bound {c.bound_rps:.2f})")
-        got = s.runner.map([s.job(c, rate) for c in todo])
-        for c, rs in zip(todo, got, strict=True):
+        got = s.runner.map([s.job(c, rate) for c in own])
+        for c, rs in zip(own, got, strict=True):
             c.results = rs
             c.met = meets(rs, s.target)
+        for c in todo:
+            if (twin := twins[id(c)]) is not None:
+                _take_runs(c, twin)
             if c.met and (found is None or _better(c, found)):
                 found = c
         if found is not None:
@@ -649,6 +684,10 @@ def _balanced(
 
     def narrow(i: int) -> None:
         c, lo, src = order[i], 0.0, ""
+        if (twin := s.twin(c, order[:i])) is not None:
+            steps.wait(at[id(twin)])
+            _take_runs(c, twin)
+            return
         j = prev[i]
         if j is not None:
             steps.wait(j)
@@ -759,13 +798,16 @@ def _best_per_gpu(cands: Sequence[Candidate]) -> tuple[Candidate | None, str]:
     top = max(sized, key=lambda c: (c.max_rps or 0.0) / c.gpus)
     floor = (top.max_rps or 0.0) / top.gpus
     ties = [c for c in sized if (c.max_rps_below or c.max_rps or 0.0) / c.gpus > floor or c is top]
-    best = min(ties, key=lambda c: (c.staging_bytes, -(c.max_rps or 0.0) / c.gpus))
+    # A configuration judged by another's runs (``runs_of``) ties with it: that one is named.
+    best = min(ties, key=lambda c: (c.staging_bytes, -(c.max_rps or 0.0) / c.gpus, bool(c.runs_of)))
     per_gpu = (best.max_rps or 0.0) / best.gpus
     why = (
         f"most requests per second per GPU: {best.name} with {best.flow}, {per_gpu:.3f} a GPU; "
         f"sustains {_sustains(best)}"
     )
-    others = sorted((c for c in ties if c is not best), key=lambda c: -(c.max_rps or 0.0) / c.gpus)
+    others = sorted(
+        (c for c in ties if c is not best and not c.runs_of), key=lambda c: -(c.max_rps or 0.0) / c.gpus
+    )
     if others:
         said = ", ".join(f"{c.name} with {c.flow} ({(c.max_rps or 0.0) / c.gpus:.3f})" for c in others[:3])
         more = f" and {len(others) - 3} more" if len(others) > 3 else ""
@@ -773,7 +815,26 @@ def _best_per_gpu(cands: Sequence[Candidate]) -> tuple[Candidate | None, str]:
             f"; tied within the narrowing's intervals with {said}{more}: chosen for less staging "
             f"memory ({best.staging_bytes / 2**20:.0f} MiB a rank pair), then the most a GPU"
         )
-    return best, why
+    return best, why + _twins_note(best, cands)
+
+
+def _twins(a: Candidate, b: Candidate) -> bool:
+    """One configuration judged by the other's runs (``Candidate.runs_of``)."""
+    same = (a.prefill_tp, a.decode_tp, a.prefill, a.decode) == (
+        b.prefill_tp,
+        b.decode_tp,
+        b.prefill,
+        b.decode,
+    )
+    return same and (a.runs_of == b.flow or b.runs_of == a.flow)
+
+
+def _twins_note(c: Candidate, cands: Sequence[Candidate]) -> str:
+    names = sorted({o.flow for o in cands if o is not c and _twins(o, c)})
+    if not names:
+        return ""
+    flows = " and ".join(names)
+    return f"; {flows} ran as {c.flow} here (the same simulation), so {c.name} with {flows} does as well"
 
 
 def _same_kind(a: Candidate, b: Candidate) -> bool:
@@ -800,6 +861,11 @@ def _every_max_rate(
 
     def narrow(i: int) -> None:
         c = order[i]
+        if (twin := s.twin(c, seeds + order[:i])) is not None:
+            if id(twin) in at:
+                steps.wait(at[id(twin)])
+            _take_runs(c, twin)
+            return
         lo, src = (rate, "") if c.met and rate is not None else (0.0, "")
         hi = c.bound_rps if c.met is not False or rate is None else min(c.bound_rps, rate)
         for o in cands:
@@ -848,7 +914,8 @@ def _better(a: Candidate, b: Candidate) -> bool:
     tie = ia.overlaps(ib) if ia.n > 1 else abs(ia.mean - ib.mean) <= 0.05 * max(ia.mean, ib.mean)
     if not tie:
         return ia.mean < ib.mean
-    return a.staging_bytes < b.staging_bytes
+    # A configuration judged by another's runs (``runs_of``) ties with it: that one answers.
+    return (a.staging_bytes, bool(a.runs_of)) < (b.staging_bytes, bool(b.runs_of))
 
 
 def _answer_reason(c: Candidate, cands: Sequence[Candidate], rate: float) -> str:
@@ -858,7 +925,7 @@ def _answer_reason(c: Candidate, cands: Sequence[Candidate], rate: float) -> str
     att = Interval.of([x.slo_attained for x in r])
     cheaper = [x for x in cands if x.gpus < c.gpus]
     tried = sum(1 for x in cheaper if x.met is not None)
-    also = [x for x in cands if x is not c and x.gpus == c.gpus and x.met]
+    also = [x for x in cands if x is not c and x.gpus == c.gpus and x.met and not x.runs_of]
     tie = ""
     if also:
         said = ", ".join(
@@ -875,7 +942,7 @@ def _answer_reason(c: Candidate, cands: Sequence[Candidate], rate: float) -> str
         f"p99 {ttft[1].text()} ms, TPOT p50 {tpot[0].text('.1f')} ms / p99 {tpot[1].text('.1f')} ms, "
         f"{att.mean:.0%} within the SLOs; sustains {_sustains(c)}. Of {len(cheaper)} "
         f"cheaper configurations, {len(cheaper) - tried} cannot reach the rate by their roofline "
-        f"bound and {tried} missed it in simulation{tie}"
+        f"bound and {tried} missed it in simulation{tie}{_twins_note(c, cands)}"
     )
 
 

@@ -248,7 +248,8 @@ def _capacity_row(cap: Capacity, c: Candidate) -> list[str]:
     )
     mark = " *" if cap.answer is c else ""
     bound = f"{c.bound_rps:.2f} ({c.limit})"
-    return [c.name + mark, str(c.gpus), c.flow, bound, ttft, tpot, att, most, c.verdict(cap.rate)]
+    flow = f"{c.flow} (={c.runs_of})" if c.runs_of else c.flow
+    return [c.name + mark, str(c.gpus), flow, bound, ttft, tpot, att, most, c.verdict(cap.rate)]
 
 
 def _capacity_caption(cap: Capacity, base: Any) -> str:
@@ -265,6 +266,10 @@ def _capacity_caption(cap: Capacity, base: Any) -> str:
             "instances sustained)"
             if any(c.max_rps_from for c in cap.candidates)
             else ""
+        )
+        + "".join(
+            f"; {f} (={of}): {of}'s runs stand for {f}'s (its registration costs no host work on this NIC)"
+            for f, of in sorted({(c.flow, c.runs_of) for c in cap.candidates if c.runs_of})
         )
         + _groups_note(ran)
     )

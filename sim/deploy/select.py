@@ -312,11 +312,19 @@ def _run_all(
             pts = points_for(seed) if points_for is not None else points
             for flow in flows:
                 fs = replace(spec, flow=flow, seed=seed)
+                # A flow whose runs are another's, event for event (push where its registration
+                # costs no host work: ``DeploySpec.runs_as``), takes that one's, relabelled.
+                twin = fs.runs_as()
+                twin = twin if twin != flow and twin in flows[: flows.index(flow)] else ""
                 for k, p in enumerate(pts):
                     i += 1
                     if progress is not None:
                         tail = f" seed {seed}" if len(seeds) > 1 else ""
-                        progress(f"[{i}/{n}] {flow} at {p.label}{tail}")
+                        also = f" ({twin}'s run: the same simulation)" if twin else ""
+                        progress(f"[{i}/{n}] {flow} at {p.label}{tail}{also}")
+                    if twin:
+                        runs[flow][k].append(replace(runs[twin][k][-1], flow=flow))
+                        continue
                     runs[flow][k].append(
                         simulate(
                             fs,

@@ -95,6 +95,24 @@ class DeploySpec:
     def serial_pull(self) -> bool:
         return self.flow == "pull" and self.pull_orchestration == "serial"
 
+    def runs_as(self) -> str:
+        """The flow whose runs this spec's flow's runs are, event for event: its own, except push
+        where a push registration costs its receiver no host work (``push_handle_us`` of the
+        control path's profile, else the NIC's, unset or 0). Push is the direct flow's writes under
+        leases (core/flows/push.py): decode's PUSH_REG is its TransferInfo, and the leases and the
+        match watchdog are bookkeeping that takes no simulated time. Without faults a lease never
+        ends (decode's heartbeats renew it every second), and a registration unmatched for the
+        watchdog's 119 s is a room far past any TTFT SLO. So a run of one is a run of the other,
+        request for request, but for a room that waits that long for its first chunk: push fails
+        it where direct finishes it late, a miss under both (tests/test_push_twin.py)."""
+        if self.flow == "push" and not self._push_handle_us():
+            return "direct"
+        return self.flow
+
+    def _push_handle_us(self) -> float:
+        ctl = self._control()
+        return (ctl if ctl is not None else hardware.nic(self.nic)).push_handle_us or 0.0
+
     def geometry(self) -> ModelGeometry:
         try:
             return ModelGeometry.preset(self.model)
