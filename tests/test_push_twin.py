@@ -120,7 +120,7 @@ def test_select_takes_directs_runs_for_push() -> None:
     spec = DeploySpec(model="qwen3-8b", prefill_tp=2, decode_tp=2)
     point = LoadPoint("8 req/s", wl.Arrivals(requests=wl.poisson(8.0, 24, 1024, 32, 1)))
     said: list[str] = []
-    got = select(spec, [point], ["direct", "push"], progress=said.append)
+    got = select(spec, [point], ["push", "direct"], progress=said.append)  # direct runs first
     assert got.results["push"][0].flow == "push"
     assert not _same(got.results["direct"][0], got.results["push"][0])
     assert any("push" in s and "direct's run" in s for s in said), said

@@ -310,12 +310,12 @@ def _run_all(
     try:
         for seed in seeds:
             pts = points_for(seed) if points_for is not None else points
-            for flow in flows:
+            # A flow whose runs are another's, event for event (push where its registration costs
+            # no host work: ``DeploySpec.runs_as``), takes that one's, relabelled: those run first.
+            twins = {f: replace(spec, flow=f).runs_as() for f in flows}
+            for flow in sorted(flows, key=lambda f: twins[f] != f and twins[f] in flows):
                 fs = replace(spec, flow=flow, seed=seed)
-                # A flow whose runs are another's, event for event (push where its registration
-                # costs no host work: ``DeploySpec.runs_as``), takes that one's, relabelled.
-                twin = fs.runs_as()
-                twin = twin if twin != flow and twin in flows[: flows.index(flow)] else ""
+                twin = twins[flow] if twins[flow] != flow and twins[flow] in flows else ""
                 for k, p in enumerate(pts):
                     i += 1
                     if progress is not None:
