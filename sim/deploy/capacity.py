@@ -589,11 +589,7 @@ class _Search:
         flow = _runs_as(self.base, c.flow)
         if flow == c.flow:
             return None
-
-        def where(o: Candidate) -> tuple[int, int, int, int]:
-            return (o.prefill_tp, o.decode_tp, o.prefill, o.decode)
-
-        return next((o for o in among if o.flow == flow and where(o) == where(c)), None)
+        return next((o for o in among if o.flow == flow and _where(o) == _where(c)), None)
 
     def narrow(
         self,
@@ -818,15 +814,14 @@ def _best_per_gpu(cands: Sequence[Candidate]) -> tuple[Candidate | None, str]:
     return best, why + _twins_note(best, cands)
 
 
+def _where(c: Candidate) -> tuple[int, int, int, int]:
+    """A configuration but its flow."""
+    return (c.prefill_tp, c.decode_tp, c.prefill, c.decode)
+
+
 def _twins(a: Candidate, b: Candidate) -> bool:
     """One configuration judged by the other's runs (``Candidate.runs_of``)."""
-    same = (a.prefill_tp, a.decode_tp, a.prefill, a.decode) == (
-        b.prefill_tp,
-        b.decode_tp,
-        b.prefill,
-        b.decode,
-    )
-    return same and (a.runs_of == b.flow or b.runs_of == a.flow)
+    return _where(a) == _where(b) and (a.runs_of == b.flow or b.runs_of == a.flow)
 
 
 def _twins_note(c: Candidate, cands: Sequence[Candidate]) -> str:
