@@ -88,13 +88,17 @@ class ThresholdRun:
     flow: str
     met: bool
 
+    def same_run(self, other: ThresholdRun) -> bool:
+        return self.met == other.met
+
 
 def capacity_by_threshold(job: tuple) -> list[ThresholdRun]:  # type: ignore[type-arg]
     """A capacity search's steady-state run replaced by a threshold: the rate is met when at most
     a made-up capacity of the configuration (below its bound, more instances serving more). It
     sleeps up to 30 ms, by the job, so that runs finish in an order unlike the one they began in."""
     spec, rate = job[0], job[1]
-    share = {"direct": 0.55, "push": 0.5, "ring": 0.8, "pinned": 0.75, "pull": 0.4}[spec.flow]
+    # push as direct: where it takes direct's runs (DeploySpec.runs_as), the two are one simulation
+    share = {"direct": 0.55, "push": 0.55, "ring": 0.8, "pinned": 0.75, "pull": 0.4}[spec.flow]
     p, d = spec.prefill_instances, spec.decode_instances
     capacity = share * (1 - 0.3 / p) * min(p, 2 * d)
     time.sleep((hash((spec.flow, p, round(rate, 6))) % 31) / 1000)

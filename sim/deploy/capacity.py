@@ -495,6 +495,7 @@ def search(
     try:
         with Runner(jobs, cache) as runner:
             s = _Search(base, w, tuple(seeds), target, max_rate_steps, say, runner)
+            _check_twins(cands, s)
             if rate is not None:
                 cap = _for_rate(cands, per, rate, s)
             elif max_rates == "all":
@@ -580,6 +581,8 @@ class _Search:
     steps: int
     say: Progress
     runner: Runner
+    # (prefill TP, decode TP, flow) whose run was not its twin's (``_check_twins``): they run their own.
+    apart: set[tuple[int, int, str]] = field(default_factory=set)
 
     def job(self, c: Candidate, rate: float) -> Job:
         return (c.spec(self.base), rate, self.w, self.seeds, self.target)
@@ -587,7 +590,7 @@ class _Search:
     def twin(self, c: Candidate, among: Sequence[Candidate]) -> Candidate | None:
         """The configuration of ``among`` whose runs are ``c``'s (``DeploySpec.runs_as``), if any."""
         flow = _runs_as(self.base, c.flow)
-        if flow == c.flow:
+        if flow == c.flow or (c.prefill_tp, c.decode_tp, c.flow) in self.apart:
             return None
         return next((o for o in among if o.flow == flow and _where(o) == _where(c)), None)
 
@@ -604,6 +607,31 @@ class _Search:
         say = None if quiet else self.say
         return max_rate(c.spec(self.base), self.w, self.seeds, self.target, lo, hi, self.steps, say,
                         self.runner, runs, guess)  # fmt: skip
+
+
+def _check_twins(cands: Sequence[Candidate], s: _Search) -> None:
+    """Before a flow takes another's runs (``_Search.twin``), its smallest configuration of each TP
+    pair runs once beside its twin, at 75% of the twin's bound: ``DeploySpec.runs_as`` says why
+    the two are one simulation, and this deployment shows it, or the flow runs its own at that TP
+    pair (and progress says so). Two small runs of the search's hundred."""
+    first: dict[tuple[int, int, str], tuple[Candidate, Candidate]] = {}
+    for c in sorted(cands, key=lambda c: c.gpus):
+        key = (c.prefill_tp, c.decode_tp, c.flow)
+        if key not in first and (twin := s.twin(c, cands)) is not None:
+            first[key] = (c, twin)
+    if not first:
+        return
+    pairs = list(first.items())
+    jobs = [s.job(x, 0.75 * twin.bound_rps) for _k, (c, twin) in pairs for x in (c, twin)]
+    got = s.runner.map(jobs)
+    for i, (key, (c, twin)) in enumerate(pairs):
+        mine, theirs = got[2 * i], got[2 * i + 1]
+        if len(mine) != len(theirs) or not all(a.same_run(b) for a, b in zip(mine, theirs, strict=True)):
+            s.apart.add(key)
+            s.say(
+                f"{c.flow} at TP{c.prefill_tp}->TP{c.decode_tp}: its run of {c.name} is not "
+                f"{twin.flow}'s: it runs its own"
+            )
 
 
 def _runs_as(base: DeploySpec, flow: str) -> str:

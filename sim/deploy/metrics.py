@@ -3,6 +3,7 @@ request's KV transfer spent its time."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -94,6 +95,14 @@ class DeployResult:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def same_run(self, other: DeployResult) -> bool:
+        """Whether ``other`` is this run, figure for figure, but for its flow's name and its wall
+        time (NaN percentiles of a run with no measured request compare equal)."""
+        mine, theirs = (
+            {k: v for k, v in r.as_dict().items() if k not in ("flow", "wall_s")} for r in (self, other)
+        )
+        return json.dumps(mine, sort_keys=True) == json.dumps(theirs, sort_keys=True)
 
 
 def transfer_split(

@@ -307,34 +307,40 @@ def _run_all(
     runs: dict[str, list[list[DeployResult]]] = {f: [[] for _ in points] for f in flows}
     n = len(flows) * len(points) * len(seeds)
     i = 0
+    # A flow whose runs are another's, event for event (push where its registration costs no host
+    # work: ``DeploySpec.runs_as``), runs its first point beside that one; when the two are the
+    # same run, it takes that one's for the rest, relabelled. The flows it takes from run first.
+    twins = {f: t for f in flows if (t := replace(spec, flow=f).runs_as()) != f and t in flows}
+    same: dict[str, bool] = {}  # twin flow -> whether its first run was its twin's
     try:
         for seed in seeds:
             pts = points_for(seed) if points_for is not None else points
-            # A flow whose runs are another's, event for event (push where its registration costs
-            # no host work: ``DeploySpec.runs_as``), takes that one's, relabelled: those run first.
-            twins = {f: replace(spec, flow=f).runs_as() for f in flows}
-            for flow in sorted(flows, key=lambda f: twins[f] != f and twins[f] in flows):
+            for flow in sorted(flows, key=lambda f: f in twins):
                 fs = replace(spec, flow=flow, seed=seed)
-                twin = twins[flow] if twins[flow] != flow and twins[flow] in flows else ""
+                twin = twins.get(flow, "")
                 for k, p in enumerate(pts):
                     i += 1
+                    taken = bool(twin) and same.get(flow, False)
                     if progress is not None:
                         tail = f" seed {seed}" if len(seeds) > 1 else ""
-                        also = f" ({twin}'s run: the same simulation)" if twin else ""
+                        also = f" ({twin}'s run: the same simulation)" if taken else ""
                         progress(f"[{i}/{n}] {flow} at {p.label}{tail}{also}")
-                    if twin:
+                    if taken:
                         runs[flow][k].append(replace(runs[twin][k][-1], flow=flow))
                         continue
-                    runs[flow][k].append(
-                        simulate(
-                            fs,
-                            p.arrivals,
-                            p.lengths,
-                            label=p.label,
-                            warmup_ns=p.warmup_ns,
-                            queue_limit=p.queue_limit,
-                        )
+                    got = simulate(
+                        fs,
+                        p.arrivals,
+                        p.lengths,
+                        label=p.label,
+                        warmup_ns=p.warmup_ns,
+                        queue_limit=p.queue_limit,
                     )
+                    runs[flow][k].append(got)
+                    if twin and flow not in same:
+                        same[flow] = got.same_run(runs[twin][k][-1])
+                        if not same[flow] and progress is not None:
+                            progress(f"{flow}'s run at {p.label} is not {twin}'s here: {flow} runs its own")
     except KeyboardInterrupt:
         # Ctrl-C: what finished is still worth showing (the flows whose every point ran once).
         done = [f for f in flows if all(runs[f][k] for k in range(len(points)))]
