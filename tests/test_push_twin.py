@@ -123,6 +123,7 @@ def test_select_takes_directs_runs_for_push_once_its_first_run_is_directs() -> N
     assert all(p.same_run(d) for p, d in zip(got.results["push"], got.results["direct"], strict=True))
     push = [line for line in said if " push at " in line]
     assert "direct's run" not in push[0] and "direct's run" in push[1], said
+    assert got.runs_of == {"push": "direct"} and got.as_dict()["runs_of"] == {"push": "direct"}
 
 
 @pytest.mark.usefixtures("slow_registration")
@@ -132,6 +133,7 @@ def test_select_runs_push_where_its_registration_costs_host_work() -> None:
     got = select(spec, _points(), ["direct", "push"], progress=said.append)
     assert not got.results["push"][0].same_run(got.results["direct"][0])
     assert not any("direct's run" in s for s in said), said
+    assert got.runs_of == {}
 
 
 def _ring_claims_directs_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,7 +151,7 @@ def test_a_wrong_twin_is_found_by_the_first_run_and_runs_its_own(monkeypatch: py
     got = select(spec, _points(), ["direct", "ring"], progress=said.append)
     assert any("ring's run at 8 req/s is not direct's here" in s for s in said), said
     assert not any("direct's run" in s for s in said), said
-    assert not got.results["ring"][1].same_run(got.results["direct"][1])
+    assert not got.results["ring"][1].same_run(got.results["direct"][1]) and got.runs_of == {}
     said.clear()
     w = Workload(1024, 32, duration_s=4.0, warmup_s=1.0)
     cap = search(spec, [(2, 2)], lambda s: ["direct", "ring"], w, None, max_instances=1, progress=said.append)

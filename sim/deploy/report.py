@@ -29,6 +29,10 @@ def table(sel: Selection, console: Any) -> None:
     _notes(sel, console)
     if sel.interrupted:
         console.print(f"[yellow]{sel.interrupted}[/]")
+    for flow, of in sel.runs_of.items():
+        console.print(
+            f"{flow}: {of}'s runs (its first was {of}'s, figure for figure: the same simulation here)"
+        )
     if sel.tie_note:
         console.print(f"tie: {sel.tie_note}")
     console.print(f"[bold]recommendation: {sel.recommendation}[/] -- {sel.reason}")

@@ -45,6 +45,8 @@ class Selection:
     ties: list[str] = field(default_factory=list)  # flows tied with the recommendation
     tie_note: str = ""  # how the tie was called and broken ("" without one)
     interrupted: str = ""  # Ctrl-C: which runs finished ("" when every run did)
+    # flow -> the flow whose runs it took after its first run was that one's (``DeploySpec.runs_as``)
+    runs_of: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         # The deployment as recommended: its flow is the recommendation, not the spec's default.
@@ -59,6 +61,7 @@ class Selection:
             "ties": self.ties,
             "tie_note": self.tie_note,
             "interrupted": self.interrupted,
+            "runs_of": self.runs_of,
             "knobs": self.knobs,
             "summary": {f: _summary(self.runs.get(f) or [[r] for r in rs]) for f, rs in self.results.items()},
             "results": {f: [r.as_dict() for r in rs] for f, rs in self.results.items()},
@@ -274,7 +277,7 @@ def select(
     arrivals; default: ``points`` for all), rank, call ties and recommend."""
     flows = tuple(flows) if flows else applicable_flows(spec)
     seeds = tuple(seeds) or (spec.seed,)
-    flows, runs, interrupted = _run_all(spec, points, flows, progress, seeds, points_for)
+    flows, runs, interrupted, runs_of = _run_all(spec, points, flows, progress, seeds, points_for)
     results = {f: [rs[0] for rs in runs[f]] for f in flows}
     ranking, ties, group, tie_note = _rank(flows, runs, results, len(seeds))
     best = ranking[0]
@@ -291,6 +294,7 @@ def select(
         [f for f in ranking[1:] if f in ties or f == group[0]] if ties else [],
         tie_note,
         interrupted,
+        runs_of,
     )
 
 
@@ -301,9 +305,9 @@ def _run_all(
     progress: Callable[[str], None] | None,
     seeds: tuple[int, ...],
     points_for: Callable[[int], Sequence[LoadPoint]] | None,
-) -> tuple[tuple[str, ...], dict[str, list[list[DeployResult]]], str]:
-    """Every flow's runs, per load point, one per seed. Returns the flows run, their runs, and
-    what a Ctrl-C cut short ("": nothing)."""
+) -> tuple[tuple[str, ...], dict[str, list[list[DeployResult]]], str, dict[str, str]]:
+    """Every flow's runs, per load point, one per seed. Returns the flows run, their runs, what a
+    Ctrl-C cut short ("": nothing), and the flows that took another's runs (flow -> that one)."""
     runs: dict[str, list[list[DeployResult]]] = {f: [[] for _ in points] for f in flows}
     n = len(flows) * len(points) * len(seeds)
     i = 0
@@ -348,8 +352,8 @@ def _run_all(
             raise
         interrupted = f"interrupted after {i - 1} of {n} runs: the table shows {', '.join(done)} only"
         cut = {f: [rs[: min(len(x) for x in runs[f])] for rs in runs[f]] for f in done}
-        return tuple(done), cut, interrupted
-    return flows, runs, ""
+        return tuple(done), cut, interrupted, {f: twins[f] for f, ok in same.items() if ok and f in done}
+    return flows, runs, "", {f: twins[f] for f, ok in same.items() if ok}
 
 
 def _rank(
