@@ -31,7 +31,8 @@ def table(sel: Selection, console: Any) -> None:
         console.print(f"[yellow]{sel.interrupted}[/]")
     for flow, of in sel.runs_of.items():
         console.print(
-            f"{flow}: {of}'s runs (its first was {of}'s, figure for figure: the same simulation here)"
+            f"{flow}: the same simulation as {of} here (its first run was {of}'s, figure for figure; "
+            f"any later ones are {of}'s)"
         )
     if sel.tie_note:
         console.print(f"tie: {sel.tie_note}")
