@@ -295,8 +295,10 @@ def plot_capacity(cap: Capacity, spec: Any, path: Path) -> None:
                    edgecolors=f"C{i}", alpha=0.35, s=28, label=f"{flow}: bound")  # fmt: skip
         sim = [c for c in cs if c.max_rps]
         if sim:
+            took = {c.runs_of for c in sim}  # the flow whose runs it took ("": its own)
+            name = f"{flow} (={took.pop()})" if len(took) == 1 and "" not in took else flow
             ax.scatter([c.gpus * shift for c in sim], [c.max_rps for c in sim], marker=m, color=f"C{i}",
-                       s=46, label=f"{flow}: simulated max")  # fmt: skip
+                       s=46, label=f"{name}: simulated max")  # fmt: skip
     if cap.rate is not None:
         ax.axhline(cap.rate, color="k", linestyle=":", label=f"{cap.rate:g} req/s asked")
     if cap.answer is not None:
