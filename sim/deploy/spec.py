@@ -110,8 +110,25 @@ class DeploySpec:
         return self.flow
 
     def _push_handle_us(self) -> float:
+        return self._nic().push_handle_us or 0.0
+
+    def _nic(self) -> hardware.NicProfile:
+        """The NIC's profile with the control path's per-room costs in place, where one is given."""
+        nic = hardware.nic(self.nic)
         ctl = self._control()
-        return (ctl if ctl is not None else hardware.nic(self.nic)).push_handle_us or 0.0
+        if ctl is None:
+            return nic
+        return replace(
+            nic,
+            control_latency_us=ctl.control_latency_us,
+            completion_delay_us=ctl.completion_delay_us,
+            staging_handle_us=ctl.staging_handle_us,
+            copy_submit_us=ctl.copy_submit_us,
+            control_send_us=ctl.control_send_us,
+            room_handle_us=ctl.room_handle_us,
+            completion_handle_us=ctl.completion_handle_us,
+            push_handle_us=ctl.push_handle_us,
+        )
 
     def geometry(self) -> ModelGeometry:
         try:
@@ -248,21 +265,7 @@ class DeploySpec:
     def scenario_dict(self, max_input: int, max_chunk: int) -> dict[str, Any]:
         """The scenario (sim/scenario.py) of one prefill and one decode instance running this flow
         (the world repeats it for each instance)."""
-        gpu, nic = hardware.gpu(self.gpu), hardware.nic(self.nic)
-        ctl = self._control()
-        if ctl is not None:
-            nic = replace(
-                nic,
-                control_latency_us=ctl.control_latency_us,
-                completion_delay_us=ctl.completion_delay_us,
-                staging_handle_us=ctl.staging_handle_us,
-                copy_submit_us=ctl.copy_submit_us,
-                control_send_us=ctl.control_send_us,
-                room_handle_us=ctl.room_handle_us,
-                completion_handle_us=ctl.completion_handle_us,
-                push_handle_us=ctl.push_handle_us,
-            )
-        fab = hardware.fabric_spec(gpu, nic)
+        fab = hardware.fabric_spec(hardware.gpu(self.gpu), self._nic())
         groups = 1 if self.every_rank else self.rank_groups()
         model: dict[str, Any] = {"preset": self.model}
         if groups > 1:
