@@ -18,7 +18,10 @@ exists, nothing of ours is queued before it, ZMQ takes it without blocking): a t
 the IO thread cost about 200 us per message on a loaded host, a third of a small room's control
 path. Otherwise it puts into the bounded outbox and wakes the IO thread through a pipe, which
 sends in order and retries until ``send_timeout_s``. ``recv()`` takes from the inbox, which the IO
-thread fills. Peer commands (connect, disconnect) are a queue.Queue applied by the IO thread.
+thread fills. ``connect()`` and ``disconnect()`` replace the peer's socket under ``_lock`` on the
+caller's thread before they return, so a ``send()`` after them goes to the new address: applied
+later by the IO thread, a send on the caller's thread could still reach the old socket, whose
+connection to a closed peer ZMQ had not yet torn down, and the message was lost.
 
 Bounds and timeouts. Nothing blocks without a limit: the outbox put and the inbox get take a
 timeout; the IO thread polls with a timeout; a message the peer does not accept within
@@ -146,13 +149,13 @@ class ControlPlane:
             warn_insecure(identity)
         self._inbox: queue.Queue[Inbound] = queue.Queue(maxsize=inbox_max)
         self._outbox: queue.Queue[_Out] = queue.Queue(maxsize=outbox_max)
-        self._commands: queue.Queue[tuple[str, str, str | None]] = queue.Queue()
         # Guarded by _lock (the IO thread and senders): PUSH sockets, their addresses, and the
         # messages that could not go yet, per peer, in order (bounded by the outbox size).
         self._lock = threading.Lock()
         self._socks: dict[str, zmq.Socket] = {}
         self._addrs: dict[str, str] = {}
         self._waiting: dict[str, deque[_Out]] = {}
+        self._dropped: deque[_Out] = deque()  # waiting for a peer that disconnect() forgot
         self.stats = Stats()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
@@ -180,11 +183,24 @@ class ControlPlane:
 
     # ---- API for any thread -------------------------------------------------------------
     def connect(self, peer: str, address: str) -> None:
-        """Route messages for ``peer`` to ``address`` (replacing an older address)."""
-        self._command("connect", peer, address)
+        """Route messages for ``peer`` to ``address`` (replacing an older address) from now on:
+        a message still waiting for the peer goes to the new address."""
+        self._check()
+        with self._lock:
+            self._open(peer, address)
+        self._wake()  # the IO thread retries the peer's backlog on the new socket
 
     def disconnect(self, peer: str) -> None:
-        self._command("disconnect", peer, None)
+        """Forget ``peer``: its socket closes and the messages waiting for it are reported failed."""
+        self._check()
+        with self._lock:
+            old = self._socks.pop(peer, None)
+            if old is not None:
+                old.close(0)
+            self._addrs.pop(peer, None)
+            # Reported failed by the IO thread, the inbox's one writer (it counts its puts).
+            self._dropped.extend(self._waiting.pop(peer, ()))
+        self._wake()
 
     def send(self, peer: str, payload: bytes, timeout_s: float = 1.0) -> None:
         """Send now if the peer takes it at once, else queue it; raises ControlPlaneError if the
@@ -268,11 +284,6 @@ class ControlPlane:
         if self._stop.is_set():
             raise ControlPlaneError("control plane is closed")
 
-    def _command(self, what: str, peer: str, address: str | None) -> None:
-        self._check()
-        self._commands.put((what, peer, address))
-        self._wake()
-
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
@@ -299,7 +310,6 @@ class ControlPlane:
                 if self._wake_r in events:
                     with contextlib.suppress(BlockingIOError, OSError):
                         os.read(self._wake_r, 4096)
-                self._apply_commands()
                 if reading and self._pull in events:
                     self._drain_inbound()
                     self._tell_inbox()
@@ -328,25 +338,6 @@ class ControlPlane:
             self._inbox_told = self._inbox_puts
             with contextlib.suppress(BlockingIOError, OSError):
                 os.eventfd_write(self._inbox_fd, 1)
-
-    def _apply_commands(self) -> None:
-        while True:
-            try:
-                what, peer, address = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            failed: deque[_Out] = deque()
-            with self._lock:
-                if what == "connect" and address is not None:
-                    self._open(peer, address)
-                else:
-                    old = self._socks.pop(peer, None)
-                    if old is not None:
-                        old.close(0)
-                    self._addrs.pop(peer, None)
-                    failed = self._waiting.pop(peer, deque())
-                    self.stats.send_failed += len(failed)
-            self._report_failed(failed)
 
     def _open(self, peer: str, address: str) -> None:
         """(Re)connect ``peer`` at ``address`` (``_lock`` held)."""
@@ -408,6 +399,8 @@ class ControlPlane:
         now = time.monotonic()
         failed: deque[_Out] = deque()
         with self._lock:
+            failed.extend(self._dropped)
+            self._dropped.clear()
             waiting = self._waiting
             # Take from the outbox only while fewer than outbox_max messages wait here, so the
             # bound on the outbox is a real bound and a dead peer pushes back on send().
