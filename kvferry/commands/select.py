@@ -302,7 +302,7 @@ class RuntimeOpts:
 @dataclass(frozen=True)
 class OutputOpts:
     as_json: Json = False
-    plot: Annotated[Path | None, typer.Option(help="Write PNG plots here (needs matplotlib).")] = None
+    plot: Annotated[Path | None, typer.Option(help="The PNG file to write (needs matplotlib).")] = None
 
 
 class _Sizes(NamedTuple):
@@ -783,7 +783,7 @@ def _render(
     else:
         table(Console())
         if out.plot is not None:
-            Console().print(f"plots written to {out.plot}")
+            Console().print(f"plot written to {out.plot}")
 
 
 def _nan_safe(x: Any) -> Any:
