@@ -285,3 +285,31 @@ def test_a_runner_stopped_early_does_not_wait_for_its_runs(
             os.kill(pid, 0)
     finally:
         (tmp_path / "release").touch()
+
+
+@pytest.mark.parametrize("flows", [("direct", "layerwise"), ("direct",)])
+def test_a_search_with_layerwise_says_why_it_takes_longer(
+    flows: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layer-wise runs simulate a write per layer and chunk: the search says so once, with the
+    counts, before its runs (a threshold stands for the runs here: nothing is simulated)."""
+    monkeypatch.setattr(capacity.Runner, "map", lambda _self, jobs: [[j[1] <= 1.0] for j in jobs])
+    monkeypatch.setattr(capacity, "meets", lambda rs, _target: rs[0])
+    said: list[str] = []
+    spec = replace(ONE_STEP, chunk_tokens=1024)
+    search(
+        spec,
+        [(1, 1)],
+        lambda _s: list(flows),
+        Workload(ISL, OSL),
+        None,
+        max_instances=1,
+        progress=said.append,
+    )
+    notes = [m for m in said if "layer-wise" in m]
+    if "layerwise" in flows:
+        layers = spec.geometry().num_layers
+        assert notes == [notes[0]] and f"({layers} x 2 a request)" in notes[0] and "--flows" in notes[0]
+        assert said.index(notes[0]) == 0  # before the first run
+    else:
+        assert notes == []

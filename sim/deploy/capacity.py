@@ -492,6 +492,8 @@ def search(
         raise ValueError(f"max_rates must be one of {', '.join(MAX_RATES)}, got {max_rates!r}")
     say = _one_at_a_time(progress or (lambda _msg: None))
     cands, per = _candidates(base, tp_pairs, flows_of, w, max_instances, max_gpus)
+    if any(c.flow == "layerwise" for c in cands):
+        say(_layerwise_note(base, w))
     try:
         with Runner(jobs, cache) as runner:
             s = _Search(base, w, tuple(seeds), target, max_rate_steps, say, runner)
@@ -521,6 +523,18 @@ def search(
         judged = sum(1 for c in cands if c.met is not None or c.max_rps is not None)
         why = f"interrupted: {judged} configurations judged before Ctrl-C are listed; no answer"
         return Capacity(rate, target, cands, None, why, per)
+
+
+def _layerwise_note(base: DeploySpec, w: Workload) -> str:
+    """Why a search with layer-wise takes longer: its runs simulate a write per layer and chunk,
+    where the other flows simulate one per chunk (a 70B model's TP 8 -> 8 search on an H200: a
+    layer-wise run 5-10x a direct one, 227 s with it and 39 s without, docs/benchmarks.md)."""
+    layers = base.geometry().num_layers
+    chunks = len(_chunks(w.isl, base.chunk_tokens))
+    return (
+        f"layer-wise runs simulate a write per layer and chunk ({layers} x {chunks} a request), the other "
+        f"flows about one a chunk: its runs take the longest (leave it out with --flows for a sooner answer)"
+    )
 
 
 def _one_at_a_time(say: Progress) -> Progress:
