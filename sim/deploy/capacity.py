@@ -528,7 +528,7 @@ def search(
 def _layerwise_note(base: DeploySpec, w: Workload) -> str:
     """Why a search with layer-wise takes longer: its runs simulate a write per layer and chunk,
     where the other flows simulate about one a chunk (a 70B model's TP 8 -> 8 search on an H200: a
-    layer-wise run 5-10x a direct one, 227 s with it and 39 s without, docs/benchmarks.md)."""
+    layer-wise run 4-15x a direct one, 227 s with it and 39 s without, docs/benchmarks.md)."""
     layers = base.geometry().num_layers
     chunks = len(_chunks(w.isl, base.chunk_tokens))
     return (
