@@ -597,13 +597,18 @@ class _Search:
     runner: Runner
     # (prefill TP, decode TP, flow) whose run was not its twin's (``_check_twins``): they run their own.
     apart: set[tuple[int, int, str]] = field(default_factory=set)
+    # flow -> the flow whose runs are its runs (``DeploySpec.runs_as``), asked once a flow: the
+    # answer reads the NIC's and the control path's profiles, and ``twin`` is asked per candidate.
+    runs_as: dict[str, str] = field(default_factory=dict)
 
     def job(self, c: Candidate, rate: float) -> Job:
         return (c.spec(self.base), rate, self.w, self.seeds, self.target)
 
     def twin(self, c: Candidate, among: Sequence[Candidate]) -> Candidate | None:
         """The configuration of ``among`` whose runs are ``c``'s (``DeploySpec.runs_as``), if any."""
-        flow = _runs_as(self.base, c.flow)
+        flow = self.runs_as.get(c.flow)
+        if flow is None:
+            flow = self.runs_as[c.flow] = replace(self.base, flow=c.flow).runs_as()
         if flow == c.flow or (c.prefill_tp, c.decode_tp, c.flow) in self.apart:
             return None
         return next((o for o in among if o.flow == flow and _where(o) == _where(c)), None)
@@ -646,10 +651,6 @@ def _check_twins(cands: Sequence[Candidate], s: _Search) -> None:
                 f"{c.flow} at TP{c.prefill_tp}->TP{c.decode_tp}: its run of {c.name} is not "
                 f"{twin.flow}'s: it runs its own"
             )
-
-
-def _runs_as(base: DeploySpec, flow: str) -> str:
-    return replace(base, flow=flow).runs_as()
 
 
 def _take_runs(c: Candidate, twin: Candidate) -> None:
